@@ -1,0 +1,37 @@
+# One entry point for people and CI. Every target that runs code depends on `setup`.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+VENV := .venv
+PY := $(VENV)/bin/python
+ENV := source scripts/airflow-env.sh &&
+PYTEST_ARGS ?=
+
+.PHONY: setup demo demo-s3 airflow test bench lint clean
+
+$(VENV)/.synced: pyproject.toml uv.lock
+	@command -v uv >/dev/null || python3 -m pip install --quiet "uv==0.13.9"
+	uv sync --frozen
+	@touch $@
+
+setup: $(VENV)/.synced  ## create .venv exactly from uv.lock
+
+demo: setup  ## run the whole DAG end to end on embedded defaults (CPU, 2 local workers) and print the report path
+	$(ENV) $(PY) scripts/demo.py $(DEMO_ARGS)
+
+demo-s3: setup  ## the same, with storage on a local S3-protocol server (moto)
+	$(ENV) $(PY) scripts/demo.py --s3 $(DEMO_ARGS)
+
+airflow: setup  ## start `airflow standalone` on the project-local home; prints the UI URL and login
+	$(ENV) scripts/standalone.sh
+
+test: setup  ## the whole test suite (CPU only)
+	$(ENV) $(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup  ## performance ratios measured side by side; results in bench-results/
+	$(ENV) $(PY) -m bench $(BENCH_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check dags plugins tasks trainer tests bench scripts
+
+clean:
+	rm -rf .airflow storage test-artifacts bench-results

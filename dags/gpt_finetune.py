@@ -1,0 +1,176 @@
+"""gpt_finetune: tokenize -> preflight -> multi-worker training -> baseline comparison -> release.
+
+Thin on purpose: this file is parsed every few seconds by the DAG processor, so it imports only the Task SDK and
+pendulum at top level. Task logic lives in `tasks/`, worker code in `trainer/`, the operator in `plugins/`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pendulum
+from airflow.sdk import Param, dag, task
+
+SCHEDULE = os.environ.get("GPT_FINETUNE_SCHEDULE", "0 2 * * *")
+DEFAULT_STORAGE_ROOT = os.environ.get("GPT_FINETUNE_STORAGE_ROOT", "storage")
+
+PREPARE = "prepare"
+
+# One entry per RunConfig field (trainer/config.py): the trigger form and --conf both go through these, and
+# RunConfig.from_params re-checks everything, including keys Airflow does not know.
+PARAMS = {
+    "num_workers": Param(2, type="integer", minimum=1, maximum=64, title="Workers",
+                         description="Data-parallel workers (one GPU each when use_gpu is on)."),
+    "backend": Param("local", type="string", enum=["local"], title="Launcher backend",
+                     description="Where workers run: local processes on the Airflow worker."),
+    "dataset": Param("data/sample/*.txt", type="string", minLength=1, title="Dataset",
+                     description="Local path, file:// or s3:// URL (globs allowed) of .txt/.jsonl/.json/.parquet "
+                                 "files, or a hub dataset id when online. Relative paths are from the repository."),
+    "text_column": Param("text", type="string", minLength=1, title="Text column",
+                         description="Column holding the text in structured files."),
+    "tokenizer": Param("bpe:2048", type="string", minLength=1, title="Tokenizer",
+                       description="bpe:<vocab> trains a byte-level BPE offline; else a hub name or a path/URL."),
+    "model": Param("tiny", type="string", minLength=1, title="Model",
+                   description="Preset for random init (tiny, gpt2-124m), a hub name, or a save_pretrained path/URL."),
+    "block_size": Param(64, type="integer", minimum=8, maximum=8192, title="Block size",
+                        description="Tokens per training sequence."),
+    "batch_size_per_worker": Param(8, type="integer", minimum=1, maximum=4096, title="Batch per worker"),
+    "max_steps": Param(40, type="integer", minimum=0, title="Max optimizer steps",
+                       description="0 derives the step count from epochs."),
+    "epochs": Param(1.0, type="number", exclusiveMinimum=0, maximum=1000, title="Epochs",
+                    description="Passes over the training split when max_steps is 0."),
+    "learning_rate": Param(1e-3, type="number", exclusiveMinimum=0, maximum=1, title="Peak learning rate"),
+    "warmup_steps": Param(5, type="integer", minimum=0, title="Warmup steps"),
+    "weight_decay": Param(0.01, type="number", minimum=0, maximum=1, title="AdamW weight decay"),
+    "grad_accum_steps": Param(1, type="integer", minimum=1, maximum=1024, title="Gradient accumulation steps"),
+    "mixed_precision": Param("no", type="string", enum=["no", "bf16", "fp16"], title="Mixed precision"),
+    "xla": Param(False, type="boolean", title="XLA (jit_compile)"),
+    "use_gpu": Param(False, type="boolean", title="Use GPUs",
+                     description="Pin one GPU per worker; refuse to start when there are too few."),
+    "baseline": Param("auto", type="string", enum=["auto", "run", "skip"], title="Single-GPU baseline",
+                      description="auto reuses a matching earlier baseline, run always trains one, skip none."),
+    "loss_tolerance": Param(0.02, type="number", minimum=0, title="Eval loss parity tolerance (nats)"),
+    "storage_root": Param(DEFAULT_STORAGE_ROOT, type="string", minLength=1, title="Storage root",
+                          description="Local path, file:// or s3:// URL for shards, checkpoints and reports."),
+    "storage_conn_id": Param("", type="string", title="Storage connection",
+                             description="Airflow connection (aws type) with S3 credentials; empty uses the "
+                                         "environment."),
+    "seed": Param(1234, type="integer", minimum=0, maximum=2**31 - 1, title="Seed"),
+    "val_fraction": Param(0.05, type="number", exclusiveMinimum=0, maximum=0.5, title="Validation fraction",
+                          description="Share of documents held out for evaluation."),
+    "num_shards": Param(0, type="integer", minimum=0, title="Shards",
+                        description="0 writes 4 shards per worker; else at least num_workers."),
+    "checkpoint_every_steps": Param(20, type="integer", minimum=1, title="Checkpoint interval (steps)"),
+    "communication": Param("auto", type="string", enum=["auto", "ring", "nccl"], title="Collective implementation"),
+    "collective_timeout_s": Param(300, type="integer", minimum=5, title="Collective timeout (s)"),
+    "startup_timeout_s": Param(180, type="integer", minimum=5, title="Worker start-up timeout (s)",
+                               description="Time for every worker to come up and join the group."),
+    "hang_timeout_s": Param(600, type="integer", minimum=10, title="Hang watchdog (s)",
+                            description="End a group whose workers are alive but print nothing for this long."),
+}
+
+DOC = """
+### gpt_finetune
+
+Fine-tunes a GPT-2 model with TensorFlow `MultiWorkerMirroredStrategy` on `num_workers` workers.
+
+1. **prepare**: validates the run settings, tokenizes `dataset` into TFRecord shards + `manifest.json`
+   (cached by fingerprint).
+2. **preflight**: every worker checks versions, devices, disk and storage, then runs collectives with a known
+   answer and measures bandwidth.
+3. **train**: `TFMultiWorkerOperator` launches the workers, streams their logs, resumes from checkpoints.
+4. **baseline**: the same job on one worker with the same global batch (reused when it matches).
+5. **evaluate**: eval loss / perplexity of both models, speedup, scaling efficiency, loss parity; writes the report.
+6. **release**: always runs; ends every worker of the run and proves the GPUs are free.
+
+Trigger from the CLI: `airflow dags trigger gpt_finetune --conf '{"num_workers": 4}'`.
+"""
+
+
+@dag(
+    dag_id="gpt_finetune",
+    schedule=SCHEDULE,
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    tags=["gpt", "tensorflow", "training"],
+    doc_md=DOC,
+    params=PARAMS,
+    render_template_as_native_obj=True,
+    default_args={"retries": 1, "retry_delay": pendulum.duration(seconds=30)},
+)
+def gpt_finetune():
+    from tf_multiworker.operator import TFMultiWorkerOperator  # plugins/ is on sys.path when Airflow parses
+
+    @task(task_id=PREPARE, retries=0)
+    def prepare(params=None, run_id=None) -> dict:
+        from tasks.prepare import prepare_run
+
+        return prepare_run(params, run_id)
+
+    def prepared(key: str) -> str:
+        return "{{ ti.xcom_pull(task_ids='" + PREPARE + "')['" + key + "'] }}"
+
+    def from_config(key: str) -> str:
+        return "{{ ti.xcom_pull(task_ids='" + PREPARE + "')['config']['" + key + "'] }}"
+
+    def worker_group(task_id: str, entrypoint: str, output: str, **kwargs) -> TFMultiWorkerOperator:
+        return TFMultiWorkerOperator(
+            task_id=task_id,
+            entrypoint=entrypoint,
+            args=["--config", prepared("config_url"), "--manifest", prepared("manifest_url"), "--output", output],
+            num_workers=from_config("num_workers"),
+            backend=from_config("backend"),
+            use_gpu=from_config("use_gpu"),
+            storage_root=from_config("storage_root"),
+            run_key=prepared("run_key"),
+            storage_conn_id=from_config("storage_conn_id"),
+            startup_timeout_s=from_config("startup_timeout_s"),
+            hang_timeout_s=from_config("hang_timeout_s"),
+            **kwargs,
+        )
+
+    preflight = worker_group("preflight", "trainer.selftest", prepared("preflight_url"), retries=0)
+    train = worker_group("train", "trainer.train", prepared("train_url"), summary_url=prepared("train_summary_url"))
+
+    @task.short_circuit(task_id="plan_baseline", ignore_downstream_trigger_rules=False)
+    def plan_baseline(prepared_run: dict) -> bool:
+        from tasks.baseline import plan_baseline as plan
+
+        return plan(prepared_run)
+
+    baseline = TFMultiWorkerOperator(
+        task_id="baseline",
+        entrypoint="trainer.train",
+        args=["--config", prepared("baseline_config_url"), "--manifest", prepared("manifest_url"),
+              "--output", prepared("baseline_url")],
+        num_workers=1,
+        backend=from_config("backend"),
+        use_gpu=from_config("use_gpu"),
+        storage_root=from_config("storage_root"),
+        run_key=prepared("run_key"),
+        storage_conn_id=from_config("storage_conn_id"),
+        startup_timeout_s=from_config("startup_timeout_s"),
+        hang_timeout_s=from_config("hang_timeout_s"),
+        summary_url=prepared("baseline_summary_url"),
+    )
+
+    @task(task_id="evaluate", trigger_rule="none_failed", retries=0)
+    def evaluate(prepared_run: dict) -> dict:
+        from tasks.compare import evaluate_run
+
+        return evaluate_run(prepared_run)
+
+    @task(task_id="release", retries=2)
+    def release(params=None, run_id=None) -> dict:
+        from tasks.release import release_run
+
+        return release_run(params, run_id)
+
+    prepared_run = prepare()
+    evaluation = evaluate(prepared_run)
+    prepared_run >> preflight >> train >> plan_baseline(prepared_run) >> baseline >> evaluation
+    evaluation >> release().as_teardown()
+
+
+gpt_finetune()

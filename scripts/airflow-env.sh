@@ -1,0 +1,25 @@
+# Sourced by the Makefile, the tests and by people: a project-local Airflow home, nothing global.
+# Usage: source scripts/airflow-env.sh
+_repo="$(cd "$(dirname "${BASH_SOURCE[0]:-$0}")/.." && pwd)"
+export AIRFLOW_HOME="${AIRFLOW_HOME:-$_repo/.airflow}"
+export AIRFLOW_PORT="${AIRFLOW_PORT:-8080}"
+export AIRFLOW__CORE__DAGS_FOLDER="$_repo/dags"
+export AIRFLOW__CORE__PLUGINS_FOLDER="$_repo/plugins"
+export AIRFLOW__CORE__LOAD_EXAMPLES=False
+export AIRFLOW__CORE__EXECUTOR=LocalExecutor
+export AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION=False
+export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-sqlite:///$AIRFLOW_HOME/airflow.db}"
+export AIRFLOW__API__PORT="$AIRFLOW_PORT"
+# Tasks reach the scheduler's execution API on the API server: the URL must name the same port.
+export AIRFLOW__CORE__EXECUTION_API_SERVER_URL="http://localhost:$AIRFLOW_PORT/execution/"
+export AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS="${AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS:-admin:admin}"
+export AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE="$AIRFLOW_HOME/simple_auth_manager_passwords.json"
+export AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="${AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL:-5}"
+export GPT_FINETUNE_STORAGE_ROOT="${GPT_FINETUNE_STORAGE_ROOT:-$_repo/storage}"
+export TF_USE_LEGACY_KERAS=1
+export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
+# Child commands of `airflow standalone` look up `airflow` on PATH.
+export PATH="$_repo/.venv/bin:$PATH"
+mkdir -p "$AIRFLOW_HOME"
+unset _repo

@@ -1,0 +1,263 @@
+"""The one run configuration: built once from the DAG's params, validated once, frozen, passed on.
+
+Airflow validates only the Params it declares; keys given with `--conf` that are not declared arrive unchecked.
+`RunConfig.from_params` therefore checks every key itself (unknown keys, types, ranges, cross-field rules) and
+raises `ConfigError` naming the key, the value given and what is allowed, before anything expensive starts.
+
+This module must stay importable without Airflow and without TensorFlow: the DAG, the tasks and every worker
+use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+from urllib.parse import urlparse
+
+
+class ConfigError(ValueError):
+    """A run setting is missing, unknown, of the wrong type or out of range."""
+
+
+# Shapes of the random-init model presets; anything else in `model` is a hub id or a directory/URL
+# in `save_pretrained` format.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64, "n_positions": 256},
+    "gpt2-124m": {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024},
+}
+
+BACKENDS = ("local",)
+MIXED_PRECISION = ("no", "bf16", "fp16")
+BASELINE_POLICIES = ("auto", "run", "skip")
+COMMUNICATION = ("auto", "ring", "nccl")
+STORAGE_SCHEMES = ("", "file", "s3")
+MAX_GLOBAL_BATCH = 1 << 20
+_BPE_SPEC = re.compile(r"^bpe:(\d+)$")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every setting of one pipeline run. Field order is the order shown in logs and reports."""
+
+    num_workers: int = 2
+    backend: str = "local"
+    dataset: str = "data/sample/*.txt"
+    text_column: str = "text"
+    tokenizer: str = "bpe:2048"
+    model: str = "tiny"
+    block_size: int = 64
+    batch_size_per_worker: int = 8
+    max_steps: int = 40
+    epochs: float = 1.0
+    learning_rate: float = 1e-3
+    warmup_steps: int = 5
+    weight_decay: float = 0.01
+    grad_accum_steps: int = 1
+    mixed_precision: str = "no"
+    xla: bool = False
+    use_gpu: bool = False
+    baseline: str = "auto"
+    loss_tolerance: float = 0.02
+    storage_root: str = "storage"
+    storage_conn_id: str = ""
+    seed: int = 1234
+    val_fraction: float = 0.05
+    num_shards: int = 0
+    checkpoint_every_steps: int = 20
+    communication: str = "auto"
+    collective_timeout_s: int = 300
+    startup_timeout_s: int = 180
+    hang_timeout_s: int = 600
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # -- construction ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> "RunConfig":
+        """Build from DAG params / `--conf` (or a saved `to_dict()`); every key is checked."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"Unknown run setting(s) {unknown}: allowed keys are {sorted(known)}. "
+                "Check the spelling in --conf or the trigger form."
+            )
+        values = {name: _coerce(name, params[name], known[name]) for name in params}
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+    # -- derived values ----------------------------------------------------------------------------------------
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step across all workers."""
+        return self.batch_size_per_worker * self.num_workers * self.grad_accum_steps
+
+    @property
+    def is_preset_model(self) -> bool:
+        return self.model in MODEL_PRESETS
+
+    @property
+    def bpe_vocab_size(self) -> int | None:
+        """Vocabulary size when the tokenizer is trained here (`bpe:<n>`), else None."""
+        match = _BPE_SPEC.match(self.tokenizer)
+        return int(match.group(1)) if match else None
+
+    @property
+    def effective_num_shards(self) -> int:
+        """Shards to write: the explicit setting, or 4 per worker so any later worker count up to 4x divides."""
+        return self.num_shards or 4 * self.num_workers
+
+    def steps_for(self, train_sequences: int) -> int:
+        """Optimizer steps of this run: `max_steps` when set, else `epochs` passes over the training split."""
+        if self.max_steps:
+            return self.max_steps
+        if train_sequences <= 0:
+            raise ConfigError("The training split has no sequences: cannot derive steps from 'epochs'.")
+        return max(1, math.ceil(self.epochs * train_sequences / self.global_batch_size))
+
+    def baseline_config(self) -> "RunConfig":
+        """The single-worker run with the same global batch and the same optimizer steps."""
+        return self.replace(num_workers=1, grad_accum_steps=self.grad_accum_steps * self.num_workers)
+
+    def summary_lines(self) -> list[str]:
+        """One `key = value` line per setting, for the single log of the config."""
+        width = max(len(name) for name in self.to_dict())
+        lines = [f"{name:<{width}} = {value!r}" for name, value in self.to_dict().items()]
+        lines.append(f"{'global_batch_size':<{width}} = {self.global_batch_size} (derived)")
+        return lines
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# validation
+
+
+def _coerce(name: str, value: Any, spec: dataclasses.Field) -> Any:
+    """Check a value's JSON type against the field's type; ints are accepted where floats are expected."""
+    expected = spec.type if isinstance(spec.type, str) else spec.type.__name__
+    if expected == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"Setting '{name}' must be true or false, got {value!r} ({type(value).__name__}).")
+    if expected == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(
+            f"Setting '{name}' must be an integer, got {value!r} ({type(value).__name__}). "
+            f"In --conf write it without quotes, e.g. {{\"{name}\": 4}}."
+        )
+    if expected == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        raise ConfigError(f"Setting '{name}' must be a finite number, got {value!r} ({type(value).__name__}).")
+    if expected == "str":
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"Setting '{name}' must be a string, got {value!r} ({type(value).__name__}).")
+    raise AssertionError(f"RunConfig field {name} has an unsupported type {expected}")
+
+
+def _check_range(cfg: RunConfig, name: str, low: float, high: float) -> None:
+    value = getattr(cfg, name)
+    if not low <= value <= high:
+        raise ConfigError(f"Setting '{name}' = {value!r} is out of range: allowed is {low} to {high}.")
+
+
+def _check_choice(cfg: RunConfig, name: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(cfg, name)
+    if value not in allowed:
+        raise ConfigError(f"Setting '{name}' = {value!r} is not allowed: choose one of {list(allowed)}.")
+
+
+def _validate(cfg: RunConfig) -> None:
+    for f in dataclasses.fields(cfg):  # direct construction gets the same type checks as from_params
+        _coerce(f.name, getattr(cfg, f.name), f)
+
+    _check_range(cfg, "num_workers", 1, 64)
+    _check_range(cfg, "block_size", 8, 8192)
+    _check_range(cfg, "batch_size_per_worker", 1, 4096)
+    _check_range(cfg, "max_steps", 0, 10_000_000)
+    _check_range(cfg, "grad_accum_steps", 1, 1024)
+    _check_range(cfg, "warmup_steps", 0, 10_000_000)
+    _check_range(cfg, "weight_decay", 0.0, 1.0)
+    _check_range(cfg, "loss_tolerance", 0.0, 100.0)
+    _check_range(cfg, "seed", 0, 2**31 - 1)
+    _check_range(cfg, "num_shards", 0, 100_000)
+    _check_range(cfg, "checkpoint_every_steps", 1, 10_000_000)
+    _check_range(cfg, "collective_timeout_s", 5, 86_400)
+    _check_range(cfg, "startup_timeout_s", 5, 86_400)
+    _check_range(cfg, "hang_timeout_s", 10, 7 * 86_400)
+    _check_choice(cfg, "backend", BACKENDS)
+    _check_choice(cfg, "mixed_precision", MIXED_PRECISION)
+    _check_choice(cfg, "baseline", BASELINE_POLICIES)
+    _check_choice(cfg, "communication", COMMUNICATION)
+
+    if not 0.0 < cfg.learning_rate <= 1.0:
+        raise ConfigError(f"Setting 'learning_rate' = {cfg.learning_rate!r} is out of range: allowed is (0, 1].")
+    if not 0.0 < cfg.epochs <= 1000.0:
+        raise ConfigError(f"Setting 'epochs' = {cfg.epochs!r} is out of range: allowed is (0, 1000].")
+    if not 0.0 < cfg.val_fraction <= 0.5:
+        raise ConfigError(f"Setting 'val_fraction' = {cfg.val_fraction!r} is out of range: allowed is (0, 0.5].")
+    for name in ("dataset", "text_column", "tokenizer", "model", "storage_root"):
+        if not getattr(cfg, name).strip():
+            raise ConfigError(f"Setting '{name}' must not be empty.")
+
+    scheme = urlparse(cfg.storage_root).scheme
+    if scheme not in STORAGE_SCHEMES:
+        raise ConfigError(
+            f"Setting 'storage_root' = {cfg.storage_root!r} uses the unsupported scheme '{scheme}': "
+            "use a local path, file:// or s3://."
+        )
+
+    vocab = cfg.bpe_vocab_size
+    if cfg.tokenizer.startswith("bpe:") and vocab is None:
+        raise ConfigError(f"Setting 'tokenizer' = {cfg.tokenizer!r} is malformed: write bpe:<vocab size>, e.g. bpe:8192.")
+    if vocab is not None and not 260 <= vocab <= 1_000_000:
+        raise ConfigError(f"Setting 'tokenizer' = {cfg.tokenizer!r}: the BPE vocabulary must be 260 to 1000000.")
+
+    preset = MODEL_PRESETS.get(cfg.model)
+    if preset and cfg.block_size > preset["n_positions"]:
+        raise ConfigError(
+            f"Setting 'block_size' = {cfg.block_size} exceeds what model '{cfg.model}' allows "
+            f"({preset['n_positions']} positions): lower 'block_size'."
+        )
+    if cfg.max_steps and cfg.warmup_steps >= cfg.max_steps:
+        raise ConfigError(
+            f"Setting 'warmup_steps' = {cfg.warmup_steps} must be below 'max_steps' = {cfg.max_steps}."
+        )
+    if cfg.global_batch_size > MAX_GLOBAL_BATCH:
+        raise ConfigError(
+            f"Global batch = batch_size_per_worker x num_workers x grad_accum_steps = "
+            f"{cfg.batch_size_per_worker} x {cfg.num_workers} x {cfg.grad_accum_steps} = {cfg.global_batch_size} "
+            f"exceeds {MAX_GLOBAL_BATCH}: lower one of them."
+        )
+    if cfg.num_shards and cfg.num_shards < cfg.num_workers:
+        raise ConfigError(
+            f"Setting 'num_shards' = {cfg.num_shards} is below 'num_workers' = {cfg.num_workers}: every worker "
+            "needs at least one shard of its own. Raise 'num_shards' or set it to 0 (automatic)."
+        )
+    if cfg.communication == "nccl" and not cfg.use_gpu:
+        raise ConfigError("Setting 'communication' = 'nccl' needs 'use_gpu' = true: use 'ring' or 'auto' on CPU.")
+    if cfg.mixed_precision == "fp16" and not cfg.use_gpu:
+        raise ConfigError("Setting 'mixed_precision' = 'fp16' needs 'use_gpu' = true: use 'bf16' or 'no' on CPU.")
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(RunConfig)]
+
+
+__all__ = ["ConfigError", "RunConfig", "MODEL_PRESETS", "field_names"]

@@ -1,0 +1,123 @@
+"""Where every artifact lives under `storage_root`: one place, so stages never guess each other's paths.
+
+    <root>/datasets/<fingerprint>/manifest.json       written last; readers trust only the manifest
+    <root>/datasets/<fingerprint>/tokenizer/          transformers `save_pretrained` format
+    <root>/datasets/<fingerprint>/<split>-<i>-of-<n>.tfrecord
+    <root>/runs/<run_key>/config.json                 the validated RunConfig
+    <root>/runs/<run_key>/state/<task_id>.json        what a worker group launched (for release)
+    <root>/runs/<run_key>/logs/<task_id>/rank-<r>.log
+    <root>/runs/<run_key>/train/                      the distributed training output (see TrainOutput)
+    <root>/runs/<run_key>/report/                     report.json, report.md, *.png, preflight.json
+    <root>/runs/<run_key>/release.json
+    <root>/baselines/<baseline_key>/                  a single-worker training output, reusable across runs
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from trainer.storage import join
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def run_key(run_id: str) -> str:
+    """An Airflow run_id (`manual__2026-11-29T15:00:00+00:00`) as a name safe in paths and S3 keys."""
+    key = _UNSAFE.sub("_", run_id).strip("._")
+    if not key:
+        raise ValueError(f"run id {run_id!r} has no usable characters")
+    return key
+
+
+@dataclass(frozen=True)
+class TrainOutput:
+    """The files one training job (distributed run or baseline) leaves under its directory."""
+
+    url: str
+
+    @property
+    def checkpoints(self) -> str:
+        return join(self.url, "checkpoints")
+
+    @property
+    def model(self) -> str:
+        """The final model and tokenizer, `save_pretrained` format, written by the chief only."""
+        return join(self.url, "model")
+
+    @property
+    def metrics(self) -> str:
+        return join(self.url, "metrics")
+
+    def metrics_file(self, rank: int) -> str:
+        """JSON lines: step, loss, learning_rate, tokens_per_s, step_time_s, input_wait_s, ..."""
+        return join(self.metrics, f"rank-{rank}.jsonl")
+
+    @property
+    def tensorboard(self) -> str:
+        return join(self.url, "tensorboard")
+
+    @property
+    def summary(self) -> str:
+        """summary.json, written by the chief last: its presence means the job completed."""
+        return join(self.url, "summary.json")
+
+
+@dataclass(frozen=True)
+class StorageLayout:
+    root: str
+
+    def dataset(self, fingerprint: str) -> str:
+        return join(self.root, "datasets", fingerprint)
+
+    def manifest(self, fingerprint: str) -> str:
+        return join(self.dataset(fingerprint), "manifest.json")
+
+    def run(self, key: str) -> "RunLayout":
+        return RunLayout(join(self.root, "runs", key))
+
+    @property
+    def runs(self) -> str:
+        return join(self.root, "runs")
+
+    @property
+    def baselines(self) -> str:
+        return join(self.root, "baselines")
+
+    def baseline(self, baseline_key: str) -> TrainOutput:
+        return TrainOutput(join(self.baselines, baseline_key))
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    url: str
+
+    @property
+    def config(self) -> str:
+        return join(self.url, "config.json")
+
+    @property
+    def state(self) -> str:
+        return join(self.url, "state")
+
+    def state_file(self, task_id: str) -> str:
+        return join(self.state, f"{task_id}.json")
+
+    def logs(self, task_id: str) -> str:
+        return join(self.url, "logs", task_id)
+
+    @property
+    def train(self) -> TrainOutput:
+        return TrainOutput(join(self.url, "train"))
+
+    @property
+    def report(self) -> str:
+        return join(self.url, "report")
+
+    @property
+    def preflight(self) -> str:
+        return join(self.report, "preflight.json")
+
+    @property
+    def release(self) -> str:
+        return join(self.url, "release.json")

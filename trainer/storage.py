@@ -1,0 +1,156 @@
+"""Object storage through fsspec: local paths, file:// and s3:// alike.
+
+Credentials never travel in URLs, configs or argv. For S3 they come from the environment that botocore reads
+(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3,
+AWS_DEFAULT_REGION); the Airflow side turns a Connection into those variables (see `tasks.connections`).
+Importable without Airflow and without TensorFlow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import fsspec
+from fsspec.core import url_to_fs
+
+_CHUNK = 4 << 20
+
+
+def storage_options_from_env(url: str) -> dict[str, Any]:
+    """fsspec options for `url`; for s3 the endpoint comes from the environment (botocore reads the keys)."""
+    if not url.startswith("s3://"):
+        return {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+
+
+def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem for `url` and the path inside it. `skip_instance_cache` keeps forked workers safe."""
+    fs, path = url_to_fs(url, skip_instance_cache=True, **storage_options_from_env(url))
+    return fs, path
+
+
+def join(base: str, *parts: str) -> str:
+    """Join URL or path parts with '/', keeping the scheme of `base`."""
+    return posixpath.join(base.rstrip("/"), *[p.strip("/") for p in parts])
+
+
+def normalize_root(root: str, relative_to: str | Path | None = None) -> str:
+    """A storage root as an absolute path or URL; relative local paths are taken from `relative_to`/cwd."""
+    if "://" in root:
+        return root.rstrip("/")
+    path = Path(root).expanduser()
+    if not path.is_absolute():
+        path = Path(relative_to or Path.cwd()) / path
+    return str(path.resolve())
+
+
+def exists(url: str) -> bool:
+    fs, path = filesystem(url)
+    return fs.exists(path)
+
+
+def read_bytes(url: str) -> bytes:
+    fs, path = filesystem(url)
+    with fs.open(path, "rb") as handle:
+        return handle.read()
+
+
+def read_json(url: str) -> Any:
+    return json.loads(read_bytes(url).decode("utf-8"))
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
+    return "file" in protocols
+
+
+def write_bytes_atomic(url: str, data: bytes) -> None:
+    """Write so that readers see the old object or the complete new one, never a part.
+
+    Local files are written to a temporary name and renamed; an S3 PUT is atomic by itself.
+    """
+    fs, path = filesystem(url)
+    if is_local(fs):
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        return
+    with fs.open(path, "wb") as handle:
+        handle.write(data)
+
+
+def write_json_atomic(url: str, payload: Any) -> None:
+    write_bytes_atomic(url, (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def upload_file(local_path: str | Path, url: str) -> None:
+    fs, path = filesystem(url)
+    if is_local(fs):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    fs.put_file(str(local_path), path)
+
+
+def download_file(url: str, local_path: str | Path) -> None:
+    fs, path = filesystem(url)
+    Path(local_path).parent.mkdir(parents=True, exist_ok=True)
+    fs.get_file(path, str(local_path))
+
+
+def upload_tree(local_dir: str | Path, url: str) -> list[str]:
+    """Copy every file under `local_dir` to `url`, keeping relative paths; returns the URLs written."""
+    written = []
+    for file in sorted(Path(local_dir).rglob("*")):
+        if file.is_file():
+            target = join(url, file.relative_to(local_dir).as_posix())
+            upload_file(file, target)
+            written.append(target)
+    return written
+
+
+def download_tree(url: str, local_dir: str | Path) -> list[Path]:
+    """Copy every object under `url` into `local_dir`; returns the local files."""
+    fs, path = filesystem(url)
+    if not fs.exists(path):
+        return []
+    local = []
+    for remote in sorted(fs.find(path)):
+        relative = posixpath.relpath(remote, path)
+        target = Path(local_dir) / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(remote, str(target))
+        local.append(target)
+    return local
+
+
+def remove_tree(url: str) -> None:
+    fs, path = filesystem(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def list_dir(url: str) -> Iterator[str]:
+    """Names directly under `url` (files and folders), sorted; nothing when it does not exist."""
+    fs, path = filesystem(url)
+    if not fs.exists(path):
+        return iter(())
+    return iter(sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)))
