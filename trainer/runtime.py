@@ -1,0 +1,51 @@
+"""What a worker process knows about its place in the group, and how it tells the launcher it is up.
+
+Contract with the launcher (`plugins/tf_multiworker/launcher`):
+- `TF_CONFIG` (absent: a single worker) gives the cluster and this worker's index.
+- `TFMW_READY_FILE`, when set, is touched once the worker has joined the group (strategy created, i.e. the
+  collective rendezvous passed). The launcher's start-up timeout names the ranks whose file never appeared.
+Never imports TensorFlow or Airflow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+READY_FILE_ENV = "TFMW_READY_FILE"
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    rank: int
+    num_workers: int
+    host: str
+    addresses: tuple[str, ...]
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+
+def worker_identity(environ: dict[str, str] | None = None) -> WorkerIdentity:
+    """Rank and group size from TF_CONFIG; no TF_CONFIG means rank 0 of 1."""
+    env = os.environ if environ is None else environ
+    raw = env.get("TF_CONFIG")
+    if not raw:
+        return WorkerIdentity(0, 1, socket.gethostname(), ())
+    tf_config = json.loads(raw)
+    workers = tuple(tf_config["cluster"]["worker"])
+    task = tf_config["task"]
+    if task.get("type") != "worker":
+        raise ValueError(f"TF_CONFIG task type {task.get('type')!r} is not supported: only 'worker'")
+    return WorkerIdentity(int(task["index"]), len(workers), socket.gethostname(), workers)
+
+
+def signal_ready() -> None:
+    """Tell the launcher this worker has joined the group (no-op outside a launcher)."""
+    path = os.environ.get(READY_FILE_ENV)
+    if path:
+        Path(path).write_text(str(os.getpid()))
