@@ -1,0 +1,157 @@
+"""The single-worker baseline: what identifies it, and whether this run has to train it.
+
+A baseline is one worker with the run's global batch (gradient accumulation x N) and the same optimizer steps.
+Its result depends on the data, the model, the hyperparameters, the trainer code and the numerics, not on how
+many workers the distributed run used, so runs with different `num_workers` but the same global batch share one
+baseline under `<root>/baselines/<baseline_key>/`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from importlib import metadata
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Mapping
+
+from trainer.config import RunConfig
+from trainer.layout import StorageLayout
+from trainer.storage import exists, join, list_dir, read_json, remove_tree, write_json_atomic
+
+log = logging.getLogger("gpt_finetune.baseline")
+
+KEY_FORMAT_VERSION = 1
+KEY_RECORD = "baseline_key.json"  # the key's parts, next to the baseline's output, to explain later mismatches
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+# Libraries whose version can change the numbers a baseline produces (read from metadata: no TF import here).
+NUMERIC_LIBRARIES = ("tensorflow", "tf-keras", "transformers")
+TRAINER_SOURCES = Path(__file__).resolve().parents[1] / "trainer"
+
+# Settings that cannot change what the baseline learns. Everything else is part of the key, so a setting added
+# later counts by default. The dataset settings are left out because the dataset fingerprint stands for them;
+# `max_steps`/`epochs` because the resolved step count does.
+_NOT_IN_KEY = frozenset({
+    "num_workers", "backend", "baseline", "loss_tolerance", "storage_root", "storage_conn_id",
+    "checkpoint_every_steps", "communication", "collective_timeout_s", "startup_timeout_s", "hang_timeout_s",
+    "dataset", "text_column", "tokenizer", "val_fraction", "num_shards", "max_steps", "epochs",
+})
+
+
+def code_version() -> str:
+    """sha256 over the trainer's Python sources (path and content), the code every worker runs."""
+    digest = hashlib.sha256()
+    for path in sorted(TRAINER_SOURCES.rglob("*.py")):
+        digest.update(path.relative_to(TRAINER_SOURCES).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _installed_version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def baseline_key_parts(cfg: RunConfig, manifest: Mapping[str, Any], total_steps: int) -> dict[str, Any]:
+    """Everything that changes the baseline's result, as a flat JSON-able dict."""
+    baseline_cfg = cfg.baseline_config()
+    settings = {name: value for name, value in baseline_cfg.to_dict().items() if name not in _NOT_IN_KEY}
+    return {
+        "key_format_version": KEY_FORMAT_VERSION,
+        "dataset_fingerprint": manifest["fingerprint"],
+        "tokenizer_fingerprint": manifest["tokenizer"]["fingerprint"],
+        "global_batch_size": baseline_cfg.global_batch_size,
+        "steps": total_steps,
+        "code_version": code_version(),
+        "libraries": {name: _installed_version(name) for name in NUMERIC_LIBRARIES},
+        **settings,
+    }
+
+
+def baseline_key(cfg: RunConfig, manifest: dict, total_steps: int) -> str:
+    """A stable name for the baseline of this run: equal keys mean interchangeable baselines."""
+    parts = baseline_key_parts(cfg, manifest, total_steps)
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    model_name = _UNSAFE.sub("_", cfg.model.rstrip("/").rsplit("/", 1)[-1]).strip("._")[:40] or "model"
+    return f"{model_name}-gb{parts['global_batch_size']}-s{total_steps}-{digest[:16]}"
+
+
+def plan_baseline(prepared: dict) -> bool:
+    """True when the `baseline` task must train; False skips it (policy `skip`, or a matching baseline exists).
+
+    `run` clears the old output first so its summary.json cannot pass for the new one.
+    """
+    from tasks.connections import storage_credentials
+
+    cfg = RunConfig.from_params(prepared["config"])
+    key, baseline_url = prepared["baseline_key"], prepared["baseline_url"]
+    if cfg.baseline == "skip":
+        log.info("Baseline policy 'skip': no baseline, the report will have no speedup or loss parity.")
+        return False
+
+    with storage_credentials(cfg.storage_conn_id):
+        manifest = read_json(prepared["manifest_url"])
+        parts = baseline_key_parts(cfg, manifest, prepared["total_steps"])
+        if baseline_key(cfg, manifest, prepared["total_steps"]) != key:
+            raise RuntimeError(
+                f"Baseline key {key} from the prepare task no longer matches this run's settings and trainer code "
+                f"(the trainer/ sources changed between tasks?): clear the run and trigger it again."
+            )
+        if cfg.baseline == "run":
+            log.info("Baseline policy 'run': training baseline %s again; clearing %s first.", key, baseline_url)
+            remove_tree(baseline_url)
+            _write_key_record(baseline_url, key, parts, prepared["run_id"])
+            return True
+
+        summary_url = prepared["baseline_summary_url"]
+        if exists(summary_url):
+            summary = read_json(summary_url)
+            log.info(
+                "Baseline policy 'auto': reusing baseline %s (finished %s, %s steps in %.1f s of training) at %s.",
+                key, summary.get("finished_at"), summary.get("steps"), summary.get("train_time_s", float("nan")),
+                baseline_url,
+            )
+            return False
+        if exists(baseline_url):
+            log.info("Baseline policy 'auto': baseline %s exists without summary.json (an interrupted run); "
+                     "training it, resuming from its checkpoints.", key)
+        else:
+            log.info("Baseline policy 'auto': no baseline with key %s; %s", key,
+                     _explain_mismatch(StorageLayout(cfg.storage_root).baselines, key, parts))
+        _write_key_record(baseline_url, key, parts, prepared["run_id"])
+        return True
+
+
+def read_key_record(baseline_url: str) -> dict[str, Any] | None:
+    """The record written when the baseline was planned: its key parts and the run that trained it."""
+    url = join(baseline_url, KEY_RECORD)
+    return read_json(url) if exists(url) else None
+
+
+def _write_key_record(baseline_url: str, key: str, parts: dict[str, Any], run_id: str) -> None:
+    write_json_atomic(join(baseline_url, KEY_RECORD), {
+        "key": key, "parts": parts, "trained_by_run": run_id,
+        "planned_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    })
+
+
+def _explain_mismatch(baselines_url: str, key: str, parts: dict[str, Any]) -> str:
+    """Which key parts differ from the most recently planned complete baseline, so users see why it reruns."""
+    candidates = []
+    for name in list_dir(baselines_url):
+        url = join(baselines_url, name)
+        record = read_key_record(url) if name != key and exists(join(url, "summary.json")) else None
+        if record:
+            candidates.append(record)
+    if not candidates:
+        return "no complete baseline exists yet, training one."
+    latest = max(candidates, key=lambda record: record.get("planned_at", ""))
+    changed = [
+        f"{name} ({latest['parts'].get(name)!r} -> {value!r})"
+        for name, value in parts.items() if latest["parts"].get(name) != value
+    ]
+    return f"the latest complete baseline {latest['key']} differs in {', '.join(changed)}; training a new one."

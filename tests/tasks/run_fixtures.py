@@ -1,0 +1,91 @@
+"""Storage written the way the real stages write it: manifest, training outputs, a prepared-run dict.
+
+The training outputs follow the contract in docs/CONTRACTS.md (summary.json written last, metrics JSON lines per
+rank). The "model" directory holds `fixture_eval.json`: the result `fixture_evaluate` reports for that model, so
+comparison logic runs through a real child process without TensorFlow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from tasks.baseline import baseline_key
+from trainer.config import RunConfig
+from trainer.layout import StorageLayout, TrainOutput, run_key
+from trainer.storage import join, write_bytes_atomic, write_json_atomic
+
+FINGERPRINT = "ds-3f2a9c01"
+HERE = Path(__file__).resolve().parent
+
+
+def write_manifest(root: str, fingerprint: str = FINGERPRINT, tokenizer_fingerprint: str = "tok-77aa") -> str:
+    url = StorageLayout(root).manifest(fingerprint)
+    shard = {"name": "validation-00000-of-00001.tfrecord", "records": 2, "sequences": 40, "tokens": 2560,
+             "bytes": 5200, "sha256": "0" * 64}
+    write_json_atomic(url, {
+        "format_version": 1, "fingerprint": fingerprint, "created_at": "2026-11-29T10:00:00+00:00",
+        "dtype": "uint16", "block_size": 64, "sequences_per_record": 20,
+        "tokenizer": {"spec": "bpe:2048", "fingerprint": tokenizer_fingerprint, "vocab_size": 2048,
+                      "eos_token_id": 0, "path": "tokenizer"},
+        "sources": [{"url": "data/sample/macbeth_gut.txt", "size": 100, "mtime": "2026-11-01T00:00:00+00:00"}],
+        "settings": {"text_column": "text", "val_fraction": 0.05, "seed": 1234, "num_shards": 8},
+        "splits": {"train": {"sequences": 800, "tokens": 51200, "shards": []},
+                   "validation": {"sequences": 40, "tokens": 2560, "shards": [shard]}},
+    })
+    return url
+
+
+def write_training_output(url: str, *, num_workers: int, global_batch_size: int = 16, steps: int = 40,
+                          train_time_s: float, eval_loss: float, start_loss: float = 7.6, final_loss: float = 5.1,
+                          cpu_count: int = 2, block_size: int = 64, complete: bool = True) -> TrainOutput:
+    """A finished training job: metrics of every rank, the model dir, then summary.json (when `complete`)."""
+    output = TrainOutput(url)
+    tokens_per_step = global_batch_size * block_size
+    for rank in range(num_workers):
+        lines = []
+        for step in range(1, steps + 1):
+            loss = final_loss + (start_loss - final_loss) * math.exp(-step / (steps / 4))
+            lines.append(json.dumps({
+                "step": step, "loss": round(loss, 4), "learning_rate": 1e-3,
+                "tokens_per_s": tokens_per_step / (train_time_s / steps), "step_time_s": train_time_s / steps,
+                "input_wait_s": 0.001, "tokens_seen": step * tokens_per_step, "time": 1_764_410_000.0 + step,
+            }))
+        write_bytes_atomic(output.metrics_file(rank), ("\n".join(lines) + "\n").encode())
+    write_json_atomic(join(output.model, "fixture_eval.json"), {"eval_loss": eval_loss})
+    write_json_atomic(join(output.checkpoints, "checkpoint.json"), {"step": steps})
+    if complete:
+        write_json_atomic(output.summary, {
+            "num_workers": num_workers, "global_batch_size": global_batch_size, "steps": steps,
+            "tokens_seen": steps * tokens_per_step, "wall_time_s": train_time_s + 6.0, "train_time_s": train_time_s,
+            "tokens_per_s": steps * tokens_per_step / train_time_s, "final_loss": final_loss, "mfu": None,
+            "resumed_from_step": None,
+            "hardware": {"host": "ci-runner", "cpu_count": cpu_count, "gpus": []},
+            "versions": {"tensorflow": "2.21.0", "transformers": "4.57.6", "tf_keras": "2.21.0"},
+            "config": {}, "started_at": "2026-11-29T10:01:00+00:00", "finished_at": "2026-11-29T10:02:00+00:00",
+        })
+    return output
+
+
+def prepare_run(root: str, run_id: str, **settings: Any) -> dict[str, Any]:
+    """The prepare task's XCom for `settings` (the run config written as prepare does), without tokenizing."""
+    from trainer.storage import read_json
+
+    manifest_url = write_manifest(root)
+    cfg = RunConfig.from_params({"storage_root": root, **settings})
+    total_steps = cfg.max_steps
+    storage, key = StorageLayout(root), run_key(run_id)
+    run = storage.run(key)
+    base_key = baseline_key(cfg, read_json(manifest_url), total_steps)
+    baseline = storage.baseline(base_key)
+    write_json_atomic(run.config, cfg.to_dict())
+    return {
+        "run_id": run_id, "run_key": key, "storage_root": root, "config": cfg.to_dict(),
+        "config_url": run.config, "manifest_url": manifest_url, "dataset_fingerprint": FINGERPRINT,
+        "total_steps": total_steps, "preflight_url": run.report, "train_url": run.train.url,
+        "train_summary_url": run.train.summary, "baseline_key": base_key, "baseline_url": baseline.url,
+        "baseline_config_url": run.baseline_config, "baseline_summary_url": baseline.summary,
+        "report_url": run.report,
+    }

@@ -1,0 +1,116 @@
+"""The baseline key (what makes two baselines interchangeable) and the auto / run / skip policy."""
+
+import logging
+import shutil
+
+import pytest
+
+from tasks import baseline as baseline_module
+from tasks.baseline import baseline_key, plan_baseline, read_key_record
+from tests.tasks import run_fixtures
+from trainer.config import RunConfig
+from trainer.layout import TrainOutput
+from trainer.storage import exists, read_json
+
+MANIFEST = {"fingerprint": "ds-1", "tokenizer": {"fingerprint": "tok-1"}}
+BASE = RunConfig(num_workers=2, max_steps=40)
+
+
+def key(cfg=BASE, manifest=MANIFEST, steps=40):
+    return baseline_key(cfg, manifest, steps)
+
+
+def test_key_is_stable_and_ignores_what_cannot_change_the_result():
+    assert key() == key(RunConfig(num_workers=2, max_steps=40))
+    # Same global batch on a different worker count: the baseline (1 worker, accumulation x N) is the same job.
+    assert key(BASE.replace(num_workers=1, grad_accum_steps=2)) == key()
+    assert key(BASE.replace(num_workers=4, batch_size_per_worker=4)) != key()  # 4x4: accumulation 4 of 4
+    assert key(BASE.replace(num_workers=4, batch_size_per_worker=4)) == key(
+        BASE.replace(num_workers=1, batch_size_per_worker=4, grad_accum_steps=4))
+    for setting in ({"storage_root": "s3://other/root"}, {"baseline": "run"}, {"loss_tolerance": 0.5},
+                    {"startup_timeout_s": 30}, {"hang_timeout_s": 60}, {"checkpoint_every_steps": 7},
+                    {"communication": "ring"}, {"storage_conn_id": "minio"}):
+        assert key(BASE.replace(**setting)) == key(), setting
+
+
+@pytest.mark.parametrize("change", [
+    {"model": "gpt2-124m"}, {"learning_rate": 2e-3}, {"warmup_steps": 3}, {"weight_decay": 0.1},
+    {"batch_size_per_worker": 4}, {"grad_accum_steps": 2}, {"block_size": 128}, {"seed": 7},
+    {"mixed_precision": "bf16"}, {"xla": True}, {"use_gpu": True},
+])
+def test_every_setting_that_changes_the_result_changes_the_key(change):
+    assert key(BASE.replace(**change)) != key()
+
+
+def test_data_steps_and_code_change_the_key(tmp_path, monkeypatch):
+    assert key(manifest={**MANIFEST, "fingerprint": "ds-2"}) != key()
+    assert key(manifest={**MANIFEST, "tokenizer": {"fingerprint": "tok-2"}}) != key()
+    assert key(steps=41) != key()
+
+    sources = tmp_path / "trainer"
+    shutil.copytree(baseline_module.TRAINER_SOURCES, sources, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(baseline_module, "TRAINER_SOURCES", sources)
+    before = key()
+    (sources / "config.py").write_text((sources / "config.py").read_text() + "\n# changed\n")
+    assert key() != before
+
+
+@pytest.fixture
+def root(tmp_path):
+    return str(tmp_path / "storage")
+
+
+def test_skip_never_trains(root):
+    prepared = run_fixtures.prepare_run(root, "manual__1", baseline="skip")
+    assert plan_baseline(prepared) is False
+    assert not exists(prepared["baseline_url"])
+
+
+def test_auto_trains_once_then_reuses_the_matching_baseline(root, caplog):
+    caplog.set_level(logging.INFO, logger="gpt_finetune.baseline")
+    first = run_fixtures.prepare_run(root, "scheduled__1")
+    assert plan_baseline(first) is True
+    assert read_key_record(first["baseline_url"])["trained_by_run"] == "scheduled__1"
+    run_fixtures.write_training_output(first["baseline_url"], num_workers=1, train_time_s=20.0, eval_loss=5.3)
+
+    # The next night: other workers and timeouts, same global batch -> the same baseline, not trained again.
+    second = run_fixtures.prepare_run(root, "scheduled__2", num_workers=1, grad_accum_steps=2, hang_timeout_s=99)
+    assert second["baseline_key"] == first["baseline_key"]
+    summary_before = read_json(second["baseline_summary_url"])
+    assert plan_baseline(second) is False
+    assert read_json(second["baseline_summary_url"]) == summary_before
+    assert "reusing baseline" in caplog.text
+
+    # A key part changes -> a new baseline, and the log names what changed against the latest complete one.
+    third = run_fixtures.prepare_run(root, "scheduled__3", learning_rate=2e-3)
+    assert third["baseline_key"] != first["baseline_key"]
+    assert plan_baseline(third) is True
+    assert "learning_rate (0.001 -> 0.002)" in caplog.text
+    assert exists(first["baseline_url"] + "/summary.json")  # the old baseline stays for runs that match it
+
+
+def test_auto_resumes_an_interrupted_baseline(root, caplog):
+    caplog.set_level(logging.INFO, logger="gpt_finetune.baseline")
+    prepared = run_fixtures.prepare_run(root, "manual__1")
+    output = run_fixtures.write_training_output(prepared["baseline_url"], num_workers=1, train_time_s=20.0,
+                                                eval_loss=5.3, complete=False)
+    assert plan_baseline(prepared) is True
+    assert exists(output.checkpoints)  # kept: the trainer resumes from them
+    assert "without summary.json" in caplog.text
+
+
+def test_run_clears_the_old_baseline_so_its_summary_cannot_pass_for_the_new_one(root):
+    prepared = run_fixtures.prepare_run(root, "manual__1", baseline="run")
+    output = run_fixtures.write_training_output(prepared["baseline_url"], num_workers=1, train_time_s=20.0,
+                                                eval_loss=5.3)
+    assert plan_baseline(prepared) is True
+    assert not exists(output.summary) and not exists(output.checkpoints)
+    assert read_key_record(prepared["baseline_url"])["key"] == prepared["baseline_key"]
+
+
+def test_a_key_that_no_longer_matches_the_settings_is_refused(root):
+    prepared = run_fixtures.prepare_run(root, "manual__1")
+    prepared["config"]["seed"] = 99  # settings changed behind the prepare task's back
+    with pytest.raises(RuntimeError, match=prepared["baseline_key"]):
+        plan_baseline(prepared)
+    assert not exists(TrainOutput(prepared["baseline_url"]).url)
