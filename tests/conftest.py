@@ -7,3 +7,19 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def airflow_stack(tmp_path_factory):
+    """One real Airflow standalone for the whole session (start-up costs ~40 s on 2 cores)."""
+    from tests.airflow_stack import start_stack
+
+    home = tmp_path_factory.mktemp("airflow_home")
+    storage = tmp_path_factory.mktemp("stack_storage")
+    stack = start_stack(home, {"GPT_FINETUNE_STORAGE_ROOT": str(storage)})
+    try:
+        yield stack
+    finally:
+        stack.stop()

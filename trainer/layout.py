@@ -4,6 +4,7 @@
     <root>/datasets/<fingerprint>/tokenizer/          transformers `save_pretrained` format
     <root>/datasets/<fingerprint>/<split>-<i>-of-<n>.tfrecord
     <root>/runs/<run_key>/config.json                 the validated RunConfig
+    <root>/runs/<run_key>/baseline_config.json        the same on one worker (grad accumulation x N)
     <root>/runs/<run_key>/state/<task_id>.json        what a worker group launched (for release)
     <root>/runs/<run_key>/logs/<task_id>/rank-<r>.log
     <root>/runs/<run_key>/train/                      the distributed training output (see TrainOutput)
@@ -95,6 +96,11 @@ class RunLayout:
     @property
     def config(self) -> str:
         return join(self.url, "config.json")
+
+    @property
+    def baseline_config(self) -> str:
+        """The single-worker config this run's baseline trains with (when it is not reused)."""
+        return join(self.url, "baseline_config.json")
 
     @property
     def state(self) -> str:

@@ -1,0 +1,118 @@
+"""A real Airflow (API server, scheduler with LocalExecutor, DAG processor, triggerer) for tests.
+
+Started as the README says (`scripts/airflow-env.sh` + `airflow standalone`), but on a temporary AIRFLOW_HOME and
+a free port, in its own process group so that every child is ended afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class AirflowStack:
+    home: Path
+    port: int
+    env: dict[str, str]
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://localhost:{self.port}"
+
+    @property
+    def login(self) -> tuple[str, str]:
+        users = json.loads((self.home / "simple_auth_manager_passwords.json").read_text())
+        return next(iter(users.items()))
+
+    def cli(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(REPO / ".venv" / "bin" / "airflow"), *args],
+            env=self.env, capture_output=True, text=True, timeout=timeout, check=check, cwd=REPO,
+        )
+
+    def run_state(self, dag_id: str, run_id: str) -> str:
+        out = self.cli("dags", "list-runs", dag_id, "-o", "json").stdout
+        runs = json.loads(out[out.index("[") :])
+        return next(run["state"] for run in runs if run["run_id"] == run_id)
+
+    def wait_for_run(self, dag_id: str, run_id: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.run_state(dag_id, run_id)
+            if state in ("success", "failed"):
+                return state
+            time.sleep(3)
+        raise TimeoutError(f"run {run_id} of {dag_id} not finished after {timeout:.0f}s; log: {self.log_path}")
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
+        folder = self.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task_id}"
+        files = sorted(folder.glob(f"attempt={try_number}*"))
+        return "\n".join(path.read_text(errors="replace") for path in files)
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def airflow_env(home: Path, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment `scripts/airflow-env.sh` sets, for a given home and port."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    base.update({"AIRFLOW_HOME": str(home), "AIRFLOW_PORT": str(port)})
+    base.update(extra or {})
+    out = subprocess.run(
+        ["bash", "-c", "source scripts/airflow-env.sh && env -0"],
+        env=base, cwd=REPO, capture_output=True, check=True,
+    ).stdout
+    return dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
+
+
+def start_stack(home: Path, extra_env: dict[str, str] | None = None, timeout: float = 180) -> AirflowStack:
+    port = free_port()
+    env = airflow_env(home, port, extra_env)
+    log_path = home / "standalone.log"
+    home.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            ["bash", str(REPO / "scripts" / "standalone.sh")],
+            env=env, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    stack = AirflowStack(home, port, env, process, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"airflow standalone exited with {process.returncode}; see {log_path}")
+        try:
+            with urllib.request.urlopen(f"{stack.url}/api/v2/monitor/health", timeout=5) as response:
+                health = json.load(response)
+            if all(health.get(part, {}).get("status") == "healthy" for part in ("scheduler", "dag_processor")):
+                return stack
+        except OSError:
+            pass
+        time.sleep(2)
+    stack.stop()
+    raise TimeoutError(f"Airflow did not become healthy within {timeout:.0f}s; see {log_path}")

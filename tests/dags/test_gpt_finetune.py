@@ -1,0 +1,93 @@
+"""The DAG file: parses cleanly and cheaply, wires the stages as designed, exposes every run setting as a Param."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.config import RunConfig, field_names
+
+REPO = Path(__file__).resolve().parents[2]
+DAG_FILE = REPO / "dags" / "gpt_finetune.py"
+
+
+@pytest.fixture(scope="module")
+def dag():
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(REPO / "dags"), include_examples=False)
+    assert bag.import_errors == {}
+    return bag.dags["gpt_finetune"]
+
+
+def test_dag_folder_has_no_import_errors(dag):
+    assert dag.dag_id == "gpt_finetune"
+
+
+def test_task_graph(dag):
+    downstream = {t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks}
+    assert downstream == {
+        "prepare": ["evaluate", "plan_baseline", "preflight"],
+        "preflight": ["train"],
+        "train": ["plan_baseline"],
+        "plan_baseline": ["baseline"],
+        "baseline": ["evaluate"],
+        "evaluate": ["release"],
+        "release": [],
+    }
+
+
+def test_release_is_a_teardown_that_runs_whatever_happened(dag):
+    release = dag.get_task("release")
+    assert release.is_teardown
+    assert release.trigger_rule == "all_done_setup_success"
+    assert not [t for t in dag.tasks if t.is_setup]  # no setups: the rule reduces to all_done
+    assert dag.get_task("evaluate").trigger_rule == "none_failed"  # runs when the baseline is skipped
+
+
+def test_schedule_and_run_policy(dag):
+    assert dag.schedule == "0 2 * * *"
+    assert dag.catchup is False
+    assert dag.max_active_runs == 1
+    assert {"gpt", "tensorflow"} <= set(dag.tags)
+    assert dag.doc_md and "num_workers" in dag.doc_md
+    assert dag.get_task("train").retries == 1
+    assert dag.get_task("prepare").retries == 0  # bad settings do not get better on retry
+    assert dag.get_task("preflight").retries == 0
+
+
+def test_schedule_is_overridable_by_environment():
+    code = (
+        "import runpy; ns = runpy.run_path(%r); print(ns['gpt_finetune'].__class__.__name__, ns['SCHEDULE'])"
+        % str(DAG_FILE)
+    )
+    env = dict(os.environ, GPT_FINETUNE_SCHEDULE="30 4 * * 1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-5:] == ["30", "4", "*", "*", "1"]
+
+
+def test_params_cover_every_setting_with_matching_defaults(dag):
+    params = dag.params.dump()
+    assert sorted(params) == sorted(field_names())
+    defaults = RunConfig().to_dict()
+    for name, value in params.items():
+        if name != "storage_root":  # the DAG's default comes from the environment
+            assert value == defaults[name], name
+    for name in params:
+        assert dag.params.get_param(name).schema.get("type"), f"Param {name} has no JSON-schema type"
+    RunConfig.from_params(params)  # the form's defaults form a valid run
+
+
+def test_parsing_imports_no_heavy_library():
+    code = f"""
+import json, runpy, sys
+runpy.run_path({str(DAG_FILE)!r})
+heavy = sorted(m for m in sys.modules if m.split('.')[0] in {{'tensorflow', 'transformers', 'datasets', 'tf_keras',
+                                                              'keras', 'tokenizers', 'matplotlib', 'pyarrow'}})
+print(json.dumps(heavy))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
