@@ -1,0 +1,289 @@
+"""The evaluate task: both final models on the same validation shards, then speedup, efficiency and loss parity.
+
+Evaluation runs `python -m trainer.evaluate` in a child process, so TensorFlow never loads into the Airflow task
+runner. The report is written whatever the outcome of the gates; a failed gate then fails the task with the
+numbers in the message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections import deque
+from datetime import datetime, timezone
+from typing import Any
+
+from tasks import report as reports
+from tasks.baseline import read_key_record
+from trainer.config import RunConfig
+from trainer.layout import StorageLayout, TrainOutput
+from trainer.storage import exists, join, read_bytes, read_json
+
+log = logging.getLogger("gpt_finetune.compare")
+
+EVALUATE_MODULE = "trainer.evaluate"  # the worker entry point of docs/CONTRACTS.md
+BASELINE_EVAL = "eval.json"  # cached next to a baseline: its key covers the data and the evaluation code
+_OUTPUT_TAIL_LINES = 40
+
+
+class GateFailure(RuntimeError):
+    """The distributed model or run failed a comparison gate; the report was still written."""
+
+
+class EvaluationError(RuntimeError):
+    """`trainer.evaluate` exited with an error or wrote no result."""
+
+
+def evaluate_run(prepared: dict) -> dict:
+    from tasks.connections import storage_credentials
+
+    cfg = RunConfig.from_params(prepared["config"])
+    with storage_credentials(cfg.storage_conn_id):
+        return _evaluate(prepared, cfg)
+
+
+def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
+    distributed = TrainOutput(prepared["train_url"])
+    baseline = None if cfg.baseline == "skip" else TrainOutput(prepared["baseline_url"])
+    # Fail fast, before any model loads, when a training job left no summary (it did not complete).
+    distributed_summary = _read_summary(distributed, "train")
+    baseline_summary = _read_summary(baseline, "baseline") if baseline else None
+
+    report_url = prepared["report_url"]
+    distributed_eval = run_evaluation(distributed.model, prepared["manifest_url"],
+                                      join(report_url, "eval-distributed.json"), use_gpu=cfg.use_gpu)
+    baseline_eval = None
+    if baseline:
+        cached = join(baseline.url, BASELINE_EVAL)
+        if exists(cached):
+            log.info("Baseline evaluation reused from %s (same baseline key: same data and code).", cached)
+            baseline_eval = read_json(cached)
+        else:
+            baseline_eval = run_evaluation(baseline.model, prepared["manifest_url"], cached, use_gpu=cfg.use_gpu)
+
+    report = build_report(
+        prepared, cfg,
+        distributed=run_figures("distributed", distributed, distributed_summary, distributed_eval),
+        baseline=run_figures("baseline", baseline, baseline_summary, baseline_eval) if baseline else None,
+    )
+    charts = {
+        reports.LOSS_CHART: reports.loss_chart(
+            {run["label"]: read_metrics(TrainOutput(run["output_url"]))
+             for run in (report["runs"]["baseline"], report["runs"]["distributed"]) if run},
+            title=f"Training loss, global batch {cfg.global_batch_size}",
+        ),
+        reports.SCALING_CHART: reports.scaling_chart(
+            reports.load_history(StorageLayout(prepared["storage_root"]).runs, exclude_run_key=prepared["run_key"])
+            + reports.history_point(report),
+            current_run_id=prepared["run_id"],
+        ),
+    }
+    report_json_url = reports.write_report(report_url, report, charts)
+    log.info("Report written to %s\n%s\n%s", report_url, reports.text_table(report["table"]),
+             f"Hardware: {report['hardware']['line']}")
+
+    failed = [gate for gate in report["gates"] if not gate["passed"]]
+    if failed:
+        raise GateFailure(
+            f"{len(failed)} comparison gate(s) failed for run {prepared['run_id']} (report: {report_json_url}): "
+            + "; ".join(gate["detail"] for gate in failed)
+        )
+    comparison = report["comparison"]
+    return {
+        "report_url": report_json_url,
+        "report_md_url": join(report_url, reports.REPORT_MD),
+        "speedup": comparison["speedup"],
+        "efficiency": comparison["efficiency"],
+        "eval_loss": report["runs"]["distributed"]["eval_loss"],
+        "baseline_eval_loss": baseline_eval["eval_loss"] if baseline_eval else None,
+        "gates_passed": True,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inputs
+
+
+def _read_summary(output: TrainOutput, task_id: str) -> dict[str, Any]:
+    if not exists(output.summary):
+        raise FileNotFoundError(
+            f"{output.summary} does not exist: the '{task_id}' task did not complete, so there is nothing to "
+            f"compare. Check that task's log; for the baseline, trigger with baseline='run' to train it afresh."
+        )
+    return read_json(output.summary)
+
+
+def read_metrics(output: TrainOutput, rank: int = 0) -> list[dict[str, Any]]:
+    """The chief's metrics lines (the loss it logs is the global batch's); empty when it wrote none."""
+    url = output.metrics_file(rank)
+    if not exists(url):
+        log.warning("No metrics at %s: the loss chart will lack this run.", url)
+        return []
+    return [json.loads(line) for line in read_bytes(url).decode("utf-8").splitlines() if line.strip()]
+
+
+def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, use_gpu: bool) -> dict[str, Any]:
+    """`python -m trainer.evaluate` in a child process; its output streams to this log. Returns its result."""
+    command = [sys.executable, "-m", EVALUATE_MODULE, "--model", model_url, "--manifest", manifest_url,
+               "--output", output_url]
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1")
+    if not use_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # keep TF off any GPU of this host; a CPU run must not claim one
+    log.info("Evaluating %s: %s", model_url, " ".join(command))
+    started = time.monotonic()
+    tail: deque[str] = deque(maxlen=_OUTPUT_TAIL_LINES)
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          bufsize=1) as process:
+        for line in process.stdout:
+            tail.append(line.rstrip())
+            log.info("[evaluate] %s", line.rstrip())
+    elapsed = time.monotonic() - started
+    if process.returncode != 0:
+        raise EvaluationError(
+            f"{EVALUATE_MODULE} exited with code {process.returncode} after {elapsed:.1f} s on host "
+            f"{platform.node()} evaluating {model_url}. Last output:\n" + "\n".join(tail)
+        )
+    if not exists(output_url):
+        raise EvaluationError(f"{EVALUATE_MODULE} exited 0 but wrote no result at {output_url} (model {model_url}).")
+    result = read_json(output_url)
+    log.info("Evaluated %s in %.1f s: eval loss %.4f, perplexity %.2f", model_url, elapsed,
+             result["eval_loss"], result["perplexity"])
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# figures
+
+
+def run_figures(label: str, output: TrainOutput, summary: dict[str, Any], evaluation: dict[str, Any]) -> dict:
+    """The figures of one trained model, from its summary.json and its evaluation result."""
+    return {
+        "label": label,
+        "num_workers": summary["num_workers"],
+        "global_batch_size": summary["global_batch_size"],
+        "steps": summary["steps"],
+        "tokens_seen": summary["tokens_seen"],
+        "train_time_s": summary["train_time_s"],
+        "wall_time_s": summary["wall_time_s"],
+        "tokens_per_s": summary["tokens_per_s"],
+        "final_loss": summary["final_loss"],
+        "mfu": summary.get("mfu"),
+        "eval_loss": evaluation["eval_loss"],
+        "perplexity": evaluation["perplexity"],
+        "eval_tokens": evaluation["eval_tokens"],
+        "eval_time_s": evaluation["eval_time_s"],
+        "output_url": output.url,
+        "model_url": output.model,
+        "summary_url": output.summary,
+        "started_at": summary.get("started_at"),
+        "finished_at": summary.get("finished_at"),
+        "resumed_from_step": summary.get("resumed_from_step"),
+        "hardware": summary.get("hardware", {}),
+        "versions": summary.get("versions", {}),
+    }
+
+
+def compare(distributed: dict[str, Any], baseline: dict[str, Any] | None, tolerance: float) -> dict[str, Any]:
+    """speedup = T1/TN over training time without start-up; efficiency = speedup/N; delta = lossN - loss1."""
+    if baseline is None:
+        return {"speedup": None, "efficiency": None, "loss_delta": None, "loss_tolerance": tolerance}
+    speedup = baseline["train_time_s"] / distributed["train_time_s"] if distributed["train_time_s"] > 0 else None
+    return {
+        "speedup": speedup,
+        "efficiency": speedup / distributed["num_workers"] if speedup is not None else None,
+        "loss_delta": distributed["eval_loss"] - baseline["eval_loss"],
+        "loss_tolerance": tolerance,
+    }
+
+
+def gates(distributed: dict[str, Any], baseline: dict[str, Any] | None, comparison: dict[str, Any]) -> list[dict]:
+    """Each gate: name, passed, value, limit and a sentence with the numbers (used in the failure message)."""
+    finite = math.isfinite(distributed["eval_loss"])
+    result = [_gate("eval_loss_finite", finite, distributed["eval_loss"], None,
+                    f"distributed eval loss is {distributed['eval_loss']:.4f}"
+                    + ("" if finite else ": training diverged; lower 'learning_rate' or enable warmup"))]
+    if baseline is None:
+        return result
+    same_work = (baseline["steps"], baseline["global_batch_size"]) == (distributed["steps"],
+                                                                       distributed["global_batch_size"])
+    result.append(_gate(
+        "same_work", same_work, None, None,
+        f"baseline trained {baseline['steps']} steps of {baseline['global_batch_size']} sequences, distributed "
+        f"{distributed['steps']} of {distributed['global_batch_size']}"
+        + ("" if same_work else ": the comparison is void; trigger with baseline='run'"),
+    ))
+    delta, tolerance = comparison["loss_delta"], comparison["loss_tolerance"]
+    parity = math.isfinite(delta) and abs(delta) <= tolerance
+    result.append(_gate(
+        "loss_parity", parity, delta, tolerance,
+        f"eval loss distributed {distributed['eval_loss']:.4f} - baseline {baseline['eval_loss']:.4f} = "
+        f"{delta:+.4f} nats, tolerance ±{tolerance:.4f}"
+        + ("" if parity else " (setting 'loss_tolerance')"),
+    ))
+    return result
+
+
+def _gate(name: str, passed: bool, value: float | None, limit: float | None, detail: str) -> dict[str, Any]:
+    return {"name": name, "passed": bool(passed), "value": value, "limit": limit, "detail": detail}
+
+
+def hardware_line(cfg: RunConfig, distributed: dict[str, Any]) -> str:
+    """One honest sentence on what bounds the scaling of this run."""
+    hardware = distributed.get("hardware") or {}
+    workers = cfg.num_workers
+    if cfg.use_gpu:
+        gpu = hardware.get("gpu_name") or hardware.get("gpus") or "GPU"
+        hosts = hardware.get("hosts") or [platform.node()]
+        return f"{workers} workers x 1 GPU ({gpu}) on {len(hosts)} host(s); the baseline used 1 GPU."
+    cores = hardware.get("cpu_count") or os.cpu_count() or 1
+    if workers == 1:
+        return f"1 worker on a {cores}-core CPU."
+    return (
+        f"{workers} workers on a {cores}-core CPU: efficiency is bounded by cores. The 1-worker baseline already "
+        f"kept all {cores} cores busy, so the {workers} workers split the same cores: expect a speedup near 1x at "
+        f"best and efficiency near 1/N = {1 / workers:.0%}, less the cost of the gradient all-reduce."
+    )
+
+
+def build_report(prepared: dict, cfg: RunConfig, *, distributed: dict[str, Any],
+                 baseline: dict[str, Any] | None) -> dict[str, Any]:
+    comparison = compare(distributed, baseline, cfg.loss_tolerance)
+    checked = gates(distributed, baseline, comparison)
+    record = read_key_record(prepared["baseline_url"]) if baseline else None
+    trained_by = record["trained_by_run"] if record else None
+    report = {
+        "format_version": reports.REPORT_FORMAT_VERSION,
+        "run_id": prepared["run_id"],
+        "run_key": prepared["run_key"],
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "num_workers": cfg.num_workers,
+        "gates_passed": all(gate["passed"] for gate in checked),
+        "runs": {"distributed": distributed, "baseline": baseline},
+        "comparison": comparison,
+        "gates": checked,
+        "baseline": {
+            "policy": cfg.baseline,
+            "key": prepared["baseline_key"] if baseline else None,
+            "url": prepared["baseline_url"] if baseline else None,
+            "trained_by_run": trained_by,
+            "reused": bool(baseline) and trained_by != prepared["run_id"],
+        },
+        "hardware": {
+            "line": hardware_line(cfg, distributed),
+            "distributed": distributed["hardware"],
+            "baseline": baseline["hardware"] if baseline else None,
+            "task_host": {"host": platform.node(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
+        },
+        "versions": {**distributed["versions"], "task_python": platform.python_version()},
+        "config": cfg.to_dict(),
+        "dataset_fingerprint": prepared["dataset_fingerprint"],
+        "charts": {"loss_curves": reports.LOSS_CHART, "scaling": reports.SCALING_CHART},
+    }
+    report["table"] = reports.table_rows(report)
+    return report

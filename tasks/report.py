@@ -1,0 +1,248 @@
+"""The comparison report: the Markdown table, the PNG charts, the history of runs, and writing them all.
+
+`report.json` is written last under `<root>/runs/<run_key>/report/`: readers (the UI plugin, later runs' history
+charts) trust a report only once it exists. The layout of `report.json` (format_version 1):
+
+    {"format_version", "run_id", "run_key", "created_at", "num_workers", "gates_passed",
+     "runs": {"distributed": RUN, "baseline": RUN | null},
+     "comparison": {"speedup", "efficiency", "loss_delta", "loss_tolerance"} (null figures without a baseline),
+     "gates": [{"name", "passed", "value", "limit", "detail"}],
+     "baseline": {"policy", "key", "url", "trained_by_run", "reused"},
+     "hardware": {"line", "distributed", "baseline", "task_host"}, "versions": {...}, "config": {...},
+     "table": [ROW], "charts": {"loss_curves": "loss_curves.png", "scaling": "scaling.png"}}
+    RUN = {"label", "num_workers", "global_batch_size", "steps", "tokens_seen", "train_time_s", "wall_time_s",
+           "tokens_per_s", "final_loss", "mfu", "eval_loss", "perplexity", "eval_tokens", "eval_time_s",
+           "model_url", "summary_url", "started_at", "finished_at"}
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import logging
+import math
+from typing import Any, Iterable
+
+from trainer.storage import exists, join, list_dir, read_json, write_bytes_atomic, write_json_atomic
+
+log = logging.getLogger("gpt_finetune.report")
+
+REPORT_FORMAT_VERSION = 1
+REPORT_JSON = "report.json"
+REPORT_MD = "report.md"
+LOSS_CHART = "loss_curves.png"
+SCALING_CHART = "scaling.png"
+
+TABLE_COLUMNS = ("run", "workers", "train time", "eval time", "tokens/s", "speedup", "efficiency", "eval loss",
+                 "perplexity")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# numbers as text
+
+
+def fmt(value: Any, spec: str = ".3f", suffix: str = "") -> str:
+    """A figure for people; missing or non-finite values read as an em dash rather than 'None' or 'nan'."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    return f"{value:{spec}}{suffix}"
+
+
+def table_rows(report: dict[str, Any]) -> list[dict[str, str]]:
+    """One row per trained model: the baseline first (it is the 1-worker reference), then the distributed run."""
+    comparison = report["comparison"]
+    rows = []
+    for name in ("baseline", "distributed"):
+        run = report["runs"].get(name)
+        if not run:
+            continue
+        is_reference = name == "baseline"
+        rows.append({
+            "run": run["label"],
+            "workers": str(run["num_workers"]),
+            "train time": fmt(run["train_time_s"], ".1f", " s"),
+            "eval time": fmt(run["eval_time_s"], ".1f", " s"),
+            "tokens/s": fmt(run["tokens_per_s"], ",.0f"),
+            "speedup": "1.00x" if is_reference else fmt(comparison["speedup"], ".2f", "x"),
+            "efficiency": "100%" if is_reference else fmt(_percent(comparison["efficiency"]), ".0f", "%"),
+            "eval loss": fmt(run["eval_loss"], ".4f"),
+            "perplexity": fmt(run["perplexity"], ".2f"),
+        })
+    return rows
+
+
+def _percent(fraction: float | None) -> float | None:
+    return None if fraction is None else 100.0 * fraction
+
+
+def text_table(rows: list[dict[str, str]]) -> str:
+    """The table as aligned plain text, for the task log."""
+    widths = {col: max(len(col), *(len(row[col]) for row in rows)) for col in TABLE_COLUMNS}
+    lines = [" | ".join(col.ljust(widths[col]) for col in TABLE_COLUMNS),
+             "-+-".join("-" * widths[col] for col in TABLE_COLUMNS)]
+    lines += [" | ".join(row[col].ljust(widths[col]) for col in TABLE_COLUMNS) for row in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    comparison, runs = report["comparison"], report["runs"]
+    verdict = "PASSED" if report["gates_passed"] else "FAILED"
+    lines = [
+        f"# GPT fine-tune run `{report['run_id']}`",
+        "",
+        f"**Gates: {verdict}** · {report['num_workers']} workers · global batch "
+        f"{runs['distributed']['global_batch_size']} · {runs['distributed']['steps']} steps · "
+        f"created {report['created_at']}",
+        "",
+        "| " + " | ".join(TABLE_COLUMNS) + " |",
+        "|" + "|".join("---" for _ in TABLE_COLUMNS) + "|",
+    ]
+    lines += ["| " + " | ".join(row[col] for col in TABLE_COLUMNS) + " |" for row in report["table"]]
+    lines += [
+        "",
+        f"- Speedup T1/TN: {fmt(comparison['speedup'], '.2f', 'x')}; scaling efficiency (speedup / N): "
+        f"{fmt(_percent(comparison['efficiency']), '.0f', '%')}",
+        f"- Eval loss delta (distributed - baseline): {fmt(comparison['loss_delta'], '+.4f')} nats "
+        f"(tolerance ±{fmt(comparison['loss_tolerance'], '.4f')})",
+        f"- Hardware: {report['hardware']['line']}",
+        f"- Baseline: {_baseline_line(report['baseline'])}",
+        "",
+        "## Gates",
+        "",
+        "| gate | result | value | limit | detail |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {gate['name']} | {'pass' if gate['passed'] else 'FAIL'} | {fmt(gate['value'], '.4g')} | "
+        f"{fmt(gate['limit'], '.4g')} | {gate['detail']} |"
+        for gate in report["gates"]
+    ]
+    lines += ["", "## Charts", ""]
+    lines += [f"![{name}]({file})" for name, file in report["charts"].items()]
+    lines += ["", "## Versions", ""]
+    lines += [f"- {name}: {value}" for name, value in sorted(report["versions"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def _baseline_line(baseline: dict[str, Any]) -> str:
+    if baseline["policy"] == "skip":
+        return "skipped (policy 'skip'): no speedup or loss parity"
+    origin = "reused from run" if baseline["reused"] else "trained by this run"
+    return f"`{baseline['key']}`, {origin} {baseline['trained_by_run'] or '(unknown)'} (policy '{baseline['policy']}')"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# charts
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on Airflow workers; must precede pyplot
+    from matplotlib import pyplot
+
+    return pyplot
+
+
+def _png(pyplot, figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.tight_layout()
+    figure.savefig(buffer, format="png", dpi=110)
+    pyplot.close(figure)
+    return buffer.getvalue()
+
+
+def loss_chart(curves: dict[str, list[dict[str, Any]]], title: str) -> bytes:
+    """Training loss against tokens seen, one line per run (label -> metrics lines)."""
+    pyplot = _figure()
+    figure, axes = pyplot.subplots(figsize=(7.5, 4.2))
+    # Matching curves are the expected outcome, so later lines are dashed and thinner to keep both visible.
+    for (label, points), (style, width) in zip(curves.items(), itertools.cycle([("-", 3.0), ("--", 1.6)])):
+        points = [p for p in points if p.get("loss") is not None and p.get("tokens_seen") is not None]
+        if points:
+            axes.plot([p["tokens_seen"] for p in points], [p["loss"] for p in points], label=label,
+                      linestyle=style, linewidth=width, alpha=0.85)
+    axes.set_xlabel("tokens seen")
+    axes.set_ylabel("training loss (nats)")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    if axes.lines:
+        axes.legend()
+    else:
+        axes.text(0.5, 0.5, "no metrics recorded", ha="center", va="center", transform=axes.transAxes)
+    return _png(pyplot, figure)
+
+
+def scaling_chart(history: list[dict[str, Any]], current_run_id: str) -> bytes:
+    """Throughput and scaling efficiency against workers, every run in the history; this run highlighted."""
+    pyplot = _figure()
+    figure, (throughput_axes, efficiency_axes) = pyplot.subplots(1, 2, figsize=(10, 4.2))
+    for axes, field, ylabel in ((throughput_axes, "tokens_per_s", "train tokens/s"),
+                                (efficiency_axes, "efficiency", "scaling efficiency (speedup / N)")):
+        points = [p for p in history if p.get(field) is not None]
+        others = [p for p in points if p["run_id"] != current_run_id]
+        current = [p for p in points if p["run_id"] == current_run_id]
+        axes.scatter([p["num_workers"] for p in others], [p[field] for p in others], color="tab:gray", alpha=0.6,
+                     label="earlier runs")
+        axes.scatter([p["num_workers"] for p in current], [p[field] for p in current], color="tab:red", s=60,
+                     zorder=3, label="this run")
+        means = _mean_by_workers(points, field)
+        if means:
+            axes.plot(list(means), list(means.values()), color="tab:blue", linewidth=1.2, label="mean per N")
+        if field == "efficiency":
+            axes.axhline(1.0, color="tab:green", linestyle="--", linewidth=1, label="ideal")
+            axes.set_ylim(bottom=0)
+        axes.set_xlabel("workers (N)")
+        axes.set_ylabel(ylabel)
+        axes.xaxis.get_major_locator().set_params(integer=True)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize="small")
+    figure.suptitle(f"Scaling across {len({p['run_id'] for p in history})} runs")
+    return _png(pyplot, figure)
+
+
+def _mean_by_workers(points: Iterable[dict[str, Any]], field: str) -> dict[int, float]:
+    grouped: dict[int, list[float]] = {}
+    for point in points:
+        grouped.setdefault(point["num_workers"], []).append(point[field])
+    return {n: sum(values) / len(values) for n, values in sorted(grouped.items())}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# history and writing
+
+
+def history_point(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The scaling points one report contributes: its distributed run, and its baseline as the N=1 point."""
+    points = []
+    for name in ("baseline", "distributed"):
+        run = report["runs"].get(name)
+        if run:
+            efficiency = 1.0 if name == "baseline" else report["comparison"]["efficiency"]
+            points.append({"run_id": report["run_id"], "num_workers": run["num_workers"],
+                           "tokens_per_s": run["tokens_per_s"], "efficiency": efficiency})
+    return points
+
+
+def load_history(runs_url: str, *, exclude_run_key: str) -> list[dict[str, Any]]:
+    """Scaling points from every earlier run's report.json; unreadable reports are logged and left out."""
+    points = []
+    for key in list_dir(runs_url):
+        url = join(runs_url, key, "report", REPORT_JSON)
+        if key == exclude_run_key or not exists(url):
+            continue
+        try:
+            points += history_point(read_json(url))
+        except (ValueError, KeyError, TypeError) as error:
+            log.warning("Leaving %s out of the history charts: it is not a readable report (%s).", url, error)
+    return points
+
+
+def write_report(report_url: str, report: dict[str, Any], charts: dict[str, bytes]) -> str:
+    """Charts and report.md first, report.json last (its presence marks a complete report); returns its URL."""
+    for name, png in charts.items():
+        write_bytes_atomic(join(report_url, name), png)
+    write_bytes_atomic(join(report_url, REPORT_MD), render_markdown(report).encode("utf-8"))
+    json_url = join(report_url, REPORT_JSON)
+    write_json_atomic(json_url, report)
+    return json_url

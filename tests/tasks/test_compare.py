@@ -1,0 +1,152 @@
+"""The evaluate task on storage laid out as the trainer leaves it, evaluating through a real child process.
+
+`fixture_evaluate` stands in for `trainer.evaluate` (same command line and output) so these tests need no TF;
+`test_real_evaluate_*` runs the real entry point on a tiny model.
+"""
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from tasks import compare
+from tasks.baseline import plan_baseline
+from tasks.compare import EvaluationError, GateFailure, evaluate_run
+from tests.tasks import run_fixtures
+from trainer.storage import exists, join, read_bytes, read_json
+
+REPO = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def evaluations(tmp_path, monkeypatch):
+    """Route evaluation to the fixture entry point; returns a function listing the models it evaluated."""
+    calls = tmp_path / "evaluate-calls.txt"
+    calls.touch()
+    monkeypatch.setattr(compare, "EVALUATE_MODULE", "tests.tasks.fixture_evaluate")
+    monkeypatch.setenv("FIXTURE_EVALUATE_CALLS", str(calls))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return lambda: calls.read_text().split()
+
+
+@pytest.fixture
+def root(tmp_path):
+    return str(tmp_path / "storage")
+
+
+def trained_run(root, run_id, *, train_time_s=30.0, baseline_time_s=33.0, eval_loss=5.305, baseline_loss=5.300,
+                **settings):
+    """A run whose prepare, plan_baseline, train and (when planned) baseline tasks have finished."""
+    prepared = run_fixtures.prepare_run(root, run_id, **settings)
+    cfg = prepared["config"]
+    if plan_baseline(prepared):
+        run_fixtures.write_training_output(prepared["baseline_url"], num_workers=1, train_time_s=baseline_time_s,
+                                           eval_loss=baseline_loss, global_batch_size=16)
+    run_fixtures.write_training_output(prepared["train_url"], num_workers=cfg["num_workers"],
+                                       train_time_s=train_time_s, eval_loss=eval_loss, global_batch_size=16)
+    return prepared
+
+
+def test_two_workers_against_the_baseline_report_every_figure(root, evaluations, caplog):
+    caplog.set_level(logging.INFO, logger="gpt_finetune.compare")
+    prepared = trained_run(root, "manual__2026-11-29T10:00:00+00:00")
+
+    result = evaluate_run(prepared)
+
+    assert result["speedup"] == pytest.approx(33.0 / 30.0)
+    assert result["efficiency"] == pytest.approx(33.0 / 30.0 / 2)
+    assert (result["eval_loss"], result["baseline_eval_loss"], result["gates_passed"]) == (5.305, 5.300, True)
+    assert result["report_url"] == join(prepared["report_url"], "report.json")
+    report = read_json(result["report_url"])
+    distributed, baseline = report["runs"]["distributed"], report["runs"]["baseline"]
+    assert (distributed["num_workers"], baseline["num_workers"]) == (2, 1)
+    assert distributed["perplexity"] == pytest.approx(math.exp(5.305))
+    assert distributed["tokens_per_s"] == pytest.approx(40 * 16 * 64 / 30.0)
+    assert (distributed["eval_time_s"], distributed["eval_tokens"]) == (1.25, 2560)
+    assert report["comparison"]["loss_delta"] == pytest.approx(0.005)
+    assert [gate["name"] for gate in report["gates"]] == ["eval_loss_finite", "same_work", "loss_parity"]
+    assert report["hardware"]["line"].startswith("2 workers on a 2-core CPU: efficiency is bounded by cores")
+    assert report["config"]["num_workers"] == 2 and report["versions"]["tensorflow"] == "2.21.0"
+    assert report["baseline"] == {"policy": "auto", "key": prepared["baseline_key"], "url": prepared["baseline_url"],
+                                  "trained_by_run": prepared["run_id"], "reused": False}
+
+    markdown = read_bytes(result["report_md_url"]).decode()
+    assert "| run | workers | train time | eval time | tokens/s | speedup | efficiency | eval loss | perplexity |" \
+        in markdown
+    assert "| distributed | 2 | 30.0 s | 1.2 s | 1,365 | 1.10x | 55% | 5.3050 | 201.34 |" in markdown
+    assert "efficiency is bounded by cores" in markdown
+    for chart in ("loss_curves.png", "scaling.png"):
+        assert read_bytes(join(prepared["report_url"], chart)).startswith(PNG_MAGIC)
+    assert sorted(evaluations()) == sorted([join(prepared["train_url"], "model"),
+                                            join(prepared["baseline_url"], "model")])
+    # The task log ends with the table.
+    assert caplog.records[-1].getMessage().splitlines()[-2].startswith("distributed | 2 ")
+
+
+def test_a_reused_baseline_is_not_trained_or_evaluated_again(root, evaluations):
+    first = trained_run(root, "scheduled__1")
+    evaluate_run(first)
+    second = trained_run(root, "scheduled__2", train_time_s=25.0, baseline_time_s=99.0)  # 99: never written
+
+    result = evaluate_run(second)
+
+    assert second["baseline_key"] == first["baseline_key"]
+    assert result["speedup"] == pytest.approx(33.0 / 25.0)  # the first baseline's time
+    report = read_json(result["report_url"])
+    assert report["baseline"]["reused"] is True and report["baseline"]["trained_by_run"] == "scheduled__1"
+    assert evaluations().count(join(first["baseline_url"], "model")) == 1
+    assert evaluations().count(join(second["train_url"], "model")) == 1
+
+
+def test_an_impossible_tolerance_fails_the_task_and_still_writes_the_report(root, evaluations):
+    prepared = trained_run(root, "manual__gate", loss_tolerance=0.001, eval_loss=5.31, baseline_loss=5.30)
+
+    with pytest.raises(GateFailure) as failure:
+        evaluate_run(prepared)
+
+    message = str(failure.value)
+    assert "5.3100 - baseline 5.3000 = +0.0100 nats, tolerance ±0.0010" in message
+    assert "'loss_tolerance'" in message and prepared["run_id"] in message
+    report = read_json(join(prepared["report_url"], "report.json"))
+    assert report["gates_passed"] is False
+    assert {gate["name"]: gate["passed"] for gate in report["gates"]} == {
+        "eval_loss_finite": True, "same_work": True, "loss_parity": False}
+    assert "**Gates: FAILED**" in read_bytes(join(prepared["report_url"], "report.md")).decode()
+
+
+def test_skip_reports_the_distributed_run_alone(root, evaluations):
+    prepared = trained_run(root, "manual__skip", baseline="skip")
+
+    result = evaluate_run(prepared)
+
+    assert (result["speedup"], result["efficiency"], result["baseline_eval_loss"]) == (None, None, None)
+    report = read_json(result["report_url"])
+    assert report["runs"]["baseline"] is None and [row["run"] for row in report["table"]] == ["distributed"]
+    assert evaluations() == [join(prepared["train_url"], "model")]
+
+
+def test_an_unfinished_training_fails_fast_before_any_evaluation(root, evaluations):
+    prepared = run_fixtures.prepare_run(root, "manual__1")
+    run_fixtures.write_training_output(prepared["train_url"], num_workers=2, train_time_s=30.0, eval_loss=5.3,
+                                       complete=False)
+    with pytest.raises(FileNotFoundError, match="'train' task did not complete"):
+        evaluate_run(prepared)
+    assert evaluations() == []
+    assert not exists(join(prepared["report_url"], "report.json"))
+
+
+def test_a_failing_evaluation_names_the_model_and_shows_its_output(root, evaluations):
+    prepared = trained_run(root, "manual__1", baseline="skip")
+    compare_model = join(prepared["train_url"], "model", "fixture_eval.json")
+    os.remove(compare_model)
+
+    with pytest.raises(EvaluationError) as failure:
+        evaluate_run(prepared)
+
+    assert "exited with code 3" in str(failure.value)
+    assert join(prepared["train_url"], "model") in str(failure.value)
+    assert "fixture_eval.json missing" in str(failure.value)
+    assert not exists(join(prepared["report_url"], "report.json"))
