@@ -1,0 +1,93 @@
+"""Report rendering: the table, missing figures, charts as real PNGs, and the history of earlier runs."""
+
+import logging
+import struct
+
+from tasks import report as reports
+from trainer.storage import exists, join, read_bytes, write_bytes_atomic, write_json_atomic
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    return struct.unpack(">II", data[16:24])
+
+
+def run(label, workers, train_time_s, tokens_per_s, eval_loss):
+    return {"label": label, "num_workers": workers, "global_batch_size": 16, "steps": 40, "train_time_s": train_time_s,
+            "eval_time_s": 2.0, "tokens_per_s": tokens_per_s, "eval_loss": eval_loss, "perplexity": 2.718 ** eval_loss}
+
+
+def report(run_id="manual__1", workers=2, efficiency=0.45, baseline=True):
+    report = {
+        "run_id": run_id, "created_at": "2026-11-29T10:00:00+00:00", "num_workers": workers, "gates_passed": True,
+        "runs": {"distributed": run("distributed", workers, 40.0, 1000.0 * workers * efficiency, 5.31),
+                 "baseline": run("baseline", 1, 40.0 * workers * efficiency, 1000.0, 5.30) if baseline else None},
+        "comparison": {"speedup": workers * efficiency if baseline else None,
+                       "efficiency": efficiency if baseline else None,
+                       "loss_delta": 0.01 if baseline else None, "loss_tolerance": 0.02},
+        "gates": [{"name": "loss_parity", "passed": True, "value": 0.01, "limit": 0.02, "detail": "within"}],
+        "baseline": {"policy": "auto" if baseline else "skip", "key": "tiny-k", "trained_by_run": run_id,
+                     "reused": False},
+        "hardware": {"line": "2 workers on a 2-core CPU: efficiency is bounded by cores."},
+        "versions": {"tensorflow": "2.21.0"},
+        "charts": {"loss_curves": reports.LOSS_CHART, "scaling": reports.SCALING_CHART},
+    }
+    report["table"] = reports.table_rows(report)
+    return report
+
+
+def test_table_puts_the_reference_first_and_shows_missing_figures_as_dashes():
+    rows = reports.table_rows(report())
+    assert [row["run"] for row in rows] == ["baseline", "distributed"]
+    assert (rows[0]["speedup"], rows[0]["efficiency"]) == ("1.00x", "100%")
+    assert (rows[1]["speedup"], rows[1]["efficiency"], rows[1]["tokens/s"]) == ("0.90x", "45%", "900")
+
+    alone = report(baseline=False)
+    alone["runs"]["distributed"]["eval_time_s"] = None
+    (row,) = reports.table_rows(alone)
+    assert (row["speedup"], row["efficiency"], row["eval time"]) == ("—", "—", "—")
+    assert reports.fmt(float("nan")) == "—"
+
+
+def test_markdown_and_text_table_carry_the_same_rows():
+    data = report()
+    markdown = reports.render_markdown(data)
+    assert "| baseline | 1 | 36.0 s | 2.0 s | 1,000 | 1.00x | 100% | 5.3000 |" in markdown
+    assert "(tolerance ±0.0200)" in markdown and "efficiency is bounded by cores" in markdown
+    assert "![scaling](scaling.png)" in markdown
+    text = reports.text_table(data["table"]).splitlines()
+    assert text[0].split(" | ")[0].strip() == "run" and len(text) == 4
+    assert "skipped (policy 'skip')" in reports.render_markdown(report(baseline=False))
+
+
+def test_charts_are_pngs_even_without_data():
+    curve = [{"step": s, "loss": 8.0 - s / 10, "tokens_seen": s * 1024} for s in range(1, 30)]
+    assert png_size(reports.loss_chart({"baseline": curve, "distributed": curve}, "loss")) == (825, 462)
+    assert png_size(reports.loss_chart({"distributed": []}, "no metrics"))[0] > 0
+    history = reports.history_point(report("a", 2, 0.45)) + reports.history_point(report("b", 4, 0.2))
+    assert png_size(reports.scaling_chart(history, current_run_id="b")) == (1100, 462)
+
+
+def test_history_reads_every_earlier_report_and_skips_unreadable_ones(tmp_path, caplog):
+    runs_url = str(tmp_path / "runs")
+    for run_id, workers, efficiency in (("r1", 2, 0.5), ("r2", 4, 0.25), ("current", 2, 0.4)):
+        write_json_atomic(join(runs_url, run_id, "report", "report.json"), report(run_id, workers, efficiency))
+    write_bytes_atomic(join(runs_url, "broken", "report", "report.json"), b"{not json")
+    write_json_atomic(join(runs_url, "pending", "config.json"), {})  # a run still training: no report yet
+
+    with caplog.at_level(logging.WARNING, logger="gpt_finetune.report"):
+        points = reports.load_history(runs_url, exclude_run_key="current")
+
+    assert sorted((p["run_id"], p["num_workers"], p["efficiency"]) for p in points) == [
+        ("r1", 1, 1.0), ("r1", 2, 0.5), ("r2", 1, 1.0), ("r2", 4, 0.25)]
+    assert "broken/report/report.json" in caplog.text
+
+
+def test_write_report_writes_every_file(tmp_path):
+    url = str(tmp_path / "report")
+    write_json_atomic(join(url, "preflight.json"), {"ok": True})  # written earlier by the preflight task
+    json_url = reports.write_report(url, report(), {"scaling.png": b"\x89PNG fake"})
+    assert json_url == join(url, "report.json") and exists(json_url)
+    assert read_bytes(join(url, "scaling.png")) == b"\x89PNG fake"
+    assert read_bytes(join(url, "report.md")).startswith(b"# GPT fine-tune run `manual__1`")
+    assert exists(join(url, "preflight.json"))
