@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 
 import pendulum
-from airflow.sdk import Param, dag, task
+from airflow.sdk import Asset, Param, dag, task
 
 SCHEDULE = os.environ.get("GPT_FINETUNE_SCHEDULE", "0 2 * * *")
 DEFAULT_STORAGE_ROOT = os.environ.get("GPT_FINETUNE_STORAGE_ROOT", "storage")
 
 PREPARE = "prepare"
+# Updated by every successful prepare; its event's extra names the manifest, so other DAGs can schedule on it.
+SHARDS_ASSET = Asset(name="gpt_finetune_shards", uri="gpt-finetune://datasets/shards")
 
 # One entry per RunConfig field (trainer/config.py): the trigger form and --conf both go through these, and
 # RunConfig.from_params re-checks everything, including keys Airflow does not know.
@@ -102,11 +104,16 @@ Trigger from the CLI: `airflow dags trigger gpt_finetune --conf '{"num_workers":
 def gpt_finetune():
     from tf_multiworker.operator import TFMultiWorkerOperator  # plugins/ is on sys.path when Airflow parses
 
-    @task(task_id=PREPARE, retries=0)
-    def prepare(params=None, run_id=None) -> dict:
+    @task(task_id=PREPARE, retries=0, outlets=[SHARDS_ASSET])
+    def prepare(params=None, run_id=None, outlet_events=None) -> dict:
         from tasks.prepare import prepare_run
 
-        return prepare_run(params, run_id)
+        prepared_run = prepare_run(params, run_id)
+        outlet_events[SHARDS_ASSET].extra = {
+            "manifest_url": prepared_run["manifest_url"],
+            "fingerprint": prepared_run["dataset_fingerprint"],
+        }
+        return prepared_run
 
     def prepared(key: str) -> str:
         return "{{ ti.xcom_pull(task_ids='" + PREPARE + "')['" + key + "'] }}"
