@@ -19,6 +19,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     AIRFLOW__CORE__PLUGINS_FOLDER=/opt/airflow/project/plugins \
     AIRFLOW__CORE__LOAD_EXAMPLES=False \
     PYTHONPATH=/opt/airflow/project:/opt/airflow/project/plugins \
+    GPT_FINETUNE_STORAGE_ROOT=/opt/airflow/storage \
     TF_USE_LEGACY_KERAS=1 \
     TF_CPP_MIN_LOG_LEVEL=2
 
@@ -34,13 +35,12 @@ RUN case "${LOCAL_WORKERS}" in \
       *) echo "LOCAL_WORKERS=${LOCAL_WORKERS} is not one of none, cpu, gpu" >&2; exit 1 ;; \
     esac
 
-# Code stays root-owned: the airflow user runs it but cannot change it. data/sample is the DAG's default dataset
-# ("data/sample/*.txt", relative to the repository).
+# Code stays root-owned: the airflow user runs it but cannot change it, so the default storage root above lies in
+# the writable AIRFLOW_HOME. data/sample is the DAG's default dataset ("data/sample/*.txt", relative to the
+# repository, which tasks find next to their own package).
 COPY dags/ /opt/airflow/project/dags/
 COPY plugins/ /opt/airflow/project/plugins/
 COPY tasks/ /opt/airflow/project/tasks/
 COPY trainer/ /opt/airflow/project/trainer/
 COPY data/sample/ /opt/airflow/project/data/sample/
 RUN python -c 'import trainer.config, trainer.storage, trainer.layout, tasks, tf_multiworker'
-
-WORKDIR /opt/airflow/project
