@@ -12,10 +12,11 @@ import hashlib
 import json
 import logging
 import re
+from collections.abc import Mapping
+from datetime import UTC, datetime
 from importlib import metadata
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from trainer.config import RunConfig
 from trainer.layout import StorageLayout
@@ -135,7 +136,7 @@ def read_key_record(baseline_url: str) -> dict[str, Any] | None:
 def _write_key_record(baseline_url: str, key: str, parts: dict[str, Any], run_id: str) -> None:
     write_json_atomic(join(baseline_url, KEY_RECORD), {
         "key": key, "parts": parts, "trained_by_run": run_id,
-        "planned_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "planned_at": datetime.now(UTC).isoformat(timespec="seconds"),
     })
 
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from tasks import report as reports
@@ -261,7 +261,7 @@ def build_report(prepared: dict, cfg: RunConfig, *, distributed: dict[str, Any],
         "format_version": reports.REPORT_FORMAT_VERSION,
         "run_id": prepared["run_id"],
         "run_key": prepared["run_key"],
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "num_workers": cfg.num_workers,
         "gates_passed": all(gate["passed"] for gate in checked),
         "runs": {"distributed": distributed, "baseline": baseline},

@@ -21,7 +21,8 @@ import io
 import itertools
 import logging
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from trainer.storage import exists, join, list_dir, read_json, write_bytes_atomic, write_json_atomic
 
@@ -90,9 +91,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# GPT fine-tune run `{report['run_id']}`",
         "",
-        f"**Gates: {verdict}** · {report['num_workers']} workers · global batch "
-        f"{runs['distributed']['global_batch_size']} · {runs['distributed']['steps']} steps · "
-        f"created {report['created_at']}",
+        (f"**Gates: {verdict}** · {report['num_workers']} workers · global batch "
+         f"{runs['distributed']['global_batch_size']} · {runs['distributed']['steps']} steps · "
+         f"created {report['created_at']}"),
         "",
         "| " + " | ".join(TABLE_COLUMNS) + " |",
         "|" + "|".join("---" for _ in TABLE_COLUMNS) + "|",
@@ -100,10 +101,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += ["| " + " | ".join(row[col] for col in TABLE_COLUMNS) + " |" for row in report["table"]]
     lines += [
         "",
-        f"- Speedup T1/TN: {fmt(comparison['speedup'], '.2f', 'x')}; scaling efficiency (speedup / N): "
-        f"{fmt(_percent(comparison['efficiency']), '.0f', '%')}",
-        f"- Eval loss delta (distributed - baseline): {fmt(comparison['loss_delta'], '+.4f')} nats "
-        f"(tolerance ±{fmt(comparison['loss_tolerance'], '.4f')})",
+        (f"- Speedup T1/TN: {fmt(comparison['speedup'], '.2f', 'x')}; scaling efficiency (speedup / N): "
+         f"{fmt(_percent(comparison['efficiency']), '.0f', '%')}"),
+        (f"- Eval loss delta (distributed - baseline): {fmt(comparison['loss_delta'], '+.4f')} nats "
+         f"(tolerance ±{fmt(comparison['loss_tolerance'], '.4f')})"),
         f"- Hardware: {report['hardware']['line']}",
         f"- Baseline: {_baseline_line(report['baseline'])}",
         "",

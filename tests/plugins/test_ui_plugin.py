@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import uvicorn
+from fastapi.testclient import TestClient
 
 from tasks import compare
 from tests.tasks import run_fixtures
-from trainer.storage import join, write_json_atomic
+from trainer.storage import join, upload_tree, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"
@@ -27,7 +28,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--no-first-run"]
 
 sys.path.insert(0, str(REPO / "plugins"))  # as Airflow does for its plugins folder
-from gpt_finetune_ui.reports_app import create_app  # noqa: E402
+from gpt_finetune_ui.reports_app import create_app
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ print(json.dumps({"info": info, "runs": [run["run_id"] for run in runs], "errors
     env = {key: value for key, value in os.environ.items() if not key.startswith("AIRFLOW")}
     env.update({"AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
                 "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "GPT_FINETUNE_STORAGE_ROOT": storage_root})
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+    result = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=120,
                             cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
@@ -157,3 +158,20 @@ print(json.dumps({"info": info, "runs": [run["run_id"] for run in runs], "errors
                                          "category": "browse"}]
     assert loaded["runs"] == ["scheduled__2026-11-29T02:00:00+00:00", "scheduled__2026-11-28T02:00:00+00:00",
                               "manual__training"]
+
+
+def test_reports_are_read_from_s3(storage_root, s3_server, monkeypatch):
+    for name, value in {"AWS_ENDPOINT_URL": s3_server, "AWS_ACCESS_KEY_ID": "test-key",
+                        "AWS_SECRET_ACCESS_KEY": "test-secret", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    for report in sorted(Path(storage_root).glob("runs/*/report")):
+        upload_tree(report, f"s3://runs/ui/runs/{report.parent.name}/report")
+    client = TestClient(create_app("s3://runs/ui"))
+
+    runs = client.get("/api/runs").json()
+    assert [(run["status"], run["speedup"]) for run in runs] == [("failed", pytest.approx(1.5)),
+                                                                ("passed", pytest.approx(1.1))]
+    page = client.get("/runs/scheduled__2026-11-28T02_00_00_00_00/")
+    assert page.status_code == 200 and "<td>1.10x</td>" in page.text
+    chart = client.get("/runs/scheduled__2026-11-28T02_00_00_00_00/charts/scaling.png")
+    assert chart.headers["content-type"] == "image/png" and chart.content.startswith(b"\x89PNG")
