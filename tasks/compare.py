@@ -170,6 +170,7 @@ def run_figures(label: str, output: TrainOutput, summary: dict[str, Any], evalua
         "steps": summary["steps"],
         "tokens_seen": summary["tokens_seen"],
         "train_time_s": summary["train_time_s"],
+        "seconds_per_step": seconds_per_step(summary),
         "wall_time_s": summary["wall_time_s"],
         "tokens_per_s": summary["tokens_per_s"],
         "final_loss": summary["final_loss"],
@@ -189,11 +190,22 @@ def run_figures(label: str, output: TrainOutput, summary: dict[str, Any], evalua
     }
 
 
+def seconds_per_step(summary: dict[str, Any]) -> float | None:
+    """Training seconds per timed step; None when the job timed no step (it resumed at its last step)."""
+    timed = summary.get("steps_timed", summary["steps"] - (summary.get("resumed_from_step") or 0))
+    return summary["train_time_s"] / timed if timed and summary["train_time_s"] > 0 else None
+
+
 def compare(distributed: dict[str, Any], baseline: dict[str, Any] | None, tolerance: float) -> dict[str, Any]:
-    """speedup = T1/TN over training time without start-up; efficiency = speedup/N; delta = lossN - loss1."""
+    """speedup = T1/TN, efficiency = speedup/N, delta = lossN - loss1.
+
+    T is the training time per optimizer step (no start-up, no compiling first step): with equal steps it is the
+    ratio of the train times, and it stays right when a job resumed from a checkpoint and timed fewer steps.
+    """
     if baseline is None:
         return {"speedup": None, "efficiency": None, "loss_delta": None, "loss_tolerance": tolerance}
-    speedup = baseline["train_time_s"] / distributed["train_time_s"] if distributed["train_time_s"] > 0 else None
+    timed = baseline["seconds_per_step"] is not None and distributed["seconds_per_step"]
+    speedup = baseline["seconds_per_step"] / distributed["seconds_per_step"] if timed else None
     return {
         "speedup": speedup,
         "efficiency": speedup / distributed["num_workers"] if speedup is not None else None,
@@ -238,16 +250,16 @@ def hardware_line(cfg: RunConfig, distributed: dict[str, Any]) -> str:
     hardware = distributed.get("hardware") or {}
     workers = cfg.num_workers
     if cfg.use_gpu:
-        gpu = hardware.get("gpu_name") or hardware.get("gpus") or "GPU"
-        hosts = hardware.get("hosts") or [platform.node()]
-        return f"{workers} workers x 1 GPU ({gpu}) on {len(hosts)} host(s); the baseline used 1 GPU."
+        return (f"{workers} workers x 1 GPU ({hardware.get('gpu') or 'GPU'}), chief on {hardware.get('host')}; "
+                f"the baseline trained on 1 GPU of the same kind.")
     cores = hardware.get("cpu_count") or os.cpu_count() or 1
+    cpu = f" ({hardware['cpu']})" if hardware.get("cpu") else ""
     if workers == 1:
-        return f"1 worker on a {cores}-core CPU."
+        return f"1 worker on a {cores}-core CPU{cpu}."
     return (
         f"{workers} workers on a {cores}-core CPU: efficiency is bounded by cores. The 1-worker baseline already "
         f"kept all {cores} cores busy, so the {workers} workers split the same cores: expect a speedup near 1x at "
-        f"best and efficiency near 1/N = {1 / workers:.0%}, less the cost of the gradient all-reduce."
+        f"best and efficiency near 1/N = {1 / workers:.0%}, less the cost of the gradient all-reduce. CPU{cpu}."
     )
 
 

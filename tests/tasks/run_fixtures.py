@@ -60,9 +60,10 @@ def write_training_output(url: str, *, num_workers: int, global_batch_size: int 
         write_json_atomic(output.summary, {
             "num_workers": num_workers, "global_batch_size": global_batch_size, "steps": steps,
             "tokens_seen": steps * tokens_per_step, "wall_time_s": train_time_s + 6.0, "train_time_s": train_time_s,
-            "tokens_per_s": steps * tokens_per_step / train_time_s, "final_loss": final_loss, "mfu": None,
-            "resumed_from_step": None,
-            "hardware": {"host": "ci-runner", "cpu_count": cpu_count, "gpus": []},
+            "tokens_per_s": (steps - 1) * tokens_per_step / train_time_s, "final_loss": final_loss, "mfu": None,
+            "resumed_from_step": 0, "first_step_s": 2.5, "steps_timed": steps - 1,
+            "hardware": {"host": "ci-runner", "cpu": "Fixture CPU @ 2.0GHz", "cpu_count": cpu_count,
+                         "device": "CPU", "gpu": None},
             "versions": {"tensorflow": "2.21.0", "transformers": "4.57.6", "tf_keras": "2.21.0"},
             "config": {}, "started_at": "2026-11-29T10:01:00+00:00", "finished_at": "2026-11-29T10:02:00+00:00",
         })

@@ -64,7 +64,7 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
     distributed, baseline = report["runs"]["distributed"], report["runs"]["baseline"]
     assert (distributed["num_workers"], baseline["num_workers"]) == (2, 1)
     assert distributed["perplexity"] == pytest.approx(math.exp(5.305))
-    assert distributed["tokens_per_s"] == pytest.approx(40 * 16 * 64 / 30.0)
+    assert distributed["tokens_per_s"] == pytest.approx(39 * 16 * 64 / 30.0)  # the compiling first step untimed
     assert (distributed["eval_time_s"], distributed["eval_tokens"]) == (1.25, 2560)
     assert report["comparison"]["loss_delta"] == pytest.approx(0.005)
     assert [gate["name"] for gate in report["gates"]] == ["eval_loss_finite", "same_work", "loss_parity"]
@@ -76,7 +76,7 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
     markdown = read_bytes(result["report_md_url"]).decode()
     assert "| run | workers | train time | eval time | tokens/s | speedup | efficiency | eval loss | perplexity |" \
         in markdown
-    assert "| distributed | 2 | 30.0 s | 1.2 s | 1,365 | 1.10x | 55% | 5.3050 | 201.34 |" in markdown
+    assert "| distributed | 2 | 30.0 s | 1.2 s | 1,331 | 1.10x | 55% | 5.3050 | 201.34 |" in markdown
     assert "efficiency is bounded by cores" in markdown
     for chart in ("loss_curves.png", "scaling.png"):
         assert read_bytes(join(prepared["report_url"], chart)).startswith(PNG_MAGIC)
@@ -150,3 +150,13 @@ def test_a_failing_evaluation_names_the_model_and_shows_its_output(root, evaluat
     assert join(prepared["train_url"], "model") in str(failure.value)
     assert "fixture_eval.json missing" in str(failure.value)
     assert not exists(join(prepared["report_url"], "report.json"))
+
+
+def test_speedup_compares_time_per_step_so_a_resumed_job_is_measured_fairly():
+    baseline = {"steps": 40, "steps_timed": 39, "train_time_s": 39.0, "resumed_from_step": 0}
+    resumed = {"steps": 40, "steps_timed": 19, "train_time_s": 9.5, "resumed_from_step": 20}  # 0.5 s per step
+    assert compare.seconds_per_step(baseline) == 1.0 and compare.seconds_per_step(resumed) == 0.5
+    assert compare.seconds_per_step({**resumed, "steps_timed": 0}) is None
+    figures = {"num_workers": 4, "eval_loss": 5.0, "seconds_per_step": 0.5}
+    result = compare.compare(figures, {**figures, "num_workers": 1, "seconds_per_step": 1.0}, 0.02)
+    assert (result["speedup"], result["efficiency"], result["loss_delta"]) == (2.0, 0.5, 0.0)
