@@ -3,20 +3,20 @@
 `dataset` is a local path, a `file://` or `s3://` URL (a file, a directory or a glob) of `.txt`, `.jsonl`/`.json`
 or `.parquet` files, or a hub dataset id when the machine is online. Plain text files are split into documents
 at blank lines (paragraphs); structured files give one document per row of `text_column`.
-S3 endpoint and credentials come from the environment only (see `trainer.storage`).
+Object-storage files are downloaded with `trainer.storage`, whose S3 endpoint and credentials come from the\nenvironment only.
 """
 
 from __future__ import annotations
 
 import glob
 import logging
-import os
 import re
 from dataclasses import asdict, dataclass
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
-from trainer.storage import filesystem, storage_options_from_env
+from trainer.storage import download_file, filesystem
 
 log = logging.getLogger("gpt_finetune.prepare")
 
@@ -147,7 +147,7 @@ def _hub_sources(spec: str) -> Sources:
             f"Setting 'dataset' = {spec!r} is neither an existing path nor reachable: it looks like a hub dataset "
             "id but the hub is offline (HF_HUB_OFFLINE). Use local or s3:// files, or run where the hub is online."
         ) from error
-    except Exception as error:  # noqa: BLE001 - any hub failure means the same thing to the user
+    except Exception as error:
         raise SourceError(f"Setting 'dataset' = {spec!r}: no such local path, and the hub lookup failed: {error}") from error
     modified = info.last_modified.isoformat() if info.last_modified else ""
     return Sources(spec=spec, builder="hub", files=(SourceFile(f"hf://datasets/{spec}@{info.sha}", 0, modified),))
@@ -163,14 +163,11 @@ def load_documents(sources: Sources, text_column: str, cache_dir: Path):
         name, revision = sources.files[0].url.removeprefix("hf://datasets/").rsplit("@", 1)
         dataset = datasets.load_dataset(name, revision=revision, **options)
     else:
-        urls = [f.url for f in sources.files]
+        options["data_files"] = _local_copies(sources, cache_dir / "sources")
         if sources.builder == "text":
             options["sample_by"] = "paragraph"
-        storage_options = storage_options_from_env(urls[0])
-        if storage_options:
-            options["storage_options"] = storage_options
         try:
-            dataset = datasets.load_dataset(sources.builder, data_files=urls, **options)
+            dataset = datasets.load_dataset(sources.builder, **options)
         except Exception as error:
             _raise_for_contents(sources, error)
             raise
@@ -192,11 +189,32 @@ def load_documents(sources: Sources, text_column: str, cache_dir: Path):
     return dataset
 
 
+def _local_copies(sources: Sources, directory: Path) -> list[str]:
+    """Local paths of the sources; object-storage files are downloaded first (with the environment's endpoint
+    and credentials), which also works where `datasets` runs offline."""
+    paths = []
+    for index, source in enumerate(sources.files):
+        if "://" not in source.url:
+            paths.append(source.url)
+            continue
+        target = directory / f"{index:05d}-{Path(source.url).name}"
+        download_file(source.url, target)
+        paths.append(str(target))
+    return paths
+
+
 def _raise_for_contents(sources: Sources, error: BaseException) -> None:
-    """Turn a failure deep inside `datasets` into one that names the file; re-raises nothing itself if unknown."""
-    cause: BaseException | None = error
-    while cause is not None and not isinstance(cause, UnicodeDecodeError):
+    """Turn a failure deep inside `datasets` into one that names the file; returns when the cause is unknown."""
+    from datasets.arrow_writer import SchemaInferenceError
+
+    chain, cause = [], error
+    while cause is not None:
+        chain.append(cause)
         cause = cause.__cause__ or cause.__context__
+    # datasets reports files without a single row as a schema it cannot infer, or a split without data.
+    if any(isinstance(c, SchemaInferenceError) or "corresponds to no data" in str(c) for c in chain):
+        raise SourceError(f"Dataset {sources.spec!r} has no documents: no rows in {_names(sources)}.") from error
+    cause = next((c for c in chain if isinstance(c, UnicodeDecodeError)), None)
     if cause is None or sources.builder == "parquet":
         return
     for source in sources.files:
@@ -213,10 +231,15 @@ def _raise_for_contents(sources: Sources, error: BaseException) -> None:
     raise SourceError(f"A source file of {sources.spec!r} is not valid UTF-8 ({cause}).") from error
 
 
+def _names(sources: Sources) -> str:
+    names = [f.url for f in sources.files]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def _iso_mtime(timestamp: float) -> str:
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    return datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat()
+    return datetime.fromtimestamp(timestamp, tz=UTC).isoformat()
 
 
-__all__ = ["SourceError", "SourceFile", "Sources", "resolve_sources", "load_documents", "TEXT"]
+__all__ = ["TEXT", "SourceError", "SourceFile", "Sources", "load_documents", "resolve_sources"]

@@ -25,22 +25,23 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
-from tasks.sources import TEXT, Sources, SourceError, load_documents, resolve_sources
+from tasks.sources import TEXT, SourceError, Sources, load_documents, resolve_sources
 from tasks.tfrecord import write_sequence_records
 from trainer import storage
 from trainer.config import RunConfig
+from trainer.data import FORMAT_VERSION
 from trainer.layout import StorageLayout
 
 log = logging.getLogger("gpt_finetune.prepare")
 
-FORMAT_VERSION = 1
 BPE_RECIPE = "bytelevel-bpe/v1"  # bump when the BPE training recipe changes: it is part of the fingerprint
 EOS_TOKEN = "<|endoftext|>"
 RECORD_TARGET_BYTES = 64 << 10  # many sequences per record keeps TFRecord framing far below 1% of the bytes
@@ -73,14 +74,30 @@ class TokenizerPlan:
     pretrained: Any | None  # a loaded PreTrainedTokenizerFast, or None when a BPE is trained here
 
 
-def prepare_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0) -> PreparedDataset:
-    started = time.perf_counter()
-    layout = StorageLayout(cfg.storage_root)
+@dataclass(frozen=True)
+class DatasetIdentity:
+    """Everything the fingerprint covers, resolved from a RunConfig without tokenizing anything."""
+
+    sources: Sources
+    tokenizer: TokenizerPlan
+    settings: dict[str, Any]
+    fingerprint: str
+
+
+def identify_dataset(cfg: RunConfig) -> DatasetIdentity:
+    """Resolve sources, check the model's positions and the tokenizer, and compute the fingerprint."""
     sources = _resolve(cfg)
     check_block_size(cfg)
     plan = plan_tokenizer(cfg)
     settings = packing_settings(cfg, sources, plan)
-    fingerprint = dataset_fingerprint(sources, plan, settings)
+    return DatasetIdentity(sources, plan, settings, dataset_fingerprint(sources, plan, settings))
+
+
+def prepare_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0) -> PreparedDataset:
+    started = time.perf_counter()
+    layout = StorageLayout(cfg.storage_root)
+    identity = identify_dataset(cfg)
+    sources, plan, settings, fingerprint = identity.sources, identity.tokenizer, identity.settings, identity.fingerprint
     manifest_url = layout.manifest(fingerprint)
     log.info(
         "dataset %s: %d file(s), %s; tokenizer %s; block_size %d; fingerprint %s",
@@ -235,7 +252,7 @@ def complete_manifest(manifest_url: str, fingerprint: str) -> dict[str, Any] | N
     """The manifest when it and every file it lists exist with the listed sizes; None otherwise."""
     try:
         manifest = storage.read_json(manifest_url)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     if manifest.get("fingerprint") != fingerprint or manifest.get("format_version") != FORMAT_VERSION:
         log.warning("%s belongs to another fingerprint or format; preparing again", manifest_url)
@@ -260,7 +277,7 @@ def _check_writable(root: str) -> None:
         storage.write_bytes_atomic(probe, b"")
         fs, path = storage.filesystem(probe)
         fs.rm(path)
-    except Exception as error:  # noqa: BLE001 - whatever the backend raises, the remedy is the same
+    except Exception as error:
         raise PrepareError(
             f"Setting 'storage_root' = {root!r} cannot be written ({type(error).__name__}: {error}). Fix its "
             "permissions or credentials, or point 'storage_root' elsewhere. Nothing was tokenized."
@@ -325,7 +342,7 @@ def _build(
     manifest = {
         "format_version": FORMAT_VERSION,
         "fingerprint": fingerprint,
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "dtype": plan.dtype,
         "block_size": block,
         "sequences_per_record": per_record,
@@ -357,7 +374,14 @@ def validation_mask(count: int, val_fraction: float, seed: int) -> np.ndarray:
 
 def train_bpe(documents, is_validation: np.ndarray, vocab_size: int):
     """A byte-level BPE (GPT-2 style) trained on the training documents, as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import GPT2TokenizerFast
 
     started = time.perf_counter()
@@ -592,4 +616,4 @@ def _human_rate(rate: float) -> str:
     return f"{rate / 1e6:.2f}M" if rate >= 1e6 else f"{rate / 1e3:.1f}k"
 
 
-__all__ = ["PrepareError", "PreparedDataset", "prepare_dataset", "FORMAT_VERSION", "EOS_TOKEN"]
+__all__ = ["EOS_TOKEN", "FORMAT_VERSION", "PrepareError", "PreparedDataset", "prepare_dataset"]

@@ -1,0 +1,153 @@
+"""Reading the prepared dataset: manifest, each worker's shards, staging with verification, the tf.data pipeline.
+
+Readers trust only `manifest.json` (see docs/CONTRACTS.md). Shards are copied to local disk and checked against
+the manifest's size and sha256 before training starts, so a truncated or altered shard stops the run with the
+file's name instead of corrupting it. TensorFlow is imported inside `make_dataset` only: the task side imports
+this module without paying for it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from trainer import storage
+
+FORMAT_VERSION = 1
+_REQUIRED_KEYS = ("format_version", "fingerprint", "dtype", "block_size", "sequences_per_record", "tokenizer", "splits")
+SHUFFLE_BUFFER_SEQUENCES = 8192
+
+
+class DataError(RuntimeError):
+    """The prepared dataset is missing, of another format, or damaged."""
+
+
+def load_manifest(url: str) -> dict[str, Any]:
+    try:
+        manifest = storage.read_json(url)
+    except FileNotFoundError as error:
+        raise DataError(
+            f"Manifest {url} does not exist: the prepare task has not completed for this dataset. Run it again."
+        ) from error
+    missing = [key for key in _REQUIRED_KEYS if key not in manifest]
+    if missing:
+        raise DataError(f"Manifest {url} lacks {missing}: it was not written by the prepare task. Prepare again.")
+    if manifest["format_version"] != FORMAT_VERSION:
+        raise DataError(
+            f"Manifest {url} has format_version {manifest['format_version']}, this trainer reads {FORMAT_VERSION}: "
+            "prepare the dataset again with this version."
+        )
+    return manifest
+
+
+def dataset_dir(manifest_url: str) -> str:
+    return manifest_url.rstrip("/").rsplit("/", 1)[0]
+
+
+def tokenizer_url(manifest_url: str, manifest: dict[str, Any]) -> str:
+    return storage.join(dataset_dir(manifest_url), manifest["tokenizer"]["path"])
+
+
+def worker_shards(manifest: dict[str, Any], split: str, rank: int, num_workers: int) -> list[dict[str, Any]]:
+    """This worker's shards: every `num_workers`-th from `rank`, so no file is read by two workers."""
+    if split not in manifest["splits"]:
+        raise DataError(f"The manifest has no split {split!r}; it has {sorted(manifest['splits'])}.")
+    if not 0 <= rank < num_workers:
+        raise DataError(f"Rank {rank} is outside a group of {num_workers} workers.")
+    shards = manifest["splits"][split]["shards"]
+    if len(shards) < num_workers:
+        raise DataError(
+            f"Split {split!r} has {len(shards)} shard(s) for {num_workers} workers: every worker needs its own. "
+            "Prepare the dataset again with 'num_shards' >= 'num_workers'."
+        )
+    return shards[rank::num_workers]
+
+
+def stage_shards(manifest_url: str, shards: Sequence[dict[str, Any]], local_dir: str | Path) -> list[str]:
+    """Copy `shards` next to the worker and verify each against the manifest; returns the local paths.
+
+    A local copy that already matches is kept (restarts and the baseline reuse it); one that does not is fetched
+    again. A shard that is still wrong after the download raises `DataError` naming it.
+    """
+    local_dir = Path(local_dir)
+    local_dir.mkdir(parents=True, exist_ok=True)
+    source_dir = dataset_dir(manifest_url)
+    staged = []
+    for shard in shards:
+        target = local_dir / shard["name"]
+        if not _matches(target, shard):
+            url = storage.join(source_dir, shard["name"])
+            partial = target.with_name(f".{target.name}.{os.getpid()}.part")
+            try:
+                storage.download_file(url, partial)
+            except FileNotFoundError as error:
+                raise DataError(f"Shard {url} listed in {manifest_url} is missing: prepare the dataset again.") from error
+            problem = _mismatch(partial, shard)
+            if problem:
+                partial.unlink(missing_ok=True)
+                raise DataError(
+                    f"Shard {url} is damaged: {problem}. Delete {source_dir} and run the prepare task again."
+                )
+            os.replace(partial, target)
+        staged.append(str(target))
+    return staged
+
+
+def _matches(path: Path, shard: dict[str, Any]) -> bool:
+    return path.is_file() and _mismatch(path, shard) is None
+
+
+def _mismatch(path: Path, shard: dict[str, Any]) -> str | None:
+    size = path.stat().st_size
+    if size != shard["bytes"]:
+        return f"{size} bytes where the manifest says {shard['bytes']}"
+    digest = storage.sha256_file(path)
+    if digest != shard["sha256"]:
+        return f"sha256 {digest[:12]}... where the manifest says {shard['sha256'][:12]}..."
+    return None
+
+
+def make_dataset(
+    files: Sequence[str],
+    *,
+    block_size: int,
+    dtype: str,
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    repeat: bool,
+):
+    """`tf.data.Dataset` of int32 `[batch_size, block_size]` token batches (inputs and labels are the same ids;
+    the model shifts them). Full batches only, so every worker steps in lockstep."""
+    import tensorflow as tf
+
+    if not files:
+        raise DataError("make_dataset got no shard files.")
+    # uint32 ids are below 2**31 in any real vocabulary, so reading them as int32 keeps the bits and the value.
+    raw_dtype = {"uint16": tf.uint16, "uint32": tf.int32}.get(dtype)
+    if raw_dtype is None:
+        raise DataError(f"Unknown token dtype {dtype!r} in the manifest: expected uint16 or uint32.")
+
+    names = tf.data.Dataset.from_tensor_slices(list(files))
+    if shuffle:
+        names = names.shuffle(len(files), seed=seed, reshuffle_each_iteration=True)
+    records = names.interleave(
+        tf.data.TFRecordDataset, cycle_length=min(len(files), 4), num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
+    )
+
+    def decode(record):
+        ids = tf.io.decode_raw(record, raw_dtype, little_endian=True)
+        return tf.reshape(tf.cast(ids, tf.int32), [-1, block_size])
+
+    sequences = records.map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
+    if repeat:
+        sequences = sequences.repeat()
+    if shuffle:
+        sequences = sequences.shuffle(SHUFFLE_BUFFER_SEQUENCES, seed=seed, reshuffle_each_iteration=True)
+    return sequences.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
+__all__ = ["DataError", "load_manifest", "make_dataset", "stage_shards", "tokenizer_url", "worker_shards"]
