@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ from tasks import report as reports
 from tasks.baseline import read_key_record
 from trainer.config import RunConfig
 from trainer.layout import StorageLayout, TrainOutput
-from trainer.storage import exists, join, read_bytes, read_json
+from trainer.storage import exists, join, read_bytes, read_json, remove_tree
 
 log = logging.getLogger("gpt_finetune.compare")
 
@@ -56,6 +57,8 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
     baseline_summary = _read_summary(baseline, "baseline") if baseline else None
 
     report_url = prepared["report_url"]
+    for stale in (reports.REPORT_JSON, reports.REPORT_MD, reports.LOSS_CHART, reports.SCALING_CHART):
+        remove_tree(join(report_url, stale))  # an earlier attempt's report must not pass for this one's
     distributed_eval = run_evaluation(distributed.model, prepared["manifest_url"],
                                       join(report_url, "eval-distributed.json"), use_gpu=cfg.use_gpu)
     baseline_eval = None
@@ -133,16 +136,23 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, use_gp
     command = [sys.executable, "-m", EVALUATE_MODULE, "--model", model_url, "--manifest", manifest_url,
                "--output", output_url]
     env = dict(os.environ, TF_USE_LEGACY_KERAS="1")
-    if not use_gpu:
+    if use_gpu:
+        env.setdefault("CUDA_VISIBLE_DEVICES", "0")  # one GPU is plenty; TF would otherwise claim every GPU
+    else:
         env["CUDA_VISIBLE_DEVICES"] = ""  # keep TF off any GPU of this host; a CPU run must not claim one
+    remove_tree(output_url)  # a result left by an earlier attempt must not pass for this one
     log.info("Evaluating %s: %s", model_url, " ".join(command))
     started = time.monotonic()
     tail: deque[str] = deque(maxlen=_OUTPUT_TAIL_LINES)
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          bufsize=1) as process:
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               bufsize=1, start_new_session=True)
+    try:
         for line in process.stdout:
             tail.append(line.rstrip())
             log.info("[evaluate] %s", line.rstrip())
+        process.wait()
+    finally:
+        _stop(process)  # the task was killed or timed out: the evaluation must not outlive it
     elapsed = time.monotonic() - started
     if process.returncode != 0:
         raise EvaluationError(
@@ -155,6 +165,19 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, use_gp
     log.info("Evaluated %s in %.1f s: eval loss %.4f, perplexity %.2f", model_url, elapsed,
              result["eval_loss"], result["perplexity"])
     return result
+
+
+def _stop(process: subprocess.Popen, grace_s: float = 10.0) -> None:
+    process.stdout.close()
+    if process.poll() is not None:
+        return
+    log.warning("Stopping %s (pid %d).", EVALUATE_MODULE, process.pid)
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Stands in for `python -m trainer.evaluate` with the same command line and output contract, without TF.
 
 It reports the loss recorded in `<model>/fixture_eval.json` (written by run_fixtures) and exits 3 naming the file
-when the model has none, like the real entry point does for a missing model. Each call is appended to
+when the model has none, like the real entry point does for a missing model; it hangs for `hang_s` seconds when
+that file says so. Each call is appended to
 `$FIXTURE_EVALUATE_CALLS` so tests can count evaluations.
 """
 
@@ -9,6 +10,7 @@ import argparse
 import math
 import os
 import sys
+import time
 
 from trainer.storage import exists, join, read_json, write_json_atomic
 
@@ -25,7 +27,11 @@ def main() -> int:
         print(f"error: no model at {args.model} ({recorded} missing)", file=sys.stderr)
         return 3
     validation = read_json(args.manifest)["splits"]["validation"]
-    eval_loss = read_json(recorded)["eval_loss"]
+    recorded = read_json(recorded)
+    if recorded.get("hang_s"):  # a stuck evaluation, for the tests that end it
+        print(f"evaluating as pid {os.getpid()}", flush=True)
+        time.sleep(recorded["hang_s"])
+    eval_loss = recorded["eval_loss"]
     print(f"evaluated {validation['sequences']} sequences: loss {eval_loss:.4f}", flush=True)
     write_json_atomic(args.output, {"eval_loss": eval_loss, "perplexity": math.exp(eval_loss),
                                     "eval_tokens": validation["tokens"], "eval_time_s": 1.25,

@@ -7,6 +7,7 @@
 import logging
 import math
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from tasks import compare
 from tasks.baseline import plan_baseline
 from tasks.compare import EvaluationError, GateFailure, evaluate_run
 from tests.tasks import run_fixtures
-from trainer.storage import exists, join, read_bytes, read_json
+from trainer.storage import exists, join, read_bytes, read_json, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -160,3 +161,27 @@ def test_speedup_compares_time_per_step_so_a_resumed_job_is_measured_fairly():
     figures = {"num_workers": 4, "eval_loss": 5.0, "seconds_per_step": 0.5}
     result = compare.compare(figures, {**figures, "num_workers": 1, "seconds_per_step": 1.0}, 0.02)
     assert (result["speedup"], result["efficiency"], result["loss_delta"]) == (2.0, 0.5, 0.0)
+
+
+def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, caplog):
+    """Airflow's execution_timeout raises from a SIGALRM handler while the task waits on the child."""
+    caplog.set_level(logging.INFO, logger="gpt_finetune.compare")
+    model = join(root, "model")
+    write_json_atomic(join(model, "fixture_eval.json"), {"eval_loss": 5.3, "hang_s": 120})
+    manifest = run_fixtures.write_manifest(root)
+
+    def timeout(signum, frame):
+        raise TimeoutError("execution_timeout")
+
+    previous = signal.signal(signal.SIGALRM, timeout)
+    signal.setitimer(signal.ITIMER_REAL, 3.0)
+    try:
+        with pytest.raises(TimeoutError):
+            compare.run_evaluation(model, manifest, join(root, "eval.json"), use_gpu=False)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+    (line,) = [r.getMessage() for r in caplog.records if "evaluating as pid" in r.getMessage()]
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(line.rsplit(" ", 1)[1]), 0)
