@@ -1,0 +1,168 @@
+"""What a training run reports: per-rank JSON lines, the chief's progress line, TensorBoard, GPU samples, MFU."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("trainer.metrics")
+
+# Dense bf16/fp16 tensor-core peak FLOP/s per GPU (vendor datasheets, SXM parts, no sparsity). MFU is reported
+# only for GPUs listed here; the name is matched as a substring of the NVML device name.
+PEAK_FLOPS_16BIT = {
+    "H200": 989.4e12,
+    "H100": 989.4e12,
+    "A100": 312e12,
+    "L40S": 362.05e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "V100": 125e12,
+}
+
+
+class MetricsLog:
+    """Appends one JSON object per optimizer step to this rank's file (`metrics/rank-<r>.jsonl`)."""
+
+    def __init__(self, path: Path, resume_from_step: int) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._drop_lines_after(resume_from_step)
+        self._handle = path.open("a", encoding="utf-8")
+
+    def _drop_lines_after(self, step: int) -> None:
+        """A retried run repeats the steps after its checkpoint; keep each step once, from the run that counts."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._handle.write(json.dumps(record) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+class ProgressPrinter:
+    """The chief's stdout line every `interval_s`: step/total, loss, tokens/s, ETA."""
+
+    def __init__(self, total_steps: int, interval_s: float = 5.0) -> None:
+        self.total_steps = total_steps
+        self.interval_s = interval_s
+        self._last = 0.0
+
+    def maybe_print(self, step: int, loss: float, lr: float, tokens_per_s: float, seconds_per_step: float) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval_s and step != self.total_steps:
+            return
+        self._last = now
+        eta = timedelta(seconds=round(seconds_per_step * (self.total_steps - step)))
+        print(
+            f"step {step}/{self.total_steps} loss {loss:.4f} lr {lr:.2e} "
+            f"tokens/s {tokens_per_s:,.0f} ETA {eta}",
+            flush=True,
+        )
+
+
+class TensorBoardLog:
+    """Scalars per step into TensorBoard event files (chief only).
+
+    Written with TF's own `tf.summary.write` and the scalars plugin tag, exactly what `tf.summary.scalar` emits:
+    the `tensorboard` package (which `tf.summary.scalar` needs) is not a dependency of the workers.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        import tensorflow as tf
+        from tensorflow.core.framework import summary_pb2
+
+        self._tf = tf
+        self._writer = tf.summary.create_file_writer(str(directory))
+        self._metadata = summary_pb2.SummaryMetadata(
+            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+        ).SerializeToString()
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        with self._writer.as_default(step=step):
+            for name, value in scalars.items():
+                self._tf.summary.write(name, self._tf.constant(value, self._tf.float32), metadata=self._metadata)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class GpuSampler:
+    """Utilization and memory of this worker's GPU through NVML; `sample()` is empty without a GPU or NVML."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._handle = None
+        self.name: str | None = None
+        if not enabled:
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible)) if visible.isdigit() else (
+                pynvml.nvmlDeviceGetHandleByUUID(visible))
+            self.name = pynvml.nvmlDeviceGetName(self._handle)
+            self._nvml = pynvml
+        except Exception as error:  # noqa: BLE001 - no driver / no library: report without GPU samples
+            log.info("NVML unavailable (%s): metrics lines carry no GPU samples", error)
+            self._handle = None
+
+    def sample(self) -> dict[str, float]:
+        if self._handle is None:
+            return {}
+        utilization = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+        memory = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+        return {"gpu_util": float(utilization.gpu), "gpu_mem_mb": round(memory.used / 2**20, 1)}
+
+    def peak_flops(self) -> float | None:
+        if not self.name:
+            return None
+        return next((flops for key, flops in PEAK_FLOPS_16BIT.items() if key in self.name), None)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware_info(gpu_name: str | None, device_kind: str) -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "device": device_kind,
+        "gpu": gpu_name,
+    }
+
+
+def versions() -> dict[str, str]:
+    import tensorflow as tf
+    import tf_keras
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "tf_keras": tf_keras.__version__,
+        "transformers": transformers.__version__,
+    }

@@ -1,0 +1,463 @@
+"""Train GPT-2 on the manifest's shards: one entry point for one worker (no TF_CONFIG) and for N workers.
+
+    python -m trainer.train --config URL --manifest URL --output URL
+
+Everything that can be checked without TensorFlow (config, manifest, shard split, TF_CONFIG) is checked first, so
+a bad run fails in a second. Then `MultiWorkerMirroredStrategy` is created before any other TF op, the worker
+signals the launcher, and a custom loop trains: one `strategy.run` per optimizer step, gradients accumulated
+over micro-batches on each worker, all-reduced once, clipped, applied by AdamW.
+
+Data order: the global batch of a step is made of `num_workers x grad_accum_steps` slots of
+`batch_size_per_worker` sequences. Slot s always reads the same shard files in the same seeded order, whichever
+worker computes it, so 2 workers x 1 micro-step, 1 worker x 2 micro-steps (the baseline) and any other split of
+the same global batch see the same sequences at every step and follow the same loss curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from trainer import runtime, storage
+from trainer.config import ConfigError, RunConfig
+from trainer.data import DataError, load_manifest, tokenizer_url, worker_shards
+from trainer.layout import TrainOutput
+
+log = logging.getLogger("trainer.train")
+
+PROGRESS_INTERVAL_S = 5.0
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """A checked plan for this worker: what to train, on which shards, where to write."""
+
+    cfg: RunConfig
+    manifest: dict[str, Any]
+    manifest_url: str
+    output: TrainOutput
+    identity: runtime.WorkerIdentity
+    slot_shards: tuple[tuple[dict[str, Any], ...], ...]  # per micro-step: the shards it reads
+    slot_order: bool  # True: per-slot data order, identical for every worker/accumulation split
+
+    @property
+    def rank(self) -> int:
+        return self.identity.rank
+
+    @property
+    def is_chief(self) -> bool:
+        return self.identity.is_chief
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.global_batch_size * self.cfg.block_size
+
+
+def plan_job(config_url: str, manifest_url: str, output_url: str, environ: dict[str, str] | None = None) -> TrainJob:
+    """Validate config, TF_CONFIG and manifest against each other without TensorFlow; raise ConfigError."""
+    cfg = RunConfig.from_params(storage.read_json(config_url))
+    if cfg.max_steps <= 0:
+        raise ConfigError(f"{config_url}: 'max_steps' must be resolved (> 0) before training, got {cfg.max_steps}.")
+    identity = runtime.worker_identity(environ)
+    where = f"rank {identity.rank} on {identity.host}"
+    if identity.num_workers != cfg.num_workers:
+        raise ConfigError(
+            f"{where}: TF_CONFIG lists {identity.num_workers} workers but the config {config_url} says "
+            f"'num_workers' = {cfg.num_workers}: launch as many workers as the config names."
+        )
+    manifest = load_manifest(manifest_url)
+    if manifest["block_size"] != cfg.block_size:
+        raise ConfigError(
+            f"{where}: the shards of {manifest_url} hold sequences of {manifest['block_size']} tokens but "
+            f"'block_size' = {cfg.block_size}: re-prepare the dataset or set 'block_size' to match."
+        )
+    vocab_size = manifest["tokenizer"]["vocab_size"]
+    expected_dtype = "uint16" if vocab_size <= 65536 else "uint32"
+    if manifest["dtype"] != expected_dtype:
+        raise ConfigError(
+            f"{where}: {manifest_url} stores tokens as {manifest['dtype']} but a vocabulary of {vocab_size} "
+            f"needs {expected_dtype}: the manifest is inconsistent, re-prepare the dataset."
+        )
+    # Raises naming the counts when there are fewer shards than workers.
+    worker_shards(manifest, "train", identity.rank, identity.num_workers)
+
+    micro_steps = cfg.grad_accum_steps
+    num_slots = cfg.num_workers * micro_steps
+    if len(manifest["splits"]["train"]["shards"]) >= num_slots:
+        first = identity.rank * micro_steps
+        slots = tuple(
+            tuple(worker_shards(manifest, "train", slot, num_slots)) for slot in range(first, first + micro_steps)
+        )
+        return TrainJob(cfg, manifest, manifest_url, TrainOutput(output_url), identity, slots, True)
+    # Too few shards for one per slot: the worker's shards feed all its micro-steps in turn (still a correct
+    # run, but its data order differs from a split of the same global batch over other worker counts).
+    own = tuple(worker_shards(manifest, "train", identity.rank, identity.num_workers))
+    return TrainJob(cfg, manifest, manifest_url, TrainOutput(output_url), identity, (own,), False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TensorFlow from here on
+
+
+def create_strategy(cfg: RunConfig, multi_worker: bool):
+    """The distribution strategy; with TF_CONFIG it is the first TF object created in the process."""
+    import tensorflow as tf
+
+    if not cfg.use_gpu:
+        tf.config.set_visible_devices([], "GPU")
+    elif not tf.config.list_physical_devices("GPU"):
+        raise RuntimeError(
+            f"'use_gpu' is true but TensorFlow sees no GPU on {runtime.worker_identity().host} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): set 'use_gpu' false or fix the driver."
+        )
+    if not multi_worker:
+        return tf.distribute.get_strategy()
+    implementation = {
+        "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+        "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+        "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+    }[cfg.communication]
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=implementation, timeout_seconds=cfg.collective_timeout_s
+    )
+    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+
+
+def input_dataset(job: TrainJob, local_files: list[list[str]], start_step: int):
+    """This worker's stream of optimizer steps: int32 [grad_accum_steps, batch_size_per_worker, block_size]."""
+    import tensorflow as tf
+
+    from trainer.data import make_dataset
+
+    cfg = job.cfg
+
+    def shard_stream(files: list[str]):
+        return make_dataset(
+            files, block_size=cfg.block_size, dtype=job.manifest["dtype"], batch_size=cfg.batch_size_per_worker,
+            shuffle=True, seed=cfg.seed, repeat=True,
+        )
+
+    if job.slot_order:
+        streams = tuple(shard_stream(files) for files in local_files)
+        steps = tf.data.Dataset.zip(streams).map(lambda *micro: tf.stack(micro))
+    else:
+        steps = shard_stream(local_files[0]).batch(cfg.grad_accum_steps, drop_remainder=True)
+    # Resuming at step k replays the same seeded order and drops what steps 1..k consumed.
+    return steps.skip(start_step).prefetch(tf.data.AUTOTUNE)
+
+
+def stage_inputs(job: TrainJob) -> list[list[str]]:
+    """Copy and verify this worker's shards into a per-dataset cache that a retry or the baseline reuses."""
+    from trainer.data import stage_shards
+
+    cache = Path(tempfile.gettempdir()) / "gpt-finetune-shards" / job.manifest["fingerprint"]
+    return [stage_shards(job.manifest_url, list(shards), cache) for shards in job.slot_shards]
+
+
+class TrainState:
+    """Model, optimizer and step counter under the strategy, with the compiled step function."""
+
+    def __init__(self, job: TrainJob, strategy, work_dir: Path) -> None:
+        import tensorflow as tf
+
+        from trainer.model import build_model, causal_lm_loss
+        from trainer.optim import GRAD_CLIP_NORM, learning_rate_schedule, make_optimizer
+
+        cfg = job.cfg
+        self.strategy = strategy
+        with strategy.scope():
+            self.model = build_model(
+                cfg.model, vocab_size=job.manifest["tokenizer"]["vocab_size"],
+                eos_token_id=job.manifest["tokenizer"]["eos_token_id"], block_size=cfg.block_size, work_dir=work_dir,
+            )
+            self.schedule = learning_rate_schedule(cfg)
+            self.optimizer = make_optimizer(cfg, self.schedule)
+            self.optimizer.build(self.model.trainable_variables)
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="train_step")
+        self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step)
+
+        model, optimizer, variables = self.model, self.optimizer, self.model.trainable_variables
+        micro_steps = cfg.grad_accum_steps
+        # Each micro-step's loss is scaled so that summing over micro-steps and replicas gives the mean.
+        gradient_scale = 1.0 / (micro_steps * strategy.num_replicas_in_sync)
+        loss_scaling = cfg.mixed_precision == "fp16"
+
+        @tf.function(jit_compile=cfg.xla)
+        def accumulate_gradients(micro_batches):
+            gradients = [tf.zeros_like(v) for v in variables]
+            loss_sum = tf.constant(0.0)
+            for index in tf.range(micro_steps):
+                with tf.GradientTape() as tape:
+                    loss = causal_lm_loss(model, micro_batches[index], training=True)
+                    scaled = loss * gradient_scale
+                    if loss_scaling:
+                        scaled = optimizer.get_scaled_loss(scaled)
+                micro_gradients = tape.gradient(scaled, variables)
+                if loss_scaling:
+                    micro_gradients = optimizer.get_unscaled_gradients(micro_gradients)
+                gradients = [total + tf.convert_to_tensor(g) for total, g in zip(gradients, micro_gradients)]
+                loss_sum += loss
+            return gradients, loss_sum / micro_steps
+
+        def replica_step(micro_batches):
+            gradients, loss = accumulate_gradients(micro_batches)
+            context = tf.distribute.get_replica_context()
+            gradients = context.all_reduce(tf.distribute.ReduceOp.SUM, gradients)
+            gradients, norm = tf.clip_by_global_norm(gradients, GRAD_CLIP_NORM)
+            optimizer.apply_gradients(zip(gradients, variables), skip_gradients_aggregation=True)
+            return loss, norm
+
+        @tf.function
+        def train_step(micro_batches):
+            loss, norm = strategy.run(replica_step, args=(micro_batches,))
+            mean = tf.distribute.ReduceOp.MEAN
+            return strategy.reduce(mean, loss, axis=None), strategy.reduce(mean, norm, axis=None)
+
+        self.train_step = train_step
+
+    def learning_rate(self, step: int) -> float:
+        return float(self.schedule(step))
+
+    def check_same_step_everywhere(self, rank: int) -> None:
+        """Every worker must resume from the same checkpoint, or the all-reduces would mix different steps."""
+        import tensorflow as tf
+
+        own = tf.reshape(self.step.read_value(), [1])
+        restored = sorted(set(self.strategy.gather(self.strategy.run(lambda: own), axis=0).numpy().tolist()))
+        if len(restored) > 1:
+            raise RuntimeError(
+                f"rank {rank} restored step {int(own[0])} but the workers restored steps {restored}: their "
+                "checkpoint directories differ. Give every worker the same --output."
+            )
+
+
+class OutputFiles:
+    """This worker's local copy of the output's metrics/tensorboard files, published to object storage if remote."""
+
+    def __init__(self, job: TrainJob, work_dir: Path) -> None:
+        self.output = job.output
+        self.rank = job.rank
+        fs, path = storage.filesystem(job.output.url)
+        self.remote = not storage.is_local(fs)
+        self.root = work_dir / "output" if self.remote else Path(path)
+        self.metrics_file = self.root / "metrics" / f"rank-{job.rank}.jsonl"
+        self.tensorboard = self.root / "tensorboard"
+        if self.remote and storage.exists(job.output.metrics_file(job.rank)):
+            storage.download_file(job.output.metrics_file(job.rank), self.metrics_file)
+
+    def publish(self, include_tensorboard: bool) -> None:
+        if not self.remote:
+            return
+        if self.metrics_file.exists():
+            storage.upload_file(self.metrics_file, self.output.metrics_file(self.rank))
+        if include_tensorboard and self.tensorboard.exists():
+            storage.upload_tree(self.tensorboard, self.output.tensorboard)
+
+
+def export_model(job: TrainJob, model, work_dir: Path) -> None:
+    """Chief: model + tokenizer to `TrainOutput.model`, complete or absent. Others: a temp save, then removed."""
+    if not job.is_chief:
+        scratch = Path(tempfile.mkdtemp(prefix=f"workertemp_{job.rank}_model_"))
+        model.save_pretrained(str(scratch))
+        shutil.rmtree(scratch, ignore_errors=True)
+        return
+    from transformers import AutoTokenizer
+
+    from trainer.model import stage_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(stage_model_dir(tokenizer_url(job.manifest_url, job.manifest), work_dir))
+    fs, path = storage.filesystem(job.output.model)
+    local = storage.is_local(fs)
+    staging = Path(path).parent / f".model-{os.getpid()}.tmp" if local else work_dir / "model"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(str(staging))
+    tokenizer.save_pretrained(str(staging))
+    if local:
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(staging, path)
+    else:
+        storage.remove_tree(job.output.model)
+        storage.upload_tree(staging, job.output.model)
+    log.info("model and tokenizer saved to %s", job.output.model)
+
+
+def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str, Any] | None:
+    """Run the loop from the latest checkpoint to `max_steps`; the chief returns the summary."""
+    import tf_keras
+
+    from trainer.checkpoint import CheckpointStore
+    from trainer.metrics import (
+        GpuSampler,
+        MetricsLog,
+        ProgressPrinter,
+        TensorBoardLog,
+        hardware_info,
+        versions,
+    )
+    from trainer.model import flops_per_token
+    from trainer.optim import set_precision_policy
+
+    cfg = job.cfg
+    tf_keras.utils.set_random_seed(cfg.seed)
+    policy = set_precision_policy(cfg)
+    work_dir = Path(tempfile.mkdtemp(prefix=f"trainer-rank{job.rank}-"))
+    try:
+        local_files = stage_inputs(job)
+        state = TrainState(job, strategy, work_dir)
+        store = CheckpointStore(state.checkpoint, job.output.checkpoints, work_dir, rank=job.rank, is_chief=job.is_chief)
+        store.restore_latest()
+        start_step = int(state.step.numpy())
+        state.check_same_step_everywhere(job.rank)
+        if start_step > cfg.max_steps:
+            raise RuntimeError(
+                f"rank {job.rank}: the checkpoint in {job.output.checkpoints} is at step {start_step}, beyond "
+                f"'max_steps' = {cfg.max_steps}: use a new --output or raise 'max_steps'."
+            )
+        log.info(
+            "rank %d: %s at step %d of %d; global batch %d = %d per worker x %d workers x %d micro-steps; "
+            "precision %s, XLA %s; data order %s",
+            job.rank, "resuming" if start_step else "starting", start_step, cfg.max_steps, cfg.global_batch_size,
+            cfg.batch_size_per_worker, cfg.num_workers, cfg.grad_accum_steps, policy, cfg.xla,
+            "per slot" if job.slot_order else "per worker (fewer shards than slots)",
+        )
+
+        dataset = input_dataset(job, local_files, start_step)
+        iterator = iter(strategy.distribute_datasets_from_function(lambda _: dataset))
+        outputs = OutputFiles(job, work_dir)
+        metrics = MetricsLog(outputs.metrics_file, start_step)
+        tensorboard = TensorBoardLog(outputs.tensorboard) if job.is_chief else None
+        progress = ProgressPrinter(cfg.max_steps, PROGRESS_INTERVAL_S)
+        gpu = GpuSampler(cfg.use_gpu)
+
+        step, loss = start_step, math.nan
+        first_step_s, train_start, input_wait_total = None, None, 0.0
+        while step < cfg.max_steps:
+            begin = time.perf_counter()
+            micro_batches = next(iterator)
+            fetched = time.perf_counter()
+            loss_tensor, grad_norm = state.train_step(micro_batches)
+            loss = float(loss_tensor)  # waits for the step: the timings below are real
+            end = time.perf_counter()
+            step += 1
+            state.step.assign(step)
+            if not math.isfinite(loss):
+                raise FloatingPointError(
+                    f"rank {job.rank}: loss is {loss} at step {step}: lower 'learning_rate' or use 'bf16'/'no' "
+                    "for 'mixed_precision'."
+                )
+            if train_start is None:
+                first_step_s, train_start = end - begin, end  # compile + first step: not throughput
+            else:
+                input_wait_total += fetched - begin
+            step_time = end - begin
+            record = {
+                "step": step, "loss": loss, "learning_rate": state.learning_rate(step - 1),
+                "tokens_per_s": job.tokens_per_step / step_time, "step_time_s": step_time,
+                "input_wait_s": fetched - begin, "tokens_seen": step * job.tokens_per_step,
+                "time": time.time(), "grad_norm": float(grad_norm), **gpu.sample(),
+            }
+            metrics.write(record)
+            if job.is_chief:
+                tensorboard.write(step, {k: record[k] for k in ("loss", "learning_rate", "tokens_per_s", "grad_norm")})
+                timed = step - start_step - 1
+                seconds_per_step = (end - train_start) / timed if timed else step_time
+                progress.maybe_print(step, loss, record["learning_rate"], record["tokens_per_s"], seconds_per_step)
+            if step % cfg.checkpoint_every_steps == 0 or step == cfg.max_steps:
+                store.save(step)
+                if tensorboard:
+                    tensorboard.flush()
+                outputs.publish(job.is_chief)
+        metrics.close()
+        if tensorboard:
+            tensorboard.close()
+        outputs.publish(job.is_chief)
+        export_model(job, state.model, work_dir)
+        store.close()
+        if not job.is_chief:
+            return None
+
+        finished = time.perf_counter()
+        trained_steps = step - start_step
+        train_time = finished - train_start if train_start is not None else 0.0
+        timed_steps = max(0, trained_steps - 1)
+        tokens_per_s = timed_steps * job.tokens_per_step / train_time if timed_steps and train_time > 0 else None
+        peak = gpu.peak_flops()
+        mfu = (
+            tokens_per_s * flops_per_token(state.model, cfg.block_size) / (peak * cfg.num_workers)
+            if tokens_per_s and peak else None
+        )
+        if not trained_steps:
+            loss = last_logged_loss(outputs.metrics_file)
+        return {
+            "num_workers": cfg.num_workers, "global_batch_size": cfg.global_batch_size, "steps": step,
+            "tokens_seen": step * job.tokens_per_step, "wall_time_s": round(finished - started, 3),
+            "train_time_s": round(train_time, 3), "tokens_per_s": tokens_per_s, "final_loss": loss, "mfu": mfu,
+            "resumed_from_step": start_step, "first_step_s": first_step_s, "steps_timed": timed_steps,
+            "input_wait_fraction": input_wait_total / train_time if timed_steps and train_time > 0 else None,
+            "data_order": "per_slot" if job.slot_order else "per_worker",
+            "hardware": hardware_info(gpu.name, "GPU" if cfg.use_gpu else "CPU"), "versions": versions(),
+            "config": cfg.to_dict(), "started_at": started_at, "finished_at": utc_now(),
+        }
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def last_logged_loss(metrics_file: Path) -> float | None:
+    import json
+
+    lines = [line for line in metrics_file.read_text().splitlines() if line] if metrics_file.exists() else []
+    return json.loads(lines[-1])["loss"] if lines else None
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="RunConfig JSON (path or URL), max_steps resolved")
+    parser.add_argument("--manifest", required=True, help="manifest.json of the tokenized dataset")
+    parser.add_argument("--output", required=True, help="TrainOutput directory (path or URL)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    started, started_at = time.perf_counter(), utc_now()
+    args = parse_args(argv)
+    identity = runtime.worker_identity()
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr,
+        format=f"%(asctime)s rank{identity.rank} %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        job = plan_job(args.config, args.manifest, args.output)
+    except (DataError, ValueError) as error:  # ConfigError is a ValueError
+        log.error("rank %d on %s: cannot start: %s", identity.rank, identity.host, error)
+        return 2
+    if job.is_chief:
+        log.info("Run configuration:\n  %s", "\n  ".join(job.cfg.summary_lines()))
+
+    strategy = create_strategy(job.cfg, multi_worker=bool(os.environ.get("TF_CONFIG")))
+    runtime.signal_ready()
+    log.info("rank %d of %d joined (%d replicas in sync)", job.rank, job.identity.num_workers,
+             strategy.num_replicas_in_sync)
+    summary = train(job, strategy, started, started_at)
+    if summary is not None:
+        storage.write_json_atomic(job.output.summary, summary)
+        log.info("summary written to %s: %s tokens/s, final loss %.4f", job.output.summary,
+                 f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "n/a", summary["final_loss"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
