@@ -1,0 +1,46 @@
+"""Object-storage credentials from an Airflow Connection, as environment variables only.
+
+Workers (and this task process, for the run-state record and the logs) read S3 credentials from the
+environment (trainer/storage.py). The values are never logged, put in argv, TF_CONFIG or XCom.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cached_property
+
+from airflow.sdk import BaseHook
+
+
+class StorageCredentialsHook(BaseHook):
+    """An `aws` Connection: login/password are the keys, extras `endpoint_url` / `region_name` the endpoint."""
+
+    conn_name_attr = "storage_conn_id"
+    hook_name = "Object storage credentials"
+
+    def __init__(self, storage_conn_id: str = "") -> None:
+        super().__init__()
+        self.storage_conn_id = storage_conn_id
+
+    @cached_property
+    def env(self) -> dict[str, str]:
+        """AWS_* variables for the connection; empty when no connection is named (the environment has them)."""
+        from tasks.connections import storage_env
+
+        return storage_env(self.storage_conn_id)
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        """Make the credentials visible to this process (fsspec/botocore) for the duration of the block."""
+        saved = {name: os.environ.get(name) for name in self.env}
+        os.environ.update(self.env)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value

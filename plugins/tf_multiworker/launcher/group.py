@@ -1,0 +1,301 @@
+"""Run one worker group to the end: launch, stream logs, watch, and stop every rank as one.
+
+The supervising loop runs in the caller's thread; one reader thread per rank copies output to the rank's log
+file and hands lines back to the loop, which passes them to `on_line` in the caller's thread (Airflow's task
+logger is used from there only). `stop()` may be called from another thread or a signal handler.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import queue
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO
+
+from tf_multiworker.launcher.backend import Backend, WorkerHandle
+from tf_multiworker.launcher.spec import (
+    FailureKind,
+    GroupSpec,
+    GroupState,
+    RunResult,
+    WorkerFailure,
+    WorkerOutcome,
+    WorkerSpec,
+    WorkerState,
+    build_tf_config,
+)
+
+log = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.05
+TAIL_LINES = 20
+STARTUP_PROGRESS_EVERY_S = 30.0
+READER_JOIN_S = 2.0
+# What TensorFlow's gRPC server (and Python's socket) print when the port was taken before the worker bound it.
+BIND_FAILURE = re.compile(r"address already in use|could not start grpc server|failed to add port|EADDRINUSE", re.IGNORECASE)
+
+LineSink = Callable[[int, str], None]
+StartedSink = Callable[[Sequence[WorkerOutcome], int], None]
+
+
+@dataclass
+class _Worker:
+    """The mutable runtime record of one rank in one launch attempt."""
+
+    spec: WorkerSpec
+    handle: WorkerHandle
+    log_file: IO[str]
+    state: WorkerState = WorkerState.STARTING
+    exit_code: int | None = None
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    reader: threading.Thread | None = None
+
+    def outcome(self) -> WorkerOutcome:
+        return WorkerOutcome(self.spec.rank, self.spec.host, self.spec.port, self.handle.pid, self.handle.pgid,
+                             self.spec.devices, self.state, self.exit_code)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (signal {-code})"
+    return f"exited with code {code}"
+
+
+class WorkerGroup:
+    def __init__(self, spec: GroupSpec, backend: Backend, workdir: str | Path, *,
+                 on_line: LineSink | None = None, on_started: StartedSink | None = None) -> None:
+        self.spec = spec
+        self.backend = backend
+        self.workdir = Path(workdir)
+        self.log_dir = self.workdir / "logs"
+        self.on_line = on_line or (lambda rank, line: log.info("[rank %d] %s", rank, line))
+        self.on_started = on_started
+        self._lines: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
+        self._workers: list[_Worker] = []
+        self._stop_requested = threading.Event()
+        self._last_output = time.monotonic()
+
+    # -- public -----------------------------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        started = time.monotonic()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for line in self.spec.describe():
+            log.info("%s", line)
+        attempt = 0
+        state, failures = GroupState.STOPPED, {}
+        while attempt < self.spec.max_launch_attempts and not self._stop_requested.is_set():
+            attempt += 1
+            state, failures = self._run_attempt(attempt)
+            bind_only = failures and all(f.kind is FailureKind.PORT_BIND for f in failures.values())
+            if not bind_only or attempt == self.spec.max_launch_attempts:
+                break
+            log.warning("attempt %d: rank(s) %s could not bind their port; relaunching the group on new ports "
+                        "(attempt %d of %d)", attempt, sorted(failures), attempt + 1, self.spec.max_launch_attempts)
+        return RunResult(
+            name=self.spec.name,
+            state=state,
+            workers=tuple(w.outcome() for w in self._workers),
+            failures=dict(failures),
+            attempts=attempt,
+            wall_time_s=time.monotonic() - started,
+            log_files={w.spec.rank: w.spec.log_file for w in self._workers},
+        )
+
+    def stop(self, reason: str, grace_s: float | None = None) -> None:
+        """Stop every worker (SIGTERM, `grace_s` or the spec's grace period, SIGKILL); `run` returns STOPPED."""
+        log.warning("stopping worker group %s: %s", self.spec.name, reason)
+        self._stop_requested.set()
+        self._stop_workers(list(self._workers), grace_s)
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested.is_set()
+
+    # -- one attempt ------------------------------------------------------------------------------------------
+
+    def _run_attempt(self, attempt: int) -> tuple[GroupState, dict[int, WorkerFailure]]:
+        workers: list[_Worker] = []
+        self._workers = workers
+        try:
+            self._launch(attempt, workers)
+            if self.on_started and not self._stop_requested.is_set():
+                self.on_started([w.outcome() for w in workers], attempt)
+            return self._watch(workers)
+        finally:
+            self._stop_workers(workers)
+            for worker in workers:
+                if worker.reader:
+                    worker.reader.join(READER_JOIN_S)
+            self._drain_lines()
+            for worker in workers:
+                worker.log_file.close()
+                if worker.exit_code is None:
+                    worker.exit_code = worker.handle.poll()
+                if worker.state in (WorkerState.STARTING, WorkerState.READY):
+                    worker.state = WorkerState.SUCCEEDED if worker.exit_code == 0 else WorkerState.STOPPED
+
+    def _launch(self, attempt: int, workers: list[_Worker]) -> None:
+        placements = self.backend.place(self.spec.num_workers, self.spec.use_gpu)
+        addresses = [f"{p.host}:{p.port}" for p in placements]
+        command = [sys.executable, "-u", "-m", self.spec.entrypoint, *self.spec.args]
+        log.info("attempt %d of %d on backend %s: %s", attempt, self.spec.max_launch_attempts, self.backend.name,
+                 " ".join(command))
+        for rank, placement in enumerate(placements):
+            rank_dir = self.workdir / f"rank-{rank}"
+            rank_dir.mkdir(parents=True, exist_ok=True)
+            ready_file = self.workdir / f"rank-{rank}.ready"
+            ready_file.unlink(missing_ok=True)
+            spec = WorkerSpec(
+                rank=rank, num_workers=len(placements), host=placement.host, port=placement.port,
+                devices=placement.devices, tf_config=json.dumps(build_tf_config(addresses, rank)),
+                ready_file=str(ready_file), log_file=str(self.log_dir / f"rank-{rank}.log"), workdir=str(rank_dir),
+            )
+            log.info("  rank %d: %s devices=%s cwd=%s TF_CONFIG=%s", rank, spec.address,
+                     list(spec.devices) or "cpu", spec.workdir, spec.tf_config)
+            if self._stop_requested.is_set():
+                return
+            # Closed in _run_attempt's finally: the reader thread writes to it until the worker's output ends.
+            log_file = open(spec.log_file, "a", encoding="utf-8")  # noqa: SIM115
+            stamp = datetime.now(UTC).isoformat(timespec="seconds")
+            log_file.write(f"===== {self.spec.name} attempt {attempt}, rank {rank}, {spec.address}, {stamp} =====\n")
+            env = {**self.spec.env, **self.spec.secret_env, **spec.worker_env()}
+            try:
+                handle = self.backend.start(spec, command, env)
+            except BaseException:
+                log_file.close()
+                raise
+            worker = _Worker(spec, handle, log_file)
+            workers.append(worker)
+            worker.reader = threading.Thread(target=self._pump, args=(worker,), daemon=True,
+                                             name=f"{self.spec.name}-rank-{rank}-output")
+            worker.reader.start()
+
+    def _watch(self, workers: list[_Worker]) -> tuple[GroupState, dict[int, WorkerFailure]]:
+        started = self._last_output = time.monotonic()
+        next_progress = started + STARTUP_PROGRESS_EVERY_S
+        joined_at: float | None = None
+        while True:
+            self._drain_lines()
+            if self._stop_requested.is_set():
+                return GroupState.STOPPED, {}
+            now = time.monotonic()
+            elapsed = now - started
+            for worker in workers:
+                if worker.exit_code is None:
+                    worker.exit_code = worker.handle.poll()
+                if worker.state is WorkerState.STARTING and Path(worker.spec.ready_file).exists():
+                    worker.state = WorkerState.READY
+            failed = [w for w in workers if w.exit_code not in (None, 0)]
+            if failed:
+                return GroupState.FAILED, {w.spec.rank: self._exit_failure(w, elapsed) for w in failed}
+            if all(w.exit_code == 0 for w in workers):
+                return GroupState.SUCCEEDED, {}
+            starting = [w for w in workers if w.state is WorkerState.STARTING and w.exit_code is None]
+            if starting and elapsed > self.spec.startup_timeout_s:
+                return GroupState.FAILED, {w.spec.rank: self._startup_failure(w, elapsed, workers) for w in starting}
+            if starting and now >= next_progress:
+                log.info("waiting for rank(s) %s to join the group: %.0f s of startup_timeout_s=%g",
+                         [w.spec.rank for w in starting], elapsed, self.spec.startup_timeout_s)
+                next_progress = now + STARTUP_PROGRESS_EVERY_S
+            if not starting:
+                # The watchdog starts once every rank has joined; before that the start-up timeout applies.
+                joined_at = joined_at or now
+                silent_s = now - max(self._last_output, joined_at)
+                if silent_s > self.spec.hang_timeout_s:
+                    alive = [w for w in workers if w.exit_code is None]
+                    return GroupState.FAILED, {w.spec.rank: self._hang_failure(w, elapsed, silent_s) for w in alive}
+            time.sleep(POLL_INTERVAL_S)
+
+    # -- failures ---------------------------------------------------------------------------------------------
+
+    def _exit_failure(self, worker: _Worker, elapsed: float) -> WorkerFailure:
+        if worker.reader:
+            worker.reader.join(READER_JOIN_S)  # the last lines are the ones that explain the exit
+        joined = worker.state is WorkerState.READY
+        worker.state = WorkerState.FAILED
+        code = worker.exit_code
+        tail = tuple(worker.tail)
+        kind = FailureKind.SIGNAL if code < 0 else FailureKind.EXIT_CODE
+        detail = _describe_exit(code)
+        if not joined and any(BIND_FAILURE.search(line) for line in tail):
+            kind = FailureKind.PORT_BIND
+            detail += f" before joining the group: port {worker.spec.port} was already in use"
+        return WorkerFailure(worker.spec.rank, worker.spec.host, worker.handle.pid, kind, code, elapsed, detail, tail)
+
+    def _startup_failure(self, worker: _Worker, elapsed: float, workers: list[_Worker]) -> WorkerFailure:
+        worker.state = WorkerState.FAILED
+        joined = [w.spec.rank for w in workers if w.state is WorkerState.READY]
+        detail = (
+            f"did not join the group within startup_timeout_s={self.spec.startup_timeout_s:g} s "
+            f"(still running, its address {worker.spec.address}; ranks that joined: {joined or 'none'}). "
+            "Likely causes: the worker is stuck before creating its strategy, an unreachable address or a closed "
+            "port in TF_CONFIG, a firewall, or a peer that never came up. Raise startup_timeout_s if start-up is "
+            "legitimately slow."
+        )
+        return WorkerFailure(worker.spec.rank, worker.spec.host, worker.handle.pid, FailureKind.STARTUP_TIMEOUT,
+                             None, elapsed, detail, tuple(worker.tail))
+
+    def _hang_failure(self, worker: _Worker, elapsed: float, silent_s: float) -> WorkerFailure:
+        worker.state = WorkerState.FAILED
+        detail = (
+            f"was alive but the whole group printed nothing for {silent_s:.0f} s "
+            f"(hang_timeout_s={self.spec.hang_timeout_s:g}): a hung collective, usually a peer that stopped "
+            "taking part. Raise hang_timeout_s if a step legitimately takes longer."
+        )
+        return WorkerFailure(worker.spec.rank, worker.spec.host, worker.handle.pid, FailureKind.HANG,
+                             None, elapsed, detail, tuple(worker.tail))
+
+    # -- plumbing ---------------------------------------------------------------------------------------------
+
+    def _pump(self, worker: _Worker) -> None:
+        rank = worker.spec.rank
+        for raw in iter(worker.handle.output.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            worker.log_file.write(line + "\n")
+            worker.log_file.flush()
+            worker.tail.append(line)
+            self._last_output = time.monotonic()
+            self._lines.put((rank, line))
+        worker.handle.output.close()
+
+    def _drain_lines(self) -> None:
+        while True:
+            try:
+                rank, line = self._lines.get_nowait()
+            except queue.Empty:
+                return
+            self.on_line(rank, line)
+
+    def _stop_workers(self, workers: list[_Worker], grace_s: float | None = None) -> None:
+        grace_s = self.spec.grace_period_s if grace_s is None else grace_s
+        alive = [w for w in workers if not w.handle.gone()]
+        if not alive:
+            return
+        for worker in alive:
+            worker.handle.terminate()
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not all(w.handle.gone() for w in alive):
+            time.sleep(POLL_INTERVAL_S)
+        stubborn = [w for w in alive if not w.handle.gone()]
+        for worker in stubborn:
+            log.warning("rank %d (pid %s) still running %g s after SIGTERM: sending SIGKILL", worker.spec.rank,
+                        worker.handle.pid, grace_s)
+            worker.handle.kill()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and not all(w.handle.gone() for w in stubborn):
+            time.sleep(POLL_INTERVAL_S)

@@ -1,0 +1,48 @@
+"""Helpers for the operator and launcher tests: tiny entry points, the process table, a local S3 server."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from tf_multiworker.launcher.local import live_group_members
+
+ENTRYPOINTS = Path(__file__).resolve().parent / "entrypoints"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def entrypoint_env(**extra: str) -> dict[str, str]:
+    """Worker environment that makes the tiny entry points importable (workers run in a temp cwd)."""
+    return {"PYTHONPATH": os.pathsep.join([str(ENTRYPOINTS), str(REPO)]), **extra}
+
+
+def wait_until_gone(pgids: list[int], timeout_s: float) -> list[int]:
+    """Process groups that still have live (non-zombie) members after `timeout_s`; [] when all are gone."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [pgid for pgid in pgids if live_group_members(pgid)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-protocol server (moto) on loopback, with bucket `runs`; yields its endpoint URL."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from tests.airflow_stack import free_port
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test-key",
+                 aws_secret_access_key="test-secret").create_bucket(Bucket="runs")
+    try:
+        yield endpoint
+    finally:
+        server.stop()

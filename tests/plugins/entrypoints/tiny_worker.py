@@ -1,0 +1,100 @@
+"""A tiny stand-in for a training worker: binds its TF_CONFIG port like a gRPC server, signals ready, then runs
+steps that each end in a barrier with rank 0 (a socket stand-in for a collective), printing one line per step.
+
+Faults for tests, from TINY_WORKER_FAULT="<rank>:<mode>":
+  exit1        exit with code 1 at step 2
+  sigkill      SIGKILL itself at step 2
+  hang         stop taking part in the barrier at step 2 (every peer then blocks, silent)
+  never_ready  never bind, never signal ready, print nothing more
+TINY_WORKER_SHOW_ENV names a variable whose presence (never its value) is printed.
+TINY_WORKER_STEPS (default 5) and TINY_WORKER_STEP_S (default 0.05) set the length of the run. Every worker also
+starts a `sleep` child in its process group, so tests can see that the whole group is stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from trainer.runtime import signal_ready, worker_identity
+
+FOREVER_S = 3600
+
+
+def _fault_for(rank: int) -> str:
+    spec = os.environ.get("TINY_WORKER_FAULT", "")
+    if not spec:
+        return ""
+    fault_rank, mode = spec.split(":")
+    return mode if int(fault_rank) == rank else ""
+
+
+def _connect(address: str, timeout_s: float = 30.0) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return socket.create_connection((host, int(port)), timeout=FOREVER_S)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _recv_exact(conn: socket.socket) -> None:
+    if not conn.recv(1):
+        print("peer went away; waiting as a collective would", flush=True)
+        time.sleep(FOREVER_S)
+
+
+def main() -> int:
+    me = worker_identity()
+    fault = _fault_for(me.rank)
+    print(f"rank {me.rank} of {me.num_workers} pid {os.getpid()} pgid {os.getpgid(0)} starting", flush=True)
+    shown = os.environ.get("TINY_WORKER_SHOW_ENV")
+    if shown:
+        print(f"{shown} is {'set' if os.environ.get(shown) else 'not set'}", flush=True)
+    subprocess.Popen(["sleep", str(FOREVER_S)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if fault == "never_ready":
+        time.sleep(FOREVER_S)
+    host, port = me.addresses[me.rank].rsplit(":", 1)
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind((host, int(port)))  # an occupied port raises "Address already in use" here, as gRPC reports it
+    server.listen(me.num_workers)
+    print(f"rank {me.rank} listening on {host}:{port}", flush=True)
+    signal_ready()
+    if me.rank == 0:
+        peers = [server.accept()[0] for _ in range(me.num_workers - 1)]
+    else:
+        chief = _connect(me.addresses[0])
+    steps = int(os.environ.get("TINY_WORKER_STEPS", "5"))
+    step_s = float(os.environ.get("TINY_WORKER_STEP_S", "0.05"))
+    for step in range(steps):
+        if step == 2 and fault == "exit1":
+            print("failing on purpose with exit code 1", flush=True)
+            return 1
+        if step == 2 and fault == "sigkill":
+            print("killing myself with SIGKILL", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == 2 and fault == "hang":
+            time.sleep(FOREVER_S)
+        time.sleep(step_s)
+        if me.rank == 0:
+            for peer in peers:
+                _recv_exact(peer)
+            for peer in peers:
+                peer.sendall(b"g")
+        else:
+            chief.sendall(b"s")
+            _recv_exact(chief)
+        print(f"rank {me.rank} step {step} done", flush=True)
+    print(f"rank {me.rank} finished", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""A one-task DAG that runs TFMultiWorkerOperator through Airflow's real task runner (`dag.test()`).
+
+    TFMW_HARNESS_CASE=case.json python tests/plugins/harness_dags/tfmw_harness.py OUT.json
+
+`dag.test()` runs only DAGs found in the DAGs folder, so the tests point AIRFLOW__CORE__DAGS_FOLDER here and the
+file builds its DAG from the case named by TFMW_HARNESS_CASE (the operator's arguments, templated where the real
+DAG templates them, rendered as native objects). A downstream task that always runs pulls the operator's XComs;
+OUT gets them and every task's state. The tests run this as a subprocess so they can send it SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pendulum
+from airflow.sdk import DAG, task
+from tf_multiworker.operator import STATE_XCOM_KEY, TFMultiWorkerOperator
+
+CASE = json.loads(Path(os.environ["TFMW_HARNESS_CASE"]).read_text())
+XCOM_FILE = Path(os.environ["TFMW_HARNESS_CASE"]).with_suffix(".xcom.json")
+
+with DAG("tfmw_harness", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+         render_template_as_native_obj=True, params=CASE["params"]) as dag:
+    group = TFMultiWorkerOperator(
+        task_id="group",
+        entrypoint=CASE["entrypoint"],
+        args=CASE["args"],
+        num_workers="{{ params.num_workers }}",
+        use_gpu="{{ params.use_gpu }}",
+        storage_root="{{ params.storage_root }}",
+        run_key="{{ params.run_key }}",
+        storage_conn_id="{{ params.storage_conn_id }}",
+        startup_timeout_s="{{ params.startup_timeout_s }}",
+        hang_timeout_s="{{ params.hang_timeout_s }}",
+        env=CASE["env"],
+        retries=0,
+    )
+
+    @task(trigger_rule="all_done")
+    def collect(ti=None) -> None:
+        XCOM_FILE.write_text(json.dumps({
+            "state_record": ti.xcom_pull(task_ids="group", key=STATE_XCOM_KEY),
+            "summary": ti.xcom_pull(task_ids="group"),
+        }))
+
+    group >> collect()
+
+
+if __name__ == "__main__":
+    run = dag.test()
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        states = {ti.task_id: str(ti.state) for ti in
+                  session.query(TaskInstance).filter_by(dag_id=dag.dag_id, run_id=run.run_id)}
+    Path(sys.argv[1]).write_text(json.dumps({"task_states": states, **json.loads(XCOM_FILE.read_text())}))

@@ -1,0 +1,169 @@
+"""The local backend with real worker processes (tiny entry points, real sockets, the real process table).
+
+Each fault case prints the result, the error text and the time to detect, and checks that no process of the
+group (workers and the `sleep` child each one starts) is left.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+from tf_multiworker.launcher import (
+    FailureKind,
+    GroupSpec,
+    GroupState,
+    InsufficientGPUsError,
+    LocalBackend,
+    PortAllocator,
+    WorkerGroup,
+    WorkerState,
+    free_gpus,
+)
+
+from tests.plugins.conftest import entrypoint_env, wait_until_gone
+
+
+def _spec(fault: str = "", num_workers: int = 2, **changes) -> GroupSpec:
+    env = entrypoint_env(TINY_WORKER_FAULT=fault) if fault else entrypoint_env()
+    settings = {"name": "tiny", "entrypoint": "tiny_worker", "num_workers": num_workers, "env": env,
+                    "startup_timeout_s": 4, "hang_timeout_s": 2, "grace_period_s": 2}
+    return GroupSpec(**{**settings, **changes})
+
+
+def _run(spec: GroupSpec, tmp_path, backend=None):
+    lines: list[tuple[int, str]] = []
+    group = WorkerGroup(spec, backend or LocalBackend(), tmp_path, on_line=lambda r, line: lines.append((r, line)))
+    started = time.monotonic()
+    result = group.run()
+    return result, time.monotonic() - started, lines
+
+
+def _assert_no_process_left(result):
+    pgids = [w.pgid for w in result.workers]
+    assert pgids and wait_until_gone(pgids, timeout_s=0) == [], "worker processes left behind"
+
+
+def test_all_ranks_succeed_and_stream_prefixed_logs(tmp_path):
+    result, wall_s, lines = _run(_spec(num_workers=3), tmp_path)
+    print(f"\nall succeed: {result.state.value} in {wall_s:.2f} s")
+    assert result.succeeded and result.attempts == 1
+    assert [w.exit_code for w in result.workers] == [0, 0, 0]
+    assert all(w.state is WorkerState.SUCCEEDED for w in result.workers)
+    assert {(r, f"rank {r} finished") for r in range(3)} <= set(lines)
+    assert "rank 2 step 4 done" in (tmp_path / "logs" / "rank-2.log").read_text()
+    _assert_no_process_left(result)
+
+
+@pytest.mark.parametrize("fault, kind, text", [
+    ("exit1", FailureKind.EXIT_CODE, "rank 1 (host 127.0.0.1, pid {pid}) exited with code 1"),
+    ("sigkill", FailureKind.SIGNAL, "rank 1 (host 127.0.0.1, pid {pid}) was killed by SIGKILL (signal 9)"),
+    ("hang", FailureKind.HANG, "printed nothing for 2 s (hang_timeout_s=2)"),
+    ("never_ready", FailureKind.STARTUP_TIMEOUT, "did not join the group within startup_timeout_s=4 s"),
+])
+def test_one_rank_fault_fails_the_group_and_stops_every_process(tmp_path, fault, kind, text):
+    result, wall_s, _ = _run(_spec(f"1:{fault}"), tmp_path)
+    message = result.error_message()
+    root = result.failures[1]
+    print(f"\n{fault}: {result.state.value}, detected {root.elapsed_s:.2f} s after launch, "
+          f"group ended after {wall_s:.2f} s\n{message}")
+    assert result.state is GroupState.FAILED and not result.succeeded
+    assert root.kind is kind
+    assert text.format(pid=root.pid) in message
+    if kind in (FailureKind.EXIT_CODE, FailureKind.SIGNAL):
+        assert set(result.failures) == {1}, "the surviving rank is stopped, not reported as a failure"
+        assert result.workers[0].state is WorkerState.STOPPED
+        assert "last lines of rank 1's log" in message
+    if kind is FailureKind.STARTUP_TIMEOUT:
+        assert set(result.failures) == {1} and "ranks that joined: [0]" in message
+    _assert_no_process_left(result)
+
+
+class _FirstPortBusy(PortAllocator):
+    """Hands out `busy` as rank 1's port on the first allocation (a real socket holds it), fresh ports after."""
+
+    def __init__(self, busy: int) -> None:
+        super().__init__()
+        self.busy = busy
+        self.calls = 0
+
+    def allocate(self, count: int) -> list[int]:
+        self.calls += 1
+        ports = super().allocate(count)
+        return [ports[0], self.busy, *ports[2:]] if self.calls == 1 else ports
+
+
+def test_port_taken_before_bind_is_detected_and_relaunched_on_new_ports(tmp_path):
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        busy = squatter.getsockname()[1]
+        result, wall_s, _ = _run(_spec(), tmp_path, LocalBackend(ports=_FirstPortBusy(busy)))
+    print(f"\nport {busy} busy on attempt 1: {result.state.value} after {result.attempts} attempts, {wall_s:.2f} s")
+    assert result.succeeded and result.attempts == 2
+    assert busy not in [w.port for w in result.workers]
+    assert "Address already in use" in (tmp_path / "logs" / "rank-1.log").read_text()
+
+
+def test_port_bind_failure_is_bounded(tmp_path):
+    class AlwaysBusy(PortAllocator):
+        def allocate(self, count):
+            return [busy] * count
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        busy = squatter.getsockname()[1]
+        result, _, _ = _run(_spec(max_launch_attempts=2), tmp_path, LocalBackend(ports=AlwaysBusy()))
+    assert result.attempts == 2 and not result.succeeded
+    assert {f.kind for f in result.failures.values()} == {FailureKind.PORT_BIND}
+    assert f"port {busy} was already in use" in result.error_message()
+
+
+def test_two_groups_at_once_get_distinct_ports(tmp_path):
+    results = {}
+
+    def launch(name):
+        spec = _spec(name=name, env=entrypoint_env(TINY_WORKER_STEPS="10"))
+        results[name] = WorkerGroup(spec, LocalBackend(), tmp_path / name, on_line=lambda r, line: None).run()
+
+    threads = [threading.Thread(target=launch, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    ports = [w.port for result in results.values() for w in result.workers]
+    print(f"\ntwo groups at once: ports {ports}")
+    assert all(result.succeeded and result.attempts == 1 for result in results.values())
+    assert len(set(ports)) == 4
+
+
+def test_stop_from_another_thread_ends_every_worker_within_grace(tmp_path):
+    group = WorkerGroup(_spec(env=entrypoint_env(TINY_WORKER_STEPS="100000")), LocalBackend(), tmp_path,
+                        on_line=lambda r, line: None)
+    stopper = threading.Timer(1.5, group.stop, args=("test asks to stop",))
+    stopper.start()
+    result = group.run()
+    stopper.join()
+    assert result.state is GroupState.STOPPED and not result.failures
+    assert "stopped from outside" in result.error_message()
+    assert all(w.state is WorkerState.STOPPED for w in result.workers)
+    _assert_no_process_left(result)
+
+
+def test_more_workers_than_free_gpus_is_refused_before_launch(tmp_path):
+    backend = LocalBackend(gpu_probe=lambda: [0, 3])
+    with pytest.raises(InsufficientGPUsError, match=r"num_workers=3 needs one GPU per worker.*2 free GPU\(s\) \[0, 3\]"):
+        backend.place(3, use_gpu=True)
+    assert [p.devices for p in backend.place(2, use_gpu=True)] == [(0,), (3,)]
+    assert [p.devices for p in backend.place(2, use_gpu=False)] == [(), ()]
+    assert not (tmp_path / "logs").exists()
+
+
+def test_use_gpu_without_gpus_names_the_setting(tmp_path):
+    if free_gpus():
+        pytest.skip("this machine has free GPUs")
+    with pytest.raises(InsufficientGPUsError, match="NVML finds no free GPU.*Set use_gpu to false"):
+        _run(_spec(use_gpu=True), tmp_path)

@@ -1,0 +1,130 @@
+"""The launch spec, TF_CONFIG and the result, without processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tf_multiworker.launcher import (
+    FailureKind,
+    GroupSpec,
+    GroupState,
+    PortBindError,
+    RunResult,
+    WorkerFailedError,
+    WorkerFailure,
+    WorkerGroupStoppedError,
+    WorkerOutcome,
+    WorkerSpec,
+    WorkerStartupTimeoutError,
+    WorkerState,
+    build_tf_config,
+    error_for,
+    make_backend,
+)
+from tf_multiworker.launcher.errors import LaunchError
+
+
+def test_tf_config_is_exact_json():
+    config = build_tf_config(["127.0.0.1:5000", "127.0.0.1:5001", "127.0.0.1:5002"], 1)
+    assert json.dumps(config, sort_keys=True) == (
+        '{"cluster": {"worker": ["127.0.0.1:5000", "127.0.0.1:5001", "127.0.0.1:5002"]}, '
+        '"task": {"index": 1, "type": "worker"}}'
+    )
+
+
+@pytest.mark.parametrize("addresses, rank, message", [
+    ([], 0, "at least one worker"),
+    (["a:1", "b:2"], 2, "rank 2 is outside the cluster of 2 workers"),
+    (["a:1"], -1, "rank -1 is outside"),
+])
+def test_tf_config_rejects_bad_rank(addresses, rank, message):
+    with pytest.raises(ValueError, match=message):
+        build_tf_config(addresses, rank)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"entrypoint": "trainer/train.py"}, "not a module name"),
+    ({"num_workers": 0}, "num_workers must be an integer >= 1"),
+    ({"num_workers": True}, "num_workers must be an integer"),
+    ({"args": "--config x"}, "args must be a list of strings"),
+    ({"startup_timeout_s": 0}, "startup_timeout_s must be a number of seconds > 0"),
+    ({"max_launch_attempts": 0}, "max_launch_attempts must be an integer in 1..10"),
+    ({"env": {"BAD NAME": "1"}}, "not a valid environment variable name"),
+    ({"env": {"A": 1}}, "variable A must be a string"),
+    ({"env": {"AWS_SECRET_ACCESS_KEY": "x"}, "secret_env": {"AWS_SECRET_ACCESS_KEY": "y"}}, "both in env and"),
+])
+def test_group_spec_rejects_bad_settings(changes, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        GroupSpec(**{"name": "g", "entrypoint": "trainer.train", **changes})
+
+
+def test_group_spec_is_frozen_and_hides_secret_values():
+    spec = GroupSpec(name="g", entrypoint="trainer.train", args=["--x", "1"], env={"A": "visible"},
+                     secret_env={"AWS_SECRET_ACCESS_KEY": "hunter2"})
+    with pytest.raises(AttributeError):
+        spec.num_workers = 3
+    with pytest.raises(TypeError):
+        spec.env["B"] = "2"
+    shown = repr(spec) + "\n".join(spec.describe())
+    assert "hunter2" not in shown
+    assert "AWS_SECRET_ACCESS_KEY" in shown and "A=visible" in shown
+
+
+def _worker_spec(**changes):
+    base = {"rank": 0, "num_workers": 2, "host": "127.0.0.1", "port": 5000, "devices": (), "ready_file": "r", "log_file": "l",
+                "workdir": "w", "tf_config": json.dumps(build_tf_config(["127.0.0.1:5000", "127.0.0.1:5001"], 0))}
+    return WorkerSpec(**{**base, **changes})
+
+
+def test_worker_spec_env_names_rank_and_devices():
+    env = _worker_spec(devices=(3,)).worker_env()
+    assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": 0}
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["TF_USE_LEGACY_KERAS"] == "1" and env["TFMW_READY_FILE"] == "r"
+    assert _worker_spec().worker_env()["CUDA_VISIBLE_DEVICES"] == ""
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"rank": 2}, "rank 2 is outside 0..1"),
+    ({"port": 0}, "port 0 is outside"),
+    ({"host": ""}, "host must not be empty"),
+    ({"devices": (-1,)}, "GPU indices"),
+    ({"rank": 1}, "TF_CONFIG names index 0"),
+])
+def test_worker_spec_checks_itself(changes, message):
+    with pytest.raises(ValueError, match=message):
+        _worker_spec(**changes)
+
+
+def _result(failures, state=GroupState.FAILED):
+    workers = tuple(WorkerOutcome(r, "127.0.0.1", 5000 + r, 100 + r, 100 + r, (), WorkerState.FAILED if r in failures
+                                  else WorkerState.STOPPED, None) for r in range(3))
+    return RunResult("train", state, workers, failures, 1, 4.0, {r: f"/logs/rank-{r}.log" for r in range(3)})
+
+
+def test_error_names_root_cause_first_with_its_log_tail():
+    late = WorkerFailure(0, "127.0.0.1", 100, FailureKind.EXIT_CODE, 1, 3.0, "exited with code 1", ("late",))
+    root = WorkerFailure(2, "127.0.0.1", 102, FailureKind.SIGNAL, -9, 1.5, "was killed by SIGKILL (signal 9)",
+                         ("step 3", "boom"))
+    result = _result({0: late, 2: root})
+    message = result.error_message()
+    assert not result.succeeded
+    assert message.index("rank 2 (host 127.0.0.1, pid 102) was killed by SIGKILL") < message.index("rank 0")
+    assert "last lines of rank 2's log (/logs/rank-2.log)" in message and "| boom" in message
+    assert "other ranks: rank 1 stopped" in message
+    assert isinstance(error_for(result), WorkerFailedError)
+
+
+def test_error_type_follows_the_root_cause():
+    startup = WorkerFailure(1, "h", 1, FailureKind.STARTUP_TIMEOUT, None, 5.0, "did not join", ())
+    bind = WorkerFailure(1, "h", 1, FailureKind.PORT_BIND, 1, 0.5, "port in use", ())
+    assert isinstance(error_for(_result({1: startup})), WorkerStartupTimeoutError)
+    assert isinstance(error_for(_result({1: bind})), PortBindError)
+    stopped = error_for(_result({}, GroupState.STOPPED))
+    assert isinstance(stopped, WorkerGroupStoppedError) and "stopped from outside" in str(stopped)
+
+
+def test_unknown_backend_is_refused_with_the_setting_to_change():
+    with pytest.raises(LaunchError, match="backend 'slurm' is not available: only 'local'"):
+        make_backend("slurm")

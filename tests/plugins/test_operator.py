@@ -1,0 +1,181 @@
+"""TFMultiWorkerOperator: argument handling directly, and whole runs through Airflow's task runner.
+
+The Airflow runs use `dag.test()` in a subprocess (tests/plugins/harness_dags/tfmw_harness.py): templates rendered as native
+objects, the task runner's SIGTERM handler -> `on_kill`, XCom, connections from the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tf_multiworker.operator import TFMultiWorkerOperator
+
+from tests.plugins.conftest import REPO, entrypoint_env, wait_until_gone
+from trainer.storage import read_bytes, read_json
+
+DAG_KWARGS = {"entrypoint", "args", "num_workers", "backend", "use_gpu", "storage_root", "run_key", "storage_conn_id",
+              "startup_timeout_s", "hang_timeout_s", "summary_url", "env", "grace_period_s", "max_launch_attempts"}
+SECRET = "s3cret-value-never-logged"
+HARNESS = Path(__file__).resolve().parent / "harness_dags" / "tfmw_harness.py"
+
+
+def _operator(**changes) -> TFMultiWorkerOperator:
+    kwargs = {"task_id": "train", "entrypoint": "trainer.train", "args": ["--config", "c"], "storage_root": "/tmp/x",
+                  "run_key": "r"}
+    return TFMultiWorkerOperator(**{**kwargs, **changes})
+
+
+def test_every_dag_argument_but_the_entrypoint_is_templated():
+    assert set(TFMultiWorkerOperator.template_fields) == DAG_KWARGS - {"entrypoint"}
+
+
+def test_rendered_strings_are_coerced_to_launch_settings():
+    spec = _operator(num_workers="3", use_gpu="False", startup_timeout_s="12.5", hang_timeout_s=30,
+                     max_launch_attempts="2", args=["--steps", 5], env={"SEED": 7})._group_spec()
+    assert (spec.num_workers, spec.use_gpu, spec.startup_timeout_s, spec.max_launch_attempts) == (3, False, 12.5, 2)
+    assert spec.args == ("--steps", "5")
+    assert dict(spec.env) == {"SEED": "7"}
+    assert _operator(use_gpu="true")._group_spec().use_gpu is True
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"num_workers": "two"}, "num_workers must be an integer, got 'two'"),
+    ({"num_workers": 0}, "num_workers must be >= 1"),
+    ({"use_gpu": "maybe"}, "use_gpu must be true or false, got 'maybe'"),
+    ({"hang_timeout_s": True}, "hang_timeout_s must be a number"),
+    ({"args": "--config c"}, "args must be a list"),
+    ({"args": [["nested"]]}, r"args\[0\] must be a string"),
+    ({"env": ["A=1"]}, "env must be a mapping"),
+])
+def test_bad_rendered_values_fail_before_anything_starts(changes, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        _operator(**changes)._group_spec()
+
+
+# -- through Airflow's task runner ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def airflow_env(tmp_path_factory) -> dict[str, str]:
+    home = tmp_path_factory.mktemp("airflow_home")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "AWS_"))}
+    env.update({
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(HARNESS.parent),
+        "PYTHONPATH": str(REPO),
+    })
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True,
+                   timeout=180)
+    return env
+
+
+def _case(tmp_path, *, entrypoint="tiny_worker", args=(), worker_env=None, **params) -> Path:
+    case = {
+        "entrypoint": entrypoint,
+        "args": list(args),
+        "env": entrypoint_env(**(worker_env or {})),
+        "params": {"num_workers": 2, "use_gpu": False, "storage_root": str(tmp_path / "storage"), "run_key": "run1",
+                   "storage_conn_id": "", "startup_timeout_s": 60, "hang_timeout_s": 60, **params},
+    }
+    path = tmp_path / "case.json"
+    path.write_text(json.dumps(case))
+    return path
+
+
+def _start(airflow_env, case: Path, tmp_path, extra_env=None) -> tuple[subprocess.Popen, Path, Path]:
+    out, log = tmp_path / "out.json", tmp_path / "task.log"
+    with open(log, "wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, str(HARNESS), str(out)],
+            env={**airflow_env, "TFMW_HARNESS_CASE": str(case), **(extra_env or {})}, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return process, out, log
+
+
+def _finish(process: subprocess.Popen, timeout: float) -> None:
+    try:
+        process.wait(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def test_success_on_s3_with_credentials_from_a_connection(airflow_env, tmp_path, s3_server):
+    connection = {"conn_type": "aws", "login": "test-key", "password": SECRET,
+                  "extra": {"endpoint_url": s3_server, "region_name": "us-east-1"}}
+    case = _case(tmp_path, storage_root="s3://runs/root", storage_conn_id="tfmw_s3",
+                 worker_env={"TINY_WORKER_SHOW_ENV": "AWS_SECRET_ACCESS_KEY"})
+    process, out, log = _start(airflow_env, case, tmp_path, {"AIRFLOW_CONN_TFMW_S3": json.dumps(connection)})
+    _finish(process, timeout=120)
+    task_log = log.read_text(errors="replace")
+    result = json.loads(out.read_text())
+    assert result["task_states"] == {"group": "success", "collect": "success"}, task_log[-3000:]
+
+    assert "[rank 1] AWS_SECRET_ACCESS_KEY is set" in task_log and "[rank 0] rank 0 finished" in task_log
+    assert SECRET not in task_log and SECRET not in out.read_text()
+
+    summary, record = result["summary"], result["state_record"]
+    assert [w["exit_code"] for w in summary["workers"]] == [0, 0] and summary["launch_attempts"] == 1
+    assert summary["state_url"] == "s3://runs/root/runs/run1/state/group.json"
+    assert record["state"] == "succeeded" and [w["rank"] for w in record["workers"]] == [0, 1]
+    assert all(set(w) == {"rank", "host", "pid", "pgid", "port", "gpus"} for w in record["workers"])
+
+    s3 = {"AWS_ACCESS_KEY_ID": "test-key", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": s3_server}
+    os.environ.update(s3)
+    try:
+        assert read_json(summary["state_url"]) == record
+        assert b"rank 1 step 4 done" in read_bytes(summary["logs_url"] + "/rank-1.log")
+    finally:
+        for name in s3:
+            os.environ.pop(name)
+
+
+def test_failing_rank_fails_the_task_and_its_logs_are_still_uploaded(airflow_env, tmp_path):
+    process, out, log = _start(airflow_env, _case(tmp_path, worker_env={"TINY_WORKER_FAULT": "1:exit1"}), tmp_path)
+    _finish(process, timeout=120)
+    task_log = log.read_text(errors="replace")
+    result = json.loads(out.read_text())
+    assert result["task_states"]["group"] == "failed", task_log[-3000:]
+    assert "WorkerFailedError" in task_log and "rank 1 (host 127.0.0.1, pid" in task_log
+    assert "exited with code 1" in task_log and "| failing on purpose with exit code 1" in task_log
+    assert result["state_record"]["state"] == "failed"
+    logs = tmp_path / "storage" / "runs" / "run1" / "logs" / "group"
+    assert "failing on purpose" in (logs / "rank-1.log").read_text()
+    assert wait_until_gone([w["pgid"] for w in result["state_record"]["workers"]], 0) == []
+
+
+def test_sigterm_to_the_task_stops_a_two_worker_tf_training_run(airflow_env, tmp_path):
+    case = _case(tmp_path, entrypoint="tiny_mwms", args=["--steps", "100000", "--step-sleep", "0.05"],
+                 startup_timeout_s=120)
+    process, out, log = _start(airflow_env, case, tmp_path)
+    state_file = tmp_path / "storage" / "runs" / "run1" / "state" / "group.json"
+    try:
+        deadline = time.monotonic() + 120
+        while "[rank 1] rank 1 step 3 " not in log.read_text(errors="replace"):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.2)
+        pgids = [w["pgid"] for w in json.loads(state_file.read_text())["workers"]]
+        assert all(wait_until_gone([pgid], 0) for pgid in pgids), "workers should be training"
+        process.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        left = wait_until_gone(pgids, timeout_s=10)
+        stopped_after = time.monotonic() - sent
+    finally:
+        _finish(process, timeout=60)
+    print(f"\nSIGTERM to the task: workers gone after {stopped_after:.2f} s")
+    task_log = log.read_text(errors="replace")
+    assert left == [], f"worker groups {left} still alive 10 s after SIGTERM"
+    result = json.loads(out.read_text())
+    assert result["task_states"]["group"] == "failed", task_log[-3000:]
+    assert "WorkerGroupStoppedError" in task_log and "was stopped from outside" in task_log
+    assert json.loads(state_file.read_text())["state"] == "stopped"
