@@ -558,15 +558,18 @@ def _staging(layout: StorageLayout, fingerprint: str):
 def _publish(stage: Path, dataset_url: str, manifest: dict[str, Any]) -> None:
     fs, target = storage.filesystem(dataset_url)
     if storage.is_local(fs):
-        storage.write_json_atomic(str(stage / MANIFEST), manifest)
+        storage.write_bytes_atomic(str(stage / MANIFEST), _manifest_bytes(manifest))
         if os.path.exists(target):  # an incomplete or damaged earlier attempt: the manifest check rejected it
             shutil.rmtree(target)
         os.replace(stage, target)
         return
+    files = sorted(path for path in stage.rglob("*") if path.is_file())
     try:
-        storage.remove_tree(dataset_url)  # objects of an interrupted upload
-        storage.upload_tree(stage, dataset_url)
-        storage.write_json_atomic(storage.join(dataset_url, MANIFEST), manifest)
+        if fs.exists(target):  # objects of an interrupted upload
+            fs.rm(target, recursive=True)
+        # One client for all files: the object store uploads them concurrently.
+        fs.put([str(path) for path in files], [f"{target}/{path.relative_to(stage).as_posix()}" for path in files])
+        fs.pipe_file(f"{target}/{MANIFEST}", _manifest_bytes(manifest))  # one PUT: atomic on object stores
     except Exception as error:
         raise PrepareError(
             f"Writing the dataset to {dataset_url} failed ({type(error).__name__}: {error}). No manifest was "
@@ -589,6 +592,10 @@ def _result(manifest_url: str, manifest: dict[str, Any], *, cache_hit: bool, tok
         tokenized_tokens=tokenized,
         elapsed_s=time.perf_counter() - started,
     )
+
+
+def _manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
 def _file_entries(directory: Path) -> list[dict[str, Any]]:

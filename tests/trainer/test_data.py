@@ -1,0 +1,161 @@
+"""The reader side: manifest, per-worker shards, verified staging (local and S3), and the tf.data pipeline."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tasks.tfrecord import write_sequence_records
+from tasks.tokenize import prepare_dataset
+from tests.tasks.test_tokenize import config, read_tfrecords
+from trainer import storage
+from trainer.data import (
+    DataError,
+    load_manifest,
+    make_dataset,
+    stage_shards,
+    worker_shards,
+)
+
+pytest_plugins = ["tests.s3server"]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A dataset prepared once for this module: (manifest URL, manifest)."""
+    root = tmp_path_factory.mktemp("data")
+    result = prepare_dataset(config(root, num_workers=2))
+    return result.manifest_url, load_manifest(result.manifest_url)
+
+
+@pytest.fixture
+def dataset_copy(prepared, tmp_path):
+    """A private copy of the prepared dataset, for tests that damage it."""
+    source = Path(prepared[0]).parent
+    copy = tmp_path / "dataset"
+    shutil.copytree(source, copy)
+    return str(copy / "manifest.json"), prepared[1]
+
+
+def decoded_sequences(manifest_url: str, shards: list[dict], block_size: int) -> np.ndarray:
+    directory = Path(manifest_url).parent
+    records = [r for shard in shards for r in read_tfrecords((directory / shard["name"]).read_bytes())]
+    return np.concatenate([np.frombuffer(r, "<u2") for r in records]).reshape(-1, block_size)
+
+
+def test_writer_output_is_byte_identical_to_tensorflow(tmp_path):
+    import tensorflow as tf
+
+    rows = np.random.default_rng(0).integers(0, 50_000, size=(1000, 24), dtype=np.uint16)
+    ours = io.BytesIO()
+    assert write_sequence_records(ours, rows, 64) == 16
+    with tf.io.TFRecordWriter(str(tmp_path / "reference.tfrecord")) as writer:
+        for start in range(0, len(rows), 64):
+            writer.write(rows[start:start + 64].astype("<u2").tobytes())
+    assert ours.getvalue() == (tmp_path / "reference.tfrecord").read_bytes()
+
+
+def test_make_dataset_yields_every_sequence_in_order(prepared, tmp_path):
+    manifest_url, manifest = prepared
+    shards = manifest["splits"]["train"]["shards"]
+    files = stage_shards(manifest_url, shards, tmp_path / "staged")
+    dataset = make_dataset(files[:1], block_size=32, dtype="uint16", batch_size=1, shuffle=False, seed=0,
+                           repeat=False)
+    batches = np.concatenate([batch.numpy() for batch in dataset])
+    assert batches.dtype == np.int32 and batches.shape == (shards[0]["sequences"], 32)
+    np.testing.assert_array_equal(batches, decoded_sequences(manifest_url, shards[:1], 32))
+
+
+def test_shuffled_batches_are_full_and_seeded(prepared, tmp_path):
+    manifest_url, manifest = prepared
+    files = stage_shards(manifest_url, manifest["splits"]["train"]["shards"], tmp_path / "staged")
+
+    def first_batches(seed: int) -> np.ndarray:
+        dataset = make_dataset(files, block_size=32, dtype="uint16", batch_size=8, shuffle=True, seed=seed,
+                               repeat=True)
+        return np.stack([batch.numpy() for batch in dataset.take(5)])
+
+    batches = first_batches(1)
+    assert batches.shape == (5, 8, 32)
+    np.testing.assert_array_equal(batches, first_batches(1))
+    assert not np.array_equal(batches, first_batches(2))
+    every_sequence = {row.tobytes() for row in decoded_sequences(
+        manifest_url, manifest["splits"]["train"]["shards"], 32).astype(np.int32)}
+    assert all(row.tobytes() in every_sequence for row in batches.reshape(-1, 32))
+
+
+def test_uint32_records_decode_to_the_same_ids(tmp_path):
+    rows = np.array([[70_000, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 2**31 - 1]], dtype=np.uint32)
+    with open(tmp_path / "wide.tfrecord", "wb") as handle:
+        write_sequence_records(handle, rows, 2)
+    dataset = make_dataset([str(tmp_path / "wide.tfrecord")], block_size=8, dtype="uint32", batch_size=2,
+                           shuffle=False, seed=0, repeat=False)
+    np.testing.assert_array_equal(next(iter(dataset)).numpy(), rows.astype(np.int64))
+
+
+def test_workers_get_distinct_shards_and_too_few_shards_is_an_error(prepared):
+    _, manifest = prepared
+    names = [[s["name"] for s in worker_shards(manifest, "train", rank, 3)] for rank in range(3)]
+    flat = [name for worker in names for name in worker]
+    assert len(flat) == len(set(flat)) == len(manifest["splits"]["train"]["shards"])
+    with pytest.raises(DataError, match=r"'validation' has 2 shard\(s\) for 3 workers"):
+        worker_shards(manifest, "validation", 0, 3)
+
+
+def test_truncated_shard_is_detected_before_training(dataset_copy, tmp_path):
+    manifest_url, manifest = dataset_copy
+    shard = manifest["splits"]["train"]["shards"][1]
+    path = Path(manifest_url).parent / shard["name"]
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(DataError, match=rf"Shard .*{shard['name']} is damaged: {shard['bytes'] - 100} bytes"):
+        stage_shards(manifest_url, manifest["splits"]["train"]["shards"], tmp_path / "staged")
+    assert not list((tmp_path / "staged").glob(f"*{shard['name']}*"))
+
+
+def test_altered_shard_of_the_same_size_is_detected(dataset_copy, tmp_path):
+    manifest_url, manifest = dataset_copy
+    shard = manifest["splits"]["validation"]["shards"][0]
+    path = Path(manifest_url).parent / shard["name"]
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=rf"Shard .*{shard['name']} is damaged: sha256"):
+        stage_shards(manifest_url, [shard], tmp_path / "staged")
+
+
+def test_a_damaged_local_copy_is_fetched_again(prepared, tmp_path):
+    manifest_url, manifest = prepared
+    shard = manifest["splits"]["train"]["shards"][0]
+    [local] = stage_shards(manifest_url, [shard], tmp_path / "staged")
+    Path(local).write_bytes(b"garbage")
+    assert stage_shards(manifest_url, [shard], tmp_path / "staged") == [local]
+    assert storage.sha256_file(local) == shard["sha256"]
+
+
+def test_stage_from_s3(prepared, s3_bucket, tmp_path):
+    manifest_url, manifest = prepared
+    remote = f"{s3_bucket}/datasets/{manifest['fingerprint']}"
+    fs, path = storage.filesystem(remote)
+    local_dir = Path(manifest_url).parent
+    files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+    fs.put([str(p) for p in files], [f"{path}/{p.relative_to(local_dir).as_posix()}" for p in files])
+
+    remote_manifest = load_manifest(f"{remote}/manifest.json")
+    staged = stage_shards(f"{remote}/manifest.json", worker_shards(remote_manifest, "train", 1, 2), tmp_path / "s")
+    assert [Path(p).name for p in staged] == [s["name"] for s in manifest["splits"]["train"]["shards"][1::2]]
+
+
+def test_manifest_problems_are_named(tmp_path):
+    with pytest.raises(DataError, match=r"manifest.json does not exist"):
+        load_manifest(str(tmp_path / "manifest.json"))
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "format_version": 99, "fingerprint": "x", "dtype": "uint16", "block_size": 8, "sequences_per_record": 1,
+        "tokenizer": {}, "splits": {},
+    }))
+    with pytest.raises(DataError, match=r"format_version 99, this trainer reads 1"):
+        load_manifest(str(tmp_path / "manifest.json"))
