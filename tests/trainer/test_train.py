@@ -1,0 +1,258 @@
+"""trainer.train as real worker processes on loopback: 1 and 2 workers, data-parallel exactness, kill + resume.
+
+Three training jobs share TF start-up by running side by side (tiny model, 40 steps of 8 sequences):
+- `single`: 1 worker x batch 4 x 2 accumulation steps;
+- `pair`:   2 workers (TF_CONFIG on free loopback ports) x batch 4 x 1 step: the same global batch;
+- `resumed`: the `pair` job, whose rank 1 is killed after its first checkpoint, then restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.shards import write_dataset
+from trainer.config import ConfigError
+from trainer.data import DataError
+from trainer.train import plan_job
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 40
+CHECKPOINT_EVERY = 4
+BASE_CONFIG = {
+    "model": "tiny", "tokenizer": "bpe:320", "block_size": 32, "batch_size_per_worker": 4, "max_steps": STEPS,
+    "warmup_steps": 4, "learning_rate": 3e-3, "checkpoint_every_steps": CHECKPOINT_EVERY, "collective_timeout_s": 60,
+}
+SUMMARY_KEYS = {
+    "num_workers", "global_batch_size", "steps", "tokens_seen", "wall_time_s", "train_time_s", "tokens_per_s",
+    "final_loss", "mfu", "resumed_from_step", "hardware", "versions", "config", "started_at", "finished_at",
+}
+METRIC_KEYS = {"step", "loss", "learning_rate", "tokens_per_s", "step_time_s", "input_wait_s", "tokens_seen", "time"}
+# Same data, same init, same summation order: the curves agree to float32 rounding.
+LOSS_TOLERANCE = 1e-4
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+class Job:
+    """One training job: its config file, output directory and worker processes (one per rank)."""
+
+    def __init__(self, root: Path, name: str, manifest: str, **settings) -> None:
+        self.name = name
+        self.dir = root / name
+        self.dir.mkdir(parents=True)
+        self.config = {**BASE_CONFIG, **settings}
+        self.config_path = self.dir / "config.json"
+        self.config_path.write_text(json.dumps(self.config))
+        self.manifest = manifest
+        self.output = self.dir / "output"
+        self.tmp = self.dir / "tmp"  # TMPDIR of the workers: non-chief temp saves must vanish from it
+        self.tmp.mkdir()
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> None:
+        workers = self.config.get("num_workers", 1)
+        addresses = [f"127.0.0.1:{p}" for p in free_ports(workers)] if workers > 1 else []
+        self.procs = []
+        for rank in range(workers):
+            env = {**os.environ, "TMPDIR": str(self.tmp), "PYTHONPATH": str(REPO)}
+            env.pop("TF_CONFIG", None)
+            if addresses:
+                env["TF_CONFIG"] = json.dumps(
+                    {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}}
+                )
+            log = (self.dir / f"rank-{rank}.log").open("ab")
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "trainer.train", "--config", str(self.config_path), "--manifest",
+                 self.manifest, "--output", str(self.output)],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            ))
+
+    def wait(self, timeout: float = 240) -> list[int]:
+        deadline = time.monotonic() + timeout
+        try:
+            return [p.wait(timeout=max(1, deadline - time.monotonic())) for p in self.procs]
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+    def log(self, rank: int) -> str:
+        return (self.dir / f"rank-{rank}.log").read_text(errors="replace")
+
+    def losses(self, rank: int = 0) -> dict[int, float]:
+        lines = (self.output / "metrics" / f"rank-{rank}.jsonl").read_text().splitlines()
+        return {record["step"]: record["loss"] for record in map(json.loads, lines)}
+
+    def summary(self) -> dict:
+        return json.loads((self.output / "summary.json").read_text())
+
+    def assert_succeeded(self, codes: list[int]) -> None:
+        assert codes == [0] * len(codes), "\n".join(f"--- rank {r}\n{self.log(r)[-4000:]}" for r in range(len(codes)))
+
+
+def latest_checkpoint_step(checkpoints: Path) -> int | None:
+    index = checkpoints / "checkpoint"
+    if not index.exists():
+        return None
+    first = index.read_text().splitlines()[0]  # model_checkpoint_path: "ckpt-N"
+    return int(first.rsplit("ckpt-", 1)[1].strip('"'))
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory) -> str:
+    return write_dataset(tmp_path_factory.mktemp("dataset"), sorted((REPO / "data" / "sample").glob("*.txt")),
+                         block_size=32, vocab_size=320, num_train_shards=4, max_chars=40_000)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, manifest) -> dict[str, Job]:
+    """Run all three jobs (the resumed one killed and restarted) with as much overlap as 2 cores allow."""
+    root = tmp_path_factory.mktemp("runs")
+    single = Job(root, "single", manifest, num_workers=1, grad_accum_steps=2)
+    pair = Job(root, "pair", manifest, num_workers=2, grad_accum_steps=1)
+    resumed = Job(root, "resumed", manifest, num_workers=2, grad_accum_steps=1)
+    jobs = {"single": single, "pair": pair, "resumed": resumed}
+    try:
+        for job in jobs.values():
+            job.start()
+        # Kill rank 1 of `resumed` as soon as its chief has a checkpoint; rank 0 must then fail on its own.
+        deadline = time.monotonic() + 240
+        while latest_checkpoint_step(resumed.output / "checkpoints") is None:
+            assert time.monotonic() < deadline, resumed.log(0)[-4000:]
+            assert resumed.procs[0].poll() is None, resumed.log(0)[-4000:]
+            time.sleep(0.05)
+        resumed.procs[1].send_signal(signal.SIGKILL)
+        resumed.killed_codes = resumed.wait(timeout=120)
+        resumed.checkpoint_at_restart = latest_checkpoint_step(resumed.output / "checkpoints")
+        resumed.summary_before_restart = (resumed.output / "summary.json").exists()
+        resumed.start()
+        for job in jobs.values():
+            job.assert_succeeded(job.wait())
+    finally:
+        for job in jobs.values():
+            job.stop()
+    return jobs
+
+
+def test_two_workers_follow_the_single_worker_accumulation_curve(runs):
+    single, pair = runs["single"].losses(), runs["pair"].losses()
+    assert sorted(single) == sorted(pair) == list(range(1, STEPS + 1))
+    worst = max(abs(single[s] - pair[s]) for s in single)
+    assert worst < LOSS_TOLERANCE, f"loss curves differ by up to {worst}"
+    assert single[STEPS] < single[1] - 0.5, "the model did not learn"
+    # Both ranks log the same (all-reduced) loss.
+    assert runs["pair"].losses(rank=1) == pair
+
+
+def test_outputs_follow_the_contract(runs):
+    for name, workers in (("single", 1), ("pair", 2)):
+        job = runs[name]
+        summary = job.summary()
+        assert SUMMARY_KEYS <= set(summary)
+        assert summary["num_workers"] == workers and summary["global_batch_size"] == 8
+        assert summary["steps"] == STEPS and summary["tokens_seen"] == STEPS * 8 * 32
+        assert summary["resumed_from_step"] == 0 and summary["mfu"] is None
+        assert 0 < summary["train_time_s"] < summary["wall_time_s"] and summary["tokens_per_s"] > 0
+        assert summary["final_loss"] == job.losses()[STEPS]
+        for rank in range(workers):
+            records = [json.loads(line) for line in (job.output / "metrics" / f"rank-{rank}.jsonl").open()]
+            assert all(METRIC_KEYS <= set(r) for r in records)
+            assert all(math.isfinite(r["loss"]) and r["input_wait_s"] >= 0 for r in records)
+        assert list((job.output / "tensorboard").glob("events.out.tfevents.*"))
+        assert {"config.json", "tf_model.h5", "tokenizer.json"} <= {p.name for p in (job.output / "model").iterdir()}
+        assert latest_checkpoint_step(job.output / "checkpoints") == STEPS
+        assert not list(job.tmp.rglob("workertemp_*")), "non-chief temporary saves were left behind"
+        assert "rank0" in job.log(0) and f"step {STEPS}/{STEPS}" in job.log(0)
+
+
+def test_killed_worker_resumes_from_its_checkpoint(runs):
+    resumed, pair = runs["resumed"], runs["pair"]
+    # The survivor of the kill failed by itself (collective error) instead of hanging; no summary was written.
+    assert resumed.killed_codes[0] != 0 and not resumed.summary_before_restart
+    checkpoint = resumed.checkpoint_at_restart
+    assert checkpoint is not None and 0 < checkpoint < STEPS and checkpoint % CHECKPOINT_EVERY == 0
+    summary = resumed.summary()
+    assert summary["resumed_from_step"] == checkpoint and summary["steps"] == STEPS
+    assert f"resuming at step {checkpoint} of {STEPS}" in resumed.log(0)
+    # Each step logged once, and after the restart the run continues exactly as the uninterrupted one.
+    losses = resumed.losses()
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    reference = pair.losses()
+    worst = max(abs(losses[s] - reference[s]) for s in range(checkpoint + 1, STEPS + 1))
+    assert worst < LOSS_TOLERANCE, f"resumed run departs from the uninterrupted one by {worst}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad input fails before TensorFlow starts
+
+
+def write_config(tmp_path: Path, **settings) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**BASE_CONFIG, **settings}))
+    return str(path)
+
+
+def tf_config(workers: int, rank: int = 0) -> dict[str, str]:
+    addresses = [f"127.0.0.1:{20000 + i}" for i in range(workers)]
+    return {"TF_CONFIG": json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}})}
+
+
+@pytest.mark.parametrize(
+    ("settings", "environ", "error", "message"),
+    [
+        ({"num_workers": 1, "batch_size": 4}, {}, ConfigError, "Unknown run setting(s) ['batch_size']"),
+        ({"num_workers": 1, "batch_size_per_worker": 0}, {}, ConfigError, "'batch_size_per_worker' = 0"),
+        ({"num_workers": 1, "batch_size_per_worker": "4"}, {}, ConfigError, "must be an integer"),
+        ({"num_workers": 1, "mixed_precision": "fp8"}, {}, ConfigError, "'mixed_precision' = 'fp8'"),
+        ({"num_workers": 8, "num_shards": 8}, tf_config(8, 3), DataError, "4 shard(s) for 8 workers"),
+        ({"num_workers": 2}, {}, ConfigError, "TF_CONFIG lists 1 workers"),
+        ({"num_workers": 1, "max_steps": 0}, {}, ConfigError, "'max_steps' must be resolved"),
+        ({"num_workers": 1, "block_size": 64}, {}, ConfigError, "hold sequences of 32 tokens"),
+    ],
+    ids=["unknown-key", "zero-batch", "string-batch", "wrong-dtype", "shards-fewer-than-workers",
+         "workers-mismatch", "unresolved-steps", "block-size-mismatch"],
+)
+def test_bad_config_fails_at_start(tmp_path, manifest, settings, environ, error, message):
+    with pytest.raises(error) as raised:
+        plan_job(write_config(tmp_path, **settings), manifest, str(tmp_path / "out"), environ=environ)
+    assert message in str(raised.value)
+
+
+def test_bad_config_exits_before_tensorflow_with_the_reason(tmp_path, manifest):
+    """The CLI exits 2 naming the key, without importing TensorFlow (seconds, not a TF start-up)."""
+    probe = (
+        "import runpy, sys\n"
+        "try:\n    runpy.run_module('trainer.train', run_name='__main__')\n"
+        "except SystemExit as e:\n    print('TF_IMPORTED', 'tensorflow' in sys.modules); raise\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe, "--config", write_config(tmp_path, num_workers=1, learning_rat=0.1),
+         "--manifest", manifest, "--output", str(tmp_path / "out")],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 2, result.stderr
+    assert "cannot start" in result.stderr and "['learning_rat']" in result.stderr
+    assert "TF_IMPORTED False" in result.stdout
+    assert not (tmp_path / "out").exists()
