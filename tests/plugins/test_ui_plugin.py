@@ -128,6 +128,7 @@ def test_airflow_loads_the_plugin_and_mounts_its_app(storage_root, tmp_path):
     """In a fresh interpreter, as the API server does: plugins folder scan, then `init_plugins` mounts the app."""
     script = """
 import json
+import sys
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from airflow import plugins_manager
@@ -137,8 +138,11 @@ app = FastAPI()
 init_plugins(app)
 info = [p for p in plugins_manager.get_plugin_info() if p["name"] == "gpt_finetune_reports"]
 runs = TestClient(app).get("/gpt-finetune/api/runs").json()
-errors = {path: error for path, error in plugins_manager.get_import_errors().items() if "gpt_finetune_ui" in path}
-print(json.dumps({"info": info, "runs": [run["run_id"] for run in runs], "errors": errors}, default=str))
+errors = plugins_manager.get_import_errors()
+shadowed = sorted(name for name in sys.stdlib_module_names if getattr(sys.modules.get(name), "__file__", "")
+                  and "/plugins/" in sys.modules[name].__file__)
+print(json.dumps({"info": info, "runs": [run["run_id"] for run in runs], "errors": errors, "shadowed": shadowed},
+                 default=str))
 """
     env = {key: value for key, value in os.environ.items() if not key.startswith("AIRFLOW")}
     env.update({"AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
@@ -148,7 +152,8 @@ print(json.dumps({"info": info, "runs": [run["run_id"] for run in runs], "errors
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
 
-    assert loaded["errors"] == {}
+    # Every file Airflow scans becomes a top-level module named after it: none may fail or shadow the stdlib.
+    assert loaded["errors"] == {} and loaded["shadowed"] == []
     (plugin,) = loaded["info"]
     assert plugin["source"] == "$PLUGINS_FOLDER/gpt_finetune_ui/ui_plugin.py"
     assert [(app["url_prefix"], app["name"]) for app in plugin["fastapi_apps"]] == [
