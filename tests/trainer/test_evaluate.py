@@ -1,0 +1,75 @@
+"""trainer.evaluate: the saved model loads with from_pretrained and scores exactly like the trained weights."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.shards import write_dataset
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = {
+    "num_workers": 1, "model": "tiny", "tokenizer": "bpe:320", "block_size": 32, "batch_size_per_worker": 4,
+    "max_steps": 8, "warmup_steps": 2, "learning_rate": 3e-3, "checkpoint_every_steps": 4,
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 1-worker run in this process (no TF_CONFIG: the default strategy), then its output paths."""
+    from trainer.train import main
+
+    root = tmp_path_factory.mktemp("evaluate")
+    manifest = write_dataset(root / "dataset", sorted((REPO / "data" / "sample").glob("*.txt")),
+                             block_size=32, vocab_size=320, num_train_shards=2, max_chars=30_000)
+    config = root / "config.json"
+    config.write_text(json.dumps(CONFIG))
+    output = root / "train"
+    assert main(["--config", str(config), "--manifest", manifest, "--output", str(output)]) == 0
+    return manifest, output
+
+
+def test_saved_model_scores_like_the_final_checkpoint(trained):
+    import tensorflow as tf
+
+    from trainer.data import load_manifest
+    from trainer.evaluate import EVAL_BATCH_SIZE, eval_loss, evaluate, validation_dataset
+    from trainer.model import build_model
+
+    manifest_url, output = trained
+    manifest = load_manifest(manifest_url)
+    restored = build_model("tiny", vocab_size=manifest["tokenizer"]["vocab_size"],
+                           eos_token_id=manifest["tokenizer"]["eos_token_id"], block_size=32, work_dir=output)
+    tf.train.Checkpoint(model=restored).restore(tf.train.latest_checkpoint(str(output / "checkpoints"))).expect_partial()
+    dataset = validation_dataset(manifest_url, manifest, output.parent / "val", EVAL_BATCH_SIZE)
+    checkpoint_loss, tokens = eval_loss(restored, dataset, None)
+
+    result = evaluate(str(output / "model"), manifest_url)
+    assert result["eval_loss"] == pytest.approx(checkpoint_loss, abs=1e-6)
+    assert result["eval_tokens"] == tokens > 0
+    assert result["perplexity"] == pytest.approx(math.exp(result["eval_loss"]))
+    # Trained weights, not a fresh init: far below the uniform-guess loss log(vocab).
+    assert result["eval_loss"] < math.log(manifest["tokenizer"]["vocab_size"]) - 0.3
+
+
+def test_cli_writes_the_result_json(trained, tmp_path):
+    manifest_url, output = trained
+    result_path = tmp_path / "eval" / "result.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "trainer.evaluate", "--model", str(output / "model"), "--manifest", manifest_url,
+         "--output", str(result_path), "--max-batches", "2", "--prompt", "Enter the king"],
+        cwd=REPO, capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(result_path.read_text())
+    assert {"eval_loss", "perplexity", "eval_tokens", "eval_time_s", "samples"} <= set(result)
+    assert result["eval_tokens"] == 2 * 8 * 31
+    assert result["prompt"] == "Enter the king"
+    assert len(result["samples"]) == 3 and all(isinstance(s, str) and s for s in result["samples"])
+    assert "eval_loss" in completed.stdout
