@@ -94,6 +94,10 @@ def identify_dataset(cfg: RunConfig) -> DatasetIdentity:
 
 
 def prepare_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0) -> PreparedDataset:
+    """Tokenize `cfg.dataset` into shards + manifest under `cfg.storage_root`, or reuse a complete earlier result.
+
+    Raises `PrepareError` naming the file, key or setting at fault; on any failure no manifest is published.
+    """
     started = time.perf_counter()
     layout = StorageLayout(cfg.storage_root)
     identity = identify_dataset(cfg)
@@ -308,7 +312,7 @@ def _build(
     log.info("loaded %d documents: %d for training, %d for validation", count, count - is_validation.sum(),
              is_validation.sum())
 
-    tokenizer = plan.pretrained or train_bpe(documents, is_validation, cfg.bpe_vocab_size)
+    tokenizer = plan.pretrained or train_bpe(documents, is_validation, cfg.bpe_vocab_size, progress_interval_s)
     tokenizer.save_pretrained(str(stage / TOKENIZER_DIR))
     eos = tokenizer.eos_token_id
     streams, tokenized = tokenize_to_streams(
@@ -372,7 +376,7 @@ def validation_mask(count: int, val_fraction: float, seed: int) -> np.ndarray:
     return mask
 
 
-def train_bpe(documents, is_validation: np.ndarray, vocab_size: int):
+def train_bpe(documents, is_validation: np.ndarray, vocab_size: int, progress_interval_s: float = 5.0):
     """A byte-level BPE (GPT-2 style) trained on the training documents, as a transformers fast tokenizer."""
     from tokenizers import (
         Tokenizer,
@@ -395,15 +399,24 @@ def train_bpe(documents, is_validation: np.ndarray, vocab_size: int):
     )
     train_count = int(len(documents) - is_validation.sum())
     log.info("training a byte-level BPE with %d tokens on %d training documents", vocab_size, train_count)
-    tokenizer.train_from_iterator(_training_texts(documents, is_validation), trainer, length=train_count)
+    texts = _training_texts(documents, is_validation, progress_interval_s)
+    tokenizer.train_from_iterator(texts, trainer, length=train_count)
     log.info("trained the BPE (%d tokens) in %.1fs", tokenizer.get_vocab_size(), time.perf_counter() - started)
     return GPT2TokenizerFast(tokenizer_object=tokenizer, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, unk_token=EOS_TOKEN)
 
 
-def _training_texts(documents, is_validation: np.ndarray, batch: int = 4096) -> Iterator[list[str]]:
+def _training_texts(
+    documents, is_validation: np.ndarray, progress_interval_s: float, batch: int = 4096,
+) -> Iterator[list[str]]:
+    """The training documents in batches, logging how far the BPE trainer has read (merges come after)."""
+    last = time.perf_counter()
     for start in range(0, len(documents), batch):
         texts = documents[start:start + batch][TEXT]
         yield [text for text, held_out in zip(texts, is_validation[start:start + batch]) if text and not held_out]
+        if time.perf_counter() - last >= progress_interval_s:
+            last = time.perf_counter()
+            log.info("BPE training: counted %d/%d documents", min(start + batch, len(documents)), len(documents))
+    log.info("BPE training: all documents counted, computing merges")
 
 
 # Set in the parent right before the pool forks, so workers inherit the tokenizer and the memory-mapped documents.

@@ -301,6 +301,17 @@ def test_missing_source_is_named(tmp_path):
     assert not (tmp_path / "storage").exists()
 
 
+def test_hub_dataset_id_while_offline_is_a_clear_error(tmp_path):
+    with pytest.raises(PrepareError, match=r"looks like a hub dataset id but the hub is offline"):
+        prepare_dataset(config(tmp_path, dataset="someone/some-corpus"))
+
+
+def test_file_urls_resolve_like_paths(tmp_path):
+    by_url = identify_dataset(config(tmp_path, dataset=f"file://{SAMPLE}/*.txt")).sources.files
+    assert by_url == identify_dataset(config(tmp_path)).sources.files
+    assert [Path(f.url).name for f in by_url] == sorted(p.name for p in SAMPLE.glob("*.txt"))
+
+
 def test_empty_dataset_is_refused(tmp_path):
     (tmp_path / "empty.txt").write_text("", encoding="utf-8")
     cfg = config(tmp_path, dataset=str(tmp_path / "empty.txt"))
