@@ -314,7 +314,9 @@ def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str,
     try:
         local_files = stage_inputs(job)
         state = TrainState(job, strategy, work_dir)
-        store = CheckpointStore(state.checkpoint, job.output.checkpoints, work_dir, rank=job.rank, is_chief=job.is_chief)
+        store = CheckpointStore(
+            state.checkpoint, job.output.checkpoints, work_dir, rank=job.rank, is_chief=job.is_chief
+        )
         store.restore_latest()
         start_step = int(state.step.numpy())
         state.check_same_step_everywhere(job.rank)
@@ -436,9 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     identity = runtime.worker_identity()
     logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr,
+        level=logging.WARNING, stream=sys.stderr,
         format=f"%(asctime)s rank{identity.rank} %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("trainer").setLevel(logging.INFO)  # ours at INFO; TF/botocore chatter stays at WARNING
     try:
         job = plan_job(args.config, args.manifest, args.output)
     except (DataError, ValueError) as error:  # ConfigError is a ValueError
@@ -451,7 +454,20 @@ def main(argv: list[str] | None = None) -> int:
     runtime.signal_ready()
     log.info("rank %d of %d joined (%d replicas in sync)", job.rank, job.identity.num_workers,
              strategy.num_replicas_in_sync)
-    summary = train(job, strategy, started, started_at)
+    import tensorflow as tf
+
+    try:
+        summary = train(job, strategy, started, started_at)
+    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError) as error:
+        # A peer died or stalled inside a collective. The group must restart together; it resumes from the
+        # latest checkpoint in the output.
+        log.error(
+            "rank %d on %s lost another worker during a collective (%s: %s). Restart the whole group; it resumes "
+            "from the latest checkpoint in %s. If workers are slow rather than dead, raise 'collective_timeout_s' "
+            "(now %d s).", job.rank, job.identity.host, type(error).__name__, str(error).splitlines()[0],
+            job.output.checkpoints, job.cfg.collective_timeout_s,
+        )
+        return 3
     if summary is not None:
         storage.write_json_atomic(job.output.summary, summary)
         log.info("summary written to %s: %s tokens/s, final loss %.4f", job.output.summary,

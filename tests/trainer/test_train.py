@@ -190,7 +190,8 @@ def test_outputs_follow_the_contract(runs):
 def test_killed_worker_resumes_from_its_checkpoint(runs):
     resumed, pair = runs["resumed"], runs["pair"]
     # The survivor of the kill failed by itself (collective error) instead of hanging; no summary was written.
-    assert resumed.killed_codes[0] != 0 and not resumed.summary_before_restart
+    assert resumed.killed_codes[0] == 3 and not resumed.summary_before_restart
+    assert "rank 0 on" in resumed.log(0) and "lost another worker during a collective" in resumed.log(0)
     checkpoint = resumed.checkpoint_at_restart
     assert checkpoint is not None and 0 < checkpoint < STEPS and checkpoint % CHECKPOINT_EVERY == 0
     summary = resumed.summary()
