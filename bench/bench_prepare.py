@@ -3,8 +3,10 @@
 1. End-to-end tokens/s of `tasks.tokenize.prepare_dataset` (reading with HF datasets, tokenizing, packing,
    writing verified TFRecord shards and the manifest to a fresh local storage root, so never a cache hit) next to
    raw `tokenizers` `encode_batch` tokens/s on the same documents with the same tokenizer, in the same process,
-   pinned to the same cores: 1 core, then every core. Runs alternate raw / stage and the best of each is kept.
-   Both rates divide the same token count (the documents' tokens; the stage's EOS separators are not counted).
+   pinned to the same cores: 1 core, then every core. Runs alternate raw / stage; the ratio is the median over
+   those pairs, by wall time and by CPU time (this process, its threads and its worker processes), the latter
+   being the steadier figure on a machine shared with other work. Both rates divide the same token count (the
+   documents' tokens; the stage's EOS separators are not counted).
    Imports and one warm-up run on the 3-play sample happen before timing and are reported separately: they are
    a per-process constant, not throughput.
    Target: stage / raw >= 0.8 on one core; stage speedup with cores close to raw's.
@@ -17,6 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,8 +29,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO.parent / "shared" / "data" / "shakespeare"
-THROUGHPUT_VOCAB = 8192
-SIZE_VOCABS = (512, 2048, 16384)
+THROUGHPUT_VOCAB = 16384
+SIZE_VOCABS = (512, 16384)
 SIZE_BLOCKS = (64, 1024)
 REPEATS = 3
 
@@ -52,7 +56,8 @@ def run(out_dir: Path) -> dict:
     print(f"\nthroughput (bpe {THROUGHPUT_VOCAB} tokenizer, {throughput[1]['tokens']} tokens):")
     for count, figures in throughput.items():
         print(f"  {count} core(s): stage {figures['stage_tokens_per_s'] / 1e6:.2f}M tok/s, raw encode_batch "
-              f"{figures['raw_tokens_per_s'] / 1e6:.2f}M tok/s, ratio {figures['ratio']:.2f} "
+              f"{figures['raw_tokens_per_s'] / 1e6:.2f}M tok/s (best runs); ratio {figures['ratio']:.2f} by wall time, "
+              f"{figures['cpu_ratio']:.2f} by CPU time (medians of paired runs) "
               f"(stage {figures['stage_s']:.2f}s = load {figures['phases']['load_s']:.2f}s + tokenize "
               f"{figures['phases']['tokenize_s']:.2f}s + shards/publish {figures['phases']['write_s']:.2f}s; "
               f"imports {figures['import_s']:.1f}s not counted)")
@@ -64,7 +69,10 @@ def run(out_dir: Path) -> dict:
         result |= {"stage_speedup": stage_speedup, "raw_speedup": raw_speedup}
         print(f"  speedup {len(cores)} cores vs 1: stage {stage_speedup:.2f}x, raw {raw_speedup:.2f}x "
               "(cores shared with whatever else runs on this machine)")
-    print(f"  target: ratio >= 0.8 on one core -> {'met' if throughput[1]['ratio'] >= 0.8 else 'NOT met'}")
+    one = throughput[1]
+    print(f"  target ratio >= 0.8 on one core: by wall time {one['ratio']:.2f} "
+          f"({'met' if one['ratio'] >= 0.8 else 'NOT met'}), by CPU time {one['cpu_ratio']:.2f} "
+          f"({'met' if one['cpu_ratio'] >= 0.8 else 'NOT met'})")
     worst = max(entry["bytes_per_token"] for entry in sizes)
     print(f"  bytes per token on disk: worst {worst:.4f} -> {'met' if worst <= 2.1 else 'NOT met'} (target <= 2.1)")
     (out_dir / "prepare-details.json").write_text(json.dumps(result, indent=2))
@@ -158,29 +166,52 @@ def _measure(arguments: str) -> None:
     logger.setLevel(logging.INFO)
     logger.propagate = False
 
-    raw_times, stage_times, phases, tokens = [], [], [], 0
+    raw, stage, phases, tokens = [], [], [], 0
     for repeat in range(REPEATS):
-        begin = time.perf_counter()
-        tokens = sum(len(encoding) for encoding in tokenizer.encode_batch(documents, add_special_tokens=False))
-        raw_times.append(time.perf_counter() - begin)
+        with _Timer() as timer:
+            tokens = sum(len(encoding) for encoding in tokenizer.encode_batch(documents, add_special_tokens=False))
+        raw.append(timer)
 
         cfg = RunConfig(dataset=str(CORPUS / "*.txt"), tokenizer=options["tokenizer"], block_size=1024,
                         model="gpt2-124m", num_workers=1, storage_root=f"{options['root']}/{repeat}")
         clock.events.clear()
-        begin = time.perf_counter()
-        result = prepare_dataset(cfg, progress_interval_s=3600)
-        stage_times.append(time.perf_counter() - begin)
+        with _Timer() as timer:
+            result = prepare_dataset(cfg, progress_interval_s=3600)
+        stage.append(timer)
         assert not result.cache_hit
         phases.append({
-            "load_s": clock.first("loaded") - begin,
+            "load_s": clock.first("loaded") - timer.began,
             "tokenize_s": clock.last("tokenized") - clock.first("tokenizing"),
             "write_s": clock.first("published") - clock.last("tokenized"),
         })
 
-    best = min(range(REPEATS), key=stage_times.__getitem__)
-    raw_s, stage_s = min(raw_times), stage_times[best]
+    best = min(range(REPEATS), key=lambda i: stage[i].wall)
+    raw_s = min(t.wall for t in raw)
     print(json.dumps({
         "cores": len(options["cores"]), "tokens": tokens, "documents": len(documents), "import_s": import_s,
-        "raw_s": raw_s, "stage_s": stage_s, "raw_tokens_per_s": tokens / raw_s, "stage_tokens_per_s": tokens / stage_s,
-        "ratio": raw_s / stage_s, "phases": phases[best], "raw_runs_s": raw_times, "stage_runs_s": stage_times,
+        "raw_s": raw_s, "stage_s": stage[best].wall, "raw_tokens_per_s": tokens / raw_s,
+        "stage_tokens_per_s": tokens / stage[best].wall,
+        # Each raw run is paired with the stage run right after it, so both saw about the same machine load.
+        "ratio": statistics.median(r.wall / s.wall for r, s in zip(raw, stage)),
+        "cpu_ratio": statistics.median(r.cpu / s.cpu for r, s in zip(raw, stage)),
+        "phases": phases[best], "raw_runs_s": [t.wall for t in raw], "stage_runs_s": [t.wall for t in stage],
+        "raw_cpu_s": [t.cpu for t in raw], "stage_cpu_s": [t.cpu for t in stage],
     }))
+
+
+class _Timer:
+    """Wall time and CPU time of this process, its threads and its reaped child processes."""
+
+    def __enter__(self):
+        self.began = time.perf_counter()
+        self._cpu = self._cpu_now()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.began
+        self.cpu = self._cpu_now() - self._cpu
+
+    @staticmethod
+    def _cpu_now() -> float:
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() + children.ru_utime + children.ru_stime
