@@ -6,6 +6,7 @@ the pages render exactly what the pipeline writes.
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -180,3 +181,26 @@ def test_reports_are_read_from_s3(storage_root, s3_server, monkeypatch):
     assert page.status_code == 200 and "<td>1.10x</td>" in page.text
     chart = client.get("/runs/scheduled__2026-11-28T02_00_00_00_00/charts/scaling.png")
     assert chart.headers["content-type"] == "image/png" and chart.content.startswith(b"\x89PNG")
+
+
+def test_the_nav_entry_shows_the_reports_inside_airflow(airflow_stack, storage_root, browser):
+    """The real API server mounts the app; after logging in, the UI's navigation entry frames its pages."""
+    stack_storage = Path(airflow_stack.env["GPT_FINETUNE_STORAGE_ROOT"])
+    run_key = "scheduled__2026-11-28T02_00_00_00_00"
+    shutil.copytree(Path(storage_root) / "runs" / run_key, stack_storage / "runs" / run_key, dirs_exist_ok=True)
+    user, password = airflow_stack.login
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+
+    page.goto(f"{airflow_stack.url}/")
+    page.locator("input[name=username]").fill(user)
+    page.locator("input[name=password]").fill(password)
+    page.locator("button[type=submit]").click()
+    page.get_by_role("button", name="Browse").click()
+    page.get_by_role("menuitem", name="GPT fine-tune runs").click()  # the navigation entry the plugin declared
+
+    frame = page.frame_locator("iframe")
+    frame.get_by_role("link", name="scheduled__2026-11-28T02:00:00+00:00").click()
+    assert page.url.startswith(f"{airflow_stack.url}/plugin/gpt-finetune-runs")
+    assert frame.locator("#figures tr").nth(2).inner_text().split("\t")[:6] == [
+        "distributed", "2", "30.0 s", "1.2 s", "1,331", "1.10x"]
+    page.screenshot(path=str(ARTIFACTS / "ui_in_airflow.png"))
