@@ -48,10 +48,28 @@ class AirflowStack:
             env=self.env, capture_output=True, text=True, timeout=timeout, check=check, cwd=REPO,
         )
 
+    def cli_json(self, *args: str, timeout: float = 120) -> list | dict:
+        """A CLI command's `-o json` output (the last JSON line; log lines may come before it)."""
+        out = self.cli(*args, "-o", "json", timeout=timeout).stdout
+        return json.loads(next(line for line in reversed(out.splitlines()) if line.startswith(("[{", "[]", "{"))))
+
+    def wait_for_dag(self, dag_id: str, timeout: float = 120) -> None:
+        """Until the DAG processor has parsed `dag_id` (fails with the import errors otherwise)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(d["dag_id"] == dag_id for d in self.cli_json("dags", "list")):
+                return
+            time.sleep(2)
+        errors = self.cli("dags", "list-import-errors", check=False).stdout
+        raise TimeoutError(f"{dag_id} was not parsed within {timeout}s; import errors:\n{errors}")
+
     def run_state(self, dag_id: str, run_id: str) -> str:
-        out = self.cli("dags", "list-runs", dag_id, "-o", "json").stdout
-        runs = json.loads(out[out.index("[") :])
+        runs = self.cli_json("dags", "list-runs", dag_id)
         return next(run["state"] for run in runs if run["run_id"] == run_id)
+
+    def task_states(self, dag_id: str, run_id: str) -> dict[str, str]:
+        rows = self.cli_json("tasks", "states-for-dag-run", dag_id, run_id)
+        return {row["task_id"]: row["state"] for row in rows}
 
     def wait_for_run(self, dag_id: str, run_id: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout

@@ -18,7 +18,7 @@ DAG_FILE = REPO / "dags" / "gpt_finetune.py"
 def dag():
     from airflow.dag_processing.dagbag import DagBag
 
-    bag = DagBag(dag_folder=str(REPO / "dags"), include_examples=False)
+    bag = DagBag(dag_folder=str(REPO / "dags"))
     assert bag.import_errors == {}
     return bag.dags["gpt_finetune"]
 

@@ -1,30 +1,18 @@
 """Triggering through the real CLI against a running scheduler: bad settings never reach the workers."""
 
 import json
-import time
 
 import pytest
 
 pytestmark = pytest.mark.timeout(420)
 
 
-def wait_for_dag(stack, dag_id: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out = stack.cli("dags", "list", "-o", "json", check=False).stdout
-        if out and dag_id in out:
-            return
-        time.sleep(2)
-    errors = stack.cli("dags", "list-import-errors", check=False).stdout
-    raise TimeoutError(f"{dag_id} was not parsed within {timeout}s; import errors:\n{errors}")
-
-
 def trigger(stack, conf: dict, check: bool = True):
-    return stack.cli("dags", "trigger", "gpt_finetune", "--conf", json.dumps(conf), "-o", "json", check=check)
+    return stack.cli("dags", "trigger", "gpt_finetune", "--conf", json.dumps(conf), check=check)
 
 
 def test_out_of_range_setting_is_refused_before_a_run_exists(airflow_stack):
-    wait_for_dag(airflow_stack, "gpt_finetune")
+    airflow_stack.wait_for_dag("gpt_finetune")
     result = trigger(airflow_stack, {"num_workers": 0}, check=False)
     assert result.returncode != 0
     assert "Invalid input for param num_workers: 0 is less than the minimum of 1" in result.stderr + result.stdout
@@ -36,15 +24,15 @@ def test_out_of_range_setting_is_refused_before_a_run_exists(airflow_stack):
 
 
 def test_unknown_setting_fails_the_first_task_with_a_clear_message(airflow_stack):
-    wait_for_dag(airflow_stack, "gpt_finetune")
-    out = trigger(airflow_stack, {"num_workers": 2, "num_wokers": 3}).stdout
-    run_id = json.loads(out[out.index("[") :])[0]["run_id"]
+    airflow_stack.wait_for_dag("gpt_finetune")
+    run_id = airflow_stack.cli_json(
+        "dags", "trigger", "gpt_finetune", "--conf", json.dumps({"num_workers": 2, "num_wokers": 3})
+    )[0]["dag_run_id"]
     assert airflow_stack.wait_for_run("gpt_finetune", run_id, timeout=240) == "failed"
     log = airflow_stack.task_log("gpt_finetune", run_id, "prepare")
     assert "Unknown run setting(s) ['num_wokers']" in log
     assert "allowed keys are" in log
-    states = airflow_stack.cli("tasks", "states-for-dag-run", "gpt_finetune", run_id, "-o", "json").stdout
-    by_task = {row["task_id"]: row["state"] for row in json.loads(states[states.index("[") :])}
+    by_task = airflow_stack.task_states("gpt_finetune", run_id)
     assert by_task["prepare"] == "failed"
     assert by_task["train"] == "upstream_failed"
     assert by_task["preflight"] == "upstream_failed"
