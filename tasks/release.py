@@ -20,11 +20,11 @@ from typing import Any, Mapping
 
 from trainer.config import ConfigError, RunConfig
 from trainer.layout import StorageLayout, run_key
+from trainer.runtime import RUN_KEY_ENV
 from trainer.storage import list_dir, normalize_root, read_json, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.release")
 
-RUN_KEY_ENV = "TFMW_RUN_KEY"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -140,10 +140,9 @@ def release_run(params: Mapping[str, Any], run_id: str, grace_period_s: float = 
             continue
         record = read_json(f"{run.state}/{name}")
         report.records.append(name)
-        for worker in record.get("workers", []):
-            recorded_pids.add(int(worker["pid"]))
-            if worker.get("workdir"):
-                workdirs.append(worker["workdir"])
+        recorded_pids.update(int(worker["pid"]) for worker in record.get("workers", []))
+        if record.get("workdir"):
+            workdirs.append(record["workdir"])
 
     alive = processes_of_run(key)  # recorded pids still alive carry the marker too; pids alone may be reused
     report.found = [{"pid": pid, "cmdline": cmd[:200]} for pid, cmd in sorted(alive.items())]

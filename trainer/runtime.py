@@ -2,6 +2,7 @@
 
 Contract with the launcher (`plugins/tf_multiworker/launcher`):
 - `TF_CONFIG` (absent: a single worker) gives the cluster and this worker's index.
+- `TFMW_RUN_KEY` names the pipeline run the worker belongs to (see tasks/release.py).
 - `TFMW_READY_FILE`, when set, is touched once the worker has joined the group (strategy created, i.e. the
   collective rendezvous passed). The launcher's start-up timeout names the ranks whose file never appeared.
 Never imports TensorFlow or Airflow.
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 READY_FILE_ENV = "TFMW_READY_FILE"
+# Set on every worker of a pipeline run: the release task finds all of the run's processes by it.
+RUN_KEY_ENV = "TFMW_RUN_KEY"
 
 
 @dataclass(frozen=True)

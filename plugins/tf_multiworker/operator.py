@@ -35,6 +35,7 @@ from tf_multiworker.launcher import (
 )
 from tf_multiworker.launcher.errors import MissingOutputError
 from trainer.layout import StorageLayout
+from trainer.runtime import RUN_KEY_ENV
 from trainer.storage import exists, normalize_root, upload_tree, write_json_atomic
 
 STATE_XCOM_KEY = "worker_state"
@@ -152,7 +153,7 @@ class TFMultiWorkerOperator(BaseOperator):
         ti = context["ti"]
 
         def record_started(workers: Sequence[WorkerOutcome], attempt: int) -> None:
-            self._write_state(ti, run.state_file(self.task_id), backend.name, GroupState.RUNNING, workers)
+            self._write_state(ti, run.state_file(self.task_id), backend.name, GroupState.RUNNING, workers, workdir)
 
         self.group = WorkerGroup(spec, backend, workdir, on_line=self._log_worker_line, on_started=record_started)
         result: RunResult | None = None
@@ -194,7 +195,9 @@ class TFMultiWorkerOperator(BaseOperator):
             args=tuple(_as_str(f"args[{i}]", a) for i, a in enumerate(self.args)),
             num_workers=_as_number("num_workers", self.num_workers, int, 1),
             use_gpu=_as_bool("use_gpu", self.use_gpu),
-            env={k: _as_str(f"env[{k}]", v) for k, v in (self.env or {}).items()},
+            # The run key marks every process of the run, so release finds even those no record names.
+            env={RUN_KEY_ENV: _as_str("run_key", self.run_key),
+                 **{k: _as_str(f"env[{k}]", v) for k, v in (self.env or {}).items()}},
             secret_env=self.hook.env,
             startup_timeout_s=_as_number("startup_timeout_s", self.startup_timeout_s, float, 1),
             hang_timeout_s=_as_number("hang_timeout_s", self.hang_timeout_s, float, 1),
@@ -206,12 +209,13 @@ class TFMultiWorkerOperator(BaseOperator):
         self.log.info("[rank %d] %s", rank, line)
 
     def _write_state(self, ti: Any, url: str, backend: str, state: GroupState,
-                     workers: Sequence[WorkerOutcome]) -> dict[str, Any]:
+                     workers: Sequence[WorkerOutcome], workdir: Path) -> dict[str, Any]:
         record = {
             "task_id": self.task_id,
             "backend": backend,
             "state": state.value,
             "updated_at": datetime.now(UTC).isoformat(),
+            "workdir": str(workdir),  # removed by execute; release removes it when the task died first
             "workers": [{"rank": w.rank, "host": w.host, "pid": w.pid, "pgid": w.pgid, "port": w.port,
                          "gpus": list(w.devices)} for w in workers],
         }
@@ -225,7 +229,8 @@ class TFMultiWorkerOperator(BaseOperator):
         """Final state record and log upload. When the task is already failing, a storage error here is logged
         so that it does not hide the workers' error; on success it fails the task (artifacts complete or absent)."""
         try:
-            self._write_state(ti, run.state_file(self.task_id), backend, state, result.workers if result else ())
+            self._write_state(ti, run.state_file(self.task_id), backend, state, result.workers if result else (),
+                              workdir)
             logs_dir = workdir / "logs"
             if logs_dir.is_dir():
                 with self.hook.applied():

@@ -59,9 +59,9 @@ def test_release_ends_recorded_unrecorded_stubborn_and_grandchildren(tmp_path, p
     workdir = tmp_path / "rank-0"
     workdir.mkdir()
     write_json_atomic(run.state_file("train"), {
-        "task_id": "train", "backend": "local", "state": "failed",
+        "task_id": "train", "backend": "local", "state": "failed", "workdir": str(workdir),
         "workers": [{"rank": 0, "host": "localhost", "pid": recorded.pid, "pgid": recorded.pid, "port": 1,
-                     "gpus": [], "workdir": str(workdir)}],
+                     "gpus": []}],
     })
     assert wait_for(lambda: len(processes_of_run(KEY)) == 4)  # recorded, stubborn, parent and its child
 
