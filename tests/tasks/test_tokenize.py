@@ -21,8 +21,11 @@ import pytest
 
 from tasks.tokenize import (
     PrepareError,
+    check_block_size,
     identify_dataset,
+    plan_tokenizer,
     prepare_dataset,
+    train_bpe,
     validation_mask,
 )
 from trainer import storage
@@ -282,6 +285,22 @@ def test_a_pretrained_tokenizer_directory_is_used_as_is(tmp_path):
     assert dataset_files(second.manifest_url)["train-00000-of-00004.tfrecord"] == \
         dataset_files(first.manifest_url)["train-00000-of-00004.tfrecord"]
     assert AutoTokenizer.from_pretrained(str(Path(second.manifest_url).parent / "tokenizer")).vocab_size == 512
+
+
+def test_tokenizer_and_model_config_from_object_storage(tmp_path, s3_bucket):
+    import datasets
+
+    documents = datasets.Dataset.from_dict({"text": sample_documents()[:400]})
+    train_bpe(documents, np.zeros(len(documents), dtype=bool), 300).save_pretrained(str(tmp_path / "tok"))
+    for path in (tmp_path / "tok").iterdir():
+        storage.upload_file(path, f"{s3_bucket}/tok/{path.name}")
+    local = plan_tokenizer(config(tmp_path, tokenizer=str(tmp_path / "tok")))
+    remote = plan_tokenizer(config(tmp_path, tokenizer=f"{s3_bucket}/tok"))
+    assert remote.fingerprint == local.fingerprint and remote.dtype == "uint16"
+
+    storage.write_json_atomic(f"{s3_bucket}/model/config.json", {"model_type": "gpt2", "n_positions": 16})
+    with pytest.raises(PrepareError, match=r"'block_size' = 32 exceeds what model 's3://.*/model' allows"):
+        check_block_size(config(tmp_path, model=f"{s3_bucket}/model"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
