@@ -1,0 +1,161 @@
+"""Preflight: per-worker checks in-process, then real groups of CPU workers on loopback through the launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer import selftest
+from trainer.config import RunConfig
+from trainer.runtime import WorkerIdentity
+from trainer.storage import read_json
+
+WORKER_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+def _dataset(root: Path, *, num_workers: int, collective_timeout_s: int = 60) -> dict[str, str]:
+    """A manifest with four (dummy) train shards and the run's config.json; returns the selftest's arguments."""
+    dataset = root / "datasets" / "fp"
+    dataset.mkdir(parents=True)
+    shards = []
+    for index in range(4):
+        name = f"train-{index:05d}-of-00004.tfrecord"
+        (dataset / name).write_bytes(b"\0" * 128)
+        shards.append({"name": name, "records": 1, "sequences": 1, "tokens": 64, "bytes": 128, "sha256": "-"})
+    manifest = {
+        "format_version": 1, "fingerprint": "fp", "dtype": "uint16", "block_size": 64, "sequences_per_record": 1,
+        "tokenizer": {"spec": "bpe:256", "fingerprint": "t", "vocab_size": 256, "eos_token_id": 0, "path": "tok"},
+        "splits": {"train": {"sequences": 4, "tokens": 256, "shards": shards},
+                   "validation": {"sequences": 0, "tokens": 0, "shards": []}},
+    }
+    (dataset / "manifest.json").write_text(json.dumps(manifest))
+    cfg = RunConfig(num_workers=num_workers, storage_root=str(root), collective_timeout_s=collective_timeout_s)
+    (root / "config.json").write_text(cfg.to_json())
+    return {"config": str(root / "config.json"), "manifest": str(dataset / "manifest.json"),
+            "output": str(root / "runs" / "r" / "report")}
+
+
+def _args(paths: dict[str, str]) -> tuple[str, ...]:
+    return ("--config", paths["config"], "--manifest", paths["manifest"], "--output", paths["output"])
+
+
+def _group(paths, num_workers: int, workdir: Path, **env: str):
+    from tf_multiworker.launcher import GroupSpec, LocalBackend, WorkerGroup
+
+    lines: list[str] = []
+    spec = GroupSpec(name="preflight", entrypoint="trainer.selftest", args=_args(paths), num_workers=num_workers,
+                     env={**WORKER_ENV, **env}, startup_timeout_s=120, hang_timeout_s=120)
+    result = WorkerGroup(spec, LocalBackend(), workdir, on_line=lambda rank, line: lines.append(line)).run()
+    return result, "\n".join(lines)
+
+
+# -- per-worker checks, no TensorFlow ----------------------------------------------------------------------------
+
+def _identity(rank=0, num_workers=1):
+    return WorkerIdentity(rank, num_workers, "host-a", tuple(f"127.0.0.1:{5000 + r}" for r in range(num_workers)))
+
+
+def test_worker_checks_pass_on_a_good_setup(tmp_path):
+    paths = _dataset(tmp_path, num_workers=2)
+    cfg = RunConfig.from_params(read_json(paths["config"]))
+    report = selftest.check_worker(cfg, paths["manifest"], _identity(1, 2))
+    assert report["errors"] == []
+    assert report["manifest"] == {"ok": True, "fingerprint": "fp", "shards": 2, "shard_bytes": 256}
+    assert report["storage"]["ok"] and report["disk"]["free_bytes"] > report["disk"]["needed_bytes"]
+    assert report["versions"]["tensorflow"] == "2.21.0" and report["devices"]["gpus"] == []
+    assert not (tmp_path / ".preflight").exists() or not any((tmp_path / ".preflight").iterdir())
+
+
+def test_worker_checks_name_each_problem_and_the_setting(tmp_path):
+    paths = _dataset(tmp_path, num_workers=2)
+    unwritable = tmp_path / "readonly"
+    unwritable.mkdir()
+    unwritable.chmod(0o500)
+    cfg = RunConfig(num_workers=3, use_gpu=True, storage_root=str(unwritable / "root"))
+    (Path(paths["manifest"]).parent / "train-00003-of-00004.tfrecord").unlink()
+    errors = "\n".join(selftest.check_worker(cfg, paths["manifest"], _identity(1, 2))["errors"])
+    assert "rank 1 on host-a: TF_CONFIG lists 2 workers but num_workers=3" in errors
+    assert "use_gpu is true but no GPU is visible" in errors and "set use_gpu to false" in errors
+    assert "shard(s) ['train-00003-of-00004.tfrecord'] listed in" in errors
+    if os.geteuid() != 0:  # root writes anywhere
+        assert f"cannot write to storage_root {unwritable / 'root'}" in errors
+    missing = selftest.check_worker(cfg, str(tmp_path / "nope.json"), _identity())["errors"]
+    assert any("cannot read the manifest" in e and "nope.json" in e for e in missing)
+
+
+def test_version_skew_names_package_versions_and_ranks():
+    reports = {r: {"versions": {"python": "3.11.7", "tensorflow": v, "tf-keras": "2.21.0", "transformers": "4.57.6",
+                                "numpy": "2.1"}} for r, v in enumerate(["2.21.0", "2.20.0", "2.21.0"])}
+    assert selftest.version_skew(reports) == [
+        ("version skew in tensorflow: 2.21.0 on rank(s) [0, 2]; 2.20.0 on rank(s) [1]. Install the same environment "
+         "on every worker (uv sync --frozen from the same uv.lock)")]
+    assert selftest.version_skew({0: reports[0], 2: reports[2]}) == []
+
+
+# -- real groups -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_workers", [2, 3])
+def test_cpu_workers_on_loopback_pass_with_exact_collectives_and_figures(tmp_path, num_workers):
+    paths = _dataset(tmp_path, num_workers=num_workers)
+    result, log = _group(paths, num_workers, tmp_path / "work")
+    assert result.succeeded, result.error_message()
+    report = read_json(paths["output"] + "/preflight.json")
+    assert report["status"] == "passed" and report["errors"] == []
+    assert [w["rank"] for w in report["workers"]] == list(range(num_workers))
+    collectives = report["collectives"]
+    assert collectives["all_reduce"]["got"] == [float(r + 1) for r in range(num_workers)]
+    assert collectives["broadcast"]["ok"] and collectives["broadcast"]["got"] == [100.0, 101.0, 102.0, 103.0]
+    bandwidth = collectives["bandwidth"]
+    assert bandwidth["algbw_gbps"] > 0 and bandwidth["ok"]
+    assert bandwidth["busbw_gbps"] == pytest.approx(bandwidth["algbw_gbps"] * 2 * (num_workers - 1) / num_workers)
+    assert collectives["latency"]["p50_ms"] > 0
+    assert f"PREFLIGHT PASSED: {num_workers} worker(s)" in log and "busbw" in log and "latency (4 B) p50" in log
+    print("\n" + "\n".join(line for line in log.splitlines() if "PREFLIGHT" in line or "bandwidth" in line))
+
+
+def test_version_skew_fails_the_group(tmp_path):
+    paths = _dataset(tmp_path, num_workers=2)
+    result, _ = _group(paths, 2, tmp_path / "work", GPT_FINETUNE_SELFTEST_FAKE_TF_VERSION="1:2.20.0")
+    assert not result.succeeded and result.failures[0].exit_code == selftest.EXIT_CHECKS_FAILED
+    report = read_json(paths["output"] + "/preflight.json")
+    assert report["status"] == "failed"
+    assert report["errors"] == [e for e in report["errors"] if e.startswith("version skew in tensorflow")]
+    assert "2.20.0 on rank(s) [1]" in result.error_message()
+
+
+def test_a_peer_that_never_starts_fails_within_the_timeout_naming_its_rank(tmp_path):
+    """Rank 0 alone, its TF_CONFIG naming rank 1 at a closed port (a worker that never started)."""
+    timeout_s = 8
+    paths = _dataset(tmp_path, num_workers=2, collective_timeout_s=timeout_s)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        own = sock.getsockname()[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    tf_config = {"cluster": {"worker": [f"127.0.0.1:{own}", f"127.0.0.1:{closed}"]},
+                 "task": {"type": "worker", "index": 0}}
+    env = {**os.environ, **WORKER_ENV, "TF_CONFIG": json.dumps(tf_config), "CUDA_VISIBLE_DEVICES": ""}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "trainer.selftest", *_args(paths)], env=env, cwd=tempfile.gettempdir(),
+                          capture_output=True, text=True, timeout=180, check=False)
+    elapsed = time.monotonic() - started
+    assert done.returncode == selftest.EXIT_COLLECTIVES_FAILED, done.stderr[-2000:]
+    report = read_json(paths["output"] + "/preflight.json")
+    print(f"\nnever-started peer: exit {done.returncode}, failed {report['failed_after_s']:.1f} s after the "
+          f"rendezvous began (collective_timeout_s={timeout_s}), process wall time {elapsed:.1f} s")
+    assert report["failed_after_s"] >= timeout_s
+    assert report["status"] == "failed" and report["answered"] == [0] and report["missing"] == [1]
+    assert report["probes"]["1"].startswith("connection refused")
+    message = report["errors"][0]
+    assert message.startswith("collectives failed during rendezvous") and f"collective_timeout_s={timeout_s}" in message
+    assert f"rank 1 at 127.0.0.1:{closed}: connection refused" in message and "ranks that did not: [1]" in message
+    assert "PREFLIGHT FAILED" in done.stdout
