@@ -266,6 +266,8 @@ class WorkerGroup:
         rank = worker.spec.rank
         for raw in iter(worker.handle.output.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            if worker.log_file.closed:
+                break  # a process that escaped the group still holds the pipe after the attempt ended
             worker.log_file.write(line + "\n")
             worker.log_file.flush()
             worker.tail.append(line)
