@@ -70,11 +70,14 @@ def write_training_output(url: str, *, num_workers: int, global_batch_size: int 
     return output
 
 
-def prepare_run(root: str, run_id: str, **settings: Any) -> dict[str, Any]:
-    """The prepare task's XCom for `settings` (the run config written as prepare does), without tokenizing."""
+def prepare_run(root: str, run_id: str, manifest_url: str | None = None, **settings: Any) -> dict[str, Any]:
+    """The prepare task's XCom for `settings` (the run config written as prepare does), without tokenizing.
+
+    `manifest_url` names a real tokenized dataset; by default a manifest without shards is written.
+    """
     from trainer.storage import read_json
 
-    manifest_url = write_manifest(root)
+    manifest_url = manifest_url or write_manifest(root)
     cfg = RunConfig.from_params({"storage_root": root, **settings})
     total_steps = cfg.max_steps
     storage, key = StorageLayout(root), run_key(run_id)
@@ -84,7 +87,8 @@ def prepare_run(root: str, run_id: str, **settings: Any) -> dict[str, Any]:
     write_json_atomic(run.config, cfg.to_dict())
     return {
         "run_id": run_id, "run_key": key, "storage_root": root, "config": cfg.to_dict(),
-        "config_url": run.config, "manifest_url": manifest_url, "dataset_fingerprint": FINGERPRINT,
+        "config_url": run.config, "manifest_url": manifest_url,
+        "dataset_fingerprint": read_json(manifest_url)["fingerprint"],
         "total_steps": total_steps, "preflight_url": run.report, "train_url": run.train.url,
         "train_summary_url": run.train.summary, "baseline_key": base_key, "baseline_url": baseline.url,
         "baseline_config_url": run.baseline_config, "baseline_summary_url": baseline.summary,

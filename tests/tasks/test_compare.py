@@ -7,6 +7,7 @@
 import logging
 import math
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -185,3 +186,36 @@ def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, 
     (line,) = [r.getMessage() for r in caplog.records if "evaluating as pid" in r.getMessage()]
     with pytest.raises(ProcessLookupError):
         os.kill(int(line.rsplit(" ", 1)[1]), 0)
+
+
+def test_real_trainer_output_evaluated_by_the_real_entry_point(root, tmp_path, caplog):
+    """trainer.train's real summary, metrics and saved model, scored by `python -m trainer.evaluate`.
+
+    One worker on both sides (the same job), so the comparison is exact: equal eval loss, speedup 1.
+    """
+    from tests.trainer.shards import write_dataset
+    from trainer.train import main as train
+
+    caplog.set_level(logging.INFO, logger="gpt_finetune.compare")
+    manifest = write_dataset(tmp_path / "dataset", [REPO / "data" / "sample" / "macbeth_gut.txt"], block_size=32,
+                             vocab_size=320, num_train_shards=2, max_chars=30_000)
+    prepared = run_fixtures.prepare_run(
+        root, "manual__real", manifest_url=manifest, num_workers=1, tokenizer="bpe:320", block_size=32,
+        batch_size_per_worker=4, max_steps=4, warmup_steps=1, learning_rate=3e-3, checkpoint_every_steps=4)
+    assert plan_baseline(prepared) is True
+    assert train(["--config", prepared["config_url"], "--manifest", manifest, "--output", prepared["train_url"]]) == 0
+    shutil.copytree(prepared["train_url"], prepared["baseline_url"], dirs_exist_ok=True)
+
+    result = evaluate_run(prepared)
+
+    assert result["gates_passed"] and result["speedup"] == 1.0 and result["efficiency"] == 1.0
+    assert result["eval_loss"] == result["baseline_eval_loss"] < math.log(320)
+    report = read_json(result["report_url"])
+    distributed = report["runs"]["distributed"]
+    summary = read_json(prepared["train_summary_url"])
+    assert distributed["tokens_per_s"] == summary["tokens_per_s"] > 0 and distributed["steps"] == 4
+    assert distributed["eval_tokens"] > 0 and distributed["eval_time_s"] > 0
+    assert report["hardware"]["line"].startswith(f"1 worker on a {os.cpu_count()}-core CPU")
+    assert report["versions"]["tensorflow"] == "2.21.0"
+    assert read_bytes(join(prepared["report_url"], "loss_curves.png")).startswith(PNG_MAGIC)
+    assert "[evaluate] eval_loss" in caplog.text
