@@ -291,20 +291,115 @@ def export_model(job: TrainJob, model, work_dir: Path) -> None:
     log.info("model and tokenizer saved to %s", job.output.model)
 
 
+@dataclass
+class LoopTimes:
+    """Where this attempt's time went; the first step (tracing, compilation) is kept apart from throughput."""
+
+    start_step: int
+    step: int
+    loss: float = math.nan
+    first_step_s: float | None = None
+    timed_from: float | None = None  # end of the first step
+    timed_until: float | None = None  # end of the last step (checkpoints in between count, the export not)
+    input_wait_s: float = 0.0
+
+    @property
+    def timed_steps(self) -> int:
+        return max(0, self.step - self.start_step - 1)
+
+    @property
+    def train_time_s(self) -> float:
+        return self.timed_until - self.timed_from if self.timed_steps else 0.0
+
+
+def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, start_step: int, local_files) -> LoopTimes:
+    """Steps from `start_step` to `max_steps`: metrics every step, checkpoints every `checkpoint_every_steps`."""
+    from trainer.metrics import GpuSampler, MetricsLog, ProgressPrinter, TensorBoardLog
+
+    cfg = job.cfg
+    # One replica per worker, so the batch goes to `strategy.run` as a plain tensor: a tf.data iterator costs
+    # far less per step than a distributed one (measured in bench_trainer), and token ids are small to copy.
+    iterator = iter(input_dataset(job, local_files, start_step))
+    metrics = MetricsLog(outputs.metrics_file, start_step)
+    tensorboard = TensorBoardLog(outputs.tensorboard) if job.is_chief else None
+    progress = ProgressPrinter(cfg.max_steps, PROGRESS_INTERVAL_S)
+    times = LoopTimes(start_step=start_step, step=start_step)
+    state.gpu = GpuSampler(cfg.use_gpu)
+    while times.step < cfg.max_steps:
+        begin = time.perf_counter()
+        micro_batches = next(iterator)
+        fetched = time.perf_counter()
+        loss_tensor, grad_norm = state.train_step(micro_batches)
+        loss = float(loss_tensor)  # waits for the step: the timings below are real
+        end = time.perf_counter()
+        step = times.step = times.step + 1
+        times.loss = loss
+        state.step.assign(step)
+        if not math.isfinite(loss):
+            raise FloatingPointError(
+                f"rank {job.rank}: loss is {loss} at step {step}: lower 'learning_rate' or use 'bf16'/'no' for "
+                "'mixed_precision'."
+            )
+        if times.timed_from is None:
+            times.first_step_s, times.timed_from = end - begin, end
+        else:
+            times.input_wait_s += fetched - begin
+        times.timed_until = end
+        record = {
+            "step": step, "loss": loss, "learning_rate": state.learning_rate(step - 1),
+            "tokens_per_s": job.tokens_per_step / (end - begin), "step_time_s": end - begin,
+            "input_wait_s": fetched - begin, "tokens_seen": step * job.tokens_per_step, "time": time.time(),
+            "grad_norm": float(grad_norm), **state.gpu.sample(),
+        }
+        metrics.write(record)
+        if tensorboard:
+            tensorboard.write(step, {k: record[k] for k in ("loss", "learning_rate", "tokens_per_s", "grad_norm")})
+            seconds_per_step = times.train_time_s / times.timed_steps if times.timed_steps else end - begin
+            progress.maybe_print(step, loss, record["learning_rate"], record["tokens_per_s"], seconds_per_step)
+        if step % cfg.checkpoint_every_steps == 0 or step == cfg.max_steps:
+            store.save(step)
+            if tensorboard:
+                tensorboard.flush()
+            outputs.publish(job.is_chief)
+    metrics.close()
+    if tensorboard:
+        tensorboard.close()
+    outputs.publish(job.is_chief)
+    return times
+
+
+def build_summary(job: TrainJob, state: TrainState, times: LoopTimes, outputs: OutputFiles, started: float,
+                  started_at: str) -> dict[str, Any]:
+    from trainer.metrics import hardware_info, versions
+    from trainer.model import flops_per_token
+
+    cfg = job.cfg
+    train_time = times.train_time_s
+    tokens_per_s = times.timed_steps * job.tokens_per_step / train_time if train_time > 0 else None
+    peak = state.gpu.peak_flops()
+    mfu = (
+        tokens_per_s * flops_per_token(state.model, cfg.block_size) / (peak * cfg.num_workers)
+        if tokens_per_s and peak else None
+    )
+    # Restarted after the last checkpoint: nothing was trained now, the final loss is the logged one.
+    final_loss = times.loss if times.step > times.start_step else last_logged_loss(outputs.metrics_file)
+    return {
+        "num_workers": cfg.num_workers, "global_batch_size": cfg.global_batch_size, "steps": times.step,
+        "tokens_seen": times.step * job.tokens_per_step, "wall_time_s": round(time.perf_counter() - started, 3),
+        "train_time_s": round(train_time, 3), "tokens_per_s": tokens_per_s, "final_loss": final_loss, "mfu": mfu,
+        "resumed_from_step": times.start_step, "first_step_s": times.first_step_s, "steps_timed": times.timed_steps,
+        "input_wait_fraction": times.input_wait_s / train_time if train_time > 0 else None,
+        "data_order": "per_slot" if job.slot_order else "per_worker",
+        "hardware": hardware_info(state.gpu.name, "GPU" if cfg.use_gpu else "CPU"), "versions": versions(),
+        "config": cfg.to_dict(), "started_at": started_at, "finished_at": utc_now(),
+    }
+
+
 def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str, Any] | None:
-    """Run the loop from the latest checkpoint to `max_steps`; the chief returns the summary."""
+    """Restore the latest checkpoint, train to `max_steps`, export; the chief returns the summary."""
     import tf_keras
 
     from trainer.checkpoint import CheckpointStore
-    from trainer.metrics import (
-        GpuSampler,
-        MetricsLog,
-        ProgressPrinter,
-        TensorBoardLog,
-        hardware_info,
-        versions,
-    )
-    from trainer.model import flops_per_token
     from trainer.optim import set_precision_policy
 
     cfg = job.cfg
@@ -332,86 +427,11 @@ def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str,
             cfg.batch_size_per_worker, cfg.num_workers, cfg.grad_accum_steps, policy, cfg.xla,
             "per slot" if job.slot_order else "per worker (fewer shards than slots)",
         )
-
-        dataset = input_dataset(job, local_files, start_step)
-        # One replica per worker, so the batch goes to `strategy.run` as a plain tensor: a tf.data iterator costs
-        # far less per step than a distributed one (measured in bench_trainer), and token ids are small to copy.
-        iterator = iter(dataset)
         outputs = OutputFiles(job, work_dir)
-        metrics = MetricsLog(outputs.metrics_file, start_step)
-        tensorboard = TensorBoardLog(outputs.tensorboard) if job.is_chief else None
-        progress = ProgressPrinter(cfg.max_steps, PROGRESS_INTERVAL_S)
-        gpu = GpuSampler(cfg.use_gpu)
-
-        step, loss = start_step, math.nan
-        first_step_s, train_start, input_wait_total = None, None, 0.0
-        while step < cfg.max_steps:
-            begin = time.perf_counter()
-            micro_batches = next(iterator)
-            fetched = time.perf_counter()
-            loss_tensor, grad_norm = state.train_step(micro_batches)
-            loss = float(loss_tensor)  # waits for the step: the timings below are real
-            end = time.perf_counter()
-            step += 1
-            state.step.assign(step)
-            if not math.isfinite(loss):
-                raise FloatingPointError(
-                    f"rank {job.rank}: loss is {loss} at step {step}: lower 'learning_rate' or use 'bf16'/'no' "
-                    "for 'mixed_precision'."
-                )
-            if train_start is None:
-                first_step_s, train_start = end - begin, end  # compile + first step: not throughput
-            else:
-                input_wait_total += fetched - begin
-            step_time = end - begin
-            record = {
-                "step": step, "loss": loss, "learning_rate": state.learning_rate(step - 1),
-                "tokens_per_s": job.tokens_per_step / step_time, "step_time_s": step_time,
-                "input_wait_s": fetched - begin, "tokens_seen": step * job.tokens_per_step,
-                "time": time.time(), "grad_norm": float(grad_norm), **gpu.sample(),
-            }
-            metrics.write(record)
-            if job.is_chief:
-                tensorboard.write(step, {k: record[k] for k in ("loss", "learning_rate", "tokens_per_s", "grad_norm")})
-                timed = step - start_step - 1
-                seconds_per_step = (end - train_start) / timed if timed else step_time
-                progress.maybe_print(step, loss, record["learning_rate"], record["tokens_per_s"], seconds_per_step)
-            if step % cfg.checkpoint_every_steps == 0 or step == cfg.max_steps:
-                store.save(step)
-                if tensorboard:
-                    tensorboard.flush()
-                outputs.publish(job.is_chief)
-        metrics.close()
-        if tensorboard:
-            tensorboard.close()
-        outputs.publish(job.is_chief)
+        times = train_loop(job, state, store, outputs, start_step, local_files)
         export_model(job, state.model, work_dir)
         store.close()
-        if not job.is_chief:
-            return None
-
-        finished = time.perf_counter()
-        trained_steps = step - start_step
-        train_time = finished - train_start if train_start is not None else 0.0
-        timed_steps = max(0, trained_steps - 1)
-        tokens_per_s = timed_steps * job.tokens_per_step / train_time if timed_steps and train_time > 0 else None
-        peak = gpu.peak_flops()
-        mfu = (
-            tokens_per_s * flops_per_token(state.model, cfg.block_size) / (peak * cfg.num_workers)
-            if tokens_per_s and peak else None
-        )
-        if not trained_steps:
-            loss = last_logged_loss(outputs.metrics_file)
-        return {
-            "num_workers": cfg.num_workers, "global_batch_size": cfg.global_batch_size, "steps": step,
-            "tokens_seen": step * job.tokens_per_step, "wall_time_s": round(finished - started, 3),
-            "train_time_s": round(train_time, 3), "tokens_per_s": tokens_per_s, "final_loss": loss, "mfu": mfu,
-            "resumed_from_step": start_step, "first_step_s": first_step_s, "steps_timed": timed_steps,
-            "input_wait_fraction": input_wait_total / train_time if timed_steps and train_time > 0 else None,
-            "data_order": "per_slot" if job.slot_order else "per_worker",
-            "hardware": hardware_info(gpu.name, "GPU" if cfg.use_gpu else "CPU"), "versions": versions(),
-            "config": cfg.to_dict(), "started_at": started_at, "finished_at": utc_now(),
-        }
+        return build_summary(job, state, times, outputs, started, started_at) if job.is_chief else None
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
 

@@ -46,7 +46,8 @@ def test_saved_model_scores_like_the_final_checkpoint(trained):
     manifest = load_manifest(manifest_url)
     restored = build_model("tiny", vocab_size=manifest["tokenizer"]["vocab_size"],
                            eos_token_id=manifest["tokenizer"]["eos_token_id"], block_size=32, work_dir=output)
-    tf.train.Checkpoint(model=restored).restore(tf.train.latest_checkpoint(str(output / "checkpoints"))).expect_partial()
+    final_checkpoint = tf.train.latest_checkpoint(str(output / "checkpoints"))
+    tf.train.Checkpoint(model=restored).restore(final_checkpoint).expect_partial()
     dataset = validation_dataset(manifest_url, manifest, output.parent / "val", EVAL_BATCH_SIZE)
     checkpoint_loss, tokens = eval_loss(restored, dataset, None)
 
