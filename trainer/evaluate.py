@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from trainer import storage
-from trainer.data import DataError, load_manifest, stage_shards, tokenizer_url, worker_shards
+from trainer.data import (
+    DataError,
+    load_manifest,
+    stage_shards,
+    tokenizer_url,
+    worker_shards,
+)
 
 log = logging.getLogger("trainer.evaluate")
 

@@ -251,7 +251,8 @@ def test_bad_config_exits_before_tensorflow_with_the_reason(tmp_path, manifest):
     result = subprocess.run(
         [sys.executable, "-c", probe, "--config", write_config(tmp_path, num_workers=1, learning_rat=0.1),
          "--manifest", manifest, "--output", str(tmp_path / "out")],
-        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
+        check=False,
     )
     assert result.returncode == 2, result.stderr
     assert "cannot start" in result.stderr and "['learning_rat']" in result.stderr
