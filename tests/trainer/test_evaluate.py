@@ -13,6 +13,8 @@ import pytest
 
 from tests.trainer.shards import write_dataset
 
+pytest_plugins = ["tests.s3server"]
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = {
     "num_workers": 1, "model": "tiny", "tokenizer": "bpe:320", "block_size": 32, "batch_size_per_worker": 4,
@@ -80,3 +82,27 @@ def test_cli_writes_the_result_json(trained, tmp_path):
     assert result["prompt"] == "Enter the king"
     assert len(result["samples"]) == 3 and all(isinstance(s, str) and s for s in result["samples"])
     assert "eval_loss" in completed.stdout
+
+
+def test_train_resume_and_evaluate_on_object_storage(trained, s3_bucket):
+    """Dataset, checkpoints, metrics, model and result on a real S3-protocol server: a longer retry resumes."""
+    from trainer import storage
+    from trainer.evaluate import evaluate
+    from trainer.train import main
+
+    manifest_path, _ = trained
+    dataset = f"{s3_bucket}/dataset"
+    storage.upload_tree(Path(manifest_path).parent, dataset)
+    config_url, output = f"{s3_bucket}/config.json", f"{s3_bucket}/train"
+    for steps in (4, 6):  # the second run finds step 4 in the bucket and trains two more
+        storage.write_json_atomic(config_url, {**CONFIG, "max_steps": steps, "checkpoint_every_steps": 2})
+        assert main(["--config", config_url, "--manifest", f"{dataset}/manifest.json", "--output", output]) == 0
+
+    summary = storage.read_json(f"{output}/summary.json")
+    assert summary["resumed_from_step"] == 4 and summary["steps"] == 6
+    lines = storage.read_bytes(f"{output}/metrics/rank-0.jsonl").decode().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    checkpoints = set(storage.list_dir(f"{output}/checkpoints"))
+    assert {"checkpoint", "ckpt-6.index"} <= checkpoints and "ckpt-2.index" not in checkpoints  # rotated
+    result = evaluate(f"{output}/model", f"{dataset}/manifest.json", max_batches=2)
+    assert math.isfinite(result["eval_loss"]) and result["eval_tokens"] == 2 * 8 * 31
