@@ -398,7 +398,8 @@ def start_prepare_process(cfg: RunConfig, log_path: Path) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, cwd=REPO)
 
 
-def wait_for(condition, process: subprocess.Popen, log_path: Path, timeout: float = 90.0) -> None:
+def wait_for(condition, process: subprocess.Popen, log_path: Path, timeout: float = 300.0) -> None:
+    """Poll `condition` while the process runs; generous timeout: a loaded CI machine starts Python slowly."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert process.poll() is None, f"prepare ended early:\n{log_path.read_text()}"
