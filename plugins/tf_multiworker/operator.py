@@ -161,8 +161,8 @@ class TFMultiWorkerOperator(BaseOperator):
             result = self.group.run()
         finally:
             final = GroupState.STOPPED if self._killed else (result.state if result else GroupState.FAILED)
-            self._finish(ti, run, backend.name, final, result, workdir, failing=result is None or not
-                         result.succeeded or self._killed)
+            failing = self._killed or result is None or not result.succeeded
+            self._finish(ti, run, backend.name, final, result, workdir, failing=failing)
         if self._killed or result.state is GroupState.STOPPED:
             raise WorkerGroupStoppedError(result)
         if not result.succeeded:

@@ -122,10 +122,6 @@ class WorkerGroup:
         self._stop_requested.set()
         self._stop_workers(list(self._workers), grace_s)
 
-    @property
-    def stop_requested(self) -> bool:
-        return self._stop_requested.is_set()
-
     # -- one attempt ------------------------------------------------------------------------------------------
 
     def _run_attempt(self, attempt: int) -> tuple[GroupState, dict[int, WorkerFailure]]:
