@@ -420,7 +420,7 @@ def _training_texts(
     log.info("BPE training: all documents counted, computing merges")
 
 
-# Set in the parent right before the pool forks, so workers inherit the tokenizer and the memory-mapped documents.
+# Set in the parent right before the pool forks, so workers inherit the tokenizer and the memory-mapped texts.
 _WORKER_STATE: dict[str, Any] = {}
 
 
@@ -428,7 +428,8 @@ def _encode_range(bounds: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of documents [start, stop), EOS after each, concatenated; and tokens per document (EOS included)."""
     start, stop = bounds
     state = _WORKER_STATE
-    texts = [text or "" for text in state["documents"][start:stop][TEXT]]
+    # Straight from the memory-mapped Arrow column: cheaper than the datasets row formatting.
+    texts = [text or "" for text in state["texts"].slice(start, stop - start).to_pylist()]
     # encode_batch_fast skips the character offsets, which packing never needs.
     ids = [encoding.ids for encoding in state["tokenizer"].encode_batch_fast(texts, add_special_tokens=False)]
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)) + 1
@@ -449,7 +450,8 @@ def tokenize_to_streams(
     import pyarrow.compute as pc
 
     count = len(documents)
-    text_bytes = np.asarray(pc.binary_length(documents.data.column(TEXT)).fill_null(0), dtype=np.int64)
+    texts = documents.data.column(TEXT)  # load_documents adds no indices mapping: table rows are the documents
+    text_bytes = np.asarray(pc.binary_length(texts).fill_null(0), dtype=np.int64)
     workers = max(1, min(len(os.sched_getaffinity(0)), math.ceil(count / 256)))
     chunk = max(16, min(2048, math.ceil(count / (workers * 32))))
     ranges = [(start, min(start + chunk, count)) for start in range(0, count, chunk)]
@@ -457,7 +459,7 @@ def tokenize_to_streams(
     streams = {"train": workdir / "train.bin", "validation": workdir / "validation.bin"}
     log.info("tokenizing %d documents (%s) with %d process(es)", count, _human_bytes(progress.total_bytes), workers)
 
-    _WORKER_STATE.update(documents=documents, tokenizer=tokenizer, eos=eos, dtype=dtype)
+    _WORKER_STATE.update(texts=texts, tokenizer=tokenizer, eos=eos, dtype=dtype)
     try:
         with open(streams["train"], "wb") as train, open(streams["validation"], "wb") as validation, \
                 _encoders(workers) as encode:
