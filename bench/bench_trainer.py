@@ -41,8 +41,8 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-def _train(config: dict, manifest_url: str, out: Path) -> tuple[dict, list[float]]:
-    """One training job as worker processes; returns the chief's summary and loss curve."""
+def _train(config: dict, manifest_url: str, out: Path) -> tuple[dict, list[dict]]:
+    """One training job as worker processes; returns the chief's summary and metrics lines."""
     out.mkdir(parents=True)
     config_path = out / "config.json"
     config_path.write_text(json.dumps(config))
@@ -66,7 +66,7 @@ def _train(config: dict, manifest_url: str, out: Path) -> tuple[dict, list[float
         raise RuntimeError(f"training with {workers} worker(s) failed with exit codes {codes}:\n{tail}")
     summary = json.loads((out / "output" / "summary.json").read_text())
     lines = (out / "output" / "metrics" / "rank-0.jsonl").read_text().splitlines()
-    return summary, [json.loads(line)["loss"] for line in lines]
+    return summary, [json.loads(line) for line in lines]
 
 
 def _read_rate(manifest_url: str, block_size: int, batch_size: int, seed: int) -> float:
@@ -107,12 +107,18 @@ def run(out_dir: Path) -> dict:
         runs = {}
         for workers in (1, 2):
             cfg = base.replace(num_workers=workers, grad_accum_steps=2 // workers)
-            summary, losses = _train(cfg.to_dict(), dataset.manifest_url, scratch / f"w{workers}")
-            runs[workers] = {"summary": summary, "losses": losses}
+            summary, records = _train(cfg.to_dict(), dataset.manifest_url, scratch / f"w{workers}")
+            waits = sorted(r["input_wait_s"] for r in records[1:])  # the first step fills the shuffle buffer
+            steps = sorted(r["step_time_s"] for r in records[1:])
+            runs[workers] = {"summary": summary, "losses": [r["loss"] for r in records],
+                             "median_input_wait_s": waits[len(waits) // 2], "max_input_wait_s": waits[-1],
+                             "median_step_s": steps[len(steps) // 2]}
             print(f"{workers} worker(s) x batch {cfg.batch_size_per_worker} x {cfg.grad_accum_steps} micro-steps: "
                   f"{summary['tokens_per_s']:,.0f} tokens/s over {summary['steps_timed']} timed steps, input wait "
-                  f"{100 * summary['input_wait_fraction']:.2f}% of step time (target < 2%), first step "
-                  f"{summary['first_step_s']:.1f} s (not counted)", flush=True)
+                  f"{100 * summary['input_wait_fraction']:.2f}% of step time (target < 2%; per step median "
+                  f"{1e3 * waits[len(waits) // 2]:.2f} ms, max {1e3 * waits[-1]:.1f} ms, median step "
+                  f"{1e3 * steps[len(steps) // 2]:.0f} ms), first step {summary['first_step_s']:.1f} s (not counted)",
+                  flush=True)
         read_rate = _read_rate(dataset.manifest_url, base.block_size, base.batch_size_per_worker, base.seed)
 
     one, two = runs[1]["summary"], runs[2]["summary"]
@@ -125,6 +131,9 @@ def run(out_dir: Path) -> dict:
         "speedup_2_vs_1": two["tokens_per_s"] / one["tokens_per_s"],
         "input_wait_fraction_1_worker": one["input_wait_fraction"],
         "input_wait_fraction_2_workers": two["input_wait_fraction"],
+        "median_input_wait_s": {w: runs[w]["median_input_wait_s"] for w in runs},
+        "max_input_wait_s": {w: runs[w]["max_input_wait_s"] for w in runs},
+        "median_step_s": {w: runs[w]["median_step_s"] for w in runs},
         "read_tokens_per_s_per_worker": read_rate,
         "read_vs_consumption_1_worker": read_rate / one["tokens_per_s"],
         "read_vs_consumption_2_workers": read_rate / per_worker_consumption,

@@ -312,9 +312,10 @@ class LoopTimes:
         return self.timed_until - self.timed_from if self.timed_steps else 0.0
 
 
-def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, start_step: int, local_files) -> LoopTimes:
+def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gpu, start_step: int,
+               local_files: list[list[str]]) -> LoopTimes:
     """Steps from `start_step` to `max_steps`: metrics every step, checkpoints every `checkpoint_every_steps`."""
-    from trainer.metrics import GpuSampler, MetricsLog, ProgressPrinter, TensorBoardLog
+    from trainer.metrics import MetricsLog, ProgressPrinter, TensorBoardLog
 
     cfg = job.cfg
     # One replica per worker, so the batch goes to `strategy.run` as a plain tensor: a tf.data iterator costs
@@ -324,7 +325,6 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, st
     tensorboard = TensorBoardLog(outputs.tensorboard) if job.is_chief else None
     progress = ProgressPrinter(cfg.max_steps, PROGRESS_INTERVAL_S)
     times = LoopTimes(start_step=start_step, step=start_step)
-    state.gpu = GpuSampler(cfg.use_gpu)
     while times.step < cfg.max_steps:
         begin = time.perf_counter()
         micro_batches = next(iterator)
@@ -349,7 +349,7 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, st
             "step": step, "loss": loss, "learning_rate": state.learning_rate(step - 1),
             "tokens_per_s": job.tokens_per_step / (end - begin), "step_time_s": end - begin,
             "input_wait_s": fetched - begin, "tokens_seen": step * job.tokens_per_step, "time": time.time(),
-            "grad_norm": float(grad_norm), **state.gpu.sample(),
+            "grad_norm": float(grad_norm), **gpu.sample(),
         }
         metrics.write(record)
         if tensorboard:
@@ -368,7 +368,7 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, st
     return times
 
 
-def build_summary(job: TrainJob, state: TrainState, times: LoopTimes, outputs: OutputFiles, started: float,
+def build_summary(job: TrainJob, state: TrainState, times: LoopTimes, outputs: OutputFiles, gpu, started: float,
                   started_at: str) -> dict[str, Any]:
     from trainer.metrics import hardware_info, versions
     from trainer.model import flops_per_token
@@ -376,7 +376,7 @@ def build_summary(job: TrainJob, state: TrainState, times: LoopTimes, outputs: O
     cfg = job.cfg
     train_time = times.train_time_s
     tokens_per_s = times.timed_steps * job.tokens_per_step / train_time if train_time > 0 else None
-    peak = state.gpu.peak_flops()
+    peak = gpu.peak_flops()
     mfu = (
         tokens_per_s * flops_per_token(state.model, cfg.block_size) / (peak * cfg.num_workers)
         if tokens_per_s and peak else None
@@ -390,7 +390,7 @@ def build_summary(job: TrainJob, state: TrainState, times: LoopTimes, outputs: O
         "resumed_from_step": times.start_step, "first_step_s": times.first_step_s, "steps_timed": times.timed_steps,
         "input_wait_fraction": times.input_wait_s / train_time if train_time > 0 else None,
         "data_order": "per_slot" if job.slot_order else "per_worker",
-        "hardware": hardware_info(state.gpu.name, "GPU" if cfg.use_gpu else "CPU"), "versions": versions(),
+        "hardware": hardware_info(gpu.name, "GPU" if cfg.use_gpu else "CPU"), "versions": versions(),
         "config": cfg.to_dict(), "started_at": started_at, "finished_at": utc_now(),
     }
 
@@ -400,6 +400,7 @@ def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str,
     import tf_keras
 
     from trainer.checkpoint import CheckpointStore
+    from trainer.metrics import GpuSampler
     from trainer.optim import set_precision_policy
 
     cfg = job.cfg
@@ -428,10 +429,11 @@ def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str,
             "per slot" if job.slot_order else "per worker (fewer shards than slots)",
         )
         outputs = OutputFiles(job, work_dir)
-        times = train_loop(job, state, store, outputs, start_step, local_files)
+        gpu = GpuSampler(cfg.use_gpu)
+        times = train_loop(job, state, store, outputs, gpu, start_step, local_files)
         export_model(job, state.model, work_dir)
         store.close()
-        return build_summary(job, state, times, outputs, started, started_at) if job.is_chief else None
+        return build_summary(job, state, times, outputs, gpu, started, started_at) if job.is_chief else None
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
 
