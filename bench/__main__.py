@@ -26,7 +26,8 @@ def hardware() -> str:
 
 
 def main(names: list[str]) -> int:
-    available = sorted(m.name[len("bench_"):] for m in pkgutil.iter_modules(__path__) if m.name.startswith("bench_"))
+    here = [str(Path(__file__).parent)]  # run as __main__, the module has no package __path__
+    available = sorted(m.name[len("bench_"):] for m in pkgutil.iter_modules(here) if m.name.startswith("bench_"))
     chosen = names or available
     unknown = sorted(set(chosen) - set(available))
     if unknown:
