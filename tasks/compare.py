@@ -258,7 +258,7 @@ def gates(distributed: dict[str, Any], baseline: dict[str, Any] | None, comparis
     result.append(_gate(
         "loss_parity", parity, delta, tolerance,
         f"eval loss distributed {distributed['eval_loss']:.4f} - baseline {baseline['eval_loss']:.4f} = "
-        f"{delta:+.4f} nats, tolerance ±{tolerance:.4f}"
+        f"{reports.nats(delta)} nats, tolerance ±{tolerance:.4f}"
         + ("" if parity else " (setting 'loss_tolerance')"),
     ))
     return result
@@ -315,7 +315,7 @@ def build_report(prepared: dict, cfg: RunConfig, *, distributed: dict[str, Any],
             "baseline": baseline["hardware"] if baseline else None,
             "task_host": {"host": platform.node(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
         },
-        "versions": {**distributed["versions"], "task_python": platform.python_version()},
+        "versions": distributed["versions"],
         "config": cfg.to_dict(),
         "dataset_fingerprint": prepared["dataset_fingerprint"],
         "charts": {"loss_curves": reports.LOSS_CHART, "scaling": reports.SCALING_CHART},

@@ -49,6 +49,13 @@ def fmt(value: Any, spec: str = ".3f", suffix: str = "") -> str:
     return f"{value:{spec}}{suffix}"
 
 
+def nats(delta: float | None) -> str:
+    """A loss difference: 4 decimals, or scientific notation when it is too small for them (not '-0.0000')."""
+    if delta is None or not math.isfinite(delta):
+        return fmt(delta)
+    return f"{delta:+.4f}" if delta == 0 or abs(delta) >= 5e-5 else f"{delta:+.2e}"
+
+
 def table_rows(report: dict[str, Any]) -> list[dict[str, str]]:
     """One row per trained model: the baseline first (it is the 1-worker reference), then the distributed run."""
     comparison = report["comparison"]
@@ -103,7 +110,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         (f"- Speedup T1/TN: {fmt(comparison['speedup'], '.2f', 'x')}; scaling efficiency (speedup / N): "
          f"{fmt(_percent(comparison['efficiency']), '.0f', '%')}"),
-        (f"- Eval loss delta (distributed - baseline): {fmt(comparison['loss_delta'], '+.4f')} nats "
+        (f"- Eval loss delta (distributed - baseline): {nats(comparison['loss_delta'])} nats "
          f"(tolerance ±{fmt(comparison['loss_tolerance'], '.4f')})"),
         f"- Hardware: {report['hardware']['line']}",
         f"- Baseline: {_baseline_line(report['baseline'])}",

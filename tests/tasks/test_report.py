@@ -47,6 +47,7 @@ def test_table_puts_the_reference_first_and_shows_missing_figures_as_dashes():
     (row,) = reports.table_rows(alone)
     assert (row["speedup"], row["efficiency"], row["eval time"]) == ("—", "—", "—")
     assert reports.fmt(float("nan")) == "—"
+    assert (reports.nats(0.01), reports.nats(-1.06e-7), reports.nats(0.0)) == ("+0.0100", "-1.06e-07", "+0.0000")
 
 
 def test_markdown_and_text_table_carry_the_same_rows():
