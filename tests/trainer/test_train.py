@@ -258,3 +258,39 @@ def test_bad_config_exits_before_tensorflow_with_the_reason(tmp_path, manifest):
     assert "cannot start" in result.stderr and "['learning_rat']" in result.stderr
     assert "TF_IMPORTED False" in result.stdout
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data order
+
+
+def test_each_slot_reads_its_own_shards_whatever_the_worker_split(tmp_path, manifest):
+    """Slot s of the global batch reads the same files for 2 workers x 1 step and 1 worker x 2 steps."""
+    def slot_files(workers: int, accum: int, rank: int) -> list[list[str]]:
+        job = plan_job(write_config(tmp_path, num_workers=workers, grad_accum_steps=accum), manifest, "out",
+                       environ=tf_config(workers, rank) if workers > 1 else {})
+        assert job.slot_order
+        return [[shard["name"] for shard in slot] for slot in job.slot_shards]
+
+    assert slot_files(1, 2, 0) == slot_files(2, 1, 0) + slot_files(2, 1, 1)
+    assert slot_files(1, 4, 0) == slot_files(2, 2, 0) + slot_files(2, 2, 1)
+    names = [name for slot in slot_files(1, 4, 0) for name in slot]
+    assert len(set(names)) == 4  # every shard in exactly one slot
+
+
+@pytest.mark.parametrize(("accum", "slot_order"), [(2, True), (8, False)], ids=["per-slot", "per-worker"])
+def test_input_stream_shape_and_resume_position(tmp_path, manifest, monkeypatch, accum, slot_order):
+    import tempfile
+
+    import numpy as np
+
+    from trainer.train import input_dataset, stage_inputs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the shard cache of this test
+    job = plan_job(write_config(tmp_path, num_workers=1, grad_accum_steps=accum), manifest, "out", environ={})
+    assert job.slot_order is slot_order  # 4 shards: one per slot for 2 slots, shared by 8 micro-steps
+    files = stage_inputs(job)
+    fresh = [step.numpy() for step in input_dataset(job, files, start_step=0).take(5)]
+    assert fresh[0].shape == (accum, 4, 32) and fresh[0].dtype == np.int32
+    resumed = next(iter(input_dataset(job, files, start_step=3))).numpy()
+    np.testing.assert_array_equal(resumed, fresh[3])
