@@ -16,6 +16,7 @@ the same global batch see the same sequences at every step and follow the same l
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -47,7 +48,7 @@ class TrainJob:
     manifest_url: str
     output: TrainOutput
     identity: runtime.WorkerIdentity
-    slot_shards: tuple[tuple[dict[str, Any], ...], ...]  # per micro-step: the shards it reads
+    slot_shards: tuple[tuple[dict[str, Any], ...], ...]  # per micro-step its shards; one group in per-worker order
     slot_order: bool  # True: per-slot data order, identical for every worker/accumulation split
 
     @property
@@ -439,8 +440,6 @@ def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str,
 
 
 def last_logged_loss(metrics_file: Path) -> float | None:
-    import json
-
     lines = [line for line in metrics_file.read_text().splitlines() if line] if metrics_file.exists() else []
     return json.loads(lines[-1])["loss"] if lines else None
 
