@@ -473,7 +473,11 @@ def main(argv: list[str] | None = None) -> int:
     if job.is_chief:
         log.info("Run configuration:\n  %s", "\n  ".join(job.cfg.summary_lines()))
 
-    strategy = create_strategy(job.cfg, multi_worker=bool(os.environ.get("TF_CONFIG")))
+    try:
+        strategy = create_strategy(job.cfg, multi_worker=bool(os.environ.get("TF_CONFIG")))
+    except RuntimeError as error:  # no GPU although use_gpu: a setting or driver problem, not a crash
+        log.error("rank %d on %s: cannot start: %s", job.rank, job.identity.host, error)
+        return 2
     runtime.signal_ready()
     log.info("rank %d of %d joined (%d replicas in sync)", job.rank, job.identity.num_workers,
              strategy.num_replicas_in_sync)
