@@ -7,7 +7,7 @@ and published with the manifest last, so a run that dies leaves no manifest and 
 local roots get the whole staged directory renamed into place, object stores get the shards uploaded first and
 `manifest.json` written after them.
 
-Parallelism: documents are tokenized in contiguous ranges by a pool of forked processes, one per available core,
+Parallelism: documents are tokenized in contiguous ranges by a pool of spawned processes, one per available core,
 each calling the fast tokenizer's `encode_batch` single-threaded; the parent appends the ids (EOS after every
 document) to one flat file per split, then cuts the streams into `block_size` sequences and equal shards.
 """
@@ -420,16 +420,19 @@ def _training_texts(
     log.info("BPE training: all documents counted, computing merges")
 
 
-# Set in the parent right before the pool forks, so workers inherit the tokenizer and the memory-mapped texts.
-_WORKER_STATE: dict[str, Any] = {}
+# The encoder of this process: set directly for one worker, by `_init_encoder` in each pool process.
+_ENCODER: dict[str, Any] = {}
 
 
-def _encode_range(bounds: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of documents [start, stop), EOS after each, concatenated; and tokens per document (EOS included)."""
-    start, stop = bounds
-    state = _WORKER_STATE
-    # Straight from the memory-mapped Arrow column: cheaper than the datasets row formatting.
-    texts = [text or "" for text in state["texts"].slice(start, stop - start).to_pylist()]
+def _init_encoder(tokenizer_json: str, eos: int, dtype: str) -> None:
+    from tokenizers import Tokenizer
+
+    _ENCODER.update(tokenizer=Tokenizer.from_str(tokenizer_json), eos=eos, dtype=np.dtype(dtype))
+
+
+def _encode_texts(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of `texts`, EOS after each, concatenated; and tokens per document (EOS included)."""
+    state = _ENCODER
     # encode_batch_fast skips the character offsets, which packing never needs.
     ids = [encoding.ids for encoding in state["tokenizer"].encode_batch_fast(texts, add_special_tokens=False)]
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)) + 1
@@ -459,32 +462,37 @@ def tokenize_to_streams(
     streams = {"train": workdir / "train.bin", "validation": workdir / "validation.bin"}
     log.info("tokenizing %d documents (%s) with %d process(es)", count, _human_bytes(progress.total_bytes), workers)
 
-    _WORKER_STATE.update(texts=texts, tokenizer=tokenizer, eos=eos, dtype=dtype)
+    # Straight from the memory-mapped Arrow column: cheaper than the datasets row formatting.
+    batches = ([text or "" for text in texts.slice(start, stop - start).to_pylist()] for start, stop in ranges)
     try:
         with open(streams["train"], "wb") as train, open(streams["validation"], "wb") as validation, \
-                _encoders(workers) as encode:
-            for (start, stop), (ids, lengths) in zip(ranges, encode(_encode_range, ranges)):
+                _encoders(workers, tokenizer, eos, dtype) as encode:
+            for (start, stop), (ids, lengths) in zip(ranges, encode(_encode_texts, batches)):
                 held_out = np.repeat(is_validation[start:stop], lengths)
                 train.write(ids[~held_out].tobytes())
                 validation.write(ids[held_out].tobytes())
                 progress.advance(stop - start, int(text_bytes[start:stop].sum()), len(ids))
     finally:
-        _WORKER_STATE.clear()
+        _ENCODER.clear()
     progress.finish()
     return streams, progress.tokens
 
 
 @contextlib.contextmanager
-def _encoders(workers: int):
-    """`map` in this process for one worker; else an ordered `imap` over forked processes. The tokenizer's own
-    thread pool is switched off in the workers: processes already use every core."""
+def _encoders(workers: int, tokenizer, eos: int, dtype: np.dtype):
+    """`map` in this process for one worker; else an ordered `imap` over spawned processes. Spawned, not forked:
+    the Airflow task process runs threads (log shipping, heartbeats) whose locks a forked child would inherit
+    held, and it then deadlocks. The tokenizer's own thread pool is switched off in the workers: processes
+    already use every core."""
     if workers == 1:
+        _ENCODER.update(tokenizer=tokenizer, eos=eos, dtype=dtype)
         yield map
         return
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(workers, initializer=_init_encoder, initargs=(tokenizer.to_str(), eos, dtype.str)) as pool:
             yield lambda function, items: pool.imap(function, items)
     finally:
         if previous is None:
