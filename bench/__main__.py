@@ -20,8 +20,9 @@ OUT = Path(__file__).resolve().parents[1] / "bench-results"
 def hardware() -> str:
     import os
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor() or "unknown CPU")
+    with open("/proc/cpuinfo") as cpuinfo:
+        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+                   platform.processor() or "unknown CPU")
     return f"{os.cpu_count()} x {cpu}, {platform.system()} {platform.release()}, Python {platform.python_version()}"
 
 
@@ -41,7 +42,7 @@ def main(names: list[str]) -> int:
         started = time.monotonic()
         try:
             figures = importlib.import_module(f"bench.bench_{name}").run(OUT)
-        except Exception as exc:  # one broken benchmark must not hide the others' figures
+        except Exception as exc:  # noqa: BLE001 - one broken benchmark must not hide the others' figures
             print(f"FAILED: {type(exc).__name__}: {exc}")
             failed.append(name)
             continue

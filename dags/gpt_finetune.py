@@ -13,6 +13,7 @@ from airflow.sdk import Asset, Param, dag, task
 
 SCHEDULE = os.environ.get("GPT_FINETUNE_SCHEDULE", "0 2 * * *")
 DEFAULT_STORAGE_ROOT = os.environ.get("GPT_FINETUNE_STORAGE_ROOT", "storage")
+RETRY_DELAY_S = int(os.environ.get("GPT_FINETUNE_RETRY_DELAY_S", "30"))
 
 PREPARE = "prepare"
 # Updated by every successful prepare; its event's extra names the manifest, so other DAGs can schedule on it.
@@ -54,7 +55,8 @@ PARAMS = {
     "loss_tolerance": Param(0.02, type="number", minimum=0, title="Eval loss parity tolerance (nats)"),
     "storage_root": Param(DEFAULT_STORAGE_ROOT, type="string", minLength=1, title="Storage root",
                           description="Local path, file:// or s3:// URL for shards, checkpoints and reports."),
-    "storage_conn_id": Param("", type="string", title="Storage connection",
+    # "null" in the type marks the field optional: the UI form refuses to submit an empty required string.
+    "storage_conn_id": Param("", type=["null", "string"], title="Storage connection",
                              description="Airflow connection (aws type) with S3 credentials; empty uses the "
                                          "environment."),
     "seed": Param(1234, type="integer", minimum=0, maximum=2**31 - 1, title="Seed"),
@@ -99,7 +101,8 @@ Trigger from the CLI: `airflow dags trigger gpt_finetune --conf '{"num_workers":
     doc_md=DOC,
     params=PARAMS,
     render_template_as_native_obj=True,
-    default_args={"retries": 1, "retry_delay": pendulum.duration(seconds=30)},
+    # A retried train task resumes from the run's last checkpoint.
+    default_args={"retries": 1, "retry_delay": pendulum.duration(seconds=RETRY_DELAY_S)},
 )
 def gpt_finetune():
     from tf_multiworker.operator import TFMultiWorkerOperator  # plugins/ is on sys.path when Airflow parses

@@ -7,8 +7,8 @@ logs or XCom. An empty connection id means the environment already carries them.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 # Names botocore (and therefore s3fs) reads by itself.
 _CONNECTION_ENV = {

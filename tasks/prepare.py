@@ -6,8 +6,9 @@ Everything later tasks need travels in the small dict returned here (XCom): path
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from trainer.config import RunConfig
 from trainer.layout import StorageLayout, run_key

@@ -13,10 +13,11 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from trainer.config import ConfigError, RunConfig
 from trainer.layout import StorageLayout, run_key
@@ -42,7 +43,7 @@ class ReleaseReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "run_key": self.run_key,
-            "released_at": datetime.now(timezone.utc).isoformat(),
+            "released_at": datetime.now(UTC).isoformat(),
             "state_records": self.records,
             "processes_found": self.found,
             "terminated": self.terminated,
@@ -112,7 +113,7 @@ def gpu_check(run_pids: set[int]) -> dict[str, Any]:
         import pynvml
 
         pynvml.nvmlInit()
-    except Exception as exc:  # no driver / no library: a CPU machine
+    except Exception as exc:  # noqa: BLE001 - no driver or no library: a CPU machine
         return {"nvml": False, "note": f"no NVML ({type(exc).__name__}): no GPU to verify on this host"}
     try:
         devices = []

@@ -19,7 +19,7 @@ def airflow_stack(tmp_path_factory):
 
     home = tmp_path_factory.mktemp("airflow_home")
     storage = tmp_path_factory.mktemp("stack_storage")
-    stack = start_stack(home, {"GPT_FINETUNE_STORAGE_ROOT": str(storage)})
+    stack = start_stack(home, {"GPT_FINETUNE_STORAGE_ROOT": str(storage), "GPT_FINETUNE_RETRY_DELAY_S": "2"})
     try:
         yield stack
     finally:

@@ -17,7 +17,7 @@ def test_settings_table_lists_every_setting_exactly_once():
 
 def test_readme_commands_are_make_targets():
     for target in re.findall(r"^make (\w[\w-]*)", README, flags=re.MULTILINE):
-        dry = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True)
+        dry = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, check=False)
         assert dry.returncode == 0, f"`make {target}` from the README fails: {dry.stderr}"
 
 

@@ -14,8 +14,9 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import urlparse
 
 
@@ -79,7 +80,7 @@ class RunConfig:
     # -- construction ---------------------------------------------------------------------------------------
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any]) -> "RunConfig":
+    def from_params(cls, params: Mapping[str, Any]) -> RunConfig:
         """Build from DAG params / `--conf` (or a saved `to_dict()`); every key is checked."""
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(params) - set(known))
@@ -97,7 +98,7 @@ class RunConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
-    def replace(self, **changes: Any) -> "RunConfig":
+    def replace(self, **changes: Any) -> RunConfig:
         return dataclasses.replace(self, **changes)
 
     # -- derived values ----------------------------------------------------------------------------------------
@@ -130,7 +131,7 @@ class RunConfig:
             raise ConfigError("The training split has no sequences: cannot derive steps from 'epochs'.")
         return max(1, math.ceil(self.epochs * train_sequences / self.global_batch_size))
 
-    def baseline_config(self) -> "RunConfig":
+    def baseline_config(self) -> RunConfig:
         """The single-worker run with the same global batch and the same optimizer steps."""
         return self.replace(num_workers=1, grad_accum_steps=self.grad_accum_steps * self.num_workers)
 
@@ -260,4 +261,4 @@ def field_names() -> list[str]:
     return [f.name for f in dataclasses.fields(RunConfig)]
 
 
-__all__ = ["ConfigError", "RunConfig", "MODEL_PRESETS", "field_names"]
+__all__ = ["MODEL_PRESETS", "ConfigError", "RunConfig", "field_names"]

@@ -74,7 +74,7 @@ class StorageLayout:
     def manifest(self, fingerprint: str) -> str:
         return join(self.dataset(fingerprint), "manifest.json")
 
-    def run(self, key: str) -> "RunLayout":
+    def run(self, key: str) -> RunLayout:
         return RunLayout(join(self.root, "runs", key))
 
     @property

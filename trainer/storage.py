@@ -13,8 +13,9 @@ import json
 import os
 import posixpath
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import fsspec
 from fsspec.core import url_to_fs

@@ -60,10 +60,7 @@ def test_schedule_and_run_policy(dag):
 
 
 def test_schedule_is_overridable_by_environment():
-    code = (
-        "import runpy; ns = runpy.run_path(%r); print(ns['gpt_finetune'].__class__.__name__, ns['SCHEDULE'])"
-        % str(DAG_FILE)
-    )
+    code = f"import runpy; ns = runpy.run_path({str(DAG_FILE)!r}); print(ns['SCHEDULE'])"
     env = dict(os.environ, GPT_FINETUNE_SCHEDULE="30 4 * * 1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split()[-5:] == ["30", "4", "*", "*", "1"]

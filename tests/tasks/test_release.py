@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -75,7 +76,7 @@ def test_release_ends_recorded_unrecorded_stubborn_and_grandchildren(tmp_path, p
     assert elapsed < 10
     assert other_run.poll() is None  # another run's worker is untouched
     assert not workdir.exists()
-    report = json.loads(open(run.release).read())
+    report = json.loads(Path(run.release).read_text())
     assert report["state_records"] == ["train.json"]
     assert report["clean"] and report["survivors"] == []
     assert report["gpu_check"]["nvml"] is False and "no GPU to verify" in report["gpu_check"]["note"]

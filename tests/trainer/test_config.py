@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,7 @@ def test_defaults_are_valid_and_round_trip():
 
 
 def test_config_is_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         RunConfig().num_workers = 3  # type: ignore[misc]
 
 

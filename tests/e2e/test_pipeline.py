@@ -1,0 +1,181 @@
+"""The whole pipeline as a user runs it: the README's main command, triggered runs on a real scheduler, a worker
+SIGKILLed mid-training (with and without a successful retry), and a run killed from outside.
+
+Small settings keep each run to about a minute on 2 cores; everything else is real: Airflow's scheduler with the
+LocalExecutor, worker processes on loopback, shards and checkpoints in storage, and the release teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tasks.release import processes_of_run
+from tests.airflow_stack import REPO, airflow_env, free_port
+from trainer.layout import StorageLayout, run_key
+
+pytestmark = pytest.mark.timeout(900)
+
+DAG = "gpt_finetune"
+FAST = {"num_workers": 2, "tokenizer": "bpe:512", "block_size": 32, "batch_size_per_worker": 4,
+        "max_steps": 12, "warmup_steps": 2, "checkpoint_every_steps": 4, "startup_timeout_s": 240}
+# Long enough that a checkpoint exists well before the end, short enough for CI.
+LONG = {**FAST, "baseline": "skip", "max_steps": 300, "checkpoint_every_steps": 25}
+
+
+def trigger(stack, conf: dict) -> str:
+    stack.wait_for_dag(DAG)
+    return stack.cli_json("dags", "trigger", DAG, "--conf", json.dumps(conf))[0]["dag_run_id"]
+
+
+def storage(stack) -> StorageLayout:
+    return StorageLayout(stack.env["GPT_FINETUNE_STORAGE_ROOT"])
+
+
+def worker_ranks(key: str, module: str = "trainer.train") -> dict[int, int]:
+    """rank -> pid of the live worker processes of run `key` running `module`."""
+    ranks = {}
+    for pid, cmdline in processes_of_run(key).items():
+        if f"-m {module}" not in cmdline:
+            continue
+        try:
+            environ = dict(item.split("=", 1) for item in
+                           Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in item)
+        except FileNotFoundError:
+            continue
+        ranks[json.loads(environ["TF_CONFIG"])["task"]["index"]] = pid
+    return ranks
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"not within {timeout:.0f}s: {what}")
+
+
+def assert_released(stack, run_id: str) -> dict:
+    key = run_key(run_id)
+    assert processes_of_run(key) == {}, "a process of the run outlived the release"
+    release = json.loads(Path(storage(stack).run(key).release).read_text())
+    assert release["clean"] is True
+    assert release["gpu_check"]["nvml"] is False  # CPU machine: reported, nothing to verify
+    return release
+
+
+def test_readme_main_command_runs_the_whole_dag_on_s3(tmp_path):
+    """`make demo-s3` in miniature: `airflow dags test` of the full chain with storage on a local S3 server."""
+    env = airflow_env(tmp_path / "home", free_port(), {"GPT_FINETUNE_STORAGE_ROOT": str(tmp_path / "unused")})
+    result = subprocess.run(
+        [sys.executable, "scripts/demo.py", "--s3", "--conf", json.dumps(FAST)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=800, check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    report_line = next(line for line in result.stdout.splitlines() if line.startswith("Report: "))
+    assert report_line.startswith("Report: s3://gpt-finetune/gpt_finetune/runs/")
+    assert "| distributed | 2 |" in result.stdout and "**Gates: PASSED**" in result.stdout
+    runs = subprocess.run([str(REPO / ".venv/bin/airflow"), "dags", "list-runs", DAG, "-o", "json"], env=env,
+                          capture_output=True, text=True, check=True).stdout
+    run_id = json.loads(next(line for line in runs.splitlines() if line.startswith("[{")))[0]["run_id"]
+    states = subprocess.run([str(REPO / ".venv/bin/airflow"), "tasks", "states-for-dag-run", DAG, run_id, "-o",
+                             "json"], env=env, capture_output=True, text=True, check=True).stdout
+    by_task = {row["task_id"]: row["state"] for row in json.loads(next(
+        line for line in states.splitlines() if line.startswith("[{")))}
+    assert by_task == dict.fromkeys(
+        ["prepare", "preflight", "train", "plan_baseline", "baseline", "evaluate", "release"], "success")
+
+
+def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_baseline(airflow_stack):
+    first = trigger(airflow_stack, FAST)
+    assert airflow_stack.wait_for_run(DAG, first, timeout=600) == "success"
+    states = airflow_stack.task_states(DAG, first)
+    assert set(states.values()) == {"success"}, states
+    run = storage(airflow_stack).run(run_key(first))
+    report = json.loads(Path(run.report, "report.json").read_text())
+    assert report["gates_passed"] is True
+    assert list(Path(storage(airflow_stack).root, "datasets").glob("*/manifest.json"))
+    assert "cache hit" not in airflow_stack.task_log(DAG, first, "prepare")
+    assert_released(airflow_stack, first)
+
+    second = trigger(airflow_stack, FAST)
+    assert airflow_stack.wait_for_run(DAG, second, timeout=600) == "success"
+    states = airflow_stack.task_states(DAG, second)
+    assert states["baseline"] == "skipped", states  # reused, not retrained
+    assert "cache hit" in airflow_stack.task_log(DAG, second, "prepare")
+    again = json.loads(Path(storage(airflow_stack).run(run_key(second)).report, "report.json").read_text())
+    assert again["baseline"]["reused"] is True
+    assert again["baseline"]["key"] == report["baseline"]["key"]
+    assert_released(airflow_stack, second)
+
+
+def test_sigkilled_worker_fails_the_attempt_and_the_retry_resumes_from_the_checkpoint(airflow_stack):
+    run_id = trigger(airflow_stack, LONG)
+    key = run_key(run_id)
+    train = storage(airflow_stack).run(key).train
+    wait_until(lambda: Path(train.checkpoints, "checkpoint").exists(), 400, "first checkpoint of attempt 1")
+    ranks = wait_until(lambda: worker_ranks(key), 30, "trainer workers")
+    os.kill(ranks[1], signal.SIGKILL)
+
+    assert airflow_stack.wait_for_run(DAG, run_id, timeout=600) == "success"
+    first_attempt = airflow_stack.task_log(DAG, run_id, "train", try_number=1)
+    assert "rank 1" in first_attempt and "SIGKILL" in first_attempt
+    retry = airflow_stack.task_log(DAG, run_id, "train", try_number=2)
+    assert "resuming" in retry
+    summary = json.loads(Path(train.summary).read_text())
+    assert summary["resumed_from_step"] >= LONG["checkpoint_every_steps"]
+    assert summary["steps"] == LONG["max_steps"]
+    assert_released(airflow_stack, run_id)
+
+
+def test_worker_killed_in_every_attempt_fails_the_run_and_release_still_cleans_up(airflow_stack):
+    run_id = trigger(airflow_stack, LONG)
+    key = run_key(run_id)
+    for attempt in (1, 2):
+        ranks = wait_until(lambda: worker_ranks(key), 400, f"trainer workers of attempt {attempt}")
+        os.kill(ranks[0], signal.SIGKILL)
+        wait_until(lambda: not worker_ranks(key), 60, f"attempt {attempt}'s group to be stopped")
+    assert airflow_stack.wait_for_run(DAG, run_id, timeout=300) == "failed"
+    states = airflow_stack.task_states(DAG, run_id)
+    assert states["train"] == "failed" and states["release"] == "success", states
+    assert states["evaluate"] == "upstream_failed"
+    assert_released(airflow_stack, run_id)
+
+
+def api_token(stack) -> str:
+    user, password = stack.login
+    request = urllib.request.Request(f"{stack.url}/auth/token", method="POST",
+                                     data=json.dumps({"username": user, "password": password}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)["access_token"]
+
+
+def test_marking_train_failed_from_outside_ends_every_worker_within_10_seconds(airflow_stack):
+    run_id = trigger(airflow_stack, LONG)
+    key = run_key(run_id)
+    wait_until(lambda: len(worker_ranks(key)) == 2, 400, "both trainer workers")
+    request = urllib.request.Request(
+        f"{airflow_stack.url}/api/v2/dags/{DAG}/dagRuns/{run_id}/taskInstances/train", method="PATCH",
+        data=json.dumps({"new_state": "failed"}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_token(airflow_stack)}"},
+    )
+    urllib.request.urlopen(request, timeout=30).close()
+    marked = time.monotonic()
+    wait_until(lambda: not processes_of_run(key), 10, "every worker gone after the task was marked failed", 0.1)
+    assert time.monotonic() - marked <= 10
+
+    assert airflow_stack.wait_for_run(DAG, run_id, timeout=300) == "failed"
+    assert airflow_stack.task_states(DAG, run_id)["release"] == "success"
+    assert_released(airflow_stack, run_id)
