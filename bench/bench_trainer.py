@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tf_multiworker.launcher.local import PortAllocator
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO.parent / "shared" / "data" / "shakespeare"
@@ -31,23 +32,13 @@ SETTINGS = {
 }
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _train(config: dict, manifest_url: str, out: Path) -> tuple[dict, list[dict]]:
     """One training job as worker processes; returns the chief's summary and metrics lines."""
     out.mkdir(parents=True)
     config_path = out / "config.json"
     config_path.write_text(json.dumps(config))
     workers = config["num_workers"]
-    addresses = [f"127.0.0.1:{p}" for p in _free_ports(workers)] if workers > 1 else []
+    addresses = [f"127.0.0.1:{p}" for p in PortAllocator().allocate(workers)] if workers > 1 else []
     procs = []
     for rank in range(workers):
         env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "HF_HUB_OFFLINE": "1"}

@@ -13,24 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from tf_multiworker.launcher.local import PortAllocator
+
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO.parent / "shared" / "data" / "shakespeare"
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         config_path = scratch / "config.json"
         config_path.write_text(cfg.to_json())
         output = scratch / "train"
-        addresses = [f"127.0.0.1:{p}" for p in _free_ports(args.workers)] if args.workers > 1 else []
+        addresses = [f"127.0.0.1:{p}" for p in PortAllocator().allocate(args.workers)] if args.workers > 1 else []
         procs = []
         for rank in range(args.workers):
             env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "1", "HF_HUB_OFFLINE": "1",

@@ -6,6 +6,7 @@ logs or XCom. An empty connection id means the environment already carries them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,9 +37,8 @@ def storage_env(conn_id: str) -> dict[str, str]:
 
 
 @contextmanager
-def storage_credentials(conn_id: str) -> Iterator[dict[str, str]]:
-    """Apply the connection's variables to this process for the duration of the block."""
-    env = storage_env(conn_id)
+def applied_env(env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """Set `env` in this process (fsspec/botocore read it) for the duration of the block, then restore."""
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
@@ -49,3 +49,8 @@ def storage_credentials(conn_id: str) -> Iterator[dict[str, str]]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def storage_credentials(conn_id: str) -> contextlib.AbstractContextManager[dict[str, str]]:
+    """Apply the connection's variables to this process for the duration of the block."""
+    return applied_env(storage_env(conn_id))

@@ -9,20 +9,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from tf_multiworker.launcher.local import PortAllocator
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return PortAllocator().allocate(1)[0]
 
 
 @dataclass

@@ -6,9 +6,7 @@ environment (trainer/storage.py). The values are never logged, put in argv, TF_C
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from functools import cached_property
 
 from airflow.sdk import BaseHook
@@ -31,16 +29,8 @@ class StorageCredentialsHook(BaseHook):
 
         return storage_env(self.storage_conn_id)
 
-    @contextmanager
-    def applied(self) -> Iterator[None]:
+    def applied(self) -> AbstractContextManager[dict[str, str]]:
         """Make the credentials visible to this process (fsspec/botocore) for the duration of the block."""
-        saved = {name: os.environ.get(name) for name in self.env}
-        os.environ.update(self.env)
-        try:
-            yield
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        from tasks.connections import applied_env
+
+        return applied_env(self.env)

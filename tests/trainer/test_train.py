@@ -12,13 +12,13 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from tf_multiworker.launcher.local import PortAllocator
 
 from tests.trainer.shards import write_dataset
 from trainer.config import ConfigError
@@ -41,16 +41,6 @@ METRIC_KEYS = {"step", "loss", "learning_rate", "tokens_per_s", "step_time_s", "
 LOSS_TOLERANCE = 1e-4
 
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 class Job:
     """One training job: its config file, output directory and worker processes (one per rank)."""
 
@@ -69,7 +59,7 @@ class Job:
 
     def start(self) -> None:
         workers = self.config.get("num_workers", 1)
-        addresses = [f"127.0.0.1:{p}" for p in free_ports(workers)] if workers > 1 else []
+        addresses = [f"127.0.0.1:{p}" for p in PortAllocator().allocate(workers)] if workers > 1 else []
         self.procs = []
         for rank in range(workers):
             env = {**os.environ, "TMPDIR": str(self.tmp), "PYTHONPATH": str(REPO)}
