@@ -11,7 +11,9 @@ import os
 import pendulum
 from airflow.sdk import Asset, Param, dag, task
 
-SCHEDULE = os.environ.get("GPT_FINETUNE_SCHEDULE", "0 2 * * *")
+# Cron expression of the nightly run; "none" leaves only manual and API triggers.
+_SCHEDULE_SETTING = os.environ.get("GPT_FINETUNE_SCHEDULE", "0 2 * * *").strip()
+SCHEDULE = None if _SCHEDULE_SETTING.lower() == "none" else _SCHEDULE_SETTING
 DEFAULT_STORAGE_ROOT = os.environ.get("GPT_FINETUNE_STORAGE_ROOT", "storage")
 RETRY_DELAY_S = int(os.environ.get("GPT_FINETUNE_RETRY_DELAY_S", "30"))
 

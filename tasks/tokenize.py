@@ -7,9 +7,9 @@ and published with the manifest last, so a run that dies leaves no manifest and 
 local roots get the whole staged directory renamed into place, object stores get the shards uploaded first and
 `manifest.json` written after them.
 
-Parallelism: documents are tokenized in contiguous ranges by a pool of spawned processes, one per available core,
-each calling the fast tokenizer's `encode_batch` single-threaded; the parent appends the ids (EOS after every
-document) to one flat file per split, then cuts the streams into `block_size` sequences and equal shards.
+Parallelism: documents are tokenized in contiguous batches by the fast tokenizer's `encode_batch`, which spreads
+each batch over every available core (its own thread pool); the ids (EOS after every document) are appended to one
+flat file per split, then the streams are cut into `block_size` sequences and equal shards.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import itertools
 import json
 import logging
 import math
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -420,27 +419,16 @@ def _training_texts(
     log.info("BPE training: all documents counted, computing merges")
 
 
-# The encoder of this process: set directly for one worker, by `_init_encoder` in each pool process.
-_ENCODER: dict[str, Any] = {}
-
-
-def _init_encoder(tokenizer_json: str, eos: int, dtype: str) -> None:
-    from tokenizers import Tokenizer
-
-    _ENCODER.update(tokenizer=Tokenizer.from_str(tokenizer_json), eos=eos, dtype=np.dtype(dtype))
-
-
-def _encode_texts(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _encode_texts(tokenizer, texts: list[str], eos: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of `texts`, EOS after each, concatenated; and tokens per document (EOS included)."""
-    state = _ENCODER
-    # encode_batch_fast skips the character offsets, which packing never needs.
-    ids = [encoding.ids for encoding in state["tokenizer"].encode_batch_fast(texts, add_special_tokens=False)]
+    # encode_batch_fast skips the character offsets, which packing never needs; it spreads the batch over every
+    # core with the tokenizer's own thread pool.
+    ids = [encoding.ids for encoding in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)) + 1
-    packed = np.full(int(lengths.sum()), state["eos"], dtype=state["dtype"])
+    packed = np.full(int(lengths.sum()), eos, dtype=dtype)
     is_text = np.ones(len(packed), dtype=bool)
     is_text[np.cumsum(lengths) - 1] = False
-    packed[is_text] = np.fromiter(itertools.chain.from_iterable(ids), dtype=state["dtype"],
-                                  count=len(packed) - len(ids))
+    packed[is_text] = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=len(packed) - len(ids))
     return packed, lengths
 
 
@@ -455,45 +443,39 @@ def tokenize_to_streams(
     count = len(documents)
     texts = documents.data.column(TEXT)  # load_documents adds no indices mapping: table rows are the documents
     text_bytes = np.asarray(pc.binary_length(texts).fill_null(0), dtype=np.int64)
-    workers = max(1, min(len(os.sched_getaffinity(0)), math.ceil(count / 256)))
-    chunk = max(16, min(2048, math.ceil(count / (workers * 32))))
+    cores = len(os.sched_getaffinity(0))
+    # Batches large enough to keep every core busy, small enough for a progress line every few seconds.
+    chunk = max(64, min(4096, math.ceil(count / 16)))
     ranges = [(start, min(start + chunk, count)) for start in range(0, count, chunk)]
     progress = _Progress(count, int(text_bytes.sum()), progress_interval_s)
     streams = {"train": workdir / "train.bin", "validation": workdir / "validation.bin"}
-    log.info("tokenizing %d documents (%s) with %d process(es)", count, _human_bytes(progress.total_bytes), workers)
+    log.info("tokenizing %d documents (%s) on %d core(s)", count, _human_bytes(progress.total_bytes), cores)
 
-    # Straight from the memory-mapped Arrow column: cheaper than the datasets row formatting.
-    batches = ([text or "" for text in texts.slice(start, stop - start).to_pylist()] for start, stop in ranges)
-    try:
-        with open(streams["train"], "wb") as train, open(streams["validation"], "wb") as validation, \
-                _encoders(workers, tokenizer, eos, dtype) as encode:
-            for (start, stop), (ids, lengths) in zip(ranges, encode(_encode_texts, batches)):
-                held_out = np.repeat(is_validation[start:stop], lengths)
-                train.write(ids[~held_out].tobytes())
-                validation.write(ids[held_out].tobytes())
-                progress.advance(stop - start, int(text_bytes[start:stop].sum()), len(ids))
-    finally:
-        _ENCODER.clear()
+    with _tokenizer_threads(), open(streams["train"], "wb") as train, open(streams["validation"], "wb") as validation:
+        for start, stop in ranges:
+            # Straight from the memory-mapped Arrow column: cheaper than the datasets row formatting.
+            batch = [text or "" for text in texts.slice(start, stop - start).to_pylist()]
+            ids, lengths = _encode_texts(tokenizer, batch, eos, dtype)
+            held_out = np.repeat(is_validation[start:stop], lengths)
+            train.write(ids[~held_out].tobytes())
+            validation.write(ids[held_out].tobytes())
+            progress.advance(stop - start, int(text_bytes[start:stop].sum()), len(ids))
     progress.finish()
     return streams, progress.tokens
 
 
 @contextlib.contextmanager
-def _encoders(workers: int, tokenizer, eos: int, dtype: np.dtype):
-    """`map` in this process for one worker; else an ordered `imap` over spawned processes. Spawned, not forked:
-    the Airflow task process runs threads (log shipping, heartbeats) whose locks a forked child would inherit
-    held, and it then deadlocks. The tokenizer's own thread pool is switched off in the workers: processes
-    already use every core."""
-    if workers == 1:
-        _ENCODER.update(tokenizer=tokenizer, eos=eos, dtype=dtype)
-        yield map
-        return
+def _tokenizer_threads():
+    """Let the tokenizer use every core even where the environment switched its thread pool off.
+
+    Threads inside this process, not a process pool: a forked child of the threaded Airflow task process can
+    deadlock on a lock held at fork time, and a spawned one re-imports the `airflow` entry script, which fails
+    inside a task (no metadata database there).
+    """
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
     try:
-        context = multiprocessing.get_context("spawn")
-        with context.Pool(workers, initializer=_init_encoder, initargs=(tokenizer.to_str(), eos, dtype.str)) as pool:
-            yield lambda function, items: pool.imap(function, items)
+        yield
     finally:
         if previous is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)

@@ -19,7 +19,9 @@ def airflow_stack(tmp_path_factory):
 
     home = tmp_path_factory.mktemp("airflow_home")
     storage = tmp_path_factory.mktemp("stack_storage")
-    stack = start_stack(home, {"GPT_FINETUNE_STORAGE_ROOT": str(storage), "GPT_FINETUNE_RETRY_DELAY_S": "2"})
+    # No schedule: a scheduled run created at start-up would hold the single active-run slot the tests need.
+    stack = start_stack(home, {"GPT_FINETUNE_STORAGE_ROOT": str(storage), "GPT_FINETUNE_RETRY_DELAY_S": "2",
+                               "GPT_FINETUNE_SCHEDULE": "none"})
     try:
         yield stack
     finally:

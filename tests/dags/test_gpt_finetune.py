@@ -64,6 +64,9 @@ def test_schedule_is_overridable_by_environment():
     env = dict(os.environ, GPT_FINETUNE_SCHEDULE="30 4 * * 1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split()[-5:] == ["30", "4", "*", "*", "1"]
+    env["GPT_FINETUNE_SCHEDULE"] = "none"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == "None"
 
 
 def test_params_cover_every_setting_with_matching_defaults(dag):
