@@ -1,0 +1,164 @@
+"""The trigger form of the real Airflow UI in a headless Chromium: Params render as a form, a run starts from it.
+
+A user logs in to the SimpleAuthManager page, opens gpt_finetune's Trigger dialog, sets Workers to 3 and
+triggers; the run must exist with that conf (UI, CLI and REST API agree), and the conf the form sends must be one
+the trainer accepts. The run is then marked failed so it trains nothing. Screenshots land in test-artifacts/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from tests.airflow_stack import REPO, AirflowStack
+from trainer.config import RunConfig
+
+pytestmark = pytest.mark.timeout(420)  # stack start-up on a loaded 2-core machine included
+
+DAG = "gpt_finetune"
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run"]
+# Param titles from dags/gpt_finetune.py, by the control the form renders for each Param type.
+FORM_FIELDS = {"Workers": "spinbutton", "Launcher backend": "combobox", "Mixed precision": "combobox",
+               "Use GPUs": "checkbox"}
+TEARDOWN = "release"
+FINISHED = {"success", "failed", "skipped", "upstream_failed"}
+
+
+def rest(stack: AirflowStack, method: str, path: str, body: dict | None = None) -> dict:
+    """One call of Airflow's REST API with a token from the SimpleAuthManager login."""
+    user, password = stack.login
+    token = _call(stack, "POST", "/auth/token", {"username": user, "password": password}, {})["access_token"]
+    return _call(stack, method, path, body, {"Authorization": f"Bearer {token}"})
+
+
+def _call(stack: AirflowStack, method: str, path: str, body: dict | None, headers: dict[str, str]) -> dict:
+    request = urllib.request.Request(f"{stack.url}{path}", method=method,
+                                     headers={"Content-Type": "application/json", **headers},
+                                     data=json.dumps(body).encode() if body is not None else None)
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)
+
+
+def run_path(run_id: str) -> str:
+    return f"/api/v2/dags/{DAG}/dagRuns/{urllib.parse.quote(run_id, safe='')}"
+
+
+@pytest.fixture
+def page():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        # Tall enough that the whole trigger dialog (every Param) renders at once for the screenshot.
+        page = browser.new_page(viewport={"width": 1280, "height": 4000})
+        page.set_default_timeout(30_000)
+        yield page
+        browser.close()
+
+
+@contextlib.contextmanager
+def page_kept_on_failure(page):
+    """On failure, the page's HTML goes next to the screenshots: the UI's DOM is what selectors are checked against."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    for stale in ARTIFACTS.glob("ui_trigger_*"):
+        stale.unlink()
+    try:
+        yield
+    except Exception:
+        (ARTIFACTS / "ui_trigger_failure.html").write_text(page.content())
+        page.screenshot(path=str(ARTIFACTS / "ui_trigger_failure.png"))
+        raise
+
+
+def test_trigger_form_renders_params_and_starts_a_run_with_the_chosen_workers(airflow_stack, page):
+    airflow_stack.wait_for_dag(DAG)
+    with page_kept_on_failure(page):
+        run_id = submit_the_form(airflow_stack, page)
+        try:
+            show_the_run(page, run_id)
+            check_the_run(airflow_stack, run_id)
+        finally:
+            stop_the_run(airflow_stack, run_id)
+
+
+def submit_the_form(airflow_stack: AirflowStack, page) -> str:
+    """Log in, check the Params form, set Workers to 3, trigger; returns the new run's id."""
+    from playwright.sync_api import expect
+
+    user, password = airflow_stack.login
+    page.goto(f"{airflow_stack.url}/dags/{DAG}")
+    page.get_by_label("Username").fill(user)
+    page.get_by_label("Password").fill(password)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(f"**/dags/{DAG}")
+
+    page.get_by_role("button", name="Trigger Dag", exact=True).click()
+    dialog = page.get_by_role("dialog").filter(has=page.get_by_role("heading", name=f"Trigger Dag - {DAG}"))
+    expect(dialog.get_by_text("Run Parameters", exact=True)).to_be_visible()
+    controls = {title: page.get_by_role(role, name=title, exact=True) for title, role in FORM_FIELDS.items()}
+    rows = {title: dialog.get_by_role("group").filter(has=control) for title, control in controls.items()}
+    for control in controls.values():
+        expect(control).to_be_visible()
+    expect(controls["Workers"]).to_have_value("2")
+    expect(controls["Use GPUs"]).not_to_be_checked()
+    expect(rows["Launcher backend"]).to_contain_text(re.compile(r"^Launcher backend\W*local"))  # the enum's choice
+    expect(rows["Mixed precision"]).to_contain_text(re.compile(r"^Mixed precision\W*no"))
+    expect(dialog.get_by_text("Data-parallel workers (one GPU each when use_gpu is on).")).to_be_visible()
+
+    controls["Workers"].fill("3")
+    submit = dialog.get_by_role("button", name="Trigger", exact=True)
+    expect(submit, "the form refuses its own defaults: a Param whose default is empty needs "
+                   "type=['null', ...] in dags/gpt_finetune.py").to_be_enabled()
+    form = dialog.bounding_box()
+    last_field = rows["Use GPUs"].bounding_box()
+    page.screenshot(path=str(ARTIFACTS / "ui_trigger_form.png"),
+                    clip={**form, "height": last_field["y"] + last_field["height"] - form["y"] + 16})
+
+    submit.click()
+    page.wait_for_url(re.compile(rf"/dags/{DAG}/runs/manual__"))
+    return urllib.parse.unquote(page.url.rsplit("/runs/", 1)[1])
+
+
+def show_the_run(page, run_id: str) -> None:
+    """The UI opens the new run; its Details tab names the UI as the trigger and shows the chosen conf."""
+    from playwright.sync_api import expect
+
+    expect(page.get_by_text("Dag Run Triggered")).to_be_visible()
+    expect(page.get_by_role("heading", name=run_id)).to_be_visible()
+    page.set_viewport_size({"width": 1280, "height": 1100})
+    page.get_by_role("link", name="Details", exact=True).click()
+    triggered_by = page.locator("tr").filter(has=page.get_by_role("cell", name="Triggered By", exact=True))
+    expect(triggered_by).to_have_text(re.compile(r"^Triggered By\s*ui$"))
+    conf = page.locator("tr").filter(has=page.get_by_role("cell", name="Conf", exact=True))
+    expect(conf).to_contain_text(re.compile(r'"num_workers":\s*3,'))
+    conf.scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / "ui_trigger_run.png"))
+
+
+def check_the_run(airflow_stack: AirflowStack, run_id: str) -> None:
+    assert run_id in [run["run_id"] for run in airflow_stack.cli_json("dags", "list-runs", DAG)]
+    run = rest(airflow_stack, "GET", run_path(run_id))
+    assert (run["run_type"], run["triggered_by"], run["conf"]["num_workers"]) == ("manual", "ui", 3)
+    assert RunConfig.from_params(run["conf"]).num_workers == 3  # the form's whole conf passes the trainer's checks
+
+
+def stop_the_run(airflow_stack: AirflowStack, run_id: str) -> None:
+    """Mark the run failed, as the UI's button does, so that it trains nothing.
+
+    Airflow then skips every task that has not started and fails the running ones, but leaves the release teardown
+    to clean up; the run's final state follows later from its skipped leaves (and waits behind any active run, as
+    max_active_runs is 1), so the check is that no task but the teardown is left to run.
+    """
+    rest(airflow_stack, "PATCH", run_path(run_id), {"state": "failed"})
+    tasks = rest(airflow_stack, "GET", f"{run_path(run_id)}/taskInstances")["task_instances"]
+    states = {task["task_id"]: task["state"] for task in tasks}
+    assert TEARDOWN in states and states["train"] in ("skipped", "failed"), states
+    assert {task: state for task, state in states.items() if task != TEARDOWN and state not in FINISHED} == {}
