@@ -7,6 +7,9 @@ export AIRFLOW__CORE__DAGS_FOLDER="$_repo/dags"
 export AIRFLOW__CORE__PLUGINS_FOLDER="$_repo/plugins"
 export AIRFLOW__CORE__LOAD_EXAMPLES=False
 export AIRFLOW__CORE__EXECUTOR=LocalExecutor
+# The LocalExecutor keeps this many worker processes alive: the default (32) costs ~5 GB of memory for nothing
+# on a workstation, where a run executes one task at a time.
+export AIRFLOW__CORE__PARALLELISM="${AIRFLOW__CORE__PARALLELISM:-4}"
 export AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION=False
 export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-sqlite:///$AIRFLOW_HOME/airflow.db}"
 export AIRFLOW__API__PORT="$AIRFLOW_PORT"
