@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import time
 import urllib.parse
 import urllib.request
 
@@ -150,15 +151,24 @@ def check_the_run(airflow_stack: AirflowStack, run_id: str) -> None:
     assert RunConfig.from_params(run["conf"]).num_workers == 3  # the form's whole conf passes the trainer's checks
 
 
-def stop_the_run(airflow_stack: AirflowStack, run_id: str) -> None:
-    """Mark the run failed, as the UI's button does, so that it trains nothing.
+def stop_the_run(airflow_stack: AirflowStack, run_id: str, timeout: float = 60) -> None:
+    """Mark the run failed, as the UI's button does, so that it trains nothing, and wait for its release.
 
-    Airflow then skips every task that has not started and fails the running ones, but leaves the release teardown
-    to clean up; the run's final state follows later from its skipped leaves (and waits behind any active run, as
-    max_active_runs is 1), so the check is that no task but the teardown is left to run.
+    Airflow skips every task that has not started and fails the running ones, but leaves the release teardown to
+    clean up; the run then ends in the state that its skipped leaves give it (success, in Airflow 3.3). A task whose
+    start (queued -> running) commits while the run is being marked escapes the mark, so it is repeated until no
+    task but the teardown is left to run.
     """
-    rest(airflow_stack, "PATCH", run_path(run_id), {"state": "failed"})
-    tasks = rest(airflow_stack, "GET", f"{run_path(run_id)}/taskInstances")["task_instances"]
-    states = {task["task_id"]: task["state"] for task in tasks}
-    assert TEARDOWN in states and states["train"] in ("skipped", "failed"), states
-    assert {task: state for task, state in states.items() if task != TEARDOWN and state not in FINISHED} == {}
+    deadline = time.monotonic() + timeout
+    while True:
+        rest(airflow_stack, "PATCH", run_path(run_id), {"state": "failed"})
+        states = {task["task_id"]: task["state"]
+                  for task in rest(airflow_stack, "GET", f"{run_path(run_id)}/taskInstances")["task_instances"]}
+        left = {task: state for task, state in states.items() if task != TEARDOWN and state not in FINISHED}
+        if not left:
+            break
+        assert time.monotonic() < deadline, f"tasks of {run_id} still to run {timeout:.0f}s after marking it: {left}"
+        time.sleep(2)
+    assert states["train"] in ("skipped", "failed"), states
+    airflow_stack.wait_for_run(DAG, run_id, timeout=180)
+    assert airflow_stack.task_states(DAG, run_id)[TEARDOWN] == "success"
