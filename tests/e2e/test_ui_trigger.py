@@ -132,7 +132,6 @@ def show_the_run(page, run_id: str) -> None:
     """The UI opens the new run; its Details tab names the UI as the trigger and shows the chosen conf."""
     from playwright.sync_api import expect
 
-    expect(page.get_by_text("Dag Run Triggered")).to_be_visible()
     expect(page.get_by_role("heading", name=run_id)).to_be_visible()
     page.set_viewport_size({"width": 1280, "height": 1100})
     page.get_by_role("link", name="Details", exact=True).click()
