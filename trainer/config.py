@@ -89,8 +89,11 @@ class RunConfig:
                 f"Unknown run setting(s) {unknown}: allowed keys are {sorted(known)}. "
                 "Check the spelling in --conf or the trigger form."
             )
-        values = {name: _coerce(name, params[name], known[name]) for name in params}
-        return cls(**values)
+        values = dict(params)
+        # The trigger form sends null for an optional text field the user cleared.
+        if values.get("storage_conn_id", "") is None:
+            values["storage_conn_id"] = ""
+        return cls(**{name: _coerce(name, value, known[name]) for name, value in values.items()})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

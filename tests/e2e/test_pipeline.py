@@ -49,7 +49,7 @@ def worker_ranks(key: str, module: str = "trainer.train") -> dict[int, int]:
         try:
             environ = dict(item.split("=", 1) for item in
                            Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in item)
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # exited since the scan
             continue
         ranks[json.loads(environ["TF_CONFIG"])["task"]["index"]] = pid
     return ranks
@@ -178,4 +178,15 @@ def test_marking_train_failed_from_outside_ends_every_worker_within_10_seconds(a
 
     assert airflow_stack.wait_for_run(DAG, run_id, timeout=300) == "failed"
     assert airflow_stack.task_states(DAG, run_id)["release"] == "success"
+    assert_released(airflow_stack, run_id)
+
+
+def test_failed_preflight_never_launches_training(airflow_stack):
+    run_id = trigger(airflow_stack, {**FAST, "use_gpu": True})  # this machine has no GPU
+    assert airflow_stack.wait_for_run(DAG, run_id, timeout=400) == "failed"
+    states = airflow_stack.task_states(DAG, run_id)
+    assert states["preflight"] == "failed", states
+    assert states["train"] == "upstream_failed" and states["release"] == "success", states
+    assert "GPU" in airflow_stack.task_log(DAG, run_id, "preflight")
+    assert not Path(storage(airflow_stack).run(run_key(run_id)).train.url).exists()
     assert_released(airflow_stack, run_id)

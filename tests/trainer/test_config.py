@@ -98,3 +98,9 @@ def test_summary_lists_every_setting_once():
 def test_presets_fit_their_block_sizes():
     for name, preset in MODEL_PRESETS.items():
         RunConfig.from_params({"model": name, "block_size": preset["n_positions"]})
+
+
+def test_cleared_connection_field_means_environment_credentials():
+    assert RunConfig.from_params({"storage_conn_id": None}).storage_conn_id == ""
+    with pytest.raises(ConfigError, match="'dataset' must be a string"):
+        RunConfig.from_params({"dataset": None})
