@@ -109,7 +109,7 @@ Trigger from the CLI: `airflow dags trigger gpt_finetune --conf '{"num_workers":
 def gpt_finetune():
     from tf_multiworker.operator import TFMultiWorkerOperator  # plugins/ is on sys.path when Airflow parses
 
-    @task(task_id=PREPARE, retries=0, outlets=[SHARDS_ASSET])
+    @task(task_id=PREPARE, outlets=[SHARDS_ASSET])
     def prepare(params=None, run_id=None, outlet_events=None) -> dict:
         from tasks.prepare import prepare_run
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainer.config import RunConfig
+from trainer.config import ConfigError, RunConfig
 from trainer.layout import StorageLayout, run_key
 from trainer.storage import normalize_root, write_json_atomic
 
@@ -31,7 +31,12 @@ def prepare_run(params: Mapping[str, Any], run_id: str) -> dict[str, Any]:
     from tasks.tokenize import prepare_dataset
     from trainer.data import load_manifest
 
-    cfg = build_config(params)
+    from airflow.sdk.exceptions import AirflowFailException
+
+    try:
+        cfg = build_config(params)
+    except ConfigError as exc:  # bad settings do not get better on retry: fail now, retries are for the rest
+        raise AirflowFailException(str(exc)) from exc
     log.info("Run configuration (validated):\n  %s", "\n  ".join(cfg.summary_lines()))
 
     with storage_credentials(cfg.storage_conn_id):

@@ -55,7 +55,7 @@ def test_schedule_and_run_policy(dag):
     assert {"gpt", "tensorflow"} <= set(dag.tags)
     assert dag.doc_md and "num_workers" in dag.doc_md
     assert dag.get_task("train").retries == 1
-    assert dag.get_task("prepare").retries == 0  # bad settings do not get better on retry
+    assert dag.get_task("prepare").retries == 1  # invalid settings fail at once (AirflowFailException)
     assert dag.get_task("preflight").retries == 0
 
 
