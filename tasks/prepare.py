@@ -26,12 +26,12 @@ def build_config(params: Mapping[str, Any]) -> RunConfig:
 
 
 def prepare_run(params: Mapping[str, Any], run_id: str) -> dict[str, Any]:
+    from airflow.sdk.exceptions import AirflowFailException
+
     from tasks.baseline import baseline_key
     from tasks.connections import storage_credentials
     from tasks.tokenize import prepare_dataset
     from trainer.data import load_manifest
-
-    from airflow.sdk.exceptions import AirflowFailException
 
     try:
         cfg = build_config(params)
