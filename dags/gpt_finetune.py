@@ -126,12 +126,13 @@ def gpt_finetune():
     def from_config(key: str) -> str:
         return "{{ ti.xcom_pull(task_ids='" + PREPARE + "')['config']['" + key + "'] }}"
 
-    def worker_group(task_id: str, entrypoint: str, output: str, **kwargs) -> TFMultiWorkerOperator:
+    def worker_group(task_id: str, entrypoint: str, *, config: str, output: str, num_workers,
+                     **kwargs) -> TFMultiWorkerOperator:
         return TFMultiWorkerOperator(
             task_id=task_id,
             entrypoint=entrypoint,
-            args=["--config", prepared("config_url"), "--manifest", prepared("manifest_url"), "--output", output],
-            num_workers=from_config("num_workers"),
+            args=["--config", prepared(config), "--manifest", prepared("manifest_url"), "--output", prepared(output)],
+            num_workers=num_workers,
             backend=from_config("backend"),
             use_gpu=from_config("use_gpu"),
             storage_root=from_config("storage_root"),
@@ -142,8 +143,11 @@ def gpt_finetune():
             **kwargs,
         )
 
-    preflight = worker_group("preflight", "trainer.selftest", prepared("preflight_url"), retries=0)
-    train = worker_group("train", "trainer.train", prepared("train_url"), summary_url=prepared("train_summary_url"))
+    workers = from_config("num_workers")
+    preflight = worker_group("preflight", "trainer.selftest", config="config_url", output="preflight_url",
+                             num_workers=workers, retries=0)
+    train = worker_group("train", "trainer.train", config="config_url", output="train_url", num_workers=workers,
+                         summary_url=prepared("train_summary_url"))
 
     @task.short_circuit(task_id="plan_baseline", ignore_downstream_trigger_rules=False)
     def plan_baseline(prepared_run: dict) -> bool:
@@ -151,21 +155,8 @@ def gpt_finetune():
 
         return plan(prepared_run)
 
-    baseline = TFMultiWorkerOperator(
-        task_id="baseline",
-        entrypoint="trainer.train",
-        args=["--config", prepared("baseline_config_url"), "--manifest", prepared("manifest_url"),
-              "--output", prepared("baseline_url")],
-        num_workers=1,
-        backend=from_config("backend"),
-        use_gpu=from_config("use_gpu"),
-        storage_root=from_config("storage_root"),
-        run_key=prepared("run_key"),
-        storage_conn_id=from_config("storage_conn_id"),
-        startup_timeout_s=from_config("startup_timeout_s"),
-        hang_timeout_s=from_config("hang_timeout_s"),
-        summary_url=prepared("baseline_summary_url"),
-    )
+    baseline = worker_group("baseline", "trainer.train", config="baseline_config_url", output="baseline_url",
+                            num_workers=1, summary_url=prepared("baseline_summary_url"))
 
     @task(task_id="evaluate", trigger_rule="none_failed", retries=0)
     def evaluate(prepared_run: dict) -> dict:

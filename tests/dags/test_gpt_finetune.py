@@ -91,3 +91,13 @@ print(json.dumps(heavy))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_worker_groups_read_the_prepared_paths(dag):
+    train, baseline, preflight = (dag.get_task(t) for t in ("train", "baseline", "preflight"))
+    assert train.entrypoint == baseline.entrypoint == "trainer.train"
+    assert preflight.entrypoint == "trainer.selftest"
+    assert "'config_url'" in train.args[1] and "'train_url'" in train.args[-1]
+    assert "'baseline_config_url'" in baseline.args[1] and "'baseline_url'" in baseline.args[-1]
+    assert baseline.num_workers == 1 and "'num_workers'" in train.num_workers
+    assert "'train_summary_url'" in train.summary_url and "'baseline_summary_url'" in baseline.summary_url
