@@ -11,6 +11,8 @@ os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 
 import pytest
 
+pytest_plugins = ["tests.s3server"]  # a real S3-protocol server on loopback, for every test directory
+
 
 @pytest.fixture(scope="session")
 def airflow_stack(tmp_path_factory):

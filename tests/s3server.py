@@ -12,7 +12,6 @@ Use from a test module with `pytest_plugins = ["tests.s3server"]`, then request:
 from __future__ import annotations
 
 import http.client
-import socket
 import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,12 +21,6 @@ import pytest
 ACCESS_KEY = "test-access-key"
 SECRET_KEY = "test-secret-key"
 REGION = "us-east-1"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -29,20 +29,10 @@ def wait_until_gone(pgids: list[int], timeout_s: float) -> list[int]:
 
 
 @pytest.fixture(scope="session")
-def s3_server():
-    """A real S3-protocol server (moto) on loopback, with bucket `runs`; yields its endpoint URL."""
+def s3_server(s3_endpoint):
+    """The session's S3-protocol server (tests/s3server.py) with bucket `runs`; yields its endpoint URL."""
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    from tests.airflow_stack import free_port
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test-key",
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="test-key",
                  aws_secret_access_key="test-secret").create_bucket(Bucket="runs")
-    try:
-        yield endpoint
-    finally:
-        server.stop()
+    return s3_endpoint
