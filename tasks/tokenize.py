@@ -570,12 +570,10 @@ def _publish(stage: Path, dataset_url: str, manifest: dict[str, Any]) -> None:
             shutil.rmtree(target)
         os.replace(stage, target)
         return
-    files = sorted(path for path in stage.rglob("*") if path.is_file())
     try:
         if fs.exists(target):  # objects of an interrupted upload
             fs.rm(target, recursive=True)
-        # One client for all files: the object store uploads them concurrently.
-        fs.put([str(path) for path in files], [f"{target}/{path.relative_to(stage).as_posix()}" for path in files])
+        storage.upload_tree(stage, dataset_url)
         fs.pipe_file(f"{target}/{MANIFEST}", _manifest_bytes(manifest))  # one PUT: atomic on object stores
     except Exception as error:
         raise PrepareError(

@@ -118,14 +118,21 @@ def download_file(url: str, local_path: str | Path) -> None:
 
 
 def upload_tree(local_dir: str | Path, url: str) -> list[str]:
-    """Copy every file under `local_dir` to `url`, keeping relative paths; returns the URLs written."""
-    written = []
-    for file in sorted(Path(local_dir).rglob("*")):
-        if file.is_file():
-            target = join(url, file.relative_to(local_dir).as_posix())
-            upload_file(file, target)
-            written.append(target)
-    return written
+    """Copy every file under `local_dir` to `url`, keeping relative paths; returns the URLs written.
+
+    One client and one batched `put` for the whole tree: object stores then upload the files concurrently,
+    and no client is built per file.
+    """
+    files = sorted(file for file in Path(local_dir).rglob("*") if file.is_file())
+    if not files:
+        return []
+    fs, root = filesystem(url)
+    relative = [file.relative_to(local_dir).as_posix() for file in files]
+    if is_local(fs):
+        for name in {os.path.dirname(name) for name in relative}:
+            os.makedirs(os.path.join(root, name), exist_ok=True)
+    fs.put([str(file) for file in files], [f"{root.rstrip('/')}/{name}" for name in relative])
+    return [join(url, name) for name in relative]
 
 
 def download_tree(url: str, local_dir: str | Path) -> list[Path]:
