@@ -170,10 +170,25 @@ def gpt_finetune():
 
         return release_run(params, run_id)
 
+    @task(task_id="outcome", retries=0)
+    def outcome(ti=None) -> dict:
+        """Fails the DAG run when any task failed, the run was stopped, or release failed (see tasks/outcome.py)."""
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from tasks.outcome import RunFailedError, judge_run
+
+        states = ti.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id])[ti.run_id]
+        try:
+            return judge_run(states, final_task="evaluate", own_task=ti.task_id)
+        except RunFailedError as error:
+            raise AirflowFailException(str(error)) from error
+
     prepared_run = prepare()
     evaluation = evaluate(prepared_run)
     prepared_run >> preflight >> train >> plan_baseline(prepared_run) >> baseline >> evaluation
-    evaluation >> release().as_teardown()
+    # Both teardowns always run; the DAG run's state is outcome's (release's failure counts through it).
+    released = release().as_teardown(on_failure_fail_dagrun=True)
+    evaluation >> released >> outcome().as_teardown(on_failure_fail_dagrun=True)
 
 
 gpt_finetune()

@@ -18,6 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from tasks.connections import uses_run_storage
 from trainer.config import RunConfig
 from trainer.layout import StorageLayout
 from trainer.storage import exists, join, list_dir, read_json, remove_tree, write_json_atomic
@@ -81,50 +82,48 @@ def baseline_key(cfg: RunConfig, manifest: dict, total_steps: int) -> str:
     return f"{model_name}-gb{parts['global_batch_size']}-s{total_steps}-{digest[:16]}"
 
 
+@uses_run_storage
 def plan_baseline(prepared: dict) -> bool:
     """True when the `baseline` task must train; False skips it (policy `skip`, or a matching baseline exists).
 
     `run` clears the old output first so its summary.json cannot pass for the new one.
     """
-    from tasks.connections import storage_credentials
-
     cfg = RunConfig.from_params(prepared["config"])
     key, baseline_url = prepared["baseline_key"], prepared["baseline_url"]
     if cfg.baseline == "skip":
         log.info("Baseline policy 'skip': no baseline, the report will have no speedup or loss parity.")
         return False
 
-    with storage_credentials(cfg.storage_conn_id):
-        manifest = read_json(prepared["manifest_url"])
-        parts = baseline_key_parts(cfg, manifest, prepared["total_steps"])
-        if baseline_key(cfg, manifest, prepared["total_steps"]) != key:
-            raise RuntimeError(
-                f"Baseline key {key} from the prepare task no longer matches this run's settings and trainer code "
-                f"(the trainer/ sources changed between tasks?): clear the run and trigger it again."
-            )
-        if cfg.baseline == "run":
-            log.info("Baseline policy 'run': training baseline %s again; clearing %s first.", key, baseline_url)
-            remove_tree(baseline_url)
-            _write_key_record(baseline_url, key, parts, prepared["run_id"])
-            return True
-
-        summary_url = prepared["baseline_summary_url"]
-        if exists(summary_url):
-            summary = read_json(summary_url)
-            log.info(
-                "Baseline policy 'auto': reusing baseline %s (finished %s, %s steps in %.1f s of training) at %s.",
-                key, summary.get("finished_at"), summary.get("steps"), summary.get("train_time_s", float("nan")),
-                baseline_url,
-            )
-            return False
-        if exists(baseline_url):
-            log.info("Baseline policy 'auto': baseline %s exists without summary.json (an interrupted run); "
-                     "training it, resuming from its checkpoints.", key)
-        else:
-            log.info("Baseline policy 'auto': no baseline with key %s; %s", key,
-                     _explain_mismatch(StorageLayout(cfg.storage_root).baselines, key, parts))
+    manifest = read_json(prepared["manifest_url"])
+    parts = baseline_key_parts(cfg, manifest, prepared["total_steps"])
+    if baseline_key(cfg, manifest, prepared["total_steps"]) != key:
+        raise RuntimeError(
+            f"Baseline key {key} from the prepare task no longer matches this run's settings and trainer code "
+            f"(the trainer/ sources changed between tasks?): clear the run and trigger it again."
+        )
+    if cfg.baseline == "run":
+        log.info("Baseline policy 'run': training baseline %s again; clearing %s first.", key, baseline_url)
+        remove_tree(baseline_url)
         _write_key_record(baseline_url, key, parts, prepared["run_id"])
         return True
+
+    summary_url = prepared["baseline_summary_url"]
+    if exists(summary_url):
+        summary = read_json(summary_url)
+        log.info(
+            "Baseline policy 'auto': reusing baseline %s (finished %s, %s steps in %.1f s of training) at %s.",
+            key, summary.get("finished_at"), summary.get("steps"), summary.get("train_time_s", float("nan")),
+            baseline_url,
+        )
+        return False
+    if exists(baseline_url):
+        log.info("Baseline policy 'auto': baseline %s exists without summary.json (an interrupted run); "
+                 "training it, resuming from its checkpoints.", key)
+    else:
+        log.info("Baseline policy 'auto': no baseline with key %s; %s", key,
+                 _explain_mismatch(StorageLayout(cfg.storage_root).baselines, key, parts))
+    _write_key_record(baseline_url, key, parts, prepared["run_id"])
+    return True
 
 
 def read_key_record(baseline_url: str) -> dict[str, Any] | None:

@@ -22,8 +22,10 @@ from typing import Any
 
 from tasks import report as reports
 from tasks.baseline import read_key_record
+from tasks.connections import uses_run_storage
 from trainer.config import RunConfig
 from trainer.layout import StorageLayout, TrainOutput
+from trainer.runtime import RUN_KEY_ENV, inherited_environment
 from trainer.storage import exists, join, read_bytes, read_json, remove_tree
 
 log = logging.getLogger("gpt_finetune.compare")
@@ -41,12 +43,10 @@ class EvaluationError(RuntimeError):
     """`trainer.evaluate` exited with an error or wrote no result."""
 
 
+@uses_run_storage
 def evaluate_run(prepared: dict) -> dict:
-    from tasks.connections import storage_credentials
-
     cfg = RunConfig.from_params(prepared["config"])
-    with storage_credentials(cfg.storage_conn_id):
-        return _evaluate(prepared, cfg)
+    return _evaluate(prepared, cfg)
 
 
 def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
@@ -60,7 +60,8 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
     for stale in (reports.REPORT_JSON, reports.REPORT_MD, reports.LOSS_CHART, reports.SCALING_CHART):
         remove_tree(join(report_url, stale))  # an earlier attempt's report must not pass for this one's
     distributed_eval = run_evaluation(distributed.model, prepared["manifest_url"],
-                                      join(report_url, "eval-distributed.json"), use_gpu=cfg.use_gpu)
+                                      join(report_url, "eval-distributed.json"), use_gpu=cfg.use_gpu,
+                                      run_key=prepared["run_key"])
     baseline_eval = None
     if baseline:
         cached = join(baseline.url, BASELINE_EVAL)
@@ -68,7 +69,8 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
             log.info("Baseline evaluation reused from %s (same baseline key: same data and code).", cached)
             baseline_eval = read_json(cached)
         else:
-            baseline_eval = run_evaluation(baseline.model, prepared["manifest_url"], cached, use_gpu=cfg.use_gpu)
+            baseline_eval = run_evaluation(baseline.model, prepared["manifest_url"], cached, use_gpu=cfg.use_gpu,
+                                           run_key=prepared["run_key"])
 
     report = build_report(
         prepared, cfg,
@@ -131,11 +133,14 @@ def read_metrics(output: TrainOutput, rank: int = 0) -> list[dict[str, Any]]:
     return [json.loads(line) for line in read_bytes(url).decode("utf-8").splitlines() if line.strip()]
 
 
-def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, use_gpu: bool) -> dict[str, Any]:
-    """`python -m trainer.evaluate` in a child process; its output streams to this log. Returns its result."""
+def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, use_gpu: bool,
+                   run_key: str) -> dict[str, Any]:
+    """`python -m trainer.evaluate` in a child process; its output streams to this log. Returns its result.
+
+    Like a worker it gets the allow-listed environment and the run's marker, so release finds it too."""
     command = [sys.executable, "-m", EVALUATE_MODULE, "--model", model_url, "--manifest", manifest_url,
                "--output", output_url]
-    env = dict(os.environ, TF_USE_LEGACY_KERAS="1")
+    env = {**inherited_environment(os.environ), "TF_USE_LEGACY_KERAS": "1", RUN_KEY_ENV: run_key}
     if use_gpu:
         env.setdefault("CUDA_VISIBLE_DEVICES", "0")  # one GPU is plenty; TF would otherwise claim every GPU
     else:

@@ -1,15 +1,20 @@
 """Airflow Connection -> environment variables for object storage.
 
 Credentials travel only as environment variables (to this task process and to workers), never in configs, argv,
-logs or XCom. An empty connection id means the environment already carries them.
+logs or XCom. An empty connection id means the environment already carries them. Every task that touches storage
+goes through `uses_run_storage`, so none can forget the connection (release once did, and failed on S3).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any, TypeVar
+
+TaskLogic = TypeVar("TaskLogic", bound=Callable[..., Any])
 
 # Names botocore (and therefore s3fs) reads by itself.
 _CONNECTION_ENV = {
@@ -54,3 +59,24 @@ def applied_env(env: dict[str, str]) -> Iterator[dict[str, str]]:
 def storage_credentials(conn_id: str) -> contextlib.AbstractContextManager[dict[str, str]]:
     """Apply the connection's variables to this process for the duration of the block."""
     return applied_env(storage_env(conn_id))
+
+
+def run_storage_conn_id(settings: Mapping[str, Any]) -> str:
+    """The run's storage connection id, from its raw params or from a prepared run (its validated `config`).
+
+    Read leniently: release must reach storage even for a run whose other settings were refused.
+    """
+    config = settings.get("config")
+    conn_id = (config if isinstance(config, Mapping) else settings).get("storage_conn_id")
+    return conn_id if isinstance(conn_id, str) else ""
+
+
+def uses_run_storage(task_logic: TaskLogic) -> TaskLogic:
+    """Run task logic whose first argument is the run's params or prepared run with its storage credentials applied."""
+
+    @functools.wraps(task_logic)
+    def with_storage_credentials(settings: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        with storage_credentials(run_storage_conn_id(settings)):
+            return task_logic(settings, *args, **kwargs)
+
+    return with_storage_credentials  # type: ignore[return-value]

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tasks.connections import uses_run_storage
 from trainer.config import ConfigError, RunConfig
 from trainer.layout import StorageLayout, run_key
 from trainer.storage import normalize_root, write_json_atomic
@@ -25,11 +26,11 @@ def build_config(params: Mapping[str, Any]) -> RunConfig:
     return cfg.replace(storage_root=normalize_root(cfg.storage_root, relative_to=REPO_ROOT))
 
 
+@uses_run_storage
 def prepare_run(params: Mapping[str, Any], run_id: str) -> dict[str, Any]:
     from airflow.sdk.exceptions import AirflowFailException
 
     from tasks.baseline import baseline_key
-    from tasks.connections import storage_credentials
     from tasks.tokenize import prepare_dataset
     from trainer.data import load_manifest
 
@@ -39,21 +40,20 @@ def prepare_run(params: Mapping[str, Any], run_id: str) -> dict[str, Any]:
         raise AirflowFailException(str(exc)) from exc
     log.info("Run configuration (validated):\n  %s", "\n  ".join(cfg.summary_lines()))
 
-    with storage_credentials(cfg.storage_conn_id):
-        dataset = prepare_dataset(cfg)
-        manifest = load_manifest(dataset.manifest_url)
-        total_steps = cfg.steps_for(dataset.train_sequences)
-        run_cfg = cfg.replace(max_steps=total_steps, warmup_steps=min(cfg.warmup_steps, total_steps - 1))
-        baseline_cfg = run_cfg.baseline_config()
+    dataset = prepare_dataset(cfg)
+    manifest = load_manifest(dataset.manifest_url)
+    total_steps = cfg.steps_for(dataset.train_sequences)
+    run_cfg = cfg.replace(max_steps=total_steps, warmup_steps=min(cfg.warmup_steps, total_steps - 1))
+    baseline_cfg = run_cfg.baseline_config()
 
-        storage = StorageLayout(cfg.storage_root)
-        key = run_key(run_id)
-        run = storage.run(key)
-        base_key = baseline_key(run_cfg, manifest, total_steps)
-        baseline = storage.baseline(base_key)
-        baseline_config_url = run.baseline_config
-        write_json_atomic(run.config, run_cfg.to_dict())
-        write_json_atomic(baseline_config_url, baseline_cfg.to_dict())
+    storage = StorageLayout(cfg.storage_root)
+    key = run_key(run_id)
+    run = storage.run(key)
+    base_key = baseline_key(run_cfg, manifest, total_steps)
+    baseline = storage.baseline(base_key)
+    baseline_config_url = run.baseline_config
+    write_json_atomic(run.config, run_cfg.to_dict())
+    write_json_atomic(baseline_config_url, baseline_cfg.to_dict())
 
     log.info(
         "Dataset %s (%s): %d train / %d validation sequences; %d optimizer steps of %d sequences; run dir %s",

@@ -9,7 +9,8 @@ charts) trust a report only once it exists. The layout of `report.json` (format_
      "gates": [{"name", "passed", "value", "limit", "detail"}],
      "baseline": {"policy", "key", "url", "trained_by_run", "reused"},
      "hardware": {"line", "distributed", "baseline", "task_host"}, "versions": {...}, "config": {...},
-     "table": [ROW], "charts": {"loss_curves": "loss_curves.png", "scaling": "scaling.png"}}
+     "table": [ROW], "charts": {"loss_curves": "loss_curves.png", "scaling": "scaling.png"},
+     "release": {"clean", "released_at", "host", "survivors"} (added by the release task)}
     RUN = {"label", "num_workers", "global_batch_size", "steps", "tokens_seen", "train_time_s", "wall_time_s",
            "tokens_per_s", "final_loss", "mfu", "eval_loss", "perplexity", "eval_tokens", "eval_time_s",
            "model_url", "summary_url", "started_at", "finished_at"}
@@ -98,7 +99,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# GPT fine-tune run `{report['run_id']}`",
         "",
-        (f"**Gates: {verdict}** · {report['num_workers']} workers · global batch "
+        (f"**Gates: {verdict}** · **Released: {released(report)}** · {report['num_workers']} workers · global batch "
          f"{runs['distributed']['global_batch_size']} · {runs['distributed']['steps']} steps · "
          f"created {report['created_at']}"),
         "",
@@ -130,6 +131,14 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Versions", ""]
     lines += [f"- {name}: {value}" for name, value in sorted(report["versions"].items())]
     return "\n".join(lines) + "\n"
+
+
+def released(report: dict[str, Any]) -> str:
+    """yes / no (something of the run outlived release) / pending (release has not run yet)."""
+    release = report.get("release")
+    if not isinstance(release, dict):
+        return "pending"
+    return "yes" if release.get("clean") is True else "no"
 
 
 def _baseline_line(baseline: dict[str, Any]) -> str:

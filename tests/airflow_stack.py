@@ -97,8 +97,11 @@ class AirflowStack:
 
 
 def airflow_env(home: Path, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment `scripts/airflow-env.sh` sets, for a given home and port."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    """The environment `scripts/airflow-env.sh` sets, for a given home and port.
+
+    No AIRFLOW_* or AWS_* variable of the test process leaks in: storage credentials reach a stack only as the
+    tests give them (an Airflow connection, or `extra`)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "AWS_"))}
     base.update({"AIRFLOW_HOME": str(home), "AIRFLOW_PORT": str(port)})
     base.update(extra or {})
     out = subprocess.run(

@@ -13,12 +13,32 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 READY_FILE_ENV = "TFMW_READY_FILE"
 # Set on every worker of a pipeline run: the release task finds all of the run's processes by it.
 RUN_KEY_ENV = "TFMW_RUN_KEY"
+# The launcher's per-task temporary directories start with this; release deletes only such directories.
+LAUNCHER_WORKDIR_PREFIX = "tfmw-"
+
+# What a worker inherits from the process that launches it (an Airflow task holds its database URL, Fernet key,
+# JWT secret and other connections in its environment: none of that may reach a worker). AWS_* are the storage
+# credentials when the run names no connection.
+INHERITED_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "VIRTUAL_ENV", "LD_LIBRARY_PATH",
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+    "http_proxy", "https_proxy", "no_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY",
+})
+INHERITED_PREFIXES = ("LC_", "PYTHON", "TF_", "CUDA_", "NCCL_", "NVIDIA_", "XLA_", "HF_", "TRANSFORMERS_",
+                      "TOKENIZERS_", "OMP_", "MKL_", "OPENBLAS_", "AWS_", "TFMW_")
+
+
+def inherited_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The allow-listed part of `environ` that a worker (or evaluation) process starts with."""
+    return {name: value for name, value in environ.items()
+            if name in INHERITED_NAMES or name.startswith(INHERITED_PREFIXES)}
 
 
 @dataclass(frozen=True)

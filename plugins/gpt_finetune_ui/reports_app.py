@@ -76,7 +76,8 @@ def create_app(storage_root: str | None = None) -> FastAPI:
 
     @app.get("/runs/{run_key}/", response_class=HTMLResponse)
     def run_page(run_key: str) -> str:
-        return render_run(load_report(run_key))
+        report = load_report(run_key)
+        return render_run(report, release_status(layout().run(run_key).release))
 
     @app.get("/runs/{run_key}/charts/{name}")
     def chart(run_key: str, name: str) -> Response:
@@ -90,13 +91,25 @@ def create_app(storage_root: str | None = None) -> FastAPI:
     return app
 
 
+def release_status(release_url: str) -> str:
+    """yes / no (something of the run outlived its release) / pending (release has not run), from release.json."""
+    if not exists(release_url):
+        return "pending"
+    try:
+        return "yes" if read_json(release_url).get("clean") is True else "no"
+    except (ValueError, AttributeError) as error:
+        log.warning("Unreadable release record %s (%s)", release_url, error)
+        return "no"
+
+
 def list_runs(storage: StorageLayout) -> list[dict[str, Any]]:
     """Headline figures of every run with a report, newest first; runs without one are listed as pending."""
     runs = []
     for key in list_dir(storage.runs):
         url = join(storage.run(key).report, "report.json")
+        released = release_status(storage.run(key).release)
         if not exists(url):
-            runs.append({"run_key": key, "run_id": key, "status": "no report yet"})
+            runs.append({"run_key": key, "run_id": key, "status": "no report yet", "released": released})
             continue
         try:
             report = read_json(url)
@@ -105,6 +118,7 @@ def list_runs(storage: StorageLayout) -> list[dict[str, Any]]:
                 "run_key": key,
                 "run_id": report["run_id"],
                 "status": "passed" if report["gates_passed"] else "failed",
+                "released": released,
                 "created_at": report["created_at"],
                 "num_workers": report["num_workers"],
                 "speedup": report["comparison"]["speedup"],
@@ -116,7 +130,7 @@ def list_runs(storage: StorageLayout) -> list[dict[str, Any]]:
             })
         except (ValueError, KeyError, TypeError) as error:
             log.warning("Run %s: unreadable report %s (%s)", key, url, error)
-            runs.append({"run_key": key, "run_id": key, "status": f"unreadable report: {error}"})
+            runs.append({"run_key": key, "run_id": key, "status": f"unreadable report: {error}", "released": released})
     return sorted(runs, key=lambda run: run.get("created_at") or "", reverse=True)
 
 
@@ -134,22 +148,24 @@ def _page(title: str, body: str) -> str:
 
 
 def _status(status: str) -> str:
-    css = {"passed": "pass", "failed": "fail"}.get(status, "note")
+    css = {"passed": "pass", "yes": "pass", "failed": "fail", "no": "fail"}.get(status, "note")
     return f"<span class='{css}'>{html.escape(status)}</span>"
 
 
 def render_index(runs: list[dict[str, Any]], root: str) -> str:
-    header = ("<tr><th>run</th><th>gates</th><th>workers</th><th>speedup</th><th>efficiency</th><th>tokens/s</th>"
+    header = ("<tr><th>run</th><th>gates</th><th>released</th><th>workers</th><th>speedup</th><th>efficiency</th><th>tokens/s</th>"
               "<th>train time</th><th>eval loss</th><th>baseline eval loss</th><th>created</th></tr>")
     rows = []
     for run in runs:
         if "created_at" not in run:  # nothing to show yet: no link to a page that would say so
-            rows.append(f"<tr><td>{html.escape(run['run_id'])}</td><td colspan='9'>{_status(run['status'])}</td></tr>")
+            rows.append(f"<tr><td>{html.escape(run['run_id'])}</td><td>{_status(run['status'])}</td>"
+                        f"<td>{_status(run['released'])}</td><td colspan='8'></td></tr>")
             continue
         link = f"<a href='runs/{html.escape(run['run_key'])}/'>{html.escape(run['run_id'])}</a>"
         efficiency = None if run["efficiency"] is None else 100 * run["efficiency"]
         rows.append(
-            f"<tr><td>{link}</td><td>{_status(run['status'])}</td><td>{run['num_workers']}</td>"
+            f"<tr><td>{link}</td><td>{_status(run['status'])}</td><td>{_status(run['released'])}</td>"
+            f"<td>{run['num_workers']}</td>"
             f"<td>{_fmt(run['speedup'], '.2f', 'x')}</td><td>{_fmt(efficiency, '.0f', '%')}</td>"
             f"<td>{_fmt(run['tokens_per_s'], ',.0f')}</td><td>{_fmt(run['train_time_s'], '.1f', ' s')}</td>"
             f"<td>{_fmt(run['eval_loss'], '.4f')}</td><td>{_fmt(run['baseline_eval_loss'], '.4f')}</td>"
@@ -160,7 +176,7 @@ def render_index(runs: list[dict[str, Any]], root: str) -> str:
                                        f"<code>{html.escape(root)}</code></p>{table}")
 
 
-def render_run(report: dict[str, Any]) -> str:
+def render_run(report: dict[str, Any], released: str) -> str:
     verdict = "passed" if report["gates_passed"] else "failed"
     table = (
         "<table id='figures'><tr>" + "".join(f"<th>{html.escape(col)}</th>" for col in TABLE_COLUMNS) + "</tr>"
@@ -180,7 +196,8 @@ def render_run(report: dict[str, Any]) -> str:
     config = report["config"]
     body = (
         f"<p><a href='../../'>All runs</a></p><h1>Run {html.escape(report['run_id'])}</h1>"
-        f"<p>Gates {_status(verdict)} · {report['num_workers']} workers · model {html.escape(config['model'])} · "
+        f"<p>Gates {_status(verdict)} · released <span id='released'>{_status(released)}</span> · "
+        f"{report['num_workers']} workers · model {html.escape(config['model'])} · "
         f"created {html.escape(report['created_at'])}</p>{table}"
         f"<p class='note' id='hardware'>{html.escape(report['hardware']['line'])}</p>{gates}{charts}"
     )

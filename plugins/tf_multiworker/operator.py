@@ -35,7 +35,7 @@ from tf_multiworker.launcher import (
 )
 from tf_multiworker.launcher.errors import MissingOutputError
 from trainer.layout import StorageLayout
-from trainer.runtime import RUN_KEY_ENV
+from trainer.runtime import LAUNCHER_WORKDIR_PREFIX, RUN_KEY_ENV
 from trainer.storage import exists, normalize_root, upload_tree, write_json_atomic
 
 STATE_XCOM_KEY = "worker_state"
@@ -149,7 +149,7 @@ class TFMultiWorkerOperator(BaseOperator):
         run = StorageLayout(normalize_root(_as_str("storage_root", self.storage_root))).run(
             _as_str("run_key", self.run_key))
         backend = make_backend(_as_str("backend", self.backend))
-        workdir = Path(tempfile.mkdtemp(prefix=f"tfmw-{self.task_id}-"))
+        workdir = Path(tempfile.mkdtemp(prefix=f"{LAUNCHER_WORKDIR_PREFIX}{self.task_id}-"))
         ti = context["ti"]
 
         def record_started(workers: Sequence[WorkerOutcome], attempt: int) -> None:

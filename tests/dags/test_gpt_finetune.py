@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -36,16 +37,32 @@ def test_task_graph(dag):
         "plan_baseline": ["baseline"],
         "baseline": ["evaluate"],
         "evaluate": ["release"],
-        "release": [],
+        "release": ["outcome"],
+        "outcome": [],
     }
 
 
-def test_release_is_a_teardown_that_runs_whatever_happened(dag):
-    release = dag.get_task("release")
-    assert release.is_teardown
-    assert release.trigger_rule == "all_done_setup_success"
+def test_release_and_outcome_are_teardowns_that_run_whatever_happened(dag):
+    for task_id in ("release", "outcome"):
+        teardown = dag.get_task(task_id)
+        assert teardown.is_teardown and teardown.on_failure_fail_dagrun, task_id
+        assert teardown.trigger_rule == "all_done_setup_success"
     assert not [t for t in dag.tasks if t.is_setup]  # no setups: the rule reduces to all_done
     assert dag.get_task("evaluate").trigger_rule == "none_failed"  # runs when the baseline is skipped
+    assert dag.get_task("outcome").retries == 0
+
+
+def test_the_run_state_is_judged_by_outcome_alone(dag):
+    """Airflow's own leaf rule: only outcome decides, so it must see every failure (tests/tasks/test_outcome.py)."""
+    from airflow.models.dagrun import DagRun
+
+    class TaskInstance(NamedTuple):
+        task_id: str
+        state: str
+
+    tis = [TaskInstance(task.task_id, "success") for task in dag.tasks]
+    judged = DagRun._tis_for_dagrun_state(None, dag=dag, tis=tis)
+    assert [ti.task_id for ti in judged] == ["outcome"]
 
 
 def test_schedule_and_run_policy(dag):

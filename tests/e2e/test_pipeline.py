@@ -94,7 +94,7 @@ def test_readme_main_command_runs_the_whole_dag_on_s3(tmp_path):
     by_task = {row["task_id"]: row["state"] for row in json.loads(next(
         line for line in states.splitlines() if line.startswith("[{")))}
     assert by_task == dict.fromkeys(
-        ["prepare", "preflight", "train", "plan_baseline", "baseline", "evaluate", "release"], "success")
+        ["prepare", "preflight", "train", "plan_baseline", "baseline", "evaluate", "release", "outcome"], "success")
 
 
 def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_baseline(airflow_stack):
@@ -149,7 +149,8 @@ def test_worker_killed_in_every_attempt_fails_the_run_and_release_still_cleans_u
     assert airflow_stack.wait_for_run(DAG, run_id, timeout=300) == "failed"
     states = airflow_stack.task_states(DAG, run_id)
     assert states["train"] == "failed" and states["release"] == "success", states
-    assert states["evaluate"] == "upstream_failed"
+    assert states["evaluate"] == "upstream_failed" and states["outcome"] == "failed"
+    assert "train failed" in airflow_stack.task_log(DAG, run_id, "outcome")
     assert_released(airflow_stack, run_id)
 
 
@@ -190,3 +191,79 @@ def test_failed_preflight_never_launches_training(airflow_stack):
     assert "GPU" in airflow_stack.task_log(DAG, run_id, "preflight")
     assert not Path(storage(airflow_stack).run(run_key(run_id)).train.url).exists()
     assert_released(airflow_stack, run_id)
+
+
+def test_marking_the_whole_run_failed_leaves_it_failed_and_release_still_runs(airflow_stack):
+    """The UI's "mark run as failed": Airflow kills the running task, skips the rest and leaves the teardowns."""
+    run_id = trigger(airflow_stack, LONG)
+    key = run_key(run_id)
+    wait_until(lambda: len(worker_ranks(key)) == 2, 400, "both trainer workers")
+    request = urllib.request.Request(
+        f"{airflow_stack.url}/api/v2/dags/{DAG}/dagRuns/{run_id}", method="PATCH",
+        data=json.dumps({"state": "failed"}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_token(airflow_stack)}"},
+    )
+    urllib.request.urlopen(request, timeout=30).close()
+
+    assert airflow_stack.wait_for_run(DAG, run_id, timeout=300) == "failed"
+    states = airflow_stack.task_states(DAG, run_id)
+    assert states["train"] == "failed" and states["evaluate"] == "skipped", states
+    assert states["release"] == "success" and states["outcome"] == "failed", states
+    assert_released(airflow_stack, run_id)
+
+
+def test_a_release_that_cannot_record_its_result_fails_the_run_and_says_why(airflow_stack):
+    """Storage that fails for the release alone (a directory where release.json must go)."""
+    run_id = f"manual__release_blocked_{time.time_ns()}"
+    run = storage(airflow_stack).run(run_key(run_id))
+    Path(run.release).mkdir(parents=True)
+    airflow_stack.wait_for_dag(DAG)
+    airflow_stack.cli("dags", "trigger", DAG, "--run-id", run_id, "--conf", json.dumps({**FAST, "baseline": "skip"}))
+
+    assert airflow_stack.wait_for_run(DAG, run_id, timeout=600) == "failed"
+    states = airflow_stack.task_states(DAG, run_id)
+    assert states["evaluate"] == "success" and states["release"] == "failed" and states["outcome"] == "failed", states
+    release_log = airflow_stack.task_log(DAG, run_id, "release", try_number=3)
+    assert "could not be recorded" in release_log and "IsADirectoryError" in release_log
+    assert "still alive: none" in release_log
+    assert "release failed" in airflow_stack.task_log(DAG, run_id, "outcome")
+    assert processes_of_run(run_key(run_id)) == {}
+
+
+def test_storage_credentials_only_in_an_airflow_connection(airflow_stack, s3_endpoint, tmp_path):
+    """S3 storage whose endpoint and keys exist only in an Airflow connection: every task reaches it, release
+    included, and the secret appears in no log."""
+    import boto3
+
+    secret = f"conn-only-secret-{time.time_ns()}"
+    assert not [name for name in airflow_stack.env if name.startswith("AWS_")]
+    bucket = f"conn-only-{time.time_ns()}"
+    client = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="conn-only-key",
+                          aws_secret_access_key=secret, region_name="us-east-1")
+    client.create_bucket(Bucket=bucket)
+    connection = tmp_path / "connections.json"
+    connection.write_text(json.dumps({"run_storage": {
+        "conn_type": "aws", "login": "conn-only-key", "password": secret,
+        "extra": json.dumps({"endpoint_url": s3_endpoint, "region_name": "us-east-1"})}}))
+    airflow_stack.cli("connections", "import", str(connection), "--overwrite")
+
+    run_id = trigger(airflow_stack, {**FAST, "baseline": "skip", "storage_root": f"s3://{bucket}/gpt",
+                                     "storage_conn_id": "run_storage"})
+    assert airflow_stack.wait_for_run(DAG, run_id, timeout=600) == "success"
+    assert set(airflow_stack.task_states(DAG, run_id).values()) <= {"success", "skipped"}
+
+    key = run_key(run_id)
+    release = json.loads(client.get_object(Bucket=bucket, Key=f"gpt/runs/{key}/release.json")["Body"].read())
+    assert release["clean"] is True
+    report = json.loads(client.get_object(Bucket=bucket, Key=f"gpt/runs/{key}/report/report.json")["Body"].read())
+    assert report["release"]["clean"] is True
+    rank_logs = [item["Key"] for item in client.list_objects_v2(Bucket=bucket, Prefix=f"gpt/runs/{key}/logs/")
+                 ["Contents"]]
+    assert rank_logs
+    for name in rank_logs:
+        assert secret.encode() not in client.get_object(Bucket=bucket, Key=name)["Body"].read(), name
+    task_logs = list((airflow_stack.home / "logs" / f"dag_id={DAG}" / f"run_id={run_id}").rglob("*"))
+    assert [path for path in task_logs if path.is_file()]
+    for path in [*task_logs, airflow_stack.log_path]:
+        if path.is_file():
+            assert secret not in path.read_text(errors="replace"), path

@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from tf_multiworker.launcher import (
@@ -167,3 +168,52 @@ def test_use_gpu_without_gpus_names_the_setting(tmp_path):
         pytest.skip("this machine has free GPUs")
     with pytest.raises(InsufficientGPUsError, match="NVML finds no free GPU.*Set use_gpu to false"):
         _run(_spec(use_gpu=True), tmp_path)
+
+
+AIRFLOW_SECRETS = {
+    "AIRFLOW__CORE__FERNET_KEY": "fernet-key-value-1234",
+    "AIRFLOW__API_AUTH__JWT_SECRET": "jwt-secret-value-5678",
+    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "postgresql://airflow:db-password@db/airflow",
+    "AIRFLOW_CONN_OTHER_TEAM": "aws://other:other-team-secret@",
+    "SOME_SERVICE_TOKEN": "unrelated-token-value",
+}
+
+
+def test_workers_get_an_allow_listed_environment_and_secrets_are_redacted(tmp_path, monkeypatch):
+    """Nothing of the launching process's environment but the allow-list, plus the run's own variables and
+    secrets; a secret a worker prints reaches neither the task log nor the rank log file."""
+    for name, value in AIRFLOW_SECRETS.items():
+        monkeypatch.setenv(name, value)
+    secret = "storage-secret-value-9876"
+    spec = _spec(num_workers=2, secret_env={"AWS_SECRET_ACCESS_KEY": secret},
+                 env=entrypoint_env(TINY_WORKER_ECHO_ENV="AWS_SECRET_ACCESS_KEY", TINY_WORKER_STEP_S="1",
+                                    TFMW_RUN_KEY="run-env-test"))
+    group = WorkerGroup(spec, LocalBackend(), tmp_path)
+    environs: list[dict[str, str]] = []
+
+    def read_environs():
+        deadline = time.monotonic() + 30
+        while len(environs) < 2 and time.monotonic() < deadline:
+            environs.clear()
+            for worker in list(group._workers):
+                raw = Path(f"/proc/{worker.handle.pid}/environ").read_bytes().decode(errors="replace")
+                environs.append(dict(item.split("=", 1) for item in raw.split("\0") if "=" in item))
+            time.sleep(0.1)
+
+    reader = threading.Thread(target=read_environs)
+    reader.start()
+    lines: list[str] = []
+    group.on_line = lambda rank, line: lines.append(line)
+    result = group.run()
+    reader.join()
+
+    assert result.succeeded and len(environs) == 2
+    for environ in environs:
+        assert not set(AIRFLOW_SECRETS) & set(environ)
+        assert not [v for v in environ.values() for s in AIRFLOW_SECRETS.values() if s in v]
+        assert environ["PATH"] and environ["TFMW_RUN_KEY"] == "run-env-test" and environ["TF_CONFIG"]
+        assert environ["AWS_SECRET_ACCESS_KEY"] == secret
+    assert "AWS_SECRET_ACCESS_KEY=***" in lines and not [line for line in lines if secret in line]
+    for rank in (0, 1):
+        text = (tmp_path / "logs" / f"rank-{rank}.log").read_text()
+        assert "AWS_SECRET_ACCESS_KEY=***" in text and secret not in text

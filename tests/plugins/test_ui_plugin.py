@@ -39,7 +39,7 @@ def storage_root(tmp_path_factory):
     calls = Path(root).parent / "evaluate-calls.txt"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(compare, "EVALUATE_MODULE", "tests.tasks.fixture_evaluate")
-        patch.setenv("FIXTURE_EVALUATE_CALLS", str(calls))
+        patch.setenv("TFMW_FIXTURE_EVALUATE_CALLS", str(calls))
         patch.setenv("PYTHONPATH", str(REPO))
         for run_id, workers, train_time_s, tolerance in (("scheduled__2026-11-28T02:00:00+00:00", 2, 30.0, 0.02),
                                                          ("scheduled__2026-11-29T02:00:00+00:00", 4, 22.0, 0.001)):
@@ -54,6 +54,8 @@ def storage_root(tmp_path_factory):
             except compare.GateFailure:
                 pass  # the second run fails its parity gate on purpose: the page must show it
     write_json_atomic(join(root, "runs", "manual__training", "config.json"), {})
+    # The older run was released; the newer one's release has not run yet.
+    write_json_atomic(join(root, "runs", "scheduled__2026-11-28T02_00_00_00_00", "release.json"), {"clean": True})
     return root
 
 
@@ -93,9 +95,10 @@ def test_pages_list_runs_and_show_a_report_with_its_charts(server_url, browser):
     rows = page.locator("#runs tr")
     assert rows.count() == 4  # header, two reports, the run still training
     newest = rows.nth(1).inner_text()
-    assert newest.split("\t")[:5] == ["scheduled__2026-11-29T02:00:00+00:00", "failed", "4", "1.50x", "38%"]
-    assert rows.nth(2).inner_text().split("\t")[:5] == ["scheduled__2026-11-28T02:00:00+00:00", "passed", "2",
-                                                        "1.10x", "55%"]
+    assert newest.split("\t")[:6] == ["scheduled__2026-11-29T02:00:00+00:00", "failed", "pending", "4", "1.50x",
+                                      "38%"]
+    assert rows.nth(2).inner_text().split("\t")[:6] == ["scheduled__2026-11-28T02:00:00+00:00", "passed", "yes",
+                                                        "2", "1.10x", "55%"]
     assert "no report yet" in rows.nth(3).inner_text()
     page.screenshot(path=str(ARTIFACTS / "ui_runs.png"), full_page=True)
 
@@ -106,6 +109,7 @@ def test_pages_list_runs_and_show_a_report_with_its_charts(server_url, browser):
     assert figures[0] == ["run", "workers", "train time", "eval time", "tokens/s", "speedup", "efficiency",
                           "eval loss", "perplexity"]
     assert figures[2][:7] == ["distributed", "4", "22.0 s", "1.2 s", "1,815", "1.50x", "38%"]
+    assert page.locator("#released").inner_text() == "pending"
     assert "4 workers on a 2-core CPU: efficiency is bounded by cores" in page.locator("#hardware").inner_text()
     assert "+0.0100 nats, tolerance ±0.0010" in page.locator("#gates").inner_text()
     widths = page.eval_on_selector_all("img", "images => images.map(i => i.complete ? i.naturalWidth : 0)")
@@ -123,6 +127,7 @@ def test_unknown_runs_and_files_are_refused(server_url, browser):
     assert page.goto(f"{server_url}/runs/..%2F..%2Fdatasets/").status == 404
     api = page.goto(f"{server_url}/api/runs")
     assert [run["status"] for run in api.json()] == ["failed", "passed", "no report yet"]
+    assert [run["released"] for run in api.json()] == ["pending", "yes", "pending"]
 
 
 def test_airflow_loads_the_plugin_and_mounts_its_app(storage_root, tmp_path):

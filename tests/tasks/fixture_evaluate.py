@@ -3,7 +3,7 @@
 It reports the loss recorded in `<model>/fixture_eval.json` (written by run_fixtures) and exits 3 naming the file
 when the model has none, like the real entry point does for a missing model; it hangs for `hang_s` seconds when
 that file says so. Each call is appended to
-`$FIXTURE_EVALUATE_CALLS` so tests can count evaluations.
+`$TFMW_FIXTURE_EVALUATE_CALLS` (TFMW_* is inherited by evaluation processes) so tests can count evaluations.
 """
 
 import argparse
@@ -20,7 +20,7 @@ def main() -> int:
     for flag in ("--model", "--manifest", "--output"):
         parser.add_argument(flag, required=True)
     args = parser.parse_args()
-    with open(os.environ["FIXTURE_EVALUATE_CALLS"], "a") as calls:
+    with open(os.environ["TFMW_FIXTURE_EVALUATE_CALLS"], "a") as calls:
         calls.write(args.model + "\n")
     recorded = join(args.model, "fixture_eval.json")
     if not exists(recorded):
@@ -29,7 +29,7 @@ def main() -> int:
     validation = read_json(args.manifest)["splits"]["validation"]
     recorded = read_json(recorded)
     if recorded.get("hang_s"):  # a stuck evaluation, for the tests that end it
-        print(f"evaluating as pid {os.getpid()}", flush=True)
+        print(f"evaluating as pid {os.getpid()} of run {os.environ.get('TFMW_RUN_KEY')}", flush=True)
         time.sleep(recorded["hang_s"])
     eval_loss = recorded["eval_loss"]
     print(f"evaluated {validation['sequences']} sequences: loss {eval_loss:.4f}", flush=True)

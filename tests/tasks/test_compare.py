@@ -29,7 +29,7 @@ def evaluations(tmp_path, monkeypatch):
     calls = tmp_path / "evaluate-calls.txt"
     calls.touch()
     monkeypatch.setattr(compare, "EVALUATE_MODULE", "tests.tasks.fixture_evaluate")
-    monkeypatch.setenv("FIXTURE_EVALUATE_CALLS", str(calls))
+    monkeypatch.setenv("TFMW_FIXTURE_EVALUATE_CALLS", str(calls))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     return lambda: calls.read_text().split()
 
@@ -178,14 +178,15 @@ def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, 
     signal.setitimer(signal.ITIMER_REAL, 3.0)
     try:
         with pytest.raises(TimeoutError):
-            compare.run_evaluation(model, manifest, join(root, "eval.json"), use_gpu=False)
+            compare.run_evaluation(model, manifest, join(root, "eval.json"), use_gpu=False, run_key="run-of-eval")
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 
     (line,) = [r.getMessage() for r in caplog.records if "evaluating as pid" in r.getMessage()]
+    assert line.endswith(" of run run-of-eval")  # the marker release finds the run's processes by
     with pytest.raises(ProcessLookupError):
-        os.kill(int(line.rsplit(" ", 1)[1]), 0)
+        os.kill(int(line.split("evaluating as pid ")[1].split()[0]), 0)
 
 
 def test_real_trainer_output_evaluated_by_the_real_entry_point(root, tmp_path, caplog):

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from tasks.release import ReleaseError, processes_of_run, release_run
 from trainer.layout import StorageLayout, run_key
+from trainer.runtime import LAUNCHER_WORKDIR_PREFIX
 from trainer.storage import write_json_atomic
 
 RUN_ID = "manual__2026-11-29T02:00:00+00:00"
@@ -57,8 +59,7 @@ def test_release_ends_recorded_unrecorded_stubborn_and_grandchildren(tmp_path, p
     parent = start(WITH_CHILD)
     other_run = start("import time; time.sleep(600)", key="some_other_run")
     processes += [recorded, stubborn, parent, other_run]
-    workdir = tmp_path / "rank-0"
-    workdir.mkdir()
+    workdir = Path(tempfile.mkdtemp(prefix=f"{LAUNCHER_WORKDIR_PREFIX}train-"))
     write_json_atomic(run.state_file("train"), {
         "task_id": "train", "backend": "local", "state": "failed", "workdir": str(workdir),
         "workers": [{"rank": 0, "host": "localhost", "pid": recorded.pid, "pgid": recorded.pid, "port": 1,
@@ -97,5 +98,76 @@ def test_unreleasable_process_fails_the_task(tmp_path, processes, monkeypatch):
     processes.append(proc)
     assert wait_for(lambda: proc.pid in processes_of_run(KEY))
     monkeypatch.setattr("tasks.release._signal_all", lambda pids, sig: [])  # a process that cannot be signalled
-    with pytest.raises(ReleaseError, match=f"survivors \\[{proc.pid}\\]"):
+    with pytest.raises(ReleaseError, match=f"still alive: pid {proc.pid} "):
         release_run({"storage_root": str(tmp_path)}, RUN_ID, grace_period_s=0.5)
+
+
+@pytest.mark.parametrize("named", ["/", "home", "not-ours", "symlink"])
+def test_release_deletes_only_the_launchers_own_temporary_directories(tmp_path, processes, named):
+    """A state record is storage content: a workdir naming /, $HOME or any other path is never deleted."""
+    root = str(tmp_path / "storage")
+    run = StorageLayout(root).run(KEY)
+    decoy = Path(tempfile.mkdtemp(prefix="not-tfmw-"))
+    target = Path(tempfile.mkdtemp(prefix=f"{LAUNCHER_WORKDIR_PREFIX}decoy-"))
+    link = Path(tempfile.gettempdir(), f"{LAUNCHER_WORKDIR_PREFIX}link-{os.getpid()}")
+    link.symlink_to(decoy)
+    try:
+        workdir = {"/": "/", "home": str(Path.home()), "not-ours": str(decoy), "symlink": str(link)}[named]
+        worker = start("import time; time.sleep(600)")
+        processes.append(worker)
+        write_json_atomic(run.state_file("train"), {"workdir": workdir, "workers": [{"pid": worker.pid}]})
+        assert wait_for(lambda: worker.pid in processes_of_run(KEY))
+
+        result = release_run({"storage_root": root}, RUN_ID, grace_period_s=1.0)
+
+        assert result["clean"] and worker.pid in result["terminated"] + result["killed"]
+        assert json.loads(Path(run.release).read_text())["removed_dirs"] == []
+        assert Path(workdir).exists() and decoy.exists() and target.exists()
+    finally:
+        link.unlink()
+        decoy.rmdir()
+        target.rmdir()
+
+
+def test_a_malformed_state_record_never_stops_the_kills(tmp_path, processes):
+    root = str(tmp_path / "storage")
+    run = StorageLayout(root).run(KEY)
+    worker = start("import time; time.sleep(600)")
+    processes.append(worker)
+    Path(run.state).mkdir(parents=True)
+    Path(run.state, "train.json").write_text('{"workers": [{"pid": "not a pid"}], "workdir": 7}')
+    Path(run.state, "preflight.json").write_text("[1, 2")
+    assert wait_for(lambda: worker.pid in processes_of_run(KEY))
+
+    result = release_run({"storage_root": root}, RUN_ID, grace_period_s=1.0)
+
+    assert result["clean"] and worker.pid in result["terminated"] + result["killed"]
+    assert sorted(json.loads(Path(run.release).read_text())["state_records"]) == ["preflight.json", "train.json"]
+
+
+def test_release_ends_the_processes_before_failing_on_unreachable_storage(tmp_path, processes):
+    """Storage is read after the kills: an unreachable store fails the task, naming what was ended."""
+    blocker = tmp_path / "storage"
+    blocker.write_text("a file where the storage root's directory should be")
+    worker = start("import time; time.sleep(600)")
+    processes.append(worker)
+    assert wait_for(lambda: worker.pid in processes_of_run(KEY))
+
+    with pytest.raises(ReleaseError, match=r"could not be recorded: .*1 terminated.*still alive: none"):
+        release_run({"storage_root": str(blocker)}, RUN_ID, grace_period_s=2.0)
+    assert processes_of_run(KEY) == {}
+
+
+def test_release_marks_the_report_released(tmp_path):
+    from tasks.report import REPORT_JSON, REPORT_MD
+    from tests.tasks.test_report import report as sample_report
+
+    root = str(tmp_path / "storage")
+    run = StorageLayout(root).run(KEY)
+    write_json_atomic(f"{run.report}/{REPORT_JSON}", sample_report())
+
+    release_run({"storage_root": root}, RUN_ID)
+
+    report = json.loads(Path(run.report, REPORT_JSON).read_text())
+    assert report["release"]["clean"] is True and report["release"]["survivors"] == []
+    assert "**Released: yes**" in Path(run.report, REPORT_MD).read_text()

@@ -61,6 +61,15 @@ def test_markdown_and_text_table_carry_the_same_rows():
     assert "skipped (policy 'skip')" in reports.render_markdown(report(baseline=False))
 
 
+def test_markdown_says_whether_the_run_was_released_beside_the_gates():
+    data = report()
+    assert "**Gates: PASSED** · **Released: pending**" in reports.render_markdown(data)
+    data["release"] = {"clean": True, "released_at": "2026-11-29T10:05:00+00:00", "host": "h", "survivors": []}
+    assert "**Released: yes**" in reports.render_markdown(data)
+    data["release"] = {**data["release"], "clean": False, "survivors": [123]}
+    assert "**Released: no**" in reports.render_markdown(data)
+
+
 def test_charts_are_pngs_even_without_data():
     curve = [{"step": s, "loss": 8.0 - s / 10, "tokens_seen": s * 1024} for s in range(1, 30)]
     assert png_size(reports.loss_chart({"baseline": curve, "distributed": curve}, "loss")) == (825, 462)

@@ -88,6 +88,8 @@ class WorkerGroup:
         self._workers: list[_Worker] = []
         self._stop_requested = threading.Event()
         self._last_output = time.monotonic()
+        # Longest first, so a secret containing another is hidden whole; very short values would mask noise.
+        self._secret_values = sorted({v for v in spec.secret_env.values() if len(v) >= 4}, key=len, reverse=True)
 
     # -- public -----------------------------------------------------------------------------------------------
 
@@ -258,10 +260,16 @@ class WorkerGroup:
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
+    def _redact(self, line: str) -> str:
+        """Secret values a worker prints never reach the task log or the rank log files kept in storage."""
+        for value in self._secret_values:
+            line = line.replace(value, "***")
+        return line
+
     def _pump(self, worker: _Worker) -> None:
         rank = worker.spec.rank
         for raw in iter(worker.handle.output.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            line = self._redact(raw.decode("utf-8", "replace").rstrip("\r\n"))
             if worker.log_file.closed:
                 break  # a process that escaped the group still holds the pipe after the attempt ended
             worker.log_file.write(line + "\n")

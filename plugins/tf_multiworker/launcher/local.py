@@ -17,6 +17,7 @@ from typing import IO, ClassVar
 from tf_multiworker.launcher.backend import Backend, WorkerHandle
 from tf_multiworker.launcher.errors import InsufficientGPUsError
 from tf_multiworker.launcher.spec import Placement, WorkerSpec
+from trainer.runtime import inherited_environment
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ class LocalBackend(Backend):
         process = subprocess.Popen(
             command,
             cwd=spec.workdir,
-            env={**os.environ, **env},
+            env={**inherited_environment(os.environ), **env},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

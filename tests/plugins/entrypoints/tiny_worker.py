@@ -6,7 +6,8 @@ Faults for tests, from TINY_WORKER_FAULT="<rank>:<mode>":
   sigkill      SIGKILL itself at step 2
   hang         stop taking part in the barrier at step 2 (every peer then blocks, silent)
   never_ready  never bind, never signal ready, print nothing more
-TINY_WORKER_SHOW_ENV names a variable whose presence (never its value) is printed.
+TINY_WORKER_SHOW_ENV names a variable whose presence (never its value) is printed; TINY_WORKER_ECHO_ENV one whose
+value is printed (to test redaction).
 TINY_WORKER_STEPS (default 5) and TINY_WORKER_STEP_S (default 0.05) set the length of the run. Every worker also
 starts a `sleep` child in its process group, so tests can see that the whole group is stopped.
 """
@@ -58,6 +59,9 @@ def main() -> int:
     shown = os.environ.get("TINY_WORKER_SHOW_ENV")
     if shown:
         print(f"{shown} is {'set' if os.environ.get(shown) else 'not set'}", flush=True)
+    echoed = os.environ.get("TINY_WORKER_ECHO_ENV")
+    if echoed:
+        print(f"{echoed}={os.environ.get(echoed)}", flush=True)
     subprocess.Popen(["sleep", str(FOREVER_S)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if fault == "never_ready":
         time.sleep(FOREVER_S)
