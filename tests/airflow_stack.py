@@ -111,7 +111,7 @@ def airflow_env(home: Path, port: int, extra: dict[str, str] | None = None) -> d
     return dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
 
 
-def start_stack(home: Path, extra_env: dict[str, str] | None = None, timeout: float = 180) -> AirflowStack:
+def start_stack(home: Path, extra_env: dict[str, str] | None = None, timeout: float = 400) -> AirflowStack:
     port = free_port()
     env = airflow_env(home, port, extra_env)
     log_path = home / "standalone.log"
