@@ -4,6 +4,7 @@ Reports are produced by the real evaluate task on fixture training outputs (see 
 the pages render exactly what the pipeline writes.
 """
 
+import http.client
 import json
 import os
 import shutil
@@ -12,7 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import uvicorn
@@ -123,6 +126,109 @@ def test_unknown_runs_and_files_are_refused(server_url, browser):
     assert page.goto(f"{server_url}/runs/..%2F..%2Fdatasets/").status == 404
     api = page.goto(f"{server_url}/api/runs")
     assert [run["status"] for run in api.json()] == ["failed", "passed", "no report yet"]
+
+
+@dataclass
+class RawResponse:
+    status: int
+    headers: dict[str, str]
+    body: str
+
+
+def urllib_get(url: str) -> RawResponse:
+    """GET exactly this path (no client-side normalisation of dot segments or escapes)."""
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        connection.request("GET", parts.path)
+        response = connection.getresponse()
+        headers = {name.lower(): value for name, value in response.getheaders()}
+        return RawResponse(response.status, headers, response.read().decode(errors="replace"))
+    finally:
+        connection.close()
+
+
+SCRIPT = "<script>alert(document.cookie)</script>"
+
+
+def _poisoned(value):
+    """Every string with a script in it, every number a string (a wrong type); the structure kept."""
+    if isinstance(value, dict):
+        return {key: _poisoned(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_poisoned(item) for item in value]
+    if isinstance(value, str):
+        return SCRIPT + value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{SCRIPT}{value}"
+    return value
+
+
+@pytest.fixture
+def hostile_storage(storage_root, tmp_path):
+    """A real report rewritten by someone who can write to storage, plus malformed ones."""
+    root = tmp_path / "storage"
+    good = "scheduled__2026-11-28T02_00_00_00_00"
+    report = json.loads((Path(storage_root) / "runs" / good / "report" / "report.json").read_text())
+    write_json_atomic(str(root / "runs" / "poisoned" / "report" / "report.json"), _poisoned(report))
+    write_json_atomic(str(root / "runs" / "empty" / "report" / "report.json"), {})
+    write_json_atomic(str(root / "runs" / "a_list" / "report" / "report.json"), [SCRIPT])
+    (root / "runs" / "not_json" / "report").mkdir(parents=True)
+    (root / "runs" / "not_json" / "report" / "report.json").write_text("{" + SCRIPT)
+    shutil.copytree(Path(storage_root) / "runs" / good, root / "runs" / good)
+    return root
+
+
+def test_hostile_reports_render_escaped_as_error_rows(hostile_storage):
+    client = TestClient(create_app(str(hostile_storage)))
+
+    index = client.get("/")
+    assert index.status_code == 200
+    assert "<script" not in index.text.lower()
+    statuses = {run["run_key"]: run["status"] for run in client.get("/api/runs").json()}
+    assert statuses == {
+        "scheduled__2026-11-28T02_00_00_00_00": "passed",
+        "poisoned": "unreadable report: field 'num_workers' is a str",
+        "empty": "unreadable report: field 'run_id' is missing",
+        "a_list": "unreadable report: field 'run_id' is missing",
+        "not_json": "unreadable report: not valid JSON",
+    }
+
+    page = client.get("/runs/poisoned/")
+    assert page.status_code == 200
+    assert "<script" not in page.text.lower()
+    assert "&lt;script&gt;alert(document.cookie)&lt;/script&gt;scheduled__2026-11-28T02:00:00+00:00" in page.text
+    assert "<img" not in page.text  # chart names that are no plain file name are not linked
+    for key in ("empty", "a_list", "not_json"):
+        response = client.get(f"/runs/{key}/")
+        assert response.status_code in (200, 422) and "<script" not in response.text.lower(), key
+
+
+def test_responses_forbid_scripts_and_sniffing(server_url):
+    for path in ("/", "/api/runs", "/runs/scheduled__2026-11-28T02_00_00_00_00/", "/runs/nope/",
+                 "/runs/scheduled__2026-11-28T02_00_00_00_00/charts/scaling.png"):
+        response = urllib_get(f"{server_url}{path}")
+        csp = response.headers["content-security-policy"]
+        assert "default-src 'none'" in csp and "script-src" not in csp, path
+        assert response.headers["x-content-type-options"] == "nosniff", path
+
+
+def test_run_keys_are_matched_whole_and_errors_name_no_storage_url(hostile_storage):
+    """Reports placed where `.`, `..` or a key with a trailing newline would lead are never served."""
+    report = hostile_storage / "runs" / "scheduled__2026-11-28T02_00_00_00_00" / "report"
+    for reachable in (hostile_storage / "report", hostile_storage / "runs" / "report",
+                      hostile_storage / "runs" / "scheduled__2026-11-28T02_00_00_00_00\n" / "report"):
+        shutil.copytree(report, reachable)
+    client = TestClient(create_app(str(hostile_storage)))
+    assert client.get("/api/runs/scheduled__2026-11-28T02_00_00_00_00").status_code == 200
+    for key in ("%2E", "%2E%2E", ".hidden", "scheduled__2026-11-28T02_00_00_00_00%0A", "a%2Fb"):
+        for path in (f"/api/runs/{key}", f"/runs/{key}/", f"/runs/{key}/charts/scaling.png"):
+            assert client.get(path).status_code == 404, path
+
+    for path in ("/runs/unknown/", "/runs/scheduled__2026-11-28T02_00_00_00_00/charts/other.png", "/runs/not_json/"):
+        response = client.get(path)
+        assert response.status_code in (404, 422), path
+        assert str(hostile_storage) not in response.text and "report.json" not in response.text, path
 
 
 def test_airflow_loads_the_plugin_and_mounts_its_app(storage_root, tmp_path):
