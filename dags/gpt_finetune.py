@@ -110,10 +110,10 @@ def gpt_finetune():
     from tf_multiworker.operator import TFMultiWorkerOperator  # plugins/ is on sys.path when Airflow parses
 
     @task(task_id=PREPARE, outlets=[SHARDS_ASSET])
-    def prepare(params=None, run_id=None, outlet_events=None) -> dict:
+    def prepare(params=None, run_id=None, dag_run=None, outlet_events=None) -> dict:
         from tasks.prepare import prepare_run
 
-        prepared_run = prepare_run(params, run_id)
+        prepared_run = prepare_run(params, run_id, dag_run.dag_id)
         outlet_events[SHARDS_ASSET].extra = {
             "manifest_url": prepared_run["manifest_url"],
             "fingerprint": prepared_run["dataset_fingerprint"],

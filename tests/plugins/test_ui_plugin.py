@@ -23,11 +23,14 @@ from fastapi.testclient import TestClient
 
 from tasks import compare
 from tests.tasks import run_fixtures
+from trainer.layout import run_key
 from trainer.storage import join, upload_tree, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = "/usr/bin/chromium"
+KEY_28 = run_key(run_fixtures.DAG_ID, "scheduled__2026-11-28T02:00:00+00:00")
+KEY_29 = run_key(run_fixtures.DAG_ID, "scheduled__2026-11-29T02:00:00+00:00")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run"]
 
@@ -104,7 +107,7 @@ def test_pages_list_runs_and_show_a_report_with_its_charts(server_url, browser):
 
     page.get_by_role("link", name="scheduled__2026-11-29T02:00:00+00:00").click()
     page.wait_for_load_state("load")
-    assert page.url == f"{server_url}/runs/scheduled__2026-11-29T02_00_00_00_00/"
+    assert page.url == f"{server_url}/runs/{KEY_29}/"
     figures = [row.split("\t") for row in page.locator("#figures tr").all_inner_texts()]
     assert figures[0] == ["run", "workers", "train time", "eval time", "tokens/s", "speedup", "efficiency",
                           "eval loss", "perplexity"]
@@ -122,7 +125,7 @@ def test_pages_list_runs_and_show_a_report_with_its_charts(server_url, browser):
 def test_unknown_runs_and_files_are_refused(server_url, browser):
     page = browser.new_page()
     assert page.goto(f"{server_url}/runs/manual__training/").status == 404
-    assert page.goto(f"{server_url}/runs/scheduled__2026-11-28T02_00_00_00_00/charts/report.json").status == 404
+    assert page.goto(f"{server_url}/runs/{KEY_28}/charts/report.json").status == 404
     assert page.goto(f"{server_url}/runs/..%2F..%2Fdatasets/").status == 404
     api = page.goto(f"{server_url}/api/runs")
     assert [run["status"] for run in api.json()] == ["failed", "passed", "no report yet"]
@@ -168,7 +171,7 @@ def _poisoned(value):
 def hostile_storage(storage_root, tmp_path):
     """A real report rewritten by someone who can write to storage, plus malformed ones."""
     root = tmp_path / "storage"
-    good = "scheduled__2026-11-28T02_00_00_00_00"
+    good = KEY_28
     report = json.loads((Path(storage_root) / "runs" / good / "report" / "report.json").read_text())
     write_json_atomic(str(root / "runs" / "poisoned" / "report" / "report.json"), _poisoned(report))
     write_json_atomic(str(root / "runs" / "empty" / "report" / "report.json"), {})
@@ -187,7 +190,7 @@ def test_hostile_reports_render_escaped_as_error_rows(hostile_storage):
     assert "<script" not in index.text.lower()
     statuses = {run["run_key"]: run["status"] for run in client.get("/api/runs").json()}
     assert statuses == {
-        "scheduled__2026-11-28T02_00_00_00_00": "passed",
+        KEY_28: "passed",
         "poisoned": "unreadable report: field 'num_workers' is a str",
         "empty": "unreadable report: field 'run_id' is missing",
         "a_list": "unreadable report: field 'run_id' is missing",
@@ -205,8 +208,8 @@ def test_hostile_reports_render_escaped_as_error_rows(hostile_storage):
 
 
 def test_responses_forbid_scripts_and_sniffing(server_url):
-    for path in ("/", "/api/runs", "/runs/scheduled__2026-11-28T02_00_00_00_00/", "/runs/nope/",
-                 "/runs/scheduled__2026-11-28T02_00_00_00_00/charts/scaling.png"):
+    for path in ("/", "/api/runs", f"/runs/{KEY_28}/", "/runs/nope/",
+                 f"/runs/{KEY_28}/charts/scaling.png"):
         response = urllib_get(f"{server_url}{path}")
         csp = response.headers["content-security-policy"]
         assert "default-src 'none'" in csp and "script-src" not in csp, path
@@ -215,17 +218,17 @@ def test_responses_forbid_scripts_and_sniffing(server_url):
 
 def test_run_keys_are_matched_whole_and_errors_name_no_storage_url(hostile_storage):
     """Reports placed where `.`, `..` or a key with a trailing newline would lead are never served."""
-    report = hostile_storage / "runs" / "scheduled__2026-11-28T02_00_00_00_00" / "report"
+    report = hostile_storage / "runs" / KEY_28 / "report"
     for reachable in (hostile_storage / "report", hostile_storage / "runs" / "report",
-                      hostile_storage / "runs" / "scheduled__2026-11-28T02_00_00_00_00\n" / "report"):
+                      hostile_storage / "runs" / f"{KEY_28}\n" / "report"):
         shutil.copytree(report, reachable)
     client = TestClient(create_app(str(hostile_storage)))
-    assert client.get("/api/runs/scheduled__2026-11-28T02_00_00_00_00").status_code == 200
-    for key in ("%2E", "%2E%2E", ".hidden", "scheduled__2026-11-28T02_00_00_00_00%0A", "a%2Fb"):
+    assert client.get(f"/api/runs/{KEY_28}").status_code == 200
+    for key in ("%2E", "%2E%2E", ".hidden", f"{KEY_28}%0A", "a%2Fb"):
         for path in (f"/api/runs/{key}", f"/runs/{key}/", f"/runs/{key}/charts/scaling.png"):
             assert client.get(path).status_code == 404, path
 
-    for path in ("/runs/unknown/", "/runs/scheduled__2026-11-28T02_00_00_00_00/charts/other.png", "/runs/not_json/"):
+    for path in ("/runs/unknown/", f"/runs/{KEY_28}/charts/other.png", "/runs/not_json/"):
         response = client.get(path)
         assert response.status_code in (404, 422), path
         assert str(hostile_storage) not in response.text and "report.json" not in response.text, path
@@ -283,17 +286,16 @@ def test_reports_are_read_from_s3(storage_root, s3_server, monkeypatch):
     runs = client.get("/api/runs").json()
     assert [(run["status"], run["speedup"]) for run in runs] == [("failed", pytest.approx(1.5)),
                                                                 ("passed", pytest.approx(1.1))]
-    page = client.get("/runs/scheduled__2026-11-28T02_00_00_00_00/")
+    page = client.get(f"/runs/{KEY_28}/")
     assert page.status_code == 200 and "<td>1.10x</td>" in page.text
-    chart = client.get("/runs/scheduled__2026-11-28T02_00_00_00_00/charts/scaling.png")
+    chart = client.get(f"/runs/{KEY_28}/charts/scaling.png")
     assert chart.headers["content-type"] == "image/png" and chart.content.startswith(b"\x89PNG")
 
 
 def test_the_nav_entry_shows_the_reports_inside_airflow(airflow_stack, storage_root, browser):
     """The real API server mounts the app; after logging in, the UI's navigation entry frames its pages."""
     stack_storage = Path(airflow_stack.env["GPT_FINETUNE_STORAGE_ROOT"])
-    run_key = "scheduled__2026-11-28T02_00_00_00_00"
-    shutil.copytree(Path(storage_root) / "runs" / run_key, stack_storage / "runs" / run_key, dirs_exist_ok=True)
+    shutil.copytree(Path(storage_root) / "runs" / KEY_28, stack_storage / "runs" / KEY_28, dirs_exist_ok=True)
     user, password = airflow_stack.login
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
 
