@@ -13,9 +13,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import urlencode, urlsplit
 
 import pytest
 import uvicorn
@@ -234,6 +236,31 @@ def test_run_keys_are_matched_whole_and_errors_name_no_storage_url(hostile_stora
         assert str(hostile_storage) not in response.text and "report.json" not in response.text, path
 
 
+def test_the_access_dependency_guards_every_route_without_airflow(storage_root):
+    """The app alone, given an access check as the plugin gives it Airflow's: 401 -> login redirect on pages."""
+    from fastapi import HTTPException, Request
+
+    def access(request: Request) -> None:
+        token = request.headers.get("authorization")
+        if token is None:
+            raise HTTPException(401, "Not authenticated")
+        if token != "Bearer reader":
+            raise HTTPException(403, "Forbidden")
+
+    client = TestClient(create_app(storage_root, access=access, login_url="/api/v2/auth/login"),
+                        follow_redirects=False)
+    for path in ("/api/runs", f"/api/runs/{KEY_28}"):
+        assert client.get(path).status_code == 401
+        assert client.get(path, headers={"Authorization": "Bearer other"}).status_code == 403
+        assert client.get(path, headers={"Authorization": "Bearer reader"}).status_code == 200
+    for path in ("/", f"/runs/{KEY_28}/", f"/runs/{KEY_28}/charts/scaling.png"):
+        response = client.get(path)
+        assert response.status_code == 303
+        assert response.headers["location"] == "/api/v2/auth/login?" + urlencode({"next": f"http://testserver{path}"})
+        assert client.get(path, headers={"Authorization": "Bearer other"}).status_code == 403
+        assert client.get(path, headers={"Authorization": "Bearer reader"}).status_code == 200
+
+
 def test_airflow_loads_the_plugin_and_mounts_its_app(storage_root, tmp_path):
     """In a fresh interpreter, as the API server does: plugins folder scan, then `init_plugins` mounts the app."""
     script = """
@@ -247,11 +274,11 @@ from airflow.api_fastapi.app import init_plugins
 app = FastAPI()
 init_plugins(app)
 info = [p for p in plugins_manager.get_plugin_info() if p["name"] == "gpt_finetune_reports"]
-runs = TestClient(app).get("/gpt-finetune/api/runs").json()
+runs = TestClient(app).get("/gpt-finetune/api/runs")
 errors = plugins_manager.get_import_errors()
 shadowed = sorted(name for name in sys.stdlib_module_names if getattr(sys.modules.get(name), "__file__", "")
                   and "/plugins/" in sys.modules[name].__file__)
-print(json.dumps({"info": info, "runs": [run["run_id"] for run in runs], "errors": errors, "shadowed": shadowed},
+print(json.dumps({"info": info, "runs": runs.status_code, "errors": errors, "shadowed": shadowed},
                  default=str))
 """
     env = {key: value for key, value in os.environ.items() if not key.startswith("AIRFLOW")}
@@ -271,8 +298,7 @@ print(json.dumps({"info": info, "runs": [run["run_id"] for run in runs], "errors
     assert plugin["external_views"] == [{"name": "GPT fine-tune runs", "href": "gpt-finetune/",
                                          "url_route": "gpt-finetune-runs", "destination": "nav",
                                          "category": "browse"}]
-    assert loaded["runs"] == ["scheduled__2026-11-29T02:00:00+00:00", "scheduled__2026-11-28T02:00:00+00:00",
-                              "manual__training"]
+    assert loaded["runs"] == 401  # mounted behind Airflow's login
 
 
 def test_reports_are_read_from_s3(storage_root, s3_server, monkeypatch):
@@ -292,10 +318,73 @@ def test_reports_are_read_from_s3(storage_root, s3_server, monkeypatch):
     assert chart.headers["content-type"] == "image/png" and chart.content.startswith(b"\x89PNG")
 
 
-def test_the_nav_entry_shows_the_reports_inside_airflow(airflow_stack, storage_root, browser):
-    """The real API server mounts the app; after logging in, the UI's navigation entry frames its pages."""
+@pytest.fixture
+def stack_run(airflow_stack, storage_root):
+    """A finished run in the real Airflow's storage."""
     stack_storage = Path(airflow_stack.env["GPT_FINETUNE_STORAGE_ROOT"])
     shutil.copytree(Path(storage_root) / "runs" / KEY_28, stack_storage / "runs" / KEY_28, dirs_exist_ok=True)
+    return KEY_28
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One request, redirects not followed."""
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None
+
+    opener = urllib.request.build_opener(NoRedirect)
+    try:
+        with opener.open(urllib.request.Request(url, headers=headers or {}), timeout=30) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+def test_the_reports_require_an_airflow_login(airflow_stack, stack_run):
+    """In the real API server: 401/403 without valid credentials, 200 with a token of a user who may read the
+    DAG's runs, and pages send a browser to Airflow's login page with the way back."""
+    base = f"{airflow_stack.url}/gpt-finetune"
+    for path in ("/api/runs", f"/api/runs/{stack_run}"):
+        assert _get(base + path)[0] == 401, path
+        assert _get(base + path, {"Authorization": "Bearer not-a-token"})[0] == 403, path
+    for path in ("/", f"/runs/{stack_run}/", f"/runs/{stack_run}/charts/scaling.png"):
+        status, headers, _ = _get(base + path)
+        assert status == 303, path
+        assert headers["location"] == "/api/v2/auth/login?" + urlencode({"next": base + path}), path
+
+    user, password = airflow_stack.login
+    request = urllib.request.Request(f"{airflow_stack.url}/auth/token", method="POST",
+                                     data=json.dumps({"username": user, "password": password}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        token = json.load(response)["access_token"]
+    status, _, body = _get(f"{base}/api/runs", {"Authorization": f"Bearer {token}"})
+    assert status == 200 and stack_run in [run["run_key"] for run in json.loads(body)]
+    status, headers, body = _get(f"{base}/runs/{stack_run}/", {"Cookie": f"_token={token}"})  # as the UI sends it
+    assert status == 200 and b"<table id='figures'>" in body
+    assert "default-src 'none'" in headers["content-security-policy"]
+
+
+def test_a_logged_out_browser_lands_on_the_login_page_and_comes_back(airflow_stack, stack_run, browser):
+    context = browser.new_context()
+    page = context.new_page()
+    target = f"{airflow_stack.url}/gpt-finetune/runs/{stack_run}/"
+    page.goto(target)
+    page.locator("input[name=username]").wait_for()
+    assert "/auth/login" in page.url
+    assert page.locator("#figures").count() == 0
+
+    user, password = airflow_stack.login
+    page.locator("input[name=username]").fill(user)
+    page.locator("input[name=password]").fill(password)
+    page.locator("button[type=submit]").click()
+    page.wait_for_url(target)
+    assert page.locator("#figures tr").nth(2).inner_text().split("\t")[:2] == ["distributed", "2"]
+    context.close()
+
+
+def test_the_nav_entry_shows_the_reports_inside_airflow(airflow_stack, stack_run, browser):
+    """The real API server mounts the app; after logging in, the UI's navigation entry frames its pages."""
     user, password = airflow_stack.login
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
 
