@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pkgutil
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,8 +20,6 @@ OUT = Path(__file__).resolve().parents[1] / "bench-results"
 
 
 def hardware() -> str:
-    import os
-
     with open("/proc/cpuinfo") as cpuinfo:
         cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
                    platform.processor() or "unknown CPU")
@@ -35,6 +35,10 @@ def main(names: list[str]) -> int:
         print(f"Unknown benchmark(s) {unknown}; available: {available}")
         return 2
     OUT.mkdir(exist_ok=True)
+    # The benchmarks read the shared corpus and write to temporary directories: allow both (trainer/config.py).
+    repo = OUT.parent
+    os.environ.setdefault("GPT_FINETUNE_DATA_ROOTS", os.pathsep.join(
+        [str(repo / "data"), str(repo / "storage"), str(repo.parent / "shared" / "data"), tempfile.gettempdir()]))
     print(f"Hardware: {hardware()}\n")
     failed = []
     for name in chosen:

@@ -110,10 +110,10 @@ def gpt_finetune():
     from tf_multiworker.operator import TFMultiWorkerOperator  # plugins/ is on sys.path when Airflow parses
 
     @task(task_id=PREPARE, outlets=[SHARDS_ASSET])
-    def prepare(params=None, run_id=None, outlet_events=None) -> dict:
+    def prepare(params=None, run_id=None, dag_run=None, outlet_events=None) -> dict:
         from tasks.prepare import prepare_run
 
-        prepared_run = prepare_run(params, run_id)
+        prepared_run = prepare_run(params, run_id, dag_run.dag_id)
         outlet_events[SHARDS_ASSET].extra = {
             "manifest_url": prepared_run["manifest_url"],
             "fingerprint": prepared_run["dataset_fingerprint"],
@@ -165,10 +165,10 @@ def gpt_finetune():
         return evaluate_run(prepared_run)
 
     @task(task_id="release", retries=2)
-    def release(params=None, run_id=None) -> dict:
+    def release(params=None, run_id=None, dag_run=None) -> dict:
         from tasks.release import release_run
 
-        return release_run(params, run_id)
+        return release_run(params, run_id, dag_run.dag_id)
 
     @task(task_id="outcome", retries=0)
     def outcome(ti=None) -> dict:

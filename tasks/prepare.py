@@ -27,7 +27,7 @@ def build_config(params: Mapping[str, Any]) -> RunConfig:
 
 
 @uses_run_storage
-def prepare_run(params: Mapping[str, Any], run_id: str) -> dict[str, Any]:
+def prepare_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str, Any]:
     from airflow.sdk.exceptions import AirflowFailException
 
     from tasks.baseline import baseline_key
@@ -47,7 +47,7 @@ def prepare_run(params: Mapping[str, Any], run_id: str) -> dict[str, Any]:
     baseline_cfg = run_cfg.baseline_config()
 
     storage = StorageLayout(cfg.storage_root)
-    key = run_key(run_id)
+    key = run_key(dag_id, run_id)
     run = storage.run(key)
     base_key = baseline_key(run_cfg, manifest, total_steps)
     baseline = storage.baseline(base_key)

@@ -171,8 +171,9 @@ def _describe(pids: list[int], cmdlines: dict[int, str]) -> str:
 
 
 @uses_run_storage
-def release_run(params: Mapping[str, Any], run_id: str, grace_period_s: float = 10.0) -> dict[str, Any]:
-    key = run_key(run_id)
+def release_run(params: Mapping[str, Any], run_id: str, dag_id: str,
+                grace_period_s: float = 10.0) -> dict[str, Any]:
+    key = run_key(dag_id, run_id)
     report = ReleaseReport(key)
 
     # The process table first: ending the run's processes must not depend on storage being reachable.

@@ -1,6 +1,10 @@
 """Shared test settings: offline hub, legacy Keras in every worker, quiet TF logs."""
 
 import os
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -8,6 +12,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
+# Tests keep their data and storage in temporary directories: allow those besides the defaults (trainer/config.py).
+os.environ.setdefault("GPT_FINETUNE_DATA_ROOTS", os.pathsep.join(
+    [str(REPO / "data"), str(REPO / "storage"), os.path.realpath(tempfile.gettempdir())]))
 
 import pytest
 

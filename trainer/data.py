@@ -9,6 +9,8 @@ this module without paying for it.
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -65,14 +67,48 @@ def worker_shards(manifest: dict[str, Any], split: str, rank: int, num_workers: 
     return shards[rank::num_workers]
 
 
+SHARD_CACHE = "gpt-finetune-shards"
+
+
+def shard_cache_dir(fingerprint: str, base: str | Path | None = None) -> Path:
+    """This user's cache of one dataset's shards: `<tmp>/gpt-finetune-shards-<uid>/<fingerprint>`, mode 0700.
+
+    Private, so that no other user of the host can pre-create it, point it elsewhere, or swap a shard after its
+    sha256 was checked."""
+    root = Path(base or tempfile.gettempdir()) / f"{SHARD_CACHE}-{os.getuid()}"
+    private_dir(root)
+    return private_dir(root / fingerprint)
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory only this user can enter: created with mode 0700, or an existing one accepted only
+    when it is a real directory (no symbolic link) owned by this user, then narrowed to 0700."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise DataError(f"Shard cache {path} is a symbolic link or no directory: refusing it, since another user "
+                        "may have put it there. Remove it, or point TMPDIR at a private directory.")
+    if info.st_uid != os.getuid():
+        raise DataError(f"Shard cache {path} belongs to uid {info.st_uid}, not to this user (uid {os.getuid()}): "
+                        "refusing it. Remove it, or point TMPDIR at a private directory.")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
 def stage_shards(manifest_url: str, shards: Sequence[dict[str, Any]], local_dir: str | Path) -> list[str]:
     """Copy `shards` next to the worker and verify each against the manifest; returns the local paths.
 
-    A local copy that already matches is kept (restarts and the baseline reuse it); one that does not is fetched
-    again. A shard that is still wrong after the download raises `DataError` naming it.
+    `local_dir` must be private to this user (see `private_dir`). A local copy that
+    already matches is kept (restarts and the baseline reuse it); one that does not is fetched again. A shard that
+    is still wrong after the download raises `DataError` naming it.
     """
     local_dir = Path(local_dir)
-    local_dir.mkdir(parents=True, exist_ok=True)
+    local_dir.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(local_dir)
     source_dir = dataset_dir(manifest_url)
     staged = []
     for shard in shards:

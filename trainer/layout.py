@@ -15,20 +15,26 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
 from trainer.storage import join
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+KEY_HASH_CHARS = 10
+KEY_TEXT_CHARS = 100
 
 
-def run_key(run_id: str) -> str:
-    """An Airflow run_id (`manual__2026-11-29T15:00:00+00:00`) as a name safe in paths and S3 keys."""
-    key = _UNSAFE.sub("_", run_id).strip("._")
-    if not key:
-        raise ValueError(f"run id {run_id!r} has no usable characters")
-    return key
+def run_key(dag_id: str, run_id: str) -> str:
+    """A DAG run as a name safe in paths and S3 keys: the run id made readable, plus a short hash of
+    (dag_id, run_id), so that two run ids that sanitize alike, or the same run id in another DAG, never share a
+    key, a storage directory or a release sweep: `manual__2026-11-29T15_00_00_00_00-3f1c0a9b2e`."""
+    if not dag_id or not run_id:
+        raise ValueError(f"a run key needs a dag id and a run id, got {dag_id!r} and {run_id!r}")
+    digest = hashlib.sha256(f"{dag_id}\0{run_id}".encode()).hexdigest()[:KEY_HASH_CHARS]
+    text = _UNSAFE.sub("_", run_id).strip("._")[:KEY_TEXT_CHARS]
+    return f"{text}-{digest}" if text else digest
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,10 @@ initial variable values to every worker, as it does for model weights), a bandwi
 bytes / time of one all-reduce, bus bandwidth = algbw * 2(N-1)/N) and small-message latency. The whole collective
 phase is bounded by `collective_timeout_s`; past it the worker reports and exits instead of waiting forever.
 
+Once its TensorFlow server is up, each worker also tries its own port on every non-loopback address of its host:
+TF's worker channel listens on all interfaces without authentication, so an answer there means anyone who can
+route to that address may run code as this user (README: Security model). This is reported, not an error.
+
 The chief compares versions across ranks (skew is an error), writes `<output>/preflight.json` and a one-screen
 summary to the log. Any error exits non-zero, so training never launches.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import ipaddress
 import json
 import logging
 import os
@@ -306,6 +311,48 @@ def collective_failure_message(phase: str, error: str, identity: runtime.WorkerI
     return "\n".join(lines), probes
 
 
+def port_exposure(identity: runtime.WorkerIdentity, timeout_s: float = 1.0) -> dict[str, Any]:
+    """Whether this worker's TF port accepts connections on the host's non-loopback addresses.
+
+    Connecting from the same host shows that the port listens there; whether other hosts get through depends on
+    the firewall or network in between, which is why the README asks to keep worker networks private."""
+    import psutil
+
+    port = int(identity.addresses[identity.rank].rsplit(":", 1)[1])
+    checked, reachable = [], []
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            ip = ipaddress.ip_address(address.address.split("%")[0])
+            if ip.is_loopback or ip.is_link_local:
+                continue
+            checked.append(str(ip))
+            with socket.socket(address.family, socket.SOCK_STREAM) as probe:
+                probe.settimeout(timeout_s)
+                if probe.connect_ex((str(ip), port)) == 0:
+                    reachable.append(str(ip))
+    return {"port": port, "checked": checked, "reachable_on": reachable, "exposed": bool(reachable)}
+
+
+def port_lines(result: dict[str, Any]) -> list[str]:
+    """One line per worker: where its unauthenticated TF port answers."""
+    lines = []
+    for report in result["workers"]:
+        exposure = report.get("worker_port")
+        if not exposure:
+            continue
+        where = f"rank {report['rank']} on {report['host']}: worker port {exposure['port']}"
+        if exposure["exposed"]:
+            lines.append(f"WARNING: {where} answers on non-loopback {', '.join(exposure['reachable_on'])}: "
+                         "anyone who can reach it can run code as this user; keep worker ports private "
+                         "(README: Security model)")
+        else:
+            lines.append(f"{where}: not reachable on non-loopback addresses "
+                         f"({', '.join(exposure['checked']) or 'none on this host'})")
+    return lines
+
+
 def summary_lines(result: dict[str, Any]) -> list[str]:
     lines = [f"PREFLIGHT {result['status'].upper()}: {result['num_workers']} worker(s), {result['wall_time_s']:.1f} s",
              (f"{'rank':<5}{'host':<16}{'python':<9}{'tensorflow':<12}{'tf-keras':<10}{'transformers':<14}"
@@ -327,6 +374,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
                      f"{bw['median_s'] * 1e3:.1f} ms, algbw {bw['algbw_gbps']:.3f} GB/s, "
                      f"busbw {bw['busbw_gbps']:.3f} GB/s; latency ({lat['bytes']} B) p50 {lat['p50_ms']:.2f} ms, "
                      f"max {lat['max_ms']:.2f} ms")
+    lines += port_lines(result)
     lines += [f"ERROR: {error}" for error in result["errors"]]
     return lines
 
@@ -356,16 +404,18 @@ def collectives_main(scratch: str, cfg: RunConfig, output: str) -> int:
     try:
         strategy = create_strategy(cfg)
         runtime.signal_ready()
+        exposure = port_exposure(identity)  # the TF server listens from here on
         _set_phase(scratch, "all-reduce, broadcast and bandwidth probe")
         collectives = run_collectives(strategy, identity.rank, identity.num_workers)
         report = storage.read_json(os.path.join(scratch, REPORT_FILE))
-        storage.write_json_atomic(rank_report_url(output, identity.rank), {**report, "collectives": collectives})
+        storage.write_json_atomic(rank_report_url(output, identity.rank),
+                                  {**report, "collectives": collectives, "worker_port": exposure})
         _set_phase(scratch, "final barrier (waiting for every rank's report)")
         barrier(strategy)
     except tf.errors.OpError as error:  # Unavailable, DeadlineExceeded, Internal, Cancelled, ...
         result: dict[str, Any] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
     else:
-        result = {"collectives": collectives}
+        result = {"collectives": collectives, "worker_port": exposure}
     storage.write_json_atomic(os.path.join(scratch, RESULT_FILE), result)
     return 0 if "collectives" in result else EXIT_COLLECTIVES_FAILED
 
@@ -391,7 +441,7 @@ class Preflight:
             phase, outcome, collective_s = self._run_child(scratch)
         if "collectives" not in outcome:
             return self._collectives_failed(phase, outcome["error"], collective_s)
-        return self._conclude(report, outcome["collectives"])
+        return self._conclude({**report, "worker_port": outcome["worker_port"]}, outcome["collectives"])
 
     def _run_child(self, scratch: str) -> tuple[str, dict[str, Any], float]:
         """Run the collective phase; past `collective_timeout_s` after the rendezvous began, kill it.

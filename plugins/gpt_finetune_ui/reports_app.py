@@ -2,23 +2,30 @@
 
 A plain FastAPI app that reads `<root>/runs/<run_key>/report/report.json` (and the PNG charts beside it) through
 `trainer.storage`, so the same pages serve local disk and S3. It has no Airflow import: the plugin module mounts
-it into the API server, and tests serve it with uvicorn directly.
+it into the API server and passes in Airflow's access check (`access`) and login URL; tests serve it with uvicorn
+directly.
 
-Read-only, but Airflow does not put its login in front of plugin apps: expose the API server only where the
-reports may be seen.
+Reports come from storage that many tasks can write, so nothing read from it is trusted: every value is escaped,
+a report with missing fields or wrong types becomes an error row (never a failed page), responses forbid scripts
+(Content-Security-Policy), and error texts name runs, never storage URLs.
 """
 
 from __future__ import annotations
 
 import html
 import logging
+import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
-from fastapi import FastAPI, HTTPException
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tasks.report import TABLE_COLUMNS
 from trainer.layout import StorageLayout
@@ -28,7 +35,17 @@ log = logging.getLogger("gpt_finetune.ui")
 
 STORAGE_ROOT_ENV = "GPT_FINETUNE_STORAGE_ROOT"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-_RUN_KEY = re.compile(r"^[A-Za-z0-9._-]+$")  # what trainer.layout.run_key produces; refuses path tricks
+# What trainer.layout.run_key produces, matched whole: no leading dot (no `.` or `..`), no `/`, no newline.
+_RUN_KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+_CHART_FILE = re.compile(r"[A-Za-z0-9_-]{1,100}\.png")
+NUMBER = (int, float)
+# Pages are static HTML: no script may run, only same-origin images and the inline style; framed only by Airflow.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": ("default-src 'none'; img-src 'self'; style-src 'unsafe-inline'; base-uri 'none'; "
+                                "form-action 'none'; frame-ancestors 'self'"),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+}
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5rem; color: #1b1f24; }
@@ -40,27 +57,58 @@ th { background: #f6f8fa; } td { white-space: nowrap; } td:first-child, th:first
 """
 
 
+class ReportError(ValueError):
+    """A report.json that is not what tasks/report.py writes: a field is missing or has the wrong type."""
+
+
 def default_storage_root() -> str:
     return normalize_root(os.environ.get(STORAGE_ROOT_ENV, "storage"), relative_to=REPO_ROOT)
 
 
-def create_app(storage_root: str | None = None) -> FastAPI:
-    """The app for `storage_root` (default: $GPT_FINETUNE_STORAGE_ROOT, else <repo>/storage), read per request."""
-    app = FastAPI(title="GPT fine-tune reports", docs_url=None, redoc_url=None, openapi_url=None)
+def create_app(storage_root: str | None = None, *, access: Callable[..., Any] | None = None,
+               login_url: str | None = None) -> FastAPI:
+    """The app for `storage_root` (default: $GPT_FINETUNE_STORAGE_ROOT, else <repo>/storage), read per request.
+
+    `access` is a FastAPI dependency run before every route (in Airflow: logged in and allowed to read the DAG's
+    runs); it raises HTTP 401/403. Browser pages answer a 401 with a redirect to `login_url?next=<page>`, JSON
+    routes (`/api/...`) keep the 401/403.
+    """
+    app = FastAPI(title="GPT fine-tune reports", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(access)] if access else [])
+
+    @app.middleware("http")
+    async def security_headers(request: Request, call_next: Callable) -> Response:
+        response = await call_next(request)
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+    @app.exception_handler(StarletteHTTPException)
+    async def login_redirect(request: Request, error: StarletteHTTPException) -> Response:
+        is_page = not request.url.path.removeprefix(request.scope.get("root_path", "")).startswith("/api/")
+        if error.status_code == 401 and login_url and is_page:
+            return RedirectResponse(f"{login_url}?{urlencode({'next': str(request.url)})}", status_code=303)
+        return await http_exception_handler(request, error)
 
     def layout() -> StorageLayout:
         return StorageLayout(storage_root or default_storage_root())
 
     def report_url(run_key: str) -> str:
-        if not _RUN_KEY.match(run_key):
-            raise HTTPException(404, f"No run {run_key!r}")
+        if not _RUN_KEY.fullmatch(run_key):
+            raise HTTPException(404, "No such run")
         return layout().run(run_key).report
 
     def load_report(run_key: str) -> dict[str, Any]:
         url = join(report_url(run_key), "report.json")
         if not exists(url):
-            raise HTTPException(404, f"Run {run_key!r} has no report (no {url}): its evaluate task has not finished.")
-        return read_json(url)
+            raise HTTPException(404, f"Run {run_key} has no report: its evaluate task has not finished.")
+        try:
+            report = read_json(url)
+        except ValueError as error:
+            log.warning("Run %s: unreadable report %s (%s)", run_key, url, error)
+            raise HTTPException(422, f"Run {run_key} has an unreadable report.") from error
+        if not isinstance(report, dict):
+            raise HTTPException(422, f"Run {run_key} has an unreadable report.")
+        return report
 
     @app.get("/api/runs")
     def runs_json() -> JSONResponse:
@@ -81,11 +129,12 @@ def create_app(storage_root: str | None = None) -> FastAPI:
 
     @app.get("/runs/{run_key}/charts/{name}")
     def chart(run_key: str, name: str) -> Response:
-        if name not in load_report(run_key).get("charts", {}).values():  # only files the report names
-            raise HTTPException(404, f"Run {run_key!r} has no chart {name!r}")
+        charts = load_report(run_key).get("charts")
+        if not _CHART_FILE.fullmatch(name) or not isinstance(charts, dict) or name not in charts.values():
+            raise HTTPException(404, f"Run {run_key} has no such chart")  # only files the report names
         url = join(report_url(run_key), name)
         if not exists(url):
-            raise HTTPException(404, f"Chart {url} is missing")
+            raise HTTPException(404, f"Run {run_key}: chart {name} is missing")
         return Response(read_bytes(url), media_type="image/png", headers={"Cache-Control": "max-age=60"})
 
     return app
@@ -102,8 +151,43 @@ def release_status(release_url: str) -> str:
         return "no"
 
 
+def _field(report: Any, path: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
+    """`report[a][b]...` for `path` "a.b...", checked to be of `kind` (numbers: int or float, never bool)."""
+    value = report
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ReportError(f"field {path!r} is missing")
+        value = value[part]
+    if value is None and optional:
+        return None
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):  # bool is an int subclass
+        raise ReportError(f"field {path!r} is a {type(value).__name__}")
+    return value
+
+
+def headline(key: str, report: Any) -> dict[str, Any]:
+    """The index row of one report; ReportError when a field it shows is missing or of the wrong type."""
+    has_baseline = isinstance(report, dict) and isinstance(report.get("runs"), dict) and \
+        report["runs"].get("baseline") is not None
+    return {
+        "run_key": key,
+        "run_id": _field(report, "run_id", str),
+        "status": "passed" if _field(report, "gates_passed", bool) else "failed",
+        "created_at": _field(report, "created_at", str),
+        "num_workers": _field(report, "num_workers", int),
+        "speedup": _field(report, "comparison.speedup", NUMBER, optional=True),
+        "efficiency": _field(report, "comparison.efficiency", NUMBER, optional=True),
+        "tokens_per_s": _field(report, "runs.distributed.tokens_per_s", NUMBER, optional=True),
+        "train_time_s": _field(report, "runs.distributed.train_time_s", NUMBER, optional=True),
+        "eval_loss": _field(report, "runs.distributed.eval_loss", NUMBER, optional=True),
+        "baseline_eval_loss": _field(report, "runs.baseline.eval_loss", NUMBER, optional=True) if has_baseline
+        else None,
+    }
+
+
 def list_runs(storage: StorageLayout) -> list[dict[str, Any]]:
-    """Headline figures of every run with a report, newest first; runs without one are listed as pending."""
+    """Headline figures of every run with a report, newest first; runs without one are listed as pending, runs
+    whose report cannot be read or has wrong types as an error row."""
     runs = []
     for key in list_dir(storage.runs):
         url = join(storage.run(key).report, "report.json")
@@ -112,34 +196,27 @@ def list_runs(storage: StorageLayout) -> list[dict[str, Any]]:
             runs.append({"run_key": key, "run_id": key, "status": "no report yet", "released": released})
             continue
         try:
-            report = read_json(url)
-            distributed, baseline = report["runs"]["distributed"], report["runs"].get("baseline")
-            runs.append({
-                "run_key": key,
-                "run_id": report["run_id"],
-                "status": "passed" if report["gates_passed"] else "failed",
-                "released": released,
-                "created_at": report["created_at"],
-                "num_workers": report["num_workers"],
-                "speedup": report["comparison"]["speedup"],
-                "efficiency": report["comparison"]["efficiency"],
-                "tokens_per_s": distributed["tokens_per_s"],
-                "train_time_s": distributed["train_time_s"],
-                "eval_loss": distributed["eval_loss"],
-                "baseline_eval_loss": baseline["eval_loss"] if baseline else None,
-            })
-        except (ValueError, KeyError, TypeError) as error:
+            runs.append({**headline(key, read_json(url)), "released": released})
+        except ValueError as error:  # ReportError and JSON decoding errors
             log.warning("Run %s: unreadable report %s (%s)", key, url, error)
-            runs.append({"run_key": key, "run_id": key, "status": f"unreadable report: {error}", "released": released})
+            detail = error if isinstance(error, ReportError) else "not valid JSON"
+            runs.append({"run_key": key, "run_id": key, "status": f"unreadable report: {detail}", "released": released})
     return sorted(runs, key=lambda run: run.get("created_at") or "", reverse=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# HTML
+# HTML: every value from storage goes through _text or _fmt, which escape it whatever its type
+
+
+def _text(value: Any) -> str:
+    return "—" if value is None else html.escape(str(value))
 
 
 def _fmt(value: Any, spec: str, suffix: str = "") -> str:
-    return "—" if value is None else f"{value:{spec}}{suffix}"
+    """A number formatted for people; anything else (a report with wrong types) is shown escaped as it is."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return f"{value:{spec}}{suffix}"
+    return _text(value)
 
 
 def _page(title: str, body: str) -> str:
@@ -149,56 +226,68 @@ def _page(title: str, body: str) -> str:
 
 def _status(status: str) -> str:
     css = {"passed": "pass", "yes": "pass", "failed": "fail", "no": "fail"}.get(status, "note")
-    return f"<span class='{css}'>{html.escape(status)}</span>"
+    return f"<span class='{css}'>{_text(status)}</span>"
 
 
 def render_index(runs: list[dict[str, Any]], root: str) -> str:
-    header = ("<tr><th>run</th><th>gates</th><th>released</th><th>workers</th><th>speedup</th><th>efficiency</th><th>tokens/s</th>"
-              "<th>train time</th><th>eval loss</th><th>baseline eval loss</th><th>created</th></tr>")
+    header = ("<tr><th>run</th><th>gates</th><th>released</th><th>workers</th><th>speedup</th><th>efficiency</th>"
+              "<th>tokens/s</th><th>train time</th><th>eval loss</th><th>baseline eval loss</th><th>created</th></tr>")
     rows = []
     for run in runs:
-        if "created_at" not in run:  # nothing to show yet: no link to a page that would say so
-            rows.append(f"<tr><td>{html.escape(run['run_id'])}</td><td>{_status(run['status'])}</td>"
+        if "created_at" not in run:  # nothing to show: no link to a page that would say so
+            rows.append(f"<tr><td>{_text(run['run_id'])}</td><td>{_status(run['status'])}</td>"
                         f"<td>{_status(run['released'])}</td><td colspan='8'></td></tr>")
             continue
-        link = f"<a href='runs/{html.escape(run['run_key'])}/'>{html.escape(run['run_id'])}</a>"
+        link = f"<a href='runs/{_text(run['run_key'])}/'>{_text(run['run_id'])}</a>"
         efficiency = None if run["efficiency"] is None else 100 * run["efficiency"]
         rows.append(
             f"<tr><td>{link}</td><td>{_status(run['status'])}</td><td>{_status(run['released'])}</td>"
-            f"<td>{run['num_workers']}</td>"
+            f"<td>{_text(run['num_workers'])}</td>"
             f"<td>{_fmt(run['speedup'], '.2f', 'x')}</td><td>{_fmt(efficiency, '.0f', '%')}</td>"
             f"<td>{_fmt(run['tokens_per_s'], ',.0f')}</td><td>{_fmt(run['train_time_s'], '.1f', ' s')}</td>"
             f"<td>{_fmt(run['eval_loss'], '.4f')}</td><td>{_fmt(run['baseline_eval_loss'], '.4f')}</td>"
-            f"<td>{html.escape(run['created_at'])}</td></tr>"
+            f"<td>{_text(run['created_at'])}</td></tr>"
         )
     table = f"<table id='runs'>{header}{''.join(rows)}</table>" if rows else "<p>No runs yet.</p>"
     return _page("GPT fine-tune runs", f"<h1>GPT fine-tune runs</h1><p class='note'>Storage root: "
-                                       f"<code>{html.escape(root)}</code></p>{table}")
+                                       f"<code>{_text(root)}</code></p>{table}")
+
+
+def _items(value: Any) -> list[dict[str, Any]]:
+    """The dicts of a list from the report; anything else reads as none (a malformed report still renders)."""
+    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
+
+
+def _get(value: Any, *path: str) -> Any:
+    for part in path:
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def render_run(report: dict[str, Any], released: str) -> str:
-    verdict = "passed" if report["gates_passed"] else "failed"
+    verdict = "passed" if report.get("gates_passed") is True else "failed"
     table = (
         "<table id='figures'><tr>" + "".join(f"<th>{html.escape(col)}</th>" for col in TABLE_COLUMNS) + "</tr>"
-        + "".join("<tr>" + "".join(f"<td>{html.escape(row[col])}</td>" for col in TABLE_COLUMNS) + "</tr>"
-                  for row in report["table"])
+        + "".join("<tr>" + "".join(f"<td>{_text(row.get(col))}</td>" for col in TABLE_COLUMNS) + "</tr>"
+                  for row in _items(report.get("table")))
         + "</table>"
     )
     gates = (
         "<table id='gates'><tr><th>gate</th><th>result</th><th style='text-align:left'>detail</th></tr>"
-        + "".join(f"<tr><td>{html.escape(gate['name'])}</td><td>{_status('passed' if gate['passed'] else 'failed')}"
-                  f"</td><td style='text-align:left'>{html.escape(gate['detail'])}</td></tr>"
-                  for gate in report["gates"])
+        + "".join(f"<tr><td>{_text(gate.get('name'))}</td>"
+                  f"<td>{_status('passed' if gate.get('passed') is True else 'failed')}</td>"
+                  f"<td style='text-align:left'>{_text(gate.get('detail'))}</td></tr>"
+                  for gate in _items(report.get("gates")))
         + "</table>"
     )
-    charts = "".join(f"<img alt='{html.escape(name)}' src='charts/{html.escape(file)}'>"
-                     for name, file in report.get("charts", {}).items())
-    config = report["config"]
+    charts = report.get("charts") if isinstance(report.get("charts"), dict) else {}
+    images = "".join(f"<img alt='{_text(name)}' src='charts/{_text(file)}'>" for name, file in charts.items()
+                     if isinstance(file, str) and _CHART_FILE.fullmatch(file))
     body = (
-        f"<p><a href='../../'>All runs</a></p><h1>Run {html.escape(report['run_id'])}</h1>"
+        f"<p><a href='../../'>All runs</a></p><h1>Run {_text(report.get('run_id'))}</h1>"
         f"<p>Gates {_status(verdict)} · released <span id='released'>{_status(released)}</span> · "
-        f"{report['num_workers']} workers · model {html.escape(config['model'])} · "
-        f"created {html.escape(report['created_at'])}</p>{table}"
-        f"<p class='note' id='hardware'>{html.escape(report['hardware']['line'])}</p>{gates}{charts}"
+        f"{_text(report.get('num_workers'))} workers · model "
+        f"{_text(_get(report, 'config', 'model'))} · created {_text(report.get('created_at'))}</p>{table}"
+        f"<p class='note' id='hardware'>{_text(_get(report, 'hardware', 'line'))}</p>{gates}{images}"
     )
-    return _page(f"Run {report['run_id']}", body)
+    return _page(f"Run {report.get('run_id')}", body)

@@ -425,6 +425,30 @@ def test_compose_airflow_settings_agree():
         assert services[name]["environment"]["AIRFLOW__API_AUTH__JWT_SECRET"] == env["AIRFLOW__API_AUTH__JWT_SECRET"]
 
 
+def test_compose_keeps_the_api_server_private_and_storage_access_scoped(tmp_path):
+    services = load_compose(COMPOSE)["services"]
+    env = services["airflow-scheduler"]["environment"]
+    api = services["airflow-apiserver"]
+    assert api["ports"] == [f"127.0.0.1:{env['AIRFLOW__API__PORT']}:8080"]  # loopback unless AIRFLOW_BIND says so
+    for variable in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        assert api["environment"][variable] == env[variable], f"the reports pages need {variable}"
+
+    buckets = {urlparse(env[name]).netloc for name in ("GPT_FINETUNE_STORAGE_ROOT",
+                                                        "AIRFLOW__LOGGING__REMOTE_BASE_LOG_FOLDER")}
+    assert env["GPT_FINETUNE_S3_BUCKETS"] == urlparse(env["GPT_FINETUNE_STORAGE_ROOT"]).netloc
+    (script,) = services["minio-init"]["command"]
+    assert "readwrite --user" not in script.replace("detach local readwrite --user", "")  # never attached
+    policy = json.loads(re.search(r"<<'POLICY'\n(.*?)\nPOLICY\n", script, re.DOTALL).group(1))
+    resources = {arn for statement in policy["Statement"] for arn in statement["Resource"]}
+    assert {arn.removeprefix("arn:aws:s3:::").split("/")[0] for arn in resources} == buckets
+    assert all(statement["Effect"] == "Allow" and not any("*" in action for action in statement["Action"])
+               for statement in policy["Statement"])
+    assert 'policy attach local gpt-finetune-pipeline --user "$S3_ACCESS_KEY_ID"' in script
+    (tmp_path / "minio-init.sh").write_text(script)
+    syntax = subprocess.run(["sh", "-n", str(tmp_path / "minio-init.sh")], capture_output=True, text=True, check=False)
+    assert syntax.returncode == 0, syntax.stderr
+
+
 def test_compose_holds_no_literal_secrets():
     raw = yaml.safe_load(COMPOSE.read_text())
     secret_name = re.compile(r"PASSWORD|SECRET|FERNET|ACCESS_KEY")

@@ -66,7 +66,7 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.5):
 
 
 def assert_released(stack, run_id: str) -> dict:
-    key = run_key(run_id)
+    key = run_key(DAG, run_id)
     assert processes_of_run(key) == {}, "a process of the run outlived the release"
     release = json.loads(Path(storage(stack).run(key).release).read_text())
     assert release["clean"] is True
@@ -102,7 +102,7 @@ def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_basel
     assert airflow_stack.wait_for_run(DAG, first, timeout=600) == "success"
     states = airflow_stack.task_states(DAG, first)
     assert set(states.values()) == {"success"}, states
-    run = storage(airflow_stack).run(run_key(first))
+    run = storage(airflow_stack).run(run_key(DAG, first))
     report = json.loads(Path(run.report, "report.json").read_text())
     assert report["gates_passed"] is True
     assert list(Path(storage(airflow_stack).root, "datasets").glob("*/manifest.json"))
@@ -114,7 +114,7 @@ def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_basel
     states = airflow_stack.task_states(DAG, second)
     assert states["baseline"] == "skipped", states  # reused, not retrained
     assert "cache hit" in airflow_stack.task_log(DAG, second, "prepare")
-    again = json.loads(Path(storage(airflow_stack).run(run_key(second)).report, "report.json").read_text())
+    again = json.loads(Path(storage(airflow_stack).run(run_key(DAG, second)).report, "report.json").read_text())
     assert again["baseline"]["reused"] is True
     assert again["baseline"]["key"] == report["baseline"]["key"]
     assert_released(airflow_stack, second)
@@ -122,7 +122,7 @@ def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_basel
 
 def test_sigkilled_worker_fails_the_attempt_and_the_retry_resumes_from_the_checkpoint(airflow_stack):
     run_id = trigger(airflow_stack, LONG)
-    key = run_key(run_id)
+    key = run_key(DAG, run_id)
     train = storage(airflow_stack).run(key).train
     wait_until(lambda: Path(train.checkpoints, "checkpoint").exists(), 400, "first checkpoint of attempt 1")
     ranks = wait_until(lambda: worker_ranks(key), 30, "trainer workers")
@@ -141,7 +141,7 @@ def test_sigkilled_worker_fails_the_attempt_and_the_retry_resumes_from_the_check
 
 def test_worker_killed_in_every_attempt_fails_the_run_and_release_still_cleans_up(airflow_stack):
     run_id = trigger(airflow_stack, LONG)
-    key = run_key(run_id)
+    key = run_key(DAG, run_id)
     for attempt in (1, 2):
         ranks = wait_until(lambda: worker_ranks(key), 400, f"trainer workers of attempt {attempt}")
         os.kill(ranks[0], signal.SIGKILL)
@@ -165,7 +165,7 @@ def api_token(stack) -> str:
 
 def test_marking_train_failed_from_outside_ends_every_worker_within_10_seconds(airflow_stack):
     run_id = trigger(airflow_stack, LONG)
-    key = run_key(run_id)
+    key = run_key(DAG, run_id)
     wait_until(lambda: len(worker_ranks(key)) == 2, 400, "both trainer workers")
     request = urllib.request.Request(
         f"{airflow_stack.url}/api/v2/dags/{DAG}/dagRuns/{run_id}/taskInstances/train", method="PATCH",
@@ -189,14 +189,14 @@ def test_failed_preflight_never_launches_training(airflow_stack):
     assert states["preflight"] == "failed", states
     assert states["train"] == "upstream_failed" and states["release"] == "success", states
     assert "GPU" in airflow_stack.task_log(DAG, run_id, "preflight")
-    assert not Path(storage(airflow_stack).run(run_key(run_id)).train.url).exists()
+    assert not Path(storage(airflow_stack).run(run_key(DAG, run_id)).train.url).exists()
     assert_released(airflow_stack, run_id)
 
 
 def test_marking_the_whole_run_failed_leaves_it_failed_and_release_still_runs(airflow_stack):
     """The UI's "mark run as failed": Airflow kills the running task, skips the rest and leaves the teardowns."""
     run_id = trigger(airflow_stack, LONG)
-    key = run_key(run_id)
+    key = run_key(DAG, run_id)
     wait_until(lambda: len(worker_ranks(key)) == 2, 400, "both trainer workers")
     request = urllib.request.Request(
         f"{airflow_stack.url}/api/v2/dags/{DAG}/dagRuns/{run_id}", method="PATCH",
@@ -215,7 +215,7 @@ def test_marking_the_whole_run_failed_leaves_it_failed_and_release_still_runs(ai
 def test_a_release_that_cannot_record_its_result_fails_the_run_and_says_why(airflow_stack):
     """Storage that fails for the release alone (a directory where release.json must go)."""
     run_id = f"manual__release_blocked_{time.time_ns()}"
-    run = storage(airflow_stack).run(run_key(run_id))
+    run = storage(airflow_stack).run(run_key(DAG, run_id))
     Path(run.release).mkdir(parents=True)
     airflow_stack.wait_for_dag(DAG)
     airflow_stack.cli("dags", "trigger", DAG, "--run-id", run_id, "--conf", json.dumps({**FAST, "baseline": "skip"}))
@@ -227,7 +227,7 @@ def test_a_release_that_cannot_record_its_result_fails_the_run_and_says_why(airf
     assert "could not be recorded" in release_log and "IsADirectoryError" in release_log
     assert "still alive: none" in release_log
     assert "release failed" in airflow_stack.task_log(DAG, run_id, "outcome")
-    assert processes_of_run(run_key(run_id)) == {}
+    assert processes_of_run(run_key(DAG, run_id)) == {}
 
 
 def test_storage_credentials_only_in_an_airflow_connection(airflow_stack, s3_endpoint, tmp_path):
@@ -252,7 +252,7 @@ def test_storage_credentials_only_in_an_airflow_connection(airflow_stack, s3_end
     assert airflow_stack.wait_for_run(DAG, run_id, timeout=600) == "success"
     assert set(airflow_stack.task_states(DAG, run_id).values()) <= {"success", "skipped"}
 
-    key = run_key(run_id)
+    key = run_key(DAG, run_id)
     release = json.loads(client.get_object(Bucket=bucket, Key=f"gpt/runs/{key}/release.json")["Body"].read())
     assert release["clean"] is True
     report = json.loads(client.get_object(Bucket=bucket, Key=f"gpt/runs/{key}/report/report.json")["Body"].read())

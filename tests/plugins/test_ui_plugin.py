@@ -4,6 +4,7 @@ Reports are produced by the real evaluate task on fixture training outputs (see 
 the pages render exactly what the pipeline writes.
 """
 
+import http.client
 import json
 import os
 import shutil
@@ -12,7 +13,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlencode, urlsplit
 
 import pytest
 import uvicorn
@@ -20,11 +25,14 @@ from fastapi.testclient import TestClient
 
 from tasks import compare
 from tests.tasks import run_fixtures
+from trainer.layout import run_key
 from trainer.storage import join, upload_tree, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = "/usr/bin/chromium"
+KEY_28 = run_key(run_fixtures.DAG_ID, "scheduled__2026-11-28T02:00:00+00:00")
+KEY_29 = run_key(run_fixtures.DAG_ID, "scheduled__2026-11-29T02:00:00+00:00")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run"]
 
@@ -55,7 +63,7 @@ def storage_root(tmp_path_factory):
                 pass  # the second run fails its parity gate on purpose: the page must show it
     write_json_atomic(join(root, "runs", "manual__training", "config.json"), {})
     # The older run was released; the newer one's release has not run yet.
-    write_json_atomic(join(root, "runs", "scheduled__2026-11-28T02_00_00_00_00", "release.json"), {"clean": True})
+    write_json_atomic(join(root, "runs", KEY_28, "release.json"), {"clean": True})
     return root
 
 
@@ -104,7 +112,7 @@ def test_pages_list_runs_and_show_a_report_with_its_charts(server_url, browser):
 
     page.get_by_role("link", name="scheduled__2026-11-29T02:00:00+00:00").click()
     page.wait_for_load_state("load")
-    assert page.url == f"{server_url}/runs/scheduled__2026-11-29T02_00_00_00_00/"
+    assert page.url == f"{server_url}/runs/{KEY_29}/"
     figures = [row.split("\t") for row in page.locator("#figures tr").all_inner_texts()]
     assert figures[0] == ["run", "workers", "train time", "eval time", "tokens/s", "speedup", "efficiency",
                           "eval loss", "perplexity"]
@@ -123,11 +131,139 @@ def test_pages_list_runs_and_show_a_report_with_its_charts(server_url, browser):
 def test_unknown_runs_and_files_are_refused(server_url, browser):
     page = browser.new_page()
     assert page.goto(f"{server_url}/runs/manual__training/").status == 404
-    assert page.goto(f"{server_url}/runs/scheduled__2026-11-28T02_00_00_00_00/charts/report.json").status == 404
+    assert page.goto(f"{server_url}/runs/{KEY_28}/charts/report.json").status == 404
     assert page.goto(f"{server_url}/runs/..%2F..%2Fdatasets/").status == 404
     api = page.goto(f"{server_url}/api/runs")
     assert [run["status"] for run in api.json()] == ["failed", "passed", "no report yet"]
     assert [run["released"] for run in api.json()] == ["pending", "yes", "pending"]
+
+
+@dataclass
+class RawResponse:
+    status: int
+    headers: dict[str, str]
+    body: str
+
+
+def urllib_get(url: str) -> RawResponse:
+    """GET exactly this path (no client-side normalisation of dot segments or escapes)."""
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        connection.request("GET", parts.path)
+        response = connection.getresponse()
+        headers = {name.lower(): value for name, value in response.getheaders()}
+        return RawResponse(response.status, headers, response.read().decode(errors="replace"))
+    finally:
+        connection.close()
+
+
+SCRIPT = "<script>alert(document.cookie)</script>"
+
+
+def _poisoned(value):
+    """Every string with a script in it, every number a string (a wrong type); the structure kept."""
+    if isinstance(value, dict):
+        return {key: _poisoned(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_poisoned(item) for item in value]
+    if isinstance(value, str):
+        return SCRIPT + value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{SCRIPT}{value}"
+    return value
+
+
+@pytest.fixture
+def hostile_storage(storage_root, tmp_path):
+    """A real report rewritten by someone who can write to storage, plus malformed ones."""
+    root = tmp_path / "storage"
+    good = KEY_28
+    report = json.loads((Path(storage_root) / "runs" / good / "report" / "report.json").read_text())
+    write_json_atomic(str(root / "runs" / "poisoned" / "report" / "report.json"), _poisoned(report))
+    write_json_atomic(str(root / "runs" / "empty" / "report" / "report.json"), {})
+    write_json_atomic(str(root / "runs" / "a_list" / "report" / "report.json"), [SCRIPT])
+    (root / "runs" / "not_json" / "report").mkdir(parents=True)
+    (root / "runs" / "not_json" / "report" / "report.json").write_text("{" + SCRIPT)
+    shutil.copytree(Path(storage_root) / "runs" / good, root / "runs" / good)
+    return root
+
+
+def test_hostile_reports_render_escaped_as_error_rows(hostile_storage):
+    client = TestClient(create_app(str(hostile_storage)))
+
+    index = client.get("/")
+    assert index.status_code == 200
+    assert "<script" not in index.text.lower()
+    statuses = {run["run_key"]: run["status"] for run in client.get("/api/runs").json()}
+    assert statuses == {
+        KEY_28: "passed",
+        "poisoned": "unreadable report: field 'num_workers' is a str",
+        "empty": "unreadable report: field 'run_id' is missing",
+        "a_list": "unreadable report: field 'run_id' is missing",
+        "not_json": "unreadable report: not valid JSON",
+    }
+
+    page = client.get("/runs/poisoned/")
+    assert page.status_code == 200
+    assert "<script" not in page.text.lower()
+    assert "&lt;script&gt;alert(document.cookie)&lt;/script&gt;scheduled__2026-11-28T02:00:00+00:00" in page.text
+    assert "<img" not in page.text  # chart names that are no plain file name are not linked
+    for key in ("empty", "a_list", "not_json"):
+        response = client.get(f"/runs/{key}/")
+        assert response.status_code in (200, 422) and "<script" not in response.text.lower(), key
+
+
+def test_responses_forbid_scripts_and_sniffing(server_url):
+    for path in ("/", "/api/runs", f"/runs/{KEY_28}/", "/runs/nope/",
+                 f"/runs/{KEY_28}/charts/scaling.png"):
+        response = urllib_get(f"{server_url}{path}")
+        csp = response.headers["content-security-policy"]
+        assert "default-src 'none'" in csp and "script-src" not in csp, path
+        assert response.headers["x-content-type-options"] == "nosniff", path
+
+
+def test_run_keys_are_matched_whole_and_errors_name_no_storage_url(hostile_storage):
+    """Reports placed where `.`, `..` or a key with a trailing newline would lead are never served."""
+    report = hostile_storage / "runs" / KEY_28 / "report"
+    for reachable in (hostile_storage / "report", hostile_storage / "runs" / "report",
+                      hostile_storage / "runs" / f"{KEY_28}\n" / "report"):
+        shutil.copytree(report, reachable)
+    client = TestClient(create_app(str(hostile_storage)))
+    assert client.get(f"/api/runs/{KEY_28}").status_code == 200
+    for key in ("%2E", "%2E%2E", ".hidden", f"{KEY_28}%0A", "a%2Fb"):
+        for path in (f"/api/runs/{key}", f"/runs/{key}/", f"/runs/{key}/charts/scaling.png"):
+            assert client.get(path).status_code == 404, path
+
+    for path in ("/runs/unknown/", f"/runs/{KEY_28}/charts/other.png", "/runs/not_json/"):
+        response = client.get(path)
+        assert response.status_code in (404, 422), path
+        assert str(hostile_storage) not in response.text and "report.json" not in response.text, path
+
+
+def test_the_access_dependency_guards_every_route_without_airflow(storage_root):
+    """The app alone, given an access check as the plugin gives it Airflow's: 401 -> login redirect on pages."""
+    from fastapi import HTTPException, Request
+
+    def access(request: Request) -> None:
+        token = request.headers.get("authorization")
+        if token is None:
+            raise HTTPException(401, "Not authenticated")
+        if token != "Bearer reader":
+            raise HTTPException(403, "Forbidden")
+
+    client = TestClient(create_app(storage_root, access=access, login_url="/api/v2/auth/login"),
+                        follow_redirects=False)
+    for path in ("/api/runs", f"/api/runs/{KEY_28}"):
+        assert client.get(path).status_code == 401
+        assert client.get(path, headers={"Authorization": "Bearer other"}).status_code == 403
+        assert client.get(path, headers={"Authorization": "Bearer reader"}).status_code == 200
+    for path in ("/", f"/runs/{KEY_28}/", f"/runs/{KEY_28}/charts/scaling.png"):
+        response = client.get(path)
+        assert response.status_code == 303
+        assert response.headers["location"] == "/api/v2/auth/login?" + urlencode({"next": f"http://testserver{path}"})
+        assert client.get(path, headers={"Authorization": "Bearer other"}).status_code == 403
+        assert client.get(path, headers={"Authorization": "Bearer reader"}).status_code == 200
 
 
 def test_airflow_loads_the_plugin_and_mounts_its_app(storage_root, tmp_path):
@@ -143,11 +279,11 @@ from airflow.api_fastapi.app import init_plugins
 app = FastAPI()
 init_plugins(app)
 info = [p for p in plugins_manager.get_plugin_info() if p["name"] == "gpt_finetune_reports"]
-runs = TestClient(app).get("/gpt-finetune/api/runs").json()
+runs = TestClient(app).get("/gpt-finetune/api/runs")
 errors = plugins_manager.get_import_errors()
 shadowed = sorted(name for name in sys.stdlib_module_names if getattr(sys.modules.get(name), "__file__", "")
                   and "/plugins/" in sys.modules[name].__file__)
-print(json.dumps({"info": info, "runs": [run["run_id"] for run in runs], "errors": errors, "shadowed": shadowed},
+print(json.dumps({"info": info, "runs": runs.status_code, "errors": errors, "shadowed": shadowed},
                  default=str))
 """
     env = {key: value for key, value in os.environ.items() if not key.startswith("AIRFLOW")}
@@ -167,8 +303,7 @@ print(json.dumps({"info": info, "runs": [run["run_id"] for run in runs], "errors
     assert plugin["external_views"] == [{"name": "GPT fine-tune runs", "href": "gpt-finetune/",
                                          "url_route": "gpt-finetune-runs", "destination": "nav",
                                          "category": "browse"}]
-    assert loaded["runs"] == ["scheduled__2026-11-29T02:00:00+00:00", "scheduled__2026-11-28T02:00:00+00:00",
-                              "manual__training"]
+    assert loaded["runs"] == 401  # mounted behind Airflow's login
 
 
 def test_reports_are_read_from_s3(storage_root, s3_server, monkeypatch):
@@ -182,17 +317,79 @@ def test_reports_are_read_from_s3(storage_root, s3_server, monkeypatch):
     runs = client.get("/api/runs").json()
     assert [(run["status"], run["speedup"]) for run in runs] == [("failed", pytest.approx(1.5)),
                                                                 ("passed", pytest.approx(1.1))]
-    page = client.get("/runs/scheduled__2026-11-28T02_00_00_00_00/")
+    page = client.get(f"/runs/{KEY_28}/")
     assert page.status_code == 200 and "<td>1.10x</td>" in page.text
-    chart = client.get("/runs/scheduled__2026-11-28T02_00_00_00_00/charts/scaling.png")
+    chart = client.get(f"/runs/{KEY_28}/charts/scaling.png")
     assert chart.headers["content-type"] == "image/png" and chart.content.startswith(b"\x89PNG")
 
 
-def test_the_nav_entry_shows_the_reports_inside_airflow(airflow_stack, storage_root, browser):
-    """The real API server mounts the app; after logging in, the UI's navigation entry frames its pages."""
+@pytest.fixture
+def stack_run(airflow_stack, storage_root):
+    """A finished run in the real Airflow's storage."""
     stack_storage = Path(airflow_stack.env["GPT_FINETUNE_STORAGE_ROOT"])
-    run_key = "scheduled__2026-11-28T02_00_00_00_00"
-    shutil.copytree(Path(storage_root) / "runs" / run_key, stack_storage / "runs" / run_key, dirs_exist_ok=True)
+    shutil.copytree(Path(storage_root) / "runs" / KEY_28, stack_storage / "runs" / KEY_28, dirs_exist_ok=True)
+    return KEY_28
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One request, redirects not followed."""
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None
+
+    opener = urllib.request.build_opener(NoRedirect)
+    try:
+        with opener.open(urllib.request.Request(url, headers=headers or {}), timeout=30) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+def test_the_reports_require_an_airflow_login(airflow_stack, stack_run):
+    """In the real API server: 401/403 without valid credentials, 200 with a token of a user who may read the
+    DAG's runs, and pages send a browser to Airflow's login page with the way back."""
+    base = f"{airflow_stack.url}/gpt-finetune"
+    for path in ("/api/runs", f"/api/runs/{stack_run}"):
+        assert _get(base + path)[0] == 401, path
+        assert _get(base + path, {"Authorization": "Bearer not-a-token"})[0] == 403, path
+    for path in ("/", f"/runs/{stack_run}/", f"/runs/{stack_run}/charts/scaling.png"):
+        status, headers, _ = _get(base + path)
+        assert status == 303, path
+        assert headers["location"] == "/api/v2/auth/login?" + urlencode({"next": base + path}), path
+
+    user, password = airflow_stack.login
+    request = urllib.request.Request(f"{airflow_stack.url}/auth/token", method="POST",
+                                     data=json.dumps({"username": user, "password": password}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        token = json.load(response)["access_token"]
+    status, _, body = _get(f"{base}/api/runs", {"Authorization": f"Bearer {token}"})
+    assert status == 200 and stack_run in [run["run_key"] for run in json.loads(body)]
+    status, headers, body = _get(f"{base}/runs/{stack_run}/", {"Cookie": f"_token={token}"})  # as the UI sends it
+    assert status == 200 and b"<table id='figures'>" in body
+    assert "default-src 'none'" in headers["content-security-policy"]
+
+
+def test_a_logged_out_browser_lands_on_the_login_page_and_comes_back(airflow_stack, stack_run, browser):
+    context = browser.new_context()
+    page = context.new_page()
+    target = f"{airflow_stack.url}/gpt-finetune/runs/{stack_run}/"
+    page.goto(target)
+    page.locator("input[name=username]").wait_for()
+    assert "/auth/login" in page.url
+    assert page.locator("#figures").count() == 0
+
+    user, password = airflow_stack.login
+    page.locator("input[name=username]").fill(user)
+    page.locator("input[name=password]").fill(password)
+    page.locator("button[type=submit]").click()
+    page.wait_for_url(target)
+    assert page.locator("#figures tr").nth(2).inner_text().split("\t")[:2] == ["distributed", "2"]
+    context.close()
+
+
+def test_the_nav_entry_shows_the_reports_inside_airflow(airflow_stack, stack_run, browser):
+    """The real API server mounts the app; after logging in, the UI's navigation entry frames its pages."""
     user, password = airflow_stack.login
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
 

@@ -18,6 +18,7 @@ from trainer.layout import StorageLayout, TrainOutput, run_key
 from trainer.storage import join, write_bytes_atomic, write_json_atomic
 
 FINGERPRINT = "ds-3f2a9c01"
+DAG_ID = "gpt_finetune"
 HERE = Path(__file__).resolve().parent
 
 
@@ -80,7 +81,7 @@ def prepare_run(root: str, run_id: str, manifest_url: str | None = None, **setti
     manifest_url = manifest_url or write_manifest(root)
     cfg = RunConfig.from_params({"storage_root": root, **settings})
     total_steps = cfg.max_steps
-    storage, key = StorageLayout(root), run_key(run_id)
+    storage, key = StorageLayout(root), run_key(DAG_ID, run_id)
     run = storage.run(key)
     base_key = baseline_key(cfg, read_json(manifest_url), total_steps)
     baseline = storage.baseline(base_key)

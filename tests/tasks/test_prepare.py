@@ -8,25 +8,27 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from tasks.prepare import prepare_run
 from trainer.config import RunConfig
+from trainer.layout import run_key
 
 RUN_ID = "manual__2026-11-29T02:00:00+00:00"
+DAG_ID = "gpt_finetune"
 
 
 def test_invalid_settings_fail_the_task_without_retries(tmp_path):
     with pytest.raises(AirflowFailException, match=r"Unknown run setting\(s\) \['num_wokers'\]"):
-        prepare_run({"num_wokers": 2, "storage_root": str(tmp_path)}, RUN_ID)
+        prepare_run({"num_wokers": 2, "storage_root": str(tmp_path)}, RUN_ID, DAG_ID)
     assert not any(tmp_path.iterdir())  # nothing written
 
 
 def test_prepared_run_lists_configs_with_resolved_steps(tmp_path):
     params = {"storage_root": str(tmp_path), "num_workers": 2, "tokenizer": "bpe:512", "block_size": 32,
               "max_steps": 0, "warmup_steps": 0, "epochs": 1.0, "baseline": "skip"}
-    prepared = prepare_run(params, RUN_ID)
+    prepared = prepare_run(params, RUN_ID, DAG_ID)
     run_cfg = RunConfig.from_params(json.loads(Path(prepared["config_url"]).read_text()))
     baseline_cfg = RunConfig.from_params(json.loads(Path(prepared["baseline_config_url"]).read_text()))
     assert run_cfg.max_steps == prepared["total_steps"] > 0  # derived from epochs, never 0 for the workers
     assert baseline_cfg.num_workers == 1 and baseline_cfg.global_batch_size == run_cfg.global_batch_size
     assert Path(prepared["manifest_url"]).exists()
-    assert prepared["run_key"] == "manual__2026-11-29T02_00_00_00_00"
+    assert prepared["run_key"] == run_key(DAG_ID, RUN_ID)
     assert prepared["train_summary_url"].startswith(prepared["train_url"])
     assert prepared["baseline_summary_url"].startswith(prepared["baseline_url"])

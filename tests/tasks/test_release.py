@@ -16,7 +16,8 @@ from trainer.runtime import LAUNCHER_WORKDIR_PREFIX
 from trainer.storage import write_json_atomic
 
 RUN_ID = "manual__2026-11-29T02:00:00+00:00"
-KEY = run_key(RUN_ID)
+DAG_ID = "gpt_finetune"
+KEY = run_key(DAG_ID, RUN_ID)
 
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
 WITH_CHILD = (
@@ -68,7 +69,7 @@ def test_release_ends_recorded_unrecorded_stubborn_and_grandchildren(tmp_path, p
     assert wait_for(lambda: len(processes_of_run(KEY)) == 4)  # recorded, stubborn, parent and its child
 
     started = time.monotonic()
-    result = release_run({"storage_root": root}, RUN_ID, grace_period_s=2.0)
+    result = release_run({"storage_root": root}, RUN_ID, DAG_ID, grace_period_s=2.0)
     elapsed = time.monotonic() - started
 
     assert result["clean"] is True
@@ -86,8 +87,8 @@ def test_release_ends_recorded_unrecorded_stubborn_and_grandchildren(tmp_path, p
 def test_release_is_idempotent_and_survives_invalid_settings(tmp_path):
     root = str(tmp_path / "storage")
     params = {"storage_root": root, "num_workers": 0, "bogus": 1}  # the run that prepare refused
-    first = release_run(params, RUN_ID)
-    second = release_run(params, RUN_ID)
+    first = release_run(params, RUN_ID, DAG_ID)
+    second = release_run(params, RUN_ID, DAG_ID)
     assert first["clean"] and second["clean"]
     assert first["terminated"] == second["terminated"] == []
     assert os.path.exists(StorageLayout(root).run(KEY).release)
@@ -99,7 +100,7 @@ def test_unreleasable_process_fails_the_task(tmp_path, processes, monkeypatch):
     assert wait_for(lambda: proc.pid in processes_of_run(KEY))
     monkeypatch.setattr("tasks.release._signal_all", lambda pids, sig: [])  # a process that cannot be signalled
     with pytest.raises(ReleaseError, match=f"still alive: pid {proc.pid} "):
-        release_run({"storage_root": str(tmp_path)}, RUN_ID, grace_period_s=0.5)
+        release_run({"storage_root": str(tmp_path)}, RUN_ID, DAG_ID, grace_period_s=0.5)
 
 
 @pytest.mark.parametrize("named", ["/", "home", "not-ours", "symlink"])
@@ -118,7 +119,7 @@ def test_release_deletes_only_the_launchers_own_temporary_directories(tmp_path, 
         write_json_atomic(run.state_file("train"), {"workdir": workdir, "workers": [{"pid": worker.pid}]})
         assert wait_for(lambda: worker.pid in processes_of_run(KEY))
 
-        result = release_run({"storage_root": root}, RUN_ID, grace_period_s=1.0)
+        result = release_run({"storage_root": root}, RUN_ID, DAG_ID, grace_period_s=1.0)
 
         assert result["clean"] and worker.pid in result["terminated"] + result["killed"]
         assert json.loads(Path(run.release).read_text())["removed_dirs"] == []
@@ -139,7 +140,7 @@ def test_a_malformed_state_record_never_stops_the_kills(tmp_path, processes):
     Path(run.state, "preflight.json").write_text("[1, 2")
     assert wait_for(lambda: worker.pid in processes_of_run(KEY))
 
-    result = release_run({"storage_root": root}, RUN_ID, grace_period_s=1.0)
+    result = release_run({"storage_root": root}, RUN_ID, DAG_ID, grace_period_s=1.0)
 
     assert result["clean"] and worker.pid in result["terminated"] + result["killed"]
     assert sorted(json.loads(Path(run.release).read_text())["state_records"]) == ["preflight.json", "train.json"]
@@ -154,7 +155,7 @@ def test_release_ends_the_processes_before_failing_on_unreachable_storage(tmp_pa
     assert wait_for(lambda: worker.pid in processes_of_run(KEY))
 
     with pytest.raises(ReleaseError, match=r"could not be recorded: .*1 terminated.*still alive: none"):
-        release_run({"storage_root": str(blocker)}, RUN_ID, grace_period_s=2.0)
+        release_run({"storage_root": str(blocker)}, RUN_ID, DAG_ID, grace_period_s=2.0)
     assert processes_of_run(KEY) == {}
 
 
@@ -166,8 +167,23 @@ def test_release_marks_the_report_released(tmp_path):
     run = StorageLayout(root).run(KEY)
     write_json_atomic(f"{run.report}/{REPORT_JSON}", sample_report())
 
-    release_run({"storage_root": root}, RUN_ID)
+    release_run({"storage_root": root}, RUN_ID, DAG_ID)
 
     report = json.loads(Path(run.report, REPORT_JSON).read_text())
     assert report["release"]["clean"] is True and report["release"]["survivors"] == []
     assert "**Released: yes**" in Path(run.report, REPORT_MD).read_text()
+
+
+def test_release_of_one_run_leaves_a_lookalike_runs_workers_running(tmp_path, processes):
+    """Two run ids that sanitize to the same text get different keys, so one release never sweeps the other."""
+    lookalike_id = RUN_ID.replace(":", "_").replace("+", "_")
+    other_key = run_key(DAG_ID, lookalike_id)
+    assert other_key != KEY
+    mine, other = start("import time; time.sleep(600)"), start("import time; time.sleep(600)", key=other_key)
+    processes += [mine, other]
+    assert wait_for(lambda: mine.pid in processes_of_run(KEY) and other.pid in processes_of_run(other_key))
+
+    result = release_run({"storage_root": str(tmp_path)}, RUN_ID, DAG_ID, grace_period_s=1.0)
+
+    assert mine.pid in result["terminated"] + result["killed"]
+    assert other.poll() is None and other.pid in processes_of_run(other_key)

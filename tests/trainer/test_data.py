@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ from trainer.data import (
     DataError,
     load_manifest,
     make_dataset,
+    shard_cache_dir,
     stage_shards,
     worker_shards,
 )
@@ -159,3 +162,52 @@ def test_manifest_problems_are_named(tmp_path):
     }))
     with pytest.raises(DataError, match=r"format_version 99, this trainer reads 1"):
         load_manifest(str(tmp_path / "manifest.json"))
+
+
+OTHER_UID = 65534  # nobody
+
+
+def test_shard_cache_is_per_user_and_private(prepared, tmp_path):
+    manifest_url, manifest = prepared
+    cache = shard_cache_dir(manifest["fingerprint"], base=tmp_path)
+    assert cache == tmp_path / f"gpt-finetune-shards-{os.getuid()}" / manifest["fingerprint"]
+    for directory in (cache, cache.parent):
+        info = directory.lstat()
+        assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
+    [local] = stage_shards(manifest_url, manifest["splits"]["train"]["shards"][:1], cache)
+    assert Path(local).parent == cache
+
+    cache.chmod(0o755)  # an old cache of this user, opened up: narrowed again
+    assert shard_cache_dir(manifest["fingerprint"], base=tmp_path) == cache
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("level", ["user", "dataset"])
+def test_a_shard_cache_reached_through_a_symlink_is_refused(prepared, tmp_path, level):
+    manifest_url, manifest = prepared
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    user_dir = tmp_path / f"gpt-finetune-shards-{os.getuid()}"
+    if level == "user":
+        user_dir.symlink_to(elsewhere)
+    else:
+        user_dir.mkdir(mode=0o700)
+        (user_dir / manifest["fingerprint"]).symlink_to(elsewhere)
+    with pytest.raises(DataError, match="is a symbolic link"):
+        shard_cache_dir(manifest["fingerprint"], base=tmp_path)
+    with pytest.raises(DataError, match="is a symbolic link"):
+        stage_shards(manifest_url, manifest["splits"]["train"]["shards"][:1], user_dir / manifest["fingerprint"]
+                     if level == "dataset" else user_dir)
+    assert not any(elsewhere.iterdir())
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="creating a directory owned by another user needs root")
+def test_a_shard_cache_owned_by_someone_else_is_refused(prepared, tmp_path):
+    manifest_url, manifest = prepared
+    planted = tmp_path / f"gpt-finetune-shards-{os.getuid()}"
+    planted.mkdir(mode=0o777)
+    os.chown(planted, OTHER_UID, OTHER_UID)
+    with pytest.raises(DataError, match=f"belongs to uid {OTHER_UID}, not to this user"):
+        shard_cache_dir(manifest["fingerprint"], base=tmp_path)
+    with pytest.raises(DataError, match=f"belongs to uid {OTHER_UID}"):
+        stage_shards(manifest_url, manifest["splits"]["train"]["shards"][:1], planted)

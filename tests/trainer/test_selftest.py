@@ -100,6 +100,32 @@ def test_version_skew_names_package_versions_and_ranks():
     assert selftest.version_skew({0: reports[0], 2: reports[2]}) == []
 
 
+def non_loopback_addresses() -> list[str]:
+    import ipaddress
+
+    import psutil
+
+    return [a.address for addresses in psutil.net_if_addrs().values() for a in addresses
+            if a.family in (socket.AF_INET, socket.AF_INET6)
+            and not (ip := ipaddress.ip_address(a.address.split("%")[0])).is_loopback and not ip.is_link_local]
+
+
+@pytest.mark.parametrize("bind, exposed", [("127.0.0.1", False), ("0.0.0.0", True)])
+def test_port_exposure_tells_loopback_from_all_interfaces(bind, exposed):
+    if exposed and not non_loopback_addresses():
+        pytest.skip("this host has no non-loopback address to reach")
+    with socket.socket() as server:
+        server.bind((bind, 0))
+        server.listen()
+        port = server.getsockname()[1]
+        identity = WorkerIdentity(0, 2, "host-a", (f"127.0.0.1:{port}", "127.0.0.1:1"))
+        result = selftest.port_exposure(identity)
+    assert result["port"] == port and result["checked"] == non_loopback_addresses()
+    assert result["exposed"] is exposed and bool(result["reachable_on"]) is exposed
+    lines = selftest.port_lines({"workers": [{"rank": 0, "host": "host-a", "worker_port": result}]})
+    assert lines[0].startswith("WARNING: rank 0 on host-a: worker port") is exposed
+
+
 # -- real groups -------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("num_workers", [2, 3])
@@ -118,6 +144,12 @@ def test_cpu_workers_on_loopback_pass_with_exact_collectives_and_figures(tmp_pat
     assert bandwidth["busbw_gbps"] == pytest.approx(bandwidth["algbw_gbps"] * 2 * (num_workers - 1) / num_workers)
     assert collectives["latency"]["p50_ms"] > 0
     assert f"PREFLIGHT PASSED: {num_workers} worker(s)" in log and "busbw" in log and "latency (4 B) p50" in log
+    # TF's server listens on every interface: each worker reports whether its port answers off loopback.
+    ports = [worker["worker_port"] for worker in report["workers"]]
+    assert len({port["port"] for port in ports}) == num_workers
+    assert all(port["checked"] == non_loopback_addresses() for port in ports)
+    assert all(port["exposed"] == bool(port["checked"]) for port in ports)  # TF binds 0.0.0.0, never loopback only
+    assert all((f"WARNING: rank {r} on" in log) == bool(ports[r]["checked"]) for r in range(num_workers))
     print("\n" + "\n".join(line for line in log.splitlines() if "PREFLIGHT" in line or "bandwidth" in line))
 
 

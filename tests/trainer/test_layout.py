@@ -1,0 +1,48 @@
+"""Run keys: one per DAG run, safe in paths and S3 keys, never shared by two runs."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tasks.release import processes_of_run
+from trainer.layout import run_key
+from trainer.runtime import RUN_KEY_ENV
+
+# Both are valid Airflow run ids (default pattern ^[A-Za-z0-9_.~:+-]+$) and sanitize to the same text.
+SCHEDULED = "manual__2026-11-29T15:00:00+00:00"
+LOOKALIKE = "manual__2026-11-29T15_00_00_00_00"
+UI_RUN_KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")  # what the reports app accepts
+
+
+def test_run_ids_that_sanitize_alike_get_different_keys():
+    assert run_key("gpt_finetune", SCHEDULED) != run_key("gpt_finetune", LOOKALIKE)
+    assert run_key("gpt_finetune", SCHEDULED).startswith("manual__2026-11-29T15_00_00_00_00-")
+
+
+def test_the_same_run_id_in_another_dag_gets_another_key():
+    assert run_key("gpt_finetune", SCHEDULED) != run_key("other_dag", SCHEDULED)
+
+
+def test_keys_are_stable_and_safe_in_paths():
+    for run_id in (SCHEDULED, LOOKALIKE, "..", "~~", "a/../../b", "x" * 300, ".hidden"):
+        key = run_key("gpt_finetune", run_id)
+        assert key == run_key("gpt_finetune", run_id)
+        assert UI_RUN_KEY.fullmatch(key) and ".." not in key.split("/"), key
+    with pytest.raises(ValueError):
+        run_key("gpt_finetune", "")
+
+
+def test_releasing_one_run_finds_only_its_own_workers():
+    """Release finds a run's processes by the key in their environment: a look-alike run's workers are not its."""
+    keys = [run_key("gpt_finetune", SCHEDULED), run_key("gpt_finetune", LOOKALIKE)]
+    workers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={RUN_KEY_ENV: key})
+               for key in keys]
+    try:
+        assert set(processes_of_run(keys[0])) == {workers[0].pid}
+        assert set(processes_of_run(keys[1])) == {workers[1].pid}
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
