@@ -68,11 +68,15 @@ PARAMS = {
                         description="0 writes 4 shards per worker; else at least num_workers."),
     "checkpoint_every_steps": Param(20, type="integer", minimum=1, title="Checkpoint interval (steps)"),
     "communication": Param("auto", type="string", enum=["auto", "ring", "nccl"], title="Collective implementation"),
-    "collective_timeout_s": Param(300, type="integer", minimum=5, title="Collective timeout (s)"),
+    "collective_timeout_s": Param(300, type="integer", minimum=5, title="Preflight collective timeout (s)",
+                                  description="Bound on the preflight's collectives; training collectives have "
+                                              "none (a lost peer is caught by heartbeats, a stuck one by the hang "
+                                              "watchdog)."),
     "startup_timeout_s": Param(180, type="integer", minimum=5, title="Worker start-up timeout (s)",
                                description="Time for every worker to come up and join the group."),
     "hang_timeout_s": Param(600, type="integer", minimum=10, title="Hang watchdog (s)",
-                            description="End a group whose workers are alive but print nothing for this long."),
+                            description="End a group whose workers are alive but print nothing for this long "
+                                        "(a hung collective); must exceed the first step's compilation."),
 }
 
 DOC = """

@@ -128,9 +128,12 @@ def create_strategy(cfg: RunConfig, multi_worker: bool):
         "ring": tf.distribute.experimental.CommunicationImplementation.RING,
         "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
     }[cfg.communication]
-    options = tf.distribute.experimental.CommunicationOptions(
-        implementation=implementation, timeout_seconds=cfg.collective_timeout_s
-    )
+    # No `timeout_seconds`: TF 2.21 parks one sleeping thread per collective for the whole timeout
+    # (tensorflow#62466), +2 threads per step until pthread_create fails. Hangs are bounded without it: a peer
+    # that exits or stops misses the coordination service's heartbeats and the others' collectives abort (exit
+    # 3); a peer alive but stuck leaves the group silent and the launcher's hang watchdog ends it. The retry
+    # resumes from the last checkpoint.
+    options = tf.distribute.experimental.CommunicationOptions(implementation=implementation)
     return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
 
 
@@ -444,6 +447,18 @@ def last_logged_loss(metrics_file: Path) -> float | None:
     return json.loads(lines[-1])["loss"] if lines else None
 
 
+def collective_error_reason(error: Exception) -> str:
+    """The lines of a TF collective error that name the cause (`str(error)` opens with a node traceback)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for index, line in enumerate(lines):
+        if "aborted by" in line or "unhealthy" in line or line.startswith("RPC:"):
+            reason = line
+            if line.endswith(":") and index + 1 < len(lines):  # "... unhealthy (stopped sending heartbeats):" + task
+                reason += " " + lines[index + 1]
+            return reason
+    return lines[0] if lines else type(error).__name__
+
+
 def utc_now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
@@ -493,13 +508,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = train(job, strategy, started, started_at)
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError) as error:
-        # A peer died or stalled inside a collective. The group must restart together; it resumes from the
-        # latest checkpoint in the output.
+        # TensorFlow's coordination service stopped hearing from a peer (it exited, crashed or was stopped) and
+        # aborted this worker's collectives. The group must restart together; it resumes from the checkpoint.
         log.error(
-            "rank %d on %s lost another worker during a collective (%s: %s). Restart the whole group; it resumes "
-            "from the latest checkpoint in %s. If workers are slow rather than dead, raise 'collective_timeout_s' "
-            "(now %d s).", job.rank, job.identity.host, type(error).__name__, str(error).splitlines()[0],
-            job.output.checkpoints, job.cfg.collective_timeout_s,
+            "rank %d on %s lost another worker during a collective (%s: %s): a peer exited or stopped answering "
+            "its heartbeats; its own log names the cause. Restart the whole group; it resumes from the latest "
+            "checkpoint in %s.", job.rank, job.identity.host, type(error).__name__, collective_error_reason(error),
+            job.output.checkpoints,
         )
         return 3
     if summary is not None:
