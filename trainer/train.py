@@ -161,10 +161,10 @@ def input_dataset(job: TrainJob, local_files: list[list[str]], start_step: int):
 
 
 def stage_inputs(job: TrainJob) -> list[list[str]]:
-    """Copy and verify this worker's shards into a per-dataset cache that a retry or the baseline reuses."""
-    from trainer.data import stage_shards
+    """Copy and verify this worker's shards into this user's per-dataset cache that a retry or the baseline reuses."""
+    from trainer.data import shard_cache_dir, stage_shards
 
-    cache = Path(tempfile.gettempdir()) / "gpt-finetune-shards" / job.manifest["fingerprint"]
+    cache = shard_cache_dir(job.manifest["fingerprint"])
     return [stage_shards(job.manifest_url, list(shards), cache) for shards in job.slot_shards]
 
 
