@@ -17,15 +17,13 @@ import urllib.request
 import pytest
 
 from tests.airflow_stack import REPO, AirflowStack
+from tests.browser import chromium
 from trainer.config import RunConfig
 
 pytestmark = pytest.mark.timeout(420)  # stack start-up on a loaded 2-core machine included
 
 DAG = "gpt_finetune"
 ARTIFACTS = REPO / "test-artifacts"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run"]
 # Param titles from dags/gpt_finetune.py, by the control the form renders for each Param type.
 FORM_FIELDS = {"Workers": "spinbutton", "Launcher backend": "combobox", "Mixed precision": "combobox",
                "Use GPUs": "checkbox"}
@@ -54,15 +52,11 @@ def run_path(run_id: str) -> str:
 
 @pytest.fixture
 def page():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with chromium() as browser:
         # Tall enough that the whole trigger dialog (every Param) renders at once for the screenshot.
         page = browser.new_page(viewport={"width": 1280, "height": 4000})
         page.set_default_timeout(30_000)
         yield page
-        browser.close()
 
 
 @contextlib.contextmanager

@@ -19,14 +19,12 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from tasks import compare
+from tests.browser import chromium
 from tests.tasks import run_fixtures
 from trainer.storage import join, upload_tree, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run"]
 
 sys.path.insert(0, str(REPO / "plugins"))  # as Airflow does for its plugins folder
 from gpt_finetune_ui.reports_app import create_app
@@ -77,12 +75,8 @@ def server_url(storage_root):
 
 @pytest.fixture(scope="module")
 def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with chromium() as browser:
         yield browser
-        browser.close()
 
 
 def test_pages_list_runs_and_show_a_report_with_its_charts(server_url, browser):
