@@ -39,18 +39,22 @@ def storage_root(tmp_path_factory):
         patch.setattr(compare, "EVALUATE_MODULE", "tests.tasks.fixture_evaluate")
         patch.setenv("FIXTURE_EVALUATE_CALLS", str(calls))
         patch.setenv("PYTHONPATH", str(REPO))
-        for run_id, workers, train_time_s, tolerance in (("scheduled__2026-11-28T02:00:00+00:00", 2, 30.0, 0.02),
-                                                         ("scheduled__2026-11-29T02:00:00+00:00", 4, 22.0, 0.001)):
+        for run_id, workers, train_time_s, tolerance, gates in (
+                ("scheduled__2026-11-28T02:00:00+00:00", 2, 30.0, 0.02, "passed"),
+                ("scheduled__2026-11-29T02:00:00+00:00", 4, 22.0, 0.001, "failed")):
             prepared = run_fixtures.prepare_run(root, run_id, num_workers=workers, batch_size_per_worker=16 // workers,
                                                 loss_tolerance=tolerance)
             run_fixtures.write_training_output(prepared["baseline_url"], num_workers=1, train_time_s=33.0,
                                                eval_loss=5.30)
             run_fixtures.write_training_output(prepared["train_url"], num_workers=workers,
                                                train_time_s=train_time_s, eval_loss=5.31)
-            try:
+            if gates == "passed":
                 compare.evaluate_run(prepared)
-            except compare.GateFailure:
-                pass  # the second run fails its parity gate on purpose: the page must show it
+                continue
+            # The second run fails its parity gate on purpose (the page must show it), and only that gate.
+            with pytest.raises(compare.GateFailure, match=r"^1 comparison gate\(s\) failed .*eval loss distributed "
+                                                          r"5\.3100 - baseline 5\.3000 = \+0\.0100 nats, tolerance ±0\.0010"):
+                compare.evaluate_run(prepared)
     write_json_atomic(join(root, "runs", "manual__training", "config.json"), {})
     return root
 
