@@ -42,7 +42,7 @@ def _call(stack: AirflowStack, method: str, path: str, body: dict | None, header
     request = urllib.request.Request(f"{stack.url}{path}", method=method,
                                      headers={"Content-Type": "application/json", **headers},
                                      data=json.dumps(body).encode() if body is not None else None)
-    with urllib.request.urlopen(request, timeout=30) as response:
+    with urllib.request.urlopen(request, timeout=90) as response:  # an API server busy with a starting run
         return json.load(response)
 
 
@@ -52,11 +52,18 @@ def run_path(run_id: str) -> str:
 
 @pytest.fixture
 def page():
+    from playwright.sync_api import expect
+
     with chromium() as browser:
         # Tall enough that the whole trigger dialog (every Param) renders at once for the screenshot.
         page = browser.new_page(viewport={"width": 1280, "height": 4000})
+        # A loaded 2-core machine renders a page in more than expect's default 5 s.
         page.set_default_timeout(30_000)
-        yield page
+        expect.set_options(timeout=30_000)
+        try:
+            yield page
+        finally:
+            expect.set_options(timeout=5_000)
 
 
 @contextlib.contextmanager
