@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 ENV := source scripts/airflow-env.sh &&
 PYTEST_ARGS ?=
 
-.PHONY: setup demo demo-s3 airflow test bench lint clean
+.PHONY: setup provision demo demo-s3 airflow test bench lint clean
 
 $(VENV)/.synced: pyproject.toml uv.lock
 	@command -v uv >/dev/null || python3 -m pip install --quiet "uv==0.13.9"
@@ -24,7 +24,10 @@ demo-s3: setup  ## the same, with storage on a local S3-protocol server (moto)
 airflow: setup  ## start `airflow standalone` on the project-local home; prints the UI URL and login
 	$(ENV) scripts/standalone.sh
 
-test: setup  ## the whole test suite (CPU only)
+provision: setup  ## install what the tests need besides .venv (Chromium); silent when present
+	@scripts/provision-tests.sh
+
+test: provision  ## the whole test suite (CPU only)
 	$(ENV) $(PY) -m pytest $(PYTEST_ARGS)
 
 bench: setup  ## performance ratios measured side by side; results in bench-results/

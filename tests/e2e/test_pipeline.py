@@ -20,6 +20,7 @@ import pytest
 
 from tasks.release import processes_of_run
 from tests.airflow_stack import REPO, airflow_env, free_port
+from tests.hardware import assert_gpu_check_matches_this_machine, nvidia_gpus
 from trainer.layout import StorageLayout, run_key
 
 pytestmark = pytest.mark.timeout(900)
@@ -70,7 +71,7 @@ def assert_released(stack, run_id: str) -> dict:
     assert processes_of_run(key) == {}, "a process of the run outlived the release"
     release = json.loads(Path(storage(stack).run(key).release).read_text())
     assert release["clean"] is True
-    assert release["gpu_check"]["nvml"] is False  # CPU machine: reported, nothing to verify
+    assert_gpu_check_matches_this_machine(release["gpu_check"])
     return release
 
 
@@ -183,7 +184,9 @@ def test_marking_train_failed_from_outside_ends_every_worker_within_10_seconds(a
 
 
 def test_failed_preflight_never_launches_training(airflow_stack):
-    run_id = trigger(airflow_stack, {**FAST, "use_gpu": True})  # this machine has no GPU
+    # More workers than this machine has GPUs: none on a CPU machine.
+    run_id = trigger(airflow_stack, {**FAST, "use_gpu": True,
+                                     "num_workers": max(FAST["num_workers"], len(nvidia_gpus()) + 1)})
     assert airflow_stack.wait_for_run(DAG, run_id, timeout=400) == "failed"
     states = airflow_stack.task_states(DAG, run_id)
     assert states["preflight"] == "failed", states

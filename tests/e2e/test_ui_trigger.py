@@ -17,15 +17,13 @@ import urllib.request
 import pytest
 
 from tests.airflow_stack import REPO, AirflowStack
+from tests.browser import chromium
 from trainer.config import RunConfig
 
 pytestmark = pytest.mark.timeout(420)  # stack start-up on a loaded 2-core machine included
 
 DAG = "gpt_finetune"
 ARTIFACTS = REPO / "test-artifacts"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run"]
 # Param titles from dags/gpt_finetune.py, by the control the form renders for each Param type.
 FORM_FIELDS = {"Workers": "spinbutton", "Launcher backend": "combobox", "Mixed precision": "combobox",
                "Use GPUs": "checkbox"}
@@ -44,7 +42,7 @@ def _call(stack: AirflowStack, method: str, path: str, body: dict | None, header
     request = urllib.request.Request(f"{stack.url}{path}", method=method,
                                      headers={"Content-Type": "application/json", **headers},
                                      data=json.dumps(body).encode() if body is not None else None)
-    with urllib.request.urlopen(request, timeout=30) as response:
+    with urllib.request.urlopen(request, timeout=90) as response:  # an API server busy with a starting run
         return json.load(response)
 
 
@@ -54,15 +52,18 @@ def run_path(run_id: str) -> str:
 
 @pytest.fixture
 def page():
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect
 
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with chromium() as browser:
         # Tall enough that the whole trigger dialog (every Param) renders at once for the screenshot.
         page = browser.new_page(viewport={"width": 1280, "height": 4000})
+        # A loaded 2-core machine renders a page in more than expect's default 5 s.
         page.set_default_timeout(30_000)
-        yield page
-        browser.close()
+        expect.set_options(timeout=30_000)
+        try:
+            yield page
+        finally:
+            expect.set_options(timeout=5_000)
 
 
 @contextlib.contextmanager

@@ -150,7 +150,7 @@ def test_stop_from_another_thread_ends_every_worker_within_grace(tmp_path):
     stopper.join()
     assert result.state is GroupState.STOPPED and not result.failures
     assert "stopped from outside" in result.error_message()
-    assert all(w.state is WorkerState.STOPPED for w in result.workers)
+    assert [w.state for w in result.workers] == [WorkerState.STOPPED] * 2
     _assert_no_process_left(result)
 
 

@@ -166,7 +166,7 @@ def test_sigterm_to_the_task_stops_a_two_worker_tf_training_run(airflow_env, tmp
             assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
             time.sleep(0.2)
         pgids = [w["pgid"] for w in json.loads(state_file.read_text())["workers"]]
-        assert all(wait_until_gone([pgid], 0) for pgid in pgids), "workers should be training"
+        assert len(pgids) == 2 and all(wait_until_gone([pgid], 0) for pgid in pgids), "workers should be training"
         process.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         left = wait_until_gone(pgids, timeout_s=10)

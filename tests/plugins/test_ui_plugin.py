@@ -24,17 +24,15 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from tasks import compare
+from tests.browser import chromium
 from tests.tasks import run_fixtures
 from trainer.layout import run_key
 from trainer.storage import join, upload_tree, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"
-CHROMIUM = "/usr/bin/chromium"
 KEY_28 = run_key(run_fixtures.DAG_ID, "scheduled__2026-11-28T02:00:00+00:00")
 KEY_29 = run_key(run_fixtures.DAG_ID, "scheduled__2026-11-29T02:00:00+00:00")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run"]
 
 sys.path.insert(0, str(REPO / "plugins"))  # as Airflow does for its plugins folder
 from gpt_finetune_ui.reports_app import create_app
@@ -49,18 +47,22 @@ def storage_root(tmp_path_factory):
         patch.setattr(compare, "EVALUATE_MODULE", "tests.tasks.fixture_evaluate")
         patch.setenv("TFMW_FIXTURE_EVALUATE_CALLS", str(calls))
         patch.setenv("PYTHONPATH", str(REPO))
-        for run_id, workers, train_time_s, tolerance in (("scheduled__2026-11-28T02:00:00+00:00", 2, 30.0, 0.02),
-                                                         ("scheduled__2026-11-29T02:00:00+00:00", 4, 22.0, 0.001)):
+        for run_id, workers, train_time_s, tolerance, gates in (
+                ("scheduled__2026-11-28T02:00:00+00:00", 2, 30.0, 0.02, "passed"),
+                ("scheduled__2026-11-29T02:00:00+00:00", 4, 22.0, 0.001, "failed")):
             prepared = run_fixtures.prepare_run(root, run_id, num_workers=workers, batch_size_per_worker=16 // workers,
                                                 loss_tolerance=tolerance)
             run_fixtures.write_training_output(prepared["baseline_url"], num_workers=1, train_time_s=33.0,
                                                eval_loss=5.30)
             run_fixtures.write_training_output(prepared["train_url"], num_workers=workers,
                                                train_time_s=train_time_s, eval_loss=5.31)
-            try:
+            if gates == "passed":
                 compare.evaluate_run(prepared)
-            except compare.GateFailure:
-                pass  # the second run fails its parity gate on purpose: the page must show it
+                continue
+            # The second run fails its parity gate on purpose (the page must show it), and only that gate.
+            with pytest.raises(compare.GateFailure, match=r"^1 comparison gate\(s\) failed .*eval loss distributed "
+                                                          r"5\.3100 - baseline 5\.3000 = \+0\.0100 nats, tolerance ±0\.0010"):
+                compare.evaluate_run(prepared)
     write_json_atomic(join(root, "runs", "manual__training", "config.json"), {})
     # The older run was released; the newer one's release has not run yet.
     write_json_atomic(join(root, "runs", KEY_28, "release.json"), {"clean": True})
@@ -87,12 +89,8 @@ def server_url(storage_root):
 
 @pytest.fixture(scope="module")
 def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with chromium() as browser:
         yield browser
-        browser.close()
 
 
 def test_pages_list_runs_and_show_a_report_with_its_charts(server_url, browser):

@@ -232,20 +232,54 @@ def test_every_input_changes_the_fingerprint(tmp_path, change):
     assert identify_dataset(cfg).fingerprint != before
 
 
-def test_output_does_not_depend_on_the_number_of_processes(tmp_path):
-    cfg = config(tmp_path, num_workers=1, block_size=64)
-    many = prepare_dataset(cfg.replace(storage_root=str(tmp_path / "many")))
+PREPARE_ON_CORES = """
+import json, logging, os, sys
+os.sched_setaffinity(0, json.loads(sys.argv[1]))  # before any thread pool exists: every thread inherits it
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from trainer.config import RunConfig
+from tasks.tokenize import prepare_dataset
+result = prepare_dataset(RunConfig.from_params(json.loads(sys.argv[2])))
+threads = [len(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")]
+print(json.dumps({"fingerprint": result.fingerprint, "manifest_url": result.manifest_url, "thread_cores": threads}))
+"""
+
+
+def prepare_on_cores(cfg: RunConfig, cores: set[int]) -> dict:
+    """prepare_dataset in a fresh process confined to `cores` from its start, as a task on a smaller machine runs.
+
+    Returns its result, the cores each of its threads (the tokenizer's pool included) may run on, and the cores the
+    stage says it tokenized on."""
+    done = subprocess.run([sys.executable, "-c", PREPARE_ON_CORES, json.dumps(sorted(cores)), cfg.to_json()],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    logged = [line for line in done.stderr.splitlines() if line.startswith("tokenizing ")]
+    assert len(logged) == 1, done.stderr[-3000:]
+    result["tokenized_on"] = int(logged[0].rsplit(" on ", 1)[1].split()[0])
+    return result
+
+
+def test_output_does_not_depend_on_the_number_of_cores(tmp_path):
     cores = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(cores)})
-    try:
-        one = prepare_dataset(cfg.replace(storage_root=str(tmp_path / "one")))
-    finally:
-        os.sched_setaffinity(0, cores)
-    assert one.fingerprint == many.fingerprint
-    assert dataset_files(one.manifest_url).keys() == dataset_files(many.manifest_url).keys()
-    for name, data in dataset_files(one.manifest_url).items():
+    if len(cores) < 2:
+        pytest.skip(f"needs at least 2 cores to compare with 1; this process may use {len(cores)}")
+    cfg = config(tmp_path, num_workers=1, block_size=64)
+    many = prepare_on_cores(cfg.replace(storage_root=str(tmp_path / "many")), cores)
+    one = prepare_on_cores(cfg.replace(storage_root=str(tmp_path / "one")), {min(cores)})
+
+    # The parallelism each run really had: every thread of the one-core run confined to one core, the other's free
+    # to use all, with thread pools (the tokenizer's among them) sized to match.
+    assert (one["tokenized_on"], set(one["thread_cores"])) == (1, {1})
+    assert (many["tokenized_on"], set(many["thread_cores"])) == (len(cores), {len(cores)})
+    assert len(many["thread_cores"]) > len(one["thread_cores"])
+
+    assert one["fingerprint"] == many["fingerprint"]
+    one_files, many_files = dataset_files(one["manifest_url"]), dataset_files(many["manifest_url"])
+    assert one_files.keys() == many_files.keys()
+    for name, data in one_files.items():
         if name != "manifest.json":
-            assert data == dataset_files(many.manifest_url)[name], name
+            assert data == many_files[name], name
+    assert comparable(storage.read_json(one["manifest_url"])) == comparable(storage.read_json(many["manifest_url"]))
 
 
 def test_local_and_s3_give_the_same_shards_and_manifest(tmp_path, s3_bucket):
@@ -379,7 +413,9 @@ def test_unwritable_storage_root_fails_before_tokenizing(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="gpt_finetune.prepare"), \
             pytest.raises(PrepareError, match=r"'storage_root' = .*a-file/storage' cannot be written"):
         prepare_dataset(cfg)
-    assert not any("tokenizing" in record.getMessage() for record in caplog.records)
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages and messages[0].startswith("dataset ")  # the stage's log is captured: its absence below counts
+    assert not any(m.startswith(("loaded", "training a byte-level BPE", "tokenizing")) for m in messages), messages
 
 
 def test_missing_bucket_is_an_unwritable_storage_root(tmp_path, s3_env):

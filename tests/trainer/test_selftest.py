@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
+from tests.hardware import nvidia_gpus
 from trainer import selftest
 from trainer.config import RunConfig
 from trainer.runtime import WorkerIdentity
@@ -63,30 +66,34 @@ def _identity(rank=0, num_workers=1):
     return WorkerIdentity(rank, num_workers, "host-a", tuple(f"127.0.0.1:{5000 + r}" for r in range(num_workers)))
 
 
-def test_worker_checks_pass_on_a_good_setup(tmp_path):
+def test_worker_checks_pass_on_a_good_setup(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # every GPU of the machine is visible
     paths = _dataset(tmp_path, num_workers=2)
     cfg = RunConfig.from_params(read_json(paths["config"]))
     report = selftest.check_worker(cfg, paths["manifest"], _identity(1, 2))
     assert report["errors"] == []
     assert report["manifest"] == {"ok": True, "fingerprint": "fp", "shards": 2, "shard_bytes": 256}
     assert report["storage"]["ok"] and report["disk"]["free_bytes"] > report["disk"]["needed_bytes"]
-    assert report["versions"]["tensorflow"] == "2.21.0" and report["devices"]["gpus"] == []
+    installed = {package: metadata.version(package) for package in ("tensorflow", "tf-keras", "transformers", "numpy")}
+    assert report["versions"] == {"python": platform.python_version(), **installed}
+    assert [(gpu["index"], gpu["name"]) for gpu in report["devices"]["gpus"]] == nvidia_gpus()
     assert not (tmp_path / ".preflight").exists() or not any((tmp_path / ".preflight").iterdir())
 
 
-def test_worker_checks_name_each_problem_and_the_setting(tmp_path):
+def test_worker_checks_name_each_problem_and_the_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # as the launcher pins a worker given no GPU, on any machine
     paths = _dataset(tmp_path, num_workers=2)
-    unwritable = tmp_path / "readonly"
-    unwritable.mkdir()
-    unwritable.chmod(0o500)
-    cfg = RunConfig(num_workers=3, use_gpu=True, storage_root=str(unwritable / "root"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("a file where storage_root needs a directory: not writable, even by root")
+    cfg = RunConfig(num_workers=3, use_gpu=True, storage_root=str(blocker / "root"))
     (Path(paths["manifest"]).parent / "train-00003-of-00004.tfrecord").unlink()
-    errors = "\n".join(selftest.check_worker(cfg, paths["manifest"], _identity(1, 2))["errors"])
+    report = selftest.check_worker(cfg, paths["manifest"], _identity(1, 2))
+    errors = "\n".join(report["errors"])
     assert "rank 1 on host-a: TF_CONFIG lists 2 workers but num_workers=3" in errors
     assert "use_gpu is true but no GPU is visible" in errors and "set use_gpu to false" in errors
     assert "shard(s) ['train-00003-of-00004.tfrecord'] listed in" in errors
-    if os.geteuid() != 0:  # root writes anywhere
-        assert f"cannot write to storage_root {unwritable / 'root'}" in errors
+    assert f"rank 1 on host-a: cannot write to storage_root {blocker / 'root'}: " in errors
+    assert report["storage"]["ok"] is False and blocker.read_text().startswith("a file where")
     missing = selftest.check_worker(cfg, str(tmp_path / "nope.json"), _identity())["errors"]
     assert any("cannot read the manifest" in e and "nope.json" in e for e in missing)
 
@@ -159,7 +166,7 @@ def test_version_skew_fails_the_group(tmp_path):
     assert not result.succeeded and result.failures[0].exit_code == selftest.EXIT_CHECKS_FAILED
     report = read_json(paths["output"] + "/preflight.json")
     assert report["status"] == "failed"
-    assert report["errors"] == [e for e in report["errors"] if e.startswith("version skew in tensorflow")]
+    assert report["errors"] and all(e.startswith("version skew in tensorflow") for e in report["errors"])
     assert "2.20.0 on rank(s) [1]" in result.error_message()
 
 

@@ -168,6 +168,7 @@ def test_outputs_follow_the_contract(runs):
         assert summary["final_loss"] == job.losses()[STEPS]
         for rank in range(workers):
             records = [json.loads(line) for line in (job.output / "metrics" / f"rank-{rank}.jsonl").open()]
+            assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # one record per step, none lost
             assert all(METRIC_KEYS <= set(r) for r in records)
             assert all(math.isfinite(r["loss"]) and r["input_wait_s"] >= 0 for r in records)
         assert list((job.output / "tensorboard").glob("events.out.tfevents.*"))
