@@ -27,7 +27,7 @@ ARTIFACTS = REPO / "test-artifacts"
 # Param titles from dags/gpt_finetune.py, by the control the form renders for each Param type.
 FORM_FIELDS = {"Workers": "spinbutton", "Launcher backend": "combobox", "Mixed precision": "combobox",
                "Use GPUs": "checkbox"}
-TEARDOWN = "release"
+TEARDOWNS = ("release", "outcome")
 FINISHED = {"success", "failed", "skipped", "upstream_failed"}
 
 
@@ -154,21 +154,21 @@ def check_the_run(airflow_stack: AirflowStack, run_id: str) -> None:
 def stop_the_run(airflow_stack: AirflowStack, run_id: str, timeout: float = 60) -> None:
     """Mark the run failed, as the UI's button does, so that it trains nothing, and wait for its release.
 
-    Airflow skips every task that has not started and fails the running ones, but leaves the release teardown to
-    clean up; the run then ends in the state that its skipped leaves give it (success, in Airflow 3.3). A task whose
-    start (queued -> running) commits while the run is being marked escapes the mark, so it is repeated until no
-    task but the teardown is left to run.
+    Airflow skips every task that has not started and fails the running ones, but leaves both teardowns to run:
+    release cleans up and outcome keeps the run failed. A task whose start (queued -> running) commits while the
+    run is being marked escapes the mark, so it is repeated until no task but the teardowns is left to run.
     """
     deadline = time.monotonic() + timeout
     while True:
         rest(airflow_stack, "PATCH", run_path(run_id), {"state": "failed"})
         states = {task["task_id"]: task["state"]
                   for task in rest(airflow_stack, "GET", f"{run_path(run_id)}/taskInstances")["task_instances"]}
-        left = {task: state for task, state in states.items() if task != TEARDOWN and state not in FINISHED}
+        left = {task: state for task, state in states.items() if task not in TEARDOWNS and state not in FINISHED}
         if not left:
             break
         assert time.monotonic() < deadline, f"tasks of {run_id} still to run {timeout:.0f}s after marking it: {left}"
         time.sleep(2)
     assert states["train"] in ("skipped", "failed"), states
-    airflow_stack.wait_for_run(DAG, run_id, timeout=180)
-    assert airflow_stack.task_states(DAG, run_id)[TEARDOWN] == "success"
+    assert airflow_stack.wait_for_run(DAG, run_id, timeout=180) == "failed"
+    states = airflow_stack.task_states(DAG, run_id)
+    assert states["release"] == "success" and states["outcome"] == "failed", states
