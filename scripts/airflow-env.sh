@@ -15,6 +15,12 @@ export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="${AIRFLOW__DATABASE__SQL_ALCHEMY_CON
 export AIRFLOW__API__PORT="$AIRFLOW_PORT"
 # Tasks reach the scheduler's execution API on the API server: the URL must name the same port.
 export AIRFLOW__CORE__EXECUTION_API_SERVER_URL="http://localhost:$AIRFLOW_PORT/execution/"
+# A task retries a refused or failed execution API call for at least 24 x 5 s = 2 minutes (Airflow's default gives up
+# after 4-15 s): standalone starts the scheduler next to a still-loading API server, and a run due at start-up
+# would otherwise fail its first task with "connection refused".
+export AIRFLOW__WORKERS__EXECUTION_API_RETRIES="${AIRFLOW__WORKERS__EXECUTION_API_RETRIES:-25}"
+export AIRFLOW__WORKERS__EXECUTION_API_RETRY_WAIT_MIN="${AIRFLOW__WORKERS__EXECUTION_API_RETRY_WAIT_MIN:-5}"
+export AIRFLOW__WORKERS__EXECUTION_API_RETRY_WAIT_MAX="${AIRFLOW__WORKERS__EXECUTION_API_RETRY_WAIT_MAX:-15}"
 export AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS="${AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS:-admin:admin}"
 export AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE="$AIRFLOW_HOME/simple_auth_manager_passwords.json"
 export AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="${AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL:-5}"
