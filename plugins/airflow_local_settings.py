@@ -1,7 +1,8 @@
 """This project's cluster policies. Airflow imports `airflow_local_settings` from sys.path in every component at
-start-up, and puts the plugins folder on sys.path, so the policies apply wherever this folder is the plugins
-folder (`make airflow`, the tests, the images). A deployment with its own airflow_local_settings imports the hook
-from tf_multiworker.gpu_admission there instead (the first module of that name on sys.path wins).
+start-up; this folder is on sys.path wherever the project is installed (the editable install's .pth) and wherever
+it is Airflow's plugins folder (Airflow adds that; the images), so the policies apply in `make airflow`, the tests,
+`airflow dags test` and the images. A deployment with its own airflow_local_settings imports the hook from
+tf_multiworker.gpu_admission there instead (the first module of that name on sys.path wins).
 """
 
 from tf_multiworker.gpu_admission import task_instance_mutation_hook

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from airflow.cli.commands.standalone_command import StandaloneCommand
+from airflow.configuration import write_default_airflow_configuration_if_needed
 from tf_multiworker.gpu_admission import GPU_POOL, ensure_gpu_pool
 
 
@@ -21,6 +22,9 @@ class ProjectStandalone(StandaloneCommand):
 
 
 if __name__ == "__main__":
+    # As Airflow's CLI does before every command: the components started next read one airflow.cfg, with one
+    # generated JWT secret (each would otherwise write its own, and tasks fail with "Invalid auth token").
+    write_default_airflow_configuration_if_needed()
     try:
         ProjectStandalone().run()
     except ValueError as exc:  # a malformed GPT_FINETUNE_GPU_SLOTS

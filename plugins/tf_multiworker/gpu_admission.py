@@ -4,7 +4,7 @@ Whether a task uses GPUs, and how many, depends on the run's settings (`use_gpu`
 over the Param defaults), but Airflow fixes a task instance's `pool` and `pool_slots` when it creates it and does not
 template them. So a cluster policy sets them: `task_instance_mutation_hook` runs in the scheduler, the API server
 and `airflow dags test` whenever a task instance is created or cleared, with the run at hand. It is registered by
-`plugins/airflow_local_settings.py` (Airflow imports that module from the plugins folder in every component).
+`plugins/airflow_local_settings.py`, which Airflow imports in every component.
 
 A task opts in by declaring `pool=GPU_POOL` in the DAG. Its GPUs are one per worker: a worker group with a fixed
 integer `num_workers` takes that many, one whose `num_workers` is templated takes the run's `num_workers`, and a

@@ -2,7 +2,7 @@
 
 Task instances are built from the serialized DAG, as the scheduler builds them, and mutated through Airflow's own
 policy hook (`airflow.settings.task_instance_mutation_hook`), so these tests also fail when the project's
-airflow_local_settings is not loaded. The scheduler itself: tests/e2e/test_gpu_admission.py.
+airflow_local_settings is not loaded. The scheduler itself: tests/e2e/test_scheduling.py.
 """
 
 from __future__ import annotations
@@ -68,6 +68,20 @@ def test_settings_missing_from_the_conf_come_from_the_param_defaults(scheduler_d
 
 def test_a_malformed_worker_count_holds_one_slot_until_prepare_refuses_it(scheduler_dag):
     assert admitted(scheduler_dag, {"use_gpu": True, "num_workers": "4"})["train"] == (GPU_POOL, 1)
+
+
+def test_a_cleared_task_instance_gets_the_run_s_slots_again(scheduler_dag):
+    """Clearing a task (UI, API, `airflow tasks clear`) refreshes it from its task with its run: the hook runs again."""
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import TaskInstance
+
+    dag_run = DagRun(dag_id=scheduler_dag.dag_id, run_id="manual__cleared", conf={"use_gpu": True, "num_workers": 3},
+                     run_type="manual")
+    task = scheduler_dag.get_task("train")
+    ti = TaskInstance(task, run_id=dag_run.run_id, map_index=-1, dag_version_id=None)
+    assert (ti.pool, ti.pool_slots) == (GPU_POOL, 1)  # as declared: no run bound yet
+    ti.refresh_from_task(task, dag_run=dag_run)  # what clear_task_instances does
+    assert (ti.pool, ti.pool_slots) == (GPU_POOL, 3)
 
 
 @pytest.fixture
