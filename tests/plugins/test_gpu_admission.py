@@ -110,7 +110,7 @@ def test_a_request_above_the_pool_takes_the_whole_pool_instead_of_waiting_foreve
 
 
 def test_a_missing_pool_is_reported_with_the_setting_that_creates_it(scheduler_dag, pool_session, caplog):
-    with caplog.at_level(logging.ERROR, logger="tf_multiworker.gpu_admission"):
+    with caplog.at_level(logging.WARNING, logger="tf_multiworker.gpu_admission"):
         pools = admitted(scheduler_dag, {"use_gpu": True, "num_workers": 2}, session=pool_session)
     assert pools["train"] == (GPU_POOL, 2)
     assert "Pool 'gpu_slots' does not exist" in caplog.text and SLOTS_SETTING in caplog.text
