@@ -111,7 +111,8 @@ Trigger from the CLI: `airflow dags trigger gpt_finetune --conf '{"num_workers":
     default_args={"retries": 1, "retry_delay": pendulum.duration(seconds=RETRY_DELAY_S)},
 )
 def gpt_finetune():
-    from tf_multiworker.operator import TFMultiWorkerOperator  # plugins/ is on sys.path when Airflow parses
+    from tf_multiworker.gpu_admission import GPU_POOL  # plugins/ is on sys.path when Airflow parses
+    from tf_multiworker.operator import TFMultiWorkerOperator
 
     @task(task_id=PREPARE, outlets=[SHARDS_ASSET])
     def prepare(params=None, run_id=None, dag_run=None, outlet_events=None) -> dict:
@@ -144,6 +145,7 @@ def gpt_finetune():
             storage_conn_id=from_config("storage_conn_id"),
             startup_timeout_s=from_config("startup_timeout_s"),
             hang_timeout_s=from_config("hang_timeout_s"),
+            pool=GPU_POOL,  # with use_gpu, one slot per worker (tf_multiworker/gpu_admission.py); CPU runs: none
             **kwargs,
         )
 
@@ -162,7 +164,7 @@ def gpt_finetune():
     baseline = worker_group("baseline", "trainer.train", config="baseline_config_url", output="baseline_url",
                             num_workers=1, summary_url=prepared("baseline_summary_url"))
 
-    @task(task_id="evaluate", trigger_rule="none_failed", retries=0)
+    @task(task_id="evaluate", trigger_rule="none_failed", retries=0, pool=GPU_POOL)
     def evaluate(prepared_run: dict) -> dict:
         from tasks.compare import evaluate_run
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `make airflow`: Airflow standalone (API server + scheduler + DAG processor + triggerer) on the project-local home.
+# `make airflow`: Airflow standalone (API server + scheduler + DAG processor + triggerer) on the project-local home,
+# plus the GPU pool (scripts/standalone.py).
 set -euo pipefail
 source "$(dirname "$0")/airflow-env.sh"
 passwords="$AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"
@@ -18,4 +19,4 @@ cat <<MSG
  Stop:        Ctrl-C
 ============================================================================
 MSG
-exec airflow standalone
+exec python "$(dirname "$0")/standalone.py"

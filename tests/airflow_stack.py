@@ -79,6 +79,18 @@ class AirflowStack:
             time.sleep(3)
         raise TimeoutError(f"run {run_id} of {dag_id} not finished after {timeout:.0f}s; log: {self.log_path}")
 
+    def rest(self, method: str, path: str, body: dict | None = None) -> dict:
+        """One call of the REST API with a token from the SimpleAuthManager login."""
+        token = self._call("POST", "/auth/token", {"username": self.login[0], "password": self.login[1]}, {})
+        return self._call(method, path, body, {"Authorization": f"Bearer {token['access_token']}"})
+
+    def _call(self, method: str, path: str, body: dict | None, headers: dict[str, str]) -> dict:
+        request = urllib.request.Request(f"{self.url}{path}", method=method,
+                                         headers={"Content-Type": "application/json", **headers},
+                                         data=json.dumps(body).encode() if body is not None else None)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.load(response)
+
     def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
         folder = self.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task_id}"
         files = sorted(folder.glob(f"attempt={try_number}*"))
@@ -96,8 +108,9 @@ class AirflowStack:
             pass
 
 
-def airflow_env(home: Path, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment `scripts/airflow-env.sh` sets, for a given home and port.
+def airflow_env(home: Path, port: int, extra: dict[str, str] | None = None,
+                overrides: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment `scripts/airflow-env.sh` sets, for a given home and port; `overrides` replace what it sets.
 
     No AIRFLOW_* or AWS_* variable of the test process leaks in: storage credentials reach a stack only as the
     tests give them (an Airflow connection, or `extra`)."""
@@ -108,12 +121,13 @@ def airflow_env(home: Path, port: int, extra: dict[str, str] | None = None) -> d
         ["bash", "-c", "source scripts/airflow-env.sh && env -0"],
         env=base, cwd=REPO, capture_output=True, check=True,
     ).stdout
-    return dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
+    return {**dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item), **(overrides or {})}
 
 
-def start_stack(home: Path, extra_env: dict[str, str] | None = None, timeout: float = 400) -> AirflowStack:
-    port = free_port()
-    env = airflow_env(home, port, extra_env)
+def start_stack(home: Path, extra_env: dict[str, str] | None = None, timeout: float = 400, *,
+                port: int | None = None, overrides: dict[str, str] | None = None) -> AirflowStack:
+    port = port or free_port()
+    env = airflow_env(home, port, extra_env, overrides)
     log_path = home / "standalone.log"
     home.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log_file:

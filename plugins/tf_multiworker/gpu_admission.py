@@ -1,0 +1,135 @@
+"""GPU admission: tasks that use GPUs queue for slots of the `gpu_slots` pool, one slot per GPU.
+
+Whether a task uses GPUs, and how many, depends on the run's settings (`use_gpu`, `num_workers`: the trigger's conf
+over the Param defaults), but Airflow fixes a task instance's `pool` and `pool_slots` when it creates it and does not
+template them. So a cluster policy sets them: `task_instance_mutation_hook` runs in the scheduler, the API server
+and `airflow dags test` whenever a task instance is created or cleared, with the run at hand. It is registered by
+`plugins/airflow_local_settings.py`, which Airflow imports in every component.
+
+A task opts in by declaring `pool=GPU_POOL` in the DAG. Its GPUs are one per worker: a worker group with a fixed
+integer `num_workers` takes that many, one whose `num_workers` is templated takes the run's `num_workers`, and a
+task without workers (a plain Python task) takes one. Runs without `use_gpu` move such tasks to the default pool,
+so CPU runs never need `gpu_slots`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import TaskInstance
+
+log = logging.getLogger(__name__)
+
+GPU_POOL = "gpu_slots"
+DEFAULT_POOL = "default_pool"  # airflow.models.pool.Pool.DEFAULT_POOL_NAME, without importing the ORM at start-up
+SLOTS_SETTING = "GPT_FINETUNE_GPU_SLOTS"
+POOL_DESCRIPTION = "GPUs on the training hosts: one slot per worker"
+
+
+def run_setting(task: Any, dag_run: DagRun, key: str) -> Any:
+    """A run setting as the tasks see it: the trigger's conf over the DAG's Param default."""
+    conf = dag_run.conf or {}
+    if key in conf:
+        return conf[key]
+    params = getattr(task, "params", None) or {}
+    return params.get(key)
+
+
+def gpus_needed(task: Any, use_gpu: Any, num_workers: Any) -> int:
+    """GPUs a task of `gpu_slots` holds in a run with these settings; 0 on the CPU."""
+    if use_gpu is not True:
+        return 0
+    workers = getattr(task, "num_workers", 1)
+    if isinstance(workers, str):  # templated: the group follows the run's num_workers
+        workers = num_workers
+    # A malformed num_workers fails the run's first task (RunConfig); until then it holds one slot.
+    return workers if isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1 else 1
+
+
+def _pool_size(dag_run: DagRun) -> int | None:
+    """Slots of `gpu_slots` read through the run's own session (the hook may not open one); None if unknown."""
+    from airflow.models.pool import Pool
+    from sqlalchemy import select
+    from sqlalchemy.orm import object_session
+
+    session = object_session(dag_run)
+    if session is None:
+        return None
+    with session.no_autoflush:
+        slots = session.scalar(select(Pool.slots).where(Pool.pool == GPU_POOL))
+    if slots is None:
+        log.warning("Pool %r does not exist: the scheduler starts no GPU task of run %s until it does (`airflow "
+                    "dags test` ignores pools). Create it with `airflow pools set %s <GPUs> ...`, or set %s "
+                    "(make airflow) / GPU_SLOTS (docker compose) and restart.",
+                    GPU_POOL, dag_run.run_id, GPU_POOL, SLOTS_SETTING)
+    return slots
+
+
+def task_instance_mutation_hook(task_instance: TaskInstance, dag_run: DagRun | None) -> None:
+    task = getattr(task_instance, "task", None)
+    if dag_run is None or task is None or task.pool != GPU_POOL:
+        return  # not a GPU task, or not bound to a run yet: the hook runs again once it is
+    gpus = gpus_needed(task, run_setting(task, dag_run, "use_gpu"), run_setting(task, dag_run, "num_workers"))
+    if gpus == 0:
+        task_instance.pool, task_instance.pool_slots = DEFAULT_POOL, 1
+        return
+    pool_size = _pool_size(dag_run)
+    if pool_size is not None and 0 < pool_size < gpus:
+        # A request above the pool's total would wait forever; holding the whole pool lets the task run alone
+        # and its own GPU check (preflight, the launcher) report what is missing.
+        log.warning("%s of run %s needs %d GPUs but pool %r has %d slots: it takes the whole pool. Raise %s "
+                    "(or GPU_SLOTS) if the hosts have more GPUs.", task_instance.task_id, dag_run.run_id, gpus,
+                    GPU_POOL, pool_size, SLOTS_SETTING)
+        gpus = pool_size
+    task_instance.pool, task_instance.pool_slots = GPU_POOL, gpus
+
+
+def configured_pool_size() -> int | None:
+    """GPT_FINETUNE_GPU_SLOTS as an integer >= 1; None when unset."""
+    value = os.environ.get(SLOTS_SETTING, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{SLOTS_SETTING}={value!r}: expected the number of GPUs the runs may use (an integer >= 1)")
+    return int(value)
+
+
+def detected_gpus() -> int:
+    """GPUs NVML sees on this host; 0 without NVML."""
+    try:
+        import pynvml
+    except ImportError:
+        return 0
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        log.info("NVML unavailable (%s): no GPUs visible", exc)
+        return 0
+    try:
+        return pynvml.nvmlDeviceGetCount()
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def ensure_gpu_pool() -> tuple[int, str]:
+    """Create or resize `gpu_slots` at start-up; returns (slots, what was done).
+
+    GPT_FINETUNE_GPU_SLOTS sets the size every start. Unset, an existing pool keeps its size (it may have been
+    changed in the UI) and a missing one gets the GPUs NVML sees, at least one, so that a `use_gpu` run on a host
+    without GPUs reaches preflight and fails there, naming the missing GPUs, instead of waiting for slots forever.
+    """
+    from airflow.models.pool import Pool
+    from airflow.utils.session import create_session
+
+    configured = configured_pool_size()
+    with create_session() as session:
+        existing = Pool.get_pool(GPU_POOL, session=session)
+        if configured is None and existing is not None:
+            return existing.slots, "kept"
+        slots = configured if configured is not None else max(1, detected_gpus())
+        Pool.create_or_update_pool(GPU_POOL, slots, POOL_DESCRIPTION, include_deferred=False, session=session)
+    return slots, "set from " + (SLOTS_SETTING if configured is not None else "the GPUs NVML sees (at least 1)")

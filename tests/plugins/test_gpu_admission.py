@@ -1,0 +1,139 @@
+"""GPU admission policy: a run's settings -> the pool and slots of each task instance of gpt_finetune.
+
+Task instances are built from the serialized DAG, as the scheduler builds them, and mutated through Airflow's own
+policy hook (`airflow.settings.task_instance_mutation_hook`), so these tests also fail when the project's
+airflow_local_settings is not loaded. The scheduler itself: tests/e2e/test_scheduling.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+from tf_multiworker.gpu_admission import DEFAULT_POOL, GPU_POOL, SLOTS_SETTING, configured_pool_size
+
+from tests.airflow_stack import REPO, airflow_env
+
+GPU_TASKS = {"preflight", "train", "baseline", "evaluate"}
+
+
+@pytest.fixture(scope="module")
+def scheduler_dag():
+    """gpt_finetune as the scheduler sees it: parsed, serialized, deserialized."""
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    bag = DagBag(dag_folder=str(REPO / "dags"))
+    assert bag.import_errors == {}
+    return DagSerialization.from_dict(DagSerialization.to_dict(bag.dags["gpt_finetune"]))
+
+
+def admitted(dag, conf: dict, session=None) -> dict[str, tuple[str, int]]:
+    """task_id -> (pool, pool_slots) of the task instances a run with `conf` gets (as verify_integrity makes them)."""
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.settings import task_instance_mutation_hook
+
+    dag_run = DagRun(dag_id=dag.dag_id, run_id="manual__admission", conf=conf, run_type="manual")
+    if session is not None:
+        session.add(dag_run)
+    result = {}
+    for task in dag.tasks:
+        ti = TaskInstance(task, run_id=dag_run.run_id, map_index=-1, dag_version_id=None)
+        task_instance_mutation_hook(ti, dag_run=dag_run)
+        result[ti.task_id] = (ti.pool, ti.pool_slots)
+    return result
+
+
+@pytest.mark.parametrize("num_workers", [1, 3])
+def test_gpu_runs_take_one_slot_per_gpu(scheduler_dag, num_workers):
+    pools = admitted(scheduler_dag, {"use_gpu": True, "num_workers": num_workers})
+    assert pools["preflight"] == pools["train"] == (GPU_POOL, num_workers)
+    assert pools["baseline"] == pools["evaluate"] == (GPU_POOL, 1)
+    assert {task: pools[task] for task in pools.keys() - GPU_TASKS} == dict.fromkeys(pools.keys() - GPU_TASKS,
+                                                                                     (DEFAULT_POOL, 1))
+
+
+@pytest.mark.parametrize("conf", [{}, {"use_gpu": False, "num_workers": 4}])
+def test_cpu_runs_do_not_need_the_pool(scheduler_dag, conf):
+    assert set(admitted(scheduler_dag, conf).values()) == {(DEFAULT_POOL, 1)}
+
+
+def test_settings_missing_from_the_conf_come_from_the_param_defaults(scheduler_dag):
+    default_workers = scheduler_dag.params["num_workers"]
+    assert admitted(scheduler_dag, {"use_gpu": True})["train"] == (GPU_POOL, default_workers)
+
+
+def test_a_malformed_worker_count_holds_one_slot_until_prepare_refuses_it(scheduler_dag):
+    assert admitted(scheduler_dag, {"use_gpu": True, "num_workers": "4"})["train"] == (GPU_POOL, 1)
+
+
+def test_a_cleared_task_instance_gets_the_run_s_slots_again(scheduler_dag):
+    """Clearing a task (UI, API, `airflow tasks clear`) refreshes it from its task with its run: the hook runs again."""
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import TaskInstance
+
+    dag_run = DagRun(dag_id=scheduler_dag.dag_id, run_id="manual__cleared", conf={"use_gpu": True, "num_workers": 3},
+                     run_type="manual")
+    task = scheduler_dag.get_task("train")
+    ti = TaskInstance(task, run_id=dag_run.run_id, map_index=-1, dag_version_id=None)
+    assert (ti.pool, ti.pool_slots) == (GPU_POOL, 1)  # as declared: no run bound yet
+    ti.refresh_from_task(task, dag_run=dag_run)  # what clear_task_instances does
+    assert (ti.pool, ti.pool_slots) == (GPU_POOL, 3)
+
+
+@pytest.fixture
+def pool_session():
+    """A session on a throw-away database holding only Airflow's pool table."""
+    from airflow.models.pool import Pool
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    engine = create_engine("sqlite://")
+    Pool.__table__.create(engine)
+    with Session(engine) as session:
+        yield session
+
+
+def test_a_request_above_the_pool_takes_the_whole_pool_instead_of_waiting_forever(scheduler_dag, pool_session,
+                                                                                   caplog):
+    from airflow.models.pool import Pool
+
+    pool_session.add(Pool(pool=GPU_POOL, slots=3, include_deferred=False))
+    pool_session.flush()
+    with caplog.at_level(logging.WARNING, logger="tf_multiworker.gpu_admission"):
+        pools = admitted(scheduler_dag, {"use_gpu": True, "num_workers": 8}, session=pool_session)
+    assert pools["train"] == (GPU_POOL, 3) and pools["baseline"] == (GPU_POOL, 1)
+    assert "needs 8 GPUs but pool 'gpu_slots' has 3 slots" in caplog.text and SLOTS_SETTING in caplog.text
+
+
+def test_a_missing_pool_is_reported_with_the_setting_that_creates_it(scheduler_dag, pool_session, caplog):
+    with caplog.at_level(logging.WARNING, logger="tf_multiworker.gpu_admission"):
+        pools = admitted(scheduler_dag, {"use_gpu": True, "num_workers": 2}, session=pool_session)
+    assert pools["train"] == (GPU_POOL, 2)
+    assert "Pool 'gpu_slots' does not exist" in caplog.text and SLOTS_SETTING in caplog.text
+
+
+def test_every_airflow_process_loads_the_policy(tmp_path):
+    """Airflow creates task instances without calling the hook unless airflow_local_settings defines it."""
+    code = ("import airflow.settings as s; hook = s.get_policy_plugin_manager().hook.task_instance_mutation_hook; "
+            "print(s.task_instance_mutation_hook.is_noop, [impl.function.__module__ for impl in hook.get_hookimpls()])")
+    env = airflow_env(tmp_path / "home", 8080)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         check=True, timeout=300).stdout.strip().splitlines()[-1]
+    assert out == "False ['tf_multiworker.gpu_admission']"
+
+
+@pytest.mark.parametrize("value, expected", [("", None), ("4", 4), (" 2 ", 2)])
+def test_pool_size_setting(monkeypatch, value, expected):
+    monkeypatch.setenv(SLOTS_SETTING, value)
+    assert configured_pool_size() == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "four", "2.5"])
+def test_a_malformed_pool_size_names_the_setting(monkeypatch, value):
+    monkeypatch.setenv(SLOTS_SETTING, value)
+    with pytest.raises(ValueError, match=f"{SLOTS_SETTING}='{value}'"):
+        configured_pool_size()
