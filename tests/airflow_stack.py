@@ -88,7 +88,7 @@ class AirflowStack:
         request = urllib.request.Request(f"{self.url}{path}", method=method,
                                          headers={"Content-Type": "application/json", **headers},
                                          data=json.dumps(body).encode() if body is not None else None)
-        with urllib.request.urlopen(request, timeout=30) as response:
+        with urllib.request.urlopen(request, timeout=90) as response:  # an API server busy with a starting run
             return json.load(response)
 
     def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:

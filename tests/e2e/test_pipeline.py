@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -155,25 +155,15 @@ def test_worker_killed_in_every_attempt_fails_the_run_and_release_still_cleans_u
     assert_released(airflow_stack, run_id)
 
 
-def api_token(stack) -> str:
-    user, password = stack.login
-    request = urllib.request.Request(f"{stack.url}/auth/token", method="POST",
-                                     data=json.dumps({"username": user, "password": password}).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.load(response)["access_token"]
+def run_path(run_id: str) -> str:
+    return f"/api/v2/dags/{DAG}/dagRuns/{urllib.parse.quote(run_id, safe='')}"
 
 
 def test_marking_train_failed_from_outside_ends_every_worker_within_10_seconds(airflow_stack):
     run_id = trigger(airflow_stack, LONG)
     key = run_key(DAG, run_id)
     wait_until(lambda: len(worker_ranks(key)) == 2, 400, "both trainer workers")
-    request = urllib.request.Request(
-        f"{airflow_stack.url}/api/v2/dags/{DAG}/dagRuns/{run_id}/taskInstances/train", method="PATCH",
-        data=json.dumps({"new_state": "failed"}).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_token(airflow_stack)}"},
-    )
-    urllib.request.urlopen(request, timeout=30).close()
+    airflow_stack.rest("PATCH", f"{run_path(run_id)}/taskInstances/train", {"new_state": "failed"})
     marked = time.monotonic()
     wait_until(lambda: not processes_of_run(key), 10, "every worker gone after the task was marked failed", 0.1)
     assert time.monotonic() - marked <= 10
@@ -201,12 +191,7 @@ def test_marking_the_whole_run_failed_leaves_it_failed_and_release_still_runs(ai
     run_id = trigger(airflow_stack, LONG)
     key = run_key(DAG, run_id)
     wait_until(lambda: len(worker_ranks(key)) == 2, 400, "both trainer workers")
-    request = urllib.request.Request(
-        f"{airflow_stack.url}/api/v2/dags/{DAG}/dagRuns/{run_id}", method="PATCH",
-        data=json.dumps({"state": "failed"}).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_token(airflow_stack)}"},
-    )
-    urllib.request.urlopen(request, timeout=30).close()
+    airflow_stack.rest("PATCH", run_path(run_id), {"state": "failed"})
 
     assert airflow_stack.wait_for_run(DAG, run_id, timeout=300) == "failed"
     states = airflow_stack.task_states(DAG, run_id)

@@ -8,11 +8,9 @@ the trainer accepts. The run is then marked failed so it trains nothing. Screens
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import time
 import urllib.parse
-import urllib.request
 
 import pytest
 
@@ -29,21 +27,6 @@ FORM_FIELDS = {"Workers": "spinbutton", "Launcher backend": "combobox", "Mixed p
                "Use GPUs": "checkbox"}
 TEARDOWNS = ("release", "outcome")
 FINISHED = {"success", "failed", "skipped", "upstream_failed"}
-
-
-def rest(stack: AirflowStack, method: str, path: str, body: dict | None = None) -> dict:
-    """One call of Airflow's REST API with a token from the SimpleAuthManager login."""
-    user, password = stack.login
-    token = _call(stack, "POST", "/auth/token", {"username": user, "password": password}, {})["access_token"]
-    return _call(stack, method, path, body, {"Authorization": f"Bearer {token}"})
-
-
-def _call(stack: AirflowStack, method: str, path: str, body: dict | None, headers: dict[str, str]) -> dict:
-    request = urllib.request.Request(f"{stack.url}{path}", method=method,
-                                     headers={"Content-Type": "application/json", **headers},
-                                     data=json.dumps(body).encode() if body is not None else None)
-    with urllib.request.urlopen(request, timeout=90) as response:  # an API server busy with a starting run
-        return json.load(response)
 
 
 def run_path(run_id: str) -> str:
@@ -146,7 +129,7 @@ def show_the_run(page, run_id: str) -> None:
 
 def check_the_run(airflow_stack: AirflowStack, run_id: str) -> None:
     assert run_id in [run["run_id"] for run in airflow_stack.cli_json("dags", "list-runs", DAG)]
-    run = rest(airflow_stack, "GET", run_path(run_id))
+    run = airflow_stack.rest("GET", run_path(run_id))
     assert (run["run_type"], run["triggered_by"], run["conf"]["num_workers"]) == ("manual", "ui", 3)
     assert RunConfig.from_params(run["conf"]).num_workers == 3  # the form's whole conf passes the trainer's checks
 
@@ -160,9 +143,9 @@ def stop_the_run(airflow_stack: AirflowStack, run_id: str, timeout: float = 60) 
     """
     deadline = time.monotonic() + timeout
     while True:
-        rest(airflow_stack, "PATCH", run_path(run_id), {"state": "failed"})
+        airflow_stack.rest("PATCH", run_path(run_id), {"state": "failed"})
         states = {task["task_id"]: task["state"]
-                  for task in rest(airflow_stack, "GET", f"{run_path(run_id)}/taskInstances")["task_instances"]}
+                  for task in airflow_stack.rest("GET", f"{run_path(run_id)}/taskInstances")["task_instances"]}
         left = {task: state for task, state in states.items() if task not in TEARDOWNS and state not in FINISHED}
         if not left:
             break
