@@ -146,7 +146,7 @@ def release_status(release_url: str) -> str:
         return "pending"
     try:
         return "yes" if read_json(release_url).get("clean") is True else "no"
-    except (ValueError, AttributeError) as error:
+    except (OSError, ValueError, AttributeError) as error:  # e.g. a directory, a list: never a 500 for the index
         log.warning("Unreadable release record %s (%s)", release_url, error)
         return "no"
 
