@@ -128,7 +128,7 @@ def create_strategy(cfg: RunConfig, multi_worker: bool):
         "ring": tf.distribute.experimental.CommunicationImplementation.RING,
         "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
     }[cfg.communication]
-    # No `timeout_seconds`: TF 2.21 parks one sleeping thread per collective for the whole timeout
+    # No per-collective timeout: TF 2.21 parks one sleeping thread per collective for the whole timeout
     # (tensorflow#62466), +2 threads per step until pthread_create fails. Hangs are bounded without it: a peer
     # that exits or stops misses the coordination service's heartbeats and the others' collectives abort (exit
     # 3); a peer alive but stuck leaves the group silent and the launcher's hang watchdog ends it. The retry
