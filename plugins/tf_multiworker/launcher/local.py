@@ -1,5 +1,7 @@
 """Local backend: each worker is a process on this machine, in its own session (so its whole process group can
-be stopped), on a loopback port, with one GPU when asked for."""
+be stopped), with one GPU when asked for. TF_CONFIG names loopback addresses, but TensorFlow's worker server
+listens on every interface (see the README's Security model), and the worker's environment is the allow-listed
+part of this process's (`trainer.runtime.inherited_environment`)."""
 
 from __future__ import annotations
 
