@@ -30,13 +30,17 @@ PARAMS = {
                      description="Where workers run: local processes on the Airflow worker."),
     "dataset": Param("data/sample/*.txt", type="string", minLength=1, title="Dataset",
                      description="Local path, file:// or s3:// URL (globs allowed) of .txt/.jsonl/.json/.parquet "
-                                 "files, or a hub dataset id when online. Relative paths are from the repository."),
+                                 "files, or a hub dataset id when online. Relative paths are from the repository; "
+                                 "local paths only under GPT_FINETUNE_DATA_ROOTS, buckets only from "
+                                 "GPT_FINETUNE_S3_BUCKETS."),
     "text_column": Param("text", type="string", minLength=1, title="Text column",
                          description="Column holding the text in structured files."),
     "tokenizer": Param("bpe:2048", type="string", minLength=1, title="Tokenizer",
-                       description="bpe:<vocab> trains a byte-level BPE offline; else a hub name or a path/URL."),
+                       description="bpe:<vocab> trains a byte-level BPE offline; else a hub name or a path/URL "
+                                   "under the allowed data roots or buckets."),
     "model": Param("tiny", type="string", minLength=1, title="Model",
-                   description="Preset for random init (tiny, gpt2-124m), a hub name, or a save_pretrained path/URL."),
+                   description="Preset for random init (tiny, gpt2-124m), a hub name, or a save_pretrained path/URL "
+                               "under the allowed data roots or buckets."),
     "block_size": Param(64, type="integer", minimum=8, maximum=8192, title="Block size",
                         description="Tokens per training sequence."),
     "batch_size_per_worker": Param(8, type="integer", minimum=1, maximum=4096, title="Batch per worker"),
@@ -56,7 +60,8 @@ PARAMS = {
                       description="auto reuses a matching earlier baseline, run always trains one, skip none."),
     "loss_tolerance": Param(0.02, type="number", minimum=0, title="Eval loss parity tolerance (nats)"),
     "storage_root": Param(DEFAULT_STORAGE_ROOT, type="string", minLength=1, title="Storage root",
-                          description="Local path, file:// or s3:// URL for shards, checkpoints and reports."),
+                          description="Local path, file:// or s3:// URL for shards, checkpoints and reports "
+                                      "(an allowed bucket, see GPT_FINETUNE_S3_BUCKETS)."),
     # "null" in the type marks the field optional: the UI form refuses to submit an empty required string.
     "storage_conn_id": Param("", type=["null", "string"], title="Storage connection",
                              description="Airflow connection (aws type) with S3 credentials; empty uses the "
