@@ -204,8 +204,8 @@ def release_run(params: Mapping[str, Any], run_id: str, dag_id: str,
         raise ReleaseError(
             f"Release of run {key} on {report.host} could not be recorded: {type(error).__name__}: {error}. "
             f"Processes ended: {len(report.terminated)} terminated, {len(report.killed)} killed; still alive: "
-            f"{_describe(report.survivors, alive)}. Fix access to the storage root (storage_root / storage_conn_id) and clear the release "
-            f"task; until it succeeds this run counts as not released."
+            f"{_describe(report.survivors, alive)}. Fix access to the storage root (storage_root / "
+            f"storage_conn_id) and clear the release task; until it succeeds this run counts as not released."
         ) from error
     log.info(
         "Release of run %s on %s: terminated %s, killed %s, survivors %s; GPUs: %s; written %s",
@@ -214,9 +214,9 @@ def release_run(params: Mapping[str, Any], run_id: str, dag_id: str,
     )
     if not result["clean"]:
         raise ReleaseError(
-            f"Run {key} is not fully released on {report.host}: still alive: {_describe(report.survivors, alive)}; GPU holders: "
-            f"{report.gpu_check.get('held_by_run') or 'none'}. End them by hand (kill -9 <pid>) and clear the "
-            f"release task."
+            f"Run {key} is not fully released on {report.host}: still alive: "
+            f"{_describe(report.survivors, alive)}; GPU holders: {report.gpu_check.get('held_by_run') or 'none'}. "
+            f"End them by hand (kill -9 <pid>) and clear the release task."
         )
     return {"release_url": run.release, **{k: result[k] for k in ("clean", "terminated", "killed")}}
 
