@@ -36,22 +36,22 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
 
-from tf_multiworker.processes import (
-    carries_run_key,
-    gpu_check,
-    gpu_inventory,
+from tf_multiworker.launcher.local import gpu_check, gpu_processes
+from tf_multiworker.launcher.process import (
+    KILL_WAIT_S,
+    POLL_INTERVAL_S,
+    end_marked_processes,
     live_group_members,
-    signal_group,
-    stop_group,
-    stop_run,
-    wait_until,
+    processes_with_env,
+    stop_ladder,
 )
-from trainer.runtime import inherited_environment
+from trainer.runtime import RUN_KEY_ENV, inherited_environment
 
 AGENT_LINE = "TFMW_AGENT"
 EXIT_LINE = "TFMW_EXIT"
@@ -200,6 +200,30 @@ def _watch_stdin(stdin: IO[bytes], stop: threading.Event) -> None:
     stop.set()
 
 
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone
+
+
+def _group_gone(pgid: int) -> bool:
+    return not live_group_members(pgid)  # a zombie leader counts as gone: the agent reaps it
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not _group_gone(pgid) and time.monotonic() < deadline:
+        time.sleep(POLL_INTERVAL_S)
+    return _group_gone(pgid)
+
+
+def stop_group(pgid: int, grace_s: float) -> None:
+    """The launcher's one stopping ladder, for the worker's whole process group."""
+    stop_ladder([pgid], terminate=lambda g: _signal_group(g, signal.SIGTERM),
+                kill=lambda g: _signal_group(g, signal.SIGKILL), gone=_group_gone, grace_s=grace_s)
+
+
 def _signal_status(code: int) -> int:
     """A Popen return code as a shell exit status: 128 + signal for a signal."""
     return 128 - code if code < 0 else code
@@ -274,6 +298,14 @@ def _workdir_status(workdir: str) -> dict[str, Any]:
     return status
 
 
+def gpu_inventory() -> dict[str, Any]:
+    """NVML's view of this host: {"nvml", "count", "free": indices with no compute process}."""
+    devices = gpu_processes()
+    if devices is None:
+        return {"nvml": False, "count": 0, "free": []}
+    return {"nvml": True, "count": len(devices), "free": [index for index, pids in devices.items() if not pids]}
+
+
 def probe(request: dict[str, Any]) -> dict[str, Any]:
     gpus = gpu_inventory() if request["use_gpu"] else None  # NVML start-up costs time; CPU runs skip it
     return {**identity(), "tmpdir": tempfile.gettempdir(),
@@ -293,7 +325,7 @@ def _own_directory(path: Path) -> bool:
 
 def release(request: dict[str, Any]) -> dict[str, Any]:
     key = request["run_key"]
-    outcome = stop_run(key, float(request["grace_s"]))
+    outcome = end_marked_processes(RUN_KEY_ENV, key, float(request["grace_s"]))
     removed = []
     if request["workdir"] and not outcome["survivors"]:  # a survivor may still be writing there
         run_dir = Path(request["workdir"]).expanduser().absolute() / key
@@ -313,11 +345,11 @@ def kill_group(request: dict[str, Any]) -> dict[str, Any]:
     members = live_group_members(pgid)
     if not members:
         return {**answer, "status": "gone", "members": []}
-    if not any(carries_run_key(pid, key) for pid in members):
+    if not set(members) & set(processes_with_env(RUN_KEY_ENV, key)):
         return {**answer, "status": "refused", "members": members,
                 "reason": f"no member of process group {pgid} carries run key {key}"}
-    signal_group(pgid, signal.SIGKILL)
-    wait_until(lambda: not live_group_members(pgid), 5.0)
+    _signal_group(pgid, signal.SIGKILL)
+    _wait_group_gone(pgid, KILL_WAIT_S)
     return {**answer, "status": "killed", "members": members, "survivors": live_group_members(pgid)}
 
 

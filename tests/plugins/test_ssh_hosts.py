@@ -15,7 +15,7 @@ from pathlib import Path
 import paramiko
 import pytest
 from airflow.providers.ssh.hooks.ssh import SSHHook
-from tf_multiworker.processes import live_group_members, wait_until
+from tf_multiworker.launcher.process import live_group_members
 from tf_multiworker.remote_agent import VERSIONED_PACKAGES
 
 from tests.plugins.conftest import ENTRYPOINTS
@@ -148,8 +148,9 @@ def _command_lines_holding(text: str) -> list[int]:
 
 def _seconds_until_gone(worker: int, child: int) -> float:
     started = time.monotonic()
-    assert wait_until(lambda: not _alive(worker) and not _alive(child) and not live_group_members(worker), 15), \
-        f"worker {worker} or its child {child} still alive 15 s after the connection ended"
+    while _alive(worker) or _alive(child) or live_group_members(worker):
+        assert time.monotonic() - started < 15, f"worker {worker} or its child {child} alive 15 s after the stop"
+        time.sleep(0.05)
     return time.monotonic() - started
 
 
