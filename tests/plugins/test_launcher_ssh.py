@@ -175,7 +175,8 @@ def test_release_ends_a_runs_processes_on_every_host(ssh_hosts, connections, tmp
     backend.close()
     print(f"\nrelease over SSH: {json.dumps(result['hosts'])[:600]}")
     assert result["clean"] and [h["host"] for h in result["hosts"]] == [h.address for h in ssh_hosts]
-    assert result["hosts"][1]["terminated"] and processes_of_run(key) == {}
+    # The fake hosts share one process table, so whichever host's agent looks first ends it.
+    assert [pid for h in result["hosts"] for pid in h["terminated"]] and processes_of_run(key) == {}
     assert not (ssh_hosts[1].tmpdir / "tfmw" / key).exists()  # its run directory on that host's disk is gone
 
 
