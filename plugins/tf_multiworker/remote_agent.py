@@ -1,7 +1,7 @@
 """The agent the SSH backend runs on each remote host: `<remote_python> -u -m tf_multiworker.remote_agent MODE`.
 
 Every mode reads one JSON line on stdin (so secrets never travel in an argv or an SSH exec string) and answers on
-stdout. Standard library only (plus `pynvml` where installed): it starts for every rank, so it must start fast, and
+stdout. Paths (`cwd`, `workdir`) are this host's: a relative one lies under its temporary directory. Standard library only (plus `pynvml` where installed): it starts for every rank, so it must start fast, and
 it imports neither Airflow nor TensorFlow.
 
 - `run`: `{"argv": [...], "env": {...}, "cwd": str, "grace_s": float, "base_env": "inherit"}`. Starts `argv` in
@@ -119,6 +119,13 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
 }
 
 
+def host_path(path: str) -> Path:
+    """A path on this host: `~` expanded, and a relative one under this host's temporary directory ($TMPDIR or
+    /tmp here), so the launcher can name a per-host location without knowing the host's layout."""
+    expanded = Path(path).expanduser()
+    return expanded if expanded.is_absolute() else Path(tempfile.gettempdir()) / expanded
+
+
 def read_request(stream: IO[bytes], mode: str) -> dict[str, Any]:
     """The one JSON line of a request, checked field by field. Messages name fields, never values (secrets)."""
     line = stream.readline()
@@ -230,7 +237,7 @@ def _signal_status(code: int) -> int:
 
 
 def run_worker(request: dict[str, Any], out: Output, stdin: IO[bytes]) -> int:
-    argv, cwd, grace_s = request["argv"], os.path.expanduser(request["cwd"]), float(request["grace_s"])
+    argv, cwd, grace_s = request["argv"], str(host_path(request["cwd"])), float(request["grace_s"])
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -282,7 +289,7 @@ def free_ports(count: int, exclude: set[int]) -> list[int]:
 
 
 def _workdir_status(workdir: str) -> dict[str, Any]:
-    path = Path(workdir).expanduser().absolute()
+    path = host_path(workdir)
     status: dict[str, Any] = {"workdir": str(path), "workdir_writable": False, "workdir_error": None,
                               "free_disk_bytes": None}
     try:
@@ -328,7 +335,7 @@ def release(request: dict[str, Any]) -> dict[str, Any]:
     outcome = end_marked_processes(RUN_KEY_ENV, key, float(request["grace_s"]))
     removed = []
     if request["workdir"] and not outcome["survivors"]:  # a survivor may still be writing there
-        run_dir = Path(request["workdir"]).expanduser().absolute() / key
+        run_dir = host_path(request["workdir"]) / key
         if _own_directory(run_dir):
             shutil.rmtree(run_dir, ignore_errors=True)
             removed.append(str(run_dir))
