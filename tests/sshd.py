@@ -89,6 +89,14 @@ def _keygen(path: Path, comment: str) -> str:
     return " ".join(path.with_suffix(".pub").read_text().split()[:2])
 
 
+def _server_command(config: Path) -> list[str]:
+    """sshd in the foreground, ended by SIGTERM when the test process dies (even by SIGKILL or a timeout), so no
+    server outlives the session: util-linux's `setpriv --pdeathsig` sets that, then executes sshd itself."""
+    sshd = [str(SSHD), "-D", "-e", "-f", str(config)]
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *sshd] if setpriv else sshd
+
+
 def _free_port(address: str) -> int:
     with socket.socket() as sock:
         sock.bind((address, 0))
@@ -143,8 +151,8 @@ def _start_one(index: int, base: Path, authorized_keys: Path, key_file: Path) ->
         config = host_dir / "sshd_config"
         config.write_text(_config(host_dir, root, address, port, authorized_keys))
         with log_file.open("ab") as log:
-            process = subprocess.Popen([str(SSHD), "-D", "-e", "-f", str(config)], stdin=subprocess.DEVNULL,
-                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(_server_command(config), stdin=subprocess.DEVNULL, stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while process.poll() is None and time.monotonic() < deadline:
             if _accepts_ssh(address, port):
