@@ -47,7 +47,8 @@ def ssh_backend(settings: Mapping[str, Any]) -> Backend:
             raise LaunchError(f"SSH connection {conn_id!r} has no host: set its host.")
         # The address peers reach the host at; a separate data network is named by the extra "data_address".
         address = conn.extra_dejson.get("data_address") or conn.host
-        hook = SSHHook(ssh_conn_id=conn_id, conn_retry_attempts=2)  # an unreachable host fails in seconds
+        # One attempt, a bounded banner wait: an unreachable or silent host fails in seconds (the task retries).
+        hook = SSHHook(ssh_conn_id=conn_id, conn_retry_attempts=1, banner_timeout=10)
         hosts.append(RemoteHost(conn_id, address, hook.get_conn))
     return SSHBackend(hosts, remote_python=settings.get("remote_python") or sys.executable,
                       remote_workdir=settings.get("remote_workdir") or DEFAULT_REMOTE_WORKDIR,
