@@ -180,6 +180,16 @@ def test_release_ends_a_runs_processes_on_every_host(ssh_hosts, connections, tmp
     assert not (ssh_hosts[1].tmpdir / "tfmw" / key).exists()  # its run directory on that host's disk is gone
 
 
+def test_release_fails_loudly_when_a_host_cannot_be_reached(ssh_hosts, connections, monkeypatch):
+    monkeypatch.setenv("AIRFLOW_CONN_TFMW_SSH_GONE", json.dumps(dict(ssh_hosts[1].connection(), host="127.0.0.9")))
+    backend = _backend([connections[0], "tfmw_ssh_gone"])
+    result = backend.release("ssh-release-gone", [])
+    backend.close()
+    gone = result["hosts"][1]
+    assert result["clean"] is False and result["hosts"][0]["clean"] is True
+    assert gone["host"] == "127.0.0.9" and "unreachable" in gone["error"]
+
+
 def test_an_unreachable_host_fails_placement_in_seconds_naming_it(ssh_hosts, connections, tmp_path, monkeypatch):
     dead = dict(ssh_hosts[1].connection(), host="127.0.0.9")
     monkeypatch.setenv("AIRFLOW_CONN_TFMW_SSH_DEAD", json.dumps(dead))
