@@ -27,6 +27,11 @@ SHARDS_ASSET = Asset(name="gpt_finetune_shards", uri="gpt-finetune://datasets/sh
 PARAMS = {
     "num_workers": Param(2, type="integer", minimum=1, maximum=64, title="Workers",
                          description="Data-parallel workers (one GPU each when use_gpu is on)."),
+    # "null" in the type marks the field optional: empty = num_workers (no recovery on fewer workers).
+    "min_workers": Param(None, type=["null", "integer"], minimum=1, maximum=64, title="Minimum workers",
+                         description="A retried train task (or one with fewer usable hosts/GPUs) may continue on "
+                                     "as few as this many workers, with more accumulation steps keeping the global "
+                                     "batch and data order exact; empty = num_workers (off)."),
     "backend": Param("local", type="string", enum=list(BACKEND_NAMES), title="Launcher backend",
                      description="Where workers run: " + "; ".join(f"{name}: {meaning}" for name, (_, meaning)
                                                                     in BACKENDS.items()) + "."),
@@ -96,6 +101,10 @@ PARAMS = {
     "hang_timeout_s": Param(600, type="integer", minimum=10, title="Hang watchdog (s)",
                             description="End a group whose workers are alive but print nothing for this long "
                                         "(a hung collective); must exceed the first step's compilation."),
+    "min_predicted_efficiency": Param(0.0, type="number", minimum=0, maximum=1,
+                                      title="Minimum predicted scaling efficiency",
+                                      description="Preflight fails, before training, when the scaling advisor "
+                                                  "predicts num_workers below this efficiency (0 = off)."),
 }
 
 DOC = """
@@ -107,7 +116,8 @@ Fine-tunes a GPT-2 model with TensorFlow `MultiWorkerMirroredStrategy` on `num_w
    (cached by fingerprint).
 2. **preflight**: every worker checks versions, devices, disk and storage, then runs collectives with a known
    answer and measures bandwidth.
-3. **train**: `TFMultiWorkerOperator` launches the workers, streams their logs, resumes from checkpoints.
+3. **train**: `TFMultiWorkerOperator` launches the workers, streams their logs, resumes from checkpoints; with
+   `min_workers` a retry continues exactly on fewer workers when hosts are lost.
 4. **baseline**: the same job on one worker with the same global batch (reused when it matches).
 5. **evaluate**: eval loss / perplexity of both models, speedup, scaling efficiency, loss parity; writes the report.
 6. **release**: always runs; ends every worker of the run and proves the GPUs are free.
@@ -130,6 +140,7 @@ Trigger from the CLI: `airflow dags trigger gpt_finetune --conf '{"num_workers":
     default_args={"retries": 1, "retry_delay": pendulum.duration(seconds=RETRY_DELAY_S)},
 )
 def gpt_finetune():
+    from tf_multiworker.elastic import ElasticTrainOperator
     from tf_multiworker.gpu_admission import GPU_POOL  # plugins/ is on sys.path when Airflow parses
     from tf_multiworker.operator import TFMultiWorkerOperator
 
@@ -150,12 +161,13 @@ def gpt_finetune():
     def from_config(key: str) -> str:
         return "{{ ti.xcom_pull(task_ids='" + PREPARE + "')['config']['" + key + "'] }}"
 
-    def worker_group(task_id: str, entrypoint: str, *, config: str, output: str, num_workers,
-                     **kwargs) -> TFMultiWorkerOperator:
-        return TFMultiWorkerOperator(
+    def worker_group(task_id: str, entrypoint: str, *, config: str, output: str, num_workers, extra_args=(),
+                     operator=TFMultiWorkerOperator, **kwargs) -> TFMultiWorkerOperator:
+        return operator(
             task_id=task_id,
             entrypoint=entrypoint,
-            args=["--config", prepared(config), "--manifest", prepared("manifest_url"), "--output", prepared(output)],
+            args=["--config", prepared(config), "--manifest", prepared("manifest_url"), "--output", prepared(output),
+                  *extra_args],
             num_workers=num_workers,
             backend=from_config("backend"),
             backend_settings="{{ ti.xcom_pull(task_ids='" + PREPARE + "')['config'] }}",
@@ -170,10 +182,13 @@ def gpt_finetune():
         )
 
     workers = from_config("num_workers")
+    # The scaling advisor takes a reused baseline's step time instead of its own probe when one exists.
     preflight = worker_group("preflight", "trainer.selftest", config="config_url", output="preflight_url",
-                             num_workers=workers, retries=0)
+                             num_workers=workers, retries=0,
+                             extra_args=["--baseline-summary", prepared("baseline_summary_url")])
+    # A retry (or fewer usable hosts) may continue on fewer workers, down to min_workers (tf_multiworker/elastic.py).
     train = worker_group("train", "trainer.train", config="config_url", output="train_url", num_workers=workers,
-                         summary_url=prepared("train_summary_url"))
+                         summary_url=prepared("train_summary_url"), operator=ElasticTrainOperator)
 
     @task.short_circuit(task_id="plan_baseline", ignore_downstream_trigger_rules=False)
     def plan_baseline(prepared_run: dict) -> bool:

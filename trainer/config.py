@@ -46,6 +46,7 @@ BASELINE_POLICIES = ("auto", "run", "skip")
 COMMUNICATION = ("auto", "ring", "nccl")
 STORAGE_SCHEMES = ("", "file", "s3")
 MAX_GLOBAL_BATCH = 1 << 20
+MAX_GRAD_ACCUM = 1024
 _BPE_SPEC = re.compile(r"^bpe:(\d+)$")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -140,6 +141,7 @@ class RunConfig:
     """Every setting of one pipeline run. Field order is the order shown in logs and reports."""
 
     num_workers: int = 2
+    min_workers: int | None = None
     backend: str = "local"
     ssh_conn_ids: tuple[str, ...] = ()
     workers_per_host: int = 0
@@ -172,6 +174,7 @@ class RunConfig:
     collective_timeout_s: int = 300
     startup_timeout_s: int = 180
     hang_timeout_s: int = 600
+    min_predicted_efficiency: float = 0.0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -216,6 +219,26 @@ class RunConfig:
         return self.batch_size_per_worker * self.num_workers * self.grad_accum_steps
 
     @property
+    def lowest_worker_count(self) -> int:
+        """The fewest workers a retried train task may continue on (`min_workers`; unset: `num_workers`)."""
+        return self.num_workers if self.min_workers is None else self.min_workers
+
+    @property
+    def elastic_worker_counts(self) -> list[int]:
+        """Worker counts this run may train on, highest first: from `num_workers` down to `min_workers`, those
+        that split the global batch exactly (count x accumulation == num_workers x grad_accum_steps)."""
+        return exact_worker_counts(self.num_workers, self.grad_accum_steps, self.lowest_worker_count)
+
+    def for_workers(self, count: int, **changes: Any) -> RunConfig:
+        """The same run (same global batch, same per-slot data order) on `count` workers with more accumulation."""
+        slots = self.num_workers * self.grad_accum_steps
+        if count not in exact_worker_counts(self.num_workers, self.grad_accum_steps, 1):
+            raise ConfigError(f"{count} workers cannot split {slots} slots of the global batch exactly.")
+        return self.replace(num_workers=count, grad_accum_steps=slots // count,
+                            min_workers=None if self.min_workers is None else min(self.min_workers, count),
+                            **changes)
+
+    @property
     def is_preset_model(self) -> bool:
         return self.model in MODEL_PRESETS
 
@@ -254,9 +277,20 @@ class RunConfig:
 # validation
 
 
+def exact_worker_counts(num_workers: int, grad_accum_steps: int, lowest: int) -> list[int]:
+    """Counts from `num_workers` down to `lowest` that divide the global batch's slots (num_workers x
+    grad_accum_steps) within the accumulation limit, highest first: each keeps every slot's data exact."""
+    slots = num_workers * grad_accum_steps
+    return [n for n in range(num_workers, max(lowest, 1) - 1, -1) if slots % n == 0 and slots // n <= MAX_GRAD_ACCUM]
+
+
 def _coerce(name: str, value: Any, spec: dataclasses.Field) -> Any:
     """Check a value's JSON type against the field's type; ints are accepted where floats are expected."""
     expected = spec.type if isinstance(spec.type, str) else spec.type.__name__
+    if expected == "int | None":
+        if value is None or isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"Setting '{name}' must be an integer or empty, got {value!r} ({type(value).__name__}).")
     if expected == "bool":
         if isinstance(value, bool):
             return value
@@ -306,7 +340,7 @@ def _validate(cfg: RunConfig) -> None:
     _check_range(cfg, "block_size", 8, 8192)
     _check_range(cfg, "batch_size_per_worker", 1, 4096)
     _check_range(cfg, "max_steps", 0, 10_000_000)
-    _check_range(cfg, "grad_accum_steps", 1, 1024)
+    _check_range(cfg, "grad_accum_steps", 1, MAX_GRAD_ACCUM)
     _check_range(cfg, "warmup_steps", 0, 10_000_000)
     _check_range(cfg, "weight_decay", 0.0, 1.0)
     _check_range(cfg, "loss_tolerance", 0.0, 100.0)
@@ -373,10 +407,37 @@ def _validate(cfg: RunConfig) -> None:
             "needs at least one shard of its own. Raise 'num_shards' or set it to 0 (automatic)."
         )
     _validate_ssh(cfg)
+    _validate_scaling(cfg)
     if cfg.communication == "nccl" and not cfg.use_gpu:
         raise ConfigError("Setting 'communication' = 'nccl' needs 'use_gpu' = true: use 'ring' or 'auto' on CPU.")
     if cfg.mixed_precision == "fp16" and not cfg.use_gpu:
         raise ConfigError("Setting 'mixed_precision' = 'fp16' needs 'use_gpu' = true: use 'bf16' or 'no' on CPU.")
+
+
+def _validate_scaling(cfg: RunConfig) -> None:
+    """`min_workers` (elastic recovery on fewer workers) and `min_predicted_efficiency` (the advisor's gate)."""
+    if not 0.0 <= cfg.min_predicted_efficiency <= 1.0:
+        raise ConfigError(f"Setting 'min_predicted_efficiency' = {cfg.min_predicted_efficiency!r} is out of range: "
+                          "allowed is 0 (off) to 1 (a predicted scaling efficiency, e.g. 0.6).")
+    if cfg.min_workers is None or cfg.min_workers == cfg.num_workers:
+        return
+    if not 1 <= cfg.min_workers <= cfg.num_workers:
+        raise ConfigError(f"Setting 'min_workers' = {cfg.min_workers} is out of range: allowed is 1 to 'num_workers' "
+                          f"= {cfg.num_workers}, or empty for {cfg.num_workers} (no recovery on fewer workers).")
+    slots = cfg.num_workers * cfg.grad_accum_steps
+    fewer = exact_worker_counts(cfg.num_workers, cfg.grad_accum_steps, cfg.min_workers)[1:]
+    if not fewer:
+        possible = exact_worker_counts(cfg.num_workers, cfg.grad_accum_steps, 1)[1:]
+        raise ConfigError(
+            f"Setting 'min_workers' = {cfg.min_workers}: no worker count from {cfg.min_workers} to "
+            f"{cfg.num_workers - 1} splits the global batch's {slots} slots (num_workers x grad_accum_steps = "
+            f"{cfg.num_workers} x {cfg.grad_accum_steps}) exactly; possible counts below {cfg.num_workers} are "
+            f"{possible or 'none'}: set 'min_workers' to one of them, or leave it empty.")
+    if cfg.effective_num_shards < slots:
+        raise ConfigError(
+            f"Setting 'min_workers' = {cfg.min_workers} needs the per-slot data order, one shard per slot of the "
+            f"global batch: 'num_shards' = {cfg.effective_num_shards} is below num_workers x grad_accum_steps = "
+            f"{slots}: raise 'num_shards' to at least {slots}.")
 
 
 _CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")

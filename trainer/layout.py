@@ -8,6 +8,7 @@
     <root>/runs/<run_key>/state/<task_id>.json        what a worker group launched (for release)
     <root>/runs/<run_key>/logs/<task_id>/rank-<r>.log
     <root>/runs/<run_key>/train/                      the distributed training output (see TrainOutput)
+    <root>/runs/<run_key>/train/segments.json         each launch of train: from step, workers (elastic recovery)
     <root>/runs/<run_key>/report/                     report.json, report.md, *.png, preflight.json
     <root>/runs/<run_key>/release.json
     <root>/baselines/<baseline_key>/                  a single-worker training output, reusable across runs
@@ -68,6 +69,11 @@ class TrainOutput:
     def summary(self) -> str:
         """summary.json, written by the chief last: its presence means the job completed."""
         return join(self.url, "summary.json")
+
+    @property
+    def segments(self) -> str:
+        """segments.json: every launch of the train task with its step and worker count (elastic recovery)."""
+        return join(self.url, "segments.json")
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ Once its TensorFlow server is up, each worker also tries its own port on every n
 TF's worker channel listens on all interfaces without authentication, so an answer there means anyone who can
 route to that address may run code as this user (README: Security model). This is reported, not an error.
 
-The chief compares versions across ranks (skew is an error), writes `<output>/preflight.json` and a one-screen
-summary to the log. Any error exits non-zero, so training never launches.
+The chief compares versions across ranks (skew is an error), runs the scaling advisor (`trainer/advisor.py`: a
+few single-worker steps, or the reused baseline's step time, against the measured bandwidth and latency; below
+`min_predicted_efficiency` is an error), writes `<output>/preflight.json` and a one-screen summary to the log. Any error exits non-zero, so training never launches.
 """
 
 from __future__ import annotations
@@ -377,6 +378,15 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
                      f"busbw {bw['busbw_gbps']:.3f} GB/s; latency ({lat['bytes']} B) p50 {lat['p50_ms']:.2f} ms, "
                      f"max {lat['max_ms']:.2f} ms")
     lines += port_lines(result)
+    advice = result.get("advisor") or {}
+    if advice.get("rows"):
+        from trainer.advisor import table_lines
+
+        lines.append(f"scaling advisor (single-worker step from the {advice['inputs']['step_source']}, gradients "
+                     f"{advice['inputs']['gradient_bytes'] / 2**20:.1f} MiB):")
+        lines += ["  " + line for line in table_lines(advice)]
+    elif advice.get("skipped"):
+        lines.append(f"scaling advisor: {advice['skipped']}")
     lines += [f"ERROR: {error}" for error in result["errors"]]
     return lines
 
@@ -425,8 +435,10 @@ def collectives_main(scratch: str, cfg: RunConfig, output: str) -> int:
 # -- the worker's main process ----------------------------------------------------------------------------------
 
 class Preflight:
-    def __init__(self, cfg: RunConfig, config_url: str, manifest_url: str, output: str) -> None:
+    def __init__(self, cfg: RunConfig, config_url: str, manifest_url: str, output: str,
+                 baseline_summary: str | None = None) -> None:
         self.cfg, self.config_url, self.manifest_url, self.output = cfg, config_url, manifest_url, output
+        self.baseline_summary = baseline_summary
         self.identity = runtime.worker_identity()
         self.started, self.started_at = time.perf_counter(), utc_now()
 
@@ -532,8 +544,43 @@ class Preflight:
             errors.append(f"rank(s) {missing} passed the collectives but left no report under {self.output}: "
                           "check their storage access in the task log")
         errors = own_errors + errors + version_skew(reports)
-        result = self._write_result(reports, errors=errors, collectives=collectives)
+        extra = {}
+        if "bandwidth" in collectives and not errors:
+            extra["advisor"] = self._advise(collectives, reports)
+            gate = extra["advisor"].get("error")
+            if gate:
+                errors.append(gate)
+        result = self._write_result(reports, errors=errors, collectives=collectives, extra=extra)
         return EXIT_CHECKS_FAILED if result["errors"] else 0
+
+    def _advise(self, collectives: dict[str, Any], reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """The scaling advisor's prediction (trainer/advisor.py) from the measured collectives and one worker's
+        step time: the reused baseline's, else a few-step probe in a child process without TF_CONFIG (the
+        other ranks have finished, so on a CPU the probe has the host's cores as the baseline will)."""
+        from trainer import advisor
+
+        step = None
+        if self.baseline_summary and storage.exists(self.baseline_summary):
+            step = advisor.step_from_summary(storage.read_json(self.baseline_summary))
+        if step is None:
+            with tempfile.TemporaryDirectory(prefix="preflight-probe-") as scratch:
+                out = os.path.join(scratch, "probe.json")
+                env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+                started = time.perf_counter()
+                probe = subprocess.run([sys.executable, "-m", "trainer.advisor", "--config", self.config_url,
+                                        "--manifest", self.manifest_url, "--out", out], env=env, check=False)
+                if probe.returncode != 0 or not os.path.exists(out):
+                    reason = (f"the single-worker probe exited with status {probe.returncode} (see above), so there "
+                              "is no scaling prediction")
+                    log.warning("%s", reason)
+                    # Without a prediction the gate cannot pass: it must not let an unknown efficiency through.
+                    return {"error": reason if self.cfg.min_predicted_efficiency else None, "skipped": reason}
+                step = storage.read_json(out)
+                log.info("advisor probe: %d single-worker steps of the global batch, median %.1f ms (%.1f s in all)",
+                         step["steps"], step["seconds_per_step"] * 1e3, time.perf_counter() - started)
+        advice = advisor.advise(cfg=self.cfg, collectives=collectives,
+                                workers=[reports[r] for r in sorted(reports)], step=step)
+        return {**advice, "error": advisor.efficiency_error(advice)}
 
     def _write_result(self, reports: dict[int, dict[str, Any]], *, errors: list[str],
                       collectives: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -562,6 +609,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", required=True, help="RunConfig JSON (path or URL)")
     parser.add_argument("--manifest", required=True, help="manifest.json of the tokenized dataset")
     parser.add_argument("--output", required=True, help="the run's report directory (path or URL)")
+    parser.add_argument("--baseline-summary", help="the matching baseline's summary.json: its step time feeds the "
+                                                   "scaling advisor when it exists (else a few-step probe)")
     parser.add_argument("--collectives-in", help=argparse.SUPPRESS)  # internal: the child's scratch directory
     return parser.parse_args(argv)
 
@@ -580,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CHECKS_FAILED
     if args.collectives_in:
         return collectives_main(args.collectives_in, cfg, args.output)
-    return Preflight(cfg, args.config, args.manifest, args.output).run()
+    return Preflight(cfg, args.config, args.manifest, args.output, args.baseline_summary).run()
 
 
 if __name__ == "__main__":

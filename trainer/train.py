@@ -394,6 +394,9 @@ def build_summary(job: TrainJob, state: TrainState, times: LoopTimes, outputs: O
         "resumed_from_step": times.start_step, "first_step_s": times.first_step_s, "steps_timed": times.timed_steps,
         "input_wait_fraction": times.input_wait_s / train_time if train_time > 0 else None,
         "data_order": "per_slot" if job.slot_order else "per_worker",
+        # The gradients' size, for the scaling advisor when this summary stands in for its probe.
+        "parameters": int(sum(v.shape.num_elements() for v in state.model.trainable_variables)),
+        "gradient_dtype": state.model.trainable_variables[0].dtype.name,
         "hardware": hardware_info(gpu.name, "GPU" if cfg.use_gpu else "CPU"), "versions": versions(),
         "config": cfg.to_dict(), "started_at": started_at, "finished_at": utc_now(),
     }

@@ -160,6 +160,11 @@ class TFMultiWorkerOperator(BaseOperator):
             backend = make_backend(_as_str("backend", self.backend), self.backend_settings)
         except UnknownBackendError as error:
             raise LaunchError(str(error)) from None
+        try:
+            spec = self.plan_group(context, spec, backend)
+        except BaseException:
+            backend.close()
+            raise
         workdir = Path(tempfile.mkdtemp(prefix=f"{LAUNCHER_WORKDIR_PREFIX}{self.task_id}-"))
         ti = context["ti"]
 
@@ -196,6 +201,11 @@ class TFMultiWorkerOperator(BaseOperator):
         if self.group is not None:
             grace_s = min(_as_number("grace_period_s", self.grace_period_s, float, 0.1), ON_KILL_GRACE_S)
             self.group.stop(f"task {self.task_id} was killed (SIGTERM, marked failed or execution_timeout)", grace_s)
+
+    def plan_group(self, context: Any, spec: GroupSpec, backend: Any) -> GroupSpec:
+        """The group to launch now; subclasses may shrink it to what the backend can place
+        (`tf_multiworker.elastic.ElasticTrainOperator`). Runs after the backend exists, before anything starts."""
+        return spec
 
     # -- helpers ----------------------------------------------------------------------------------------------
 

@@ -197,3 +197,41 @@ def test_configured_roots_replace_the_defaults_and_empty_bucket_list_allows_any(
     assert cfg.dataset.endswith("corpora/*.txt")
     with pytest.raises(ConfigError, match="outside the allowed data roots"):
         RunConfig(storage_root=f"{tmp_path}/runs")  # the default dataset, data/sample, is no longer allowed
+
+
+# -- elastic recovery and the scaling advisor ----------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "params, fragments",
+    [
+        ({"num_workers": 4, "min_workers": 5}, ["'min_workers' = 5", "1 to 'num_workers' = 4"]),
+        ({"num_workers": 4, "min_workers": 0}, ["'min_workers' = 0", "out of range"]),
+        ({"num_workers": 4, "min_workers": "2"}, ["'min_workers'", "integer or empty"]),
+        ({"num_workers": 4, "min_workers": 3}, ["'min_workers' = 3", "no worker count from 3 to 3",
+                                                 "4 x 1", "possible counts below 4 are [2, 1]"]),
+        ({"num_workers": 5, "min_workers": 2}, ["'min_workers' = 2", "from 2 to 4", "possible counts below 5 are [1]"]),
+        ({"num_workers": 4, "min_workers": 2, "num_shards": 4, "grad_accum_steps": 2},
+         ["'min_workers' = 2 needs the per-slot data order", "'num_shards' = 4", "at least 8"]),
+        ({"min_predicted_efficiency": 1.5}, ["'min_predicted_efficiency' = 1.5", "0 (off) to 1"]),
+        ({"min_predicted_efficiency": -0.1}, ["'min_predicted_efficiency' = -0.1", "out of range"]),
+    ],
+    ids=["min-above-num", "min-zero", "min-string", "no-exact-split", "prime-workers", "too-few-shards",
+         "efficiency-above-1", "efficiency-negative"],
+)
+def test_bad_elastic_and_advisor_settings_are_refused_naming_the_setting(params, fragments):
+    with pytest.raises(ConfigError) as raised:
+        RunConfig.from_params(params)
+    assert all(fragment in str(raised.value) for fragment in fragments), str(raised.value)
+
+
+def test_exact_worker_counts_keep_the_global_batch_and_slots():
+    cfg = RunConfig.from_params({"num_workers": 4, "min_workers": 2, "grad_accum_steps": 3, "num_shards": 12})
+    assert cfg.elastic_worker_counts == [4, 3, 2]  # 12 slots: 4 x 3, 3 x 4, 2 x 6
+    for count in cfg.elastic_worker_counts:
+        smaller = cfg.for_workers(count)
+        assert smaller.global_batch_size == cfg.global_batch_size
+        assert smaller.num_workers * smaller.grad_accum_steps == 12 and smaller.min_workers <= count
+    assert RunConfig(num_workers=4).elastic_worker_counts == [4]  # unset: off
+    assert RunConfig.from_params({"num_workers": 4, "min_workers": None}).lowest_worker_count == 4
+    with pytest.raises(ConfigError, match="cannot split 12 slots"):
+        cfg.for_workers(5)

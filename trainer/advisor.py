@@ -1,0 +1,223 @@
+"""The scaling advisor: predicted step time, tokens/s, speedup and efficiency for every worker count up to the asked
+one, before the run pays for them.
+
+Inputs, all measured on the run's own workers:
+- the preflight's all-reduce bus bandwidth and small-message latency between the actual workers;
+- the gradient size: the model's trainable parameters x the bytes of their dtype (gradients have the variables'
+  dtype; mixed precision keeps float32 variables);
+- the single-worker step time of the run's global batch: a few-step probe (`probe_step_time`, one process, no
+  collectives) or the matching baseline's summary when it is reused.
+
+The model, per worker count N (step time T, single-worker step time T1, gradient bytes B):
+- compute: each worker does 1/N of the global batch's micro-steps, T1 / N; on the CPU workers on one host share
+  its cores, so the busiest host (k of the N workers) runs at 1/k of the probe's speed: T1 x k / N;
+- communication: one ring all-reduce of the gradients, 2(N-1)/N x B / busbw, plus per-message latency for each
+  collective of a step (gradients, loss, gradient norm), scaled from the measured ring of N0 workers by the
+  2(N-1) hops of a ring of N;
+- without overlap (how the trainer runs: all-reduce after the last micro-step) T = compute + communication; with
+  overlap (the bound if the all-reduce hid behind backprop) T = max(compute, communication).
+Speedup = T1 / T(N), efficiency = speedup / N.
+
+This module imports no TensorFlow at module level (the tasks and the preflight's chief use the prediction); the
+probe imports it when it runs, in a child process without TF_CONFIG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("trainer.advisor")
+
+COLLECTIVES_PER_STEP = 3  # the gradients' all-reduce, then the loss and gradient-norm means
+PROBE_WARMUP_STEPS = 1  # traces and compiles the step: not timed
+PROBE_TIMED_STEPS = 4
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+# The recommendation: the fewest workers reaching this share of the best predicted speedup.
+NEAR_BEST_SPEEDUP = 0.9
+
+
+def ring_seconds(num_workers: int, gradient_bytes: int, busbw_gbps: float, hop_latency_s: float) -> float:
+    """One step's collectives on a ring of `num_workers`: bandwidth term 2(N-1)/N x B / busbw, plus latency."""
+    if num_workers <= 1:
+        return 0.0
+    bandwidth = 2 * (num_workers - 1) / num_workers * gradient_bytes / (busbw_gbps * 1e9)
+    return bandwidth + COLLECTIVES_PER_STEP * 2 * (num_workers - 1) * hop_latency_s
+
+
+def busiest_host_share(hosts: Sequence[str], count: int) -> int:
+    """Workers on the most crowded host when the first `count` ranks run (placement fills ranks in order)."""
+    used = list(hosts[:count]) or ["?"]
+    return max(used.count(host) for host in set(used))
+
+
+def predict(*, num_workers: int, single_step_s: float, gradient_bytes: int, busbw_gbps: float, latency_ms: float,
+            measured_workers: int, tokens_per_step: int, hosts: Sequence[str], shared_cores: bool) -> dict[str, Any]:
+    """The advisor's table for N in 1..num_workers (see the module doc), with the recommendation."""
+    if single_step_s <= 0 or busbw_gbps <= 0:
+        raise ValueError(f"the advisor needs a positive step time and bus bandwidth, got {single_step_s!r} s and "
+                         f"{busbw_gbps!r} GB/s")
+    # The measured small all-reduce crossed 2(N0-1) ring hops.
+    hop_latency_s = latency_ms / 1e3 / (2 * (measured_workers - 1)) if measured_workers > 1 else 0.0
+    rows = []
+    for count in range(1, num_workers + 1):
+        crowd = busiest_host_share(hosts, count) if shared_cores else 1
+        compute = single_step_s * crowd / count
+        communication = ring_seconds(count, gradient_bytes, busbw_gbps, hop_latency_s)
+        step = compute + communication
+        overlapped = max(compute, communication)
+        speedup = single_step_s / step
+        rows.append({
+            "num_workers": count, "compute_s": compute, "communication_s": communication, "step_time_s": step,
+            "step_time_overlap_s": overlapped, "tokens_per_s": tokens_per_step / step,
+            "tokens_per_s_overlap": tokens_per_step / overlapped, "speedup": speedup,
+            "efficiency": speedup / count, "speedup_overlap": single_step_s / overlapped,
+            "efficiency_overlap": single_step_s / overlapped / count, "workers_per_host": crowd,
+        })
+    return {"rows": rows, "recommended_workers": recommended(rows),
+            "recommendation": recommendation(rows, num_workers)}
+
+
+def recommended(rows: Sequence[Mapping[str, Any]]) -> int:
+    best = max(row["speedup"] for row in rows)
+    return next(row["num_workers"] for row in rows if row["speedup"] >= NEAR_BEST_SPEEDUP * best)
+
+
+def recommendation(rows: Sequence[Mapping[str, Any]], asked: int) -> str:
+    """One sentence: the asked count's predicted efficiency, and the count to use instead when there is one."""
+    by_count = {row["num_workers"]: row for row in rows}
+    mine, choice = by_count[asked], by_count[recommended(rows)]
+    head = f"{asked} workers: predicted {mine['efficiency']:.0%} efficiency ({mine['speedup']:.2f}x)"
+    if choice["num_workers"] == asked:
+        return head + f"; the best choice up to {asked} workers"
+    if choice["num_workers"] == 1:
+        return head + "; 1 worker is predicted as fast or faster: more workers add communication (and on a CPU " \
+                      "share its cores)"
+    return head + f"; {choice['num_workers']} workers reach {choice['speedup']:.2f}x at {choice['efficiency']:.0%}"
+
+
+def table_lines(advice: Mapping[str, Any]) -> list[str]:
+    """The prediction as a small text table for logs and error messages."""
+    lines = [(f"{'workers':>7} {'step ms':>9} {'overlap ms':>10} {'tokens/s':>10} {'speedup':>8} "
+              f"{'efficiency':>10} {'eff. overlap':>12}")]
+    for row in advice["rows"]:
+        lines.append(f"{row['num_workers']:>7} {row['step_time_s'] * 1e3:>9.1f} "
+                     f"{row['step_time_overlap_s'] * 1e3:>10.1f} {row['tokens_per_s']:>10,.0f} "
+                     f"{row['speedup']:>7.2f}x {row['efficiency']:>10.0%} {row['efficiency_overlap']:>12.0%}")
+    lines.append(f"recommendation: {advice['recommendation']}")
+    return lines
+
+
+def advise(*, cfg, collectives: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
+           step: Mapping[str, Any]) -> dict[str, Any]:
+    """The prediction for a run from its preflight results and a single-worker step measurement
+    (`{"seconds_per_step", "parameters", "gradient_dtype", "source"}`)."""
+    bandwidth, latency = collectives["bandwidth"], collectives["latency"]
+    gradient_bytes = step["parameters"] * DTYPE_BYTES.get(step["gradient_dtype"], 4)
+    hosts = [report["host"] for report in sorted(workers, key=lambda r: r["rank"])]
+    advice = predict(
+        num_workers=cfg.num_workers, single_step_s=step["seconds_per_step"], gradient_bytes=gradient_bytes,
+        busbw_gbps=bandwidth["busbw_gbps"], latency_ms=latency["p50_ms"], measured_workers=len(workers),
+        tokens_per_step=cfg.global_batch_size * cfg.block_size, hosts=hosts, shared_cores=not cfg.use_gpu,
+    )
+    asked = advice["rows"][cfg.num_workers - 1]
+    return {
+        "inputs": {"single_step_s": step["seconds_per_step"], "step_source": step["source"],
+                   "parameters": step["parameters"], "gradient_dtype": step["gradient_dtype"],
+                   "gradient_bytes": gradient_bytes, "busbw_gbps": bandwidth["busbw_gbps"],
+                   "latency_p50_ms": latency["p50_ms"], "measured_workers": len(workers), "hosts": hosts,
+                   "shared_cores": not cfg.use_gpu, "collectives_per_step": COLLECTIVES_PER_STEP},
+        **advice,
+        "asked": {"num_workers": cfg.num_workers, "speedup": asked["speedup"], "efficiency": asked["efficiency"]},
+        "min_predicted_efficiency": cfg.min_predicted_efficiency,
+    }
+
+
+def efficiency_error(advice: Mapping[str, Any]) -> str | None:
+    """The preflight error when the asked count is predicted below `min_predicted_efficiency`, else None."""
+    limit = advice["min_predicted_efficiency"]
+    asked = advice["asked"]
+    if not limit or asked["efficiency"] >= limit:
+        return None
+    return (f"{asked['num_workers']} workers are predicted at {asked['efficiency']:.0%} scaling efficiency, below "
+            f"'min_predicted_efficiency' = {limit:g}: lower 'num_workers' to the recommended "
+            f"{advice['recommended_workers']}, or lower 'min_predicted_efficiency' (0 = off).\n"
+            + "\n".join(table_lines(advice)))
+
+
+def step_from_summary(summary: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A baseline summary's single-worker step time, when it timed steps and names the gradients' size."""
+    timed, seconds = summary.get("steps_timed"), summary.get("train_time_s")
+    if summary.get("num_workers") != 1 or not timed or not seconds or not summary.get("parameters"):
+        return None
+    return {"seconds_per_step": seconds / timed, "parameters": summary["parameters"],
+            "gradient_dtype": summary.get("gradient_dtype", "float32"), "source": "baseline summary"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the probe: a few single-worker steps of the run's global batch (TensorFlow from here on)
+
+
+def probe_step_time(cfg, manifest_url: str, steps: int = PROBE_TIMED_STEPS) -> dict[str, Any]:
+    """Median time of `steps` optimizer steps of the baseline config (1 worker, the same global batch), after
+    `PROBE_WARMUP_STEPS` untimed ones; runs without TF_CONFIG (one device)."""
+    import tf_keras
+
+    from trainer.optim import set_precision_policy
+    from trainer.train import TrainState, input_dataset, plan_job, stage_inputs
+
+    single = cfg.baseline_config()
+    with tempfile.TemporaryDirectory(prefix="advisor-probe-") as scratch:
+        config = Path(scratch) / "config.json"
+        config.write_text(single.to_json())
+        job = plan_job(str(config), manifest_url, str(Path(scratch) / "output"), environ={})
+        tf_keras.utils.set_random_seed(cfg.seed)
+        set_precision_policy(single)
+        import tensorflow as tf
+
+        if not single.use_gpu:
+            tf.config.set_visible_devices([], "GPU")
+        state = TrainState(job, tf.distribute.get_strategy(), Path(scratch))
+        batches = iter(input_dataset(job, stage_inputs(job), start_step=0))
+        times = []
+        for index in range(PROBE_WARMUP_STEPS + steps):
+            micro_batches = next(batches)
+            started = time.perf_counter()
+            loss, _ = state.train_step(micro_batches)
+            float(loss)  # waits for the step
+            if index >= PROBE_WARMUP_STEPS:
+                times.append(time.perf_counter() - started)
+        variables = state.model.trainable_variables
+        return {"seconds_per_step": statistics.median(times), "steps": steps,
+                "parameters": int(sum(v.shape.num_elements() for v in variables)),
+                "gradient_dtype": variables[0].dtype.name, "source": "probe"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m trainer.advisor --config URL --manifest URL --out FILE`: the probe, its result as JSON."""
+    from trainer import storage
+    from trainer.config import RunConfig
+
+    parser = argparse.ArgumentParser(prog="python -m trainer.advisor", description=probe_step_time.__doc__)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--manifest", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    os.environ.pop("TF_CONFIG", None)
+    result = probe_step_time(RunConfig.from_params(storage.read_json(args.config)), args.manifest)
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
