@@ -74,6 +74,7 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
         distributed=run_figures("distributed", distributed, distributed_summary, distributed_eval),
         baseline=run_figures("baseline", baseline, baseline_summary, baseline_eval) if baseline else None,
     )
+    add_scaling(report, prepared, distributed)
     charts = {
         reports.LOSS_CHART: reports.loss_chart(
             {run["label"]: read_metrics(TrainOutput(run["output_url"]))
@@ -84,6 +85,7 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
             reports.load_history(StorageLayout(prepared["storage_root"]).runs, exclude_run_key=prepared["run_key"])
             + reports.history_point(report),
             current_run_id=prepared["run_id"],
+            predicted=(report.get("prediction") or {}).get("rows"),
         ),
     }
     report_json_url = reports.write_report(report_url, report, charts)
@@ -168,6 +170,21 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: R
     log.info("Evaluated %s in %.1f s: eval loss %.4f, perplexity %.2f", model_url, result.wall_time_s,
              evaluation["eval_loss"], evaluation["perplexity"])
     return evaluation
+
+
+def add_scaling(report: dict[str, Any], prepared: dict, distributed: TrainOutput) -> None:
+    """The train task's segments (elastic recovery) and the advisor's prediction next to the measured figures."""
+    from tasks import scaling
+
+    run = report["runs"]["distributed"]
+    report["segments"] = scaling.segments(scaling.read_segments(distributed), read_metrics(distributed), run["steps"])
+    report["elastic"] = scaling.is_elastic(report["segments"], report["num_workers"])
+    preflight = join(prepared["preflight_url"], "preflight.json")
+    report["prediction"] = scaling.prediction(read_json(preflight) if exists(preflight) else None,
+                                              run["num_workers"], report["comparison"])
+    for row in report["segments"] if report["elastic"] else ():
+        log.info("segment: steps %d-%d on %d workers x %d accumulation: %s", row["from_step"] + 1, row["to_step"],
+                 row["num_workers"], row["grad_accum_steps"], row["line"])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -10,6 +10,9 @@ charts) trust a report only once it exists. The layout of `report.json` (format_
      "baseline": {"policy", "key", "url", "trained_by_run", "reused"},
      "hardware": {"line", "distributed", "baseline", "task_host"}, "versions": {...}, "config": {...},
      "table": [ROW], "charts": {"loss_curves": "loss_curves.png", "scaling": "scaling.png"},
+     "segments": [SEGMENT], "elastic": bool (tasks/scaling.py: each launch of train, fewer workers than asked),
+     "prediction": {"num_workers", "predicted_speedup", "measured_speedup", "predicted_efficiency",
+                    "measured_efficiency", "speedup_error", "recommendation", "rows", "step_source"} | null,
      "release": {"clean", "released_at", "host", "survivors"} (added by the release task)}
     RUN = {"label", "num_workers", "global_batch_size", "steps", "tokens_seen", "train_time_s", "wall_time_s",
            "tokens_per_s", "final_loss", "mfu", "eval_loss", "perplexity", "eval_tokens", "eval_time_s",
@@ -94,6 +97,8 @@ def text_table(rows: list[dict[str, str]]) -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
+    from tasks import scaling  # imports this module's fmt
+
     comparison, runs = report["comparison"], report["runs"]
     verdict = "PASSED" if report["gates_passed"] else "FAILED"
     lines = [
@@ -101,7 +106,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         (f"**Gates: {verdict}** · **Released: {released(report)}** · {report['num_workers']} workers · global batch "
          f"{runs['distributed']['global_batch_size']} · {runs['distributed']['steps']} steps · "
-         f"created {report['created_at']}"),
+         f"created {report['created_at']}{scaling.headline(report)}"),
         "",
         "| " + " | ".join(TABLE_COLUMNS) + " |",
         "|" + "|".join("---" for _ in TABLE_COLUMNS) + "|",
@@ -126,6 +131,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{fmt(gate['limit'], '.4g')} | {gate['detail']} |"
         for gate in report["gates"]
     ]
+    lines += scaling.markdown_lines(report)
     lines += ["", "## Charts", ""]
     lines += [f"![{name}]({file})" for name, file in report["charts"].items()]
     lines += ["", "## Versions", ""]
@@ -190,8 +196,10 @@ def loss_chart(curves: dict[str, list[dict[str, Any]]], title: str) -> bytes:
     return _png(pyplot, figure)
 
 
-def scaling_chart(history: list[dict[str, Any]], current_run_id: str) -> bytes:
-    """Throughput and scaling efficiency against workers, every run in the history; this run highlighted."""
+def scaling_chart(history: list[dict[str, Any]], current_run_id: str,
+                  predicted: list[dict[str, Any]] | None = None) -> bytes:
+    """Throughput and scaling efficiency against workers, every run in the history; this run highlighted, and
+    the preflight advisor's prediction for this run (rows of N, tokens_per_s, efficiency) as a dashed line."""
     pyplot = _figure()
     figure, (throughput_axes, efficiency_axes) = pyplot.subplots(1, 2, figsize=(10, 4.2))
     for axes, field, ylabel in ((throughput_axes, "tokens_per_s", "train tokens/s"),
@@ -206,6 +214,9 @@ def scaling_chart(history: list[dict[str, Any]], current_run_id: str) -> bytes:
         means = _mean_by_workers(points, field)
         if means:
             axes.plot(list(means), list(means.values()), color="tab:blue", linewidth=1.2, label="mean per N")
+        if predicted:
+            axes.plot([row["num_workers"] for row in predicted], [row[field] for row in predicted],
+                      color="tab:orange", linestyle="--", marker="x", linewidth=1.2, label="predicted (this run)")
         if field == "efficiency":
             axes.axhline(1.0, color="tab:green", linestyle="--", linewidth=1, label="ideal")
             axes.set_ylim(bottom=0)

@@ -1,0 +1,111 @@
+"""The report's scaling parts: the train task's segments (elastic recovery) and the advisor's prediction next to
+the measured speedup and efficiency.
+
+Inputs: `segments.json` in the training output (one entry per launch of the train task, written by
+`tf_multiworker.elastic.ElasticTrainOperator`), the chief's metrics lines, and `preflight.json`'s `advisor`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tasks.report import fmt
+from trainer.layout import TrainOutput
+from trainer.storage import exists, read_json
+
+log = logging.getLogger("gpt_finetune.scaling")
+
+
+def read_segments(output: TrainOutput) -> dict[str, Any] | None:
+    return read_json(output.segments) if exists(output.segments) else None
+
+
+def segments(record: Mapping[str, Any] | None, metrics: Sequence[Mapping[str, Any]],
+             final_step: int) -> list[dict[str, Any]]:
+    """The steps each launch contributed: from its checkpoint to the next launch's (a launch that failed before
+    its first new checkpoint contributed none and is left out), with its workers and measured tokens/s."""
+    if not record:
+        return []
+    launches, asked = record["launches"], record["num_workers"]
+    rows = []
+    for index, launch in enumerate(launches):
+        end = launches[index + 1]["from_step"] if index + 1 < len(launches) else final_step
+        if end <= launch["from_step"]:
+            continue
+        # The first step of a launch traces and compiles: not throughput.
+        timed = [m for m in metrics if launch["from_step"] + 1 < m["step"] <= end]
+        seconds = sum(m["step_time_s"] for m in timed)
+        tokens = sum(m["tokens_per_s"] * m["step_time_s"] for m in timed)
+        count = launch["num_workers"]
+        if rows and count < asked and launch.get("reason"):
+            line = f"continued on {count} of {asked} workers from step {launch['from_step']}: {launch['reason']}"
+        elif rows:
+            line = f"continued on {count} of {asked} workers from step {launch['from_step']}"
+        else:
+            line = f"started on {count} of {asked} workers" + (f": {launch['reason']}" if launch.get("reason") else "")
+        rows.append({"from_step": launch["from_step"], "to_step": end, "steps": end - launch["from_step"],
+                     "num_workers": count, "grad_accum_steps": launch["grad_accum_steps"],
+                     "tokens_per_s": tokens / seconds if seconds > 0 else None, "reason": launch.get("reason"),
+                     "hosts": launch.get("hosts", []), "try_number": launch.get("try_number"), "line": line})
+    return rows
+
+
+def is_elastic(rows: Sequence[Mapping[str, Any]], asked: int) -> bool:
+    return any(row["num_workers"] != asked for row in rows)
+
+
+def prediction(preflight: Mapping[str, Any] | None, measured_workers: int,
+               comparison: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The advisor's figures for the worker count that trained (the last segment's), next to the measured ones."""
+    advice = (preflight or {}).get("advisor") or {}
+    rows = {row["num_workers"]: row for row in advice.get("rows") or ()}
+    if measured_workers not in rows:
+        return None
+    row = rows[measured_workers]
+    speedup = comparison.get("speedup")
+    return {
+        "num_workers": measured_workers, "predicted_speedup": row["speedup"],
+        "predicted_efficiency": row["efficiency"], "predicted_tokens_per_s": row["tokens_per_s"],
+        "measured_speedup": speedup, "measured_efficiency": comparison.get("efficiency"),
+        "speedup_error": (row["speedup"] - speedup) / speedup if speedup else None,
+        "recommendation": advice.get("recommendation"), "rows": advice["rows"],
+        "step_source": advice["inputs"]["step_source"],
+    }
+
+
+def markdown_lines(report: Mapping[str, Any]) -> list[str]:
+    """The report.md sections: the segments of an elastic run, and predicted vs measured scaling."""
+    lines: list[str] = []
+    rows = report.get("segments") or []
+    if report.get("elastic"):
+        lines += ["", "## Segments (elastic recovery)", "",
+                  "| steps | workers | accumulation | tokens/s | what happened |", "|---|---|---|---|---|"]
+        lines += [f"| {row['from_step'] + 1}-{row['to_step']} | {row['num_workers']} of {report['num_workers']} | "
+                  f"{row['grad_accum_steps']} | {fmt(row['tokens_per_s'], ',.0f')} | {row['line']} |" for row in rows]
+    predicted = report.get("prediction")
+    if predicted:
+        lines += ["", "## Scaling: predicted (preflight advisor) vs measured", "",
+                  "| workers | predicted speedup | measured speedup | predicted efficiency | measured efficiency |",
+                  "|---|---|---|---|---|",
+                  (f"| {predicted['num_workers']} | {fmt(predicted['predicted_speedup'], '.2f', 'x')} | "
+                   f"{fmt(predicted['measured_speedup'], '.2f', 'x')} | "
+                   f"{fmt(_percent(predicted['predicted_efficiency']), '.0f', '%')} | "
+                   f"{fmt(_percent(predicted['measured_efficiency']), '.0f', '%')} |"),
+                  "",
+                  f"- Advisor (single-worker step from the {predicted['step_source']}): {predicted['recommendation']}"]
+    return lines
+
+
+def headline(report: Mapping[str, Any]) -> str:
+    """` · elastic: ...` for the report's first line, empty for a run on its asked workers throughout."""
+    if not report.get("elastic"):
+        return ""
+    asked = report["num_workers"]
+    return " · **elastic**: " + "; ".join(row["line"] for index, row in enumerate(report["segments"])
+                                          if index or row["num_workers"] != asked)
+
+
+def _percent(fraction: float | None) -> float | None:
+    return None if fraction is None else 100.0 * fraction
