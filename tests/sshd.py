@@ -20,7 +20,7 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 SSHD = Path("/usr/sbin/sshd")
@@ -233,3 +233,31 @@ def stop_hosts(hosts: list[SSHHost]) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def take_down(host: SSHHost) -> None:
+    """The host is lost: its server stops listening, its connections drop and everything it ran is killed, as when
+    a machine loses power. `bring_back` starts it again on the same address, port and host key."""
+    victims = _started_through([host.root]) + _descendants(host.process.pid)
+    _stop_listener(host.process)
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def bring_back(host: SSHHost) -> SSHHost:
+    """The host after `take_down`, serving again with the same configuration; returns it with its new server."""
+    config = host.root.parent / "sshd_config"
+    with host.log_file.open("ab") as log:
+        process = subprocess.Popen(_server_command(config), stdin=subprocess.DEVNULL, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while process.poll() is None and time.monotonic() < deadline:
+        if _accepts_ssh(host.address, host.port):
+            return replace(host, process=process)
+        time.sleep(0.05)
+    _stop_listener(process)
+    raise RuntimeError(f"sshd for fake host {host.index} did not come back on {host.address}:{host.port}; its log "
+                       f"{host.log_file}:\n{host.log_file.read_text()[-2000:]}")

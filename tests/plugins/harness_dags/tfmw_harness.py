@@ -6,6 +6,10 @@
 file builds its DAG from the case named by TFMW_HARNESS_CASE (the operator's arguments, templated where the real
 DAG templates them, rendered as native objects). A downstream task that always runs pulls the operator's XComs;
 OUT gets them and every task's state. The tests run this as a subprocess so they can send it SIGTERM.
+
+Optional case keys: "operator": "elastic" (ElasticTrainOperator), "retries" (with a 1 s delay), and "env_by_try":
+{"<try_number>": {VAR: value or null}} applied to this process's environment before each try (what the launcher's
+backend reads, and what workers inherit for TFMW_*/GPT_FINETUNE_* names).
 """
 
 from __future__ import annotations
@@ -17,14 +21,24 @@ from pathlib import Path
 
 import pendulum
 from airflow.sdk import DAG, task
+from tf_multiworker.elastic import ElasticTrainOperator
 from tf_multiworker.operator import STATE_XCOM_KEY, TFMultiWorkerOperator
 
 CASE = json.loads(Path(os.environ["TFMW_HARNESS_CASE"]).read_text())
 XCOM_FILE = Path(os.environ["TFMW_HARNESS_CASE"]).with_suffix(".xcom.json")
 
+
+def environment_for_try(context) -> None:
+    for name, value in CASE.get("env_by_try", {}).get(str(context["ti"].try_number), {}).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
 with DAG("tfmw_harness", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
          render_template_as_native_obj=True, params=CASE["params"]) as dag:
-    group = TFMultiWorkerOperator(
+    operator = ElasticTrainOperator if CASE.get("operator") == "elastic" else TFMultiWorkerOperator
+    group = operator(
         task_id="group",
         entrypoint=CASE["entrypoint"],
         args=CASE["args"],
@@ -38,7 +52,9 @@ with DAG("tfmw_harness", schedule=None, start_date=pendulum.datetime(2026, 1, 1,
         startup_timeout_s="{{ params.startup_timeout_s }}",
         hang_timeout_s="{{ params.hang_timeout_s }}",
         env=CASE["env"],
-        retries=0,
+        retries=CASE.get("retries", 0),
+        retry_delay=pendulum.duration(seconds=1),
+        pre_execute=environment_for_try,
     )
 
     @task(trigger_rule="all_done")

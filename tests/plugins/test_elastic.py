@@ -1,0 +1,139 @@
+"""Exact elastic recovery (tf_multiworker/elastic.py): the count chosen from what is usable, and a real 4-worker
+training task, failed at a checkpointed step, whose retry has only 2 usable workers and continues on 2 x 2
+accumulation steps, through Airflow's task runner, matching an uninterrupted 4-worker run step for step."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+
+import pytest
+from tf_multiworker.elastic import LOCAL_USABLE_WORKERS_ENV, choose_count, latest_checkpoint_step, local_capacity
+from tf_multiworker.launcher import GroupSpec, LaunchError, LocalBackend, WorkerGroup
+
+from tests.plugins.conftest import REPO, entrypoint_env
+from tests.plugins.test_operator import _finish, _start, airflow_env  # noqa: F401 - airflow_env is a fixture
+from tests.trainer.shards import write_dataset
+from trainer.config import RunConfig
+from trainer.layout import StorageLayout, TrainOutput
+from trainer.storage import read_json
+
+LOSS_TOLERANCE = 1e-4
+STEPS, CHECKPOINT_EVERY, FAULT_STEP = 12, 4, 4
+
+
+def test_the_largest_exact_count_that_fits_is_chosen():
+    cfg = RunConfig.from_params({"num_workers": 4, "min_workers": 2})
+    assert [choose_count(cfg, capacity, []) for capacity in (4, 3, 2)] == [4, 2, 2]  # 3 does not split 4 slots
+    with pytest.raises(LaunchError) as raised:
+        choose_count(cfg, 1, ["host 10.0.0.2 unreachable"])
+    message = str(raised.value)
+    assert "only 1 of 4 workers are usable (host 10.0.0.2 unreachable), below 'min_workers' = 2" in message
+    assert "exact worker counts for this run are [4, 2]" in message
+
+
+def test_local_capacity_reads_the_cap_and_the_free_gpus():
+    cfg = RunConfig.from_params({"num_workers": 4, "min_workers": 1})
+    backend = LocalBackend(gpu_probe=lambda: [0, 1, 2])
+    assert local_capacity(cfg, backend, {}) == (4, [])
+    assert local_capacity(cfg, backend, {LOCAL_USABLE_WORKERS_ENV: "2"}) == (
+        2, [f"this machine allows 2 worker(s) ({LOCAL_USABLE_WORKERS_ENV}=2)"])
+    assert local_capacity(cfg.replace(use_gpu=True), backend, {}) == (3, ["this machine has 3 free GPU(s) [0, 1, 2]"])
+    with pytest.raises(LaunchError, match="not a whole number"):
+        local_capacity(cfg, backend, {LOCAL_USABLE_WORKERS_ENV: "two"})
+
+
+def test_latest_checkpoint_step_reads_the_trainers_index(tmp_path):
+    assert latest_checkpoint_step(str(tmp_path)) == 0
+    (tmp_path / "checkpoint").write_text('model_checkpoint_path: "ckpt-20"\nall_model_checkpoint_paths: "ckpt-10"\n')
+    assert latest_checkpoint_step(str(tmp_path)) == 20
+
+
+# -- the must-show run ---------------------------------------------------------------------------------------------
+
+def _losses(output: TrainOutput) -> dict[int, float]:
+    lines = Path(output.metrics_file(0)).read_text().splitlines()
+    return {record["step"]: record["loss"] for record in map(json.loads, lines)}
+
+
+def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(airflow_env, tmp_path):  # noqa: F811
+    from tasks.compare import _evaluate, run_evaluation
+
+    manifest = write_dataset(tmp_path / "dataset", sorted((REPO / "data" / "sample").glob("*.txt")), block_size=32,
+                             vocab_size=320, num_train_shards=4, max_chars=20_000)
+    storage = str(tmp_path / "storage")
+    key = "elastic-run"
+    run = StorageLayout(storage).run(key)
+    cfg = RunConfig(num_workers=4, min_workers=2, model="tiny", tokenizer="bpe:320", block_size=32,
+                    batch_size_per_worker=2, max_steps=STEPS, warmup_steps=2, learning_rate=3e-3, num_shards=4,
+                    checkpoint_every_steps=CHECKPOINT_EVERY, storage_root=storage, baseline="skip")
+    Path(run.config).parent.mkdir(parents=True)
+    Path(run.config).write_text(cfg.to_json())
+
+    # The uninterrupted 4-worker run, side by side with the elastic one.
+    reference = TrainOutput(str(tmp_path / "reference"))
+    reference_spec = GroupSpec(name="reference", entrypoint="trainer.train", num_workers=4, env=entrypoint_env(),
+                               args=("--config", run.config, "--manifest", manifest, "--output", reference.url),
+                               startup_timeout_s=240, hang_timeout_s=240)
+    reference_result = {}
+    thread = threading.Thread(target=lambda: reference_result.update(result=WorkerGroup(
+        reference_spec, LocalBackend(), tmp_path / "reference-work", on_line=lambda rank, line: None).run()))
+    thread.start()
+
+    case = {
+        "entrypoint": "faulty_train", "operator": "elastic", "retries": 1,
+        "args": ["--config", run.config, "--manifest", manifest, "--output", run.train.url],
+        "env": entrypoint_env(),
+        "env_by_try": {"1": {"GPT_FINETUNE_TEST_TRAIN_FAULT": f"3:{FAULT_STEP}", LOCAL_USABLE_WORKERS_ENV: None},
+                       "2": {"GPT_FINETUNE_TEST_TRAIN_FAULT": None, LOCAL_USABLE_WORKERS_ENV: "2"}},
+        "params": {"num_workers": 4, "backend": "local", "backend_settings": cfg.to_dict(), "use_gpu": False,
+                   "storage_root": storage, "run_key": key, "storage_conn_id": "", "startup_timeout_s": 240,
+                   "hang_timeout_s": 240},
+    }
+    case_file = tmp_path / "case.json"
+    case_file.write_text(json.dumps(case))
+    process, out, log = _start(airflow_env, case_file, tmp_path)
+    _finish(process, timeout=600)
+    thread.join(timeout=600)
+    task_log = log.read_text(errors="replace")
+    result = json.loads(out.read_text())
+    assert result["task_states"]["group"] == "success", task_log[-5000:]
+    assert reference_result["result"].succeeded, reference_result["result"].error_message()
+
+    # The first try lost rank 3 after the checkpoint of step 4; the retry continued on 2 workers from there.
+    assert "rank 3 (host 127.0.0.1" in task_log and "killed by SIGKILL" in task_log
+    assert (f"continued on 2 of 4 workers from step {FAULT_STEP}: this machine allows 2 worker(s) "
+            f"({LOCAL_USABLE_WORKERS_ENV}=2); 2 accumulation steps per worker keep the global batch at 8") in task_log
+    launches = read_json(run.train.segments)["launches"]
+    assert [(s["try_number"], s["from_step"], s["num_workers"], s["grad_accum_steps"]) for s in launches] == [
+        (1, 0, 4, 1), (2, FAULT_STEP, 2, 2)]
+    summary = read_json(run.train.summary)
+    assert (summary["num_workers"], summary["global_batch_size"], summary["steps"]) == (2, 8, STEPS)
+    assert summary["resumed_from_step"] == FAULT_STEP and summary["data_order"] == "per_slot"
+
+    # Every step's loss as in the uninterrupted run: 4 x 1 before the fault, 2 x 2 after it.
+    elastic, uninterrupted = _losses(run.train), _losses(reference)
+    assert sorted(elastic) == sorted(uninterrupted) == list(range(1, STEPS + 1))
+    worst = max(abs(elastic[step] - uninterrupted[step]) for step in elastic)
+    print(f"\nelastic 4 -> 2 workers from step {FAULT_STEP}: max per-step loss difference {worst:.2e}")
+    assert worst < LOSS_TOLERANCE
+
+    # The report names both segments; the final models evaluate alike.
+    prepared = {"run_id": "elastic", "run_key": key, "storage_root": storage, "config": cfg.to_dict(),
+                "manifest_url": manifest, "train_url": run.train.url, "baseline_url": "", "baseline_key": "",
+                "report_url": run.report, "preflight_url": run.report, "dataset_fingerprint": "test"}
+    evaluation = _evaluate(prepared, cfg)
+    markdown = (Path(run.report) / "report.md").read_text()
+    assert "**elastic**: continued on 2 of 4 workers from step 4: this machine allows 2 worker(s)" in markdown
+    assert "| 1-4 | 4 of 4 | 1 |" in markdown and "| 5-12 | 2 of 4 | 2 |" in markdown
+    report = read_json(str(Path(run.report) / "report.json"))
+    assert report["elastic"] is True and [s["steps"] for s in report["segments"]] == [FAULT_STEP, STEPS - FAULT_STEP]
+    assert all(s["tokens_per_s"] > 0 for s in report["segments"])
+    reference_eval = run_evaluation(reference.model, manifest, str(tmp_path / "reference-eval.json"), cfg=cfg,
+                                    run_key=key, label="reference")
+    delta = abs(evaluation["eval_loss"] - reference_eval["eval_loss"])
+    print(f"eval loss elastic {evaluation['eval_loss']:.6f} vs uninterrupted {reference_eval['eval_loss']:.6f}: "
+          f"|delta| {delta:.2e}")
+    assert math.isfinite(delta) and delta < LOSS_TOLERANCE
