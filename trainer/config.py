@@ -263,7 +263,7 @@ class RunConfig:
 
     def baseline_config(self) -> RunConfig:
         """The single-worker run with the same global batch and the same optimizer steps."""
-        return self.replace(num_workers=1, grad_accum_steps=self.grad_accum_steps * self.num_workers)
+        return self.replace(num_workers=1, grad_accum_steps=self.grad_accum_steps * self.num_workers, min_workers=None)
 
     def summary_lines(self) -> list[str]:
         """One `key = value` line per setting, for the single log of the config."""

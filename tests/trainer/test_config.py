@@ -231,6 +231,7 @@ def test_exact_worker_counts_keep_the_global_batch_and_slots():
         smaller = cfg.for_workers(count)
         assert smaller.global_batch_size == cfg.global_batch_size
         assert smaller.num_workers * smaller.grad_accum_steps == 12 and smaller.min_workers <= count
+    assert cfg.baseline_config().min_workers is None and cfg.baseline_config().grad_accum_steps == 12
     assert RunConfig(num_workers=4).elastic_worker_counts == [4]  # unset: off
     assert RunConfig.from_params({"num_workers": 4, "min_workers": None}).lowest_worker_count == 4
     with pytest.raises(ConfigError, match="cannot split 12 slots"):
