@@ -214,7 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     os.environ.pop("TF_CONFIG", None)
-    result = probe_step_time(RunConfig.from_params(storage.read_json(args.config)), args.manifest)
+    try:
+        result = probe_step_time(RunConfig.from_params(storage.read_json(args.config)), args.manifest)
+    except Exception as error:  # noqa: BLE001 - the preflight reports a probe that cannot run, and goes on
+        log.error("the advisor's probe could not train: %s: %s", type(error).__name__, error)
+        return 1
     Path(args.out).write_text(json.dumps(result))
     return 0
 

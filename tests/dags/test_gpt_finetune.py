@@ -118,3 +118,12 @@ def test_worker_groups_read_the_prepared_paths(dag):
     assert "'baseline_config_url'" in baseline.args[1] and "'baseline_url'" in baseline.args[-1]
     assert baseline.num_workers == 1 and "'num_workers'" in train.num_workers
     assert "'train_summary_url'" in train.summary_url and "'baseline_summary_url'" in baseline.summary_url
+
+
+def test_train_recovers_on_fewer_workers_and_preflight_reads_the_baseline_step_time(dag):
+    from tf_multiworker.elastic import ElasticTrainOperator
+
+    assert isinstance(dag.get_task("train"), ElasticTrainOperator)
+    assert not isinstance(dag.get_task("baseline"), ElasticTrainOperator)
+    preflight = dag.get_task("preflight")
+    assert preflight.args[-2] == "--baseline-summary" and "'baseline_summary_url'" in preflight.args[-1]
