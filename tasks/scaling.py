@@ -34,7 +34,8 @@ def segments(record: Mapping[str, Any] | None, metrics: Sequence[Mapping[str, An
         end = launches[index + 1]["from_step"] if index + 1 < len(launches) else final_step
         if end <= launch["from_step"]:
             continue
-        # The first step of a launch traces and compiles: not throughput.
+        # Throughput of the steps themselves: the first step of a launch (tracing, compiling) and checkpoint
+        # writes between steps are left out.
         timed = [m for m in metrics if launch["from_step"] + 1 < m["step"] <= end]
         seconds = sum(m["step_time_s"] for m in timed)
         tokens = sum(m["tokens_per_s"] * m["step_time_s"] for m in timed)
@@ -81,7 +82,7 @@ def markdown_lines(report: Mapping[str, Any]) -> list[str]:
     rows = report.get("segments") or []
     if report.get("elastic"):
         lines += ["", "## Segments (elastic recovery)", "",
-                  "| steps | workers | accumulation | tokens/s | what happened |", "|---|---|---|---|---|"]
+                  "| steps | workers | accumulation | tokens/s (step time) | what happened |", "|---|---|---|---|---|"]
         lines += [f"| {row['from_step'] + 1}-{row['to_step']} | {row['num_workers']} of {report['num_workers']} | "
                   f"{row['grad_accum_steps']} | {fmt(row['tokens_per_s'], ',.0f')} | {row['line']} |" for row in rows]
     predicted = report.get("prediction")
