@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 from urllib.parse import parse_qs, urlparse
 
 _CORE = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<res>pods|services|secrets|events)"
@@ -98,6 +98,7 @@ class _Pod:
     started_at: str | None = None
     finished_at: str | None = None
     waiting: tuple[str, str] | None = None  # (reason, message) while the container cannot start
+    env: dict[str, str] | None = None  # the container's resolved environment
     deleting: bool = False
     output_done: threading.Event = field(default_factory=threading.Event)
     changed: threading.Condition = field(default_factory=threading.Condition)
@@ -138,6 +139,8 @@ class FakeKubernetes:
         self.objects: dict[tuple[str, str, str], dict] = {}  # (resource, namespace, name) -> object
         self.pods: dict[tuple[str, str], _Pod] = {}
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, for assertions
+        self.created: dict[tuple[str, str], dict] = {}  # (resource, name) -> the body as created, kept after deletion
+        self._history: dict[str, _Pod] = {}  # pod name -> its last kubelet record, kept after deletion
         self._lock = threading.RLock()
         self._addresses: dict[str, str] = {}
         self._pending: list[tuple[str, str, str]] = []
@@ -209,6 +212,17 @@ class FakeKubernetes:
                 if ns == namespace and resource != "events":
                     found.setdefault(resource, []).append(name)
         return found
+
+    def created_body(self, pod: str) -> dict:
+        return self.created[("pods", pod)]
+
+    def created_env(self, pod: str) -> dict[str, str]:
+        """The environment the pod's process got (TF_CONFIG as the pod spec has it, before loopback rewriting)."""
+        return self._history[pod].env
+
+    def log_of(self, pod: str) -> bytes:
+        record = self._history.get(pod)
+        return b"".join(line for _, line in record.lines) if record else b""
 
     def process_of(self, name: str, namespace: str = "default") -> subprocess.Popen | None:
         pod = self.pods.get((namespace, name))
@@ -288,9 +302,11 @@ class FakeKubernetes:
         obj["metadata"] = {**body.get("metadata", {}), "namespace": ns, "uid": str(uuid.uuid4()),
                            "creationTimestamp": _now(), "resourceVersion": "1"}
         self.objects[(resource, ns, name)] = obj
+        self.created[(resource, name)] = json.loads(json.dumps(obj))
         if resource == "pods":
             pod = _Pod(obj, Path(self._tmp.name) / ns / name)
             self.pods[(ns, name)] = pod
+            self._history[name] = pod
             threading.Thread(target=self._start_pod, args=(ns, pod), daemon=True, name=f"kubelet-{name}").start()
         return 201, self._view(resource, ns, obj)
 
@@ -330,7 +346,8 @@ class FakeKubernetes:
 
     # -- the "kubelet" ---------------------------------------------------------------------------------------
 
-    def _resolve_env(self, ns: str, container: dict) -> tuple[dict[str, str] | None, str]:
+    def _resolve_env(self, ns: str, container: dict) -> tuple[dict[str, str] | None, Any]:
+        """(environment of the process, the environment as the pod spec gives it) or (None, the problem)."""
         def secret(name: str) -> dict[str, str] | None:
             obj = self.objects.get(("secrets", ns, name))
             if obj is None:
@@ -354,12 +371,13 @@ class FakeKubernetes:
                 if values is None or ref["key"] not in values:
                     return None, f'couldn\'t find key {ref["key"]} in Secret {ns}/{ref["name"]}'
                 env[var["name"]] = values[ref["key"]]
+        given = dict(env)
         if "TF_CONFIG" in env:
             tf_config = json.loads(env["TF_CONFIG"])
             tf_config["cluster"] = {job: [self.tf_address(a) for a in addresses]
                                     for job, addresses in tf_config["cluster"].items()}
             env["TF_CONFIG"] = json.dumps(tf_config)
-        return env, ""
+        return env, given
 
     def _start_pod(self, ns: str, pod: _Pod) -> None:
         name = pod.body["metadata"]["name"]
@@ -374,11 +392,12 @@ class FakeKubernetes:
         with self._lock:
             if pod.deleting:
                 return
-            env, problem = self._resolve_env(ns, container)
+            env, given = self._resolve_env(ns, container)
             if env is None:
-                pod.waiting = ("CreateContainerConfigError", problem)
-                self._event(ns, name, "Failed", f"Error: {problem}")
+                pod.waiting = ("CreateContainerConfigError", given)
+                self._event(ns, name, "Failed", f"Error: {given}")
                 return
+            pod.env = given
             pod.workdir.mkdir(parents=True, exist_ok=True)
             pod.process = subprocess.Popen(
                 [*container["command"], *(container.get("args") or [])], cwd=pod.workdir, env=env,
