@@ -10,6 +10,7 @@ import os
 
 import pendulum
 from airflow.sdk import Asset, Param, dag, task
+from tf_multiworker.registry import BACKEND_NAMES, BACKENDS  # one light table: no launcher import at parse time
 
 # Cron expression of the nightly run; "none" leaves only manual and API triggers.
 _SCHEDULE_SETTING = os.environ.get("GPT_FINETUNE_SCHEDULE", "0 2 * * *").strip()
@@ -26,8 +27,9 @@ SHARDS_ASSET = Asset(name="gpt_finetune_shards", uri="gpt-finetune://datasets/sh
 PARAMS = {
     "num_workers": Param(2, type="integer", minimum=1, maximum=64, title="Workers",
                          description="Data-parallel workers (one GPU each when use_gpu is on)."),
-    "backend": Param("local", type="string", enum=["local"], title="Launcher backend",
-                     description="Where workers run: local processes on the Airflow worker."),
+    "backend": Param("local", type="string", enum=list(BACKEND_NAMES), title="Launcher backend",
+                     description="Where workers run: " + "; ".join(f"{name}: {meaning}" for name, (_, meaning)
+                                                                    in BACKENDS.items()) + "."),
     "dataset": Param("data/sample/*.txt", type="string", minLength=1, title="Dataset",
                      description="Local path, file:// or s3:// URL (globs allowed) of .txt/.jsonl/.json/.parquet "
                                  "files, or a hub dataset id when online. Relative paths are from the repository; "
@@ -170,6 +172,7 @@ def gpt_finetune():
             args=["--config", prepared(config), "--manifest", prepared("manifest_url"), "--output", prepared(output)],
             num_workers=num_workers,
             backend=from_config("backend"),
+            backend_settings="{{ ti.xcom_pull(task_ids='" + PREPARE + "')['config'] }}",
             use_gpu=from_config("use_gpu"),
             storage_root=from_config("storage_root"),
             run_key=prepared("run_key"),

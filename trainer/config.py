@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from tf_multiworker.registry import BACKEND_NAMES
+
 
 class ConfigError(ValueError):
     """A run setting is missing, unknown, of the wrong type or out of range."""
@@ -39,7 +41,6 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
     "gpt2-124m": {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024},
 }
 
-BACKENDS = ("local",)
 MIXED_PRECISION = ("no", "bf16", "fp16")
 BASELINE_POLICIES = ("auto", "run", "skip")
 COMMUNICATION = ("auto", "ring", "nccl")
@@ -338,7 +339,7 @@ def _validate(cfg: RunConfig) -> None:
     _check_range(cfg, "collective_timeout_s", 5, 86_400)
     _check_range(cfg, "startup_timeout_s", 5, 86_400)
     _check_range(cfg, "hang_timeout_s", 10, 7 * 86_400)
-    _check_choice(cfg, "backend", BACKENDS)
+    _check_choice(cfg, "backend", BACKEND_NAMES)
     _check_choice(cfg, "mixed_precision", MIXED_PRECISION)
     _check_choice(cfg, "baseline", BASELINE_POLICIES)
     _check_choice(cfg, "communication", COMMUNICATION)

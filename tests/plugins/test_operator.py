@@ -18,10 +18,9 @@ import pytest
 from tf_multiworker.operator import TFMultiWorkerOperator
 
 from tests.plugins.conftest import REPO, entrypoint_env, wait_until_gone
-from trainer.runtime import RUN_KEY_ENV
 from trainer.storage import read_bytes, read_json
 
-DAG_KWARGS = {"entrypoint", "args", "num_workers", "backend", "use_gpu", "storage_root", "run_key", "storage_conn_id",
+DAG_KWARGS = {"entrypoint", "args", "num_workers", "backend", "backend_settings", "use_gpu", "storage_root", "run_key", "storage_conn_id",
               "startup_timeout_s", "hang_timeout_s", "summary_url", "env", "grace_period_s", "max_launch_attempts"}
 SECRET = "s3cret-value-never-logged"
 HARNESS = Path(__file__).resolve().parent / "harness_dags" / "tfmw_harness.py"
@@ -42,7 +41,7 @@ def test_rendered_strings_are_coerced_to_launch_settings():
                      max_launch_attempts="2", args=["--steps", 5], env={"SEED": 7})._group_spec()
     assert (spec.num_workers, spec.use_gpu, spec.startup_timeout_s, spec.max_launch_attempts) == (3, False, 12.5, 2)
     assert spec.args == ("--steps", "5")
-    assert dict(spec.env) == {RUN_KEY_ENV: "r", "SEED": "7"}
+    assert dict(spec.env) == {"SEED": "7"} and spec.run_key == "r"  # the group marks every worker with the key
     assert _operator(use_gpu="true")._group_spec().use_gpu is True
 
 
