@@ -16,8 +16,8 @@ sends SIGKILL, and only then does the pod disappear (404). Deleting an owner gar
 Test hooks: `tf_address(dns)` is the loopback `127.0.0.1:<port>` a pod DNS name resolves to (every TF_CONFIG is
 rewritten this way before the process starts; each rank gets its own port because TensorFlow binds 0.0.0.0);
 `hold_pending(pattern, reason, message)` keeps matching pods Pending with that event; `refuse(verb, resource,
-code, reason, message)` answers matching requests with an API error; `cut_log_streams_after(n)` drops every log
-stream after n lines (the client must reconnect); `kill_pod_process(name, sig)` is a container crash.
+code, reason, message)` answers matching requests with an API error; `cut_log_streams_after(n, times)` drops the
+first log streams of each pod after n lines (the client must reconnect); `kill_pod_process(name, sig)` is a container crash.
 """
 
 from __future__ import annotations
@@ -146,6 +146,8 @@ class FakeKubernetes:
         self._pending: list[tuple[str, str, str]] = []
         self._refusals: list[tuple[str, str, int, str, str]] = []
         self._cut_after: int | None = None
+        self._cuts_left = 0
+        self._cuts: dict[str, int] = {}  # pod -> streams dropped so far
         self._tmp = tempfile.TemporaryDirectory(prefix="fake-k8s-")
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
@@ -193,8 +195,9 @@ class FakeKubernetes:
         """Answer `verb` (create, get, list, delete) on `resource` with this error, e.g. 403 Forbidden."""
         self._refusals.append((verb, resource, code, reason, message))
 
-    def cut_log_streams_after(self, lines: int | None) -> None:
-        self._cut_after = lines
+    def cut_log_streams_after(self, lines: int, times: int = 2) -> None:
+        """Drop the first `times` log streams of every pod after `lines` lines each (a dropped connection)."""
+        self._cut_after, self._cuts_left = lines, times
 
     def kill_pod_process(self, name: str, sig: int = signal.SIGKILL, namespace: str = "default") -> None:
         pod = self.pods[(namespace, name)]
@@ -451,6 +454,10 @@ class FakeKubernetes:
         timestamps = query.get("timestamps", "").lower() in ("true", "1")
         since = time.time() - float(query["sinceSeconds"]) if "sinceSeconds" in query else None
         index, sent = 0, 0
+        with self._lock:
+            cut_this = self._cut_after is not None and self._cuts.get(name, 0) < self._cuts_left
+            if cut_this:
+                self._cuts[name] = self._cuts.get(name, 0) + 1
         while True:
             with pod.changed:
                 while index >= len(pod.lines) and follow and not pod.output_done.is_set():
@@ -463,7 +470,7 @@ class FakeKubernetes:
                     continue
                 write((_stamp(at).encode() + b" " if timestamps else b"") + line)
                 sent += 1
-                if self._cut_after is not None and sent >= self._cut_after:
+                if cut_this and sent >= self._cut_after:
                     return 0, {}  # dropped: the connection closes without the final chunk
             if done or not follow:
                 return None

@@ -41,6 +41,7 @@ RETRIED_STATUSES = {429, 500, 502, 503, 504}
 TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError)
 EVENTS_EVERY_S = 5.0
 LOG_RECONNECT_PAUSE_S = 0.5
+MAX_READS_AFTER_END = 5
 
 
 class KubernetesApiError(LaunchError):
@@ -228,6 +229,7 @@ class KubernetesWorkerHandle(WorkerHandle):
         self.started = threading.Event()  # the container ran (its log can be read)
         self.deleted = threading.Event()  # the pod object is gone
         self.pending_reason = ""
+        self.termination = ""  # how a failed pod ended, written after its last log line
         self._seen = False  # the status loop has listed the pod at least once
         self._log_complete = False
         self._events_seen: set[str] = set()
@@ -277,7 +279,7 @@ class KubernetesWorkerHandle(WorkerHandle):
             self.exit_code = _exit_code(pod)
             if self.exit_code not in (None, 0):
                 where = f" on node {self.node}" if self.node else ""
-                self._emit(f"[kubernetes] pod {self.pod}{where} ended {phase}: {_termination(pod)}")
+                self.termination = f"[kubernetes] pod {self.pod}{where} ended {phase}: {_termination(pod)}"
         if phase == "Pending":
             reason = _pending_reason(pod)
             if reason != self.pending_reason:
@@ -310,32 +312,36 @@ class KubernetesWorkerHandle(WorkerHandle):
     # -- the log follower -----------------------------------------------------------------------------------
 
     def _follow_log(self) -> None:
-        """Copy the pod's log into the pipe until the container ended and its log was read to the end."""
+        """Copy the pod's log into the pipe until the container ended and one stream opened after its end was
+        read to the end (a stream dropped near the end would miss the last lines, which explain a failure)."""
         try:
             while not (self.started.is_set() or self.deleted.is_set() or self.group.stop.is_set()):
                 self.started.wait(0.2)
             cursor = _LogCursor()
-            final_read = False
+            reads_after_end = 0
             while self.started.is_set() and not self.group.stop.is_set():
+                ended = self.exit_code is not None or self.deleted.is_set()
+                complete = False
                 try:
-                    self._read_log(cursor)
+                    complete = self._read_log(cursor)
                 except ApiException as exc:
                     if exc.status == 404:
                         return
                     log.debug("log of pod %s: %s", self.pod, api_reason(exc))
                 except TRANSPORT_ERRORS as exc:
                     log.info("log stream of pod %s dropped (%s): reconnecting", self.pod, exc)
-                if self.exit_code is not None or self.deleted.is_set():
-                    # A stream dropped just before the container's end may have missed lines: read once more.
-                    if final_read:
+                if ended:
+                    reads_after_end += 1
+                    if complete or reads_after_end >= MAX_READS_AFTER_END:
                         return
-                    final_read = True
                     continue
                 time.sleep(LOG_RECONNECT_PAUSE_S)
         finally:
+            if self.termination:
+                self._emit(self.termination)
             self._close_output()
 
-    def _read_log(self, cursor: _LogCursor) -> None:
+    def _read_log(self, cursor: _LogCursor) -> bool:
         """One follow stream, with timestamps, from where `cursor` says the last one stopped."""
         response = self.backend.api.core.read_namespaced_pod_log(
             self.pod, self.backend.settings.namespace, container=objects.CONTAINER_NAME, follow=True,
@@ -351,6 +357,7 @@ class KubernetesWorkerHandle(WorkerHandle):
                     self._log_line(cursor, raw)
             if partial:  # the last line of an ended container, without a newline
                 self._log_line(cursor, partial)
+            return True
         finally:
             response.release_conn()
 
