@@ -13,3 +13,9 @@ def local_backend(settings: Mapping[str, Any]) -> Backend:
     from tf_multiworker.launcher.local import LocalBackend
 
     return LocalBackend()
+
+
+def kubernetes_backend(settings: Mapping[str, Any]) -> Backend:
+    from tf_multiworker.kubernetes_clients import kubernetes_backend as build
+
+    return build(settings)

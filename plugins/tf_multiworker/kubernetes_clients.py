@@ -7,7 +7,8 @@ run's settings into a `KubernetesBackend`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from tf_multiworker.launcher.errors import LaunchError
 
@@ -15,7 +16,6 @@ if TYPE_CHECKING:
     from kubernetes.client import CoreV1Api, NetworkingV1Api
 
     from tf_multiworker.launcher.kubernetes import KubernetesBackend
-    from trainer.config import RunConfig
 
 
 def kubernetes_clients(conn_id: str) -> tuple[CoreV1Api, NetworkingV1Api]:
@@ -39,14 +39,20 @@ def kubernetes_clients(conn_id: str) -> tuple[CoreV1Api, NetworkingV1Api]:
     return hook.core_v1_client, NetworkingV1Api(api_client)
 
 
-def kubernetes_backend(cfg: RunConfig, *, grace_period_s: float) -> KubernetesBackend:
+def kubernetes_backend(settings: Mapping[str, Any]) -> KubernetesBackend:
+    """The backend for a run's settings (a `RunConfig.to_dict()`; missing keys take their defaults)."""
     from tf_multiworker.launcher.kubernetes import KubernetesBackend, KubernetesSettings
     from tf_multiworker.launcher.kubernetes_objects import PodSettings
+    from trainer.config import ConfigError, RunConfig
 
+    try:
+        cfg = RunConfig.from_params(dict(settings))
+    except ConfigError as error:
+        raise LaunchError(str(error)) from None
     core, networking = kubernetes_clients(cfg.kubernetes_conn_id)
     pod = PodSettings(image=cfg.image, gpus=cfg.kubernetes_gpus, cpu=cfg.cpu, memory=cfg.memory,
                       node_selector=cfg.node_selector, tolerations=tuple(cfg.tolerations),
-                      service_account=cfg.service_account, grace_period_s=grace_period_s)
+                      service_account=cfg.service_account)
     settings = KubernetesSettings(namespace=cfg.namespace, pod=pod, keep_failed_pods=cfg.keep_failed_pods,
                                   conn_id=cfg.kubernetes_conn_id)
     return KubernetesBackend(core, networking, settings)

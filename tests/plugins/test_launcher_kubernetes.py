@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client, config
-from tf_multiworker.launcher import FailureKind, GroupSpec, GroupState, WorkerGroup
+from tf_multiworker.launcher import FailureKind, GroupSpec, GroupState, WorkerGroup, WorkerSpec, tensorflow_env
 from tf_multiworker.launcher.kubernetes import KubernetesBackend, KubernetesSettings
 from tf_multiworker.launcher.kubernetes_objects import GroupNames, PodSettings
 
@@ -171,12 +171,12 @@ def test_release_deletes_what_a_dead_task_left_by_label(cluster, tmp_path):
     """The task died without cleaning up: its pods still run. Release finds them by label and deletes it all."""
     the_backend = backend(cluster)
     group_spec = spec(env={"TINY_WORKER_STEPS": "100000", "TINY_WORKER_STEP_S": "0.05"})
-    for placement, rank in zip(the_backend.place(group_spec), range(2)):
-        from tf_multiworker.launcher import WorkerSpec
-
+    placements = the_backend.place(group_spec)
+    for rank, placement in enumerate(placements):
         worker = WorkerSpec(rank=rank, num_workers=2, placement=placement, log_file=str(tmp_path / "x.log"),
                             workdir=str(tmp_path))
-        the_backend.start(group_spec, worker, the_backend.command(group_spec), {"TF_CONFIG": "{}"})
+        the_backend.start(group_spec, worker, the_backend.command(group_spec),
+                          {**group_spec.env, **tensorflow_env(placements, rank)})
     the_backend.close()
     names = GroupNames(RUN_KEY, "tiny", "default")
     _wait_for(lambda: cluster.process_of(names.pod(1)) is not None, 10)

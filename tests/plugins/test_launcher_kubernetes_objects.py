@@ -10,7 +10,8 @@ import kubernetes_validate
 import pytest
 from kubernetes.client import ApiClient
 from tf_multiworker.launcher import kubernetes_objects as k8s
-from tf_multiworker.launcher.spec import build_tf_config
+from tf_multiworker.launcher.spec import Placement
+from tf_multiworker.launcher.tf_env import tensorflow_env
 
 # The oldest Kubernetes minor still supported upstream when this was written; strict = unknown fields are errors.
 SCHEMA_VERSION = "1.33"
@@ -31,13 +32,11 @@ def render_group(run_key: str = LONG_RUN_KEY, group: str = "train", num_workers:
         service_account="trainer", grace_period_s=7.5,
     )
     owner = k8s.owner_reference(names.service, "0b7e5c56-1c1f-4c55-9b0e-2f8a4f0c1d2e")
-    addresses = k8s.worker_addresses(names, num_workers)
+    # As the kubernetes backend places ranks: GPU pods leave GPU visibility to the device plugin.
+    placements = [Placement(names.address(rank), k8s.WORKER_PORT, None if gpus else ()) for rank in range(num_workers)]
     pods = []
     for rank in range(num_workers):
-        env = {"TFMW_RUN_KEY": run_key, "TF_CONFIG": json.dumps(build_tf_config(addresses, rank)),
-               "TF_USE_LEGACY_KERAS": "1"}
-        if not gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ""
+        env = {"TFMW_RUN_KEY": run_key, **tensorflow_env(placements, rank)}
         pods.append(k8s.pod(names, rank, settings, ["python3", "-u", "-m", "trainer.train", "--config", "x"], env,
                             with_secret=True, owner=owner))
     return names, k8s.service(names), k8s.secret(names, SECRET_ENV, owner), k8s.network_policy(names, owner), pods

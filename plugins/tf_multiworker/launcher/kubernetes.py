@@ -11,6 +11,7 @@ deletes whatever of a run is left, by label, and lists again to prove that nothi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -406,7 +407,8 @@ class KubernetesBackend(Backend):
             raise LaunchError(f"variables {leaked} would be literal values in the pod spec: secrets go only "
                               "through the group's Secret")
         forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
-        body = objects.pod(names, worker.rank, self.settings.pod, command, {**forwarded, **env},
+        pod_settings = dataclasses.replace(self.settings.pod, grace_period_s=group.grace_period_s)
+        body = objects.pod(names, worker.rank, pod_settings, command, {**forwarded, **env},
                            with_secret=bool(group.secret_env),
                            owner=objects.owner_reference(names.service, state.service_uid))
         try:

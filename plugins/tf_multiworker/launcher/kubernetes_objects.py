@@ -243,7 +243,3 @@ def pod(names: GroupNames, rank: int, settings: PodSettings, command: Sequence[s
         ),
     )
 
-
-def worker_addresses(names: GroupNames, num_workers: int) -> list[str]:
-    """`TF_CONFIG`'s cluster: every rank's DNS name and the fixed port, in rank order."""
-    return [f"{names.address(rank)}:{WORKER_PORT}" for rank in range(num_workers)]
