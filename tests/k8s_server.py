@@ -216,6 +216,9 @@ class FakeKubernetes:
                     found.setdefault(resource, []).append(name)
         return found
 
+    def names_created(self, resource: str) -> list[str]:
+        return sorted(name for r, name in self.created if r == resource)
+
     def created_body(self, pod: str) -> dict:
         return self.created[("pods", pod)]
 
