@@ -136,6 +136,7 @@ class FakeKubernetes:
 
     def __init__(self, image_env: Mapping[str, str] | None = None) -> None:
         self.image_env = dict(image_env or {})
+        self.node_name = "fake-node-1"
         self.objects: dict[tuple[str, str, str], dict] = {}  # (resource, namespace, name) -> object
         self.pods: dict[tuple[str, str], _Pod] = {}
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, for assertions
@@ -398,6 +399,7 @@ class FakeKubernetes:
         with self._lock:
             if pod.deleting:
                 return
+            pod.body["spec"]["nodeName"] = self.node_name  # scheduled
             env, given = self._resolve_env(ns, container)
             if env is None:
                 pod.waiting = ("CreateContainerConfigError", given)

@@ -121,6 +121,7 @@ def test_a_pod_killed_mid_run_fails_the_group_naming_the_pod(cluster, tmp_path):
     print(f"\npod 0 SIGKILLed:\n{message}")
     assert result.state is GroupState.FAILED and 0 in result.failures
     assert "SIGKILL" in message and names.pod(0) in message
+    assert f"pod {names.pod(0)} on node {cluster.node_name} ended Failed: exit code 137" in message
     assert cluster.remaining() == {}
 
 
