@@ -117,11 +117,14 @@ def _eval_losses(manifest: str, models: dict[str, Path]) -> dict[str, float]:
 
 
 def test_killing_the_task_deletes_every_object_of_the_group(airflow_env, tmp_path, cluster):  # noqa: F811
-    case = pod_case(tmp_path, worker_env={"TINY_WORKER_STEPS": "100000", "TINY_WORKER_STEP_S": "0.05"})
+    """A real MultiWorkerMirroredStrategy job, whose workers catch SIGTERM and keep running (preemption notices):
+    only the pod deletion with grace 0 after ON_KILL_GRACE_S ends them, within Airflow's 5 s."""
+    case = pod_case(tmp_path, entrypoint="tiny_mwms", args=["--steps", "100000", "--step-sleep", "0.05"],
+                    startup_timeout_s=120)
     process, out, log = _start(airflow_env, case, tmp_path, connection(cluster))
     try:
-        deadline = time.monotonic() + 120
-        while "[rank 1] rank 1 step 3 done" not in log.read_text(errors="replace"):
+        deadline = time.monotonic() + 180
+        while "[rank 1] rank 1 step 3 " not in log.read_text(errors="replace"):
             assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
             time.sleep(0.1)
         assert set(cluster.remaining()) == {"pods", "services", "networkpolicies"}
