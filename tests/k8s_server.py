@@ -145,7 +145,7 @@ class FakeKubernetes:
         self._lock = threading.RLock()
         self._addresses: dict[str, str] = {}
         self._pending: list[tuple[str, str, str]] = []
-        self._refusals: list[tuple[str, str, int, str, str]] = []
+        self._refusals: list[list] = []  # [verb, resource, code, reason, message, requests still let through]
         self._cut_after: int | None = None
         self._cuts_left = 0
         self._cuts: dict[str, int] = {}  # pod -> streams dropped so far
@@ -192,9 +192,10 @@ class FakeKubernetes:
         `ErrImagePull` (event reason Failed)."""
         self._pending.append((pod_pattern, reason, message))
 
-    def refuse(self, verb: str, resource: str, code: int, reason: str, message: str) -> None:
-        """Answer `verb` (create, get, list, delete) on `resource` with this error, e.g. 403 Forbidden."""
-        self._refusals.append((verb, resource, code, reason, message))
+    def refuse(self, verb: str, resource: str, code: int, reason: str, message: str, after: int = 0) -> None:
+        """Answer `verb` (create, get, list, delete) on `resource` with this error (e.g. 403 Forbidden) once
+        `after` such requests went through (a quota that admits the first pods)."""
+        self._refusals.append([verb, resource, code, reason, message, after])
 
     def cut_log_streams_after(self, lines: int, times: int = 2) -> None:
         """Drop the first `times` log streams of every pod after `lines` lines each (a dropped connection)."""
@@ -238,9 +239,14 @@ class FakeKubernetes:
     # -- the API ---------------------------------------------------------------------------------------------
 
     def _refusal(self, verb: str, resource: str) -> dict | None:
-        for v, r, code, reason, message in self._refusals:
-            if v == verb and r == resource:
-                return _status(code, reason, message)
+        with self._lock:
+            for refusal in self._refusals:
+                v, r, code, reason, message, after = refusal
+                if v == verb and r == resource:
+                    if after > 0:
+                        refusal[5] -= 1
+                        return None
+                    return _status(code, reason, message)
         return None
 
     def handle(self, method: str, path: str, query: dict[str, str], body: dict | None) -> tuple[int, dict]:

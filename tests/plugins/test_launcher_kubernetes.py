@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config
 from tf_multiworker.launcher import FailureKind, GroupSpec, GroupState, WorkerGroup, WorkerSpec, tensorflow_env
-from tf_multiworker.launcher.kubernetes import KubernetesBackend, KubernetesSettings
+from tf_multiworker.launcher.kubernetes import KubernetesApiError, KubernetesBackend, KubernetesSettings
 from tf_multiworker.launcher.kubernetes_objects import GroupNames, PodSettings
 
 from tests.k8s_server import FakeKubernetes
@@ -150,6 +150,23 @@ def test_an_image_that_cannot_be_pulled_is_named_with_its_event(cluster, tmp_pat
     result, _, _ = run(spec(startup_timeout_s=3), backend(cluster), tmp_path)
     assert "ErrImagePull" in result.error_message() and "pull access denied" in result.error_message()
     assert cluster.remaining() == {}
+
+
+@pytest.mark.parametrize("after, message", [
+    (0, ('pods is forbidden: User "system:serviceaccount:airflow:worker" cannot create resource "pods" in API '
+        'group "" in the namespace "default"')),
+    (1, ('pods "x" is forbidden: exceeded quota: gpu-quota, requested: requests.nvidia.com/gpu=1, used: '
+        'requests.nvidia.com/gpu=1, limited: requests.nvidia.com/gpu=1')),
+])
+def test_a_refused_pod_fails_the_launch_with_the_api_reason_and_leaves_nothing(cluster, tmp_path, after, message):
+    """RBAC refuses every pod; a quota admits rank 0 and refuses rank 1, whose peer is then stopped too."""
+    cluster.refuse("create", "pods", 403, "Forbidden", message, after=after)
+    with pytest.raises(KubernetesApiError) as excinfo:
+        run(spec(env={"TINY_WORKER_STEPS": "100000"}), backend(cluster), tmp_path)
+    print(f"\n{excinfo.value}")
+    assert f"403 Forbidden: {message}" in str(excinfo.value)
+    assert cluster.names_created("pods") == [GroupNames(RUN_KEY, "tiny", "default").pod(0)] * after
+    _wait_for(lambda: cluster.remaining() == {}, 10)
 
 
 def test_stopping_the_group_deletes_every_object(cluster, tmp_path):

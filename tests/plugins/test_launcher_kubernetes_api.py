@@ -96,7 +96,7 @@ def test_a_refused_pod_fails_with_the_api_reason_and_leaves_nothing_behind(clien
     sleeps: list[float] = []
     with pytest.raises(KubernetesApiError) as excinfo:
         start_rank(make_backend(core, networking, sleeps), group(), tmp_path=tmp_path)
-    assert f"403 Forbidden: Forbidden: {message}" in str(excinfo.value)
+    assert f"403 Forbidden: {message}" in str(excinfo.value)
     assert sleeps == [], "a 403 is not retried"
     names = GroupNames("run-1", "train", "ml")
     assert {("service", names.service), ("secret", names.secret),

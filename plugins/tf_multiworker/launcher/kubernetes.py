@@ -40,6 +40,8 @@ FORWARDED_PREFIXES = ("GPT_FINETUNE_",)
 # Status codes worth retrying: the API server overloaded or restarting, or a rate limit.
 RETRIED_STATUSES = {429, 500, 502, 503, 504}
 TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError)
+FORBIDDEN_HINT = (" (the identity of kubernetes_conn_id needs the Role of the README's 'Running on Kubernetes' in "
+                  "this namespace, and the namespace's ResourceQuota room for the pods)")
 EVENTS_EVERY_S = 5.0
 LOG_RECONNECT_PAUSE_S = 0.5
 MAX_READS_AFTER_END = 5
@@ -58,7 +60,8 @@ def api_reason(exc: ApiException) -> str:
     message = ""
     try:
         body = json.loads(exc.body or "{}")
-        message = ": ".join(p for p in (body.get("reason"), body.get("message")) if p)
+        reason = body.get("reason") if body.get("reason") != exc.reason else None  # "Forbidden" once, not twice
+        message = ": ".join(p for p in (reason, body.get("message")) if p)
     except (TypeError, ValueError):
         message = (exc.body or "").strip()[:300]
     return f"{exc.status} {exc.reason or ''}".strip() + (f": {message}" if message else "")
@@ -103,7 +106,8 @@ class _Api:
                 if exc.status == 404 and missing_ok:
                     return None
                 if exc.status not in RETRIED_STATUSES or attempt == retries:
-                    raise KubernetesApiError(f"{what} failed: {api_reason(exc)}", exc.status) from exc
+                    hint = FORBIDDEN_HINT if exc.status == 403 else ""
+                    raise KubernetesApiError(f"{what} failed: {api_reason(exc)}{hint}", exc.status) from exc
                 reason = api_reason(exc)
             except TRANSPORT_ERRORS as exc:
                 if attempt == retries:
