@@ -30,6 +30,18 @@ PARAMS = {
     "backend": Param("local", type="string", enum=list(BACKEND_NAMES), title="Launcher backend",
                      description="Where workers run: " + "; ".join(f"{name}: {meaning}" for name, (_, meaning)
                                                                     in BACKENDS.items()) + "."),
+    # "null" in the type marks a field optional: the UI form refuses to submit an empty required value.
+    "ssh_conn_ids": Param([], type=["null", "array"], items={"type": "string"}, title="SSH hosts",
+                          description="backend ssh: Airflow SSH connection ids, one per host (host-key checking "
+                                      "on: give each its host_key extra)."),
+    "workers_per_host": Param(0, type="integer", minimum=0, maximum=64, title="Workers per host",
+                              description="backend ssh: 0 = one per free GPU with use_gpu, else one per host."),
+    "remote_python": Param("", type=["null", "string"], title="Remote Python",
+                           description="backend ssh: absolute path of the worker environment's interpreter on "
+                                       "the hosts; empty = the same path as on this Airflow worker."),
+    "remote_workdir": Param("", type=["null", "string"], title="Remote work directory",
+                            description="backend ssh: where ranks run on each host; empty = tfmw/ under the "
+                                        "host's temporary directory."),
     "dataset": Param("data/sample/*.txt", type="string", minLength=1, title="Dataset",
                      description="Local path, file:// or s3:// URL (globs allowed) of .txt/.jsonl/.json/.parquet "
                                  "files, or a hub dataset id when online. Relative paths are from the repository; "

@@ -13,9 +13,9 @@ export_lock() {
   uv export --quiet --frozen --no-hashes --no-dev --no-emit-project --no-annotate "$@"
 }
 
-# matplotlib (report charts), pendulum (DAG file) and the Kubernetes provider and client (the kubernetes backend
-# talks to the API server from the Airflow task) are used on the Airflow side only.
-worker_side=(--prune apache-airflow --prune matplotlib --prune pendulum
+# matplotlib (report charts), pendulum (DAG file) and the providers and clients (connections to hosts, the
+# Kubernetes API) are Airflow side only.
+worker_side=(--prune apache-airflow --prune matplotlib --prune pendulum --prune apache-airflow-providers-ssh
              --prune apache-airflow-providers-cncf-kubernetes --prune kubernetes)
 
 export_lock "${worker_side[@]}" -o docker/requirements-trainer.txt

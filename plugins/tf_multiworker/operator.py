@@ -142,6 +142,7 @@ class TFMultiWorkerOperator(BaseOperator):
         self.max_launch_attempts = max_launch_attempts
         self.group: WorkerGroup | None = None  # must be set for on_kill
         self._killed = False
+        self._line_prefixes: dict[int, str] = {}
 
     @cached_property
     def hook(self) -> StorageCredentialsHook:
@@ -163,6 +164,8 @@ class TFMultiWorkerOperator(BaseOperator):
         ti = context["ti"]
 
         def record_started(workers: Sequence[WorkerOutcome], attempt: int) -> None:
+            if backend.name != "local":  # on other hosts, each line says where it comes from
+                self._line_prefixes = {w.rank: f"rank {w.rank} host {w.host}" for w in workers}
             self._write_state(ti, run.state_file(self.task_id), backend.name, GroupState.RUNNING, workers, workdir)
 
         self.group = WorkerGroup(spec, backend, workdir, on_line=self._log_worker_line, on_started=record_started)
@@ -219,7 +222,7 @@ class TFMultiWorkerOperator(BaseOperator):
         )
 
     def _log_worker_line(self, rank: int, line: str) -> None:
-        self.log.info("[rank %d] %s", rank, line)
+        self.log.info("[%s] %s", self._line_prefixes.get(rank) or f"rank {rank}", line)
 
     def _write_state(self, ti: Any, url: str, backend: str, state: GroupState,
                      workers: Sequence[WorkerOutcome], workdir: Path) -> dict[str, Any]:

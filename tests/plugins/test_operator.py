@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from tf_multiworker.operator import TFMultiWorkerOperator
 
+from tasks.release import processes_of_run
 from tests.plugins.conftest import REPO, entrypoint_env, wait_until_gone
 from trainer.storage import read_bytes, read_json
 
@@ -82,8 +83,9 @@ def _case(tmp_path, *, entrypoint="tiny_worker", args=(), worker_env=None, **par
         "entrypoint": entrypoint,
         "args": list(args),
         "env": entrypoint_env(**(worker_env or {})),
-        "params": {"num_workers": 2, "use_gpu": False, "storage_root": str(tmp_path / "storage"), "run_key": "run1",
-                   "storage_conn_id": "", "startup_timeout_s": 60, "hang_timeout_s": 60, **params},
+        "params": {"num_workers": 2, "backend": "local", "backend_settings": {}, "use_gpu": False,
+                   "storage_root": str(tmp_path / "storage"), "run_key": "run1", "storage_conn_id": "",
+                   "startup_timeout_s": 60, "hang_timeout_s": 60, **params},
     }
     path = tmp_path / "case.json"
     path.write_text(json.dumps(case))
@@ -179,3 +181,50 @@ def test_sigterm_to_the_task_stops_a_two_worker_tf_training_run(airflow_env, tmp
     assert result["task_states"]["group"] == "failed", task_log[-3000:]
     assert "WorkerGroupStoppedError" in task_log and "was stopped from outside" in task_log
     assert json.loads(state_file.read_text())["state"] == "stopped"
+
+
+# -- over SSH (real sshd hosts on 127.0.0.2 and 127.0.0.3, tests/sshd.py) -----------------------------------------
+
+def _ssh_env(ssh_hosts) -> dict[str, str]:
+    return {name: value for host in ssh_hosts for name, value in host.connection_env().items()}
+
+
+def _ssh_case(tmp_path, ssh_hosts, **kwargs) -> Path:
+    return _case(tmp_path, backend="ssh", backend_settings={"ssh_conn_ids": [h.conn_id for h in ssh_hosts]},
+                 **kwargs)
+
+
+def test_a_worker_sigkilled_on_one_ssh_host_fails_the_task_naming_host_and_rank(airflow_env, tmp_path, ssh_hosts):
+    case = _ssh_case(tmp_path, ssh_hosts, worker_env={"TINY_WORKER_FAULT": "1:sigkill"}, run_key="ssh-kill1")
+    process, out, log = _start(airflow_env, case, tmp_path, _ssh_env(ssh_hosts))
+    _finish(process, timeout=120)
+    task_log = log.read_text(errors="replace")
+    result = json.loads(out.read_text())
+    assert result["task_states"]["group"] == "failed", task_log[-3000:]
+    assert f"rank 1 (host {ssh_hosts[1].address}, pid " in task_log and "killed by SIGKILL" in task_log
+    assert f"[rank 0 host {ssh_hosts[0].address}]" in task_log  # live lines say where they come from
+    record = result["state_record"]
+    assert [w["conn_id"] for w in record["workers"]] == [h.conn_id for h in ssh_hosts]
+    assert processes_of_run("ssh-kill1") == {}, "a process of the run outlived the task on some host"
+
+
+def test_sigterm_to_the_task_ends_every_remote_process_within_10_seconds(airflow_env, tmp_path, ssh_hosts):
+    case = _ssh_case(tmp_path, ssh_hosts, worker_env={"TINY_WORKER_STEPS": "100000", "TINY_WORKER_STEP_S": "0.1"},
+                     run_key="ssh-term1")
+    process, out, log = _start(airflow_env, case, tmp_path, _ssh_env(ssh_hosts))
+    try:
+        deadline = time.monotonic() + 120
+        while "[rank 1 host " not in log.read_text(errors="replace") or len(processes_of_run("ssh-term1")) < 4:
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        while processes_of_run("ssh-term1") and time.monotonic() - sent < 10:
+            time.sleep(0.1)
+        stopped_after = time.monotonic() - sent
+        left = processes_of_run("ssh-term1")
+    finally:
+        _finish(process, timeout=60)
+    print(f"\nSIGTERM to an SSH task: remote processes gone after {stopped_after:.2f} s")
+    assert left == {}, f"still alive 10 s after SIGTERM: {left}"
+    assert json.loads(out.read_text())["task_states"]["group"] == "failed"
