@@ -53,13 +53,9 @@ def connection(cluster: FakeKubernetes) -> dict[str, str]:
 
 
 def pod_case(tmp_path: Path, backend_name: str = "kubernetes", **kwargs) -> Path:
-    path = _case(tmp_path, **kwargs)
-    case = json.loads(path.read_text())
-    case["backend"] = backend_name
-    case["backend_settings"] = {"backend": backend_name, "kubernetes_conn_id": CONN_ID, "namespace": "default",
-                                "image": "gpt-finetune-trainer:test"}
-    path.write_text(json.dumps(case))
-    return path
+    settings = {"backend": backend_name, "kubernetes_conn_id": CONN_ID, "namespace": "default",
+                "image": "gpt-finetune-trainer:test"}
+    return _case(tmp_path, backend=backend_name, backend_settings=settings, **kwargs)
 
 
 def run_case(airflow_env, cluster, case: Path, tmp_path: Path, timeout: float) -> tuple[dict, str]:  # noqa: F811

@@ -38,8 +38,6 @@ with DAG("tfmw_harness", schedule=None, start_date=pendulum.datetime(2026, 1, 1,
         startup_timeout_s="{{ params.startup_timeout_s }}",
         hang_timeout_s="{{ params.hang_timeout_s }}",
         env=CASE["env"],
-        backend=CASE.get("backend", "local"),
-        backend_settings=CASE.get("backend_settings"),
         retries=0,
     )
 
