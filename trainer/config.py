@@ -249,11 +249,6 @@ class RunConfig:
         return int(match.group(1)) if match else None
 
     @property
-    def kubernetes_gpus(self) -> int:
-        """`nvidia.com/gpu` per pod: `gpus_per_worker`, or one with `use_gpu` when it is 0."""
-        return self.gpus_per_worker or (1 if self.use_gpu else 0)
-
-    @property
     def effective_num_shards(self) -> int:
         """Shards to write: the explicit setting, or 4 per worker so any later worker count up to 4x divides."""
         return self.num_shards or 4 * self.num_workers
@@ -429,6 +424,8 @@ def _validate_kubernetes(cfg: RunConfig) -> None:
     if cfg.backend == "kubernetes" and not cfg.image.strip():
         raise ConfigError("Setting 'image' must name the trainer image for backend 'kubernetes', e.g. "
                           f"{DEFAULT_TRAINER_IMAGE!r} (docker/trainer.Dockerfile).")
+    if cfg.backend == "kubernetes":
+        _check_shared_storage(cfg, "backend 'kubernetes' runs workers in pods", "the pods")
     if cfg.image and not _IMAGE.fullmatch(cfg.image):
         raise ConfigError(f"Setting 'image' = {cfg.image!r} is not an image reference (registry/name:tag).")
     _check_range(cfg, "gpus_per_worker", 0, 16)
@@ -473,6 +470,23 @@ def _validate_kubernetes(cfg: RunConfig) -> None:
 _CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")
 
 
+def _check_shared_storage(cfg: RunConfig, why: str, readers: str) -> None:
+    """Workers that run elsewhere reach the run's files only through object storage."""
+    if urlparse(cfg.storage_root).scheme != "s3":
+        raise ConfigError(
+            f"Setting 'storage_root' = {cfg.storage_root!r} is local, but {why}, which share no filesystem with "
+            "this one: use an s3:// storage root (shards, checkpoints and results go through it).")
+    for name in ("model", "tokenizer"):
+        value = getattr(cfg, name)
+        if name == "model" and value in MODEL_PRESETS or name == "tokenizer" and value.startswith("bpe:"):
+            continue
+        scheme = urlparse(value).scheme
+        hub_id = not scheme and _HUB_ID.fullmatch(value) and not _local_candidate(value).exists()
+        if scheme == "file" or not scheme and not hub_id:
+            raise ConfigError(f"Setting '{name}' = {value!r} is a local path, which {readers} cannot read: "
+                              "put it on the s3:// storage and name its URL, or use a preset or hub id.")
+
+
 def _validate_ssh(cfg: RunConfig) -> None:
     """The SSH backend's settings; connection ids that Airflow does not know are refused by the prepare task."""
     _check_range(cfg, "workers_per_host", 0, 64)
@@ -497,20 +511,7 @@ def _validate_ssh(cfg: RunConfig) -> None:
             f"'workers_per_host' = {cfg.workers_per_host} x {len(cfg.ssh_conn_ids)} host(s) in 'ssh_conn_ids' = "
             f"{cfg.workers_per_host * len(cfg.ssh_conn_ids)} workers, but 'num_workers' = {cfg.num_workers}: make "
             "them agree, or set 'workers_per_host' to 0 (one per free GPU with use_gpu, else one per host).")
-    if urlparse(cfg.storage_root).scheme != "s3":
-        raise ConfigError(
-            f"Setting 'storage_root' = {cfg.storage_root!r} is local, but backend 'ssh' runs workers on other "
-            "hosts, which share no filesystem with this one: use an s3:// storage root (shards, checkpoints and "
-            "results go through it).")
-    for name in ("model", "tokenizer"):
-        value = getattr(cfg, name)
-        if name == "model" and value in MODEL_PRESETS or name == "tokenizer" and value.startswith("bpe:"):
-            continue
-        scheme = urlparse(value).scheme
-        hub_id = not scheme and _HUB_ID.fullmatch(value) and not _local_candidate(value).exists()
-        if scheme == "file" or not scheme and not hub_id:
-            raise ConfigError(f"Setting '{name}' = {value!r} is a local path, which the SSH hosts cannot read: "
-                              "put it on the s3:// storage and name its URL, or use a preset or hub id.")
+    _check_shared_storage(cfg, "backend 'ssh' runs workers on other hosts", "the SSH hosts")
     if cfg.remote_python and not cfg.remote_python.startswith("/"):
         raise ConfigError(f"Setting 'remote_python' = {cfg.remote_python!r} must be an absolute path to the worker "
                           "environment's interpreter on the hosts (e.g. /opt/gpt-finetune/.venv/bin/python), or "

@@ -40,19 +40,21 @@ def kubernetes_clients(conn_id: str) -> tuple[CoreV1Api, NetworkingV1Api]:
 
 
 def kubernetes_backend(settings: Mapping[str, Any]) -> KubernetesBackend:
-    """The backend for a run's settings (a `RunConfig.to_dict()`; missing keys take their defaults)."""
+    """The backend for a run's settings (a `RunConfig.to_dict()`, checked by the prepare task; missing keys take
+    their defaults). Only the keys of this backend are read, so a test cluster may share this machine's disk."""
     from tf_multiworker.launcher.kubernetes import KubernetesBackend, KubernetesSettings
     from tf_multiworker.launcher.kubernetes_objects import PodSettings
-    from trainer.config import ConfigError, RunConfig
+    from trainer.config import RunConfig
 
+    values = {**RunConfig().to_dict(), **{k: v for k, v in settings.items() if v is not None}}
     try:
-        cfg = RunConfig.from_params(dict(settings))
-    except ConfigError as error:
-        raise LaunchError(str(error)) from None
-    core, networking = kubernetes_clients(cfg.kubernetes_conn_id)
-    pod = PodSettings(image=cfg.image, gpus=cfg.kubernetes_gpus, cpu=cfg.cpu, memory=cfg.memory,
-                      node_selector=cfg.node_selector, tolerations=tuple(cfg.tolerations),
-                      service_account=cfg.service_account)
-    settings = KubernetesSettings(namespace=cfg.namespace, pod=pod, keep_failed_pods=cfg.keep_failed_pods,
-                                  conn_id=cfg.kubernetes_conn_id)
-    return KubernetesBackend(core, networking, settings)
+        pod = PodSettings(image=values["image"], gpus=values["gpus_per_worker"] or (1 if values["use_gpu"] else 0),
+                          cpu=values["cpu"], memory=values["memory"], node_selector=values["node_selector"],
+                          tolerations=tuple(values["tolerations"]), service_account=values["service_account"])
+        backend_settings = KubernetesSettings(namespace=values["namespace"], pod=pod,
+                                              keep_failed_pods=values["keep_failed_pods"],
+                                              conn_id=values["kubernetes_conn_id"])
+    except ValueError as error:
+        raise LaunchError(f"backend kubernetes: {error}") from None
+    core, networking = kubernetes_clients(backend_settings.conn_id)
+    return KubernetesBackend(core, networking, backend_settings)

@@ -21,6 +21,8 @@ def test_a_connection_with_a_kubeconfig_reaches_the_cluster(monkeypatch):
                                               "namespace": "ml-team", "use_gpu": True, "gpus_per_worker": 2})
         assert isinstance(backend, KubernetesBackend)
         assert (backend.settings.namespace, backend.settings.pod.gpus) == ("ml-team", 2)
+        one = make_backend("kubernetes", {"kubernetes_conn_id": "my_cluster", "use_gpu": True})
+        assert one.settings.pod.gpus == 1, "gpus_per_worker 0 means one per pod with use_gpu"
         assert backend.release("some-run", [])["clean"] is True
         assert ("GET", "/api/v1/namespaces/ml-team/pods") in cluster.requests, "the calls reached the server"
 
@@ -37,5 +39,5 @@ def test_no_connection_outside_a_cluster_says_what_is_missing(monkeypatch):
 
 
 def test_bad_settings_are_refused_before_any_client_is_made():
-    with pytest.raises(LaunchError, match="'namespace' = 'Not_A_Label'"):
+    with pytest.raises(LaunchError, match="namespace 'Not_A_Label' is not a DNS label"):
         make_backend("kubernetes", {"kubernetes_conn_id": "never_read", "namespace": "Not_A_Label"})

@@ -201,10 +201,13 @@ def test_configured_roots_replace_the_defaults_and_empty_bucket_list_allows_any(
 
 @pytest.mark.parametrize("params, fragments", [
     ({"backend": "kubernetes", "image": ""}, ["'image'", "kubernetes", "gpt-finetune-trainer"]),
+    ({"backend": "kubernetes"}, ["'storage_root' = 'storage' is local", "in pods", "s3://"]),
+    ({"backend": "kubernetes", "storage_root": "s3://runs/x", "model": "data"}, ["'model'", "the pods cannot read"]),
     ({"image": "has space:1"}, ["'image'", "image reference"]),
     ({"namespace": "ML_Team"}, ["'namespace' = 'ML_Team'", "DNS label"]),
     ({"namespace": "a" * 64}, ["'namespace'", "at most 63"]),
-    ({"backend": "kubernetes", "gpus_per_worker": 1}, ["'gpus_per_worker' = 1", "'use_gpu' = true"]),
+    ({"backend": "kubernetes", "storage_root": "s3://runs/x", "gpus_per_worker": 1},
+     ["'gpus_per_worker' = 1", "'use_gpu' = true"]),
     ({"use_gpu": True, "gpus_per_worker": 2}, ["'gpus_per_worker' = 2", "'kubernetes' only"]),
     ({"gpus_per_worker": 17}, ["'gpus_per_worker' = 17", "0 to 16"]),
     ({"node_selector": "gpu=h200"}, ["'node_selector'", "map of strings to strings"]),
@@ -224,12 +227,11 @@ def test_bad_kubernetes_settings_are_refused_naming_the_setting(params, fragment
         assert fragment in str(excinfo.value), str(excinfo.value)
 
 
-def test_kubernetes_settings_round_trip_and_gpus_default_to_one_with_use_gpu():
+def test_kubernetes_settings_round_trip():
     cfg = RunConfig.from_params({
         "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"}, "cpu": "4", "memory": "16Gi",
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         "namespace": "ml-team", "service_account": "trainer", "keep_failed_pods": True, "kubernetes_conn_id": None,
     })
     assert RunConfig.from_params(json.loads(cfg.to_json())) == cfg
-    assert cfg.kubernetes_conn_id == "" and cfg.kubernetes_gpus == 0
-    assert cfg.replace(use_gpu=True).kubernetes_gpus == 1
+    assert cfg.kubernetes_conn_id == ""
