@@ -23,6 +23,7 @@ from tests.plugins.test_launcher_kubernetes import backend, image_env
 from tests.plugins.test_operator import _case, _finish, _start, airflow_env  # noqa: F401 (a fixture)
 from tests.trainer.shards import write_dataset
 from trainer.layout import run_key
+from trainer.storage import read_json
 
 CONN_ID = "k8s_fake"
 # Same data, same initialisation, same summation order: the local and the pod runs agree to float32 rounding.
@@ -94,7 +95,7 @@ def test_training_on_pods_gives_the_eval_loss_of_the_local_backend(airflow_env, 
         print(f"\n{name}: train task {result['task_states']['group']} in {time.monotonic() - started:.1f} s")
         assert result["task_states"]["group"] == "success", task_log[-4000:]
         models[name] = output / "model"
-    assert "[rank 1]" in task_log and "TFMW_READY rank=1" in task_log
+    assert f"[rank 1 host {GroupNames('run1', 'group', 'default').address(1)}] TFMW_READY rank=1" in task_log
     losses = _eval_losses(manifest, models)
     print(f"eval loss local {losses['local']:.8f} kubernetes {losses['kubernetes']:.8f} "
           f"|delta| {abs(losses['local'] - losses['kubernetes']):.2e}")
@@ -120,7 +121,7 @@ def test_killing_the_task_deletes_every_object_of_the_group(airflow_env, tmp_pat
     process, out, log = _start(airflow_env, case, tmp_path, connection(cluster))
     try:
         deadline = time.monotonic() + 180
-        while "[rank 1] rank 1 step 3 " not in log.read_text(errors="replace"):
+        while "] rank 1 step 3 " not in log.read_text(errors="replace"):
             assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
             time.sleep(0.1)
         assert set(cluster.remaining()) == {"pods", "services", "networkpolicies"}
@@ -148,8 +149,11 @@ def test_a_pending_pod_fails_the_task_at_the_startup_timeout_with_its_events(air
     assert cluster.remaining() == {}
 
 
-def test_release_deletes_the_leftovers_of_a_dead_task_by_label(tmp_path, cluster, monkeypatch):
+def test_release_deletes_the_leftovers_of_a_dead_task_by_label(tmp_path, cluster, monkeypatch, s3_server):
     monkeypatch.setenv(*next(iter(connection(cluster).items())))
+    for name, value in {"AWS_ACCESS_KEY_ID": "test-key", "AWS_SECRET_ACCESS_KEY": "test-secret",
+                        "AWS_ENDPOINT_URL": s3_server}.items():
+        monkeypatch.setenv(name, value)
     key = run_key("gpt_finetune", "manual__dead_task")
     leftovers = backend(cluster)
     spec = GroupSpec(name="train", entrypoint="tiny_worker", num_workers=2, run_key=key, grace_period_s=2,
@@ -161,9 +165,10 @@ def test_release_deletes_the_leftovers_of_a_dead_task_by_label(tmp_path, cluster
     leftovers.close()  # the task died here: nothing was cleaned up
     names = GroupNames(key, "train", "default")
     assert set(cluster.remaining()) == {"pods", "services", "secrets", "networkpolicies"}
-    params = {"backend": "kubernetes", "kubernetes_conn_id": CONN_ID, "storage_root": str(tmp_path / "storage")}
+    root = f"s3://runs/{tmp_path.name}"  # pods share no disk with Airflow: the run's storage is on S3
+    params = {"backend": "kubernetes", "kubernetes_conn_id": CONN_ID, "storage_root": root}
     result = release_run(params, "manual__dead_task", "gpt_finetune", grace_period_s=2)
-    record = json.loads((tmp_path / "storage" / "runs" / key / "release.json").read_text())
+    record = read_json(f"{root}/runs/{key}/release.json")
     pods = next(h for h in record["hosts"] if h["backend"] == "kubernetes")
     print(f"\nrelease on the cluster: {pods}")
     assert result["clean"] is True and record["clean"] is True

@@ -236,7 +236,7 @@ class KubernetesWorkerHandle(WorkerHandle):
         self.pending_reason = ""
         self.termination = ""  # how a failed pod ended, written after its last log line
         self._seen = False  # the status loop has listed the pod at least once
-        self._log_complete = False
+        self._stopping = False  # this launcher deletes the pod: its disappearance is expected
         self._events_seen: set[str] = set()
         self._events_at = 0.0
         read_fd, self._write_fd = os.pipe()
@@ -257,9 +257,11 @@ class KubernetesWorkerHandle(WorkerHandle):
         return self.exit_code
 
     def terminate(self) -> None:
+        self._stopping = True
         self.backend._stop_pod(self, grace_s=self.group.spec.grace_period_s)
 
     def kill(self) -> None:
+        self._stopping = True
         self.backend._stop_pod(self, grace_s=0)
 
     def gone(self) -> bool:
@@ -273,6 +275,9 @@ class KubernetesWorkerHandle(WorkerHandle):
     def _update(self, pod: V1Pod | None) -> None:
         if pod is None:
             if self.started.is_set() or self.exit_code is not None or self._seen:
+                if self.exit_code is None and not self._stopping and not self.deleted.is_set():
+                    self.termination = (f"[kubernetes] pod {self.pod} was deleted before its container ended "
+                                        "(kubectl delete, an eviction or a lost node)")
                 self.deleted.set()
             return
         self._seen = True
@@ -439,7 +444,10 @@ class KubernetesBackend(Backend):
             if self.settings.keep_failed_pods and handle.exit_code not in (None, 0):
                 kept.append(handle.pod)
                 continue
-            self.api.delete("pod", handle.pod, grace_period_seconds=0)
+            try:
+                self.api.delete("pod", handle.pod, grace_period_seconds=0)
+            except KubernetesApiError as exc:  # the group's own outcome matters more; release retries by label
+                log.warning("group %s: %s", group.name, exc)
         if kept:
             log.warning("keep_failed_pods: kept failed pod(s) %s in namespace %s for debugging (`kubectl logs`, "
                         "`kubectl describe`); delete them with `kubectl delete pod -l %s`", kept,
@@ -612,7 +620,7 @@ class KubernetesBackend(Backend):
         for kind, name, options in (("service", names.service, {"propagation_policy": policy}),
                                     ("secret", names.secret, {}), ("networkpolicy", names.network_policy, {})):
             try:
-                self.api.delete(kind, name, **options)
+                self.api.delete(kind, name, retries=1, **options)  # may run in on_kill: 5 s in all
             except KubernetesApiError as exc:
                 log.warning("group %s: %s", state.spec.name, exc)
 
