@@ -141,6 +141,7 @@ def test_a_pod_that_stays_pending_fails_at_the_startup_timeout_with_its_events(c
     print(f"\npod 1 Pending: failed after {wall_s:.2f} s\n{message}")
     assert result.failures[1].kind is FailureKind.STARTUP_TIMEOUT
     assert "FailedScheduling: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu." in message
+    assert f"never started: pod {GroupNames(RUN_KEY, 'tiny', 'default').pod(1)} is Pending: Unschedulable" in message
     assert 4 <= wall_s < 15
     assert cluster.remaining() == {}
 

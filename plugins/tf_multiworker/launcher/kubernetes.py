@@ -267,6 +267,12 @@ class KubernetesWorkerHandle(WorkerHandle):
     def gone(self) -> bool:
         return self.deleted.is_set() or self.exit_code is not None
 
+    def waiting_reason(self) -> str:
+        if self.started.is_set() or self.deleted.is_set() or not self.pending_reason:
+            return ""
+        events = "; ".join(sorted(self._events_seen))
+        return f"pod {self.pod} is Pending: {self.pending_reason}" + (f" (events: {events})" if events else "")
+
     def record(self) -> dict:
         return {"namespace": self.backend.settings.namespace, "pod": self.pod, "node": self.node}
 
