@@ -95,7 +95,7 @@ def test_training_on_pods_gives_the_eval_loss_of_the_local_backend(airflow_env, 
         print(f"\n{name}: train task {result['task_states']['group']} in {time.monotonic() - started:.1f} s")
         assert result["task_states"]["group"] == "success", task_log[-4000:]
         models[name] = output / "model"
-    assert f"[rank 1 host {GroupNames('run1', 'group', 'default').address(1)}] TFMW_READY rank=1" in task_log
+    assert f"[rank 1 pod {GroupNames('run1', 'group', 'default').pod(1)}] TFMW_READY rank=1" in task_log
     losses = _eval_losses(manifest, models)
     print(f"eval loss local {losses['local']:.8f} kubernetes {losses['kubernetes']:.8f} "
           f"|delta| {abs(losses['local'] - losses['kubernetes']):.2e}")
