@@ -109,6 +109,10 @@ def test_keep_failed_pods_keeps_only_the_failed_pod_and_says_so(cluster, tmp_pat
     assert result.state is GroupState.FAILED
     assert cluster.remaining() == {"pods": [names.pod(1)]}
     assert f"kept failed pod(s) ['{names.pod(1)}']" in caplog.text
+    kept = backend(cluster, keep_failed_pods=True).release(RUN_KEY, [])
+    assert kept["clean"] and kept["hosts"][0]["kept"] == [f"pod/{names.pod(1)}"]
+    assert cluster.remaining() == {"pods": [names.pod(1)]}, "release keeps it too"
+    assert backend(cluster).release(RUN_KEY, [])["clean"] and cluster.remaining() == {}, "until the setting is off"
 
 
 def test_a_pod_killed_mid_run_fails_the_group_naming_the_pod(cluster, tmp_path):
