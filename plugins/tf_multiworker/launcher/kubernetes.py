@@ -4,8 +4,8 @@ The official client's `CoreV1Api` and `NetworkingV1Api` come in ready-made (buil
 `tf_multiworker.kubernetes_clients`), so this module never imports Airflow. Per group it creates the objects of
 `kubernetes_objects` (Service, Secret, NetworkPolicy, then the pods, which are owned by the Service), follows each
 pod's status with one list call per group and second, and streams each pod's log into the handle's `output`,
-reconnecting without repeating lines. A pod stuck Pending writes its events into its output, so they are in the
-group's failure message when `startup_timeout_s` ends it. Stopping the group deletes its objects; `release`
+reconnecting without repeating lines. A pod stuck Pending writes its status and events into its output and its
+`waiting_reason`, so they are in the group's failure message when `startup_timeout_s` ends it. Stopping the group deletes its objects; `release`
 deletes whatever of a run is left, by label, and lists again to prove that nothing remains.
 """
 
@@ -462,6 +462,8 @@ class KubernetesBackend(Backend):
             state.watcher.join(self.settings.status_interval_s + 5)
 
     def release(self, run_key: str, records: list[dict]) -> dict:
+        """Delete every object labelled with the run (the records are not needed: the label also finds what no
+        record names), pods with the group's grace then at once, and list again to prove nothing is left."""
         selector = objects.run_selector(run_key)
         ns = self.settings.namespace
         pods = self.api.list("pod", selector)
