@@ -463,7 +463,7 @@ class KubernetesBackend(Backend):
 
     def release(self, run_key: str, records: list[dict]) -> dict:
         """Delete every object labelled with the run (the records are not needed: the label also finds what no
-        record names), pods with the group's grace then at once, and list again to prove nothing is left."""
+        record names), pods with up to 10 s of grace and then at once, and list again to prove nothing is left."""
         selector = objects.run_selector(run_key)
         ns = self.settings.namespace
         pods = self.api.list("pod", selector)
