@@ -41,3 +41,10 @@ def test_prepared_run_lists_configs_with_resolved_steps(tmp_path):
     assert prepared["run_key"] == run_key(DAG_ID, RUN_ID)
     assert prepared["train_summary_url"].startswith(prepared["train_url"])
     assert prepared["baseline_summary_url"].startswith(prepared["baseline_url"])
+
+
+def test_a_kubernetes_connection_that_airflow_does_not_know_fails_the_task_before_tokenizing(tmp_path):
+    settings = {"backend": "kubernetes", "storage_root": "s3://runs/root", "dataset": str(tmp_path / "absent.txt"),
+                "kubernetes_conn_id": "no_such_cluster"}
+    with pytest.raises(AirflowFailException, match=r"kubernetes_conn_id='no_such_cluster': no Airflow connection"):
+        prepare_run(settings, RUN_ID, DAG_ID)
