@@ -141,7 +141,7 @@ Fine-tunes a GPT-2 model with TensorFlow `MultiWorkerMirroredStrategy` on `num_w
 1. **prepare**: validates the run settings, tokenizes `dataset` into TFRecord shards + `manifest.json`
    (cached by fingerprint).
 2. **preflight**: every worker checks versions, devices, disk and storage, then runs collectives with a known
-   answer and measures bandwidth.
+   answer and measures bandwidth; the scaling advisor predicts speedup and efficiency for 1..num_workers.
 3. **train**: `TFMultiWorkerOperator` launches the workers, streams their logs, resumes from checkpoints; with
    `min_workers` a retry continues exactly on fewer workers when hosts are lost.
 4. **baseline**: the same job on one worker with the same global batch (reused when it matches).
