@@ -94,7 +94,6 @@ def run(out_dir: Path) -> dict:
         if reason:
             print(f"ssh case skipped: {reason}")
         else:
-            (root / "hosts").mkdir()
             hosts = start_hosts(2, root / "hosts")
             try:
                 for host in hosts:

@@ -10,9 +10,7 @@ Inputs, all measured on the run's own workers:
 
 The model, per worker count N (step time T, single-worker step time T1, gradient bytes B):
 - compute: each worker does 1/N of the global batch's micro-steps, T1 / N; on the CPU workers on one host share
-  its C cores: the probe measured how many cores one worker keeps busy (u = CPU time / wall time of its steps), so
-  k workers on the busiest host run slower by max(1, k x u / C): T1 / N x max(1, k u / C). Without a measured u
-  (a baseline summary) the advisor assumes the worker used every core (u = C: T1 x k / N);
+  its cores, so the busiest host (k of the N workers) runs at 1/k of the probe's speed: T1 x k / N;
 - communication: one ring all-reduce of the gradients, 2(N-1)/N x B / busbw, plus per-message latency for each
   collective of a step (gradients, loss, gradient norm), scaled from the measured ring of N0 workers by the
   2(N-1) hops of a ring of N;
@@ -62,25 +60,9 @@ def busiest_host_share(hosts: Sequence[str], count: int) -> int:
     return max(used.count(host) for host in set(used))
 
 
-def core_slowdown(hosts: Sequence[str], count: int, host_cores: Mapping[str, int],
-                  cores_used: float | None) -> float:
-    """How much slower than alone a worker computes when the first `count` ranks share their hosts' cores."""
-    used = list(hosts[:count]) or ["?"]
-    worst = 1.0
-    for host in set(used):
-        cores = host_cores.get(host) or 1
-        demand = cores if cores_used is None else min(cores_used, cores)
-        worst = max(worst, used.count(host) * demand / cores)
-    return worst
-
-
 def predict(*, num_workers: int, single_step_s: float, gradient_bytes: int, busbw_gbps: float, latency_ms: float,
-            measured_workers: int, tokens_per_step: int, hosts: Sequence[str], shared_cores: bool,
-            host_cores: Mapping[str, int] | None = None, cores_used: float | None = None) -> dict[str, Any]:
-    """The advisor's table for N in 1..num_workers (see the module doc), with the recommendation.
-
-    `host_cores`: cores per host name (default 1 each: with `cores_used` unset, workers on a host divide it);
-    `cores_used`: cores the single-worker probe kept busy (None: all of them)."""
+            measured_workers: int, tokens_per_step: int, hosts: Sequence[str], shared_cores: bool) -> dict[str, Any]:
+    """The advisor's table for N in 1..num_workers (see the module doc), with the recommendation."""
     if single_step_s <= 0 or busbw_gbps <= 0:
         raise ValueError(f"the advisor needs a positive step time and bus bandwidth, got {single_step_s!r} s and "
                          f"{busbw_gbps!r} GB/s")
@@ -88,9 +70,8 @@ def predict(*, num_workers: int, single_step_s: float, gradient_bytes: int, busb
     hop_latency_s = latency_ms / 1e3 / (2 * (measured_workers - 1)) if measured_workers > 1 else 0.0
     rows = []
     for count in range(1, num_workers + 1):
-        crowd = busiest_host_share(hosts, count)
-        slowdown = core_slowdown(hosts, count, host_cores or {}, cores_used) if shared_cores else 1.0
-        compute = single_step_s * slowdown / count
+        crowd = busiest_host_share(hosts, count) if shared_cores else 1
+        compute = single_step_s * crowd / count
         communication = ring_seconds(count, gradient_bytes, busbw_gbps, hop_latency_s)
         step = compute + communication
         overlapped = max(compute, communication)
@@ -101,7 +82,6 @@ def predict(*, num_workers: int, single_step_s: float, gradient_bytes: int, busb
             "tokens_per_s_overlap": tokens_per_step / overlapped, "speedup": speedup,
             "efficiency": speedup / count, "speedup_overlap": single_step_s / overlapped,
             "efficiency_overlap": single_step_s / overlapped / count, "workers_per_host": crowd,
-            "core_slowdown": slowdown,
         })
     return {"rows": rows, "recommended_workers": recommended(rows),
             "recommendation": recommendation(rows, num_workers)}
@@ -143,15 +123,11 @@ def advise(*, cfg, collectives: Mapping[str, Any], workers: Sequence[Mapping[str
     (`{"seconds_per_step", "parameters", "gradient_dtype", "source"}`)."""
     bandwidth, latency = collectives["bandwidth"], collectives["latency"]
     gradient_bytes = step["parameters"] * DTYPE_BYTES.get(step["gradient_dtype"], 4)
-    ordered = sorted(workers, key=lambda r: r["rank"])
-    hosts = [report["host"] for report in ordered]
-    host_cores = {report["host"]: report.get("cpu_count") or 1 for report in ordered}
-    cores_used = step.get("cores_used")
+    hosts = [report["host"] for report in sorted(workers, key=lambda r: r["rank"])]
     advice = predict(
         num_workers=cfg.num_workers, single_step_s=step["seconds_per_step"], gradient_bytes=gradient_bytes,
         busbw_gbps=bandwidth["busbw_gbps"], latency_ms=latency["p50_ms"], measured_workers=len(workers),
         tokens_per_step=cfg.global_batch_size * cfg.block_size, hosts=hosts, shared_cores=not cfg.use_gpu,
-        host_cores=host_cores, cores_used=cores_used,
     )
     asked = advice["rows"][cfg.num_workers - 1]
     return {
@@ -159,8 +135,7 @@ def advise(*, cfg, collectives: Mapping[str, Any], workers: Sequence[Mapping[str
                    "parameters": step["parameters"], "gradient_dtype": step["gradient_dtype"],
                    "gradient_bytes": gradient_bytes, "busbw_gbps": bandwidth["busbw_gbps"],
                    "latency_p50_ms": latency["p50_ms"], "measured_workers": len(workers), "hosts": hosts,
-                   "shared_cores": not cfg.use_gpu, "host_cores": host_cores, "cores_used": cores_used,
-                   "collectives_per_step": COLLECTIVES_PER_STEP},
+                   "shared_cores": not cfg.use_gpu, "collectives_per_step": COLLECTIVES_PER_STEP},
         **advice,
         "asked": {"num_workers": cfg.num_workers, "speedup": asked["speedup"], "efficiency": asked["efficiency"]},
         "min_predicted_efficiency": cfg.min_predicted_efficiency,
@@ -213,19 +188,16 @@ def probe_step_time(cfg, manifest_url: str, steps: int = PROBE_TIMED_STEPS) -> d
             tf.config.set_visible_devices([], "GPU")
         state = TrainState(job, tf.distribute.get_strategy(), Path(scratch))
         batches = iter(input_dataset(job, stage_inputs(job), start_step=0))
-        times, cpu_seconds = [], 0.0
+        times = []
         for index in range(PROBE_WARMUP_STEPS + steps):
             micro_batches = next(batches)
-            started, cpu_started = time.perf_counter(), time.process_time()
+            started = time.perf_counter()
             loss, _ = state.train_step(micro_batches)
             float(loss)  # waits for the step
             if index >= PROBE_WARMUP_STEPS:
                 times.append(time.perf_counter() - started)
-                cpu_seconds += time.process_time() - cpu_started
         variables = state.model.trainable_variables
         return {"seconds_per_step": statistics.median(times), "steps": steps,
-                # CPU time of all the process's threads per second of stepping: the cores one worker keeps busy.
-                "cores_used": None if single.use_gpu else cpu_seconds / sum(times),
                 "parameters": int(sum(v.shape.num_elements() for v in variables)),
                 "gradient_dtype": variables[0].dtype.name, "source": "probe"}
 

@@ -118,7 +118,6 @@ def check_worker(cfg: RunConfig, manifest_url: str, identity: runtime.WorkerIden
     address = identity.addresses[identity.rank] if identity.addresses else None
     where = f"rank {identity.rank} on {identity.host}" + (f" ({address})" if address else "")
     report: dict[str, Any] = {"rank": identity.rank, "host": identity.host, "address": address, "pid": os.getpid(),
-                              "cpu_count": len(os.sched_getaffinity(0)),
                               "versions": package_versions(identity.rank), "devices": visible_gpus()}
     if identity.num_workers != cfg.num_workers:
         errors.append(f"{where}: TF_CONFIG lists {identity.num_workers} workers but num_workers={cfg.num_workers}: "
@@ -383,11 +382,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     if advice.get("rows"):
         from trainer.advisor import table_lines
 
-        inputs = advice["inputs"]
-        cores = (f", one worker keeps {inputs['cores_used']:.2f} cores busy"
-                 if inputs.get("shared_cores") and inputs.get("cores_used") else "")
-        lines.append(f"scaling advisor (single-worker step from the {inputs['step_source']}, gradients "
-                     f"{inputs['gradient_bytes'] / 2**20:.1f} MiB{cores}):")
+        lines.append(f"scaling advisor (single-worker step from the {advice['inputs']['step_source']}, gradients "
+                     f"{advice['inputs']['gradient_bytes'] / 2**20:.1f} MiB):")
         lines += ["  " + line for line in table_lines(advice)]
     elif advice.get("skipped"):
         lines.append(f"scaling advisor: {advice['skipped']}")
@@ -580,10 +576,8 @@ class Preflight:
                     # Without a prediction the gate cannot pass: it must not let an unknown efficiency through.
                     return {"error": reason if self.cfg.min_predicted_efficiency else None, "skipped": reason}
                 step = storage.read_json(out)
-                log.info("advisor probe: %d single-worker steps of the global batch, median %.1f ms, %s cores busy "
-                         "(%.1f s in all)", step["steps"], step["seconds_per_step"] * 1e3,
-                         f"{step['cores_used']:.2f}" if step.get("cores_used") else "n/a",
-                         time.perf_counter() - started)
+                log.info("advisor probe: %d single-worker steps of the global batch, median %.1f ms (%.1f s in all)",
+                         step["steps"], step["seconds_per_step"] * 1e3, time.perf_counter() - started)
         advice = advisor.advise(cfg=self.cfg, collectives=collectives,
                                 workers=[reports[r] for r in sorted(reports)], step=step)
         return {**advice, "error": advisor.efficiency_error(advice)}

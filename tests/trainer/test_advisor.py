@@ -45,15 +45,6 @@ def test_workers_sharing_a_hosts_cores_get_no_compute_speedup():
     assert two_hosts[3]["compute_s"] == pytest.approx(0.1 * 2 / 4) and two_hosts[1]["workers_per_host"] == 2
 
 
-def test_a_worker_that_leaves_cores_idle_shares_them_at_a_smaller_cost():
-    # One worker keeps 1.3 of a host's 2 cores busy: 2 workers there compute 1.3x slower, 1 alone not at all.
-    rows = _predict(hosts=["a"] * 4, shared_cores=True, host_cores={"a": 2}, cores_used=1.3)["rows"]
-    assert [row["core_slowdown"] for row in rows] == pytest.approx([1.0, 1.3, 1.95, 2.6])
-    assert rows[1]["compute_s"] == pytest.approx(0.1 / 2 * 1.3)
-    on_gpus = _predict(hosts=["a"] * 4, shared_cores=False, host_cores={"a": 2}, cores_used=1.3)["rows"]
-    assert [row["core_slowdown"] for row in on_gpus] == [1.0] * 4
-
-
 def test_recommendation_names_the_asked_count_and_a_better_one():
     # 1 s steps, a slow network with slow hops: 4 workers gain little over 3 (1.72x vs 1.70x).
     slow_network = _predict(single_step_s=1.0, busbw_gbps=1.0, latency_ms=60.0)
