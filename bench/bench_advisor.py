@@ -63,16 +63,20 @@ def case(label: str, make_backend, num_workers: int, manifest: str, root: Path) 
     single = _seconds_per_step(read_json(str(root / "baseline" / "summary.json")))
     distributed = _seconds_per_step(read_json(str(root / "train" / "summary.json")))
     measured = single / distributed
-    predicted = advice["rows"][num_workers - 1]["speedup"]
+    row = advice["rows"][num_workers - 1]
+    predicted = row["speedup"]
     error = (predicted - measured) / measured
     print(f"{label}, N={num_workers}: predicted speedup {predicted:.2f}x, measured {measured:.2f}x -> error "
           f"{error:+.0%} ({'OK' if abs(error) <= TARGET_ERROR else 'ABOVE TARGET'}); probe step "
           f"{advice['inputs']['single_step_s'] * 1e3:.1f} ms vs baseline {single * 1e3:.1f} ms; busbw "
-          f"{advice['inputs']['busbw_gbps']:.3f} GB/s, latency {advice['inputs']['latency_p50_ms']:.2f} ms",
-          flush=True)
+          f"{advice['inputs']['busbw_gbps']:.3f} GB/s, latency {advice['inputs']['latency_p50_ms']:.2f} ms; "
+          f"predicted step {row['step_time_s'] * 1e3:.1f} ms (compute {row['compute_s'] * 1e3:.1f}, communication "
+          f"{row['communication_s'] * 1e3:.1f}) vs measured {distributed * 1e3:.1f} ms", flush=True)
     return {"label": label, "num_workers": num_workers, "predicted_speedup": predicted, "measured_speedup": measured,
             "error": error, "probe_step_s": advice["inputs"]["single_step_s"], "baseline_step_s": single,
-            "distributed_step_s": distributed, "recommendation": advice["recommendation"]}
+            "distributed_step_s": distributed, "predicted_step_s": row["step_time_s"],
+            "predicted_compute_s": row["compute_s"], "predicted_communication_s": row["communication_s"],
+            "recommendation": advice["recommendation"]}
 
 
 def run(out_dir: Path) -> dict:
@@ -94,6 +98,7 @@ def run(out_dir: Path) -> dict:
         if reason:
             print(f"ssh case skipped: {reason}")
         else:
+            (root / "hosts").mkdir()
             hosts = start_hosts(2, root / "hosts")
             try:
                 for host in hosts:
