@@ -175,7 +175,8 @@ def _text_paragraphs(sources: Sources, directory: Path) -> list[str]:
             text = data.decode("utf-8")
         except UnicodeDecodeError as bad:
             raise SourceError(_not_utf8(source.url, data, bad)) from bad
-        text = text.replace("\r\n", "\n").replace("\r", "\n")  # what open()'s universal newlines do
+        if "\r" in text:  # what open()'s universal newlines do
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
         documents += [paragraph for paragraph in text.split("\n\n") if paragraph]
     return documents
 

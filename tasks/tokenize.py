@@ -30,7 +30,7 @@ import uuid
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -206,9 +206,9 @@ def plan_tokenizer(cfg: RunConfig) -> TokenizerPlan:
         # Trained on the training split, so sources and settings (in the fingerprint too) determine it fully.
         return TokenizerPlan(cfg.tokenizer, _sha256_text(f"{BPE_RECIPE}:{vocab}:{EOS_TOKEN}"), _dtype_for(vocab), None)
     tokenizer = load_pretrained_tokenizer(cfg.tokenizer)
-    identity = json.dumps(
-        {"model": json.loads(tokenizer.backend_tokenizer.to_str()), "eos": tokenizer.eos_token}, sort_keys=True
-    )
+    # The serialized tokenizer as it is (vocabularies in id order): parsing and re-sorting it costs more than
+    # tokenizing a small corpus, and the text is deterministic for a given tokenizers version.
+    identity = f"eos={tokenizer.eos_token!r}\n{tokenizer.backend_tokenizer.to_str()}"
     return TokenizerPlan(cfg.tokenizer, _sha256_text(identity), _dtype_for(len(tokenizer)), tokenizer)
 
 
@@ -453,43 +453,35 @@ class TokenizeStats:
     joined: bool  # documents were encoded joined by the EOS text (see `_joins_at_eos`)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Batch:
     """Tokenizer inputs for one encode call, each holding documents of one split only."""
 
-    texts: list[str] = field(default_factory=list)
-    held_out: list[bool] = field(default_factory=list)
-    documents: int = 0
-    chars: int = 0
+    texts: list[str]
+    held_out: list[bool]  # per input
+    documents: int
+    chars: int
 
 
-def _batches(documents: list[str], is_validation: np.ndarray, eos_token: str, joined: bool,
+def _batches(documents: list[str], lengths: np.ndarray, is_validation: np.ndarray, eos_token: str, joined: bool,
              inputs_per_batch: int) -> Iterator[_Batch]:
-    """Tokenizer inputs in document order: runs of consecutive documents of one split joined by the EOS text (each
-    ending with it), or single documents when `joined` is False."""
-    batch, group, group_chars, group_held = _Batch(), [], 0, False
-
-    def close_group() -> None:
-        nonlocal group, group_chars
-        batch.texts.append(eos_token.join(group) + eos_token if joined else group[0])
-        batch.held_out.append(group_held)
-        batch.documents += len(group)
-        batch.chars += group_chars
-        group, group_chars = [], 0
-
-    for text, held_out in zip(documents, is_validation.tolist(), strict=True):
-        if group and (not joined or held_out != group_held or group_chars >= UNIT_CHARS):
-            close_group()
-            if len(batch.texts) >= inputs_per_batch:
-                yield batch
-                batch = _Batch()
-        group.append(text)
-        group_chars += len(text)
-        group_held = held_out
-    if group:
-        close_group()
-    if batch.texts:
-        yield batch
+    """Tokenizer inputs in document order: runs of consecutive documents of one split, cut about every
+    `UNIT_CHARS` characters and joined by the EOS text (each ending with it); single documents when not `joined`."""
+    if joined:
+        split_runs = np.cumsum(np.diff(is_validation.astype(np.int8), prepend=is_validation[:1]) != 0)
+        chars_before = np.cumsum(lengths) - lengths
+        unit = split_runs * (int(lengths.sum()) // UNIT_CHARS + 1) + chars_before // UNIT_CHARS
+        starts = np.flatnonzero(np.diff(unit, prepend=-1)).tolist() + [len(documents)]
+    else:
+        starts = list(range(len(documents) + 1))
+    char_ends = np.cumsum(lengths)
+    for first in range(0, len(starts) - 1, inputs_per_batch):
+        bounds = starts[first:first + inputs_per_batch + 1]
+        texts = [eos_token.join(documents[a:b]) + eos_token if joined else documents[a]
+                 for a, b in itertools.pairwise(bounds)]
+        begin, end = bounds[0], bounds[-1]
+        yield _Batch(texts=texts, held_out=is_validation[bounds[:-1]].tolist(), documents=end - begin,
+                     chars=int(char_ends[end - 1] - (char_ends[begin - 1] if begin else 0)))
 
 
 def _joins_at_eos(tokenizer, eos_token: str, sample: list[str]) -> bool:
@@ -546,7 +538,8 @@ def tokenize_to_streams(
     tokenizer = _without_truncation(tokenizer)
     joined = _joins_at_eos(tokenizer, eos_token, documents[:64])
     cores = len(os.sched_getaffinity(0))
-    progress = _Progress(len(documents), sum(map(len, documents)), progress_interval_s)
+    lengths = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
+    progress = _Progress(len(documents), int(lengths.sum()), progress_interval_s)
     streams = {"train": workdir / "train.bin", "validation": workdir / "validation.bin"}
     log.info("tokenizing %d documents (%s characters) on %d core(s)%s", len(documents),
              _human_count(progress.total_chars), cores,
@@ -573,7 +566,7 @@ def tokenize_to_streams(
             validation.write(validation_ids.tobytes())
             progress.advance(batch.documents, batch.chars, len(train_ids) + len(validation_ids))
 
-        for batch in _batches(documents, is_validation, eos_token, joined, INPUTS_PER_CORE * cores):
+        for batch in _batches(documents, lengths, is_validation, eos_token, joined, INPUTS_PER_CORE * cores):
             in_flight.append(encoders.submit(encode, batch))
             if len(in_flight) > 2:
                 append_oldest()
