@@ -27,7 +27,6 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -437,7 +436,7 @@ def _training_texts(
 
 
 UNIT_CHARS = 8 << 10  # documents joined into one tokenizer input of about this many characters
-INPUTS_PER_CORE = 16  # tokenizer inputs per encode call and core: work for the whole pool, small steps to overlap
+INPUTS_PER_CORE = 32  # tokenizer inputs per encode call and core: work for the whole pool, small steps to overlap
 
 
 @dataclass(frozen=True)
@@ -465,8 +464,11 @@ class _Batch:
 
 def _batches(documents: list[str], lengths: np.ndarray, is_validation: np.ndarray, eos_token: str, joined: bool,
              inputs_per_batch: int) -> Iterator[_Batch]:
-    """Tokenizer inputs in document order: runs of consecutive documents of one split, cut about every
-    `UNIT_CHARS` characters and joined by the EOS text (each ending with it); single documents when not `joined`."""
+    """Tokenizer inputs: the training documents in order, then the validation documents in order (each split has
+    its own stream), cut about every `UNIT_CHARS` characters and joined by the EOS text (each input ending with
+    it); single documents when not `joined`."""
+    order = np.argsort(is_validation, kind="stable")
+    documents, lengths, is_validation = [documents[i] for i in order.tolist()], lengths[order], is_validation[order]
     if joined:
         split_runs = np.cumsum(np.diff(is_validation.astype(np.int8), prepend=is_validation[:1]) != 0)
         chars_before = np.cumsum(lengths) - lengths
@@ -530,10 +532,9 @@ def tokenize_to_streams(
 ) -> tuple[dict[str, Path], TokenizeStats]:
     """Append every document's ids + EOS to `train.bin` / `validation.bin` in document order.
 
-    `encode_batch_fast` (no character offsets, which packing never needs) spreads each batch over every core with
-    the tokenizer's own thread pool and releases the GIL meanwhile. Two encoder threads keep a call in flight while
-    the other turns its batch into ids under the GIL, and this thread appends finished batches in order, so the
-    pool never waits for Python.
+    This thread calls `encode_batch_fast` (no character offsets, which packing never needs), which spreads each
+    batch over every core with the tokenizer's own thread pool and releases the GIL meanwhile; one writer thread
+    turns the previous batch into ids and appends them, so writing overlaps tokenizing.
     """
     tokenizer = _without_truncation(tokenizer)
     joined = _joins_at_eos(tokenizer, eos_token, documents[:64])
@@ -545,41 +546,32 @@ def tokenize_to_streams(
              _human_count(progress.total_chars), cores,
              "" if joined else "; one document per tokenizer input (joining them at the EOS would change the ids)")
 
-    def encode(batch: _Batch) -> tuple[_Batch, np.ndarray, np.ndarray]:
-        encodings = tokenizer.encode_batch_fast(batch.texts, add_special_tokens=False)
+    def append(batch: _Batch, encodings, outputs) -> None:
         if joined:  # every input ends with the EOS already
             ids = [np.fromiter(e.ids, dtype=dtype, count=len(e)) for e in encodings]
         else:
             ids = [np.fromiter(itertools.chain(e.ids, (eos,)), dtype=dtype, count=len(e) + 1) for e in encodings]
-        train_ids = [chunk for chunk, held in zip(ids, batch.held_out, strict=True) if not held]
-        validation_ids = [chunk for chunk, held in zip(ids, batch.held_out, strict=True) if held]
-        return batch, _concatenate(train_ids, dtype), _concatenate(validation_ids, dtype)
+        for held_out, output in zip((False, True), outputs, strict=True):
+            chunks = [chunk for chunk, held in zip(ids, batch.held_out, strict=True) if held == held_out]
+            if chunks:
+                output.write(np.concatenate(chunks).tobytes())
+        progress.advance(batch.documents, batch.chars, sum(map(len, ids)))
 
     began, cpu_began = time.perf_counter(), time.process_time()
     with _tokenizer_threads(), open(streams["train"], "wb") as train, open(streams["validation"], "wb") as validation, \
-            ThreadPoolExecutor(2, thread_name_prefix="prepare-encode") as encoders:
-        in_flight: deque = deque()
-
-        def append_oldest() -> None:
-            batch, train_ids, validation_ids = in_flight.popleft().result()
-            train.write(train_ids.tobytes())
-            validation.write(validation_ids.tobytes())
-            progress.advance(batch.documents, batch.chars, len(train_ids) + len(validation_ids))
-
+            ThreadPoolExecutor(1, thread_name_prefix="prepare-writer") as writer:
+        pending = None
         for batch in _batches(documents, lengths, is_validation, eos_token, joined, INPUTS_PER_CORE * cores):
-            in_flight.append(encoders.submit(encode, batch))
-            if len(in_flight) > 2:
-                append_oldest()
-        while in_flight:
-            append_oldest()
+            encodings = tokenizer.encode_batch_fast(batch.texts, add_special_tokens=False)
+            if pending is not None:
+                pending.result()
+            pending = writer.submit(append, batch, encodings, (train, validation))
+        if pending is not None:
+            pending.result()
     progress.finish()
     stats = TokenizeStats(tokens=progress.tokens, documents=len(documents), began=began, cores=cores,
                           wall_s=time.perf_counter() - began, cpu_s=time.process_time() - cpu_began, joined=joined)
     return streams, stats
-
-
-def _concatenate(chunks: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
-    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
 
 
 @contextlib.contextmanager
