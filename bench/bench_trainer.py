@@ -8,8 +8,9 @@
 3. tf.data read rate: `trainer.data.make_dataset` alone over one worker's shards (shuffle + repeat, as in
    training), in this process, against that worker's training consumption (target >= 5x).
 4. The trainer against the simplest thing a user would write: `model.fit` of the same `TFGPT2LMHeadModel` (its
-   built-in LM loss), the same AdamW and schedule, on the same token stream (`make_dataset` over the same shards,
-   same seed) and batch, 1 worker, CPU, for the tiny preset and GPT-2 124M. Both run as fresh processes,
+   built-in LM loss), the same AdamW, schedule and gradient clipping, on the same token stream (`make_dataset`
+   over the same shards, same seed) and batch, 1 worker, CPU, for the tiny preset and GPT-2 124M (the mid-size
+   preset; the largest there is). Same update on the same data: the mean losses over the run are printed side by side. Both run as fresh processes,
    alternating which goes first; both exclude their first step (tracing) and sync every step (the trainer reads
    the loss, fit's timing callback makes Keras convert its logs). Ratio: trainer tokens/s / fit tokens/s per
    pair, median (target >= 0.95x). The trainer's time is split from its metrics: waiting for input, inside the
@@ -99,7 +100,7 @@ def fit_floor(config_path: str, manifest_url: str, out_path: str) -> None:
     from trainer.config import RunConfig
     from trainer.data import load_manifest, make_dataset, shard_cache_dir, stage_shards, worker_shards
     from trainer.model import build_model
-    from trainer.optim import learning_rate_schedule, make_optimizer
+    from trainer.optim import GRAD_CLIP_NORM, learning_rate_schedule, make_optimizer
 
     cfg = RunConfig.from_params(storage.read_json(config_path))
     tf.config.set_visible_devices([], "GPU")
@@ -114,7 +115,9 @@ def fit_floor(config_path: str, manifest_url: str, out_path: str) -> None:
         model = build_model(cfg.model, vocab_size=manifest["tokenizer"]["vocab_size"],
                             eos_token_id=manifest["tokenizer"]["eos_token_id"], block_size=cfg.block_size,
                             work_dir=work_dir)
-    model.compile(optimizer=make_optimizer(cfg, learning_rate_schedule(cfg)))
+    optimizer = make_optimizer(cfg, learning_rate_schedule(cfg))
+    optimizer.global_clipnorm = GRAD_CLIP_NORM  # the trainer clips too: both sides do the same update
+    model.compile(optimizer=optimizer)
 
     class StepTimes(tf_keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
@@ -130,7 +133,7 @@ def fit_floor(config_path: str, manifest_url: str, out_path: str) -> None:
     tokens_per_step = cfg.batch_size_per_worker * cfg.block_size
     Path(out_path).write_text(json.dumps({
         "tokens_per_s": (cfg.max_steps - 1) * tokens_per_step / timed_s, "first_step_s": steps[0],
-        "median_step_s": statistics.median(steps[1:]), "final_loss": history.history["loss"][-1],
+        "median_step_s": statistics.median(steps[1:]), "mean_loss": history.history["loss"][-1],  # over the epoch
     }))
 
 
@@ -162,7 +165,7 @@ def _trainer_breakdown(summary: dict, records: list[dict]) -> dict:
 
 def _trainer_side(cfg, manifest_url: str, out: Path) -> dict:
     summary, records = _train(cfg.to_dict(), manifest_url, out)
-    return {"tokens_per_s": summary["tokens_per_s"], "final_loss": summary["final_loss"],
+    return {"tokens_per_s": summary["tokens_per_s"], "mean_loss": statistics.mean(r["loss"] for r in records),
             **_trainer_breakdown(summary, records)}
 
 
@@ -184,8 +187,9 @@ def _floor(base, manifest_url: str, scratch: Path) -> dict:
             trainer, fit = measured["trainer"], measured["fit"]
             pairs.append({"trainer": trainer, "fit": fit, "ratio": trainer["tokens_per_s"] / fit["tokens_per_s"]})
             print(f"  {preset} pair {pair + 1}/{plan['pairs']}: trainer {trainer['tokens_per_s']:,.0f} tokens/s "
-                  f"(median step {1e3 * trainer['median_step_s']:.1f} ms), model.fit {fit['tokens_per_s']:,.0f} "
-                  f"tokens/s (median step {1e3 * fit['median_step_s']:.1f} ms): {pairs[-1]['ratio']:.3f}x", flush=True)
+                  f"(median step {1e3 * trainer['median_step_s']:.1f} ms, mean loss {trainer['mean_loss']:.4f}), "
+                  f"model.fit {fit['tokens_per_s']:,.0f} tokens/s (median step {1e3 * fit['median_step_s']:.1f} ms, "
+                  f"mean loss {fit['mean_loss']:.4f}): {pairs[-1]['ratio']:.3f}x", flush=True)
         ratio = statistics.median(p["ratio"] for p in pairs)
         split = {key: statistics.median(p["trainer"][key] / p["trainer"]["train_s"] for p in pairs)
                  for key in ("input_s", "step_s", "between_steps_s")}

@@ -196,20 +196,26 @@ class TrainState:
         gradient_scale = 1.0 / (micro_steps * strategy.num_replicas_in_sync)
         loss_scaling = cfg.mixed_precision == "fp16"
 
+        def micro_step(tokens):
+            with tf.GradientTape() as tape:
+                loss = causal_lm_loss(model, tokens, training=True)
+                scaled = loss * gradient_scale
+                if loss_scaling:
+                    scaled = optimizer.get_scaled_loss(scaled)
+            gradients = tape.gradient(scaled, variables)
+            if loss_scaling:
+                gradients = optimizer.get_unscaled_gradients(gradients)
+            return [tf.convert_to_tensor(g) for g in gradients], loss
+
         @tf.function(jit_compile=cfg.xla)
         def accumulate_gradients(micro_batches):
+            if micro_steps == 1:  # nothing to add up: no zero buffers and no loop, ops a small model's step feels
+                return micro_step(micro_batches[0])
             gradients = [tf.zeros_like(v) for v in variables]
             loss_sum = tf.constant(0.0)
             for index in tf.range(micro_steps):
-                with tf.GradientTape() as tape:
-                    loss = causal_lm_loss(model, micro_batches[index], training=True)
-                    scaled = loss * gradient_scale
-                    if loss_scaling:
-                        scaled = optimizer.get_scaled_loss(scaled)
-                micro_gradients = tape.gradient(scaled, variables)
-                if loss_scaling:
-                    micro_gradients = optimizer.get_unscaled_gradients(micro_gradients)
-                gradients = [total + tf.convert_to_tensor(g) for total, g in zip(gradients, micro_gradients)]
+                micro_gradients, loss = micro_step(micro_batches[index])
+                gradients = [total + g for total, g in zip(gradients, micro_gradients)]
                 loss_sum += loss
             return gradients, loss_sum / micro_steps
 
