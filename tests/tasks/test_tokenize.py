@@ -361,6 +361,24 @@ def test_documents_are_joined_at_the_eos_only_where_that_keeps_the_ids(tmp_path,
         assert ("one document per tokenizer input" in logged) is not joined, logged
 
 
+def test_text_files_give_the_paragraphs_of_datasets_text_builder(tmp_path):
+    """Plain text is read without `datasets` now; its documents must stay those of `sample_by="paragraph"`."""
+    import datasets
+
+    from tasks.sources import load_documents, resolve_sources
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_bytes(b"\n\nfirst paragraph\nsecond line\n\n\n\nafter three blank lines\n\n")
+    (corpus / "b.txt").write_bytes(b"windows\r\nlines\r\n\r\nold mac\rline\r\rend without newline")
+    (corpus / "c.txt").write_bytes(b"")
+    sources = resolve_sources(str(corpus / "*.txt"), REPO)
+    reference = datasets.load_dataset("text", data_files=[f.url for f in sources.files], sample_by="paragraph",
+                                      split="train", cache_dir=str(tmp_path / "hf"))["text"]
+    assert load_documents(sources, "text", tmp_path / "work") == reference
+    assert len(reference) == 5
+
+
 def test_a_pretrained_tokenizer_directory_is_used_as_is(tmp_path):
     from transformers import AutoTokenizer
 
