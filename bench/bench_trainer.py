@@ -204,7 +204,7 @@ def _floor(base, manifest_url: str, scratch: Path) -> dict:
         print(f"{preset} (batch {cfg.batch_size_per_worker} x {cfg.block_size}, {cfg.max_steps} steps): trainer / "
               f"model.fit = {ratio:.3f}x by tokens/s (median of {len(pairs)} pairs; target >= {FLOOR_TARGET}: "
               f"{'met' if ratio >= FLOOR_TARGET else 'NOT met'}), {interval_ratio:.3f}x by median step to step "
-              "time (steadier where other work shares the cores); trainer time: input {100 * split['input_s']:.1f}%, "
+              f"time (steadier where other work shares the cores); trainer time: input {100 * split['input_s']:.1f}%, "
               f"step {100 * split['step_s']:.1f}%, between steps (metrics, TensorBoard, progress) "
               f"{100 * split['between_steps_s']:.1f}%", flush=True)
     return results
