@@ -66,7 +66,8 @@ def describe(machine_info: dict[str, Any]) -> str:
 def save(name: str, figures: dict[str, Any], machine_info: dict[str, Any], results: Path = RESULTS) -> Path:
     """Write one benchmark's figures as its latest result and into the history; returns the latest file."""
     now = datetime.now(UTC)
-    record = {"benchmark": name, "finished_at": now.isoformat(timespec="seconds"), "machine": machine_info, **figures}
+    record = {"benchmark": name, "finished_at": now.isoformat(timespec="seconds"), "machine": machine_info,
+              "load_average_at_end": list(os.getloadavg()), **figures}
     text = json.dumps(record, indent=2, default=str) + "\n"
     (results / "history").mkdir(parents=True, exist_ok=True)
     (results / "history" / f"{now.strftime('%Y%m%dT%H%M%SZ')}-{name}.json").write_text(text)
@@ -87,7 +88,9 @@ def table(readme: str, results: Path = RESULTS) -> str:
         record = records.get(name)
         if record and record.get("rows"):
             rows += [f"| {row['benchmark']} | {row['measured']} | {row['target']} |" for row in record["rows"]]
-            sources.append(f"`{name}` {record['finished_at'][:10]} on {describe(record['machine'])}")
+            end = record.get("load_average_at_end")
+            sources.append(f"`{name}` {record['finished_at'][:10]} on {describe(record['machine'])}"
+                           + (f", {end[0]:.1f} at the end" if end else ""))
         else:
             rows += [line for line in old_rows if line.startswith(f"| {label(name)}")]
     rows += [line for line in old_rows if not line.startswith(tuple(f"| {label(name)}" for name in order))]
