@@ -10,6 +10,7 @@ import os
 
 import pendulum
 from airflow.sdk import Asset, Param, dag, task
+from tf_multiworker.registry import BACKEND_NAMES, BACKENDS  # one light table: no launcher import at parse time
 
 # Cron expression of the nightly run; "none" leaves only manual and API triggers.
 _SCHEDULE_SETTING = os.environ.get("GPT_FINETUNE_SCHEDULE", "0 2 * * *").strip()
@@ -26,8 +27,21 @@ SHARDS_ASSET = Asset(name="gpt_finetune_shards", uri="gpt-finetune://datasets/sh
 PARAMS = {
     "num_workers": Param(2, type="integer", minimum=1, maximum=64, title="Workers",
                          description="Data-parallel workers (one GPU each when use_gpu is on)."),
-    "backend": Param("local", type="string", enum=["local"], title="Launcher backend",
-                     description="Where workers run: local processes on the Airflow worker."),
+    "backend": Param("local", type="string", enum=list(BACKEND_NAMES), title="Launcher backend",
+                     description="Where workers run: " + "; ".join(f"{name}: {meaning}" for name, (_, meaning)
+                                                                    in BACKENDS.items()) + "."),
+    # "null" in the type marks a field optional: the UI form refuses to submit an empty required value.
+    "ssh_conn_ids": Param([], type=["null", "array"], items={"type": "string"}, title="SSH hosts",
+                          description="backend ssh: Airflow SSH connection ids, one per host (host-key checking "
+                                      "on: give each its host_key extra)."),
+    "workers_per_host": Param(0, type="integer", minimum=0, maximum=64, title="Workers per host",
+                              description="backend ssh: 0 = one per free GPU with use_gpu, else one per host."),
+    "remote_python": Param("", type=["null", "string"], title="Remote Python",
+                           description="backend ssh: absolute path of the worker environment's interpreter on "
+                                       "the hosts; empty = the same path as on this Airflow worker."),
+    "remote_workdir": Param("", type=["null", "string"], title="Remote work directory",
+                            description="backend ssh: where ranks run on each host; empty = tfmw/ under the "
+                                        "host's temporary directory."),
     "dataset": Param("data/sample/*.txt", type="string", minLength=1, title="Dataset",
                      description="Local path, file:// or s3:// URL (globs allowed) of .txt/.jsonl/.json/.parquet "
                                  "files, or a hub dataset id when online. Relative paths are from the repository; "
@@ -82,6 +96,32 @@ PARAMS = {
     "hang_timeout_s": Param(600, type="integer", minimum=10, title="Hang watchdog (s)",
                             description="End a group whose workers are alive but print nothing for this long "
                                         "(a hung collective); must exceed the first step's compilation."),
+    # backend=kubernetes: one pod per worker (README "Running on Kubernetes").
+    "kubernetes_conn_id": Param("", type=["null", "string"], title="Kubernetes connection",
+                                description="Airflow connection (kubernetes type) of the cluster; empty uses the "
+                                            "in-cluster configuration of the Airflow worker's pod."),
+    "namespace": Param("default", type="string", minLength=1, maxLength=63, pattern="^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                       title="Kubernetes namespace", description="Namespace of the worker pods (a DNS label)."),
+    "image": Param("gpt-finetune-trainer:2.21.0", type="string", title="Trainer image",
+                   description="Image of the worker pods (docker/trainer.Dockerfile)."),
+    "gpus_per_worker": Param(0, type="integer", minimum=0, maximum=16, title="GPUs per pod",
+                             description="nvidia.com/gpu requested by each pod; 0 = one with use_gpu. Needs "
+                                         "use_gpu."),
+    "cpu": Param("", type=["null", "string"], title="CPU request per pod", description="e.g. 4 or 500m; empty: none."),
+    "memory": Param("", type=["null", "string"], title="Memory request per pod",
+                    description="e.g. 16Gi; empty: none."),
+    "node_selector": Param({}, type="object", additionalProperties={"type": "string"}, title="Node selector",
+                           description="Node labels the pods must match, e.g. {\"nvidia.com/gpu.product\": "
+                                       "\"NVIDIA-H200\"}."),
+    "tolerations": Param([], type="array", items={"type": "object"}, title="Tolerations",
+                         description="Pod tolerations in Kubernetes spelling, e.g. [{\"key\": \"nvidia.com/gpu\", "
+                                     "\"operator\": \"Exists\", \"effect\": \"NoSchedule\"}]."),
+    "service_account": Param("", type=["null", "string"], title="Service account",
+                             description="Service account of the worker pods (e.g. for storage access); empty: the "
+                                         "namespace's default."),
+    "keep_failed_pods": Param(False, type="boolean", title="Keep failed pods",
+                              description="Leave failed worker pods in the cluster for debugging; everything else "
+                                          "of the run is still deleted."),
 }
 
 DOC = """
@@ -144,6 +184,7 @@ def gpt_finetune():
             args=["--config", prepared(config), "--manifest", prepared("manifest_url"), "--output", prepared(output)],
             num_workers=num_workers,
             backend=from_config("backend"),
+            backend_settings="{{ ti.xcom_pull(task_ids='" + PREPARE + "')['config'] }}",
             use_gpu=from_config("use_gpu"),
             storage_root=from_config("storage_root"),
             run_key=prepared("run_key"),

@@ -22,10 +22,12 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+
+from tf_multiworker.registry import BACKEND_NAMES
 
 
 class ConfigError(ValueError):
@@ -39,7 +41,6 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
     "gpt2-124m": {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024},
 }
 
-BACKENDS = ("local",)
 MIXED_PRECISION = ("no", "bf16", "fp16")
 BASELINE_POLICIES = ("auto", "run", "skip")
 COMMUNICATION = ("auto", "ring", "nccl")
@@ -54,6 +55,17 @@ STORAGE_ROOT_ENV = "GPT_FINETUNE_STORAGE_ROOT"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # `gpt2`, `openai-community/gpt2`
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):")  # two letters at least: not a drive letter
 _GLOB_CHARS = re.compile(r"[*?\[]")
+# Kubernetes formats (apimachinery validation), checked here so a bad value fails before anything is created.
+DEFAULT_TRAINER_IMAGE = "gpt-finetune-trainer:2.21.0"  # docker/trainer.Dockerfile
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+_CPU_QUANTITY = re.compile(r"\d+(\.\d+)?m?")
+_MEMORY_QUANTITY = re.compile(r"\d+(\.\d+)?([KMGTPE]i?|k)?")
+_IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@-]*")
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
 
 
 @dataclass(frozen=True)
@@ -140,6 +152,10 @@ class RunConfig:
 
     num_workers: int = 2
     backend: str = "local"
+    ssh_conn_ids: tuple[str, ...] = ()
+    workers_per_host: int = 0
+    remote_python: str = ""
+    remote_workdir: str = ""
     dataset: str = "data/sample/*.txt"
     text_column: str = "text"
     tokenizer: str = "bpe:2048"
@@ -167,6 +183,17 @@ class RunConfig:
     collective_timeout_s: int = 300
     startup_timeout_s: int = 180
     hang_timeout_s: int = 600
+    # backend=kubernetes (plugins/tf_multiworker/launcher/kubernetes.py)
+    kubernetes_conn_id: str = ""
+    namespace: str = "default"
+    image: str = DEFAULT_TRAINER_IMAGE
+    gpus_per_worker: int = 0
+    cpu: str = ""
+    memory: str = ""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    service_account: str = ""
+    keep_failed_pods: bool = False
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -184,13 +211,19 @@ class RunConfig:
                 "Check the spelling in --conf or the trigger form."
             )
         values = dict(params)
-        # The trigger form sends null for an optional text field the user cleared.
-        if values.get("storage_conn_id", "") is None:
-            values["storage_conn_id"] = ""
+        # The trigger form sends null for an optional field the user cleared.
+        for name in ("storage_conn_id", "remote_python", "remote_workdir", "kubernetes_conn_id", "cpu", "memory",
+                     "service_account"):
+            if name in values and values[name] is None:
+                values[name] = ""
+        if "ssh_conn_ids" in values and values["ssh_conn_ids"] is None:
+            values["ssh_conn_ids"] = ()
         return cls(**{name: _coerce(name, value, known[name]) for name, value in values.items()})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON-shaped (lists, not tuples): what `from_params` takes back."""
+        return {name: list(value) if isinstance(value, tuple) else value
+                for name, value in dataclasses.asdict(self).items()}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
@@ -266,6 +299,24 @@ def _coerce(name: str, value: Any, spec: dataclasses.Field) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"Setting '{name}' must be a string, got {value!r} ({type(value).__name__}).")
+    if expected == "tuple[str, ...]":
+        if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+            return tuple(value)
+        raise ConfigError(
+            f"Setting '{name}' must be a list of strings, got {value!r} ({type(value).__name__}). "
+            f"In --conf write e.g. {{\"{name}\": [\"host_a\", \"host_b\"]}}."
+        )
+    if expected == "dict[str, str]":
+        if isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            return dict(value)
+        raise ConfigError(
+            f"Setting '{name}' must be a map of strings to strings, got {value!r} ({type(value).__name__}), "
+            f"e.g. {{\"{name}\": {{\"nvidia.com/gpu.product\": \"NVIDIA-H200\"}}}}."
+        )
+    if expected == "list[dict[str, Any]]":
+        if isinstance(value, (list, tuple)) and all(isinstance(item, Mapping) for item in value):
+            return [dict(item) for item in value]
+        raise ConfigError(f"Setting '{name}' must be a list of objects, got {value!r} ({type(value).__name__}).")
     raise AssertionError(f"RunConfig field {name} has an unsupported type {expected}")
 
 
@@ -299,7 +350,7 @@ def _validate(cfg: RunConfig) -> None:
     _check_range(cfg, "collective_timeout_s", 5, 86_400)
     _check_range(cfg, "startup_timeout_s", 5, 86_400)
     _check_range(cfg, "hang_timeout_s", 10, 7 * 86_400)
-    _check_choice(cfg, "backend", BACKENDS)
+    _check_choice(cfg, "backend", BACKEND_NAMES)
     _check_choice(cfg, "mixed_precision", MIXED_PRECISION)
     _check_choice(cfg, "baseline", BASELINE_POLICIES)
     _check_choice(cfg, "communication", COMMUNICATION)
@@ -355,10 +406,116 @@ def _validate(cfg: RunConfig) -> None:
             f"Setting 'num_shards' = {cfg.num_shards} is below 'num_workers' = {cfg.num_workers}: every worker "
             "needs at least one shard of its own. Raise 'num_shards' or set it to 0 (automatic)."
         )
+    _validate_ssh(cfg)
     if cfg.communication == "nccl" and not cfg.use_gpu:
         raise ConfigError("Setting 'communication' = 'nccl' needs 'use_gpu' = true: use 'ring' or 'auto' on CPU.")
     if cfg.mixed_precision == "fp16" and not cfg.use_gpu:
         raise ConfigError("Setting 'mixed_precision' = 'fp16' needs 'use_gpu' = true: use 'bf16' or 'no' on CPU.")
+    _validate_kubernetes(cfg)
+
+
+def _validate_kubernetes(cfg: RunConfig) -> None:
+    """The kubernetes backend's settings: formats always, the rules between them when that backend is chosen."""
+    if not _DNS_LABEL.fullmatch(cfg.namespace):
+        raise ConfigError(
+            f"Setting 'namespace' = {cfg.namespace!r} is not a Kubernetes namespace name: a DNS label of at most 63 "
+            "lowercase letters, digits and '-', starting and ending with a letter or digit."
+        )
+    if cfg.backend == "kubernetes" and not cfg.image.strip():
+        raise ConfigError("Setting 'image' must name the trainer image for backend 'kubernetes', e.g. "
+                          f"{DEFAULT_TRAINER_IMAGE!r} (docker/trainer.Dockerfile).")
+    if cfg.backend == "kubernetes":
+        _check_shared_storage(cfg, "backend 'kubernetes' runs workers in pods", "the pods")
+    if cfg.image and not _IMAGE.fullmatch(cfg.image):
+        raise ConfigError(f"Setting 'image' = {cfg.image!r} is not an image reference (registry/name:tag).")
+    _check_range(cfg, "gpus_per_worker", 0, 16)
+    if cfg.gpus_per_worker and not cfg.use_gpu:
+        raise ConfigError(f"Setting 'gpus_per_worker' = {cfg.gpus_per_worker} needs 'use_gpu' = true: set use_gpu, "
+                          "or gpus_per_worker to 0 on CPU.")
+    if cfg.gpus_per_worker and cfg.backend != "kubernetes":
+        raise ConfigError(f"Setting 'gpus_per_worker' = {cfg.gpus_per_worker} applies to backend 'kubernetes' only "
+                          f"(backend is {cfg.backend!r}): set it to 0.")
+    if cfg.cpu and not _CPU_QUANTITY.fullmatch(cfg.cpu):
+        raise ConfigError(f"Setting 'cpu' = {cfg.cpu!r} is not a CPU quantity: write cores ('4', '0.5') or "
+                          "millicores ('500m'), or leave it empty for no request.")
+    if cfg.memory and not _MEMORY_QUANTITY.fullmatch(cfg.memory):
+        raise ConfigError(f"Setting 'memory' = {cfg.memory!r} is not a memory quantity: write e.g. '16Gi' or "
+                          "'512Mi', or leave it empty for no request.")
+    for key, value in cfg.node_selector.items():
+        prefix, _, label = key.rpartition("/")
+        if (prefix and not (len(prefix) <= 253 and _DNS_SUBDOMAIN.fullmatch(prefix))) or \
+                not _LABEL_NAME.fullmatch(label) or not _LABEL_VALUE.fullmatch(value):
+            raise ConfigError(f"Setting 'node_selector' entry {key!r}: {value!r} is not a Kubernetes label: keys "
+                              "are [prefix/]name, values at most 63 letters, digits, '-', '_' or '.'.")
+    allowed = {"key", "operator", "value", "effect", "tolerationSeconds"}
+    for toleration in cfg.tolerations:
+        unknown = sorted(set(toleration) - allowed)
+        if unknown:
+            raise ConfigError(f"Setting 'tolerations' entry {toleration!r} has unknown keys {unknown}: allowed are "
+                              f"{sorted(allowed)} (Kubernetes spelling).")
+        if toleration.get("operator", "Equal") not in TOLERATION_OPERATORS or \
+                toleration.get("effect", "") not in TOLERATION_EFFECTS:
+            raise ConfigError(f"Setting 'tolerations' entry {toleration!r}: operator must be one of "
+                              f"{list(TOLERATION_OPERATORS)} and effect one of {list(TOLERATION_EFFECTS)}.")
+        if not all(isinstance(toleration.get(k, ""), str) for k in ("key", "value")) or \
+                not isinstance(toleration.get("tolerationSeconds", 0), int):
+            raise ConfigError(f"Setting 'tolerations' entry {toleration!r}: key and value are strings, "
+                              "tolerationSeconds an integer.")
+    if cfg.service_account and not (len(cfg.service_account) <= 253
+                                    and _DNS_SUBDOMAIN.fullmatch(cfg.service_account)):
+        raise ConfigError(f"Setting 'service_account' = {cfg.service_account!r} is not a service account name "
+                          "(lowercase letters, digits, '-' and '.').")
+
+
+_CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")
+
+
+def _check_shared_storage(cfg: RunConfig, why: str, readers: str) -> None:
+    """Workers that run elsewhere reach the run's files only through object storage."""
+    if urlparse(cfg.storage_root).scheme != "s3":
+        raise ConfigError(
+            f"Setting 'storage_root' = {cfg.storage_root!r} is local, but {why}, which share no filesystem with "
+            "this one: use an s3:// storage root (shards, checkpoints and results go through it).")
+    for name in ("model", "tokenizer"):
+        value = getattr(cfg, name)
+        if name == "model" and value in MODEL_PRESETS or name == "tokenizer" and value.startswith("bpe:"):
+            continue
+        scheme = urlparse(value).scheme
+        hub_id = not scheme and _HUB_ID.fullmatch(value) and not _local_candidate(value).exists()
+        if scheme == "file" or not scheme and not hub_id:
+            raise ConfigError(f"Setting '{name}' = {value!r} is a local path, which {readers} cannot read: "
+                              "put it on the s3:// storage and name its URL, or use a preset or hub id.")
+
+
+def _validate_ssh(cfg: RunConfig) -> None:
+    """The SSH backend's settings; connection ids that Airflow does not know are refused by the prepare task."""
+    _check_range(cfg, "workers_per_host", 0, 64)
+    if cfg.backend != "ssh":
+        if cfg.ssh_conn_ids:
+            raise ConfigError(f"Setting 'ssh_conn_ids' = {list(cfg.ssh_conn_ids)} is only read by backend 'ssh', "
+                              f"but 'backend' = {cfg.backend!r}: set 'backend' to 'ssh' or clear 'ssh_conn_ids'.")
+        return
+    if not cfg.ssh_conn_ids:
+        raise ConfigError("Setting 'backend' = 'ssh' needs 'ssh_conn_ids': the Airflow SSH connections of the hosts, "
+                          'one per host, e.g. {"ssh_conn_ids": ["gpu_host_1", "gpu_host_2"]}.')
+    for conn_id in cfg.ssh_conn_ids:
+        if not _CONN_ID.match(conn_id):
+            raise ConfigError(f"Setting 'ssh_conn_ids' has {conn_id!r}, which is not an Airflow connection id "
+                              "(letters, digits, '_', '.', '-').")
+    repeated = sorted({c for c in cfg.ssh_conn_ids if cfg.ssh_conn_ids.count(c) > 1})
+    if repeated:
+        raise ConfigError(f"Setting 'ssh_conn_ids' names {repeated} more than once: list each host once and set "
+                          "'workers_per_host' for several workers on a host.")
+    if cfg.workers_per_host and cfg.workers_per_host * len(cfg.ssh_conn_ids) != cfg.num_workers:
+        raise ConfigError(
+            f"'workers_per_host' = {cfg.workers_per_host} x {len(cfg.ssh_conn_ids)} host(s) in 'ssh_conn_ids' = "
+            f"{cfg.workers_per_host * len(cfg.ssh_conn_ids)} workers, but 'num_workers' = {cfg.num_workers}: make "
+            "them agree, or set 'workers_per_host' to 0 (one per free GPU with use_gpu, else one per host).")
+    _check_shared_storage(cfg, "backend 'ssh' runs workers on other hosts", "the SSH hosts")
+    if cfg.remote_python and not cfg.remote_python.startswith("/"):
+        raise ConfigError(f"Setting 'remote_python' = {cfg.remote_python!r} must be an absolute path to the worker "
+                          "environment's interpreter on the hosts (e.g. /opt/gpt-finetune/.venv/bin/python), or "
+                          "empty for the same path as here.")
 
 
 def field_names() -> list[str]:

@@ -20,6 +20,15 @@ def test_invalid_settings_fail_the_task_without_retries(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing written
 
 
+def test_ssh_hosts_that_airflow_does_not_know_fail_the_task_before_tokenizing(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIRFLOW_CONN_NOT_SSH", '{"conn_type": "http", "host": "example.invalid"}')
+    settings = {"backend": "ssh", "storage_root": "s3://runs/root", "dataset": str(tmp_path / "absent.txt")}
+    with pytest.raises(AirflowFailException, match=r"'ssh_conn_ids' names 'no_such_host', which is no Airflow"):
+        prepare_run({**settings, "ssh_conn_ids": ["no_such_host"]}, RUN_ID, DAG_ID)
+    with pytest.raises(AirflowFailException, match=r"'not_ssh', a connection of type 'http'"):
+        prepare_run({**settings, "ssh_conn_ids": ["not_ssh"]}, RUN_ID, DAG_ID)
+
+
 def test_prepared_run_lists_configs_with_resolved_steps(tmp_path):
     params = {"storage_root": str(tmp_path), "num_workers": 2, "tokenizer": "bpe:512", "block_size": 32,
               "max_steps": 0, "warmup_steps": 0, "epochs": 1.0, "baseline": "skip"}
@@ -32,3 +41,10 @@ def test_prepared_run_lists_configs_with_resolved_steps(tmp_path):
     assert prepared["run_key"] == run_key(DAG_ID, RUN_ID)
     assert prepared["train_summary_url"].startswith(prepared["train_url"])
     assert prepared["baseline_summary_url"].startswith(prepared["baseline_url"])
+
+
+def test_a_kubernetes_connection_that_airflow_does_not_know_fails_the_task_before_tokenizing(tmp_path):
+    settings = {"backend": "kubernetes", "storage_root": "s3://runs/root", "dataset": str(tmp_path / "absent.txt"),
+                "kubernetes_conn_id": "no_such_cluster"}
+    with pytest.raises(AirflowFailException, match=r"kubernetes_conn_id='no_such_cluster': no Airflow connection"):
+        prepare_run(settings, RUN_ID, DAG_ID)

@@ -18,6 +18,9 @@ def test_config_is_frozen():
         RunConfig().num_workers = 3  # type: ignore[misc]
 
 
+SSH = {"backend": "ssh", "ssh_conn_ids": ["host_a", "host_b"], "storage_root": "s3://runs/root"}
+
+
 @pytest.mark.parametrize(
     "params, fragments",
     [
@@ -43,6 +46,17 @@ def test_config_is_frozen():
         ({"communication": "nccl"}, ["'nccl'", "use_gpu"]),
         ({"mixed_precision": "fp16"}, ["'fp16'", "use_gpu"]),
         ({"dataset": "  "}, ["'dataset'", "empty"]),
+        ({"backend": "ssh"}, ["'backend' = 'ssh' needs 'ssh_conn_ids'", "one per host"]),
+        ({"backend": "ssh", "ssh_conn_ids": []}, ["needs 'ssh_conn_ids'"]),
+        ({"backend": "ssh", "ssh_conn_ids": "a,b"}, ["'ssh_conn_ids'", "list of strings", '["host_a", "host_b"]']),
+        ({"backend": "ssh", "ssh_conn_ids": ["a b"]}, ["'ssh_conn_ids'", "'a b'", "not an Airflow connection id"]),
+        ({"backend": "ssh", "ssh_conn_ids": ["a", "a"]}, ["names ['a'] more than once", "workers_per_host"]),
+        ({**SSH, "workers_per_host": 3}, ["'workers_per_host' = 3 x 2 host(s)", "= 6 workers", "'num_workers' = 2"]),
+        ({**SSH, "storage_root": "storage"}, ["'storage_root' = 'storage' is local", "s3://"]),
+        ({**SSH, "model": "data/sample"}, ["'model' = 'data/sample' is a local path", "s3://"]),
+        ({**SSH, "remote_python": "python3"}, ["'remote_python' = 'python3'", "absolute path"]),
+        ({"ssh_conn_ids": ["a"]}, ["'ssh_conn_ids'", "only read by backend 'ssh'", "'backend' = 'local'"]),
+        ({"workers_per_host": -1}, ["'workers_per_host' = -1", "out of range"]),
         (
             {"batch_size_per_worker": 4096, "num_workers": 64, "grad_accum_steps": 8},
             ["Global batch", "4096 x 64 x 8", "lower one of them"],
@@ -55,6 +69,14 @@ def test_bad_settings_name_key_value_and_what_is_allowed(params, fragments):
     message = str(excinfo.value)
     for fragment in fragments:
         assert fragment in message, message
+
+
+def test_ssh_settings_round_trip_through_json():
+    cfg = RunConfig.from_params({**SSH, "workers_per_host": 1, "remote_python": "/opt/venv/bin/python"})
+    assert cfg.ssh_conn_ids == ("host_a", "host_b") and cfg.to_dict()["ssh_conn_ids"] == ["host_a", "host_b"]
+    assert RunConfig.from_params(json.loads(cfg.to_json())) == cfg
+    cleared = RunConfig.from_params({**SSH, "remote_python": None, "remote_workdir": None})  # the form's cleared fields
+    assert (cleared.remote_python, cleared.remote_workdir) == ("", "")
 
 
 def test_direct_construction_is_checked_too():
@@ -175,3 +197,41 @@ def test_configured_roots_replace_the_defaults_and_empty_bucket_list_allows_any(
     assert cfg.dataset.endswith("corpora/*.txt")
     with pytest.raises(ConfigError, match="outside the allowed data roots"):
         RunConfig(storage_root=f"{tmp_path}/runs")  # the default dataset, data/sample, is no longer allowed
+
+
+@pytest.mark.parametrize("params, fragments", [
+    ({"backend": "kubernetes", "image": ""}, ["'image'", "kubernetes", "gpt-finetune-trainer"]),
+    ({"backend": "kubernetes"}, ["'storage_root' = 'storage' is local", "in pods", "s3://"]),
+    ({"backend": "kubernetes", "storage_root": "s3://runs/x", "model": "data"}, ["'model'", "the pods cannot read"]),
+    ({"image": "has space:1"}, ["'image'", "image reference"]),
+    ({"namespace": "ML_Team"}, ["'namespace' = 'ML_Team'", "DNS label"]),
+    ({"namespace": "a" * 64}, ["'namespace'", "at most 63"]),
+    ({"backend": "kubernetes", "storage_root": "s3://runs/x", "gpus_per_worker": 1},
+     ["'gpus_per_worker' = 1", "'use_gpu' = true"]),
+    ({"use_gpu": True, "gpus_per_worker": 2}, ["'gpus_per_worker' = 2", "'kubernetes' only"]),
+    ({"gpus_per_worker": 17}, ["'gpus_per_worker' = 17", "0 to 16"]),
+    ({"node_selector": "gpu=h200"}, ["'node_selector'", "map of strings to strings"]),
+    ({"node_selector": {"gpu": 1}}, ["'node_selector'", "map of strings to strings"]),
+    ({"node_selector": {"bad key!": "x"}}, ["'node_selector' entry 'bad key!'", "label"]),
+    ({"tolerations": {"key": "a"}}, ["'tolerations'", "list of objects"]),
+    ({"tolerations": [{"key": "a", "effects": "NoSchedule"}]}, ["'tolerations'", "unknown keys ['effects']"]),
+    ({"tolerations": [{"key": "a", "operator": "In"}]}, ["'tolerations'", "'Exists', 'Equal'"]),
+    ({"cpu": "four"}, ["'cpu' = 'four'", "500m"]),
+    ({"memory": "16GB"}, ["'memory' = '16GB'", "16Gi"]),
+    ({"service_account": "Trainer"}, ["'service_account' = 'Trainer'"]),
+])
+def test_bad_kubernetes_settings_are_refused_naming_the_setting(params, fragments):
+    with pytest.raises(ConfigError) as excinfo:
+        RunConfig.from_params(params)
+    for fragment in fragments:
+        assert fragment in str(excinfo.value), str(excinfo.value)
+
+
+def test_kubernetes_settings_round_trip():
+    cfg = RunConfig.from_params({
+        "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"}, "cpu": "4", "memory": "16Gi",
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "namespace": "ml-team", "service_account": "trainer", "keep_failed_pods": True, "kubernetes_conn_id": None,
+    })
+    assert RunConfig.from_params(json.loads(cfg.to_json())) == cfg
+    assert cfg.kubernetes_conn_id == ""
