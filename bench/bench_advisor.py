@@ -56,6 +56,8 @@ def case(label: str, make_backend, num_workers: int, manifest: str, root: Path) 
     _group(make_backend(), "preflight", "trainer.selftest",
            ("--config", str(config), *inputs, "--output", str(root / "report")), num_workers, root / "w-preflight")
     advice = read_json(str(root / "report" / "preflight.json"))["advisor"]
+    if "rows" not in advice:
+        raise RuntimeError(f"the preflight made no prediction: {advice.get('skipped')}")
     _group(make_backend(), "baseline", "trainer.train",
            ("--config", str(baseline_config), *inputs, "--output", str(root / "baseline")), 1, root / "w-baseline")
     _group(make_backend(), "train", "trainer.train",

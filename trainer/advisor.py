@@ -192,7 +192,7 @@ def probe_step_time(cfg, manifest_url: str, steps: int = PROBE_TIMED_STEPS) -> d
         for index in range(PROBE_WARMUP_STEPS + steps):
             micro_batches = next(batches)
             started = time.perf_counter()
-            loss, _ = state.train_step(micro_batches)
+            loss = state.train_step(micro_batches)[0]
             float(loss)  # waits for the step
             if index >= PROBE_WARMUP_STEPS:
                 times.append(time.perf_counter() - started)
