@@ -39,8 +39,8 @@ from typing import Any
 log = logging.getLogger("trainer.advisor")
 
 COLLECTIVES_PER_STEP = 3  # the gradients' all-reduce, then the loss and gradient-norm means
-PROBE_WARMUP_STEPS = 1  # traces and compiles the step: not timed
-PROBE_TIMED_STEPS = 4
+PROBE_WARMUP_STEPS = 2  # the first traces and compiles the step, the second still warms caches: not timed
+PROBE_TIMED_STEPS = 20  # the median of short steps on a shared machine needs a few
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 # The recommendation: the fewest workers reaching this share of the best predicted speedup.
 NEAR_BEST_SPEEDUP = 0.9
