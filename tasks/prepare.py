@@ -31,11 +31,12 @@ def prepare_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str
     from airflow.sdk.exceptions import AirflowFailException
 
     from tasks.baseline import baseline_key
+    from tasks.promote import resolve_promoted_model
     from tasks.tokenize import prepare_dataset
     from trainer.data import load_manifest
 
     try:
-        cfg = build_config(params)
+        cfg, continued_from = resolve_promoted_model(build_config(params))
     except ConfigError as exc:  # bad settings do not get better on retry: fail now, retries are for the rest
         raise AirflowFailException(str(exc)) from exc
     log.info("Run configuration (validated):\n  %s", "\n  ".join(cfg.summary_lines()))
@@ -77,4 +78,5 @@ def prepare_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str
         "baseline_config_url": baseline_config_url,
         "baseline_summary_url": baseline.summary,
         "report_url": run.report,
+        "continued_from": continued_from,
     }
