@@ -135,7 +135,8 @@ def gpt_finetune():
     from tf_multiworker.gpu_admission import GPU_POOL  # plugins/ is on sys.path when Airflow parses
     from tf_multiworker.operator import TFMultiWorkerOperator
 
-    @task(task_id=PREPARE, outlets=[SHARDS_ASSET])
+    # The promoted model is an inlet: `model: "promoted"` continues from it.
+    @task(task_id=PREPARE, outlets=[SHARDS_ASSET], inlets=[MODEL_ASSET])
     def prepare(params=None, run_id=None, dag_run=None, outlet_events=None) -> dict:
         from tasks.prepare import prepare_run
 

@@ -196,9 +196,10 @@ def _stop(process: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 def evaluate_promoted(prepared: dict, cfg: RunConfig) -> dict[str, Any] | None:
     """The latest promoted version of `model_name`, scored on this run's validation shards (the promotion rule's
-    reference and its samples) when its tokenizer is this run's; None when nothing is promoted yet."""
+    reference and its samples) when its tokenizer is this run's; None when nothing is promoted yet or the run
+    is never to be promoted (`promote` = never: nothing to compare with)."""
     pointer = registry.read_latest(registry.model_layout(cfg.storage_root, cfg.model_name))
-    if pointer is None:
+    if pointer is None or cfg.promote == "never":
         return None
     section = {"name": cfg.model_name, "version": pointer["version"], "url": pointer["url"],
                "run_id": pointer["run_id"], "recorded_eval_loss": pointer["eval_loss"],

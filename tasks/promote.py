@@ -73,6 +73,10 @@ def promote(prepared: dict, cfg: RunConfig, report: dict[str, Any], layout: Mode
     number = 0
     for _ in range(MAX_SWAP_ATTEMPTS):
         pointer, token = registry.read_pointer(layout.latest)
+        earlier = [entry for entry in (pointer or {}).get("history", []) if entry.get("run_key") == prepared["run_key"]]
+        if earlier:  # a retry after the pointer moved: the run has its version, it gets no second one
+            reason = f"already promoted to {earlier[-1]['version']} by an earlier attempt of this task."
+            return outcome(cfg, _verdict(True, reason), promoted=True, entry=earlier[-1])
         verdict = decide(cfg, report, pointer)
         if not verdict["promote"]:
             if version is not None:  # published, then beaten to the pointer by a better version
@@ -167,7 +171,6 @@ def history_entry(version: VersionLayout, prepared: dict, report: dict[str, Any]
 def publish_version(version: VersionLayout, prepared: dict, cfg: RunConfig, report: dict[str, Any], number: int,
                     verdict: dict[str, Any]) -> None:
     """Model, report and model card, then version.json listing them: complete, or never pointed to."""
-    remove_tree(version.url)  # a claimed number is this run's alone; clear what an earlier attempt left
     files = [{**file, "name": f"model/{file['name']}"}
              for file in registry.copy_tree(report["runs"]["distributed"]["model_url"], version.model)]
     write_json_atomic(version.report, report)
@@ -238,6 +241,10 @@ def resolve_promoted_model(cfg: RunConfig) -> tuple[RunConfig, dict[str, Any] | 
             f"Setting 'model' = {cfg.model!r}: no promoted version of '{name}' exists ({layout.latest} is missing). "
             "Run once with a preset or another model and promote it first, or set 'model_name' / 'model' to a "
             "model that has one.")
+    if registry.complete_version(layout.version(pointer["number"])) is None:
+        raise ConfigError(
+            f"Setting 'model' = {cfg.model!r}: {name} {pointer['version']} at {pointer['url']} is incomplete (a file "
+            "its version.json lists is missing or has another size): restore it, or promote another run.")
     changes = {"model": pointer["model_url"]}
     if cfg.bpe_vocab_size is not None:
         changes["tokenizer"] = pointer["model_url"]

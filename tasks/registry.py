@@ -98,21 +98,24 @@ def swap_pointer(url: str, expected_token: str | None, pointer: dict[str, Any]) 
     condition = {"IfMatch": expected_token} if expected_token else {"IfNoneMatch": "*"}
     try:
         fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, ContentType="application/json", **condition)
-    except (FileExistsError, FileNotFoundError) as error:  # s3fs: 412 PreconditionFailed / 404 on If-Match
-        del error
+    except FileNotFoundError:  # If-Match on a pointer that was removed meanwhile
         return False
     except OSError as error:
-        if _is_condition_failure(error):
+        if _condition_failed(error):
             return False
         raise
     fs.invalidate_cache(path)
     return True
 
 
-def _is_condition_failure(error: OSError) -> bool:
-    """412 (the object changed) or 409 (a concurrent conditional write) from S3, however s3fs wraps it."""
-    text = f"{error} {getattr(error, '__cause__', '')}"
-    return any(code in text for code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"))
+def _condition_failed(error: OSError) -> bool:
+    """Another writer won: S3 answered 412 PreconditionFailed (s3fs raises FileExistsError for If-None-Match, a
+    plain OSError for If-Match) or 409 ConditionalRequestConflict (a conditional write to the key in flight)."""
+    if isinstance(error, FileExistsError):
+        return True
+    response = getattr(error.__cause__, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return code in ("PreconditionFailed", "ConditionalRequestConflict")
 
 
 @contextlib.contextmanager
@@ -146,10 +149,8 @@ def create_exclusive(url: str, payload: dict[str, Any]) -> bool:
     bucket, key, _ = fs.split_path(path)
     try:
         fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, ContentType="application/json", IfNoneMatch="*")
-    except FileExistsError:
-        return False
     except OSError as error:
-        if _is_condition_failure(error):
+        if _condition_failed(error):
             return False
         raise
     return True

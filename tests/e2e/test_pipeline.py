@@ -26,8 +26,10 @@ from trainer.layout import StorageLayout, run_key
 pytestmark = pytest.mark.timeout(900)
 
 DAG = "gpt_finetune"
+# No promotion: these runs test the pipeline, and a promoted version would be scored again by every later run
+# (tests/e2e/test_promotion.py promotes).
 FAST = {"num_workers": 2, "tokenizer": "bpe:512", "block_size": 32, "batch_size_per_worker": 4,
-        "max_steps": 12, "warmup_steps": 2, "checkpoint_every_steps": 4, "startup_timeout_s": 240}
+        "max_steps": 12, "warmup_steps": 2, "checkpoint_every_steps": 4, "startup_timeout_s": 240, "promote": "never"}
 # Long enough that a checkpoint exists well before the end, short enough for CI.
 LONG = {**FAST, "baseline": "skip", "max_steps": 300, "checkpoint_every_steps": 25}
 

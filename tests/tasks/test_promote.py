@@ -146,6 +146,15 @@ def test_a_version_scored_on_other_data_is_compared_by_its_record_and_the_reason
     assert "tokenizer differs from this run's" in outcome["reason"]
 
 
+def test_a_retried_promotion_keeps_the_version_it_got(evaluations, tmp_path):
+    prepared = evaluated_run(str(tmp_path / "storage"), "r1", 5.30)
+    first = promote_run(prepared)
+    again = promote_run(prepared)  # the task retried after its pointer swap
+    assert (again["promoted"], again["version"], again["event"]) == (True, "v1", first["event"])
+    assert "already promoted to v1 by an earlier attempt" in again["reason"]
+    assert len(registry.read_latest(models(prepared["storage_root"]))["history"]) == 1
+
+
 def test_a_run_without_a_report_is_not_promoted(tmp_path):
     prepared = run_fixtures.prepare_run(str(tmp_path / "storage"), "r1")
     with pytest.raises(NoReportError, match="evaluate failed before writing it"):
