@@ -24,7 +24,7 @@ demo-s3: setup  ## the same, with storage on a local S3-protocol server (moto)
 airflow: setup  ## start `airflow standalone` on the project-local home; prints the UI URL and login
 	$(ENV) scripts/standalone.sh
 
-provision: setup  ## install what the tests need besides .venv (Chromium); silent when present
+provision: setup  ## install what the tests need besides .venv (Chromium, openssh-server); silent when present
 	@scripts/provision-tests.sh
 
 test: provision  ## the whole test suite (CPU only)

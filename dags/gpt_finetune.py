@@ -10,6 +10,7 @@ import os
 
 import pendulum
 from airflow.sdk import Asset, AssetAlias, Param, dag, task
+from tf_multiworker.registry import BACKEND_NAMES, BACKENDS  # one light table: no launcher import at parse time
 
 # Cron expression of the nightly run; "none" leaves only manual and API triggers.
 _SCHEDULE_SETTING = os.environ.get("GPT_FINETUNE_SCHEDULE", "0 2 * * *").strip()
@@ -29,8 +30,21 @@ PROMOTIONS = AssetAlias(name="gpt_finetune_promotions")
 PARAMS = {
     "num_workers": Param(2, type="integer", minimum=1, maximum=64, title="Workers",
                          description="Data-parallel workers (one GPU each when use_gpu is on)."),
-    "backend": Param("local", type="string", enum=["local"], title="Launcher backend",
-                     description="Where workers run: local processes on the Airflow worker."),
+    "backend": Param("local", type="string", enum=list(BACKEND_NAMES), title="Launcher backend",
+                     description="Where workers run: " + "; ".join(f"{name}: {meaning}" for name, (_, meaning)
+                                                                    in BACKENDS.items()) + "."),
+    # "null" in the type marks a field optional: the UI form refuses to submit an empty required value.
+    "ssh_conn_ids": Param([], type=["null", "array"], items={"type": "string"}, title="SSH hosts",
+                          description="backend ssh: Airflow SSH connection ids, one per host (host-key checking "
+                                      "on: give each its host_key extra)."),
+    "workers_per_host": Param(0, type="integer", minimum=0, maximum=64, title="Workers per host",
+                              description="backend ssh: 0 = one per free GPU with use_gpu, else one per host."),
+    "remote_python": Param("", type=["null", "string"], title="Remote Python",
+                           description="backend ssh: absolute path of the worker environment's interpreter on "
+                                       "the hosts; empty = the same path as on this Airflow worker."),
+    "remote_workdir": Param("", type=["null", "string"], title="Remote work directory",
+                            description="backend ssh: where ranks run on each host; empty = tfmw/ under the "
+                                        "host's temporary directory."),
     "dataset": Param("data/sample/*.txt", type="string", minLength=1, title="Dataset",
                      description="Local path, file:// or s3:// URL (globs allowed) of .txt/.jsonl/.json/.parquet "
                                  "files, or a hub dataset id when online. Relative paths are from the repository; "
@@ -161,6 +175,7 @@ def gpt_finetune():
             args=["--config", prepared(config), "--manifest", prepared("manifest_url"), "--output", prepared(output)],
             num_workers=num_workers,
             backend=from_config("backend"),
+            backend_settings="{{ ti.xcom_pull(task_ids='" + PREPARE + "')['config'] }}",
             use_gpu=from_config("use_gpu"),
             storage_root=from_config("storage_root"),
             run_key=prepared("run_key"),

@@ -13,8 +13,8 @@ export_lock() {
   uv export --quiet --frozen --no-hashes --no-dev --no-emit-project --no-annotate "$@"
 }
 
-# matplotlib (report charts) and pendulum (DAG file) are used on the Airflow side only.
-worker_side=(--prune apache-airflow --prune matplotlib --prune pendulum)
+# matplotlib (report charts), pendulum (DAG file) and the providers (connections to hosts) are Airflow side only.
+worker_side=(--prune apache-airflow --prune matplotlib --prune pendulum --prune apache-airflow-providers-ssh)
 
 export_lock "${worker_side[@]}" -o docker/requirements-trainer.txt
 export_lock "${worker_side[@]}" --extra gpu -o docker/requirements-trainer-cuda.txt

@@ -27,6 +27,8 @@ RUN python3 -m pip install --no-cache-dir --requirement /tmp/requirements-traine
 
 # Workers never need write access to their own code: it stays root-owned; the worker writes under its home.
 COPY trainer/ /opt/gpt-finetune/trainer/
+# RunConfig reads the backend table; SSH hosts run the agent (neither imports Airflow).
+COPY plugins/tf_multiworker/ /opt/gpt-finetune/tf_multiworker/
 RUN useradd --no-log-init --create-home --uid 10001 --shell /usr/sbin/nologin trainer
 USER 10001
 WORKDIR /home/trainer

@@ -52,3 +52,10 @@ EOF
 }
 need "on_path chromium || playwright_chromium" chromium "the browser tests (UI)" \
   "$PY -m playwright install chromium"
+
+# The SSH backend tests start their own sshd servers on loopback (tests/sshd.py). Debian's package would also start
+# the system's sshd on port 22: sshd_not_to_be_run (honoured by its init script and systemd unit) prevents that.
+if [[ ! -x /usr/sbin/sshd && $(id -u) == 0 ]]; then
+  mkdir -p /etc/ssh && touch /etc/ssh/sshd_not_to_be_run
+fi
+need "[[ -x /usr/sbin/sshd ]]" openssh-server "the SSH backend tests (real sshd servers on loopback)"

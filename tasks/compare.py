@@ -1,7 +1,8 @@
 """The evaluate task: both final models on the same validation shards, then speedup, efficiency and loss parity.
 
-Evaluation runs `python -m trainer.evaluate` in a child process, so TensorFlow never loads into the Airflow task
-runner. The report is written whatever the outcome of the gates; a failed gate then fails the task with the
+Evaluation runs `python -m trainer.evaluate` as a one-worker group through the launcher, on the run's backend
+(a local process, an SSH host), so TensorFlow never loads into the Airflow task runner and release ends it like any
+worker. The report is written whatever the outcome of the gates; a failed gate then fails the task with the
 numbers in the message.
 """
 
@@ -12,11 +13,8 @@ import logging
 import math
 import os
 import platform
-import signal
-import subprocess
-import sys
-import time
-from collections import deque
+import shutil
+import tempfile
 from datetime import UTC, datetime
 from typing import Any
 
@@ -27,14 +25,13 @@ from tasks.connections import uses_run_storage
 from trainer.config import RunConfig
 from trainer.data import tokenizer_url
 from trainer.layout import StorageLayout, TrainOutput
-from trainer.runtime import RUN_KEY_ENV, inherited_environment
+from trainer.runtime import LAUNCHER_WORKDIR_PREFIX
 from trainer.storage import exists, join, read_bytes, read_json, remove_tree
 
 log = logging.getLogger("gpt_finetune.compare")
 
 EVALUATE_MODULE = "trainer.evaluate"  # the worker entry point of docs/CONTRACTS.md
 BASELINE_EVAL = "eval.json"  # cached next to a baseline: its key covers the data and the evaluation code
-_OUTPUT_TAIL_LINES = 40
 
 
 class GateFailure(RuntimeError):
@@ -62,8 +59,8 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
     for stale in (reports.REPORT_JSON, reports.REPORT_MD, reports.LOSS_CHART, reports.SCALING_CHART):
         remove_tree(join(report_url, stale))  # an earlier attempt's report must not pass for this one's
     distributed_eval = run_evaluation(distributed.model, prepared["manifest_url"],
-                                      join(report_url, "eval-distributed.json"), use_gpu=cfg.use_gpu,
-                                      run_key=prepared["run_key"])
+                                      join(report_url, "eval-distributed.json"), cfg=cfg,
+                                      run_key=prepared["run_key"], label="distributed")
     baseline_eval = None
     if baseline:
         cached = join(baseline.url, BASELINE_EVAL)
@@ -71,8 +68,8 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
             log.info("Baseline evaluation reused from %s (same baseline key: same data and code).", cached)
             baseline_eval = read_json(cached)
         else:
-            baseline_eval = run_evaluation(baseline.model, prepared["manifest_url"], cached, use_gpu=cfg.use_gpu,
-                                           run_key=prepared["run_key"])
+            baseline_eval = run_evaluation(baseline.model, prepared["manifest_url"], cached, cfg=cfg,
+                                           run_key=prepared["run_key"], label="baseline")
 
     promoted = evaluate_promoted(prepared, cfg)
 
@@ -142,56 +139,44 @@ def read_metrics(output: TrainOutput, rank: int = 0) -> list[dict[str, Any]]:
     return [json.loads(line) for line in read_bytes(url).decode("utf-8").splitlines() if line.strip()]
 
 
-def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, use_gpu: bool,
-                   run_key: str) -> dict[str, Any]:
-    """`python -m trainer.evaluate` in a child process; its output streams to this log. Returns its result.
+def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: RunConfig, run_key: str,
+                   label: str) -> dict[str, Any]:
+    """`python -m trainer.evaluate` as a one-worker group on the run's backend; its output streams to this log.
 
-    Like a worker it gets the allow-listed environment and the run's marker, so release finds it too."""
-    command = [sys.executable, "-m", EVALUATE_MODULE, "--model", model_url, "--manifest", manifest_url,
-               "--output", output_url]
-    env = {**inherited_environment(os.environ), "TF_USE_LEGACY_KERAS": "1", RUN_KEY_ENV: run_key}
-    if use_gpu:
-        env.setdefault("CUDA_VISIBLE_DEVICES", "0")  # one GPU is plenty; TF would otherwise claim every GPU
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = ""  # keep TF off any GPU of this host; a CPU run must not claim one
+    The same launcher as training: the run's marker (release finds it), storage credentials as secrets only, one
+    GPU with `use_gpu` (none otherwise), the start-up and hang bounds of the run. Returns its result."""
+    from tf_multiworker.launcher import GroupSpec, WorkerGroup
+    from tf_multiworker.registry import make_backend
+
+    from tasks.connections import storage_env
+
+    spec = GroupSpec(
+        name=f"evaluate-{label}", entrypoint=EVALUATE_MODULE, num_workers=1, use_gpu=cfg.use_gpu, run_key=run_key,
+        args=("--model", model_url, "--manifest", manifest_url, "--output", output_url),
+        secret_env=storage_env(cfg.storage_conn_id), startup_timeout_s=cfg.startup_timeout_s,
+        hang_timeout_s=cfg.hang_timeout_s,
+    )
     remove_tree(output_url)  # a result left by an earlier attempt must not pass for this one
-    log.info("Evaluating %s: %s", model_url, " ".join(command))
-    started = time.monotonic()
-    tail: deque[str] = deque(maxlen=_OUTPUT_TAIL_LINES)
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               bufsize=1, start_new_session=True)
+    log.info("Evaluating %s on backend %s", model_url, cfg.backend)
+    backend = make_backend(cfg.backend, cfg.to_dict())
+    workdir = tempfile.mkdtemp(prefix=f"{LAUNCHER_WORKDIR_PREFIX}{spec.name}-")
+    group = WorkerGroup(spec, backend, workdir, on_line=lambda rank, line: log.info("[evaluate %s] %s", label, line))
     try:
-        for line in process.stdout:
-            tail.append(line.rstrip())
-            log.info("[evaluate] %s", line.rstrip())
-        process.wait()
+        result = group.run()
+    except BaseException:  # the task is being killed (SystemExit, KeyboardInterrupt): the worker must not outlive it
+        group.stop(f"the evaluate task is ending while evaluating {label}")
+        raise
     finally:
-        _stop(process)  # the task was killed or timed out: the evaluation must not outlive it
-    elapsed = time.monotonic() - started
-    if process.returncode != 0:
-        raise EvaluationError(
-            f"{EVALUATE_MODULE} exited with code {process.returncode} after {elapsed:.1f} s on host "
-            f"{platform.node()} evaluating {model_url}. Last output:\n" + "\n".join(tail)
-        )
+        backend.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    if not result.succeeded:
+        raise EvaluationError(f"evaluating {model_url} failed: {result.error_message()}")
     if not exists(output_url):
         raise EvaluationError(f"{EVALUATE_MODULE} exited 0 but wrote no result at {output_url} (model {model_url}).")
-    result = read_json(output_url)
-    log.info("Evaluated %s in %.1f s: eval loss %.4f, perplexity %.2f", model_url, elapsed,
-             result["eval_loss"], result["perplexity"])
-    return result
-
-
-def _stop(process: subprocess.Popen, grace_s: float = 10.0) -> None:
-    process.stdout.close()
-    if process.poll() is not None:
-        return
-    log.warning("Stopping %s (pid %d).", EVALUATE_MODULE, process.pid)
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    evaluation = read_json(output_url)
+    log.info("Evaluated %s in %.1f s: eval loss %.4f, perplexity %.2f", model_url, result.wall_time_s,
+             evaluation["eval_loss"], evaluation["perplexity"])
+    return evaluation
 
 
 def evaluate_promoted(prepared: dict, cfg: RunConfig) -> dict[str, Any] | None:
@@ -210,7 +195,7 @@ def evaluate_promoted(prepared: dict, cfg: RunConfig) -> dict[str, Any] | None:
         log.warning("Promoted %s %s not evaluated: %s.", cfg.model_name, pointer["version"], section["note"])
         return section
     result = run_evaluation(pointer["model_url"], manifest_url, join(prepared["report_url"], "eval-promoted.json"),
-                            use_gpu=cfg.use_gpu, run_key=prepared["run_key"])
+                            cfg=cfg, run_key=prepared["run_key"], label="promoted")
     section.update(eval_loss=result["eval_loss"], perplexity=result["perplexity"], samples=result.get("samples"))
     return section
 

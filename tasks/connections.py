@@ -29,9 +29,11 @@ _EXTRA_ENV = {
 
 
 def storage_env(conn_id: str) -> dict[str, str]:
-    """The AWS_* variables for connection `conn_id` (aws type: login/password = keys, extras = endpoint/region)."""
+    """The AWS_* variables for connection `conn_id` (aws type: login/password = keys, extras = endpoint/region);
+    without a connection, those this process's environment holds (remote workers inherit nothing from it)."""
     if not conn_id:
-        return {}
+        names = (*_CONNECTION_ENV.values(), *_EXTRA_ENV.values())
+        return {name: os.environ[name] for name in names if os.environ.get(name)}
     from airflow.sdk import BaseHook
 
     conn = BaseHook.get_connection(conn_id)

@@ -29,6 +29,8 @@ def build_config(params: Mapping[str, Any]) -> RunConfig:
 @uses_run_storage
 def prepare_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str, Any]:
     from airflow.sdk.exceptions import AirflowFailException
+    from tf_multiworker.launcher import LaunchError
+    from tf_multiworker.registry import make_backend
 
     from tasks.baseline import baseline_key
     from tasks.promote import resolve_promoted_model
@@ -37,7 +39,9 @@ def prepare_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str
 
     try:
         cfg, continued_from = resolve_promoted_model(build_config(params))
-    except ConfigError as exc:  # bad settings do not get better on retry: fail now, retries are for the rest
+        # The backend's connections exist and are of the right type (nothing is contacted yet).
+        make_backend(cfg.backend, cfg.to_dict()).close()
+    except (ConfigError, LaunchError) as exc:  # bad settings do not get better on retry: fail now
         raise AirflowFailException(str(exc)) from exc
     log.info("Run configuration (validated):\n  %s", "\n  ".join(cfg.summary_lines()))
 

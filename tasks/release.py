@@ -1,32 +1,31 @@
 """The release task: end everything this run started, prove it is gone and its GPUs are free, write release.json.
 
-Runs as a teardown whatever happened upstream (success, failure, a killed task), and is idempotent. It trusts two
-sources: the run-state records the operator wrote (`runs/<key>/state/*.json`), and the process table itself,
-where every worker carries `TFMW_RUN_KEY=<run key>` in its environment, so even a process whose record was never
-written (operator killed between launch and record) or a grandchild of a worker is found. The outcome goes to
-`release.json` and, when the run has a report, into the report ("released: yes/no" beside the gates).
+Runs as a teardown whatever happened upstream (success, failure, a killed task), and is idempotent. Each backend
+ends what is left of the run wherever it runs workers (`Backend.release`): this host first and always (every local
+process of the run carries `TFMW_RUN_KEY=<run key>`, so even one whose record was never written, or a grandchild,
+is found), then the run's other backends (every SSH host of the run, found by the same marker there), from the
+run-state records the operator wrote (`runs/<key>/state/*.json`) and the run's settings. A host that cannot be
+reached fails the task, named. The outcome goes to `release.json` and, when the run has a report, into the report
+("released: yes/no" beside the gates).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import signal
-import socket
-import tempfile
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from tf_multiworker.launcher.local import LocalBackend
+from tf_multiworker.launcher.process import processes_with_env
+from tf_multiworker.registry import make_backend
 
 from tasks import report as reports
 from tasks.connections import uses_run_storage
 from trainer.config import ConfigError, RunConfig
 from trainer.layout import StorageLayout, run_key
-from trainer.runtime import LAUNCHER_WORKDIR_PREFIX, RUN_KEY_ENV
+from trainer.runtime import RUN_KEY_ENV
 from trainer.storage import exists, join, list_dir, normalize_root, read_json, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.release")
@@ -34,191 +33,125 @@ log = logging.getLogger("gpt_finetune.release")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@dataclass
-class ReleaseReport:
-    run_key: str
-    host: str = field(default_factory=socket.gethostname)
-    records: list[str] = field(default_factory=list)
-    found: list[dict[str, Any]] = field(default_factory=list)
-    terminated: list[int] = field(default_factory=list)
-    killed: list[int] = field(default_factory=list)
-    survivors: list[int] = field(default_factory=list)
-    removed_dirs: list[str] = field(default_factory=list)
-    gpu_check: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "run_key": self.run_key,
-            "host": self.host,
-            "released_at": datetime.now(UTC).isoformat(),
-            "state_records": self.records,
-            "processes_found": self.found,
-            "terminated": self.terminated,
-            "killed": self.killed,
-            "survivors": self.survivors,
-            "removed_dirs": self.removed_dirs,
-            "gpu_check": self.gpu_check,
-            "clean": not self.survivors and not self.gpu_check.get("held_by_run"),
-        }
-
-
 class ReleaseError(RuntimeError):
-    """Something of this run is still alive or still holds a GPU after release."""
+    """Something of this run is still alive or still holds a GPU after release, or a host could not be checked."""
 
 
-def _storage_root(params: Mapping[str, Any]) -> str:
-    """The run's storage root even when its settings were invalid (release must still run)."""
+def _settings(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's settings even when they were invalid (release must still run): then the defaults plus its root."""
     try:
-        return normalize_root(RunConfig.from_params(dict(params)).storage_root, relative_to=REPO_ROOT)
+        cfg = RunConfig.from_params(dict(params))
     except ConfigError:
         root = params.get("storage_root")
-        return normalize_root(root if isinstance(root, str) and root else RunConfig().storage_root, REPO_ROOT)
+        cfg = RunConfig()
+        return {**cfg.to_dict(), "storage_root": root if isinstance(root, str) and root else cfg.storage_root}
+    return cfg.to_dict()
 
 
 def processes_of_run(key: str) -> dict[int, str]:
-    """pid -> command line of every live process whose environment carries this run's key."""
-    marker = f"{RUN_KEY_ENV}={key}".encode()
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if marker not in (entry / "environ").read_bytes().split(b"\0"):
-                continue
-            status = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            if status == "Z":  # a zombie holds nothing; its parent reaps it
-                continue
-            found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return found
+    """pid -> command line of every live process on this host whose environment carries this run's key."""
+    return processes_with_env(RUN_KEY_ENV, key)
 
 
-def _signal_all(pids: list[int], sig: signal.Signals) -> list[int]:
-    signalled = []
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-            signalled.append(pid)
-        except ProcessLookupError:
-            pass
-    return signalled
-
-
-def _wait_gone(key: str, timeout_s: float) -> dict[int, str]:
-    deadline = time.monotonic() + timeout_s
-    alive = processes_of_run(key)
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.2)
-        alive = processes_of_run(key)
-    return alive
-
-
-def gpu_check(run_pids: set[int]) -> dict[str, Any]:
-    """Which GPU processes remain, and whether any belongs to this run (NVML); on CPU there is nothing to check."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception as exc:  # noqa: BLE001 - no driver or no library: a CPU machine
-        return {"nvml": False, "note": f"no NVML ({type(exc).__name__}): no GPU to verify on this host"}
-    try:
-        devices = []
-        held = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            procs = [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
-            held += [{"gpu": index, "pid": pid} for pid in procs if pid in run_pids]
-            devices.append({"gpu": index, "used_mb": memory.used // 2**20, "pids": procs})
-        return {"nvml": True, "devices": devices, "held_by_run": held}
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def _recorded_workers(state_url: str, report: ReleaseReport) -> tuple[set[int], list[str]]:
-    """Pids and work directories named by the run-state records; a malformed record is logged and skipped."""
-    pids: set[int] = set()
-    workdirs: list[str] = []
+def _state_records(state_url: str) -> tuple[list[str], list[dict[str, Any]]]:
+    """The run-state records' names and their well-formed contents; a malformed record is logged and skipped."""
+    names, records = [], []
     for name in list_dir(state_url):
         if not name.endswith(".json"):
             continue
-        report.records.append(name)
+        names.append(name)
         try:
             record = read_json(f"{state_url}/{name}")
-            pids.update(int(worker["pid"]) for worker in record.get("workers", []))
-            if isinstance(record.get("workdir"), str):
-                workdirs.append(record["workdir"])
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            if not isinstance(record, dict) or not isinstance(record.get("workers", []), list):
+                raise TypeError("not a state record")
+            records.append(record)
+        except (ValueError, TypeError) as error:
             log.warning("State record %s/%s is malformed (%s): skipped; the process scan still covers it.",
                         state_url, name, error)
-    return pids, workdirs
+    return names, records
 
 
-def is_launcher_workdir(path: str) -> bool:
-    """Only the launcher's own temporary directories may be deleted: a path read from storage proves nothing."""
-    candidate = Path(path)
-    try:
-        owned = candidate.lstat().st_uid == os.getuid() and not candidate.is_symlink() and candidate.is_dir()
-    except (FileNotFoundError, NotADirectoryError, ValueError):
-        return False
-    return (owned and candidate.name.startswith(LAUNCHER_WORKDIR_PREFIX)
-            and candidate.resolve().parent == Path(tempfile.gettempdir()).resolve())
-
-
-def _describe(pids: list[int], cmdlines: dict[int, str]) -> str:
-    return ", ".join(f"pid {pid} ({cmdlines.get(pid, '?')[:80]})" for pid in pids) or "none"
+def _describe(hosts: list[dict[str, Any]]) -> str:
+    parts = []
+    for host in hosts:
+        cmdlines = {p["pid"]: p["cmdline"] for p in host.get("found", [])}
+        parts += [f"pid {pid} on {host['host']} ({cmdlines.get(pid, '?')[:80]})" for pid in host.get("survivors", [])]
+        if host.get("error"):
+            parts.append(f"host {host['host']} not checked: {host['error']}")
+    return ", ".join(parts) or "none"
 
 
 @uses_run_storage
 def release_run(params: Mapping[str, Any], run_id: str, dag_id: str,
                 grace_period_s: float = 10.0) -> dict[str, Any]:
     key = run_key(dag_id, run_id)
-    report = ReleaseReport(key)
+    settings = _settings(params)
+    local = LocalBackend()
+    # This host's processes first: ending them must not depend on storage being reachable.
+    first = local.release(key, [], grace_s=grace_period_s)["hosts"][0]
+    log.info("Release of run %s on %s: %d live process(es)", key, first["host"], len(first["found"]))
 
-    # The process table first: ending the run's processes must not depend on storage being reachable.
-    alive = processes_of_run(key)  # recorded pids still alive carry the marker too; pids alone may be reused
-    report.found = [{"pid": pid, "cmdline": cmd[:200]} for pid, cmd in sorted(alive.items())]
-    log.info("Release of run %s on %s: %d live process(es)", key, report.host, len(alive))
-    if alive:
-        report.terminated = _signal_all(sorted(alive), signal.SIGTERM)
-        remaining = _wait_gone(key, grace_period_s)
-        report.killed = _signal_all(sorted(remaining), signal.SIGKILL)
-        report.survivors = sorted(_wait_gone(key, 5.0))
-
-    run = StorageLayout(_storage_root(params)).run(key)
+    run = StorageLayout(normalize_root(settings["storage_root"], relative_to=REPO_ROOT)).run(key)
     try:
-        recorded_pids, workdirs = _recorded_workers(run.state, report)
-        for workdir in workdirs:
-            if is_launcher_workdir(workdir):
-                shutil.rmtree(workdir, ignore_errors=True)
-                report.removed_dirs.append(workdir)
-            elif os.path.exists(workdir):
-                log.warning("Not removing %s: not a launcher work directory of this user under %s.", workdir,
-                            tempfile.gettempdir())
-        report.gpu_check = gpu_check(recorded_pids | set(alive))
-        result = report.to_dict()
+        names, records = _state_records(run.state)
+        results = {}
+        for name in sorted({settings["backend"], *(r.get("backend") for r in records)} - {"local", None}):
+            mine = [r for r in records if r.get("backend") == name]
+            backend = make_backend(name, settings)
+            try:
+                results[name] = backend.release(key, mine)
+            finally:
+                backend.close()
+        # Again here with the records: the launcher's work directories, and the GPUs of recorded pids.
+        here = local.release(key, records, grace_s=grace_period_s)
+        here_host = here["hosts"][0]
+        for field in ("found", "terminated", "killed"):
+            here_host[field] = first[field] + here_host[field]
+        results["local"] = here
+        result = _release_record(key, names, results)
         write_json_atomic(run.release, result)
         mark_report_released(run.report, result)
     except Exception as error:
         raise ReleaseError(
-            f"Release of run {key} on {report.host} could not be recorded: {type(error).__name__}: {error}. "
-            f"Processes ended: {len(report.terminated)} terminated, {len(report.killed)} killed; still alive: "
-            f"{_describe(report.survivors, alive)}. Fix access to the storage root (storage_root / "
-            f"storage_conn_id) and clear the release task; until it succeeds this run counts as not released."
+            f"Release of run {key} on {first['host']} could not be recorded: {type(error).__name__}: {error}. "
+            f"Processes ended here: {len(first['terminated'])} terminated, {len(first['killed'])} killed; still "
+            f"alive: {_describe([first])}. Fix access to the storage root (storage_root / storage_conn_id) or "
+            f"the hosts, and clear the release task; until it succeeds this run counts as not released."
         ) from error
-    log.info(
-        "Release of run %s on %s: terminated %s, killed %s, survivors %s; GPUs: %s; written %s",
-        key, report.host, report.terminated, report.killed, report.survivors,
-        report.gpu_check.get("note") or report.gpu_check.get("devices"), run.release,
-    )
+    for host in result["hosts"]:
+        log.info("Release of run %s on %s: terminated %s, killed %s, survivors %s; GPUs: %s%s", key, host["host"],
+                 host.get("terminated"), host.get("killed"), host.get("survivors"),
+                 (host.get("gpu_check") or {}).get("note") or (host.get("gpu_check") or {}).get("devices"),
+                 f"; ERROR: {host['error']}" if host.get("error") else "")
+    log.info("Release record written to %s", run.release)
     if not result["clean"]:
+        held = [h for host in result["hosts"] for h in (host.get("gpu_check") or {}).get("held_by_run", [])]
         raise ReleaseError(
-            f"Run {key} is not fully released on {report.host}: still alive: "
-            f"{_describe(report.survivors, alive)}; GPU holders: {report.gpu_check.get('held_by_run') or 'none'}. "
-            f"End them by hand (kill -9 <pid>) and clear the release task."
+            f"Run {key} is not fully released: still alive: {_describe(result['hosts'])}; GPU holders: "
+            f"{held or 'none'}. End them by hand (kill -9 <pid> on that host), make the host reachable, and "
+            f"clear the release task."
         )
     return {"release_url": run.release, **{k: result[k] for k in ("clean", "terminated", "killed")}}
+
+
+def _release_record(key: str, names: list[str], results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """release.json: every host of every backend; the top-level process fields are this host's."""
+    here = results["local"]["hosts"][0]
+    hosts = [{"backend": name, **host} for name, result in results.items() for host in result["hosts"]]
+    return {
+        "run_key": key,
+        "host": here["host"],
+        "released_at": datetime.now(UTC).isoformat(),
+        "state_records": names,
+        "processes_found": here["found"],
+        "terminated": here["terminated"],
+        "killed": here["killed"],
+        "survivors": here["survivors"],
+        "removed_dirs": here["removed_dirs"],
+        "gpu_check": here["gpu_check"],
+        "hosts": hosts,
+        "clean": all(result["clean"] for result in results.values()),
+    }
 
 
 def mark_report_released(report_url: str, release: dict[str, Any]) -> None:

@@ -35,3 +35,19 @@ def airflow_stack(tmp_path_factory):
         yield stack
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="session")
+def ssh_hosts(tmp_path_factory):
+    """Two real OpenSSH servers on 127.0.0.2 and 127.0.0.3 standing in for remote hosts (tests/sshd.py): each
+    yields its address, port, host key, disk and `connection_env()` (the `AIRFLOW_CONN_<ID>` to set)."""
+    from tests.sshd import start_hosts, stop_hosts, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    hosts = start_hosts(2, tmp_path_factory.mktemp("ssh_hosts"))
+    try:
+        yield hosts
+    finally:
+        stop_hosts(hosts)

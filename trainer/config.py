@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from tf_multiworker.registry import BACKEND_NAMES
+
 
 class ConfigError(ValueError):
     """A run setting is missing, unknown, of the wrong type or out of range."""
@@ -39,7 +41,6 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
     "gpt2-124m": {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024},
 }
 
-BACKENDS = ("local",)
 MIXED_PRECISION = ("no", "bf16", "fp16")
 BASELINE_POLICIES = ("auto", "run", "skip")
 COMMUNICATION = ("auto", "ring", "nccl")
@@ -145,6 +146,10 @@ class RunConfig:
 
     num_workers: int = 2
     backend: str = "local"
+    ssh_conn_ids: tuple[str, ...] = ()
+    workers_per_host: int = 0
+    remote_python: str = ""
+    remote_workdir: str = ""
     dataset: str = "data/sample/*.txt"
     text_column: str = "text"
     tokenizer: str = "bpe:2048"
@@ -192,13 +197,18 @@ class RunConfig:
                 "Check the spelling in --conf or the trigger form."
             )
         values = dict(params)
-        # The trigger form sends null for an optional text field the user cleared.
-        if values.get("storage_conn_id", "") is None:
-            values["storage_conn_id"] = ""
+        # The trigger form sends null for an optional field the user cleared.
+        for name in ("storage_conn_id", "remote_python", "remote_workdir"):
+            if name in values and values[name] is None:
+                values[name] = ""
+        if "ssh_conn_ids" in values and values["ssh_conn_ids"] is None:
+            values["ssh_conn_ids"] = ()
         return cls(**{name: _coerce(name, value, known[name]) for name, value in values.items()})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON-shaped (lists, not tuples): what `from_params` takes back."""
+        return {name: list(value) if isinstance(value, tuple) else value
+                for name, value in dataclasses.asdict(self).items()}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
@@ -282,6 +292,13 @@ def _coerce(name: str, value: Any, spec: dataclasses.Field) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"Setting '{name}' must be a string, got {value!r} ({type(value).__name__}).")
+    if expected == "tuple[str, ...]":
+        if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+            return tuple(value)
+        raise ConfigError(
+            f"Setting '{name}' must be a list of strings, got {value!r} ({type(value).__name__}). "
+            f"In --conf write e.g. {{\"{name}\": [\"host_a\", \"host_b\"]}}."
+        )
     raise AssertionError(f"RunConfig field {name} has an unsupported type {expected}")
 
 
@@ -316,7 +333,7 @@ def _validate(cfg: RunConfig) -> None:
     _check_range(cfg, "collective_timeout_s", 5, 86_400)
     _check_range(cfg, "startup_timeout_s", 5, 86_400)
     _check_range(cfg, "hang_timeout_s", 10, 7 * 86_400)
-    _check_choice(cfg, "backend", BACKENDS)
+    _check_choice(cfg, "backend", BACKEND_NAMES)
     _check_choice(cfg, "mixed_precision", MIXED_PRECISION)
     _check_choice(cfg, "baseline", BASELINE_POLICIES)
     _check_choice(cfg, "communication", COMMUNICATION)
@@ -376,6 +393,7 @@ def _validate(cfg: RunConfig) -> None:
             f"Setting 'num_shards' = {cfg.num_shards} is below 'num_workers' = {cfg.num_workers}: every worker "
             "needs at least one shard of its own. Raise 'num_shards' or set it to 0 (automatic)."
         )
+    _validate_ssh(cfg)
     if cfg.communication == "nccl" and not cfg.use_gpu:
         raise ConfigError("Setting 'communication' = 'nccl' needs 'use_gpu' = true: use 'ring' or 'auto' on CPU.")
     if cfg.mixed_precision == "fp16" and not cfg.use_gpu:
@@ -388,6 +406,53 @@ def _check_model_name(name: str, value: str, *, setting_value: str | None = None
             f"Setting '{name}' = {setting_value or value!r} names the registered model {value!r}, which is not a "
             "safe name: use 1-64 letters, digits, '_' or '-', starting with a letter or digit."
         )
+
+
+_CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")
+
+
+def _validate_ssh(cfg: RunConfig) -> None:
+    """The SSH backend's settings; connection ids that Airflow does not know are refused by the prepare task."""
+    _check_range(cfg, "workers_per_host", 0, 64)
+    if cfg.backend != "ssh":
+        if cfg.ssh_conn_ids:
+            raise ConfigError(f"Setting 'ssh_conn_ids' = {list(cfg.ssh_conn_ids)} is only read by backend 'ssh', "
+                              f"but 'backend' = {cfg.backend!r}: set 'backend' to 'ssh' or clear 'ssh_conn_ids'.")
+        return
+    if not cfg.ssh_conn_ids:
+        raise ConfigError("Setting 'backend' = 'ssh' needs 'ssh_conn_ids': the Airflow SSH connections of the hosts, "
+                          'one per host, e.g. {"ssh_conn_ids": ["gpu_host_1", "gpu_host_2"]}.')
+    for conn_id in cfg.ssh_conn_ids:
+        if not _CONN_ID.match(conn_id):
+            raise ConfigError(f"Setting 'ssh_conn_ids' has {conn_id!r}, which is not an Airflow connection id "
+                              "(letters, digits, '_', '.', '-').")
+    repeated = sorted({c for c in cfg.ssh_conn_ids if cfg.ssh_conn_ids.count(c) > 1})
+    if repeated:
+        raise ConfigError(f"Setting 'ssh_conn_ids' names {repeated} more than once: list each host once and set "
+                          "'workers_per_host' for several workers on a host.")
+    if cfg.workers_per_host and cfg.workers_per_host * len(cfg.ssh_conn_ids) != cfg.num_workers:
+        raise ConfigError(
+            f"'workers_per_host' = {cfg.workers_per_host} x {len(cfg.ssh_conn_ids)} host(s) in 'ssh_conn_ids' = "
+            f"{cfg.workers_per_host * len(cfg.ssh_conn_ids)} workers, but 'num_workers' = {cfg.num_workers}: make "
+            "them agree, or set 'workers_per_host' to 0 (one per free GPU with use_gpu, else one per host).")
+    if urlparse(cfg.storage_root).scheme != "s3":
+        raise ConfigError(
+            f"Setting 'storage_root' = {cfg.storage_root!r} is local, but backend 'ssh' runs workers on other "
+            "hosts, which share no filesystem with this one: use an s3:// storage root (shards, checkpoints and "
+            "results go through it).")
+    for name in ("model", "tokenizer"):
+        value = getattr(cfg, name)
+        if name == "model" and value in MODEL_PRESETS or name == "tokenizer" and value.startswith("bpe:"):
+            continue
+        scheme = urlparse(value).scheme
+        hub_id = not scheme and _HUB_ID.fullmatch(value) and not _local_candidate(value).exists()
+        if scheme == "file" or not scheme and not hub_id:
+            raise ConfigError(f"Setting '{name}' = {value!r} is a local path, which the SSH hosts cannot read: "
+                              "put it on the s3:// storage and name its URL, or use a preset or hub id.")
+    if cfg.remote_python and not cfg.remote_python.startswith("/"):
+        raise ConfigError(f"Setting 'remote_python' = {cfg.remote_python!r} must be an absolute path to the worker "
+                          "environment's interpreter on the hosts (e.g. /opt/gpt-finetune/.venv/bin/python), or "
+                          "empty for the same path as here.")
 
 
 def field_names() -> list[str]:

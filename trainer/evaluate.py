@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer import storage
+from trainer import runtime, storage
 from trainer.data import (
     DataError,
     load_manifest,
@@ -143,6 +143,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    runtime.signal_ready()  # a group of one: up means joined; the launcher's hang watchdog takes over from here
     result = evaluate(args.model, args.manifest, max_batches=args.max_batches, prompts=args.prompt)
     storage.write_json_atomic(args.output, result)
     print(f"eval_loss {result['eval_loss']:.4f} perplexity {result['perplexity']:.2f} -> {args.output}", flush=True)

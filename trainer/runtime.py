@@ -3,8 +3,9 @@
 Contract with the launcher (`plugins/tf_multiworker/launcher`):
 - `TF_CONFIG` (absent: a single worker) gives the cluster and this worker's index.
 - `TFMW_RUN_KEY` names the pipeline run the worker belongs to (see tasks/release.py).
-- `TFMW_READY_FILE`, when set, is touched once the worker has joined the group (strategy created, i.e. the
-  collective rendezvous passed). The launcher's start-up timeout names the ranks whose file never appeared.
+- Once the worker has joined the group (strategy created, i.e. the collective rendezvous passed) it prints the
+  line `TFMW_READY rank=<r>` on stdout, which the launcher reads from the output stream of every backend (local
+  pipe, SSH channel, pod log). The launcher's start-up timeout names the ranks whose line never came.
 Never imports TensorFlow or Airflow.
 """
 
@@ -13,11 +14,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
-READY_FILE_ENV = "TFMW_READY_FILE"
+# The in-band readiness marker: a line of its own on stdout, so it travels wherever the worker's output does.
+READY_MARKER = "TFMW_READY"
 # Set on every worker of a pipeline run: the release task finds all of the run's processes by it.
 RUN_KEY_ENV = "TFMW_RUN_KEY"
 # The launcher's per-task temporary directories start with this; release deletes only such directories.
@@ -69,7 +71,12 @@ def worker_identity(environ: dict[str, str] | None = None) -> WorkerIdentity:
 
 
 def signal_ready() -> None:
-    """Tell the launcher this worker has joined the group (no-op outside a launcher)."""
-    path = os.environ.get(READY_FILE_ENV)
-    if path:
-        Path(path).write_text(str(os.getpid()))
+    """Tell the launcher this worker has joined the group (a harmless line when run by hand)."""
+    rank = worker_identity().rank
+    # One write of a whole line, flushed: it must not interleave with log lines of other threads.
+    sys.stdout.write(f"{READY_MARKER} rank={rank}\n")
+    sys.stdout.flush()
+
+
+def is_ready_marker(line: str) -> bool:
+    return line.startswith(READY_MARKER + " rank=")

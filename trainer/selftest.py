@@ -113,8 +113,10 @@ def check_worker(cfg: RunConfig, manifest_url: str, identity: runtime.WorkerIden
     from trainer.data import DataError, load_manifest, worker_shards
 
     errors: list[str] = []
-    where = f"rank {identity.rank} on {identity.host}"
-    report: dict[str, Any] = {"rank": identity.rank, "host": identity.host, "pid": os.getpid(),
+    # The address its peers reach it at (TF_CONFIG) tells hosts apart where hostnames repeat (containers, VMs).
+    address = identity.addresses[identity.rank] if identity.addresses else None
+    where = f"rank {identity.rank} on {identity.host}" + (f" ({address})" if address else "")
+    report: dict[str, Any] = {"rank": identity.rank, "host": identity.host, "address": address, "pid": os.getpid(),
                               "versions": package_versions(identity.rank), "devices": visible_gpus()}
     if identity.num_workers != cfg.num_workers:
         errors.append(f"{where}: TF_CONFIG lists {identity.num_workers} workers but num_workers={cfg.num_workers}: "

@@ -26,16 +26,17 @@ from tf_multiworker.hook import StorageCredentialsHook
 from tf_multiworker.launcher import (
     GroupSpec,
     GroupState,
+    LaunchError,
     RunResult,
     WorkerGroup,
     WorkerGroupStoppedError,
     WorkerOutcome,
     error_for,
-    make_backend,
 )
 from tf_multiworker.launcher.errors import MissingOutputError
+from tf_multiworker.registry import UnknownBackendError, make_backend
 from trainer.layout import StorageLayout
-from trainer.runtime import LAUNCHER_WORKDIR_PREFIX, RUN_KEY_ENV
+from trainer.runtime import LAUNCHER_WORKDIR_PREFIX
 from trainer.storage import exists, normalize_root, upload_tree, write_json_atomic
 
 STATE_XCOM_KEY = "worker_state"
@@ -81,7 +82,9 @@ class TFMultiWorkerOperator(BaseOperator):
     :param entrypoint: module run on every worker (`python -m`), e.g. `trainer.train`.
     :param args: its arguments (templated).
     :param num_workers: workers; one GPU each when `use_gpu` (templated; numeric strings accepted).
-    :param backend: where workers run; `local` starts processes on this Airflow worker.
+    :param backend: where workers run (`tf_multiworker.registry`): `local` starts processes on this Airflow
+        worker, `ssh` on the hosts of `backend_settings["ssh_conn_ids"]`.
+    :param backend_settings: the run's settings the backend reads (a `RunConfig.to_dict()`; templated).
     :param use_gpu: pin one free GPU per worker (NVML), refuse when too few; else `CUDA_VISIBLE_DEVICES=""`.
     :param storage_root: root URL of the run's storage (state record, logs).
     :param run_key: the run's key under `storage_root/runs/`.
@@ -96,7 +99,7 @@ class TFMultiWorkerOperator(BaseOperator):
     """
 
     template_fields: Sequence[str] = (
-        "args", "num_workers", "backend", "use_gpu", "storage_root", "run_key", "storage_conn_id",
+        "args", "num_workers", "backend", "backend_settings", "use_gpu", "storage_root", "run_key", "storage_conn_id",
         "startup_timeout_s", "hang_timeout_s", "summary_url", "env", "grace_period_s", "max_launch_attempts",
     )
     ui_color = "#ffd8b1"
@@ -110,6 +113,7 @@ class TFMultiWorkerOperator(BaseOperator):
         args: Sequence[Any] = (),
         num_workers: int | str = 1,
         backend: str = "local",
+        backend_settings: dict[str, Any] | str | None = None,
         use_gpu: bool | str = False,
         storage_conn_id: str = "",
         startup_timeout_s: float | str = 180,
@@ -125,6 +129,7 @@ class TFMultiWorkerOperator(BaseOperator):
         self.args = args
         self.num_workers = num_workers
         self.backend = backend
+        self.backend_settings = backend_settings
         self.use_gpu = use_gpu
         self.storage_root = storage_root
         self.run_key = run_key
@@ -137,6 +142,7 @@ class TFMultiWorkerOperator(BaseOperator):
         self.max_launch_attempts = max_launch_attempts
         self.group: WorkerGroup | None = None  # must be set for on_kill
         self._killed = False
+        self._line_prefixes: dict[int, str] = {}
 
     @cached_property
     def hook(self) -> StorageCredentialsHook:
@@ -148,11 +154,18 @@ class TFMultiWorkerOperator(BaseOperator):
         spec = self._group_spec()
         run = StorageLayout(normalize_root(_as_str("storage_root", self.storage_root))).run(
             _as_str("run_key", self.run_key))
-        backend = make_backend(_as_str("backend", self.backend))
+        if self.backend_settings is not None and not isinstance(self.backend_settings, dict):
+            raise TypeError(f"backend_settings must be a mapping, got {self.backend_settings!r}")
+        try:
+            backend = make_backend(_as_str("backend", self.backend), self.backend_settings)
+        except UnknownBackendError as error:
+            raise LaunchError(str(error)) from None
         workdir = Path(tempfile.mkdtemp(prefix=f"{LAUNCHER_WORKDIR_PREFIX}{self.task_id}-"))
         ti = context["ti"]
 
         def record_started(workers: Sequence[WorkerOutcome], attempt: int) -> None:
+            if backend.name != "local":  # on other hosts, each line says where it comes from
+                self._line_prefixes = {w.rank: f"rank {w.rank} host {w.host}" for w in workers}
             self._write_state(ti, run.state_file(self.task_id), backend.name, GroupState.RUNNING, workers, workdir)
 
         self.group = WorkerGroup(spec, backend, workdir, on_line=self._log_worker_line, on_started=record_started)
@@ -162,7 +175,10 @@ class TFMultiWorkerOperator(BaseOperator):
         finally:
             final = GroupState.STOPPED if self._killed else (result.state if result else GroupState.FAILED)
             failing = self._killed or result is None or not result.succeeded
-            self._finish(ti, run, backend.name, final, result, workdir, failing=failing)
+            try:
+                self._finish(ti, run, backend.name, final, result, workdir, failing=failing)
+            finally:
+                backend.close()
         if self._killed or result.state is GroupState.STOPPED:
             raise WorkerGroupStoppedError(result)
         if not result.succeeded:
@@ -195,9 +211,9 @@ class TFMultiWorkerOperator(BaseOperator):
             args=tuple(_as_str(f"args[{i}]", a) for i, a in enumerate(self.args)),
             num_workers=_as_number("num_workers", self.num_workers, int, 1),
             use_gpu=_as_bool("use_gpu", self.use_gpu),
-            # The run key marks every process of the run, so release finds even those no record names.
-            env={RUN_KEY_ENV: _as_str("run_key", self.run_key),
-                 **{k: _as_str(f"env[{k}]", v) for k, v in (self.env or {}).items()}},
+            env={k: _as_str(f"env[{k}]", v) for k, v in (self.env or {}).items()},
+            # The run key marks every worker of the run, so release finds even those no record names.
+            run_key=_as_str("run_key", self.run_key),
             secret_env=self.hook.env,
             startup_timeout_s=_as_number("startup_timeout_s", self.startup_timeout_s, float, 1),
             hang_timeout_s=_as_number("hang_timeout_s", self.hang_timeout_s, float, 1),
@@ -206,7 +222,7 @@ class TFMultiWorkerOperator(BaseOperator):
         )
 
     def _log_worker_line(self, rank: int, line: str) -> None:
-        self.log.info("[rank %d] %s", rank, line)
+        self.log.info("[%s] %s", self._line_prefixes.get(rank) or f"rank {rank}", line)
 
     def _write_state(self, ti: Any, url: str, backend: str, state: GroupState,
                      workers: Sequence[WorkerOutcome], workdir: Path) -> dict[str, Any]:
@@ -216,8 +232,8 @@ class TFMultiWorkerOperator(BaseOperator):
             "state": state.value,
             "updated_at": datetime.now(UTC).isoformat(),
             "workdir": str(workdir),  # removed by execute; release removes it when the task died first
-            "workers": [{"rank": w.rank, "host": w.host, "pid": w.pid, "pgid": w.pgid, "port": w.port,
-                         "gpus": list(w.devices)} for w in workers],
+            "workers": [{"rank": w.rank, "host": w.host, "port": w.port, "gpus": list(w.devices or []),
+                         **w.record} for w in workers],
         }
         with self.hook.applied():
             write_json_atomic(url, record)

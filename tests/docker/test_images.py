@@ -266,7 +266,8 @@ def test_base_images_follow_the_lock():
 
 
 def test_trainer_image_ships_only_the_worker():
-    assert copy_sources(TRAINER_DOCKERFILE) == ["docker/requirements-trainer.txt", "trainer/"]
+    # The trainer, plus the launcher package: RunConfig reads its backend table, SSH hosts run its agent.
+    assert copy_sources(TRAINER_DOCKERFILE) == ["docker/requirements-trainer.txt", "trainer/", "plugins/tf_multiworker/"]
     assert "--requirement /tmp/requirements-trainer.txt" in " ".join(instruction_args(TRAINER_DOCKERFILE, "RUN"))
     env = dockerfile_env(TRAINER_DOCKERFILE)
     assert env["TF_USE_LEGACY_KERAS"] == "1"
@@ -275,7 +276,9 @@ def test_trainer_image_ships_only_the_worker():
     (healthcheck,) = instruction_args(TRAINER_DOCKERFILE, "HEALTHCHECK")
     assert healthcheck.endswith('CMD ["python3", "-c", "import trainer.selftest"]')
     install_dir = env["PYTHONPATH"]
-    assert any(args.endswith(f"trainer/ {install_dir}/trainer/") for args in instruction_args(TRAINER_DOCKERFILE, "COPY"))
+    copies = instruction_args(TRAINER_DOCKERFILE, "COPY")
+    assert any(args.endswith(f"trainer/ {install_dir}/trainer/") for args in copies)
+    assert any(args.endswith(f"plugins/tf_multiworker/ {install_dir}/tf_multiworker/") for args in copies)
 
 
 def test_trainer_selftest_import_is_cheap():

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tf_multiworker.launcher.local import live_group_members
+from tf_multiworker.launcher.process import live_group_members
 
 ENTRYPOINTS = Path(__file__).resolve().parent / "entrypoints"
 REPO = Path(__file__).resolve().parents[2]

@@ -43,7 +43,7 @@ def _run(spec: GroupSpec, tmp_path, backend=None):
 
 
 def _assert_no_process_left(result):
-    pgids = [w.pgid for w in result.workers]
+    pgids = [w.record["pgid"] for w in result.workers]
     assert pgids and wait_until_gone(pgids, timeout_s=0) == [], "worker processes left behind"
 
 
@@ -157,9 +157,9 @@ def test_stop_from_another_thread_ends_every_worker_within_grace(tmp_path):
 def test_more_workers_than_free_gpus_is_refused_before_launch(tmp_path):
     backend = LocalBackend(gpu_probe=lambda: [0, 3])
     with pytest.raises(InsufficientGPUsError, match=r"num_workers=3 needs one GPU per worker.*2 free GPU\(s\) \[0, 3\]"):
-        backend.place(3, use_gpu=True)
-    assert [p.devices for p in backend.place(2, use_gpu=True)] == [(0,), (3,)]
-    assert [p.devices for p in backend.place(2, use_gpu=False)] == [(), ()]
+        backend.place(_spec(num_workers=3, use_gpu=True))
+    assert [p.devices for p in backend.place(_spec(num_workers=2, use_gpu=True))] == [(0,), (3,)]
+    assert [p.devices for p in backend.place(_spec(num_workers=2, use_gpu=False))] == [(), ()]
     assert not (tmp_path / "logs").exists()
 
 

@@ -20,9 +20,10 @@ from tf_multiworker.launcher import (
     WorkerState,
     build_tf_config,
     error_for,
-    make_backend,
+    tensorflow_env,
 )
-from tf_multiworker.launcher.errors import LaunchError
+from tf_multiworker.launcher.spec import Placement
+from tf_multiworker.registry import BACKEND_NAMES, UnknownBackendError, make_backend
 
 
 def test_tf_config_is_exact_json():
@@ -71,34 +72,42 @@ def test_group_spec_is_frozen_and_hides_secret_values():
     assert "AWS_SECRET_ACCESS_KEY" in shown and "A=visible" in shown
 
 
-def _worker_spec(**changes):
-    base = {"rank": 0, "num_workers": 2, "host": "127.0.0.1", "port": 5000, "devices": (), "ready_file": "r", "log_file": "l",
-                "workdir": "w", "tf_config": json.dumps(build_tf_config(["127.0.0.1:5000", "127.0.0.1:5001"], 0))}
-    return WorkerSpec(**{**base, **changes})
+def _placements(*devices):
+    return [Placement("127.0.0.1", 5000 + rank, dev) for rank, dev in enumerate(devices)]
 
 
-def test_worker_spec_env_names_rank_and_devices():
-    env = _worker_spec(devices=(3,)).worker_env()
-    assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": 0}
+def test_rank_environment_names_rank_and_devices():
+    env = tensorflow_env(_placements((3,), (4,)), 0)
+    assert json.loads(env["TF_CONFIG"]) == {"cluster": {"worker": ["127.0.0.1:5000", "127.0.0.1:5001"]},
+                                            "task": {"type": "worker", "index": 0}}
     assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    assert env["TF_USE_LEGACY_KERAS"] == "1" and env["TFMW_READY_FILE"] == "r"
-    assert _worker_spec().worker_env()["CUDA_VISIBLE_DEVICES"] == ""
+    assert env["TF_USE_LEGACY_KERAS"] == "1" and env["PYTHONUNBUFFERED"] == "1"
+    assert tensorflow_env(_placements((), ()), 1)["CUDA_VISIBLE_DEVICES"] == ""  # CPU: GPUs hidden
+
+
+def test_gpus_scoped_by_the_backend_are_never_hidden():
+    """A Kubernetes device plugin gives the pod its GPUs: an empty CUDA_VISIBLE_DEVICES would hide them."""
+    env = tensorflow_env(_placements(None, None), 1)
+    assert "CUDA_VISIBLE_DEVICES" not in env and "CUDA_DEVICE_ORDER" not in env
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"rank": 2}, "rank 2 is outside 0..1"),
     ({"port": 0}, "port 0 is outside"),
     ({"host": ""}, "host must not be empty"),
     ({"devices": (-1,)}, "GPU indices"),
-    ({"rank": 1}, "TF_CONFIG names index 0"),
 ])
-def test_worker_spec_checks_itself(changes, message):
+def test_placement_checks_itself(changes, message):
     with pytest.raises(ValueError, match=message):
-        _worker_spec(**changes)
+        Placement(**{"host": "127.0.0.1", "port": 5000, "devices": (), **changes})
+
+
+def test_worker_spec_checks_its_rank():
+    with pytest.raises(ValueError, match="rank 2 is outside 0..1"):
+        WorkerSpec(rank=2, num_workers=2, placement=Placement("h", 1), log_file="l", workdir="w")
 
 
 def _result(failures, state=GroupState.FAILED):
-    workers = tuple(WorkerOutcome(r, "127.0.0.1", 5000 + r, 100 + r, 100 + r, (), WorkerState.FAILED if r in failures
+    workers = tuple(WorkerOutcome(r, "127.0.0.1", 5000 + r, 100 + r, (), WorkerState.FAILED if r in failures
                                   else WorkerState.STOPPED, None) for r in range(3))
     return RunResult("train", state, workers, failures, 1, 4.0, {r: f"/logs/rank-{r}.log" for r in range(3)})
 
@@ -126,5 +135,16 @@ def test_error_type_follows_the_root_cause():
 
 
 def test_unknown_backend_is_refused_with_the_setting_to_change():
-    with pytest.raises(LaunchError, match="backend 'slurm' is not available: only 'local'"):
+    with pytest.raises(UnknownBackendError, match=r"backend 'slurm' is not available: choose one of local.*"
+                                                  r"\(setting 'backend'\)"):
         make_backend("slurm")
+
+
+def test_one_backend_table_feeds_the_config_and_the_dag():
+    from dags.gpt_finetune import PARAMS
+    from trainer.config import ConfigError, RunConfig
+
+    assert PARAMS["backend"].schema["enum"] == list(BACKEND_NAMES)
+    assert make_backend("local", RunConfig().to_dict()).name == "local"
+    with pytest.raises(ConfigError, match="backend"):
+        RunConfig(backend="slurm")

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from tf_multiworker.operator import TFMultiWorkerOperator
 
+from tasks.release import processes_of_run
 from tests.plugins.conftest import REPO, entrypoint_env, wait_until_gone
-from trainer.runtime import RUN_KEY_ENV
 from trainer.storage import read_bytes, read_json
 
-DAG_KWARGS = {"entrypoint", "args", "num_workers", "backend", "use_gpu", "storage_root", "run_key", "storage_conn_id",
+DAG_KWARGS = {"entrypoint", "args", "num_workers", "backend", "backend_settings", "use_gpu", "storage_root", "run_key", "storage_conn_id",
               "startup_timeout_s", "hang_timeout_s", "summary_url", "env", "grace_period_s", "max_launch_attempts"}
 SECRET = "s3cret-value-never-logged"
 HARNESS = Path(__file__).resolve().parent / "harness_dags" / "tfmw_harness.py"
@@ -42,7 +42,7 @@ def test_rendered_strings_are_coerced_to_launch_settings():
                      max_launch_attempts="2", args=["--steps", 5], env={"SEED": 7})._group_spec()
     assert (spec.num_workers, spec.use_gpu, spec.startup_timeout_s, spec.max_launch_attempts) == (3, False, 12.5, 2)
     assert spec.args == ("--steps", "5")
-    assert dict(spec.env) == {RUN_KEY_ENV: "r", "SEED": "7"}
+    assert dict(spec.env) == {"SEED": "7"} and spec.run_key == "r"  # the group marks every worker with the key
     assert _operator(use_gpu="true")._group_spec().use_gpu is True
 
 
@@ -83,8 +83,9 @@ def _case(tmp_path, *, entrypoint="tiny_worker", args=(), worker_env=None, **par
         "entrypoint": entrypoint,
         "args": list(args),
         "env": entrypoint_env(**(worker_env or {})),
-        "params": {"num_workers": 2, "use_gpu": False, "storage_root": str(tmp_path / "storage"), "run_key": "run1",
-                   "storage_conn_id": "", "startup_timeout_s": 60, "hang_timeout_s": 60, **params},
+        "params": {"num_workers": 2, "backend": "local", "backend_settings": {}, "use_gpu": False,
+                   "storage_root": str(tmp_path / "storage"), "run_key": "run1", "storage_conn_id": "",
+                   "startup_timeout_s": 60, "hang_timeout_s": 60, **params},
     }
     path = tmp_path / "case.json"
     path.write_text(json.dumps(case))
@@ -180,3 +181,50 @@ def test_sigterm_to_the_task_stops_a_two_worker_tf_training_run(airflow_env, tmp
     assert result["task_states"]["group"] == "failed", task_log[-3000:]
     assert "WorkerGroupStoppedError" in task_log and "was stopped from outside" in task_log
     assert json.loads(state_file.read_text())["state"] == "stopped"
+
+
+# -- over SSH (real sshd hosts on 127.0.0.2 and 127.0.0.3, tests/sshd.py) -----------------------------------------
+
+def _ssh_env(ssh_hosts) -> dict[str, str]:
+    return {name: value for host in ssh_hosts for name, value in host.connection_env().items()}
+
+
+def _ssh_case(tmp_path, ssh_hosts, **kwargs) -> Path:
+    return _case(tmp_path, backend="ssh", backend_settings={"ssh_conn_ids": [h.conn_id for h in ssh_hosts]},
+                 **kwargs)
+
+
+def test_a_worker_sigkilled_on_one_ssh_host_fails_the_task_naming_host_and_rank(airflow_env, tmp_path, ssh_hosts):
+    case = _ssh_case(tmp_path, ssh_hosts, worker_env={"TINY_WORKER_FAULT": "1:sigkill"}, run_key="ssh-kill1")
+    process, out, log = _start(airflow_env, case, tmp_path, _ssh_env(ssh_hosts))
+    _finish(process, timeout=120)
+    task_log = log.read_text(errors="replace")
+    result = json.loads(out.read_text())
+    assert result["task_states"]["group"] == "failed", task_log[-3000:]
+    assert f"rank 1 (host {ssh_hosts[1].address}, pid " in task_log and "killed by SIGKILL" in task_log
+    assert f"[rank 0 host {ssh_hosts[0].address}]" in task_log  # live lines say where they come from
+    record = result["state_record"]
+    assert [w["conn_id"] for w in record["workers"]] == [h.conn_id for h in ssh_hosts]
+    assert processes_of_run("ssh-kill1") == {}, "a process of the run outlived the task on some host"
+
+
+def test_sigterm_to_the_task_ends_every_remote_process_within_10_seconds(airflow_env, tmp_path, ssh_hosts):
+    case = _ssh_case(tmp_path, ssh_hosts, worker_env={"TINY_WORKER_STEPS": "100000", "TINY_WORKER_STEP_S": "0.1"},
+                     run_key="ssh-term1")
+    process, out, log = _start(airflow_env, case, tmp_path, _ssh_env(ssh_hosts))
+    try:
+        deadline = time.monotonic() + 120
+        while "[rank 1 host " not in log.read_text(errors="replace") or len(processes_of_run("ssh-term1")) < 4:
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        while processes_of_run("ssh-term1") and time.monotonic() - sent < 10:
+            time.sleep(0.1)
+        stopped_after = time.monotonic() - sent
+        left = processes_of_run("ssh-term1")
+    finally:
+        _finish(process, timeout=60)
+    print(f"\nSIGTERM to an SSH task: remote processes gone after {stopped_after:.2f} s")
+    assert left == {}, f"still alive 10 s after SIGTERM: {left}"
+    assert json.loads(out.read_text())["task_states"]["group"] == "failed"

@@ -18,6 +18,7 @@ from tasks import compare
 from tasks.baseline import plan_baseline
 from tasks.compare import EvaluationError, GateFailure, evaluate_run
 from tests.tasks import run_fixtures
+from trainer.config import RunConfig
 from trainer.storage import exists, join, read_bytes, read_json, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
@@ -179,7 +180,8 @@ def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, 
     signal.setitimer(signal.ITIMER_REAL, 3.0)
     try:
         with pytest.raises(TimeoutError):
-            compare.run_evaluation(model, manifest, join(root, "eval.json"), use_gpu=False, run_key="run-of-eval")
+            compare.run_evaluation(model, manifest, join(root, "eval.json"), cfg=RunConfig(), run_key="run-of-eval",
+                                   label="distributed")
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -220,4 +222,4 @@ def test_real_trainer_output_evaluated_by_the_real_entry_point(root, tmp_path, c
     assert report["hardware"]["line"].startswith(f"1 worker on a {os.cpu_count()}-core CPU")
     assert report["versions"]["tensorflow"] == metadata.version("tensorflow")  # the trainer's, as installed
     assert read_bytes(join(prepared["report_url"], "loss_curves.png")).startswith(PNG_MAGIC)
-    assert "[evaluate] eval_loss" in caplog.text
+    assert "[evaluate distributed] eval_loss" in caplog.text

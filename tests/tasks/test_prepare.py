@@ -21,6 +21,15 @@ def test_invalid_settings_fail_the_task_without_retries(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing written
 
 
+def test_ssh_hosts_that_airflow_does_not_know_fail_the_task_before_tokenizing(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIRFLOW_CONN_NOT_SSH", '{"conn_type": "http", "host": "example.invalid"}')
+    settings = {"backend": "ssh", "storage_root": "s3://runs/root", "dataset": str(tmp_path / "absent.txt")}
+    with pytest.raises(AirflowFailException, match=r"'ssh_conn_ids' names 'no_such_host', which is no Airflow"):
+        prepare_run({**settings, "ssh_conn_ids": ["no_such_host"]}, RUN_ID, DAG_ID)
+    with pytest.raises(AirflowFailException, match=r"'not_ssh', a connection of type 'http'"):
+        prepare_run({**settings, "ssh_conn_ids": ["not_ssh"]}, RUN_ID, DAG_ID)
+
+
 def test_prepared_run_lists_configs_with_resolved_steps(tmp_path):
     params = {"storage_root": str(tmp_path), "num_workers": 2, "tokenizer": "bpe:512", "block_size": 32,
               "max_steps": 0, "warmup_steps": 0, "epochs": 1.0, "baseline": "skip"}

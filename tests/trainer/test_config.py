@@ -18,6 +18,9 @@ def test_config_is_frozen():
         RunConfig().num_workers = 3  # type: ignore[misc]
 
 
+SSH = {"backend": "ssh", "ssh_conn_ids": ["host_a", "host_b"], "storage_root": "s3://runs/root"}
+
+
 @pytest.mark.parametrize(
     "params, fragments",
     [
@@ -49,6 +52,17 @@ def test_config_is_frozen():
         ({"model": "promoted:.hidden"}, ["'model' = 'promoted:.hidden'", "'.hidden'", "not a safe name"]),
         ({"promotion_tolerance": -0.1}, ["'promotion_tolerance' = -0.1", "out of range", "0.0 to 100.0"]),
         ({"promote": "sometimes"}, ["'promote' = 'sometimes'", "'auto'", "'always'", "'never'"]),
+        ({"backend": "ssh"}, ["'backend' = 'ssh' needs 'ssh_conn_ids'", "one per host"]),
+        ({"backend": "ssh", "ssh_conn_ids": []}, ["needs 'ssh_conn_ids'"]),
+        ({"backend": "ssh", "ssh_conn_ids": "a,b"}, ["'ssh_conn_ids'", "list of strings", '["host_a", "host_b"]']),
+        ({"backend": "ssh", "ssh_conn_ids": ["a b"]}, ["'ssh_conn_ids'", "'a b'", "not an Airflow connection id"]),
+        ({"backend": "ssh", "ssh_conn_ids": ["a", "a"]}, ["names ['a'] more than once", "workers_per_host"]),
+        ({**SSH, "workers_per_host": 3}, ["'workers_per_host' = 3 x 2 host(s)", "= 6 workers", "'num_workers' = 2"]),
+        ({**SSH, "storage_root": "storage"}, ["'storage_root' = 'storage' is local", "s3://"]),
+        ({**SSH, "model": "data/sample"}, ["'model' = 'data/sample' is a local path", "s3://"]),
+        ({**SSH, "remote_python": "python3"}, ["'remote_python' = 'python3'", "absolute path"]),
+        ({"ssh_conn_ids": ["a"]}, ["'ssh_conn_ids'", "only read by backend 'ssh'", "'backend' = 'local'"]),
+        ({"workers_per_host": -1}, ["'workers_per_host' = -1", "out of range"]),
         (
             {"batch_size_per_worker": 4096, "num_workers": 64, "grad_accum_steps": 8},
             ["Global batch", "4096 x 64 x 8", "lower one of them"],
@@ -68,6 +82,14 @@ def test_promoted_model_names_the_registered_model_it_continues_from():
     assert RunConfig(model="promoted", model_name="chat").promoted_source == "chat"
     assert RunConfig(model="promoted:nightly-chat").promoted_source == "nightly-chat"
     assert RunConfig(model="tiny").promoted_source is None
+
+
+def test_ssh_settings_round_trip_through_json():
+    cfg = RunConfig.from_params({**SSH, "workers_per_host": 1, "remote_python": "/opt/venv/bin/python"})
+    assert cfg.ssh_conn_ids == ("host_a", "host_b") and cfg.to_dict()["ssh_conn_ids"] == ["host_a", "host_b"]
+    assert RunConfig.from_params(json.loads(cfg.to_json())) == cfg
+    cleared = RunConfig.from_params({**SSH, "remote_python": None, "remote_workdir": None})  # the form's cleared fields
+    assert (cleared.remote_python, cleared.remote_workdir) == ("", "")
 
 
 def test_direct_construction_is_checked_too():

@@ -89,10 +89,10 @@ def test_worker_checks_name_each_problem_and_the_setting(tmp_path, monkeypatch):
     (Path(paths["manifest"]).parent / "train-00003-of-00004.tfrecord").unlink()
     report = selftest.check_worker(cfg, paths["manifest"], _identity(1, 2))
     errors = "\n".join(report["errors"])
-    assert "rank 1 on host-a: TF_CONFIG lists 2 workers but num_workers=3" in errors
+    assert "rank 1 on host-a (127.0.0.1:5001): TF_CONFIG lists 2 workers but num_workers=3" in errors
     assert "use_gpu is true but no GPU is visible" in errors and "set use_gpu to false" in errors
     assert "shard(s) ['train-00003-of-00004.tfrecord'] listed in" in errors
-    assert f"rank 1 on host-a: cannot write to storage_root {blocker / 'root'}: " in errors
+    assert f"rank 1 on host-a (127.0.0.1:5001): cannot write to storage_root {blocker / 'root'}: " in errors
     assert report["storage"]["ok"] is False and blocker.read_text().startswith("a file where")
     missing = selftest.check_worker(cfg, str(tmp_path / "nope.json"), _identity())["errors"]
     assert any("cannot read the manifest" in e and "nope.json" in e for e in missing)

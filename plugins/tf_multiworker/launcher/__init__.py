@@ -23,21 +23,15 @@ from tf_multiworker.launcher.spec import (
     WorkerOutcome,
     WorkerSpec,
     WorkerState,
-    build_tf_config,
 )
+from tf_multiworker.launcher.tf_env import build_tf_config, tensorflow_env
 
 __all__ = [
     "Backend", "FailureKind", "GroupSpec", "GroupState", "InsufficientGPUsError", "LaunchError", "LocalBackend",
     "Placement", "PortAllocator", "PortBindError", "RunResult", "WorkerFailedError", "WorkerFailure", "WorkerGroup",
     "WorkerGroupError", "WorkerGroupStoppedError", "WorkerHandle", "WorkerHangError", "WorkerOutcome", "WorkerSpec",
-    "WorkerStartupTimeoutError", "WorkerState", "build_tf_config", "error_for", "free_gpus", "make_backend",
+    "WorkerStartupTimeoutError", "WorkerState", "build_tf_config", "error_for", "free_gpus", "tensorflow_env",
 ]
-
-
-def make_backend(name: str) -> Backend:
-    if name == "local":
-        return LocalBackend()
-    raise LaunchError(f"backend {name!r} is not available: only 'local' (set backend to 'local')")
 
 
 def error_for(result: RunResult) -> WorkerGroupError:

@@ -1,13 +1,14 @@
-"""The backend interface: where workers run. `local` starts processes here; SSH and Kubernetes fit the same two
-calls (place the ranks, start one rank) and the same handle (pid/group, output stream, poll, terminate, kill)."""
+"""The backend interface: everything about *where* workers run. The group runner (`group.py`) only places ranks,
+starts them, reads their output and polls them; each backend hides its hosts behind these calls: `local` starts
+processes here, `ssh` runs an agent per rank on remote hosts, Kubernetes one pod per rank."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import IO
+from typing import IO, Any, ClassVar
 
-from tf_multiworker.launcher.spec import Placement, WorkerSpec
+from tf_multiworker.launcher.spec import GroupSpec, Placement, WorkerSpec
 
 
 class WorkerHandle(ABC):
@@ -15,13 +16,12 @@ class WorkerHandle(ABC):
 
     rank: int
     host: str
-    pid: int | None
-    pgid: int | None
+    pid: int | None  # for messages; None where the backend has no process id (a pod)
 
     @property
     @abstractmethod
     def output(self) -> IO[bytes]:
-        """The worker's merged stdout and stderr."""
+        """The worker's merged stdout and stderr: `readline()` until b"", then `close()`."""
 
     @abstractmethod
     def poll(self) -> int | None:
@@ -29,24 +29,45 @@ class WorkerHandle(ABC):
 
     @abstractmethod
     def terminate(self) -> None:
-        """Ask the worker and everything it started to stop (SIGTERM to its process group)."""
+        """Ask the worker and everything it started to stop (SIGTERM, wherever it runs). Returns at once."""
 
     @abstractmethod
     def kill(self) -> None:
-        """Stop the worker and everything it started now (SIGKILL to its process group)."""
+        """Stop the worker and everything it started now (SIGKILL, wherever it runs)."""
 
     @abstractmethod
     def gone(self) -> bool:
-        """True once the worker and every process it started have exited and been reaped."""
+        """True once the worker and every process it started have exited."""
+
+    @abstractmethod
+    def record(self) -> dict[str, Any]:
+        """What the run-state record keeps so that release can find this worker again (JSON values)."""
 
 
 class Backend(ABC):
-    name: str
+    name: ClassVar[str]
 
     @abstractmethod
-    def place(self, num_workers: int, use_gpu: bool) -> list[Placement]:
-        """Host, a fresh port and the GPUs of each rank. Raises `LaunchError` before anything starts."""
+    def place(self, group: GroupSpec) -> list[Placement]:
+        """Host, port and GPUs of each rank. Raises `LaunchError` before anything starts."""
 
     @abstractmethod
-    def start(self, spec: WorkerSpec, command: list[str], env: Mapping[str, str]) -> WorkerHandle:
-        """Start one rank: `command` with the task's environment plus `env`, in `spec.workdir`."""
+    def command(self, group: GroupSpec) -> list[str]:
+        """The worker's command line, with the interpreter of wherever it runs."""
+
+    @abstractmethod
+    def start(self, group: GroupSpec, worker: WorkerSpec, command: list[str], env: Mapping[str, str]) -> WorkerHandle:
+        """Start one rank: `command` with `env` (shown in logs) plus `group.secret_env`, which each backend
+        delivers its own way and never into an argv, a log or a spec someone else can read."""
+
+    def end_group(self, group: GroupSpec) -> None:
+        """Called once every worker of a launch attempt is gone (objects the group shared)."""
+
+    @abstractmethod
+    def release(self, run_key: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """End whatever is left of run `run_key` wherever this backend runs workers; `records` are the `workers`
+        entries of this backend's state records. Returns {"backend", "hosts": [{"host", "found", "terminated",
+        "killed", "survivors", ...}], "clean"}; a host that cannot be reached is reported, never skipped."""
+
+    def close(self) -> None:
+        """Release connections; the backend is not used afterwards."""

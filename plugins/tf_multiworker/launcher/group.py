@@ -8,12 +8,10 @@ logger is used from there only). `stop()` may be called from another thread or a
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import queue
 import re
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,17 +21,20 @@ from pathlib import Path
 from typing import IO
 
 from tf_multiworker.launcher.backend import Backend, WorkerHandle
+from tf_multiworker.launcher.process import stop_ladder
 from tf_multiworker.launcher.spec import (
     FailureKind,
     GroupSpec,
     GroupState,
+    Placement,
     RunResult,
     WorkerFailure,
     WorkerOutcome,
     WorkerSpec,
     WorkerState,
-    build_tf_config,
 )
+from tf_multiworker.launcher.tf_env import tensorflow_env
+from trainer.runtime import RUN_KEY_ENV, is_ready_marker
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ BIND_FAILURE = re.compile(r"address already in use|could not start grpc server|f
 
 LineSink = Callable[[int, str], None]
 StartedSink = Callable[[Sequence[WorkerOutcome], int], None]
+# The variables that make a process rank r of the placed group (TensorFlow's by default).
+RankEnvironment = Callable[[Sequence[Placement], int], dict[str, str]]
 
 
 @dataclass
@@ -59,10 +62,11 @@ class _Worker:
     exit_code: int | None = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     reader: threading.Thread | None = None
+    ready_seen: bool = False  # set by the reader thread when the worker printed its ready marker
 
     def outcome(self) -> WorkerOutcome:
-        return WorkerOutcome(self.spec.rank, self.spec.host, self.spec.port, self.handle.pid, self.handle.pgid,
-                             self.spec.devices, self.state, self.exit_code)
+        return WorkerOutcome(self.spec.rank, self.spec.host, self.spec.port, self.handle.pid, self.spec.devices,
+                             self.state, self.exit_code, self.handle.record())
 
 
 def _describe_exit(code: int) -> str:
@@ -76,10 +80,14 @@ def _describe_exit(code: int) -> str:
 
 
 class WorkerGroup:
+    """Launches `spec` on `backend`, streams every rank's output, and ends the group as one (see module doc)."""
+
     def __init__(self, spec: GroupSpec, backend: Backend, workdir: str | Path, *,
-                 on_line: LineSink | None = None, on_started: StartedSink | None = None) -> None:
+                 on_line: LineSink | None = None, on_started: StartedSink | None = None,
+                 rank_environment: RankEnvironment = tensorflow_env) -> None:
         self.spec = spec
         self.backend = backend
+        self.rank_environment = rank_environment
         self.workdir = Path(workdir)
         self.log_dir = self.workdir / "logs"
         self.on_line = on_line or (lambda rank, line: log.info("[rank %d] %s", rank, line))
@@ -139,6 +147,7 @@ class WorkerGroup:
             for worker in workers:
                 if worker.reader:
                     worker.reader.join(READER_JOIN_S)
+            self.backend.end_group(self.spec)
             self._drain_lines()
             for worker in workers:
                 worker.log_file.close()
@@ -148,32 +157,29 @@ class WorkerGroup:
                     worker.state = WorkerState.SUCCEEDED if worker.exit_code == 0 else WorkerState.STOPPED
 
     def _launch(self, attempt: int, workers: list[_Worker]) -> None:
-        placements = self.backend.place(self.spec.num_workers, self.spec.use_gpu)
-        addresses = [f"{p.host}:{p.port}" for p in placements]
-        command = [sys.executable, "-u", "-m", self.spec.entrypoint, *self.spec.args]
+        placements = self.backend.place(self.spec)
+        command = self.backend.command(self.spec)
         log.info("attempt %d of %d on backend %s: %s", attempt, self.spec.max_launch_attempts, self.backend.name,
                  " ".join(command))
+        marker = {RUN_KEY_ENV: self.spec.run_key} if self.spec.run_key else {}
         for rank, placement in enumerate(placements):
             rank_dir = self.workdir / f"rank-{rank}"
             rank_dir.mkdir(parents=True, exist_ok=True)
-            ready_file = self.workdir / f"rank-{rank}.ready"
-            ready_file.unlink(missing_ok=True)
-            spec = WorkerSpec(
-                rank=rank, num_workers=len(placements), host=placement.host, port=placement.port,
-                devices=placement.devices, tf_config=json.dumps(build_tf_config(addresses, rank)),
-                ready_file=str(ready_file), log_file=str(self.log_dir / f"rank-{rank}.log"), workdir=str(rank_dir),
-            )
-            log.info("  rank %d: %s devices=%s cwd=%s TF_CONFIG=%s", rank, spec.address,
-                     list(spec.devices) or "cpu", spec.workdir, spec.tf_config)
+            spec = WorkerSpec(rank=rank, num_workers=len(placements), placement=placement,
+                              log_file=str(self.log_dir / f"rank-{rank}.log"), workdir=str(rank_dir))
+            env = {**self.spec.env, **marker, **self.rank_environment(placements, rank)}
+            where = "".join(f" {k}={v}" for k, v in placement.where.items())
+            log.info("  rank %d: %s devices=%s%s TF_CONFIG=%s", rank, spec.address,
+                     "cpu" if spec.devices == () else list(spec.devices or []) or "backend", where,
+                     env.get("TF_CONFIG"))
             if self._stop_requested.is_set():
                 return
             # Closed in _run_attempt's finally: the reader thread writes to it until the worker's output ends.
             log_file = open(spec.log_file, "a", encoding="utf-8")  # noqa: SIM115
             stamp = datetime.now(UTC).isoformat(timespec="seconds")
             log_file.write(f"===== {self.spec.name} attempt {attempt}, rank {rank}, {spec.address}, {stamp} =====\n")
-            env = {**self.spec.env, **self.spec.secret_env, **spec.worker_env()}
             try:
-                handle = self.backend.start(spec, command, env)
+                handle = self.backend.start(self.spec, spec, command, env)
             except BaseException:
                 log_file.close()
                 raise
@@ -196,7 +202,7 @@ class WorkerGroup:
             for worker in workers:
                 if worker.exit_code is None:
                     worker.exit_code = worker.handle.poll()
-                if worker.state is WorkerState.STARTING and Path(worker.spec.ready_file).exists():
+                if worker.state is WorkerState.STARTING and worker.ready_seen:
                     worker.state = WorkerState.READY
             failed = [w for w in workers if w.exit_code not in (None, 0)]
             if failed:
@@ -274,6 +280,8 @@ class WorkerGroup:
                 break  # a process that escaped the group still holds the pipe after the attempt ended
             worker.log_file.write(line + "\n")
             worker.log_file.flush()
+            if is_ready_marker(line):
+                worker.ready_seen = True
             worker.tail.append(line)
             self._last_output = time.monotonic()
             self._lines.put((rank, line))
@@ -289,19 +297,10 @@ class WorkerGroup:
 
     def _stop_workers(self, workers: list[_Worker], grace_s: float | None = None) -> None:
         grace_s = self.spec.grace_period_s if grace_s is None else grace_s
-        alive = [w for w in workers if not w.handle.gone()]
-        if not alive:
-            return
-        for worker in alive:
-            worker.handle.terminate()
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and not all(w.handle.gone() for w in alive):
-            time.sleep(POLL_INTERVAL_S)
-        stubborn = [w for w in alive if not w.handle.gone()]
-        for worker in stubborn:
-            log.warning("rank %d (pid %s) still running %g s after SIGTERM: sending SIGKILL", worker.spec.rank,
-                        worker.handle.pid, grace_s)
-            worker.handle.kill()
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and not all(w.handle.gone() for w in stubborn):
-            time.sleep(POLL_INTERVAL_S)
+
+        def warn(worker: _Worker) -> None:
+            log.warning("rank %d (host %s, pid %s) still running %g s after SIGTERM: sending SIGKILL",
+                        worker.spec.rank, worker.spec.host, worker.handle.pid, grace_s)
+
+        stop_ladder(workers, terminate=lambda w: w.handle.terminate(), kill=lambda w: w.handle.kill(),
+                    gone=lambda w: w.handle.gone(), grace_s=grace_s, on_kill=warn)

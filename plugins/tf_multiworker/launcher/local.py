@@ -8,18 +8,22 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, ClassVar
+from typing import IO, Any, ClassVar
 
 from tf_multiworker.launcher.backend import Backend, WorkerHandle
 from tf_multiworker.launcher.errors import InsufficientGPUsError
-from tf_multiworker.launcher.spec import Placement, WorkerSpec
-from trainer.runtime import inherited_environment
+from tf_multiworker.launcher.process import end_marked_processes, live_group_members
+from tf_multiworker.launcher.spec import GroupSpec, Placement, WorkerSpec
+from trainer.runtime import LAUNCHER_WORKDIR_PREFIX, RUN_KEY_ENV, inherited_environment
 
 log = logging.getLogger(__name__)
 
@@ -58,54 +62,49 @@ class PortAllocator:
             return ports
 
 
-def free_gpus() -> list[int]:
-    """Indices (PCI bus order, as NVML numbers them) of GPUs with no compute process; [] without NVML."""
+def gpu_processes() -> dict[int, list[int]] | None:
+    """GPU index (PCI bus order, as NVML numbers them) -> pids of its compute processes; None without NVML."""
     try:
         import pynvml
     except ImportError:
-        return []
+        return None
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
         log.info("NVML unavailable (%s): no GPUs visible", exc)
-        return []
+        return None
     try:
-        free = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            if not pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                free.append(index)
-        return free
+        return {index: [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(
+                    pynvml.nvmlDeviceGetHandleByIndex(index))]
+                for index in range(pynvml.nvmlDeviceGetCount())}
     finally:
         pynvml.nvmlShutdown()
 
 
-def live_group_members(pgid: int) -> list[int]:
-    """Pids in process group `pgid` that are not zombies.
+def free_gpus() -> list[int]:
+    """Indices of GPUs with no compute process; [] without NVML."""
+    return [index for index, pids in (gpu_processes() or {}).items() if not pids]
 
-    Orphans are re-parented to PID 1, which in some containers never reaps them: a zombie has no resources left
-    but still counts for `killpg(pgid, 0)`, so on Linux the process table is read instead.
-    """
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return []
-        return [pgid]
-    members = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # exited while we looked
-        # "pid (comm) state ppid pgrp ...": comm may contain spaces and parentheses, so split after the last ')'.
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry.name))
-    return members
+
+def gpu_check(run_pids: set[int]) -> dict[str, Any]:
+    """Which GPU processes remain on this host, and whether any belongs to the run; on CPU nothing to check."""
+    devices = gpu_processes()
+    if devices is None:
+        return {"nvml": False, "note": "no NVML: no GPU to verify on this host"}
+    held = [{"gpu": gpu, "pid": pid} for gpu, pids in devices.items() for pid in pids if pid in run_pids]
+    return {"nvml": True, "devices": [{"gpu": gpu, "pids": pids} for gpu, pids in devices.items()],
+            "held_by_run": held}
+
+
+def is_launcher_workdir(path: str) -> bool:
+    """Only the launcher's own temporary directories may be deleted: a path read from storage proves nothing."""
+    candidate = Path(path)
+    try:
+        owned = candidate.lstat().st_uid == os.getuid() and not candidate.is_symlink() and candidate.is_dir()
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return False
+    return (owned and candidate.name.startswith(LAUNCHER_WORKDIR_PREFIX)
+            and candidate.resolve().parent == Path(tempfile.gettempdir()).resolve())
 
 
 class LocalWorkerHandle(WorkerHandle):
@@ -140,6 +139,9 @@ class LocalWorkerHandle(WorkerHandle):
             return False
         return not live_group_members(self.pgid)  # children the worker left behind keep the group alive
 
+    def record(self) -> dict[str, Any]:
+        return {"pid": self.pid, "pgid": self.pgid}
+
 
 class LocalBackend(Backend):
     name = "local"
@@ -148,9 +150,10 @@ class LocalBackend(Backend):
         self.gpu_probe = gpu_probe
         self.ports = ports or PortAllocator()
 
-    def place(self, num_workers: int, use_gpu: bool) -> list[Placement]:
+    def place(self, group: GroupSpec) -> list[Placement]:
+        num_workers = group.num_workers
         devices: list[tuple[int, ...]] = [() for _ in range(num_workers)]
-        if use_gpu:
+        if group.use_gpu:
             free = self.gpu_probe()
             if num_workers > len(free):
                 raise InsufficientGPUsError(
@@ -165,14 +168,38 @@ class LocalBackend(Backend):
         ports = self.ports.allocate(num_workers)
         return [Placement(LOOPBACK, port, dev) for port, dev in zip(ports, devices)]
 
-    def start(self, spec: WorkerSpec, command: list[str], env: Mapping[str, str]) -> LocalWorkerHandle:
+    def command(self, group: GroupSpec) -> list[str]:
+        return [sys.executable, "-u", "-m", group.entrypoint, *group.args]
+
+    def start(self, group: GroupSpec, worker: WorkerSpec, command: list[str],
+              env: Mapping[str, str]) -> LocalWorkerHandle:
         process = subprocess.Popen(
             command,
-            cwd=spec.workdir,
-            env={**inherited_environment(os.environ), **env},
+            cwd=worker.workdir,
+            env={**inherited_environment(os.environ), **env, **group.secret_env},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        return LocalWorkerHandle(spec.rank, spec.host, process)
+        return LocalWorkerHandle(worker.rank, worker.host, process)
+
+    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = 10.0) -> dict[str, Any]:
+        """Every process of the run on this host, found by the marker each carries (so also one no record names,
+        or a grandchild), ended; the launcher work directories the records name removed; GPUs checked."""
+        ended = end_marked_processes(RUN_KEY_ENV, run_key, grace_s)
+        removed, kept = [], []
+        for workdir in {r["workdir"] for r in records if isinstance(r.get("workdir"), str)}:
+            if is_launcher_workdir(workdir):
+                shutil.rmtree(workdir, ignore_errors=True)
+                removed.append(workdir)
+            elif os.path.exists(workdir):
+                kept.append(workdir)
+                log.warning("Not removing %s: not a launcher work directory of this user under %s.", workdir,
+                            tempfile.gettempdir())
+        recorded = {int(w["pid"]) for r in records for w in r.get("workers", ())
+                    if isinstance(w, dict) and isinstance(w.get("pid"), int)}
+        gpus = gpu_check(recorded | {p["pid"] for p in ended["found"]})
+        host = {"host": socket.gethostname(), **ended, "removed_dirs": sorted(removed), "gpu_check": gpus}
+        return {"backend": self.name, "hosts": [host],
+                "clean": not ended["survivors"] and not gpus.get("held_by_run")}

@@ -6,24 +6,15 @@ all-or-nothing `RunResult` whose `failures` map rank -> the failure seen. No Air
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
+from typing import Any
 
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def build_tf_config(addresses: Sequence[str], rank: int) -> dict:
-    """The `TF_CONFIG` of worker `rank` in a cluster of `addresses` ("host:port", index = rank)."""
-    if not addresses:
-        raise ValueError("TF_CONFIG needs at least one worker address")
-    if not 0 <= rank < len(addresses):
-        raise ValueError(f"rank {rank} is outside the cluster of {len(addresses)} workers (0..{len(addresses) - 1})")
-    return {"cluster": {"worker": list(addresses)}, "task": {"type": "worker", "index": rank}}
 
 
 class WorkerState(str, Enum):
@@ -82,6 +73,8 @@ class GroupSpec:
     hang_timeout_s: float = 600.0
     grace_period_s: float = 10.0
     max_launch_attempts: int = 3
+    # The pipeline run the group belongs to: backends mark (local/SSH: TFMW_RUN_KEY) or label (pods) with it.
+    run_key: str = ""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -119,57 +112,61 @@ class GroupSpec:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one rank runs, as chosen by a backend."""
+    """Where one rank runs, as chosen by a backend.
+
+    `host` is the address the rank's peers reach it at (it goes into TF_CONFIG). `devices`: () runs on the CPU
+    (GPUs hidden), (i,) on GPU i of that host, None leaves GPU visibility to the backend (a Kubernetes device
+    plugin scopes the pod's GPUs; an empty CUDA_VISIBLE_DEVICES would hide them). `where` holds the backend's own
+    details for messages and records (an SSH connection id, a pod name).
+    """
 
     host: str
     port: int
-    devices: tuple[int, ...] = ()
+    devices: tuple[int, ...] | None = ()
+    where: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("placement host must not be empty")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"placement port {self.port} is outside 1..65535")
+        if self.devices is not None and any(not isinstance(d, int) or d < 0 for d in self.devices):
+            raise ValueError(f"devices must be GPU indices >= 0, got {self.devices!r}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """One rank of one launch attempt: where it runs and the variables that make it that rank."""
+    """One rank of one launch attempt: its place, its log file and its working directory on the launcher."""
 
     rank: int
     num_workers: int
-    host: str
-    port: int
-    devices: tuple[int, ...]
-    tf_config: str
-    ready_file: str
+    placement: Placement
     log_file: str
     workdir: str
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.num_workers:
             raise ValueError(f"rank {self.rank} is outside 0..{self.num_workers - 1}")
-        if not self.host:
-            raise ValueError(f"rank {self.rank}: host must not be empty")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"rank {self.rank}: port {self.port} is outside 1..65535")
-        if any(not isinstance(d, int) or d < 0 for d in self.devices):
-            raise ValueError(f"rank {self.rank}: devices must be GPU indices >= 0, got {self.devices!r}")
-        task = json.loads(self.tf_config)["task"]
-        if task["index"] != self.rank:
-            raise ValueError(f"rank {self.rank}: TF_CONFIG names index {task['index']}")
+
+    @property
+    def host(self) -> str:
+        return self.placement.host
+
+    @property
+    def port(self) -> int:
+        return self.placement.port
+
+    @property
+    def devices(self) -> tuple[int, ...] | None:
+        return self.placement.devices
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def worker_env(self) -> dict[str, str]:
-        """The variables that make this process rank `rank` (docs/CONTRACTS.md, launcher <-> worker)."""
-        from trainer.runtime import READY_FILE_ENV
-
-        return {
-            "TF_CONFIG": self.tf_config,
-            READY_FILE_ENV: self.ready_file,
-            # NVML and CUDA agree on indices only in PCI bus order.
-            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-            "CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in self.devices),
-            "TF_USE_LEGACY_KERAS": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
+        return self.placement.address
 
 
 @dataclass(frozen=True)
@@ -192,14 +189,16 @@ class WorkerFailure:
 
 @dataclass(frozen=True)
 class WorkerOutcome:
+    """One rank as the run-state record keeps it; `record` is the backend's handle identity (`record()`)."""
+
     rank: int
     host: str
     port: int
     pid: int | None
-    pgid: int | None
-    devices: tuple[int, ...]
+    devices: tuple[int, ...] | None
     state: WorkerState
     exit_code: int | None
+    record: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

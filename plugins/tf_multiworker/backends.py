@@ -1,0 +1,55 @@
+"""Backend factories, Airflow side: turn a run's settings (and the Airflow connections they name) into a ready
+launcher backend. Listed in `tf_multiworker.registry`; the backends themselves never import Airflow."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tf_multiworker.launcher.backend import Backend
+
+
+def local_backend(settings: Mapping[str, Any]) -> Backend:
+    from tf_multiworker.launcher.local import LocalBackend
+
+    return LocalBackend()
+
+
+# A relative remote_workdir lies under each host's own temporary directory ($TMPDIR or /tmp there).
+DEFAULT_REMOTE_WORKDIR = "tfmw"
+
+
+def ssh_backend(settings: Mapping[str, Any]) -> Backend:
+    """One `RemoteHost` per connection of `ssh_conn_ids`, through the SSH provider's hook (key files, passphrases,
+    host-key checking, timeouts come from the connection). Connects lazily: nothing is contacted here."""
+    import sys
+
+    from airflow.providers.ssh.hooks.ssh import SSHHook
+    from airflow.sdk import BaseHook
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    from tf_multiworker.launcher.errors import LaunchError
+    from tf_multiworker.launcher.ssh import RemoteHost, SSHBackend
+
+    hosts = []
+    for conn_id in settings.get("ssh_conn_ids") or ():
+        try:
+            conn = BaseHook.get_connection(conn_id)
+        except AirflowNotFoundException:
+            raise LaunchError(
+                f"Setting 'ssh_conn_ids' names {conn_id!r}, which is no Airflow connection: create it (type ssh, "
+                f"host, port, login, extra key_file and host_key) with `airflow connections add {conn_id} ...`, or "
+                "fix the id.") from None
+        if conn.conn_type != "ssh":
+            raise LaunchError(f"Setting 'ssh_conn_ids' names {conn_id!r}, a connection of type {conn.conn_type!r}: "
+                              "the ssh backend needs connections of type 'ssh'.")
+        if not conn.host:
+            raise LaunchError(f"SSH connection {conn_id!r} has no host: set its host.")
+        # The address peers reach the host at; a separate data network is named by the extra "data_address".
+        address = conn.extra_dejson.get("data_address") or conn.host
+        # One attempt, a bounded banner wait: an unreachable or silent host fails in seconds (the task retries).
+        hook = SSHHook(ssh_conn_id=conn_id, conn_retry_attempts=1, banner_timeout=10)
+        hosts.append(RemoteHost(conn_id, address, hook.get_conn))
+    return SSHBackend(hosts, remote_python=settings.get("remote_python") or sys.executable,
+                      remote_workdir=settings.get("remote_workdir") or DEFAULT_REMOTE_WORKDIR,
+                      workers_per_host=settings.get("workers_per_host") or 0)

@@ -1,0 +1,299 @@
+"""SSH backend: each rank runs under a small agent (`tf_multiworker.remote_agent`) on a remote host.
+
+One SSH connection per host (paramiko, made by the Airflow side from an SSH connection with host-key checking),
+one session channel per rank: `exec <remote_python> -u -m tf_multiworker.remote_agent run`, then the rank's
+command, environment and secrets as one JSON line on the agent's stdin, never in an argv or an exec string. The
+agent starts the worker in its own process group, relays its output, and ends the whole group (TERM, grace, KILL)
+when its stdin closes: `terminate` closes our end of the channel, and a dropped connection closes it too.
+
+Placement asks each host's agent (`probe`) for free ports on every interface (TensorFlow binds 0.0.0.0, so ports
+already given to another host are excluded: loopback "hosts" share one kernel) and free GPUs; TF_CONFIG names each
+host by the address its peers reach it at (`RemoteHost.address`), never localhost. No filesystem is shared: the
+workers read shards and write results through object storage, and each host keeps its own shard cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO, Any, ClassVar
+
+from tf_multiworker.launcher.backend import Backend, WorkerHandle
+from tf_multiworker.launcher.errors import InsufficientGPUsError, LaunchError
+from tf_multiworker.launcher.spec import GroupSpec, Placement, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+AGENT_MODULE = "tf_multiworker.remote_agent"
+AGENT_LINE = b"TFMW_AGENT "
+EXIT_LINE = b"TFMW_EXIT "
+EXIT_CONNECTION_LOST = 255  # what ssh(1) reports when the connection, not the command, ended
+REQUEST_TIMEOUT_S = 30.0
+KILL_TIMEOUT_S = 3.0  # kill runs inside Airflow's 5 s on_kill budget
+
+
+@dataclass(frozen=True)
+class RemoteHost:
+    """One SSH host: its connection id (for messages and records), the address its peers reach it at (it goes
+    into TF_CONFIG), and how to connect (a paramiko `SSHClient` with host keys checked)."""
+
+    conn_id: str
+    address: str
+    connect: Callable[[], Any]
+
+    def __str__(self) -> str:
+        return f"{self.address} (connection {self.conn_id})"
+
+
+class HostError(LaunchError):
+    """A host could not be reached, refused us, or its agent failed; the message names the host and the fix."""
+
+
+class SSHWorkerHandle(WorkerHandle):
+    """A rank behind its agent. The output stream hides the agent's control lines and keeps what they say."""
+
+    def __init__(self, backend: SSHBackend, host: RemoteHost, rank: int, channel: Any, run_key: str) -> None:
+        self.backend, self.remote, self.rank, self.channel, self.run_key = backend, host, rank, channel, run_key
+        self.host = host.address
+        self.pid: int | None = None
+        self.pgid: int | None = None
+        self.agent: dict[str, Any] = {}
+        self.agent_error: str | None = None
+        self._stream = channel.makefile("rb")
+        self._killed = False
+
+    # -- output -------------------------------------------------------------------------------------------------
+
+    @property
+    def output(self) -> IO[bytes]:
+        return self  # readline/close below
+
+    def readline(self) -> bytes:
+        while True:
+            try:
+                line = self._stream.readline()
+            except (OSError, EOFError):
+                return b""
+            if line.startswith(AGENT_LINE):
+                self.agent = json.loads(line[len(AGENT_LINE):])
+                self.pid, self.pgid = self.agent.get("pid"), self.agent.get("pgid")
+                versions = ", ".join(f"{k} {v}" for k, v in (self.agent.get("versions") or {}).items())
+                return (f"[agent] {self.agent.get('host')}: pid {self.pid}, python {self.agent.get('python')}, "
+                        f"{versions}\n").encode()
+            if line.startswith(EXIT_LINE):
+                self.agent_error = json.loads(line[len(EXIT_LINE):]).get("error")
+                if self.agent_error:
+                    return f"[agent] {self.agent_error}\n".encode()
+                continue
+            return line
+
+    def close(self) -> None:
+        self._stream.close()
+
+    # -- life ---------------------------------------------------------------------------------------------------
+
+    def poll(self) -> int | None:
+        if not self.channel.exit_status_ready():
+            return None
+        status = self.channel.recv_exit_status()
+        if status < 0:  # the connection went away without an exit status
+            return EXIT_CONNECTION_LOST
+        return -(status - 128) if 128 < status < 128 + 65 else status
+
+    def terminate(self) -> None:
+        try:
+            self.channel.shutdown_write()  # EOF on the agent's stdin: it ends the worker's group (TERM, grace, KILL)
+        except (OSError, EOFError):
+            pass
+
+    def kill(self) -> None:
+        if self.pgid and not self._killed:
+            self._killed = True
+            try:
+                self.backend.request(self.remote, "kill", {"pgid": self.pgid, "run_key": self.run_key},
+                                     timeout_s=KILL_TIMEOUT_S)
+            except LaunchError as error:
+                log.warning("rank %d on %s: could not SIGKILL process group %s: %s", self.rank, self.remote,
+                            self.pgid, error)
+        self.channel.close()
+
+    def gone(self) -> bool:
+        # The agent exits only once the worker's whole group is gone; a closed channel means the agent lost its
+        # stdin and is ending the group itself (release verifies by the run marker).
+        return self.channel.exit_status_ready() or self.channel.closed
+
+    def record(self) -> dict[str, Any]:
+        return {"conn_id": self.remote.conn_id, "remote_pid": self.pid, "remote_pgid": self.pgid}
+
+
+class SSHBackend(Backend):
+    name: ClassVar[str] = "ssh"
+
+    def __init__(self, hosts: Sequence[RemoteHost], *, remote_python: str, remote_workdir: str,
+                 workers_per_host: int = 0, release_grace_s: float = 10.0) -> None:
+        if not hosts:
+            raise LaunchError("the ssh backend needs at least one host: set ssh_conn_ids")
+        self.hosts = list(hosts)
+        self.remote_python = remote_python
+        self.remote_workdir = remote_workdir
+        self.workers_per_host = workers_per_host
+        self.release_grace_s = release_grace_s
+        self._clients: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    # -- connections --------------------------------------------------------------------------------------------
+
+    def client(self, host: RemoteHost) -> Any:
+        with self._lock:
+            client = self._clients.get(host.conn_id)
+            transport = client.get_transport() if client else None
+            if transport is None or not transport.is_active():
+                client = self._clients[host.conn_id] = self._connect(host)
+            return client
+
+    def _connect(self, host: RemoteHost) -> Any:
+        import paramiko
+
+        try:
+            return host.connect()
+        except paramiko.BadHostKeyException as error:
+            raise HostError(
+                f"host {host}: its host key does not match the one the connection names ({error}). If the host "
+                "was reinstalled, put its new key in the connection's extra 'host_key' (ssh-keyscan -t ed25519 "
+                "-p <port> <host>); otherwise someone may be intercepting the connection.") from None
+        except paramiko.SSHException as error:
+            if "known_hosts" in str(error) or "host key" in str(error).lower():
+                raise HostError(
+                    f"host {host}: its host key is unknown ({error}). Add the host's public key to the connection's "
+                    "extra as \"host_key\": \"ssh-ed25519 AAAA...\" (from ssh-keyscan -t ed25519 -p <port> <host>), "
+                    "or to the known_hosts file of the Airflow worker; host-key checking stays on.") from None
+            raise HostError(f"host {host}: SSH failed: {error}. Check the connection's login, key and port.") \
+                from None
+        except (OSError, EOFError) as error:
+            raise HostError(f"host {host} is unreachable: {type(error).__name__}: {error}. Check that the host is "
+                            "up, that sshd listens on the connection's port, and the network between them.") \
+                from None
+
+    def _open(self, host: RemoteHost, mode: str) -> Any:
+        transport = self.client(host).get_transport()
+        try:
+            channel = transport.open_session(timeout=REQUEST_TIMEOUT_S)
+            channel.set_combine_stderr(True)
+            channel.exec_command(f"exec {shlex.quote(self.remote_python)} -u -m {AGENT_MODULE} {mode}")
+        except Exception as error:  # noqa: BLE001 - paramiko raises SSHException, EOFError or socket errors
+            raise HostError(f"host {host}: cannot start the agent over SSH: {type(error).__name__}: {error}. "
+                            "The server may limit sessions (raise MaxSessions in sshd_config).") from None
+        return channel
+
+    def request(self, host: RemoteHost, mode: str, payload: Mapping[str, Any],
+                timeout_s: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+        """One agent call that answers with one JSON line."""
+        channel = self._open(host, mode)
+        try:
+            channel.settimeout(timeout_s)
+            channel.sendall(json.dumps(payload).encode() + b"\n")
+            channel.shutdown_write()
+            output = b""
+            try:
+                while chunk := channel.recv(65536):
+                    output += chunk
+            except TimeoutError:
+                raise HostError(f"host {host}: the agent's {mode} did not answer within {timeout_s:g} s") from None
+            status = channel.recv_exit_status()
+        finally:
+            channel.close()
+        last = output.strip().splitlines()[-1] if output.strip() else b""
+        try:
+            answer = json.loads(last)
+        except ValueError:
+            hint = ("remote_python does not exist on that host: set remote_python to the worker environment's "
+                    "interpreter there" if status == 127 else
+                    "is the project installed in remote_python's environment on that host?")
+            raise HostError(f"host {host}: `{self.remote_python} -m {AGENT_MODULE} {mode}` exited {status}: "
+                            f"{output.decode(errors='replace').strip()[-500:] or 'no output'} ({hint})") from None
+        if "error" in answer:
+            raise HostError(f"host {host}: agent {mode}: {answer['error']}")
+        return answer
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+
+    # -- placing and starting -----------------------------------------------------------------------------------
+
+    def place(self, group: GroupSpec) -> list[Placement]:
+        placements: list[Placement] = []
+        taken: list[int] = []
+        capacity: list[str] = []
+        versions: dict[str, str] = {}
+        for host in self.hosts:
+            need = group.num_workers - len(placements)
+            if need <= 0:
+                break
+            probe = self.request(host, "probe", {"ports": need, "exclude": taken, "workdir": self.remote_workdir,
+                                                 "use_gpu": group.use_gpu})
+            if not probe.get("workdir_writable"):
+                raise HostError(f"host {host}: remote_workdir {probe.get('workdir')} is not writable "
+                                f"({probe.get('workdir_error')}): set remote_workdir to a directory the SSH user "
+                                "may write.")
+            versions[str(host)] = ", ".join(f"{k} {v}" for k, v in probe["versions"].items())
+            gpus = probe["free_gpus"]
+            slots = self.workers_per_host or (len(gpus) if group.use_gpu else 1)
+            if group.use_gpu:
+                slots = min(slots, len(gpus))
+            capacity.append(f"{host}: {slots}" + (f" (free GPUs {gpus})" if group.use_gpu else ""))
+            for slot in range(min(slots, need)):
+                port = probe["free_ports"][slot]
+                taken.append(port)
+                placements.append(Placement(host.address, port, (gpus[slot],) if group.use_gpu else (),
+                                            {"conn_id": host.conn_id}))
+        for host, line in versions.items():
+            log.info("host %s: %s", host, line)
+        if len(placements) < group.num_workers:
+            error = InsufficientGPUsError if group.use_gpu else LaunchError
+            raise error(
+                f"num_workers={group.num_workers} but the hosts take only {len(placements)} worker(s): "
+                f"{'; '.join(capacity)}. Add hosts to ssh_conn_ids, raise workers_per_host"
+                f"{', free GPUs' if group.use_gpu else ''}, or lower num_workers.")
+        return placements
+
+    def command(self, group: GroupSpec) -> list[str]:
+        return [self.remote_python, "-u", "-m", group.entrypoint, *group.args]
+
+    def start(self, group: GroupSpec, worker: WorkerSpec, command: list[str],
+              env: Mapping[str, str]) -> SSHWorkerHandle:
+        host = next(h for h in self.hosts if h.conn_id == worker.placement.where["conn_id"])
+        channel = self._open(host, "run")
+        request = {
+            "argv": command,
+            "env": {**env, **group.secret_env},  # secrets travel on stdin only
+            "cwd": f"{self.remote_workdir}/{group.run_key or 'adhoc'}/{group.name}/rank-{worker.rank}",
+            "grace_s": group.grace_period_s,
+        }
+        channel.sendall(json.dumps(request).encode() + b"\n")
+        return SSHWorkerHandle(self, host, worker.rank, channel, group.run_key)
+
+    # -- release ------------------------------------------------------------------------------------------------
+
+    def release(self, run_key: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Every host of the run (from the settings, so also one no record names): its processes ended, its run
+        directory removed, its GPUs checked. An unreachable host is reported, and the release is not clean."""
+        hosts = []
+        for host in self.hosts:
+            try:
+                answer = self.request(host, "release", {"run_key": run_key, "grace_s": self.release_grace_s,
+                                                        "workdir": self.remote_workdir},
+                                      timeout_s=self.release_grace_s + 30)
+            except LaunchError as error:
+                hosts.append({"host": host.address, "conn_id": host.conn_id, "found": [], "terminated": [],
+                              "killed": [], "survivors": [], "error": str(error)})
+                continue
+            hosts.append({**answer, "host": host.address, "hostname": answer.get("host"), "conn_id": host.conn_id})
+        return {"backend": self.name, "hosts": hosts,
+                "clean": all(h.get("clean") and not h.get("error") for h in hosts)}

@@ -1,0 +1,117 @@
+"""The whole DAG with `backend=ssh` on two real OpenSSH hosts (127.0.0.2, 127.0.0.3; tests/sshd.py) and storage on
+the local S3-protocol server: through the scheduler (next to the same run on the local backend, which must give
+the same eval loss) and through `airflow dags test` (the README's command).
+
+The hosts share this machine's kernel, so these runs prove the launcher, agent, placement, streaming, storage-only
+data path and release across SSH, not separate machines (see the README's SSH section).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.release import processes_of_run
+from tests.airflow_stack import REPO, airflow_env, free_port
+from tests.e2e.test_pipeline import DAG, FAST, trigger
+from trainer.layout import run_key
+
+pytestmark = pytest.mark.timeout(900)
+
+SSH_FAST = {**FAST, "baseline": "skip"}
+
+
+def _cmdline_watch(secret: str) -> tuple[threading.Event, list[str]]:
+    """Scan every process's command line until stopped; collect any that holds `secret`."""
+    stop, found = threading.Event(), []
+
+    def scan():
+        while not stop.is_set():
+            for entry in Path("/proc").iterdir():
+                try:
+                    if secret.encode() in (entry / "cmdline").read_bytes():
+                        found.append(entry.name)
+                except OSError:
+                    continue
+            time.sleep(0.2)
+
+    threading.Thread(target=scan, daemon=True).start()
+    return stop, found
+
+
+def _connections(ssh_hosts, s3_endpoint: str, secret: str) -> dict:
+    connections = {host.conn_id: {**host.connection(), "extra": json.dumps(host.connection()["extra"])}
+                   for host in ssh_hosts}
+    connections["ssh_run_storage"] = {"conn_type": "aws", "login": "ssh-run-key", "password": secret,
+                                      "extra": json.dumps({"endpoint_url": s3_endpoint, "region_name": "us-east-1"})}
+    return connections
+
+
+def test_ssh_run_through_the_scheduler_matches_the_local_backend(airflow_stack, ssh_hosts, s3_endpoint, tmp_path):
+    import boto3
+
+    secret = f"ssh-run-secret-{time.time_ns()}"
+    bucket = f"ssh-run-{time.time_ns()}"
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="ssh-run-key", aws_secret_access_key=secret,
+                      region_name="us-east-1")
+    s3.create_bucket(Bucket=bucket)
+    file = tmp_path / "connections.json"
+    file.write_text(json.dumps(_connections(ssh_hosts, s3_endpoint, secret)))
+    airflow_stack.cli("connections", "import", str(file), "--overwrite")
+    common = {**SSH_FAST, "storage_root": f"s3://{bucket}/gpt", "storage_conn_id": "ssh_run_storage"}
+
+    local_id = trigger(airflow_stack, common)
+    assert airflow_stack.wait_for_run(DAG, local_id, timeout=600) == "success"
+    stop, in_argv = _cmdline_watch(secret)
+    try:
+        ssh_id = trigger(airflow_stack, {**common, "backend": "ssh", "ssh_conn_ids": [h.conn_id for h in ssh_hosts]})
+        state = airflow_stack.wait_for_run(DAG, ssh_id, timeout=600)
+    finally:
+        stop.set()
+    train_log = airflow_stack.task_log(DAG, ssh_id, "train")
+    assert state == "success", train_log[-4000:]
+
+    def stored(run_id: str, name: str) -> dict:
+        key = f"gpt/runs/{run_key(DAG, run_id)}/{name}"
+        return json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+
+    local, ssh = stored(local_id, "report/report.json"), stored(ssh_id, "report/report.json")
+    delta = abs(ssh["runs"]["distributed"]["eval_loss"] - local["runs"]["distributed"]["eval_loss"])
+    print(f"\neval loss local {local['runs']['distributed']['eval_loss']:.6f} vs ssh "
+          f"{ssh['runs']['distributed']['eval_loss']:.6f}: |delta| {delta:.2e}")
+    assert delta <= 1e-4
+    preflight = stored(ssh_id, "report/preflight.json")
+    assert preflight["status"] == "passed"
+    assert [w["address"].rsplit(":", 1)[0] for w in preflight["workers"]] == [h.address for h in ssh_hosts]
+    for rank, host in enumerate(ssh_hosts):
+        assert f"[rank {rank} host {host.address}]" in train_log
+    release = stored(ssh_id, "release.json")
+    assert release["clean"] is True
+    assert {h["host"] for h in release["hosts"] if h["backend"] == "ssh"} == {h.address for h in ssh_hosts}
+    assert processes_of_run(run_key(DAG, ssh_id)) == {}
+    assert in_argv == [], "the storage secret appeared in a command line"
+    logs = [p for p in (airflow_stack.home / "logs" / f"dag_id={DAG}" / f"run_id={ssh_id}").rglob("*") if p.is_file()]
+    assert logs and not [p for p in logs if secret in p.read_text(errors="replace")]
+
+
+def test_readme_command_runs_the_whole_dag_on_ssh_hosts(ssh_hosts, tmp_path):
+    """`make demo-s3 DEMO_ARGS='--conf {"backend": "ssh", ...}'` in miniature, with the hosts' connections set by
+    environment as a deployment would."""
+    extra = {"GPT_FINETUNE_STORAGE_ROOT": str(tmp_path / "unused")}
+    for host in ssh_hosts:
+        extra.update(host.connection_env())
+    env = airflow_env(tmp_path / "home", free_port(), extra)
+    conf = {**SSH_FAST, "backend": "ssh", "ssh_conn_ids": [h.conn_id for h in ssh_hosts]}
+    result = subprocess.run([sys.executable, "scripts/demo.py", "--s3", "--conf", json.dumps(conf)],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=800, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert any(line.startswith("Report: s3://") for line in result.stdout.splitlines())
+    assert "| distributed | 2 |" in result.stdout and "**Gates: PASSED**" in result.stdout
+    assert f"[rank 1 host {ssh_hosts[1].address}]" in output

@@ -1,0 +1,230 @@
+"""The SSH backend through real OpenSSH servers on 127.0.0.2 and 127.0.0.3 (tests/sshd.py), the provider's
+SSHHook with host-key checking on, and the real agent: placement, streaming, failures, stopping, release, and
+that no secret reaches any command line. Each case prints what it measured.
+
+What these hosts cannot show: separate kernels. They share this machine's process table and Python, so the tests
+check each host's own disk (its TMPDIR) and address, not separate machines.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from tf_multiworker.backends import ssh_backend
+from tf_multiworker.launcher import FailureKind, GroupSpec, GroupState, LaunchError, WorkerGroup
+
+from tasks.release import processes_of_run
+from tests.plugins.conftest import entrypoint_env
+
+SECRET = "ssh-secret-value-never-in-argv"
+
+
+@pytest.fixture
+def connections(ssh_hosts, monkeypatch):
+    """The fake hosts as Airflow connections (by environment, as a deployment would register them)."""
+    for host in ssh_hosts:
+        for name, value in host.connection_env().items():
+            monkeypatch.setenv(name, value)
+    return [host.conn_id for host in ssh_hosts]
+
+
+def _backend(conn_ids, **settings):
+    return ssh_backend({"ssh_conn_ids": conn_ids, "workers_per_host": 0, **settings})
+
+
+def _spec(run_key: str, fault: str = "", **changes) -> GroupSpec:
+    env = entrypoint_env(TINY_WORKER_FAULT=fault) if fault else entrypoint_env()
+    settings = {"name": "tiny", "entrypoint": "tiny_worker", "num_workers": 2, "env": env, "run_key": run_key,
+                "startup_timeout_s": 30, "hang_timeout_s": 30, "grace_period_s": 2,
+                "secret_env": {"AWS_SECRET_ACCESS_KEY": SECRET}}
+    return GroupSpec(**{**settings, **changes})
+
+
+def _run(spec, backend, tmp_path):
+    lines: list[tuple[int, str]] = []
+    group = WorkerGroup(spec, backend, tmp_path, on_line=lambda r, line: lines.append((r, line)))
+    started = time.monotonic()
+    try:
+        result = group.run()
+    finally:
+        backend.close()
+    return result, time.monotonic() - started, lines
+
+
+def _cmdlines_with(text: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+def _wait_gone(key: str, timeout_s: float) -> dict[int, str]:
+    deadline = time.monotonic() + timeout_s
+    while (left := processes_of_run(key)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def test_two_hosts_run_one_rank_each_on_their_own_address_and_disk(ssh_hosts, connections, tmp_path):
+    key = "ssh-happy"
+    spec = _spec(key, env=entrypoint_env(TINY_WORKER_ECHO_ENV="TMPDIR", TINY_WORKER_STEP_S="0.2"))
+    seen_in_argv: list[str] = []
+    watcher_stop = threading.Event()
+
+    def watch_cmdlines():
+        while not watcher_stop.is_set():
+            seen_in_argv.extend(_cmdlines_with(SECRET))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch_cmdlines)
+    watcher.start()
+    try:
+        result, wall_s, lines = _run(spec, _backend(connections), tmp_path)
+    finally:
+        watcher_stop.set()
+        watcher.join()
+    print(f"\n2 ranks on 2 SSH hosts: {result.state.value} in {wall_s:.2f} s")
+    assert result.succeeded, result.error_message()
+    assert [w.host for w in result.workers] == [h.address for h in ssh_hosts]
+    assert [w.record["conn_id"] for w in result.workers] == connections
+    assert all(w.record["remote_pgid"] for w in result.workers)
+    for rank, host in enumerate(ssh_hosts):  # each rank ran under its own host's disk
+        assert (rank, f"TMPDIR={host.tmpdir}") in lines
+        assert (rank, f"rank {rank} finished") in lines
+        assert any(line.startswith("[agent] ") and "tensorflow" in line for r, line in lines if r == rank)
+    assert seen_in_argv == [], "a secret value appeared in a command line"
+    assert _wait_gone(key, 5) == {}
+
+
+def test_a_worker_sigkilled_on_one_host_fails_the_group_naming_host_and_rank(ssh_hosts, connections, tmp_path):
+    key = "ssh-sigkill"
+    result, _, _ = _run(_spec(key, "1:sigkill"), _backend(connections), tmp_path)
+    message = result.error_message()
+    print(f"\nSIGKILL on {ssh_hosts[1].address}: detected in {result.failures[1].elapsed_s:.2f} s\n{message}")
+    assert result.state is GroupState.FAILED and result.failures[1].kind is FailureKind.SIGNAL
+    assert f"rank 1 (host {ssh_hosts[1].address}, pid " in message and "killed by SIGKILL" in message
+    assert _wait_gone(key, 10) == {}, "a process of the run outlived the group on some host"
+
+
+def test_stopping_the_group_ends_every_remote_process_within_seconds(ssh_hosts, connections, tmp_path):
+    key = "ssh-stop"
+    spec = _spec(key, env=entrypoint_env(TINY_WORKER_STEPS="100000", TINY_WORKER_STEP_S="0.1"))
+    backend = _backend(connections)
+    group = WorkerGroup(spec, backend, tmp_path)
+    runner = threading.Thread(target=group.run)
+    runner.start()
+    deadline = time.monotonic() + 30
+    while len(processes_of_run(key)) < 4 and time.monotonic() < deadline:  # 2 workers + their sleep children
+        time.sleep(0.1)
+    assert len(processes_of_run(key)) >= 4
+    started = time.monotonic()
+    group.stop("test", grace_s=1.0)
+    left = _wait_gone(key, 10)
+    stopped_s = time.monotonic() - started
+    runner.join(15)
+    backend.close()
+    print(f"\nstop: every remote process gone after {stopped_s:.2f} s")
+    assert left == {} and stopped_s < 10
+
+
+def test_a_dropped_connection_ends_the_remote_workers(ssh_hosts, connections, tmp_path):
+    """The agent's dead-man's switch: when the SSH connection dies, sshd closes its stdin and it ends its worker."""
+    key = "ssh-drop"
+    spec = _spec(key, env=entrypoint_env(TINY_WORKER_STEPS="100000", TINY_WORKER_STEP_S="0.1"))
+    backend = _backend(connections)
+    group = WorkerGroup(spec, backend, tmp_path)
+    runner = threading.Thread(target=group.run)
+    runner.start()
+    deadline = time.monotonic() + 30
+    while len(processes_of_run(key)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    started = time.monotonic()
+    for client in list(backend._clients.values()):
+        client.get_transport().sock.close()  # the network goes away under paramiko
+    left = _wait_gone(key, 15)
+    gone_s = time.monotonic() - started
+    group.stop("test over", grace_s=0.5)
+    runner.join(15)
+    backend.close()
+    print(f"\nconnection dropped: remote workers gone after {gone_s:.2f} s")
+    assert left == {}
+
+
+def test_release_ends_a_runs_processes_on_every_host(ssh_hosts, connections, tmp_path):
+    """A rank left running (its launcher died without stopping it) is found on its host by the run marker."""
+    key = "ssh-release"
+    backend = _backend(connections)
+    channel = backend._open(backend.hosts[1], "run")
+    env = {"TFMW_RUN_KEY": key, "PYTHONPATH": entrypoint_env()["PYTHONPATH"]}
+    channel.sendall(json.dumps({"argv": ["sleep", "600"], "env": env, "cwd": f"tfmw/{key}/x",
+                                "grace_s": 1}).encode() + b"\n")
+    deadline = time.monotonic() + 20
+    while not processes_of_run(key) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_of_run(key)
+    result = backend.release(key, [])
+    backend.close()
+    print(f"\nrelease over SSH: {json.dumps(result['hosts'])[:600]}")
+    assert result["clean"] and [h["host"] for h in result["hosts"]] == [h.address for h in ssh_hosts]
+    # The fake hosts share one process table, so whichever host's agent looks first ends it.
+    assert [pid for h in result["hosts"] for pid in h["terminated"]] and processes_of_run(key) == {}
+    assert not (ssh_hosts[1].tmpdir / "tfmw" / key).exists()  # its run directory on that host's disk is gone
+
+
+def test_release_fails_loudly_when_a_host_cannot_be_reached(ssh_hosts, connections, monkeypatch):
+    monkeypatch.setenv("AIRFLOW_CONN_TFMW_SSH_GONE", json.dumps(dict(ssh_hosts[1].connection(), host="127.0.0.9")))
+    backend = _backend([connections[0], "tfmw_ssh_gone"])
+    result = backend.release("ssh-release-gone", [])
+    backend.close()
+    gone = result["hosts"][1]
+    assert result["clean"] is False and result["hosts"][0]["clean"] is True
+    assert gone["host"] == "127.0.0.9" and "unreachable" in gone["error"]
+
+
+def test_an_unreachable_host_fails_placement_in_seconds_naming_it(ssh_hosts, connections, tmp_path, monkeypatch):
+    dead = dict(ssh_hosts[1].connection(), host="127.0.0.9")
+    monkeypatch.setenv("AIRFLOW_CONN_TFMW_SSH_DEAD", json.dumps(dead))
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match=r"host 127\.0\.0\.9 \(connection tfmw_ssh_dead\) is unreachable"):
+        _run(_spec("ssh-dead"), _backend([connections[0], "tfmw_ssh_dead"]), tmp_path)
+    print(f"\nunreachable host refused after {time.monotonic() - started:.2f} s")
+    assert time.monotonic() - started < 15
+    assert not (tmp_path / "logs" / "rank-0.log").exists(), "no worker may start when a host is unreachable"
+
+
+@pytest.mark.parametrize("host_key", ["wrong", "missing"])
+def test_a_host_key_that_is_unknown_or_wrong_is_refused(ssh_hosts, connections, tmp_path, monkeypatch, host_key):
+    other = ssh_hosts[0].host_key if host_key == "wrong" else None
+    monkeypatch.setenv(f"AIRFLOW_CONN_{ssh_hosts[1].conn_id.upper()}",
+                       json.dumps(ssh_hosts[1].connection(host_key=other)))
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match=rf"host {ssh_hosts[1].address} .*host key.*host_key"):
+        _run(_spec("ssh-hostkey"), _backend(connections), tmp_path)
+    print(f"\n{host_key} host key refused after {time.monotonic() - started:.2f} s")
+
+
+def test_a_remote_python_that_does_not_exist_is_refused_naming_host_and_setting(connections, tmp_path):
+    with pytest.raises(LaunchError, match=r"host 127\.0\.0\.2 .*exited 127.*set remote_python"):
+        _run(_spec("ssh-python"), _backend(connections, remote_python="/nowhere/bin/python3"), tmp_path)
+
+
+def test_more_workers_than_the_hosts_take_is_refused_before_launch(connections, tmp_path):
+    with pytest.raises(LaunchError, match=r"num_workers=3 but the hosts take only 2 worker\(s\).*workers_per_host"):
+        _run(_spec("ssh-capacity", num_workers=3), _backend(connections), tmp_path)
+
+
+def test_unknown_and_non_ssh_connections_are_refused_naming_the_setting(connections, monkeypatch):
+    with pytest.raises(LaunchError, match=r"'ssh_conn_ids' names 'no_such_host', which is no Airflow connection"):
+        _backend([connections[0], "no_such_host"])
+    monkeypatch.setenv("AIRFLOW_CONN_NOT_SSH", json.dumps({"conn_type": "aws", "login": "x"}))
+    with pytest.raises(LaunchError, match=r"'not_ssh', a connection of type 'aws'"):
+        _backend(["not_ssh"])
