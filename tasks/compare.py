@@ -80,9 +80,10 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
     )
     report["continued_from"] = prepared.get("continued_from")
     report["promoted"] = promoted
-    report["samples"] = samples_by_model({
-        "baseline": baseline_eval, "distributed": distributed_eval,
-        f"promoted {promoted['version']}" if promoted else "promoted": promoted})
+    evaluations = {"baseline": baseline_eval, "distributed": distributed_eval}
+    if promoted:
+        evaluations[f"promoted {promoted['version']}"] = promoted
+    report["samples"] = samples_by_model(evaluations)
     charts = {
         reports.LOSS_CHART: reports.loss_chart(
             {run["label"]: read_metrics(TrainOutput(run["output_url"]))

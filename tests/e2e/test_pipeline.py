@@ -96,8 +96,8 @@ def test_readme_main_command_runs_the_whole_dag_on_s3(tmp_path):
                              "json"], env=env, capture_output=True, text=True, check=True).stdout
     by_task = {row["task_id"]: row["state"] for row in json.loads(next(
         line for line in states.splitlines() if line.startswith("[{")))}
-    assert by_task == dict.fromkeys(
-        ["prepare", "preflight", "train", "plan_baseline", "baseline", "evaluate", "release", "outcome"], "success")
+    assert by_task == dict.fromkeys(["prepare", "preflight", "train", "plan_baseline", "baseline", "evaluate", "promote",
+                                     "release", "outcome"], "success")
 
 
 def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_baseline(airflow_stack):

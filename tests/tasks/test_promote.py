@@ -233,7 +233,7 @@ def test_a_promotion_killed_on_local_disk_leaves_latest_on_a_complete_version(tm
     killed = evaluated_run(root, "r2", 5.20)
     # A model file large enough that its copy is still running when the promoter is killed.
     with open(join(killed["train_url"], "model", "tf_model.h5"), "wb") as handle:
-        handle.truncate(1 << 30)
+        handle.truncate(256 << 20)
     process = promoter(killed, 0)
     copied = Path(layout.version(2).model)
     deadline = time.monotonic() + 60
