@@ -49,6 +49,7 @@ def run(out_dir: Path) -> dict:
     logging.getLogger("tf_multiworker").setLevel(logging.WARNING)
     local, remote = [], []
     with tempfile.TemporaryDirectory(prefix="bench-ssh-") as tmp:
+        (Path(tmp) / "hosts").mkdir()
         hosts = start_hosts(2, Path(tmp) / "hosts")
         try:
             for host in hosts:

@@ -110,6 +110,32 @@ PARAMS = {
                      description="auto: promote when the gates passed and eval loss is not worse than the promoted "
                                  "version's by more than promotion_tolerance; always: whenever the gates passed; "
                                  "never."),
+    # backend=kubernetes: one pod per worker (README "Running on Kubernetes").
+    "kubernetes_conn_id": Param("", type=["null", "string"], title="Kubernetes connection",
+                                description="Airflow connection (kubernetes type) of the cluster; empty uses the "
+                                            "in-cluster configuration of the Airflow worker's pod."),
+    "namespace": Param("default", type="string", minLength=1, maxLength=63, pattern="^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                       title="Kubernetes namespace", description="Namespace of the worker pods (a DNS label)."),
+    "image": Param("gpt-finetune-trainer:2.21.0", type="string", title="Trainer image",
+                   description="Image of the worker pods (docker/trainer.Dockerfile)."),
+    "gpus_per_worker": Param(0, type="integer", minimum=0, maximum=16, title="GPUs per pod",
+                             description="nvidia.com/gpu requested by each pod; 0 = one with use_gpu. Needs "
+                                         "use_gpu."),
+    "cpu": Param("", type=["null", "string"], title="CPU request per pod", description="e.g. 4 or 500m; empty: none."),
+    "memory": Param("", type=["null", "string"], title="Memory request per pod",
+                    description="e.g. 16Gi; empty: none."),
+    "node_selector": Param({}, type="object", additionalProperties={"type": "string"}, title="Node selector",
+                           description="Node labels the pods must match, e.g. {\"nvidia.com/gpu.product\": "
+                                       "\"NVIDIA-H200\"}."),
+    "tolerations": Param([], type="array", items={"type": "object"}, title="Tolerations",
+                         description="Pod tolerations in Kubernetes spelling, e.g. [{\"key\": \"nvidia.com/gpu\", "
+                                     "\"operator\": \"Exists\", \"effect\": \"NoSchedule\"}]."),
+    "service_account": Param("", type=["null", "string"], title="Service account",
+                             description="Service account of the worker pods (e.g. for storage access); empty: the "
+                                         "namespace's default."),
+    "keep_failed_pods": Param(False, type="boolean", title="Keep failed pods",
+                              description="Leave failed worker pods in the cluster for debugging; everything else "
+                                          "of the run is still deleted."),
 }
 
 DOC = """

@@ -13,8 +13,10 @@ export_lock() {
   uv export --quiet --frozen --no-hashes --no-dev --no-emit-project --no-annotate "$@"
 }
 
-# matplotlib (report charts), pendulum (DAG file) and the providers (connections to hosts) are Airflow side only.
-worker_side=(--prune apache-airflow --prune matplotlib --prune pendulum --prune apache-airflow-providers-ssh)
+# matplotlib (report charts), pendulum (DAG file) and the providers and clients (connections to hosts, the
+# Kubernetes API) are Airflow side only.
+worker_side=(--prune apache-airflow --prune matplotlib --prune pendulum --prune apache-airflow-providers-ssh
+             --prune apache-airflow-providers-cncf-kubernetes --prune kubernetes)
 
 export_lock "${worker_side[@]}" -o docker/requirements-trainer.txt
 export_lock "${worker_side[@]}" --extra gpu -o docker/requirements-trainer-cuda.txt

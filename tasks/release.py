@@ -74,8 +74,10 @@ def _state_records(state_url: str) -> tuple[list[str], list[dict[str, Any]]]:
 def _describe(hosts: list[dict[str, Any]]) -> str:
     parts = []
     for host in hosts:
-        cmdlines = {p["pid"]: p["cmdline"] for p in host.get("found", [])}
-        parts += [f"pid {pid} on {host['host']} ({cmdlines.get(pid, '?')[:80]})" for pid in host.get("survivors", [])]
+        cmdlines = {p["pid"]: p["cmdline"] for p in host.get("found", []) if isinstance(p, dict)}
+        # Survivors are pids, or objects such as "pod/<name>" on a cluster.
+        parts += [f"{'pid ' if isinstance(pid, int) else ''}{pid} on {host['host']}"
+                  + (f" ({cmdlines[pid][:80]})" if pid in cmdlines else "") for pid in host.get("survivors", [])]
         if host.get("error"):
             parts.append(f"host {host['host']} not checked: {host['error']}")
     return ", ".join(parts) or "none"

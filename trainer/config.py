@@ -22,7 +22,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -60,6 +60,17 @@ STORAGE_ROOT_ENV = "GPT_FINETUNE_STORAGE_ROOT"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # `gpt2`, `openai-community/gpt2`
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):")  # two letters at least: not a drive letter
 _GLOB_CHARS = re.compile(r"[*?\[]")
+# Kubernetes formats (apimachinery validation), checked here so a bad value fails before anything is created.
+DEFAULT_TRAINER_IMAGE = "gpt-finetune-trainer:2.21.0"  # docker/trainer.Dockerfile
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+_CPU_QUANTITY = re.compile(r"\d+(\.\d+)?m?")
+_MEMORY_QUANTITY = re.compile(r"\d+(\.\d+)?([KMGTPE]i?|k)?")
+_IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@-]*")
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
 
 
 @dataclass(frozen=True)
@@ -180,6 +191,17 @@ class RunConfig:
     model_name: str = "gpt_finetune"
     promotion_tolerance: float = 0.0
     promote: str = "auto"
+    # backend=kubernetes (plugins/tf_multiworker/launcher/kubernetes.py)
+    kubernetes_conn_id: str = ""
+    namespace: str = "default"
+    image: str = DEFAULT_TRAINER_IMAGE
+    gpus_per_worker: int = 0
+    cpu: str = ""
+    memory: str = ""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    service_account: str = ""
+    keep_failed_pods: bool = False
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -198,7 +220,8 @@ class RunConfig:
             )
         values = dict(params)
         # The trigger form sends null for an optional field the user cleared.
-        for name in ("storage_conn_id", "remote_python", "remote_workdir"):
+        for name in ("storage_conn_id", "remote_python", "remote_workdir", "kubernetes_conn_id", "cpu", "memory",
+                     "service_account"):
             if name in values and values[name] is None:
                 values[name] = ""
         if "ssh_conn_ids" in values and values["ssh_conn_ids"] is None:
@@ -299,6 +322,17 @@ def _coerce(name: str, value: Any, spec: dataclasses.Field) -> Any:
             f"Setting '{name}' must be a list of strings, got {value!r} ({type(value).__name__}). "
             f"In --conf write e.g. {{\"{name}\": [\"host_a\", \"host_b\"]}}."
         )
+    if expected == "dict[str, str]":
+        if isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            return dict(value)
+        raise ConfigError(
+            f"Setting '{name}' must be a map of strings to strings, got {value!r} ({type(value).__name__}), "
+            f"e.g. {{\"{name}\": {{\"nvidia.com/gpu.product\": \"NVIDIA-H200\"}}}}."
+        )
+    if expected == "list[dict[str, Any]]":
+        if isinstance(value, (list, tuple)) and all(isinstance(item, Mapping) for item in value):
+            return [dict(item) for item in value]
+        raise ConfigError(f"Setting '{name}' must be a list of objects, got {value!r} ({type(value).__name__}).")
     raise AssertionError(f"RunConfig field {name} has an unsupported type {expected}")
 
 
@@ -398,6 +432,60 @@ def _validate(cfg: RunConfig) -> None:
         raise ConfigError("Setting 'communication' = 'nccl' needs 'use_gpu' = true: use 'ring' or 'auto' on CPU.")
     if cfg.mixed_precision == "fp16" and not cfg.use_gpu:
         raise ConfigError("Setting 'mixed_precision' = 'fp16' needs 'use_gpu' = true: use 'bf16' or 'no' on CPU.")
+    _validate_kubernetes(cfg)
+
+
+def _validate_kubernetes(cfg: RunConfig) -> None:
+    """The kubernetes backend's settings: formats always, the rules between them when that backend is chosen."""
+    if not _DNS_LABEL.fullmatch(cfg.namespace):
+        raise ConfigError(
+            f"Setting 'namespace' = {cfg.namespace!r} is not a Kubernetes namespace name: a DNS label of at most 63 "
+            "lowercase letters, digits and '-', starting and ending with a letter or digit."
+        )
+    if cfg.backend == "kubernetes" and not cfg.image.strip():
+        raise ConfigError("Setting 'image' must name the trainer image for backend 'kubernetes', e.g. "
+                          f"{DEFAULT_TRAINER_IMAGE!r} (docker/trainer.Dockerfile).")
+    if cfg.backend == "kubernetes":
+        _check_shared_storage(cfg, "backend 'kubernetes' runs workers in pods", "the pods")
+    if cfg.image and not _IMAGE.fullmatch(cfg.image):
+        raise ConfigError(f"Setting 'image' = {cfg.image!r} is not an image reference (registry/name:tag).")
+    _check_range(cfg, "gpus_per_worker", 0, 16)
+    if cfg.gpus_per_worker and not cfg.use_gpu:
+        raise ConfigError(f"Setting 'gpus_per_worker' = {cfg.gpus_per_worker} needs 'use_gpu' = true: set use_gpu, "
+                          "or gpus_per_worker to 0 on CPU.")
+    if cfg.gpus_per_worker and cfg.backend != "kubernetes":
+        raise ConfigError(f"Setting 'gpus_per_worker' = {cfg.gpus_per_worker} applies to backend 'kubernetes' only "
+                          f"(backend is {cfg.backend!r}): set it to 0.")
+    if cfg.cpu and not _CPU_QUANTITY.fullmatch(cfg.cpu):
+        raise ConfigError(f"Setting 'cpu' = {cfg.cpu!r} is not a CPU quantity: write cores ('4', '0.5') or "
+                          "millicores ('500m'), or leave it empty for no request.")
+    if cfg.memory and not _MEMORY_QUANTITY.fullmatch(cfg.memory):
+        raise ConfigError(f"Setting 'memory' = {cfg.memory!r} is not a memory quantity: write e.g. '16Gi' or "
+                          "'512Mi', or leave it empty for no request.")
+    for key, value in cfg.node_selector.items():
+        prefix, _, label = key.rpartition("/")
+        if (prefix and not (len(prefix) <= 253 and _DNS_SUBDOMAIN.fullmatch(prefix))) or \
+                not _LABEL_NAME.fullmatch(label) or not _LABEL_VALUE.fullmatch(value):
+            raise ConfigError(f"Setting 'node_selector' entry {key!r}: {value!r} is not a Kubernetes label: keys "
+                              "are [prefix/]name, values at most 63 letters, digits, '-', '_' or '.'.")
+    allowed = {"key", "operator", "value", "effect", "tolerationSeconds"}
+    for toleration in cfg.tolerations:
+        unknown = sorted(set(toleration) - allowed)
+        if unknown:
+            raise ConfigError(f"Setting 'tolerations' entry {toleration!r} has unknown keys {unknown}: allowed are "
+                              f"{sorted(allowed)} (Kubernetes spelling).")
+        if toleration.get("operator", "Equal") not in TOLERATION_OPERATORS or \
+                toleration.get("effect", "") not in TOLERATION_EFFECTS:
+            raise ConfigError(f"Setting 'tolerations' entry {toleration!r}: operator must be one of "
+                              f"{list(TOLERATION_OPERATORS)} and effect one of {list(TOLERATION_EFFECTS)}.")
+        if not all(isinstance(toleration.get(k, ""), str) for k in ("key", "value")) or \
+                not isinstance(toleration.get("tolerationSeconds", 0), int):
+            raise ConfigError(f"Setting 'tolerations' entry {toleration!r}: key and value are strings, "
+                              "tolerationSeconds an integer.")
+    if cfg.service_account and not (len(cfg.service_account) <= 253
+                                    and _DNS_SUBDOMAIN.fullmatch(cfg.service_account)):
+        raise ConfigError(f"Setting 'service_account' = {cfg.service_account!r} is not a service account name "
+                          "(lowercase letters, digits, '-' and '.').")
 
 
 def _check_model_name(name: str, value: str, *, setting_value: str | None = None) -> None:
@@ -409,6 +497,23 @@ def _check_model_name(name: str, value: str, *, setting_value: str | None = None
 
 
 _CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")
+
+
+def _check_shared_storage(cfg: RunConfig, why: str, readers: str) -> None:
+    """Workers that run elsewhere reach the run's files only through object storage."""
+    if urlparse(cfg.storage_root).scheme != "s3":
+        raise ConfigError(
+            f"Setting 'storage_root' = {cfg.storage_root!r} is local, but {why}, which share no filesystem with "
+            "this one: use an s3:// storage root (shards, checkpoints and results go through it).")
+    for name in ("model", "tokenizer"):
+        value = getattr(cfg, name)
+        if name == "model" and value in MODEL_PRESETS or name == "tokenizer" and value.startswith("bpe:"):
+            continue
+        scheme = urlparse(value).scheme
+        hub_id = not scheme and _HUB_ID.fullmatch(value) and not _local_candidate(value).exists()
+        if scheme == "file" or not scheme and not hub_id:
+            raise ConfigError(f"Setting '{name}' = {value!r} is a local path, which {readers} cannot read: "
+                              "put it on the s3:// storage and name its URL, or use a preset or hub id.")
 
 
 def _validate_ssh(cfg: RunConfig) -> None:
@@ -435,20 +540,7 @@ def _validate_ssh(cfg: RunConfig) -> None:
             f"'workers_per_host' = {cfg.workers_per_host} x {len(cfg.ssh_conn_ids)} host(s) in 'ssh_conn_ids' = "
             f"{cfg.workers_per_host * len(cfg.ssh_conn_ids)} workers, but 'num_workers' = {cfg.num_workers}: make "
             "them agree, or set 'workers_per_host' to 0 (one per free GPU with use_gpu, else one per host).")
-    if urlparse(cfg.storage_root).scheme != "s3":
-        raise ConfigError(
-            f"Setting 'storage_root' = {cfg.storage_root!r} is local, but backend 'ssh' runs workers on other "
-            "hosts, which share no filesystem with this one: use an s3:// storage root (shards, checkpoints and "
-            "results go through it).")
-    for name in ("model", "tokenizer"):
-        value = getattr(cfg, name)
-        if name == "model" and value in MODEL_PRESETS or name == "tokenizer" and value.startswith("bpe:"):
-            continue
-        scheme = urlparse(value).scheme
-        hub_id = not scheme and _HUB_ID.fullmatch(value) and not _local_candidate(value).exists()
-        if scheme == "file" or not scheme and not hub_id:
-            raise ConfigError(f"Setting '{name}' = {value!r} is a local path, which the SSH hosts cannot read: "
-                              "put it on the s3:// storage and name its URL, or use a preset or hub id.")
+    _check_shared_storage(cfg, "backend 'ssh' runs workers on other hosts", "the SSH hosts")
     if cfg.remote_python and not cfg.remote_python.startswith("/"):
         raise ConfigError(f"Setting 'remote_python' = {cfg.remote_python!r} must be an absolute path to the worker "
                           "environment's interpreter on the hosts (e.g. /opt/gpt-finetune/.venv/bin/python), or "

@@ -53,3 +53,9 @@ def ssh_backend(settings: Mapping[str, Any]) -> Backend:
     return SSHBackend(hosts, remote_python=settings.get("remote_python") or sys.executable,
                       remote_workdir=settings.get("remote_workdir") or DEFAULT_REMOTE_WORKDIR,
                       workers_per_host=settings.get("workers_per_host") or 0)
+
+
+def kubernetes_backend(settings: Mapping[str, Any]) -> Backend:
+    from tf_multiworker.kubernetes_clients import kubernetes_backend as build
+
+    return build(settings)

@@ -165,7 +165,8 @@ class TFMultiWorkerOperator(BaseOperator):
 
         def record_started(workers: Sequence[WorkerOutcome], attempt: int) -> None:
             if backend.name != "local":  # on other hosts, each line says where it comes from
-                self._line_prefixes = {w.rank: f"rank {w.rank} host {w.host}" for w in workers}
+                self._line_prefixes = {w.rank: f"rank {w.rank} pod {w.record['pod']}" if "pod" in w.record
+                                       else f"rank {w.rank} host {w.host}" for w in workers}
             self._write_state(ti, run.state_file(self.task_id), backend.name, GroupState.RUNNING, workers, workdir)
 
         self.group = WorkerGroup(spec, backend, workdir, on_line=self._log_worker_line, on_started=record_started)

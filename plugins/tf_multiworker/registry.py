@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 BACKENDS: dict[str, tuple[str, str]] = {
     "local": ("tf_multiworker.backends:local_backend", "processes on the Airflow worker"),
     "ssh": ("tf_multiworker.backends:ssh_backend", "processes on the hosts of ssh_conn_ids, over SSH"),
+    "kubernetes": ("tf_multiworker.backends:kubernetes_backend", "one pod per worker on a Kubernetes cluster"),
 }
 BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
 

@@ -54,3 +54,10 @@ def test_continuing_from_a_model_never_promoted_fails_at_once_naming_setting_and
     assert f"Setting 'model' = '{model}'" in message
     assert f"{tmp_path}/models/{name}/latest.json is missing" in message
     assert not (tmp_path / "datasets").exists()
+
+
+def test_a_kubernetes_connection_that_airflow_does_not_know_fails_the_task_before_tokenizing(tmp_path):
+    settings = {"backend": "kubernetes", "storage_root": "s3://runs/root", "dataset": str(tmp_path / "absent.txt"),
+                "kubernetes_conn_id": "no_such_cluster"}
+    with pytest.raises(AirflowFailException, match=r"kubernetes_conn_id='no_such_cluster': no Airflow connection"):
+        prepare_run(settings, RUN_ID, DAG_ID)

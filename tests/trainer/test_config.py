@@ -210,3 +210,41 @@ def test_configured_roots_replace_the_defaults_and_empty_bucket_list_allows_any(
     assert cfg.dataset.endswith("corpora/*.txt")
     with pytest.raises(ConfigError, match="outside the allowed data roots"):
         RunConfig(storage_root=f"{tmp_path}/runs")  # the default dataset, data/sample, is no longer allowed
+
+
+@pytest.mark.parametrize("params, fragments", [
+    ({"backend": "kubernetes", "image": ""}, ["'image'", "kubernetes", "gpt-finetune-trainer"]),
+    ({"backend": "kubernetes"}, ["'storage_root' = 'storage' is local", "in pods", "s3://"]),
+    ({"backend": "kubernetes", "storage_root": "s3://runs/x", "model": "data"}, ["'model'", "the pods cannot read"]),
+    ({"image": "has space:1"}, ["'image'", "image reference"]),
+    ({"namespace": "ML_Team"}, ["'namespace' = 'ML_Team'", "DNS label"]),
+    ({"namespace": "a" * 64}, ["'namespace'", "at most 63"]),
+    ({"backend": "kubernetes", "storage_root": "s3://runs/x", "gpus_per_worker": 1},
+     ["'gpus_per_worker' = 1", "'use_gpu' = true"]),
+    ({"use_gpu": True, "gpus_per_worker": 2}, ["'gpus_per_worker' = 2", "'kubernetes' only"]),
+    ({"gpus_per_worker": 17}, ["'gpus_per_worker' = 17", "0 to 16"]),
+    ({"node_selector": "gpu=h200"}, ["'node_selector'", "map of strings to strings"]),
+    ({"node_selector": {"gpu": 1}}, ["'node_selector'", "map of strings to strings"]),
+    ({"node_selector": {"bad key!": "x"}}, ["'node_selector' entry 'bad key!'", "label"]),
+    ({"tolerations": {"key": "a"}}, ["'tolerations'", "list of objects"]),
+    ({"tolerations": [{"key": "a", "effects": "NoSchedule"}]}, ["'tolerations'", "unknown keys ['effects']"]),
+    ({"tolerations": [{"key": "a", "operator": "In"}]}, ["'tolerations'", "'Exists', 'Equal'"]),
+    ({"cpu": "four"}, ["'cpu' = 'four'", "500m"]),
+    ({"memory": "16GB"}, ["'memory' = '16GB'", "16Gi"]),
+    ({"service_account": "Trainer"}, ["'service_account' = 'Trainer'"]),
+])
+def test_bad_kubernetes_settings_are_refused_naming_the_setting(params, fragments):
+    with pytest.raises(ConfigError) as excinfo:
+        RunConfig.from_params(params)
+    for fragment in fragments:
+        assert fragment in str(excinfo.value), str(excinfo.value)
+
+
+def test_kubernetes_settings_round_trip():
+    cfg = RunConfig.from_params({
+        "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"}, "cpu": "4", "memory": "16Gi",
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "namespace": "ml-team", "service_account": "trainer", "keep_failed_pods": True, "kubernetes_conn_id": None,
+    })
+    assert RunConfig.from_params(json.loads(cfg.to_json())) == cfg
+    assert cfg.kubernetes_conn_id == ""

@@ -39,6 +39,10 @@ class WorkerHandle(ABC):
     def gone(self) -> bool:
         """True once the worker and every process it started have exited."""
 
+    def waiting_reason(self) -> str:
+        """Why the worker has not started yet (a pod still Pending: its reason and events); "" once it runs."""
+        return ""
+
     @abstractmethod
     def record(self) -> dict[str, Any]:
         """What the run-state record keeps so that release can find this worker again (JSON values)."""

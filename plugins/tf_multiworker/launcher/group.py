@@ -244,9 +244,11 @@ class WorkerGroup:
     def _startup_failure(self, worker: _Worker, elapsed: float, workers: list[_Worker]) -> WorkerFailure:
         worker.state = WorkerState.FAILED
         joined = [w.spec.rank for w in workers if w.state is WorkerState.READY]
+        waiting = worker.handle.waiting_reason()
         detail = (
             f"did not join the group within startup_timeout_s={self.spec.startup_timeout_s:g} s "
-            f"(still running, its address {worker.spec.address}; ranks that joined: {joined or 'none'}). "
+            f"({f'never started: {waiting}' if waiting else 'still running'}, its address {worker.spec.address}; "
+            f"ranks that joined: {joined or 'none'}). "
             "Likely causes: the worker is stuck before creating its strategy, an unreachable address or a closed "
             "port in TF_CONFIG, a firewall, or a peer that never came up. Raise startup_timeout_s if start-up is "
             "legitimately slow."

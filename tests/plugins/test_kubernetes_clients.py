@@ -1,0 +1,43 @@
+"""The kubernetes backend's factory: run settings and an Airflow connection -> clients through the provider's
+hook, refused with the setting's name before anything is created."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tf_multiworker.launcher import LaunchError
+from tf_multiworker.launcher.kubernetes import KubernetesBackend
+from tf_multiworker.registry import make_backend
+
+from tests.k8s_server import FakeKubernetes
+
+
+def test_a_connection_with_a_kubeconfig_reaches_the_cluster(monkeypatch):
+    with FakeKubernetes() as cluster:
+        monkeypatch.setenv("AIRFLOW_CONN_MY_CLUSTER", json.dumps(
+            {"conn_type": "kubernetes", "extra": {"kube_config": cluster.kubeconfig()}}))
+        backend = make_backend("kubernetes", {"backend": "kubernetes", "kubernetes_conn_id": "my_cluster",
+                                              "namespace": "ml-team", "use_gpu": True, "gpus_per_worker": 2})
+        assert isinstance(backend, KubernetesBackend)
+        assert (backend.settings.namespace, backend.settings.pod.gpus) == ("ml-team", 2)
+        one = make_backend("kubernetes", {"kubernetes_conn_id": "my_cluster", "use_gpu": True})
+        assert one.settings.pod.gpus == 1, "gpus_per_worker 0 means one per pod with use_gpu"
+        assert backend.release("some-run", [])["clean"] is True
+        assert ("GET", "/api/v1/namespaces/ml-team/pods") in cluster.requests, "the calls reached the server"
+
+
+def test_an_unknown_connection_is_refused_naming_the_setting():
+    with pytest.raises(LaunchError, match="kubernetes_conn_id='no_such_cluster': no Airflow connection"):
+        make_backend("kubernetes", {"kubernetes_conn_id": "no_such_cluster"})
+
+
+def test_no_connection_outside_a_cluster_says_what_is_missing(monkeypatch):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(LaunchError, match="in-cluster configuration .*kubernetes_conn_id empty"):
+        make_backend("kubernetes", {"kubernetes_conn_id": ""})
+
+
+def test_bad_settings_are_refused_before_any_client_is_made():
+    with pytest.raises(LaunchError, match="namespace 'Not_A_Label' is not a DNS label"):
+        make_backend("kubernetes", {"kubernetes_conn_id": "never_read", "namespace": "Not_A_Label"})

@@ -1,0 +1,220 @@
+"""The kubernetes backend through the official client against tests/k8s_server.py, whose pods are real local
+processes (the tiny entry points): the group runner, logs, failures, Pending pods, stop and release."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from kubernetes import client, config
+from tf_multiworker.launcher import FailureKind, GroupSpec, GroupState, WorkerGroup, WorkerSpec, tensorflow_env
+from tf_multiworker.launcher.kubernetes import KubernetesApiError, KubernetesBackend, KubernetesSettings
+from tf_multiworker.launcher.kubernetes_objects import GroupNames, PodSettings
+
+from tests.k8s_server import FakeKubernetes
+from tests.plugins.conftest import ENTRYPOINTS, REPO
+
+SECRET = "s3cret-for-the-pods-only"
+RUN_KEY = "manual__2026-12-01T10_00_00-0123456789"
+
+
+def image_env(tmp_path: Path) -> dict[str, str]:
+    """The "image's" environment: this venv's python3 first on PATH, the repo and tiny entry points importable."""
+    return {"PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"]), "HOME": str(tmp_path),
+            "PYTHONPATH": os.pathsep.join([str(ENTRYPOINTS), str(REPO)]), "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    with FakeKubernetes(image_env(tmp_path)) as fake:
+        yield fake
+
+
+def clients(cluster: FakeKubernetes) -> tuple[client.CoreV1Api, client.NetworkingV1Api]:
+    configuration = client.Configuration()
+    config.load_kube_config_from_dict(cluster.kubeconfig(), client_configuration=configuration)
+    api = client.ApiClient(configuration)
+    return client.CoreV1Api(api), client.NetworkingV1Api(api)
+
+
+def backend(cluster: FakeKubernetes, **settings) -> KubernetesBackend:
+    core, networking = clients(cluster)
+    pod = PodSettings(image="gpt-finetune-trainer:test", grace_period_s=2)
+    return KubernetesBackend(core, networking, KubernetesSettings(namespace="default", pod=pod, status_interval_s=0.2,
+                                                                  **settings))
+
+
+def spec(fault: str = "", num_workers: int = 2, **changes) -> GroupSpec:
+    env = {"TINY_WORKER_SHOW_ENV": "AWS_SECRET_ACCESS_KEY", **({"TINY_WORKER_FAULT": fault} if fault else {})}
+    settings = {"name": "tiny", "entrypoint": "tiny_worker", "num_workers": num_workers, "env": env,
+                "secret_env": {"AWS_SECRET_ACCESS_KEY": SECRET}, "run_key": RUN_KEY,
+                "startup_timeout_s": 20, "hang_timeout_s": 20, "grace_period_s": 2}
+    return GroupSpec(**{**settings, **changes})
+
+
+def run(group_spec: GroupSpec, the_backend: KubernetesBackend, tmp_path: Path):
+    lines: list[tuple[int, str]] = []
+    group = WorkerGroup(group_spec, the_backend, tmp_path / "work",
+                        on_line=lambda rank, line: lines.append((rank, line)))
+    started = time.monotonic()
+    result = group.run()
+    return result, time.monotonic() - started, lines
+
+
+def test_a_group_runs_as_pods_that_find_each_other_by_dns_name(cluster, tmp_path):
+    result, wall_s, lines = run(spec(num_workers=3), backend(cluster), tmp_path)
+    print(f"\n3 pods: {result.state.value} in {wall_s:.2f} s")
+    assert result.succeeded, result.error_message()
+    assert [w.exit_code for w in result.workers] == [0, 0, 0]
+    assert {(r, f"rank {r} finished") for r in range(3)} <= set(lines)
+    assert (1, "AWS_SECRET_ACCESS_KEY is set") in lines, "the Secret reached the pods through envFrom"
+    names = GroupNames(RUN_KEY, "tiny", "default")
+    for rank in range(3):
+        env = cluster.created_env(names.pod(rank))
+        assert json.loads(env["TF_CONFIG"])["cluster"]["worker"] == [
+            f"{names.pod(r)}.{names.service}.default.svc:2222" for r in range(3)]
+        assert "CUDA_VISIBLE_DEVICES" in env and SECRET not in json.dumps(cluster.created_body(names.pod(rank)))
+    assert cluster.remaining() == {}, "the group's objects are deleted when it ends"
+
+
+def test_a_dropped_log_stream_reconnects_without_repeating_a_line(cluster, tmp_path):
+    cluster.cut_log_streams_after(2)
+    result, _, lines = run(spec(env={"TINY_WORKER_STEPS": "12", "TINY_WORKER_STEP_S": "0.1"}), backend(cluster),
+                           tmp_path)
+    assert result.succeeded, result.error_message()
+    for rank in (0, 1):
+        mine = [line for r, line in lines if r == rank and " step " in line]
+        assert mine == [f"rank {rank} step {s} done" for s in range(12)], mine
+
+
+def test_a_failing_pod_fails_the_group_naming_it_and_the_rest_is_deleted(cluster, tmp_path):
+    result, wall_s, _ = run(spec("1:exit1"), backend(cluster), tmp_path)
+    message = result.error_message()
+    print(f"\nrank 1 exits 1: detected in {wall_s:.2f} s\n{message}")
+    assert result.state is GroupState.FAILED and result.failures[1].kind is FailureKind.EXIT_CODE
+    assert "exited with code 1" in message and GroupNames(RUN_KEY, "tiny", "default").pod(1) in message
+    assert "failing on purpose with exit code 1" in message
+    assert cluster.remaining() == {}
+
+
+def test_keep_failed_pods_keeps_only_the_failed_pod_and_says_so(cluster, tmp_path, caplog):
+    names = GroupNames(RUN_KEY, "tiny", "default")
+    result, _, _ = run(spec("1:exit1"), backend(cluster, keep_failed_pods=True), tmp_path)
+    assert result.state is GroupState.FAILED
+    assert cluster.remaining() == {"pods": [names.pod(1)]}
+    assert f"kept failed pod(s) ['{names.pod(1)}']" in caplog.text
+    kept = backend(cluster, keep_failed_pods=True).release(RUN_KEY, [])
+    assert kept["clean"] and kept["hosts"][0]["kept"] == [f"pod/{names.pod(1)}"]
+    assert cluster.remaining() == {"pods": [names.pod(1)]}, "release keeps it too"
+    assert backend(cluster).release(RUN_KEY, [])["clean"] and cluster.remaining() == {}, "until the setting is off"
+
+
+def test_a_pod_killed_mid_run_fails_the_group_naming_the_pod(cluster, tmp_path):
+    names = GroupNames(RUN_KEY, "tiny", "default")
+    killer = threading.Thread(target=_kill_when_running, args=(cluster, names.pod(0)), daemon=True)
+    killer.start()
+    result, _, _ = run(spec(env={"TINY_WORKER_STEPS": "400", "TINY_WORKER_STEP_S": "0.05"}), backend(cluster),
+                       tmp_path)
+    message = result.error_message()
+    print(f"\npod 0 SIGKILLed:\n{message}")
+    assert result.state is GroupState.FAILED and 0 in result.failures
+    assert "SIGKILL" in message and names.pod(0) in message
+    assert f"pod {names.pod(0)} on node {cluster.node_name} ended Failed: exit code 137" in message
+    assert cluster.remaining() == {}
+
+
+def _kill_when_running(cluster: FakeKubernetes, pod: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if b"step 3 done" in cluster.log_of(pod):
+            cluster.kill_pod_process(pod, signal.SIGKILL)
+            return
+        time.sleep(0.05)
+
+
+def test_a_pod_that_stays_pending_fails_at_the_startup_timeout_with_its_events(cluster, tmp_path):
+    cluster.hold_pending("*-1", message="0/4 nodes are available: 4 Insufficient nvidia.com/gpu.")
+    result, wall_s, _ = run(spec(startup_timeout_s=4), backend(cluster), tmp_path)
+    message = result.error_message()
+    print(f"\npod 1 Pending: failed after {wall_s:.2f} s\n{message}")
+    assert result.failures[1].kind is FailureKind.STARTUP_TIMEOUT
+    assert "FailedScheduling: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu." in message
+    assert f"never started: pod {GroupNames(RUN_KEY, 'tiny', 'default').pod(1)} is Pending: Unschedulable" in message
+    assert 4 <= wall_s < 15
+    assert cluster.remaining() == {}
+
+
+def test_an_image_that_cannot_be_pulled_is_named_with_its_event(cluster, tmp_path):
+    cluster.hold_pending("*", reason="ErrImagePull", message='rpc error: pull access denied for "nope:1"')
+    result, _, _ = run(spec(startup_timeout_s=3), backend(cluster), tmp_path)
+    assert "ErrImagePull" in result.error_message() and "pull access denied" in result.error_message()
+    assert cluster.remaining() == {}
+
+
+@pytest.mark.parametrize("after, message", [
+    (0, ('pods is forbidden: User "system:serviceaccount:airflow:worker" cannot create resource "pods" in API '
+        'group "" in the namespace "default"')),
+    (1, ('pods "x" is forbidden: exceeded quota: gpu-quota, requested: requests.nvidia.com/gpu=1, used: '
+        'requests.nvidia.com/gpu=1, limited: requests.nvidia.com/gpu=1')),
+])
+def test_a_refused_pod_fails_the_launch_with_the_api_reason_and_leaves_nothing(cluster, tmp_path, after, message):
+    """RBAC refuses every pod; a quota admits rank 0 and refuses rank 1, whose peer is then stopped too."""
+    cluster.refuse("create", "pods", 403, "Forbidden", message, after=after)
+    with pytest.raises(KubernetesApiError) as excinfo:
+        run(spec(env={"TINY_WORKER_STEPS": "100000"}), backend(cluster), tmp_path)
+    print(f"\n{excinfo.value}")
+    assert f"403 Forbidden: {message}" in str(excinfo.value)
+    assert cluster.names_created("pods") == [GroupNames(RUN_KEY, "tiny", "default").pod(0)] * after
+    _wait_for(lambda: cluster.remaining() == {}, 10)
+
+
+def test_stopping_the_group_deletes_every_object(cluster, tmp_path):
+    the_backend = backend(cluster)
+    group = WorkerGroup(spec(env={"TINY_WORKER_STEPS": "100000", "TINY_WORKER_STEP_S": "0.05"}), the_backend,
+                        tmp_path / "work", on_line=lambda rank, line: None)
+    runner = threading.Thread(target=group.run, daemon=True)
+    runner.start()
+    names = GroupNames(RUN_KEY, "tiny", "default")
+    _wait_for(lambda: b"step 2 done" in cluster.log_of(names.pod(1)), 30)
+    assert set(cluster.remaining()) == {"pods", "services", "secrets", "networkpolicies"}
+    stopped = time.monotonic()
+    group.stop("test", grace_s=1)
+    _wait_for(lambda: cluster.remaining() == {}, 10)
+    print(f"\nstop: every object deleted after {time.monotonic() - stopped:.2f} s")
+    runner.join(10)
+
+
+def test_release_deletes_what_a_dead_task_left_by_label(cluster, tmp_path):
+    """The task died without cleaning up: its pods still run. Release finds them by label and deletes it all."""
+    the_backend = backend(cluster)
+    group_spec = spec(env={"TINY_WORKER_STEPS": "100000", "TINY_WORKER_STEP_S": "0.05"})
+    placements = the_backend.place(group_spec)
+    for rank, placement in enumerate(placements):
+        worker = WorkerSpec(rank=rank, num_workers=2, placement=placement, log_file=str(tmp_path / "x.log"),
+                            workdir=str(tmp_path))
+        the_backend.start(group_spec, worker, the_backend.command(group_spec),
+                          {**group_spec.env, **tensorflow_env(placements, rank)})
+    the_backend.close()
+    names = GroupNames(RUN_KEY, "tiny", "default")
+    _wait_for(lambda: cluster.process_of(names.pod(1)) is not None, 10)
+    report = backend(cluster).release(RUN_KEY, [])
+    print(f"\nrelease: {report}")
+    assert report["clean"] is True and cluster.remaining() == {}
+    host = report["hosts"][0]
+    assert set(host["found"]) >= {f"pod/{names.pod(0)}", f"pod/{names.pod(1)}", f"service/{names.service}",
+                                  f"secret/{names.secret}", f"networkpolicy/{names.network_policy}"}
+    assert host["survivors"] == []
+    assert backend(cluster).release(RUN_KEY, [])["clean"] is True, "running it twice is fine"
+
+
+def _wait_for(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
