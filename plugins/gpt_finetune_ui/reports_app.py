@@ -206,7 +206,8 @@ def list_runs(storage: StorageLayout) -> list[dict[str, Any]]:
             log.warning("Run %s: unreadable report %s (%s)", key, url, error)
             detail = error if isinstance(error, ReportError) else "not valid JSON"
             runs.append({"run_key": key, "run_id": key, "status": f"unreadable report: {detail}", "released": released})
-    return sorted(runs, key=lambda run: run.get("created_at") or "", reverse=True)
+    # created_at has whole seconds: runs of one second are ordered by run id (scheduled ids sort by date).
+    return sorted(runs, key=lambda run: (run.get("created_at") or "", run["run_id"]), reverse=True)
 
 
 def list_models(storage: StorageLayout) -> list[dict[str, Any]]:
