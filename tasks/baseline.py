@@ -39,6 +39,7 @@ _NOT_IN_KEY = frozenset({
     "num_workers", "backend", "ssh_conn_ids", "workers_per_host", "remote_python", "remote_workdir", "baseline", "loss_tolerance", "storage_root", "storage_conn_id",
     "checkpoint_every_steps", "communication", "collective_timeout_s", "startup_timeout_s", "hang_timeout_s",
     "dataset", "text_column", "tokenizer", "val_fraction", "num_shards", "max_steps", "epochs",
+    "model_name", "promotion_tolerance", "promote",  # what happens to the model after training
 })
 
 

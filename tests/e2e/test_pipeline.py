@@ -26,8 +26,10 @@ from trainer.layout import StorageLayout, run_key
 pytestmark = pytest.mark.timeout(900)
 
 DAG = "gpt_finetune"
+# No promotion: these runs test the pipeline, and a promoted version would be scored again by every later run
+# (tests/e2e/test_promotion.py promotes).
 FAST = {"num_workers": 2, "tokenizer": "bpe:512", "block_size": 32, "batch_size_per_worker": 4,
-        "max_steps": 12, "warmup_steps": 2, "checkpoint_every_steps": 4, "startup_timeout_s": 240}
+        "max_steps": 12, "warmup_steps": 2, "checkpoint_every_steps": 4, "startup_timeout_s": 240, "promote": "never"}
 # Long enough that a checkpoint exists well before the end, short enough for CI.
 LONG = {**FAST, "baseline": "skip", "max_steps": 300, "checkpoint_every_steps": 25}
 
@@ -79,7 +81,7 @@ def test_readme_main_command_runs_the_whole_dag_on_s3(tmp_path):
     """`make demo-s3` in miniature: `airflow dags test` of the full chain with storage on a local S3 server."""
     env = airflow_env(tmp_path / "home", free_port(), {"GPT_FINETUNE_STORAGE_ROOT": str(tmp_path / "unused")})
     result = subprocess.run(
-        [sys.executable, "scripts/demo.py", "--s3", "--conf", json.dumps(FAST)],
+        [sys.executable, "scripts/demo.py", "--s3", "--conf", json.dumps({**FAST, "promote": "auto"})],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=800, check=False,
     )
     output = result.stdout + result.stderr
@@ -87,6 +89,8 @@ def test_readme_main_command_runs_the_whole_dag_on_s3(tmp_path):
     report_line = next(line for line in result.stdout.splitlines() if line.startswith("Report: "))
     assert report_line.startswith("Report: s3://gpt-finetune/gpt_finetune/runs/")
     assert "| distributed | 2 |" in result.stdout and "**Gates: PASSED**" in result.stdout
+    assert "**Promoted** to gpt_finetune v1 (s3://gpt-finetune/gpt_finetune/models/gpt_finetune/v1)" in result.stdout
+    assert "## Samples" in result.stdout and "| distributed | " in result.stdout.split("## Samples")[1]
     runs = subprocess.run([str(REPO / ".venv/bin/airflow"), "dags", "list-runs", DAG, "-o", "json"], env=env,
                           capture_output=True, text=True, check=True).stdout
     run_id = json.loads(next(line for line in runs.splitlines() if line.startswith("[{")))[0]["run_id"]
@@ -94,8 +98,8 @@ def test_readme_main_command_runs_the_whole_dag_on_s3(tmp_path):
                              "json"], env=env, capture_output=True, text=True, check=True).stdout
     by_task = {row["task_id"]: row["state"] for row in json.loads(next(
         line for line in states.splitlines() if line.startswith("[{")))}
-    assert by_task == dict.fromkeys(
-        ["prepare", "preflight", "train", "plan_baseline", "baseline", "evaluate", "release", "outcome"], "success")
+    assert by_task == dict.fromkeys(["prepare", "preflight", "train", "plan_baseline", "baseline", "evaluate", "promote",
+                                     "release", "outcome"], "success")
 
 
 def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_baseline(airflow_stack):
