@@ -18,6 +18,15 @@ def entrypoint_env(**extra: str) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(ENTRYPOINTS), str(REPO)]), **extra}
 
 
+def alive(pid: int) -> bool:
+    """Whether `pid` is a live (non-zombie) process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
 def wait_until_gone(pgids: list[int], timeout_s: float) -> list[int]:
     """Process groups that still have live (non-zombie) members after `timeout_s`; [] when all are gone."""
     deadline = time.monotonic() + timeout_s

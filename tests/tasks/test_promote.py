@@ -26,16 +26,6 @@ from trainer.storage import exists, filesystem, join, read_bytes, read_json, wri
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def evaluations(tmp_path, monkeypatch):
-    calls = tmp_path / "evaluate-calls.txt"
-    calls.touch()
-    monkeypatch.setattr(compare, "EVALUATE_MODULE", "tests.tasks.fixture_evaluate")
-    monkeypatch.setenv("TFMW_FIXTURE_EVALUATE_CALLS", str(calls))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return lambda: calls.read_text().split()
-
-
 @pytest.fixture(params=["local", "s3"])
 def root(request, tmp_path):
     if request.param == "local":
