@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 ENV := source scripts/airflow-env.sh &&
 PYTEST_ARGS ?=
 
-.PHONY: setup provision demo demo-s3 airflow test bench lint clean
+.PHONY: setup provision demo demo-s3 airflow test bench bench-table lint clean
 
 $(VENV)/.synced: pyproject.toml uv.lock
 	@command -v uv >/dev/null || python3 -m pip install --quiet "uv==0.13.9"
@@ -30,11 +30,14 @@ provision: setup  ## install what the tests need besides .venv (Chromium, openss
 test: provision  ## the whole test suite (CPU only)
 	$(ENV) $(PY) -m pytest $(PYTEST_ARGS)
 
-bench: setup  ## performance ratios measured side by side; results in bench-results/
+bench: setup  ## performance ratios measured side by side; results in bench-results/, README table regenerated
 	$(ENV) $(PY) -m bench $(BENCH_ARGS)
+
+bench-table: setup  ## regenerate the README's benchmark table from bench-results/*.json
+	$(PY) -m bench.results
 
 lint: setup
 	$(VENV)/bin/ruff check dags plugins tasks trainer tests bench scripts
 
 clean:
-	rm -rf .airflow storage test-artifacts bench-results
+	rm -rf .airflow storage test-artifacts  # bench-results/ is kept: it is the README table's source

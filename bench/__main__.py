@@ -1,29 +1,24 @@
 """`make bench`: every benchmark of the project, each printing ratios measured side by side in one run.
 
 Usage: python -m bench [NAME ...]   (names: the bench_<name>.py modules; default all)
-Results: bench-results/<name>.json plus the printed lines.
+Results: bench-results/<name>.json (latest) and bench-results/history/ (every run), each with the machine it ran
+on, plus the printed lines; then the README's benchmark table is regenerated from them (bench/results.py).
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import pkgutil
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "bench-results"
+import bench
+from bench import results
 
-
-def hardware() -> str:
-    with open("/proc/cpuinfo") as cpuinfo:
-        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
-                   platform.processor() or "unknown CPU")
-    return f"{os.cpu_count()} x {cpu}, {platform.system()} {platform.release()}, Python {platform.python_version()}"
+OUT = results.RESULTS
 
 
 def main(names: list[str]) -> int:
@@ -38,8 +33,9 @@ def main(names: list[str]) -> int:
     # The benchmarks read the shared corpus and write to temporary directories: allow both (trainer/config.py).
     repo = OUT.parent
     os.environ.setdefault("GPT_FINETUNE_DATA_ROOTS", os.pathsep.join(
-        [str(repo / "data"), str(repo / "storage"), str(repo.parent / "shared" / "data"), tempfile.gettempdir()]))
-    print(f"Hardware: {hardware()}\n")
+        [str(repo / "data"), str(repo / "storage"), str(bench.CORPUS), tempfile.gettempdir()]))
+    machine = results.machine()
+    print(f"Machine: {results.describe(machine)}\n")
     failed = []
     for name in chosen:
         print(f"=== {name} ===", flush=True)
@@ -50,8 +46,10 @@ def main(names: list[str]) -> int:
             print(f"FAILED: {type(exc).__name__}: {exc}")
             failed.append(name)
             continue
-        (OUT / f"{name}.json").write_text(json.dumps({"hardware": hardware(), **figures}, indent=2, default=str))
-        print(f"({time.monotonic() - started:.0f} s)\n", flush=True)
+        saved = results.save(name, figures, machine)
+        print(f"({time.monotonic() - started:.0f} s; figures in {saved})\n", flush=True)
+    if results.update_readme():
+        print(f"README benchmark table regenerated from {OUT}")
     return 1 if failed else 0
 
 

@@ -50,5 +50,12 @@ def run(out_dir: Path) -> dict:
     growth = ", ".join(f"rank {rank} {w['threads_end'] - w['threads_start']:+d}" for rank, w in workers.items())
     print(f"2 workers x {STEPS} steps in {wall_s:.0f} s wall ({ms_per_step:.1f} ms per step); thread growth from step "
           f"{START_STEP} to the end: {growth} (target: flat, within +50)")
+    threads = " and ".join(f"{w['threads_start']} -> {w['threads_end']}" for w in workers.values())
+    peaks = ", ".join(str(w["threads_peak"]) for w in workers.values())
+    rss = " and ".join(f"{w['rss_mib_start']:.0f} -> {w['rss_mib_end']:.0f}" for w in workers.values())
+    start = min(w["start_step"] for w in workers.values())
+    row = {"benchmark": f"long run: 2 workers x {STEPS:,} steps (tiny), threads and RSS per worker at step {start} -> "
+                        f"{STEPS:,}", "measured": f"threads {threads} (peaks {peaks}); RSS {rss} MiB",
+           "target": "threads flat (within +50)"}
     return {"num_workers": 2, "steps": STEPS, "wall_time_s": wall_s,
-            "ms_per_step": ms_per_step, "workers": workers}
+            "ms_per_step": ms_per_step, "workers": workers, "rows": [row]}

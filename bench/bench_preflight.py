@@ -77,4 +77,8 @@ def run(out_dir: Path) -> dict:
     return {"num_workers": NUM_WORKERS, "wall_time_s": wall_s, "chief_wall_time_s": report["wall_time_s"],
             "algbw_gbps": bandwidth["algbw_gbps"], "busbw_gbps": bandwidth["busbw_gbps"],
             "latency_p50_ms": latency["p50_ms"], "memory_copy_gbps": copy_gbps,
-            "busbw_over_memory_copy": bandwidth["busbw_gbps"] / copy_gbps}
+            "busbw_over_memory_copy": bandwidth["busbw_gbps"] / copy_gbps,
+            "rows": [{"benchmark": f"preflight: {NUM_WORKERS} workers, wall time; {bandwidth['bytes'] >> 20} MiB "
+                                   "all-reduce bus bandwidth vs numpy memory copy",
+                      "measured": f"{wall_s:.1f} s; {bandwidth['busbw_gbps']:.2f} vs {copy_gbps:.1f} GB/s "
+                                  f"({bandwidth['busbw_gbps'] / copy_gbps:.1%})", "target": "reported"}]}

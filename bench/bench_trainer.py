@@ -7,25 +7,39 @@
    waiting for input (target < 2%); the two loss curves are compared as a by-product.
 3. tf.data read rate: `trainer.data.make_dataset` alone over one worker's shards (shuffle + repeat, as in
    training), in this process, against that worker's training consumption (target >= 5x).
-The tiny model is the hard case for the input pipeline: its steps are short, so any input stall shows.
+4. The trainer against the simplest thing a user would write: `model.fit` of the same `TFGPT2LMHeadModel` (its
+   built-in LM loss), the same AdamW, schedule and gradient clipping, on the same token stream (`make_dataset`
+   over the same shards, same seed) and batch, 1 worker, CPU, for the tiny preset and GPT-2 124M (the mid-size
+   preset; the largest there is). Same update on the same data: the mean losses over the run are printed side by side. Both run as fresh processes,
+   alternating which goes first; both exclude their first step (tracing) and sync every step (the trainer reads
+   the loss, fit's timing callback makes Keras convert its logs). Ratio: trainer tokens/s / fit tokens/s per
+   pair, median (target >= 0.95x); also by median step-to-step time, which a burst of other load moves less. The trainer's time is split from its metrics: waiting for input, inside the
+   step, and between steps (metrics, TensorBoard, progress; the only checkpoint comes after the last timed step).
+The tiny model is the hard case for the input pipeline and per-step overheads: its steps are short.
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from tf_multiworker.launcher.local import PortAllocator
+import bench
 
 REPO = Path(__file__).resolve().parents[1]
-CORPUS = REPO.parent / "shared" / "data" / "shakespeare"
+CORPUS = bench.CORPUS
 STEPS = 60
 READ_SECONDS = 5.0
+FLOOR = {"tiny": {"max_steps": 60, "batch_size_per_worker": 8, "pairs": 3},  # presets x (steps, batch, pairs)
+         "gpt2-124m": {"max_steps": 8, "batch_size_per_worker": 4, "pairs": 2}}
+FLOOR_TARGET = 0.95
 SETTINGS = {
     "tokenizer": "bpe:2048", "block_size": 128, "num_shards": 8, "model": "tiny", "batch_size_per_worker": 8,
     "max_steps": STEPS, "warmup_steps": 5, "learning_rate": 1e-3, "checkpoint_every_steps": STEPS,
@@ -38,7 +52,7 @@ def _train(config: dict, manifest_url: str, out: Path) -> tuple[dict, list[dict]
     config_path = out / "config.json"
     config_path.write_text(json.dumps(config))
     workers = config["num_workers"]
-    addresses = [f"127.0.0.1:{p}" for p in PortAllocator().allocate(workers)] if workers > 1 else []
+    addresses = [f"127.0.0.1:{p}" for p in bench.free_ports(workers)] if workers > 1 else []
     procs = []
     for rank in range(workers):
         env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "HF_HUB_OFFLINE": "1"}
@@ -78,6 +92,124 @@ def _read_rate(manifest_url: str, block_size: int, batch_size: int, seed: int) -
         return batches * batch_size * block_size / (time.perf_counter() - started)
 
 
+def fit_floor(config_path: str, manifest_url: str, out_path: str) -> None:
+    """The floor, in this (fresh) process: plain `model.fit` on what the trainer would train; writes its timings."""
+    import tensorflow as tf
+    import tf_keras
+
+    from trainer import storage
+    from trainer.config import RunConfig
+    from trainer.data import load_manifest, make_dataset, shard_cache_dir, stage_shards, worker_shards
+    from trainer.model import build_model
+    from trainer.optim import GRAD_CLIP_NORM, learning_rate_schedule, make_optimizer
+
+    cfg = RunConfig.from_params(storage.read_json(config_path))
+    tf.config.set_visible_devices([], "GPU")
+    tf_keras.utils.set_random_seed(cfg.seed)
+    manifest = load_manifest(manifest_url)
+    # 1 worker x 1 micro-step: the trainer's only slot reads every training shard, in this seeded order.
+    files = stage_shards(manifest_url, worker_shards(manifest, "train", 0, 1), shard_cache_dir(manifest["fingerprint"]))
+    tokens = make_dataset(files, block_size=cfg.block_size, dtype=manifest["dtype"],
+                          batch_size=cfg.batch_size_per_worker, shuffle=True, seed=cfg.seed, repeat=True)
+    batches = tokens.map(lambda ids: {"input_ids": ids, "labels": ids}).prefetch(tf.data.AUTOTUNE)
+    with tempfile.TemporaryDirectory(prefix="fit-floor-") as work_dir:
+        model = build_model(cfg.model, vocab_size=manifest["tokenizer"]["vocab_size"],
+                            eos_token_id=manifest["tokenizer"]["eos_token_id"], block_size=cfg.block_size,
+                            work_dir=work_dir)
+    optimizer = make_optimizer(cfg, learning_rate_schedule(cfg))
+    optimizer.global_clipnorm = GRAD_CLIP_NORM  # the trainer clips too: both sides do the same update
+    model.compile(optimizer=optimizer)
+
+    class StepTimes(tf_keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.ends = [time.perf_counter()]
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.ends.append(time.perf_counter())
+
+    times = StepTimes()
+    history = model.fit(batches, epochs=1, steps_per_epoch=cfg.max_steps, verbose=0, callbacks=[times])
+    steps = [b - a for a, b in itertools.pairwise(times.ends)]
+    timed_s = times.ends[-1] - times.ends[1]  # the first step (tracing) excluded, as in the trainer
+    tokens_per_step = cfg.batch_size_per_worker * cfg.block_size
+    Path(out_path).write_text(json.dumps({
+        "tokens_per_s": (cfg.max_steps - 1) * tokens_per_step / timed_s, "first_step_s": steps[0],
+        "median_step_s": statistics.median(steps[1:]), "median_interval_s": statistics.median(steps[1:]),
+        "mean_loss": history.history["loss"][-1],  # over the epoch
+    }))
+
+
+def _fit(config: dict, manifest_url: str, out: Path) -> dict:
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(config))
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "HF_HUB_OFFLINE": "1"}
+    env.pop("TF_CONFIG", None)
+    with (out / "fit.log").open("wb") as log:
+        code = subprocess.run(
+            [sys.executable, "-m", "bench.bench_trainer", "--fit", str(out / "config.json"), manifest_url,
+             str(out / "fit.json")], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900, check=False,
+        ).returncode
+    if code:
+        raise RuntimeError(f"model.fit floor failed with exit code {code}:\n"
+                           f"{(out / 'fit.log').read_text(errors='replace')[-3000:]}")
+    return json.loads((out / "fit.json").read_text())
+
+
+def _trainer_breakdown(summary: dict, records: list[dict]) -> dict:
+    """Where the trainer's timed steps went (the first step is not timed)."""
+    timed = records[1:]
+    input_s = sum(r["input_wait_s"] for r in timed)
+    step_s = sum(r["step_time_s"] for r in timed) - input_s
+    train_s = summary["train_time_s"]
+    intervals = [b["time"] - a["time"] for a, b in itertools.pairwise(records)]  # step end to step end
+    return {"input_s": input_s, "step_s": step_s, "between_steps_s": train_s - input_s - step_s, "train_s": train_s,
+            "median_step_s": statistics.median(r["step_time_s"] for r in timed),
+            "median_interval_s": statistics.median(intervals)}
+
+
+def _trainer_side(cfg, manifest_url: str, out: Path) -> dict:
+    summary, records = _train(cfg.to_dict(), manifest_url, out)
+    return {"tokens_per_s": summary["tokens_per_s"], "mean_loss": statistics.mean(r["loss"] for r in records),
+            **_trainer_breakdown(summary, records)}
+
+
+def _floor(base, manifest_url: str, scratch: Path) -> dict:
+    """Trainer vs plain model.fit, per preset: paired fresh processes, alternating order, median ratio."""
+    results = {}
+    for preset, plan in FLOOR.items():
+        cfg = base.replace(model=preset, num_workers=1, grad_accum_steps=1, max_steps=plan["max_steps"],
+                           batch_size_per_worker=plan["batch_size_per_worker"],
+                           warmup_steps=min(5, plan["max_steps"] - 1), checkpoint_every_steps=plan["max_steps"])
+        pairs = []
+        for pair in range(plan["pairs"]):
+            where = scratch / f"floor-{preset}-{pair}"
+
+            measured = {}
+            for side in ("fit", "trainer") if pair % 2 else ("trainer", "fit"):
+                measured[side] = (_trainer_side(cfg, manifest_url, where / side) if side == "trainer"
+                                  else _fit(cfg.to_dict(), manifest_url, where / side))
+            trainer, fit = measured["trainer"], measured["fit"]
+            pairs.append({"trainer": trainer, "fit": fit, "ratio": trainer["tokens_per_s"] / fit["tokens_per_s"],
+                          "interval_ratio": fit["median_interval_s"] / trainer["median_interval_s"]})
+            print(f"  {preset} pair {pair + 1}/{plan['pairs']}: trainer {trainer['tokens_per_s']:,.0f} tokens/s "
+                  f"(median step {1e3 * trainer['median_step_s']:.1f} ms, mean loss {trainer['mean_loss']:.4f}), "
+                  f"model.fit {fit['tokens_per_s']:,.0f} tokens/s (median step {1e3 * fit['median_step_s']:.1f} ms, "
+                  f"mean loss {fit['mean_loss']:.4f}): {pairs[-1]['ratio']:.3f}x", flush=True)
+        ratio = statistics.median(p["ratio"] for p in pairs)
+        interval_ratio = statistics.median(p["interval_ratio"] for p in pairs)
+        split = {key: statistics.median(p["trainer"][key] / p["trainer"]["train_s"] for p in pairs)
+                 for key in ("input_s", "step_s", "between_steps_s")}
+        results[preset] = {"ratio": ratio, "interval_ratio": interval_ratio, "pairs": pairs, "time_shares": split,
+                           "batch": cfg.batch_size_per_worker, "block_size": cfg.block_size, "steps": cfg.max_steps}
+        print(f"{preset} (batch {cfg.batch_size_per_worker} x {cfg.block_size}, {cfg.max_steps} steps): trainer / "
+              f"model.fit = {ratio:.3f}x by tokens/s (median of {len(pairs)} pairs; target >= {FLOOR_TARGET}: "
+              f"{'met' if ratio >= FLOOR_TARGET else 'NOT met'}), {interval_ratio:.3f}x by median step to step "
+              f"time (steadier where other work shares the cores); trainer time: input {100 * split['input_s']:.1f}%, "
+              f"step {100 * split['step_s']:.1f}%, between steps (metrics, TensorBoard, progress) "
+              f"{100 * split['between_steps_s']:.1f}%", flush=True)
+    return results
+
+
 def run(out_dir: Path) -> dict:
     if not sorted(CORPUS.glob("*.txt")):
         message = f"trainer benchmark skipped: no .txt files in {CORPUS} (the shared Shakespeare corpus)."
@@ -111,6 +243,8 @@ def run(out_dir: Path) -> dict:
                   f"{1e3 * steps[len(steps) // 2]:.0f} ms), first step {summary['first_step_s']:.1f} s (not counted)",
                   flush=True)
         read_rate = _read_rate(dataset.manifest_url, base.block_size, base.batch_size_per_worker, base.seed)
+        print("trainer vs plain model.fit, 1 worker:", flush=True)
+        floor = _floor(base, dataset.manifest_url, scratch)
 
     one, two = runs[1]["summary"], runs[2]["summary"]
     per_worker_consumption = two["tokens_per_s"] / 2
@@ -131,6 +265,7 @@ def run(out_dir: Path) -> dict:
         "max_loss_gap_1_vs_2_workers": loss_gap,
         "steps": STEPS,
         "settings": SETTINGS,
+        "floor": floor,
     }
     print(f"hardware: {hardware}")
     print(f"1 vs 2 workers (same global batch 16 x 128 tokens): {one['tokens_per_s']:,.0f} vs "
@@ -141,4 +276,32 @@ def run(out_dir: Path) -> dict:
           f"{figures['read_vs_consumption_1_worker']:.1f}x / {figures['read_vs_consumption_2_workers']:.1f}x "
           "(target >= 5x)")
     print(f"loss curves of 1 worker x 2 micro-steps and 2 workers: max difference {loss_gap:.2e} over {STEPS} steps")
+    figures["rows"] = [
+        {"benchmark": "trainer: input wait share of step time, 1 and 2 workers",
+         "measured": f"{100 * one['input_wait_fraction']:.2f}% / {100 * two['input_wait_fraction']:.2f}%",
+         "target": "< 2%"},
+        {"benchmark": "trainer: tf.data read rate vs training consumption, 1 and 2 workers",
+         "measured": f"{figures['read_vs_consumption_1_worker']:.0f}x / {figures['read_vs_consumption_2_workers']:.0f}x",
+         "target": ">= 5x"},
+        {"benchmark": "trainer: 2 workers vs 1 worker x 2 accumulation, tokens/s (2 cores: overhead only)",
+         "measured": f"{two['tokens_per_s']:,.0f} vs {one['tokens_per_s']:,.0f} = {figures['speedup_2_vs_1']:.2f}x",
+         "target": "reported"},
+        {"benchmark": f"trainer: max loss difference, 2 workers vs 1 worker x 2 accumulation, {STEPS} steps",
+         "measured": f"{loss_gap:.2e}", "target": "exact up to rounding"},
+    ] + [
+        {"benchmark": f"trainer: vs plain `model.fit`, same model, stream and batch, 1 worker, {preset} "
+                      f"(batch {entry['batch']} x {entry['block_size']}); trainer time: input / step / between steps",
+         "measured": f"{entry['ratio']:.2f}x (median of {len(entry['pairs'])} pairs; by median step "
+                     f"{entry['interval_ratio']:.2f}x); "
+                     f"{100 * entry['time_shares']['input_s']:.1f}% / {100 * entry['time_shares']['step_s']:.1f}% / "
+                     f"{100 * entry['time_shares']['between_steps_s']:.1f}%",
+         "target": f">= {FLOOR_TARGET}x"}
+        for preset, entry in floor.items()
+    ]
     return figures
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="the model.fit floor of this benchmark, in its own process")
+    parser.add_argument("--fit", nargs=3, metavar=("CONFIG", "MANIFEST", "OUT"), required=True)
+    fit_floor(*parser.parse_args().fit)

@@ -6,6 +6,7 @@ Everything later tasks need travels in the small dict returned here (XCom): path
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ def build_config(params: Mapping[str, Any]) -> RunConfig:
 
 @uses_run_storage
 def prepare_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str, Any]:
+    started = time.perf_counter()  # the stage's figures count its imports below too
     from airflow.sdk.exceptions import AirflowFailException
     from tf_multiworker.launcher import LaunchError
     from tf_multiworker.registry import make_backend
@@ -44,7 +46,7 @@ def prepare_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str
         raise AirflowFailException(str(exc)) from exc
     log.info("Run configuration (validated):\n  %s", "\n  ".join(cfg.summary_lines()))
 
-    dataset = prepare_dataset(cfg)
+    dataset = prepare_dataset(cfg, started=started)
     manifest = load_manifest(dataset.manifest_url)
     total_steps = cfg.steps_for(dataset.train_sequences)
     run_cfg = cfg.replace(max_steps=total_steps, warmup_steps=min(cfg.warmup_steps, total_steps - 1))

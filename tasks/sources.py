@@ -1,9 +1,10 @@
-"""Where the prepare stage's documents come from: resolving the `dataset` setting and loading it with HF datasets.
+"""Where the prepare stage's documents come from: resolving the `dataset` setting and reading its documents.
 
 `dataset` is a local path, a `file://` or `s3://` URL (a file, a directory or a glob) of `.txt`, `.jsonl`/`.json`
 or `.parquet` files, or a hub dataset id when the machine is online. Plain text files are split into documents
-at blank lines (paragraphs); structured files give one document per row of `text_column`.
-Object-storage files are downloaded with `trainer.storage`, whose S3 endpoint and credentials come from the\nenvironment only.
+at blank lines (paragraphs), read here; structured files give one document per row of `text_column`, read with
+HF datasets. Object-storage files are downloaded with `trainer.storage`, whose S3 endpoint and credentials come
+from the environment only.
 """
 
 from __future__ import annotations
@@ -153,8 +154,35 @@ def _hub_sources(spec: str) -> Sources:
     return Sources(spec=spec, builder="hub", files=(SourceFile(f"hf://datasets/{spec}@{info.sha}", 0, modified),))
 
 
-def load_documents(sources: Sources, text_column: str, cache_dir: Path):
-    """A `datasets.Dataset` with one string column `text`, one row per document, in a stable order."""
+def load_documents(sources: Sources, text_column: str, cache_dir: Path) -> list[str]:
+    """The documents, one string each, in a stable order (file by file, then row or paragraph order).
+
+    Plain text is read here directly: a paragraph is what `datasets`' text builder with `sample_by="paragraph"`
+    yields (universal newlines, split at blank lines, empty pieces dropped), without its multi-second import and
+    Arrow cache. Structured files and hub datasets go through `datasets`.
+    """
+    if sources.builder == "text":
+        return _text_paragraphs(sources, cache_dir / "sources")
+    dataset = _load_with_datasets(sources, text_column, cache_dir)
+    return [text or "" for text in dataset.data.column(TEXT).to_pylist()]
+
+
+def _text_paragraphs(sources: Sources, directory: Path) -> list[str]:
+    documents: list[str] = []
+    for source, path in zip(sources.files, _local_copies(sources, directory), strict=True):
+        data = Path(path).read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise SourceError(_not_utf8(source.url, data, bad)) from bad
+        if "\r" in text:  # what open()'s universal newlines do
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
+        documents += [paragraph for paragraph in text.split("\n\n") if paragraph]
+    return documents
+
+
+def _load_with_datasets(sources: Sources, text_column: str, cache_dir: Path):
+    """A `datasets.Dataset` with one string column `text`, one row per document."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -164,16 +192,12 @@ def load_documents(sources: Sources, text_column: str, cache_dir: Path):
         dataset = datasets.load_dataset(name, revision=revision, **options)
     else:
         options["data_files"] = _local_copies(sources, cache_dir / "sources")
-        if sources.builder == "text":
-            options["sample_by"] = "paragraph"
         try:
             dataset = datasets.load_dataset(sources.builder, **options)
         except Exception as error:
             _raise_for_contents(sources, error)
             raise
     if text_column not in dataset.column_names:
-        if sources.builder == "text":
-            return dataset
         raise SourceError(
             f"Setting 'text_column' = {text_column!r} is not a column of {sources.spec!r}: the columns are "
             f"{dataset.column_names}. Set 'text_column' to the one holding the text."
@@ -224,11 +248,15 @@ def _raise_for_contents(sources: Sources, error: BaseException) -> None:
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as bad:
-            raise SourceError(
-                f"Source file {source.url} is not valid UTF-8: byte 0x{data[bad.start]:02x} at offset {bad.start}. "
-                "Re-encode it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or remove it from 'dataset'."
-            ) from error
+            raise SourceError(_not_utf8(source.url, data, bad)) from error
     raise SourceError(f"A source file of {sources.spec!r} is not valid UTF-8 ({cause}).") from error
+
+
+def _not_utf8(url: str, data: bytes, bad: UnicodeDecodeError) -> str:
+    return (
+        f"Source file {url} is not valid UTF-8: byte 0x{data[bad.start]:02x} at offset {bad.start}. "
+        "Re-encode it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or remove it from 'dataset'."
+    )
 
 
 def _names(sources: Sources) -> str:

@@ -7,9 +7,11 @@ and published with the manifest last, so a run that dies leaves no manifest and 
 local roots get the whole staged directory renamed into place, object stores get the shards uploaded first and
 `manifest.json` written after them.
 
-Parallelism: documents are tokenized in contiguous batches by the fast tokenizer's `encode_batch`, which spreads
-each batch over every available core (its own thread pool); the ids (EOS after every document) are appended to one
-flat file per split, then the streams are cut into `block_size` sequences and equal shards.
+Tokenizing, at the tokenizer's own speed: `encode_batch_fast` (no character offsets) spreads each batch over every
+core with the tokenizer's thread pool while one writer thread appends the previous batch's ids to one flat file
+per split (EOS after every document). Consecutive documents of a split go into one tokenizer input joined by the
+EOS text where that provably gives the same ids, which saves a Python object per document. Then the streams are
+cut into `block_size` sequences and equal shards.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import hashlib
 import itertools
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.sources import TEXT, SourceError, Sources, load_documents, resolve_sources
+from tasks.sources import SourceError, Sources, load_documents, resolve_sources
 from tasks.tfrecord import write_sequence_records
 from trainer import storage
 from trainer.config import RunConfig
@@ -93,12 +96,16 @@ def identify_dataset(cfg: RunConfig) -> DatasetIdentity:
     return DatasetIdentity(sources, plan, settings, dataset_fingerprint(sources, plan, settings))
 
 
-def prepare_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0) -> PreparedDataset:
+def prepare_dataset(
+    cfg: RunConfig, *, progress_interval_s: float = 5.0, started: float | None = None,
+) -> PreparedDataset:
     """Tokenize `cfg.dataset` into shards + manifest under `cfg.storage_root`, or reuse a complete earlier result.
 
+    `started` is the `time.perf_counter()` at which the calling task began (default: this call), so that the rate
+    logged counts the stage's start-up too: imports on first use, loading the tokenizer, reading the sources.
     Raises `PrepareError` naming the file, key or setting at fault; on any failure no manifest is published.
     """
-    started = time.perf_counter()
+    started = time.perf_counter() if started is None else started
     layout = StorageLayout(cfg.storage_root)
     identity = identify_dataset(cfg)
     sources, plan, settings, fingerprint = identity.sources, identity.tokenizer, identity.settings, identity.fingerprint
@@ -116,15 +123,23 @@ def prepare_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0) -> Prep
 
     _check_writable(cfg.storage_root)
     with tempfile.TemporaryDirectory(prefix=f"prepare-{fingerprint}-") as workdir, _staging(layout, fingerprint) as stage:
-        manifest, tokenized = _build(cfg, sources, plan, settings, fingerprint, stage, Path(workdir), progress_interval_s)
+        manifest, stats = _build(cfg, sources, plan, settings, fingerprint, stage, Path(workdir), progress_interval_s)
         _publish(stage, layout.dataset(fingerprint), manifest)
     elapsed = time.perf_counter() - started
+    start_up = stats.began - started
     log.info(
-        "published %s: %d train / %d validation sequences; %d tokens in %.1fs (%s tokens/s end to end)",
-        manifest_url, manifest["splits"]["train"]["sequences"], manifest["splits"]["validation"]["sequences"],
-        tokenized, elapsed, _human_rate(tokenized / elapsed),
+        "published %s: %d train / %d validation sequences", manifest_url, manifest["splits"]["train"]["sequences"],
+        manifest["splits"]["validation"]["sequences"],
     )
-    return _result(manifest_url, manifest, cache_hit=False, tokenized=tokenized, started=started)
+    log.info(
+        "prepare: %d tokens in %.2fs = %s tokens/s end to end on %d core(s): start-up %.2fs (imports, tokenizer, "
+        "reading), tokenizing %.2fs at %s tokens/s with %.1f cores busy, shards and publishing %.2fs; end to end "
+        "ran at %.2fx the tokenizing rate",
+        stats.tokens, elapsed, _human_rate(stats.tokens / elapsed), stats.cores, start_up, stats.wall_s,
+        _human_rate(stats.tokens / max(stats.wall_s, 1e-9)), stats.cpu_s / max(stats.wall_s, 1e-9),
+        elapsed - start_up - stats.wall_s, stats.wall_s / elapsed,
+    )
+    return _result(manifest_url, manifest, cache_hit=False, tokenized=stats.tokens, started=started)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -190,9 +205,9 @@ def plan_tokenizer(cfg: RunConfig) -> TokenizerPlan:
         # Trained on the training split, so sources and settings (in the fingerprint too) determine it fully.
         return TokenizerPlan(cfg.tokenizer, _sha256_text(f"{BPE_RECIPE}:{vocab}:{EOS_TOKEN}"), _dtype_for(vocab), None)
     tokenizer = load_pretrained_tokenizer(cfg.tokenizer)
-    identity = json.dumps(
-        {"model": json.loads(tokenizer.backend_tokenizer.to_str()), "eos": tokenizer.eos_token}, sort_keys=True
-    )
+    # The serialized tokenizer as it is: deterministic for a tokenizers version (vocabularies in id order), and
+    # hashing it directly saves parsing and re-sorting megabytes of JSON on every run, cache hits included.
+    identity = f"eos={tokenizer.eos_token!r}\n{tokenizer.backend_tokenizer.to_str()}"
     return TokenizerPlan(cfg.tokenizer, _sha256_text(identity), _dtype_for(len(tokenizer)), tokenizer)
 
 
@@ -295,7 +310,7 @@ def _check_writable(root: str) -> None:
 def _build(
     cfg: RunConfig, sources: Sources, plan: TokenizerPlan, settings: dict[str, Any], fingerprint: str,
     stage: Path, workdir: Path, progress_interval_s: float,
-) -> tuple[dict[str, Any], int]:
+) -> tuple[dict[str, Any], TokenizeStats]:
     try:
         documents = load_documents(sources, cfg.text_column, workdir / "hf-cache")
     except SourceError as error:
@@ -315,10 +330,11 @@ def _build(
     tokenizer = plan.pretrained or train_bpe(documents, is_validation, cfg.bpe_vocab_size, progress_interval_s)
     tokenizer.save_pretrained(str(stage / TOKENIZER_DIR))
     eos = tokenizer.eos_token_id
-    streams, tokenized = tokenize_to_streams(
-        documents, tokenizer.backend_tokenizer, eos, np.dtype(plan.dtype), is_validation, workdir, progress_interval_s
+    streams, stats = tokenize_to_streams(
+        documents, tokenizer.backend_tokenizer, tokenizer.eos_token, eos, np.dtype(plan.dtype), is_validation,
+        workdir, progress_interval_s,
     )
-    if tokenized == count:  # nothing but the EOS after every document
+    if stats.tokens == count:  # nothing but the EOS after every document
         raise PrepareError(f"Dataset {cfg.dataset!r} contains no text: {_file_list(sources)} yield no tokens.")
 
     block, per_record = cfg.block_size, settings["sequences_per_record"]
@@ -362,7 +378,7 @@ def _build(
         "settings": settings,
         "splits": splits,
     }
-    return manifest, tokenized
+    return manifest, stats
 
 
 def validation_mask(count: int, val_fraction: float, seed: int) -> np.ndarray:
@@ -376,7 +392,7 @@ def validation_mask(count: int, val_fraction: float, seed: int) -> np.ndarray:
     return mask
 
 
-def train_bpe(documents, is_validation: np.ndarray, vocab_size: int, progress_interval_s: float = 5.0):
+def train_bpe(documents: list[str], is_validation: np.ndarray, vocab_size: int, progress_interval_s: float = 5.0):
     """A byte-level BPE (GPT-2 style) trained on the training documents, as a transformers fast tokenizer."""
     from tokenizers import (
         Tokenizer,
@@ -406,12 +422,12 @@ def train_bpe(documents, is_validation: np.ndarray, vocab_size: int, progress_in
 
 
 def _training_texts(
-    documents, is_validation: np.ndarray, progress_interval_s: float, batch: int = 4096,
+    documents: list[str], is_validation: np.ndarray, progress_interval_s: float, batch: int = 4096,
 ) -> Iterator[list[str]]:
     """The training documents in batches, logging how far the BPE trainer has read (merges come after)."""
     last = time.perf_counter()
     for start in range(0, len(documents), batch):
-        texts = documents[start:start + batch][TEXT]
+        texts = documents[start:start + batch]
         yield [text for text, held_out in zip(texts, is_validation[start:start + batch]) if text and not held_out]
         if time.perf_counter() - last >= progress_interval_s:
             last = time.perf_counter()
@@ -419,58 +435,152 @@ def _training_texts(
     log.info("BPE training: all documents counted, computing merges")
 
 
-def _encode_texts(tokenizer, texts: list[str], eos: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of `texts`, EOS after each, concatenated; and tokens per document (EOS included)."""
-    # encode_batch_fast skips the character offsets, which packing never needs; it spreads the batch over every
-    # core with the tokenizer's own thread pool.
-    ids = [encoding.ids for encoding in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
-    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)) + 1
-    packed = np.full(int(lengths.sum()), eos, dtype=dtype)
-    is_text = np.ones(len(packed), dtype=bool)
-    is_text[np.cumsum(lengths) - 1] = False
-    packed[is_text] = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=len(packed) - len(ids))
-    return packed, lengths
+UNIT_CHARS = 8 << 10  # documents joined into one tokenizer input of about this many characters
+INPUTS_PER_CORE = 32  # tokenizer inputs per encode call and core: work for the whole pool, small steps to overlap
+
+
+@dataclass(frozen=True)
+class TokenizeStats:
+    """What the tokenizing step did and where its time went (for the task log and the benchmark)."""
+
+    tokens: int  # written to the streams, EOS separators included
+    documents: int
+    began: float  # time.perf_counter() at the start of the step
+    cores: int  # the cores this process may run on, which size the tokenizer's thread pool
+    wall_s: float
+    cpu_s: float  # CPU time of all this process's threads over the step
+    joined: bool  # documents were encoded joined by the EOS text (see `_joins_at_eos`)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Tokenizer inputs for one encode call, each holding documents of one split only."""
+
+    texts: list[str]
+    held_out: list[bool]  # per input
+    documents: int
+    chars: int
+
+
+def _batches(documents: list[str], lengths: np.ndarray, is_validation: np.ndarray, eos_token: str, joined: bool,
+             inputs_per_batch: int) -> Iterator[_Batch]:
+    """Tokenizer inputs: the training documents in order, then the validation documents in order (each split has
+    its own stream), cut about every `UNIT_CHARS` characters and joined by the EOS text (each input ending with
+    it); single documents when not `joined`."""
+    order = np.argsort(is_validation, kind="stable")
+    documents, lengths, is_validation = [documents[i] for i in order.tolist()], lengths[order], is_validation[order]
+    if joined:
+        split_runs = np.cumsum(np.diff(is_validation.astype(np.int8), prepend=is_validation[:1]) != 0)
+        chars_before = np.cumsum(lengths) - lengths
+        unit = split_runs * (int(lengths.sum()) // UNIT_CHARS + 1) + chars_before // UNIT_CHARS
+        starts = np.flatnonzero(np.diff(unit, prepend=-1)).tolist() + [len(documents)]
+    else:
+        starts = list(range(len(documents) + 1))
+    char_ends = np.cumsum(lengths)
+    for first in range(0, len(starts) - 1, inputs_per_batch):
+        bounds = starts[first:first + inputs_per_batch + 1]
+        texts = [eos_token.join(documents[a:b]) + eos_token if joined else documents[a]
+                 for a, b in itertools.pairwise(bounds)]
+        begin, end = bounds[0], bounds[-1]
+        yield _Batch(texts=texts, held_out=is_validation[bounds[:-1]].tolist(), documents=end - begin,
+                     chars=int(char_ends[end - 1] - (char_ends[begin - 1] if begin else 0)))
+
+
+def _joins_at_eos(tokenizer, eos_token: str, sample: list[str]) -> bool:
+    """Whether documents joined by the EOS text encode to exactly each document's ids followed by the EOS id.
+
+    It holds when the EOS is an added token matched on the raw text with nothing stripped around it (the tokenizer
+    then cuts its input at every EOS before normalizing and pre-tokenizing, so the pieces are encoded as if alone)
+    and no other added token can match across a document boundary. A sample is also encoded both ways, which
+    catches what the token flags cannot show: a pre-tokenizer that treats only the start of the input specially
+    (Metaspace with prepend_scheme "first"), or special tokens not matched in text (encode_special_tokens).
+    """
+    added = tokenizer.get_added_tokens_decoder()
+    eos_ids = [index for index, token in added.items() if token.content == eos_token]
+    if len(eos_ids) != 1:
+        return False
+    eos = added[eos_ids[0]]
+    if eos.normalized or eos.lstrip or eos.rstrip or eos.single_word:
+        return False
+    for token in added.values():
+        other = token.content
+        if other != eos_token and (eos_token in other or any(
+            other.endswith(eos_token[:k]) or other.startswith(eos_token[k:]) for k in range(1, len(eos_token))
+        )):
+            return False
+    probe = [*sample, "", " leading space", "trailing newline\n"]
+    separate = [encoding.ids for encoding in tokenizer.encode_batch_fast(probe, add_special_tokens=False)]
+    together = tokenizer.encode(eos_token.join(probe) + eos_token, add_special_tokens=False).ids
+    return together == [token for ids in separate for token in (*ids, eos_ids[0])]
+
+
+def _without_truncation(tokenizer):
+    """The tokenizer, or a copy that neither truncates nor pads: every token of a document is packed."""
+    if tokenizer.truncation is None and tokenizer.padding is None:
+        return tokenizer
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(tokenizer.to_str())
+    copy.no_truncation()
+    copy.no_padding()
+    return copy
 
 
 def tokenize_to_streams(
-    documents, tokenizer, eos: int, dtype: np.dtype, is_validation: np.ndarray, workdir: Path,
-    progress_interval_s: float,
-) -> tuple[dict[str, Path], int]:
-    """Append every document's ids + EOS to `train.bin` / `validation.bin` in document order; returns the paths and
-    the number of tokens written."""
-    import pyarrow.compute as pc
+    documents: list[str], tokenizer, eos_token: str, eos: int, dtype: np.dtype, is_validation: np.ndarray,
+    workdir: Path, progress_interval_s: float,
+) -> tuple[dict[str, Path], TokenizeStats]:
+    """Append every document's ids + EOS to `train.bin` / `validation.bin` in document order.
 
-    count = len(documents)
-    texts = documents.data.column(TEXT)  # load_documents adds no indices mapping: table rows are the documents
-    text_bytes = np.asarray(pc.binary_length(texts).fill_null(0), dtype=np.int64)
+    This thread calls `encode_batch_fast` (no character offsets, which packing never needs), which spreads each
+    batch over every core with the tokenizer's own thread pool and releases the GIL meanwhile; one writer thread
+    turns the previous batch into ids and appends them, so writing overlaps tokenizing.
+    """
+    tokenizer = _without_truncation(tokenizer)
+    joined = _joins_at_eos(tokenizer, eos_token, documents[:64])
     cores = len(os.sched_getaffinity(0))
-    # Batches large enough to keep every core busy, small enough for a progress line every few seconds.
-    chunk = max(64, min(4096, math.ceil(count / 16)))
-    ranges = [(start, min(start + chunk, count)) for start in range(0, count, chunk)]
-    progress = _Progress(count, int(text_bytes.sum()), progress_interval_s)
+    lengths = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
+    progress = _Progress(len(documents), int(lengths.sum()), progress_interval_s)
     streams = {"train": workdir / "train.bin", "validation": workdir / "validation.bin"}
-    log.info("tokenizing %d documents (%s) on %d core(s)", count, _human_bytes(progress.total_bytes), cores)
+    log.info("tokenizing %d documents (%s characters) on %d core(s)%s", len(documents),
+             _human_count(progress.total_chars), cores,
+             "" if joined else "; one document per tokenizer input (joining them at the EOS would change the ids)")
 
-    with _tokenizer_threads(), open(streams["train"], "wb") as train, open(streams["validation"], "wb") as validation:
-        for start, stop in ranges:
-            # Straight from the memory-mapped Arrow column: cheaper than the datasets row formatting.
-            batch = [text or "" for text in texts.slice(start, stop - start).to_pylist()]
-            ids, lengths = _encode_texts(tokenizer, batch, eos, dtype)
-            held_out = np.repeat(is_validation[start:stop], lengths)
-            train.write(ids[~held_out].tobytes())
-            validation.write(ids[held_out].tobytes())
-            progress.advance(stop - start, int(text_bytes[start:stop].sum()), len(ids))
+    def append(batch: _Batch, encodings, outputs) -> None:
+        if joined:  # every input ends with the EOS already
+            ids = [np.fromiter(e.ids, dtype=dtype, count=len(e)) for e in encodings]
+        else:
+            ids = [np.fromiter(itertools.chain(e.ids, (eos,)), dtype=dtype, count=len(e) + 1) for e in encodings]
+        for held_out, output in zip((False, True), outputs, strict=True):
+            chunks = [chunk for chunk, held in zip(ids, batch.held_out, strict=True) if held == held_out]
+            if chunks:
+                output.write(np.concatenate(chunks).tobytes())
+        progress.advance(batch.documents, batch.chars, sum(map(len, ids)))
+
+    began, cpu_began = time.perf_counter(), time.process_time()
+    with _tokenizer_threads(), open(streams["train"], "wb") as train, open(streams["validation"], "wb") as validation, \
+            ThreadPoolExecutor(1, thread_name_prefix="prepare-writer") as writer:
+        pending = None
+        for batch in _batches(documents, lengths, is_validation, eos_token, joined, INPUTS_PER_CORE * cores):
+            encodings = tokenizer.encode_batch_fast(batch.texts, add_special_tokens=False)
+            if pending is not None:
+                pending.result()
+            pending = writer.submit(append, batch, encodings, (train, validation))
+        if pending is not None:
+            pending.result()
     progress.finish()
-    return streams, progress.tokens
+    stats = TokenizeStats(tokens=progress.tokens, documents=len(documents), began=began, cores=cores,
+                          wall_s=time.perf_counter() - began, cpu_s=time.process_time() - cpu_began, joined=joined)
+    return streams, stats
 
 
 @contextlib.contextmanager
 def _tokenizer_threads():
     """Let the tokenizer use every core even where the environment switched its thread pool off.
 
-    Threads inside this process, not a process pool: a forked child of the threaded Airflow task process can
-    deadlock on a lock held at fork time, and a spawned one re-imports the `airflow` entry script, which fails
-    inside a task (no metadata database there).
+    Threads inside this process (the tokenizer's pool and one writer), not a process pool: a forked child of the
+    threaded Airflow task process can deadlock on a lock held at fork time, and a spawned one re-imports the
+    `airflow` entry script, which fails inside a task (no metadata database there).
     """
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
@@ -484,28 +594,30 @@ def _tokenizer_threads():
 
 
 class _Progress:
-    """Logs documents, tokens, tokens/s and ETA (by text bytes) at most every `interval_s` seconds."""
+    """Logs documents, tokens, tokens/s and ETA (by characters) at most every `interval_s` seconds; thread-safe."""
 
-    def __init__(self, total_documents: int, total_bytes: int, interval_s: float):
-        self.total_documents, self.total_bytes, self.interval_s = total_documents, total_bytes, interval_s
-        self.documents = self.bytes = self.tokens = 0
+    def __init__(self, total_documents: int, total_chars: int, interval_s: float):
+        self.total_documents, self.total_chars, self.interval_s = total_documents, total_chars, interval_s
+        self.documents = self.chars = self.tokens = 0
         self.started = self.last = time.perf_counter()
+        self._lock = threading.Lock()
 
-    def advance(self, documents: int, text_bytes: int, tokens: int) -> None:
-        self.documents += documents
-        self.bytes += text_bytes
-        self.tokens += tokens
-        now = time.perf_counter()
-        if now - self.last >= self.interval_s:
-            self.last = now
-            self._log(now)
+    def advance(self, documents: int, chars: int, tokens: int) -> None:
+        with self._lock:
+            self.documents += documents
+            self.chars += chars
+            self.tokens += tokens
+            now = time.perf_counter()
+            if now - self.last >= self.interval_s:
+                self.last = now
+                self._log(now)
 
     def finish(self) -> None:
         self._log(time.perf_counter())
 
     def _log(self, now: float) -> None:
         elapsed = max(now - self.started, 1e-9)
-        done = self.bytes / self.total_bytes if self.total_bytes else 1.0
+        done = self.chars / self.total_chars if self.total_chars else 1.0
         eta = elapsed * (1 - done) / done if done > 0 else float("inf")
         log.info(
             "tokenized %d/%d documents (%.0f%%), %d tokens, %s tokens/s, ETA %.0fs",
@@ -622,6 +734,10 @@ def _sha256_text(text: str) -> str:
 
 def _human_bytes(count: float) -> str:
     return f"{count / 2**20:.1f} MB" if count >= 2**20 else f"{count / 2**10:.1f} KB"
+
+
+def _human_count(count: float) -> str:
+    return f"{count / 1e6:.1f}M" if count >= 1e6 else f"{count / 1e3:.1f}k"
 
 
 def _human_rate(rate: float) -> str:

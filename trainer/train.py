@@ -196,20 +196,26 @@ class TrainState:
         gradient_scale = 1.0 / (micro_steps * strategy.num_replicas_in_sync)
         loss_scaling = cfg.mixed_precision == "fp16"
 
+        def micro_step(tokens):
+            with tf.GradientTape() as tape:
+                loss = causal_lm_loss(model, tokens, training=True)
+                scaled = loss * gradient_scale
+                if loss_scaling:
+                    scaled = optimizer.get_scaled_loss(scaled)
+            gradients = tape.gradient(scaled, variables)
+            if loss_scaling:
+                gradients = optimizer.get_unscaled_gradients(gradients)
+            return [tf.convert_to_tensor(g) for g in gradients], loss
+
         @tf.function(jit_compile=cfg.xla)
         def accumulate_gradients(micro_batches):
+            if micro_steps == 1:  # nothing to add up: no zero buffers and no loop, ops a small model's step feels
+                return micro_step(micro_batches[0])
             gradients = [tf.zeros_like(v) for v in variables]
             loss_sum = tf.constant(0.0)
             for index in tf.range(micro_steps):
-                with tf.GradientTape() as tape:
-                    loss = causal_lm_loss(model, micro_batches[index], training=True)
-                    scaled = loss * gradient_scale
-                    if loss_scaling:
-                        scaled = optimizer.get_scaled_loss(scaled)
-                micro_gradients = tape.gradient(scaled, variables)
-                if loss_scaling:
-                    micro_gradients = optimizer.get_unscaled_gradients(micro_gradients)
-                gradients = [total + tf.convert_to_tensor(g) for total, g in zip(gradients, micro_gradients)]
+                micro_gradients, loss = micro_step(micro_batches[index])
+                gradients = [total + g for total, g in zip(gradients, micro_gradients)]
                 loss_sum += loss
             return gradients, loss_sum / micro_steps
 
@@ -221,16 +227,18 @@ class TrainState:
             optimizer.apply_gradients(zip(gradients, variables), skip_gradients_aggregation=True)
             return loss, norm
 
+        schedule = self.schedule
+
         @tf.function
         def train_step(micro_batches):
+            # This step's rate, read before apply_gradients advances the count: in the graph, not as eager ops
+            # between steps (which cost the tiny model a few percent of its step time).
+            learning_rate = schedule(optimizer.iterations)
             loss, norm = strategy.run(replica_step, args=(micro_batches,))
             mean = tf.distribute.ReduceOp.MEAN
-            return strategy.reduce(mean, loss, axis=None), strategy.reduce(mean, norm, axis=None)
+            return strategy.reduce(mean, loss, axis=None), strategy.reduce(mean, norm, axis=None), learning_rate
 
         self.train_step = train_step
-
-    def learning_rate(self, step: int) -> float:
-        return float(self.schedule(step))
 
     def check_same_step_everywhere(self, rank: int) -> None:
         """Every worker must resume from the same checkpoint, or the all-reduces would mix different steps."""
@@ -333,7 +341,7 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gp
         begin = time.perf_counter()
         micro_batches = next(iterator)
         fetched = time.perf_counter()
-        loss_tensor, grad_norm = state.train_step(micro_batches)
+        loss_tensor, grad_norm, learning_rate = state.train_step(micro_batches)
         loss = float(loss_tensor)  # waits for the step: the timings below are real
         end = time.perf_counter()
         step = times.step = times.step + 1
@@ -350,7 +358,7 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gp
             times.input_wait_s += fetched - begin
         times.timed_until = end
         record = {
-            "step": step, "loss": loss, "learning_rate": state.learning_rate(step - 1),
+            "step": step, "loss": loss, "learning_rate": float(learning_rate),
             "tokens_per_s": job.tokens_per_step / (end - begin), "step_time_s": end - begin,
             "input_wait_s": fetched - begin, "tokens_seen": step * job.tokens_per_step, "time": time.time(),
             "grad_norm": float(grad_norm), **gpu.sample(),

@@ -137,7 +137,11 @@ def test_shards_reproduce_the_packed_token_stream(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="gpt_finetune.prepare"):
         result = prepare_dataset(cfg, progress_interval_s=0.0)
     assert not result.cache_hit
-    assert any("tokens/s, ETA" in record.getMessage() for record in caplog.records)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("tokens/s, ETA" in message for message in messages)
+    # The figure users see: the rate over the whole stage, its start-up included, with the cores it had.
+    summary = next(message for message in messages if message.startswith("prepare: "))
+    assert f"tokens/s end to end on {len(os.sched_getaffinity(0))} core(s): start-up " in summary, summary
 
     manifest = storage.read_json(result.manifest_url)
     files = dataset_files(result.manifest_url)
@@ -315,6 +319,66 @@ def test_structured_sources_use_the_text_column(tmp_path):
     assert manifest["settings"]["text_column"] == "body"
 
 
+def shard_tokens(manifest_url: str, split: str) -> np.ndarray:
+    files = dataset_files(manifest_url)
+    shards = storage.read_json(manifest_url)["splits"][split]["shards"]
+    return np.concatenate([np.frombuffer(r, "<u2") for s in shards for r in read_tfrecords(files[s["name"]])])
+
+
+def test_documents_are_joined_at_the_eos_only_where_that_keeps_the_ids(tmp_path, caplog):
+    """The stage encodes runs of documents joined by the EOS text when that gives the same ids. A tokenizer that
+    treats only the start of its input specially (Metaspace, prepend_scheme "first") must get one document per
+    input instead, and the same ids as tokenizing each document alone."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    documents = sample_documents()
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(prepend_scheme="first")
+    backend.train_from_iterator(documents, trainers.BpeTrainer(vocab_size=400, special_tokens=["</s>"],
+                                                               show_progress=False))
+    eos = backend.token_to_id("</s>")
+    separately = [t for ids in backend.encode_batch(documents[:3]) for t in (*ids.ids, eos)]
+    assert backend.encode("</s>".join(documents[:3]) + "</s>").ids != separately  # joining would change the ids
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>").save_pretrained(str(tmp_path / "metaspace"))
+
+    for tokenizer, joined in ((str(tmp_path / "metaspace"), False), ("bpe:512", True)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="gpt_finetune.prepare"):
+            result = prepare_dataset(config(tmp_path, tokenizer=tokenizer, num_workers=1))
+        reference = AutoTokenizer.from_pretrained(str(Path(result.manifest_url).parent / "tokenizer"))
+        cfg = config(tmp_path, tokenizer=tokenizer, num_workers=1)
+        held_out = validation_mask(len(documents), cfg.val_fraction, cfg.seed)
+        ids = reference(documents, add_special_tokens=False)["input_ids"]
+        for split, wanted in (("train", False), ("validation", True)):
+            stream = [t for doc, is_val in zip(ids, held_out) if is_val == wanted
+                      for t in (*doc, reference.eos_token_id)]
+            packed = shard_tokens(result.manifest_url, split)
+            assert 0 < len(packed) <= len(stream)
+            np.testing.assert_array_equal(packed, stream[:len(packed)])
+        logged = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenizing "))
+        assert ("one document per tokenizer input" in logged) is not joined, logged
+
+
+def test_text_files_give_the_paragraphs_of_datasets_text_builder(tmp_path):
+    """Plain text is read without `datasets` now; its documents must stay those of `sample_by="paragraph"`."""
+    import datasets
+
+    from tasks.sources import load_documents, resolve_sources
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_bytes(b"\n\nfirst paragraph\nsecond line\n\n\n\nafter three blank lines\n\n")
+    (corpus / "b.txt").write_bytes(b"windows\r\nlines\r\n\r\nold mac\rline\r\rend without newline")
+    (corpus / "c.txt").write_bytes(b"")
+    sources = resolve_sources(str(corpus / "*.txt"), REPO)
+    reference = datasets.load_dataset("text", data_files=[f.url for f in sources.files], sample_by="paragraph",
+                                      split="train", cache_dir=str(tmp_path / "hf"))["text"]
+    assert load_documents(sources, "text", tmp_path / "work") == reference
+    assert len(reference) == 5
+
+
 def test_a_pretrained_tokenizer_directory_is_used_as_is(tmp_path):
     from transformers import AutoTokenizer
 
@@ -328,9 +392,7 @@ def test_a_pretrained_tokenizer_directory_is_used_as_is(tmp_path):
 
 
 def test_tokenizer_and_model_config_from_object_storage(tmp_path, s3_bucket):
-    import datasets
-
-    documents = datasets.Dataset.from_dict({"text": sample_documents()[:400]})
+    documents = sample_documents()[:400]
     train_bpe(documents, np.zeros(len(documents), dtype=bool), 300).save_pretrained(str(tmp_path / "tok"))
     for path in (tmp_path / "tok").iterdir():
         storage.upload_file(path, f"{s3_bucket}/tok/{path.name}")

@@ -171,6 +171,12 @@ def test_outputs_follow_the_contract(runs):
             assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # one record per step, none lost
             assert all(METRIC_KEYS <= set(r) for r in records)
             assert all(math.isfinite(r["loss"]) and r["input_wait_s"] >= 0 for r in records)
+            # The rate each step used: linear warmup from lr / (warmup + 1) to lr, then cosine decay.
+            rates, warmup, peak = [r["learning_rate"] for r in records], BASE_CONFIG["warmup_steps"], \
+                BASE_CONFIG["learning_rate"]
+            assert rates[0] == pytest.approx(peak / (warmup + 1)) and rates[warmup] == pytest.approx(peak)
+            assert rates[:warmup + 1] == sorted(set(rates[:warmup + 1]))
+            assert rates[warmup:] == sorted(rates[warmup:], reverse=True) and rates[-1] < peak / 2
         assert list((job.output / "tensorboard").glob("events.out.tfevents.*"))
         assert {"config.json", "tf_model.h5", "tokenizer.json"} <= {p.name for p in (job.output / "model").iterdir()}
         assert latest_checkpoint_step(job.output / "checkpoints") == STEPS
