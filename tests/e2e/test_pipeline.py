@@ -222,26 +222,13 @@ def test_a_release_that_cannot_record_its_result_fails_the_run_and_says_why(airf
     assert processes_of_run(run_key(DAG, run_id)) == {}
 
 
-def test_storage_credentials_only_in_an_airflow_connection(airflow_stack, s3_endpoint, tmp_path):
+def test_storage_credentials_only_in_an_airflow_connection(airflow_stack, connection_storage_run):
     """S3 storage whose endpoint and keys exist only in an Airflow connection: every task reaches it, release
-    included, and the secret appears in no log."""
-    import boto3
-
-    secret = f"conn-only-secret-{time.time_ns()}"
+    included, and the secret appears in no log (the run: tests/e2e/conftest.py, shared with the SSH comparison)."""
     assert not [name for name in airflow_stack.env if name.startswith("AWS_")]
-    bucket = f"conn-only-{time.time_ns()}"
-    client = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="conn-only-key",
-                          aws_secret_access_key=secret, region_name="us-east-1")
-    client.create_bucket(Bucket=bucket)
-    connection = tmp_path / "connections.json"
-    connection.write_text(json.dumps({"run_storage": {
-        "conn_type": "aws", "login": "conn-only-key", "password": secret,
-        "extra": json.dumps({"endpoint_url": s3_endpoint, "region_name": "us-east-1"})}}))
-    airflow_stack.cli("connections", "import", str(connection), "--overwrite")
-
-    run_id = trigger(airflow_stack, {**FAST, "baseline": "skip", "storage_root": f"s3://{bucket}/gpt",
-                                     "storage_conn_id": "run_storage"})
-    assert airflow_stack.wait_for_run(DAG, run_id, timeout=600) == "success"
+    run_id, secret, bucket, client = (connection_storage_run.run_id, connection_storage_run.secret,
+                                      connection_storage_run.bucket, connection_storage_run.client)
+    assert connection_storage_run.state == "success"
     assert set(airflow_stack.task_states(DAG, run_id).values()) <= {"success", "skipped"}
 
     key = run_key(DAG, run_id)
