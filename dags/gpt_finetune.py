@@ -1,4 +1,4 @@
-"""gpt_finetune: tokenize -> preflight -> multi-worker training -> baseline comparison -> release.
+"""gpt_finetune: tokenize -> preflight -> multi-worker training -> baseline comparison -> promotion -> release.
 
 Thin on purpose: this file is parsed every few seconds by the DAG processor, so it imports only the Task SDK and
 pendulum at top level. Task logic lives in `tasks/`, worker code in `trainer/`, the operator in `plugins/`.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import pendulum
-from airflow.sdk import Asset, Param, dag, task
+from airflow.sdk import Asset, AssetAlias, Param, dag, task
 from tf_multiworker.registry import BACKEND_NAMES, BACKENDS  # one light table: no launcher import at parse time
 
 # Cron expression of the nightly run; "none" leaves only manual and API triggers.
@@ -21,6 +21,9 @@ RETRY_DELAY_S = int(os.environ.get("GPT_FINETUNE_RETRY_DELAY_S", "30"))
 PREPARE = "prepare"
 # Updated by every successful prepare; its event's extra names the manifest, so other DAGs can schedule on it.
 SHARDS_ASSET = Asset(name="gpt_finetune_shards", uri="gpt-finetune://datasets/shards")
+# Updated only when a run is promoted (an alias outlet emits no event by itself); its extra names the version.
+MODEL_ASSET = Asset(name="gpt_finetune_model", uri="gpt-finetune://models/latest")
+PROMOTIONS = AssetAlias(name="gpt_finetune_promotions")
 
 # One entry per RunConfig field (trainer/config.py): the trigger form and --conf both go through these, and
 # RunConfig.from_params re-checks everything, including keys Airflow does not know.
@@ -58,8 +61,9 @@ PARAMS = {
                        description="bpe:<vocab> trains a byte-level BPE offline; else a hub name or a path/URL "
                                    "under the allowed data roots or buckets."),
     "model": Param("tiny", type="string", minLength=1, title="Model",
-                   description="Preset for random init (tiny, gpt2-124m), a hub name, or a save_pretrained path/URL "
-                               "under the allowed data roots or buckets."),
+                   description="Preset for random init (tiny, gpt2-124m), a hub name, a save_pretrained path/URL "
+                               "under the allowed data roots or buckets, or promoted / promoted:<name> to continue "
+                               "from the latest promoted version."),
     "block_size": Param(64, type="integer", minimum=8, maximum=8192, title="Block size",
                         description="Tokens per training sequence."),
     "batch_size_per_worker": Param(8, type="integer", minimum=1, maximum=4096, title="Batch per worker"),
@@ -101,6 +105,16 @@ PARAMS = {
     "hang_timeout_s": Param(600, type="integer", minimum=10, title="Hang watchdog (s)",
                             description="End a group whose workers are alive but print nothing for this long "
                                         "(a hung collective); must exceed the first step's compilation."),
+    "model_name": Param("gpt_finetune", type="string", pattern="^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$",
+                        title="Registered model name",
+                        description="Promoted versions go to storage_root/models/<model_name>/v<N>/."),
+    "promotion_tolerance": Param(0.0, type="number", minimum=0, title="Promotion tolerance (nats)",
+                                 description="How much worse than the promoted version's eval loss a run may be "
+                                             "and still be promoted (promote = auto)."),
+    "promote": Param("auto", type="string", enum=["auto", "always", "never"], title="Promotion",
+                     description="auto: promote when the gates passed and eval loss is not worse than the promoted "
+                                 "version's by more than promotion_tolerance; always: whenever the gates passed; "
+                                 "never."),
     # backend=kubernetes: one pod per worker (README "Running on Kubernetes").
     "kubernetes_conn_id": Param("", type=["null", "string"], title="Kubernetes connection",
                                 description="Airflow connection (kubernetes type) of the cluster; empty uses the "
@@ -146,7 +160,9 @@ Fine-tunes a GPT-2 model with TensorFlow `MultiWorkerMirroredStrategy` on `num_w
    `min_workers` a retry continues exactly on fewer workers when hosts are lost.
 4. **baseline**: the same job on one worker with the same global batch (reused when it matches).
 5. **evaluate**: eval loss / perplexity of both models, speedup, scaling efficiency, loss parity; writes the report.
-6. **release**: always runs; ends every worker of the run and proves the GPUs are free.
+6. **promote**: the model becomes the next version of `model_name` (and updates the Asset `gpt_finetune_model`)
+   when its gates passed and its eval loss is not worse than the promoted version's (setting `promote`).
+7. **release**: always runs; ends every worker of the run and proves the GPUs are free.
 
 Trigger from the CLI: `airflow dags trigger gpt_finetune --conf '{"num_workers": 4}'`.
 """
@@ -170,7 +186,8 @@ def gpt_finetune():
     from tf_multiworker.gpu_admission import GPU_POOL  # plugins/ is on sys.path when Airflow parses
     from tf_multiworker.operator import TFMultiWorkerOperator
 
-    @task(task_id=PREPARE, outlets=[SHARDS_ASSET])
+    # The promoted model is an inlet: `model: "promoted"` continues from it.
+    @task(task_id=PREPARE, outlets=[SHARDS_ASSET], inlets=[MODEL_ASSET])
     def prepare(params=None, run_id=None, dag_run=None, outlet_events=None) -> dict:
         from tasks.prepare import prepare_run
 
@@ -231,6 +248,24 @@ def gpt_finetune():
 
         return evaluate_run(prepared_run)
 
+    # all_done: a run whose gates failed still gets its verdict ("not promoted: the gates failed") in the report.
+    @task(task_id="promote", trigger_rule="all_done", outlets=[PROMOTIONS])
+    def promote(ti=None, outlet_events=None) -> dict:
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        from tasks.promote import NoReportError, promote_run
+
+        prepared_run = ti.xcom_pull(task_ids=PREPARE)
+        if not prepared_run:
+            raise AirflowSkipException("prepare did not finish: nothing to promote.")
+        try:
+            outcome = promote_run(prepared_run)
+        except NoReportError as error:
+            raise AirflowSkipException(str(error)) from error
+        if outcome["promoted"]:
+            outlet_events[PROMOTIONS].add(MODEL_ASSET, extra=outcome["event"])
+        return outcome
+
     @task(task_id="release", retries=2)
     def release(params=None, run_id=None, dag_run=None) -> dict:
         from tasks.release import release_run
@@ -246,7 +281,7 @@ def gpt_finetune():
 
         states = ti.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id])[ti.run_id]
         try:
-            return judge_run(states, final_task="evaluate", own_task=ti.task_id)
+            return judge_run(states, final_task="promote", own_task=ti.task_id)
         except RunFailedError as error:
             raise AirflowFailException(str(error)) from error
 
@@ -254,8 +289,9 @@ def gpt_finetune():
     evaluation = evaluate(prepared_run)
     prepared_run >> preflight >> train >> plan_baseline(prepared_run) >> baseline >> evaluation
     # Both teardowns always run; the DAG run's state is outcome's (release's failure counts through it).
+    promotion = promote()
     released = release().as_teardown(on_failure_fail_dagrun=True)
-    evaluation >> released >> outcome().as_teardown(on_failure_fail_dagrun=True)
+    evaluation >> promotion >> released >> outcome().as_teardown(on_failure_fail_dagrun=True)
 
 
 gpt_finetune()

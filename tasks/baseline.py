@@ -40,6 +40,7 @@ _NOT_IN_KEY = frozenset({
     "checkpoint_every_steps", "communication", "collective_timeout_s", "startup_timeout_s", "hang_timeout_s",
     "dataset", "text_column", "tokenizer", "val_fraction", "num_shards", "max_steps", "epochs",
     "min_workers", "min_predicted_efficiency",
+    "model_name", "promotion_tolerance", "promote",  # what happens to the model after training
 })
 
 

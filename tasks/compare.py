@@ -18,10 +18,12 @@ import tempfile
 from datetime import UTC, datetime
 from typing import Any
 
+from tasks import registry
 from tasks import report as reports
 from tasks.baseline import read_key_record
 from tasks.connections import uses_run_storage
 from trainer.config import RunConfig
+from trainer.data import tokenizer_url
 from trainer.layout import StorageLayout, TrainOutput
 from trainer.runtime import LAUNCHER_WORKDIR_PREFIX
 from trainer.storage import exists, join, read_bytes, read_json, remove_tree
@@ -69,12 +71,20 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
             baseline_eval = run_evaluation(baseline.model, prepared["manifest_url"], cached, cfg=cfg,
                                            run_key=prepared["run_key"], label="baseline")
 
+    promoted = evaluate_promoted(prepared, cfg)
+
     report = build_report(
         prepared, cfg,
         distributed=run_figures("distributed", distributed, distributed_summary, distributed_eval),
         baseline=run_figures("baseline", baseline, baseline_summary, baseline_eval) if baseline else None,
     )
     add_scaling(report, prepared, distributed)
+    report["continued_from"] = prepared.get("continued_from")
+    report["promoted"] = promoted
+    evaluations = {"baseline": baseline_eval, "distributed": distributed_eval}
+    if promoted:
+        evaluations[f"promoted {promoted['version']}"] = promoted
+    report["samples"] = samples_by_model(evaluations)
     charts = {
         reports.LOSS_CHART: reports.loss_chart(
             {run["label"]: read_metrics(TrainOutput(run["output_url"]))
@@ -185,6 +195,37 @@ def add_scaling(report: dict[str, Any], prepared: dict, distributed: TrainOutput
     for row in report["segments"] if report["elastic"] else ():
         log.info("segment: steps %d-%d on %d workers x %d accumulation: %s", row["from_step"] + 1, row["to_step"],
                  row["num_workers"], row["grad_accum_steps"], row["line"])
+
+
+def evaluate_promoted(prepared: dict, cfg: RunConfig) -> dict[str, Any] | None:
+    """The latest promoted version of `model_name`, scored on this run's validation shards (the promotion rule's
+    reference and its samples) when its tokenizer is this run's; None when nothing is promoted yet or the run
+    is never to be promoted (`promote` = never: nothing to compare with)."""
+    pointer = registry.read_latest(registry.model_layout(cfg.storage_root, cfg.model_name))
+    if pointer is None or cfg.promote == "never":
+        return None
+    section = {"name": cfg.model_name, "version": pointer["version"], "url": pointer["url"],
+               "run_id": pointer["run_id"], "recorded_eval_loss": pointer["eval_loss"],
+               "eval_loss": None, "perplexity": None, "samples": None, "note": None}
+    manifest_url = prepared["manifest_url"]
+    if not registry.same_tokenizer(pointer["model_url"], tokenizer_url(manifest_url, read_json(manifest_url))):
+        section["note"] = f"{pointer['version']}'s tokenizer differs from this run's: it cannot be scored on its shards"
+        log.warning("Promoted %s %s not evaluated: %s.", cfg.model_name, pointer["version"], section["note"])
+        return section
+    result = run_evaluation(pointer["model_url"], manifest_url, join(prepared["report_url"], "eval-promoted.json"),
+                            cfg=cfg, run_key=prepared["run_key"], label="promoted")
+    section.update(eval_loss=result["eval_loss"], perplexity=result["perplexity"], samples=result.get("samples"))
+    return section
+
+
+def samples_by_model(evaluations: dict[str, dict[str, Any] | None]) -> list[dict[str, Any]]:
+    """[{"model": label, "samples": [{"prompt", "greedy", "top_k"}]}] for every evaluation that generated some."""
+    section = []
+    for label, evaluation in evaluations.items():
+        samples = (evaluation or {}).get("samples")
+        if isinstance(samples, list) and samples and all(isinstance(sample, dict) for sample in samples):
+            section.append({"model": label, "samples": samples})
+    return section
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -35,11 +35,12 @@ def prepare_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str
     from tf_multiworker.registry import make_backend
 
     from tasks.baseline import baseline_key
+    from tasks.promote import resolve_promoted_model
     from tasks.tokenize import prepare_dataset
     from trainer.data import load_manifest
 
     try:
-        cfg = build_config(params)
+        cfg, continued_from = resolve_promoted_model(build_config(params))
         # The backend's connections exist and are of the right type (nothing is contacted yet).
         make_backend(cfg.backend, cfg.to_dict()).close()
     except (ConfigError, LaunchError) as exc:  # bad settings do not get better on retry: fail now
@@ -83,4 +84,5 @@ def prepare_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str
         "baseline_config_url": baseline_config_url,
         "baseline_summary_url": baseline.summary,
         "report_url": run.report,
+        "continued_from": continued_from,
     }

@@ -13,7 +13,13 @@ charts) trust a report only once it exists. The layout of `report.json` (format_
      "segments": [SEGMENT], "elastic": bool (tasks/scaling.py: each launch of train, fewer workers than asked),
      "prediction": {"num_workers", "predicted_speedup", "measured_speedup", "predicted_efficiency",
                     "measured_efficiency", "speedup_error", "recommendation", "rows", "step_source"} | null,
-     "release": {"clean", "released_at", "host", "survivors"} (added by the release task)}
+     "release": {"clean", "released_at", "host", "survivors"} (added by the release task),
+     "continued_from": {"name", "version", "url", "model_url", "run_id", "eval_loss"} | null,
+     "promoted": {"name", "version", "url", "run_id", "recorded_eval_loss", "eval_loss", "perplexity", "samples",
+                  "note"} | null (the promoted version when evaluate ran, scored on this run's shards),
+     "samples": [{"model": label, "samples": [{"prompt", "greedy", "top_k"}]}],
+     "promotion": {"promoted", "policy", "model_name", "reason", "compared_with", "version", "url", "model_url",
+                   "decided_at"} (added by the promote task)}
     RUN = {"label", "num_workers", "global_batch_size", "steps", "tokens_seen", "train_time_s", "wall_time_s",
            "tokens_per_s", "final_loss", "mfu", "eval_loss", "perplexity", "eval_tokens", "eval_time_s",
            "model_url", "summary_url", "started_at", "finished_at"}
@@ -132,11 +138,55 @@ def render_markdown(report: dict[str, Any]) -> str:
         for gate in report["gates"]
     ]
     lines += scaling.markdown_lines(report)
+    lines += promotion_lines(report) + samples_lines(report)
     lines += ["", "## Charts", ""]
     lines += [f"![{name}]({file})" for name, file in report["charts"].items()]
     lines += ["", "## Versions", ""]
     lines += [f"- {name}: {value}" for name, value in sorted(report["versions"].items())]
     return "\n".join(lines) + "\n"
+
+
+def promotion_lines(report: dict[str, Any]) -> list[str]:
+    """The promote task's verdict and why, or where the run continued from."""
+    lines = ["", "## Promotion", ""]
+    continued = report.get("continued_from")
+    if continued:
+        lines.append(f"- Continued from {continued['name']} {continued['version']} (run {continued['run_id']}, "
+                     f"eval loss {fmt(continued['eval_loss'], '.4f')})")
+    promotion = report.get("promotion")
+    if not promotion:
+        lines.append("- Pending: the promote task has not run yet.")
+    elif promotion["promoted"]:
+        lines.append(f"- **Promoted** to {promotion['model_name']} {promotion['version']} ({promotion['url']}): "
+                     f"{promotion['reason']}")
+    else:
+        lines.append(f"- **Not promoted** (policy '{promotion['policy']}'): {promotion['reason']}")
+    return lines
+
+
+def samples_lines(report: dict[str, Any]) -> list[str]:
+    """Each prompt with every model's greedy and top-k continuation, side by side."""
+    sections = report.get("samples") or []
+    if not sections:
+        return []
+    models = ", ".join(section["model"] for section in sections)
+    lines = ["", "## Samples", "",
+             f"Greedy and top-k continuations of the same prompts from the validation text (fixed seed): {models}.",
+             ""]
+    for index, first in enumerate(sections[0]["samples"]):
+        lines += [f"**Prompt {index + 1}:** {_cell(first['prompt'])}", "", "| model | greedy | top-k |",
+                  "|---|---|---|"]
+        for section in sections:
+            if index < len(section["samples"]):
+                sample = section["samples"][index]
+                lines.append(f"| {section['model']} | {_cell(sample['greedy'])} | {_cell(sample['top_k'])} |")
+        lines.append("")
+    return lines
+
+
+def _cell(text: str) -> str:
+    """Generated text inside one Markdown table cell or line: no line breaks, pipes escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|") or "(empty)"
 
 
 def released(report: dict[str, Any]) -> str:

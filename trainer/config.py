@@ -44,6 +44,11 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 MIXED_PRECISION = ("no", "bf16", "fp16")
 BASELINE_POLICIES = ("auto", "run", "skip")
 COMMUNICATION = ("auto", "ring", "nccl")
+PROMOTE_POLICIES = ("auto", "always", "never")
+# `model: "promoted"` continues from the latest promoted version of `model_name`, `promoted:<name>` from another.
+PROMOTED_MODEL = "promoted"
+# A registered model's name: one path segment, safe in local paths and S3 keys.
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 STORAGE_SCHEMES = ("", "file", "s3")
 MAX_GLOBAL_BATCH = 1 << 20
 MAX_GRAD_ACCUM = 1024
@@ -185,6 +190,9 @@ class RunConfig:
     collective_timeout_s: int = 300
     startup_timeout_s: int = 180
     hang_timeout_s: int = 600
+    model_name: str = "gpt_finetune"
+    promotion_tolerance: float = 0.0
+    promote: str = "auto"
     # backend=kubernetes (plugins/tf_multiworker/launcher/kubernetes.py)
     kubernetes_conn_id: str = ""
     namespace: str = "default"
@@ -264,6 +272,14 @@ class RunConfig:
     @property
     def is_preset_model(self) -> bool:
         return self.model in MODEL_PRESETS
+
+    @property
+    def promoted_source(self) -> str | None:
+        """The registered model name `model` continues from (`promoted`, `promoted:<name>`), else None."""
+        if self.model == PROMOTED_MODEL:
+            return self.model_name
+        prefix = PROMOTED_MODEL + ":"
+        return self.model[len(prefix):] if self.model.startswith(prefix) else None
 
     @property
     def bpe_vocab_size(self) -> int | None:
@@ -378,6 +394,7 @@ def _validate(cfg: RunConfig) -> None:
     _check_range(cfg, "warmup_steps", 0, 10_000_000)
     _check_range(cfg, "weight_decay", 0.0, 1.0)
     _check_range(cfg, "loss_tolerance", 0.0, 100.0)
+    _check_range(cfg, "promotion_tolerance", 0.0, 100.0)
     _check_range(cfg, "seed", 0, 2**31 - 1)
     _check_range(cfg, "num_shards", 0, 100_000)
     _check_range(cfg, "checkpoint_every_steps", 1, 10_000_000)
@@ -388,6 +405,8 @@ def _validate(cfg: RunConfig) -> None:
     _check_choice(cfg, "mixed_precision", MIXED_PRECISION)
     _check_choice(cfg, "baseline", BASELINE_POLICIES)
     _check_choice(cfg, "communication", COMMUNICATION)
+    _check_choice(cfg, "promote", PROMOTE_POLICIES)
+    _check_model_name("model_name", cfg.model_name)
 
     if not 0.0 < cfg.learning_rate <= 1.0:
         raise ConfigError(f"Setting 'learning_rate' = {cfg.learning_rate!r} is out of range: allowed is (0, 1].")
@@ -408,7 +427,9 @@ def _validate(cfg: RunConfig) -> None:
     policy = AccessPolicy.from_env()
     policy.check("dataset", cfg.dataset, hub_ids=True)
     policy.check("storage_root", cfg.storage_root, hub_ids=False)
-    if cfg.model not in MODEL_PRESETS:
+    if cfg.promoted_source is not None:
+        _check_model_name("model", cfg.promoted_source, setting_value=cfg.model)
+    elif cfg.model not in MODEL_PRESETS:
         policy.check("model", cfg.model, hub_ids=True)
     if not cfg.tokenizer.startswith("bpe:"):
         policy.check("tokenizer", cfg.tokenizer, hub_ids=True)
@@ -526,6 +547,14 @@ def _validate_scaling(cfg: RunConfig) -> None:
             f"Setting 'min_workers' = {cfg.min_workers} needs the per-slot data order, one shard per slot of the "
             f"global batch: 'num_shards' = {cfg.effective_num_shards} is below num_workers x grad_accum_steps = "
             f"{slots}: raise 'num_shards' to at least {slots}.")
+
+
+def _check_model_name(name: str, value: str, *, setting_value: str | None = None) -> None:
+    if not _MODEL_NAME.fullmatch(value):
+        raise ConfigError(
+            f"Setting '{name}' = {setting_value or value!r} names the registered model {value!r}, which is not a "
+            "safe name: use 1-64 letters, digits, '_' or '-', starting with a letter or digit."
+        )
 
 
 _CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")

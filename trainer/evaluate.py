@@ -1,6 +1,6 @@
-"""Eval loss and perplexity of a saved model on the validation shards, and a few sampled continuations.
+"""Eval loss and perplexity of a saved model on the validation shards, and a few short generations.
 
-    python -m trainer.evaluate --model URL --manifest URL --output JSON_URL [--max-batches N] [--prompt TEXT]
+    python -m trainer.evaluate --model URL --manifest URL --output JSON_URL [--max-batches N] [--prompt TEXT]...
 
 The loss is the mean next-token cross-entropy over every predicted token of the validation split (the same
 `causal_lm_loss` the trainer optimizes), in float32, in file order, so two evaluations of one model agree exactly.
@@ -31,8 +31,9 @@ log = logging.getLogger("trainer.evaluate")
 
 EVAL_BATCH_SIZE = 8
 PROMPT_TOKENS = 16
-NUM_SAMPLES = 3
-SAMPLE_NEW_TOKENS = 40
+NUM_PROMPTS = 3
+SAMPLE_NEW_TOKENS = 32
+SAMPLE_TOP_K = 50
 SAMPLE_SEED = 1234
 
 
@@ -67,18 +68,32 @@ def eval_loss(model, dataset, max_batches: int | None) -> tuple[float, int]:
     return total / batches, tokens
 
 
-def sample_continuations(model, tokenizer, prompt_ids: list[int]) -> list[str]:
+def generate_samples(model, tokenizer, prompts: list[list[int]]) -> list[dict[str, str]]:
+    """Per prompt: its text, the greedy continuation and a top-k sample (stateless seed: reproducible)."""
     import tensorflow as tf
 
-    outputs = model.generate(
-        tf.constant([prompt_ids]), max_new_tokens=SAMPLE_NEW_TOKENS, do_sample=True, top_k=50,
-        num_return_sequences=NUM_SAMPLES, pad_token_id=tokenizer.eos_token_id, seed=[SAMPLE_SEED, 0],
-    )
-    return [tokenizer.decode(row[len(prompt_ids):], skip_special_tokens=True) for row in outputs.numpy().tolist()]
+    samples = []
+    for prompt_ids in prompts:
+        common = {"max_new_tokens": SAMPLE_NEW_TOKENS, "pad_token_id": tokenizer.eos_token_id}
+        greedy = model.generate(tf.constant([prompt_ids]), do_sample=False, **common)
+        top_k = model.generate(tf.constant([prompt_ids]), do_sample=True, top_k=SAMPLE_TOP_K,
+                               seed=[SAMPLE_SEED, 0], **common)
+        samples.append({
+            "prompt": tokenizer.decode(prompt_ids),
+            **{mode: tokenizer.decode(output.numpy()[0, len(prompt_ids):], skip_special_tokens=True)
+               for mode, output in (("greedy", greedy), ("top_k", top_k))},
+        })
+    return samples
 
 
-def evaluate(model_url: str, manifest_url: str, *, max_batches: int | None = None, prompt: str | None = None,
-             batch_size: int = EVAL_BATCH_SIZE) -> dict[str, Any]:
+def validation_prompts(dataset, count: int = NUM_PROMPTS) -> list[list[int]]:
+    """The openings of the first validation sequences: text the model has not trained on, in its domain."""
+    batch = next(iter(dataset))
+    return batch[:count, :PROMPT_TOKENS].numpy().tolist()
+
+
+def evaluate(model_url: str, manifest_url: str, *, max_batches: int | None = None,
+             prompts: list[str] | None = None, batch_size: int = EVAL_BATCH_SIZE) -> dict[str, Any]:
     from transformers import AutoTokenizer, TFGPT2LMHeadModel
 
     from trainer.model import stage_model_dir
@@ -94,16 +109,18 @@ def evaluate(model_url: str, manifest_url: str, *, max_batches: int | None = Non
         started = time.perf_counter()
         loss, tokens = eval_loss(model, dataset, max_batches)
         eval_time = time.perf_counter() - started
-        if prompt:
-            prompt_ids = tokenizer(prompt)["input_ids"]
-        else:  # the opening of the validation text: always in the model's domain
-            prompt_ids = next(iter(dataset))[0, :PROMPT_TOKENS].numpy().tolist()
-        samples = sample_continuations(model, tokenizer, prompt_ids)
+        prompt_ids = ([tokenizer(prompt)["input_ids"] for prompt in prompts] if prompts
+                      else validation_prompts(dataset))
+        started = time.perf_counter()
+        samples = generate_samples(model, tokenizer, prompt_ids)
+        sample_time = time.perf_counter() - started
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     result = {
         "eval_loss": loss, "perplexity": math.exp(loss), "eval_tokens": tokens, "eval_time_s": round(eval_time, 3),
-        "prompt": tokenizer.decode(prompt_ids), "samples": samples, "model": model_url,
+        "samples": samples, "model": model_url,
+        "sampling": {"seed": SAMPLE_SEED, "top_k": SAMPLE_TOP_K, "new_tokens": SAMPLE_NEW_TOKENS,
+                     "time_s": round(sample_time, 3)},
     }
     log.info("eval loss %.4f, perplexity %.2f over %d tokens in %.1f s", loss, result["perplexity"], tokens, eval_time)
     return result
@@ -115,7 +132,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--manifest", required=True, help="manifest.json of the tokenized dataset")
     parser.add_argument("--output", required=True, help="where to write the result JSON (path or URL)")
     parser.add_argument("--max-batches", type=int, default=None, help=f"at most N batches of {EVAL_BATCH_SIZE}")
-    parser.add_argument("--prompt", default=None, help="prompt for the samples (default: validation text)")
+    parser.add_argument("--prompt", action="append", default=None,
+                        help="a prompt for the samples, repeatable (default: openings of the validation text)")
     args = parser.parse_args(argv)
     if args.max_batches is not None and args.max_batches < 1:
         parser.error(f"--max-batches must be at least 1, got {args.max_batches}")
@@ -126,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     runtime.signal_ready()  # a group of one: up means joined; the launcher's hang watchdog takes over from here
-    result = evaluate(args.model, args.manifest, max_batches=args.max_batches, prompt=args.prompt)
+    result = evaluate(args.model, args.manifest, max_batches=args.max_batches, prompts=args.prompt)
     storage.write_json_atomic(args.output, result)
     print(f"eval_loss {result['eval_loss']:.4f} perplexity {result['perplexity']:.2f} -> {args.output}", flush=True)
     return 0

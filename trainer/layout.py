@@ -12,6 +12,8 @@
     <root>/runs/<run_key>/report/                     report.json, report.md, *.png, preflight.json
     <root>/runs/<run_key>/release.json
     <root>/baselines/<baseline_key>/                  a single-worker training output, reusable across runs
+    <root>/models/<name>/latest.json                  the promoted version and the history (see tasks/registry.py)
+    <root>/models/<name>/v<N>/                        one promoted version: model/, report.json, model_card.md
 """
 
 from __future__ import annotations
@@ -99,6 +101,59 @@ class StorageLayout:
 
     def baseline(self, baseline_key: str) -> TrainOutput:
         return TrainOutput(join(self.baselines, baseline_key))
+
+    @property
+    def models(self) -> str:
+        return join(self.root, "models")
+
+    def model(self, name: str) -> ModelLayout:
+        return ModelLayout(join(self.models, name))
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """One registered model: numbered versions, the claims that hand out their numbers, and the pointer."""
+
+    url: str
+
+    @property
+    def latest(self) -> str:
+        """latest.json: the current version and the history; written last, by compare-and-swap."""
+        return join(self.url, "latest.json")
+
+    def claim(self, number: int) -> str:
+        """Created exclusively by the one promotion that gets version number `number`."""
+        return join(self.url, "claims", f"v{number}.json")
+
+    @property
+    def claims(self) -> str:
+        return join(self.url, "claims")
+
+    def version(self, number: int) -> VersionLayout:
+        return VersionLayout(join(self.url, f"v{number}"))
+
+
+@dataclass(frozen=True)
+class VersionLayout:
+    url: str
+
+    @property
+    def model(self) -> str:
+        """save_pretrained model and tokenizer, as the trainer's chief wrote them."""
+        return join(self.url, "model")
+
+    @property
+    def report(self) -> str:
+        return join(self.url, "report.json")
+
+    @property
+    def model_card(self) -> str:
+        return join(self.url, "model_card.md")
+
+    @property
+    def record(self) -> str:
+        """version.json, written last in the version: every file with its size."""
+        return join(self.url, "version.json")
 
 
 @dataclass(frozen=True)

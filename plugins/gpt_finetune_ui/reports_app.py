@@ -27,6 +27,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tasks.registry import RegistryError, read_latest
 from tasks.report import TABLE_COLUMNS
 from trainer.layout import StorageLayout
 from trainer.storage import exists, join, list_dir, normalize_root, read_bytes, read_json
@@ -118,9 +119,13 @@ def create_app(storage_root: str | None = None, *, access: Callable[..., Any] | 
     def run_json(run_key: str) -> JSONResponse:
         return JSONResponse(load_report(run_key))
 
+    @app.get("/api/models")
+    def models_json() -> JSONResponse:
+        return JSONResponse(list_models(layout()))
+
     @app.get("/", response_class=HTMLResponse)
     def index() -> str:
-        return render_index(list_runs(layout()), layout().root)
+        return render_index(list_runs(layout()), layout().root, models=list_models(layout()))
 
     @app.get("/runs/{run_key}/", response_class=HTMLResponse)
     def run_page(run_key: str) -> str:
@@ -201,7 +206,29 @@ def list_runs(storage: StorageLayout) -> list[dict[str, Any]]:
             log.warning("Run %s: unreadable report %s (%s)", key, url, error)
             detail = error if isinstance(error, ReportError) else "not valid JSON"
             runs.append({"run_key": key, "run_id": key, "status": f"unreadable report: {detail}", "released": released})
-    return sorted(runs, key=lambda run: run.get("created_at") or "", reverse=True)
+    # created_at has whole seconds: runs of one second are ordered by run id (scheduled ids sort by date).
+    return sorted(runs, key=lambda run: (run.get("created_at") or "", run["run_id"]), reverse=True)
+
+
+def list_models(storage: StorageLayout) -> list[dict[str, Any]]:
+    """Every registered model: its latest version, the run that produced it and the version history (newest
+    first), from latest.json alone; an unreadable pointer becomes an error entry."""
+    models = []
+    for name in list_dir(storage.models):
+        try:
+            pointer = read_latest(storage.model(name))
+        except (RegistryError, OSError, ValueError) as error:
+            log.warning("Model %s: unreadable pointer (%s)", name, error)
+            models.append({"name": name, "error": "unreadable latest.json"})
+            continue
+        if pointer is None:  # a claim or a half-written version, never a promotion
+            continue
+        history = [{field: entry.get(field) for field in ("version", "run_id", "run_key", "promoted_at", "eval_loss")}
+                   for entry in pointer["history"] if isinstance(entry, dict)]
+        models.append({"name": name, "latest": pointer.get("version"), "run_id": pointer.get("run_id"),
+                       "run_key": pointer.get("run_key"), "promoted_at": pointer.get("promoted_at"),
+                       "eval_loss": pointer.get("eval_loss"), "history": history[::-1]})
+    return models
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -229,7 +256,7 @@ def _status(status: str) -> str:
     return f"<span class='{css}'>{_text(status)}</span>"
 
 
-def render_index(runs: list[dict[str, Any]], root: str) -> str:
+def render_index(runs: list[dict[str, Any]], root: str, *, models: list[dict[str, Any]] | None = None) -> str:
     header = ("<tr><th>run</th><th>gates</th><th>released</th><th>workers</th><th>speedup</th><th>efficiency</th>"
               "<th>tokens/s</th><th>train time</th><th>eval loss</th><th>baseline eval loss</th><th>created</th></tr>")
     rows = []
@@ -250,7 +277,76 @@ def render_index(runs: list[dict[str, Any]], root: str) -> str:
         )
     table = f"<table id='runs'>{header}{''.join(rows)}</table>" if rows else "<p>No runs yet.</p>"
     return _page("GPT fine-tune runs", f"<h1>GPT fine-tune runs</h1><p class='note'>Storage root: "
-                                       f"<code>{_text(root)}</code></p>{table}")
+                                       f"<code>{_text(root)}</code></p>{table}"
+                                       + (render_models(models) if models is not None else ""))
+
+
+def _run_link(run_key: Any, text: Any, prefix: str = "") -> str:
+    """A link to a run's page when `run_key` is a run key, else the text alone."""
+    if isinstance(run_key, str) and _RUN_KEY.fullmatch(run_key):
+        return f"<a href='{prefix}runs/{html.escape(run_key)}/'>{_text(text)}</a>"
+    return _text(text)
+
+
+def render_models(models: list[dict[str, Any]]) -> str:
+    """Per registered model: which run produced `latest`, and the version history with links to the reports."""
+    if not models:
+        return "<h2>Promoted models</h2><p>No model promoted yet.</p>"
+    parts = ["<h2>Promoted models</h2>"]
+    for model in models:
+        name = _text(model["name"])
+        if "error" in model:
+            parts.append(f"<p class='fail'>{name}: {_text(model['error'])}</p>")
+            continue
+        parts.append(
+            f"<p class='latest' id='latest-{name}'>{name}: latest is <b>{_text(model['latest'])}</b>, produced by "
+            f"run {_run_link(model['run_key'], model['run_id'])} on {_text(model['promoted_at'])} "
+            f"(eval loss {_fmt(model['eval_loss'], '.4f')})</p>"
+            f"<table class='history' id='history-{name}'><tr><th>version</th><th>promoted</th><th>eval loss</th>"
+            "<th>run report</th></tr>"
+            + "".join(f"<tr><td>{_text(entry['version'])}</td><td>{_text(entry['promoted_at'])}</td>"
+                      f"<td>{_fmt(entry['eval_loss'], '.4f')}</td>"
+                      f"<td>{_run_link(entry['run_key'], entry['run_id'])}</td></tr>" for entry in model["history"])
+            + "</table>")
+    return "".join(parts)
+
+
+def render_promotion(report: dict[str, Any]) -> str:
+    promotion = report.get("promotion")
+    continued = report.get("continued_from")
+    lines = []
+    if isinstance(continued, dict):
+        lines.append(f"Continued from {_text(continued.get('name'))} {_text(continued.get('version'))} "
+                     f"(run {_text(continued.get('run_id'))}).")
+    if not isinstance(promotion, dict):
+        lines.append("Promotion: pending.")
+    elif promotion.get("promoted") is True:
+        lines.append(f"Promotion: <span class='pass'>promoted</span> to {_text(promotion.get('model_name'))} "
+                     f"{_text(promotion.get('version'))}: {_text(promotion.get('reason'))}")
+    else:
+        lines.append(f"Promotion: <span class='fail'>not promoted</span> (policy {_text(promotion.get('policy'))}): "
+                     f"{_text(promotion.get('reason'))}")
+    return "".join(f"<p class='note promotion'>{line}</p>" for line in lines)
+
+
+def render_samples(report: dict[str, Any]) -> str:
+    """Per prompt, every model's greedy and top-k continuation."""
+    sections = [section for section in _items(report.get("samples")) if _items(section.get("samples"))]
+    if not sections:
+        return ""
+    parts = [("<h2>Samples</h2><p class='note'>Greedy and top-k continuations of the same prompts from the "
+             "validation text (fixed seed).</p>")]
+    for index, first in enumerate(_items(sections[0].get("samples"))):
+        rows = "".join(
+            f"<tr><td>{_text(section.get('model'))}</td><td style='{_WRAP}'>{_text(sample.get('greedy'))}</td>"
+            f"<td style='{_WRAP}'>{_text(sample.get('top_k'))}</td></tr>"
+            for section in sections for sample in _items(section.get("samples"))[index:index + 1])
+        parts.append(f"<p><b>Prompt {index + 1}:</b> {_text(first.get('prompt'))}</p><table class='samples'>"
+                     f"<tr><th>model</th><th>greedy</th><th>top-k</th></tr>{rows}</table>")
+    return "".join(parts)
+
+
+_WRAP = "white-space:normal;text-align:left;max-width:30rem"
 
 
 def _items(value: Any) -> list[dict[str, Any]]:
@@ -288,6 +384,7 @@ def render_run(report: dict[str, Any], released: str) -> str:
         f"<p>Gates {_status(verdict)} · released <span id='released'>{_status(released)}</span> · "
         f"{_text(report.get('num_workers'))} workers · model "
         f"{_text(_get(report, 'config', 'model'))} · created {_text(report.get('created_at'))}</p>{table}"
-        f"<p class='note' id='hardware'>{_text(_get(report, 'hardware', 'line'))}</p>{gates}{images}"
+        f"<p class='note' id='hardware'>{_text(_get(report, 'hardware', 'line'))}</p>{gates}"
+        f"{render_promotion(report)}{render_samples(report)}{images}"
     )
     return _page(f"Run {report.get('run_id')}", body)

@@ -83,7 +83,7 @@ class TFMultiWorkerOperator(BaseOperator):
     :param args: its arguments (templated).
     :param num_workers: workers; one GPU each when `use_gpu` (templated; numeric strings accepted).
     :param backend: where workers run (`tf_multiworker.registry`): `local` starts processes on this Airflow
-        worker, `ssh` on the hosts of `backend_settings["ssh_conn_ids"]`.
+        worker, `ssh` on the hosts of `backend_settings["ssh_conn_ids"]`, `kubernetes` one pod per rank.
     :param backend_settings: the run's settings the backend reads (a `RunConfig.to_dict()`; templated).
     :param use_gpu: pin one free GPU per worker (NVML), refuse when too few; else `CUDA_VISIBLE_DEVICES=""`.
     :param storage_root: root URL of the run's storage (state record, logs).

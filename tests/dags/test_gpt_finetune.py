@@ -36,7 +36,8 @@ def test_task_graph(dag):
         "train": ["plan_baseline"],
         "plan_baseline": ["baseline"],
         "baseline": ["evaluate"],
-        "evaluate": ["release"],
+        "evaluate": ["promote"],
+        "promote": ["release"],
         "release": ["outcome"],
         "outcome": [],
     }
@@ -49,6 +50,7 @@ def test_release_and_outcome_are_teardowns_that_run_whatever_happened(dag):
         assert teardown.trigger_rule == "all_done_setup_success"
     assert not [t for t in dag.tasks if t.is_setup]  # no setups: the rule reduces to all_done
     assert dag.get_task("evaluate").trigger_rule == "none_failed"  # runs when the baseline is skipped
+    assert dag.get_task("promote").trigger_rule == "all_done"  # failed gates still get a "not promoted" verdict
     assert dag.get_task("outcome").retries == 0
 
 

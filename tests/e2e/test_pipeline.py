@@ -26,8 +26,10 @@ from trainer.layout import StorageLayout, run_key
 pytestmark = pytest.mark.timeout(900)
 
 DAG = "gpt_finetune"
+# No promotion: these runs test the pipeline, and a promoted version would be scored again by every later run
+# (tests/e2e/test_promotion.py promotes).
 FAST = {"num_workers": 2, "tokenizer": "bpe:512", "block_size": 32, "batch_size_per_worker": 4,
-        "max_steps": 12, "warmup_steps": 2, "checkpoint_every_steps": 4, "startup_timeout_s": 240}
+        "max_steps": 12, "warmup_steps": 2, "checkpoint_every_steps": 4, "startup_timeout_s": 240, "promote": "never"}
 # Long enough that a checkpoint exists well before the end, short enough for CI.
 LONG = {**FAST, "baseline": "skip", "max_steps": 300, "checkpoint_every_steps": 25}
 
@@ -79,7 +81,7 @@ def test_readme_main_command_runs_the_whole_dag_on_s3(tmp_path):
     """`make demo-s3` in miniature: `airflow dags test` of the full chain with storage on a local S3 server."""
     env = airflow_env(tmp_path / "home", free_port(), {"GPT_FINETUNE_STORAGE_ROOT": str(tmp_path / "unused")})
     result = subprocess.run(
-        [sys.executable, "scripts/demo.py", "--s3", "--conf", json.dumps(FAST)],
+        [sys.executable, "scripts/demo.py", "--s3", "--conf", json.dumps({**FAST, "promote": "auto"})],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=800, check=False,
     )
     output = result.stdout + result.stderr
@@ -87,6 +89,8 @@ def test_readme_main_command_runs_the_whole_dag_on_s3(tmp_path):
     report_line = next(line for line in result.stdout.splitlines() if line.startswith("Report: "))
     assert report_line.startswith("Report: s3://gpt-finetune/gpt_finetune/runs/")
     assert "| distributed | 2 |" in result.stdout and "**Gates: PASSED**" in result.stdout
+    assert "**Promoted** to gpt_finetune v1 (s3://gpt-finetune/gpt_finetune/models/gpt_finetune/v1)" in result.stdout
+    assert "## Samples" in result.stdout and "| distributed | " in result.stdout.split("## Samples")[1]
     runs = subprocess.run([str(REPO / ".venv/bin/airflow"), "dags", "list-runs", DAG, "-o", "json"], env=env,
                           capture_output=True, text=True, check=True).stdout
     run_id = json.loads(next(line for line in runs.splitlines() if line.startswith("[{")))[0]["run_id"]
@@ -94,8 +98,8 @@ def test_readme_main_command_runs_the_whole_dag_on_s3(tmp_path):
                              "json"], env=env, capture_output=True, text=True, check=True).stdout
     by_task = {row["task_id"]: row["state"] for row in json.loads(next(
         line for line in states.splitlines() if line.startswith("[{")))}
-    assert by_task == dict.fromkeys(
-        ["prepare", "preflight", "train", "plan_baseline", "baseline", "evaluate", "release", "outcome"], "success")
+    assert by_task == dict.fromkeys(["prepare", "preflight", "train", "plan_baseline", "baseline", "evaluate", "promote",
+                                     "release", "outcome"], "success")
 
 
 def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_baseline(airflow_stack):
@@ -218,26 +222,13 @@ def test_a_release_that_cannot_record_its_result_fails_the_run_and_says_why(airf
     assert processes_of_run(run_key(DAG, run_id)) == {}
 
 
-def test_storage_credentials_only_in_an_airflow_connection(airflow_stack, s3_endpoint, tmp_path):
+def test_storage_credentials_only_in_an_airflow_connection(airflow_stack, connection_storage_run):
     """S3 storage whose endpoint and keys exist only in an Airflow connection: every task reaches it, release
-    included, and the secret appears in no log."""
-    import boto3
-
-    secret = f"conn-only-secret-{time.time_ns()}"
+    included, and the secret appears in no log (the run: tests/e2e/conftest.py, shared with the SSH comparison)."""
     assert not [name for name in airflow_stack.env if name.startswith("AWS_")]
-    bucket = f"conn-only-{time.time_ns()}"
-    client = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="conn-only-key",
-                          aws_secret_access_key=secret, region_name="us-east-1")
-    client.create_bucket(Bucket=bucket)
-    connection = tmp_path / "connections.json"
-    connection.write_text(json.dumps({"run_storage": {
-        "conn_type": "aws", "login": "conn-only-key", "password": secret,
-        "extra": json.dumps({"endpoint_url": s3_endpoint, "region_name": "us-east-1"})}}))
-    airflow_stack.cli("connections", "import", str(connection), "--overwrite")
-
-    run_id = trigger(airflow_stack, {**FAST, "baseline": "skip", "storage_root": f"s3://{bucket}/gpt",
-                                     "storage_conn_id": "run_storage"})
-    assert airflow_stack.wait_for_run(DAG, run_id, timeout=600) == "success"
+    run_id, secret, bucket, client = (connection_storage_run.run_id, connection_storage_run.secret,
+                                      connection_storage_run.bucket, connection_storage_run.client)
+    assert connection_storage_run.state == "success"
     assert set(airflow_stack.task_states(DAG, run_id).values()) <= {"success", "skipped"}
 
     key = run_key(DAG, run_id)

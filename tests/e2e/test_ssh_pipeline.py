@@ -45,29 +45,21 @@ def _cmdline_watch(secret: str) -> tuple[threading.Event, list[str]]:
     return stop, found
 
 
-def _connections(ssh_hosts, s3_endpoint: str, secret: str) -> dict:
-    connections = {host.conn_id: {**host.connection(), "extra": json.dumps(host.connection()["extra"])}
-                   for host in ssh_hosts}
-    connections["ssh_run_storage"] = {"conn_type": "aws", "login": "ssh-run-key", "password": secret,
-                                      "extra": json.dumps({"endpoint_url": s3_endpoint, "region_name": "us-east-1"})}
-    return connections
+def _connections(ssh_hosts) -> dict:
+    return {host.conn_id: {**host.connection(), "extra": json.dumps(host.connection()["extra"])} for host in ssh_hosts}
 
 
-def test_ssh_run_through_the_scheduler_matches_the_local_backend(airflow_stack, ssh_hosts, s3_endpoint, tmp_path):
-    import boto3
-
-    secret = f"ssh-run-secret-{time.time_ns()}"
-    bucket = f"ssh-run-{time.time_ns()}"
-    s3 = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="ssh-run-key", aws_secret_access_key=secret,
-                      region_name="us-east-1")
-    s3.create_bucket(Bucket=bucket)
+def test_ssh_run_through_the_scheduler_matches_the_local_backend(airflow_stack, ssh_hosts, connection_storage_run,
+                                                                 tmp_path):
+    # The local run to match is the one of tests/e2e/conftest.py: the same conf, storage and connection.
+    local_id, secret, bucket, s3 = (connection_storage_run.run_id, connection_storage_run.secret,
+                                    connection_storage_run.bucket, connection_storage_run.client)
+    assert connection_storage_run.state == "success"
     file = tmp_path / "connections.json"
-    file.write_text(json.dumps(_connections(ssh_hosts, s3_endpoint, secret)))
+    file.write_text(json.dumps(_connections(ssh_hosts)))
     airflow_stack.cli("connections", "import", str(file), "--overwrite")
-    common = {**SSH_FAST, "storage_root": f"s3://{bucket}/gpt", "storage_conn_id": "ssh_run_storage"}
+    common = connection_storage_run.conf
 
-    local_id = trigger(airflow_stack, common)
-    assert airflow_stack.wait_for_run(DAG, local_id, timeout=600) == "success"
     stop, in_argv = _cmdline_watch(secret)
     try:
         ssh_id = trigger(airflow_stack, {**common, "backend": "ssh", "ssh_conn_ids": [h.conn_id for h in ssh_hosts]})

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,11 +13,21 @@ from tf_multiworker.launcher.process import live_group_members
 
 ENTRYPOINTS = Path(__file__).resolve().parent / "entrypoints"
 REPO = Path(__file__).resolve().parents[2]
+HARNESS_DAGS = Path(__file__).resolve().parent / "harness_dags"
 
 
 def entrypoint_env(**extra: str) -> dict[str, str]:
     """Worker environment that makes the tiny entry points importable (workers run in a temp cwd)."""
     return {"PYTHONPATH": os.pathsep.join([str(ENTRYPOINTS), str(REPO)]), **extra}
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a live (non-zombie) process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def wait_until_gone(pgids: list[int], timeout_s: float) -> list[int]:
@@ -36,3 +48,21 @@ def s3_server(s3_endpoint):
     boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="test-key",
                  aws_secret_access_key="test-secret").create_bucket(Bucket="runs")
     return s3_endpoint
+
+
+@pytest.fixture(scope="session")
+def airflow_env(tmp_path_factory) -> dict[str, str]:
+    """An Airflow home with a migrated database and tests/plugins/harness_dags as its DAG folder, for the runs
+    through the task runner (tests/plugins/test_operator*.py): one `airflow db migrate` serves them all."""
+    home = tmp_path_factory.mktemp("airflow_home")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "AWS_"))}
+    env.update({
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(HARNESS_DAGS),
+        "PYTHONPATH": str(REPO),
+    })
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True,
+                   timeout=180)
+    return env

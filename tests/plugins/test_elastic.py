@@ -14,7 +14,7 @@ from tf_multiworker.elastic import LOCAL_USABLE_WORKERS_ENV, choose_count, lates
 from tf_multiworker.launcher import GroupSpec, LaunchError, LocalBackend, WorkerGroup
 
 from tests.plugins.conftest import REPO, entrypoint_env
-from tests.plugins.test_operator import _finish, _start, airflow_env  # noqa: F401 - airflow_env is a fixture
+from tests.plugins.test_operator import _finish, _start
 from tests.trainer.shards import write_dataset
 from trainer.config import RunConfig
 from trainer.layout import StorageLayout, TrainOutput
@@ -58,7 +58,7 @@ def _losses(output: TrainOutput) -> dict[int, float]:
     return {record["step"]: record["loss"] for record in map(json.loads, lines)}
 
 
-def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(airflow_env, tmp_path):  # noqa: F811
+def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(airflow_env, tmp_path):
     from tasks.compare import _evaluate, run_evaluation
 
     manifest = write_dataset(tmp_path / "dataset", sorted((REPO / "data" / "sample").glob("*.txt")), block_size=32,

@@ -55,6 +55,21 @@ def _run(spec, backend, tmp_path):
     return result, time.monotonic() - started, lines
 
 
+def _start_endless_group(key: str, connections, tmp_path):
+    """A 2-rank group that trains until stopped, running in a thread; returns once both ranks and their children
+    (4 processes carrying the run key) are up."""
+    spec = _spec(key, env=entrypoint_env(TINY_WORKER_STEPS="100000", TINY_WORKER_STEP_S="0.1"))
+    backend = _backend(connections)
+    group = WorkerGroup(spec, backend, tmp_path)
+    runner = threading.Thread(target=group.run)
+    runner.start()
+    deadline = time.monotonic() + 30
+    while len(processes_of_run(key)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(processes_of_run(key)) >= 4, "the group did not start"
+    return group, backend, runner
+
+
 def _cmdlines_with(text: str) -> list[str]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -117,15 +132,7 @@ def test_a_worker_sigkilled_on_one_host_fails_the_group_naming_host_and_rank(ssh
 
 def test_stopping_the_group_ends_every_remote_process_within_seconds(ssh_hosts, connections, tmp_path):
     key = "ssh-stop"
-    spec = _spec(key, env=entrypoint_env(TINY_WORKER_STEPS="100000", TINY_WORKER_STEP_S="0.1"))
-    backend = _backend(connections)
-    group = WorkerGroup(spec, backend, tmp_path)
-    runner = threading.Thread(target=group.run)
-    runner.start()
-    deadline = time.monotonic() + 30
-    while len(processes_of_run(key)) < 4 and time.monotonic() < deadline:  # 2 workers + their sleep children
-        time.sleep(0.1)
-    assert len(processes_of_run(key)) >= 4
+    group, backend, runner = _start_endless_group(key, connections, tmp_path)
     started = time.monotonic()
     group.stop("test", grace_s=1.0)
     left = _wait_gone(key, 10)
@@ -139,14 +146,7 @@ def test_stopping_the_group_ends_every_remote_process_within_seconds(ssh_hosts, 
 def test_a_dropped_connection_ends_the_remote_workers(ssh_hosts, connections, tmp_path):
     """The agent's dead-man's switch: when the SSH connection dies, sshd closes its stdin and it ends its worker."""
     key = "ssh-drop"
-    spec = _spec(key, env=entrypoint_env(TINY_WORKER_STEPS="100000", TINY_WORKER_STEP_S="0.1"))
-    backend = _backend(connections)
-    group = WorkerGroup(spec, backend, tmp_path)
-    runner = threading.Thread(target=group.run)
-    runner.start()
-    deadline = time.monotonic() + 30
-    while len(processes_of_run(key)) < 4 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    group, backend, runner = _start_endless_group(key, connections, tmp_path)
     started = time.monotonic()
     for client in list(backend._clients.values()):
         client.get_transport().sock.close()  # the network goes away under paramiko

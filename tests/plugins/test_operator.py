@@ -24,7 +24,7 @@ from trainer.storage import read_bytes, read_json
 DAG_KWARGS = {"entrypoint", "args", "num_workers", "backend", "backend_settings", "use_gpu", "storage_root", "run_key", "storage_conn_id",
               "startup_timeout_s", "hang_timeout_s", "summary_url", "env", "grace_period_s", "max_launch_attempts"}
 SECRET = "s3cret-value-never-logged"
-HARNESS = Path(__file__).resolve().parent / "harness_dags" / "tfmw_harness.py"
+HARNESS = Path(__file__).resolve().parent / "harness_dags" / "tfmw_harness.py"  # airflow_env: conftest.py
 
 
 def _operator(**changes) -> TFMultiWorkerOperator:
@@ -61,22 +61,6 @@ def test_bad_rendered_values_fail_before_anything_starts(changes, message):
 
 
 # -- through Airflow's task runner ------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def airflow_env(tmp_path_factory) -> dict[str, str]:
-    home = tmp_path_factory.mktemp("airflow_home")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "AWS_"))}
-    env.update({
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__DAGS_FOLDER": str(HARNESS.parent),
-        "PYTHONPATH": str(REPO),
-    })
-    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True,
-                   timeout=180)
-    return env
-
 
 def _case(tmp_path, *, entrypoint="tiny_worker", args=(), worker_env=None, **params) -> Path:
     case = {

@@ -20,7 +20,7 @@ from tasks.release import release_run
 from tests.k8s_server import FakeKubernetes
 from tests.plugins.conftest import REPO
 from tests.plugins.test_launcher_kubernetes import backend, image_env
-from tests.plugins.test_operator import _case, _finish, _start, airflow_env  # noqa: F401 (a fixture)
+from tests.plugins.test_operator import _case, _finish, _start
 from tests.trainer.shards import write_dataset
 from trainer.layout import run_key
 from trainer.storage import read_json
@@ -59,13 +59,13 @@ def pod_case(tmp_path: Path, backend_name: str = "kubernetes", **kwargs) -> Path
     return _case(tmp_path, backend=backend_name, backend_settings=settings, **kwargs)
 
 
-def run_case(airflow_env, cluster, case: Path, tmp_path: Path, timeout: float) -> tuple[dict, str]:  # noqa: F811
+def run_case(airflow_env, cluster, case: Path, tmp_path: Path, timeout: float) -> tuple[dict, str]:
     process, out, log = _start(airflow_env, case, tmp_path, connection(cluster))
     _finish(process, timeout=timeout)
     return json.loads(out.read_text()), log.read_text(errors="replace")
 
 
-def test_preflight_runs_as_pods(airflow_env, tmp_path, cluster, manifest):  # noqa: F811
+def test_preflight_runs_as_pods(airflow_env, tmp_path, cluster, manifest):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TRAIN_CONFIG))
     report = tmp_path / "report"
@@ -80,7 +80,7 @@ def test_preflight_runs_as_pods(airflow_env, tmp_path, cluster, manifest):  # no
     assert cluster.remaining() == {}
 
 
-def test_training_on_pods_gives_the_eval_loss_of_the_local_backend(airflow_env, tmp_path, cluster, manifest):  # noqa: F811
+def test_training_on_pods_gives_the_eval_loss_of_the_local_backend(airflow_env, tmp_path, cluster, manifest):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TRAIN_CONFIG))
     models = {}
@@ -113,7 +113,7 @@ def _eval_losses(manifest: str, models: dict[str, Path]) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_killing_the_task_deletes_every_object_of_the_group(airflow_env, tmp_path, cluster):  # noqa: F811
+def test_killing_the_task_deletes_every_object_of_the_group(airflow_env, tmp_path, cluster):
     """A real MultiWorkerMirroredStrategy job, whose workers catch SIGTERM and keep running (preemption notices):
     only the pod deletion with grace 0 after ON_KILL_GRACE_S ends them, within Airflow's 5 s."""
     case = pod_case(tmp_path, entrypoint="tiny_mwms", args=["--steps", "100000", "--step-sleep", "0.05"],
@@ -140,7 +140,7 @@ def test_killing_the_task_deletes_every_object_of_the_group(airflow_env, tmp_pat
     assert "WorkerGroupStoppedError" in task_log
 
 
-def test_a_pending_pod_fails_the_task_at_the_startup_timeout_with_its_events(airflow_env, tmp_path, cluster):  # noqa: F811
+def test_a_pending_pod_fails_the_task_at_the_startup_timeout_with_its_events(airflow_env, tmp_path, cluster):
     cluster.hold_pending("*-1", message="0/2 nodes are available: 2 node(s) didn't match Pod's node affinity.")
     result, task_log = run_case(airflow_env, cluster, pod_case(tmp_path, startup_timeout_s=6), tmp_path, timeout=120)
     assert result["task_states"]["group"] == "failed"

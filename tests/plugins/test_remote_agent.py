@@ -20,19 +20,12 @@ import pytest
 from tf_multiworker.launcher.process import live_group_members
 from tf_multiworker.remote_agent import VERSIONED_PACKAGES
 
-from tests.plugins.conftest import ENTRYPOINTS
+from tests.plugins.conftest import ENTRYPOINTS, alive
 
 AGENT = [sys.executable, "-u", "-m", "tf_multiworker.remote_agent"]
 WORKER = [sys.executable, "-u", str(ENTRYPOINTS / "agent_worker.py")]
 GRACE_S = 0.5
 
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 class Agent:
@@ -138,7 +131,7 @@ def test_control_lines_relay_the_exit_code_and_leftovers_are_stopped(agents, tmp
     assert agent.finish() == status
     assert _control(agent.lines[-1], "TFMW_EXIT") == {"code": code}
     # The child ignores SIGTERM and outlived the worker: the agent's ladder ended it with SIGKILL.
-    assert not _alive(child) and live_group_members(worker) == []
+    assert not alive(child) and live_group_members(worker) == []
 
 
 def _assert_stopped_by_ladder(agent: Agent, worker: int, child: int, since: float) -> None:
@@ -147,7 +140,7 @@ def _assert_stopped_by_ladder(agent: Agent, worker: int, child: int, since: floa
     print(f"\nstubborn worker and child gone {elapsed:.2f} s after the trigger (grace {GRACE_S} s)")
     assert "TERM ignored" in agent.lines, "the worker must get SIGTERM before SIGKILL"
     assert _control(agent.lines[-1], "TFMW_EXIT") == {"code": -signal.SIGKILL}
-    assert not _alive(worker) and not _alive(child) and live_group_members(worker) == []
+    assert not alive(worker) and not alive(child) and live_group_members(worker) == []
     assert elapsed < GRACE_S + 5
 
 
@@ -258,7 +251,7 @@ def test_release_ends_only_the_runs_processes_and_removes_its_directory(sleepers
     assert released["survivors"] == [] and released["clean"] is True
     assert released["removed_dirs"] == [str(run_dir)] and not run_dir.exists()
     assert "nvml" in released["gpu_check"]
-    assert not _alive(ours.pid) and _alive(theirs.pid)
+    assert not alive(ours.pid) and alive(theirs.pid)
 
 
 def test_release_never_follows_a_symlinked_run_directory(tmp_path):
@@ -285,10 +278,10 @@ def test_kill_refuses_an_unrelated_group_and_kills_the_runs(sleepers):
 
     refused = _answer("kill", {"pgid": unrelated.pid, "run_key": key})
     assert refused["status"] == "refused" and str(key) in refused["reason"]
-    assert _alive(unrelated.pid)
+    assert alive(unrelated.pid)
     assert _answer("kill", {"pgid": 1, "run_key": key})["status"] == "refused"
 
     killed = _answer("kill", {"pgid": ours.pid, "run_key": key})
     assert killed["status"] == "killed" and killed["members"] == [ours.pid] and killed["survivors"] == []
-    assert not _alive(ours.pid)
+    assert not alive(ours.pid)
     assert _answer("kill", {"pgid": ours.pid, "run_key": key})["status"] == "gone"

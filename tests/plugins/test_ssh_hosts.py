@@ -18,7 +18,7 @@ from airflow.providers.ssh.hooks.ssh import SSHHook
 from tf_multiworker.launcher.process import live_group_members
 from tf_multiworker.remote_agent import VERSIONED_PACKAGES
 
-from tests.plugins.conftest import ENTRYPOINTS
+from tests.plugins.conftest import ENTRYPOINTS, alive
 
 REMOTE_PYTHON = sys.executable  # the fake hosts share this machine's worker environment
 WORKER = [REMOTE_PYTHON, "-u", str(ENTRYPOINTS / "agent_worker.py")]
@@ -47,13 +47,6 @@ def _ask(client: paramiko.SSHClient, mode: str, request: dict) -> dict:
     assert channel.recv_exit_status() == 0, errors.decode()
     return json.loads(answer)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def test_the_hook_reaches_every_host_with_its_host_key_and_the_agent_probes_it(ssh_hosts, monkeypatch):
@@ -148,7 +141,7 @@ def _command_lines_holding(text: str) -> list[int]:
 
 def _seconds_until_gone(worker: int, child: int) -> float:
     started = time.monotonic()
-    while _alive(worker) or _alive(child) or live_group_members(worker):
+    while alive(worker) or alive(child) or live_group_members(worker):
         assert time.monotonic() - started < 15, f"worker {worker} or its child {child} alive 15 s after the stop"
         time.sleep(0.05)
     return time.monotonic() - started

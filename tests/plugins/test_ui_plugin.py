@@ -213,6 +213,43 @@ def test_hostile_reports_render_escaped_as_error_rows(hostile_storage):
         assert response.status_code in (200, 422) and "<script" not in response.text.lower(), key
 
 
+def test_pages_show_the_latest_model_its_history_and_each_runs_samples(tmp_path, monkeypatch):
+    """Two nightly runs promoted in turn, then one that is not: the index names the run behind `latest` and every
+    version; a run page shows why it was (not) promoted and its samples beside the promoted version's."""
+    from tasks.promote import promote_run
+
+    root = str(tmp_path / "storage")
+    monkeypatch.setattr(compare, "EVALUATE_MODULE", "tests.tasks.fixture_evaluate")
+    monkeypatch.setenv("TFMW_FIXTURE_EVALUATE_CALLS", str(tmp_path / "calls.txt"))
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    keys = {}
+    for run_id, eval_loss in (("nightly__1", 5.30), ("nightly__2", 5.20), ("nightly__3", 5.90)):
+        prepared = run_fixtures.prepare_run(root, run_id, baseline="skip")
+        run_fixtures.write_training_output(prepared["train_url"], num_workers=2, train_time_s=30.0,
+                                           eval_loss=eval_loss)
+        compare.evaluate_run(prepared)
+        promote_run(prepared)
+        keys[run_id] = prepared["run_key"]
+    client = TestClient(create_app(root))
+
+    index = client.get("/").text
+    assert ("gpt_finetune: latest is <b>v2</b>, produced by run "
+            f"<a href='runs/{keys['nightly__2']}/'>nightly__2</a>") in index
+    history = index.split("id='history-gpt_finetune'>")[1].split("</table>")[0]
+    assert [row.split("</td>")[0] for row in history.split("<tr><td>")[1:]] == ["v2", "v1"]
+    assert "<td>5.2000</td>" in history and f"<a href='runs/{keys['nightly__1']}/'>nightly__1</a>" in history
+    (model,) = client.get("/api/models").json()
+    assert (model["latest"], model["run_id"], len(model["history"])) == ("v2", "nightly__2", 2)
+
+    page = client.get(f"/runs/{keys['nightly__3']}/").text
+    assert "not promoted</span> (policy auto): worse than the promoted version" in page
+    samples = page.split("<h2>Samples</h2>")[1]
+    assert "<b>Prompt 1:</b> To be, or not" in samples
+    assert "<tr><td>distributed</td>" in samples and "<tr><td>promoted v2</td>" in samples
+    assert "the question of a fixture" in samples
+    assert "promoted</span> to gpt_finetune v2" in client.get(f"/runs/{keys['nightly__2']}/").text
+
+
 def test_responses_forbid_scripts_and_sniffing(server_url):
     for path in ("/", "/api/runs", f"/runs/{KEY_28}/", "/runs/nope/",
                  f"/runs/{KEY_28}/charts/scaling.png"):

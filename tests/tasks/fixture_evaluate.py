@@ -35,7 +35,8 @@ def main() -> int:
     print(f"evaluated {validation['sequences']} sequences: loss {eval_loss:.4f}", flush=True)
     write_json_atomic(args.output, {"eval_loss": eval_loss, "perplexity": math.exp(eval_loss),
                                     "eval_tokens": validation["tokens"], "eval_time_s": 1.25,
-                                    "samples": ["To be, or not to be"]})
+                                    "samples": [{"prompt": "To be, or not", "greedy": " to be, that is",
+                                                 "top_k": f" the question of {recorded.get('voice', 'a fixture')}"}]})
     return 0
 
 

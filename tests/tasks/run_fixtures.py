@@ -2,7 +2,9 @@
 
 The training outputs follow the contract in docs/CONTRACTS.md (summary.json written last, metrics JSON lines per
 rank). The "model" directory holds `fixture_eval.json`: the result `fixture_evaluate` reports for that model, so
-comparison logic runs through a real child process without TensorFlow.
+comparison logic runs through a real child process without TensorFlow. The dataset's tokenizer directory and every
+model directory hold the same `tokenizer.json`, as the real ones do, so a promoted model counts as scorable on a
+later run's shards.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from trainer.storage import join, write_bytes_atomic, write_json_atomic
 FINGERPRINT = "ds-3f2a9c01"
 DAG_ID = "gpt_finetune"
 HERE = Path(__file__).resolve().parent
+TOKENIZER_JSON = {"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []},
+                  "added_tokens": [{"id": 0, "content": "<|endoftext|>", "special": True}]}
 
 
 def write_manifest(root: str, fingerprint: str = FINGERPRINT, tokenizer_fingerprint: str = "tok-77aa") -> str:
@@ -36,6 +40,7 @@ def write_manifest(root: str, fingerprint: str = FINGERPRINT, tokenizer_fingerpr
         "splits": {"train": {"sequences": 800, "tokens": 51200, "shards": []},
                    "validation": {"sequences": 40, "tokens": 2560, "shards": [shard]}},
     })
+    write_json_atomic(join(StorageLayout(root).dataset(fingerprint), "tokenizer", "tokenizer.json"), TOKENIZER_JSON)
     return url
 
 
@@ -56,6 +61,7 @@ def write_training_output(url: str, *, num_workers: int, global_batch_size: int 
             }))
         write_bytes_atomic(output.metrics_file(rank), ("\n".join(lines) + "\n").encode())
     write_json_atomic(join(output.model, "fixture_eval.json"), {"eval_loss": eval_loss})
+    write_json_atomic(join(output.model, "tokenizer.json"), TOKENIZER_JSON)
     write_json_atomic(join(output.checkpoints, "checkpoint.json"), {"step": steps})
     if complete:
         write_json_atomic(output.summary, {

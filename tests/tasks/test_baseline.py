@@ -29,7 +29,8 @@ def test_key_is_stable_and_ignores_what_cannot_change_the_result():
         BASE.replace(num_workers=1, batch_size_per_worker=4, grad_accum_steps=4))
     for setting in ({"storage_root": "s3://other/root"}, {"baseline": "run"}, {"loss_tolerance": 0.5},
                     {"startup_timeout_s": 30}, {"hang_timeout_s": 60}, {"checkpoint_every_steps": 7},
-                    {"communication": "ring"}, {"storage_conn_id": "minio"}):
+                    {"communication": "ring"}, {"storage_conn_id": "minio"}, {"model_name": "chat"},
+                    {"promotion_tolerance": 0.1}, {"promote": "never"}):
         assert key(BASE.replace(**setting)) == key(), setting
 
 

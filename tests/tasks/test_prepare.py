@@ -1,6 +1,7 @@
 """The prepare task's glue: invalid settings fail without retries; the prepared dict names every path."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,18 @@ def test_prepared_run_lists_configs_with_resolved_steps(tmp_path):
     assert prepared["run_key"] == run_key(DAG_ID, RUN_ID)
     assert prepared["train_summary_url"].startswith(prepared["train_url"])
     assert prepared["baseline_summary_url"].startswith(prepared["baseline_url"])
+
+
+@pytest.mark.parametrize("model, name", [("promoted", "gpt_finetune"), ("promoted:nightly-chat", "nightly-chat")])
+def test_continuing_from_a_model_never_promoted_fails_at_once_naming_setting_and_path(tmp_path, model, name):
+    started = time.monotonic()
+    with pytest.raises(AirflowFailException) as failure:
+        prepare_run({"storage_root": str(tmp_path), "model": model}, RUN_ID, DAG_ID)
+    assert time.monotonic() - started < 5  # before any tokenizing
+    message = str(failure.value)
+    assert f"Setting 'model' = '{model}'" in message
+    assert f"{tmp_path}/models/{name}/latest.json is missing" in message
+    assert not (tmp_path / "datasets").exists()
 
 
 def test_a_kubernetes_connection_that_airflow_does_not_know_fails_the_task_before_tokenizing(tmp_path):

@@ -46,6 +46,12 @@ SSH = {"backend": "ssh", "ssh_conn_ids": ["host_a", "host_b"], "storage_root": "
         ({"communication": "nccl"}, ["'nccl'", "use_gpu"]),
         ({"mixed_precision": "fp16"}, ["'fp16'", "use_gpu"]),
         ({"dataset": "  "}, ["'dataset'", "empty"]),
+        ({"model_name": "../etc"}, ["'model_name' = '../etc'", "not a safe name", "letters, digits"]),
+        ({"model_name": "a/b"}, ["'model_name' = 'a/b'", "not a safe name"]),
+        ({"model_name": ""}, ["'model_name'", "not a safe name"]),
+        ({"model": "promoted:.hidden"}, ["'model' = 'promoted:.hidden'", "'.hidden'", "not a safe name"]),
+        ({"promotion_tolerance": -0.1}, ["'promotion_tolerance' = -0.1", "out of range", "0.0 to 100.0"]),
+        ({"promote": "sometimes"}, ["'promote' = 'sometimes'", "'auto'", "'always'", "'never'"]),
         ({"backend": "ssh"}, ["'backend' = 'ssh' needs 'ssh_conn_ids'", "one per host"]),
         ({"backend": "ssh", "ssh_conn_ids": []}, ["needs 'ssh_conn_ids'"]),
         ({"backend": "ssh", "ssh_conn_ids": "a,b"}, ["'ssh_conn_ids'", "list of strings", '["host_a", "host_b"]']),
@@ -69,6 +75,13 @@ def test_bad_settings_name_key_value_and_what_is_allowed(params, fragments):
     message = str(excinfo.value)
     for fragment in fragments:
         assert fragment in message, message
+
+
+def test_promoted_model_names_the_registered_model_it_continues_from():
+    assert RunConfig(model="promoted").promoted_source == "gpt_finetune"
+    assert RunConfig(model="promoted", model_name="chat").promoted_source == "chat"
+    assert RunConfig(model="promoted:nightly-chat").promoted_source == "nightly-chat"
+    assert RunConfig(model="tiny").promoted_source is None
 
 
 def test_ssh_settings_round_trip_through_json():

@@ -71,7 +71,7 @@ def test_cli_writes_the_result_json(trained, tmp_path):
     result_path = tmp_path / "eval" / "result.json"
     completed = subprocess.run(
         [sys.executable, "-m", "trainer.evaluate", "--model", str(output / "model"), "--manifest", manifest_url,
-         "--output", str(result_path), "--max-batches", "2", "--prompt", "Enter the king"],
+         "--output", str(result_path), "--max-batches", "2", "--prompt", "Enter the king", "--prompt", "Thunder"],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=180,
         check=False,
     )
@@ -79,9 +79,24 @@ def test_cli_writes_the_result_json(trained, tmp_path):
     result = json.loads(result_path.read_text())
     assert {"eval_loss", "perplexity", "eval_tokens", "eval_time_s", "samples"} <= set(result)
     assert result["eval_tokens"] == 2 * 8 * 31
-    assert result["prompt"] == "Enter the king"
-    assert len(result["samples"]) == 3 and all(isinstance(s, str) and s for s in result["samples"])
+    assert [sample["prompt"] for sample in result["samples"]] == ["Enter the king", "Thunder"]
+    assert all(sample["greedy"] and sample["top_k"] for sample in result["samples"])
     assert "eval_loss" in completed.stdout
+
+
+def test_samples_continue_validation_openings_the_same_way_every_time(trained):
+    """Greedy and top-k continuations of the first validation sequences' openings, under a fixed seed."""
+    from trainer.evaluate import NUM_PROMPTS, evaluate
+
+    manifest_url, output = trained
+    first = evaluate(str(output / "model"), manifest_url, max_batches=1)
+    again = evaluate(str(output / "model"), manifest_url, max_batches=1)
+    assert len(first["samples"]) == NUM_PROMPTS
+    assert len({sample["prompt"] for sample in first["samples"]}) == NUM_PROMPTS  # distinct openings
+    assert all(sample["prompt"] and sample["greedy"].strip() and sample["top_k"].strip()
+               for sample in first["samples"])
+    assert again["samples"] == first["samples"]
+    assert first["sampling"]["seed"] == again["sampling"]["seed"]
 
 
 def test_train_resume_and_evaluate_on_object_storage(trained, s3_bucket):

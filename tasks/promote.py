@@ -1,0 +1,261 @@
+"""The promote task: the run's model becomes the next version of its registered model when it is good enough.
+
+Setting `promote`: `auto` promotes when the run's gates passed and its eval loss is not worse than the promoted
+version's by more than `promotion_tolerance`; `always` promotes whenever the gates passed; `never` does not. A
+promotion copies the model (with its tokenizer), the report and a model card to `models/<model_name>/v<N>/`,
+writes `version.json` last, then moves `latest.json` by compare-and-swap (tasks/registry.py). The outcome, with
+the reason, goes into the run's report (`promotion`) and the task log; the DAG turns a promotion into an event of
+the Asset `gpt_finetune_model`.
+
+The eval losses compared are the same validation shards' whenever possible: the evaluate task scores the promoted
+version on this run's validation split when their tokenizers agree (`report["promoted"]`); otherwise the
+version's recorded loss is used, and the reason says whether its dataset fingerprint matches this run's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+from tasks import registry
+from tasks import report as reports
+from tasks.connections import uses_run_storage
+from trainer.config import ConfigError, RunConfig
+from trainer.layout import ModelLayout, VersionLayout
+from trainer.storage import (
+    exists,
+    filesystem,
+    join,
+    read_json,
+    remove_tree,
+    write_bytes_atomic,
+    write_json_atomic,
+)
+
+log = logging.getLogger("gpt_finetune.promote")
+
+VERSION_FORMAT_VERSION = 1
+MAX_SWAP_ATTEMPTS = 20
+
+
+class NoReportError(RuntimeError):
+    """The run has no report: evaluate did not get as far as writing one, so there is nothing to promote."""
+
+
+@uses_run_storage
+def promote_run(prepared: dict) -> dict[str, Any]:
+    """Promote (or not) this run's model; returns the outcome recorded in the report."""
+    cfg = RunConfig.from_params(prepared["config"])
+    report_json = join(prepared["report_url"], reports.REPORT_JSON)
+    if not exists(report_json):
+        raise NoReportError(
+            f"Run {prepared['run_id']} has no report at {report_json}: evaluate failed before writing it (see its "
+            "log), so no model is promoted.")
+    report = read_json(report_json)
+    outcome = promote(prepared, cfg, report, registry.model_layout(cfg.storage_root, cfg.model_name))
+    report["promotion"] = outcome
+    reports.write_report(prepared["report_url"], report, charts={})
+    if outcome["promoted"]:
+        log.info("Promoted run %s to %s %s (%s): %s", prepared["run_id"], cfg.model_name, outcome["version"],
+                 outcome["url"], outcome["reason"])
+    else:
+        log.warning("Not promoted: run %s stays out of %s: %s", prepared["run_id"], cfg.model_name,
+                    outcome["reason"])
+    return outcome
+
+
+def promote(prepared: dict, cfg: RunConfig, report: dict[str, Any], layout: ModelLayout) -> dict[str, Any]:
+    """Decide against the current pointer, publish a complete version, swap the pointer; on a lost swap decide
+    again against the pointer that won."""
+    version: VersionLayout | None = None
+    number = 0
+    for _ in range(MAX_SWAP_ATTEMPTS):
+        pointer, token = registry.read_pointer(layout.latest)
+        earlier = [entry for entry in (pointer or {}).get("history", []) if entry.get("run_key") == prepared["run_key"]]
+        if earlier:  # a retry after the pointer moved: the run has its version, it gets no second one
+            reason = f"already promoted to {earlier[-1]['version']} by an earlier attempt of this task."
+            return outcome(cfg, _verdict(True, reason), promoted=True, entry=earlier[-1])
+        verdict = decide(cfg, report, pointer)
+        if not verdict["promote"]:
+            if version is not None:  # published, then beaten to the pointer by a better version
+                remove_tree(version.url)
+            return outcome(cfg, verdict, promoted=False)
+        current = pointer["number"] if pointer else 0
+        if version is None or number <= current:  # the pointer only moves to higher numbers
+            if version is not None:
+                remove_tree(version.url)
+            number = registry.claim_version(layout, current, {
+                "run_id": prepared["run_id"], "claimed_at": _now()})
+            version = layout.version(number)
+            publish_version(version, prepared, cfg, report, number, verdict)
+        entry = history_entry(version, prepared, report, number)
+        history = (pointer["history"] if pointer else []) + [entry]
+        new_pointer = {**entry, "format_version": registry.POINTER_FORMAT_VERSION, "name": cfg.model_name,
+                       "history": history}
+        if registry.swap_pointer(layout.latest, token, new_pointer):
+            return outcome(cfg, verdict, promoted=True, entry=entry)
+        log.info("Another promotion moved %s first; deciding again against it.", layout.latest)
+    raise registry.RegistryError(
+        f"{layout.latest} kept changing under {MAX_SWAP_ATTEMPTS} promotion attempts of run {prepared['run_id']}: "
+        "other runs are promoting continuously; trigger this run's promote task again.")
+
+
+def decide(cfg: RunConfig, report: dict[str, Any], pointer: dict[str, Any] | None) -> dict[str, Any]:
+    """{"promote", "reason", "compared_with"}: the rule of setting `promote` applied to this report."""
+    if cfg.promote == "never":
+        return _verdict(False, "setting 'promote' = 'never'.")
+    if report.get("gates_passed") is not True:
+        failed = "; ".join(gate["detail"] for gate in report.get("gates", []) if not gate.get("passed"))
+        return _verdict(False, f"the run's gates failed ({failed}), so it is never promoted.")
+    loss = report["runs"]["distributed"]["eval_loss"]
+    if pointer is None:
+        return _verdict(True, f"first version of '{cfg.model_name}' (eval loss {loss:.4f}).")
+    reference = reference_loss(report, pointer)
+    delta = loss - reference["eval_loss"]
+    comparison = (f"eval loss {loss:.4f} vs {reference['eval_loss']:.4f} of promoted {pointer['version']} "
+                  f"(run {pointer['run_id']}): {reports.nats(delta)} nats, tolerance {cfg.promotion_tolerance:.4f}; "
+                  f"{reference['note']}")
+    if cfg.promote == "always":
+        return _verdict(True, f"setting 'promote' = 'always' ({comparison}).", reference)
+    if math.isfinite(delta) and delta <= cfg.promotion_tolerance:
+        return _verdict(True, f"not worse than the promoted version: {comparison}.", reference)
+    return _verdict(False, f"worse than the promoted version by more than 'promotion_tolerance': {comparison}. "
+                           "Raise 'promotion_tolerance' or set 'promote' = 'always' to promote it anyway.", reference)
+
+
+def reference_loss(report: dict[str, Any], pointer: dict[str, Any]) -> dict[str, Any]:
+    """The promoted version's eval loss to compare with, and where it comes from."""
+    scored = report.get("promoted") or {}
+    fingerprint = report["dataset_fingerprint"]
+    if scored.get("version") == pointer["version"] and scored.get("eval_loss") is not None:
+        return {"version": pointer["version"], "eval_loss": scored["eval_loss"], "same_shards": True,
+                "note": f"both scored on this run's validation shards (dataset {fingerprint})"}
+    same = pointer.get("dataset_fingerprint") == fingerprint
+    note = (f"its recorded eval loss, on the same validation shards (dataset {fingerprint})" if same else
+            f"its recorded eval loss, NOT on the same validation shards: it was scored on dataset "
+            f"{pointer.get('dataset_fingerprint')}, this run on {fingerprint}"
+            + (f" ({scored['note']})" if scored.get("note") else ""))
+    return {"version": pointer["version"], "eval_loss": pointer["eval_loss"], "same_shards": same, "note": note}
+
+
+def _verdict(promote: bool, reason: str, reference: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"promote": promote, "reason": reason, "compared_with": reference}
+
+
+def outcome(cfg: RunConfig, verdict: dict[str, Any], *, promoted: bool,
+            entry: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the report, the task log and (as `event`, the Asset event's extra) downstream DAGs learn."""
+    event = {"model_name": cfg.model_name, **{name: entry[name] for name in (
+        "version", "url", "model_url", "run_id", "eval_loss", "perplexity", "dataset_fingerprint")}} if entry else None
+    return {"promoted": promoted, "policy": cfg.promote, "model_name": cfg.model_name,
+            "reason": verdict["reason"], "compared_with": verdict["compared_with"],
+            "version": entry["version"] if entry else None, "url": entry["url"] if entry else None,
+            "model_url": entry["model_url"] if entry else None, "event": event, "decided_at": _now()}
+
+
+def history_entry(version: VersionLayout, prepared: dict, report: dict[str, Any], number: int) -> dict[str, Any]:
+    distributed = report["runs"]["distributed"]
+    return {"version": f"v{number}", "number": number, "url": version.url, "model_url": version.model,
+            "run_id": prepared["run_id"], "run_key": prepared["run_key"], "promoted_at": _now(),
+            "eval_loss": distributed["eval_loss"], "perplexity": distributed["perplexity"],
+            "dataset_fingerprint": report["dataset_fingerprint"],
+            "run_report_url": join(prepared["report_url"], reports.REPORT_JSON)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a version's files
+
+
+def publish_version(version: VersionLayout, prepared: dict, cfg: RunConfig, report: dict[str, Any], number: int,
+                    verdict: dict[str, Any]) -> None:
+    """Model, report and model card, then version.json listing them: complete, or never pointed to."""
+    files = [{**file, "name": f"model/{file['name']}"}
+             for file in registry.copy_tree(report["runs"]["distributed"]["model_url"], version.model)]
+    write_json_atomic(version.report, report)
+    write_bytes_atomic(version.model_card, model_card(cfg, prepared, report, number, verdict).encode("utf-8"))
+    files += [{"name": "report.json", "bytes": _size(version.report)},
+              {"name": "model_card.md", "bytes": _size(version.model_card)}]
+    distributed = report["runs"]["distributed"]
+    write_json_atomic(version.record, {
+        "format_version": VERSION_FORMAT_VERSION, "name": cfg.model_name, "version": f"v{number}",
+        "run_id": prepared["run_id"], "run_key": prepared["run_key"], "created_at": _now(),
+        "eval_loss": distributed["eval_loss"], "perplexity": distributed["perplexity"],
+        "dataset_fingerprint": report["dataset_fingerprint"], "files": files,
+    })
+
+
+def _size(url: str) -> int:
+    fs, path = filesystem(url)
+    return fs.size(path)
+
+
+def model_card(cfg: RunConfig, prepared: dict, report: dict[str, Any], number: int, verdict: dict[str, Any]) -> str:
+    distributed = report["runs"]["distributed"]
+    continued = report.get("continued_from")
+    base = (f"continued from {continued['name']} {continued['version']} ({continued['url']})" if continued
+            else f"`{cfg.model}`")
+    lines = [
+        f"# {cfg.model_name} v{number}",
+        "",
+        f"Promoted {_now()} from run `{prepared['run_id']}` (policy `{cfg.promote}`): {verdict['reason']}",
+        "",
+        f"- Base model: {base}",
+        (f"- Data: dataset fingerprint `{report['dataset_fingerprint']}` (setting `dataset` = `{cfg.dataset}`, "
+        f"tokenizer `{cfg.tokenizer}`, validation fraction {cfg.val_fraction})"),
+        (f"- Training: {distributed['num_workers']} workers, {distributed['steps']} steps of "
+        f"{distributed['global_batch_size']} sequences x {cfg.block_size} tokens"),
+        (f"- Eval loss on the validation split: {distributed['eval_loss']:.4f} nats, perplexity "
+        f"{distributed['perplexity']:.2f} ({distributed['eval_tokens']} tokens)"),
+        f"- Run report: {join(prepared['report_url'], reports.REPORT_MD)}",
+        "",
+        "## Gates",
+        "",
+    ]
+    lines += [f"- {gate['name']}: {'pass' if gate['passed'] else 'FAIL'} ({gate['detail']})" for gate in report["gates"]]
+    lines += ["", "## Settings", "", "| setting | value |", "|---|---|"]
+    lines += [f"| {name} | `{value!r}` |" for name, value in cfg.to_dict().items()]
+    lines += ["", "## Versions", ""]
+    lines += [f"- {name}: {value}" for name, value in sorted(report.get("versions", {}).items())]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# continuing from a promoted version (the prepare task)
+
+
+def resolve_promoted_model(cfg: RunConfig) -> tuple[RunConfig, dict[str, Any] | None]:
+    """For `model: promoted[:<name>]`, the config that trains from the latest version's files, and that version.
+
+    The tokenizer of a `bpe:<n>` run becomes the version's own: a continued model needs the token ids it was
+    trained with, which a BPE trained afresh on changed data would not give. Raises ConfigError, naming the
+    setting and the path, when nothing is promoted under that name."""
+    name = cfg.promoted_source
+    if name is None:
+        return cfg, None
+    layout = registry.model_layout(cfg.storage_root, name)
+    pointer = registry.read_latest(layout)
+    if pointer is None:
+        raise ConfigError(
+            f"Setting 'model' = {cfg.model!r}: no promoted version of '{name}' exists ({layout.latest} is missing). "
+            "Run once with a preset or another model and promote it first, or set 'model_name' / 'model' to a "
+            "model that has one.")
+    if registry.complete_version(layout.version(pointer["number"])) is None:
+        raise ConfigError(
+            f"Setting 'model' = {cfg.model!r}: {name} {pointer['version']} at {pointer['url']} is incomplete (a file "
+            "its version.json lists is missing or has another size): restore it, or promote another run.")
+    changes = {"model": pointer["model_url"]}
+    if cfg.bpe_vocab_size is not None:
+        changes["tokenizer"] = pointer["model_url"]
+        log.info("Setting 'tokenizer' = %r replaced by the tokenizer of %s %s: continuing needs its token ids.",
+                 cfg.tokenizer, name, pointer["version"])
+    log.info("Continuing from %s %s (run %s, eval loss %.4f): %s", name, pointer["version"], pointer["run_id"],
+             pointer["eval_loss"], pointer["model_url"])
+    return cfg.replace(**changes), {"name": name, "version": pointer["version"], "url": pointer["url"],
+                                    "model_url": pointer["model_url"], "run_id": pointer["run_id"],
+                                    "eval_loss": pointer["eval_loss"]}
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")

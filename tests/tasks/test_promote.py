@@ -1,0 +1,256 @@
+"""The promote task on storage laid out as the pipeline leaves it: versions, the latest pointer, the rule, races
+and kills, on local disk and on the S3 server alike.
+
+Reports come from the real evaluate task with `fixture_evaluate` standing in for `trainer.evaluate` (see
+test_compare.py), so the promoted version is really scored on the later run's shards by a child process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks import compare, registry
+from tasks.promote import NoReportError, promote_run
+from tests.tasks import run_fixtures
+from trainer.layout import StorageLayout
+from trainer.storage import exists, filesystem, join, read_bytes, read_json, write_json_atomic
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "storage")
+    return request.getfixturevalue("s3_bucket") + "/gpt"
+
+
+def evaluated_run(root: str, run_id: str, eval_loss: float, **settings) -> dict:
+    """A run trained (fixture outputs) and evaluated by the real evaluate task; gate failures are left in the report."""
+    prepared = run_fixtures.prepare_run(root, run_id, baseline="skip", **settings)
+    run_fixtures.write_training_output(prepared["train_url"], num_workers=2, train_time_s=30.0, eval_loss=eval_loss)
+    try:
+        compare.evaluate_run(prepared)
+    except compare.GateFailure:
+        pass
+    return prepared
+
+
+def reported_run(source: dict, run_id: str, eval_loss: float) -> dict:
+    """Another run whose report is `source`'s with its own id and loss (and `source`'s model): for the race and
+    kill tests, which are about the registry, without an evaluation per run."""
+    prepared = run_fixtures.prepare_run(source["storage_root"], run_id, baseline="skip")
+    report = {**report_of(source), "run_id": run_id, "run_key": prepared["run_key"]}
+    report["runs"] = {**report["runs"], "distributed": {**report["runs"]["distributed"], "eval_loss": eval_loss}}
+    write_json_atomic(join(prepared["report_url"], "report.json"), report)
+    return prepared
+
+
+def models(root: str):
+    return StorageLayout(root).model("gpt_finetune")
+
+
+def report_of(prepared: dict) -> dict:
+    return read_json(join(prepared["report_url"], "report.json"))
+
+
+def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
+    first = evaluated_run(root, "scheduled__1", 5.30)
+    promoted = promote_run(first)
+    assert promoted["promoted"] is True and promoted["version"] == "v1"
+    assert "first version of 'gpt_finetune'" in promoted["reason"]
+    layout = models(root)
+    v1 = layout.version(1)
+    record = registry.complete_version(v1)
+    assert record is not None and {"model/fixture_eval.json", "model/tokenizer.json", "report.json",
+                                    "model_card.md"} <= {file["name"] for file in record["files"]}
+    card = read_bytes(v1.model_card).decode()
+    for fragment in ("# gpt_finetune v1", run_fixtures.FINGERPRINT, "Eval loss on the validation split: 5.3000",
+                     "eval_loss_finite: pass", "| learning_rate | `0.001` |", "tensorflow: 2.21.0"):
+        assert fragment in card
+    assert read_json(v1.report)["run_id"] == "scheduled__1"
+    assert promoted["event"] == {"model_name": "gpt_finetune", "version": "v1", "url": v1.url,
+                                 "model_url": v1.model, "run_id": "scheduled__1", "eval_loss": 5.30,
+                                 "perplexity": pytest.approx(200.34, abs=0.01),
+                                 "dataset_fingerprint": run_fixtures.FINGERPRINT}
+
+    worse = evaluated_run(root, "scheduled__2", 5.50)
+    assert join(v1.model) in evaluations()  # evaluate scored v1 on this run's shards
+    assert report_of(worse)["promoted"]["eval_loss"] == 5.30
+    refused = promote_run(worse)
+    assert refused["promoted"] is False and refused["version"] is None and refused["event"] is None
+    assert "worse than the promoted version by more than 'promotion_tolerance'" in refused["reason"]
+    assert "eval loss 5.5000 vs 5.3000 of promoted v1" in refused["reason"]
+    assert "both scored on this run's validation shards" in refused["reason"]
+    markdown = read_bytes(join(worse["report_url"], "report.md")).decode()
+    assert "**Not promoted** (policy 'auto'): worse than the promoted version" in markdown
+    samples = markdown.split("## Samples")[1]
+    assert "**Prompt 1:** To be, or not" in samples
+    assert "| distributed |  to be, that is |" not in samples  # cells are trimmed, one line each
+    assert "| distributed | to be, that is | the question of a fixture |" in samples
+    assert "| promoted v1 | to be, that is | the question of a fixture |" in samples
+    assert report_of(worse)["promotion"]["promoted"] is False
+
+    better = evaluated_run(root, "scheduled__3", 5.20)
+    assert promote_run(better)["version"] == "v2"
+    pointer = registry.read_latest(layout)
+    assert (pointer["version"], pointer["run_id"]) == ("v2", "scheduled__3")
+    assert [(entry["version"], entry["run_id"], entry["eval_loss"]) for entry in pointer["history"]] == [
+        ("v1", "scheduled__1", 5.30), ("v2", "scheduled__3", 5.20)]
+    assert "**Promoted** to gpt_finetune v2" in read_bytes(join(better["report_url"], "report.md")).decode()
+
+
+def test_tolerance_and_the_promote_policies(evaluations, tmp_path):
+    root = str(tmp_path / "storage")
+    promote_run(evaluated_run(root, "r1", 5.30))
+    assert promote_run(evaluated_run(root, "r2", 5.35, promotion_tolerance=0.1))["version"] == "v2"
+    assert promote_run(evaluated_run(root, "r3", 9.0, promote="always"))["version"] == "v3"
+    never = promote_run(evaluated_run(root, "r4", 1.0, promote="never"))
+    assert never["promoted"] is False and never["reason"] == "setting 'promote' = 'never'."
+    failed_gate = promote_run(evaluated_run(root, "r5", float("nan"), promote="always"))
+    assert failed_gate["promoted"] is False and "the run's gates failed (distributed eval loss is nan" in \
+        failed_gate["reason"]
+    assert [entry["run_id"] for entry in registry.read_latest(models(root))["history"]] == ["r1", "r2", "r3"]
+
+
+def test_a_version_scored_on_other_data_is_compared_by_its_record_and_the_reason_says_so(evaluations, tmp_path):
+    root = str(tmp_path / "storage")
+    promote_run(evaluated_run(root, "r1", 5.30))
+    other_data = run_fixtures.write_manifest(root, fingerprint="ds-other", tokenizer_fingerprint="tok-other")
+    tokenizer = join(StorageLayout(root).dataset("ds-other"), "tokenizer", "tokenizer.json")
+    Path(tokenizer).write_text(json.dumps({**run_fixtures.TOKENIZER_JSON, "model": {"type": "BPE", "vocab": {}}}))
+    later = evaluated_run(root, "r2", 5.10, manifest_url=other_data)
+    assert report_of(later)["promoted"]["eval_loss"] is None  # another tokenizer: not scorable on these shards
+    outcome = promote_run(later)
+    assert outcome["promoted"] is True
+    assert ("its recorded eval loss, NOT on the same validation shards: it was scored on dataset "
+            f"{run_fixtures.FINGERPRINT}, this run on ds-other") in outcome["reason"]
+    assert "tokenizer differs from this run's" in outcome["reason"]
+
+
+def test_a_retried_promotion_keeps_the_version_it_got(evaluations, tmp_path):
+    prepared = evaluated_run(str(tmp_path / "storage"), "r1", 5.30)
+    first = promote_run(prepared)
+    again = promote_run(prepared)  # the task retried after its pointer swap
+    assert (again["promoted"], again["version"], again["event"]) == (True, "v1", first["event"])
+    assert "already promoted to v1 by an earlier attempt" in again["reason"]
+    assert len(registry.read_latest(models(prepared["storage_root"]))["history"]) == 1
+
+
+def test_a_run_without_a_report_is_not_promoted(tmp_path):
+    prepared = run_fixtures.prepare_run(str(tmp_path / "storage"), "r1")
+    with pytest.raises(NoReportError, match="evaluate failed before writing it"):
+        promote_run(prepared)
+    assert not exists(models(prepared["storage_root"]).url)
+
+
+PROMOTER = """
+import json, sys, time
+from tasks.promote import promote_run
+prepared, start_at = json.loads(sys.argv[1]), float(sys.argv[2])
+time.sleep(max(0.0, start_at - time.time()))  # every promoter starts together
+print(json.dumps(promote_run(prepared)))
+"""
+
+
+def promoter(prepared: dict, start_at: float) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PROMOTER, json.dumps(prepared), str(start_at)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def assert_pointer_consistent(layout) -> dict:
+    """latest names the last history entry; the history's numbers rise; every version in it is complete."""
+    pointer = registry.read_latest(layout)
+    numbers = [entry["number"] for entry in pointer["history"]]
+    assert numbers == sorted(set(numbers)), numbers
+    assert pointer["version"] == pointer["history"][-1]["version"]
+    for entry in pointer["history"]:
+        assert registry.complete_version(layout.version(entry["number"])) is not None, entry["version"]
+    return pointer
+
+
+def test_concurrent_promotions_never_interleave_versions(root, evaluations):
+    source = evaluated_run(root, "concurrent__0", 5.30)
+    runs = [source] + [reported_run(source, f"concurrent__{index}", 5.30) for index in range(1, 3)]
+    start_at = time.time() + 4.0
+    processes = [promoter(prepared, start_at) for prepared in runs]
+    outcomes = []
+    for process in processes:
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-3000:]
+        outcomes.append(json.loads(out.splitlines()[-1]))
+
+    # Equal losses are never worse: all three are promoted, each to its own version, one after another.
+    assert all(outcome["promoted"] for outcome in outcomes)
+    pointer = assert_pointer_consistent(models(root))
+    assert sorted(entry["run_id"] for entry in pointer["history"]) == sorted(run["run_id"] for run in runs)
+    assert sorted(outcome["version"] for outcome in outcomes) == sorted(e["version"] for e in pointer["history"])
+
+
+def test_a_promotion_killed_on_s3_leaves_latest_on_a_complete_version(s3_faults, s3_faulty_bucket, evaluations):
+    root = s3_faulty_bucket + "/gpt"
+    layout = models(root)
+    first = evaluated_run(root, "r1", 5.30)
+    promote_run(first)
+    killed = reported_run(first, "r2", 5.20)
+    # The promotion's PUTs: its claim, two model files, then report.json: hold that one and kill the promoter.
+    s3_faults.hold_at(s3_faults.object_puts + 4)
+    process = promoter(killed, 0)
+    assert s3_faults.held.wait(60), "the promotion never reached its report.json"
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    s3_faults.heal()
+
+    pointer = assert_pointer_consistent(layout)
+    assert [entry["version"] for entry in pointer["history"]] == ["v1"]
+    assert registry.complete_version(layout.version(2)) is None  # claimed, half-written, pointed to by nothing
+    assert promote_run(reported_run(first, "r3", 5.10))["version"] == "v3"
+    assert [entry["version"] for entry in assert_pointer_consistent(layout)["history"]] == ["v1", "v3"]
+
+
+def test_a_promotion_killed_on_local_disk_leaves_latest_on_a_complete_version(tmp_path, evaluations):
+    root = str(tmp_path / "storage")
+    layout = models(root)
+    promote_run(evaluated_run(root, "r1", 5.30))
+    killed = evaluated_run(root, "r2", 5.20)
+    # A model file large enough that its copy is still running when the promoter is killed.
+    with open(join(killed["train_url"], "model", "tf_model.h5"), "wb") as handle:
+        handle.truncate(256 << 20)
+    process = promoter(killed, 0)
+    copied = Path(layout.version(2).model)
+    deadline = time.monotonic() + 60
+    while not copied.exists():
+        assert time.monotonic() < deadline and process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+
+    assert registry.complete_version(layout.version(2)) is None, "killed after the version was complete"
+    pointer = assert_pointer_consistent(layout)
+    assert [entry["version"] for entry in pointer["history"]] == ["v1"]
+    os.remove(join(killed["train_url"], "model", "tf_model.h5"))
+    assert promote_run(evaluated_run(root, "r3", 5.10))["version"] == "v3"
+
+
+def test_pointer_swaps_and_claims_are_exclusive(root):
+    layout = models(root)
+    assert registry.read_pointer(layout.latest) == (None, None)
+    assert registry.swap_pointer(layout.latest, None, {"history": [], "version": "v1"}) is True
+    assert registry.swap_pointer(layout.latest, None, {"history": [], "version": "v9"}) is False
+    pointer, token = registry.read_pointer(layout.latest)
+    assert pointer["version"] == "v1"
+    assert registry.swap_pointer(layout.latest, token, {"history": [], "version": "v2"}) is True
+    assert registry.swap_pointer(layout.latest, token, {"history": [], "version": "v3"}) is False  # stale token
+    assert registry.read_latest(layout)["version"] == "v2"
+    assert [registry.claim_version(layout, 0, {}) for _ in range(3)] == [1, 2, 3]
+    assert registry.claim_version(layout, 7, {}) == 8
+    fs, path = filesystem(layout.claim(2))
+    assert json.loads(fs.cat_file(path))["version"] == "v2"
