@@ -30,11 +30,15 @@ def test_a_lost_ssh_host_is_left_out_of_the_retry_and_the_run_passes_its_gates(a
                       region_name="us-east-1")
     s3.create_bucket(Bucket=bucket)
     file = tmp_path / "connections.json"
-    file.write_text(json.dumps(_connections(ssh_hosts, s3_endpoint, secret)))
+    connections = _connections(ssh_hosts)
+    connections["elastic_run_storage"] = {"conn_type": "aws", "login": "ssh-run-key", "password": secret,
+                                          "extra": json.dumps({"endpoint_url": s3_endpoint,
+                                                               "region_name": "us-east-1"})}
+    file.write_text(json.dumps(connections))
     airflow_stack.cli("connections", "import", str(file), "--overwrite")
     conf = {**FAST, "backend": "ssh", "ssh_conn_ids": [h.conn_id for h in ssh_hosts], "min_workers": 1,
             "baseline": "run", "max_steps": 200, "checkpoint_every_steps": 20,
-            "storage_root": f"s3://{bucket}/gpt", "storage_conn_id": "ssh_run_storage"}
+            "storage_root": f"s3://{bucket}/gpt", "storage_conn_id": "elastic_run_storage"}
     run_id = trigger(airflow_stack, conf)
     key = run_key(DAG, run_id)
 
