@@ -222,17 +222,21 @@ def _stop_listener(process: subprocess.Popen) -> None:
         process.wait()
 
 
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def stop_hosts(hosts: list[SSHHost]) -> None:
     """Stop the servers, their per-connection children and anything still running that was started through them."""
     leftovers = _started_through([host.root for host in hosts])
     for host in hosts:
         leftovers += _descendants(host.process.pid)
         _stop_listener(host.process)
-    for pid in leftovers:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _kill_all(leftovers)
 
 
 def take_down(host: SSHHost) -> None:
@@ -240,11 +244,7 @@ def take_down(host: SSHHost) -> None:
     a machine loses power. `bring_back` starts it again on the same address, port and host key."""
     victims = _started_through([host.root]) + _descendants(host.process.pid)
     _stop_listener(host.process)
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    _kill_all(victims)
 
 
 def bring_back(host: SSHHost) -> SSHHost:
