@@ -130,7 +130,7 @@ def test_sigkilled_worker_fails_the_attempt_and_the_retry_resumes_from_the_check
     key = run_key(DAG, run_id)
     train = storage(airflow_stack).run(key).train
     wait_until(lambda: Path(train.checkpoints, "checkpoint").exists(), 400, "first checkpoint of attempt 1")
-    ranks = wait_until(lambda: worker_ranks(key), 30, "trainer workers")
+    ranks = wait_until(lambda: len(found := worker_ranks(key)) == 2 and found, 30, "both trainer workers")
     os.kill(ranks[1], signal.SIGKILL)
 
     assert airflow_stack.wait_for_run(DAG, run_id, timeout=600) == "success"
@@ -148,7 +148,9 @@ def test_worker_killed_in_every_attempt_fails_the_run_and_release_still_cleans_u
     run_id = trigger(airflow_stack, LONG)
     key = run_key(DAG, run_id)
     for attempt in (1, 2):
-        ranks = wait_until(lambda: worker_ranks(key), 400, f"trainer workers of attempt {attempt}")
+        # Both ranks: the scan can catch the group while only one of them has started.
+        ranks = wait_until(lambda: len(found := worker_ranks(key)) == 2 and found, 400,
+                           f"both trainer workers of attempt {attempt}")
         os.kill(ranks[0], signal.SIGKILL)
         wait_until(lambda: not worker_ranks(key), 60, f"attempt {attempt}'s group to be stopped")
     assert airflow_stack.wait_for_run(DAG, run_id, timeout=300) == "failed"

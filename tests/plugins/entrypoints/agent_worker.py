@@ -16,16 +16,19 @@ import subprocess
 import sys
 import time
 
+mode = os.environ.get("AGENT_WORKER_MODE", "stubborn")
 shown = {name: os.environ.get(name) for name in os.environ.get("AGENT_WORKER_SHOW", "").split(",") if name}
 print("env " + json.dumps(shown), flush=True)
-child = subprocess.Popen(["sh", "-c", 'trap "" TERM; exec sleep 600'])
+# The child ignores SIGTERM from its first instruction: an ignored signal stays ignored across fork and exec.
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen(["sleep", "600"])
+# Set before the pids are printed: a test may signal as soon as it reads them.
+signal.signal(signal.SIGTERM, (lambda *_: print("TERM ignored", flush=True)) if mode == "stubborn" else signal.SIG_DFL)
 print(f"pids {os.getpid()} {child.pid}", flush=True)
 
-mode = os.environ.get("AGENT_WORKER_MODE", "stubborn")
 if mode.startswith("exit:"):
     sys.exit(int(mode.split(":", 1)[1]))
 if mode == "sigkill":
     os.kill(os.getpid(), signal.SIGKILL)
-signal.signal(signal.SIGTERM, lambda *_: print("TERM ignored", flush=True))
 while True:
     time.sleep(0.1)
