@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 from collections.abc import Mapping
@@ -76,6 +77,17 @@ def signal_ready() -> None:
     # One write of a whole line, flushed: it must not interleave with log lines of other threads.
     sys.stdout.write(f"{READY_MARKER} rank={rank}\n")
     sys.stdout.flush()
+
+
+def end_on_sigterm() -> None:
+    """Make SIGTERM end this worker again; call right after creating MultiWorkerMirroredStrategy.
+
+    Creating the strategy installs TensorFlow's preemption notifier: a C-level SIGTERM handler that only records
+    the signal, so a worker asked to stop kept training until the launcher's SIGKILL, and every stop waited out
+    the whole grace period. This project takes no preemption notices (a retry resumes from the last checkpoint,
+    whose index is written last), so the default action is the right one.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def is_ready_marker(line: str) -> bool:

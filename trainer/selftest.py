@@ -176,7 +176,9 @@ def create_strategy(cfg: RunConfig):
     }[cfg.communication]
     options = tf.distribute.experimental.CommunicationOptions(implementation=implementation,
                                                               timeout_seconds=cfg.collective_timeout_s)
-    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    runtime.end_on_sigterm()
+    return strategy
 
 
 def _all_reduce_fn(strategy):
@@ -480,7 +482,7 @@ class Preflight:
                 time.sleep(0.1)
         finally:
             if child.poll() is None:
-                child.kill()  # SIGKILL: TensorFlow's multi-worker runtime catches SIGTERM
+                child.kill()  # past its deadline: no grace
                 child.wait()
         elapsed = time.monotonic() - began if began else 0.0
         try:

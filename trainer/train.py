@@ -134,7 +134,9 @@ def create_strategy(cfg: RunConfig, multi_worker: bool):
     # 3); a peer alive but stuck leaves the group silent and the launcher's hang watchdog ends it. The retry
     # resumes from the last checkpoint.
     options = tf.distribute.experimental.CommunicationOptions(implementation=implementation)
-    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    runtime.end_on_sigterm()
+    return strategy
 
 
 def input_dataset(job: TrainJob, local_files: list[list[str]], start_step: int):

@@ -172,7 +172,9 @@ def test_marking_train_failed_from_outside_ends_every_worker_within_10_seconds(a
     airflow_stack.rest("PATCH", f"{run_path(run_id)}/taskInstances/train", {"new_state": "failed"})
     marked = time.monotonic()
     wait_until(lambda: not processes_of_run(key), 10, "every worker gone after the task was marked failed", 0.1)
-    assert time.monotonic() - marked <= 10
+    stopped_after_s = time.monotonic() - marked
+    print(f"workers gone {stopped_after_s:.1f} s after train was marked failed")
+    assert stopped_after_s <= 10
 
     assert airflow_stack.wait_for_run(DAG, run_id, timeout=300) == "failed"
     assert airflow_stack.task_states(DAG, run_id)["release"] == "success"

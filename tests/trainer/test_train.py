@@ -202,6 +202,24 @@ def test_killed_worker_resumes_from_its_checkpoint(runs):
     assert worst < LOSS_TOLERANCE, f"resumed run departs from the uninterrupted one by {worst}"
 
 
+def test_sigterm_ends_a_training_worker_at_once(tmp_path, manifest):
+    """TensorFlow's preemption handler swallows SIGTERM; the trainer undoes it, so a stop needs no SIGKILL."""
+    job = Job(tmp_path, "sigterm", manifest, num_workers=2, max_steps=100_000, checkpoint_every_steps=100_000)
+    job.start()
+    try:
+        metrics = job.output / "metrics" / "rank-1.jsonl"
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline and job.procs[1].poll() is None, job.log(1)[-3000:]
+            time.sleep(0.2)
+        os.killpg(job.procs[1].pid, signal.SIGTERM)
+        sent = time.monotonic()
+        assert job.procs[1].wait(timeout=10) == -signal.SIGTERM
+        assert time.monotonic() - sent < 5, "the worker kept running after SIGTERM"
+    finally:
+        job.stop()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # bad input fails before TensorFlow starts
 
