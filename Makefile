@@ -5,6 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ENV := source scripts/airflow-env.sh &&
 PYTEST_ARGS ?=
+# Test files run two at a time (pytest-xdist, one file per worker process): most tests wait on Airflow's scheduler
+# or on TensorFlow start-up, so one at a time leaves a core idle. TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup provision demo demo-s3 airflow test bench bench-table lint clean
 
@@ -28,7 +31,7 @@ provision: setup  ## install what the tests need besides .venv (Chromium, openss
 	@scripts/provision-tests.sh
 
 test: provision  ## the whole test suite (CPU only)
-	$(ENV) $(PY) -m pytest $(PYTEST_ARGS)
+	$(ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: setup  ## performance ratios measured side by side; results in bench-results/, README table regenerated
 	$(ENV) $(PY) -m bench $(BENCH_ARGS)
