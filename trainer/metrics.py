@@ -7,6 +7,7 @@ import logging
 import os
 import platform
 import socket
+import struct
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -73,26 +74,34 @@ class ProgressPrinter:
 
 
 class TensorBoardLog:
-    """Scalars per step into TensorBoard event files (chief only).
+    """Scalars per step into a TensorBoard event file (chief only).
 
-    Written with TF's own `tf.summary.write` and the scalars plugin tag, exactly what `tf.summary.scalar` emits:
-    the `tensorboard` package (which `tf.summary.scalar` needs) is not a dependency of the workers.
+    Each step's scalars are one Event record in exactly the form `tf.summary.scalar` writes (a float32 tensor with
+    the scalars plugin's metadata), built as protobufs and appended with TF's record writer. No TF op runs: four
+    eager `tf.summary.write` calls per step cost the tiny model about 1.5% of its step time.
     """
 
     def __init__(self, directory: Path) -> None:
         import tensorflow as tf
-        from tensorflow.core.framework import summary_pb2
+        from tensorflow.core.framework import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+        from tensorflow.core.util import event_pb2
 
-        self._tf = tf
-        self._writer = tf.summary.create_file_writer(str(directory))
+        self._event, self._summary, self._tensor = event_pb2.Event, summary_pb2.Summary, tensor_pb2.TensorProto
+        self._float, self._scalar_shape = types_pb2.DT_FLOAT, tensor_shape_pb2.TensorShapeProto()
         self._metadata = summary_pb2.SummaryMetadata(
-            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
-        ).SerializeToString()
+            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
+        directory.mkdir(parents=True, exist_ok=True)
+        # TF's own naming; a retried attempt adds a file next to the earlier ones, and TensorBoard reads them all.
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.v2"
+        self._writer = tf.io.TFRecordWriter(str(directory / name))
+        self._writer.write(self._event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        with self._writer.as_default(step=step):
-            for name, value in scalars.items():
-                self._tf.summary.write(name, self._tf.constant(value, self._tf.float32), metadata=self._metadata)
+        values = [self._summary.Value(tag=name, metadata=self._metadata, tensor=self._tensor(
+            dtype=self._float, tensor_shape=self._scalar_shape, tensor_content=struct.pack("<f", value)))
+            for name, value in scalars.items()]
+        event = self._event(wall_time=time.time(), step=step, summary=self._summary(value=values))
+        self._writer.write(event.SerializeToString())
 
     def flush(self) -> None:
         self._writer.flush()

@@ -348,7 +348,6 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gp
         end = time.perf_counter()
         step = times.step = times.step + 1
         times.loss = loss
-        state.step.assign(step)
         if not math.isfinite(loss):
             raise FloatingPointError(
                 f"rank {job.rank}: loss is {loss} at step {step}: lower 'learning_rate' or use 'bf16'/'no' for "
@@ -371,6 +370,7 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gp
             seconds_per_step = times.train_time_s / times.timed_steps if times.timed_steps else end - begin
             progress.maybe_print(step, loss, record["learning_rate"], record["tokens_per_s"], seconds_per_step)
         if step % cfg.checkpoint_every_steps == 0 or step == cfg.max_steps:
+            state.step.assign(step)  # only the checkpoint reads it: an eager op per step costs small models ~0.1%
             store.save(step)
             if tensorboard:
                 tensorboard.flush()
