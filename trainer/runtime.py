@@ -11,12 +11,13 @@ Never imports TensorFlow or Airflow.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 # The in-band readiness marker: a line of its own on stdout, so it travels wherever the worker's output does.
@@ -83,11 +84,43 @@ def end_on_sigterm() -> None:
     """Make SIGTERM end this worker again; call right after creating MultiWorkerMirroredStrategy.
 
     Creating the strategy installs TensorFlow's preemption notifier: a C-level SIGTERM handler that only records
-    the signal, so a worker asked to stop kept training until the launcher's SIGKILL, and every stop waited out
-    the whole grace period. This project takes no preemption notices (a retry resumes from the last checkpoint,
-    whose index is written last), so the default action is the right one.
+    the signal, so a worker asked to stop trained on until the launcher's SIGKILL. This project takes no preemption
+    notices (a retry resumes from the last checkpoint), so SIGTERM ends the worker, by that signal, as soon as
+    Python runs again; inside `writing_checkpoint()` it waits for the end of the block: when a peer dies, the
+    survivors are stopped while the chief may still be writing the checkpoint the retry must resume from. A worker
+    blocked in a collective never returns to Python: the launcher's SIGKILL after the grace period ends it.
     """
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+_checkpoint_writing = False
+_stop_requested = False
+
+
+def _on_sigterm(signum: int, frame) -> None:
+    global _stop_requested
+    if _checkpoint_writing:
+        _stop_requested = True
+        return
+    _end_by(signum)
+
+
+def _end_by(signum: int) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+@contextlib.contextmanager
+def writing_checkpoint() -> Iterator[None]:
+    """A block that a SIGTERM (see `end_on_sigterm`) lets finish before it ends the worker."""
+    global _checkpoint_writing
+    _checkpoint_writing = True
+    try:
+        yield
+    finally:
+        _checkpoint_writing = False
+        if _stop_requested:
+            _end_by(signal.SIGTERM)
 
 
 def is_ready_marker(line: str) -> bool:

@@ -371,7 +371,8 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gp
             progress.maybe_print(step, loss, record["learning_rate"], record["tokens_per_s"], seconds_per_step)
         if step % cfg.checkpoint_every_steps == 0 or step == cfg.max_steps:
             state.step.assign(step)  # only the checkpoint reads it: an eager op per step costs small models ~0.1%
-            store.save(step)
+            with runtime.writing_checkpoint():
+                store.save(step)
             if tensorboard:
                 tensorboard.flush()
             outputs.publish(job.is_chief)
