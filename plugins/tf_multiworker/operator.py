@@ -41,8 +41,8 @@ from trainer.storage import exists, normalize_root, upload_tree, write_json_atom
 
 STATE_XCOM_KEY = "worker_state"
 # Airflow's supervisor SIGKILLs the task process 5 s after its SIGTERM; workers live in their own sessions and
-# would outlive it, so a kill gives them at most this long before SIGKILL. (Workers end on SIGTERM at once: the
-# trainer undoes TensorFlow's preemption handler, see trainer/runtime.end_on_sigterm.)
+# would outlive it, so a kill gives them at most this long before SIGKILL. (Workers end on SIGTERM, at once or after
+# the checkpoint they are writing: the trainer undoes TensorFlow's preemption handler, trainer/runtime.py.)
 ON_KILL_GRACE_S = 3.0
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off", ""}
