@@ -59,15 +59,14 @@ def local_capacity(cfg: RunConfig, backend: Backend, environ=os.environ) -> tupl
 
 
 def ssh_capacity(cfg: RunConfig, backend: Backend, log) -> tuple[int, list[str]]:
-    """Probe every host; an unreachable host, or one without free GPUs, is left out of this launch (the backend
-    keeps only the usable hosts, in their order). Returns the workers they take and why fewer than asked."""
+    """Probe every host (all at once); an unreachable host, or one without free GPUs, is left out of this launch
+    (the backend keeps only the usable hosts, in their order). Returns the workers they take and why fewer than
+    asked."""
     usable, capacity, reasons = [], 0, []
-    for host in backend.hosts:
-        try:
-            probe = backend.request(host, "probe", {"ports": 0, "exclude": [], "workdir": backend.remote_workdir,
-                                                    "use_gpu": cfg.use_gpu})
-        except LaunchError as error:
-            log.warning("leaving host %s out of this launch: %s", host, error)
+    payload = {"ports": 0, "workdir": backend.remote_workdir, "use_gpu": cfg.use_gpu}
+    for host, probe in zip(backend.hosts, backend.probe_all(backend.hosts, payload), strict=True):
+        if isinstance(probe, LaunchError):
+            log.warning("leaving host %s out of this launch: %s", host, probe)
             reasons.append(f"host {host.address} unreachable")
             continue
         slots = backend.workers_per_host or (len(probe["free_gpus"]) if cfg.use_gpu else 1)

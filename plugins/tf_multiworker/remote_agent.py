@@ -13,7 +13,7 @@ it imports neither Airflow nor TensorFlow.
   stops the worker's whole process group: SIGTERM, `grace_s`, SIGKILL. Whatever the worker leaves behind in its
   group is stopped the same way once it exits. If the worker cannot be started, only `TFMW_EXIT {"code",
   "error"}` is printed (127: no such program, 126: not executable or no working directory, 2: bad request).
-- `probe`: `{"ports": n, "exclude": [ports], "workdir": str, "use_gpu": bool}` -> this host's identity, `n` ports
+- `probe`: `{"ports": n, "workdir": str, "use_gpu": bool}` -> this host's identity, `n` distinct ports
   free on every interface (TensorFlow's worker server binds 0.0.0.0), `free_gpus` and `gpus` (NVML's view; only
   with `use_gpu`, else [] and null),
   whether `workdir` can be created and written, and the free disk there.
@@ -103,7 +103,6 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
     },
     "probe": {
         "ports": (_count, "a whole number 0 to 1024"),
-        "exclude": (lambda v: isinstance(v, list) and all(type(p) is int for p in v), "a list of port numbers"),
         "workdir": (lambda v: isinstance(v, str) and bool(v), "a directory path"),
         "use_gpu": (lambda v: isinstance(v, bool), "true or false"),
     },
@@ -270,7 +269,7 @@ def run_worker(request: dict[str, Any], out: Output, stdin: IO[bytes]) -> int:
     return _signal_status(code)
 
 
-def free_ports(count: int, exclude: set[int]) -> list[int]:
+def free_ports(count: int) -> list[int]:
     """Ports free on every interface now, all distinct: each is held until all are chosen."""
     held: list[socket.socket] = []
     ports: list[int] = []
@@ -279,9 +278,7 @@ def free_ports(count: int, exclude: set[int]) -> list[int]:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             held.append(sock)
             sock.bind(("0.0.0.0", 0))
-            port = sock.getsockname()[1]
-            if port not in exclude:
-                ports.append(port)
+            ports.append(sock.getsockname()[1])
     finally:
         for sock in held:
             sock.close()
@@ -316,7 +313,7 @@ def gpu_inventory() -> dict[str, Any]:
 def probe(request: dict[str, Any]) -> dict[str, Any]:
     gpus = gpu_inventory() if request["use_gpu"] else None  # NVML start-up costs time; CPU runs skip it
     return {**identity(), "tmpdir": tempfile.gettempdir(),
-            "free_ports": free_ports(request["ports"], set(request["exclude"])),
+            "free_ports": free_ports(request["ports"]),
             "free_gpus": gpus["free"] if gpus else [], "gpus": gpus,
             **_workdir_status(request["workdir"])}
 

@@ -228,3 +228,60 @@ def test_unknown_and_non_ssh_connections_are_refused_naming_the_setting(connecti
     monkeypatch.setenv("AIRFLOW_CONN_NOT_SSH", json.dumps({"conn_type": "aws", "login": "x"}))
     with pytest.raises(LaunchError, match=r"'not_ssh', a connection of type 'aws'"):
         _backend(["not_ssh"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# placement with the agents' answers stubbed: which hosts are probed, together, and how ports are shared out
+
+
+def _stubbed(monkeypatch, answers: dict, workers_per_host: int = 0, barrier: threading.Barrier | None = None):
+    from tf_multiworker.launcher.ssh import RemoteHost, SSHBackend
+
+    hosts = [RemoteHost(conn_id=name, address=f"{name}.example", connect=lambda: None) for name in answers]
+    backend = SSHBackend(hosts, remote_python="python3", remote_workdir="/tmp/tfmw", workers_per_host=workers_per_host)
+    asked: list[tuple[str, int]] = []
+
+    def request(host, mode, payload, timeout_s=30.0):
+        assert mode == "probe"
+        asked.append((host.conn_id, payload["ports"]))
+        if barrier is not None:
+            barrier.wait()  # breaks unless every probe of the wave is in flight at once
+        answer = answers[host.conn_id]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(backend, "request", request)
+    return backend, asked
+
+
+def _probe(ports, gpus=()):
+    return {"versions": {"tensorflow": "2.21.0"}, "free_ports": list(ports), "free_gpus": list(gpus),
+            "workdir_writable": True}
+
+
+def test_hosts_are_probed_at_once_and_never_share_a_port(monkeypatch):
+    # Three "hosts" on one kernel offer the same free ports: each takes one no earlier host took.
+    answers = {name: _probe([41000, 41001, 41002]) for name in ("a", "b", "c")}
+    backend, asked = _stubbed(monkeypatch, answers, barrier=threading.Barrier(3, timeout=10))
+    placements = backend.place(GroupSpec(name="g", entrypoint="tiny_worker", num_workers=3))
+    assert [(p.host, p.port) for p in placements] == [("a.example", 41000), ("b.example", 41001),
+                                                       ("c.example", 41002)]
+    assert sorted(asked) == [("a", 3), ("b", 3), ("c", 3)]
+
+
+def test_a_host_beyond_those_needed_is_not_probed_and_a_needed_one_that_fails_is_named(monkeypatch):
+    from tf_multiworker.launcher.ssh import HostError
+
+    down = HostError("host c.example (connection c) is unreachable: ConnectionRefusedError")
+    answers = {"a": _probe([41000, 41001]), "b": _probe([41005, 41006]), "c": down}
+    backend, asked = _stubbed(monkeypatch, answers)
+    placements = backend.place(GroupSpec(name="g", entrypoint="tiny_worker", num_workers=2))
+    assert [p.host for p in placements] == ["a.example", "b.example"] and [h for h, _ in asked] == ["a", "b"]
+
+    # Host a has no free GPU, so a second wave asks c, which is down: placement fails naming it.
+    answers = {"a": _probe([41000, 41001], gpus=()), "b": _probe([41005, 41006], gpus=(0,)), "c": down}
+    backend, asked = _stubbed(monkeypatch, answers)
+    with pytest.raises(HostError, match="c.example"):
+        backend.place(GroupSpec(name="g", entrypoint="tiny_worker", num_workers=2, use_gpu=True))
+    assert [h for h, _ in asked] == ["a", "b", "c"]

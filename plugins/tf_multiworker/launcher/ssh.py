@@ -6,9 +6,10 @@ command, environment and secrets as one JSON line on the agent's stdin, never in
 agent starts the worker in its own process group, relays its output, and ends the whole group (TERM, grace, KILL)
 when its stdin closes: `terminate` closes our end of the channel, and a dropped connection closes it too.
 
-Placement asks each host's agent (`probe`) for free ports on every interface (TensorFlow binds 0.0.0.0, so ports
-already given to another host are excluded: loopback "hosts" share one kernel) and free GPUs; TF_CONFIG names each
-host by the address its peers reach it at (`RemoteHost.address`), never localhost. No filesystem is shared: the
+Placement asks the hosts' agents (`probe`), all at once, for free ports on every interface and free GPUs. Each
+host offers `num_workers` ports, so one given to an earlier host can be skipped (TensorFlow binds 0.0.0.0 and
+loopback "hosts" share one kernel); TF_CONFIG names each host by the address its peers reach it at
+(`RemoteHost.address`), never localhost. No filesystem is shared: the
 workers read shards and write results through object storage, and each host keeps its own shard cache.
 """
 
@@ -19,6 +20,7 @@ import logging
 import shlex
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
@@ -33,6 +35,7 @@ AGENT_LINE = b"TFMW_AGENT "
 EXIT_LINE = b"TFMW_EXIT "
 EXIT_CONNECTION_LOST = 255  # what ssh(1) reports when the connection, not the command, ended
 REQUEST_TIMEOUT_S = 30.0
+MAX_PARALLEL_PROBES = 16  # SSH sessions opened at once when probing hosts
 KILL_TIMEOUT_S = 3.0  # kill runs inside Airflow's 5 s on_kill budget
 
 
@@ -144,15 +147,20 @@ class SSHBackend(Backend):
         self.release_grace_s = release_grace_s
         self._clients: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._host_locks: dict[str, threading.Lock] = {}
 
     # -- connections --------------------------------------------------------------------------------------------
 
     def client(self, host: RemoteHost) -> Any:
         with self._lock:
+            host_lock = self._host_locks.setdefault(host.conn_id, threading.Lock())
+        with host_lock:  # one connection per host; hosts connect in parallel
             client = self._clients.get(host.conn_id)
             transport = client.get_transport() if client else None
             if transport is None or not transport.is_active():
-                client = self._clients[host.conn_id] = self._connect(host)
+                client = self._connect(host)
+                with self._lock:
+                    self._clients[host.conn_id] = client
             return client
 
     def _connect(self, host: RemoteHost) -> Any:
@@ -219,6 +227,20 @@ class SSHBackend(Backend):
             raise HostError(f"host {host}: agent {mode}: {answer['error']}")
         return answer
 
+    def probe_all(self, hosts: Sequence[RemoteHost], payload: Mapping[str, Any]) -> list[dict[str, Any] | HostError]:
+        """Every host's `probe` answer, or the HostError it failed with, asked in parallel (each costs a connection
+        and an agent start: a quarter of a second on loopback, more across a network)."""
+        def probe(host: RemoteHost) -> dict[str, Any] | HostError:
+            try:
+                return self.request(host, "probe", payload)
+            except HostError as error:
+                return error
+
+        if len(hosts) == 1:
+            return [probe(hosts[0])]
+        with ThreadPoolExecutor(min(len(hosts), MAX_PARALLEL_PROBES), thread_name_prefix="ssh-probe") as pool:
+            return list(pool.map(probe, hosts))
+
     def close(self) -> None:
         with self._lock:
             for client in self._clients.values():
@@ -232,27 +254,21 @@ class SSHBackend(Backend):
         taken: list[int] = []
         capacity: list[str] = []
         versions: dict[str, str] = {}
-        for host in self.hosts:
+        # Hosts are probed in waves of as many as the workers still to place could need; within a wave all at once.
+        # A failed probe fails placement only when that host's turn comes while workers are still unplaced.
+        waiting = list(self.hosts)
+        while waiting and len(placements) < group.num_workers:
             need = group.num_workers - len(placements)
-            if need <= 0:
-                break
-            probe = self.request(host, "probe", {"ports": need, "exclude": taken, "workdir": self.remote_workdir,
-                                                 "use_gpu": group.use_gpu})
-            if not probe.get("workdir_writable"):
-                raise HostError(f"host {host}: remote_workdir {probe.get('workdir')} is not writable "
-                                f"({probe.get('workdir_error')}): set remote_workdir to a directory the SSH user "
-                                "may write.")
-            versions[str(host)] = ", ".join(f"{k} {v}" for k, v in probe["versions"].items())
-            gpus = probe["free_gpus"]
-            slots = self.workers_per_host or (len(gpus) if group.use_gpu else 1)
-            if group.use_gpu:
-                slots = min(slots, len(gpus))
-            capacity.append(f"{host}: {slots}" + (f" (free GPUs {gpus})" if group.use_gpu else ""))
-            for slot in range(min(slots, need)):
-                port = probe["free_ports"][slot]
-                taken.append(port)
-                placements.append(Placement(host.address, port, (gpus[slot],) if group.use_gpu else (),
-                                            {"conn_id": host.conn_id}))
+            hosts_needed = -(-need // (self.workers_per_host or 1))  # at least one worker per usable host
+            wave, waiting = waiting[:hosts_needed], waiting[hosts_needed:]
+            payload = {"ports": group.num_workers, "workdir": self.remote_workdir, "use_gpu": group.use_gpu}
+            for host, probe in zip(wave, self.probe_all(wave, payload), strict=True):
+                need = group.num_workers - len(placements)
+                if need <= 0:
+                    break
+                if isinstance(probe, HostError):
+                    raise probe
+                self._place_on(host, probe, group, need, placements, taken, capacity, versions)
         for host, line in versions.items():
             log.info("host %s: %s", host, line)
         if len(placements) < group.num_workers:
@@ -262,6 +278,25 @@ class SSHBackend(Backend):
                 f"{'; '.join(capacity)}. Add hosts to ssh_conn_ids, raise workers_per_host"
                 f"{', free GPUs' if group.use_gpu else ''}, or lower num_workers.")
         return placements
+
+    def _place_on(self, host: RemoteHost, probe: dict[str, Any], group: GroupSpec, need: int,
+                  placements: list[Placement], taken: list[int], capacity: list[str], versions: dict[str, str]) -> None:
+        """Give up to `need` workers to `host`, each on a port that no earlier host took."""
+        if not probe.get("workdir_writable"):
+            raise HostError(f"host {host}: remote_workdir {probe.get('workdir')} is not writable "
+                            f"({probe.get('workdir_error')}): set remote_workdir to a directory the SSH user "
+                            "may write.")
+        versions[str(host)] = ", ".join(f"{k} {v}" for k, v in probe["versions"].items())
+        gpus = probe["free_gpus"]
+        slots = self.workers_per_host or (len(gpus) if group.use_gpu else 1)
+        if group.use_gpu:
+            slots = min(slots, len(gpus))
+        capacity.append(f"{host}: {slots}" + (f" (free GPUs {gpus})" if group.use_gpu else ""))
+        ports = [port for port in probe["free_ports"] if port not in taken]
+        for slot in range(min(slots, need)):
+            taken.append(ports[slot])
+            placements.append(Placement(host.address, ports[slot], (gpus[slot],) if group.use_gpu else (),
+                                        {"conn_id": host.conn_id}))
 
     def command(self, group: GroupSpec) -> list[str]:
         return [self.remote_python, "-u", "-m", group.entrypoint, *group.args]
