@@ -9,8 +9,8 @@ when its stdin closes: `terminate` closes our end of the channel, and a dropped 
 Placement asks the hosts' agents (`probe`), all at once, for free ports on every interface and free GPUs. Each
 host offers `num_workers` ports, so one given to an earlier host can be skipped (TensorFlow binds 0.0.0.0 and
 loopback "hosts" share one kernel); TF_CONFIG names each host by the address its peers reach it at
-(`RemoteHost.address`), never localhost. No filesystem is shared: the
-workers read shards and write results through object storage, and each host keeps its own shard cache.
+(`RemoteHost.address`), never localhost. No filesystem is shared: the workers read shards and write results
+through object storage, and each host keeps its own shard cache.
 """
 
 from __future__ import annotations
@@ -236,8 +236,6 @@ class SSHBackend(Backend):
             except HostError as error:
                 return error
 
-        if len(hosts) == 1:
-            return [probe(hosts[0])]
         with ThreadPoolExecutor(min(len(hosts), MAX_PARALLEL_PROBES), thread_name_prefix="ssh-probe") as pool:
             return list(pool.map(probe, hosts))
 
@@ -251,7 +249,6 @@ class SSHBackend(Backend):
 
     def place(self, group: GroupSpec) -> list[Placement]:
         placements: list[Placement] = []
-        taken: list[int] = []
         capacity: list[str] = []
         versions: dict[str, str] = {}
         # Hosts are probed in waves of as many as the workers still to place could need; within a wave all at once.
@@ -268,7 +265,7 @@ class SSHBackend(Backend):
                     break
                 if isinstance(probe, HostError):
                     raise probe
-                self._place_on(host, probe, group, need, placements, taken, capacity, versions)
+                self._place_on(host, probe, group, need, placements, capacity, versions)
         for host, line in versions.items():
             log.info("host %s: %s", host, line)
         if len(placements) < group.num_workers:
@@ -280,7 +277,7 @@ class SSHBackend(Backend):
         return placements
 
     def _place_on(self, host: RemoteHost, probe: dict[str, Any], group: GroupSpec, need: int,
-                  placements: list[Placement], taken: list[int], capacity: list[str], versions: dict[str, str]) -> None:
+                  placements: list[Placement], capacity: list[str], versions: dict[str, str]) -> None:
         """Give up to `need` workers to `host`, each on a port that no earlier host took."""
         if not probe.get("workdir_writable"):
             raise HostError(f"host {host}: remote_workdir {probe.get('workdir')} is not writable "
@@ -292,9 +289,9 @@ class SSHBackend(Backend):
         if group.use_gpu:
             slots = min(slots, len(gpus))
         capacity.append(f"{host}: {slots}" + (f" (free GPUs {gpus})" if group.use_gpu else ""))
+        taken = {placement.port for placement in placements}
         ports = [port for port in probe["free_ports"] if port not in taken]
         for slot in range(min(slots, need)):
-            taken.append(ports[slot])
             placements.append(Placement(host.address, ports[slot], (gpus[slot],) if group.use_gpu else (),
                                         {"conn_id": host.conn_id}))
 
