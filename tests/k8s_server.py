@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import fnmatch
+import itertools
 import json
 import os
 import re
@@ -60,10 +61,35 @@ def _stamp(t: float) -> str:
     return f"{whole}.{int((t % 1) * 1e9):09d}Z"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _pod_port_block(size: int = 1000) -> range:
+    """Loopback ports for pod addresses: below the kernel's ephemeral range, one block per pytest-xdist worker.
+
+    A port that bind(0) found free stays free only by luck until a pod's TF server binds it, seconds later: any
+    process's bind(0) or outgoing connection may take it meanwhile, and the suite's other worker starts TF servers,
+    agents and API servers all the time. A rank that then reaches a foreign server fails its collectives."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as handle:
+        ephemeral_low = int(handle.read().split()[0])
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    top = ephemeral_low - worker * size
+    return range(top - size, top)
+
+
+_POD_PORTS = itertools.cycle(_pod_port_block())
+_POD_PORTS_LOCK = threading.Lock()
+
+
+def pod_port() -> int:
+    """The next port of this worker's block that nothing holds now (pods of earlier tests may still hold some)."""
+    with _POD_PORTS_LOCK:
+        for port in itertools.islice(_POD_PORTS, len(_pod_port_block())):
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError(f"no free port left in {_pod_port_block()}")
 
 
 def _status(code: int, reason: str, message: str, name: str = "", kind: str = "") -> dict:
@@ -183,7 +209,7 @@ class FakeKubernetes:
         """Where `host:port` of a TF_CONFIG reaches from a pod here: a distinct loopback port per address."""
         with self._lock:
             if address not in self._addresses:
-                self._addresses[address] = f"127.0.0.1:{free_port()}"
+                self._addresses[address] = f"127.0.0.1:{pod_port()}"
             return self._addresses[address]
 
     def hold_pending(self, pod_pattern: str, reason: str = "Unschedulable",

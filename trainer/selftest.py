@@ -246,11 +246,26 @@ def run_collectives(strategy, rank: int, num_workers: int) -> dict[str, Any]:
     return results
 
 
-def barrier(strategy) -> None:
-    """All ranks have written their reports once this returns."""
-    import tensorflow as tf
+def wait_for_every_rank(output: str, identity: runtime.WorkerIdentity) -> None:
+    """Return once every rank of this attempt has written its report with collectives: all are past their last
+    collective, and the chief can read every report.
 
-    _all_reduce_fn(strategy)(tf.constant([1.0]))
+    Not a collective barrier: a rank that leaves right after its last collective closes the sockets a peer may
+    still be reading that collective's data from, and the peer fails with `UNAVAILABLE: Socket closed` (RecvBuf).
+    Two ranks on loopback, one leaving at once after its last all-reduce: 2 of 25 runs failed so. The caller's
+    `collective_timeout_s` bounds the wait."""
+    waiting, delay = set(range(identity.num_workers)) - {identity.rank}, 0.05
+    while waiting:
+        for rank in sorted(waiting):
+            try:
+                report = storage.read_json(rank_report_url(output, rank))
+            except (FileNotFoundError, ValueError):  # not written yet, or being replaced
+                continue
+            if report.get("group_id") == group_id(identity) and "collectives" in report:
+                waiting.discard(rank)
+        if waiting:
+            time.sleep(delay)
+            delay = min(2 * delay, 1.0)  # ranks finish within moments of each other; a slow one costs few reads
 
 
 # -- the group's verdict (chief) --------------------------------------------------------------------------------
@@ -424,8 +439,8 @@ def collectives_main(scratch: str, cfg: RunConfig, output: str) -> int:
         report = storage.read_json(os.path.join(scratch, REPORT_FILE))
         storage.write_json_atomic(rank_report_url(output, identity.rank),
                                   {**report, "collectives": collectives, "worker_port": exposure})
-        _set_phase(scratch, "final barrier (waiting for every rank's report)")
-        barrier(strategy)
+        _set_phase(scratch, "waiting for every rank's report")
+        wait_for_every_rank(output, identity)
     except tf.errors.OpError as error:  # Unavailable, DeadlineExceeded, Internal, Cancelled, ...
         result: dict[str, Any] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
     else:

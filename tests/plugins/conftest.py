@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -19,6 +20,14 @@ HARNESS_DAGS = Path(__file__).resolve().parent / "harness_dags"
 def entrypoint_env(**extra: str) -> dict[str, str]:
     """Worker environment that makes the tiny entry points importable (workers run in a temp cwd)."""
     return {"PYTHONPATH": os.pathsep.join([str(ENTRYPOINTS), str(REPO)]), **extra}
+
+
+def failure_excerpt(task_log: str, limit: int = 6000) -> str:
+    """What a run that should have passed prints: the task's exception with the launcher's whole message (each
+    rank's cause and its last lines), which a plain tail cuts off when the log after it is long; else the tail."""
+    failed = task_log.find("Task failed with exception")
+    match = re.compile(r"^[\w.]+(Error|Exception): ", re.MULTILINE).search(task_log, max(failed, 0))
+    return task_log[match.start():match.start() + limit] if failed >= 0 and match else task_log[-limit:]
 
 
 def alive(pid: int) -> bool:

@@ -13,7 +13,7 @@ import pytest
 from tf_multiworker.elastic import LOCAL_USABLE_WORKERS_ENV, choose_count, latest_checkpoint_step, local_capacity
 from tf_multiworker.launcher import GroupSpec, LaunchError, LocalBackend, WorkerGroup
 
-from tests.plugins.conftest import REPO, entrypoint_env
+from tests.plugins.conftest import REPO, entrypoint_env, failure_excerpt
 from tests.plugins.test_operator import _finish, _start
 from tests.trainer.shards import write_dataset
 from trainer.config import RunConfig
@@ -99,7 +99,7 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
     thread.join(timeout=600)
     task_log = log.read_text(errors="replace")
     result = json.loads(out.read_text())
-    assert result["task_states"]["group"] == "success", task_log[-5000:]
+    assert result["task_states"]["group"] == "success", failure_excerpt(task_log)
     assert reference_result["result"].succeeded, reference_result["result"].error_message()
 
     # The first try lost rank 3 after the checkpoint of step 4; the retry continued on 2 workers from there.

@@ -18,7 +18,7 @@ import pytest
 from tf_multiworker.operator import TFMultiWorkerOperator
 
 from tasks.release import processes_of_run
-from tests.plugins.conftest import REPO, entrypoint_env, wait_until_gone
+from tests.plugins.conftest import REPO, entrypoint_env, failure_excerpt, wait_until_gone
 from trainer.storage import read_bytes, read_json
 
 DAG_KWARGS = {"entrypoint", "args", "num_workers", "backend", "backend_settings", "use_gpu", "storage_root", "run_key", "storage_conn_id",
@@ -105,7 +105,7 @@ def test_success_on_s3_with_credentials_from_a_connection(airflow_env, tmp_path,
     _finish(process, timeout=120)
     task_log = log.read_text(errors="replace")
     result = json.loads(out.read_text())
-    assert result["task_states"] == {"group": "success", "collect": "success"}, task_log[-3000:]
+    assert result["task_states"] == {"group": "success", "collect": "success"}, failure_excerpt(task_log)
 
     assert "[rank 1] AWS_SECRET_ACCESS_KEY is set" in task_log and "[rank 0] rank 0 finished" in task_log
     assert SECRET not in task_log and SECRET not in out.read_text()

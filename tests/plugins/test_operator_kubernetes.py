@@ -18,7 +18,7 @@ from tf_multiworker.launcher.kubernetes_objects import GroupNames
 
 from tasks.release import release_run
 from tests.k8s_server import FakeKubernetes
-from tests.plugins.conftest import REPO
+from tests.plugins.conftest import REPO, failure_excerpt
 from tests.plugins.test_launcher_kubernetes import backend, image_env
 from tests.plugins.test_operator import _case, _finish, _start
 from tests.trainer.shards import write_dataset
@@ -72,7 +72,7 @@ def test_preflight_runs_as_pods(airflow_env, tmp_path, cluster, manifest):
     case = pod_case(tmp_path, entrypoint="trainer.selftest", startup_timeout_s=180, hang_timeout_s=180,
                     args=["--config", str(config), "--manifest", manifest, "--output", str(report)])
     result, task_log = run_case(airflow_env, cluster, case, tmp_path, timeout=300)
-    assert result["task_states"]["group"] == "success", task_log[-4000:]
+    assert result["task_states"]["group"] == "success", failure_excerpt(task_log)
     preflight = json.loads((report / "preflight.json").read_text())
     print(f"\npreflight on 2 pods: {json.dumps(preflight)[:300]}")
     assert [w["rank"] for w in result["state_record"]["workers"]] == [0, 1]
@@ -93,7 +93,7 @@ def test_training_on_pods_gives_the_eval_loss_of_the_local_backend(airflow_env, 
         started = time.monotonic()
         result, task_log = run_case(airflow_env, cluster, case, work, timeout=420)
         print(f"\n{name}: train task {result['task_states']['group']} in {time.monotonic() - started:.1f} s")
-        assert result["task_states"]["group"] == "success", task_log[-4000:]
+        assert result["task_states"]["group"] == "success", failure_excerpt(task_log)
         models[name] = output / "model"
     assert f"[rank 1 pod {GroupNames('run1', 'group', 'default').pod(1)}] TFMW_READY rank=1" in task_log
     losses = _eval_losses(manifest, models)

@@ -107,6 +107,28 @@ def test_version_skew_names_package_versions_and_ranks():
     assert selftest.version_skew({0: reports[0], 2: reports[2]}) == []
 
 
+def test_a_rank_leaves_only_once_every_rank_is_past_its_collectives(tmp_path):
+    """No rank may exit while a peer could still read its last collective's data (see wait_for_every_rank): a
+    report from the checks only, or one from an earlier attempt, does not count."""
+    import threading
+
+    output, me = str(tmp_path / "report"), _identity(1, 3)
+    earlier_attempt = WorkerIdentity(0, 3, "host-a", ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"))
+    this_attempt = selftest.group_id(me)
+    selftest.storage.write_json_atomic(selftest.rank_report_url(output, 0), {"group_id": this_attempt})
+    selftest.storage.write_json_atomic(selftest.rank_report_url(output, 2),
+                                       {"group_id": selftest.group_id(earlier_attempt), "collectives": {}})
+    waiter = threading.Thread(target=selftest.wait_for_every_rank, args=(output, me), daemon=True)
+    waiter.start()
+    for rank in (0, 2):
+        waiter.join(0.5)
+        assert waiter.is_alive(), f"left before rank {rank} finished its collectives"
+        selftest.storage.write_json_atomic(selftest.rank_report_url(output, rank),
+                                           {"group_id": this_attempt, "collectives": {}})
+    waiter.join(5)
+    assert not waiter.is_alive()
+
+
 def non_loopback_addresses() -> list[str]:
     import ipaddress
 
