@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trainer import storage
+from trainer import runtime, storage
 
 FORMAT_VERSION = 1
 _REQUIRED_KEYS = ("format_version", "fingerprint", "dtype", "block_size", "sequences_per_record", "tokenizer", "splits")
@@ -71,11 +70,12 @@ SHARD_CACHE = "gpt-finetune-shards"
 
 
 def shard_cache_dir(fingerprint: str, base: str | Path | None = None) -> Path:
-    """This user's cache of one dataset's shards: `<tmp>/gpt-finetune-shards-<uid>/<fingerprint>`, mode 0700.
+    """This user's cache of one dataset's shards: `<host tmp>/gpt-finetune-shards-<uid>/<fingerprint>`, mode 0700.
 
-    Private, so that no other user of the host can pre-create it, point it elsewhere, or swap a shard after its
-    sha256 was checked."""
-    root = Path(base or tempfile.gettempdir()) / f"{SHARD_CACHE}-{os.getuid()}"
+    In the host's temporary directory, not the worker's own (`runtime.worker_temp_environment`): retries and the
+    baseline reuse it. Private, so that no other user of the host can pre-create it, point it elsewhere, or swap a
+    shard after its sha256 was checked."""
+    root = Path(base or runtime.host_temp_dir()) / f"{SHARD_CACHE}-{os.getuid()}"
     private_dir(root)
     return private_dir(root / fingerprint)
 

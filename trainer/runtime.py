@@ -3,6 +3,8 @@
 Contract with the launcher (`plugins/tf_multiworker/launcher`):
 - `TF_CONFIG` (absent: a single worker) gives the cluster and this worker's index.
 - `TFMW_RUN_KEY` names the pipeline run the worker belongs to (see tasks/release.py).
+- `TMPDIR` is the worker's own, inside its working directory, and `TFMW_HOST_TMPDIR` the host's
+  (`worker_temp_environment`).
 - Once the worker has joined the group (strategy created, i.e. the collective rendezvous passed) it prints the
   line `TFMW_READY rank=<r>` on stdout, which the launcher reads from the output stream of every backend (local
   pipe, SSH channel, pod log). The launcher's start-up timeout names the ranks whose line never came.
@@ -14,11 +16,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 # The in-band readiness marker: a line of its own on stdout, so it travels wherever the worker's output does.
 READY_MARKER = "TFMW_READY"
@@ -26,6 +31,29 @@ READY_MARKER = "TFMW_READY"
 RUN_KEY_ENV = "TFMW_RUN_KEY"
 # The launcher's per-task temporary directories start with this; release deletes only such directories.
 LAUNCHER_WORKDIR_PREFIX = "tfmw-"
+
+# The host's temporary directory, for what should outlive one worker (the shard cache); see worker_temp_environment.
+HOST_TMPDIR_ENV = "TFMW_HOST_TMPDIR"
+
+
+def worker_temp_environment(workdir: str | Path) -> dict[str, str]:
+    """`TMPDIR` for a worker started in `workdir`: `<workdir>/tmp`, created empty, and the host's own temporary
+    directory as `TFMW_HOST_TMPDIR`.
+
+    What a worker writes to its temporary directory (TensorFlow's autograph modules, the trainer's work directory
+    with downloaded checkpoints and staged model files, non-chief saves) then goes when the launcher removes the
+    working directory, however the worker ended: one ended by a signal runs no cleanup, so every stopped attempt
+    left a checkpoint's size behind in /tmp. Emptied at each start: an earlier attempt's rank left it there."""
+    temp = Path(workdir) / "tmp"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(mode=0o700, parents=True)
+    return {"TMPDIR": str(temp), HOST_TMPDIR_ENV: tempfile.gettempdir()}
+
+
+def host_temp_dir() -> str:
+    """This host's temporary directory (not the worker's own): for caches shared by the workers of this user."""
+    return os.environ.get(HOST_TMPDIR_ENV) or tempfile.gettempdir()
+
 
 # What a worker inherits from the process that launches it (an Airflow task holds its database URL, Fernet key,
 # JWT secret and other connections in its environment: none of that may reach a worker). AWS_* are the storage

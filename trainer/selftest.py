@@ -142,7 +142,7 @@ def check_worker(cfg: RunConfig, manifest_url: str, identity: runtime.WorkerIden
         errors.append(f"{where}: cannot read the manifest {manifest_url}: {error}")
         report["manifest"] = {"ok": False, "error": str(error)}
 
-    staging = tempfile.gettempdir()
+    staging = runtime.host_temp_dir()  # where the shard cache lies (trainer.data.shard_cache_dir)
     free = shutil.disk_usage(staging).free
     needed = int(shard_bytes * 1.2) + DISK_MARGIN_BYTES
     report["disk"] = {"path": staging, "free_bytes": free, "needed_bytes": needed}

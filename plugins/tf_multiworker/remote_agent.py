@@ -6,7 +6,7 @@ it imports neither Airflow nor TensorFlow.
 
 - `run`: `{"argv": [...], "env": {...}, "cwd": str, "grace_s": float, "base_env": "inherit"}`. Starts `argv` in
   its own session, in `cwd` (created, mode 0700), with the allow-listed part of this process's environment
-  (`trainer.runtime.inherited_environment`) plus `env`. Prints `TFMW_AGENT {"pid", "pgid", "host", "python",
+  (`trainer.runtime.inherited_environment`) plus `env`, and `TMPDIR=<cwd>/tmp` (`worker_temp_environment`). Prints `TFMW_AGENT {"pid", "pgid", "host", "python",
   "versions"}`, then the worker's merged stdout/stderr line by line, then `TFMW_EXIT {"code"}` (negative: killed by
   that signal) and exits with the code (128 + signal for a signal). When its stdin closes (the SSH channel was
   closed or the connection dropped: sshd then closes the agent's pipes) or it gets SIGTERM, SIGHUP or SIGINT, it
@@ -51,7 +51,7 @@ from tf_multiworker.launcher.process import (
     processes_with_env,
     stop_ladder,
 )
-from trainer.runtime import RUN_KEY_ENV, inherited_environment
+from trainer.runtime import RUN_KEY_ENV, inherited_environment, worker_temp_environment
 
 AGENT_LINE = "TFMW_AGENT"
 EXIT_LINE = "TFMW_EXIT"
@@ -242,13 +242,14 @@ def run_worker(request: dict[str, Any], out: Output, stdin: IO[bytes]) -> int:
         signal.signal(signum, lambda *_: stop.set())
     try:
         os.makedirs(cwd, mode=0o700, exist_ok=True)
+        temp_env = worker_temp_environment(cwd)  # removed with the run's directory at release
     except OSError as error:
         out.control(EXIT_LINE, {"code": EXIT_NOT_EXECUTABLE,
                                 "error": f"cannot create the working directory {cwd}: {error.strerror}"})
         return EXIT_NOT_EXECUTABLE
     try:
         worker = subprocess.Popen(
-            argv, cwd=cwd, env={**inherited_environment(os.environ), **request["env"]},
+            argv, cwd=cwd, env={**inherited_environment(os.environ), **request["env"], **temp_env},
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     except OSError as error:
         code = EXIT_NOT_FOUND if isinstance(error, FileNotFoundError) else EXIT_NOT_EXECUTABLE

@@ -7,6 +7,7 @@ group (workers and the `sleep` child each one starts) is left.
 from __future__ import annotations
 
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -177,6 +178,22 @@ AIRFLOW_SECRETS = {
     "AIRFLOW_CONN_OTHER_TEAM": "aws://other:other-team-secret@",
     "SOME_SERVICE_TOKEN": "unrelated-token-value",
 }
+
+
+def test_what_a_stopped_worker_leaves_in_its_temp_dir_stays_in_its_work_dir_and_the_next_start_clears_it(tmp_path):
+    """A worker ended by a signal runs no cleanup: its temporary files must be where the launcher removes them."""
+    host_temp = Path(tempfile.gettempdir())
+    before = set(host_temp.iterdir())
+    for attempt in (1, 2):
+        spec = _spec("1:exit1", env=entrypoint_env(TINY_WORKER_FAULT="1:exit1", TINY_WORKER_TEMP="1"))
+        result, _, lines = _run(spec, tmp_path / "workdir")
+        assert result.state is GroupState.FAILED  # rank 0 was stopped (SIGTERM) by the launcher
+        for rank in range(2):
+            own = tmp_path / "workdir" / f"rank-{rank}" / "tmp"
+            assert (rank, f"temp dir {own} held 0 entries; host temp {host_temp}") in lines, (attempt, lines)
+            assert [p.name.startswith("left-behind-") for p in own.iterdir()] == [True]
+        _assert_no_process_left(result)
+    assert not [p for p in set(host_temp.iterdir()) - before if p.name.startswith("left-behind-")]
 
 
 def test_workers_get_an_allow_listed_environment_and_secrets_are_redacted(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tf_multiworker.backends import ssh_backend
+from tf_multiworker.backends import DEFAULT_REMOTE_WORKDIR, ssh_backend
 from tf_multiworker.launcher import FailureKind, GroupSpec, GroupState, LaunchError, WorkerGroup
 
 from tasks.release import processes_of_run
@@ -91,7 +91,7 @@ def _wait_gone(key: str, timeout_s: float) -> dict[int, str]:
 
 def test_two_hosts_run_one_rank_each_on_their_own_address_and_disk(ssh_hosts, connections, tmp_path):
     key = "ssh-happy"
-    spec = _spec(key, env=entrypoint_env(TINY_WORKER_ECHO_ENV="TMPDIR", TINY_WORKER_STEP_S="0.2"))
+    spec = _spec(key, env=entrypoint_env(TINY_WORKER_TEMP="1", TINY_WORKER_STEP_S="0.2"))
     seen_in_argv: list[str] = []
     watcher_stop = threading.Event()
 
@@ -112,8 +112,9 @@ def test_two_hosts_run_one_rank_each_on_their_own_address_and_disk(ssh_hosts, co
     assert [w.host for w in result.workers] == [h.address for h in ssh_hosts]
     assert [w.record["conn_id"] for w in result.workers] == connections
     assert all(w.record["remote_pgid"] for w in result.workers)
-    for rank, host in enumerate(ssh_hosts):  # each rank ran under its own host's disk
-        assert (rank, f"TMPDIR={host.tmpdir}") in lines
+    for rank, host in enumerate(ssh_hosts):  # each rank ran under its own host's disk, in its own temp dir there
+        own = host.tmpdir / DEFAULT_REMOTE_WORKDIR / key / "tiny" / f"rank-{rank}" / "tmp"
+        assert (rank, f"temp dir {own} held 0 entries; host temp {host.tmpdir}") in lines
         assert (rank, f"rank {rank} finished") in lines
         assert any(line.startswith("[agent] ") and "tensorflow" in line for r, line in lines if r == rank)
     assert seen_in_argv == [], "a secret value appeared in a command line"

@@ -118,7 +118,7 @@ def _start_worker(client: paramiko.SSHClient, host, secret: str) -> tuple[parami
     channel = _agent(client, "run")
     channel.set_combine_stderr(True)
     request = {"argv": WORKER, "cwd": str(host.root / "run" / "rank-0"), "grace_s": GRACE_S, "base_env": "inherit",
-               "env": {"AGENT_WORKER_SHOW": "TFMW_HOST_ROOT,TMPDIR", "TFMW_SECRET": secret}}
+               "env": {"AGENT_WORKER_SHOW": "TFMW_HOST_ROOT,TMPDIR,TFMW_HOST_TMPDIR", "TFMW_SECRET": secret}}
     channel.sendall(json.dumps(request).encode() + b"\n")
     output = channel.makefile("rb")
     lines = [output.readline().decode().rstrip("\n") for _ in range(3)]
@@ -154,7 +154,8 @@ def test_closing_the_channel_ends_the_remote_worker_and_no_secret_is_in_any_argv
     try:
         channel, lines, worker, child = _start_worker(client, host, secret)
         assert json.loads(lines[1].removeprefix("env ")) == {"TFMW_HOST_ROOT": str(host.root),
-                                                             "TMPDIR": str(host.tmpdir)}
+                                                             "TMPDIR": str(host.root / "run" / "rank-0" / "tmp"),
+                                                             "TFMW_HOST_TMPDIR": str(host.tmpdir)}
         assert Path(f"/proc/{worker}/cwd").resolve() == host.root / "run" / "rank-0"
         assert _command_lines_holding(secret) == []
         channel.close()

@@ -23,7 +23,7 @@ from tf_multiworker.launcher.backend import Backend, WorkerHandle
 from tf_multiworker.launcher.errors import InsufficientGPUsError
 from tf_multiworker.launcher.process import end_marked_processes, live_group_members
 from tf_multiworker.launcher.spec import GroupSpec, Placement, WorkerSpec
-from trainer.runtime import LAUNCHER_WORKDIR_PREFIX, RUN_KEY_ENV, inherited_environment
+from trainer.runtime import LAUNCHER_WORKDIR_PREFIX, RUN_KEY_ENV, inherited_environment, worker_temp_environment
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,8 @@ class LocalBackend(Backend):
         process = subprocess.Popen(
             command,
             cwd=worker.workdir,
-            env={**inherited_environment(os.environ), **env, **group.secret_env},
+            env={**inherited_environment(os.environ), **env, **group.secret_env,
+                 **worker_temp_environment(worker.workdir)},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -8,6 +8,8 @@ Faults for tests, from TINY_WORKER_FAULT="<rank>:<mode>":
   never_ready  never bind, never signal ready, print nothing more
 TINY_WORKER_SHOW_ENV names a variable whose presence (never its value) is printed; TINY_WORKER_ECHO_ENV one whose
 value is printed (to test redaction).
+TINY_WORKER_TEMP=1 prints how many entries its temporary directory held at start, then leaves a file there (as
+a worker ended by a signal leaves its temporary files).
 TINY_WORKER_STEPS (default 5) and TINY_WORKER_STEP_S (default 0.05) set the length of the run. Every worker also
 starts a `sleep` child in its process group, so tests can see that the whole group is stopped.
 """
@@ -19,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 from trainer.runtime import signal_ready, worker_identity
@@ -62,6 +65,11 @@ def main() -> int:
     echoed = os.environ.get("TINY_WORKER_ECHO_ENV")
     if echoed:
         print(f"{echoed}={os.environ.get(echoed)}", flush=True)
+    if os.environ.get("TINY_WORKER_TEMP"):
+        temp = tempfile.gettempdir()
+        print(f"temp dir {temp} held {len(os.listdir(temp))} entries; host temp {os.environ.get('TFMW_HOST_TMPDIR')}",
+              flush=True)
+        os.close(tempfile.mkstemp(prefix="left-behind-")[0])
     subprocess.Popen(["sleep", str(FOREVER_S)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if fault == "never_ready":
         time.sleep(FOREVER_S)
