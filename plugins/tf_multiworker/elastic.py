@@ -64,7 +64,7 @@ def ssh_capacity(cfg: RunConfig, backend: Backend, log) -> tuple[int, list[str]]
     asked."""
     usable, capacity, reasons = [], 0, []
     payload = {"ports": 0, "workdir": backend.remote_workdir, "use_gpu": cfg.use_gpu}
-    for host, probe in zip(backend.hosts, backend.probe_all(backend.hosts, payload), strict=True):
+    for host, probe in zip(backend.hosts, backend.ask_all(backend.hosts, "probe", payload), strict=True):
         if isinstance(probe, LaunchError):
             log.warning("leaving host %s out of this launch: %s", host, probe)
             reasons.append(f"host {host.address} unreachable")

@@ -232,21 +232,22 @@ def test_unknown_and_non_ssh_connections_are_refused_naming_the_setting(connecti
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# placement with the agents' answers stubbed: which hosts are probed, together, and how ports are shared out
+# the agents' answers stubbed: which hosts are asked, together, and how ports are shared out
 
 
-def _stubbed(monkeypatch, answers: dict, workers_per_host: int = 0, barrier: threading.Barrier | None = None):
+def _stubbed(monkeypatch, answers: dict, workers_per_host: int = 0, barrier: threading.Barrier | None = None,
+             mode: str = "probe"):
     from tf_multiworker.launcher.ssh import RemoteHost, SSHBackend
 
     hosts = [RemoteHost(conn_id=name, address=f"{name}.example", connect=lambda: None) for name in answers]
     backend = SSHBackend(hosts, remote_python="python3", remote_workdir="/tmp/tfmw", workers_per_host=workers_per_host)
     asked: list[tuple[str, int]] = []
 
-    def request(host, mode, payload, timeout_s=30.0):
-        assert mode == "probe"
-        asked.append((host.conn_id, payload["ports"]))
+    def request(host, asked_mode, payload, timeout_s=30.0):
+        assert asked_mode == mode
+        asked.append((host.conn_id, payload["ports"] if mode == "probe" else payload["run_key"]))
         if barrier is not None:
-            barrier.wait()  # breaks unless every probe of the wave is in flight at once
+            barrier.wait()  # breaks unless every request of the wave is in flight at once
         answer = answers[host.conn_id]
         if isinstance(answer, Exception):
             raise answer
@@ -286,3 +287,17 @@ def test_a_host_beyond_those_needed_is_not_probed_and_a_needed_one_that_fails_is
     with pytest.raises(HostError, match="c.example"):
         backend.place(GroupSpec(name="g", entrypoint="tiny_worker", num_workers=2, use_gpu=True))
     assert [h for h, _ in asked] == ["a", "b", "c"]
+
+
+def test_release_asks_every_host_at_once_and_names_one_it_cannot_reach(monkeypatch):
+    from tf_multiworker.launcher.ssh import HostError
+
+    released = {"host": "x", "found": [], "terminated": [4242], "killed": [], "survivors": [], "clean": True}
+    down = HostError("host b.example (connection b) is unreachable: ConnectionRefusedError")
+    backend, asked = _stubbed(monkeypatch, {"a": released, "b": down, "c": released}, mode="release",
+                              barrier=threading.Barrier(3, timeout=10))
+    result = backend.release("run-1", [])
+    assert sorted(asked) == [("a", "run-1"), ("b", "run-1"), ("c", "run-1")]
+    assert [(h["host"], h["terminated"]) for h in result["hosts"]] == [("a.example", [4242]), ("b.example", []),
+                                                                      ("c.example", [4242])]
+    assert "unreachable" in result["hosts"][1]["error"] and result["clean"] is False

@@ -35,7 +35,7 @@ AGENT_LINE = b"TFMW_AGENT "
 EXIT_LINE = b"TFMW_EXIT "
 EXIT_CONNECTION_LOST = 255  # what ssh(1) reports when the connection, not the command, ended
 REQUEST_TIMEOUT_S = 30.0
-MAX_PARALLEL_PROBES = 16  # SSH sessions opened at once when probing hosts
+MAX_PARALLEL_REQUESTS = 16  # SSH sessions opened at once when asking every host (probe, release)
 KILL_TIMEOUT_S = 3.0  # kill runs inside Airflow's 5 s on_kill budget
 
 
@@ -227,17 +227,18 @@ class SSHBackend(Backend):
             raise HostError(f"host {host}: agent {mode}: {answer['error']}")
         return answer
 
-    def probe_all(self, hosts: Sequence[RemoteHost], payload: Mapping[str, Any]) -> list[dict[str, Any] | HostError]:
-        """Every host's `probe` answer, or the HostError it failed with, asked in parallel (each costs a connection
-        and an agent start: a quarter of a second on loopback, more across a network)."""
-        def probe(host: RemoteHost) -> dict[str, Any] | HostError:
+    def ask_all(self, hosts: Sequence[RemoteHost], mode: str, payload: Mapping[str, Any],
+                timeout_s: float = REQUEST_TIMEOUT_S) -> list[dict[str, Any] | HostError]:
+        """Every host's answer to one agent call, or the HostError it failed with, asked in parallel (each costs a
+        connection and an agent start: a quarter of a second on loopback, more across a network)."""
+        def ask(host: RemoteHost) -> dict[str, Any] | HostError:
             try:
-                return self.request(host, "probe", payload)
+                return self.request(host, mode, payload, timeout_s=timeout_s)
             except HostError as error:
                 return error
 
-        with ThreadPoolExecutor(min(len(hosts), MAX_PARALLEL_PROBES), thread_name_prefix="ssh-probe") as pool:
-            return list(pool.map(probe, hosts))
+        with ThreadPoolExecutor(min(len(hosts), MAX_PARALLEL_REQUESTS), thread_name_prefix=f"ssh-{mode}") as pool:
+            return list(pool.map(ask, hosts))
 
     def close(self) -> None:
         with self._lock:
@@ -259,7 +260,7 @@ class SSHBackend(Backend):
             hosts_needed = -(-need // (self.workers_per_host or 1))  # at least one worker per usable host
             wave, waiting = waiting[:hosts_needed], waiting[hosts_needed:]
             payload = {"ports": group.num_workers, "workdir": self.remote_workdir, "use_gpu": group.use_gpu}
-            for host, probe in zip(wave, self.probe_all(wave, payload), strict=True):
+            for host, probe in zip(wave, self.ask_all(wave, "probe", payload), strict=True):
                 need = group.num_workers - len(placements)
                 if need <= 0:
                     break
@@ -314,18 +315,17 @@ class SSHBackend(Backend):
     # -- release ------------------------------------------------------------------------------------------------
 
     def release(self, run_key: str, records: list[dict[str, Any]]) -> dict[str, Any]:
-        """Every host of the run (from the settings, so also one no record names): its processes ended, its run
-        directory removed, its GPUs checked. An unreachable host is reported, and the release is not clean."""
+        """Every host of the run (from the settings, so also one no record names), asked at once: its processes
+        ended, its run directory removed, its GPUs checked. An unreachable host is reported, and the release is not
+        clean."""
+        request = {"run_key": run_key, "grace_s": self.release_grace_s, "workdir": self.remote_workdir}
+        answers = self.ask_all(self.hosts, "release", request, timeout_s=self.release_grace_s + 30)
         hosts = []
-        for host in self.hosts:
-            try:
-                answer = self.request(host, "release", {"run_key": run_key, "grace_s": self.release_grace_s,
-                                                        "workdir": self.remote_workdir},
-                                      timeout_s=self.release_grace_s + 30)
-            except LaunchError as error:
+        for host, answer in zip(self.hosts, answers, strict=True):
+            if isinstance(answer, HostError):
                 hosts.append({"host": host.address, "conn_id": host.conn_id, "found": [], "terminated": [],
-                              "killed": [], "survivors": [], "error": str(error)})
-                continue
-            hosts.append({**answer, "host": host.address, "hostname": answer.get("host"), "conn_id": host.conn_id})
+                              "killed": [], "survivors": [], "error": str(answer)})
+            else:
+                hosts.append({**answer, "host": host.address, "hostname": answer.get("host"), "conn_id": host.conn_id})
         return {"backend": self.name, "hosts": hosts,
                 "clean": all(h.get("clean") and not h.get("error") for h in hosts)}
