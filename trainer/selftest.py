@@ -17,7 +17,7 @@ Once its TensorFlow server is up, each worker also tries its own port on every n
 TF's worker channel listens on all interfaces without authentication, so an answer there means anyone who can
 route to that address may run code as this user (README: Security model). This is reported, not an error.
 
-The chief compares versions across ranks (skew is an error), runs the scaling advisor (`trainer/advisor.py`: a
+The chief compares versions and the fingerprint of this project's own code across ranks (skew is an error), runs the scaling advisor (`trainer/advisor.py`: a
 few single-worker steps, or the reused baseline's step time, against the measured bandwidth and latency; below
 `min_predicted_efficiency` is an error), writes `<output>/preflight.json` and a one-screen summary to the log. Any error exits non-zero, so training never launches.
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import ipaddress
 import json
 import logging
@@ -41,6 +42,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from trainer import runtime, storage
@@ -51,6 +53,9 @@ log = logging.getLogger("trainer.selftest")
 # Tests only: "<rank>:<version>" makes that rank report another TensorFlow version (a simulated skew).
 FAKE_TF_VERSION_ENV = "GPT_FINETUNE_SELFTEST_FAKE_TF_VERSION"
 VERSIONED_PACKAGES = ("tensorflow", "tf-keras", "transformers", "numpy")
+# This project's code that runs on the workers' hosts. Ranks with different copies may shard the data differently
+# or wait in a collective only some of them run, and no package version shows it.
+CODE_PACKAGES = ("trainer", "tf_multiworker")
 BANDWIDTH_BYTES = 8 << 20
 BANDWIDTH_ITERATIONS = 5
 LATENCY_ITERATIONS = 20
@@ -109,6 +114,22 @@ def visible_gpus() -> dict[str, Any]:
         pynvml.nvmlShutdown()
 
 
+def code_fingerprint(locations: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """sha256 of this host's copy of CODE_PACKAGES (package -> its directories, found without importing them: the
+    operator module imports Airflow): one digest for the whole, and a short one per file to name what differs."""
+    if locations is None:
+        specs = {package: importlib.util.find_spec(package) for package in CODE_PACKAGES}
+        locations = {package: list(spec.submodule_search_locations or []) for package, spec in specs.items() if spec}
+    files = {}
+    for package, roots in sorted(locations.items()):
+        for root in roots:
+            for path in sorted(Path(root).rglob("*.py")):
+                name = f"{package}/{path.relative_to(root).as_posix()}"
+                files[name] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return {"fingerprint": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16],
+            "files": files}
+
+
 def check_worker(cfg: RunConfig, manifest_url: str, identity: runtime.WorkerIdentity) -> dict[str, Any]:
     """Everything one worker can check alone. Problems go to `errors`, each naming the setting to change."""
     from trainer.data import DataError, load_manifest, worker_shards
@@ -118,7 +139,8 @@ def check_worker(cfg: RunConfig, manifest_url: str, identity: runtime.WorkerIden
     address = identity.addresses[identity.rank] if identity.addresses else None
     where = f"rank {identity.rank} on {identity.host}" + (f" ({address})" if address else "")
     report: dict[str, Any] = {"rank": identity.rank, "host": identity.host, "address": address, "pid": os.getpid(),
-                              "versions": package_versions(identity.rank), "devices": visible_gpus()}
+                              "versions": package_versions(identity.rank), "code": code_fingerprint(),
+                              "devices": visible_gpus()}
     if identity.num_workers != cfg.num_workers:
         errors.append(f"{where}: TF_CONFIG lists {identity.num_workers} workers but num_workers={cfg.num_workers}: "
                       "the launcher and the run configuration disagree")
@@ -314,6 +336,18 @@ def version_skew(reports: dict[int, dict[str, Any]]) -> list[str]:
             spread = "; ".join(f"{version} on rank(s) {ranks}" for version, ranks in by_version.items())
             errors.append(f"version skew in {package}: {spread}. Install the same environment on every worker "
                           "(uv sync --frozen from the same uv.lock)")
+    by_code: dict[str, list[int]] = {}
+    for rank, report in sorted(reports.items()):
+        by_code.setdefault(report.get("code", {}).get("fingerprint", "unknown"), []).append(rank)
+    if len(by_code) > 1:
+        copies = [reports[ranks[0]].get("code", {}).get("files", {}) for ranks in by_code.values()]
+        differ = sorted({name for files in copies for name in files if len({c.get(name) for c in copies}) > 1})
+        named = ", ".join(differ[:8]) + (f" and {len(differ) - 8} more" if len(differ) > 8 else "")
+        spread = "; ".join(f"{fingerprint} on rank(s) {ranks} ({', '.join(sorted({reports[r]['host'] for r in ranks}))})"
+                           for fingerprint, ranks in by_code.items())
+        errors.append(f"the project's code differs between workers: {spread}; files that differ: {named or 'unknown'}. "
+                      "Deploy the same checkout of this project on every host (in remote_python's environment "
+                      "there) or the same trainer image")
     return errors
 
 

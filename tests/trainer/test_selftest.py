@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import REPO
 from tests.hardware import nvidia_gpus
 from trainer import selftest
 from trainer.config import RunConfig
@@ -105,6 +107,25 @@ def test_version_skew_names_package_versions_and_ranks():
         ("version skew in tensorflow: 2.21.0 on rank(s) [0, 2]; 2.20.0 on rank(s) [1]. Install the same environment "
          "on every worker (uv sync --frozen from the same uv.lock)")]
     assert selftest.version_skew({0: reports[0], 2: reports[2]}) == []
+
+
+def test_a_host_with_another_copy_of_the_project_code_is_named_with_the_files_that_differ(tmp_path):
+    here = selftest.code_fingerprint()
+    assert {"trainer/train.py", "tf_multiworker/launcher/ssh.py"} <= set(here["files"])
+    stale = tmp_path / "old-checkout" / "trainer"
+    shutil.copytree(REPO / "trainer", stale, ignore=shutil.ignore_patterns("__pycache__"))
+    (stale / "data.py").write_text((stale / "data.py").read_text() + "\n# last week's version\n")
+    there = selftest.code_fingerprint({"trainer": [str(stale)], "tf_multiworker": [str(REPO / "plugins" / "tf_multiworker")]})
+    assert there["fingerprint"] != here["fingerprint"]
+    versions = {"python": "3.11.7", "tensorflow": "2.21.0", "tf-keras": "2.21.0", "transformers": "4.57.6", "numpy": "2.1"}
+    reports = {0: {"host": "host-a", "versions": versions, "code": here},
+               1: {"host": "host-a", "versions": versions, "code": here},
+               2: {"host": "host-c", "versions": versions, "code": there}}
+    assert selftest.version_skew(reports) == [(
+        f"the project's code differs between workers: {here['fingerprint']} on rank(s) [0, 1] (host-a); "
+        f"{there['fingerprint']} on rank(s) [2] (host-c); files that differ: trainer/data.py. Deploy the same checkout "
+        "of this project on every host (in remote_python's environment there) or the same trainer image")]
+    assert selftest.version_skew({0: reports[0], 1: reports[1]}) == []
 
 
 def test_a_rank_leaves_only_once_every_rank_is_past_its_collectives(tmp_path):
