@@ -60,7 +60,6 @@ BANDWIDTH_BYTES = 8 << 20
 BANDWIDTH_ITERATIONS = 5
 LATENCY_ITERATIONS = 20
 # Room for a checkpoint and the model next to the staged shards.
-DISK_MARGIN_BYTES = 256 << 20
 EXIT_CHECKS_FAILED = 1
 EXIT_COLLECTIVES_FAILED = 3
 # A failing non-chief waits this long for the chief's report before exiting: the launcher stops the whole group
@@ -132,7 +131,8 @@ def code_fingerprint(locations: dict[str, list[str]] | None = None) -> dict[str,
 
 def check_worker(cfg: RunConfig, manifest_url: str, identity: runtime.WorkerIdentity) -> dict[str, Any]:
     """Everything one worker can check alone. Problems go to `errors`, each naming the setting to change."""
-    from trainer.data import DataError, load_manifest, worker_shards
+    from trainer import shard_cache
+    from trainer.data import DataError, load_manifest, shard_cache_root, worker_shards
 
     errors: list[str] = []
     # The address its peers reach it at (TF_CONFIG) tells hosts apart where hostnames repeat (containers, VMs).
@@ -164,13 +164,19 @@ def check_worker(cfg: RunConfig, manifest_url: str, identity: runtime.WorkerIden
         errors.append(f"{where}: cannot read the manifest {manifest_url}: {error}")
         report["manifest"] = {"ok": False, "error": str(error)}
 
-    staging = runtime.host_temp_dir()  # where the shard cache lies (trainer.data.shard_cache_dir)
+    cache = shard_cache_root()
+    staging = runtime.host_temp_dir()  # where the shard cache lies
+    fingerprint = report["manifest"].get("fingerprint", "")
+    missing = shard_cache.missing_bytes(cache / fingerprint, shards) if fingerprint else shard_bytes
     free = shutil.disk_usage(staging).free
-    needed = int(shard_bytes * 1.2) + DISK_MARGIN_BYTES
+    needed = shard_cache.room_for(missing)
     report["disk"] = {"path": staging, "free_bytes": free, "needed_bytes": needed}
-    if free < needed:
-        errors.append(f"{where}: {staging} has {free >> 20} MiB free, shard staging needs about {needed >> 20} MiB: "
-                      "free disk space or point TMPDIR at a larger disk")
+    if free < needed:  # training would first evict the datasets no worker holds
+        report["disk"]["reclaimable_bytes"] = reclaimable = shard_cache.reclaimable_bytes(cache, keep=fingerprint)
+        if free + reclaimable < needed:
+            errors.append(f"{where}: {staging} has {free >> 20} MiB free and {reclaimable >> 20} MiB of idle cached "
+                          f"datasets, shard staging needs about {needed >> 20} MiB: free disk space or point TMPDIR "
+                          "at a larger disk")
 
     probe = storage.join(cfg.storage_root, ".preflight", f"{identity.host}-rank{identity.rank}-{uuid.uuid4().hex}")
     try:

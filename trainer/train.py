@@ -163,10 +163,14 @@ def input_dataset(job: TrainJob, local_files: list[list[str]], start_step: int):
 
 
 def stage_inputs(job: TrainJob) -> list[list[str]]:
-    """Copy and verify this worker's shards into this user's per-dataset cache that a retry or the baseline reuses."""
+    """Copy and verify this worker's shards into this user's per-dataset cache that a retry or the baseline reuses,
+    held for the rest of this process; idle datasets make way when the disk lacks room (trainer/shard_cache.py)."""
+    from trainer import shard_cache
     from trainer.data import shard_cache_dir, stage_shards
 
     cache = shard_cache_dir(job.manifest["fingerprint"])
+    shard_cache.hold(cache)
+    shard_cache.make_room(cache, shard_cache.missing_bytes(cache, [s for shards in job.slot_shards for s in shards]))
     return [stage_shards(job.manifest_url, list(shards), cache) for shards in job.slot_shards]
 
 

@@ -20,7 +20,7 @@ from tests.conftest import REPO
 from tests.hardware import nvidia_gpus
 from trainer import selftest
 from trainer.config import RunConfig
-from trainer.runtime import WorkerIdentity
+from trainer.runtime import HOST_TMPDIR_ENV, WorkerIdentity
 from trainer.storage import read_json
 
 WORKER_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -98,6 +98,26 @@ def test_worker_checks_name_each_problem_and_the_setting(tmp_path, monkeypatch):
     assert report["storage"]["ok"] is False and blocker.read_text().startswith("a file where")
     missing = selftest.check_worker(cfg, str(tmp_path / "nope.json"), _identity())["errors"]
     assert any("cannot read the manifest" in e and "nope.json" in e for e in missing)
+
+
+def test_the_disk_check_counts_cached_datasets_no_worker_holds_as_room(tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    from trainer.data import shard_cache_root
+
+    monkeypatch.setenv(HOST_TMPDIR_ENV, str(tmp_path / "host-tmp"))
+    paths = _dataset(tmp_path, num_workers=2)
+    cfg = RunConfig.from_params(read_json(paths["config"]))
+    idle = shard_cache_root() / "another-dataset"
+    idle.mkdir(parents=True)
+    with open(idle / "train-00000-of-00001.tfrecord", "wb") as shard:
+        shard.truncate(1 << 30)  # sparse
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: namedtuple("Usage", "total used free")(0, 0, 100 << 20))
+    report = selftest.check_worker(cfg, paths["manifest"], _identity(1, 2))
+    assert report["errors"] == [] and report["disk"]["reclaimable_bytes"] == 1 << 30
+    shutil.rmtree(idle)
+    [error] = selftest.check_worker(cfg, paths["manifest"], _identity(1, 2))["errors"]
+    assert "has 100 MiB free and 0 MiB of idle cached datasets, shard staging needs about 256 MiB" in error
 
 
 def test_version_skew_names_package_versions_and_ranks():
