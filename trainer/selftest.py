@@ -17,9 +17,10 @@ Once its TensorFlow server is up, each worker also tries its own port on every n
 TF's worker channel listens on all interfaces without authentication, so an answer there means anyone who can
 route to that address may run code as this user (README: Security model). This is reported, not an error.
 
-The chief compares versions and the fingerprint of this project's own code across ranks (skew is an error), runs the scaling advisor (`trainer/advisor.py`: a
-few single-worker steps, or the reused baseline's step time, against the measured bandwidth and latency; below
-`min_predicted_efficiency` is an error), writes `<output>/preflight.json` and a one-screen summary to the log. Any error exits non-zero, so training never launches.
+The chief compares versions and the fingerprint of this project's own code across ranks (skew is an error), runs
+the scaling advisor (`trainer/advisor.py`: a few single-worker steps, or the reused baseline's step time, against
+the measured bandwidth and latency; below `min_predicted_efficiency` is an error), writes `<output>/preflight.json`
+and a one-screen summary to the log. Any error exits non-zero, so training never launches.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ it imports neither Airflow nor TensorFlow.
 
 - `run`: `{"argv": [...], "env": {...}, "cwd": str, "grace_s": float, "base_env": "inherit"}`. Starts `argv` in
   its own session, in `cwd` (created, mode 0700), with the allow-listed part of this process's environment
-  (`trainer.runtime.inherited_environment`) plus `env`, and `TMPDIR=<cwd>/tmp` (`worker_temp_environment`). Prints `TFMW_AGENT {"pid", "pgid", "host", "python",
-  "versions"}`, then the worker's merged stdout/stderr line by line, then `TFMW_EXIT {"code"}` (negative: killed by
+  (`trainer.runtime.inherited_environment`) plus `env`, and its own `TMPDIR=<cwd>/tmp`
+  (`trainer.runtime.worker_temp_environment`). Prints `TFMW_AGENT {"pid", "pgid", "host", "python", "versions"}`,
+  then the worker's merged stdout/stderr line by line, then `TFMW_EXIT {"code"}` (negative: killed by
   that signal) and exits with the code (128 + signal for a signal). When its stdin closes (the SSH channel was
   closed or the connection dropped: sshd then closes the agent's pipes) or it gets SIGTERM, SIGHUP or SIGINT, it
   stops the worker's whole process group: SIGTERM, `grace_s`, SIGKILL. Whatever the worker leaves behind in its
