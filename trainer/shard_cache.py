@@ -73,7 +73,7 @@ def make_room(cache: Path, download_bytes: int) -> list[str]:
     for other in _by_last_use(cache.parent, keep=cache.name):
         if shutil.disk_usage(cache).free >= room_for(download_bytes):
             break
-        size = _remove_if_idle(other)
+        size = _idle_size(other, remove=True)
         if size is not None:
             evicted.append(other.name)
             log.info("shard cache: removed idle dataset %s (%.1f MiB) to make room for %s", other.name, size / 2**20,
@@ -83,19 +83,7 @@ def make_room(cache: Path, download_bytes: int) -> list[str]:
 
 def reclaimable_bytes(root: Path, keep: str) -> int:
     """What `make_room` could free under `root` (this user's cache) now: the idle datasets other than `keep`."""
-    total = 0
-    for other in _by_last_use(root, keep=keep):
-        descriptor = _open_dir(other)
-        if descriptor is None:
-            continue
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            total += _tree_bytes(other)
-        except BlockingIOError:
-            pass  # held by a running worker
-        finally:
-            os.close(descriptor)
-    return total
+    return sum(size for other in _by_last_use(root, keep=keep) if (size := _idle_size(other)) is not None)
 
 
 def _by_last_use(root: Path, keep: str) -> list[Path]:
@@ -117,18 +105,19 @@ def _open_dir(path: Path) -> int | None:
         return None
 
 
-def _remove_if_idle(directory: Path) -> int | None:
-    """Remove `directory` if no process holds it; its size in bytes, or None when it stays."""
+def _idle_size(directory: Path, remove: bool = False) -> int | None:
+    """The size of `directory` in bytes if no process holds it (and then removed, with `remove`); else None."""
     descriptor = _open_dir(directory)
     if descriptor is None:
         return None
     try:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except BlockingIOError:  # held by a running worker
             return None
         size = _tree_bytes(directory)
-        shutil.rmtree(directory, ignore_errors=True)  # under our lock: a worker about to hold it waits, then retries
+        if remove:
+            shutil.rmtree(directory, ignore_errors=True)  # under our lock: a worker about to hold it waits, then retries
         return size
     finally:
         os.close(descriptor)
