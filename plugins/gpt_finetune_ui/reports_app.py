@@ -329,6 +329,44 @@ def render_promotion(report: dict[str, Any]) -> str:
     return "".join(f"<p class='note promotion'>{line}</p>" for line in lines)
 
 
+def render_scaling(report: dict[str, Any]) -> str:
+    """An elastic run's segments and the advisor's predicted scaling next to the measured one (as in report.md)."""
+    parts = []
+    segments = _items(report.get("segments"))
+    if report.get("elastic") is True and segments:
+        rows = "".join(
+            f"<tr><td>{_steps(segment)}</td><td>{_text(segment.get('num_workers'))} of "
+            f"{_text(report.get('num_workers'))}</td><td>{_text(segment.get('grad_accum_steps'))}</td>"
+            f"<td>{_fmt(segment.get('tokens_per_s'), ',.0f')}</td>"
+            f"<td style='text-align:left'>{_text(segment.get('line'))}</td></tr>" for segment in segments)
+        parts.append("<h2>Segments (elastic recovery)</h2><table id='segments'><tr><th>steps</th><th>workers</th>"
+                     "<th>accumulation</th><th>tokens/s</th><th style='text-align:left'>what happened</th></tr>"
+                     f"{rows}</table>")
+    predicted = report.get("prediction")
+    if isinstance(predicted, dict):
+        cells = [_text(predicted.get("num_workers")), _fmt(predicted.get("predicted_speedup"), ".2f", "x"),
+                 _fmt(predicted.get("measured_speedup"), ".2f", "x"),
+                 _fmt(_percent(predicted.get("predicted_efficiency")), ".0f", "%"),
+                 _fmt(_percent(predicted.get("measured_efficiency")), ".0f", "%")]
+        parts.append("<h2>Scaling: predicted (preflight advisor) vs measured</h2><table id='prediction'><tr>"
+                     "<th>workers</th><th>predicted speedup</th><th>measured speedup</th><th>predicted efficiency</th>"
+                     "<th>measured efficiency</th></tr><tr>" + "".join(f"<td>{cell}</td>" for cell in cells)
+                     + f"</tr></table><p class='note'>Advisor (single-worker step from the "
+                     f"{_text(predicted.get('step_source'))}): {_text(predicted.get('recommendation'))}</p>")
+    return "".join(parts)
+
+
+def _steps(segment: dict[str, Any]) -> str:
+    first, last = segment.get("from_step"), segment.get("to_step")
+    if isinstance(first, int) and isinstance(last, int) and not isinstance(first, bool):
+        return f"{first + 1}-{last}"
+    return f"{_text(first)}-{_text(last)}"
+
+
+def _percent(fraction: Any) -> Any:
+    return 100.0 * fraction if isinstance(fraction, (int, float)) and not isinstance(fraction, bool) else fraction
+
+
 def render_samples(report: dict[str, Any]) -> str:
     """Per prompt, every model's greedy and top-k continuation."""
     sections = [section for section in _items(report.get("samples")) if _items(section.get("samples"))]
@@ -385,6 +423,6 @@ def render_run(report: dict[str, Any], released: str) -> str:
         f"{_text(report.get('num_workers'))} workers · model "
         f"{_text(_get(report, 'config', 'model'))} · created {_text(report.get('created_at'))}</p>{table}"
         f"<p class='note' id='hardware'>{_text(_get(report, 'hardware', 'line'))}</p>{gates}"
-        f"{render_promotion(report)}{render_samples(report)}{images}"
+        f"{render_scaling(report)}{render_promotion(report)}{render_samples(report)}{images}"
     )
     return _page(f"Run {report.get('run_id')}", body)

@@ -213,6 +213,38 @@ def test_hostile_reports_render_escaped_as_error_rows(hostile_storage):
         assert response.status_code in (200, 422) and "<script" not in response.text.lower(), key
 
 
+def test_an_elastic_runs_page_shows_its_segments_and_the_predicted_scaling(storage_root, tmp_path):
+    """The segments and the advisor's prediction that report.md has (tasks/scaling.py), on the run's page too,
+    with what a worker may have influenced (the reason a launch gives) escaped."""
+    from tasks import scaling
+    from tests.tasks.test_scaling import RECORD, _metrics
+
+    root = tmp_path / "storage"
+    shutil.copytree(Path(storage_root) / "runs" / KEY_28, root / "runs" / KEY_28)
+    report_file = root / "runs" / KEY_28 / "report" / "report.json"
+    report = json.loads(report_file.read_text())
+    record = {**RECORD, "launches": [*RECORD["launches"][:2], {**RECORD["launches"][2], "reason": SCRIPT}]}
+    advice = {"rows": [{"num_workers": 2, "speedup": 1.6, "efficiency": 0.8, "tokens_per_s": 1600.0}],
+              "recommendation": "2 workers: predicted 80% efficiency (1.60x)", "inputs": {"step_source": "probe"}}
+    comparison = {"speedup": 1.5, "efficiency": 0.75}
+    report.update(segments=scaling.segments(record, _metrics(range(1, 41), 0.1), final_step=40), elastic=True,
+                  num_workers=4, prediction=scaling.prediction({"advisor": advice}, 2, comparison))
+    report_file.write_text(json.dumps(report))
+
+    page = TestClient(create_app(str(root))).get(f"/runs/{KEY_28}/").text
+    segments = page.split("<table id='segments'>")[1].split("</table>")[0]
+    assert "<tr><td>1-20</td><td>4 of 4</td><td>1</td><td>5,120</td>" in segments
+    assert "<tr><td>21-40</td><td>2 of 4</td><td>2</td><td>5,120</td>" in segments
+    assert "continued on 2 of 4 workers from step 20: &lt;script&gt;" in segments and "<script" not in page
+    prediction = page.split("<table id='prediction'>")[1].split("</table>")[0]
+    assert "<tr><td>2</td><td>1.60x</td><td>1.50x</td><td>80%</td><td>75%</td></tr>" in prediction
+    assert "Advisor (single-worker step from the probe): 2 workers: predicted 80% efficiency (1.60x)" in page
+    report.pop("segments"), report.pop("prediction")
+    report_file.write_text(json.dumps({**report, "elastic": False}))
+    plain = TestClient(create_app(str(root))).get(f"/runs/{KEY_28}/").text
+    assert "id='segments'" not in plain and "id='prediction'" not in plain
+
+
 def test_pages_show_the_latest_model_its_history_and_each_runs_samples(tmp_path, monkeypatch):
     """Two nightly runs promoted in turn, then one that is not: the index names the run behind `latest` and every
     version; a run page shows why it was (not) promoted and its samples beside the promoted version's."""
