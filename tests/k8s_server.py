@@ -74,14 +74,15 @@ def _pod_port_block(size: int = 1000) -> range:
     return range(top - size, top)
 
 
-_POD_PORTS = itertools.cycle(_pod_port_block())
+_POD_PORT_BLOCK = _pod_port_block()
+_POD_PORTS = itertools.cycle(_POD_PORT_BLOCK)
 _POD_PORTS_LOCK = threading.Lock()
 
 
 def pod_port() -> int:
     """The next port of this worker's block that nothing holds now (pods of earlier tests may still hold some)."""
     with _POD_PORTS_LOCK:
-        for port in itertools.islice(_POD_PORTS, len(_pod_port_block())):
+        for port in itertools.islice(_POD_PORTS, len(_POD_PORT_BLOCK)):
             with socket.socket() as sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
                 try:
@@ -89,7 +90,7 @@ def pod_port() -> int:
                 except OSError:
                     continue
                 return port
-    raise RuntimeError(f"no free port left in {_pod_port_block()}")
+    raise RuntimeError(f"no free port left in {_POD_PORT_BLOCK}")
 
 
 def _status(code: int, reason: str, message: str, name: str = "", kind: str = "") -> dict:

@@ -27,24 +27,23 @@ _held: list[int] = []  # descriptors of the directories this process holds: open
 
 
 def hold(cache: Path) -> None:
-    """Lock `cache` (one dataset's directory) shared for the rest of this process, and mark it used now:
-    `make_room` elsewhere never removes it meanwhile."""
+    """Lock `cache` (one dataset's directory, made by `shard_cache_dir`) shared for the rest of this process, and
+    mark it used now: `make_room` elsewhere never removes it meanwhile."""
     for _ in range(HOLD_ATTEMPTS):
-        private_dir(cache.parent)  # (again) after another process evicted it
-        private_dir(cache)
         descriptor = _open_dir(cache)
-        if descriptor is None:
-            continue
-        fcntl.flock(descriptor, fcntl.LOCK_SH)  # waits while another process is removing it
-        try:
-            same = os.stat(cache, follow_symlinks=False).st_ino == os.fstat(descriptor).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            os.utime(cache)  # the last use, which orders eviction
-            _held.append(descriptor)
-            return
-        os.close(descriptor)  # removed between its creation and our lock
+        if descriptor is not None:
+            fcntl.flock(descriptor, fcntl.LOCK_SH)  # waits while another process is removing it
+            try:
+                same = os.stat(cache, follow_symlinks=False).st_ino == os.fstat(descriptor).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.utime(cache)  # the last use, which orders eviction
+                _held.append(descriptor)
+                return
+            os.close(descriptor)
+        private_dir(cache.parent)  # another process evicted it after it was created: create it again
+        private_dir(cache)
     raise DataError(f"shard cache {cache} was removed {HOLD_ATTEMPTS} times while this worker locked it: another "
                     "process keeps evicting it. Give the host more disk or train fewer datasets on it at once.")
 

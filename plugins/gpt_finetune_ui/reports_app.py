@@ -239,10 +239,11 @@ def _text(value: Any) -> str:
     return "—" if value is None else html.escape(str(value))
 
 
-def _fmt(value: Any, spec: str, suffix: str = "") -> str:
-    """A number formatted for people; anything else (a report with wrong types) is shown escaped as it is."""
+def _fmt(value: Any, spec: str, suffix: str = "", scale: float = 1) -> str:
+    """A number (times `scale`) formatted for people; anything else (a report with wrong types) is shown escaped as
+    it is."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return f"{value:{spec}}{suffix}"
+        return f"{value * scale:{spec}}{suffix}"
     return _text(value)
 
 
@@ -346,8 +347,8 @@ def render_scaling(report: dict[str, Any]) -> str:
     if isinstance(predicted, dict):
         cells = [_text(predicted.get("num_workers")), _fmt(predicted.get("predicted_speedup"), ".2f", "x"),
                  _fmt(predicted.get("measured_speedup"), ".2f", "x"),
-                 _fmt(_percent(predicted.get("predicted_efficiency")), ".0f", "%"),
-                 _fmt(_percent(predicted.get("measured_efficiency")), ".0f", "%")]
+                 _fmt(predicted.get("predicted_efficiency"), ".0f", "%", scale=100),
+                 _fmt(predicted.get("measured_efficiency"), ".0f", "%", scale=100)]
         parts.append("<h2>Scaling: predicted (preflight advisor) vs measured</h2><table id='prediction'><tr>"
                      "<th>workers</th><th>predicted speedup</th><th>measured speedup</th><th>predicted efficiency</th>"
                      "<th>measured efficiency</th></tr><tr>" + "".join(f"<td>{cell}</td>" for cell in cells)
@@ -358,13 +359,9 @@ def render_scaling(report: dict[str, Any]) -> str:
 
 def _steps(segment: dict[str, Any]) -> str:
     first, last = segment.get("from_step"), segment.get("to_step")
-    if isinstance(first, int) and isinstance(last, int) and not isinstance(first, bool):
+    if all(isinstance(step, int) and not isinstance(step, bool) for step in (first, last)):
         return f"{first + 1}-{last}"
     return f"{_text(first)}-{_text(last)}"
-
-
-def _percent(fraction: Any) -> Any:
-    return 100.0 * fraction if isinstance(fraction, (int, float)) and not isinstance(fraction, bool) else fraction
 
 
 def render_samples(report: dict[str, Any]) -> str:

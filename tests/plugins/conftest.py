@@ -22,12 +22,15 @@ def entrypoint_env(**extra: str) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(ENTRYPOINTS), str(REPO)]), **extra}
 
 
+_EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception): ", re.MULTILINE)
+
+
 def failure_excerpt(task_log: str, limit: int = 6000) -> str:
     """What a run that should have passed prints: the task's exception with the launcher's whole message (each
     rank's cause and its last lines), which a plain tail cuts off when the log after it is long; else the tail."""
     failed = task_log.find("Task failed with exception")
-    match = re.compile(r"^[\w.]+(Error|Exception): ", re.MULTILINE).search(task_log, max(failed, 0))
-    return task_log[match.start():match.start() + limit] if failed >= 0 and match else task_log[-limit:]
+    match = failed >= 0 and _EXCEPTION_LINE.search(task_log, failed)
+    return task_log[match.start():match.start() + limit] if match else task_log[-limit:]
 
 
 def alive(pid: int) -> bool:

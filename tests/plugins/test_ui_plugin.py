@@ -217,18 +217,19 @@ def test_an_elastic_runs_page_shows_its_segments_and_the_predicted_scaling(stora
     """The segments and the advisor's prediction that report.md has (tasks/scaling.py), on the run's page too,
     with what a worker may have influenced (the reason a launch gives) escaped."""
     from tasks import scaling
-    from tests.tasks.test_scaling import RECORD, _metrics
 
     root = tmp_path / "storage"
     shutil.copytree(Path(storage_root) / "runs" / KEY_28, root / "runs" / KEY_28)
     report_file = root / "runs" / KEY_28 / "report" / "report.json"
     report = json.loads(report_file.read_text())
-    record = {**RECORD, "launches": [*RECORD["launches"][:2], {**RECORD["launches"][2], "reason": SCRIPT}]}
+    launches = run_fixtures.ELASTIC_RECORD["launches"]
+    record = {**run_fixtures.ELASTIC_RECORD, "launches": [*launches[:2], {**launches[2], "reason": SCRIPT}]}
     advice = {"rows": [{"num_workers": 2, "speedup": 1.6, "efficiency": 0.8, "tokens_per_s": 1600.0}],
               "recommendation": "2 workers: predicted 80% efficiency (1.60x)", "inputs": {"step_source": "probe"}}
     comparison = {"speedup": 1.5, "efficiency": 0.75}
-    report.update(segments=scaling.segments(record, _metrics(range(1, 41), 0.1), final_step=40), elastic=True,
-                  num_workers=4, prediction=scaling.prediction({"advisor": advice}, 2, comparison))
+    metrics = run_fixtures.step_metrics(range(1, 41), 0.1)
+    report.update(segments=scaling.segments(record, metrics, final_step=40), elastic=True, num_workers=4,
+                  prediction=scaling.prediction({"advisor": advice}, 2, comparison))
     report_file.write_text(json.dumps(report))
 
     page = TestClient(create_app(str(root))).get(f"/runs/{KEY_28}/").text

@@ -101,3 +101,18 @@ def prepare_run(root: str, run_id: str, manifest_url: str | None = None, **setti
         "baseline_config_url": run.baseline_config, "baseline_summary_url": baseline.summary,
         "report_url": run.report,
     }
+
+
+def step_metrics(steps: range, step_time_s: float, tokens_per_step: int = 512) -> list[dict]:
+    """Per-step metrics lines as the trainer writes them, at a constant step time."""
+    return [{"step": s, "step_time_s": step_time_s, "tokens_per_s": tokens_per_step / step_time_s} for s in steps]
+
+
+# An elastic train task's launch record (segments.json): 4 workers, then 2 after a lost host.
+ELASTIC_RECORD = {"num_workers": 4, "grad_accum_steps": 1, "min_workers": 2, "launches": [
+    {"try_number": 1, "from_step": 0, "num_workers": 4, "grad_accum_steps": 1, "reason": None, "hosts": []},
+    # failed before its first checkpoint: contributed no step
+    {"try_number": 2, "from_step": 20, "num_workers": 4, "grad_accum_steps": 1, "reason": None, "hosts": []},
+    {"try_number": 3, "from_step": 20, "num_workers": 2, "grad_accum_steps": 2, "reason": "host h unreachable",
+     "hosts": ["h0"]},
+]}

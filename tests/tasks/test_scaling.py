@@ -5,24 +5,12 @@ import pytest
 
 from tasks import scaling
 from tasks.report import render_markdown
-
-
-def _metrics(steps: range, step_time_s: float, tokens_per_step: int = 512) -> list[dict]:
-    return [{"step": s, "step_time_s": step_time_s, "tokens_per_s": tokens_per_step / step_time_s} for s in steps]
-
-
-RECORD = {"num_workers": 4, "grad_accum_steps": 1, "min_workers": 2, "launches": [
-    {"try_number": 1, "from_step": 0, "num_workers": 4, "grad_accum_steps": 1, "reason": None, "hosts": []},
-    # failed before its first checkpoint: contributed no step
-    {"try_number": 2, "from_step": 20, "num_workers": 4, "grad_accum_steps": 1, "reason": None, "hosts": []},
-    {"try_number": 3, "from_step": 20, "num_workers": 2, "grad_accum_steps": 2, "reason": "host h unreachable",
-     "hosts": ["h0"]},
-]}
+from tests.tasks.run_fixtures import ELASTIC_RECORD, step_metrics
 
 
 def test_segments_name_each_launch_that_trained_with_its_throughput():
-    metrics = _metrics(range(1, 21), 0.1) + _metrics(range(21, 41), 0.2)
-    rows = scaling.segments(RECORD, metrics, final_step=40)
+    metrics = step_metrics(range(1, 21), 0.1) + step_metrics(range(21, 41), 0.2)
+    rows = scaling.segments(ELASTIC_RECORD, metrics, final_step=40)
     assert [(r["from_step"], r["to_step"], r["num_workers"], r["grad_accum_steps"]) for r in rows] == [
         (0, 20, 4, 1), (20, 40, 2, 2)]
     assert rows[0]["tokens_per_s"] == pytest.approx(5120) and rows[1]["tokens_per_s"] == pytest.approx(2560)
@@ -32,7 +20,7 @@ def test_segments_name_each_launch_that_trained_with_its_throughput():
 
 
 def test_the_report_marks_an_elastic_run_and_shows_predicted_next_to_measured():
-    rows = scaling.segments(RECORD, _metrics(range(1, 41), 0.1), final_step=40)
+    rows = scaling.segments(ELASTIC_RECORD, step_metrics(range(1, 41), 0.1), final_step=40)
     advice = {"rows": [{"num_workers": n, "speedup": s, "efficiency": s / n, "tokens_per_s": 1000.0 * s}
                        for n, s in ((1, 1.0), (2, 1.6), (3, 2.0), (4, 2.2))],
               "recommendation": "4 workers: predicted 55% efficiency (2.20x); 2 workers reach 1.60x at 80%",
