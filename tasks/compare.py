@@ -150,6 +150,7 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: R
     GPU with `use_gpu` (none otherwise), the start-up and hang bounds of the run. Returns its result."""
     from tf_multiworker.launcher import GroupSpec, WorkerGroup
     from tf_multiworker.registry import make_backend
+    from tf_multiworker.supervisor import task_supervisor_pid
 
     from tasks.connections import storage_env
 
@@ -163,7 +164,8 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: R
     log.info("Evaluating %s on backend %s", model_url, cfg.backend)
     backend = make_backend(cfg.backend, cfg.to_dict())
     workdir = tempfile.mkdtemp(prefix=f"{LAUNCHER_WORKDIR_PREFIX}{spec.name}-")
-    group = WorkerGroup(spec, backend, workdir, on_line=lambda rank, line: log.info("[evaluate %s] %s", label, line))
+    group = WorkerGroup(spec, backend, workdir, on_line=lambda rank, line: log.info("[evaluate %s] %s", label, line),
+                        supervisor_pid=task_supervisor_pid())
     try:
         result = group.run()
     except BaseException:  # the task is being killed (SystemExit, KeyboardInterrupt): the worker must not outlive it

@@ -50,7 +50,7 @@ def _settings(params: Mapping[str, Any]) -> dict[str, Any]:
 
 def processes_of_run(key: str) -> dict[int, str]:
     """pid -> command line of every live process on this host whose environment carries this run's key."""
-    return processes_with_env(RUN_KEY_ENV, key)
+    return processes_with_env({RUN_KEY_ENV: key})
 
 
 def _state_records(state_url: str) -> tuple[list[str], list[dict[str, Any]]]:

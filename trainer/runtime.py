@@ -2,7 +2,8 @@
 
 Contract with the launcher (`plugins/tf_multiworker/launcher`):
 - `TF_CONFIG` (absent: a single worker) gives the cluster and this worker's index.
-- `TFMW_RUN_KEY` names the pipeline run the worker belongs to (see tasks/release.py).
+- `TFMW_RUN_KEY` names the pipeline run the worker belongs to (see tasks/release.py), `TFMW_GROUP` its worker
+  group (the task).
 - `TMPDIR` is the worker's own, inside its working directory, and `TFMW_HOST_TMPDIR` the host's
   (`worker_temp_environment`).
 - Once the worker has joined the group (strategy created, i.e. the collective rendezvous passed) it prints the
@@ -29,6 +30,8 @@ from pathlib import Path
 READY_MARKER = "TFMW_READY"
 # Set on every worker of a pipeline run: the release task finds all of the run's processes by it.
 RUN_KEY_ENV = "TFMW_RUN_KEY"
+# Set next to it: the worker group's name (the task id), so a task's next attempt finds what an earlier one left.
+GROUP_ENV = "TFMW_GROUP"
 # The launcher's per-task temporary directories start with this; release deletes only such directories.
 LAUNCHER_WORKDIR_PREFIX = "tfmw-"
 

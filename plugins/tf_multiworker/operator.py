@@ -35,6 +35,7 @@ from tf_multiworker.launcher import (
 )
 from tf_multiworker.launcher.errors import MissingOutputError
 from tf_multiworker.registry import UnknownBackendError, make_backend
+from tf_multiworker.supervisor import task_supervisor_pid
 from trainer.layout import StorageLayout
 from trainer.runtime import LAUNCHER_WORKDIR_PREFIX
 from trainer.storage import exists, normalize_root, upload_tree, write_json_atomic
@@ -174,7 +175,8 @@ class TFMultiWorkerOperator(BaseOperator):
                                        else f"rank {w.rank} host {w.host}" for w in workers}
             self._write_state(ti, run.state_file(self.task_id), backend.name, GroupState.RUNNING, workers, workdir)
 
-        self.group = WorkerGroup(spec, backend, workdir, on_line=self._log_worker_line, on_started=record_started)
+        self.group = WorkerGroup(spec, backend, workdir, on_line=self._log_worker_line, on_started=record_started,
+                                 supervisor_pid=task_supervisor_pid())
         result: RunResult | None = None
         try:
             result = self.group.run()

@@ -9,10 +9,12 @@ it imports neither Airflow nor TensorFlow.
   (`trainer.runtime.inherited_environment`) plus `env`, and its own `TMPDIR=<cwd>/tmp`
   (`trainer.runtime.worker_temp_environment`). Prints `TFMW_AGENT {"pid", "pgid", "host", "python", "versions"}`,
   then the worker's merged stdout/stderr line by line, then `TFMW_EXIT {"code"}` (negative: killed by
-  that signal) and exits with the code (128 + signal for a signal). When its stdin closes (the SSH channel was
-  closed or the connection dropped: sshd then closes the agent's pipes) or it gets SIGTERM, SIGHUP or SIGINT, it
-  stops the worker's whole process group: SIGTERM, `grace_s`, SIGKILL. Whatever the worker leaves behind in its
-  group is stopped the same way once it exits. If the worker cannot be started, only `TFMW_EXIT {"code",
+  that signal) and exits with the code (128 + signal for a signal). When its stdin closes or it gets SIGTERM,
+  SIGHUP or SIGINT, it stops the worker's whole process group: SIGTERM, a grace period, SIGKILL. The grace is
+  `grace_s` when the launcher asked for the stop (the line `STOP_LINE` before closing the channel), and at most
+  `ORPHAN_GRACE_S` otherwise: the connection dropped or the launcher died (sshd closes the agent's pipes when the
+  client's socket closes, however its process ended), and nobody waits for the worker's result any more.
+  Whatever the worker leaves behind in its group is stopped the same way once it exits. If the worker cannot be started, only `TFMW_EXIT {"code",
   "error"}` is printed (127: no such program, 126: not executable or no working directory, 2: bad request).
 - `probe`: `{"ports": n, "workdir": str, "use_gpu": bool}` -> this host's identity, `n` distinct ports
   free on every interface (TensorFlow's worker server binds 0.0.0.0), `free_gpus` and `gpus` (NVML's view; only
@@ -23,6 +25,8 @@ it imports neither Airflow nor TensorFlow.
   a real directory of this user and nothing of the run survived.
 - `kill`: `{"pgid": int, "run_key": str}` -> SIGKILL to that process group, only when one of its live members
   carries the run's key (never an unrelated group, never pgid 0 or 1).
+- `reap`: `{"run_key": str, "group": str, "grace_s": float}` -> ends what an earlier attempt of that worker group
+  left on this host (found by `TFMW_RUN_KEY` and `TFMW_GROUP`), before the group launches again.
 """
 
 from __future__ import annotations
@@ -46,16 +50,19 @@ from typing import IO, Any
 from tf_multiworker.launcher.local import gpu_check, gpu_processes
 from tf_multiworker.launcher.process import (
     KILL_WAIT_S,
+    ORPHAN_GRACE_S,
     POLL_INTERVAL_S,
     end_marked_processes,
     live_group_members,
     processes_with_env,
     stop_ladder,
 )
-from trainer.runtime import RUN_KEY_ENV, inherited_environment, worker_temp_environment
+from trainer.runtime import GROUP_ENV, RUN_KEY_ENV, inherited_environment, worker_temp_environment
 
 AGENT_LINE = "TFMW_AGENT"
 EXIT_LINE = "TFMW_EXIT"
+# What the launcher writes after the request when it stops the worker itself (then the whole grace period applies).
+STOP_LINE = b"TFMW_STOP\n"
 # Reported before any worker starts, so the launcher can refuse hosts whose worker environments differ.
 VERSIONED_PACKAGES = ("tensorflow", "tf-keras", "transformers")
 EXIT_BAD_REQUEST = 2
@@ -115,6 +122,11 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
     "kill": {
         "pgid": (lambda v: type(v) is int, "a process group id"),
         "run_key": (_run_key, "a run key (letters, digits, '.', '_', '-')"),
+    },
+    "reap": {
+        "run_key": (_run_key, "a run key (letters, digits, '.', '_', '-')"),
+        "group": (lambda v: isinstance(v, str) and bool(v), "a worker group's name"),
+        "grace_s": (_seconds, "seconds, 0 to 3600"),
     },
 }
 
@@ -197,14 +209,27 @@ def _relay(source: IO[bytes], out: Output) -> None:
         out.write(chunk)
 
 
-def _watch_stdin(stdin: IO[bytes], stop: threading.Event) -> None:
+class StopRequest:
+    """Why the worker must stop, once `event` is set: `asked` when the launcher wrote `STOP_LINE` first."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.asked = False
+
+    def grace_s(self, requested: float) -> float:
+        return requested if self.asked else min(requested, ORPHAN_GRACE_S)
+
+
+def _watch_stdin(stdin: IO[bytes], stop: StopRequest) -> None:
     """Sets `stop` when stdin reaches EOF: sshd closes it when the channel closes or the connection drops."""
+    seen = b""
     try:
-        while stdin.read1(MAX_LINE_BYTES):
-            pass  # nothing is expected after the request
+        while chunk := stdin.read1(MAX_LINE_BYTES):
+            seen = (seen + chunk)[-len(STOP_LINE):]  # nothing else is expected after the request
+            stop.asked = stop.asked or seen == STOP_LINE
     except (OSError, ValueError):
         pass
-    stop.set()
+    stop.event.set()
 
 
 def _signal_group(pgid: int, signum: int) -> None:
@@ -238,9 +263,9 @@ def _signal_status(code: int) -> int:
 
 def run_worker(request: dict[str, Any], out: Output, stdin: IO[bytes]) -> int:
     argv, cwd, grace_s = request["argv"], str(host_path(request["cwd"])), float(request["grace_s"])
-    stop = threading.Event()
+    stop = StopRequest()
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, lambda *_: stop.event.set())
     try:
         os.makedirs(cwd, mode=0o700, exist_ok=True)
         temp_env = worker_temp_environment(cwd)  # removed with the run's directory at release
@@ -262,10 +287,11 @@ def run_worker(request: dict[str, Any], out: Output, stdin: IO[bytes]) -> int:
     relay = threading.Thread(target=_relay, args=(worker.stdout, out), name="relay", daemon=True)
     relay.start()
     threading.Thread(target=_watch_stdin, args=(stdin, stop), name="stdin", daemon=True).start()
-    threading.Thread(target=lambda: stop.wait() and stop_group(pgid, grace_s), name="stop", daemon=True).start()
+    threading.Thread(target=lambda: stop.event.wait() and stop_group(pgid, stop.grace_s(grace_s)), name="stop",
+                     daemon=True).start()
 
-    code = worker.wait()  # a signal runs its handler (stop.set) and the wait resumes
-    stop_group(pgid, grace_s)  # what the worker started and left behind in its group
+    code = worker.wait()  # a signal runs its handler (stop.event.set) and the wait resumes
+    stop_group(pgid, stop.grace_s(grace_s) if stop.event.is_set() else grace_s)  # what it left in its group
     relay.join(OUTPUT_DRAIN_S)
     out.control(EXIT_LINE, {"code": code})
     return _signal_status(code)
@@ -331,7 +357,7 @@ def _own_directory(path: Path) -> bool:
 
 def release(request: dict[str, Any]) -> dict[str, Any]:
     key = request["run_key"]
-    outcome = end_marked_processes(RUN_KEY_ENV, key, float(request["grace_s"]))
+    outcome = end_marked_processes({RUN_KEY_ENV: key}, float(request["grace_s"]))
     removed = []
     if request["workdir"] and not outcome["survivors"]:  # a survivor may still be writing there
         run_dir = host_path(request["workdir"]) / key
@@ -351,7 +377,7 @@ def kill_group(request: dict[str, Any]) -> dict[str, Any]:
     members = live_group_members(pgid)
     if not members:
         return {**answer, "status": "gone", "members": []}
-    if not set(members) & set(processes_with_env(RUN_KEY_ENV, key)):
+    if not set(members) & set(processes_with_env({RUN_KEY_ENV: key})):
         return {**answer, "status": "refused", "members": members,
                 "reason": f"no member of process group {pgid} carries run key {key}"}
     _signal_group(pgid, signal.SIGKILL)
@@ -359,8 +385,14 @@ def kill_group(request: dict[str, Any]) -> dict[str, Any]:
     return {**answer, "status": "killed", "members": members, "survivors": live_group_members(pgid)}
 
 
+def reap(request: dict[str, Any]) -> dict[str, Any]:
+    ended = end_marked_processes({RUN_KEY_ENV: request["run_key"], GROUP_ENV: request["group"]},
+                                 float(request["grace_s"]))
+    return {"host": socket.gethostname(), **ended}
+
+
 ANSWERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "probe": probe, "release": release, "kill": kill_group}
+    "probe": probe, "release": release, "kill": kill_group, "reap": reap}
 
 
 def main(args: list[str]) -> int:

@@ -68,6 +68,10 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.5):
     raise TimeoutError(f"not within {timeout:.0f}s: {what}")
 
 
+def run_path(run_id: str) -> str:
+    return f"/api/v2/dags/{DAG}/dagRuns/{urllib.parse.quote(run_id, safe='')}"
+
+
 def assert_released(stack, run_id: str) -> dict:
     key = run_key(DAG, run_id)
     assert processes_of_run(key) == {}, "a process of the run outlived the release"
@@ -144,25 +148,34 @@ def test_sigkilled_worker_fails_the_attempt_and_the_retry_resumes_from_the_check
     assert_released(airflow_stack, run_id)
 
 
+def task_runner_pid(stack, run_id: str, task_id: str) -> int:
+    """The pid of the running task's task-runner process (what Airflow records as the task instance's pid)."""
+    return stack.rest("GET", f"{run_path(run_id)}/taskInstances/{task_id}")["pid"]
+
+
 def test_worker_killed_in_every_attempt_fails_the_run_and_release_still_cleans_up(airflow_stack):
+    """Attempt 1 loses a worker (SIGKILL); attempt 2 loses the task's own process (SIGKILL of the task runner, as the
+    OOM killer would), which runs no cleanup: the launcher's guard ends its workers within 10 s."""
     run_id = trigger(airflow_stack, LONG)
     key = run_key(DAG, run_id)
     for attempt in (1, 2):
         # Both ranks: the scan can catch the group while only one of them has started.
         ranks = wait_until(lambda: len(found := worker_ranks(key)) == 2 and found, 400,
                            f"both trainer workers of attempt {attempt}")
-        os.kill(ranks[0], signal.SIGKILL)
-        wait_until(lambda: not worker_ranks(key), 60, f"attempt {attempt}'s group to be stopped")
+        if attempt == 1:
+            os.kill(ranks[0], signal.SIGKILL)
+            wait_until(lambda: not worker_ranks(key), 60, f"attempt {attempt}'s group to be stopped")
+            continue
+        os.kill(task_runner_pid(airflow_stack, run_id, "train"), signal.SIGKILL)
+        killed = time.monotonic()
+        wait_until(lambda: not processes_of_run(key), 10, "every worker gone after SIGKILL of the task runner", 0.1)
+        print(f"SIGKILL of train's task runner: every worker gone after {time.monotonic() - killed:.1f} s")
     assert airflow_stack.wait_for_run(DAG, run_id, timeout=300) == "failed"
     states = airflow_stack.task_states(DAG, run_id)
     assert states["train"] == "failed" and states["release"] == "success", states
     assert states["evaluate"] == "upstream_failed" and states["outcome"] == "failed"
     assert "train failed" in airflow_stack.task_log(DAG, run_id, "outcome")
     assert_released(airflow_stack, run_id)
-
-
-def run_path(run_id: str) -> str:
-    return f"/api/v2/dags/{DAG}/dagRuns/{urllib.parse.quote(run_id, safe='')}"
 
 
 def test_marking_train_failed_from_outside_ends_every_worker_within_10_seconds(airflow_stack):

@@ -9,6 +9,8 @@ data path and release across SSH, not separate machines (see the README's SSH se
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -19,7 +21,7 @@ import pytest
 
 from tasks.release import processes_of_run
 from tests.airflow_stack import REPO, airflow_env, free_port
-from tests.e2e.test_pipeline import DAG, FAST, trigger
+from tests.e2e.test_pipeline import DAG, FAST, LONG, run_path, task_runner_pid, trigger, wait_until, worker_ranks
 from trainer.layout import run_key
 
 pytestmark = pytest.mark.timeout(900)
@@ -107,3 +109,26 @@ def test_readme_command_runs_the_whole_dag_on_ssh_hosts(ssh_hosts, tmp_path):
     assert any(line.startswith("Report: s3://") for line in result.stdout.splitlines())
     assert "| distributed | 2 |" in result.stdout and "**Gates: PASSED**" in result.stdout
     assert f"[rank 1 host {ssh_hosts[1].address}]" in output
+
+
+def test_sigkill_of_the_train_task_runner_leaves_no_remote_worker(airflow_stack, ssh_hosts, connection_storage_run,
+                                                                  tmp_path):
+    """The task's own process killed outright (the OOM killer): the kernel closes its SSH connections, and each
+    host's agent ends its worker within the orphan grace, also while the workers print nothing."""
+    file = tmp_path / "connections.json"
+    file.write_text(json.dumps(_connections(ssh_hosts)))
+    airflow_stack.cli("connections", "import", str(file), "--overwrite")
+    conf = {**connection_storage_run.conf, "max_steps": LONG["max_steps"], "backend": "ssh",
+            "ssh_conn_ids": [h.conn_id for h in ssh_hosts]}
+    run_id = trigger(airflow_stack, conf)
+    key = run_key(DAG, run_id)
+    wait_until(lambda: len(worker_ranks(key)) == 2, 400, "both trainer workers on their hosts")
+    os.kill(task_runner_pid(airflow_stack, run_id, "train"), signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(lambda: not processes_of_run(key), 10, "every remote worker gone after SIGKILL of the task runner", 0.1)
+    print(f"\nSIGKILL of train's task runner (ssh): every remote worker gone after {time.monotonic() - killed:.1f} s")
+
+    airflow_stack.rest("PATCH", run_path(run_id), {"state": "failed"})  # the retry is not what this test is about
+    assert airflow_stack.wait_for_run(DAG, run_id, timeout=300) == "failed"
+    assert airflow_stack.task_states(DAG, run_id)["release"] == "success"
+    assert processes_of_run(key) == {}

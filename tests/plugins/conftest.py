@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -50,6 +51,49 @@ def wait_until_gone(pgids: list[int], timeout_s: float) -> list[int]:
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)
+
+
+def start_launcher(tmp_path: Path, spec: dict, backend: str = "local", settings: dict | None = None,
+                   timeout_s: float = 60) -> tuple[subprocess.Popen, list[dict]]:
+    """A worker group launched by a process of its own (entrypoints/group_launcher.py), for a test to kill; returns
+    the launcher and its workers' records once every rank has started."""
+    case = tmp_path / "launcher-case.json"
+    case.write_text(json.dumps({"spec": spec, "backend": backend, "settings": settings or {},
+                                "workdir": str(tmp_path / "launcher-work")}))
+    launcher = subprocess.Popen([sys.executable, str(ENTRYPOINTS / "group_launcher.py"), str(case)],
+                                stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + timeout_s
+    for line in launcher.stdout:
+        if line.startswith("LAUNCHED "):
+            return launcher, json.loads(line.removeprefix("LAUNCHED "))["workers"]
+        if time.monotonic() > deadline:
+            break
+    launcher.kill()
+    raise AssertionError(f"the launcher did not start its group (exit {launcher.wait()})")
+
+
+def guards_of(launcher_pid: int) -> list[int]:
+    """Pids of the guard processes a launcher started (tf_multiworker.launcher.guard)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        if b"tf_multiworker.launcher.guard" in cmdline and ppid == launcher_pid:
+            found.append(int(entry.name))
+    return found
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.05) -> float:
+    """Seconds until `predicate()` held; fails after `timeout_s`."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"not within {timeout_s} s")
+        time.sleep(interval_s)
+    return time.monotonic() - started
 
 
 @pytest.fixture(scope="session")

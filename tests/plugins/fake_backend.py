@@ -94,10 +94,13 @@ class FakeBackend(Backend):
     name = "fake"
 
     def __init__(self, scripts: Callable[[int, int], Script] | Mapping[int, Script], *,
-                 ignore_term: Sequence[int] = ()) -> None:
-        """`scripts(attempt, rank)` (or a mapping rank -> script for every attempt)."""
+                 ignore_term: Sequence[int] = (), earlier: Sequence[dict[str, Any]] = ()) -> None:
+        """`scripts(attempt, rank)` (or a mapping rank -> script for every attempt); `earlier`: what
+        `end_earlier_attempts` reports (hosts where an earlier attempt left workers)."""
         self.scripts = scripts if callable(scripts) else (lambda attempt, rank: scripts[rank])
         self.ignore_term = set(ignore_term)
+        self.earlier = list(earlier)
+        self.earlier_asked: list[str] = []
         self.attempt = 0
         self.handles: list[FakeHandle] = []
         self.envs: list[dict[str, str]] = []
@@ -122,6 +125,10 @@ class FakeBackend(Backend):
 
     def end_group(self, group: GroupSpec) -> None:
         self.ended_groups += 1
+
+    def end_earlier_attempts(self, group: GroupSpec) -> list[dict[str, Any]]:
+        self.earlier_asked.append(group.name)
+        return self.earlier
 
     def release(self, run_key: str, records: list[dict[str, Any]]) -> dict[str, Any]:
         return {"backend": self.name, "hosts": [], "clean": True}

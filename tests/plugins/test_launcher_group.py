@@ -4,11 +4,12 @@ timeout, hang watchdog, port-bind relaunch, a failing rank, secrets and stopping
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
 import pytest
-from tf_multiworker.launcher import FailureKind, GroupSpec, GroupState, WorkerGroup, WorkerState
+from tf_multiworker.launcher import FailureKind, GroupSpec, GroupState, LaunchError, WorkerGroup, WorkerState
 
 from tests.plugins.fake_backend import FakeBackend
 
@@ -40,7 +41,45 @@ def test_tf_config_and_run_marker_reach_every_rank(tmp_path):
     configs = [json.loads(env["TF_CONFIG"]) for env in backend.envs]
     assert [c["task"]["index"] for c in configs] == [0, 1]
     assert configs[0]["cluster"]["worker"] == ["fake-host-0:20000", "fake-host-1:20001"]
-    assert all(env["TFMW_RUN_KEY"] == "run-7" for env in backend.envs)
+    assert all(env["TFMW_RUN_KEY"] == "run-7" and env["TFMW_GROUP"] == "g" for env in backend.envs)
+
+
+def test_what_an_earlier_attempt_left_is_ended_and_logged_before_the_launch(tmp_path, caplog):
+    leftover = {"host": "h1", "found": [{"pid": 41, "cmdline": "python -m trainer.train"}], "terminated": [41],
+                "killed": [], "survivors": []}
+    backend = FakeBackend({0: OK}, earlier=[leftover, {"host": "h2", "found": [], "survivors": []}])
+    with caplog.at_level("WARNING"):
+        result, _, _ = _run(backend, tmp_path, num_workers=1, run_key="run-7")
+    assert result.succeeded and backend.earlier_asked == ["g"]
+    assert "ended what an earlier attempt of g left alive on h1: pid 41 python -m trainer.train" in caplog.text
+    assert "h2" not in caplog.text
+
+
+def test_no_launch_beside_an_earlier_attempt_that_survived_sigkill(tmp_path):
+    backend = FakeBackend({0: OK}, earlier=[{"host": "h1", "found": [{"pid": 41, "cmdline": "x"}], "terminated": [41],
+                                             "killed": [41], "survivors": [41]}])
+    with pytest.raises(LaunchError, match=r"still alive after SIGKILL: 41 on h1\. Not launching beside them"):
+        _run(backend, tmp_path, num_workers=1, run_key="run-7")
+    assert backend.handles == []
+
+
+def test_a_group_without_run_key_asks_for_no_earlier_attempts(tmp_path):
+    backend = FakeBackend({0: OK})
+    assert _run(backend, tmp_path, num_workers=1)[0].succeeded and backend.earlier_asked == []
+
+
+def test_the_group_stops_when_its_supervisor_is_gone(tmp_path, monkeypatch):
+    """Reparented (the supervisor was SIGKILLed): the group stops within a poll, with the orphan grace."""
+    backend = FakeBackend({0: [("ready",), ("hang",)], 1: [("ready",), ("hang",)]}, ignore_term=[1])
+    spec = GroupSpec(name="g", entrypoint="trainer.train", num_workers=2, **{**FAST, "hang_timeout_s": 30,
+                                                                             "grace_period_s": 30})
+    group = WorkerGroup(spec, backend, tmp_path, supervisor_pid=os.getppid())
+    threading.Timer(0.2, monkeypatch.setattr, args=(os, "getppid", lambda: 1)).start()
+    started = time.monotonic()
+    result = group.run()
+    assert result.state is GroupState.STOPPED and all(h.gone() for h in backend.handles)
+    # Rank 1 ignores SIGTERM: killed after the orphan grace (3 s), not the group's grace of 30 s.
+    assert backend.handles[1].signals == ["TERM", "KILL"] and time.monotonic() - started < 5
 
 
 def test_a_rank_that_never_prints_its_marker_fails_at_the_startup_timeout(tmp_path):

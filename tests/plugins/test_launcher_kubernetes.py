@@ -190,19 +190,37 @@ def test_stopping_the_group_deletes_every_object(cluster, tmp_path):
     runner.join(10)
 
 
-def test_release_deletes_what_a_dead_task_left_by_label(cluster, tmp_path):
-    """The task died without cleaning up: its pods still run. Release finds them by label and deletes it all."""
+def _abandoned_group(cluster, tmp_path, num_workers: int = 2) -> GroupNames:
+    """Pods of a group whose task died without cleaning up (its launcher was SIGKILLed): they still run."""
     the_backend = backend(cluster)
-    group_spec = spec(env={"TINY_WORKER_STEPS": "100000", "TINY_WORKER_STEP_S": "0.05"})
+    group_spec = spec(num_workers=num_workers, env={"TINY_WORKER_STEPS": "100000", "TINY_WORKER_STEP_S": "0.05"})
     placements = the_backend.place(group_spec)
     for rank, placement in enumerate(placements):
-        worker = WorkerSpec(rank=rank, num_workers=2, placement=placement, log_file=str(tmp_path / "x.log"),
-                            workdir=str(tmp_path))
+        worker = WorkerSpec(rank=rank, num_workers=num_workers, placement=placement,
+                            log_file=str(tmp_path / "x.log"), workdir=str(tmp_path))
         the_backend.start(group_spec, worker, the_backend.command(group_spec),
                           {**group_spec.env, **tensorflow_env(placements, rank)})
     the_backend.close()
     names = GroupNames(RUN_KEY, "tiny", "default")
-    _wait_for(lambda: cluster.process_of(names.pod(1)) is not None, 10)
+    _wait_for(lambda: all(cluster.process_of(names.pod(rank)) is not None for rank in range(num_workers)), 10)
+    return names
+
+
+def test_the_next_attempt_deletes_the_pods_an_earlier_one_left(cluster, tmp_path, caplog):
+    """The retry runs on fewer workers (elastic): rank 2's pod is not replaced by name, the reap deletes it."""
+    names = _abandoned_group(cluster, tmp_path, num_workers=3)
+    with caplog.at_level("WARNING"):
+        result, _, _ = run(spec(num_workers=2), backend(cluster), tmp_path)
+    assert result.succeeded, result.error_message()
+    ended = next(r.message for r in caplog.records if "earlier attempt" in r.message)
+    print(f"\n{ended}")
+    assert all(f"pod/{names.pod(rank)}" in ended for rank in range(3))
+    assert cluster.remaining() == {}
+
+
+def test_release_deletes_what_a_dead_task_left_by_label(cluster, tmp_path):
+    """The task died without cleaning up: its pods still run. Release finds them by label and deletes it all."""
+    names = _abandoned_group(cluster, tmp_path)
     report = backend(cluster).release(RUN_KEY, [])
     print(f"\nrelease: {report}")
     assert report["clean"] is True and cluster.remaining() == {}

@@ -6,6 +6,8 @@ group (workers and the `sleep` child each one starts) is left.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import tempfile
 import threading
@@ -25,7 +27,8 @@ from tf_multiworker.launcher import (
     free_gpus,
 )
 
-from tests.plugins.conftest import entrypoint_env, wait_until_gone
+from tasks.release import processes_of_run
+from tests.plugins.conftest import alive, entrypoint_env, guards_of, start_launcher, wait_for, wait_until_gone
 
 
 def _spec(fault: str = "", num_workers: int = 2, **changes) -> GroupSpec:
@@ -234,3 +237,61 @@ def test_workers_get_an_allow_listed_environment_and_secrets_are_redacted(tmp_pa
     for rank in (0, 1):
         text = (tmp_path / "logs" / f"rank-{rank}.log").read_text()
         assert "AWS_SECRET_ACCESS_KEY=***" in text and secret not in text
+
+
+def _quiet_spec(key: str, name: str = "tiny") -> dict:
+    """Two ranks that join and then print nothing for ten minutes (a first step's compilation, a stall)."""
+    return {"name": name, "entrypoint": "tiny_worker", "num_workers": 2, "run_key": key, "grace_period_s": 10,
+            "startup_timeout_s": 30, "hang_timeout_s": 900,
+            "env": entrypoint_env(TINY_WORKER_STEPS="3", TINY_WORKER_STEP_S="600")}
+
+
+def test_workers_of_a_sigkilled_launcher_are_gone_within_seconds_while_they_print_nothing(tmp_path):
+    """The launcher (an Airflow task runner) killed outright runs no cleanup: its guard ends the workers."""
+    key = f"orphans-{time.time_ns()}"
+    launcher, _ = start_launcher(tmp_path, _quiet_spec(key))
+    wait_for(lambda: len(processes_of_run(key)) == 4, 30)  # both ranks and the child each one starts
+    [guard] = guards_of(launcher.pid)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    gone_s = wait_for(lambda: not processes_of_run(key), 10)
+    print(f"\nlauncher SIGKILLed: its 4 worker processes gone {gone_s:.2f} s later")
+    wait_for(lambda: not alive(guard), 5)  # it scans once more, then exits
+    guard_log = (tmp_path / "launcher-work" / "guard.log").read_text()
+    assert "launcher gone: ended" in guard_log and '"terminated": [' in guard_log
+
+
+def test_the_next_attempt_ends_what_an_earlier_one_left_when_even_its_guard_died(tmp_path, caplog):
+    key = f"leftovers-{time.time_ns()}"
+    launcher, records = start_launcher(tmp_path, _quiet_spec(key))
+    wait_for(lambda: len(processes_of_run(key)) == 4, 30)
+    for pid in (*guards_of(launcher.pid), launcher.pid):
+        os.kill(pid, signal.SIGKILL)
+    launcher.wait()
+    time.sleep(1)
+    left = processes_of_run(key)
+    assert {r["pid"] for r in records} <= set(left), "without its guard the workers outlive the launcher"
+
+    spec = GroupSpec(**{**_quiet_spec(key), "env": entrypoint_env()})
+    with caplog.at_level("WARNING"):
+        result = WorkerGroup(spec, LocalBackend(), tmp_path / "retry", on_line=lambda r, line: None).run()
+    assert result.succeeded
+    assert not set(left) & set(processes_of_run(key)) and not processes_of_run(key)
+    ended = next(r.message for r in caplog.records if "earlier attempt" in r.message)
+    print(f"\n{ended}")
+    assert "ended what an earlier attempt of tiny left alive on" in ended
+    assert all(f"pid {pid} " in ended for pid in left)
+
+
+def test_an_earlier_attempt_of_another_group_of_the_run_is_left_alone(tmp_path):
+    key = f"other-group-{time.time_ns()}"
+    launcher, _ = start_launcher(tmp_path, _quiet_spec(key, name="baseline"))
+    try:
+        wait_for(lambda: len(processes_of_run(key)) == 4, 30)
+        spec = GroupSpec(**{**_quiet_spec(key), "env": entrypoint_env()})
+        assert WorkerGroup(spec, LocalBackend(), tmp_path / "train", on_line=lambda r, line: None).run().succeeded
+        assert len(processes_of_run(key)) == 4, "the baseline group of the same run must keep running"
+    finally:
+        launcher.terminate()
+        launcher.wait()
+    wait_for(lambda: not processes_of_run(key), 20)

@@ -9,6 +9,8 @@ check each host's own disk (its TMPDIR) and address, not separate machines.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -18,7 +20,7 @@ from tf_multiworker.backends import DEFAULT_REMOTE_WORKDIR, ssh_backend
 from tf_multiworker.launcher import FailureKind, GroupSpec, GroupState, LaunchError, WorkerGroup
 
 from tasks.release import processes_of_run
-from tests.plugins.conftest import entrypoint_env
+from tests.plugins.conftest import entrypoint_env, start_launcher, wait_for
 
 SECRET = "ssh-secret-value-never-in-argv"
 
@@ -158,6 +160,60 @@ def test_a_dropped_connection_ends_the_remote_workers(ssh_hosts, connections, tm
     backend.close()
     print(f"\nconnection dropped: remote workers gone after {gone_s:.2f} s")
     assert left == {}
+
+
+def _quiet_spec(key: str) -> dict:
+    """Two ranks that join and then print nothing for ten minutes (a first step's compilation, a stall)."""
+    return {"name": "tiny", "entrypoint": "tiny_worker", "num_workers": 2, "run_key": key, "grace_period_s": 10,
+            "startup_timeout_s": 30, "hang_timeout_s": 900,
+            "env": entrypoint_env(TINY_WORKER_STEPS="3", TINY_WORKER_STEP_S="600")}
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def test_a_sigkilled_launcher_ends_every_remote_worker_within_seconds_while_they_print_nothing(
+        ssh_hosts, connections, tmp_path):
+    """The kernel closes a dead launcher's SSH sockets: each agent's stdin ends without the stop line, so it ends
+    its worker with the orphan grace (3 s), not the group's 10 s."""
+    key = f"ssh-orphans-{time.time_ns()}"
+    launcher, records = start_launcher(tmp_path, _quiet_spec(key), "ssh",
+                                       {"ssh_conn_ids": connections, "workers_per_host": 0})
+    wait_for(lambda: len(processes_of_run(key)) == 4, 30)
+    assert [r["conn_id"] for r in records] == connections
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    gone_s = wait_for(lambda: not processes_of_run(key), 10)
+    print(f"\nlauncher SIGKILLed: the workers on {[h.address for h in ssh_hosts]} gone {gone_s:.2f} s later")
+
+
+def test_the_next_attempt_ends_what_an_earlier_one_left_on_every_host(ssh_hosts, connections, tmp_path, caplog):
+    """Launcher and agents killed outright (nothing left to stop the workers): the retry's reap finds them."""
+    key = f"ssh-leftovers-{time.time_ns()}"
+    launcher, _ = start_launcher(tmp_path, _quiet_spec(key), "ssh",
+                                 {"ssh_conn_ids": connections, "workers_per_host": 0})
+    wait_for(lambda: len(processes_of_run(key)) == 4, 30)
+    agents = {parent for pid in processes_of_run(key) if b"remote_agent" in _cmdline(parent := _parent(pid))}
+    assert len(agents) == 2
+    for pid in (*agents, launcher.pid):
+        os.kill(pid, signal.SIGKILL)
+    launcher.wait()
+    time.sleep(1)
+    left = processes_of_run(key)
+    assert len(left) == 4, "with its agent gone a remote worker outlives its launcher"
+    with caplog.at_level("WARNING"):
+        result, _, _ = _run(_spec(key, grace_period_s=10), _backend(connections), tmp_path / "retry")
+    assert result.succeeded, result.error_message()
+    ended = [r.message for r in caplog.records if "earlier attempt" in r.message]
+    print("\n" + "\n".join(ended))
+    # The fake hosts share one process table: whichever host's agent looks first ends them all.
+    assert ended and all(f"pid {pid} " in " ".join(ended) for pid in left)
+    assert not set(left) & set(processes_of_run(key))
 
 
 def test_release_ends_a_runs_processes_on_every_host(ssh_hosts, connections, tmp_path):

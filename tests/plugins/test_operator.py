@@ -167,6 +167,34 @@ def test_sigterm_to_the_task_stops_a_two_worker_tf_training_run(airflow_env, tmp
     assert json.loads(state_file.read_text())["state"] == "stopped"
 
 
+def _sigkill_mid_training(process: subprocess.Popen, log: Path, key: str, started_line: str, workers: int) -> float:
+    """SIGKILL the task's process (`airflow dags test` runs the task in it) once its workers print `started_line`
+    and then nothing (a quiet phase: no log write can fail and end the task's process by accident); returns the
+    seconds until no process of run `key` is left, at most 10."""
+    try:
+        deadline = time.monotonic() + 120
+        while started_line not in log.read_text(errors="replace") or len(processes_of_run(key)) < workers:
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.2)
+        os.killpg(process.pid, signal.SIGKILL)  # the task's whole process group, as a container's OOM kill would
+        killed = time.monotonic()
+        while processes_of_run(key) and time.monotonic() - killed < 10:
+            time.sleep(0.1)
+        gone_s, left = time.monotonic() - killed, processes_of_run(key)
+    finally:
+        _finish(process, timeout=30)
+    assert left == {}, f"still alive 10 s after SIGKILL of the task: {left}"
+    return gone_s
+
+
+def test_sigkill_of_the_task_mid_training_leaves_no_worker_of_a_quiet_tf_run(airflow_env, tmp_path):
+    case = _case(tmp_path, entrypoint="tiny_mwms", args=["--steps", "3", "--step-sleep", "600"],
+                 startup_timeout_s=120, run_key="kill9-local")
+    process, _, log = _start(airflow_env, case, tmp_path)
+    gone_s = _sigkill_mid_training(process, log, "kill9-local", "[rank 1] rank 1 step 0 ", workers=2)
+    print(f"\nSIGKILL of the task (dags test) while its TF workers print nothing: workers gone after {gone_s:.2f} s")
+
+
 # -- over SSH (real sshd hosts on 127.0.0.2 and 127.0.0.3, tests/sshd.py) -----------------------------------------
 
 def _ssh_env(ssh_hosts) -> dict[str, str]:
@@ -212,3 +240,11 @@ def test_sigterm_to_the_task_ends_every_remote_process_within_10_seconds(airflow
     print(f"\nSIGTERM to an SSH task: remote processes gone after {stopped_after:.2f} s")
     assert left == {}, f"still alive 10 s after SIGTERM: {left}"
     assert json.loads(out.read_text())["task_states"]["group"] == "failed"
+
+
+def test_sigkill_of_the_task_mid_training_leaves_no_remote_worker(airflow_env, tmp_path, ssh_hosts):
+    case = _ssh_case(tmp_path, ssh_hosts, worker_env={"TINY_WORKER_STEPS": "3", "TINY_WORKER_STEP_S": "600"},
+                     run_key="kill9-ssh")
+    process, _, log = _start(airflow_env, case, tmp_path, _ssh_env(ssh_hosts))
+    gone_s = _sigkill_mid_training(process, log, "kill9-ssh", "[rank 1 host ", workers=4)
+    print(f"\nSIGKILL of an SSH task while its workers print nothing: remote processes gone after {gone_s:.2f} s")

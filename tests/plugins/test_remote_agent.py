@@ -17,8 +17,8 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from tf_multiworker.launcher.process import live_group_members
-from tf_multiworker.remote_agent import VERSIONED_PACKAGES
+from tf_multiworker.launcher.process import ORPHAN_GRACE_S, live_group_members
+from tf_multiworker.remote_agent import STOP_LINE, VERSIONED_PACKAGES
 
 from tests.plugins.conftest import ENTRYPOINTS, alive
 
@@ -150,6 +150,30 @@ def test_stdin_eof_stops_the_whole_group_term_then_kill(agents, tmp_path):
     since = time.monotonic()
     agent.process.stdin.close()  # what sshd does when the channel closes or the connection drops
     _assert_stopped_by_ladder(agent, worker, child, since)
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_the_whole_grace_applies_only_to_a_stop_the_launcher_asked_for(agents, tmp_path, asked):
+    """EOF without the stop line: the launcher died or the connection dropped, nobody waits for the worker, and its
+    GPUs are wanted by the retry: ORPHAN_GRACE_S (3 s), not the request's grace."""
+    agent = agents({**_request(tmp_path), "grace_s": 30})
+    _, worker, child = _started(agent)
+    if asked:
+        agent.process.stdin.write(STOP_LINE)
+        agent.process.stdin.flush()
+        time.sleep(0.5)
+    since = time.monotonic()
+    agent.process.stdin.close()
+    if asked:
+        time.sleep(ORPHAN_GRACE_S + 2)
+        assert alive(worker), "an asked-for stop gives the worker its whole grace period"
+        agent.process.send_signal(signal.SIGKILL)
+        os.killpg(worker, signal.SIGKILL)
+        return
+    assert agent.finish() == 128 + signal.SIGKILL
+    elapsed = time.monotonic() - since
+    print(f"\nstdin closed without the stop line: stubborn worker killed after {elapsed:.2f} s")
+    assert ORPHAN_GRACE_S <= elapsed < ORPHAN_GRACE_S + 3 and not alive(worker) and not alive(child)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
@@ -285,3 +309,18 @@ def test_kill_refuses_an_unrelated_group_and_kills_the_runs(sleepers):
     assert killed["status"] == "killed" and killed["members"] == [ours.pid] and killed["survivors"] == []
     assert not alive(ours.pid)
     assert _answer("kill", {"pgid": ours.pid, "run_key": key})["status"] == "gone"
+
+
+def test_reap_ends_only_the_named_group_of_the_run():
+    key = f"reap-{uuid.uuid4().hex[:8]}"
+    sleepers = {group: subprocess.Popen(["sleep", "600"], env={"TFMW_RUN_KEY": key, "TFMW_GROUP": group})
+                for group in ("train", "baseline")}
+    try:
+        answer = _answer("reap", {"run_key": key, "group": "train", "grace_s": 1})
+        assert [p["pid"] for p in answer["found"]] == answer["terminated"] == [sleepers["train"].pid]
+        assert answer["survivors"] == [] and answer["host"] == socket.gethostname()
+        assert sleepers["train"].wait(5) == -signal.SIGTERM and sleepers["baseline"].poll() is None
+    finally:
+        for sleeper in sleepers.values():
+            sleeper.kill()
+            sleeper.wait()

@@ -68,6 +68,13 @@ class Backend(ABC):
         """Called once every worker of a launch attempt is gone (objects the group shared)."""
 
     @abstractmethod
+    def end_earlier_attempts(self, group: GroupSpec) -> list[dict[str, Any]]:
+        """End what an earlier attempt of the same group of the same run left alive, wherever this backend runs
+        workers (found by the run key and the group's name, not by records: the attempt that left them may have
+        died before writing one). Called before the group launches. Returns one entry per host, as `release` does:
+        {"host", "found", "terminated", "killed", "survivors"}, plus "error" for a host that could not be asked."""
+
+    @abstractmethod
     def release(self, run_key: str, records: list[dict[str, Any]]) -> dict[str, Any]:
         """End whatever is left of run `run_key` wherever this backend runs workers; `records` are the `workers`
         entries of this backend's state records. Returns {"backend", "hosts": [{"host", "found", "terminated",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import re
 import signal
@@ -21,7 +22,8 @@ from pathlib import Path
 from typing import IO
 
 from tf_multiworker.launcher.backend import Backend, WorkerHandle
-from tf_multiworker.launcher.process import stop_ladder
+from tf_multiworker.launcher.errors import LaunchError
+from tf_multiworker.launcher.process import ORPHAN_GRACE_S, stop_ladder
 from tf_multiworker.launcher.spec import (
     FailureKind,
     GroupSpec,
@@ -34,7 +36,7 @@ from tf_multiworker.launcher.spec import (
     WorkerState,
 )
 from tf_multiworker.launcher.tf_env import tensorflow_env
-from trainer.runtime import RUN_KEY_ENV, is_ready_marker
+from trainer.runtime import GROUP_ENV, RUN_KEY_ENV, is_ready_marker
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +82,20 @@ def _describe_exit(code: int) -> str:
 
 
 class WorkerGroup:
-    """Launches `spec` on `backend`, streams every rank's output, and ends the group as one (see module doc)."""
+    """Launches `spec` on `backend`, streams every rank's output, and ends the group as one (see module doc).
+
+    `supervisor_pid`: the process that supervises this one (an Airflow task's supervisor). When it dies, killed
+    without a word to us (SIGKILL, the OOM killer), nobody will ever read this task's result: the group is
+    stopped at once instead of training on unseen beside the retry that follows.
+    """
 
     def __init__(self, spec: GroupSpec, backend: Backend, workdir: str | Path, *,
                  on_line: LineSink | None = None, on_started: StartedSink | None = None,
-                 rank_environment: RankEnvironment = tensorflow_env) -> None:
+                 rank_environment: RankEnvironment = tensorflow_env, supervisor_pid: int | None = None) -> None:
         self.spec = spec
         self.backend = backend
         self.rank_environment = rank_environment
+        self.supervisor_pid = supervisor_pid
         self.workdir = Path(workdir)
         self.log_dir = self.workdir / "logs"
         self.on_line = on_line or (lambda rank, line: log.info("[rank %d] %s", rank, line))
@@ -106,6 +114,8 @@ class WorkerGroup:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for line in self.spec.describe():
             log.info("%s", line)
+        if self.spec.run_key:
+            self._end_earlier_attempts()
         attempt = 0
         state, failures = GroupState.STOPPED, {}
         while attempt < self.spec.max_launch_attempts and not self._stop_requested.is_set():
@@ -131,6 +141,27 @@ class WorkerGroup:
         log.warning("stopping worker group %s: %s", self.spec.name, reason)
         self._stop_requested.set()
         self._stop_workers(list(self._workers), grace_s)
+
+    def _end_earlier_attempts(self) -> None:
+        """An earlier attempt of this task whose launcher was killed outright may have left workers that still
+        train, hold GPUs and write checkpoints: they are ended before this attempt starts beside them."""
+        hosts = self.backend.end_earlier_attempts(self.spec)
+        for host in hosts:
+            if host.get("error"):
+                log.warning("could not check host %s for workers an earlier attempt of %s left: %s", host["host"],
+                            self.spec.name, host["error"])
+            elif host.get("found"):
+                log.warning("ended what an earlier attempt of %s left alive on %s: %s (SIGTERM: %s, SIGKILL: %s)",
+                            self.spec.name, host["host"], "; ".join(f"pid {p['pid']} {p['cmdline'][:120]}"
+                                                                    if isinstance(p, dict) else str(p)
+                                                                    for p in host["found"]),
+                            host.get("terminated"), host.get("killed"))
+        survivors = [f"{survivor} on {host['host']}" for host in hosts for survivor in host.get("survivors", ())]
+        if survivors:
+            raise LaunchError(
+                f"group {self.spec.name}: an earlier attempt's workers are still alive after SIGKILL: "
+                f"{', '.join(map(str, survivors))}. Not launching beside them: end them on their hosts "
+                "(kill -9 <pid>, or delete the pods) and clear the task.")
 
     # -- one attempt ------------------------------------------------------------------------------------------
 
@@ -161,7 +192,7 @@ class WorkerGroup:
         command = self.backend.command(self.spec)
         log.info("attempt %d of %d on backend %s: %s", attempt, self.spec.max_launch_attempts, self.backend.name,
                  " ".join(command))
-        marker = {RUN_KEY_ENV: self.spec.run_key} if self.spec.run_key else {}
+        marker = {RUN_KEY_ENV: self.spec.run_key, GROUP_ENV: self.spec.name} if self.spec.run_key else {}
         for rank, placement in enumerate(placements):
             rank_dir = self.workdir / f"rank-{rank}"
             rank_dir.mkdir(parents=True, exist_ok=True)
@@ -195,6 +226,10 @@ class WorkerGroup:
         joined_at: float | None = None
         while True:
             self._drain_lines()
+            if self.supervisor_pid is not None and os.getppid() != self.supervisor_pid:
+                # Reparented: the supervisor is gone. Its task is failed already and a retry may be on its way.
+                self.stop(f"this task's supervisor (pid {self.supervisor_pid}) is gone, killed without warning "
+                          "(SIGKILL, the OOM killer): nobody will read this attempt's result", ORPHAN_GRACE_S)
             if self._stop_requested.is_set():
                 return GroupState.STOPPED, {}
             now = time.monotonic()

@@ -30,6 +30,7 @@ from kubernetes.client.rest import ApiException
 from tf_multiworker.launcher import kubernetes_objects as objects
 from tf_multiworker.launcher.backend import Backend, WorkerHandle
 from tf_multiworker.launcher.errors import LaunchError
+from tf_multiworker.launcher.process import ORPHAN_GRACE_S
 from tf_multiworker.launcher.spec import GroupSpec, Placement, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -461,10 +462,21 @@ class KubernetesBackend(Backend):
         if state.watcher:
             state.watcher.join(self.settings.status_interval_s + 5)
 
+    def end_earlier_attempts(self, group: GroupSpec) -> list[dict]:
+        """The group's pods and objects that an earlier attempt left (its launcher died before deleting them),
+        found by the group's labels, deleted as release deletes them."""
+        names = objects.GroupNames(group.run_key, group.name, self.settings.namespace)
+        return [self._delete_labelled(names.selector, grace_s=min(group.grace_period_s, ORPHAN_GRACE_S))]
+
     def release(self, run_key: str, records: list[dict]) -> dict:
         """Delete every object labelled with the run (the records are not needed: the label also finds what no
         record names), pods with up to 10 s of grace and then at once, and list again to prove nothing is left."""
-        selector = objects.run_selector(run_key)
+        host = self._delete_labelled(objects.run_selector(run_key), grace_s=10)
+        return {"backend": self.name, "hosts": [host], "clean": not host["survivors"]}
+
+    def _delete_labelled(self, selector: str, grace_s: float) -> dict:
+        """Delete every object matching `selector` (pods with `grace_s`, capped by the pods' own grace period, then
+        at once) and list again; failed pods stay when `keep_failed_pods`. Returns what was found and what is left."""
         ns = self.settings.namespace
         pods = self.api.list("pod", selector)
         found = {"pod": [p.metadata.name for p in pods],
@@ -478,7 +490,7 @@ class KubernetesBackend(Backend):
             for name in found[kind]:
                 self.api.delete(kind, name)
         doomed = [p.metadata.name for p in pods if p.metadata.name not in kept]
-        grace = math.ceil(min(self.settings.pod.grace_period_s, 10))
+        grace = math.ceil(min(self.settings.pod.grace_period_s, grace_s))
         for name in doomed:
             self.api.delete("pod", name, grace_period_seconds=grace)
         remaining = self._wait_gone(selector, kept, grace + 5)
@@ -488,7 +500,7 @@ class KubernetesBackend(Backend):
         if killed:
             remaining = self._wait_gone(selector, kept, 10)
         survivors = [f"{kind}/{name}" for kind, names in remaining.items() for name in names]
-        host = {
+        return {
             "host": f"namespace {ns}" + (f" (connection {self.settings.conn_id})" if self.settings.conn_id else ""),
             "selector": selector,
             "found": [f"{kind}/{name}" for kind, names in found.items() for name in names],
@@ -497,7 +509,6 @@ class KubernetesBackend(Backend):
             "kept": [f"pod/{name}" for name in kept],
             "survivors": survivors,
         }
-        return {"backend": self.name, "hosts": [host], "clean": not survivors}
 
     def close(self) -> None:
         with self._lock:

@@ -1,7 +1,8 @@
 """Local backend: each worker is a process on this machine, in its own session (so its whole process group can
 be stopped), with one GPU when asked for. TF_CONFIG names loopback addresses, but TensorFlow's worker server
 listens on every interface (see the README's Security model), and the worker's environment is the allow-listed
-part of this process's (`trainer.runtime.inherited_environment`)."""
+part of this process's (`trainer.runtime.inherited_environment`). A guard process per launch attempt
+(`tf_multiworker.launcher.guard`) ends the attempt's workers when this process dies without stopping them."""
 
 from __future__ import annotations
 
@@ -15,15 +16,29 @@ import subprocess
 import sys
 import tempfile
 import threading
+import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
 from tf_multiworker.launcher.backend import Backend, WorkerHandle
 from tf_multiworker.launcher.errors import InsufficientGPUsError
-from tf_multiworker.launcher.process import end_marked_processes, live_group_members
+from tf_multiworker.launcher.process import (
+    GUARD_ENV,
+    KILL_WAIT_S,
+    ORPHAN_GRACE_S,
+    end_marked_processes,
+    live_group_members,
+)
 from tf_multiworker.launcher.spec import GroupSpec, Placement, WorkerSpec
-from trainer.runtime import LAUNCHER_WORKDIR_PREFIX, RUN_KEY_ENV, inherited_environment, worker_temp_environment
+from trainer.runtime import (
+    GROUP_ENV,
+    LAUNCHER_WORKDIR_PREFIX,
+    RUN_KEY_ENV,
+    inherited_environment,
+    worker_temp_environment,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,12 +158,43 @@ class LocalWorkerHandle(WorkerHandle):
         return {"pid": self.pid, "pgid": self.pgid}
 
 
+@dataclass
+class _Guard:
+    """A running guard: its process (stdin is the pipe whose closing it waits for) and the token it ends."""
+
+    process: subprocess.Popen
+    token: str
+
+    @classmethod
+    def start(cls, group: GroupSpec, log_path: Path) -> _Guard:
+        token = f"{group.name}-{uuid.uuid4().hex[:12]}"
+        grace_s = min(group.grace_period_s, ORPHAN_GRACE_S)
+        with open(log_path, "ab") as guard_log:
+            # A session of its own: Airflow's supervisor kills the task runner's process group, and the guard must
+            # outlive it. No inherited stdout/stderr: they are the task's sockets to its supervisor, which would wait
+            # for the guard to close them.
+            process = subprocess.Popen(
+                [sys.executable, "-m", "tf_multiworker.launcher.guard", token, f"{grace_s:g}"],
+                env=inherited_environment(os.environ), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                stderr=guard_log, start_new_session=True)
+        return cls(process, token)
+
+    def close(self) -> None:
+        """The attempt ended normally: close the pipe; the guard ends what escaped the workers' groups, then exits."""
+        self.process.stdin.close()
+        try:
+            self.process.wait(ORPHAN_GRACE_S + KILL_WAIT_S + 5)
+        except subprocess.TimeoutExpired:
+            log.warning("guard %s (pid %d) still running after the attempt ended", self.token, self.process.pid)
+
+
 class LocalBackend(Backend):
     name = "local"
 
     def __init__(self, *, gpu_probe: Callable[[], list[int]] = free_gpus, ports: PortAllocator | None = None):
         self.gpu_probe = gpu_probe
         self.ports = ports or PortAllocator()
+        self._guards: dict[str, _Guard] = {}  # group name -> the guard of its current attempt
 
     def place(self, group: GroupSpec) -> list[Placement]:
         num_workers = group.num_workers
@@ -173,11 +219,15 @@ class LocalBackend(Backend):
 
     def start(self, group: GroupSpec, worker: WorkerSpec, command: list[str],
               env: Mapping[str, str]) -> LocalWorkerHandle:
+        guard = self._guards.get(group.name)
+        if guard is None:  # before the attempt's first worker: no worker ever runs unguarded
+            # What it ended goes next to the ranks' directories, in the launcher's work directory.
+            guard = self._guards[group.name] = _Guard.start(group, Path(worker.workdir).parent / "guard.log")
         process = subprocess.Popen(
             command,
             cwd=worker.workdir,
             env={**inherited_environment(os.environ), **env, **group.secret_env,
-                 **worker_temp_environment(worker.workdir)},
+                 **worker_temp_environment(worker.workdir), GUARD_ENV: guard.token},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -185,10 +235,20 @@ class LocalBackend(Backend):
         )
         return LocalWorkerHandle(worker.rank, worker.host, process)
 
+    def end_group(self, group: GroupSpec) -> None:
+        guard = self._guards.pop(group.name, None)
+        if guard is not None:
+            guard.close()
+
+    def end_earlier_attempts(self, group: GroupSpec) -> list[dict[str, Any]]:
+        ended = end_marked_processes({RUN_KEY_ENV: group.run_key, GROUP_ENV: group.name},
+                                     min(group.grace_period_s, ORPHAN_GRACE_S))
+        return [{"host": socket.gethostname(), **ended}]
+
     def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = 10.0) -> dict[str, Any]:
         """Every process of the run on this host, found by the marker each carries (so also one no record names,
         or a grandchild), ended; the launcher work directories the records name removed; GPUs checked."""
-        ended = end_marked_processes(RUN_KEY_ENV, run_key, grace_s)
+        ended = end_marked_processes({RUN_KEY_ENV: run_key}, grace_s)
         removed, kept = [], []
         for workdir in {r["workdir"] for r in records if isinstance(r.get("workdir"), str)}:
             if is_launcher_workdir(workdir):

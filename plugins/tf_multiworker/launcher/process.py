@@ -1,19 +1,27 @@
-"""Processes on this machine: the one stopping ladder (TERM, grace, KILL) and the two ways of finding them
-(a process group; the run marker in each process's environment). Used by the local backend, the release of a run
-and, on remote hosts, the SSH agent (`tf_multiworker.remote_agent`): stdlib only, no Airflow, no TensorFlow."""
+"""Processes on this machine: the one stopping ladder (TERM, grace, KILL) and the two ways of finding them (a
+process group; markers in each process's environment: the run key, the group's name, a launch's guard token).
+Used by the local backend and its guard, the release of a run and, on remote hosts, the SSH agent
+(`tf_multiworker.remote_agent`): stdlib only, no Airflow, no TensorFlow."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
 POLL_INTERVAL_S = 0.05
 KILL_WAIT_S = 5.0
+# A worker whose launcher is gone (killed without running its cleanup: SIGKILL, the OOM killer) gets this long after
+# SIGTERM before SIGKILL: nobody waits for its result, a checkpoint it is writing is all worth waiting for (the trainer
+# ends right after it), and its GPUs are wanted by the retry.
+ORPHAN_GRACE_S = 3.0
+# Every worker of one local launch attempt carries `TFMW_GUARD=<token>`: its guard ends them by it
+# (tf_multiworker.launcher.guard, which the package must not import: it runs as `python -m`).
+GUARD_ENV = "TFMW_GUARD"
 
 
 def stop_ladder(targets: Sequence[T], *, terminate: Callable[[T], None], kill: Callable[[T], None],
@@ -71,19 +79,23 @@ def live_group_members(pgid: int) -> list[int]:
     return members
 
 
-def processes_with_env(name: str, value: str) -> dict[int, str]:
-    """pid -> command line of every live process (not this one) whose environment has `name=value`."""
-    marker = f"{name}={value}".encode()
+def processes_with_env(markers: Mapping[str, str]) -> dict[int, str]:
+    """pid -> command line of every live process (not this one) whose environment has every `name=value` of
+    `markers` (the run key alone: all of a run's processes; with the group's name: one task's)."""
+    wanted = {f"{name}={value}".encode() for name, value in markers.items()}
+    if not wanted:
+        raise ValueError("processes_with_env needs at least one marker")
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if marker not in (entry / "environ").read_bytes().split(b"\0"):
+            if not wanted <= set((entry / "environ").read_bytes().split(b"\0")):
                 continue
             if _stat_fields(entry)[0] == "Z":  # a zombie holds nothing; its parent reaps it
                 continue
-            found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            found[int(entry.name)] = cmdline.strip()
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
     return found
@@ -101,14 +113,14 @@ def signal_pids(pids: Iterable[int], sig: signal.Signals) -> list[int]:
     return signalled
 
 
-def end_marked_processes(name: str, value: str, grace_s: float) -> dict[str, list]:
-    """End every process carrying `name=value` (TERM, grace, KILL): what was found, signalled, and survived."""
-    found = processes_with_env(name, value)
+def end_marked_processes(markers: Mapping[str, str], grace_s: float) -> dict[str, list]:
+    """End every process carrying all of `markers` (TERM, grace, KILL): what was found, signalled, and survived."""
+    found = processes_with_env(markers)
     terminated = signal_pids(sorted(found), signal.SIGTERM)
     killed: list[int] = []
 
     def still_alive() -> dict[int, str]:
-        return processes_with_env(name, value)
+        return processes_with_env(markers)
 
     if terminated:
         remaining = _wait_until(still_alive, grace_s)

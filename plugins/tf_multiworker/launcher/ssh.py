@@ -4,7 +4,9 @@ One SSH connection per host (paramiko, made by the Airflow side from an SSH conn
 one session channel per rank: `exec <remote_python> -u -m tf_multiworker.remote_agent run`, then the rank's
 command, environment and secrets as one JSON line on the agent's stdin, never in an argv or an exec string. The
 agent starts the worker in its own process group, relays its output, and ends the whole group (TERM, grace, KILL)
-when its stdin closes: `terminate` closes our end of the channel, and a dropped connection closes it too.
+when its stdin closes: `terminate` writes the stop line and closes our end of the channel (the group's grace
+period applies); a dropped connection, or this process dying however it dies (the kernel closes its sockets),
+closes it too, and the agent then ends the group with the short orphan grace.
 
 Placement asks the hosts' agents (`probe`), all at once, for free ports on every interface and free GPUs. Each
 host offers `num_workers` ports, so one given to an earlier host can be skipped (TensorFlow binds 0.0.0.0 and
@@ -26,6 +28,7 @@ from typing import IO, Any, ClassVar
 
 from tf_multiworker.launcher.backend import Backend, WorkerHandle
 from tf_multiworker.launcher.errors import InsufficientGPUsError, LaunchError
+from tf_multiworker.launcher.process import ORPHAN_GRACE_S
 from tf_multiworker.launcher.spec import GroupSpec, Placement, WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -33,6 +36,7 @@ log = logging.getLogger(__name__)
 AGENT_MODULE = "tf_multiworker.remote_agent"
 AGENT_LINE = b"TFMW_AGENT "
 EXIT_LINE = b"TFMW_EXIT "
+STOP_LINE = b"TFMW_STOP\n"  # the agent's STOP_LINE: this stop is asked for, so the whole grace period applies
 EXIT_CONNECTION_LOST = 255  # what ssh(1) reports when the connection, not the command, ended
 REQUEST_TIMEOUT_S = 30.0
 MAX_PARALLEL_REQUESTS = 16  # SSH sessions opened at once when asking every host (probe, release)
@@ -109,6 +113,7 @@ class SSHWorkerHandle(WorkerHandle):
 
     def terminate(self) -> None:
         try:
+            self.channel.sendall(STOP_LINE)
             self.channel.shutdown_write()  # EOF on the agent's stdin: it ends the worker's group (TERM, grace, KILL)
         except (OSError, EOFError):
             pass
@@ -311,6 +316,17 @@ class SSHBackend(Backend):
         }
         channel.sendall(json.dumps(request).encode() + b"\n")
         return SSHWorkerHandle(self, host, worker.rank, channel, group.run_key)
+
+    # -- earlier attempts and release ---------------------------------------------------------------------------
+
+    def end_earlier_attempts(self, group: GroupSpec) -> list[dict[str, Any]]:
+        """Every host of the settings, asked at once (an earlier attempt may have used hosts this one will not).
+        An unreachable host is reported: it cannot be placed on either, so nothing launches beside its workers."""
+        request = {"run_key": group.run_key, "group": group.name, "grace_s": min(group.grace_period_s, ORPHAN_GRACE_S)}
+        answers = self.ask_all(self.hosts, "reap", request, timeout_s=REQUEST_TIMEOUT_S)
+        return [{"host": host.address, "found": [], "survivors": [], "error": str(answer)}
+                if isinstance(answer, HostError) else {**answer, "host": host.address, "hostname": answer.get("host")}
+                for host, answer in zip(self.hosts, answers, strict=True)]
 
     # -- release ------------------------------------------------------------------------------------------------
 

@@ -75,6 +75,9 @@ def main() -> int:
         time.sleep(FOREVER_S)
     host, port = me.addresses[me.rank].rsplit(":", 1)
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # As gRPC's server does: a port whose earlier listener's connections are in TIME_WAIT can be bound again (a
+    # retry's pod of the same name gets the same port here), one with a live listener cannot.
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     server.bind((host, int(port)))  # an occupied port raises "Address already in use" here, as gRPC reports it
     server.listen(me.num_workers)
     print(f"rank {me.rank} listening on {host}:{port}", flush=True)
