@@ -17,6 +17,8 @@ _SCHEDULE_SETTING = os.environ.get("GPT_FINETUNE_SCHEDULE", "0 2 * * *").strip()
 SCHEDULE = None if _SCHEDULE_SETTING.lower() == "none" else _SCHEDULE_SETTING
 DEFAULT_STORAGE_ROOT = os.environ.get("GPT_FINETUNE_STORAGE_ROOT", "storage")
 RETRY_DELAY_S = int(os.environ.get("GPT_FINETUNE_RETRY_DELAY_S", "30"))
+# The Celery queue served by the GPU hosts' workers (README "Deploying on a cluster"); empty: the default queue.
+DEFAULT_GPU_QUEUE = os.environ.get("GPT_FINETUNE_GPU_QUEUE", "")
 
 PREPARE = "prepare"
 # Updated by every successful prepare; its event's extra names the manifest, so other DAGs can schedule on it.
@@ -145,6 +147,11 @@ PARAMS = {
                                       title="Minimum predicted scaling efficiency",
                                       description="Preflight fails, before training, when the scaling advisor "
                                                   "predicts num_workers below this efficiency (0 = off)."),
+    "gpu_queue": Param(DEFAULT_GPU_QUEUE, type=["null", "string"], pattern="^([A-Za-z0-9][A-Za-z0-9_.-]{0,199})?$",
+                       title="GPU queue",
+                       description="Celery queue of preflight, train, baseline and evaluate (the tasks that hold "
+                                   "gpu_slots), served by the GPU hosts' workers; empty = the default queue. A "
+                                   "queue no worker serves leaves them queued until task_queued_timeout."),
 }
 
 DOC = """

@@ -36,6 +36,7 @@ def prepare_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str
 
     from tasks.baseline import baseline_key
     from tasks.promote import resolve_promoted_model
+    from tasks.queues import report_gpu_queue
     from tasks.tokenize import prepare_dataset
     from trainer.data import load_manifest
 
@@ -46,6 +47,7 @@ def prepare_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str
     except (ConfigError, LaunchError) as exc:  # bad settings do not get better on retry: fail now
         raise AirflowFailException(str(exc)) from exc
     log.info("Run configuration (validated):\n  %s", "\n  ".join(cfg.summary_lines()))
+    report_gpu_queue(cfg)
 
     dataset = prepare_dataset(cfg, started=started)
     manifest = load_manifest(dataset.manifest_url)

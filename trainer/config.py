@@ -49,6 +49,8 @@ PROMOTE_POLICIES = ("auto", "always", "never")
 PROMOTED_MODEL = "promoted"
 # A registered model's name: one path segment, safe in local paths and S3 keys.
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+# A Celery queue as `airflow celery worker -q` takes it (a comma would split it into two queues).
+QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
 STORAGE_SCHEMES = ("", "file", "s3")
 MAX_GLOBAL_BATCH = 1 << 20
 MAX_GRAD_ACCUM = 1024
@@ -205,6 +207,8 @@ class RunConfig:
     service_account: str = ""
     keep_failed_pods: bool = False
     min_predicted_efficiency: float = 0.0
+    # The Celery queue of the tasks that hold gpu_slots (plugins/tf_multiworker/gpu_admission.py); "": the default.
+    gpu_queue: str = ""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -224,7 +228,7 @@ class RunConfig:
         values = dict(params)
         # The trigger form sends null for an optional field the user cleared.
         for name in ("storage_conn_id", "remote_python", "remote_workdir", "kubernetes_conn_id", "cpu", "memory",
-                     "service_account"):
+                     "service_account", "gpu_queue"):
             if name in values and values[name] is None:
                 values[name] = ""
         if "ssh_conn_ids" in values and values["ssh_conn_ids"] is None:
@@ -407,6 +411,11 @@ def _validate(cfg: RunConfig) -> None:
     _check_choice(cfg, "communication", COMMUNICATION)
     _check_choice(cfg, "promote", PROMOTE_POLICIES)
     _check_model_name("model_name", cfg.model_name)
+    if cfg.gpu_queue and not QUEUE_NAME.fullmatch(cfg.gpu_queue):
+        raise ConfigError(
+            f"Setting 'gpu_queue' = {cfg.gpu_queue!r} is not a queue name: letters, digits, '_', '.' and '-', starting "
+            "with a letter or digit, at most 200 characters (empty: the default queue). Name the queue that the GPU "
+            "hosts' Celery workers serve (`airflow celery worker -q <queue>`).")
 
     if not 0.0 < cfg.learning_rate <= 1.0:
         raise ConfigError(f"Setting 'learning_rate' = {cfg.learning_rate!r} is out of range: allowed is (0, 1].")

@@ -1,4 +1,5 @@
-"""GPU admission: tasks that use GPUs queue for slots of the `gpu_slots` pool, one slot per GPU.
+"""GPU admission: tasks that use GPUs queue for slots of the `gpu_slots` pool, one slot per GPU, and run on the
+Celery queue that the GPU hosts' workers serve.
 
 Whether a task uses GPUs, and how many, depends on the run's settings (`use_gpu`, `num_workers`: the trigger's conf
 over the Param defaults), but Airflow fixes a task instance's `pool` and `pool_slots` when it creates it and does not
@@ -10,6 +11,12 @@ A task opts in by declaring `pool=GPU_POOL` in the DAG. Its GPUs are one per wor
 integer `num_workers` takes that many, one whose `num_workers` is templated takes the run's `num_workers`, and a
 task without workers (a plain Python task) takes one. Runs without `use_gpu` move such tasks to the default pool,
 so CPU runs never need `gpu_slots`.
+
+The same tasks go to the run's `gpu_queue` (a Celery queue; empty: the task's own queue), whatever `use_gpu`: they
+launch and watch the workers, and the `local` backend starts them on the Airflow worker's own host. Queues matter
+only to the CeleryExecutor (and the Kubernetes executor's queue routing); pools are counted in the scheduler, so
+`gpu_slots` sized to what the GPU queues can run at once keeps tasks waiting there, never in the broker (a task
+queued in the broker longer than `[scheduler] task_queued_timeout` fails).
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from __future__ import annotations
 import logging
 import os
 from typing import TYPE_CHECKING, Any
+
+from trainer.config import QUEUE_NAME
 
 if TYPE_CHECKING:
     from airflow.models.dagrun import DagRun
@@ -69,10 +78,18 @@ def _pool_size(dag_run: DagRun) -> int | None:
     return slots
 
 
+def gpu_queue(task: Any, dag_run: DagRun) -> str:
+    """The queue a GPU task of this run goes to: the run's `gpu_queue`, else the task's own. A malformed value is
+    ignored here (the run's first task refuses it, naming the setting)."""
+    queue = run_setting(task, dag_run, "gpu_queue")
+    return queue if isinstance(queue, str) and QUEUE_NAME.fullmatch(queue) else task.queue
+
+
 def task_instance_mutation_hook(task_instance: TaskInstance, dag_run: DagRun | None) -> None:
     task = getattr(task_instance, "task", None)
     if dag_run is None or task is None or task.pool != GPU_POOL:
         return  # not a GPU task, or not bound to a run yet: the hook runs again once it is
+    task_instance.queue = gpu_queue(task, dag_run)
     gpus = gpus_needed(task, run_setting(task, dag_run, "use_gpu"), run_setting(task, dag_run, "num_workers"))
     if gpus == 0:
         task_instance.pool, task_instance.pool_slots = DEFAULT_POOL, 1

@@ -47,6 +47,34 @@ def admitted(dag, conf: dict, session=None) -> dict[str, tuple[str, int]]:
     return result
 
 
+def queues(dag, conf: dict) -> dict[str, str]:
+    """task_id -> the queue of the task instances a run with `conf` gets."""
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.settings import task_instance_mutation_hook
+
+    dag_run = DagRun(dag_id=dag.dag_id, run_id="manual__queues", conf=conf, run_type="manual")
+    result = {}
+    for task in dag.tasks:
+        ti = TaskInstance(task, run_id=dag_run.run_id, map_index=-1, dag_version_id=None)
+        task_instance_mutation_hook(ti, dag_run=dag_run)
+        result[ti.task_id] = ti.queue
+    return result
+
+
+@pytest.mark.parametrize("use_gpu", [True, False])
+def test_the_gpu_slot_tasks_go_to_the_gpu_queue_and_the_rest_stays_on_the_default(scheduler_dag, use_gpu):
+    """Whatever use_gpu: these tasks launch the workers, which the local backend starts on their own host."""
+    routed = queues(scheduler_dag, {"gpu_queue": "gpu", "use_gpu": use_gpu})
+    assert {task for task, queue in routed.items() if queue == "gpu"} == GPU_TASKS
+    assert {routed[task] for task in routed.keys() - GPU_TASKS} == {"default"}
+
+
+@pytest.mark.parametrize("conf", [{}, {"gpu_queue": ""}, {"gpu_queue": None}, {"gpu_queue": "gpu,default"}])
+def test_no_gpu_queue_or_a_malformed_one_leaves_every_task_on_the_default_queue(scheduler_dag, conf):
+    assert set(queues(scheduler_dag, conf).values()) == {"default"}  # a malformed one: prepare refuses it
+
+
 @pytest.mark.parametrize("num_workers", [1, 3])
 def test_gpu_runs_take_one_slot_per_gpu(scheduler_dag, num_workers):
     pools = admitted(scheduler_dag, {"use_gpu": True, "num_workers": num_workers})

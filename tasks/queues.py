@@ -1,0 +1,56 @@
+"""Where the GPU tasks will run: the run's `gpu_queue`, and whether any Celery worker serves it now.
+
+A task sent to a queue that no worker consumes waits in the broker, silently, until `[scheduler]
+task_queued_timeout` fails it, and its own log stays empty all that time. So the prepare task, which runs first,
+asks the Celery workers which queues they consume and says it in its log while the run can still be fixed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from trainer.config import RunConfig
+
+log = logging.getLogger("gpt_finetune.queues")
+
+GPU_TASKS = ("preflight", "train", "baseline", "evaluate")
+INSPECT_TIMEOUT_S = 3.0
+
+
+def served_queues(timeout_s: float = INSPECT_TIMEOUT_S) -> dict[str, list[str]] | None:
+    """Celery worker name -> the queues it consumes, from the workers that answer within `timeout_s`; None when
+    this deployment does not run the CeleryExecutor (queues then mean nothing)."""
+    from airflow.configuration import conf
+
+    if "celery" not in conf.get("core", "executor", fallback="").lower():
+        return None
+    from airflow.providers.celery.executors.celery_executor import app
+
+    answers = app.control.inspect(timeout=timeout_s).active_queues() or {}
+    return {worker: sorted(queue["name"] for queue in queues) for worker, queues in answers.items()}
+
+
+def report_gpu_queue(cfg: RunConfig) -> None:
+    """Log the queue of the GPU tasks; warn, naming the queue and the command, when no worker serves it."""
+    if not cfg.gpu_queue:
+        return
+    try:
+        workers = served_queues()
+    except Exception as error:  # noqa: BLE001 - a broker that does not answer must not fail the run
+        log.warning("Could not ask the Celery workers which queues they serve (%s: %s); %s will wait for a worker "
+                    "of queue %r.", type(error).__name__, error, ", ".join(GPU_TASKS), cfg.gpu_queue)
+        return
+    if workers is None:
+        log.info("gpu_queue=%r: this deployment's executor does not use Celery queues, so it has no effect.",
+                 cfg.gpu_queue)
+        return
+    serving = sorted(worker for worker, queues in workers.items() if cfg.gpu_queue in queues)
+    if serving:
+        log.info("%s run on queue %r, served by %s.", ", ".join(GPU_TASKS), cfg.gpu_queue, ", ".join(serving))
+    else:
+        log.warning(
+            "No Celery worker serves queue %r now (workers answering: %s). %s will wait in that queue until one "
+            "does, and fail after [scheduler] task_queued_timeout: start `airflow celery worker -q %s` on each GPU "
+            "host, or trigger with another gpu_queue.", cfg.gpu_queue,
+            "; ".join(f"{worker} ({', '.join(queues)})" for worker, queues in sorted(workers.items())) or "none",
+            ", ".join(GPU_TASKS), cfg.gpu_queue)
