@@ -22,6 +22,7 @@ OUT = results.RESULTS
 
 
 def main(names: list[str]) -> int:
+    names = [name.replace("-", "_") for name in names]  # `BENCH_ARGS=prepare-scale` names bench_prepare_scale
     here = [str(Path(__file__).parent)]  # run as __main__, the module has no package __path__
     available = sorted(m.name[len("bench_"):] for m in pkgutil.iter_modules(here) if m.name.startswith("bench_"))
     chosen = names or available

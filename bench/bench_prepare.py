@@ -7,7 +7,7 @@
    later stage call here 9-12% slower on 1 core; deleting it restored the stage's speed.
    Each measuring process is fresh and pinned before any thread pool exists (1 core, then every core, the two
    interleaved, `CHILDREN` of each). In it:
-   - cold: one raw call, then the stage's first call timed from before `import tasks.tokenize`, so its start-up
+   - cold: one raw call, then the stage's first call timed from before `import tasks.dataset.stage`, so its start-up
      (imports, tokenizer load, reading) counts as it does in the task log;
    - warm: `WARM_PAIRS` raw / stage pairs, alternating which goes first: the stage's throughput.
    Ratios are raw time / stage time per pair, medians over all pairs; by wall time and by CPU time (all threads),
@@ -132,7 +132,7 @@ def _summarize(children: list[dict]) -> dict:
 
 def _bytes_per_token(scratch: Path) -> tuple[dict[int, str], list[dict]]:
     """Prepare the corpus for every vocabulary x block size; returns the trained tokenizers' directories."""
-    from tasks.tokenize import prepare_dataset
+    from tasks.dataset.stage import prepare_dataset
     from trainer import storage
     from trainer.config import RunConfig
 
@@ -219,7 +219,7 @@ def _measure(arguments: str) -> None:
         return timer
 
     def stage(started: float | None = None) -> tuple[_Timer, dict]:
-        from tasks.tokenize import prepare_dataset
+        from tasks.dataset.stage import prepare_dataset
         from trainer.config import RunConfig
 
         cfg = RunConfig(dataset=str(CORPUS / "*.txt"), tokenizer=options["tokenizer"], block_size=1024,
@@ -234,7 +234,7 @@ def _measure(arguments: str) -> None:
         return timer, phases
 
     cold_raw = raw()  # also starts the tokenizer's thread pool, which the stage then finds running
-    cold_stage, cold_phases = stage(started=time.perf_counter())  # imports tasks.tokenize & co. inside the timing
+    cold_stage, cold_phases = stage(started=time.perf_counter())  # imports tasks.dataset & co. inside the timing
     warm = []
     for pair in range(WARM_PAIRS):
         if pair % 2:

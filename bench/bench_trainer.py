@@ -215,7 +215,7 @@ def run(out_dir: Path) -> dict:
         message = f"trainer benchmark skipped: no .txt files in {CORPUS} (the shared Shakespeare corpus)."
         print(message)
         return {"skipped": message}
-    from tasks.tokenize import prepare_dataset
+    from tasks.dataset.stage import prepare_dataset
     from trainer.config import RunConfig
     from trainer.metrics import cpu_model
 

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args, shapes: dict, corpus: str, use_gpu: bool, scratch: Path) -> tuple[dict, float | None]:
-    from tasks.tokenize import prepare_dataset
+    from tasks.dataset.stage import prepare_dataset
     from trainer.config import RunConfig
 
     cfg = RunConfig(

@@ -1,4 +1,5 @@
-"""gpt_finetune: tokenize -> preflight -> multi-worker training -> baseline comparison -> promotion -> release.
+"""gpt_finetune: prepare (tokenize, fanned out) -> preflight -> multi-worker training -> baseline comparison ->
+promotion -> release.
 
 Thin on purpose: this file is parsed every few seconds by the DAG processor, so it imports only the Task SDK and
 pendulum at top level. Task logic lives in `tasks/`, worker code in `trainer/`, the operator in `plugins/`.
@@ -21,6 +22,9 @@ RETRY_DELAY_S = int(os.environ.get("GPT_FINETUNE_RETRY_DELAY_S", "30"))
 DEFAULT_GPU_QUEUE = os.environ.get("GPT_FINETUNE_GPU_QUEUE", "")
 
 PREPARE = "prepare"
+# The last prepare step: its XCom (the prepared run: paths, the validated config) is what every later task reads.
+PREPARED = "publish"
+PLAN_XCOM_KEY = "plan"
 # Updated by every successful prepare; its event's extra names the manifest, so other DAGs can schedule on it.
 SHARDS_ASSET = Asset(name="gpt_finetune_shards", uri="gpt-finetune://datasets/shards")
 # Updated only when a run is promoted (an alias outlet emits no event by itself); its extra names the version.
@@ -96,6 +100,16 @@ PARAMS = {
                           description="Share of documents held out for evaluation."),
     "num_shards": Param(0, type="integer", minimum=0, title="Shards",
                         description="0 writes 4 shards per worker; else at least num_workers."),
+    "prepare_tasks": Param(0, type="integer", minimum=0, maximum=256, title="Prepare tasks",
+                           description="Mapped tasks that tokenize the dataset, at most this many at once: 0 = from "
+                                       "the corpus size (one task below 256 MB, then one per 512 MB, at most 32); "
+                                       "1 = all in the prepare task. The shards are the same for any value."),
+    "prepare_unit_mb": Param(0, type="integer", minimum=0, maximum=1048576, title="Prepare unit (MB)",
+                             description="Text per work unit (several per task; a retry redoes only unfinished "
+                                         "units); 0 = automatic (16-256 MB). The shards are the same for any value."),
+    "bpe_sample_mb": Param(256, type="integer", minimum=1, maximum=1048576, title="BPE sample (MB)",
+                           description="tokenizer bpe:<n>: train on at most this much training text, sampled evenly "
+                                       "over the corpus (BPE training memory grows with the text it counts)."),
     "checkpoint_every_steps": Param(20, type="integer", minimum=1, title="Checkpoint interval (steps)"),
     "communication": Param("auto", type="string", enum=["auto", "ring", "nccl"], title="Collective implementation"),
     "collective_timeout_s": Param(300, type="integer", minimum=5, title="Preflight collective timeout (s)",
@@ -159,8 +173,9 @@ DOC = """
 
 Fine-tunes a GPT-2 model with TensorFlow `MultiWorkerMirroredStrategy` on `num_workers` workers.
 
-1. **prepare**: validates the run settings, tokenizes `dataset` into TFRecord shards + `manifest.json`
-   (cached by fingerprint).
+1. **prepare**: validates the run settings and plans the dataset (cached by fingerprint); **tokenize** (mapped,
+   `prepare_tasks` at once) tokenizes large corpora in parallel; **publish** writes the TFRecord shards +
+   `manifest.json` (byte-identical whatever the fan-out) and lays out the run.
 2. **preflight**: every worker checks versions, devices, disk and storage, then runs collectives with a known
    answer and measures bandwidth; the scaling advisor predicts speedup and efficiency for 1..num_workers.
 3. **train**: `TFMultiWorkerOperator` launches the workers, streams their logs, resumes from checkpoints; with
@@ -193,12 +208,32 @@ def gpt_finetune():
     from tf_multiworker.gpu_admission import GPU_POOL  # plugins/ is on sys.path when Airflow parses
     from tf_multiworker.operator import TFMultiWorkerOperator
 
-    # The promoted model is an inlet: `model: "promoted"` continues from it.
-    @task(task_id=PREPARE, outlets=[SHARDS_ASSET], inlets=[MODEL_ASSET])
-    def prepare(params=None, run_id=None, dag_run=None, outlet_events=None) -> dict:
-        from tasks.prepare import prepare_run
+    def the_plan(ti) -> dict:
+        return ti.xcom_pull(task_ids=PREPARE, key=PLAN_XCOM_KEY)
 
-        prepared_run = prepare_run(params, run_id, dag_run.dag_id)
+    # The promoted model is an inlet: `model: "promoted"` continues from it. A small corpus is prepared here
+    # whole; a larger one is planned here, tokenized by `tokenize` and published by `publish`. The lanes are the
+    # return value (what `tokenize` maps over); the plan goes by its own XCom key.
+    @task(task_id=PREPARE, inlets=[MODEL_ASSET])
+    def prepare(params=None, run_id=None, dag_run=None, ti=None) -> list:
+        from tasks.prepare import plan_run
+
+        planned = plan_run(params, run_id, dag_run.dag_id)
+        ti.xcom_push(key=PLAN_XCOM_KEY, value=planned["plan"])
+        return planned["lanes"]
+
+    # One mapped task per lane of units, on as many Airflow workers as are free (none for a one-lane plan).
+    @task(task_id="tokenize", retries=2)
+    def tokenize(lane: list, ti=None) -> dict:
+        from tasks.prepare import tokenize_lane
+
+        return tokenize_lane(the_plan(ti), lane)
+
+    @task(task_id=PREPARED, outlets=[SHARDS_ASSET], trigger_rule="none_failed")
+    def publish(run_id=None, dag_run=None, ti=None, outlet_events=None) -> dict:
+        from tasks.prepare import finish_run
+
+        prepared_run = finish_run(the_plan(ti), run_id, dag_run.dag_id)
         outlet_events[SHARDS_ASSET].extra = {
             "manifest_url": prepared_run["manifest_url"],
             "fingerprint": prepared_run["dataset_fingerprint"],
@@ -206,10 +241,10 @@ def gpt_finetune():
         return prepared_run
 
     def prepared(key: str) -> str:
-        return "{{ ti.xcom_pull(task_ids='" + PREPARE + "')['" + key + "'] }}"
+        return "{{ ti.xcom_pull(task_ids='" + PREPARED + "')['" + key + "'] }}"
 
     def from_config(key: str) -> str:
-        return "{{ ti.xcom_pull(task_ids='" + PREPARE + "')['config']['" + key + "'] }}"
+        return "{{ ti.xcom_pull(task_ids='" + PREPARED + "')['config']['" + key + "'] }}"
 
     def worker_group(task_id: str, entrypoint: str, *, config: str, output: str, num_workers, extra_args=(),
                      operator=TFMultiWorkerOperator, **kwargs) -> TFMultiWorkerOperator:
@@ -220,7 +255,7 @@ def gpt_finetune():
                   *extra_args],
             num_workers=num_workers,
             backend=from_config("backend"),
-            backend_settings="{{ ti.xcom_pull(task_ids='" + PREPARE + "')['config'] }}",
+            backend_settings="{{ ti.xcom_pull(task_ids='" + PREPARED + "')['config'] }}",
             use_gpu=from_config("use_gpu"),
             storage_root=from_config("storage_root"),
             run_key=prepared("run_key"),
@@ -262,7 +297,7 @@ def gpt_finetune():
 
         from tasks.promote import NoReportError, promote_run
 
-        prepared_run = ti.xcom_pull(task_ids=PREPARE)
+        prepared_run = ti.xcom_pull(task_ids=PREPARED)
         if not prepared_run:
             raise AirflowSkipException("prepare did not finish: nothing to promote.")
         try:
@@ -292,7 +327,8 @@ def gpt_finetune():
         except RunFailedError as error:
             raise AirflowFailException(str(error)) from error
 
-    prepared_run = prepare()
+    prepared_run = publish()
+    tokenize.expand(lane=prepare()) >> prepared_run
     evaluation = evaluate(prepared_run)
     prepared_run >> preflight >> train >> plan_baseline(prepared_run) >> baseline >> evaluation
     # Both teardowns always run; the DAG run's state is outcome's (release's failure counts through it).

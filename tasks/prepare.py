@@ -1,6 +1,7 @@
-"""The prepare task: validate the run settings once, tokenize (or reuse) the dataset, lay out the run.
+"""The prepare stage's Airflow side: `prepare` validates the run settings once and plans (or, for a small corpus,
+builds) the dataset, mapped `tokenize` tasks tokenize its lanes, `publish` publishes it and lays out the run.
 
-Everything later tasks need travels in the small dict returned here (XCom): paths and a few numbers, never data.
+Everything later tasks need travels in the small dict `publish` returns (XCom): paths and a few numbers, never data.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +30,17 @@ def build_config(params: Mapping[str, Any]) -> RunConfig:
 
 
 @uses_run_storage
-def prepare_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str, Any]:
+def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str, Any]:
+    """The first task: the settings checked once, then the dataset planned. A small corpus (one lane) is prepared
+    here completely; a larger one returns its lanes for the mapped `tokenize` tasks. XCom: small dicts only."""
     started = time.perf_counter()  # the stage's figures count its imports below too
     from airflow.sdk.exceptions import AirflowFailException
     from tf_multiworker.launcher import LaunchError
     from tf_multiworker.registry import make_backend
 
-    from tasks.baseline import baseline_key
+    from tasks.dataset.stage import plan_dataset, plan_summary, run_planned
     from tasks.promote import resolve_promoted_model
     from tasks.queues import report_gpu_queue
-    from tasks.tokenize import prepare_dataset
-    from trainer.data import load_manifest
 
     try:
         cfg, continued_from = resolve_promoted_model(build_config(params))
@@ -49,7 +51,35 @@ def prepare_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str
     log.info("Run configuration (validated):\n  %s", "\n  ".join(cfg.summary_lines()))
     report_gpu_queue(cfg)
 
-    dataset = prepare_dataset(cfg, started=started)
+    planned = plan_dataset(cfg, started=started)
+    summary = {**plan_summary(planned["plan"]), "config": cfg.to_dict(), "continued_from": continued_from}
+    if planned["plan"]["cache_hit"] or len(planned["lanes"]) == 1:
+        summary["dataset"] = asdict(run_planned(planned, started=started))
+        return {"plan": summary, "lanes": []}
+    log.info("tokenizing in %d mapped tasks (prepare_tasks=%d): %s", len(planned["lanes"]), cfg.prepare_tasks,
+             ", ".join(f"task {i}: {len(lane)} unit(s)" for i, lane in enumerate(planned["lanes"])))
+    return {"plan": summary, "lanes": planned["lanes"]}
+
+
+@uses_run_storage
+def tokenize_lane(plan: Mapping[str, Any], lane: list[dict[str, Any]]) -> dict[str, Any]:
+    """A mapped task: the units of one lane (a retry redoes only those not complete)."""
+    from tasks.dataset.stage import tokenize_lane as run
+
+    return run(dict(plan), lane)
+
+
+@uses_run_storage
+def finish_run(plan: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str, Any]:
+    """The last prepare step: the dataset published (unless the first task did it), then the run laid out. Its
+    XCom is what every later task reads."""
+    from tasks.baseline import baseline_key
+    from tasks.dataset.stage import PreparedDataset, finish_dataset
+    from trainer.data import load_manifest
+
+    cfg = RunConfig.from_params(plan["config"])
+    continued_from = plan["continued_from"]
+    dataset = PreparedDataset(**plan["dataset"]) if "dataset" in plan else finish_dataset(dict(plan))
     manifest = load_manifest(dataset.manifest_url)
     total_steps = cfg.steps_for(dataset.train_sequences)
     run_cfg = cfg.replace(max_steps=total_steps, warmup_steps=min(cfg.warmup_steps, total_steps - 1))

@@ -64,12 +64,14 @@ def s3_bucket(s3_env):
 class S3FaultProxy:
     """HTTP proxy in front of the S3 server. Object PUTs (a key after the bucket) are counted; with
     `fail_after(n)` every object PUT after the n-th answers 500 InternalError, with `hold_at(n)` the n-th
-    waits until `release()` and then fails. Everything else passes through unchanged."""
+    waits until `release()` and then fails. Everything else passes through unchanged; `got_bytes` counts the bytes
+    of the GET answers (what clients read from storage)."""
 
     def __init__(self, upstream: str):
         self.upstream = upstream.removeprefix("http://")
         self.object_puts = 0
         self.failed_puts = 0
+        self.got_bytes = 0
         self.held = threading.Event()
         self._release = threading.Event()
         self._fail_after: int | None = None
@@ -177,6 +179,9 @@ class S3FaultProxy:
                         self.send_header(key, value)
                 if self.command != "HEAD":
                     self.send_header("Content-Length", str(len(data)))
+                if self.command == "GET":
+                    with proxy._lock:
+                        proxy.got_bytes += len(data)
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

@@ -54,6 +54,7 @@ QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
 STORAGE_SCHEMES = ("", "file", "s3")
 MAX_GLOBAL_BATCH = 1 << 20
 MAX_GRAD_ACCUM = 1024
+MAX_PREPARE_TASKS = 256  # mapped tasks of the prepare stage (the scheduler slows with thousands of them)
 _BPE_SPEC = re.compile(r"^bpe:(\d+)$")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -187,6 +188,10 @@ class RunConfig:
     seed: int = 1234
     val_fraction: float = 0.05
     num_shards: int = 0
+    # prepare (tasks/dataset): mapped tasks (0 = from the corpus size, 1 = one task), unit size, BPE sample
+    prepare_tasks: int = 0
+    prepare_unit_mb: int = 0
+    bpe_sample_mb: int = 256
     checkpoint_every_steps: int = 20
     communication: str = "auto"
     collective_timeout_s: int = 300
@@ -401,6 +406,9 @@ def _validate(cfg: RunConfig) -> None:
     _check_range(cfg, "promotion_tolerance", 0.0, 100.0)
     _check_range(cfg, "seed", 0, 2**31 - 1)
     _check_range(cfg, "num_shards", 0, 100_000)
+    _check_range(cfg, "prepare_tasks", 0, MAX_PREPARE_TASKS)
+    _check_range(cfg, "prepare_unit_mb", 0, 1 << 20)
+    _check_range(cfg, "bpe_sample_mb", 1, 1 << 20)
     _check_range(cfg, "checkpoint_every_steps", 1, 10_000_000)
     _check_range(cfg, "collective_timeout_s", 5, 86_400)
     _check_range(cfg, "startup_timeout_s", 5, 86_400)

@@ -63,6 +63,12 @@ def read_bytes(url: str) -> bytes:
         return handle.read()
 
 
+def read_range(url: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of the object at `url` (one ranged request on object stores)."""
+    fs, path = filesystem(url)
+    return fs.cat_file(path, start=start, end=end)
+
+
 def read_json(url: str) -> Any:
     return json.loads(read_bytes(url).decode("utf-8"))
 

@@ -31,7 +31,9 @@ def test_dag_folder_has_no_import_errors(dag):
 def test_task_graph(dag):
     downstream = {t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks}
     assert downstream == {
-        "prepare": ["evaluate", "plan_baseline", "preflight"],
+        "prepare": ["tokenize"],
+        "tokenize": ["publish"],
+        "publish": ["evaluate", "plan_baseline", "preflight"],
         "preflight": ["train"],
         "train": ["plan_baseline"],
         "plan_baseline": ["baseline"],
@@ -41,6 +43,15 @@ def test_task_graph(dag):
         "release": ["outcome"],
         "outcome": [],
     }
+
+
+def test_tokenize_is_mapped_over_the_lanes_and_publish_runs_when_it_has_none(dag):
+    from airflow.sdk.definitions.mappedoperator import MappedOperator
+
+    tokenize = dag.get_task("tokenize")
+    assert isinstance(tokenize, MappedOperator) and tokenize.retries == 2
+    assert dag.get_task("publish").trigger_rule == "none_failed"  # a one-lane plan skips tokenize
+    assert [asset.name for asset in dag.get_task("publish").outlets] == ["gpt_finetune_shards"]
 
 
 def test_release_and_outcome_are_teardowns_that_run_whatever_happened(dag):

@@ -102,15 +102,34 @@ def test_readme_main_command_runs_the_whole_dag_on_s3(tmp_path):
                              "json"], env=env, capture_output=True, text=True, check=True).stdout
     by_task = {row["task_id"]: row["state"] for row in json.loads(next(
         line for line in states.splitlines() if line.startswith("[{")))}
-    assert by_task == dict.fromkeys(["prepare", "preflight", "train", "plan_baseline", "baseline", "evaluate", "promote",
-                                     "release", "outcome"], "success")
+    assert by_task == {**dict.fromkeys(["prepare", "publish", "preflight", "train", "plan_baseline", "baseline",
+                                        "evaluate", "promote", "release", "outcome"], "success"),
+                       "tokenize": "skipped"}  # the sample corpus is prepared in one task
 
 
-def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_baseline(airflow_stack):
-    first = trigger(airflow_stack, FAST)
+def fan_out_corpus(directory: Path) -> Path:
+    """Three files of about 0.85 MB (the sample plays, repeated): three 1 MB units, two lanes with prepare_tasks 2."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for play in sorted((REPO / "data" / "sample").glob("*.txt")):
+        (directory / play.name).write_text("\n\n".join([play.read_text(encoding="utf-8")] * 9), encoding="utf-8")
+    return directory
+
+
+def mapped_states(stack, run_id: str, task_id: str) -> list[str]:
+    page = stack.rest("GET", f"{run_path(run_id)}/taskInstances?limit=100")
+    return [row["state"] for row in page["task_instances"] if row["task_id"] == task_id]
+
+
+def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_baseline(airflow_stack, tmp_path):
+    """The first run tokenizes in two mapped tasks (prepare_tasks 2); the second finds the dataset cached."""
+    conf = {**FAST, "dataset": str(fan_out_corpus(tmp_path / "corpus") / "*.txt"), "prepare_tasks": 2,
+            "prepare_unit_mb": 1}
+    first = trigger(airflow_stack, conf)
     assert airflow_stack.wait_for_run(DAG, first, timeout=600) == "success"
     states = airflow_stack.task_states(DAG, first)
     assert set(states.values()) == {"success"}, states
+    assert mapped_states(airflow_stack, first, "tokenize") == ["success", "success"]
+    assert "tokenizing in 2 mapped tasks (prepare_tasks=2)" in airflow_stack.task_log(DAG, first, "prepare")
     run = storage(airflow_stack).run(run_key(DAG, first))
     report = json.loads(Path(run.report, "report.json").read_text())
     assert report["gates_passed"] is True
@@ -118,10 +137,11 @@ def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_basel
     assert "cache hit" not in airflow_stack.task_log(DAG, first, "prepare")
     assert_released(airflow_stack, first)
 
-    second = trigger(airflow_stack, FAST)
+    second = trigger(airflow_stack, conf)
     assert airflow_stack.wait_for_run(DAG, second, timeout=600) == "success"
     states = airflow_stack.task_states(DAG, second)
     assert states["baseline"] == "skipped", states  # reused, not retrained
+    assert states["tokenize"] == "skipped", states
     assert "cache hit" in airflow_stack.task_log(DAG, second, "prepare")
     again = json.loads(Path(storage(airflow_stack).run(run_key(DAG, second)).report, "report.json").read_text())
     assert again["baseline"]["reused"] is True

@@ -1,4 +1,5 @@
-"""The prepare task's glue: invalid settings fail without retries; the prepared dict names every path."""
+"""The prepare stage's Airflow glue (prepare -> tokenize lanes -> publish): invalid settings fail without retries,
+a large corpus is planned into lanes that travel as small dicts, and the prepared dict names every path."""
 
 import json
 import time
@@ -7,12 +8,20 @@ from pathlib import Path
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
-from tasks.prepare import prepare_run
+from tasks.prepare import finish_run, plan_run, tokenize_lane
 from trainer.config import RunConfig
 from trainer.layout import run_key
 
 RUN_ID = "manual__2026-11-29T02:00:00+00:00"
 DAG_ID = "gpt_finetune"
+
+
+def prepare_run(params: dict, run_id: str, dag_id: str) -> dict:
+    """The three prepare tasks in a row, as the DAG runs them (XCom values through JSON)."""
+    planned = json.loads(json.dumps(plan_run(params, run_id, dag_id)))
+    for lane in planned["lanes"]:
+        tokenize_lane(planned["plan"], lane)
+    return finish_run(planned["plan"], run_id, dag_id)
 
 
 def test_invalid_settings_fail_the_task_without_retries(tmp_path):
@@ -61,3 +70,20 @@ def test_a_kubernetes_connection_that_airflow_does_not_know_fails_the_task_befor
                 "kubernetes_conn_id": "no_such_cluster"}
     with pytest.raises(AirflowFailException, match=r"kubernetes_conn_id='no_such_cluster': no Airflow connection"):
         prepare_run(settings, RUN_ID, DAG_ID)
+
+
+def test_a_corpus_in_several_lanes_travels_as_small_dicts_and_gives_the_same_dataset(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    paragraph = " ".join(["word"] * 120)
+    for index in range(3):
+        (corpus / f"part-{index}.txt").write_text("\n\n".join(f"{index} {i} {paragraph}" for i in range(3000)))
+    params = {"storage_root": str(tmp_path / "root"), "dataset": str(corpus / "*.txt"), "tokenizer": "bpe:512",
+              "block_size": 32, "baseline": "skip"}
+    planned = plan_run({**params, "prepare_tasks": 3, "prepare_unit_mb": 1}, RUN_ID, DAG_ID)
+    assert len(planned["lanes"]) == 3 and "dataset" not in planned["plan"]
+    assert len(json.dumps(planned["plan"])) < 4000 and len(json.dumps(planned["lanes"])) < 2000
+    fanned = prepare_run({**params, "prepare_tasks": 3, "prepare_unit_mb": 1}, RUN_ID, DAG_ID)
+    single = prepare_run({**params, "storage_root": str(tmp_path / "single"), "prepare_tasks": 1}, RUN_ID, DAG_ID)
+    assert fanned["dataset_fingerprint"] == single["dataset_fingerprint"]
+    assert fanned["total_steps"] == single["total_steps"]

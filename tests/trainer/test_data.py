@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from tasks.tfrecord import write_sequence_records
-from tasks.tokenize import prepare_dataset
-from tests.tasks.test_tokenize import config, read_tfrecords
+from tasks.dataset.stage import prepare_dataset
+from tests.tasks.dataset.corpus import config, read_tfrecords
 from trainer import storage
 from trainer.data import (
     DataError,

@@ -1,7 +1,8 @@
-"""The prepare stage end to end on real files, a real S3-protocol server and real processes.
+"""The prepare stage end to end on real files, a real S3-protocol server and real processes: exact shards, the
+cache, the fingerprint, the same output for any number of cores, and bad input refused with nothing published.
 
-Shards are read back here with a small TFRecord reader of the test's own (with its own CRC-32C), so these tests
-check the file format independently of the writer and without importing TensorFlow.
+Shards are read back with the tests' own TFRecord reader (tests/tasks/dataset/corpus.py), and the documents and
+draws they must hold are computed without the stage's readers.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,111 +19,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.tokenize import (
-    PrepareError,
-    check_block_size,
-    identify_dataset,
-    plan_tokenizer,
-    prepare_dataset,
-    train_bpe,
-    validation_mask,
+from tasks.dataset.errors import PrepareError
+from tasks.dataset.stage import identify_dataset, prepare_dataset
+from tasks.dataset.tokenizer import check_block_size, plan_tokenizer
+from tests.tasks.dataset.corpus import (
+    REPO,
+    SAMPLE,
+    comparable,
+    config,
+    dataset_files,
+    held_out,
+    masked,
+    read_tfrecords,
+    reference_crc32c,
+    sample_documents,
+    shard_files,
+    shard_tokens,
+    write_corpus,
 )
 from trainer import storage
-from trainer.config import RunConfig
+from trainer.config import ConfigError, RunConfig
 
 pytest_plugins = ["tests.s3server"]
-
-REPO = Path(__file__).resolve().parents[2]
-SAMPLE = REPO / "data" / "sample"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# helpers
-
-
-def _crc32c(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc = _CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
-
-
-def _make_table() -> list[int]:
-    table = []
-    for value in range(256):
-        for _ in range(8):
-            value = (value >> 1) ^ 0x82F63B78 if value & 1 else value >> 1
-        table.append(value)
-    return table
-
-
-_CRC_TABLE = _make_table()
-
-
-def _masked(crc: int) -> int:
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def read_tfrecords(data: bytes) -> list[bytes]:
-    """Parse TFRecord framing, checking both CRCs of every record."""
-    records, offset = [], 0
-    while offset < len(data):
-        header = data[offset:offset + 8]
-        (length,) = np.frombuffer(header, "<u8")
-        assert int(np.frombuffer(data[offset + 8:offset + 12], "<u4")[0]) == _masked(_crc32c(header))
-        payload = data[offset + 12:offset + 12 + int(length)]
-        footer = data[offset + 12 + int(length):offset + 16 + int(length)]
-        assert int(np.frombuffer(footer, "<u4")[0]) == _masked(_crc32c(payload))
-        records.append(payload)
-        offset += 16 + int(length)
-    assert offset == len(data)
-    return records
-
-
-def config(tmp_path: Path, **overrides) -> RunConfig:
-    settings = {"dataset": str(SAMPLE / "*.txt"), "tokenizer": "bpe:512", "block_size": 32, "num_workers": 2,
-                "storage_root": str(tmp_path / "storage")}
-    return RunConfig(**(settings | overrides))
-
-
-def sample_documents() -> list[str]:
-    """Documents as the stage defines them for .txt: blank-line separated paragraphs, file by file."""
-    documents = []
-    for path in sorted(SAMPLE.glob("*.txt")):
-        documents += [part for part in path.read_text(encoding="utf-8").split("\n\n") if part]
-    return documents
-
-
-def dataset_names(manifest_url: str) -> list[str]:
-    directory = manifest_url.rsplit("/", 1)[0]
-    fs, path = storage.filesystem(directory)
-    return [os.path.relpath(name, path) for name in fs.find(path)]
-
-
-def dataset_files(manifest_url: str) -> dict[str, bytes]:
-    directory = manifest_url.rsplit("/", 1)[0]
-    fs, path = storage.filesystem(directory)
-    return {os.path.relpath(name, path): fs.cat_file(name) for name in fs.find(path)}
-
-
-def comparable(manifest: dict) -> dict:
-    """The manifest without what must differ between runs on other storage: URLs, times, fingerprint."""
-    stripped = json.loads(json.dumps(manifest))
-    for key in ("created_at", "fingerprint"):
-        stripped.pop(key)
-    stripped["sources"] = [{"size": source["size"]} for source in stripped["sources"]]
-    return stripped
-
-
-def write_corpus(directory: Path, files: int = 2, paragraphs: int = 60) -> Path:
-    words = ["the", "of", "and", "to", "in", "that", "is", "was", "he", "for", "it", "with", "as", "his", "on", "be",
-             "at", "by", "I", "had", "not", "are", "but", "from", "or", "have"]
-    rng = np.random.default_rng(7)
-    directory.mkdir(parents=True, exist_ok=True)
-    for index in range(files):
-        text = "\n\n".join(" ".join(rng.choice(words, size=rng.integers(5, 40))) for _ in range(paragraphs))
-        (directory / f"part-{index}.txt").write_text(text + "\n", encoding="utf-8")
-    return directory
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -142,31 +59,30 @@ def test_shards_reproduce_the_packed_token_stream(tmp_path, caplog):
     # The figure users see: the rate over the whole stage, its start-up included, with the cores it had.
     summary = next(message for message in messages if message.startswith("prepare: "))
     assert f"tokens/s end to end on {len(os.sched_getaffinity(0))} core(s): start-up " in summary, summary
+    assert set(result.timings) == {"plan", "units", "shards", "manifest"}
 
     manifest = storage.read_json(result.manifest_url)
     files = dataset_files(result.manifest_url)
     assert manifest["fingerprint"] == result.fingerprint
     assert manifest["dtype"] == "uint16" and manifest["block_size"] == 32
+    assert manifest["settings"]["split_rule"] == "blake2b-doc-key/v1"
     assert len(manifest["splits"]["train"]["shards"]) == cfg.effective_num_shards == 8
 
     tokenizer = AutoTokenizer.from_pretrained(str(Path(result.manifest_url).parent / "tokenizer"))
     assert tokenizer.eos_token_id == manifest["tokenizer"]["eos_token_id"]
     assert {f["name"] for f in manifest["tokenizer"]["files"]} >= {"tokenizer.json", "tokenizer_config.json"}
     documents = sample_documents()
-    held_out = validation_mask(len(documents), cfg.val_fraction, cfg.seed)
-    ids = tokenizer(documents, add_special_tokens=False)["input_ids"]
+    mask = held_out(documents, cfg)
+    ids = tokenizer([text for _, _, text in documents], add_special_tokens=False)["input_ids"]
 
     for split, wanted in (("train", False), ("validation", True)):
-        stream = np.array(
-            [t for doc, is_val in zip(ids, held_out) if is_val == wanted for t in doc + [tokenizer.eos_token_id]]
-        )
+        stream = np.array([t for doc, is_val in zip(ids, mask) if is_val == wanted
+                           for t in doc + [tokenizer.eos_token_id]])
         entry = manifest["splits"][split]
-        shards = entry["shards"]
         decoded = []
-        for shard in shards:
+        for shard in entry["shards"]:
             data = files[shard["name"]]
-            assert len(data) == shard["bytes"]
-            assert hashlib.sha256(data).hexdigest() == shard["sha256"]
+            assert len(data) == shard["bytes"] and hashlib.sha256(data).hexdigest() == shard["sha256"]
             records = read_tfrecords(data)
             assert len(records) == shard["records"]
             tokens = np.concatenate([np.frombuffer(r, "<u2") for r in records])
@@ -174,21 +90,15 @@ def test_shards_reproduce_the_packed_token_stream(tmp_path, caplog):
             assert tokens.size == shard["tokens"] == shard["sequences"] * 32
             decoded.append(tokens)
         packed = np.concatenate(decoded)
-        assert entry["sequences"] == len(stream) // 32 == sum(s["sequences"] for s in shards)
+        assert entry["sequences"] == len(stream) // 32 == sum(s["sequences"] for s in entry["shards"])
         np.testing.assert_array_equal(packed, stream[: entry["sequences"] * 32])
-        counts = [s["sequences"] for s in shards]
+        counts = [s["sequences"] for s in entry["shards"]]
         assert max(counts) - min(counts) <= 1
-        assert entry["documents"] == int(held_out.sum() if wanted else (~held_out).sum())
-
-    first_train = next(doc for doc, is_val in zip(documents, held_out) if not is_val)
-    train_tokens = np.concatenate([np.frombuffer(r, "<u2") for s in manifest["splits"]["train"]["shards"]
-                                   for r in read_tfrecords(files[s["name"]])])
-    first_eos = int(np.argmax(train_tokens == tokenizer.eos_token_id))
-    assert tokenizer.decode(train_tokens[:first_eos].tolist()) == first_train
+        assert entry["documents"] == sum(1 for is_val in mask if is_val == wanted)
 
     shard_bytes = sum(s["bytes"] for split in manifest["splits"].values() for s in split["shards"])
-    shard_tokens = sum(split["tokens"] for split in manifest["splits"].values())
-    assert shard_bytes / shard_tokens <= 2.1
+    shard_tokens_count = sum(split["tokens"] for split in manifest["splits"].values())
+    assert shard_bytes / shard_tokens_count <= 2.1
 
 
 def test_second_run_is_a_cache_hit_and_a_damaged_cache_is_rebuilt(tmp_path, caplog):
@@ -216,6 +126,7 @@ def test_second_run_is_a_cache_hit_and_a_damaged_cache_is_rebuilt(tmp_path, capl
         {"seed": 99},
         {"num_shards": 3},
         {"text_column": "body"},
+        {"bpe_sample_mb": 64},
         "touch-source",
         "grow-source",
     ],
@@ -236,12 +147,18 @@ def test_every_input_changes_the_fingerprint(tmp_path, change):
     assert identify_dataset(cfg).fingerprint != before
 
 
+def test_fan_out_and_unit_size_stay_out_of_the_fingerprint(tmp_path):
+    cfg = config(tmp_path, dataset=str(write_corpus(tmp_path / "corpus")), num_workers=1)
+    assert identify_dataset(cfg).fingerprint == identify_dataset(cfg.replace(prepare_tasks=7,
+                                                                             prepare_unit_mb=3)).fingerprint
+
+
 PREPARE_ON_CORES = """
 import json, logging, os, sys
 os.sched_setaffinity(0, json.loads(sys.argv[1]))  # before any thread pool exists: every thread inherits it
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 from trainer.config import RunConfig
-from tasks.tokenize import prepare_dataset
+from tasks.dataset.stage import prepare_dataset
 result = prepare_dataset(RunConfig.from_params(json.loads(sys.argv[2])))
 threads = [len(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")]
 print(json.dumps({"fingerprint": result.fingerprint, "manifest_url": result.manifest_url, "thread_cores": threads}))
@@ -278,11 +195,7 @@ def test_output_does_not_depend_on_the_number_of_cores(tmp_path):
     assert len(many["thread_cores"]) > len(one["thread_cores"])
 
     assert one["fingerprint"] == many["fingerprint"]
-    one_files, many_files = dataset_files(one["manifest_url"]), dataset_files(many["manifest_url"])
-    assert one_files.keys() == many_files.keys()
-    for name, data in one_files.items():
-        if name != "manifest.json":
-            assert data == many_files[name], name
+    assert shard_files(one["manifest_url"]) == shard_files(many["manifest_url"])
     assert comparable(storage.read_json(one["manifest_url"])) == comparable(storage.read_json(many["manifest_url"]))
 
 
@@ -293,14 +206,9 @@ def test_local_and_s3_give_the_same_shards_and_manifest(tmp_path, s3_bucket):
     remote = prepare_dataset(config(tmp_path, dataset=f"{s3_bucket}/corpus/*.txt", storage_root=f"{s3_bucket}/store"))
 
     assert remote.manifest_url.startswith(f"{s3_bucket}/store/datasets/")
-    local_files, remote_files = dataset_files(local.manifest_url), dataset_files(remote.manifest_url)
-    assert local_files.keys() == remote_files.keys()
-    for name in local_files:
-        if name != "manifest.json":
-            assert local_files[name] == remote_files[name], name
-    local_manifest = storage.read_json(local.manifest_url)
+    assert shard_files(local.manifest_url) == shard_files(remote.manifest_url)
     remote_manifest = storage.read_json(remote.manifest_url)
-    assert comparable(local_manifest) == comparable(remote_manifest)
+    assert comparable(storage.read_json(local.manifest_url)) == comparable(remote_manifest)
     assert [s["url"] for s in remote_manifest["sources"]] == [f"{s3_bucket}/corpus/{p.name}"
                                                               for p in sorted(SAMPLE.glob("*.txt"))]
     assert prepare_dataset(config(tmp_path, dataset=f"{s3_bucket}/corpus/*.txt",
@@ -319,12 +227,6 @@ def test_structured_sources_use_the_text_column(tmp_path):
     assert manifest["settings"]["text_column"] == "body"
 
 
-def shard_tokens(manifest_url: str, split: str) -> np.ndarray:
-    files = dataset_files(manifest_url)
-    shards = storage.read_json(manifest_url)["splits"][split]["shards"]
-    return np.concatenate([np.frombuffer(r, "<u2") for s in shards for r in read_tfrecords(files[s["name"]])])
-
-
 def test_documents_are_joined_at_the_eos_only_where_that_keeps_the_ids(tmp_path, caplog):
     """The stage encodes runs of documents joined by the EOS text when that gives the same ids. A tokenizer that
     treats only the start of its input specially (Metaspace, prepend_scheme "first") must get one document per
@@ -333,50 +235,43 @@ def test_documents_are_joined_at_the_eos_only_where_that_keeps_the_ids(tmp_path,
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     documents = sample_documents()
+    texts = [text for _, _, text in documents]
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
     backend.decoder = decoders.Metaspace(prepend_scheme="first")
-    backend.train_from_iterator(documents, trainers.BpeTrainer(vocab_size=400, special_tokens=["</s>"],
-                                                               show_progress=False))
+    backend.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["</s>"],
+                                                           show_progress=False))
     eos = backend.token_to_id("</s>")
-    separately = [t for ids in backend.encode_batch(documents[:3]) for t in (*ids.ids, eos)]
-    assert backend.encode("</s>".join(documents[:3]) + "</s>").ids != separately  # joining would change the ids
+    separately = [t for ids in backend.encode_batch(texts[:3]) for t in (*ids.ids, eos)]
+    assert backend.encode("</s>".join(texts[:3]) + "</s>").ids != separately  # joining would change the ids
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>").save_pretrained(str(tmp_path / "metaspace"))
 
     for tokenizer, joined in ((str(tmp_path / "metaspace"), False), ("bpe:512", True)):
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="gpt_finetune.prepare"):
-            result = prepare_dataset(config(tmp_path, tokenizer=tokenizer, num_workers=1))
-        reference = AutoTokenizer.from_pretrained(str(Path(result.manifest_url).parent / "tokenizer"))
         cfg = config(tmp_path, tokenizer=tokenizer, num_workers=1)
-        held_out = validation_mask(len(documents), cfg.val_fraction, cfg.seed)
-        ids = reference(documents, add_special_tokens=False)["input_ids"]
+        with caplog.at_level(logging.INFO, logger="gpt_finetune.prepare"):
+            result = prepare_dataset(cfg)
+        reference = AutoTokenizer.from_pretrained(str(Path(result.manifest_url).parent / "tokenizer"))
+        mask = held_out(documents, cfg)
+        ids = reference(texts, add_special_tokens=False)["input_ids"]
         for split, wanted in (("train", False), ("validation", True)):
-            stream = [t for doc, is_val in zip(ids, held_out) if is_val == wanted
-                      for t in (*doc, reference.eos_token_id)]
+            stream = [t for doc, is_val in zip(ids, mask) if is_val == wanted for t in (*doc, reference.eos_token_id)]
             packed = shard_tokens(result.manifest_url, split)
             assert 0 < len(packed) <= len(stream)
             np.testing.assert_array_equal(packed, stream[:len(packed)])
-        logged = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenizing "))
+        logged = next(r.getMessage() for r in caplog.records if " unit(s) of about " in r.getMessage())
         assert ("one document per tokenizer input" in logged) is not joined, logged
 
 
-def test_text_files_give_the_paragraphs_of_datasets_text_builder(tmp_path):
-    """Plain text is read without `datasets` now; its documents must stay those of `sample_by="paragraph"`."""
-    import datasets
-
-    from tasks.sources import load_documents, resolve_sources
-
-    corpus = tmp_path / "corpus"
+def test_a_document_holding_the_eos_text_keeps_its_ids_and_the_split_counts(tmp_path):
+    corpus = tmp_path / "eos"
     corpus.mkdir()
-    (corpus / "a.txt").write_bytes(b"\n\nfirst paragraph\nsecond line\n\n\n\nafter three blank lines\n\n")
-    (corpus / "b.txt").write_bytes(b"windows\r\nlines\r\n\r\nold mac\rline\r\rend without newline")
-    (corpus / "c.txt").write_bytes(b"")
-    sources = resolve_sources(str(corpus / "*.txt"), REPO)
-    reference = datasets.load_dataset("text", data_files=[f.url for f in sources.files], sample_by="paragraph",
-                                      split="train", cache_dir=str(tmp_path / "hf"))["text"]
-    assert load_documents(sources, "text", tmp_path / "work") == reference
-    assert len(reference) == 5
+    (corpus / "a.txt").write_text("\n\n".join(f"paragraph {i} <|endoftext|> inside" if i % 5 == 0 else
+                                              f"plain paragraph {i} " + "word " * i for i in range(200)) + "\n")
+    result = prepare_dataset(config(tmp_path, dataset=str(corpus / "a.txt"), num_workers=1, block_size=16,
+                                    val_fraction=0.2))
+    manifest = storage.read_json(result.manifest_url)
+    assert manifest["splits"]["train"]["documents"] + manifest["splits"]["validation"]["documents"] == 200
 
 
 def test_a_pretrained_tokenizer_directory_is_used_as_is(tmp_path):
@@ -392,11 +287,11 @@ def test_a_pretrained_tokenizer_directory_is_used_as_is(tmp_path):
 
 
 def test_tokenizer_and_model_config_from_object_storage(tmp_path, s3_bucket):
-    documents = sample_documents()[:400]
-    train_bpe(documents, np.zeros(len(documents), dtype=bool), 300).save_pretrained(str(tmp_path / "tok"))
-    for path in (tmp_path / "tok").iterdir():
+    first = prepare_dataset(config(tmp_path, num_workers=1, tokenizer="bpe:300"))
+    tokenizer_dir = Path(first.manifest_url).parent / "tokenizer"
+    for path in tokenizer_dir.iterdir():
         storage.upload_file(path, f"{s3_bucket}/tok/{path.name}")
-    local = plan_tokenizer(config(tmp_path, tokenizer=str(tmp_path / "tok")))
+    local = plan_tokenizer(config(tmp_path, tokenizer=str(tokenizer_dir)))
     remote = plan_tokenizer(config(tmp_path, tokenizer=f"{s3_bucket}/tok"))
     assert remote.fingerprint == local.fingerprint and remote.dtype == "uint16"
 
@@ -431,21 +326,37 @@ def test_file_urls_resolve_like_paths(tmp_path):
     by_url = identify_dataset(config(tmp_path, dataset=f"file://{SAMPLE}/*.txt")).sources.files
     assert by_url == identify_dataset(config(tmp_path)).sources.files
     assert [Path(f.url).name for f in by_url] == sorted(p.name for p in SAMPLE.glob("*.txt"))
+    assert [f.relpath for f in by_url] == sorted(p.name for p in SAMPLE.glob("*.txt"))
 
 
-def test_empty_dataset_is_refused(tmp_path):
-    (tmp_path / "empty.txt").write_text("", encoding="utf-8")
+@pytest.mark.parametrize("contents", ["", "\n\n\n\n"])
+def test_empty_dataset_is_refused(tmp_path, contents):
+    (tmp_path / "empty.txt").write_text(contents, encoding="utf-8")
     cfg = config(tmp_path, dataset=str(tmp_path / "empty.txt"))
     with pytest.raises(PrepareError, match=r"has no documents: .*empty.txt"):
         prepare_dataset(cfg)
     assert_nothing_published(cfg)
 
 
-def test_missing_text_column_names_the_columns(tmp_path):
+def test_missing_text_column_names_the_fields(tmp_path):
     (tmp_path / "rows.jsonl").write_text('{"body": "a"}\n{"body": "b"}\n', encoding="utf-8")
     cfg = config(tmp_path, dataset=str(tmp_path / "rows.jsonl"), text_column="content")
-    with pytest.raises(PrepareError, match=r"'text_column' = 'content' is not a column .*\['body'\]"):
+    with pytest.raises(PrepareError, match=r"'text_column' = 'content' is not a field .* has fields \['body'\]"):
         prepare_dataset(cfg)
+    assert_nothing_published(cfg)
+
+
+def test_a_parquet_file_without_the_text_column_is_refused_before_tokenizing(tmp_path, caplog):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["a b c"] * 50}), tmp_path / "rows.parquet")
+    cfg = config(tmp_path, dataset=str(tmp_path / "rows.parquet"))
+    with caplog.at_level(logging.INFO, logger="gpt_finetune.prepare"), \
+            pytest.raises(PrepareError, match=r"'text_column' = 'text' is not a column of .*rows.parquet: the columns "
+                                              r"are \['body'\]"):
+        prepare_dataset(cfg)
+    assert not any(r.getMessage().startswith("tokenizing") for r in caplog.records)
     assert_nothing_published(cfg)
 
 
@@ -477,7 +388,7 @@ def test_unwritable_storage_root_fails_before_tokenizing(tmp_path, caplog):
         prepare_dataset(cfg)
     messages = [record.getMessage() for record in caplog.records]
     assert messages and messages[0].startswith("dataset ")  # the stage's log is captured: its absence below counts
-    assert not any(m.startswith(("loaded", "training a byte-level BPE", "tokenizing")) for m in messages), messages
+    assert not any(m.startswith(("training a byte-level BPE", "tokenizing")) for m in messages), messages
 
 
 def test_missing_bucket_is_an_unwritable_storage_root(tmp_path, s3_env):
@@ -485,85 +396,11 @@ def test_missing_bucket_is_an_unwritable_storage_root(tmp_path, s3_env):
         prepare_dataset(config(tmp_path, storage_root="s3://no-such-bucket/x"))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# interrupted writes
-
-
-def start_prepare_process(cfg: RunConfig, log_path: Path) -> subprocess.Popen:
-    code = (
-        "import json, logging, sys\n"
-        "logging.basicConfig(level=logging.INFO)\n"
-        "from trainer.config import RunConfig\n"
-        "from tasks.tokenize import prepare_dataset\n"
-        "prepare_dataset(RunConfig.from_params(json.loads(sys.argv[1])))\n"
-    )
-    with open(log_path, "wb") as log_file:
-        return subprocess.Popen([sys.executable, "-c", code, cfg.to_json()], stdout=log_file,
-                                stderr=subprocess.STDOUT, cwd=REPO)
-
-
-def wait_for(condition, process: subprocess.Popen, log_path: Path, timeout: float = 300.0) -> None:
-    """Poll `condition` while the process runs; generous timeout: a loaded CI machine starts Python slowly."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert process.poll() is None, f"prepare ended early:\n{log_path.read_text()}"
-        assert time.monotonic() < deadline, f"timed out waiting; log:\n{log_path.read_text()}"
-        time.sleep(0.005)
-
-
-def test_killed_local_run_leaves_no_manifest_and_the_next_run_starts_clean(tmp_path):
-    cfg = config(tmp_path)
-    datasets_dir = Path(cfg.storage_root) / "datasets"
-    process = start_prepare_process(cfg, tmp_path / "prepare.log")
-    try:
-        wait_for(lambda: list(datasets_dir.glob(".*.partial-*/tokenizer/tokenizer.json")), process,
-                 tmp_path / "prepare.log")
-    finally:
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-    assert list(datasets_dir.glob(".*.partial-*"))
-    assert not list(datasets_dir.glob("*/manifest.json"))
-
-    result = prepare_dataset(cfg)
-    assert not result.cache_hit
-    assert not list(datasets_dir.glob(".*.partial-*"))
-    assert [p.name for p in datasets_dir.iterdir() if not p.name.startswith(".write-probe")] == [result.fingerprint]
-
-
-def test_killed_upload_leaves_no_manifest_and_the_next_run_starts_clean(tmp_path, s3_faults, s3_faulty_bucket):
-    cfg = config(tmp_path, storage_root=f"{s3_faulty_bucket}/store")
-    s3_faults.hold_at(4)
-    process = start_prepare_process(cfg, tmp_path / "prepare.log")
-    try:
-        wait_for(s3_faults.held.is_set, process, tmp_path / "prepare.log")
-    finally:
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-    s3_faults.heal()
-    fingerprint = identify_dataset(cfg).fingerprint
-    # Names only: an object whose upload the kill cut off may not even read back (checksum mismatch).
-    partial = dataset_names(f"{cfg.storage_root}/datasets/{fingerprint}/manifest.json")
-    assert partial and "manifest.json" not in partial
-
-    result = prepare_dataset(cfg)
-    manifest = storage.read_json(result.manifest_url)
-    listed = {s["name"] for split in manifest["splits"].values() for s in split["shards"]}
-    listed |= {f"tokenizer/{f['name']}" for f in manifest["tokenizer"]["files"]} | {"manifest.json"}
-    assert set(dataset_files(result.manifest_url)) == listed
-
-
-def test_object_store_failing_midway_publishes_nothing(tmp_path, s3_faults, s3_faulty_bucket):
-    cfg = config(tmp_path, storage_root=f"{s3_faulty_bucket}/store")
-    s3_faults.fail_after(5)
-    with pytest.raises(PrepareError, match=r"Writing the dataset to s3://.* failed .*No manifest was written"):
-        prepare_dataset(cfg)
-    assert s3_faults.failed_puts >= 1
-    fingerprint = identify_dataset(cfg).fingerprint
-    assert not storage.exists(f"{cfg.storage_root}/datasets/{fingerprint}/manifest.json")
-
-    s3_faults.heal()
-    result = prepare_dataset(cfg)
-    assert not result.cache_hit and storage.exists(result.manifest_url)
+@pytest.mark.parametrize(("setting", "value"), [("prepare_tasks", -1), ("prepare_tasks", 257),
+                                                ("prepare_unit_mb", -2), ("bpe_sample_mb", 0)])
+def test_prepare_settings_out_of_range_are_refused(tmp_path, setting, value):
+    with pytest.raises(ConfigError, match=rf"Setting '{setting}' = {value} is out of range"):
+        config(tmp_path, **{setting: value})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -581,4 +418,26 @@ def test_record_checksums_match_the_reference_crc32c_at_every_length():
     rng = np.random.default_rng(3)
     for length in (0, 1, 4, 63, 64, 65, 1000, 8193, 65_536):
         data = rng.integers(0, 256, size=length, dtype=np.uint8)
-        assert masked_crc32c(data) == masked_crc32c(data.tobytes()) == _masked(_crc32c(data.tobytes())), length
+        assert masked_crc32c(data) == masked_crc32c(data.tobytes()) == masked(reference_crc32c(data.tobytes()))
+
+
+def test_an_s3_corpus_is_streamed_without_a_local_copy(tmp_path, s3_faults, s3_faulty_bucket, monkeypatch):
+    """What the S3 server sends is about the corpus once: ranged reads of each unit, no whole-file download."""
+    from tests.tasks.dataset.test_units import _text_corpus
+
+    corpus = _text_corpus(tmp_path / "corpus")
+    for path in corpus.iterdir():
+        storage.upload_file(path, f"{s3_faulty_bucket}/corpus/{path.name}")
+    source_bytes = sum(path.stat().st_size for path in corpus.iterdir())
+    tokenizer = Path(prepare_dataset(config(tmp_path, num_workers=1)).manifest_url).parent / "tokenizer"
+    monkeypatch.setattr(storage, "download_file", lambda *a: pytest.fail(f"a whole-file download: {a}"))
+    cfg = config(tmp_path, dataset=f"{s3_faulty_bucket}/corpus/*.txt", tokenizer=str(tokenizer), block_size=64,
+                 storage_root=str(tmp_path / "local-root"))
+    for tasks in (1, 3):
+        before = s3_faults.got_bytes
+        result = prepare_dataset(cfg.replace(prepare_tasks=tasks, prepare_unit_mb=1))
+        ratio = (s3_faults.got_bytes - before) / source_bytes
+        print(f"\n{tasks} task(s): {s3_faults.got_bytes - before} bytes from S3 for {source_bytes} of corpus: "
+              f"{ratio:.4f}x")
+        assert 1.0 <= ratio <= 1.01
+        storage.remove_tree(str(Path(result.manifest_url).parent))

@@ -1,0 +1,145 @@
+"""What a dataset is (its fingerprint), whether a complete one exists (the cache), and publishing it: the manifest
+last, so that a stage killed anywhere leaves no manifest and readers, who trust only the manifest, see nothing.
+
+Layout under `storage_root/datasets/`: `<fingerprint>/` holds the shards, `tokenizer/` and `manifest.json`;
+`.work/<fingerprint>/` the plan's tokenizer and the units' streams while the stage runs (removed once the dataset
+is published, and by the next plan of the same fingerprint when a stage died). Local roots build the dataset in
+`.<fingerprint>.partial-*` next to its place and rename it there; object stores get the files uploaded first and
+`manifest.json` (one PUT) after them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from tasks.dataset.errors import PrepareError
+from tasks.dataset.sources import Sources
+from tasks.dataset.tokenizer import TokenizerPlan
+from trainer import storage
+from trainer.data import FORMAT_VERSION
+from trainer.layout import StorageLayout
+
+log = logging.getLogger("gpt_finetune.prepare")
+
+MANIFEST = "manifest.json"
+TOKENIZER_DIR = "tokenizer"
+WORK_DIR = ".work"
+
+
+def dataset_fingerprint(sources: Sources, plan: TokenizerPlan, settings: dict[str, Any]) -> str:
+    identity = {
+        "format_version": FORMAT_VERSION,
+        "kind": sources.kind,
+        "sources": [f.to_dict() for f in sources.files],
+        "tokenizer": {"spec": plan.spec, "fingerprint": plan.fingerprint, "sample": plan.sample},
+        "settings": settings,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode("utf-8")).hexdigest()[:20]
+
+
+def work_url(layout: StorageLayout, fingerprint: str) -> str:
+    return storage.join(layout.root, "datasets", WORK_DIR, fingerprint)
+
+
+def complete_manifest(manifest_url: str, fingerprint: str) -> dict[str, Any] | None:
+    """The manifest when it and every file it lists exist with the listed sizes; None otherwise."""
+    try:
+        manifest = storage.read_json(manifest_url)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if manifest.get("fingerprint") != fingerprint or manifest.get("format_version") != FORMAT_VERSION:
+        log.warning("%s belongs to another fingerprint or format; preparing again", manifest_url)
+        return None
+    fs, directory = storage.filesystem(manifest_url.rsplit("/", 1)[0])
+    present = {
+        os.path.relpath(info["name"], directory): int(info["size"])
+        for info in fs.find(directory, detail=True).values()
+    }
+    expected = {shard["name"]: shard["bytes"] for split in manifest["splits"].values() for shard in split["shards"]}
+    expected |= {f"{TOKENIZER_DIR}/{f['name']}": f["bytes"] for f in manifest["tokenizer"]["files"]}
+    damaged = sorted(name for name, size in expected.items() if present.get(name) != size)
+    if damaged:
+        log.warning("%s lists files that are missing or resized (%s); preparing again", manifest_url, damaged[:5])
+        return None
+    return manifest
+
+
+def check_writable(root: str) -> None:
+    probe = storage.join(root, "datasets", f".write-probe-{uuid.uuid4().hex}")
+    try:
+        storage.write_bytes_atomic(probe, b"")
+        fs, path = storage.filesystem(probe)
+        fs.rm(path)
+    except Exception as error:
+        raise PrepareError(
+            f"Setting 'storage_root' = {root!r} cannot be written ({type(error).__name__}: {error}). Fix its "
+            "permissions or credentials, or point 'storage_root' elsewhere. Nothing was tokenized."
+        ) from error
+
+
+def remove_leftovers(url: str) -> None:
+    """What an unfinished stage of this fingerprint left in its work directory."""
+    fs, path = storage.filesystem(url)
+    if fs.exists(path):
+        log.info("removing %s left by an unfinished run of this dataset", url)
+        fs.rm(path, recursive=True)
+
+
+@contextlib.contextmanager
+def staging(layout: StorageLayout, fingerprint: str):
+    """A local directory to build in. For a local root it sits next to the target (same filesystem, so publishing
+    is one rename) and leftovers of killed runs of this fingerprint are removed first."""
+    fs, datasets_path = storage.filesystem(storage.join(layout.root, "datasets"))
+    if storage.is_local(fs):
+        for stale in Path(datasets_path).glob(f".{fingerprint}.partial-*"):
+            log.info("removing %s left by an interrupted run", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        stage = Path(datasets_path) / f".{fingerprint}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        stage.mkdir(parents=True)
+    else:
+        stage = Path(tempfile.mkdtemp(prefix=f"stage-{fingerprint}-"))
+    try:
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def publish(stage: Path, dataset_url: str, manifest: dict[str, Any]) -> None:
+    fs, target = storage.filesystem(dataset_url)
+    if storage.is_local(fs):
+        storage.write_bytes_atomic(str(stage / MANIFEST), manifest_bytes(manifest))
+        if os.path.exists(target):  # an incomplete or damaged earlier attempt: the manifest check rejected it
+            shutil.rmtree(target)
+        os.replace(stage, target)
+        return
+    try:
+        if fs.exists(target):  # objects of an interrupted upload
+            fs.rm(target, recursive=True)
+        storage.upload_tree(stage, dataset_url)
+        fs.pipe_file(f"{target}/{MANIFEST}", manifest_bytes(manifest))  # one PUT: atomic on object stores
+    except Exception as error:
+        raise PrepareError(
+            f"Writing the dataset to {dataset_url} failed ({type(error).__name__}: {error}). No manifest was "
+            "written, so nothing is published; the next run uploads it again from the start."
+        ) from error
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def file_entries(directory: Path) -> list[dict[str, Any]]:
+    return [
+        {"name": path.relative_to(directory).as_posix(), "bytes": path.stat().st_size,
+         "sha256": storage.sha256_file(path)}
+        for path in sorted(directory.rglob("*")) if path.is_file()
+    ]

@@ -1,0 +1,393 @@
+"""The prepare stage's three steps, as the DAG runs them, and `prepare_dataset`, which runs them in one process.
+
+1. `plan_dataset` (one task, cheap checks first): resolve the sources, check the model's positions and the
+   tokenizer, compute the fingerprint, return at once when a complete manifest with that fingerprint exists, check
+   that `storage_root` is writable, remove what an unfinished run of this fingerprint left, train the BPE on its
+   sample (or save the pretrained tokenizer) for the units, cut the corpus into units and deal them into lanes.
+2. `run_lane` (`tasks.dataset.units`), one mapped task per lane: tokenize its units into their streams.
+3. `finish_dataset` (one task): check that every unit is complete and no source changed, cut the streams into
+   shards and publish them with `manifest.json` last, then remove the work directory.
+With one lane (a small corpus, or `prepare_tasks` = 1) the first task runs all three itself, its units' streams in
+a local temporary directory: no mapped task, no round trip through storage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tasks.dataset.encode import SPLITS, joins_at_eos
+from tasks.dataset.errors import PrepareError
+from tasks.dataset.publish import (
+    TOKENIZER_DIR,
+    check_writable,
+    complete_manifest,
+    dataset_fingerprint,
+    file_entries,
+    publish,
+    remove_leftovers,
+    staging,
+    work_url,
+)
+from tasks.dataset.shards import split_streams, write_split
+from tasks.dataset.sources import Sources, check_unchanged, resolve_sources
+from tasks.dataset.split import SPLIT_RULE
+from tasks.dataset.tokenizer import (
+    EOS_TOKEN,
+    TokenizerPlan,
+    check_block_size,
+    plan_tokenizer,
+    save_tokenizer,
+    train_bpe,
+)
+from tasks.dataset.units import (
+    Unit,
+    UnitJob,
+    human_bytes,
+    human_rate,
+    lanes,
+    load_tokenizer,
+    plan_units,
+    run_lane,
+    task_count,
+    unit_result,
+    unit_size,
+)
+from trainer import storage
+from trainer.config import RunConfig
+from trainer.data import FORMAT_VERSION
+from trainer.layout import StorageLayout
+
+log = logging.getLogger("gpt_finetune.prepare")
+
+PLAN_FILE = "plan.json"
+RECORD_TARGET_BYTES = 64 << 10  # many sequences per record keeps TFRecord framing far below 1% of the bytes
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class PreparedDataset:
+    manifest_url: str
+    fingerprint: str
+    cache_hit: bool
+    train_sequences: int
+    validation_sequences: int
+    train_tokens: int
+    tokenized_tokens: int  # tokens produced by this stage (0 on a cache hit), EOS and dropped remainders included
+    elapsed_s: float
+    timings: dict[str, float]  # seconds per step: plan, units (the longest unit), shards, manifest
+    source_bytes_read: int  # what the units fetched from storage (about the sources' size: no whole-file copies)
+
+
+@dataclass(frozen=True)
+class DatasetIdentity:
+    """Everything the fingerprint covers, resolved from a RunConfig without tokenizing anything."""
+
+    sources: Sources
+    tokenizer: TokenizerPlan
+    settings: dict[str, Any]
+    fingerprint: str
+
+
+def identify_dataset(cfg: RunConfig) -> DatasetIdentity:
+    """Resolve sources, check the model's positions and the tokenizer, and compute the fingerprint."""
+    sources = resolve_sources(cfg.dataset, REPO_ROOT)
+    check_block_size(cfg)
+    plan = plan_tokenizer(cfg)
+    settings = packing_settings(cfg, sources, plan)
+    return DatasetIdentity(sources, plan, settings, dataset_fingerprint(sources, plan, settings))
+
+
+def packing_settings(cfg: RunConfig, sources: Sources, plan: TokenizerPlan) -> dict[str, Any]:
+    itemsize = np.dtype(plan.dtype).itemsize
+    return {
+        "documents": "paragraphs" if sources.kind == "text" else f"rows of {cfg.text_column!r}",
+        "text_column": cfg.text_column,
+        "val_fraction": cfg.val_fraction,
+        "split_rule": SPLIT_RULE,
+        "seed": cfg.seed,
+        "block_size": cfg.block_size,
+        "num_shards": cfg.effective_num_shards,
+        "max_validation_shards": cfg.num_workers,
+        "sequences_per_record": max(1, RECORD_TARGET_BYTES // (cfg.block_size * itemsize)),
+    }
+
+
+# -- 1. plan ----------------------------------------------------------------------------------------------------
+
+
+def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: float | None = None) -> dict[str, Any]:
+    """The plan (a small JSON dict, what XCom carries) and its lanes of unit dicts."""
+    started = time.perf_counter() if started is None else started
+    layout = StorageLayout(cfg.storage_root)
+    identity = identify_dataset(cfg)
+    sources, tokenizer_plan, fingerprint = identity.sources, identity.tokenizer, identity.fingerprint
+    manifest_url = layout.manifest(fingerprint)
+    log.info("dataset %s: %d %s file(s), %s; tokenizer %s; block_size %d; fingerprint %s", cfg.dataset,
+             len(sources.files), sources.kind, human_bytes(sources.total_bytes), cfg.tokenizer, cfg.block_size, fingerprint)
+    plan: dict[str, Any] = {"fingerprint": fingerprint, "manifest_url": manifest_url, "dataset": cfg.dataset,
+                            "storage_root": cfg.storage_root, "started_at": time.time()}
+    if complete_manifest(manifest_url, fingerprint) is not None:
+        log.info("cache hit: %s is complete, reusing it without tokenizing", manifest_url)
+        return {"plan": {**plan, "cache_hit": True}, "lanes": []}
+
+    if not sources.total_bytes:
+        raise PrepareError(f"Dataset {cfg.dataset!r} has no documents: {sources.names()} are empty.")
+    check_writable(cfg.storage_root)
+    tasks = task_count(cfg.prepare_tasks, sources.total_bytes)
+    leftovers = work_url(layout, fingerprint)
+    remove_leftovers(leftovers)
+    plan_id = uuid.uuid4().hex[:12]
+    # One lane runs here, its streams in a local directory; lanes for mapped tasks share storage.
+    work = _temporary_work(fingerprint) if tasks == 1 else storage.join(leftovers, plan_id)
+    tokenizer = tokenizer_plan.pretrained or train_bpe(sources, cfg, tokenizer_plan.sample, progress_interval_s)
+    tokenizer_dir = storage.join(work, TOKENIZER_DIR)
+    _save(tokenizer, tokenizer_dir)
+    backend = load_tokenizer(tokenizer_dir)
+    units = plan_units(sources, cfg.text_column, unit_size(cfg.prepare_unit_mb, sources.total_bytes, tasks))
+    dealt = lanes(units, tasks)
+    job = UnitJob(plan_id=plan_id, work_url=work, tokenizer_dir=tokenizer_dir, kind=sources.kind,
+                  text_column=cfg.text_column, seed=cfg.seed, val_fraction=cfg.val_fraction,
+                  dtype=tokenizer_plan.dtype, eos_token=tokenizer.eos_token, eos_id=tokenizer.eos_token_id,
+                  joined=joins_at_eos(backend, tokenizer.eos_token), sources=sources.files)
+    log.info("%d unit(s) of about %s in %d lane(s)%s%s", len(units), human_bytes(sources.total_bytes / max(len(units), 1)),
+             len(dealt), "" if len(dealt) == 1 else " (one mapped task each)",
+             "" if job.joined else "; one document per tokenizer input (joining them at the EOS would change the ids)")
+    plan.update(cache_hit=False, job=job.to_dict(), units=len(units), lanes=len(dealt), settings=identity.settings,
+                tokenizer={"spec": tokenizer_plan.spec, "fingerprint": tokenizer_plan.fingerprint,
+                           "sample": tokenizer_plan.sample, "vocab_size": len(tokenizer),
+                           "eos_token_id": tokenizer.eos_token_id},
+                sources=[f.to_dict() for f in sources.files], cfg=cfg.to_dict(), temporary_work=tasks == 1,
+                plan_s=round(time.perf_counter() - started, 3))
+    if tasks > 1:  # the tasks read the plan from storage: XCom carries its URL, not its list of files
+        plan["plan_url"] = storage.join(work, PLAN_FILE)
+        storage.write_json_atomic(plan["plan_url"], plan)
+    return {"plan": plan, "lanes": [[unit.to_dict() for unit in lane] for lane in dealt]}
+
+
+def plan_summary(plan: dict[str, Any]) -> dict[str, Any]:
+    """What XCom carries of a plan for the mapped tasks and the finish: they load the rest from `plan_url`."""
+    return {key: plan[key] for key in ("fingerprint", "manifest_url", "cache_hit", "plan_url", "units", "lanes")
+            if key in plan}
+
+
+def load_plan(summary: dict[str, Any]) -> dict[str, Any]:
+    """The whole plan for a summary (itself when the plan is a cache hit or was never saved)."""
+    return storage.read_json(summary["plan_url"]) if "plan_url" in summary and "job" not in summary else summary
+
+
+def _temporary_work(fingerprint: str) -> str:
+    """A local work directory for a one-lane plan, named after this process: those of the same dataset left by a
+    process that died (a SIGKILLed task) are removed here; a live one's (another run of it) stay."""
+    for stale in Path(tempfile.gettempdir()).glob(f"prepare-{fingerprint}-*-*"):
+        pid = stale.name.removeprefix(f"prepare-{fingerprint}-").split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            log.info("removing %s left by an interrupted run", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"prepare-{fingerprint}-{os.getpid()}-")
+
+
+def _save(tokenizer: Any, url: str) -> None:
+    fs, path = storage.filesystem(url)
+    if storage.is_local(fs):
+        save_tokenizer(tokenizer, Path(path))
+        return
+    with tempfile.TemporaryDirectory(prefix="tokenizer-") as local:
+        save_tokenizer(tokenizer, Path(local))
+        storage.upload_tree(local, url)
+
+
+# -- 2. lanes ---------------------------------------------------------------------------------------------------
+
+
+def tokenize_lane(summary: dict[str, Any], lane: list[dict[str, Any]], progress_interval_s: float = 5.0) -> dict:
+    """One mapped task: the lane's units (a small summary goes to XCom; the results are in storage)."""
+    plan = load_plan(summary)
+    job = UnitJob.from_dict(plan["job"])
+    results = run_lane(job, [Unit.from_dict(u) for u in lane], stage_bytes=_planned_bytes(plan),
+                       progress_interval_s=progress_interval_s)
+    return {"units": [r["unit"] for r in results], "tokens": sum(s["tokens"] for r in results
+                                                                 for s in r["splits"].values()),
+            "wall_s": round(sum(r["wall_s"] for r in results), 3)}
+
+
+def _planned_bytes(plan: dict[str, Any]) -> int:
+    return sum(source["size"] for source in plan["sources"])
+
+
+# -- 3. finish --------------------------------------------------------------------------------------------------
+
+
+def finish_dataset(summary: dict[str, Any], *, started: float | None = None) -> PreparedDataset:
+    """Shards and manifest from the units' streams (or the cached dataset), published manifest last."""
+    started = time.perf_counter() if started is None else started
+    plan = load_plan(summary)
+    if plan["cache_hit"]:
+        return _result(plan["manifest_url"], storage.read_json(plan["manifest_url"]), cache_hit=True, tokenized=0,
+                       started=started, timings={}, read=0)
+    job = UnitJob.from_dict(plan["job"])
+    cfg = RunConfig.from_params(plan["cfg"])
+    for source in job.sources:
+        check_unchanged(source)
+    results = [_complete(job, unit) for unit in range(plan["units"])]
+    began = time.perf_counter()
+    layout = StorageLayout(cfg.storage_root)
+    with staging(layout, plan["fingerprint"]) as stage:
+        manifest, tokens = _build(plan, cfg, job, results, stage)
+        shards_s = time.perf_counter() - began
+        publish(stage, layout.dataset(plan["fingerprint"]), manifest)
+    storage.remove_tree(job.work_url if plan["temporary_work"] else work_url(layout, plan["fingerprint"]))
+    timings = {"plan": plan["plan_s"], "units": max((r["wall_s"] for r in results), default=0.0),
+               "shards": round(shards_s, 3), "manifest": round(time.perf_counter() - began - shards_s, 3)}
+    read, size = sum(r["fetched_bytes"] for r in results), sum(s.size for s in job.sources)
+    log.info("published %s: %d train / %d validation sequences (plan %.1fs, longest unit %.1fs, shards %.1fs, "
+             "publishing %.1fs); the units read %s from storage for %s of sources (%.3fx)", plan["manifest_url"],
+             manifest["splits"]["train"]["sequences"], manifest["splits"]["validation"]["sequences"],
+             timings["plan"], timings["units"], timings["shards"], timings["manifest"], human_bytes(read),
+             human_bytes(size), read / max(size, 1))
+    return _result(plan["manifest_url"], manifest, cache_hit=False, tokenized=tokens, started=started,
+                   timings=timings, read=sum(r["fetched_bytes"] for r in results))
+
+
+def _complete(job: UnitJob, unit: int) -> dict[str, Any]:
+    result = unit_result(job, unit)
+    if result is None:
+        raise PrepareError(f"Unit {unit} of the dataset has no complete result in {job.work_url}: its tokenize task "
+                           "did not finish. Clear that task (its retry redoes only its missing units).")
+    return result
+
+
+def _build(plan: dict[str, Any], cfg: RunConfig, job: UnitJob, results: list[dict[str, Any]],
+           stage: Path) -> tuple[dict[str, Any], int]:
+    documents = sum(r["splits"][s]["documents"] for r in results for s in SPLITS)
+    tokens = sum(r["splits"][s]["tokens"] for r in results for s in SPLITS)
+    names = ", ".join(s.url for s in job.sources[:3]) + (f" and {len(job.sources) - 3} more"
+                                                           if len(job.sources) > 3 else "")
+    if documents == 0:
+        raise PrepareError(f"Dataset {cfg.dataset!r} has no documents: {names} are empty.")
+    if documents < 2:
+        raise PrepareError(
+            f"Dataset {cfg.dataset!r} has a single document, but the validation split needs one of its own: "
+            "add data, or separate documents by blank lines in .txt files.")
+    if tokens == documents:  # nothing but the EOS after every document
+        raise PrepareError(f"Dataset {cfg.dataset!r} contains no text: {names} yield no tokens.")
+    streams, counts = split_streams(results, job.stream_url, job.dtype)
+    block, per_record = cfg.block_size, plan["settings"]["sequences_per_record"]
+    train_sequences, validation_sequences = streams["train"].tokens // block, streams["validation"].tokens // block
+    if train_sequences < cfg.effective_num_shards:
+        raise PrepareError(
+            f"Dataset {cfg.dataset!r} gives {train_sequences} training sequences of {block} tokens, fewer than the "
+            f"{cfg.effective_num_shards} shards to write: add data, lower 'block_size' or 'num_shards'.")
+    if validation_sequences == 0:
+        raise PrepareError(
+            f"Dataset {cfg.dataset!r}: the validation split (val_fraction={cfg.val_fraction}) has fewer than "
+            f"{block} tokens: raise 'val_fraction' or lower 'block_size'.")
+    log.info("%d documents: %d for training, %d for validation; writing shards", documents, counts["train"],
+             counts["validation"])
+    _copy_tokenizer(job.tokenizer_dir, stage / TOKENIZER_DIR)
+    splits = {
+        "train": write_split(streams["train"], "train", cfg.effective_num_shards, block, per_record, stage),
+        "validation": write_split(streams["validation"], "validation",
+                                  min(plan["settings"]["max_validation_shards"], validation_sequences), block,
+                                  per_record, stage),
+    }
+    for name, split in splits.items():
+        split["documents"] = counts[name]
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": plan["fingerprint"],
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "dtype": job.dtype,
+        "block_size": block,
+        "sequences_per_record": per_record,
+        "tokenizer": {**{k: plan["tokenizer"][k] for k in ("spec", "fingerprint", "vocab_size", "eos_token_id")},
+                      "path": TOKENIZER_DIR, "files": file_entries(stage / TOKENIZER_DIR)},
+        "sources": plan["sources"],
+        "settings": plan["settings"],
+        "splits": splits,
+        "prepare": {"units": plan["units"], "lanes": plan["lanes"]},
+    }
+    return manifest, tokens
+
+
+def _copy_tokenizer(url: str, target: Path) -> None:
+    fs, path = storage.filesystem(url)
+    if storage.is_local(fs):
+        shutil.copytree(path, target)
+    else:
+        storage.download_tree(url, target)
+
+
+# -- all three in one process -----------------------------------------------------------------------------------
+
+
+def prepare_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: float | None = None) -> \
+        PreparedDataset:
+    """Tokenize `cfg.dataset` into shards + manifest under `cfg.storage_root`, or reuse a complete earlier result,
+    running every lane here one after the other (the same units, streams and shards as mapped tasks would).
+
+    `started` is the `time.perf_counter()` at which the calling task began (default: this call), so that the rate
+    logged counts the stage's start-up too. Raises `PrepareError` naming the file, key or setting at fault; on any
+    failure no manifest is published."""
+    started = time.perf_counter() if started is None else started
+    planned = plan_dataset(cfg, progress_interval_s=progress_interval_s, started=started)
+    return run_planned(planned, progress_interval_s=progress_interval_s, started=started)
+
+
+def run_planned(planned: dict[str, Any], *, progress_interval_s: float = 5.0, started: float) -> PreparedDataset:
+    """Every lane of a plan in this process, then the finish."""
+    plan = planned["plan"]
+    if plan["cache_hit"]:
+        return finish_dataset(plan, started=started)
+    job = UnitJob.from_dict(plan["job"])
+    began, cpu_began = time.perf_counter(), time.process_time()
+    try:
+        tokenizer = load_tokenizer(job.tokenizer_dir)
+        for lane in planned["lanes"]:
+            run_lane(job, [Unit.from_dict(u) for u in lane], tokenizer, stage_bytes=_planned_bytes(plan),
+                     progress_interval_s=progress_interval_s)
+        tokenizing_s, cpu_s = time.perf_counter() - began, time.process_time() - cpu_began
+        result = finish_dataset(plan, started=started)
+    finally:
+        if plan["temporary_work"]:  # a failed stage leaves nothing behind; in storage, a retry reuses its units
+            shutil.rmtree(job.work_url, ignore_errors=True)
+    elapsed, start_up = time.perf_counter() - started, began - started
+    cores = len(os.sched_getaffinity(0))
+    log.info(
+        "prepare: %d tokens in %.2fs = %s tokens/s end to end on %d core(s): start-up %.2fs (imports, tokenizer, "
+        "plan), tokenizing %.2fs at %s tokens/s with %.1f cores busy, shards and publishing %.2fs; end to end "
+        "ran at %.2fx the tokenizing rate", result.tokenized_tokens, elapsed,
+        human_rate(result.tokenized_tokens / elapsed), cores, start_up, tokenizing_s,
+        human_rate(result.tokenized_tokens / max(tokenizing_s, 1e-9)), cpu_s / max(tokenizing_s, 1e-9),
+        elapsed - start_up - tokenizing_s, tokenizing_s / elapsed)
+    return result
+
+
+def _result(manifest_url: str, manifest: dict[str, Any], *, cache_hit: bool, tokenized: int, started: float,
+            timings: dict[str, float], read: int) -> PreparedDataset:
+    return PreparedDataset(
+        manifest_url=manifest_url,
+        fingerprint=manifest["fingerprint"],
+        cache_hit=cache_hit,
+        train_sequences=manifest["splits"]["train"]["sequences"],
+        validation_sequences=manifest["splits"]["validation"]["sequences"],
+        train_tokens=manifest["splits"]["train"]["tokens"],
+        tokenized_tokens=tokenized,
+        elapsed_s=time.perf_counter() - started,
+        timings=timings,
+        source_bytes_read=read,
+    )
+
+
+__all__ = ["EOS_TOKEN", "PrepareError", "PreparedDataset", "finish_dataset", "plan_dataset", "prepare_dataset",
+           "tokenize_lane"]

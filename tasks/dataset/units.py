@@ -1,0 +1,343 @@
+"""Work units and lanes: the corpus cut into pieces any task can tokenize alone, and those pieces dealt out to tasks.
+
+A unit is a list of parts, each a byte range of a text or JSON Lines file or a row-group range of a Parquet file,
+in source order: a large file is cut into ranges of about the unit size, small files are grouped whole. A unit
+writes one token stream per split (`<unit>.train.bin`, `<unit>.validation.bin`) and then its result
+(`<unit>.json`: counts, the extreme documents, checksums), the mark that it is complete; a retried task skips the
+units it already completed and overwrites only its own. The units' streams, in unit order, are the stage's streams
+whatever the units are (`tasks.dataset.shards`). A lane is the contiguous run of units one mapped task tokenizes;
+there are `prepare_tasks` lanes, so at most that many tasks run at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tasks.dataset.encode import SPLITS, Encoder, EncodeStats
+from tasks.dataset.errors import SourceError
+from tasks.dataset.readers import SourceReader, parquet_layout, read_documents
+from tasks.dataset.sources import SourceFile, Sources, check_unchanged
+from tasks.dataset.split import DocumentDraws
+from tasks.dataset.tokenizer import load_backend
+from trainer import storage
+
+log = logging.getLogger("gpt_finetune.prepare")
+
+MAX_UNITS = 1024  # Airflow's [core] max_map_length; lanes hold several units each
+AUTO_UNITS_PER_LANE = 4  # work in smaller pieces than tasks: progress, retries and the last task's tail
+MIN_AUTO_UNIT_BYTES = 16 << 20
+MAX_AUTO_UNIT_BYTES = 256 << 20
+AUTO_BYTES_PER_TASK = 512 << 20  # prepare_tasks=0: one task per this much text, from FAN_OUT_FROM on
+FAN_OUT_FROM = 256 << 20  # below this a corpus is prepared inside the first task, without mapped tasks
+MAX_AUTO_TASKS = 32
+
+
+@dataclass(frozen=True)
+class Part:
+    file: int  # index into the plan's sources
+    start: int  # bytes, or the first row group for Parquet
+    end: int  # exclusive
+    bytes: int  # text bytes it holds (row groups: their uncompressed text column)
+
+
+@dataclass(frozen=True)
+class Unit:
+    index: int
+    parts: tuple[Part, ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(part.bytes for part in self.parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "parts": [asdict(part) for part in self.parts]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Unit:
+        return cls(data["index"], tuple(Part(**part) for part in data["parts"]))
+
+
+def task_count(prepare_tasks: int, total_bytes: int) -> int:
+    """Lanes for a corpus: `prepare_tasks`, or with 0 one per AUTO_BYTES_PER_TASK once it is large enough to gain."""
+    if prepare_tasks:
+        return prepare_tasks
+    if total_bytes < FAN_OUT_FROM:
+        return 1
+    return min(MAX_AUTO_TASKS, math.ceil(total_bytes / AUTO_BYTES_PER_TASK))
+
+
+def unit_size(unit_mb: int, total_bytes: int, tasks: int) -> int:
+    """Bytes per unit: `prepare_unit_mb`, or a few units per task within [16 MiB, 256 MiB], at most MAX_UNITS."""
+    if unit_mb:
+        return max(unit_mb << 20, math.ceil(total_bytes / MAX_UNITS))
+    wanted = math.ceil(total_bytes / (tasks * AUTO_UNITS_PER_LANE))
+    return max(min(max(wanted, MIN_AUTO_UNIT_BYTES), MAX_AUTO_UNIT_BYTES), math.ceil(total_bytes / MAX_UNITS))
+
+
+def plan_units(sources: Sources, text_column: str, size: int) -> list[Unit]:
+    """Units of about `size` bytes in source order (Parquet cut at row groups, read from each file's footer)."""
+    units: list[Unit] = []
+    current: list[Part] = []
+    filled = 0
+
+    def close() -> None:
+        nonlocal current, filled
+        if current:
+            units.append(Unit(len(units), tuple(current)))
+        current, filled = [], 0
+
+    for index, source in enumerate(sources.files):
+        for part in _file_parts(index, source, sources.kind, text_column, size):
+            if filled and filled + part.bytes > size:
+                close()
+            current.append(part)
+            filled += part.bytes
+            if filled >= size:
+                close()
+    close()
+    return units
+
+
+def _file_parts(index: int, source: SourceFile, kind: str, text_column: str, size: int) -> Iterator[Part]:
+    if kind == "parquet":
+        with SourceReader(source) as reader:
+            groups = parquet_layout(reader, text_column)
+        start, filled = 0, 0
+        for group, layout in enumerate(groups):
+            filled += layout["bytes"]
+            if filled >= size or group == len(groups) - 1:
+                yield Part(index, start, group + 1, filled)
+                start, filled = group + 1, 0
+        return
+    if kind == "jsonl" and source.size:
+        with SourceReader(source) as reader:
+            if reader.read_at(0, 4096).lstrip()[:1] == b"[":
+                raise SourceError(f"Source file {source.url} is a JSON array, not JSON Lines: convert it with "
+                                  f"`jq -c '.[]' {Path(source.url).name} > out.jsonl`.")
+    pieces = max(1, math.ceil(source.size / size))
+    for piece in range(pieces):
+        start, end = piece * source.size // pieces, (piece + 1) * source.size // pieces
+        yield Part(index, start, end, end - start)
+
+
+def lanes(units: list[Unit], tasks: int) -> list[list[Unit]]:
+    """Contiguous runs of units, one per task, balanced by bytes (a unit goes to the lane its middle byte falls
+    in); a lane that would stay empty is dropped."""
+    total = sum(unit.bytes for unit in units) or 1
+    count = max(1, min(tasks, len(units)))
+    out: list[list[Unit]] = [[] for _ in range(count)]
+    done = 0
+    for unit in units:
+        out[min(count - 1, int((done + unit.bytes / 2) * count / total))].append(unit)
+        done += unit.bytes
+    return [lane for lane in out if lane]
+
+
+# -- tokenizing a unit ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnitJob:
+    """What every unit of one plan shares (from the plan's `job` dict)."""
+
+    plan_id: str
+    work_url: str  # where unit outputs go
+    tokenizer_dir: str  # the saved tokenizer (`tokenizer.json`), locally or in storage
+    kind: str
+    text_column: str
+    seed: int
+    val_fraction: float
+    dtype: str
+    eos_token: str
+    eos_id: int
+    joined: bool
+    sources: tuple[SourceFile, ...]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> UnitJob:
+        return cls(**{**data, "sources": tuple(SourceFile.from_dict(s) for s in data["sources"])})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "sources": [s.to_dict() for s in self.sources]}
+
+    def result_url(self, unit: int) -> str:
+        return storage.join(self.work_url, f"{unit:05d}.json")
+
+    def stream_url(self, unit: int, split: str) -> str:
+        return storage.join(self.work_url, f"{unit:05d}.{split}.bin")
+
+
+def unit_result(job: UnitJob, unit: int) -> dict[str, Any] | None:
+    """A unit's result when it is complete for this plan: its result file and both streams at their sizes."""
+    try:
+        result = storage.read_json(job.result_url(unit))
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return None
+    if result.get("plan_id") != job.plan_id:
+        return None
+    fs, _ = storage.filesystem(job.work_url)
+    for split in SPLITS:
+        _, path = storage.filesystem(job.stream_url(unit, split))
+        try:
+            if fs.size(path) != result["splits"][split]["bytes"]:
+                return None
+        except FileNotFoundError:
+            return None
+    return result
+
+
+def run_lane(job: UnitJob, lane: list[Unit], tokenizer=None, *, stage_bytes: int | None = None,
+             progress_interval_s: float = 5.0) -> list[dict[str, Any]]:
+    """Tokenize every unit of `lane` not complete yet; returns their results. `tokenizer`: the backend tokenizer
+    when the caller has it loaded, else it is loaded from the job's tokenizer directory."""
+    tokenizer = tokenizer or load_tokenizer(job.tokenizer_dir)
+    total = sum(unit.bytes for unit in lane)
+    log.info("tokenizing %d unit(s), %s of text, on %d core(s)", len(lane), human_bytes(total),
+             len(os.sched_getaffinity(0)))
+    progress = _Progress(total, len(lane), stage_bytes, progress_interval_s)
+    results = []
+    for position, unit in enumerate(lane):
+        done = unit_result(job, unit.index)
+        if done is not None:
+            log.info("unit %d is complete from an earlier try: kept", unit.index)
+            progress.skip(unit.bytes)
+        else:
+            progress.start_unit(position, unit)
+            done = tokenize_unit(job, unit, tokenizer, progress)
+        results.append(done)
+    progress.finish()
+    return results
+
+
+def tokenize_unit(job: UnitJob, unit: Unit, tokenizer, progress: _Progress) -> dict[str, Any]:
+    """Encode one unit into its streams (staged locally, then published next to its result, result last)."""
+    began = time.perf_counter()
+    fetched = 0
+    with tempfile.TemporaryDirectory(prefix=f"unit-{unit.index:05d}-", dir=_scratch_dir(job)) as scratch:
+        paths = {split: Path(scratch) / f"{split}.bin" for split in SPLITS}
+        with contextlib.ExitStack() as files:
+            outputs = {split: files.enter_context(open(path, "wb")) for split, path in paths.items()}
+            encoder = Encoder(tokenizer, job.eos_token, job.eos_id, np.dtype(job.dtype), job.joined,
+                              job.val_fraction, outputs)
+            stats: EncodeStats = encoder.stats
+            for part in unit.parts:
+                source = job.sources[part.file]
+                check_unchanged(source)
+                with SourceReader(source) as reader:
+                    chunks = read_documents(reader, job.kind, part.start, part.end, job.text_column)
+                    encoder.run(chunks, DocumentDraws(job.seed, source.relpath), progress.advance)
+                    fetched += reader.fetched
+                check_unchanged(source)  # what was read is what the plan saw
+        splits = {}
+        for split, path in paths.items():
+            count = stats.splits[split]
+            splits[split] = {"documents": count.documents, "tokens": count.tokens, "bytes": path.stat().st_size,
+                             "sha256": storage.sha256_file(path),
+                             "extreme": count.extreme.to_dict() if count.extreme else None}
+            _publish_file(path, job.stream_url(unit.index, split))
+    result = {"plan_id": job.plan_id, "unit": unit.index, "splits": splits, "bytes": unit.bytes,
+              "fetched_bytes": fetched, "wall_s": round(time.perf_counter() - began, 3),
+              "cpu_s": round(stats.cpu_s, 3)}
+    storage.write_json_atomic(job.result_url(unit.index), result)  # last: the unit is complete
+    progress.end_unit(unit, result)
+    return result
+
+
+def _scratch_dir(job: UnitJob) -> str | None:
+    """Where a unit stages its streams: in its work directory when that is local (publishing is then a rename),
+    else the host's temporary directory (a unit's streams, about half its text's size, are all it needs)."""
+    fs, path = storage.filesystem(job.work_url)
+    if not storage.is_local(fs):
+        return None
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _publish_file(path: Path, url: str) -> None:
+    fs, target = storage.filesystem(url)
+    if storage.is_local(fs):
+        os.replace(path, target)
+    else:
+        storage.upload_file(path, url)
+
+
+def load_tokenizer(directory: str):
+    """The backend tokenizer saved in `directory` (local or in storage)."""
+    fs, path = storage.filesystem(directory)
+    if storage.is_local(fs):
+        return load_backend(Path(path))
+    with tempfile.TemporaryDirectory(prefix="tokenizer-") as local:
+        storage.download_file(storage.join(directory, "tokenizer.json"), Path(local) / "tokenizer.json")
+        return load_backend(Path(local))
+
+
+class _Progress:
+    """Logs documents, tokens, tokens/s and ETA of a lane (and of each unit) at most every `interval_s` seconds."""
+
+    def __init__(self, total_bytes: int, units: int, stage_bytes: int | None, interval_s: float) -> None:
+        self.total_bytes, self.units, self.interval_s = total_bytes, units, interval_s
+        self.done_bytes = self.documents = self.tokens = 0
+        self.started = self.last = time.perf_counter()
+        self._unit_base: tuple[int, int, int] = (0, 0, 0)
+        self._current: tuple[int, Unit] | None = None
+        if stage_bytes and stage_bytes > total_bytes:
+            log.info("this task tokenizes %d unit(s), %s of the stage's %s", units, human_bytes(total_bytes), human_bytes(stage_bytes))
+
+    def skip(self, nbytes: int) -> None:
+        self.done_bytes += nbytes
+
+    def start_unit(self, position: int, unit: Unit) -> None:
+        self._current = (position, unit)
+        self._unit_base = (self.done_bytes, self.documents, self.tokens)
+
+    def advance(self, stats: EncodeStats) -> None:
+        base_bytes, base_docs, base_tokens = self._unit_base
+        self.documents, self.tokens = base_docs + stats.documents, base_tokens + stats.tokens
+        self.done_bytes = base_bytes + min(stats.consumed, self._current[1].bytes if self._current else 0)
+        now = time.perf_counter()
+        if now - self.last >= self.interval_s:
+            self.last = now
+            self._log(now)
+
+    def end_unit(self, unit: Unit, result: dict[str, Any]) -> None:
+        base_bytes, base_docs, base_tokens = self._unit_base
+        splits = result["splits"].values()
+        self.done_bytes = base_bytes + unit.bytes
+        self.documents = base_docs + sum(s["documents"] for s in splits)
+        self.tokens = base_tokens + sum(s["tokens"] for s in splits)
+        tokens = sum(s["tokens"] for s in splits)
+        log.info("unit %d: %d documents, %d tokens in %.1fs (%s tokens/s), %s read for %s of text", unit.index,
+                 sum(s["documents"] for s in splits), tokens, result["wall_s"],
+                 human_rate(tokens / max(result["wall_s"], 1e-9)), human_bytes(result["fetched_bytes"]), human_bytes(unit.bytes))
+
+    def finish(self) -> None:
+        self._log(time.perf_counter())
+
+    def _log(self, now: float) -> None:
+        elapsed = max(now - self.started, 1e-9)
+        done = min(1.0, self.done_bytes / self.total_bytes) if self.total_bytes else 1.0
+        eta = elapsed * (1 - done) / done if done > 0 else float("inf")
+        unit = f"unit {self._current[0] + 1}/{self.units}" if self._current else f"{self.units} unit(s)"
+        log.info("tokenized %d documents (%s, %.0f%% of %s), %d tokens, %s tokens/s, ETA %.0fs", self.documents,
+                 unit, 100 * done, human_bytes(self.total_bytes), self.tokens, human_rate(self.tokens / elapsed), eta)
+
+
+def human_bytes(count: float) -> str:
+    return f"{count / 2**20:.1f} MB" if count >= 2**20 else f"{count / 2**10:.1f} KB"
+
+
+def human_rate(rate: float) -> str:
+    return f"{rate / 1e6:.2f}M" if rate >= 1e6 else f"{rate / 1e3:.1f}k"
+
+
