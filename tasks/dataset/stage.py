@@ -44,6 +44,7 @@ from tasks.dataset.sources import Sources, check_unchanged, resolve_sources
 from tasks.dataset.split import SPLIT_RULE
 from tasks.dataset.tokenizer import (
     EOS_TOKEN,
+    REPO_ROOT,
     TokenizerPlan,
     check_block_size,
     plan_tokenizer,
@@ -72,7 +73,6 @@ log = logging.getLogger("gpt_finetune.prepare")
 
 PLAN_FILE = "plan.json"
 RECORD_TARGET_BYTES = 64 << 10  # many sequences per record keeps TFRecord framing far below 1% of the bytes
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

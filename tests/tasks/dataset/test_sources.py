@@ -1,0 +1,45 @@
+"""Resolving the `dataset` setting: paths relative to the dataset's base (they key the draws), and a hub dataset
+resolved to its data files at one revision (against a stand-in for the hub's API: this machine is offline)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from types import SimpleNamespace
+
+import pytest
+
+from tasks.dataset.errors import SourceError
+from tasks.dataset.sources import _hub_files, resolve_sources
+from tests.tasks.dataset.corpus import REPO
+
+
+def test_relative_paths_start_at_the_part_of_the_setting_before_any_glob(tmp_path):
+    (tmp_path / "corpus" / "a").mkdir(parents=True)
+    (tmp_path / "corpus" / "a" / "x.txt").write_text("x")
+    (tmp_path / "corpus" / "y.txt").write_text("y")
+    by_glob = resolve_sources(str(tmp_path / "corpus" / "**" / "*.txt"), REPO)
+    assert [f.relpath for f in by_glob.files] == ["a/x.txt", "y.txt"]
+    assert [f.relpath for f in resolve_sources(str(tmp_path / "corpus"), REPO).files] == ["a/x.txt", "y.txt"]
+    assert [f.relpath for f in resolve_sources(str(tmp_path / "corpus" / "y.txt"), REPO).files] == ["y.txt"]
+
+
+class _Hub:
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+
+    def dataset_info(self, name: str, files_metadata: bool):
+        assert files_metadata
+        siblings = [SimpleNamespace(rfilename=n, size=100 + i) for i, n in enumerate(self.names)]
+        return SimpleNamespace(sha="abc123", siblings=siblings, last_modified=datetime(2026, 11, 1, tzinfo=UTC))
+
+
+def test_a_hub_dataset_is_its_parquet_files_pinned_to_a_revision():
+    files = _hub_files("someone/corpus", _Hub(["README.md", "data/train-00001.parquet", "data/train-00000.parquet",
+                                               "raw/extra.jsonl"]))
+    assert [f.url for f in files] == ["hf://datasets/someone/corpus@abc123/data/train-00000.parquet",
+                                      "hf://datasets/someone/corpus@abc123/data/train-00001.parquet"]
+    assert [f.relpath for f in files] == ["data/train-00000.parquet", "data/train-00001.parquet"]
+    assert files[0].size == 102 and files[0].mtime == "2026-11-01T00:00:00+00:00"
+    assert [f.url.rsplit("/", 1)[1] for f in _hub_files("someone/corpus", _Hub(["a.jsonl", "b.txt"]))] == ["a.jsonl"]
+    with pytest.raises(SourceError, match=r"has no .* data files"):
+        _hub_files("someone/corpus", _Hub(["README.md"]))
