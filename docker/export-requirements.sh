@@ -13,10 +13,11 @@ export_lock() {
   uv export --quiet --frozen --no-hashes --no-dev --no-emit-project --no-annotate "$@"
 }
 
-# matplotlib (report charts), pendulum (DAG file) and the providers and clients (connections to hosts, the
-# Kubernetes API) are Airflow side only.
+# matplotlib (report charts), pendulum (DAG file), the providers and clients (connections to hosts, the
+# Kubernetes API, the Celery executor) and the database drivers are Airflow side only.
 worker_side=(--prune apache-airflow --prune matplotlib --prune pendulum --prune apache-airflow-providers-ssh
-             --prune apache-airflow-providers-cncf-kubernetes --prune kubernetes)
+             --prune apache-airflow-providers-cncf-kubernetes --prune kubernetes
+             --prune apache-airflow-providers-celery --prune celery --prune psycopg2-binary --prune asyncpg)
 
 export_lock "${worker_side[@]}" -o docker/requirements-trainer.txt
 export_lock "${worker_side[@]}" --extra gpu -o docker/requirements-trainer-cuda.txt

@@ -59,3 +59,31 @@ if [[ ! -x /usr/sbin/sshd && $(id -u) == 0 ]]; then
   mkdir -p /etc/ssh && touch /etc/ssh/sshd_not_to_be_run
 fi
 need "[[ -x /usr/sbin/sshd ]]" openssh-server "the SSH backend tests (real sshd servers on loopback)"
+
+# The Celery stack tests (tests/celery_stack.py) run their own Postgres cluster and redis-server on free ports.
+# Debian's packages would also start the system's (a "main" cluster on 5432, redis-server on 6379): a policy-rc.d
+# answering 101 ("action forbidden", honoured by invoke-rc.d and deb-systemd-invoke) holds them while installing,
+# unless the image has its own, and a service that started all the same is stopped and disabled.
+hold_services() {
+  local policy=/usr/sbin/policy-rc.d status
+  if [[ -e $policy || $(id -u) != 0 ]]; then "$@"; return; fi
+  trap 'rm -f /usr/sbin/policy-rc.d' EXIT  # even if this script is interrupted mid-install
+  printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy"
+  "$@"; status=$?
+  rm -f "$policy"; trap - EXIT
+  return $status
+}
+stop_service() {
+  if [[ -d /run/systemd/system ]]; then systemctl disable --now "$1" >/dev/null 2>&1
+  elif on_path service; then service "$1" stop >/dev/null 2>&1
+  fi
+  return 0
+}
+need_server() {  # need_server PRESENT_CHECK DEBIAN_PACKAGE SERVICE WHAT_FOR
+  eval "$1" && return 0
+  hold_services need "$1" "$2" "$4"
+  eval "$1" && stop_service "$3"
+}
+postgres_present() { compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || on_path initdb; }
+need_server "on_path redis-server" redis-server redis-server "the Celery stack tests (Postgres + Redis)"
+need_server postgres_present postgresql postgresql "the Celery stack tests (Postgres + Redis)"

@@ -43,6 +43,8 @@ AIRFLOW_COMPONENTS = {
     "airflow-scheduler": "scheduler",
     "airflow-dag-processor": "dag-processor",
     "airflow-triggerer": "triggerer",
+    "airflow-worker": "celery worker -q default -H default@%h",
+    "airflow-worker-gpu": "celery worker -q gpu -H gpu@%h -c 1",
 }
 
 
@@ -402,7 +404,7 @@ def test_compose_services_and_wiring():
 
 def test_compose_airflow_settings_agree():
     services = load_compose(COMPOSE)["services"]
-    env = services["airflow-scheduler"]["environment"]
+    env = services["airflow-worker-gpu"]["environment"]  # where tasks run: Airflow's settings and the S3 user's
     api_port = int(env["AIRFLOW__API__PORT"])
     execution = urlparse(env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"])
     assert (execution.hostname, execution.port, execution.path) == ("airflow-apiserver", api_port, "/execution/")
@@ -428,9 +430,30 @@ def test_compose_airflow_settings_agree():
         assert services[name]["environment"]["AIRFLOW__API_AUTH__JWT_SECRET"] == env["AIRFLOW__API_AUTH__JWT_SECRET"]
 
 
-def test_compose_keeps_the_api_server_private_and_storage_access_scoped(tmp_path):
+def test_compose_runs_celery_with_a_worker_per_queue():
+    """CeleryExecutor on Redis; the gpu worker serves the queue the GPU tasks go to, the other one the rest, and a
+    delivery timeout longer than a long training run (the provider's 24 h default redelivers and kills it)."""
     services = load_compose(COMPOSE)["services"]
     env = services["airflow-scheduler"]["environment"]
+    assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    assert urlparse(env["AIRFLOW__CELERY__BROKER_URL"]).hostname == "redis" and "healthcheck" in services["redis"]
+    backend = urlparse(env["AIRFLOW__CELERY__RESULT_BACKEND"].removeprefix("db+"))
+    assert backend.hostname == "postgres" and backend.password == services["postgres"]["environment"]["POSTGRES_PASSWORD"]
+    assert int(env["AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT"]) > 24 * 3600
+    queues = {name: services[name]["command"].split("-q ")[1].split()[0] for name in ("airflow-worker",
+                                                                                        "airflow-worker-gpu")}
+    assert queues == {"airflow-worker": "default", "airflow-worker-gpu": env["GPT_FINETUNE_GPU_QUEUE"]}
+    for name, queue in queues.items():
+        worker = services[name]
+        assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert worker["environment"]["DUMB_INIT_SETSID"] == "0"  # warm shutdown: running tasks finish
+        assert f"-d {queue}@${{HOSTNAME}}" in " ".join(worker["healthcheck"]["test"])
+    assert services["airflow-worker-gpu"]["shm_size"] and "shm_size" not in services["airflow-scheduler"]
+
+
+def test_compose_keeps_the_api_server_private_and_storage_access_scoped(tmp_path):
+    services = load_compose(COMPOSE)["services"]
+    env = services["airflow-worker-gpu"]["environment"]
     api = services["airflow-apiserver"]
     assert api["ports"] == [f"127.0.0.1:{env['AIRFLOW__API__PORT']}:8080"]  # loopback unless AIRFLOW_BIND says so
     for variable in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
@@ -464,10 +487,10 @@ def test_compose_holds_no_literal_secrets():
 def test_gpu_override_reserves_gpus_for_the_local_workers():
     override = yaml.safe_load(COMPOSE_GPU.read_text())
     assert set(override["services"]) <= set(yaml.safe_load(COMPOSE.read_text())["services"])
-    scheduler = load_compose(COMPOSE, COMPOSE_GPU)["services"]["airflow-scheduler"]
+    worker = load_compose(COMPOSE, COMPOSE_GPU)["services"]["airflow-worker-gpu"]
     assert any(device["driver"] == "nvidia" and "gpu" in device["capabilities"]
-               for device in gpu_reservations(scheduler))
-    assert scheduler["command"] == "scheduler", "the override must only add the reservation"
+               for device in gpu_reservations(worker))
+    assert worker["command"] == AIRFLOW_COMPONENTS["airflow-worker-gpu"], "the override must only add the reservation"
 
 
 # -- airflow.cfg.example ----------------------------------------------------------------------------------------
@@ -480,9 +503,13 @@ def production_config() -> configparser.ConfigParser:
 
 
 def airflow_options() -> dict[str, dict[str, dict]]:
+    """Airflow core's options and the Celery provider's (its executor's sections)."""
+    from airflow.providers.celery.get_provider_info import get_provider_info
+
     spec = importlib.util.find_spec("airflow")
     config_yml = Path(spec.submodule_search_locations[0]) / "config_templates" / "config.yml"
-    return {section: body["options"] for section, body in yaml.safe_load(config_yml.read_text()).items()}
+    sections = {**yaml.safe_load(config_yml.read_text()), **get_provider_info()["config"]}
+    return {section: body["options"] for section, body in sections.items()}
 
 
 def development_settings() -> dict[tuple[str, str], str]:
@@ -536,7 +563,9 @@ def test_production_config_is_complete_and_keeps_secrets_out():
 
     execution = urlparse(cfg["core"]["execution_api_server_url"])
     assert execution.port == cfg.getint("api", "port") and execution.path == "/execution/"
-    assert cfg["core"]["executor"] == "LocalExecutor" and cfg.getint("core", "parallelism") > 0
+    assert cfg["core"]["executor"] == "CeleryExecutor" and cfg.getint("core", "parallelism") > 0
+    assert cfg.has_option("celery", "broker_url_secret") and cfg.has_option("celery", "result_backend_secret")
+    assert cfg.getint("celery_broker_transport_options", "visibility_timeout") > 24 * 3600
     assert cfg.getboolean("logging", "remote_logging")
     assert cfg["logging"]["remote_base_log_folder"].startswith("s3://") and cfg["logging"]["remote_log_conn_id"]
     for section, backend, kwargs in (("secrets", "backend", "backend_kwargs"),

@@ -31,6 +31,8 @@ SSH = {"backend": "ssh", "ssh_conn_ids": ["host_a", "host_b"], "storage_root": "
         ({"num_workers": 0}, ["'num_workers' = 0", "out of range", "1 to 64"]),
         ({"num_workers": 65}, ["'num_workers' = 65", "1 to 64"]),
         ({"xla": "yes"}, ["'xla'", "true or false"]),
+        ({"gpu_queue": "gpu,default"}, ["'gpu_queue' = 'gpu,default'", "not a queue name", "celery worker -q"]),
+        ({"prepare_tasks": 300}, ["'prepare_tasks' = 300", "0 to 256"]),
         ({"learning_rate": 0}, ["'learning_rate'", "(0, 1]"]),
         ({"learning_rate": float("nan")}, ["'learning_rate'", "finite"]),
         ({"batch_size_per_worker": 0}, ["'batch_size_per_worker' = 0", "out of range"]),
