@@ -95,6 +95,8 @@ def resolve_sources(spec: str, repo_root: Path) -> Sources:
 
 def check_unchanged(source: SourceFile) -> None:
     """Fail, naming the file, when it is no longer what the plan read: nothing built from it may be published."""
+    if source.url.startswith("hf://"):
+        return  # pinned to a revision: its files never change
     fs, path = filesystem(source.url)
     try:
         info = fs.info(path)

@@ -193,3 +193,24 @@ def test_task_count_and_unit_size_follow_the_corpus():
     assert unit_size(0, 2048 * MiB, 4) == 128 * MiB  # a few units per task
     assert unit_size(0, 10 * MiB, 1) == 16 * MiB and unit_size(0, 1 << 40, 32) == 1 << 30  # at most 1024 units
     assert unit_size(3, 10 * MiB, 2) == 3 * MiB
+
+
+def test_a_unit_inside_one_long_paragraph_holds_no_document_and_changes_nothing(tmp_path):
+    from tasks.dataset.stage import tokenize_lane
+    from tasks.dataset.units import unit_result
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    long_paragraph = " ".join(WORDS * 25_000)  # ~3.5 MB without a blank line: whole 1 MiB units fall inside it
+    short = "\n\n".join(f"paragraph {i} " + " ".join(WORDS) for i in range(2000))
+    (corpus / "a.txt").write_text(short + "\n\n" + long_paragraph + "\n\n" + short + "\n", encoding="utf-8")
+    cfg = config(tmp_path, dataset=str(corpus / "a.txt"), block_size=64)
+    one = _prepared(tmp_path, "one", cfg, prepare_tasks=1)
+    planned = plan_dataset(cfg.replace(storage_root=str(tmp_path / "many"), prepare_tasks=3, prepare_unit_mb=1))
+    for lane in planned["lanes"]:
+        tokenize_lane(plan_summary(planned["plan"]), lane)
+    job = UnitJob.from_dict(planned["plan"]["job"])
+    documents = [sum(s["documents"] for s in unit_result(job, u)["splits"].values())
+                 for u in range(planned["plan"]["units"])]
+    assert 0 in documents, documents
+    _assert_same(one, finish_dataset(plan_summary(planned["plan"])))
