@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 
 $(VENV)/.synced: pyproject.toml uv.lock
 	@command -v uv >/dev/null || python3 -m pip install --quiet "uv==0.13.9"
-	uv sync --frozen
+	uv sync --frozen --compile-bytecode  # .pyc for every package: without them each process compiles what it imports
 	@touch $@
 
 setup: $(VENV)/.synced  ## create .venv exactly from uv.lock
