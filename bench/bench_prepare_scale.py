@@ -8,8 +8,8 @@ bounded sample is timed on its own). Every step runs in a fresh process, as an A
 1. Peak RSS of the tokenizing process (the whole stage in one task, `prepare_tasks` 1) against corpus size: the
    slope (MB of RSS per MB of text) and intercept of a least-squares line, next to the 2.6 MB/MB the stage had
    when it held the corpus in memory. Targets: slope < 0.05, every run <= 512 MiB.
-2. Tokens/s on 1 core against raw `encode_batch_fast` on the plays (bench/bench_prepare.py's measurement, one fresh
-   pinned process, warm pairs). Target >= 0.9x.
+2. Tokens/s on 1 core against raw `encode_batch_fast` on the plays (bench/bench_prepare.py's measurement: fresh
+   pinned processes, medians of their warm pairs). Target >= 0.9x.
 3. Bytes the S3 server sent over the corpus's bytes, for a 48 MB `s3://` corpus through a counting proxy, two
    lanes of 16 MB units. Target ~1.0 (no whole-file copies).
 4. Fan-out on this machine: 96 MB, `prepare_tasks` 1 on one core, against `prepare_tasks` 2 with each lane's
@@ -70,8 +70,8 @@ def run(out_dir: Path) -> dict:
             f"{m['text_mb']:.0f} MB -> {m['peak_rss_mb']:.0f} MB" for m in memory),
          "measured": f"slope {slope:.4f} MB/MB (before {SLOPE_BEFORE}), intercept {intercept:.0f} MB, peak {peak:.0f} MB",
          "target": f"< {SLOPE_TARGET} MB/MB, <= {RSS_TARGET_MB} MiB"},
-        {"benchmark": "prepare scale: tokens/s on 1 core vs raw `encode_batch_fast` (warm, by wall time)",
-         "measured": f"{throughput['ratio']:.2f}x", "target": f">= {THROUGHPUT_TARGET}x"},
+        {"benchmark": "prepare scale: tokens/s on 1 core vs raw `encode_batch_fast`, 42 plays, BPE 8192 (warm; by CPU time)",
+         "measured": f"{throughput['ratio']:.2f}x ({throughput['cpu_ratio']:.2f}x)", "target": f">= {THROUGHPUT_TARGET}x"},
         {"benchmark": f"prepare scale: bytes read from S3 over corpus bytes ({S3_MB} MB, 2 lanes)",
          "measured": f"{s3['ratio']:.4f}", "target": "~1.0"},
         {"benchmark": f"prepare scale: {FAN_OUT_MB} MB, 2 mapped tasks (1 core each) vs 1 task on 1 core; steps of "
@@ -130,9 +130,10 @@ def _memory_run(scratch: Path, tokenizer: str, files: list[Path], size_mb: int) 
 
 
 def _throughput(scratch: Path, tokenizer: str, core: int) -> dict:
-    from bench.bench_prepare import _summarize, _throughput_child
+    from bench.bench_prepare import CHILDREN, _summarize, _throughput_child
 
-    figures = _summarize([_throughput_child(tokenizer, [core], scratch / "throughput")])
+    figures = _summarize([_throughput_child(tokenizer, [core], scratch / f"throughput-{child}")
+                          for child in range(CHILDREN)])
     print(f"  1 core: stage {figures['stage_tokens_per_s'] / 1e6:.2f}M tok/s vs raw "
           f"{figures['raw_tokens_per_s'] / 1e6:.2f}M tok/s: {figures['ratio']:.2f}x")
     return figures

@@ -47,6 +47,7 @@ from tasks.dataset.tokenizer import (
     REPO_ROOT,
     TokenizerPlan,
     check_block_size,
+    packing_backend,
     plan_tokenizer,
     save_tokenizer,
     train_bpe,
@@ -127,7 +128,8 @@ def packing_settings(cfg: RunConfig, sources: Sources, plan: TokenizerPlan) -> d
 
 
 def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: float | None = None) -> dict[str, Any]:
-    """The plan (a small JSON dict, what XCom carries) and its lanes of unit dicts."""
+    """The plan (a small JSON dict, what XCom carries), its lanes of unit dicts and, for a caller that runs the
+    lanes itself (`run_planned`), the backend tokenizer already loaded."""
     started = time.perf_counter() if started is None else started
     layout = StorageLayout(cfg.storage_root)
     identity = identify_dataset(cfg)
@@ -153,7 +155,7 @@ def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: f
     tokenizer = tokenizer_plan.pretrained or train_bpe(sources, cfg, tokenizer_plan.sample, progress_interval_s)
     tokenizer_dir = storage.join(work, TOKENIZER_DIR)
     _save(tokenizer, tokenizer_dir)
-    backend = load_tokenizer(tokenizer_dir)
+    backend = packing_backend(tokenizer.backend_tokenizer)  # what was saved: the lanes load the same from there
     units = plan_units(sources, cfg.text_column, unit_size(cfg.prepare_unit_mb, sources.total_bytes, tasks))
     dealt = lanes(units, tasks)
     job = UnitJob(plan_id=plan_id, work_url=work, tokenizer_dir=tokenizer_dir, kind=sources.kind,
@@ -172,7 +174,7 @@ def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: f
     if tasks > 1:  # the tasks read the plan from storage: XCom carries its URL, not its list of files
         plan["plan_url"] = storage.join(work, PLAN_FILE)
         storage.write_json_atomic(plan["plan_url"], plan)
-    return {"plan": plan, "lanes": [[unit.to_dict() for unit in lane] for lane in dealt]}
+    return {"plan": plan, "lanes": [[unit.to_dict() for unit in lane] for lane in dealt], "tokenizer": backend}
 
 
 def plan_summary(plan: dict[str, Any]) -> dict[str, Any]:
@@ -352,7 +354,7 @@ def run_planned(planned: dict[str, Any], *, progress_interval_s: float = 5.0, st
     job = UnitJob.from_dict(plan["job"])
     began, cpu_began = time.perf_counter(), time.process_time()
     try:
-        tokenizer = load_tokenizer(job.tokenizer_dir)
+        tokenizer = planned.get("tokenizer") or load_tokenizer(job.tokenizer_dir)
         for lane in planned["lanes"]:
             run_lane(job, [Unit.from_dict(u) for u in lane], tokenizer, stage_bytes=_planned_bytes(plan),
                      progress_interval_s=progress_interval_s)

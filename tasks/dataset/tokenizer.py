@@ -219,14 +219,17 @@ def save_tokenizer(tokenizer: Any, directory: Path) -> None:
 
 
 def load_backend(directory: Path):
-    """The `tokenizers.Tokenizer` of a saved tokenizer directory, truncation and padding off (every token of a
-    document is packed)."""
+    """The `tokenizers.Tokenizer` of a saved tokenizer directory, ready to pack (`packing_backend`)."""
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    tokenizer.no_truncation()
-    tokenizer.no_padding()
-    return tokenizer
+    return packing_backend(Tokenizer.from_file(str(directory / "tokenizer.json")))
+
+
+def packing_backend(backend):
+    """`backend` (a `tokenizers.Tokenizer`) with truncation and padding off: every token of a document is packed."""
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
 
 
 def _sha256_text(text: str) -> str:

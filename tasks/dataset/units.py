@@ -26,7 +26,7 @@ import numpy as np
 
 from tasks.dataset.encode import SPLITS, Encoder, EncodeStats
 from tasks.dataset.errors import SourceError
-from tasks.dataset.readers import SourceReader, parquet_layout, read_documents
+from tasks.dataset.readers import DocumentChunk, SourceReader, parquet_layout, read_documents
 from tasks.dataset.sources import SourceFile, Sources, check_unchanged
 from tasks.dataset.split import DocumentDraws
 from tasks.dataset.tokenizer import load_backend
@@ -223,22 +223,14 @@ def run_lane(job: UnitJob, lane: list[Unit], tokenizer=None, *, stage_bytes: int
 def tokenize_unit(job: UnitJob, unit: Unit, tokenizer, progress: _Progress) -> dict[str, Any]:
     """Encode one unit into its streams (staged locally, then published next to its result, result last)."""
     began = time.perf_counter()
-    fetched = 0
+    chunks = _UnitChunks(job, unit)
     with tempfile.TemporaryDirectory(prefix=f"unit-{unit.index:05d}-", dir=_scratch_dir(job)) as scratch:
         paths = {split: Path(scratch) / f"{split}.bin" for split in SPLITS}
         with contextlib.ExitStack() as files:
             outputs = {split: files.enter_context(open(path, "wb")) for split, path in paths.items()}
             encoder = Encoder(tokenizer, job.eos_token, job.eos_id, np.dtype(job.dtype), job.joined,
                               job.val_fraction, outputs)
-            stats: EncodeStats = encoder.stats
-            for part in unit.parts:
-                source = job.sources[part.file]
-                check_unchanged(source)
-                with SourceReader(source) as reader:
-                    chunks = read_documents(reader, job.kind, part.start, part.end, job.text_column)
-                    encoder.run(chunks, DocumentDraws(job.seed, source.relpath), progress.advance)
-                    fetched += reader.fetched
-                check_unchanged(source)  # what was read is what the plan saw
+            stats: EncodeStats = encoder.run(chunks, progress.advance)
         splits = {}
         for split, path in paths.items():
             count = stats.splits[split]
@@ -247,11 +239,31 @@ def tokenize_unit(job: UnitJob, unit: Unit, tokenizer, progress: _Progress) -> d
                              "extreme": count.extreme.to_dict() if count.extreme else None}
             _publish_file(path, job.stream_url(unit.index, split))
     result = {"plan_id": job.plan_id, "unit": unit.index, "splits": splits, "bytes": unit.bytes,
-              "fetched_bytes": fetched, "wall_s": round(time.perf_counter() - began, 3),
+              "fetched_bytes": chunks.fetched, "wall_s": round(time.perf_counter() - began, 3),
               "cpu_s": round(stats.cpu_s, 3)}
     storage.write_json_atomic(job.result_url(unit.index), result)  # last: the unit is complete
     progress.end_unit(unit, result)
     return result
+
+
+class _UnitChunks:
+    """The unit's chunks, part after part, each with its file's draws, counting the bytes fetched from storage.
+    Each file must be as the plan saw it before and after its part is read."""
+
+    def __init__(self, job: UnitJob, unit: Unit) -> None:
+        self.job, self.unit, self.fetched = job, unit, 0
+
+    def __iter__(self) -> Iterator[tuple[DocumentChunk, DocumentDraws]]:
+        job = self.job
+        for part in self.unit.parts:
+            source = job.sources[part.file]
+            check_unchanged(source)
+            draws = DocumentDraws(job.seed, source.relpath)
+            with SourceReader(source) as reader:
+                for chunk in read_documents(reader, job.kind, part.start, part.end, job.text_column):
+                    yield chunk, draws
+                self.fetched += reader.fetched
+            check_unchanged(source)
 
 
 def _scratch_dir(job: UnitJob) -> str | None:

@@ -65,7 +65,7 @@ def test_shards_reproduce_the_packed_token_stream(tmp_path, caplog):
     files = dataset_files(result.manifest_url)
     assert manifest["fingerprint"] == result.fingerprint
     assert manifest["dtype"] == "uint16" and manifest["block_size"] == 32
-    assert manifest["settings"]["split_rule"] == "blake2b-doc-key/v1"
+    assert manifest["settings"]["split_rule"] == "blake2b-file-key+splitmix64-position/v2"
     assert len(manifest["splits"]["train"]["shards"]) == cfg.effective_num_shards == 8
 
     tokenizer = AutoTokenizer.from_pretrained(str(Path(result.manifest_url).parent / "tokenizer"))
