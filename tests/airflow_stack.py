@@ -1,7 +1,8 @@
 """A real Airflow (API server, scheduler with LocalExecutor, DAG processor, triggerer) for tests.
 
 Started as the README says (`scripts/airflow-env.sh` + `airflow standalone`), but on a temporary AIRFLOW_HOME and
-a free port, in its own process group so that every child is ended afterwards.
+a free port, in its own process group so that every child is ended afterwards. `AirflowClient` is how tests reach
+any such stack (REST, CLI, logs); tests/celery_stack.py builds the production topology on it.
 """
 
 from __future__ import annotations
@@ -27,12 +28,17 @@ def free_port() -> int:
 
 
 @dataclass
-class AirflowStack:
+class AirflowClient:
+    """A running Airflow as tests reach it: REST with the SimpleAuthManager login, the CLI, the task log files."""
+
     home: Path
     port: int
     env: dict[str, str]
-    process: subprocess.Popen
-    log_path: Path
+
+    @property
+    def logs(self) -> Path:
+        """Where the stack's own processes log (named in errors)."""
+        raise NotImplementedError
 
     @property
     def url(self) -> str:
@@ -89,7 +95,7 @@ class AirflowStack:
             if state in ("success", "failed"):
                 return state
             time.sleep(1)
-        raise TimeoutError(f"run {run_id} of {dag_id} not finished after {timeout:.0f}s; log: {self.log_path}")
+        raise TimeoutError(f"run {run_id} of {dag_id} not finished after {timeout:.0f}s; logs: {self.logs}")
 
     def rest(self, method: str, path: str, body: dict | None = None) -> dict:
         """One call of the REST API with a token from the SimpleAuthManager login."""
@@ -107,6 +113,18 @@ class AirflowStack:
         folder = self.home / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}" / f"task_id={task_id}"
         files = sorted(folder.glob(f"attempt={try_number}*"))
         return "\n".join(path.read_text(errors="replace") for path in files)
+
+
+@dataclass
+class AirflowStack(AirflowClient):
+    """`airflow standalone` (scripts/standalone.sh): every component in one process group, one log."""
+
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def logs(self) -> Path:
+        return self.log_path
 
     def stop(self) -> None:
         try:

@@ -1,5 +1,6 @@
 """One DAG run with storage on S3 reached only through an Airflow connection, shared by the tests that check it
-(tests/e2e/test_pipeline.py) and compare against it (tests/e2e/test_ssh_pipeline.py): a full run costs minutes."""
+(tests/e2e/test_pipeline.py) and compare against it (tests/e2e/test_ssh_pipeline.py): a full run costs minutes.
+And `celery_stack`, the production topology (tests/celery_stack.py) for a test module."""
 
 from __future__ import annotations
 
@@ -45,3 +46,21 @@ def connection_storage_run(airflow_stack, s3_endpoint, tmp_path_factory) -> Conn
     run_id = trigger(airflow_stack, conf)
     state = airflow_stack.wait_for_run(DAG, run_id, timeout=600)
     return ConnectionStorageRun(run_id, state, conf, bucket, secret, client)
+
+
+@pytest.fixture(scope="module")
+def celery_stack(tmp_path_factory):
+    """A CeleryExecutor stack (tests/celery_stack.py) running the repo's DAGs for one test module, stopped after it."""
+    from tests.celery_stack import start_celery_stack, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    # As for the standalone stack: no scheduled run holding the active-run slot, quick retries, storage in tmp.
+    extra_env = {"GPT_FINETUNE_STORAGE_ROOT": str(tmp_path_factory.mktemp("celery_storage")),
+                 "GPT_FINETUNE_SCHEDULE": "none", "GPT_FINETUNE_RETRY_DELAY_S": "2"}
+    stack = start_celery_stack(tmp_path_factory.mktemp("celery_home"), extra_env)
+    try:
+        yield stack
+    finally:
+        stack.stop()
