@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.tfrecord import write_sequence_records
 from tasks.dataset.stage import prepare_dataset
+from tasks.tfrecord import write_sequence_records
 from tests.tasks.dataset.corpus import config, read_tfrecords
 from trainer import storage
 from trainer.data import (
