@@ -3,8 +3,8 @@
 Three threads, each on its own part: a reader prefetches the next chunk from storage while this thread draws each
 document's split and calls `encode_batch_fast` (no character offsets, which packing never needs; it spreads the
 call over the process's cores with the tokenizer's thread pool and releases the GIL), while a writer turns the
-previous call's encodings into ids and appends them. A chunk is at most a few MiB of text, so one call costs at
-most ~110 B of RSS per token it makes, and memory does not grow with the corpus. Consecutive documents of a split
+previous call's encodings into ids and appends them. A chunk is about 1 MiB of text, so one call's encodings
+take ~30 MB (~110 B of RSS per token), and memory does not grow with the corpus. Consecutive documents of a split
 go into one tokenizer input joined by the EOS text where that provably gives the same ids (`joins_at_eos`), which
 saves a Python object per document; each document's own length is found at its EOS.
 """
