@@ -29,7 +29,7 @@ def connection_storage_run(airflow_stack, s3_endpoint, tmp_path_factory) -> Conn
     """A run of {**FAST, baseline: skip} whose S3 endpoint and keys exist only in the `run_storage` connection."""
     import boto3
 
-    from tests.e2e.test_pipeline import DAG, FAST, trigger
+    from tests.e2e.runs import DAG, FAST, trigger
 
     secret = f"conn-only-secret-{time.time_ns()}"
     bucket = f"conn-only-{time.time_ns()}"

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tasks.release import processes_of_run
-from tests.e2e.test_pipeline import DAG, FAST, trigger, wait_until
+from tests.e2e.runs import DAG, FAST, trigger, wait_until
 from tests.e2e.test_ssh_pipeline import _connections
 from tests.sshd import bring_back, take_down
 from trainer.layout import run_key

@@ -21,7 +21,7 @@ import pytest
 
 from tasks.release import processes_of_run
 from tests.airflow_stack import REPO, airflow_env, free_port
-from tests.e2e.test_pipeline import DAG, FAST, LONG, run_path, task_runner_pid, trigger, wait_until, worker_ranks
+from tests.e2e.runs import DAG, FAST, LONG, run_path, task_runner_pid, trigger, wait_until, worker_ranks
 from trainer.layout import run_key
 
 pytestmark = pytest.mark.timeout(900)
