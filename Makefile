@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 ENV := source scripts/airflow-env.sh &&
 PYTEST_ARGS ?=
 # Test files run two at a time (pytest-xdist, one file per worker process): most tests wait on Airflow's scheduler
-# or on TensorFlow start-up, so one at a time leaves a core idle. TEST_WORKERS=0 runs them in this process.
+# or on TensorFlow start-up, so one at a time leaves a core idle. Files go out in collection order, the longest
+# first (tests/conftest.py). TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 
 .PHONY: setup provision demo demo-s3 airflow test bench bench-table lint clean
@@ -31,7 +32,7 @@ provision: setup  ## install what the tests need besides .venv (Chromium, openss
 	@scripts/provision-tests.sh
 
 test: provision  ## the whole test suite (CPU only)
-	$(ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: setup  ## performance ratios measured side by side; results in bench-results/, README table regenerated
 	$(ENV) $(PY) -m bench $(BENCH_ARGS)

@@ -20,6 +20,37 @@ import pytest
 
 pytest_plugins = ["tests.s3server"]  # a real S3-protocol server on loopback, for every test directory
 
+# The test files that take longest, longest first. xdist hands whole files to its workers in collection order
+# (`--no-loadscope-reorder` in the Makefile), so these start at once and the many short files fill the gaps at the
+# end. In xdist's own order (most tests first) these one- to three-test files came last, and one worker ran an
+# end-to-end file alone for minutes while the other sat idle.
+LONGEST_FILES = (
+    "tests/e2e/test_pipeline.py",
+    "tests/e2e/test_ssh_pipeline.py",
+    "tests/e2e/test_worker_loss.py",
+    "tests/e2e/test_celery_pipeline.py",
+    "tests/e2e/test_elastic_pipeline.py",
+    "tests/e2e/test_promotion.py",
+    "tests/e2e/test_demo.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """LONGEST_FILES first, then the other files with the most tests first; a file's tests keep their order."""
+    renamed = [path for path in LONGEST_FILES if not (REPO / path).is_file()]
+    if renamed:
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FILES names files that do not exist: {renamed}")
+    by_file: dict[str, list] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def longest_first(path: str) -> tuple:
+        if path in LONGEST_FILES:
+            return (LONGEST_FILES.index(path), 0)
+        return (len(LONGEST_FILES), -len(by_file[path]))
+
+    items[:] = [item for path in sorted(by_file, key=longest_first) for item in by_file[path]]
+
 
 @pytest.fixture(scope="session")
 def airflow_stack(tmp_path_factory):
