@@ -11,7 +11,9 @@ export AIRFLOW__CORE__EXECUTOR=LocalExecutor
 # on a workstation, where a run executes one task at a time.
 export AIRFLOW__CORE__PARALLELISM="${AIRFLOW__CORE__PARALLELISM:-4}"
 export AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION=False
-export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-sqlite:///$AIRFLOW_HOME/airflow.db}"
+# SQLite lets one writer in at a time, and Python's sqlite3 gives up after waiting 5 s for the lock: on a busy
+# machine the API then answers 500 ("database is locked": a run marked failed from the UI that stays running). 30 s.
+export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-sqlite:///$AIRFLOW_HOME/airflow.db?timeout=30}"
 export AIRFLOW__API__PORT="$AIRFLOW_PORT"
 # Tasks reach the scheduler's execution API on the API server: the URL must name the same port (set it only when
 # tasks reach the API server through another address, e.g. a proxy).
