@@ -1,6 +1,7 @@
 """The whole pipeline triggered on a real scheduler: a run that tokenizes in mapped tasks and the nightly run after
-it that reuses shards and baseline, a preflight that fails before training, a release that cannot record its
-result, and storage reached only through an Airflow connection.
+it that reuses shards and baseline, a preflight that fails before training, and a release that cannot record its
+result. (Storage reached only through an Airflow connection: tests/e2e/test_ssh_pipeline.py, whose SSH run must
+match that local run.)
 
 Small settings keep each run to about a minute on 2 cores; everything else is real: Airflow's scheduler with the
 LocalExecutor, worker processes on loopback, shards and checkpoints in storage, and the release teardown.
@@ -94,29 +95,3 @@ def test_a_release_that_cannot_record_its_result_fails_the_run_and_says_why(airf
     assert "still alive: none" in release_log
     assert "release failed" in airflow_stack.task_log(DAG, run_id, "outcome")
     assert processes_of_run(run_key(DAG, run_id)) == {}
-
-
-def test_storage_credentials_only_in_an_airflow_connection(airflow_stack, connection_storage_run):
-    """S3 storage whose endpoint and keys exist only in an Airflow connection: every task reaches it, release
-    included, and the secret appears in no log (the run: tests/e2e/conftest.py, shared with the SSH comparison)."""
-    assert not [name for name in airflow_stack.env if name.startswith("AWS_")]
-    run_id, secret, bucket, client = (connection_storage_run.run_id, connection_storage_run.secret,
-                                      connection_storage_run.bucket, connection_storage_run.client)
-    assert connection_storage_run.state == "success"
-    assert set(airflow_stack.task_states(DAG, run_id).values()) <= {"success", "skipped"}
-
-    key = run_key(DAG, run_id)
-    release = json.loads(client.get_object(Bucket=bucket, Key=f"gpt/runs/{key}/release.json")["Body"].read())
-    assert release["clean"] is True
-    report = json.loads(client.get_object(Bucket=bucket, Key=f"gpt/runs/{key}/report/report.json")["Body"].read())
-    assert report["release"]["clean"] is True
-    rank_logs = [item["Key"] for item in client.list_objects_v2(Bucket=bucket, Prefix=f"gpt/runs/{key}/logs/")
-                 ["Contents"]]
-    assert rank_logs
-    for name in rank_logs:
-        assert secret.encode() not in client.get_object(Bucket=bucket, Key=name)["Body"].read(), name
-    task_logs = list((airflow_stack.home / "logs" / f"dag_id={DAG}" / f"run_id={run_id}").rglob("*"))
-    assert [path for path in task_logs if path.is_file()]
-    for path in [*task_logs, airflow_stack.log_path]:
-        if path.is_file():
-            assert secret not in path.read_text(errors="replace"), path

@@ -1,6 +1,8 @@
 """The whole DAG with `backend=ssh` on two real OpenSSH hosts (127.0.0.2, 127.0.0.3; tests/sshd.py) and storage on
 the local S3-protocol server: through the scheduler (next to the same run on the local backend, which must give
-the same eval loss) and through `airflow dags test` (the README's command).
+the same eval loss) and through `airflow dags test` (the README's command). The local run compared against keeps
+its storage endpoint and keys only in an Airflow connection, which every task, release included, must reach
+without the secret showing in any log or command line.
 
 The hosts share this machine's kernel, so these runs prove the launcher, agent, placement, streaming, storage-only
 data path and release across SSH, not separate machines (see the README's SSH section).
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,66 @@ from trainer.layout import run_key
 pytestmark = pytest.mark.timeout(900)
 
 SSH_FAST = {**FAST, "baseline": "skip"}
+STORAGE_CONN_ID = "run_storage"
+STORAGE_KEY_ID = "conn-only-key"
+
+
+@dataclass(frozen=True)
+class ConnectionStorageRun:
+    run_id: str
+    state: str
+    conf: dict  # the run's conf: storage_root and storage_conn_id included
+    bucket: str
+    secret: str  # the storage secret key, known only to the connection
+    client: object  # boto3 S3 client on the bucket
+
+
+@pytest.fixture(scope="module")
+def connection_storage_run(airflow_stack, s3_endpoint, tmp_path_factory) -> ConnectionStorageRun:
+    """A run of {**FAST, baseline: skip} whose S3 endpoint and keys exist only in the `run_storage` connection."""
+    import boto3
+
+    secret = f"conn-only-secret-{time.time_ns()}"
+    bucket = f"conn-only-{time.time_ns()}"
+    client = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id=STORAGE_KEY_ID,
+                          aws_secret_access_key=secret, region_name="us-east-1")
+    client.create_bucket(Bucket=bucket)
+    connection = tmp_path_factory.mktemp("connection") / "connections.json"
+    connection.write_text(json.dumps({STORAGE_CONN_ID: {
+        "conn_type": "aws", "login": STORAGE_KEY_ID, "password": secret,
+        "extra": json.dumps({"endpoint_url": s3_endpoint, "region_name": "us-east-1"})}}))
+    airflow_stack.cli("connections", "import", str(connection), "--overwrite")
+
+    conf = {**FAST, "baseline": "skip", "storage_root": f"s3://{bucket}/gpt", "storage_conn_id": STORAGE_CONN_ID}
+    run_id = trigger(airflow_stack, conf)
+    state = airflow_stack.wait_for_run(DAG, run_id, timeout=600)
+    return ConnectionStorageRun(run_id, state, conf, bucket, secret, client)
+
+
+def test_storage_credentials_only_in_an_airflow_connection(airflow_stack, connection_storage_run):
+    """S3 storage whose endpoint and keys exist only in an Airflow connection: every task reaches it, release
+    included, and the secret appears in no log (the run of `connection_storage_run`, which the SSH run must match)."""
+    assert not [name for name in airflow_stack.env if name.startswith("AWS_")]
+    run_id, secret, bucket, client = (connection_storage_run.run_id, connection_storage_run.secret,
+                                      connection_storage_run.bucket, connection_storage_run.client)
+    assert connection_storage_run.state == "success"
+    assert set(airflow_stack.task_states(DAG, run_id).values()) <= {"success", "skipped"}
+
+    key = run_key(DAG, run_id)
+    release = json.loads(client.get_object(Bucket=bucket, Key=f"gpt/runs/{key}/release.json")["Body"].read())
+    assert release["clean"] is True
+    report = json.loads(client.get_object(Bucket=bucket, Key=f"gpt/runs/{key}/report/report.json")["Body"].read())
+    assert report["release"]["clean"] is True
+    rank_logs = [item["Key"] for item in client.list_objects_v2(Bucket=bucket, Prefix=f"gpt/runs/{key}/logs/")
+                 ["Contents"]]
+    assert rank_logs
+    for name in rank_logs:
+        assert secret.encode() not in client.get_object(Bucket=bucket, Key=name)["Body"].read(), name
+    task_logs = list((airflow_stack.home / "logs" / f"dag_id={DAG}" / f"run_id={run_id}").rglob("*"))
+    assert [path for path in task_logs if path.is_file()]
+    for path in [*task_logs, airflow_stack.log_path]:
+        if path.is_file():
+            assert secret not in path.read_text(errors="replace"), path
 
 
 def _cmdline_watch(secret: str) -> tuple[threading.Event, list[str]]:
@@ -53,7 +116,7 @@ def _connections(ssh_hosts) -> dict:
 
 def test_ssh_run_through_the_scheduler_matches_the_local_backend(airflow_stack, ssh_hosts, connection_storage_run,
                                                                  tmp_path):
-    # The local run to match is the one of tests/e2e/conftest.py: the same conf, storage and connection.
+    # The local run to match is `connection_storage_run`: the same conf, storage and connection.
     local_id, secret, bucket, s3 = (connection_storage_run.run_id, connection_storage_run.secret,
                                     connection_storage_run.bucket, connection_storage_run.client)
     assert connection_storage_run.state == "success"
