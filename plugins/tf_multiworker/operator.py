@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException
 
 from tf_multiworker.hook import StorageCredentialsHook
 from tf_multiworker.launcher import (
@@ -152,6 +153,7 @@ class TFMultiWorkerOperator(BaseOperator):
     # -- Airflow entry points ---------------------------------------------------------------------------------
 
     def execute(self, context: Any) -> dict[str, Any]:
+        self._refuse_a_run_that_is_over(context["ti"])
         spec = self._group_spec()
         run = StorageLayout(normalize_root(_as_str("storage_root", self.storage_root))).run(
             _as_str("run_key", self.run_key))
@@ -204,6 +206,18 @@ class TFMultiWorkerOperator(BaseOperator):
         if self.group is not None:
             grace_s = min(_as_number("grace_period_s", self.grace_period_s, float, 0.1), ON_KILL_GRACE_S)
             self.group.stop(f"task {self.task_id} was killed (SIGTERM, marked failed or execution_timeout)", grace_s)
+
+    def _refuse_a_run_that_is_over(self, ti: Any) -> None:
+        """Airflow can start a retry in a run that is already over: when the run is marked failed while the scheduler
+        handles the death of the task's previous attempt, that attempt still becomes up_for_retry, and the retry runs
+        (seen with train's task runner SIGKILLed and the run marked failed 0.1 s later). Its workers would start after
+        release has checked the hosts, and nothing would end them."""
+        state = ti.get_dagrun_state(dag_id=ti.dag_id, run_id=ti.run_id)
+        if state in ("failed", "success"):
+            raise AirflowFailException(
+                f"{self.task_id} launches no workers: DAG run {ti.run_id} is already {state} (marked from outside "
+                f"while an earlier attempt of {self.task_id} ended). Trigger a new run, or clear the run's tasks, to "
+                f"train again.")
 
     def plan_group(self, context: Any, spec: GroupSpec, backend: Any) -> GroupSpec:
         """The group to launch now; subclasses may shrink it to what the backend can place

@@ -13,8 +13,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from airflow.sdk.exceptions import AirflowFailException
+from tf_multiworker import operator as operator_module
 from tf_multiworker.operator import TFMultiWorkerOperator
 
 from tasks.release import processes_of_run
@@ -58,6 +61,20 @@ def test_rendered_strings_are_coerced_to_launch_settings():
 def test_bad_rendered_values_fail_before_anything_starts(changes, message):
     with pytest.raises((TypeError, ValueError), match=message):
         _operator(**changes)._group_spec()
+
+
+
+@pytest.mark.parametrize("state", ["failed", "success"])
+def test_an_attempt_in_a_run_that_is_over_launches_nothing(monkeypatch, state):
+    """A retry Airflow started in a run marked failed meanwhile: refused before any backend exists."""
+    backends = []
+    monkeypatch.setattr(operator_module, "make_backend", lambda *args: backends.append(args))
+    asked = []
+    ti = SimpleNamespace(dag_id="gpt_finetune", run_id="manual__1",
+                         get_dagrun_state=lambda dag_id, run_id: asked.append((dag_id, run_id)) or state)
+    with pytest.raises(AirflowFailException, match=f"train launches no workers: DAG run manual__1 is already {state}"):
+        _operator().execute({"ti": ti})
+    assert asked == [("gpt_finetune", "manual__1")] and backends == []
 
 
 # -- through Airflow's task runner ------------------------------------------------------------------------------
