@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -80,17 +81,24 @@ def test_an_attempt_in_a_run_that_is_over_launches_nothing(monkeypatch, state):
 # -- through Airflow's task runner ------------------------------------------------------------------------------
 
 def _case(tmp_path, *, entrypoint="tiny_worker", args=(), worker_env=None, **params) -> Path:
+    """A harness run. Its run key is its own: an attempt ends what carries its run key and group on every host
+    first, and xdist may run another file's harness runs (test_operator_kubernetes.py) at the same time."""
     case = {
         "entrypoint": entrypoint,
         "args": list(args),
         "env": entrypoint_env(**(worker_env or {})),
         "params": {"num_workers": 2, "backend": "local", "backend_settings": {}, "use_gpu": False,
-                   "storage_root": str(tmp_path / "storage"), "run_key": "run1", "storage_conn_id": "",
+                   "storage_root": str(tmp_path / "storage"), "run_key": f"run-{uuid.uuid4().hex[:8]}",
+                   "storage_conn_id": "",
                    "startup_timeout_s": 60, "hang_timeout_s": 60, **params},
     }
     path = tmp_path / "case.json"
     path.write_text(json.dumps(case))
     return path
+
+
+def _run_key(case: Path) -> str:
+    return json.loads(case.read_text())["params"]["run_key"]
 
 
 def _start(airflow_env, case: Path, tmp_path, extra_env=None) -> tuple[subprocess.Popen, Path, Path]:
@@ -129,7 +137,7 @@ def test_success_on_s3_with_credentials_from_a_connection(airflow_env, tmp_path,
 
     summary, record = result["summary"], result["state_record"]
     assert [w["exit_code"] for w in summary["workers"]] == [0, 0] and summary["launch_attempts"] == 1
-    assert summary["state_url"] == "s3://runs/root/runs/run1/state/group.json"
+    assert summary["state_url"] == f"s3://runs/root/runs/{_run_key(case)}/state/group.json"
     assert record["state"] == "succeeded" and [w["rank"] for w in record["workers"]] == [0, 1]
     assert all(set(w) == {"rank", "host", "pid", "pgid", "port", "gpus"} for w in record["workers"])
 
@@ -144,7 +152,8 @@ def test_success_on_s3_with_credentials_from_a_connection(airflow_env, tmp_path,
 
 
 def test_failing_rank_fails_the_task_and_its_logs_are_still_uploaded(airflow_env, tmp_path):
-    process, out, log = _start(airflow_env, _case(tmp_path, worker_env={"TINY_WORKER_FAULT": "1:exit1"}), tmp_path)
+    case = _case(tmp_path, worker_env={"TINY_WORKER_FAULT": "1:exit1"})
+    process, out, log = _start(airflow_env, case, tmp_path)
     _finish(process, timeout=120)
     task_log = log.read_text(errors="replace")
     result = json.loads(out.read_text())
@@ -152,7 +161,7 @@ def test_failing_rank_fails_the_task_and_its_logs_are_still_uploaded(airflow_env
     assert "WorkerFailedError" in task_log and "rank 1 (host 127.0.0.1, pid" in task_log
     assert "exited with code 1" in task_log and "| failing on purpose with exit code 1" in task_log
     assert result["state_record"]["state"] == "failed"
-    logs = tmp_path / "storage" / "runs" / "run1" / "logs" / "group"
+    logs = tmp_path / "storage" / "runs" / _run_key(case) / "logs" / "group"
     assert "failing on purpose" in (logs / "rank-1.log").read_text()
     assert wait_until_gone([w["pgid"] for w in result["state_record"]["workers"]], 0) == []
 
@@ -161,7 +170,7 @@ def test_sigterm_to_the_task_stops_a_two_worker_tf_training_run(airflow_env, tmp
     case = _case(tmp_path, entrypoint="tiny_mwms", args=["--steps", "100000", "--step-sleep", "0.05"],
                  startup_timeout_s=120)
     process, out, log = _start(airflow_env, case, tmp_path)
-    state_file = tmp_path / "storage" / "runs" / "run1" / "state" / "group.json"
+    state_file = tmp_path / "storage" / "runs" / _run_key(case) / "state" / "group.json"
     try:
         deadline = time.monotonic() + 120
         while "[rank 1] rank 1 step 3 " not in log.read_text(errors="replace"):

@@ -20,7 +20,7 @@ from tasks.release import release_run
 from tests.k8s_server import FakeKubernetes
 from tests.plugins.conftest import REPO, failure_excerpt
 from tests.plugins.test_launcher_kubernetes import backend, image_env
-from tests.plugins.test_operator import _case, _finish, _start
+from tests.plugins.test_operator import _case, _finish, _run_key, _start
 from tests.trainer.shards import write_dataset
 from trainer.layout import run_key
 from trainer.storage import read_json
@@ -95,7 +95,7 @@ def test_training_on_pods_gives_the_eval_loss_of_the_local_backend(airflow_env, 
         print(f"\n{name}: train task {result['task_states']['group']} in {time.monotonic() - started:.1f} s")
         assert result["task_states"]["group"] == "success", failure_excerpt(task_log)
         models[name] = output / "model"
-    assert f"[rank 1 pod {GroupNames('run1', 'group', 'default').pod(1)}] TFMW_READY rank=1" in task_log
+    assert f"[rank 1 pod {GroupNames(_run_key(case), 'group', 'default').pod(1)}] TFMW_READY rank=1" in task_log
     losses = _eval_losses(manifest, models)
     print(f"eval loss local {losses['local']:.8f} kubernetes {losses['kubernetes']:.8f} "
           f"|delta| {abs(losses['local'] - losses['kubernetes']):.2e}")
