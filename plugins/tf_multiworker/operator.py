@@ -210,7 +210,7 @@ class TFMultiWorkerOperator(BaseOperator):
     def _refuse_a_run_that_is_over(self, ti: Any) -> None:
         """Airflow can start a retry in a run that is already over: when the run is marked failed while the scheduler
         handles the death of the task's previous attempt, that attempt still becomes up_for_retry, and the retry runs
-        (seen with train's task runner SIGKILLed and the run marked failed 0.1 s later). Its workers would start after
+        (seen with train's task runner SIGKILLed and the run marked failed 0.15 s later). Its workers would start after
         release has checked the hosts, and nothing would end them."""
         state = ti.get_dagrun_state(dag_id=ti.dag_id, run_id=ti.run_id)
         if state in ("failed", "success"):

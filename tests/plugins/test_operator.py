@@ -64,7 +64,6 @@ def test_bad_rendered_values_fail_before_anything_starts(changes, message):
         _operator(**changes)._group_spec()
 
 
-
 @pytest.mark.parametrize("state", ["failed", "success"])
 def test_an_attempt_in_a_run_that_is_over_launches_nothing(monkeypatch, state):
     """A retry Airflow started in a run marked failed meanwhile: refused before any backend exists."""
