@@ -34,14 +34,14 @@ provision: setup  ## install what the tests need besides .venv (Chromium, openss
 test: provision  ## the whole test suite (CPU only)
 	$(ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
-bench: setup  ## performance ratios measured side by side; results in bench-results/, README table regenerated
+bench: setup  ## performance ratios measured side by side; results in bench-results/ and docs/benchmarks.md's table
 	$(ENV) $(PY) -m bench $(BENCH_ARGS)
 
-bench-table: setup  ## regenerate the README's benchmark table from bench-results/*.json
+bench-table: setup  ## regenerate docs/benchmarks.md's table from bench-results/*.json
 	$(PY) -m bench.results
 
 lint: setup
 	$(VENV)/bin/ruff check dags plugins tasks trainer tests bench scripts
 
 clean:
-	rm -rf .airflow storage test-artifacts  # bench-results/ is kept: it is the README table's source
+	rm -rf .airflow storage test-artifacts  # bench-results/ is kept: it is the source of docs/benchmarks.md's table

@@ -2,7 +2,7 @@
 
 Usage: python -m bench [NAME ...]   (names: the bench_<name>.py modules; default all)
 Results: bench-results/<name>.json (latest) and bench-results/history/ (every run), each with the machine it ran
-on, plus the printed lines; then the README's benchmark table is regenerated from them (bench/results.py).
+on, plus the printed lines; then the benchmark table in docs/benchmarks.md is regenerated from them (bench/results.py).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def main(names: list[str]) -> int:
             continue
         saved = results.save(name, figures, machine)
         print(f"({time.monotonic() - started:.0f} s; figures in {saved})\n", flush=True)
-    if results.update_readme():
-        print(f"README benchmark table regenerated from {OUT}")
+    if results.update_page():
+        print(f"Benchmark table in {results.PAGE.relative_to(results.REPO)} regenerated from {OUT}")
     return 1 if failed else 0
 
 

@@ -10,7 +10,7 @@ allocating on demand instead of reserving the whole GPU) and the compile time th
 more GPUs it also times a 256 MiB NCCL all-reduce between two worker processes, one GPU each (bus bandwidth =
 algorithm bandwidth x 2(N-1)/N, as nccl-tests report it). Target on an H200: MFU >= 40%.
 Not part of `make bench` (needs a GPU); takes a few minutes, most of it XLA compilation. The figures go to
-`bench-results/gpu_check.json` and the README table (bench/results.py); a dry run writes only where --json says.
+`bench-results/gpu_check.json` and the table in docs/benchmarks.md (bench/results.py); a dry run writes only where --json says.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         figures["rows"] = _rows(figures)
         results.save("gpu_check", figures, results.machine())
-        results.update_readme()
+        results.update_page()
     return 0
 
 

@@ -18,7 +18,7 @@ _SCHEDULE_SETTING = os.environ.get("GPT_FINETUNE_SCHEDULE", "0 2 * * *").strip()
 SCHEDULE = None if _SCHEDULE_SETTING.lower() == "none" else _SCHEDULE_SETTING
 DEFAULT_STORAGE_ROOT = os.environ.get("GPT_FINETUNE_STORAGE_ROOT", "storage")
 RETRY_DELAY_S = int(os.environ.get("GPT_FINETUNE_RETRY_DELAY_S", "30"))
-# The Celery queue served by the GPU hosts' workers (README "Deploying on a cluster"); empty: the default queue.
+# The Celery queue served by the GPU hosts' workers (docs/deployment.md, "Deploying on a cluster"); empty: the default queue.
 DEFAULT_GPU_QUEUE = os.environ.get("GPT_FINETUNE_GPU_QUEUE", "")
 
 PREPARE = "prepare"
@@ -131,7 +131,7 @@ PARAMS = {
                      description="auto: promote when the gates passed and eval loss is not worse than the promoted "
                                  "version's by more than promotion_tolerance; always: whenever the gates passed; "
                                  "never."),
-    # backend=kubernetes: one pod per worker (README "Running on Kubernetes").
+    # backend=kubernetes: one pod per worker (docs/backends.md, "Kubernetes").
     "kubernetes_conn_id": Param("", type=["null", "string"], title="Kubernetes connection",
                                 description="Airflow connection (kubernetes type) of the cluster; empty uses the "
                                             "in-cluster configuration of the Airflow worker's pod."),

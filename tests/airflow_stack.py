@@ -1,8 +1,9 @@
 """A real Airflow (API server, scheduler with LocalExecutor, DAG processor, triggerer) for tests.
 
-Started as the README says (`scripts/airflow-env.sh` + `airflow standalone`), but on a temporary AIRFLOW_HOME and
-a free port, in its own process group so that every child is ended afterwards. `AirflowClient` is how tests reach
-any such stack (REST, CLI, logs); tests/celery_stack.py builds the production topology on it.
+Started as `make airflow` starts it (`scripts/airflow-env.sh` + `airflow standalone`, docs/running.md), but on a
+temporary AIRFLOW_HOME and a free port, in its own process group so that every child is ended afterwards.
+`AirflowClient` is how tests reach any such stack (REST, CLI, logs); tests/celery_stack.py builds the production
+topology on it.
 """
 
 from __future__ import annotations

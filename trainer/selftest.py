@@ -15,7 +15,7 @@ phase is bounded by `collective_timeout_s`; past it the worker reports and exits
 
 Once its TensorFlow server is up, each worker also tries its own port on every non-loopback address of its host:
 TF's worker channel listens on all interfaces without authentication, so an answer there means anyone who can
-route to that address may run code as this user (README: Security model). This is reported, not an error.
+route to that address may run code as this user (docs/security.md). This is reported, not an error.
 
 The chief compares versions and the fingerprint of this project's own code across ranks (skew is an error), runs
 the scaling advisor (`trainer/advisor.py`: a few single-worker steps, or the reused baseline's step time, against
@@ -376,7 +376,7 @@ def port_exposure(identity: runtime.WorkerIdentity, timeout_s: float = 1.0) -> d
     """Whether this worker's TF port accepts connections on the host's non-loopback addresses.
 
     Connecting from the same host shows that the port listens there; whether other hosts get through depends on
-    the firewall or network in between, which is why the README asks to keep worker networks private."""
+    the firewall or network in between, which is why docs/security.md asks to keep worker networks private."""
     import psutil
 
     port = int(identity.addresses[identity.rank].rsplit(":", 1)[1])
@@ -407,7 +407,7 @@ def port_lines(result: dict[str, Any]) -> list[str]:
         if exposure["exposed"]:
             lines.append(f"WARNING: {where} answers on non-loopback {', '.join(exposure['reachable_on'])}: "
                          "anyone who can reach it can run code as this user; keep worker ports private "
-                         "(README: Security model)")
+                         "(docs/security.md)")
         else:
             lines.append(f"{where}: not reachable on non-loopback addresses "
                          f"({', '.join(exposure['checked']) or 'none on this host'})")

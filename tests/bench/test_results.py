@@ -1,4 +1,4 @@
-"""bench/results.py: figures saved with their machine, and the README table regenerated from them."""
+"""bench/results.py: figures saved with their machine, and the benchmarks page's table regenerated from them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 from bench import results
 
-README = f"""# Project
+PAGE = f"""# Benchmarks
 
 Intro.
 
@@ -35,8 +35,8 @@ def test_saved_figures_carry_the_machine_and_land_in_the_history(tmp_path):
 
 
 def test_the_table_shows_the_latest_rows_and_keeps_benchmarks_without_results(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(README)
+    page = tmp_path / "benchmarks.md"
+    page.write_text(PAGE)
     machine = results.machine() | {"cpu": "Test CPU", "usable_cores": 2, "logical_cores": 4, "gpus": []}
     results.save("prepare", {"rows": [
         {"benchmark": "prepare: stage vs raw, 1 core", "measured": "0.95x", "target": ">= 0.9x"},
@@ -45,17 +45,25 @@ def test_the_table_shows_the_latest_rows_and_keeps_benchmarks_without_results(tm
     results.save("trainer", {"rows": [{"benchmark": "trainer: vs model.fit", "measured": "0.97x",
                                        "target": ">= 0.95x"}]}, machine, tmp_path)
 
-    assert results.update_readme(readme, tmp_path)
-    text = readme.read_text()
+    assert results.update_page(page, tmp_path)
+    text = page.read_text()
     table = text[text.index(results.BEGIN):text.index(results.END)]
     lines = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert lines == [
         "| prepare: stage vs raw, 1 core | 0.95x | >= 0.9x |",
         "| prepare: stage vs raw, 2 cores | 0.88x | >= 0.85x |",
         "| trainer: vs model.fit | 0.97x | >= 0.95x |",
-        "| launcher: by hand vs launcher | 0.97x | <= 1.15x |",  # no results file: the README's row stays
+        "| launcher: by hand vs launcher | 0.97x | <= 1.15x |",  # no results file: the page's row stays
         "| gpu check: GPT-2 124M | not run | MFU >= 40% |",
     ]
     assert "`prepare` " in table and "2 of 4 cores of Test CPU" in table and "0.5x" not in table
-    assert text.startswith("# Project\n\nIntro.\n\n") and text.endswith(f"{results.END}\n\nAfter the table.\n")
-    assert not results.update_readme(readme, tmp_path)  # regenerating again changes nothing
+    assert text.startswith("# Benchmarks\n\nIntro.\n\n") and text.endswith(f"{results.END}\n\nAfter the table.\n")
+    assert not results.update_page(page, tmp_path)  # regenerating again changes nothing
+
+
+def test_the_benchmarks_page_shows_the_table_of_the_committed_results():
+    """docs/benchmarks.md holds the table `make bench-table` makes from bench-results/: nobody edited it by hand,
+    and no results file is newer than the page."""
+    page = results.PAGE.read_text()
+    assert page.count(results.BEGIN) == 1 and page.count(results.END) == 1
+    assert results.table(page) == page[page.index(results.BEGIN):page.index(results.END) + len(results.END)]

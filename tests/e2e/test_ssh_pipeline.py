@@ -1,11 +1,11 @@
 """The whole DAG with `backend=ssh` on two real OpenSSH hosts (127.0.0.2, 127.0.0.3; tests/sshd.py) and storage on
 the local S3-protocol server: through the scheduler (next to the same run on the local backend, which must give
-the same eval loss) and through `airflow dags test` (the README's command). The local run compared against keeps
+the same eval loss) and through `airflow dags test` (what `make demo` runs). The local run compared against keeps
 its storage endpoint and keys only in an Airflow connection, which every task, release included, must reach
 without the secret showing in any log or command line.
 
 The hosts share this machine's kernel, so these runs prove the launcher, agent, placement, streaming, storage-only
-data path and release across SSH, not separate machines (see the README's SSH section).
+data path and release across SSH, not separate machines (see docs/backends.md).
 """
 
 from __future__ import annotations
@@ -158,8 +158,8 @@ def test_ssh_run_through_the_scheduler_matches_the_local_backend(airflow_stack, 
 
 
 def test_readme_command_runs_the_whole_dag_on_ssh_hosts(ssh_hosts, tmp_path):
-    """`make demo-s3 DEMO_ARGS='--conf {"backend": "ssh", ...}'` in miniature, with the hosts' connections set by
-    environment as a deployment would."""
+    """`make demo-s3` with `--conf '{"backend": "ssh", ...}'` in DEMO_ARGS, in miniature, with the hosts' connections
+    set by environment as a deployment would."""
     extra = {"GPT_FINETUNE_STORAGE_ROOT": str(tmp_path / "unused")}
     for host in ssh_hosts:
         extra.update(host.connection_env())

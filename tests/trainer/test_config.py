@@ -143,7 +143,7 @@ def test_cleared_connection_field_means_environment_credentials():
         RunConfig.from_params({"dataset": None})
 
 
-DEMO_SETTINGS = [  # scripts/demo.py, the README's examples and the compose stack
+DEMO_SETTINGS = [  # scripts/demo.py, the compose stack and settings like the docs' (tests/test_readme.py checks those)
     {},
     {"num_workers": 3},
     {"storage_root": "s3://gpt-finetune", "storage_conn_id": "minio_s3"},

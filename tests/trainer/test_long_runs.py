@@ -32,7 +32,7 @@ THREAD_ALLOWANCE = 50
 # The leak this guards against adds at least 2 threads per step (15,000 threads by step 2,635 when it was found):
 # 500 steps past the reference are then >= 1,000 extra threads, 20 times the allowance, and the allowance is
 # crossed within 25 steps of the reference. Thousands of steps would prove nothing more here, at minutes of CI
-# time; `make bench` (bench/bench_long_run.py) still runs 3,000 steps for the figures in README.
+# time; `make bench` (bench/bench_long_run.py) still runs 3,000 steps for the figures in docs/benchmarks.md.
 SOAK_STEPS = 600
 SOAK_CHECKPOINT_EVERY = 200  # three periodic checkpoints inside the watched steps
 LAUNCH_BOUND_S = 600  # a safety net for a group that never ends, not a performance target

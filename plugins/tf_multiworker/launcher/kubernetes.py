@@ -41,8 +41,8 @@ FORWARDED_PREFIXES = ("GPT_FINETUNE_",)
 # Status codes worth retrying: the API server overloaded or restarting, or a rate limit.
 RETRIED_STATUSES = {429, 500, 502, 503, 504}
 TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError)
-FORBIDDEN_HINT = (" (the identity of kubernetes_conn_id needs the Role of the README's 'Running on Kubernetes' in "
-                  "this namespace, and the namespace's ResourceQuota room for the pods)")
+FORBIDDEN_HINT = (" (the identity of kubernetes_conn_id needs the Role of docs/backends.md's 'Cluster prerequisites' "
+                  "in this namespace, and the namespace's ResourceQuota room for the pods)")
 EVENTS_EVERY_S = 5.0
 LOG_RECONNECT_PAUSE_S = 0.5
 MAX_READS_AFTER_END = 5
