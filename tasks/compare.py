@@ -85,11 +85,12 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
     if promoted:
         evaluations[f"promoted {promoted['version']}"] = promoted
     report["samples"] = samples_by_model(evaluations)
+    trained = [run for run in (report["runs"]["baseline"], report["runs"]["distributed"]) if run]
     charts = {
         reports.LOSS_CHART: reports.loss_chart(
-            {run["label"]: read_metrics(TrainOutput(run["output_url"]))
-             for run in (report["runs"]["baseline"], report["runs"]["distributed"]) if run},
-            title=f"Training loss, global batch {cfg.global_batch_size}",
+            {run["label"]: read_metrics(TrainOutput(run["output_url"])) for run in trained},
+            title=f"Training loss and final eval loss, global batch {cfg.global_batch_size}",
+            eval_points={run["label"]: (run["tokens_seen"], run["eval_loss"]) for run in trained},
         ),
         reports.SCALING_CHART: reports.scaling_chart(
             reports.load_history(StorageLayout(prepared["storage_root"]).runs, exclude_run_key=prepared["run_key"])
@@ -208,7 +209,8 @@ def evaluate_promoted(prepared: dict, cfg: RunConfig) -> dict[str, Any] | None:
         return None
     section = {"name": cfg.model_name, "version": pointer["version"], "url": pointer["url"],
                "run_id": pointer["run_id"], "recorded_eval_loss": pointer["eval_loss"],
-               "eval_loss": None, "perplexity": None, "samples": None, "note": None}
+               "eval_loss": None, "perplexity": None, "nats_per_char": None, "known_words": None, "samples": None,
+               "note": None}
     manifest_url = prepared["manifest_url"]
     if not registry.same_tokenizer(pointer["model_url"], tokenizer_url(manifest_url, read_json(manifest_url))):
         section["note"] = f"{pointer['version']}'s tokenizer differs from this run's: it cannot be scored on its shards"
@@ -216,17 +218,21 @@ def evaluate_promoted(prepared: dict, cfg: RunConfig) -> dict[str, Any] | None:
         return section
     result = run_evaluation(pointer["model_url"], manifest_url, join(prepared["report_url"], "eval-promoted.json"),
                             cfg=cfg, run_key=prepared["run_key"], label="promoted")
-    section.update(eval_loss=result["eval_loss"], perplexity=result["perplexity"], samples=result.get("samples"))
+    section.update(eval_loss=result["eval_loss"], perplexity=result["perplexity"], samples=result.get("samples"),
+                   nats_per_char=result.get("nats_per_char"), known_words=result.get("known_words"))
     return section
 
 
 def samples_by_model(evaluations: dict[str, dict[str, Any] | None]) -> list[dict[str, Any]]:
-    """[{"model": label, "samples": [{"prompt", "greedy", "top_k"}]}] for every evaluation that generated some."""
+    """[{"model": label, "eval_loss", "nats_per_char", "known_words", "samples": [{"prompt", "greedy", "top_k"}]}]
+    for every evaluation that generated some."""
     section = []
     for label, evaluation in evaluations.items():
         samples = (evaluation or {}).get("samples")
         if isinstance(samples, list) and samples and all(isinstance(sample, dict) for sample in samples):
-            section.append({"model": label, "samples": samples})
+            section.append({"model": label, "eval_loss": evaluation.get("eval_loss"),
+                            "nats_per_char": evaluation.get("nats_per_char"),
+                            "known_words": evaluation.get("known_words"), "samples": samples})
     return section
 
 
@@ -250,6 +256,8 @@ def run_figures(label: str, output: TrainOutput, summary: dict[str, Any], evalua
         "mfu": summary.get("mfu"),
         "eval_loss": evaluation["eval_loss"],
         "perplexity": evaluation["perplexity"],
+        "nats_per_char": evaluation.get("nats_per_char"),  # absent from a baseline evaluation cached before them
+        "known_words": evaluation.get("known_words"),
         "eval_tokens": evaluation["eval_tokens"],
         "eval_time_s": evaluation["eval_time_s"],
         "output_url": output.url,

@@ -15,14 +15,17 @@ charts) trust a report only once it exists. The layout of `report.json` (format_
                     "measured_efficiency", "speedup_error", "recommendation", "rows", "step_source"} | null,
      "release": {"clean", "released_at", "host", "survivors"} (added by the release task),
      "continued_from": {"name", "version", "url", "model_url", "run_id", "eval_loss"} | null,
-     "promoted": {"name", "version", "url", "run_id", "recorded_eval_loss", "eval_loss", "perplexity", "samples",
-                  "note"} | null (the promoted version when evaluate ran, scored on this run's shards),
-     "samples": [{"model": label, "samples": [{"prompt", "greedy", "top_k"}]}],
+     "promoted": {"name", "version", "url", "run_id", "recorded_eval_loss", "eval_loss", "perplexity", "nats_per_char",
+                  "known_words", "samples", "note"} | null (the promoted version when evaluate ran, scored on this run's shards),
+     "samples": [{"model": label, "eval_loss", "nats_per_char", "known_words": KNOWN,
+                  "samples": [{"prompt", "greedy", "top_k"}]}],
      "promotion": {"promoted", "policy", "model_name", "reason", "compared_with", "version", "url", "model_url",
                    "decided_at"} (added by the promote task)}
     RUN = {"label", "num_workers", "global_batch_size", "steps", "tokens_seen", "train_time_s", "wall_time_s",
-           "tokens_per_s", "final_loss", "mfu", "eval_loss", "perplexity", "eval_tokens", "eval_time_s",
-           "model_url", "summary_url", "started_at", "finished_at"}
+           "tokens_per_s", "final_loss", "mfu", "eval_loss", "perplexity", "nats_per_char", "known_words": KNOWN,
+           "eval_tokens", "eval_time_s", "model_url", "summary_url", "started_at", "finished_at"}
+    KNOWN = {"greedy", "top_k": share of the sample words found in the training text, "words": {"greedy", "top_k"}}
+           (trainer/text_quality.py; null in reports of evaluations that predate it)
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ LOSS_CHART = "loss_curves.png"
 SCALING_CHART = "scaling.png"
 
 TABLE_COLUMNS = ("run", "workers", "train time", "eval time", "tokens/s", "speedup", "efficiency", "eval loss",
-                 "perplexity")
+                 "perplexity", "nats/char", "known words")
+KNOWN_WORDS_NOTE = ("Known words: the share of the words in the model's greedy / top-k samples that occur in the "
+                    "training text; nats/char: eval loss per character of validation text, whatever the tokenizer")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -85,8 +90,16 @@ def table_rows(report: dict[str, Any]) -> list[dict[str, str]]:
             "efficiency": "100%" if is_reference else fmt(_percent(comparison["efficiency"]), ".0f", "%"),
             "eval loss": fmt(run["eval_loss"], ".4f"),
             "perplexity": fmt(run["perplexity"], ".2f"),
+            "nats/char": fmt(run.get("nats_per_char"), ".3f"),
+            "known words": known_words(run.get("known_words")),
         })
     return rows
+
+
+def known_words(figures: dict[str, Any] | None) -> str:
+    """`greedy / top-k` known-word rates as percentages ('—' where a model's samples were not scored)."""
+    figures = figures if isinstance(figures, dict) else {}
+    return " / ".join(fmt(_percent(figures.get(mode)), ".0f", "%") for mode in ("greedy", "top_k"))
 
 
 def _percent(fraction: float | None) -> float | None:
@@ -124,6 +137,7 @@ def render_markdown(report: dict[str, Any]) -> str:
          f"{fmt(_percent(comparison['efficiency']), '.0f', '%')}"),
         (f"- Eval loss delta (distributed - baseline): {nats(comparison['loss_delta'])} nats "
          f"(tolerance ±{fmt(comparison['loss_tolerance'], '.4f')})"),
+        f"- {KNOWN_WORDS_NOTE}",
         f"- Hardware: {report['hardware']['line']}",
         f"- Baseline: {_baseline_line(report['baseline'])}",
         "",
@@ -172,7 +186,11 @@ def samples_lines(report: dict[str, Any]) -> list[str]:
     models = ", ".join(section["model"] for section in sections)
     lines = ["", "## Samples", "",
              f"Greedy and top-k continuations of the same prompts from the validation text (fixed seed): {models}.",
-             ""]
+             "", "| model | eval loss | nats/char | known words (greedy / top-k) |", "|---|---|---|---|"]
+    lines += [f"| {section['model']} | {fmt(section.get('eval_loss'), '.4f')} | "
+              f"{fmt(section.get('nats_per_char'), '.3f')} | {known_words(section.get('known_words'))} |"
+              for section in sections]
+    lines.append("")
     for index, first in enumerate(sections[0]["samples"]):
         lines += [f"**Prompt {index + 1}:** {_cell(first['prompt'])}", "", "| model | greedy | top-k |",
                   "|---|---|---|"]
@@ -225,18 +243,29 @@ def _png(pyplot, figure) -> bytes:
     return buffer.getvalue()
 
 
-def loss_chart(curves: dict[str, list[dict[str, Any]]], title: str) -> bytes:
-    """Training loss against tokens seen, one line per run (label -> metrics lines)."""
+def loss_chart(curves: dict[str, list[dict[str, Any]]], title: str,
+               eval_points: dict[str, tuple[float, float]] | None = None) -> bytes:
+    """Training loss against tokens seen, one line per run (label -> metrics lines), and each model's eval loss as
+    a labelled point at the tokens it had seen when training ended (label -> (tokens_seen, eval_loss))."""
     pyplot = _figure()
     figure, axes = pyplot.subplots(figsize=(7.5, 4.2))
     # Matching curves are the expected outcome, so later lines are dashed and thinner to keep both visible.
-    for (label, points), (style, width) in zip(curves.items(), itertools.cycle([("-", 3.0), ("--", 1.6)])):
+    for index, ((label, points), (style, width)) in enumerate(
+            zip(curves.items(), itertools.cycle([("-", 3.0), ("--", 1.6)]))):
+        color = f"C{index}"
         points = [p for p in points if p.get("loss") is not None and p.get("tokens_seen") is not None]
         if points:
             axes.plot([p["tokens_seen"] for p in points], [p["loss"] for p in points], label=label,
-                      linestyle=style, linewidth=width, alpha=0.85)
+                      linestyle=style, linewidth=width, alpha=0.85, color=color)
+        tokens_seen, eval_loss = (eval_points or {}).get(label, (None, None))
+        if tokens_seen is not None and eval_loss is not None and math.isfinite(eval_loss):
+            # Matching models put both points on one spot: the labels go above and below it.
+            axes.scatter([tokens_seen], [eval_loss], marker="D", s=50, color=color, edgecolor="black", zorder=3,
+                         label=f"{label} eval")
+            axes.annotate(f"{label} eval {eval_loss:.3f}", (tokens_seen, eval_loss), textcoords="offset points",
+                          xytext=(-8, 10 if index % 2 == 0 else -16), ha="right", fontsize=8, color=color)
     axes.set_xlabel("tokens seen")
-    axes.set_ylabel("training loss (nats)")
+    axes.set_ylabel("loss (nats per token)")
     axes.set_title(title)
     axes.grid(alpha=0.3)
     if axes.lines:

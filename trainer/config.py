@@ -172,10 +172,10 @@ class RunConfig:
     model: str = "tiny"
     block_size: int = 64
     batch_size_per_worker: int = 8
-    max_steps: int = 40
+    max_steps: int = 300
     epochs: float = 1.0
-    learning_rate: float = 1e-3
-    warmup_steps: int = 5
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
     weight_decay: float = 0.01
     grad_accum_steps: int = 1
     mixed_precision: str = "no"

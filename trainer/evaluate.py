@@ -1,4 +1,5 @@
-"""Eval loss and perplexity of a saved model on the validation shards, and a few short generations.
+"""Eval loss, perplexity and nats per character of a saved model on the validation shards, and a few short
+generations with their known-word rate (trainer/text_quality.py).
 
     python -m trainer.evaluate --model URL --manifest URL --output JSON_URL [--max-batches N] [--prompt TEXT]...
 
@@ -9,6 +10,7 @@ The loss is the mean next-token cross-entropy over every predicted token of the 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import math
 import shutil
@@ -26,6 +28,7 @@ from trainer.data import (
     tokenizer_url,
     worker_shards,
 )
+from trainer.text_quality import known_word_rate, nats_per_character, words
 
 log = logging.getLogger("trainer.evaluate")
 
@@ -35,6 +38,8 @@ NUM_PROMPTS = 3
 SAMPLE_NEW_TOKENS = 32
 SAMPLE_TOP_K = 50
 SAMPLE_SEED = 1234
+# The known-word rate's vocabulary is read from at most this many training tokens (all of a small corpus).
+VOCABULARY_MAX_TOKENS = 2_000_000
 
 
 def validation_dataset(manifest_url: str, manifest: dict[str, Any], local_dir: Path, batch_size: int):
@@ -48,8 +53,9 @@ def validation_dataset(manifest_url: str, manifest: dict[str, Any], local_dir: P
     )
 
 
-def eval_loss(model, dataset, max_batches: int | None) -> tuple[float, int]:
-    """Token-weighted mean loss over the dataset (every batch has the same shape) and the tokens scored."""
+def eval_loss(model, dataset, max_batches: int | None, tokenizer) -> tuple[float, int, int]:
+    """Token-weighted mean loss over the dataset (every batch has the same shape), the tokens scored and the
+    characters those predicted tokens spell (special tokens count none)."""
     import tensorflow as tf
 
     from trainer.model import causal_lm_loss
@@ -58,32 +64,82 @@ def eval_loss(model, dataset, max_batches: int | None) -> tuple[float, int]:
     def batch_loss(tokens):
         return causal_lm_loss(model, tokens, training=False)
 
-    total, batches, tokens = 0.0, 0, 0
+    total, batches, tokens, characters = 0.0, 0, 0, 0
     for batch in dataset.take(max_batches) if max_batches else dataset:
         total += float(batch_loss(batch))
         batches += 1
         tokens += int(batch.shape[0]) * (int(batch.shape[1]) - 1)
+        predicted = tokenizer.batch_decode(batch[:, 1:].numpy().tolist(), skip_special_tokens=True)
+        characters += sum(len(text) for text in predicted)
     if not batches:
         raise DataError("The validation split has no full batch to evaluate: prepare more validation data.")
-    return total / batches, tokens
+    return total / batches, tokens, characters
+
+
+def continuation(model, prompt_ids: list[int], *, top_k: int | None, seed: int) -> list[int]:
+    """SAMPLE_NEW_TOKENS tokens after the prompt, greedy (`top_k` None) or sampled from the k likeliest. Each step
+    draws with its own stateless seed (seed, step): transformers' TF `generate` reuses one seed for every step, so
+    its samples repeat one draw (`will will will`)."""
+    import tensorflow as tf
+
+    ids = list(prompt_ids)
+    context_limit = model.config.n_positions
+    for step in range(SAMPLE_NEW_TOKENS):
+        logits = model(input_ids=tf.constant([ids[-context_limit:]]), use_cache=False, training=False).logits[0, -1]
+        if top_k is None:
+            ids.append(int(tf.argmax(logits)))
+        else:
+            values, indices = tf.math.top_k(tf.cast(logits, tf.float32), k=top_k)
+            ids.append(int(indices[tf.random.stateless_categorical(values[None], 1, seed=[seed, step])[0, 0]]))
+    return ids[len(prompt_ids):]
+
+
+def decode_sample(tokenizer, ids: list[int]) -> str:
+    """A continuation as text. EOS separates the training text's documents (paragraphs, speeches), so the sample
+    goes on past it, shown as a line break: the samples stay long enough for their known-word rate to mean much."""
+    pieces = [list(group) for is_eos, group in itertools.groupby(ids, lambda token: token == tokenizer.eos_token_id)
+              if not is_eos]
+    return "\n".join(tokenizer.decode(piece) for piece in pieces)
 
 
 def generate_samples(model, tokenizer, prompts: list[list[int]]) -> list[dict[str, str]]:
-    """Per prompt: its text, the greedy continuation and a top-k sample (stateless seed: reproducible)."""
+    """Per prompt: its text, the greedy continuation and a top-k sample (stateless seeds: reproducible)."""
+    return [
+        {"prompt": tokenizer.decode(prompt_ids),
+         "greedy": decode_sample(tokenizer, continuation(model, prompt_ids, top_k=None, seed=SAMPLE_SEED + index)),
+         "top_k": decode_sample(tokenizer, continuation(model, prompt_ids, top_k=SAMPLE_TOP_K,
+                                                        seed=SAMPLE_SEED + index))}
+        for index, prompt_ids in enumerate(prompts)
+    ]
+
+
+def known_words(samples: list[dict[str, str]], vocabulary: set[str]) -> dict[str, Any]:
+    """The known-word rate of the greedy and of the top-k continuations, and how many words each rate counts."""
+    figures: dict[str, Any] = {"words": {}}
+    for mode in ("greedy", "top_k"):
+        figures[mode], figures["words"][mode] = known_word_rate((sample[mode] for sample in samples), vocabulary)
+    return figures
+
+
+def training_vocabulary(manifest_url: str, manifest: dict[str, Any], tokenizer, local_dir: Path,
+                        max_tokens: int = VOCABULARY_MAX_TOKENS) -> tuple[set[str], int]:
+    """The words of the training text, decoded from the train shards in order, up to about `max_tokens` tokens
+    (a large corpus's first shards: a split drawn by keyed hash, so representative). Returns (words, tokens read)."""
+    import numpy as np
     import tensorflow as tf
 
-    samples = []
-    for prompt_ids in prompts:
-        common = {"max_new_tokens": SAMPLE_NEW_TOKENS, "pad_token_id": tokenizer.eos_token_id}
-        greedy = model.generate(tf.constant([prompt_ids]), do_sample=False, **common)
-        top_k = model.generate(tf.constant([prompt_ids]), do_sample=True, top_k=SAMPLE_TOP_K,
-                               seed=[SAMPLE_SEED, 0], **common)
-        samples.append({
-            "prompt": tokenizer.decode(prompt_ids),
-            **{mode: tokenizer.decode(output.numpy()[0, len(prompt_ids):], skip_special_tokens=True)
-               for mode, output in (("greedy", greedy), ("top_k", top_k))},
-        })
-    return samples
+    vocabulary: set[str] = set()
+    tokens_read = 0
+    for shard in manifest["splits"]["train"]["shards"]:
+        if tokens_read >= max_tokens:
+            break
+        (path,) = stage_shards(manifest_url, [shard], local_dir)
+        for record in tf.data.TFRecordDataset(path).as_numpy_iterator():
+            ids = np.frombuffer(record, dtype="<" + np.dtype(manifest["dtype"]).str[1:])
+            # One record is a run of consecutive sequences: decoded whole, few words are cut at its edges.
+            vocabulary.update(words(tokenizer.decode(ids.tolist(), skip_special_tokens=True)))
+            tokens_read += len(ids)
+    return vocabulary, tokens_read
 
 
 def validation_prompts(dataset, count: int = NUM_PROMPTS) -> list[list[int]]:
@@ -107,23 +163,33 @@ def evaluate(model_url: str, manifest_url: str, *, max_batches: int | None = Non
         tokenizer = AutoTokenizer.from_pretrained(stage_model_dir(tokenizer_dir, work_dir))
         dataset = validation_dataset(manifest_url, manifest, work_dir / "shards", batch_size)
         started = time.perf_counter()
-        loss, tokens = eval_loss(model, dataset, max_batches)
+        loss, tokens, characters = eval_loss(model, dataset, max_batches, tokenizer)
         eval_time = time.perf_counter() - started
         prompt_ids = ([tokenizer(prompt)["input_ids"] for prompt in prompts] if prompts
                       else validation_prompts(dataset))
         started = time.perf_counter()
         samples = generate_samples(model, tokenizer, prompt_ids)
         sample_time = time.perf_counter() - started
+        vocabulary, vocabulary_tokens = training_vocabulary(manifest_url, manifest, tokenizer, work_dir / "train")
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     result = {
-        "eval_loss": loss, "perplexity": math.exp(loss), "eval_tokens": tokens, "eval_time_s": round(eval_time, 3),
-        "samples": samples, "model": model_url,
+        "eval_loss": loss, "perplexity": math.exp(loss), "eval_tokens": tokens, "eval_characters": characters,
+        "nats_per_char": nats_per_character(loss, tokens, characters), "eval_time_s": round(eval_time, 3),
+        "samples": samples, "known_words": known_words(samples, vocabulary), "model": model_url,
         "sampling": {"seed": SAMPLE_SEED, "top_k": SAMPLE_TOP_K, "new_tokens": SAMPLE_NEW_TOKENS,
-                     "time_s": round(sample_time, 3)},
+                     "time_s": round(sample_time, 3), "vocabulary_words": len(vocabulary),
+                     "vocabulary_tokens": vocabulary_tokens},
     }
-    log.info("eval loss %.4f, perplexity %.2f over %d tokens in %.1f s", loss, result["perplexity"], tokens, eval_time)
+    rates = result["known_words"]
+    log.info("eval loss %.4f, perplexity %.2f, %s nats/char over %d tokens in %.1f s; known words: greedy %s, "
+             "top-k %s", loss, result["perplexity"], _figure(result["nats_per_char"], ".3f"), tokens, eval_time,
+             _figure(rates["greedy"], ".0%"), _figure(rates["top_k"], ".0%"))
     return result
+
+
+def _figure(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

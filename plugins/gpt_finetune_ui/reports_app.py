@@ -28,7 +28,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tasks.registry import RegistryError, read_latest
-from tasks.report import TABLE_COLUMNS
+from tasks.report import KNOWN_WORDS_NOTE, TABLE_COLUMNS
 from trainer.layout import StorageLayout
 from trainer.storage import exists, join, list_dir, normalize_root, read_bytes, read_json
 
@@ -187,6 +187,8 @@ def headline(key: str, report: Any) -> dict[str, Any]:
         "eval_loss": _field(report, "runs.distributed.eval_loss", NUMBER, optional=True),
         "baseline_eval_loss": _field(report, "runs.baseline.eval_loss", NUMBER, optional=True) if has_baseline
         else None,
+        "known_words": {mode: _field(report, f"runs.distributed.known_words.{mode}", NUMBER, optional=True)
+                        for mode in ("greedy", "top_k")},
     }
 
 
@@ -239,6 +241,12 @@ def _text(value: Any) -> str:
     return "—" if value is None else html.escape(str(value))
 
 
+def _known_words(figures: Any) -> str:
+    """`greedy / top-k` known-word rates; a report from before they existed shows dashes."""
+    figures = figures if isinstance(figures, dict) else {}
+    return " / ".join(_fmt(figures.get(mode), ".0f", "%", scale=100) for mode in ("greedy", "top_k"))
+
+
 def _fmt(value: Any, spec: str, suffix: str = "", scale: float = 1) -> str:
     """A number (times `scale`) formatted for people; anything else (a report with wrong types) is shown escaped as
     it is."""
@@ -259,12 +267,14 @@ def _status(status: str) -> str:
 
 def render_index(runs: list[dict[str, Any]], root: str, *, models: list[dict[str, Any]] | None = None) -> str:
     header = ("<tr><th>run</th><th>gates</th><th>released</th><th>workers</th><th>speedup</th><th>efficiency</th>"
-              "<th>tokens/s</th><th>train time</th><th>eval loss</th><th>baseline eval loss</th><th>created</th></tr>")
+              "<th>tokens/s</th><th>train time</th><th>eval loss</th><th>baseline eval loss</th>"
+              "<th title='share of the words in the distributed model's greedy / top-k samples that occur in the "
+              "training text'>known words</th><th>created</th></tr>")
     rows = []
     for run in runs:
         if "created_at" not in run:  # nothing to show: no link to a page that would say so
             rows.append(f"<tr><td>{_text(run['run_id'])}</td><td>{_status(run['status'])}</td>"
-                        f"<td>{_status(run['released'])}</td><td colspan='8'></td></tr>")
+                        f"<td>{_status(run['released'])}</td><td colspan='9'></td></tr>")
             continue
         link = f"<a href='runs/{_text(run['run_key'])}/'>{_text(run['run_id'])}</a>"
         efficiency = None if run["efficiency"] is None else 100 * run["efficiency"]
@@ -274,7 +284,7 @@ def render_index(runs: list[dict[str, Any]], root: str, *, models: list[dict[str
             f"<td>{_fmt(run['speedup'], '.2f', 'x')}</td><td>{_fmt(efficiency, '.0f', '%')}</td>"
             f"<td>{_fmt(run['tokens_per_s'], ',.0f')}</td><td>{_fmt(run['train_time_s'], '.1f', ' s')}</td>"
             f"<td>{_fmt(run['eval_loss'], '.4f')}</td><td>{_fmt(run['baseline_eval_loss'], '.4f')}</td>"
-            f"<td>{_text(run['created_at'])}</td></tr>"
+            f"<td>{_known_words(run['known_words'])}</td><td>{_text(run['created_at'])}</td></tr>"
         )
     table = f"<table id='runs'>{header}{''.join(rows)}</table>" if rows else "<p>No runs yet.</p>"
     return _page("GPT fine-tune runs", f"<h1>GPT fine-tune runs</h1><p class='note'>Storage root: "
@@ -369,8 +379,13 @@ def render_samples(report: dict[str, Any]) -> str:
     sections = [section for section in _items(report.get("samples")) if _items(section.get("samples"))]
     if not sections:
         return ""
+    quality = "".join(
+        f"<tr><td>{_text(section.get('model'))}</td><td>{_fmt(section.get('eval_loss'), '.4f')}</td>"
+        f"<td>{_fmt(section.get('nats_per_char'), '.3f')}</td><td>{_known_words(section.get('known_words'))}</td></tr>"
+        for section in sections)
     parts = [("<h2>Samples</h2><p class='note'>Greedy and top-k continuations of the same prompts from the "
-             "validation text (fixed seed).</p>")]
+             "validation text (fixed seed).</p><table id='sample-quality'><tr><th>model</th><th>eval loss</th>"
+              f"<th>nats/char</th><th>known words (greedy / top-k)</th></tr>{quality}</table>")]
     for index, first in enumerate(_items(sections[0].get("samples"))):
         rows = "".join(
             f"<tr><td>{_text(section.get('model'))}</td><td style='{_WRAP}'>{_text(sample.get('greedy'))}</td>"
@@ -401,7 +416,7 @@ def render_run(report: dict[str, Any], released: str) -> str:
         "<table id='figures'><tr>" + "".join(f"<th>{html.escape(col)}</th>" for col in TABLE_COLUMNS) + "</tr>"
         + "".join("<tr>" + "".join(f"<td>{_text(row.get(col))}</td>" for col in TABLE_COLUMNS) + "</tr>"
                   for row in _items(report.get("table")))
-        + "</table>"
+        + f"</table><p class='note'>{html.escape(KNOWN_WORDS_NOTE)}</p>"
     )
     gates = (
         "<table id='gates'><tr><th>gate</th><th>result</th><th style='text-align:left'>detail</th></tr>"

@@ -29,6 +29,7 @@ def test_readme_main_command_runs_the_whole_dag_on_s3(tmp_path):
     assert "| distributed | 2 |" in result.stdout and "**Gates: PASSED**" in result.stdout
     assert "**Promoted** to gpt_finetune v1 (s3://gpt-finetune/gpt_finetune/models/gpt_finetune/v1)" in result.stdout
     assert "## Samples" in result.stdout and "| distributed | " in result.stdout.split("## Samples")[1]
+    assert "| known words |" in result.stdout and "Known words: the share" in result.stdout
     runs = subprocess.run([str(REPO / ".venv/bin/airflow"), "dags", "list-runs", DAG, "-o", "json"], env=env,
                           capture_output=True, text=True, check=True).stdout
     run_id = json.loads(next(line for line in runs.splitlines() if line.startswith("[{")))[0]["run_id"]

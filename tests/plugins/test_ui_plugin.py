@@ -114,7 +114,7 @@ def test_pages_list_runs_and_show_a_report_with_its_charts(server_url, browser):
     assert page.url == f"{server_url}/runs/{KEY_29}/"
     figures = [row.split("\t") for row in page.locator("#figures tr").all_inner_texts()]
     assert figures[0] == ["run", "workers", "train time", "eval time", "tokens/s", "speedup", "efficiency",
-                          "eval loss", "perplexity"]
+                          "eval loss", "perplexity", "nats/char", "known words"]
     assert figures[2][:7] == ["distributed", "4", "22.0 s", "1.2 s", "1,815", "1.50x", "38%"]
     assert page.locator("#released").inner_text() == "pending"
     assert "4 workers on a 2-core CPU: efficiency is bounded by cores" in page.locator("#hardware").inner_text()
@@ -280,6 +280,9 @@ def test_pages_show_the_latest_model_its_history_and_each_runs_samples(tmp_path,
     assert "<b>Prompt 1:</b> To be, or not" in samples
     assert "<tr><td>distributed</td>" in samples and "<tr><td>promoted v2</td>" in samples
     assert "the question of a fixture" in samples
+    quality = samples.split("id='sample-quality'>")[1].split("</table>")[0]
+    assert "<tr><td>promoted v2</td><td>5.2000</td><td>1.733</td><td>100% / 75%</td></tr>" in quality
+    assert "<td>100% / 75%</td>" in index  # the runs page: the distributed model's known-word rates
     assert "promoted</span> to gpt_finetune v2" in client.get(f"/runs/{keys['nightly__2']}/").text
 
 

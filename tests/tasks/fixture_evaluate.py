@@ -35,6 +35,8 @@ def main() -> int:
     print(f"evaluated {validation['sequences']} sequences: loss {eval_loss:.4f}", flush=True)
     write_json_atomic(args.output, {"eval_loss": eval_loss, "perplexity": math.exp(eval_loss),
                                     "eval_tokens": validation["tokens"], "eval_time_s": 1.25,
+                                    "nats_per_char": eval_loss / 3,  # as if each token spelled 3 characters
+                                    "known_words": {"greedy": 1.0, "top_k": 0.75, "words": {"greedy": 4, "top_k": 4}},
                                     "samples": [{"prompt": "To be, or not", "greedy": " to be, that is",
                                                  "top_k": f" the question of {recorded.get('voice', 'a fixture')}"}]})
     return 0

@@ -86,7 +86,7 @@ def test_auto_trains_once_then_reuses_the_matching_baseline(root, caplog):
     third = run_fixtures.prepare_run(root, "scheduled__3", learning_rate=2e-3)
     assert third["baseline_key"] != first["baseline_key"]
     assert plan_baseline(third) is True
-    assert "learning_rate (0.001 -> 0.002)" in caplog.text
+    assert "learning_rate (0.003 -> 0.002)" in caplog.text
     assert exists(first["baseline_url"] + "/summary.json")  # the old baseline stays for runs that match it
 
 

@@ -67,9 +67,15 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
                                   "trained_by_run": prepared["run_id"], "reused": False}
 
     markdown = read_bytes(result["report_md_url"]).decode()
-    assert "| run | workers | train time | eval time | tokens/s | speedup | efficiency | eval loss | perplexity |" \
+    assert ("| run | workers | train time | eval time | tokens/s | speedup | efficiency | eval loss | perplexity | "
+            "nats/char | known words |") in markdown
+    assert "| distributed | 2 | 30.0 s | 1.2 s | 1,331 | 1.10x | 55% | 5.3050 | 201.34 | 1.768 | 100% / 75% |" \
         in markdown
-    assert "| distributed | 2 | 30.0 s | 1.2 s | 1,331 | 1.10x | 55% | 5.3050 | 201.34 |" in markdown
+    assert distributed["known_words"]["top_k"] == 0.75 and distributed["nats_per_char"] == pytest.approx(5.305 / 3)
+    # The samples section scores every model it shows.
+    assert "| model | eval loss | nats/char | known words (greedy / top-k) |" in markdown
+    assert "| baseline | 5.3000 | 1.767 | 100% / 75% |" in markdown
+    assert [section["known_words"]["greedy"] for section in report["samples"]] == [1.0, 1.0]
     assert "efficiency is bounded by cores" in markdown
     for chart in ("loss_curves.png", "scaling.png"):
         assert read_bytes(join(prepared["report_url"], chart)).startswith(PNG_MAGIC)

@@ -74,7 +74,7 @@ def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
                                     "model_card.md"} <= {file["name"] for file in record["files"]}
     card = read_bytes(v1.model_card).decode()
     for fragment in ("# gpt_finetune v1", run_fixtures.FINGERPRINT, "Eval loss on the validation split: 5.3000",
-                     "eval_loss_finite: pass", "| learning_rate | `0.001` |", "tensorflow: 2.21.0"):
+                     "eval_loss_finite: pass", "| learning_rate | `0.003` |", "tensorflow: 2.21.0"):
         assert fragment in card
     assert read_json(v1.report)["run_id"] == "scheduled__1"
     assert promoted["event"] == {"model_name": "gpt_finetune", "version": "v1", "url": v1.url,

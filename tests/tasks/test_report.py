@@ -46,6 +46,7 @@ def test_table_puts_the_reference_first_and_shows_missing_figures_as_dashes():
     alone["runs"]["distributed"]["eval_time_s"] = None
     (row,) = reports.table_rows(alone)
     assert (row["speedup"], row["efficiency"], row["eval time"]) == ("—", "—", "—")
+    assert (row["nats/char"], row["known words"]) == ("—", "— / —")  # a report from before these figures
     assert reports.fmt(float("nan")) == "—"
     assert (reports.nats(0.01), reports.nats(-1.06e-7), reports.nats(0.0)) == ("+0.0100", "-1.06e-07", "+0.0000")
 
@@ -70,9 +71,22 @@ def test_markdown_says_whether_the_run_was_released_beside_the_gates():
     assert "**Released: no**" in reports.render_markdown(data)
 
 
+def test_known_words_column_reads_greedy_then_top_k():
+    data = report()
+    data["runs"]["distributed"]["known_words"] = {"greedy": 0.953, "top_k": 0.9, "words": {"greedy": 43, "top_k": 60}}
+    data["runs"]["distributed"]["nats_per_char"] = 1.7423
+    row = reports.table_rows(data)[1]
+    assert (row["nats/char"], row["known words"]) == ("1.742", "95% / 90%")
+    assert reports.KNOWN_WORDS_NOTE in reports.render_markdown(data)
+
+
 def test_charts_are_pngs_even_without_data():
     curve = [{"step": s, "loss": 8.0 - s / 10, "tokens_seen": s * 1024} for s in range(1, 30)]
     assert png_size(reports.loss_chart({"baseline": curve, "distributed": curve}, "loss")) == (825, 462)
+    with_evals = reports.loss_chart({"baseline": curve, "distributed": curve}, "loss",
+                                    eval_points={"baseline": (29 * 1024, 5.3), "distributed": (29 * 1024, 5.31)})
+    assert png_size(with_evals) == (825, 462) and with_evals != reports.loss_chart(
+        {"baseline": curve, "distributed": curve}, "loss")
     assert png_size(reports.loss_chart({"distributed": []}, "no metrics"))[0] > 0
     history = reports.history_point(report("a", 2, 0.45)) + reports.history_point(report("b", 4, 0.2))
     assert png_size(reports.scaling_chart(history, current_run_id="b")) == (1100, 462)

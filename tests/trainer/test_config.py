@@ -115,7 +115,7 @@ def test_baseline_config_keeps_global_batch():
 def test_steps_from_epochs_when_max_steps_is_zero():
     cfg = RunConfig.from_params({"max_steps": 0, "warmup_steps": 0, "epochs": 2.0})
     assert cfg.steps_for(train_sequences=100) == 13  # ceil(2 * 100 / 16)
-    assert RunConfig.from_params({"max_steps": 7}).steps_for(train_sequences=100) == 7
+    assert RunConfig.from_params({"max_steps": 7, "warmup_steps": 2}).steps_for(train_sequences=100) == 7
     with pytest.raises(ConfigError, match="no sequences"):
         cfg.steps_for(train_sequences=0)
 

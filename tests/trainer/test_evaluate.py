@@ -56,10 +56,14 @@ def test_saved_model_scores_like_the_final_checkpoint(trained):
     final_checkpoint = tf.train.latest_checkpoint(str(output / "checkpoints"))
     tf.train.Checkpoint(model=restored).restore(final_checkpoint).expect_partial()
     dataset = validation_dataset(manifest_url, manifest, output.parent / "val", EVAL_BATCH_SIZE)
-    checkpoint_loss, tokens = eval_loss(restored, dataset, None)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(output / "model"))
+    checkpoint_loss, tokens, characters = eval_loss(restored, dataset, None, tokenizer)
 
     result = evaluate(str(output / "model"), manifest_url)
     assert result["eval_loss"] == pytest.approx(checkpoint_loss, abs=1e-6)
+    assert result["eval_characters"] == characters > tokens
     assert result["eval_tokens"] == tokens > 0
     assert result["perplexity"] == pytest.approx(math.exp(result["eval_loss"]))
     # Trained weights, not a fresh init: far below the uniform-guess loss log(vocab).
@@ -82,6 +86,13 @@ def test_cli_writes_the_result_json(trained, tmp_path):
     assert [sample["prompt"] for sample in result["samples"]] == ["Enter the king", "Thunder"]
     assert all(sample["greedy"] and sample["top_k"] for sample in result["samples"])
     assert "eval_loss" in completed.stdout
+    # Nats per character: the same total nats spread over the characters the scored tokens spell.
+    assert result["eval_characters"] > result["eval_tokens"]
+    assert result["nats_per_char"] == pytest.approx(
+        result["eval_loss"] * result["eval_tokens"] / result["eval_characters"])
+    known = result["known_words"]
+    assert set(known) == {"greedy", "top_k", "words"} and result["sampling"]["vocabulary_words"] > 100
+    assert all(known[mode] is None or 0.0 <= known[mode] <= 1.0 for mode in ("greedy", "top_k"))
 
 
 def test_samples_continue_validation_openings_the_same_way_every_time(trained):
@@ -97,6 +108,41 @@ def test_samples_continue_validation_openings_the_same_way_every_time(trained):
                for sample in first["samples"])
     assert again["samples"] == first["samples"]
     assert first["sampling"]["seed"] == again["sampling"]["seed"]
+
+
+class _UniformModel:
+    """Equal logits for every token: a sampler that reuses one draw picks the same token at every step."""
+
+    class config:  # the attribute a transformers model has
+        n_positions = 64
+
+    def __call__(self, input_ids, **_):
+        import tensorflow as tf
+
+        return type("Output", (), {"logits": tf.zeros([1, input_ids.shape[1], 50])})()
+
+
+def test_top_k_draws_anew_at_every_step_and_repeats_under_the_same_seed():
+    """transformers' TF `generate` passes one stateless seed to every step, so its samples repeated one draw
+    (`will will will`); each step now has its own seed, and the same seed still gives the same sample."""
+    from trainer.evaluate import SAMPLE_NEW_TOKENS, continuation
+
+    sample = continuation(_UniformModel(), [1, 2, 3], top_k=50, seed=7)
+    assert len(sample) == SAMPLE_NEW_TOKENS and len(set(sample)) > SAMPLE_NEW_TOKENS // 2
+    assert continuation(_UniformModel(), [1, 2, 3], top_k=50, seed=7) == sample
+    assert continuation(_UniformModel(), [1, 2, 3], top_k=50, seed=8) != sample
+
+
+def test_a_sample_goes_on_past_the_end_of_a_document_on_a_new_line():
+    from trainer.evaluate import decode_sample
+
+    class Tokenizer:
+        eos_token_id = 0
+
+        def decode(self, ids):
+            return "".join(chr(ord("a") + token) for token in ids)
+
+    assert decode_sample(Tokenizer(), [1, 2, 0, 3, 0, 0, 4]) == "bc\nd\ne"
 
 
 def test_train_resume_and_evaluate_on_object_storage(trained, s3_bucket):
