@@ -36,6 +36,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainer.log_policy import configure_worker_logging
+
 log = logging.getLogger("trainer.advisor")
 
 COLLECTIVES_PER_STEP = 3  # the gradients' all-reduce, then the loss and gradient-norm means
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--manifest", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    configure_worker_logging(logging.WARNING)
     os.environ.pop("TF_CONFIG", None)
     try:
         result = probe_step_time(RunConfig.from_params(storage.read_json(args.config)), args.manifest)

@@ -28,6 +28,7 @@ from trainer.data import (
     tokenizer_url,
     worker_shards,
 )
+from trainer.log_policy import configure_worker_logging
 from trainer.text_quality import known_word_rate, nats_per_character, words
 
 log = logging.getLogger("trainer.evaluate")
@@ -208,7 +209,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_worker_logging()
     runtime.signal_ready()  # a group of one: up means joined; the launcher's hang watchdog takes over from here
     result = evaluate(args.model, args.manifest, max_batches=args.max_batches, prompts=args.prompt)
     storage.write_json_atomic(args.output, result)

@@ -48,6 +48,7 @@ from typing import Any
 
 from trainer import runtime, storage
 from trainer.config import RunConfig
+from trainer.log_policy import configure_worker_logging
 
 log = logging.getLogger("trainer.selftest")
 
@@ -676,8 +677,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     identity = runtime.worker_identity()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s rank{identity.rank} %(levelname)s %(name)s: %(message)s")
+    configure_worker_logging(logging.INFO, f"%(asctime)s rank{identity.rank} %(levelname)s %(name)s: %(message)s")
     logging.getLogger("tensorflow").setLevel(logging.WARNING)  # one INFO line per collective otherwise
     try:
         cfg = RunConfig.from_params(storage.read_json(args.config))

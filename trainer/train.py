@@ -33,6 +33,7 @@ from trainer import runtime, storage
 from trainer.config import ConfigError, RunConfig
 from trainer.data import DataError, load_manifest, tokenizer_url, worker_shards
 from trainer.layout import TrainOutput
+from trainer.log_policy import configure_worker_logging
 
 log = logging.getLogger("trainer.train")
 
@@ -493,10 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     started, started_at = time.perf_counter(), utc_now()
     args = parse_args(argv)
     identity = runtime.worker_identity()
-    logging.basicConfig(
-        level=logging.WARNING, stream=sys.stderr,
-        format=f"%(asctime)s rank{identity.rank} %(levelname)s %(name)s: %(message)s",
-    )
+    configure_worker_logging(logging.WARNING, f"%(asctime)s rank{identity.rank} %(levelname)s %(name)s: %(message)s")
     logging.getLogger("trainer").setLevel(logging.INFO)  # ours at INFO; TF/botocore chatter stays at WARNING
     try:
         job = plan_job(args.config, args.manifest, args.output)

@@ -21,6 +21,27 @@ FAST = {"num_workers": 2, "tokenizer": "bpe:512", "block_size": 32, "batch_size_
 LONG = {**FAST, "baseline": "skip", "max_steps": 300, "checkpoint_every_steps": 25}
 
 
+# Library chatter that trainer/log_policy.py keeps out of the task logs (issue: a newcomer's first ten minutes).
+LIBRARY_NOISE = (
+    "Connected (version",  # paramiko.transport INFO
+    "Authentication (publickey) successful",  # paramiko.transport INFO
+    "Found credentials in environment variables",  # botocore.credentials INFO
+    "TensorFlow and JAX classes are deprecated",  # transformers
+    "All model checkpoint layers were used",  # transformers
+    "right-padding was detected",  # transformers' TF generate (no longer used)
+    "Could not import graphviz",  # Airflow's CLI
+    "starlette.testclient` is deprecated",  # Airflow's in-process execution API
+    "absl::InitializeLog() is called",  # TensorFlow's native start-up
+    "Could not find cuda drivers",  # TensorFlow's native start-up
+    "CollectiveAllReduceStrategy eagerly",  # TensorFlow, once per worker
+)
+
+
+def assert_no_library_noise(text: str) -> None:
+    found = [noise for noise in LIBRARY_NOISE if noise in text]
+    assert not found, f"library chatter in the task logs: {found}"
+
+
 def trigger(stack, conf: dict) -> str:
     stack.wait_for_dag(DAG)
     return stack.cli_json("dags", "trigger", DAG, "--conf", json.dumps(conf))[0]["dag_run_id"]

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.airflow_stack import REPO, airflow_env, free_port
-from tests.e2e.runs import DAG, FAST
+from tests.e2e.runs import DAG, FAST, assert_no_library_noise
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -30,6 +30,7 @@ def test_readme_main_command_runs_the_whole_dag_on_s3(tmp_path):
     assert "**Promoted** to gpt_finetune v1 (s3://gpt-finetune/gpt_finetune/models/gpt_finetune/v1)" in result.stdout
     assert "## Samples" in result.stdout and "| distributed | " in result.stdout.split("## Samples")[1]
     assert "| known words |" in result.stdout and "Known words: the share" in result.stdout
+    assert_no_library_noise(output)  # every task's log, the workers' output included
     runs = subprocess.run([str(REPO / ".venv/bin/airflow"), "dags", "list-runs", DAG, "-o", "json"], env=env,
                           capture_output=True, text=True, check=True).stdout
     run_id = json.loads(next(line for line in runs.splitlines() if line.startswith("[{")))[0]["run_id"]

@@ -24,7 +24,17 @@ import pytest
 
 from tasks.release import processes_of_run
 from tests.airflow_stack import REPO, airflow_env, free_port
-from tests.e2e.runs import DAG, FAST, LONG, run_path, task_runner_pid, trigger, wait_until, worker_ranks
+from tests.e2e.runs import (
+    DAG,
+    FAST,
+    LONG,
+    assert_no_library_noise,
+    run_path,
+    task_runner_pid,
+    trigger,
+    wait_until,
+    worker_ranks,
+)
 from trainer.layout import run_key
 
 pytestmark = pytest.mark.timeout(900)
@@ -155,6 +165,7 @@ def test_ssh_run_through_the_scheduler_matches_the_local_backend(airflow_stack, 
     assert in_argv == [], "the storage secret appeared in a command line"
     logs = [p for p in (airflow_stack.home / "logs" / f"dag_id={DAG}" / f"run_id={ssh_id}").rglob("*") if p.is_file()]
     assert logs and not [p for p in logs if secret in p.read_text(errors="replace")]
+    assert_no_library_noise("\n".join(p.read_text(errors="replace") for p in logs))
 
 
 def test_readme_command_runs_the_whole_dag_on_ssh_hosts(ssh_hosts, tmp_path):
@@ -172,6 +183,7 @@ def test_readme_command_runs_the_whole_dag_on_ssh_hosts(ssh_hosts, tmp_path):
     assert any(line.startswith("Report: s3://") for line in result.stdout.splitlines())
     assert "| distributed | 2 |" in result.stdout and "**Gates: PASSED**" in result.stdout
     assert f"[rank 1 host {ssh_hosts[1].address}]" in output
+    assert_no_library_noise(output)  # paramiko's connection chatter included
 
 
 def test_sigkill_of_the_train_task_runner_leaves_no_remote_worker(airflow_stack, ssh_hosts, connection_storage_run,

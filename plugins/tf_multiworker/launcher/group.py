@@ -36,6 +36,7 @@ from tf_multiworker.launcher.spec import (
     WorkerState,
 )
 from tf_multiworker.launcher.tf_env import tensorflow_env
+from trainer.log_policy import is_native_noise
 from trainer.runtime import GROUP_ENV, RUN_KEY_ENV, is_ready_marker
 
 log = logging.getLogger(__name__)
@@ -321,7 +322,8 @@ class WorkerGroup:
                 worker.ready_seen = True
             worker.tail.append(line)
             self._last_output = time.monotonic()
-            self._lines.put((rank, line))
+            if not is_native_noise(line, use_gpu=self.spec.use_gpu):  # the log file above keeps it
+                self._lines.put((rank, line))
         worker.handle.output.close()
 
     def _drain_lines(self) -> None:

@@ -1,0 +1,90 @@
+"""What the logs leave out: library chatter no user needs, in one table, applied once per process.
+
+Three kinds, all known harmless and all matched narrowly, so a library's real warnings and everything of ours stay:
+- library loggers that narrate routine work at INFO (paramiko's "Connected", botocore's credential discovery):
+  raised to WARNING;
+- known warnings (log records or Python warnings) of transformers, TensorFlow, Airflow's CLI and its libraries:
+  dropped by message;
+- lines a worker's native code writes to stderr before absl logging starts (CUDA probing on a machine without
+  GPUs): no environment setting silences those, so the launcher leaves them out of the task log. The worker's own
+  log file (`logs/` of the run) keeps every line.
+
+`GPT_FINETUNE_VERBOSE_LOGS=1` in the environment of Airflow (and so of its workers) turns all of it off.
+Stdlib only: the Airflow side (airflow_local_settings, the launcher) and every worker entry point apply it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import warnings
+
+VERBOSE_ENV = "GPT_FINETUNE_VERBOSE_LOGS"
+
+ROUTINE_LOGGERS = ("paramiko", "botocore", "aiobotocore", "s3fs", "urllib3")
+
+# (logger, message pattern): log records dropped by the logger that creates them (a logger's filters do not see
+# its children's records, so each is named exactly).
+KNOWN_RECORDS = (
+    ("transformers.modeling_tf_utils", r"TensorFlow and JAX classes are deprecated"),
+    ("transformers.modeling_tf_utils", r"All model checkpoint layers were used when initializing"),
+    ("transformers.modeling_tf_utils", r"All the layers of \w+ were initialized from the model checkpoint"),
+    ("tensorflow", r"Using CollectiveAllReduceStrategy eagerly has significant overhead"),
+)
+
+# Python warnings ignored wherever they are raised (each pattern matches the start of the message).
+KNOWN_WARNINGS = (
+    r"Could not import graphviz",
+    r"Using `httpx` with `starlette.testclient` is deprecated",
+    r"GitWildMatchPattern \('gitwildmatch'\) is deprecated",
+)
+
+# Native lines a worker writes before absl logging is initialised: no log level reaches them.
+NATIVE_NOISE = re.compile(
+    r"^WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR$"
+    r"|^I\d{4} [\d:. ]+\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine"
+)
+# Without GPUs asked for, CUDA's failed probe says nothing either (with them, it is the first clue: kept).
+CPU_NATIVE_NOISE = re.compile(r"^E\d{4} [\d:. ]+\d+ cuda_platform\.cc:\d+\] failed call to cuInit")
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "").strip().lower() in {"1", "true", "yes"}
+
+
+class _DropKnown(logging.Filter):
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(str(record.msg))
+
+
+def quiet_libraries() -> None:
+    """Applies the table to this process's loggers and warning filters; idempotent; nothing when verbose."""
+    if verbose():
+        return
+    for name in ROUTINE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for name, pattern in KNOWN_RECORDS:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnown) and f.pattern.pattern == pattern for f in target.filters):
+            target.addFilter(_DropKnown(pattern))
+    for pattern in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def is_native_noise(line: str, *, use_gpu: bool) -> bool:
+    """True for a worker output line that the task log leaves out (never when verbose)."""
+    if verbose():
+        return False
+    return bool(NATIVE_NOISE.search(line)) or (not use_gpu and bool(CPU_NATIVE_NOISE.search(line)))
+
+
+def configure_worker_logging(level: int = logging.INFO, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s"):
+    """A worker entry point's logging: our records at `level` to stderr, the libraries' chatter left out."""
+    logging.basicConfig(level=level, stream=sys.stderr, format=fmt)
+    quiet_libraries()
