@@ -259,11 +259,9 @@ def loss_chart(curves: dict[str, list[dict[str, Any]]], title: str,
                       linestyle=style, linewidth=width, alpha=0.85, color=color)
         tokens_seen, eval_loss = (eval_points or {}).get(label, (None, None))
         if tokens_seen is not None and eval_loss is not None and math.isfinite(eval_loss):
-            # Matching models put both points on one spot: the labels go above and below it.
+            # The value goes in the legend: matching models put both points on one spot, over a noisy curve.
             axes.scatter([tokens_seen], [eval_loss], marker="D", s=50, color=color, edgecolor="black", zorder=3,
-                         label=f"{label} eval")
-            axes.annotate(f"{label} eval {eval_loss:.3f}", (tokens_seen, eval_loss), textcoords="offset points",
-                          xytext=(-8, 10 if index % 2 == 0 else -16), ha="right", fontsize=8, color=color)
+                         label=f"{label} eval loss {eval_loss:.3f}")
     axes.set_xlabel("tokens seen")
     axes.set_ylabel("loss (nats per token)")
     axes.set_title(title)
