@@ -9,7 +9,8 @@ Three kinds, all known harmless and all matched narrowly, so a library's real wa
   GPUs): no environment setting silences those, so the launcher leaves them out of the task log. The worker's own
   log file (`logs/` of the run) keeps every line.
 
-`GPT_FINETUNE_VERBOSE_LOGS=1` in the environment of Airflow (and so of its workers) turns all of it off.
+`GPT_FINETUNE_VERBOSE_LOGS=1` in the environment of Airflow turns all of it off; the launcher passes it on to every
+worker (`verbose_environment`).
 Stdlib only: the Airflow side (airflow_local_settings, the launcher) and every worker entry point apply it.
 """
 
@@ -52,6 +53,12 @@ CPU_NATIVE_NOISE = re.compile(r"^E\d{4} [\d:. ]+\d+ cuda_platform\.cc:\d+\] fail
 
 def verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "").strip().lower() in {"1", "true", "yes"}
+
+
+def verbose_environment() -> dict[str, str]:
+    """What a launched worker needs to log as fully as its launcher: a worker starts from an allow-listed
+    environment, and one on an SSH host or in a pod from that host's own."""
+    return {VERBOSE_ENV: "1"} if verbose() else {}
 
 
 class _DropKnown(logging.Filter):

@@ -35,6 +35,27 @@ def test_ready_marker_then_exit_zero_succeeds_with_every_line_streamed(tmp_path)
     assert backend.ended_groups == 1
 
 
+NATIVE_NOISE = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+
+
+def test_native_library_noise_stays_in_the_rank_log_but_not_in_the_task_log(tmp_path, monkeypatch):
+    monkeypatch.delenv("GPT_FINETUNE_VERBOSE_LOGS", raising=False)
+    backend = FakeBackend({0: [("line", NATIVE_NOISE), *OK]})
+    result, _, lines = _run(backend, tmp_path, num_workers=1)
+    assert result.succeeded and (0, "step 1") in lines and (0, NATIVE_NOISE) not in lines
+    assert NATIVE_NOISE in (tmp_path / "logs" / "rank-0.log").read_text()
+    assert "GPT_FINETUNE_VERBOSE_LOGS" not in backend.envs[0]
+
+
+def test_verbose_logs_show_everything_and_reach_every_worker(tmp_path, monkeypatch):
+    """Workers start from an allow-listed environment (a remote host's own on SSH): the launcher passes it on."""
+    monkeypatch.setenv("GPT_FINETUNE_VERBOSE_LOGS", "1")
+    backend = FakeBackend({0: [("line", NATIVE_NOISE), *OK], 1: OK})
+    result, _, lines = _run(backend, tmp_path)
+    assert result.succeeded and (0, NATIVE_NOISE) in lines
+    assert all(env["GPT_FINETUNE_VERBOSE_LOGS"] == "1" for env in backend.envs)
+
+
 def test_tf_config_and_run_marker_reach_every_rank(tmp_path):
     backend = FakeBackend({0: OK, 1: OK})
     _run(backend, tmp_path, run_key="run-7")

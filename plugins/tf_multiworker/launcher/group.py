@@ -36,7 +36,7 @@ from tf_multiworker.launcher.spec import (
     WorkerState,
 )
 from tf_multiworker.launcher.tf_env import tensorflow_env
-from trainer.log_policy import is_native_noise
+from trainer.log_policy import is_native_noise, verbose_environment
 from trainer.runtime import GROUP_ENV, RUN_KEY_ENV, is_ready_marker
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class WorkerGroup:
             rank_dir.mkdir(parents=True, exist_ok=True)
             spec = WorkerSpec(rank=rank, num_workers=len(placements), placement=placement,
                               log_file=str(self.log_dir / f"rank-{rank}.log"), workdir=str(rank_dir))
-            env = {**self.spec.env, **marker, **self.rank_environment(placements, rank)}
+            env = {**self.spec.env, **marker, **verbose_environment(), **self.rank_environment(placements, rank)}
             where = "".join(f" {k}={v}" for k, v in placement.where.items())
             log.info("  rank %d: %s devices=%s%s TF_CONFIG=%s", rank, spec.address,
                      "cpu" if spec.devices == () else list(spec.devices or []) or "backend", where,
