@@ -77,16 +77,30 @@ def eval_loss(model, dataset, max_batches: int | None, tokenizer) -> tuple[float
     return total / batches, tokens, characters
 
 
-def continuation(model, prompt_ids: list[int], *, top_k: int | None, seed: int) -> list[int]:
+def logits_function(model):
+    """`forward(tokens [1, L]) -> logits [L, vocab]` as one traced function per length L (a few per evaluation):
+    calling the model eagerly once per sampled token costs twice as long on a CPU."""
+    import tensorflow as tf
+
+    @tf.function(reduce_retracing=True)
+    def forward(tokens):
+        return model(input_ids=tokens, use_cache=False, training=False).logits[0]
+
+    return forward
+
+
+def continuation(forward, context_limit: int, prompt_ids: list[int], *, top_k: int | None, seed: int) -> list[int]:
     """SAMPLE_NEW_TOKENS tokens after the prompt, greedy (`top_k` None) or sampled from the k likeliest. Each step
     draws with its own stateless seed (seed, step): transformers' TF `generate` reuses one seed for every step, so
-    its samples repeat one draw (`will will will`)."""
+    its samples repeat one draw (`will will will`). The context is padded on the right to one length: attention is
+    causal, so the padding never changes the logits read at the last real token."""
     import tensorflow as tf
 
     ids = list(prompt_ids)
-    context_limit = model.config.n_positions
+    length = min(context_limit, len(prompt_ids) + SAMPLE_NEW_TOKENS)
     for step in range(SAMPLE_NEW_TOKENS):
-        logits = model(input_ids=tf.constant([ids[-context_limit:]]), use_cache=False, training=False).logits[0, -1]
+        context = ids[-length:]
+        logits = forward(tf.constant([context + [0] * (length - len(context))]))[len(context) - 1]
         if top_k is None:
             ids.append(int(tf.argmax(logits)))
         else:
@@ -105,13 +119,14 @@ def decode_sample(tokenizer, ids: list[int]) -> str:
 
 def generate_samples(model, tokenizer, prompts: list[list[int]]) -> list[dict[str, str]]:
     """Per prompt: its text, the greedy continuation and a top-k sample (stateless seeds: reproducible)."""
-    return [
-        {"prompt": tokenizer.decode(prompt_ids),
-         "greedy": decode_sample(tokenizer, continuation(model, prompt_ids, top_k=None, seed=SAMPLE_SEED + index)),
-         "top_k": decode_sample(tokenizer, continuation(model, prompt_ids, top_k=SAMPLE_TOP_K,
-                                                        seed=SAMPLE_SEED + index))}
-        for index, prompt_ids in enumerate(prompts)
-    ]
+    forward, context_limit = logits_function(model), model.config.n_positions
+
+    def sample(prompt_ids: list[int], top_k: int | None, seed: int) -> str:
+        return decode_sample(tokenizer, continuation(forward, context_limit, prompt_ids, top_k=top_k, seed=seed))
+
+    return [{"prompt": tokenizer.decode(prompt_ids), "greedy": sample(prompt_ids, None, SAMPLE_SEED + index),
+             "top_k": sample(prompt_ids, SAMPLE_TOP_K, SAMPLE_SEED + index)}
+            for index, prompt_ids in enumerate(prompts)]
 
 
 def known_words(samples: list[dict[str, str]], vocabulary: set[str]) -> dict[str, Any]:
@@ -136,7 +151,7 @@ def training_vocabulary(manifest_url: str, manifest: dict[str, Any], tokenizer, 
             break
         (path,) = stage_shards(manifest_url, [shard], local_dir)
         for record in tf.data.TFRecordDataset(path).as_numpy_iterator():
-            ids = np.frombuffer(record, dtype="<" + np.dtype(manifest["dtype"]).str[1:])
+            ids = np.frombuffer(record, dtype=np.dtype(manifest["dtype"]).newbyteorder("<"))
             # One record is a run of consecutive sequences: decoded whole, few words are cut at its edges.
             vocabulary.update(words(tokenizer.decode(ids.tolist(), skip_special_tokens=True)))
             tokens_read += len(ids)

@@ -110,16 +110,11 @@ def test_samples_continue_validation_openings_the_same_way_every_time(trained):
     assert first["sampling"]["seed"] == again["sampling"]["seed"]
 
 
-class _UniformModel:
+def _uniform_logits(tokens):
     """Equal logits for every token: a sampler that reuses one draw picks the same token at every step."""
+    import tensorflow as tf
 
-    class config:  # the attribute a transformers model has
-        n_positions = 64
-
-    def __call__(self, input_ids, **_):
-        import tensorflow as tf
-
-        return type("Output", (), {"logits": tf.zeros([1, input_ids.shape[1], 50])})()
+    return tf.zeros([tokens.shape[1], 50])
 
 
 def test_top_k_draws_anew_at_every_step_and_repeats_under_the_same_seed():
@@ -127,10 +122,28 @@ def test_top_k_draws_anew_at_every_step_and_repeats_under_the_same_seed():
     (`will will will`); each step now has its own seed, and the same seed still gives the same sample."""
     from trainer.evaluate import SAMPLE_NEW_TOKENS, continuation
 
-    sample = continuation(_UniformModel(), [1, 2, 3], top_k=50, seed=7)
+    sample = continuation(_uniform_logits, 64, [1, 2, 3], top_k=50, seed=7)
     assert len(sample) == SAMPLE_NEW_TOKENS and len(set(sample)) > SAMPLE_NEW_TOKENS // 2
-    assert continuation(_UniformModel(), [1, 2, 3], top_k=50, seed=7) == sample
-    assert continuation(_UniformModel(), [1, 2, 3], top_k=50, seed=8) != sample
+    assert continuation(_uniform_logits, 64, [1, 2, 3], top_k=50, seed=7) == sample
+    assert continuation(_uniform_logits, 64, [1, 2, 3], top_k=50, seed=8) != sample
+
+
+def test_padding_the_context_to_one_length_leaves_the_greedy_continuation_as_it_was(trained):
+    """The traced forward pads every context on the right to one length: causal attention must make that
+    invisible, so the greedy tokens equal those of the model called on the bare context at every step."""
+    import tensorflow as tf
+    from transformers import TFGPT2LMHeadModel
+
+    from trainer.evaluate import SAMPLE_NEW_TOKENS, continuation, logits_function
+
+    _, output = trained
+    model = TFGPT2LMHeadModel.from_pretrained(str(output / "model"))
+    prompt = [5, 17, 42, 9, 77, 3]
+    ids = list(prompt)
+    for _ in range(SAMPLE_NEW_TOKENS):
+        ids.append(int(tf.argmax(model(input_ids=tf.constant([ids]), use_cache=False).logits[0, -1])))
+    padded = continuation(logits_function(model), model.config.n_positions, prompt, top_k=None, seed=0)
+    assert padded == ids[len(prompt):]
 
 
 def test_a_sample_goes_on_past_the_end_of_a_document_on_a_new_line():
