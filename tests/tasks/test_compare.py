@@ -12,6 +12,7 @@ import signal
 from importlib import metadata
 from pathlib import Path
 
+import airflow  # noqa: F401 (its first import replaces the log handlers: here, not mid-test under caplog)
 import pytest
 
 from tasks import compare
