@@ -166,7 +166,24 @@ PARAMS = {
                        description="Celery queue of preflight, train, baseline and evaluate (the tasks that hold "
                                    "gpu_slots), served by the GPU hosts' workers; empty = the default queue. A "
                                    "queue no worker serves leaves them queued until task_queued_timeout."),
+    "max_loss_rise": Param(3.0, type="number", minimum=0, maximum=100, title="Loss divergence limit (nats)",
+                           description="Train fails at the step whose loss lies more than this above its lowest so "
+                                       "far (0 = off; a NaN loss always fails)."),
+    "min_throughput_ratio": Param(0.5, type="number", minimum=0, maximum=1, title="Throughput warning ratio",
+                                  description="Warn (log, report, alert) when tokens/s falls below this share of the "
+                                              "advisor's prediction or the last comparable run's (0 = off)."),
+    "alert_conn_id": Param("", type=["null", "string"], title="Alert connection",
+                           description="Airflow connection (smtp type) that sends failure and throughput alerts; "
+                                       "empty = no alerts."),
+    "alert_emails": Param([], type=["null", "array"], items={"type": "string"}, title="Alert recipients",
+                          description="E-mail addresses of the alerts; required with an alert connection."),
 }
+
+def alert_task_failure(context) -> None:
+    from tasks.alerts import alert_task_failure as alert
+
+    alert(context)
+
 
 DOC = """
 ### gpt_finetune
@@ -200,8 +217,10 @@ Trigger from the CLI: `airflow dags trigger gpt_finetune --conf '{"num_workers":
     doc_md=DOC,
     params=PARAMS,
     render_template_as_native_obj=True,
-    # A retried train task resumes from the run's last checkpoint.
-    default_args={"retries": 1, "retry_delay": pendulum.duration(seconds=RETRY_DELAY_S)},
+    # A retried train task resumes from the run's last checkpoint. A task that fails for good sends an alert
+    # (settings alert_conn_id / alert_emails) and counts in the metrics.
+    default_args={"retries": 1, "retry_delay": pendulum.duration(seconds=RETRY_DELAY_S),
+                  "on_failure_callback": alert_task_failure},
 )
 def gpt_finetune():
     from tf_multiworker.elastic import ElasticTrainOperator
@@ -314,17 +333,21 @@ def gpt_finetune():
 
         return release_run(params, run_id, dag_run.dag_id)
 
-    @task(task_id="outcome", retries=0)
-    def outcome(ti=None) -> dict:
+    # Its failure repeats another task's, which already alerted; a run stopped from outside alerts here.
+    @task(task_id="outcome", retries=0, on_failure_callback=[])
+    def outcome(params=None, ti=None) -> dict:
         """Fails the DAG run when any task failed, the run was stopped, or release failed (see tasks/outcome.py)."""
         from airflow.sdk.exceptions import AirflowFailException
 
+        from tasks.alerts import alert_run_stopped
         from tasks.outcome import RunFailedError, judge_run
 
         states = ti.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id])[ti.run_id]
         try:
             return judge_run(states, final_task="promote", own_task=ti.task_id)
         except RunFailedError as error:
+            if "failed" not in states.values():
+                alert_run_stopped(params, ti.run_id, str(error))
             raise AirflowFailException(str(error)) from error
 
     prepared_run = publish()

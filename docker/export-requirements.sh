@@ -17,7 +17,7 @@ export_lock() {
 # Kubernetes API, the Celery executor) and the database drivers are Airflow side only.
 worker_side=(--prune apache-airflow --prune matplotlib --prune pendulum --prune apache-airflow-providers-ssh
              --prune apache-airflow-providers-cncf-kubernetes --prune kubernetes
-             --prune apache-airflow-providers-celery --prune celery --prune psycopg2-binary --prune asyncpg)
+             --prune apache-airflow-providers-celery --prune celery --prune psycopg2-binary --prune asyncpg --prune statsd)
 
 export_lock "${worker_side[@]}" -o docker/requirements-trainer.txt
 export_lock "${worker_side[@]}" --extra gpu -o docker/requirements-trainer-cuda.txt

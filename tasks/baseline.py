@@ -41,6 +41,7 @@ _NOT_IN_KEY = frozenset({
     "dataset", "text_column", "tokenizer", "val_fraction", "num_shards", "max_steps", "epochs",
     "min_workers", "min_predicted_efficiency",
     "model_name", "promotion_tolerance", "promote",  # what happens to the model after training
+    "max_loss_rise", "min_throughput_ratio", "alert_conn_id", "alert_emails",  # watching the run, not its numbers
 })
 
 

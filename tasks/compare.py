@@ -18,8 +18,9 @@ import tempfile
 from datetime import UTC, datetime
 from typing import Any
 
-from tasks import registry
+from tasks import registry, telemetry, throughput
 from tasks import report as reports
+from tasks.alerts import alert_throughput
 from tasks.baseline import read_key_record
 from tasks.connections import uses_run_storage
 from trainer.config import RunConfig
@@ -85,6 +86,8 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
     if promoted:
         evaluations[f"promoted {promoted['version']}"] = promoted
     report["samples"] = samples_by_model(evaluations)
+    earlier = reports.earlier_reports(StorageLayout(prepared["storage_root"]).runs, exclude_run_key=prepared["run_key"])
+    report["warnings"] = throughput.warnings(report, earlier, cfg.min_throughput_ratio)
     trained = [run for run in (report["runs"]["baseline"], report["runs"]["distributed"]) if run]
     charts = {
         reports.LOSS_CHART: reports.loss_chart(
@@ -93,8 +96,7 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
             eval_points={run["label"]: (run["tokens_seen"], run["eval_loss"]) for run in trained},
         ),
         reports.SCALING_CHART: reports.scaling_chart(
-            reports.load_history(StorageLayout(prepared["storage_root"]).runs, exclude_run_key=prepared["run_key"])
-            + reports.history_point(report),
+            [point for other in earlier for point in reports.history_point(other)] + reports.history_point(report),
             current_run_id=prepared["run_id"],
             predicted=(report.get("prediction") or {}).get("rows"),
         ),
@@ -103,6 +105,12 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
     log.info("Report written to %s\n%s\n%s", report_url, reports.text_table(report["table"]),
              f"Hardware: {report['hardware']['line']}")
 
+    telemetry.emit_report_metrics(report, throughput.ratio_to_expectation(report, earlier))
+    for warning in report["warnings"]:
+        log.warning("Throughput: %s", warning)
+    if report["warnings"]:
+        telemetry.count("throughput_warning", {"run": prepared["run_key"], "task": "evaluate"})
+        alert_throughput(cfg, prepared["run_id"], report["warnings"])
     failed = [gate for gate in report["gates"] if not gate["passed"]]
     if failed:
         raise GateFailure(

@@ -38,6 +38,7 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str, A
     from tf_multiworker.launcher import LaunchError
     from tf_multiworker.registry import make_backend
 
+    from tasks.alerts import check_alert_connection
     from tasks.dataset.stage import plan_dataset, plan_summary, run_planned
     from tasks.promote import resolve_promoted_model
     from tasks.queues import report_gpu_queue
@@ -46,6 +47,7 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str, A
         cfg, continued_from = resolve_promoted_model(build_config(params))
         # The backend's connections exist and are of the right type (nothing is contacted yet).
         make_backend(cfg.backend, cfg.to_dict()).close()
+        check_alert_connection(cfg)
     except (ConfigError, LaunchError) as exc:  # bad settings do not get better on retry: fail now
         raise AirflowFailException(str(exc)) from exc
     log.info("Run configuration (validated):\n  %s", "\n  ".join(cfg.summary_lines()))

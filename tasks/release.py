@@ -22,6 +22,7 @@ from tf_multiworker.launcher.process import processes_with_env
 from tf_multiworker.registry import make_backend
 
 from tasks import report as reports
+from tasks import telemetry
 from tasks.connections import uses_run_storage
 from trainer.config import ConfigError, RunConfig
 from trainer.layout import StorageLayout, run_key
@@ -126,6 +127,9 @@ def release_run(params: Mapping[str, Any], run_id: str, dag_id: str,
                  (host.get("gpu_check") or {}).get("note") or (host.get("gpu_check") or {}).get("devices"),
                  f"; ERROR: {host['error']}" if host.get("error") else "")
     log.info("Release record written to %s", run.release)
+    telemetry.emit_task_metrics("release", {
+        "clean": result["clean"], "processes_found": len(result["processes_found"]),
+        "terminated": len(result["terminated"]), "killed": len(result["killed"])}, run=key)
     if not result["clean"]:
         held = [h for host in result["hosts"] for h in (host.get("gpu_check") or {}).get("held_by_run", [])]
         raise ReleaseError(

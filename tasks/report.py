@@ -13,6 +13,7 @@ charts) trust a report only once it exists. The layout of `report.json` (format_
      "segments": [SEGMENT], "elastic": bool (tasks/scaling.py: each launch of train, fewer workers than asked),
      "prediction": {"num_workers", "predicted_speedup", "measured_speedup", "predicted_efficiency",
                     "measured_efficiency", "speedup_error", "recommendation", "rows", "step_source"} | null,
+     "warnings": [sentence] (tasks/throughput.py: tokens/s well below the prediction or the last comparable run),
      "release": {"clean", "released_at", "host", "survivors"} (added by the release task),
      "continued_from": {"name", "version", "url", "model_url", "run_id", "eval_loss"} | null,
      "promoted": {"name", "version", "url", "run_id", "recorded_eval_loss", "eval_loss", "perplexity", "nats_per_char",
@@ -127,6 +128,7 @@ def render_markdown(report: dict[str, Any]) -> str:
          f"{runs['distributed']['global_batch_size']} · {runs['distributed']['steps']} steps · "
          f"created {report['created_at']}{scaling.headline(report)}"),
         "",
+        *[f"> **Warning:** {warning}\n" for warning in report.get("warnings") or ()],
         "| " + " | ".join(TABLE_COLUMNS) + " |",
         "|" + "|".join("---" for _ in TABLE_COLUMNS) + "|",
     ]
@@ -329,18 +331,21 @@ def history_point(report: dict[str, Any]) -> list[dict[str, Any]]:
     return points
 
 
-def load_history(runs_url: str, *, exclude_run_key: str) -> list[dict[str, Any]]:
-    """Scaling points from every earlier run's report.json; unreadable reports are logged and left out."""
-    points = []
+def earlier_reports(runs_url: str, *, exclude_run_key: str) -> list[dict[str, Any]]:
+    """Every other run's report.json that reads as a report; unreadable ones are logged and left out."""
+    found = []
     for key in list_dir(runs_url):
         url = join(runs_url, key, "report", REPORT_JSON)
         if key == exclude_run_key or not exists(url):
             continue
         try:
-            points += history_point(read_json(url))
-        except (ValueError, KeyError, TypeError) as error:
-            log.warning("Leaving %s out of the history charts: it is not a readable report (%s).", url, error)
-    return points
+            report = read_json(url)
+            history_point(report)  # the fields every use of an earlier report reads
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            log.warning("Leaving %s out of the history: it is not a readable report (%s).", url, error)
+            continue
+        found.append(report)
+    return found
 
 
 def write_report(report_url: str, report: dict[str, Any], charts: dict[str, bytes]) -> str:

@@ -62,15 +62,39 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def airflow_stack(tmp_path_factory):
-    """One real Airflow standalone for the whole session (start-up costs ~40 s on 2 cores)."""
+def monitoring_sinks():
+    """A StatsD listener and an SMTP server of the session (tests/metrics_sinks.py), for the stack to report to."""
+    from types import SimpleNamespace
+
+    from tests.metrics_sinks import SmtpSink, StatsdListener
+
+    sinks = SimpleNamespace(statsd=StatsdListener(), smtp=SmtpSink())
+    try:
+        yield sinks
+    finally:
+        sinks.statsd.stop()
+        sinks.smtp.stop()
+
+
+def monitoring_env(sinks) -> dict[str, str]:
+    """Airflow's StatsD metrics (InfluxDB-style tags) to the session's listener, and the `alerts_smtp` connection."""
+    return {"AIRFLOW__METRICS__STATSD_ON": "True", "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
+            "AIRFLOW__METRICS__STATSD_PORT": str(sinks.statsd.port), "AIRFLOW__METRICS__STATSD_PREFIX": "airflow",
+            "AIRFLOW__METRICS__STATSD_INFLUXDB_ENABLED": "True", "AIRFLOW_CONN_ALERTS_SMTP": sinks.smtp.connection_uri()}
+
+
+@pytest.fixture(scope="session")
+def airflow_stack(tmp_path_factory, monitoring_sinks):
+    """One real Airflow standalone for the whole session (start-up costs ~40 s on 2 cores), sending its metrics
+    and alerts to `monitoring_sinks` (`stack.sinks`)."""
     from tests.airflow_stack import start_stack
 
     home = tmp_path_factory.mktemp("airflow_home")
     storage = tmp_path_factory.mktemp("stack_storage")
     # No schedule: a scheduled run created at start-up would hold the single active-run slot the tests need.
     stack = start_stack(home, {"GPT_FINETUNE_STORAGE_ROOT": str(storage), "GPT_FINETUNE_RETRY_DELAY_S": "2",
-                               "GPT_FINETUNE_SCHEDULE": "none"})
+                               "GPT_FINETUNE_SCHEDULE": "none", **monitoring_env(monitoring_sinks)})
+    stack.sinks = monitoring_sinks
     try:
         yield stack
     finally:

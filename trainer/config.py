@@ -64,6 +64,7 @@ STORAGE_ROOT_ENV = "GPT_FINETUNE_STORAGE_ROOT"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # `gpt2`, `openai-community/gpt2`
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):")  # two letters at least: not a drive letter
 _GLOB_CHARS = re.compile(r"[*?\[]")
+_EMAIL = re.compile(r"[^@\s,;<>]+@[^@\s,;<>]+\.[^@\s,;<>]+")
 # Kubernetes formats (apimachinery validation), checked here so a bad value fails before anything is created.
 DEFAULT_TRAINER_IMAGE = "gpt-finetune-trainer:2.21.0"  # docker/trainer.Dockerfile
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -214,6 +215,11 @@ class RunConfig:
     min_predicted_efficiency: float = 0.0
     # The Celery queue of the tasks that hold gpu_slots (plugins/tf_multiworker/gpu_admission.py); "": the default.
     gpu_queue: str = ""
+    # Monitoring (docs/monitoring.md): fail fast when the loss diverges; warn when throughput collapses; alerts.
+    max_loss_rise: float = 3.0
+    min_throughput_ratio: float = 0.5
+    alert_conn_id: str = ""
+    alert_emails: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -233,11 +239,12 @@ class RunConfig:
         values = dict(params)
         # The trigger form sends null for an optional field the user cleared.
         for name in ("storage_conn_id", "remote_python", "remote_workdir", "kubernetes_conn_id", "cpu", "memory",
-                     "service_account", "gpu_queue"):
+                     "service_account", "gpu_queue", "alert_conn_id"):
             if name in values and values[name] is None:
                 values[name] = ""
-        if "ssh_conn_ids" in values and values["ssh_conn_ids"] is None:
-            values["ssh_conn_ids"] = ()
+        for name in ("ssh_conn_ids", "alert_emails"):
+            if name in values and values[name] is None:
+                values[name] = ()
         return cls(**{name: _coerce(name, value, known[name]) for name, value in values.items()})
 
     def to_dict(self) -> dict[str, Any]:
@@ -391,6 +398,20 @@ def _check_choice(cfg: RunConfig, name: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"Setting '{name}' = {value!r} is not allowed: choose one of {list(allowed)}.")
 
 
+def _check_alerts(cfg: RunConfig) -> None:
+    """Recipients need a connection to send through and the other way round (the connection itself is looked up
+    in prepare, where Airflow's connections are: tasks/alerts.py)."""
+    bad = [address for address in cfg.alert_emails if not _EMAIL.fullmatch(address)]
+    if bad:
+        raise ConfigError(f"Setting 'alert_emails' has {bad}, which are not e-mail addresses (name@domain).")
+    if cfg.alert_emails and not cfg.alert_conn_id:
+        raise ConfigError("Setting 'alert_emails' needs 'alert_conn_id': the Airflow connection (smtp type) that "
+                          "sends the alerts.")
+    if cfg.alert_conn_id and not cfg.alert_emails:
+        raise ConfigError(f"Setting 'alert_conn_id' = {cfg.alert_conn_id!r} needs 'alert_emails': the addresses "
+                          "the alerts go to.")
+
+
 def _validate(cfg: RunConfig) -> None:
     for f in dataclasses.fields(cfg):  # direct construction gets the same type checks as from_params
         _coerce(f.name, getattr(cfg, f.name), f)
@@ -413,6 +434,9 @@ def _validate(cfg: RunConfig) -> None:
     _check_range(cfg, "collective_timeout_s", 5, 86_400)
     _check_range(cfg, "startup_timeout_s", 5, 86_400)
     _check_range(cfg, "hang_timeout_s", 10, 7 * 86_400)
+    _check_range(cfg, "max_loss_rise", 0.0, 100.0)
+    _check_range(cfg, "min_throughput_ratio", 0.0, 1.0)
+    _check_alerts(cfg)
     _check_choice(cfg, "backend", BACKEND_NAMES)
     _check_choice(cfg, "mixed_precision", MIXED_PRECISION)
     _check_choice(cfg, "baseline", BASELINE_POLICIES)

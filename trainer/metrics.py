@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import socket
@@ -14,6 +15,14 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("trainer.metrics")
+
+# Live lines: `LIVE_PREFIX` + {"scope": ..., "values": {...}} on stdout, which the operator turns into Airflow
+# metrics (tasks/telemetry.py) and keeps out of the task log. Per-step lines only when the operator asks for them
+# (Airflow's metrics are on) by setting LIVE_INTERVAL_ENV to the seconds between two lines of a rank.
+LIVE_PREFIX = "@gpt_finetune.metrics "
+LIVE_INTERVAL_ENV = "GPT_FINETUNE_LIVE_METRICS_S"
+LIVE_FIELDS = ("step", "loss", "learning_rate", "tokens_per_s", "step_time_s", "input_wait_s", "grad_norm",
+               "gpu_util", "gpu_mem_mb")
 
 # Dense bf16/fp16 tensor-core peak FLOP/s per GPU (vendor datasheets, SXM parts, no sparsity). MFU is reported
 # only for GPUs listed here; the name is matched as a substring of the NVML device name.
@@ -50,6 +59,59 @@ class MetricsLog:
 
     def close(self) -> None:
         self._handle.close()
+
+
+def print_live_line(scope: str, values: dict[str, Any]) -> None:
+    print(LIVE_PREFIX + json.dumps({"scope": scope, "values": values}), flush=True)
+
+
+class LiveMetrics:
+    """This rank's step metrics as live lines: the first step, then at most one line per interval, and the last."""
+
+    def __init__(self, total_steps: int, environ: dict[str, str] | None = None) -> None:
+        setting = (os.environ if environ is None else environ).get(LIVE_INTERVAL_ENV, "").strip()
+        self.interval_s = float(setting) if setting else None
+        self.total_steps = total_steps
+        self._last: float | None = None
+
+    def maybe_print(self, record: dict[str, Any]) -> None:
+        if self.interval_s is None:
+            return
+        now = time.monotonic()
+        if self._last is not None and now - self._last < self.interval_s and record["step"] != self.total_steps:
+            return
+        self._last = now
+        values = {key: record[key] for key in LIVE_FIELDS if key in record}
+        values["compute_s"] = record["step_time_s"] - record["input_wait_s"]
+        print_live_line("worker", values)
+
+
+class LossDivergedError(FloatingPointError):
+    """The training loss became NaN/infinite or rose far above its running minimum: the run fails fast."""
+
+
+class LossWatch:
+    """Fails the step whose loss is not finite, or lies more than `max_rise` nats above the lowest loss so far
+    (0 = that check off). Every rank sees the same all-reduced loss, so every rank stops at the same step."""
+
+    def __init__(self, rank: int, max_rise: float) -> None:
+        self.rank, self.max_rise = rank, max_rise
+        self.lowest: tuple[int, float] | None = None  # (step, loss)
+
+    def check(self, step: int, loss: float) -> None:
+        if not math.isfinite(loss):
+            raise LossDivergedError(
+                f"rank {self.rank}: the training loss is {loss} at step {step}"
+                + (f" (lowest so far {self.lowest[1]:.4f} at step {self.lowest[0]})" if self.lowest else "")
+                + ": lower 'learning_rate' or use 'bf16'/'no' for 'mixed_precision'.")
+        if self.lowest is None or loss < self.lowest[1]:
+            self.lowest = (step, loss)
+        lowest_step, lowest = self.lowest
+        if self.max_rise and loss > lowest + self.max_rise:
+            raise LossDivergedError(
+                f"rank {self.rank}: the training loss diverged at step {step}: {loss:.4f} is {loss - lowest:.2f} nats "
+                f"above its lowest so far ({lowest:.4f} at step {lowest_step}; the limit 'max_loss_rise' is "
+                f"{self.max_rise:g}): lower 'learning_rate' or raise 'warmup_steps' (or 'max_loss_rise', 0 = off).")
 
 
 class ProgressPrinter:

@@ -49,6 +49,7 @@ from typing import Any
 from trainer import runtime, storage
 from trainer.config import RunConfig
 from trainer.log_policy import configure_worker_logging
+from trainer.metrics import print_live_line
 
 log = logging.getLogger("trainer.selftest")
 
@@ -659,8 +660,27 @@ class Preflight:
         url = storage.join(self.output, "preflight.json")
         storage.write_json_atomic(url, result)
         print("\n".join(summary_lines(result)), flush=True)
+        live = live_values(result)
+        if live:
+            print_live_line("preflight", live)
         log.info("preflight report written to %s", url)
         return result
+
+
+def live_values(result: dict[str, Any]) -> dict[str, float]:
+    """The figures of a preflight that Airflow's metrics carry (tasks/telemetry.py, scope "preflight")."""
+    collectives = result.get("collectives") or {}
+    values = {}
+    if "bandwidth" in collectives:
+        values["busbw_gbps"] = collectives["bandwidth"]["busbw_gbps"]
+    if "latency" in collectives:
+        values["latency_p50_ms"] = collectives["latency"]["p50_ms"]
+    rows = {row["num_workers"]: row for row in (result.get("advisor") or {}).get("rows") or ()}
+    row = rows.get(result["num_workers"])
+    if row:
+        values.update(predicted_speedup=row["speedup"], predicted_efficiency=row["efficiency"],
+                      predicted_tokens_per_s=row["tokens_per_s"])
+    return values
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

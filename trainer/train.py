@@ -334,7 +334,7 @@ class LoopTimes:
 def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gpu, start_step: int,
                local_files: list[list[str]]) -> LoopTimes:
     """Steps from `start_step` to `max_steps`: metrics every step, checkpoints every `checkpoint_every_steps`."""
-    from trainer.metrics import MetricsLog, ProgressPrinter, TensorBoardLog
+    from trainer.metrics import LiveMetrics, LossWatch, MetricsLog, ProgressPrinter, TensorBoardLog
 
     cfg = job.cfg
     # One replica per worker, so the batch goes to `strategy.run` as a plain tensor: a tf.data iterator costs
@@ -343,6 +343,8 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gp
     metrics = MetricsLog(outputs.metrics_file, start_step)
     tensorboard = TensorBoardLog(outputs.tensorboard) if job.is_chief else None
     progress = ProgressPrinter(cfg.max_steps, PROGRESS_INTERVAL_S)
+    live = LiveMetrics(cfg.max_steps)
+    watch = LossWatch(job.rank, cfg.max_loss_rise)
     times = LoopTimes(start_step=start_step, step=start_step)
     while times.step < cfg.max_steps:
         begin = time.perf_counter()
@@ -353,11 +355,7 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gp
         end = time.perf_counter()
         step = times.step = times.step + 1
         times.loss = loss
-        if not math.isfinite(loss):
-            raise FloatingPointError(
-                f"rank {job.rank}: loss is {loss} at step {step}: lower 'learning_rate' or use 'bf16'/'no' for "
-                "'mixed_precision'."
-            )
+        watch.check(step, loss)
         if times.timed_from is None:
             times.first_step_s, times.timed_from = end - begin, end
         else:
@@ -370,6 +368,7 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gp
             "grad_norm": float(grad_norm), **gpu.sample(),
         }
         metrics.write(record)
+        live.maybe_print(record)
         if tensorboard:
             tensorboard.write(step, {k: record[k] for k in ("loss", "learning_rate", "tokens_per_s", "grad_norm")})
             seconds_per_step = times.train_time_s / times.timed_steps if times.timed_steps else end - begin

@@ -55,6 +55,7 @@ th, td { border: 1px solid #d0d7de; padding: 0.35rem 0.7rem; text-align: right; 
 th { background: #f6f8fa; } td { white-space: nowrap; } td:first-child, th:first-child { text-align: left; }
 .pass { color: #1a7f37; font-weight: 600; } .fail { color: #cf222e; font-weight: 600; }
 .note { color: #57606a; max-width: 60rem; } img { max-width: 100%; border: 1px solid #d0d7de; margin: 0.5rem 0; }
+.warning { color: #9a6700; background: #fff8c5; border: 1px solid #d4a72c; padding: 0.5rem 1.5rem; max-width: 60rem; }
 """
 
 
@@ -426,6 +427,10 @@ def render_run(report: dict[str, Any], released: str) -> str:
                   for gate in _items(report.get("gates")))
         + "</table>"
     )
+    warnings = [text for text in report.get("warnings") or () if isinstance(text, str)] if isinstance(
+        report.get("warnings"), list) else []
+    warning_list = ("<ul id='warnings' class='warning'>" + "".join(f"<li>{_text(text)}</li>" for text in warnings)
+                    + "</ul>") if warnings else ""
     charts = report.get("charts") if isinstance(report.get("charts"), dict) else {}
     images = "".join(f"<img alt='{_text(name)}' src='charts/{_text(file)}'>" for name, file in charts.items()
                      if isinstance(file, str) and _CHART_FILE.fullmatch(file))
@@ -433,7 +438,7 @@ def render_run(report: dict[str, Any], released: str) -> str:
         f"<p><a href='../../'>All runs</a></p><h1>Run {_text(report.get('run_id'))}</h1>"
         f"<p>Gates {_status(verdict)} · released <span id='released'>{_status(released)}</span> · "
         f"{_text(report.get('num_workers'))} workers · model "
-        f"{_text(_get(report, 'config', 'model'))} · created {_text(report.get('created_at'))}</p>{table}"
+        f"{_text(_get(report, 'config', 'model'))} · created {_text(report.get('created_at'))}</p>{warning_list}{table}"
         f"<p class='note' id='hardware'>{_text(_get(report, 'hardware', 'line'))}</p>{gates}"
         f"{render_scaling(report)}{render_promotion(report)}{render_samples(report)}{images}"
     )

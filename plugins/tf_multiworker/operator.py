@@ -12,6 +12,7 @@ Airflow 3's task runner calls `on_kill` from its SIGTERM handler and then return
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
+from tasks.telemetry import LiveLineReader
 from tf_multiworker.hook import StorageCredentialsHook
 from tf_multiworker.launcher import (
     GroupSpec,
@@ -38,6 +40,7 @@ from tf_multiworker.launcher.errors import MissingOutputError
 from tf_multiworker.registry import UnknownBackendError, make_backend
 from tf_multiworker.supervisor import task_supervisor_pid
 from trainer.layout import StorageLayout
+from trainer.metrics import LIVE_INTERVAL_ENV
 from trainer.runtime import LAUNCHER_WORKDIR_PREFIX
 from trainer.storage import exists, normalize_root, upload_tree, write_json_atomic
 
@@ -46,6 +49,9 @@ STATE_XCOM_KEY = "worker_state"
 # would outlive it, so a kill gives them at most this long before SIGKILL. (Workers end on SIGTERM, at once or after
 # the checkpoint they are writing: the trainer undoes TensorFlow's preemption handler, trainer/runtime.py.)
 ON_KILL_GRACE_S = 3.0
+# Seconds between two live metrics lines of a rank (when Airflow's metrics are on): a gauge keeps its last value,
+# and StatsD exporters and Prometheus scrapes look every 10-15 s.
+LIVE_INTERVAL_S = 2.0
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off", ""}
 
@@ -145,6 +151,7 @@ class TFMultiWorkerOperator(BaseOperator):
         self.group: WorkerGroup | None = None  # must be set for on_kill
         self._killed = False
         self._line_prefixes: dict[int, str] = {}
+        self._live_metrics: LiveLineReader | None = None
 
     @cached_property
     def hook(self) -> StorageCredentialsHook:
@@ -168,6 +175,9 @@ class TFMultiWorkerOperator(BaseOperator):
         except BaseException:
             backend.close()
             raise
+        self._live_metrics = LiveLineReader(run=spec.run_key, task=self.task_id)
+        if self._live_metrics.enabled:  # per-step lines only when Airflow sends metrics somewhere
+            spec = dataclasses.replace(spec, env={**spec.env, LIVE_INTERVAL_ENV: str(LIVE_INTERVAL_S)})
         workdir = Path(tempfile.mkdtemp(prefix=f"{LAUNCHER_WORKDIR_PREFIX}{self.task_id}-"))
         ti = context["ti"]
 
@@ -249,6 +259,8 @@ class TFMultiWorkerOperator(BaseOperator):
         )
 
     def _log_worker_line(self, rank: int, line: str) -> None:
+        if self._live_metrics is not None and self._live_metrics.consume(rank, line):
+            return  # a metrics line: to Airflow's metrics, not the task log (the rank's log file keeps it)
         self.log.info("[%s] %s", self._line_prefixes.get(rank) or f"rank {rank}", line)
 
     def _write_state(self, ti: Any, url: str, backend: str, state: GroupState,

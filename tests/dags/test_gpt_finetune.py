@@ -140,3 +140,11 @@ def test_train_recovers_on_fewer_workers_and_preflight_reads_the_baseline_step_t
     assert not isinstance(dag.get_task("baseline"), ElasticTrainOperator)
     preflight = dag.get_task("preflight")
     assert preflight.args[-2] == "--baseline-summary" and "'baseline_summary_url'" in preflight.args[-1]
+
+
+def test_every_task_but_outcome_alerts_when_it_fails(dag):
+    """Outcome only repeats another task's failure (or alerts itself for a run stopped from outside)."""
+    for task in dag.tasks:
+        callbacks = task.on_failure_callback or []
+        names = [getattr(c, "__name__", "") for c in (callbacks if isinstance(callbacks, list) else [callbacks])]
+        assert names == ([] if task.task_id == "outcome" else ["alert_task_failure"]), task.task_id

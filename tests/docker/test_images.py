@@ -361,7 +361,8 @@ def test_docker_compose_config_accepts_the_stack(tmp_path):
 
 def test_compose_refuses_to_start_without_each_secret():
     secrets = [name for name, value in env_example().items() if not value]
-    assert {"POSTGRES_PASSWORD", "MINIO_ROOT_PASSWORD", "S3_SECRET_ACCESS_KEY", "AIRFLOW_JWT_SECRET"} <= set(secrets)
+    assert {"POSTGRES_PASSWORD", "MINIO_ROOT_PASSWORD", "S3_SECRET_ACCESS_KEY", "AIRFLOW_JWT_SECRET",
+            "GRAFANA_ADMIN_PASSWORD"} <= set(secrets)
     for secret in secrets:
         with pytest.raises(KeyError, match=f"{secret}: set {secret} in docker/.env"):
             load_compose(COMPOSE, env={**filled_env(), secret: ""})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,24 @@ def mapped_states(stack, run_id: str, task_id: str) -> list[str]:
     return [row["state"] for row in page["task_instances"] if row["task_id"] == task_id]
 
 
+def assert_metrics_arrived_while_training(stack, run_id: str) -> None:
+    """Airflow's StatsD metrics (the stack sends them to a UDP listener of the test): every rank's step, loss and
+    tokens/s before train ended, tagged with the run, task and rank; the task figures after; no metrics line in
+    the task log."""
+    key = run_key(DAG, run_id)
+    train = stack.rest("GET", f"{run_path(run_id)}/taskInstances/train")
+    train_ended = datetime.fromisoformat(train["end_date"]).timestamp()
+    statsd = stack.sinks.statsd
+    for rank in ("0", "1"):
+        for field in ("step", "loss", "tokens_per_s"):
+            packets = statsd.matching(f"gpt_finetune.worker.{field}", run=key, task="train", rank=rank)
+            assert packets and packets[0].received < train_ended, (rank, field, packets)
+    assert max(p.value for p in statsd.matching("gpt_finetune.worker.step", run=key, task="train")) == FAST["max_steps"]
+    for name in ("preflight.busbw_gbps", "evaluate.eval_loss", "evaluate.speedup", "release.clean"):
+        assert statsd.matching(f"gpt_finetune.{name}", run=key), name
+    assert "@gpt_finetune.metrics" not in stack.task_log(DAG, run_id, "train")
+
+
 def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_baseline(airflow_stack, tmp_path):
     """The first run tokenizes in two mapped tasks (prepare_tasks 2); the second finds the dataset cached."""
     conf = {**FAST, "dataset": str(fan_out_corpus(tmp_path / "corpus") / "*.txt"), "prepare_tasks": 2,
@@ -53,6 +72,7 @@ def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_basel
     assert list(Path(storage(airflow_stack).root, "datasets").glob("*/manifest.json"))
     assert "cache hit" not in airflow_stack.task_log(DAG, first, "prepare")
     assert_released(airflow_stack, first)
+    assert_metrics_arrived_while_training(airflow_stack, first)
 
     second = trigger(airflow_stack, conf)
     assert airflow_stack.wait_for_run(DAG, second, timeout=600) == "success"

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.timeout(1200)
 
 NIGHTLY = {**FAST, "baseline": "skip", "promote": "auto", "model_name": f"e2e-nightly-{time.time_ns()}"}
 # Adam at the largest allowed learning rate wrecks the weights it continues from: a finite but worse eval loss.
-HARMFUL_LR = 1.0
+# The loss watch would stop that run in train (the loss jumps ~25 nats); it is off here, so that the run reaches
+# promotion, whose own refusal is what this test is about.
+HARMFUL = {"learning_rate": 1.0, "max_loss_rise": 0.0}
 
 
 def report(stack, run_id: str) -> dict:
@@ -45,7 +47,7 @@ def test_nightly_runs_promote_v1_refuse_a_worse_model_and_promote_v2(airflow_sta
     assert "Promoted run" in airflow_stack.task_log(DAG, first, "promote")
     assert report(airflow_stack, first)["promotion"]["version"] == "v1"
 
-    harmful = succeed(airflow_stack, {**NIGHTLY, "model": "promoted", "learning_rate": HARMFUL_LR})
+    harmful = succeed(airflow_stack, {**NIGHTLY, "model": "promoted", **HARMFUL})
     log = airflow_stack.task_log(DAG, harmful, "promote")
     assert "Not promoted" in log and "worse than the promoted version by more than 'promotion_tolerance'" in log
     refused = report(airflow_stack, harmful)

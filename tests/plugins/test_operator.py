@@ -64,6 +64,19 @@ def test_bad_rendered_values_fail_before_anything_starts(changes, message):
         _operator(**changes)._group_spec()
 
 
+def test_live_metrics_lines_stay_out_of_the_task_log(monkeypatch):
+    from tasks.telemetry import LiveLineReader
+    from trainer.metrics import LIVE_PREFIX
+
+    logged = []
+    monkeypatch.setattr(TFMultiWorkerOperator, "log", SimpleNamespace(info=lambda *args: logged.append(args[0] % args[1:])))
+    op = _operator()
+    op._live_metrics = LiveLineReader(run="r", task="train", enabled=False)
+    op._log_worker_line(1, LIVE_PREFIX + '{"scope": "worker", "values": {"loss": 4.0}}')
+    op._log_worker_line(1, "step 3/40 loss 4.0000")
+    assert logged == ["[rank 1] step 3/40 loss 4.0000"]
+
+
 @pytest.mark.parametrize("state", ["failed", "success"])
 def test_an_attempt_in_a_run_that_is_over_launches_nothing(monkeypatch, state):
     """A retry Airflow started in a run marked failed meanwhile: refused before any backend exists."""

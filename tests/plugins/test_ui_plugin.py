@@ -246,6 +246,21 @@ def test_an_elastic_runs_page_shows_its_segments_and_the_predicted_scaling(stora
     assert "id='segments'" not in plain and "id='prediction'" not in plain
 
 
+def test_a_runs_throughput_warnings_show_above_its_figures_escaped(storage_root, tmp_path):
+    root = tmp_path / "storage"
+    shutil.copytree(Path(storage_root) / "runs" / KEY_28, root / "runs" / KEY_28)
+    report_file = root / "runs" / KEY_28 / "report" / "report.json"
+    report = json.loads(report_file.read_text())
+    report_file.write_text(json.dumps({**report, "warnings": ["4,000 tokens/s is 40% of the 10,000 predicted",
+                                                              SCRIPT, {"not": "text"}]}))
+    page = TestClient(create_app(str(root))).get(f"/runs/{KEY_28}/").text
+    warnings = page.split("<ul id='warnings' class='warning'>")[1].split("</ul>")[0]
+    assert warnings.startswith("<li>4,000 tokens/s is 40% of the 10,000 predicted</li><li>&lt;script&gt;")
+    assert warnings.count("<li>") == 2 and page.index("id='warnings'") < page.index("id='figures'")
+    report_file.write_text(json.dumps(report))  # a report from before warnings existed
+    assert "id='warnings'" not in TestClient(create_app(str(root))).get(f"/runs/{KEY_28}/").text
+
+
 def test_pages_show_the_latest_model_its_history_and_each_runs_samples(tmp_path, monkeypatch):
     """Two nightly runs promoted in turn, then one that is not: the index names the run behind `latest` and every
     version; a run page shows why it was (not) promoted and its samples beside the promoted version's."""

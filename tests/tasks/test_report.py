@@ -62,6 +62,15 @@ def test_markdown_and_text_table_carry_the_same_rows():
     assert "skipped (policy 'skip')" in reports.render_markdown(report(baseline=False))
 
 
+def test_markdown_puts_throughput_warnings_above_the_table():
+    data = report()
+    assert "Warning" not in reports.render_markdown(data)
+    data["warnings"] = ["4,000 tokens/s is 40% of the 10,000 the preflight advisor predicted for 2 workers"]
+    markdown = reports.render_markdown(data)
+    assert "> **Warning:** 4,000 tokens/s is 40% of the 10,000" in markdown
+    assert markdown.index("**Warning:**") < markdown.index("| " + reports.TABLE_COLUMNS[0])
+
+
 def test_markdown_says_whether_the_run_was_released_beside_the_gates():
     data = report()
     assert "**Gates: PASSED** · **Released: pending**" in reports.render_markdown(data)
@@ -100,7 +109,8 @@ def test_history_reads_every_earlier_report_and_skips_unreadable_ones(tmp_path, 
     write_json_atomic(join(runs_url, "pending", "config.json"), {})  # a run still training: no report yet
 
     with caplog.at_level(logging.WARNING, logger="gpt_finetune.report"):
-        points = reports.load_history(runs_url, exclude_run_key="current")
+        earlier = reports.earlier_reports(runs_url, exclude_run_key="current")
+    points = [point for report in earlier for point in reports.history_point(report)]
 
     assert sorted((p["run_id"], p["num_workers"], p["efficiency"]) for p in points) == [
         ("r1", 1, 1.0), ("r1", 2, 0.5), ("r2", 1, 1.0), ("r2", 4, 0.25)]

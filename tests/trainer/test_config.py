@@ -287,3 +287,26 @@ def test_kubernetes_settings_round_trip():
     })
     assert RunConfig.from_params(json.loads(cfg.to_json())) == cfg
     assert cfg.kubernetes_conn_id == ""
+
+
+@pytest.mark.parametrize("params, fragments", [
+    ({"alert_emails": ["ops@example.com"]}, ["'alert_emails' needs 'alert_conn_id'", "smtp"]),
+    ({"alert_conn_id": "alerts"}, ["'alert_conn_id' = 'alerts' needs 'alert_emails'"]),
+    ({"alert_conn_id": "alerts", "alert_emails": ["ops"]}, ["'alert_emails' has ['ops']", "name@domain"]),
+    ({"alert_conn_id": "alerts", "alert_emails": "ops@example.com"}, ["'alert_emails' must be a list of strings"]),
+    ({"max_loss_rise": -1}, ["'max_loss_rise' = -1.0 is out of range", "0.0 to 100.0"]),
+    ({"min_throughput_ratio": 1.5}, ["'min_throughput_ratio' = 1.5 is out of range", "0.0 to 1.0"]),
+], ids=["emails-without-connection", "connection-without-emails", "not-an-address", "emails-not-a-list",
+        "negative-rise", "ratio-above-1"])
+def test_bad_monitoring_settings_are_refused_naming_the_setting(params, fragments):
+    with pytest.raises(ConfigError) as raised:
+        RunConfig.from_params(params)
+    assert all(fragment in str(raised.value) for fragment in fragments), str(raised.value)
+
+
+def test_alert_settings_round_trip_and_cleared_fields_mean_no_alerts():
+    cfg = RunConfig.from_params({"alert_conn_id": "alerts", "alert_emails": ["ops@example.com", "a.b@ml.example.org"]})
+    assert cfg.alert_emails == ("ops@example.com", "a.b@ml.example.org")
+    assert RunConfig.from_params(cfg.to_dict()) == cfg
+    cleared = RunConfig.from_params({"alert_conn_id": None, "alert_emails": None})  # the trigger form's empty fields
+    assert (cleared.alert_conn_id, cleared.alert_emails) == ("", ())

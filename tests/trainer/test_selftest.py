@@ -261,3 +261,13 @@ def test_a_peer_that_never_starts_fails_within_the_timeout_naming_its_rank(tmp_p
     assert message.startswith("collectives failed during rendezvous") and f"collective_timeout_s={timeout_s}" in message
     assert f"rank 1 at 127.0.0.1:{closed}: connection refused" in message and "ranks that did not: [1]" in message
     assert "PREFLIGHT FAILED" in done.stdout
+
+
+def test_live_values_carry_bandwidth_latency_and_the_advisors_row_for_the_asked_workers():
+    result = {"num_workers": 2,
+              "collectives": {"bandwidth": {"busbw_gbps": 0.5}, "latency": {"p50_ms": 0.3}},
+              "advisor": {"rows": [{"num_workers": n, "speedup": s, "efficiency": s / n, "tokens_per_s": 1000 * s}
+                                   for n, s in ((1, 1.0), (2, 1.5))]}}
+    assert selftest.live_values(result) == {"busbw_gbps": 0.5, "latency_p50_ms": 0.3, "predicted_speedup": 1.5,
+                                            "predicted_efficiency": 0.75, "predicted_tokens_per_s": 1500.0}
+    assert selftest.live_values({"num_workers": 1, "collectives": None}) == {}

@@ -1,0 +1,161 @@
+"""The run's metrics in Airflow's metrics pipeline (`[metrics]`: StatsD or OpenTelemetry), and their names.
+
+Every name the project emits is listed here, once: the Grafana dashboard (docker/grafana/) may use only these
+(tests/docker/test_dashboard.py checks it). Tags are `run` (the run key), `task` and, for worker metrics, `rank`;
+nothing else, so the series stay few per run. Airflow adds its `statsd_prefix` ("airflow."); with
+`statsd_influxdb_enabled` the tags travel in the name (`airflow.gpt_finetune.worker.loss,run=...,rank=0`), which
+the Prometheus StatsD exporter turns into labels.
+
+Worker metrics come from the workers' live lines (`trainer.metrics.LIVE_PREFIX`), which the operator reads from
+their output: the workers open no endpoint of their own. When Airflow's metrics are off, nothing is sent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+log = logging.getLogger("gpt_finetune.telemetry")
+
+PREFIX = "gpt_finetune"
+# Per rank, while a training job runs (train and baseline): tags run, task, rank.
+WORKER_GAUGES = (
+    "step", "loss", "learning_rate", "tokens_per_s", "step_time_s", "input_wait_s", "compute_s", "grad_norm",
+    "gpu_util", "gpu_mem_mb",
+)
+# Per task, when it ends: tags run, task.
+TASK_GAUGES = {
+    "preflight": ("busbw_gbps", "latency_p50_ms", "predicted_speedup", "predicted_efficiency",
+                  "predicted_tokens_per_s"),
+    "evaluate": ("eval_loss", "perplexity", "baseline_eval_loss", "loss_delta", "parity_ok", "tokens_per_s",
+                 "baseline_tokens_per_s", "speedup", "efficiency", "throughput_ratio"),
+    "release": ("clean", "processes_found", "terminated", "killed"),
+}
+# Counters: tags run and task.
+COUNTERS = ("task_failed", "throughput_warning", "alert_sent", "alert_failed")
+
+
+def worker_metric(field: str) -> str:
+    return f"{PREFIX}.worker.{field}"
+
+
+def task_metric(scope: str, field: str) -> str:
+    return f"{PREFIX}.{scope}.{field}"
+
+
+def counter_metric(name: str) -> str:
+    return f"{PREFIX}.{name}"
+
+
+def metric_names() -> frozenset[str]:
+    """Every metric name this project sends (without Airflow's prefix)."""
+    return frozenset(
+        [worker_metric(field) for field in WORKER_GAUGES]
+        + [task_metric(scope, field) for scope, fields in TASK_GAUGES.items() for field in fields]
+        + [counter_metric(name) for name in COUNTERS])
+
+
+def metrics_enabled() -> bool:
+    """Whether this Airflow deployment sends metrics anywhere (StatsD, Datadog or OpenTelemetry)."""
+    from airflow.sdk.configuration import conf
+
+    return any(conf.getboolean("metrics", option, fallback=False)
+               for option in ("statsd_on", "statsd_datadog_enabled", "otel_on"))
+
+
+def _stats():
+    from airflow.sdk.observability import stats
+
+    return stats
+
+
+def emit_gauges(names_and_values: Mapping[str, Any], tags: Mapping[str, Any]) -> int:
+    """Send each finite number as a gauge; returns how many went out. A metrics backend that fails is logged
+    once per call and never fails the task."""
+    if not metrics_enabled():
+        return 0
+    sent = 0
+    try:
+        stats = _stats()
+        for name, value in names_and_values.items():
+            if isinstance(value, bool):
+                value = int(value)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                stats.gauge(name, float(value), tags={k: str(v) for k, v in tags.items()})
+                sent += 1
+    except Exception as error:  # noqa: BLE001 - metrics are best effort; the run's outcome is what matters
+        log.warning("could not send metrics (%s): %s", type(error).__name__, error)
+    return sent
+
+
+def count(name: str, tags: Mapping[str, Any]) -> None:
+    """Increment the counter `name` (one of COUNTERS); best effort as `emit_gauges`."""
+    if name not in COUNTERS:
+        raise ValueError(f"unknown counter {name!r}: add it to tasks.telemetry.COUNTERS (and the dashboard)")
+    if not metrics_enabled():
+        return
+    try:
+        _stats().incr(counter_metric(name), tags={k: str(v) for k, v in tags.items()})
+    except Exception as error:  # noqa: BLE001 - as in emit_gauges
+        log.warning("could not send metric %s (%s): %s", name, type(error).__name__, error)
+
+
+def emit_task_metrics(scope: str, values: Mapping[str, Any], *, run: str) -> int:
+    """The gauges of one task (a TASK_GAUGES scope), tagged with the run; unknown fields are an error in code."""
+    unknown = set(values) - set(TASK_GAUGES[scope])
+    if unknown:
+        raise ValueError(f"{scope} metrics {sorted(unknown)} are not in tasks.telemetry.TASK_GAUGES")
+    return emit_gauges({task_metric(scope, field): value for field, value in values.items()},
+                       {"run": run, "task": scope})
+
+
+def emit_report_metrics(report: Mapping[str, Any], throughput_ratio: float | None) -> int:
+    """The evaluate task's figures (its report.json) as gauges."""
+    distributed, baseline = report["runs"]["distributed"], report["runs"]["baseline"] or {}
+    comparison = report["comparison"]
+    parity = next((gate["passed"] for gate in report["gates"] if gate["name"] == "loss_parity"), None)
+    return emit_task_metrics("evaluate", {
+        "eval_loss": distributed["eval_loss"], "perplexity": distributed["perplexity"],
+        "baseline_eval_loss": baseline.get("eval_loss"), "loss_delta": comparison["loss_delta"],
+        "parity_ok": parity, "tokens_per_s": distributed["tokens_per_s"],
+        "baseline_tokens_per_s": baseline.get("tokens_per_s"), "speedup": comparison["speedup"],
+        "efficiency": comparison["efficiency"], "throughput_ratio": throughput_ratio,
+    }, run=report["run_key"])
+
+
+class LiveLineReader:
+    """Turns the workers' live lines (`trainer.metrics.LIVE_PREFIX` + JSON) into gauges for one task.
+
+    `consume(rank, line)` returns True when the line was a live line (sent, or dropped when metrics are off), so
+    the caller leaves it out of the task log; the rank's log file keeps it.
+    """
+
+    def __init__(self, *, run: str, task: str, enabled: bool | None = None) -> None:
+        from trainer.metrics import LIVE_PREFIX
+
+        self.prefix = LIVE_PREFIX
+        self.run, self.task = run, task
+        self.enabled = metrics_enabled() if enabled is None else enabled
+        self._warned = False
+
+    def consume(self, rank: int, line: str) -> bool:
+        if not line.startswith(self.prefix):
+            return False
+        if not self.enabled:
+            return True
+        try:
+            message = json.loads(line[len(self.prefix):])
+            scope, values = message["scope"], message["values"]
+            if scope == "worker":
+                known = {worker_metric(k): v for k, v in values.items() if k in WORKER_GAUGES}
+                emit_gauges(known, {"run": self.run, "task": self.task, "rank": rank})
+            else:
+                emit_task_metrics(scope, values, run=self.run)
+        except (ValueError, KeyError, TypeError) as error:
+            if not self._warned:  # one warning per task: a malformed line is a bug, not the run's problem
+                log.warning("rank %d: unreadable live metrics line (%s): %.200s", rank, error, line)
+                self._warned = True
+        return True

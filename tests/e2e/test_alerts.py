@@ -1,0 +1,52 @@
+"""Alerts on a real scheduler: a run whose loss diverges fails in train, naming the step, and the failure reaches a
+real SMTP server (the stack's `alerts_smtp` connection, tests/conftest.py) with the task, the reason and the links.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.runs import DAG, FAST, assert_released, trigger, wait_until
+from trainer.layout import run_key
+
+pytestmark = pytest.mark.timeout(900)
+
+RECIPIENTS = ["ops@example.com"]
+
+
+def test_a_diverging_run_fails_in_train_naming_the_step_and_mails_one_alert(airflow_stack):
+    # A learning rate of 1 on the tiny model: the loss jumps from ~5.8 to ~30 at step 2.
+    conf = {**FAST, "baseline": "skip", "learning_rate": 1.0, "warmup_steps": 0, "alert_conn_id": "alerts_smtp",
+            "alert_emails": RECIPIENTS}
+    run_id = trigger(airflow_stack, conf)
+    assert airflow_stack.wait_for_run(DAG, run_id, timeout=600) == "failed"
+    states = airflow_stack.task_states(DAG, run_id)
+    assert (states["train"], states["evaluate"], states["release"]) == ("failed", "upstream_failed", "success"), states
+    for attempt in (1, 2):  # the retry diverges the same way: same data, same seed
+        assert "the training loss diverged at step 2" in airflow_stack.task_log(DAG, run_id, "train", attempt)
+
+    smtp = airflow_stack.sinks.smtp
+    mails = wait_until(lambda: [m for m in smtp.messages if run_id in m["Subject"]], 30, "the alert mail")
+    assert len(mails) == 1, [m["Subject"] for m in mails]  # train's; outcome only repeats it
+    (mail,) = mails
+    assert mail["Subject"] == f"[{DAG}] run {run_id} failed: train" and mail["To"] == RECIPIENTS[0]
+    text = smtp.text(mail)
+    assert "failed in task train (try 2)" in text
+    assert "Reason: rank 0 (host " in text and "exited with code 1" in text
+    assert "LossDivergedError: rank 0: the training loss diverged at step 2" in text
+    assert f"/dags/{DAG}/runs/" in text and "/tasks/train?try_number=2" in text
+    assert f"/gpt-finetune/runs/{run_key(DAG, run_id)}/" in text
+    failed = airflow_stack.sinks.statsd.matching("gpt_finetune.task_failed", run=run_key(DAG, run_id), task="train")
+    assert len(failed) == 1
+    assert_released(airflow_stack, run_id)
+
+
+def test_an_alert_connection_that_does_not_exist_is_refused_in_prepare(airflow_stack):
+    run_id = trigger(airflow_stack, {**FAST, "alert_conn_id": "no_such_connection", "alert_emails": RECIPIENTS})
+    assert airflow_stack.wait_for_run(DAG, run_id, timeout=300) == "failed"
+    states = airflow_stack.task_states(DAG, run_id)
+    assert states["prepare"] == "failed" and states["preflight"] == "upstream_failed", states
+    log = airflow_stack.task_log(DAG, run_id, "prepare")
+    assert "'alert_conn_id' = 'no_such_connection': no Airflow connection has this id" in log
+    # prepare's own alert cannot go out through that connection: logged, and the task's outcome stays its own.
+    assert "Could not send the alert" in log and "the run's outcome is unchanged" in log
