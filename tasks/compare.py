@@ -13,8 +13,6 @@ import logging
 import math
 import os
 import platform
-import shutil
-import tempfile
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,7 +24,6 @@ from tasks.connections import uses_run_storage
 from trainer.config import RunConfig
 from trainer.data import tokenizer_url
 from trainer.layout import StorageLayout, TrainOutput
-from trainer.runtime import LAUNCHER_WORKDIR_PREFIX
 from trainer.storage import exists, join, read_bytes, read_json, remove_tree
 
 log = logging.getLogger("gpt_finetune.compare")
@@ -155,13 +152,14 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: R
                    label: str) -> dict[str, Any]:
     """`python -m trainer.evaluate` as a one-worker group on the run's backend; its output streams to this log.
 
-    The same launcher as training: the run's marker (release finds it), storage credentials as secrets only, one
-    GPU with `use_gpu` (none otherwise), the start-up and hang bounds of the run. Returns its result."""
-    from tf_multiworker.launcher import GroupSpec, WorkerGroup
+    The same launch path as training (tasks/launch.py): the run's marker (release finds it), a state record and the
+    rank's log in the run's storage (`evaluate-<label>`), storage credentials as secrets only, one GPU with
+    `use_gpu` (none otherwise), the start-up and hang bounds of the run. Returns its result."""
+    from tf_multiworker.launcher import GroupSpec
     from tf_multiworker.registry import make_backend
-    from tf_multiworker.supervisor import task_supervisor_pid
 
     from tasks.connections import storage_env
+    from tasks.launch import RecordedLaunch
 
     spec = GroupSpec(
         name=f"evaluate-{label}", entrypoint=EVALUATE_MODULE, num_workers=1, use_gpu=cfg.use_gpu, run_key=run_key,
@@ -172,17 +170,11 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: R
     remove_tree(output_url)  # a result left by an earlier attempt must not pass for this one
     log.info("Evaluating %s on backend %s", model_url, cfg.backend)
     backend = make_backend(cfg.backend, cfg.to_dict())
-    workdir = tempfile.mkdtemp(prefix=f"{LAUNCHER_WORKDIR_PREFIX}{spec.name}-")
-    group = WorkerGroup(spec, backend, workdir, on_line=lambda rank, line: log.info("[evaluate %s] %s", label, line),
-                        supervisor_pid=task_supervisor_pid())
     try:
-        result = group.run()
-    except BaseException:  # the task is being killed (SystemExit, KeyboardInterrupt): the worker must not outlive it
-        group.stop(f"the evaluate task is ending while evaluating {label}")
-        raise
+        result = RecordedLaunch(spec, backend, StorageLayout(cfg.storage_root).run(run_key),
+                                on_line=lambda rank, line: log.info("[evaluate %s] %s", label, line)).run_group()
     finally:
         backend.close()
-        shutil.rmtree(workdir, ignore_errors=True)
     if not result.succeeded:
         raise EvaluationError(f"evaluating {model_url} failed: {result.error_message()}")
     if not exists(output_url):

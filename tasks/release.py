@@ -12,12 +12,13 @@ reached fails the task, named. The outcome goes to `release.json` and, when the 
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tf_multiworker.launcher.local import LocalBackend
+from tf_multiworker.launcher.backend import RELEASE_GRACE_S
 from tf_multiworker.launcher.process import processes_with_env
 from tf_multiworker.registry import make_backend
 
@@ -86,39 +87,41 @@ def _describe(hosts: list[dict[str, Any]]) -> str:
 
 @uses_run_storage
 def release_run(params: Mapping[str, Any], run_id: str, dag_id: str,
-                grace_period_s: float = 10.0) -> dict[str, Any]:
+                grace_period_s: float = RELEASE_GRACE_S) -> dict[str, Any]:
     key = run_key(dag_id, run_id)
     settings = _settings(params)
-    local = LocalBackend()
-    # This host's processes first: ending them must not depend on storage being reachable.
-    first = local.release(key, [], grace_s=grace_period_s)["hosts"][0]
-    log.info("Release of run %s on %s: %d live process(es)", key, first["host"], len(first["found"]))
-
     run = StorageLayout(normalize_root(settings["storage_root"], relative_to=REPO_ROOT)).run(key)
     try:
         names, records = _state_records(run.state)
-        results = {}
-        for name in sorted({settings["backend"], *(r.get("backend") for r in records)} - {"local", None}):
-            mine = [r for r in records if r.get("backend") == name]
+        unreadable = None
+    except Exception as error:  # noqa: BLE001 - raised below, once this host's processes have ended
+        names, records, unreadable = [], [], error
+    # Every backend the run used: this host's always (and first), the run's own, and any a state record names.
+    # Each gets every record and takes what is its own (the launcher work directories are all on this host).
+    backends = ["local", *sorted({settings["backend"], *(r.get("backend") for r in records)} - {"local", None})]
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for name in backends:
             backend = make_backend(name, settings)
             try:
-                results[name] = backend.release(key, mine)
+                results[name] = backend.release(key, records, grace_s=grace_period_s)
             finally:
                 backend.close()
-        # Again here with the records: the launcher's work directories, and the GPUs of recorded pids.
-        here = local.release(key, records, grace_s=grace_period_s)
-        here_host = here["hosts"][0]
-        for field in ("found", "terminated", "killed"):
-            here_host[field] = first[field] + here_host[field]
-        results["local"] = here
+            if name == "local":
+                log.info("Release of run %s on %s: %d live process(es)", key, results[name]["hosts"][0]["host"],
+                         len(results[name]["hosts"][0]["found"]))
+        if unreadable is not None:
+            raise unreadable
         result = _release_record(key, names, results)
         write_json_atomic(run.release, result)
         mark_report_released(run.report, result)
     except Exception as error:
+        here = results["local"]["hosts"][0] if "local" in results else {
+            "host": socket.gethostname(), "terminated": [], "killed": [], "survivors": []}
         raise ReleaseError(
-            f"Release of run {key} on {first['host']} could not be recorded: {type(error).__name__}: {error}. "
-            f"Processes ended here: {len(first['terminated'])} terminated, {len(first['killed'])} killed; still "
-            f"alive: {_describe([first])}. Fix access to the storage root (storage_root / storage_conn_id) or "
+            f"Release of run {key} on {here['host']} could not be recorded: {type(error).__name__}: {error}. "
+            f"Processes ended here: {len(here['terminated'])} terminated, {len(here['killed'])} killed; still "
+            f"alive: {_describe([here])}. Fix access to the storage root (storage_root / storage_conn_id) or "
             f"the hosts, and clear the release task; until it succeeds this run counts as not released."
         ) from error
     for host in result["hosts"]:

@@ -47,6 +47,7 @@ _CORE = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<res>pods|services|sec
                    r"(?:/(?P<name>[^/]+)(?:/(?P<sub>log))?)?$")
 _NETWORKING = re.compile(r"^/apis/networking\.k8s\.io/v1/namespaces/(?P<ns>[^/]+)/(?P<res>networkpolicies)"
                          r"(?:/(?P<name>[^/]+))?$")
+_CLUSTER = re.compile(r"^/api/v1/(?P<res>nodes|pods)$")  # cluster-wide lists: the nodes, every namespace's pods
 _KINDS = {"pods": ("Pod", "v1"), "services": ("Service", "v1"), "secrets": ("Secret", "v1"),
           "events": ("Event", "v1"), "networkpolicies": ("NetworkPolicy", "networking.k8s.io/v1")}
 
@@ -164,6 +165,7 @@ class FakeKubernetes:
     def __init__(self, image_env: Mapping[str, str] | None = None) -> None:
         self.image_env = dict(image_env or {})
         self.node_name = "fake-node-1"
+        self.nodes: dict[str, dict] = {}  # add_node(); none by default
         self.objects: dict[tuple[str, str, str], dict] = {}  # (resource, namespace, name) -> object
         self.pods: dict[tuple[str, str], _Pod] = {}
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, for assertions
@@ -276,7 +278,30 @@ class FakeKubernetes:
                     return _status(code, reason, message)
         return None
 
+    def add_node(self, name: str, allocatable: Mapping[str, str], *, labels: Mapping[str, str] | None = None,
+                 taints: tuple[dict, ...] = (), ready: bool = True, unschedulable: bool = False) -> None:
+        """A node of the cluster, as `kubectl get node -o json` shows it (the parts capacity reads)."""
+        self.nodes[name] = {
+            "kind": "Node", "apiVersion": "v1", "metadata": {"name": name, "labels": dict(labels or {})},
+            "spec": {"unschedulable": unschedulable, "taints": list(taints) or None},
+            "status": {"allocatable": dict(allocatable), "capacity": dict(allocatable),
+                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+    def _cluster_list(self, resource: str, query: dict[str, str]) -> tuple[int, dict]:
+        refused = self._refusal("list", resource)
+        if refused:
+            return refused["code"], refused
+        with self._lock:
+            if resource == "nodes":
+                return 200, {"kind": "NodeList", "apiVersion": "v1", "metadata": {}, "items": list(self.nodes.values())}
+            items = [self._view("pods", ns, o) for (r, ns, _), o in self.objects.items()
+                     if r == "pods" and self._selected(o, query)]
+            return 200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}
+
     def handle(self, method: str, path: str, query: dict[str, str], body: dict | None) -> tuple[int, dict]:
+        cluster = _CLUSTER.match(path)
+        if cluster and method == "GET":
+            return self._cluster_list(cluster["res"], query)
         match = _CORE.match(path) or _NETWORKING.match(path)
         if not match:
             return 404, _status(404, "NotFound", f"the server could not find the requested resource ({path})")

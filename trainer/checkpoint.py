@@ -20,7 +20,18 @@ log = logging.getLogger("trainer.checkpoint")
 
 INDEX_FILE = "checkpoint"
 _STEP = re.compile(r"^ckpt-(\d+)\.")
+_INDEX_LATEST = re.compile(rb'model_checkpoint_path:\s*"[^"]*ckpt-(\d+)"')
 MAX_TO_KEEP = 2
+
+
+def latest_step(checkpoints_url: str) -> int:
+    """The step of the newest checkpoint under `checkpoints_url` (local or object storage), from TF's small index
+    file alone (no TensorFlow import); 0 when there is none."""
+    index = storage.join(checkpoints_url, INDEX_FILE)
+    if not storage.exists(index):
+        return 0
+    found = _INDEX_LATEST.search(storage.read_bytes(index))
+    return int(found.group(1)) if found else 0
 
 
 class CheckpointStore:

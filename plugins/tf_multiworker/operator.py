@@ -13,17 +13,14 @@ Airflow 3's task runner calls `on_kill` from its SIGTERM handler and then return
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
+from tasks.launch import RecordedLaunch
 from tasks.telemetry import LiveLineReader
 from tf_multiworker.hook import StorageCredentialsHook
 from tf_multiworker.launcher import (
@@ -31,18 +28,14 @@ from tf_multiworker.launcher import (
     GroupState,
     LaunchError,
     RunResult,
-    WorkerGroup,
     WorkerGroupStoppedError,
-    WorkerOutcome,
     error_for,
 )
 from tf_multiworker.launcher.errors import MissingOutputError
 from tf_multiworker.registry import UnknownBackendError, make_backend
-from tf_multiworker.supervisor import task_supervisor_pid
 from trainer.layout import StorageLayout
 from trainer.metrics import LIVE_INTERVAL_ENV
-from trainer.runtime import LAUNCHER_WORKDIR_PREFIX
-from trainer.storage import exists, normalize_root, upload_tree, write_json_atomic
+from trainer.storage import exists, normalize_root
 
 STATE_XCOM_KEY = "worker_state"
 # Airflow's supervisor SIGKILLs the task process 5 s after its SIGTERM; workers live in their own sessions and
@@ -148,9 +141,8 @@ class TFMultiWorkerOperator(BaseOperator):
         self.env = env
         self.grace_period_s = grace_period_s
         self.max_launch_attempts = max_launch_attempts
-        self.group: WorkerGroup | None = None  # must be set for on_kill
+        self.group: RecordedLaunch | None = None  # must be set for on_kill
         self._killed = False
-        self._line_prefixes: dict[int, str] = {}
         self._live_metrics: LiveLineReader | None = None
 
     @cached_property
@@ -178,27 +170,13 @@ class TFMultiWorkerOperator(BaseOperator):
         self._live_metrics = LiveLineReader(run=spec.run_key, task=self.task_id)
         if self._live_metrics.enabled:  # per-step lines only when Airflow sends metrics somewhere
             spec = dataclasses.replace(spec, env={**spec.env, LIVE_INTERVAL_ENV: str(LIVE_INTERVAL_S)})
-        workdir = Path(tempfile.mkdtemp(prefix=f"{LAUNCHER_WORKDIR_PREFIX}{self.task_id}-"))
         ti = context["ti"]
-
-        def record_started(workers: Sequence[WorkerOutcome], attempt: int) -> None:
-            if backend.name != "local":  # on other hosts, each line says where it comes from
-                self._line_prefixes = {w.rank: f"rank {w.rank} pod {w.record['pod']}" if "pod" in w.record
-                                       else f"rank {w.rank} host {w.host}" for w in workers}
-            self._write_state(ti, run.state_file(self.task_id), backend.name, GroupState.RUNNING, workers, workdir)
-
-        self.group = WorkerGroup(spec, backend, workdir, on_line=self._log_worker_line, on_started=record_started,
-                                 supervisor_pid=task_supervisor_pid())
-        result: RunResult | None = None
         try:
-            result = self.group.run()
+            self.group = RecordedLaunch(spec, backend, run, on_line=self._log_worker_line, storage=self.hook.applied,
+                                        on_record=lambda record: ti.xcom_push(key=STATE_XCOM_KEY, value=record))
+            result = self.group.run_group(stopped=lambda: self._killed)
         finally:
-            final = GroupState.STOPPED if self._killed else (result.state if result else GroupState.FAILED)
-            failing = self._killed or result is None or not result.succeeded
-            try:
-                self._finish(ti, run, backend.name, final, result, workdir, failing=failing)
-            finally:
-                backend.close()
+            backend.close()
         if self._killed or result.state is GroupState.STOPPED:
             raise WorkerGroupStoppedError(result)
         if not result.succeeded:
@@ -261,42 +239,7 @@ class TFMultiWorkerOperator(BaseOperator):
     def _log_worker_line(self, rank: int, line: str) -> None:
         if self._live_metrics is not None and self._live_metrics.consume(rank, line):
             return  # a metrics line: to Airflow's metrics, not the task log (the rank's log file keeps it)
-        self.log.info("[%s] %s", self._line_prefixes.get(rank) or f"rank {rank}", line)
-
-    def _write_state(self, ti: Any, url: str, backend: str, state: GroupState,
-                     workers: Sequence[WorkerOutcome], workdir: Path) -> dict[str, Any]:
-        record = {
-            "task_id": self.task_id,
-            "backend": backend,
-            "state": state.value,
-            "updated_at": datetime.now(UTC).isoformat(),
-            "workdir": str(workdir),  # removed by execute; release removes it when the task died first
-            "workers": [{"rank": w.rank, "host": w.host, "port": w.port, "gpus": list(w.devices or []),
-                         **w.record} for w in workers],
-        }
-        with self.hook.applied():
-            write_json_atomic(url, record)
-        ti.xcom_push(key=STATE_XCOM_KEY, value=record)
-        return record
-
-    def _finish(self, ti: Any, run: Any, backend: str, state: GroupState, result: RunResult | None,
-                workdir: Path, *, failing: bool) -> None:
-        """Final state record and log upload. When the task is already failing, a storage error here is logged
-        so that it does not hide the workers' error; on success it fails the task (artifacts complete or absent)."""
-        try:
-            self._write_state(ti, run.state_file(self.task_id), backend, state, result.workers if result else (),
-                              workdir)
-            logs_dir = workdir / "logs"
-            if logs_dir.is_dir():
-                with self.hook.applied():
-                    uploaded = upload_tree(logs_dir, run.logs(self.task_id))
-                self.log.info("uploaded %d worker log(s) to %s", len(uploaded), run.logs(self.task_id))
-        except Exception:
-            if not failing:
-                raise
-            self.log.exception("could not record the final state / upload worker logs of %s", self.task_id)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+        self.log.info("[%s] %s", self.group.label(rank) if self.group else f"rank {rank}", line)
 
     def _summary(self, result: RunResult, run: Any) -> dict[str, Any]:
         return {

@@ -130,5 +130,5 @@ class FakeBackend(Backend):
         self.earlier_asked.append(group.name)
         return self.earlier
 
-    def release(self, run_key: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = 10.0) -> dict[str, Any]:
         return {"backend": self.name, "hosts": [], "clean": True}

@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 import math
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tf_multiworker.elastic import LOCAL_USABLE_WORKERS_ENV, choose_count, latest_checkpoint_step, local_capacity
+from tf_multiworker.elastic import choose_count
 from tf_multiworker.launcher import GroupSpec, LaunchError, LocalBackend, WorkerGroup
+from tf_multiworker.launcher.backend import Capacity
+from tf_multiworker.launcher.local import LOCAL_USABLE_WORKERS_ENV
 
 from tests.plugins.conftest import REPO, entrypoint_env, failure_excerpt
 from tests.plugins.test_operator import _finish, _start
@@ -26,29 +29,26 @@ STEPS, CHECKPOINT_EVERY, FAULT_STEP = 12, 4, 4
 
 def test_the_largest_exact_count_that_fits_is_chosen():
     cfg = RunConfig.from_params({"num_workers": 4, "min_workers": 2})
-    assert [choose_count(cfg, capacity, []) for capacity in (4, 3, 2)] == [4, 2, 2]  # 3 does not split 4 slots
+    assert [choose_count(cfg, Capacity(workers)) for workers in (4, 3, 2)] == [4, 2, 2]  # 3 does not split 4 slots
     with pytest.raises(LaunchError) as raised:
-        choose_count(cfg, 1, ["host 10.0.0.2 unreachable"])
+        choose_count(cfg, Capacity(1, ("host 10.0.0.2 unreachable",)))
     message = str(raised.value)
     assert "only 1 of 4 workers are usable (host 10.0.0.2 unreachable), below 'min_workers' = 2" in message
     assert "exact worker counts for this run are [4, 2]" in message
 
 
 def test_local_capacity_reads_the_cap_and_the_free_gpus():
-    cfg = RunConfig.from_params({"num_workers": 4, "min_workers": 1})
-    backend = LocalBackend(gpu_probe=lambda: [0, 1, 2])
-    assert local_capacity(cfg, backend, {}) == (4, [])
-    assert local_capacity(cfg, backend, {LOCAL_USABLE_WORKERS_ENV: "2"}) == (
-        2, [f"this machine allows 2 worker(s) ({LOCAL_USABLE_WORKERS_ENV}=2)"])
-    assert local_capacity(cfg.replace(use_gpu=True), backend, {}) == (3, ["this machine has 3 free GPU(s) [0, 1, 2]"])
+    group = GroupSpec(name="train", entrypoint="trainer.train", num_workers=4)
+
+    def capacity(environ, **changes):
+        return LocalBackend(gpu_probe=lambda: [0, 1, 2], environ=environ).capacity(replace(group, **changes))
+
+    assert capacity({}) == Capacity(4)
+    assert capacity({LOCAL_USABLE_WORKERS_ENV: "2"}) == Capacity(
+        2, (f"this machine allows 2 worker(s) ({LOCAL_USABLE_WORKERS_ENV}=2)",))
+    assert capacity({}, use_gpu=True) == Capacity(3, ("this machine has 3 free GPU(s) [0, 1, 2]",))
     with pytest.raises(LaunchError, match="not a whole number"):
-        local_capacity(cfg, backend, {LOCAL_USABLE_WORKERS_ENV: "two"})
-
-
-def test_latest_checkpoint_step_reads_the_trainers_index(tmp_path):
-    assert latest_checkpoint_step(str(tmp_path)) == 0
-    (tmp_path / "checkpoint").write_text('model_checkpoint_path: "ckpt-20"\nall_model_checkpoint_paths: "ckpt-10"\n')
-    assert latest_checkpoint_step(str(tmp_path)) == 20
+        capacity({LOCAL_USABLE_WORKERS_ENV: "two"})
 
 
 # -- the must-show run ---------------------------------------------------------------------------------------------

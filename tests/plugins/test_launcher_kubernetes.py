@@ -236,3 +236,48 @@ def _wait_for(condition, timeout_s: float) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+# -- capacity: what an elastic launch may ask for ------------------------------------------------------------------
+
+H200 = {"nvidia.com/gpu.product": "NVIDIA-H200"}
+
+
+def gpu_backend(cluster: FakeKubernetes, **pod_settings) -> KubernetesBackend:
+    core, networking = clients(cluster)
+    pod = PodSettings(image="gpt-finetune-trainer:test", gpus=1, node_selector=H200, **pod_settings)
+    return KubernetesBackend(core, networking, KubernetesSettings(namespace="default", pod=pod))
+
+
+def test_capacity_counts_the_gpus_free_on_nodes_the_pods_may_use(cluster):
+    cluster.add_node("gpu-a", {"nvidia.com/gpu": "4", "cpu": "64"}, labels=H200)
+    cluster.add_node("gpu-b", {"nvidia.com/gpu": "8"}, labels=H200, unschedulable=True)
+    cluster.add_node("gpu-c", {"nvidia.com/gpu": "8"}, labels=H200,
+                     taints=({"key": "dedicated", "value": "other-team", "effect": "NoSchedule"},))
+    cluster.add_node("gpu-d", {"nvidia.com/gpu": "8"}, labels=H200, ready=False)
+    cluster.add_node("cpu-e", {"cpu": "128"})
+    # Another team's running pod holds 2 of gpu-a's GPUs (a limit alone is its request).
+    core, _ = clients(cluster)
+    cluster.node_name = "gpu-a"
+    core.create_namespaced_pod("other", {"metadata": {"name": "busy"}, "spec": {"containers": [{
+        "name": "c", "image": "x", "command": ["sleep", "60"], "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}})
+
+    found = gpu_backend(cluster).capacity(spec(num_workers=4, use_gpu=True))
+    assert found.workers == 2
+    (reason,) = found.reasons
+    assert reason.startswith("the cluster's nodes fit 2 worker pod(s) of 1 GPU (gpu-a: 2; cpu-e: none (lacks the "
+                             "node_selector label(s) ['nvidia.com/gpu.product=NVIDIA-H200']); gpu-b: none (cordoned); "
+                             "gpu-c: none (has the taint(s) ['dedicated:NoSchedule'] the pods do not tolerate); "
+                             "gpu-d: none (not Ready))")
+    tolerating = gpu_backend(cluster, tolerations=({"key": "dedicated", "operator": "Exists",
+                                                    "effect": "NoSchedule"},))
+    assert tolerating.capacity(spec(num_workers=4, use_gpu=True)).workers == 10
+
+
+def test_capacity_is_everything_when_pods_request_nothing_or_nodes_cannot_be_listed(cluster, caplog):
+    assert backend(cluster).capacity(spec(num_workers=3)).workers == 3
+    assert not [path for _, path in cluster.requests if path == "/api/v1/nodes"]  # nothing to count: not asked
+    cluster.refuse("list", "nodes", 403, "Forbidden", 'nodes is forbidden: User "airflow" cannot list resource')
+    found = gpu_backend(cluster).capacity(spec(num_workers=3, use_gpu=True))
+    assert (found.workers, found.reasons) == (3, ())
+    assert "cannot tell how many pods the cluster can place" in caplog.text and "403 Forbidden" in caplog.text

@@ -357,3 +357,23 @@ def test_release_asks_every_host_at_once_and_names_one_it_cannot_reach(monkeypat
     assert [(h["host"], h["terminated"]) for h in result["hosts"]] == [("a.example", [4242]), ("b.example", []),
                                                                       ("c.example", [4242])]
     assert "unreachable" in result["hosts"][1]["error"] and result["clean"] is False
+
+
+def test_capacity_probes_every_host_at_once_and_keeps_only_the_usable_ones(monkeypatch):
+    from tf_multiworker.launcher.backend import Capacity
+    from tf_multiworker.launcher.ssh import HostError
+
+    down = HostError("host b.example (connection b) is unreachable: ConnectionRefusedError")
+    answers = {"a": _probe([41000], gpus=(0, 1)), "b": down, "c": _probe([41000], gpus=()),
+               "d": _probe([41000], gpus=(3,))}
+    backend, asked = _stubbed(monkeypatch, answers, barrier=threading.Barrier(4, timeout=10))
+    found = backend.capacity(GroupSpec(name="g", entrypoint="tiny_worker", num_workers=4, use_gpu=True))
+    assert sorted(asked) == [("a", 0), ("b", 0), ("c", 0), ("d", 0)]
+    assert found == Capacity(3, ("host b.example unreachable", "host c.example has no free GPU"),
+                             {"ssh_conn_ids": ["a", "d"]}, ("a.example", "d.example"))
+    assert [h.conn_id for h in backend.hosts] == ["a", "d"]  # placement now uses only these
+
+    # Without GPUs a host takes workers_per_host (else one); every host answered: nothing to narrow.
+    backend, _ = _stubbed(monkeypatch, {"a": _probe([41000]), "c": _probe([41000])}, workers_per_host=2)
+    assert backend.capacity(GroupSpec(name="g", entrypoint="tiny_worker", num_workers=4)) == Capacity(
+        4, (), {}, ("a.example", "c.example"))

@@ -20,6 +20,7 @@ from tasks.baseline import plan_baseline
 from tasks.compare import EvaluationError, GateFailure, evaluate_run
 from tests.tasks import run_fixtures
 from trainer.config import RunConfig
+from trainer.layout import StorageLayout
 from trainer.storage import exists, join, read_bytes, read_json, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
@@ -176,8 +177,8 @@ def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, 
     signal.setitimer(signal.ITIMER_REAL, 3.0)
     try:
         with pytest.raises(TimeoutError):
-            compare.run_evaluation(model, manifest, join(root, "eval.json"), cfg=RunConfig(), run_key="run-of-eval",
-                                   label="distributed")
+            compare.run_evaluation(model, manifest, join(root, "eval.json"), cfg=RunConfig(storage_root=root),
+                                   run_key="run-of-eval", label="distributed")
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -186,6 +187,11 @@ def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, 
     assert line.endswith(" of run run-of-eval")  # the marker release finds the run's processes by
     with pytest.raises(ProcessLookupError):
         os.kill(int(line.split("evaluating as pid ")[1].split()[0]), 0)
+    # Launched as training is (tasks/launch.py): a state record that release reads, the rank's log kept.
+    run = StorageLayout(root).run("run-of-eval")
+    record = read_json(run.state_file("evaluate-distributed"))
+    assert (record["task_id"], record["backend"], record["state"]) == ("evaluate-distributed", "local", "failed")
+    assert exists(join(run.logs("evaluate-distributed"), "rank-0.log"))
 
 
 def test_real_trainer_output_evaluated_by_the_real_entry_point(root, tmp_path, caplog):

@@ -6,9 +6,26 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import IO, Any, ClassVar
 
 from tf_multiworker.launcher.spec import GroupSpec, Placement, WorkerSpec
+
+# How long release gives a run's workers between SIGTERM (or a pod's deletion) and SIGKILL.
+RELEASE_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a backend can place now for a group: at most `workers`, with `reasons` saying why fewer than asked.
+
+    `settings` are the run settings a smaller launch on what is usable needs (the SSH hosts that answered:
+    `{"ssh_conn_ids": [...]}`), `hosts` where that is, for the launch record; both empty when nothing narrowed."""
+
+    workers: int
+    reasons: tuple[str, ...] = ()
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    hosts: tuple[str, ...] = ()
 
 
 class WorkerHandle(ABC):
@@ -47,9 +64,20 @@ class WorkerHandle(ABC):
     def record(self) -> dict[str, Any]:
         """What the run-state record keeps so that release can find this worker again (JSON values)."""
 
+    def label(self) -> str:
+        """How log lines name this worker: "rank 2" here, "rank 2 host h" or "rank 2 pod p" elsewhere."""
+        return f"rank {self.rank}"
+
 
 class Backend(ABC):
+    """Where a group's workers run: places ranks, builds their command, starts them, and ends what a run left."""
+
     name: ClassVar[str]
+
+    def capacity(self, group: GroupSpec) -> Capacity:
+        """How many of `group`'s workers could be placed now (asked before an elastic launch, which then places
+        at most that many); the default, for a backend that places or fails by itself, is all of them."""
+        return Capacity(group.num_workers)
 
     @abstractmethod
     def place(self, group: GroupSpec) -> list[Placement]:
@@ -75,10 +103,11 @@ class Backend(ABC):
         {"host", "found", "terminated", "killed", "survivors"}, plus "error" for a host that could not be asked."""
 
     @abstractmethod
-    def release(self, run_key: str, records: list[dict[str, Any]]) -> dict[str, Any]:
-        """End whatever is left of run `run_key` wherever this backend runs workers; `records` are the `workers`
-        entries of this backend's state records. Returns {"backend", "hosts": [{"host", "found", "terminated",
-        "killed", "survivors", ...}], "clean"}; a host that cannot be reached is reported, never skipped."""
+    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = RELEASE_GRACE_S) -> dict[str, Any]:
+        """End whatever is left of run `run_key` wherever this backend runs workers (SIGTERM, `grace_s`, SIGKILL);
+        `records` are all the run's state records, each backend uses what is its own. Returns {"backend",
+        "hosts": [{"host", "found", "terminated", "killed", "survivors", ...}], "clean"}; a host that cannot be
+        reached is reported, never skipped."""
 
     def close(self) -> None:
         """Release connections; the backend is not used afterwards."""

@@ -69,7 +69,7 @@ class _Worker:
 
     def outcome(self) -> WorkerOutcome:
         return WorkerOutcome(self.spec.rank, self.spec.host, self.spec.port, self.handle.pid, self.spec.devices,
-                             self.state, self.exit_code, self.handle.record())
+                             self.state, self.exit_code, self.handle.record(), self.handle.label())
 
 
 def _describe_exit(code: int) -> str:

@@ -27,8 +27,9 @@ import urllib3
 from kubernetes.client import CoreV1Api, NetworkingV1Api, V1DeleteOptions, V1Pod
 from kubernetes.client.rest import ApiException
 
+from tf_multiworker.launcher import kubernetes_capacity as capacity
 from tf_multiworker.launcher import kubernetes_objects as objects
-from tf_multiworker.launcher.backend import Backend, WorkerHandle
+from tf_multiworker.launcher.backend import RELEASE_GRACE_S, Backend, Capacity, WorkerHandle
 from tf_multiworker.launcher.errors import LaunchError
 from tf_multiworker.launcher.process import ORPHAN_GRACE_S
 from tf_multiworker.launcher.spec import GroupSpec, Placement, WorkerSpec
@@ -128,6 +129,12 @@ class _Api:
         body = V1DeleteOptions(**options) if options else None
         return self.call(f"deleting {kind} {ns}/{name}", method, name, ns, body=body, missing_ok=True,
                          retries=retries) is not None
+
+    def cluster(self) -> tuple[list[Any], list[Any]]:
+        """Every node, and every pod of every namespace (what is already requested on each node)."""
+        nodes = self.call("listing the cluster's nodes", self.core.list_node, retries=0).items
+        pods = self.call("listing the pods of every namespace", self.core.list_pod_for_all_namespaces, retries=0)
+        return nodes, pods.items
 
     def list(self, kind: str, selector: str) -> list[Any]:
         ns = self.settings.namespace
@@ -277,6 +284,9 @@ class KubernetesWorkerHandle(WorkerHandle):
     def record(self) -> dict:
         return {"namespace": self.backend.settings.namespace, "pod": self.pod, "node": self.node}
 
+    def label(self) -> str:
+        return f"rank {self.rank} pod {self.pod}"
+
     # -- fed by the backend's status loop -------------------------------------------------------------------
 
     def _update(self, pod: V1Pod | None) -> None:
@@ -412,6 +422,33 @@ class KubernetesBackend(Backend):
                           {**where, "pod": names.pod(rank)})
                 for rank in range(group.num_workers)]
 
+    def capacity(self, group: GroupSpec) -> Capacity:
+        """Worker pods that fit on the cluster's nodes now (kubernetes_capacity.py); all of them when a pod requests
+        nothing, or when the nodes cannot be listed (RBAC): then the scheduler decides, and pods it cannot place
+        stay Pending until `startup_timeout_s` names them."""
+        if not capacity.pod_requests(self.settings.pod):
+            return Capacity(group.num_workers)
+        try:
+            nodes, pods = self.api.cluster()
+        except KubernetesApiError as error:
+            log.warning("cannot tell how many pods the cluster can place (%s): launching all %d", error,
+                        group.num_workers)
+            return Capacity(group.num_workers)
+        fits, blocked = capacity.workers_per_node(nodes, pods, self.settings.pod)
+        workers = sum(fits.values())
+        if workers >= group.num_workers:
+            return Capacity(workers)
+        per_node = [f"{node}: {count}" for node, count in sorted(fits.items())]
+        per_node += [f"{node}: none ({why})" for node, why in sorted(blocked.items())]
+        reason = (f"the cluster's nodes fit {workers} worker pod(s) of {self._requests_text()} "
+                  f"({'; '.join(per_node) or 'no nodes'})")
+        return Capacity(workers, (reason,))
+
+    def _requests_text(self) -> str:
+        pod = self.settings.pod
+        return ", ".join(part for part in (f"{pod.gpus} GPU" if pod.gpus else "", f"{pod.cpu} CPU" if pod.cpu else "",
+                                           f"{pod.memory} memory" if pod.memory else "") if part)
+
     def command(self, group: GroupSpec) -> list[str]:
         return [self.settings.python, "-u", "-m", group.entrypoint, *group.args]
 
@@ -468,10 +505,11 @@ class KubernetesBackend(Backend):
         names = objects.GroupNames(group.run_key, group.name, self.settings.namespace)
         return [self._delete_labelled(names.selector, grace_s=min(group.grace_period_s, ORPHAN_GRACE_S))]
 
-    def release(self, run_key: str, records: list[dict]) -> dict:
+    def release(self, run_key: str, records: list[dict], grace_s: float = RELEASE_GRACE_S) -> dict:
         """Delete every object labelled with the run (the records are not needed: the label also finds what no
-        record names), pods with up to 10 s of grace and then at once, and list again to prove nothing is left."""
-        host = self._delete_labelled(objects.run_selector(run_key), grace_s=10)
+        record names), pods with up to `grace_s` of grace and then at once, and list again to prove nothing is
+        left."""
+        host = self._delete_labelled(objects.run_selector(run_key), grace_s=grace_s)
         return {"backend": self.name, "hosts": [host], "clean": not host["survivors"]}
 
     def _delete_labelled(self, selector: str, grace_s: float) -> dict:

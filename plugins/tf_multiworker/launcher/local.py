@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
-from tf_multiworker.launcher.backend import Backend, WorkerHandle
-from tf_multiworker.launcher.errors import InsufficientGPUsError
+from tf_multiworker.launcher.backend import RELEASE_GRACE_S, Backend, Capacity, WorkerHandle
+from tf_multiworker.launcher.errors import InsufficientGPUsError, LaunchError
 from tf_multiworker.launcher.process import (
     GUARD_ENV,
     KILL_WAIT_S,
@@ -43,6 +43,8 @@ from trainer.runtime import (
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+# Caps the workers this machine may start in an elastic launch (tests, or operators who keep cores free).
+LOCAL_USABLE_WORKERS_ENV = "TFMW_LOCAL_USABLE_WORKERS"
 
 
 class PortAllocator:
@@ -191,10 +193,30 @@ class _Guard:
 class LocalBackend(Backend):
     name = "local"
 
-    def __init__(self, *, gpu_probe: Callable[[], list[int]] = free_gpus, ports: PortAllocator | None = None):
+    def __init__(self, *, gpu_probe: Callable[[], list[int]] = free_gpus, ports: PortAllocator | None = None,
+                 environ: Mapping[str, str] = os.environ):
         self.gpu_probe = gpu_probe
         self.ports = ports or PortAllocator()
+        self.environ = environ
         self._guards: dict[str, _Guard] = {}  # group name -> the guard of its current attempt
+
+    def capacity(self, group: GroupSpec) -> Capacity:
+        """The cap `TFMW_LOCAL_USABLE_WORKERS` and, with `use_gpu`, this machine's free GPUs."""
+        workers, reasons = group.num_workers, []
+        raw = self.environ.get(LOCAL_USABLE_WORKERS_ENV, "").strip()
+        if raw:
+            if not raw.isdigit():
+                raise LaunchError(
+                    f"{LOCAL_USABLE_WORKERS_ENV}={raw!r} is not a whole number of workers: fix or unset it.")
+            if int(raw) < workers:
+                workers = int(raw)
+                reasons.append(f"this machine allows {workers} worker(s) ({LOCAL_USABLE_WORKERS_ENV}={raw})")
+        if group.use_gpu:
+            free = self.gpu_probe()
+            if len(free) < workers:
+                workers = len(free)
+                reasons.append(f"this machine has {len(free)} free GPU(s) {free}")
+        return Capacity(workers, tuple(reasons))
 
     def place(self, group: GroupSpec) -> list[Placement]:
         num_workers = group.num_workers
@@ -245,7 +267,7 @@ class LocalBackend(Backend):
                                      min(group.grace_period_s, ORPHAN_GRACE_S))
         return [{"host": socket.gethostname(), **ended}]
 
-    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = 10.0) -> dict[str, Any]:
+    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = RELEASE_GRACE_S) -> dict[str, Any]:
         """Every process of the run on this host, found by the marker each carries (so also one no record names,
         or a grandchild), ended; the launcher work directories the records name removed; GPUs checked."""
         ended = end_marked_processes({RUN_KEY_ENV: run_key}, grace_s)

@@ -189,7 +189,8 @@ class WorkerFailure:
 
 @dataclass(frozen=True)
 class WorkerOutcome:
-    """One rank as the run-state record keeps it; `record` is the backend's handle identity (`record()`)."""
+    """One rank as the run-state record keeps it; `record` is the backend's handle identity (`record()`), `label`
+    how log lines name it (`label()`)."""
 
     rank: int
     host: str
@@ -199,6 +200,7 @@ class WorkerOutcome:
     state: WorkerState
     exit_code: int | None
     record: Mapping[str, Any] = field(default_factory=dict)
+    label: str = ""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
-from tf_multiworker.launcher.backend import Backend, WorkerHandle
+from tf_multiworker.launcher.backend import RELEASE_GRACE_S, Backend, Capacity, WorkerHandle
 from tf_multiworker.launcher.errors import InsufficientGPUsError, LaunchError
 from tf_multiworker.launcher.process import ORPHAN_GRACE_S
 from tf_multiworker.launcher.spec import GroupSpec, Placement, WorkerSpec
@@ -137,19 +137,21 @@ class SSHWorkerHandle(WorkerHandle):
     def record(self) -> dict[str, Any]:
         return {"conn_id": self.remote.conn_id, "remote_pid": self.pid, "remote_pgid": self.pgid}
 
+    def label(self) -> str:
+        return f"rank {self.rank} host {self.host}"
+
 
 class SSHBackend(Backend):
     name: ClassVar[str] = "ssh"
 
     def __init__(self, hosts: Sequence[RemoteHost], *, remote_python: str, remote_workdir: str,
-                 workers_per_host: int = 0, release_grace_s: float = 10.0) -> None:
+                 workers_per_host: int = 0) -> None:
         if not hosts:
             raise LaunchError("the ssh backend needs at least one host: set ssh_conn_ids")
         self.hosts = list(hosts)
         self.remote_python = remote_python
         self.remote_workdir = remote_workdir
         self.workers_per_host = workers_per_host
-        self.release_grace_s = release_grace_s
         self._clients: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._host_locks: dict[str, threading.Lock] = {}
@@ -253,6 +255,33 @@ class SSHBackend(Backend):
 
     # -- placing and starting -----------------------------------------------------------------------------------
 
+    def slots(self, probe: dict[str, Any], use_gpu: bool) -> int:
+        """Workers one host takes: `workers_per_host`, else one per free GPU with `use_gpu`, else one; never more
+        than its free GPUs with `use_gpu`."""
+        slots = self.workers_per_host or (len(probe["free_gpus"]) if use_gpu else 1)
+        return min(slots, len(probe["free_gpus"])) if use_gpu else slots
+
+    def capacity(self, group: GroupSpec) -> Capacity:
+        """Every host probed at once; one that is unreachable or has no free GPU is left out, and from now on this
+        backend places only on the hosts that answered (in their order)."""
+        usable, workers, reasons = [], 0, []
+        payload = {"ports": 0, "workdir": self.remote_workdir, "use_gpu": group.use_gpu}
+        for host, probe in zip(self.hosts, self.ask_all(self.hosts, "probe", payload), strict=True):
+            if isinstance(probe, LaunchError):
+                log.warning("leaving host %s out of this launch: %s", host, probe)
+                reasons.append(f"host {host.address} unreachable")
+                continue
+            slots = self.slots(probe, group.use_gpu)
+            if not slots:
+                reasons.append(f"host {host.address} has no free GPU")
+                continue
+            usable.append(host)
+            workers += slots
+        narrowed = len(usable) < len(self.hosts)
+        self.hosts = usable
+        return Capacity(workers, tuple(reasons), {"ssh_conn_ids": [h.conn_id for h in usable]} if narrowed else {},
+                        tuple(h.address for h in usable))
+
     def place(self, group: GroupSpec) -> list[Placement]:
         placements: list[Placement] = []
         capacity: list[str] = []
@@ -291,9 +320,7 @@ class SSHBackend(Backend):
                             "may write.")
         versions[str(host)] = ", ".join(f"{k} {v}" for k, v in probe["versions"].items())
         gpus = probe["free_gpus"]
-        slots = self.workers_per_host or (len(gpus) if group.use_gpu else 1)
-        if group.use_gpu:
-            slots = min(slots, len(gpus))
+        slots = self.slots(probe, group.use_gpu)
         capacity.append(f"{host}: {slots}" + (f" (free GPUs {gpus})" if group.use_gpu else ""))
         taken = {placement.port for placement in placements}
         ports = [port for port in probe["free_ports"] if port not in taken]
@@ -330,12 +357,12 @@ class SSHBackend(Backend):
 
     # -- release ------------------------------------------------------------------------------------------------
 
-    def release(self, run_key: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = RELEASE_GRACE_S) -> dict[str, Any]:
         """Every host of the run (from the settings, so also one no record names), asked at once: its processes
         ended, its run directory removed, its GPUs checked. An unreachable host is reported, and the release is not
         clean."""
-        request = {"run_key": run_key, "grace_s": self.release_grace_s, "workdir": self.remote_workdir}
-        answers = self.ask_all(self.hosts, "release", request, timeout_s=self.release_grace_s + 30)
+        request = {"run_key": run_key, "grace_s": grace_s, "workdir": self.remote_workdir}
+        answers = self.ask_all(self.hosts, "release", request, timeout_s=grace_s + 30)
         hosts = []
         for host, answer in zip(self.hosts, answers, strict=True):
             if isinstance(answer, HostError):

@@ -1,0 +1,82 @@
+"""tasks.launch: every task's worker group run with its state record, its logs in storage and no work directory
+left, on the fake backend (scripted workers, no processes) and storage on local disk."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import pytest
+from tf_multiworker.launcher import GroupSpec, GroupState
+
+from tasks.launch import RecordedLaunch
+from tests.plugins.fake_backend import FakeBackend
+from trainer.layout import StorageLayout
+from trainer.storage import exists, join, read_json
+
+
+def spec(**changes) -> GroupSpec:
+    return GroupSpec(**{"name": "evaluate-distributed", "entrypoint": "trainer.evaluate", "num_workers": 2,
+                        "run_key": "run-1", "startup_timeout_s": 5, "hang_timeout_s": 5, "grace_period_s": 0.2,
+                        **changes})
+
+
+def scripts(exit_code: int = 0):
+    return {rank: [("ready",), ("line", f"rank {rank} working"), ("exit", exit_code if rank else 0)]
+            for rank in range(2)}
+
+
+def test_a_group_is_recorded_while_it_runs_and_at_its_end(tmp_path):
+    run = StorageLayout(str(tmp_path / "storage")).run("run-1")
+    records, lines = [], []
+    launch = RecordedLaunch(spec(), FakeBackend(scripts()), run, on_line=lambda rank, line: lines.append(line),
+                            on_record=records.append)
+    workdir = launch.workdir
+    result = launch.run_group()
+
+    assert result.succeeded and ("rank 1 working" in lines)
+    assert [record["state"] for record in records] == ["running", "succeeded"]
+    stored = read_json(run.state_file("evaluate-distributed"))
+    assert stored == records[-1] and stored["backend"] == "fake" and stored["workdir"] == str(workdir)
+    assert [(w["rank"], w["host"], w["fake_pid"]) for w in stored["workers"]] == [(0, "fake-host-0", 1000),
+                                                                                  (1, "fake-host-1", 1001)]
+    assert exists(join(run.logs("evaluate-distributed"), "rank-1.log"))
+    assert not Path(workdir).exists()
+    assert launch.label(1) == "rank 1"  # the fake backend's handles keep the default label
+
+
+def test_a_failed_or_stopped_group_is_recorded_as_such(tmp_path):
+    run = StorageLayout(str(tmp_path / "storage")).run("run-1")
+    failed = RecordedLaunch(spec(), FakeBackend(scripts(exit_code=3)), run, on_line=lambda *_: None).run_group()
+    assert failed.state is GroupState.FAILED
+    assert read_json(run.state_file("evaluate-distributed"))["state"] == "failed"
+
+    hanging = {rank: [("ready",), ("hang",)] for rank in range(2)}
+    launch = RecordedLaunch(spec(name="train"), FakeBackend(hanging), run, on_line=lambda *_: None,
+                            on_record=lambda record: record["state"] == "running" and launch.stop("killed", 0.1))
+    launch.run_group(stopped=lambda: True)
+    assert read_json(run.state_file("train"))["state"] == "stopped"
+
+
+def test_storage_that_fails_at_the_end_hides_no_failure_and_fails_a_success(tmp_path, caplog):
+    run = StorageLayout(str(tmp_path / "storage")).run("run-1")
+    written = []
+
+    @contextlib.contextmanager
+    def storage():
+        written.append(1)
+        if len(written) > 1:  # the start's record is written; the end's storage is gone
+            raise OSError("storage unreachable")
+        yield
+
+    with caplog.at_level(logging.ERROR, logger="gpt_finetune.launch"):
+        result = RecordedLaunch(spec(), FakeBackend(scripts(exit_code=3)), run, on_line=lambda *_: None,
+                                storage=storage).run_group()
+    assert result.state is GroupState.FAILED and "could not record the final state" in caplog.text
+
+    written.clear()
+    launch = RecordedLaunch(spec(), FakeBackend(scripts()), run, on_line=lambda *_: None, storage=storage)
+    with pytest.raises(OSError, match="storage unreachable"):
+        launch.run_group()
+    assert not Path(launch.workdir).exists()
