@@ -11,7 +11,7 @@ import os
 
 import pendulum
 from airflow.sdk import Asset, AssetAlias, Param, dag, task
-from tf_multiworker.registry import BACKEND_NAMES, BACKENDS  # one light table: no launcher import at parse time
+from tf_multiworker.launcher.protocol import BACKEND_NAMES, BACKENDS  # one light table (stdlib-only launcher)
 
 # Cron expression of the nightly run; "none" leaves only manual and API triggers.
 _SCHEDULE_SETTING = os.environ.get("GPT_FINETUNE_SCHEDULE", "0 2 * * *").strip()

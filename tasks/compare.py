@@ -21,6 +21,7 @@ from tasks import report as reports
 from tasks.alerts import alert_throughput
 from tasks.baseline import read_key_record
 from tasks.connections import uses_run_storage
+from tasks.formatting import nats
 from trainer.config import RunConfig
 from trainer.data import tokenizer_url
 from trainer.layout import StorageLayout, TrainOutput
@@ -316,7 +317,7 @@ def gates(distributed: dict[str, Any], baseline: dict[str, Any] | None, comparis
     result.append(_gate(
         "loss_parity", parity, delta, tolerance,
         f"eval loss distributed {distributed['eval_loss']:.4f} - baseline {baseline['eval_loss']:.4f} = "
-        f"{reports.nats(delta)} nats, tolerance ±{tolerance:.4f}"
+        f"{nats(delta)} nats, tolerance ±{tolerance:.4f}"
         + ("" if parity else " (setting 'loss_tolerance')"),
     ))
     return result

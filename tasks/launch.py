@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -18,13 +19,26 @@ from typing import Any
 
 from tf_multiworker.launcher import GroupSpec, GroupState, RunResult, WorkerGroup, WorkerOutcome
 from tf_multiworker.launcher.backend import Backend
-from tf_multiworker.supervisor import task_supervisor_pid
+from tf_multiworker.launcher.protocol import LAUNCHER_WORKDIR_PREFIX
 
 from trainer.layout import RunLayout
-from trainer.runtime import LAUNCHER_WORKDIR_PREFIX
 from trainer.storage import upload_tree, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.launch")
+
+
+def task_supervisor_pid() -> int | None:
+    """The process that supervises this Airflow task: the task runner's parent (a LocalExecutor worker, a Celery
+    pool child). When it is killed outright (SIGKILL, the OOM killer) the scheduler fails the task at once, but the
+    task runner is only re-parented and runs on, so the group stops when it is gone. None when the task runs
+    in-process (`airflow dags test`) or outside Airflow."""
+    from airflow.sdk.execution_time import task_runner
+    from airflow.sdk.execution_time.supervisor import InProcessSupervisorComms
+
+    comms = getattr(task_runner, "SUPERVISOR_COMMS", None)
+    if comms is None or isinstance(comms, InProcessSupervisorComms):
+        return None
+    return os.getppid()
 
 
 class RecordedLaunch:

@@ -22,6 +22,7 @@ from typing import Any
 from tasks import registry
 from tasks import report as reports
 from tasks.connections import uses_run_storage
+from tasks.formatting import nats
 from trainer.config import ConfigError, RunConfig
 from trainer.layout import ModelLayout, VersionLayout
 from trainer.storage import (
@@ -115,7 +116,7 @@ def decide(cfg: RunConfig, report: dict[str, Any], pointer: dict[str, Any] | Non
     reference = reference_loss(report, pointer)
     delta = loss - reference["eval_loss"]
     comparison = (f"eval loss {loss:.4f} vs {reference['eval_loss']:.4f} of promoted {pointer['version']} "
-                  f"(run {pointer['run_id']}): {reports.nats(delta)} nats, tolerance {cfg.promotion_tolerance:.4f}; "
+                  f"(run {pointer['run_id']}): {nats(delta)} nats, tolerance {cfg.promotion_tolerance:.4f}; "
                   f"{reference['note']}")
     if cfg.promote == "always":
         return _verdict(True, f"setting 'promote' = 'always' ({comparison}).", reference)

@@ -20,6 +20,7 @@ from typing import Any
 
 from tf_multiworker.launcher.backend import RELEASE_GRACE_S
 from tf_multiworker.launcher.process import processes_with_env
+from tf_multiworker.launcher.protocol import RUN_KEY_ENV
 from tf_multiworker.registry import make_backend
 
 from tasks import report as reports
@@ -27,7 +28,6 @@ from tasks import telemetry
 from tasks.connections import uses_run_storage
 from trainer.config import ConfigError, RunConfig
 from trainer.layout import StorageLayout, run_key
-from trainer.runtime import RUN_KEY_ENV
 from trainer.storage import exists, join, list_dir, normalize_root, read_json, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.release")

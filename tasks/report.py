@@ -38,6 +38,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from tasks import scaling
+from tasks.formatting import KNOWN_WORDS_NOTE, TABLE_COLUMNS, fmt, known_words, nats, percent
 from trainer.storage import exists, join, list_dir, read_json, write_bytes_atomic, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.report")
@@ -48,28 +50,6 @@ REPORT_MD = "report.md"
 LOSS_CHART = "loss_curves.png"
 SCALING_CHART = "scaling.png"
 
-TABLE_COLUMNS = ("run", "workers", "train time", "eval time", "tokens/s", "speedup", "efficiency", "eval loss",
-                 "perplexity", "nats/char", "known words")
-KNOWN_WORDS_NOTE = ("Known words: the share of the words in the model's greedy / top-k samples that occur in the "
-                    "training text; nats/char: eval loss per character of validation text, whatever the tokenizer")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# numbers as text
-
-
-def fmt(value: Any, spec: str = ".3f", suffix: str = "") -> str:
-    """A figure for people; missing or non-finite values read as an em dash rather than 'None' or 'nan'."""
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "—"
-    return f"{value:{spec}}{suffix}"
-
-
-def nats(delta: float | None) -> str:
-    """A loss difference: 4 decimals, or scientific notation when it is too small for them (not '-0.0000')."""
-    if delta is None or not math.isfinite(delta):
-        return fmt(delta)
-    return f"{delta:+.4f}" if delta == 0 or abs(delta) >= 5e-5 else f"{delta:+.2e}"
 
 
 def table_rows(report: dict[str, Any]) -> list[dict[str, str]]:
@@ -88,23 +68,13 @@ def table_rows(report: dict[str, Any]) -> list[dict[str, str]]:
             "eval time": fmt(run["eval_time_s"], ".1f", " s"),
             "tokens/s": fmt(run["tokens_per_s"], ",.0f"),
             "speedup": "1.00x" if is_reference else fmt(comparison["speedup"], ".2f", "x"),
-            "efficiency": "100%" if is_reference else fmt(_percent(comparison["efficiency"]), ".0f", "%"),
+            "efficiency": "100%" if is_reference else fmt(percent(comparison["efficiency"]), ".0f", "%"),
             "eval loss": fmt(run["eval_loss"], ".4f"),
             "perplexity": fmt(run["perplexity"], ".2f"),
             "nats/char": fmt(run.get("nats_per_char"), ".3f"),
             "known words": known_words(run.get("known_words")),
         })
     return rows
-
-
-def known_words(figures: dict[str, Any] | None) -> str:
-    """`greedy / top-k` known-word rates as percentages ('—' where a model's samples were not scored)."""
-    figures = figures if isinstance(figures, dict) else {}
-    return " / ".join(fmt(_percent(figures.get(mode)), ".0f", "%") for mode in ("greedy", "top_k"))
-
-
-def _percent(fraction: float | None) -> float | None:
-    return None if fraction is None else 100.0 * fraction
 
 
 def text_table(rows: list[dict[str, str]]) -> str:
@@ -117,8 +87,6 @@ def text_table(rows: list[dict[str, str]]) -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    from tasks import scaling  # imports this module's fmt
-
     comparison, runs = report["comparison"], report["runs"]
     verdict = "PASSED" if report["gates_passed"] else "FAILED"
     lines = [
@@ -136,7 +104,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         (f"- Speedup T1/TN: {fmt(comparison['speedup'], '.2f', 'x')}; scaling efficiency (speedup / N): "
-         f"{fmt(_percent(comparison['efficiency']), '.0f', '%')}"),
+         f"{fmt(percent(comparison['efficiency']), '.0f', '%')}"),
         (f"- Eval loss delta (distributed - baseline): {nats(comparison['loss_delta'])} nats "
          f"(tolerance ±{fmt(comparison['loss_tolerance'], '.4f')})"),
         f"- {KNOWN_WORDS_NOTE}",

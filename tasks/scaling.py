@@ -11,7 +11,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tasks.report import fmt
+from tasks.formatting import fmt, percent
 from trainer.layout import TrainOutput
 from trainer.storage import exists, read_json
 
@@ -92,8 +92,8 @@ def markdown_lines(report: Mapping[str, Any]) -> list[str]:
                   "|---|---|---|---|---|",
                   (f"| {predicted['num_workers']} | {fmt(predicted['predicted_speedup'], '.2f', 'x')} | "
                    f"{fmt(predicted['measured_speedup'], '.2f', 'x')} | "
-                   f"{fmt(_percent(predicted['predicted_efficiency']), '.0f', '%')} | "
-                   f"{fmt(_percent(predicted['measured_efficiency']), '.0f', '%')} |"),
+                   f"{fmt(percent(predicted['predicted_efficiency']), '.0f', '%')} | "
+                   f"{fmt(percent(predicted['measured_efficiency']), '.0f', '%')} |"),
                   "",
                   f"- Advisor (single-worker step from the {predicted['step_source']}): {predicted['recommendation']}"]
     return lines
@@ -106,7 +106,3 @@ def headline(report: Mapping[str, Any]) -> str:
     asked = report["num_workers"]
     return " · **elastic**: " + "; ".join(row["line"] for index, row in enumerate(report["segments"])
                                           if index or row["num_workers"] != asked)
-
-
-def _percent(fraction: float | None) -> float | None:
-    return None if fraction is None else 100.0 * fraction

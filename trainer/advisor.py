@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainer.log_policy import configure_worker_logging
+from tf_multiworker.launcher.log_policy import configure_worker_logging
 
 log = logging.getLogger("trainer.advisor")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from tf_multiworker.registry import BACKEND_NAMES
+from tf_multiworker.launcher.protocol import BACKEND_NAMES
 
 
 class ConfigError(ValueError):

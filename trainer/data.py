@@ -77,10 +77,10 @@ def shard_cache_root(base: str | Path | None = None) -> Path:
 def shard_cache_dir(fingerprint: str, base: str | Path | None = None) -> Path:
     """This user's cache of one dataset's shards: `<host tmp>/gpt-finetune-shards-<uid>/<fingerprint>`, mode 0700.
 
-    In the host's temporary directory, not the worker's own (`runtime.worker_temp_environment`): retries and the
-    baseline reuse it; `trainer.shard_cache` holds it in use and evicts idle datasets for room. Private, so that no
-    other user of the host can pre-create it, point it elsewhere, or swap a
-    shard after its sha256 was checked."""
+    In the host's temporary directory, not the worker's own (`launcher.protocol.worker_temp_environment`):
+    retries and the baseline reuse it; `trainer.shard_cache` holds it in use and evicts idle datasets for room.
+    Private, so that no other user of the host can pre-create it, point it elsewhere, or swap a shard after its
+    sha256 was checked."""
     root = shard_cache_root(base)
     private_dir(root)
     return private_dir(root / fingerprint)

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tf_multiworker.launcher.log_policy import configure_worker_logging
+
 from trainer import runtime, storage
 from trainer.data import (
     DataError,
@@ -28,7 +30,6 @@ from trainer.data import (
     tokenizer_url,
     worker_shards,
 )
-from trainer.log_policy import configure_worker_logging
 from trainer.text_quality import known_word_rate, nats_per_character, words
 
 log = logging.getLogger("trainer.evaluate")

@@ -1,6 +1,6 @@
 """What a worker process knows about its place in the group, and how it tells the launcher it is up.
 
-Contract with the launcher (`plugins/tf_multiworker/launcher`):
+Contract with the launcher (`plugins/tf_multiworker/launcher`, whose `protocol.py` defines the names below):
 - `TF_CONFIG` (absent: a single worker) gives the cluster and this worker's index.
 - `TFMW_RUN_KEY` names the pipeline run the worker belongs to (see tasks/release.py), `TFMW_GROUP` its worker
   group (the task).
@@ -17,64 +17,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-# The in-band readiness marker: a line of its own on stdout, so it travels wherever the worker's output does.
-READY_MARKER = "TFMW_READY"
-# Set on every worker of a pipeline run: the release task finds all of the run's processes by it.
-RUN_KEY_ENV = "TFMW_RUN_KEY"
-# Set next to it: the worker group's name (the task id), so a task's next attempt finds what an earlier one left.
-GROUP_ENV = "TFMW_GROUP"
-# The launcher's per-task temporary directories start with this; release deletes only such directories.
-LAUNCHER_WORKDIR_PREFIX = "tfmw-"
-
-# The host's temporary directory, for what should outlive one worker (the shard cache); see worker_temp_environment.
-HOST_TMPDIR_ENV = "TFMW_HOST_TMPDIR"
-
-
-def worker_temp_environment(workdir: str | Path) -> dict[str, str]:
-    """`TMPDIR` for a worker started in `workdir`: `<workdir>/tmp`, created empty, and the host's own temporary
-    directory as `TFMW_HOST_TMPDIR`.
-
-    What a worker writes to its temporary directory (TensorFlow's autograph modules, the trainer's work directory
-    with downloaded checkpoints and staged model files, non-chief saves) then goes when the launcher removes the
-    working directory, however the worker ended: one ended by a signal runs no cleanup, so every stopped attempt
-    left a checkpoint's size behind in /tmp. Emptied at each start: an earlier attempt's rank left it there."""
-    temp = Path(workdir) / "tmp"
-    shutil.rmtree(temp, ignore_errors=True)
-    temp.mkdir(mode=0o700, parents=True)
-    return {"TMPDIR": str(temp), HOST_TMPDIR_ENV: tempfile.gettempdir()}
+from tf_multiworker.launcher.protocol import HOST_TMPDIR_ENV, READY_MARKER
 
 
 def host_temp_dir() -> str:
     """This host's temporary directory (not the worker's own): for caches shared by the workers of this user."""
     return os.environ.get(HOST_TMPDIR_ENV) or tempfile.gettempdir()
-
-
-# What a worker inherits from the process that launches it (an Airflow task holds its database URL, Fernet key,
-# JWT secret and other connections in its environment: none of that may reach a worker). AWS_* are the storage
-# credentials when the run names no connection; GPT_FINETUNE_* hold the operator's limits that RunConfig applies
-# again in every worker (data roots, allowed buckets).
-INHERITED_NAMES = frozenset({
-    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "VIRTUAL_ENV", "LD_LIBRARY_PATH",
-    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
-    "http_proxy", "https_proxy", "no_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY",
-})
-INHERITED_PREFIXES = ("LC_", "PYTHON", "TF_", "CUDA_", "NCCL_", "NVIDIA_", "XLA_", "HF_", "TRANSFORMERS_",
-                      "TOKENIZERS_", "OMP_", "MKL_", "OPENBLAS_", "AWS_", "TFMW_", "GPT_FINETUNE_")
-
-
-def inherited_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The allow-listed part of `environ` that a worker (or evaluation) process starts with."""
-    return {name: value for name, value in environ.items()
-            if name in INHERITED_NAMES or name.startswith(INHERITED_PREFIXES)}
 
 
 @dataclass(frozen=True)
@@ -152,7 +107,3 @@ def writing_checkpoint() -> Iterator[None]:
         _checkpoint_writing = False
         if _stop_requested:
             _end_by(signal.SIGTERM)
-
-
-def is_ready_marker(line: str) -> bool:
-    return line.startswith(READY_MARKER + " rank=")

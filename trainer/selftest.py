@@ -46,9 +46,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from tf_multiworker.launcher.log_policy import configure_worker_logging
+
 from trainer import runtime, storage
 from trainer.config import RunConfig
-from trainer.log_policy import configure_worker_logging
 from trainer.metrics import print_live_line
 
 log = logging.getLogger("trainer.selftest")

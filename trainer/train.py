@@ -29,11 +29,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from tf_multiworker.launcher.log_policy import configure_worker_logging
+
 from trainer import runtime, storage
 from trainer.config import ConfigError, RunConfig
 from trainer.data import DataError, load_manifest, tokenizer_url, worker_shards
 from trainer.layout import TrainOutput
-from trainer.log_policy import configure_worker_logging
 
 log = logging.getLogger("trainer.train")
 

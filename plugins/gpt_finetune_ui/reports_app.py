@@ -27,8 +27,8 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tasks.formatting import KNOWN_WORDS_NOTE, TABLE_COLUMNS
 from tasks.registry import RegistryError, read_latest
-from tasks.report import KNOWN_WORDS_NOTE, TABLE_COLUMNS
 from trainer.layout import StorageLayout
 from trainer.storage import exists, join, list_dir, normalize_root, read_bytes, read_json
 

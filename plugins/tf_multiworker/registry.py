@@ -1,5 +1,6 @@
-"""The backends: where workers run. One table, read by `RunConfig` (allowed values), the DAG's `backend` enum and
-`make_backend`; adding a backend means one line here and its factory.
+"""`make_backend`: a backend by name, from the one table in `tf_multiworker.launcher.protocol` (also read by
+`RunConfig` for the allowed values and by the DAG's `backend` enum); adding a backend means one line there and its
+factory.
 
 Light on purpose (the DAG file and every worker import it): each factory is imported only when used. Factories
 live on the Airflow side (`tf_multiworker.backends`), because remote backends resolve Airflow connections; the
@@ -12,17 +13,12 @@ import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from tf_multiworker.launcher.protocol import BACKEND_NAMES, BACKENDS
+
 if TYPE_CHECKING:
     from tf_multiworker.launcher.backend import Backend
 
-# name -> (factory "module:function" taking the run's settings, what it means for users)
-BACKENDS: dict[str, tuple[str, str]] = {
-    "local": ("tf_multiworker.backends:local_backend", "processes on the Airflow worker"),
-    "ssh": ("tf_multiworker.backends:ssh_backend", "processes on the hosts of ssh_conn_ids, over SSH"),
-    "kubernetes": ("tf_multiworker.backends:kubernetes_backend", "one pod per worker on a Kubernetes cluster"),
-}
-BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
-
+__all__ = ["BACKENDS", "BACKEND_NAMES", "UnknownBackendError", "make_backend"]
 
 class UnknownBackendError(ValueError):
     pass

@@ -6,8 +6,8 @@ it imports neither Airflow nor TensorFlow.
 
 - `run`: `{"argv": [...], "env": {...}, "cwd": str, "grace_s": float, "base_env": "inherit"}`. Starts `argv` in
   its own session, in `cwd` (created, mode 0700), with the allow-listed part of this process's environment
-  (`trainer.runtime.inherited_environment`) plus `env`, and its own `TMPDIR=<cwd>/tmp`
-  (`trainer.runtime.worker_temp_environment`). Prints `TFMW_AGENT {"pid", "pgid", "host", "python", "versions"}`,
+  (`tf_multiworker.launcher.protocol.inherited_environment`) plus `env`, and its own `TMPDIR=<cwd>/tmp`
+  (`tf_multiworker.launcher.protocol.worker_temp_environment`). Prints `TFMW_AGENT {"pid", "pgid", "host", "python", "versions"}`,
   then the worker's merged stdout/stderr line by line, then `TFMW_EXIT {"code"}` (negative: killed by
   that signal) and exits with the code (128 + signal for a signal). When its stdin closes or it gets SIGTERM,
   SIGHUP or SIGINT, it stops the worker's whole process group: SIGTERM, a grace period, SIGKILL. The grace is
@@ -57,7 +57,7 @@ from tf_multiworker.launcher.process import (
     processes_with_env,
     stop_ladder,
 )
-from trainer.runtime import GROUP_ENV, RUN_KEY_ENV, inherited_environment, worker_temp_environment
+from tf_multiworker.launcher.protocol import GROUP_ENV, RUN_KEY_ENV, inherited_environment, worker_temp_environment
 
 AGENT_LINE = "TFMW_AGENT"
 EXIT_LINE = "TFMW_EXIT"

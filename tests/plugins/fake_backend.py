@@ -13,9 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tf_multiworker.launcher.backend import Backend, WorkerHandle
+from tf_multiworker.launcher.protocol import READY_MARKER
 from tf_multiworker.launcher.spec import GroupSpec, Placement, WorkerSpec
-
-from trainer.runtime import READY_MARKER
 
 Script = Sequence[tuple]
 

@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
+from tf_multiworker.launcher.protocol import LAUNCHER_WORKDIR_PREFIX
 
 from tasks.release import ReleaseError, processes_of_run, release_run
 from tests.hardware import assert_gpu_check_matches_this_machine
 from trainer.layout import StorageLayout, run_key
-from trainer.runtime import LAUNCHER_WORKDIR_PREFIX
 from trainer.storage import write_json_atomic
 
 RUN_ID = "manual__2026-11-29T02:00:00+00:00"

@@ -3,6 +3,7 @@
 import logging
 import struct
 
+from tasks import formatting
 from tasks import report as reports
 from trainer.storage import exists, join, read_bytes, write_bytes_atomic, write_json_atomic
 
@@ -47,8 +48,8 @@ def test_table_puts_the_reference_first_and_shows_missing_figures_as_dashes():
     (row,) = reports.table_rows(alone)
     assert (row["speedup"], row["efficiency"], row["eval time"]) == ("—", "—", "—")
     assert (row["nats/char"], row["known words"]) == ("—", "— / —")  # a report from before these figures
-    assert reports.fmt(float("nan")) == "—"
-    assert (reports.nats(0.01), reports.nats(-1.06e-7), reports.nats(0.0)) == ("+0.0100", "-1.06e-07", "+0.0000")
+    assert formatting.fmt(float("nan")) == "—"
+    assert (formatting.nats(0.01), formatting.nats(-1.06e-7), formatting.nats(0.0)) == ("+0.0100", "-1.06e-07", "+0.0000")
 
 
 def test_markdown_and_text_table_carry_the_same_rows():
@@ -68,7 +69,7 @@ def test_markdown_puts_throughput_warnings_above_the_table():
     data["warnings"] = ["4,000 tokens/s is 40% of the 10,000 the preflight advisor predicted for 2 workers"]
     markdown = reports.render_markdown(data)
     assert "> **Warning:** 4,000 tokens/s is 40% of the 10,000" in markdown
-    assert markdown.index("**Warning:**") < markdown.index("| " + reports.TABLE_COLUMNS[0])
+    assert markdown.index("**Warning:**") < markdown.index("| " + formatting.TABLE_COLUMNS[0])
 
 
 def test_markdown_says_whether_the_run_was_released_beside_the_gates():
@@ -86,7 +87,7 @@ def test_known_words_column_reads_greedy_then_top_k():
     data["runs"]["distributed"]["nats_per_char"] = 1.7423
     row = reports.table_rows(data)[1]
     assert (row["nats/char"], row["known words"]) == ("1.742", "95% / 90%")
-    assert reports.KNOWN_WORDS_NOTE in reports.render_markdown(data)
+    assert formatting.KNOWN_WORDS_NOTE in reports.render_markdown(data)
 
 
 def test_charts_are_pngs_even_without_data():

@@ -5,10 +5,10 @@ import subprocess
 import sys
 
 import pytest
+from tf_multiworker.launcher.protocol import RUN_KEY_ENV
 
 from tasks.release import processes_of_run
 from trainer.layout import run_key
-from trainer.runtime import RUN_KEY_ENV
 
 # Both are valid Airflow run ids (default pattern ^[A-Za-z0-9_.~:+-]+$) and sanitize to the same text.
 SCHEDULED = "manual__2026-11-29T15:00:00+00:00"

@@ -15,12 +15,13 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from tf_multiworker.launcher.protocol import HOST_TMPDIR_ENV
 
 from tests.conftest import REPO
 from tests.hardware import nvidia_gpus
 from trainer import selftest
 from trainer.config import RunConfig
-from trainer.runtime import HOST_TMPDIR_ENV, WorkerIdentity
+from trainer.runtime import WorkerIdentity
 from trainer.storage import read_json
 
 WORKER_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}

@@ -23,7 +23,9 @@ from typing import IO
 
 from tf_multiworker.launcher.backend import Backend, WorkerHandle
 from tf_multiworker.launcher.errors import LaunchError
+from tf_multiworker.launcher.log_policy import is_native_noise, verbose_environment
 from tf_multiworker.launcher.process import ORPHAN_GRACE_S, stop_ladder
+from tf_multiworker.launcher.protocol import GROUP_ENV, RUN_KEY_ENV, is_ready_marker
 from tf_multiworker.launcher.spec import (
     FailureKind,
     GroupSpec,
@@ -36,8 +38,6 @@ from tf_multiworker.launcher.spec import (
     WorkerState,
 )
 from tf_multiworker.launcher.tf_env import tensorflow_env
-from trainer.log_policy import is_native_noise, verbose_environment
-from trainer.runtime import GROUP_ENV, RUN_KEY_ENV, is_ready_marker
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,10 @@
-"""trainer/log_policy.py: library chatter is left out, narrowly, and all of it comes back when verbose."""
+"""plugins/tf_multiworker/launcher/log_policy.py: library chatter is left out, narrowly, and all of it comes back when verbose."""
 
 import logging
 import warnings
 
 import pytest
-
-from trainer import log_policy
+from tf_multiworker.launcher import log_policy
 
 
 @pytest.fixture

@@ -1,0 +1,139 @@
+"""Imports run one way (docs/CONTRACTS.md, "Layers"): launcher -> trainer -> tasks -> Airflow glue.
+
+Every import statement of the source tree is read with `ast` (those inside functions too: a lazy import is still a
+dependency), so a module that reaches up a layer, a cycle between modules, or Airflow in a layer that must run
+without it fails here with the file, the line and the import.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE_ROOTS = {"dags": REPO / "dags", "plugins": REPO / "plugins", "tasks": REPO / "tasks", "trainer": REPO / "trainer"}
+
+# Lowest first. A module may import modules of its own layer and of the layers below. The first matching prefix wins.
+LAYERS = (
+    ("launcher", ("tf_multiworker.launcher", "tf_multiworker.registry", "tf_multiworker.remote_agent")),
+    ("trainer", ("trainer",)),
+    ("tasks", ("tasks",)),
+    ("airflow glue", ("tf_multiworker", "gpt_finetune_ui", "airflow_local_settings", "gpt_finetune")),
+)
+# The worker side runs in images and on hosts without Airflow.
+WITHOUT_AIRFLOW = ("launcher", "trainer")
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str
+    target: str
+    path: Path
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.path.relative_to(REPO)}:{self.line}: {self.source} imports {self.target}"
+
+
+def module_name(path: Path) -> str:
+    if path.is_relative_to(SOURCE_ROOTS["plugins"]):
+        parts = path.relative_to(SOURCE_ROOTS["plugins"]).with_suffix("").parts
+    elif path.is_relative_to(SOURCE_ROOTS["dags"]):
+        parts = path.relative_to(SOURCE_ROOTS["dags"]).with_suffix("").parts
+    else:
+        parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def source_files() -> list[Path]:
+    return sorted(p for root in SOURCE_ROOTS.values() for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+MODULES = {module_name(path): path for path in source_files()}
+
+
+def layer(module: str) -> int | None:
+    for index, (_, prefixes) in enumerate(LAYERS):
+        if any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes):
+            return index
+    return None
+
+
+def project_module(name: str) -> str | None:
+    """The project module an import names (`tasks.report`, or `tasks` for `from tasks import report`), else None."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports() -> list[Import]:
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                # `from tasks import report` imports the module tasks.report, not only the package.
+                targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in MODULES else node.module
+                           for alias in node.names]
+            else:
+                continue
+            found += [Import(name, target, path, node.lineno) for target in targets]
+    return found
+
+
+IMPORTS = imports()
+
+
+def test_every_source_module_has_a_layer():
+    assert [name for name in MODULES if layer(name) is None] == []
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    upward = []
+    for item in IMPORTS:
+        target = project_module(item.target)
+        if target and target != item.source and layer(target) > layer(item.source):
+            upward.append(f"{item} ({LAYERS[layer(item.source)][0]} -> {LAYERS[layer(target)][0]})")
+    assert upward == []
+
+
+def test_the_worker_side_never_imports_airflow():
+    found = [str(item) for item in IMPORTS if LAYERS[layer(item.source)][0] in WITHOUT_AIRFLOW
+             and (item.target == "airflow" or item.target.startswith("airflow."))]
+    assert found == []
+
+
+def test_no_import_cycle_between_modules():
+    graph: dict[str, set[str]] = {name: set() for name in MODULES}
+    for item in IMPORTS:
+        target = project_module(item.target)
+        # A package's __init__ importing its own modules is how a package exports them, not a cycle.
+        if target and target != item.source and not target.startswith(item.source + "."):
+            graph[item.source].add(target)
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join([*stack[stack.index(nxt):], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert cycles == []
+
+
+def test_the_layer_test_sees_an_upward_import():
+    """The check itself: the launcher's own modules are read, and one importing a task would be caught."""
+    launcher_imports = [item for item in IMPORTS if item.source == "tf_multiworker.launcher.group"]
+    assert any(item.target.startswith("tf_multiworker.launcher.") for item in launcher_imports)
+    assert layer("tasks.report") > layer("tf_multiworker.launcher.group")
+    assert project_module("tasks.report.fmt") == "tasks.report" and project_module("numpy") is None
