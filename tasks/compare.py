@@ -24,7 +24,7 @@ from tasks.connections import uses_run_storage
 from tasks.formatting import nats
 from trainer.config import RunConfig
 from trainer.data import tokenizer_url
-from trainer.layout import StorageLayout, TrainOutput
+from trainer.layout import PreflightOutput, StorageLayout, TrainOutput
 from trainer.storage import exists, join, read_bytes, read_json, remove_tree
 
 log = logging.getLogger("gpt_finetune.compare")
@@ -193,7 +193,7 @@ def add_scaling(report: dict[str, Any], prepared: dict, distributed: TrainOutput
     run = report["runs"]["distributed"]
     report["segments"] = scaling.segments(scaling.read_segments(distributed), read_metrics(distributed), run["steps"])
     report["elastic"] = scaling.is_elastic(report["segments"], report["num_workers"])
-    preflight = join(prepared["preflight_url"], "preflight.json")
+    preflight = PreflightOutput(prepared["preflight_url"]).result
     report["prediction"] = scaling.prediction(read_json(preflight) if exists(preflight) else None,
                                               run["num_workers"], report["comparison"])
     for row in report["segments"] if report["elastic"] else ():

@@ -10,23 +10,21 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from tasks.connections import uses_run_storage
 from trainer.config import ConfigError, RunConfig
-from trainer.layout import StorageLayout, run_key
-from trainer.storage import normalize_root, write_json_atomic
+from trainer.layout import StorageLayout, absolute_root, run_key
+from trainer.storage import write_json_atomic
 
 log = logging.getLogger("gpt_finetune.prepare")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def build_config(params: Mapping[str, Any]) -> RunConfig:
     """Params (UI form or --conf) -> the validated config, with `storage_root` made absolute."""
     cfg = RunConfig.from_params(dict(params))
-    return cfg.replace(storage_root=normalize_root(cfg.storage_root, relative_to=REPO_ROOT))
+    return cfg.replace(storage_root=absolute_root(cfg.storage_root))
 
 
 @uses_run_storage

@@ -15,7 +15,6 @@ import logging
 import socket
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from tf_multiworker.launcher.backend import RELEASE_GRACE_S
@@ -27,12 +26,11 @@ from tasks import report as reports
 from tasks import telemetry
 from tasks.connections import uses_run_storage
 from trainer.config import ConfigError, RunConfig
-from trainer.layout import StorageLayout, run_key
-from trainer.storage import exists, join, list_dir, normalize_root, read_json, write_json_atomic
+from trainer.layout import StorageLayout, absolute_root, run_key
+from trainer.storage import exists, join, list_dir, read_json, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.release")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class ReleaseError(RuntimeError):
@@ -90,7 +88,7 @@ def release_run(params: Mapping[str, Any], run_id: str, dag_id: str,
                 grace_period_s: float = RELEASE_GRACE_S) -> dict[str, Any]:
     key = run_key(dag_id, run_id)
     settings = _settings(params)
-    run = StorageLayout(normalize_root(settings["storage_root"], relative_to=REPO_ROOT)).run(key)
+    run = StorageLayout(absolute_root(settings["storage_root"])).run(key)
     try:
         names, records = _state_records(run.state)
         unreadable = None

@@ -29,6 +29,8 @@ from urllib.parse import urlparse
 
 from tf_multiworker.launcher.protocol import BACKEND_NAMES
 
+from trainer.layout import REPO_ROOT
+
 
 class ConfigError(ValueError):
     """A run setting is missing, unknown, of the wrong type or out of range."""
@@ -57,7 +59,6 @@ MAX_GRAD_ACCUM = 1024
 MAX_PREPARE_TASKS = 256  # mapped tasks of the prepare stage (the scheduler slows with thousands of them)
 _BPE_SPEC = re.compile(r"^bpe:(\d+)$")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_ROOTS_ENV = "GPT_FINETUNE_DATA_ROOTS"
 S3_BUCKETS_ENV = "GPT_FINETUNE_S3_BUCKETS"
 STORAGE_ROOT_ENV = "GPT_FINETUNE_STORAGE_ROOT"
@@ -386,6 +387,23 @@ def _coerce(name: str, value: Any, spec: dataclasses.Field) -> Any:
     raise AssertionError(f"RunConfig field {name} has an unsupported type {expected}")
 
 
+# Every numeric setting's bounds, in one table: `_validate` applies them and the DAG's Params declare the same
+# minimum and maximum (tests/dags/test_gpt_finetune.py compares the two).
+RANGES: dict[str, tuple[float, float]] = {
+    "num_workers": (1, 64), "block_size": (8, 8192), "batch_size_per_worker": (1, 4096),
+    "max_steps": (0, 10_000_000), "grad_accum_steps": (1, MAX_GRAD_ACCUM), "warmup_steps": (0, 10_000_000),
+    "weight_decay": (0.0, 1.0), "loss_tolerance": (0.0, 100.0), "promotion_tolerance": (0.0, 100.0),
+    "seed": (0, 2**31 - 1), "num_shards": (0, 100_000), "prepare_tasks": (0, MAX_PREPARE_TASKS),
+    "prepare_unit_mb": (0, 1 << 20), "bpe_sample_mb": (1, 1 << 20), "checkpoint_every_steps": (1, 10_000_000),
+    "collective_timeout_s": (5, 86_400), "startup_timeout_s": (5, 86_400), "hang_timeout_s": (10, 7 * 86_400),
+    "max_loss_rise": (0.0, 100.0), "min_throughput_ratio": (0.0, 1.0), "min_predicted_efficiency": (0.0, 1.0),
+    "gpus_per_worker": (0, 16), "workers_per_host": (0, 64),
+}
+# Bounds whose low end is excluded: (low, high].
+OPEN_BELOW: dict[str, tuple[float, float]] = {"learning_rate": (0.0, 1.0), "epochs": (0.0, 1000.0),
+                                              "val_fraction": (0.0, 0.5)}
+
+
 def _check_range(cfg: RunConfig, name: str, low: float, high: float) -> None:
     value = getattr(cfg, name)
     if not low <= value <= high:
@@ -416,26 +434,12 @@ def _validate(cfg: RunConfig) -> None:
     for f in dataclasses.fields(cfg):  # direct construction gets the same type checks as from_params
         _coerce(f.name, getattr(cfg, f.name), f)
 
-    _check_range(cfg, "num_workers", 1, 64)
-    _check_range(cfg, "block_size", 8, 8192)
-    _check_range(cfg, "batch_size_per_worker", 1, 4096)
-    _check_range(cfg, "max_steps", 0, 10_000_000)
-    _check_range(cfg, "grad_accum_steps", 1, MAX_GRAD_ACCUM)
-    _check_range(cfg, "warmup_steps", 0, 10_000_000)
-    _check_range(cfg, "weight_decay", 0.0, 1.0)
-    _check_range(cfg, "loss_tolerance", 0.0, 100.0)
-    _check_range(cfg, "promotion_tolerance", 0.0, 100.0)
-    _check_range(cfg, "seed", 0, 2**31 - 1)
-    _check_range(cfg, "num_shards", 0, 100_000)
-    _check_range(cfg, "prepare_tasks", 0, MAX_PREPARE_TASKS)
-    _check_range(cfg, "prepare_unit_mb", 0, 1 << 20)
-    _check_range(cfg, "bpe_sample_mb", 1, 1 << 20)
-    _check_range(cfg, "checkpoint_every_steps", 1, 10_000_000)
-    _check_range(cfg, "collective_timeout_s", 5, 86_400)
-    _check_range(cfg, "startup_timeout_s", 5, 86_400)
-    _check_range(cfg, "hang_timeout_s", 10, 7 * 86_400)
-    _check_range(cfg, "max_loss_rise", 0.0, 100.0)
-    _check_range(cfg, "min_throughput_ratio", 0.0, 1.0)
+    for name, (low, high) in RANGES.items():
+        _check_range(cfg, name, low, high)
+    for name, (low, high) in OPEN_BELOW.items():
+        value = getattr(cfg, name)
+        if not low < value <= high:
+            raise ConfigError(f"Setting '{name}' = {value!r} is out of range: allowed is ({low:g}, {high:g}].")
     _check_alerts(cfg)
     _check_choice(cfg, "backend", BACKEND_NAMES)
     _check_choice(cfg, "mixed_precision", MIXED_PRECISION)
@@ -449,12 +453,6 @@ def _validate(cfg: RunConfig) -> None:
             "with a letter or digit, at most 200 characters (empty: the default queue). Name the queue that the GPU "
             "hosts' Celery workers serve (`airflow celery worker -q <queue>`).")
 
-    if not 0.0 < cfg.learning_rate <= 1.0:
-        raise ConfigError(f"Setting 'learning_rate' = {cfg.learning_rate!r} is out of range: allowed is (0, 1].")
-    if not 0.0 < cfg.epochs <= 1000.0:
-        raise ConfigError(f"Setting 'epochs' = {cfg.epochs!r} is out of range: allowed is (0, 1000].")
-    if not 0.0 < cfg.val_fraction <= 0.5:
-        raise ConfigError(f"Setting 'val_fraction' = {cfg.val_fraction!r} is out of range: allowed is (0, 0.5].")
     for name in ("dataset", "text_column", "tokenizer", "model", "storage_root"):
         if not getattr(cfg, name).strip():
             raise ConfigError(f"Setting '{name}' must not be empty.")
@@ -525,7 +523,6 @@ def _validate_kubernetes(cfg: RunConfig) -> None:
         _check_shared_storage(cfg, "backend 'kubernetes' runs workers in pods", "the pods")
     if cfg.image and not _IMAGE.fullmatch(cfg.image):
         raise ConfigError(f"Setting 'image' = {cfg.image!r} is not an image reference (registry/name:tag).")
-    _check_range(cfg, "gpus_per_worker", 0, 16)
     if cfg.gpus_per_worker and not cfg.use_gpu:
         raise ConfigError(f"Setting 'gpus_per_worker' = {cfg.gpus_per_worker} needs 'use_gpu' = true: set use_gpu, "
                           "or gpus_per_worker to 0 on CPU.")
@@ -565,10 +562,7 @@ def _validate_kubernetes(cfg: RunConfig) -> None:
 
 
 def _validate_scaling(cfg: RunConfig) -> None:
-    """`min_workers` (elastic recovery on fewer workers) and `min_predicted_efficiency` (the advisor's gate)."""
-    if not 0.0 <= cfg.min_predicted_efficiency <= 1.0:
-        raise ConfigError(f"Setting 'min_predicted_efficiency' = {cfg.min_predicted_efficiency!r} is out of range: "
-                          "allowed is 0 (off) to 1 (a predicted scaling efficiency, e.g. 0.6).")
+    """`min_workers`: elastic recovery on fewer workers."""
     if cfg.min_workers is None or cfg.min_workers == cfg.num_workers:
         return
     if not 1 <= cfg.min_workers <= cfg.num_workers:
@@ -620,7 +614,6 @@ def _check_shared_storage(cfg: RunConfig, why: str, readers: str) -> None:
 
 def _validate_ssh(cfg: RunConfig) -> None:
     """The SSH backend's settings; connection ids that Airflow does not know are refused by the prepare task."""
-    _check_range(cfg, "workers_per_host", 0, 64)
     if cfg.backend != "ssh":
         if cfg.ssh_conn_ids:
             raise ConfigError(f"Setting 'ssh_conn_ids' = {list(cfg.ssh_conn_ids)} is only read by backend 'ssh', "

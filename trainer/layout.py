@@ -21,8 +21,19 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
-from trainer.storage import join
+from trainer.storage import join, normalize_root
+
+# The repository: relative settings (the storage root, local data) are taken from here, whatever the cwd.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+
+def absolute_root(root: str) -> str:
+    """A `storage_root` as every stage uses it: a URL as given, a relative local path from the repository."""
+    return normalize_root(root, relative_to=REPO_ROOT)
+
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 KEY_HASH_CHARS = 10
@@ -157,6 +168,21 @@ class VersionLayout:
 
 
 @dataclass(frozen=True)
+class PreflightOutput:
+    """What the preflight (`trainer.selftest --output <url>`) writes: each rank's checks, then the chief's verdict."""
+
+    url: str
+
+    @property
+    def result(self) -> str:
+        """preflight.json: the verdict, the collectives and the advisor's table (written by the chief, last)."""
+        return join(self.url, "preflight.json")
+
+    def rank_report(self, rank: int) -> str:
+        return join(self.url, "preflight", f"rank-{rank}.json")
+
+
+@dataclass(frozen=True)
 class RunLayout:
     url: str
 
@@ -188,8 +214,8 @@ class RunLayout:
         return join(self.url, "report")
 
     @property
-    def preflight(self) -> str:
-        return join(self.report, "preflight.json")
+    def preflight(self) -> PreflightOutput:
+        return PreflightOutput(self.report)
 
     @property
     def release(self) -> str:

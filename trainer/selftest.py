@@ -50,6 +50,7 @@ from tf_multiworker.launcher.log_policy import configure_worker_logging
 
 from trainer import runtime, storage
 from trainer.config import RunConfig
+from trainer.layout import PreflightOutput
 from trainer.metrics import print_live_line
 
 log = logging.getLogger("trainer.selftest")
@@ -290,7 +291,7 @@ def wait_for_every_rank(output: str, identity: runtime.WorkerIdentity) -> None:
     while waiting:
         for rank in sorted(waiting):
             try:
-                report = storage.read_json(rank_report_url(output, rank))
+                report = storage.read_json(PreflightOutput(output).rank_report(rank))
             except (FileNotFoundError, ValueError):  # not written yet, or being replaced
                 continue
             if report.get("group_id") == group_id(identity) and "collectives" in report:
@@ -307,15 +308,11 @@ def group_id(identity: runtime.WorkerIdentity) -> str:
     return hashlib.sha256(json.dumps(identity.addresses).encode()).hexdigest()[:16]
 
 
-def rank_report_url(output: str, rank: int) -> str:
-    return storage.join(output, "preflight", f"rank-{rank}.json")
-
-
 def read_rank_reports(output: str, identity: runtime.WorkerIdentity) -> dict[int, dict[str, Any]]:
     reports = {}
     for rank in range(identity.num_workers):
         try:
-            report = storage.read_json(rank_report_url(output, rank))
+            report = storage.read_json(PreflightOutput(output).rank_report(rank))
         except (FileNotFoundError, ValueError):
             continue
         if report.get("group_id") == group_id(identity):
@@ -481,7 +478,7 @@ def collectives_main(scratch: str, cfg: RunConfig, output: str) -> int:
         _set_phase(scratch, "all-reduce, broadcast and bandwidth probe")
         collectives = run_collectives(strategy, identity.rank, identity.num_workers)
         report = storage.read_json(os.path.join(scratch, REPORT_FILE))
-        storage.write_json_atomic(rank_report_url(output, identity.rank),
+        storage.write_json_atomic(PreflightOutput(output).rank_report(identity.rank),
                                   {**report, "collectives": collectives, "worker_port": exposure})
         _set_phase(scratch, "waiting for every rank's report")
         wait_for_every_rank(output, identity)
@@ -552,7 +549,7 @@ class Preflight:
 
     def _write_rank_report(self, report: dict[str, Any]) -> None:
         try:
-            storage.write_json_atomic(rank_report_url(self.output, self.identity.rank), report)
+            storage.write_json_atomic(PreflightOutput(self.output).rank_report(self.identity.rank), report)
         except Exception as error:  # noqa: BLE001 - check_worker's storage probe reports the cause
             log.error("rank %d: cannot write its preflight report to %s: %s", self.identity.rank, self.output, error)
 
@@ -572,7 +569,7 @@ class Preflight:
         return EXIT_COLLECTIVES_FAILED
 
     def _wait_for_chief_report(self) -> None:
-        url = storage.join(self.output, "preflight.json")
+        url = PreflightOutput(self.output).result
         deadline = time.monotonic() + CHIEF_REPORT_WAIT_S
         while time.monotonic() < deadline:
             try:
@@ -658,7 +655,7 @@ class Preflight:
             "config": self.cfg.to_dict(),
             **(extra or {}),
         }
-        url = storage.join(self.output, "preflight.json")
+        url = PreflightOutput(self.output).result
         storage.write_json_atomic(url, result)
         print("\n".join(summary_lines(result)), flush=True)
         live = live_values(result)

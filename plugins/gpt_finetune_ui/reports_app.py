@@ -18,7 +18,6 @@ import math
 import os
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
@@ -29,13 +28,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tasks.formatting import KNOWN_WORDS_NOTE, TABLE_COLUMNS
 from tasks.registry import RegistryError, read_latest
-from trainer.layout import StorageLayout
-from trainer.storage import exists, join, list_dir, normalize_root, read_bytes, read_json
+from trainer.layout import StorageLayout, absolute_root
+from trainer.storage import exists, join, list_dir, read_bytes, read_json
 
 log = logging.getLogger("gpt_finetune.ui")
 
 STORAGE_ROOT_ENV = "GPT_FINETUNE_STORAGE_ROOT"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 # What trainer.layout.run_key produces, matched whole: no leading dot (no `.` or `..`), no `/`, no newline.
 _RUN_KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 _CHART_FILE = re.compile(r"[A-Za-z0-9_-]{1,100}\.png")
@@ -64,7 +62,7 @@ class ReportError(ValueError):
 
 
 def default_storage_root() -> str:
-    return normalize_root(os.environ.get(STORAGE_ROOT_ENV, "storage"), relative_to=REPO_ROOT)
+    return absolute_root(os.environ.get(STORAGE_ROOT_ENV, "storage"))
 
 
 def create_app(storage_root: str | None = None, *, access: Callable[..., Any] | None = None,

@@ -33,9 +33,9 @@ from tf_multiworker.launcher import (
 )
 from tf_multiworker.launcher.errors import MissingOutputError
 from tf_multiworker.registry import UnknownBackendError, make_backend
-from trainer.layout import StorageLayout
+from trainer.layout import StorageLayout, absolute_root
 from trainer.metrics import LIVE_INTERVAL_ENV
-from trainer.storage import exists, normalize_root
+from trainer.storage import exists
 
 STATE_XCOM_KEY = "worker_state"
 # Airflow's supervisor SIGKILLs the task process 5 s after its SIGTERM; workers live in their own sessions and
@@ -154,7 +154,7 @@ class TFMultiWorkerOperator(BaseOperator):
     def execute(self, context: Any) -> dict[str, Any]:
         self._refuse_a_run_that_is_over(context["ti"])
         spec = self._group_spec()
-        run = StorageLayout(normalize_root(_as_str("storage_root", self.storage_root))).run(
+        run = StorageLayout(absolute_root(_as_str("storage_root", self.storage_root))).run(
             _as_str("run_key", self.run_key))
         if self.backend_settings is not None and not isinstance(self.backend_settings, dict):
             raise TypeError(f"backend_settings must be a mapping, got {self.backend_settings!r}")

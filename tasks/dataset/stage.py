@@ -44,7 +44,6 @@ from tasks.dataset.sources import Sources, check_unchanged, resolve_sources
 from tasks.dataset.split import SPLIT_RULE
 from tasks.dataset.tokenizer import (
     EOS_TOKEN,
-    REPO_ROOT,
     TokenizerPlan,
     check_block_size,
     packing_backend,
@@ -68,7 +67,7 @@ from tasks.dataset.units import (
 from trainer import storage
 from trainer.config import RunConfig
 from trainer.data import FORMAT_VERSION
-from trainer.layout import StorageLayout
+from trainer.layout import REPO_ROOT, StorageLayout
 
 log = logging.getLogger("gpt_finetune.prepare")
 

@@ -26,12 +26,12 @@ from tasks.dataset.sources import Sources
 from tasks.dataset.split import SAMPLE_RULE, SAMPLE_WINDOW_BYTES, DocumentDraws, window_draw
 from trainer import storage
 from trainer.config import RunConfig
+from trainer.layout import REPO_ROOT
 
 log = logging.getLogger("gpt_finetune.prepare")
 
 BPE_RECIPE = "bytelevel-bpe/v1"  # bump when the BPE training recipe changes: it is part of the fingerprint
 EOS_TOKEN = "<|endoftext|>"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,24 @@ def test_params_cover_every_setting_with_matching_defaults(dag):
     RunConfig.from_params(params)  # the form's defaults form a valid run
 
 
+def test_param_bounds_are_the_run_configs(dag):
+    """The trigger form refuses exactly what RunConfig refuses: each numeric Param's minimum and maximum are the
+    bounds `RunConfig` applies (`trainer.config.RANGES`, `OPEN_BELOW` for an excluded low end)."""
+    from trainer.config import OPEN_BELOW, RANGES
+
+    declared = {}
+    for name in field_names():
+        schema = dag.params.get_param(name).schema
+        low = schema.get("exclusiveMinimum", schema.get("minimum"))
+        if low is not None or "maximum" in schema:
+            declared[name] = (low, schema.get("maximum"), "exclusiveMinimum" in schema)
+    expected = {**{name: (low, high, False) for name, (low, high) in RANGES.items()},
+                **{name: (low, high, True) for name, (low, high) in OPEN_BELOW.items()}}
+    mismatched = {name: (declared.get(name), expected.get(name)) for name in {*declared, *expected}
+                  if declared.get(name) != expected.get(name) and name not in ("min_workers",)}
+    assert mismatched == {}  # (Param, RunConfig); min_workers' bound is num_workers, checked by RunConfig alone
+
+
 def test_parsing_imports_no_heavy_library():
     code = f"""
 import json, runpy, sys

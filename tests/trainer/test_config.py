@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from trainer.config import MODEL_PRESETS, REPO_ROOT, ConfigError, RunConfig, field_names
+from trainer.config import MODEL_PRESETS, ConfigError, RunConfig, field_names
+from trainer.layout import REPO_ROOT
 
 
 def test_defaults_are_valid_and_round_trip():
@@ -227,7 +228,7 @@ def test_configured_roots_replace_the_defaults_and_empty_bucket_list_allows_any(
         ({"num_workers": 5, "min_workers": 2}, ["'min_workers' = 2", "from 2 to 4", "possible counts below 5 are [1]"]),
         ({"num_workers": 4, "min_workers": 2, "num_shards": 4, "grad_accum_steps": 2},
          ["'min_workers' = 2 needs the per-slot data order", "'num_shards' = 4", "at least 8"]),
-        ({"min_predicted_efficiency": 1.5}, ["'min_predicted_efficiency' = 1.5", "0 (off) to 1"]),
+        ({"min_predicted_efficiency": 1.5}, ["'min_predicted_efficiency' = 1.5", "allowed is 0.0 to 1.0"]),
         ({"min_predicted_efficiency": -0.1}, ["'min_predicted_efficiency' = -0.1", "out of range"]),
     ],
     ids=["min-above-num", "min-zero", "min-string", "no-exact-split", "prime-workers", "too-few-shards",

@@ -46,3 +46,20 @@ def test_releasing_one_run_finds_only_its_own_workers():
         for worker in workers:
             worker.kill()
             worker.wait()
+
+
+def test_relative_storage_roots_are_from_the_repository_whatever_the_cwd(tmp_path, monkeypatch):
+    from trainer.layout import REPO_ROOT, absolute_root
+
+    monkeypatch.chdir(tmp_path)
+    assert absolute_root("storage") == str(REPO_ROOT / "storage")
+    assert absolute_root("s3://bucket/root/") == "s3://bucket/root"
+    assert absolute_root(str(tmp_path / "x")) == str(tmp_path / "x")
+
+
+def test_the_preflight_output_is_asked_of_the_layout():
+    from trainer.layout import StorageLayout
+
+    preflight = StorageLayout("s3://b/root").run("k").preflight
+    assert (preflight.result, preflight.rank_report(3)) == (
+        "s3://b/root/runs/k/report/preflight.json", "s3://b/root/runs/k/report/preflight/rank-3.json")

@@ -21,6 +21,7 @@ from tests.conftest import REPO
 from tests.hardware import nvidia_gpus
 from trainer import selftest
 from trainer.config import RunConfig
+from trainer.layout import PreflightOutput
 from trainer.runtime import WorkerIdentity
 from trainer.storage import read_json
 
@@ -157,15 +158,15 @@ def test_a_rank_leaves_only_once_every_rank_is_past_its_collectives(tmp_path):
     output, me = str(tmp_path / "report"), _identity(1, 3)
     earlier_attempt = WorkerIdentity(0, 3, "host-a", ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"))
     this_attempt = selftest.group_id(me)
-    selftest.storage.write_json_atomic(selftest.rank_report_url(output, 0), {"group_id": this_attempt})
-    selftest.storage.write_json_atomic(selftest.rank_report_url(output, 2),
+    selftest.storage.write_json_atomic(PreflightOutput(output).rank_report(0), {"group_id": this_attempt})
+    selftest.storage.write_json_atomic(PreflightOutput(output).rank_report(2),
                                        {"group_id": selftest.group_id(earlier_attempt), "collectives": {}})
     waiter = threading.Thread(target=selftest.wait_for_every_rank, args=(output, me), daemon=True)
     waiter.start()
     for rank in (0, 2):
         waiter.join(0.5)
         assert waiter.is_alive(), f"left before rank {rank} finished its collectives"
-        selftest.storage.write_json_atomic(selftest.rank_report_url(output, rank),
+        selftest.storage.write_json_atomic(PreflightOutput(output).rank_report(rank),
                                            {"group_id": this_attempt, "collectives": {}})
     waiter.join(5)
     assert not waiter.is_alive()
