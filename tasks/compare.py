@@ -85,7 +85,8 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
         evaluations[f"promoted {promoted['version']}"] = promoted
     report["samples"] = samples_by_model(evaluations)
     earlier = reports.earlier_reports(StorageLayout(prepared["storage_root"]).runs, exclude_run_key=prepared["run_key"])
-    report["warnings"] = throughput.warnings(report, earlier, cfg.min_throughput_ratio)
+    expected = throughput.assess(report, earlier, cfg.min_throughput_ratio)
+    report["warnings"] = expected.warnings
     trained = [run for run in (report["runs"]["baseline"], report["runs"]["distributed"]) if run]
     charts = {
         reports.LOSS_CHART: reports.loss_chart(
@@ -103,7 +104,7 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
     log.info("Report written to %s\n%s\n%s", report_url, reports.text_table(report["table"]),
              f"Hardware: {report['hardware']['line']}")
 
-    telemetry.emit_report_metrics(report, throughput.ratio_to_expectation(report, earlier))
+    telemetry.emit_report_metrics(report, expected.ratio)
     for warning in report["warnings"]:
         log.warning("Throughput: %s", warning)
     if report["warnings"]:

@@ -73,10 +73,12 @@ def _stats():
 
 
 def emit_gauges(names_and_values: Mapping[str, Any], tags: Mapping[str, Any]) -> int:
-    """Send each finite number as a gauge; returns how many went out. A metrics backend that fails is logged
-    once per call and never fails the task."""
-    if not metrics_enabled():
-        return 0
+    """Send each finite number as a gauge when Airflow's metrics are on; returns how many went out."""
+    return _send_gauges(names_and_values, tags) if metrics_enabled() else 0
+
+
+def _send_gauges(names_and_values: Mapping[str, Any], tags: Mapping[str, Any]) -> int:
+    """A metrics backend that fails is logged once per call and never fails the task."""
     sent = 0
     try:
         stats = _stats()
@@ -103,13 +105,16 @@ def count(name: str, tags: Mapping[str, Any]) -> None:
         log.warning("could not send metric %s (%s): %s", name, type(error).__name__, error)
 
 
-def emit_task_metrics(scope: str, values: Mapping[str, Any], *, run: str) -> int:
-    """The gauges of one task (a TASK_GAUGES scope), tagged with the run; unknown fields are an error in code."""
+def _task_gauges(scope: str, values: Mapping[str, Any]) -> dict[str, Any]:
     unknown = set(values) - set(TASK_GAUGES[scope])
     if unknown:
         raise ValueError(f"{scope} metrics {sorted(unknown)} are not in tasks.telemetry.TASK_GAUGES")
-    return emit_gauges({task_metric(scope, field): value for field, value in values.items()},
-                       {"run": run, "task": scope})
+    return {task_metric(scope, field): value for field, value in values.items()}
+
+
+def emit_task_metrics(scope: str, values: Mapping[str, Any], *, run: str) -> int:
+    """The gauges of one task (a TASK_GAUGES scope), tagged with the run; unknown fields are an error in code."""
+    return emit_gauges(_task_gauges(scope, values), {"run": run, "task": scope})
 
 
 def emit_report_metrics(report: Mapping[str, Any], throughput_ratio: float | None) -> int:
@@ -149,11 +154,11 @@ class LiveLineReader:
         try:
             message = json.loads(line[len(self.prefix):])
             scope, values = message["scope"], message["values"]
-            if scope == "worker":
+            if scope == "worker":  # `enabled` was read once for the task: no configuration lookup per line
                 known = {worker_metric(k): v for k, v in values.items() if k in WORKER_GAUGES}
-                emit_gauges(known, {"run": self.run, "task": self.task, "rank": rank})
+                _send_gauges(known, {"run": self.run, "task": self.task, "rank": rank})
             else:
-                emit_task_metrics(scope, values, run=self.run)
+                _send_gauges(_task_gauges(scope, values), {"run": self.run, "task": scope})
         except (ValueError, KeyError, TypeError) as error:
             if not self._warned:  # one warning per task: a malformed line is a bug, not the run's problem
                 log.warning("rank %d: unreadable live metrics line (%s): %.200s", rank, error, line)

@@ -9,6 +9,7 @@ into the report, the task log and an alert; they never fail the run.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 # The settings that decide what one step costs: a run differing in any of them is not comparable.
@@ -31,36 +32,35 @@ def last_comparable(report: Mapping[str, Any], earlier: Sequence[Mapping[str, An
     return max(same, key=lambda other: other.get("created_at") or "", default=None)
 
 
-def warnings(report: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]], ratio: float) -> list[str]:
-    """Sentences naming the measured and the expected tokens/s, the ratio and the setting; [] when all is well."""
-    measured = (report["runs"]["distributed"] or {}).get("tokens_per_s")
-    if not ratio or not measured:
-        return []
-    found = []
+@dataclass(frozen=True)
+class Assessment:
+    """`warnings`: sentences naming measured and expected tokens/s, the ratio and the setting ([] when all is well);
+    `ratio`: measured / expected, the lower of the two, for the metrics (None without an expectation)."""
+
+    warnings: list[str]
+    ratio: float | None
+
+
+def assess(report: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]], min_ratio: float) -> Assessment:
+    """The run's tokens/s against each expectation that exists; a warning for each one it falls below `min_ratio`
+    of (0: no warnings)."""
+    distributed = report["runs"]["distributed"] or {}
+    measured = distributed.get("tokens_per_s")
+    if not measured:
+        return Assessment([], None)
     predicted = (report.get("prediction") or {}).get("predicted_tokens_per_s")
-    if predicted and measured < ratio * predicted:
+    previous = last_comparable(report, earlier)
+    before = previous["runs"]["distributed"]["tokens_per_s"] if previous else None
+    below = f"warning below {min_ratio:.0%}, setting 'min_throughput_ratio'"
+    found = []
+    if min_ratio and predicted and measured < min_ratio * predicted:
         found.append(
             f"{measured:,.0f} tokens/s is {measured / predicted:.0%} of the {predicted:,.0f} the preflight advisor "
-            f"predicted for {report['runs']['distributed']['num_workers']} workers (warning below "
-            f"{ratio:.0%}, setting 'min_throughput_ratio'): look for a slow host, link or input pipeline in the "
-            "preflight and train logs.")
-    previous = last_comparable(report, earlier)
-    if previous:
-        before = previous["runs"]["distributed"]["tokens_per_s"]
-        if measured < ratio * before:
-            found.append(
-                f"{measured:,.0f} tokens/s is {measured / before:.0%} of the {before:,.0f} of the last comparable run "
-                f"{previous['run_id']} (same settings and hardware; warning below {ratio:.0%}, setting "
-                "'min_throughput_ratio').")
-    return found
-
-
-def ratio_to_expectation(report: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]]) -> float | None:
-    """Measured / expected tokens/s (the lower of the two ratios), for the metrics; None without an expectation."""
-    measured = (report["runs"]["distributed"] or {}).get("tokens_per_s")
-    expected = [(report.get("prediction") or {}).get("predicted_tokens_per_s")]
-    previous = last_comparable(report, earlier)
-    if previous:
-        expected.append(previous["runs"]["distributed"]["tokens_per_s"])
-    ratios = [measured / value for value in expected if value and measured]
-    return min(ratios) if ratios else None
+            f"predicted for {distributed['num_workers']} workers ({below}): look for a slow host, link or input "
+            "pipeline in the preflight and train logs.")
+    if min_ratio and before and measured < min_ratio * before:
+        found.append(
+            f"{measured:,.0f} tokens/s is {measured / before:.0%} of the {before:,.0f} of the last comparable run "
+            f"{previous['run_id']} (same settings and hardware; {below}).")
+    ratios = [measured / value for value in (predicted, before) if value]
+    return Assessment(found, min(ratios) if ratios else None)

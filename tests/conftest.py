@@ -80,7 +80,8 @@ def monitoring_env(sinks) -> dict[str, str]:
     """Airflow's StatsD metrics (InfluxDB-style tags) to the session's listener, and the `alerts_smtp` connection."""
     return {"AIRFLOW__METRICS__STATSD_ON": "True", "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
             "AIRFLOW__METRICS__STATSD_PORT": str(sinks.statsd.port), "AIRFLOW__METRICS__STATSD_PREFIX": "airflow",
-            "AIRFLOW__METRICS__STATSD_INFLUXDB_ENABLED": "True", "AIRFLOW_CONN_ALERTS_SMTP": sinks.smtp.connection_uri()}
+            "AIRFLOW__METRICS__STATSD_INFLUXDB_ENABLED": "True",
+            "AIRFLOW_CONN_ALERTS_SMTP": sinks.smtp.connection_uri()}
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_ROOTS = {"dags": REPO / "dags", "plugins": REPO / "plugins", "tasks": REPO / "tasks", "trainer": REPO / "trainer"}
+SOURCE_ROOTS = {name: REPO / name for name in ("dags", "plugins", "tasks", "trainer")}
 
 # Lowest first. A module may import modules of its own layer and of the layers below. The first matching prefix wins.
 LAYERS = (

@@ -425,10 +425,9 @@ def render_run(report: dict[str, Any], released: str) -> str:
                   for gate in _items(report.get("gates")))
         + "</table>"
     )
-    warnings = [text for text in report.get("warnings") or () if isinstance(text, str)] if isinstance(
-        report.get("warnings"), list) else []
-    warning_list = ("<ul id='warnings' class='warning'>" + "".join(f"<li>{_text(text)}</li>" for text in warnings)
-                    + "</ul>") if warnings else ""
+    listed = report.get("warnings") if isinstance(report.get("warnings"), list) else []
+    warnings = "".join(f"<li>{_text(text)}</li>" for text in listed if isinstance(text, str))
+    warning_list = f"<ul id='warnings' class='warning'>{warnings}</ul>" if warnings else ""
     charts = report.get("charts") if isinstance(report.get("charts"), dict) else {}
     images = "".join(f"<img alt='{_text(name)}' src='charts/{_text(file)}'>" for name, file in charts.items()
                      if isinstance(file, str) and _CHART_FILE.fullmatch(file))
@@ -436,7 +435,8 @@ def render_run(report: dict[str, Any], released: str) -> str:
         f"<p><a href='../../'>All runs</a></p><h1>Run {_text(report.get('run_id'))}</h1>"
         f"<p>Gates {_status(verdict)} · released <span id='released'>{_status(released)}</span> · "
         f"{_text(report.get('num_workers'))} workers · model "
-        f"{_text(_get(report, 'config', 'model'))} · created {_text(report.get('created_at'))}</p>{warning_list}{table}"
+        f"{_text(_get(report, 'config', 'model'))} · created {_text(report.get('created_at'))}</p>"
+        f"{warning_list}{table}"
         f"<p class='note' id='hardware'>{_text(_get(report, 'hardware', 'line'))}</p>{gates}"
         f"{render_scaling(report)}{render_promotion(report)}{render_samples(report)}{images}"
     )

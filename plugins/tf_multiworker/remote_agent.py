@@ -6,8 +6,8 @@ it imports neither Airflow nor TensorFlow.
 
 - `run`: `{"argv": [...], "env": {...}, "cwd": str, "grace_s": float, "base_env": "inherit"}`. Starts `argv` in
   its own session, in `cwd` (created, mode 0700), with the allow-listed part of this process's environment
-  (`tf_multiworker.launcher.protocol.inherited_environment`) plus `env`, and its own `TMPDIR=<cwd>/tmp`
-  (`tf_multiworker.launcher.protocol.worker_temp_environment`). Prints `TFMW_AGENT {"pid", "pgid", "host", "python", "versions"}`,
+  (`launcher.protocol.inherited_environment`) plus `env`, and its own `TMPDIR=<cwd>/tmp`
+  (`launcher.protocol.worker_temp_environment`). Prints `TFMW_AGENT {"pid", "pgid", "host", "python", "versions"}`,
   then the worker's merged stdout/stderr line by line, then `TFMW_EXIT {"code"}` (negative: killed by
   that signal) and exits with the code (128 + signal for a signal). When its stdin closes or it gets SIGTERM,
   SIGHUP or SIGINT, it stops the worker's whole process group: SIGTERM, a grace period, SIGKILL. The grace is

@@ -1,4 +1,5 @@
-"""plugins/tf_multiworker/launcher/log_policy.py: library chatter is left out, narrowly, and all of it comes back when verbose."""
+"""plugins/tf_multiworker/launcher/log_policy.py: library chatter is left out, narrowly, and all of it comes back
+when verbose."""
 
 import logging
 import warnings

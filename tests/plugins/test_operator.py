@@ -69,7 +69,8 @@ def test_live_metrics_lines_stay_out_of_the_task_log(monkeypatch):
     from trainer.metrics import LIVE_PREFIX
 
     logged = []
-    monkeypatch.setattr(TFMultiWorkerOperator, "log", SimpleNamespace(info=lambda *args: logged.append(args[0] % args[1:])))
+    monkeypatch.setattr(TFMultiWorkerOperator, "log",
+                        SimpleNamespace(info=lambda *args: logged.append(args[0] % args[1:])))
     op = _operator()
     op._live_metrics = LiveLineReader(run="r", task="train", enabled=False)
     op._log_worker_line(1, LIVE_PREFIX + '{"scope": "worker", "values": {"loss": 4.0}}')

@@ -49,7 +49,8 @@ def test_table_puts_the_reference_first_and_shows_missing_figures_as_dashes():
     assert (row["speedup"], row["efficiency"], row["eval time"]) == ("—", "—", "—")
     assert (row["nats/char"], row["known words"]) == ("—", "— / —")  # a report from before these figures
     assert formatting.fmt(float("nan")) == "—"
-    assert (formatting.nats(0.01), formatting.nats(-1.06e-7), formatting.nats(0.0)) == ("+0.0100", "-1.06e-07", "+0.0000")
+    assert (formatting.nats(0.01), formatting.nats(-1.06e-7), formatting.nats(0.0)) == (
+        "+0.0100", "-1.06e-07", "+0.0000")
 
 
 def test_markdown_and_text_table_carry_the_same_rows():

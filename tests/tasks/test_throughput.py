@@ -21,11 +21,11 @@ def report(run_id: str, tokens_per_s: float | None, *, created: str = "2026-12-0
 
 
 def test_below_half_the_prediction_is_warned_with_both_figures_and_the_setting():
-    (warning,) = throughput.warnings(report("now", 4_000, predicted=10_000), [], ratio=0.5)
+    (warning,) = throughput.assess(report("now", 4_000, predicted=10_000), [], min_ratio=0.5).warnings
     assert warning.startswith("4,000 tokens/s is 40% of the 10,000 the preflight advisor predicted for 2 workers")
     assert "setting 'min_throughput_ratio'" in warning
-    assert throughput.warnings(report("now", 6_000, predicted=10_000), [], ratio=0.5) == []
-    assert throughput.warnings(report("now", 4_000, predicted=10_000), [], ratio=0.0) == []  # off
+    assert throughput.assess(report("now", 6_000, predicted=10_000), [], min_ratio=0.5).warnings == []
+    assert throughput.assess(report("now", 4_000, predicted=10_000), [], min_ratio=0.0).warnings == []  # off
 
 
 def test_the_latest_comparable_run_is_the_reference():
@@ -37,17 +37,17 @@ def test_the_latest_comparable_run_is_the_reference():
     now = report("now", 4_000)
 
     assert throughput.last_comparable(now, [older, latest, other_model, other_host])["run_id"] == "latest"
-    (warning,) = throughput.warnings(now, [older, latest, other_model, other_host], ratio=0.5)
+    (warning,) = throughput.assess(now, [older, latest, other_model, other_host], min_ratio=0.5).warnings
     assert warning.startswith("4,000 tokens/s is 44% of the 9,000 of the last comparable run latest")
-    assert throughput.ratio_to_expectation(now, [latest]) == 4_000 / 9_000
+    assert throughput.assess(now, [latest], min_ratio=0.5).ratio == 4_000 / 9_000
 
 
 def test_both_expectations_warn_separately_and_the_lower_ratio_is_the_metric():
     now = report("now", 2_000, predicted=10_000)
-    assert len(throughput.warnings(now, [report("before", 5_000)], ratio=0.5)) == 2
-    assert throughput.ratio_to_expectation(now, [report("before", 5_000)]) == 0.2
+    assert len(throughput.assess(now, [report("before", 5_000)], min_ratio=0.5).warnings) == 2
+    assert throughput.assess(now, [report("before", 5_000)], min_ratio=0.5).ratio == 0.2
 
 
 def test_no_expectation_no_warning():
-    assert throughput.warnings(report("now", 1), [report("untimed", None)], ratio=0.5) == []
-    assert throughput.ratio_to_expectation(report("now", 1), []) is None
+    assert throughput.assess(report("now", 1), [report("untimed", None)], min_ratio=0.5).warnings == []
+    assert throughput.assess(report("now", 1), [], min_ratio=0.5).ratio is None

@@ -1,7 +1,7 @@
 """Local backend: each worker is a process on this machine, in its own session (so its whole process group can
 be stopped), with one GPU when asked for. TF_CONFIG names loopback addresses, but TensorFlow's worker server
 listens on every interface (see docs/security.md), and the worker's environment is the allow-listed
-part of this process's (`tf_multiworker.launcher.protocol.inherited_environment`). A guard process per launch attempt
+part of this process's (`launcher.protocol.inherited_environment`). A guard process per launch attempt
 (`tf_multiworker.launcher.guard`) ends the attempt's workers when this process dies without stopping them."""
 
 from __future__ import annotations
