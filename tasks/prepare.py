@@ -73,7 +73,6 @@ def tokenize_lane(plan: Mapping[str, Any], lane: list[dict[str, Any]]) -> dict[s
 def finish_run(plan: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str, Any]:
     """The last prepare step: the dataset published (unless the first task did it), then the run laid out. Its
     XCom is what every later task reads."""
-    from tasks.baseline import baseline_key
     from tasks.dataset.stage import PreparedDataset, finish_dataset
     from trainer.data import load_manifest
 
@@ -83,37 +82,44 @@ def finish_run(plan: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str, A
     manifest = load_manifest(dataset.manifest_url)
     total_steps = cfg.steps_for(dataset.train_sequences)
     run_cfg = cfg.replace(max_steps=total_steps, warmup_steps=min(cfg.warmup_steps, total_steps - 1))
-    baseline_cfg = run_cfg.baseline_config()
-
-    storage = StorageLayout(cfg.storage_root)
-    key = run_key(dag_id, run_id)
-    run = storage.run(key)
-    base_key = baseline_key(run_cfg, manifest, total_steps)
-    baseline = storage.baseline(base_key)
-    baseline_config_url = run.baseline_config
-    write_json_atomic(run.config, run_cfg.to_dict())
-    write_json_atomic(baseline_config_url, baseline_cfg.to_dict())
 
     log.info(
-        "Dataset %s (%s): %d train / %d validation sequences; %d optimizer steps of %d sequences; run dir %s",
+        "Dataset %s (%s): %d train / %d validation sequences; %d optimizer steps of %d sequences",
         dataset.fingerprint, "cache hit" if dataset.cache_hit else "tokenized", dataset.train_sequences,
-        dataset.validation_sequences, total_steps, cfg.global_batch_size, run.url,
+        dataset.validation_sequences, total_steps, cfg.global_batch_size,
     )
+    return lay_out_run(run_cfg, manifest, dataset.manifest_url, run_key(dag_id, run_id), run_id=run_id,
+                       continued_from=continued_from)
+
+
+def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: str, key: str, *, run_id: str,
+                continued_from: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Write the run's configuration and its baseline's under the run's directory and return the prepared run:
+    the XCom every later task reads (paths and a few numbers). `run_cfg` has its step count resolved."""
+    from tasks.baseline import baseline_key
+
+    storage = StorageLayout(run_cfg.storage_root)
+    run = storage.run(key)
+    base_key = baseline_key(run_cfg, manifest, run_cfg.max_steps)
+    baseline = storage.baseline(base_key)
+    write_json_atomic(run.config, run_cfg.to_dict())
+    write_json_atomic(run.baseline_config, run_cfg.baseline_config().to_dict())
+    log.info("Run directory %s", run.url)
     return {
         "run_id": run_id,
         "run_key": key,
-        "storage_root": cfg.storage_root,
+        "storage_root": run_cfg.storage_root,
         "config": run_cfg.to_dict(),
         "config_url": run.config,
-        "manifest_url": dataset.manifest_url,
-        "dataset_fingerprint": dataset.fingerprint,
-        "total_steps": total_steps,
+        "manifest_url": manifest_url,
+        "dataset_fingerprint": manifest["fingerprint"],
+        "total_steps": run_cfg.max_steps,
         "preflight_url": run.report,
         "train_url": run.train.url,
         "train_summary_url": run.train.summary,
         "baseline_key": base_key,
         "baseline_url": baseline.url,
-        "baseline_config_url": baseline_config_url,
+        "baseline_config_url": run.baseline_config,
         "baseline_summary_url": baseline.summary,
         "report_url": run.report,
         "continued_from": continued_from,

@@ -8,10 +8,13 @@ Importable without Airflow and without TensorFlow.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import posixpath
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -168,3 +171,47 @@ def list_dir(url: str) -> Iterator[str]:
     if not fs.exists(path):
         return iter(())
     return iter(sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)))
+
+
+@contextlib.contextmanager
+def staging_directory(url: str) -> Iterator[Path]:
+    """A local directory to build what `url` will hold, for `publish_directory`. For a local `url` it sits beside
+    the target (the same filesystem, so publishing is one rename), and what killed builds of this target left
+    there is removed first (one build of a target at a time: its task); else a temporary directory. Whatever is
+    left of it is removed on exit."""
+    fs, target = filesystem(url)
+    if is_local(fs):
+        parent, name = Path(target).parent, Path(target).name
+        parent.mkdir(parents=True, exist_ok=True)
+        for stale in parent.glob(f".{name}.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        stage = parent / f".{name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        stage.mkdir()
+    else:
+        stage = Path(tempfile.mkdtemp(prefix=f"stage-{posixpath.basename(target.rstrip('/'))}-"))
+    try:
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def publish_directory(stage: Path, url: str, *, last: tuple[str, bytes] | None = None) -> None:
+    """Make the files of `stage` (from `staging_directory(url)`) what `url` holds, replacing an earlier copy,
+    complete or interrupted. `last` (a name and its bytes) is the file whose presence tells readers the rest is
+    complete, such as a manifest: it is written after everything else.
+
+    Local: `last` goes into the stage, then one rename. Object storage: the earlier objects are removed, the tree
+    uploaded, then `last` in one PUT (atomic by itself)."""
+    fs, target = filesystem(url)
+    if is_local(fs):
+        if last:
+            write_bytes_atomic(str(stage / last[0]), last[1])
+        if os.path.lexists(target):
+            shutil.rmtree(target)
+        os.replace(stage, target)
+        return
+    if fs.exists(target):
+        fs.rm(target, recursive=True)
+    upload_tree(stage, url)
+    if last:
+        fs.pipe_file(f"{target.rstrip('/')}/{last[0]}", last[1])

@@ -10,13 +10,10 @@ is published, and by the next plan of the same fingerprint when a stage died). L
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -94,38 +91,9 @@ def remove_leftovers(url: str) -> None:
         fs.rm(path, recursive=True)
 
 
-@contextlib.contextmanager
-def staging(layout: StorageLayout, fingerprint: str):
-    """A local directory to build in. For a local root it sits next to the target (same filesystem, so publishing
-    is one rename) and leftovers of killed runs of this fingerprint are removed first."""
-    fs, datasets_path = storage.filesystem(storage.join(layout.root, "datasets"))
-    if storage.is_local(fs):
-        for stale in Path(datasets_path).glob(f".{fingerprint}.partial-*"):
-            log.info("removing %s left by an interrupted run", stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        stage = Path(datasets_path) / f".{fingerprint}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        stage.mkdir(parents=True)
-    else:
-        stage = Path(tempfile.mkdtemp(prefix=f"stage-{fingerprint}-"))
-    try:
-        yield stage
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-
-
 def publish(stage: Path, dataset_url: str, manifest: dict[str, Any]) -> None:
-    fs, target = storage.filesystem(dataset_url)
-    if storage.is_local(fs):
-        storage.write_bytes_atomic(str(stage / MANIFEST), manifest_bytes(manifest))
-        if os.path.exists(target):  # an incomplete or damaged earlier attempt: the manifest check rejected it
-            shutil.rmtree(target)
-        os.replace(stage, target)
-        return
     try:
-        if fs.exists(target):  # objects of an interrupted upload
-            fs.rm(target, recursive=True)
-        storage.upload_tree(stage, dataset_url)
-        fs.pipe_file(f"{target}/{MANIFEST}", manifest_bytes(manifest))  # one PUT: atomic on object stores
+        storage.publish_directory(stage, dataset_url, last=(MANIFEST, manifest_bytes(manifest)))
     except Exception as error:
         raise PrepareError(
             f"Writing the dataset to {dataset_url} failed ({type(error).__name__}: {error}). No manifest was "

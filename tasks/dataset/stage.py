@@ -36,7 +36,6 @@ from tasks.dataset.publish import (
     file_entries,
     publish,
     remove_leftovers,
-    staging,
     work_url,
 )
 from tasks.dataset.shards import split_streams, write_split
@@ -199,13 +198,9 @@ def _temporary_work(fingerprint: str) -> str:
 
 
 def _save(tokenizer: Any, url: str) -> None:
-    fs, path = storage.filesystem(url)
-    if storage.is_local(fs):
-        save_tokenizer(tokenizer, Path(path))
-        return
-    with tempfile.TemporaryDirectory(prefix="tokenizer-") as local:
-        save_tokenizer(tokenizer, Path(local))
-        storage.upload_tree(local, url)
+    with storage.staging_directory(url) as stage:
+        save_tokenizer(tokenizer, stage)
+        storage.publish_directory(stage, url)
 
 
 # -- 2. lanes ---------------------------------------------------------------------------------------------------
@@ -243,7 +238,7 @@ def finish_dataset(summary: dict[str, Any], *, started: float | None = None) -> 
     results = [_complete(job, unit) for unit in range(plan["units"])]
     began = time.perf_counter()
     layout = StorageLayout(cfg.storage_root)
-    with staging(layout, plan["fingerprint"]) as stage:
+    with storage.staging_directory(layout.dataset(plan["fingerprint"])) as stage:
         manifest, tokens = _build(plan, cfg, job, results, stage)
         shards_s = time.perf_counter() - began
         publish(stage, layout.dataset(plan["fingerprint"]), manifest)

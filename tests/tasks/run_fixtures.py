@@ -14,7 +14,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tasks.baseline import baseline_key
 from trainer.config import RunConfig
 from trainer.layout import StorageLayout, TrainOutput, run_key
 from trainer.storage import join, write_bytes_atomic, write_json_atomic
@@ -82,25 +81,12 @@ def prepare_run(root: str, run_id: str, manifest_url: str | None = None, **setti
 
     `manifest_url` names a real tokenized dataset; by default a manifest without shards is written.
     """
+    from tasks.prepare import lay_out_run
     from trainer.storage import read_json
 
     manifest_url = manifest_url or write_manifest(root)
     cfg = RunConfig.from_params({"storage_root": root, **settings})
-    total_steps = cfg.max_steps
-    storage, key = StorageLayout(root), run_key(DAG_ID, run_id)
-    run = storage.run(key)
-    base_key = baseline_key(cfg, read_json(manifest_url), total_steps)
-    baseline = storage.baseline(base_key)
-    write_json_atomic(run.config, cfg.to_dict())
-    return {
-        "run_id": run_id, "run_key": key, "storage_root": root, "config": cfg.to_dict(),
-        "config_url": run.config, "manifest_url": manifest_url,
-        "dataset_fingerprint": read_json(manifest_url)["fingerprint"],
-        "total_steps": total_steps, "preflight_url": run.report, "train_url": run.train.url,
-        "train_summary_url": run.train.summary, "baseline_key": base_key, "baseline_url": baseline.url,
-        "baseline_config_url": run.baseline_config, "baseline_summary_url": baseline.summary,
-        "report_url": run.report,
-    }
+    return lay_out_run(cfg, read_json(manifest_url), manifest_url, run_key(DAG_ID, run_id), run_id=run_id)
 
 
 def step_metrics(steps: range, step_time_s: float, tokens_per_step: int = 512) -> list[dict]:
