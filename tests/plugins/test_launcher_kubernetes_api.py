@@ -11,7 +11,8 @@ import urllib3
 from kubernetes.client import V1ObjectMeta, V1Service
 from kubernetes.client.rest import ApiException
 from tf_multiworker.launcher import GroupSpec, WorkerSpec
-from tf_multiworker.launcher.kubernetes import KubernetesApiError, KubernetesBackend, KubernetesSettings
+from tf_multiworker.launcher.kubernetes import KubernetesBackend, KubernetesSettings
+from tf_multiworker.launcher.kubernetes_api import KubernetesApiError
 from tf_multiworker.launcher.kubernetes_objects import GroupNames, PodSettings
 
 SECRET = {"AWS_SECRET_ACCESS_KEY": "never-in-a-pod-spec"}

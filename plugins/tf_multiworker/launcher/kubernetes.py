@@ -2,35 +2,31 @@
 
 The official client's `CoreV1Api` and `NetworkingV1Api` come in ready-made (built from an Airflow connection by
 `tf_multiworker.kubernetes_clients`), so this module never imports Airflow. Per group it creates the objects of
-`kubernetes_objects` (Service, Secret, NetworkPolicy, then the pods, which are owned by the Service), follows each
-pod's status with one list call per group and second, and streams each pod's log into the handle's `output`,
-reconnecting without repeating lines. A pod stuck Pending writes its status and events into its output and its
-`waiting_reason`, so they are in the group's failure message when `startup_timeout_s` ends it. Stopping the group deletes its objects; `release`
-deletes whatever of a run is left, by label, and lists again to prove that nothing remains.
+`kubernetes_objects` (Service, Secret, NetworkPolicy, then the pods, which are owned by the Service) through
+`kubernetes_api`; `kubernetes_pods` follows each pod's status and log. Stopping the group deletes its objects;
+`release` deletes whatever of a run is left, by label, and lists again to prove that nothing remains.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import IO, Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-import urllib3
-from kubernetes.client import CoreV1Api, NetworkingV1Api, V1DeleteOptions, V1Pod
-from kubernetes.client.rest import ApiException
+from kubernetes.client import CoreV1Api, NetworkingV1Api, V1Pod
 
 from tf_multiworker.launcher import kubernetes_capacity as capacity
 from tf_multiworker.launcher import kubernetes_objects as objects
 from tf_multiworker.launcher.backend import RELEASE_GRACE_S, Backend, Capacity, WorkerHandle
 from tf_multiworker.launcher.errors import LaunchError
+from tf_multiworker.launcher.kubernetes_api import KubernetesApi, KubernetesApiError
+from tf_multiworker.launcher.kubernetes_pods import KubernetesWorkerHandle, LaunchedGroup, follow_status
 from tf_multiworker.launcher.process import ORPHAN_GRACE_S
 from tf_multiworker.launcher.spec import GroupSpec, Placement, WorkerSpec
 
@@ -39,34 +35,6 @@ log = logging.getLogger(__name__)
 # Variables of the launcher's environment that every worker needs to agree with it (trainer/config.py reads the
 # access policy from them); a pod does not inherit the Airflow worker's environment.
 FORWARDED_PREFIXES = ("GPT_FINETUNE_",)
-# Status codes worth retrying: the API server overloaded or restarting, or a rate limit.
-RETRIED_STATUSES = {429, 500, 502, 503, 504}
-TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError)
-FORBIDDEN_HINT = (" (the identity of kubernetes_conn_id needs the Role of docs/backends.md's 'Cluster prerequisites' "
-                  "in this namespace, and the namespace's ResourceQuota room for the pods)")
-EVENTS_EVERY_S = 5.0
-LOG_RECONNECT_PAUSE_S = 0.5
-MAX_READS_AFTER_END = 5
-
-
-class KubernetesApiError(LaunchError):
-    """The API server refused a call (RBAC, quota, validation) or stayed unreachable through the retries."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def api_reason(exc: ApiException) -> str:
-    """`403 Forbidden: pods is forbidden: User ... cannot create ...`: the status and the API's own message."""
-    message = ""
-    try:
-        body = json.loads(exc.body or "{}")
-        reason = body.get("reason") if body.get("reason") != exc.reason else None  # "Forbidden" once, not twice
-        message = ": ".join(p for p in (reason, body.get("message")) if p)
-    except (TypeError, ValueError):
-        message = (exc.body or "").strip()[:300]
-    return f"{exc.status} {exc.reason or ''}".strip() + (f": {message}" if message else "")
 
 
 @dataclass(frozen=True)
@@ -89,320 +57,16 @@ class KubernetesSettings:
                              "at most 63 characters)")
 
 
-class _Api:
-    """The client calls with explicit timeouts, retries of transient errors with backoff, and API errors turned
-    into `KubernetesApiError` naming what was being done."""
-
-    def __init__(self, core: CoreV1Api, networking: NetworkingV1Api, settings: KubernetesSettings,
-                 sleep: Callable[[float], None]) -> None:
-        self.core, self.networking, self.settings, self.sleep = core, networking, settings, sleep
-        self.timeout = (settings.connect_timeout_s, settings.request_timeout_s)
-
-    def call(self, what: str, method: Callable[..., Any], *args: Any, missing_ok: bool = False,
-             retries: int | None = None, **kwargs: Any) -> Any:
-        retries = self.settings.retries if retries is None else retries
-        for attempt in range(retries + 1):
-            try:
-                return method(*args, _request_timeout=self.timeout, **kwargs)
-            except ApiException as exc:
-                if exc.status == 404 and missing_ok:
-                    return None
-                if exc.status not in RETRIED_STATUSES or attempt == retries:
-                    hint = FORBIDDEN_HINT if exc.status == 403 else ""
-                    raise KubernetesApiError(f"{what} failed: {api_reason(exc)}{hint}", exc.status) from exc
-                reason = api_reason(exc)
-            except TRANSPORT_ERRORS as exc:
-                if attempt == retries:
-                    raise KubernetesApiError(f"{what} failed: the API server did not answer ({exc})") from exc
-                reason = str(exc)
-            delay = 0.5 * 2 ** attempt
-            log.warning("%s: %s; retrying in %g s (%d of %d)", what, reason, delay, attempt + 1, retries)
-            self.sleep(delay)
-        raise AssertionError("unreachable")
-
-    def delete(self, kind: str, name: str, retries: int | None = None, **options: Any) -> bool:
-        """Delete one object; False when it was already gone (404)."""
-        ns = self.settings.namespace
-        method = {"pod": self.core.delete_namespaced_pod, "service": self.core.delete_namespaced_service,
-                  "secret": self.core.delete_namespaced_secret,
-                  "networkpolicy": self.networking.delete_namespaced_network_policy}[kind]
-        body = V1DeleteOptions(**options) if options else None
-        return self.call(f"deleting {kind} {ns}/{name}", method, name, ns, body=body, missing_ok=True,
-                         retries=retries) is not None
-
-    def cluster(self) -> tuple[list[Any], list[Any]]:
-        """Every node, and every pod of every namespace (what is already requested on each node)."""
-        nodes = self.call("listing the cluster's nodes", self.core.list_node, retries=0).items
-        pods = self.call("listing the pods of every namespace", self.core.list_pod_for_all_namespaces, retries=0)
-        return nodes, pods.items
-
-    def list(self, kind: str, selector: str) -> list[Any]:
-        ns = self.settings.namespace
-        method = {"pod": self.core.list_namespaced_pod, "service": self.core.list_namespaced_service,
-                  "secret": self.core.list_namespaced_secret,
-                  "networkpolicy": self.networking.list_namespaced_network_policy}[kind]
-        return self.call(f"listing {kind}s {selector} in {ns}", method, ns, label_selector=selector).items
-
-
-def _exit_code(pod: V1Pod) -> int | None:
-    """The container's exit status once it terminated; a signal as its negative number (runtimes report 128+n)."""
-    for status in pod.status.container_statuses or []:
-        terminated = status.state and status.state.terminated
-        if terminated:
-            code = terminated.exit_code
-            if terminated.signal:
-                return -terminated.signal
-            return -(code - 128) if 128 < code <= 128 + 64 else code
-    if pod.status.phase == "Failed":  # e.g. evicted before the container ran
-        return 1
-    return None
-
-
-def _termination(pod: V1Pod) -> str:
-    for status in pod.status.container_statuses or []:
-        terminated = status.state and status.state.terminated
-        if terminated:
-            return f"exit code {terminated.exit_code} ({terminated.reason or 'no reason given'})"
-    return pod.status.reason or pod.status.message or "no container status"
-
-
-def _pending_reason(pod: V1Pod) -> str:
-    for status in pod.status.container_statuses or []:
-        waiting = status.state and status.state.waiting
-        if waiting and waiting.reason:
-            return f"{waiting.reason}: {waiting.message}" if waiting.message else waiting.reason
-    for condition in pod.status.conditions or []:
-        if condition.type == "PodScheduled" and condition.status == "False":
-            return f"{condition.reason}: {condition.message}" if condition.message else condition.reason
-    return "Pending"
-
-
-def _time_key(stamp: bytes) -> tuple[str, str]:
-    """An RFC3339(Nano) timestamp as a sortable key (the kubelet trims trailing zeros of the fraction)."""
-    whole, _, fraction = stamp.decode("ascii", "replace").rstrip("Z").partition(".")
-    return whole, fraction.ljust(9, "0")
-
-
-class _LogCursor:
-    """Where a pod's log was read up to, so that a reopened stream repeats no line.
-
-    A reopened stream asks for `since_seconds` reaching back past the last line received (measured on this
-    machine's monotonic clock, so the node's clock does not matter), then skips every line older than that one
-    and as many lines with its exact timestamp as were already delivered."""
-
-    def __init__(self) -> None:
-        self.last: tuple[str, str] | None = None
-        self.at_last = 0  # lines delivered with exactly the `last` timestamp
-        self.received_at = 0.0
-        self._skip = 0
-
-    def since_seconds(self) -> int | None:
-        return None if self.last is None else max(1, math.ceil(time.monotonic() - self.received_at) + 2)
-
-    def reopen(self) -> None:
-        self._skip = self.at_last
-
-    def is_new(self, stamp: bytes) -> bool:
-        key = _time_key(stamp)
-        if self.last is not None and key < self.last:
-            return False
-        if key == self.last and self._skip > 0:
-            self._skip -= 1
-            return False
-        self.at_last = self.at_last + 1 if key == self.last else 1
-        self.last, self.received_at = key, time.monotonic()
-        return True
-
-
-@dataclass
-class _GroupState:
-    """One launched group: its names, its Service's uid and the handles the status loop updates."""
-
-    spec: GroupSpec
-    names: objects.GroupNames
-    service_uid: str
-    handles: dict[str, KubernetesWorkerHandle] = field(default_factory=dict)
-    torn_down: bool = False
-    stop: threading.Event = field(default_factory=threading.Event)
-    watcher: threading.Thread | None = None
-
-
-class KubernetesWorkerHandle(WorkerHandle):
-    """One pod. `poll`/`gone` read the group's status loop; `output` is a pipe fed by the log follower."""
-
-    def __init__(self, backend: KubernetesBackend, group: _GroupState, rank: int, host: str) -> None:
-        self.backend = backend
-        self.group = group
-        self.rank = rank
-        self.host = host
-        self.pid = None
-        self.pod = group.names.pod(rank)
-        self.node: str | None = None
-        self.exit_code: int | None = None
-        self.started = threading.Event()  # the container ran (its log can be read)
-        self.deleted = threading.Event()  # the pod object is gone
-        self.pending_reason = ""
-        self.termination = ""  # how a failed pod ended, written after its last log line
-        self._seen = False  # the status loop has listed the pod at least once
-        self._stopping = False  # this launcher deletes the pod: its disappearance is expected
-        self._events_seen: set[str] = set()
-        self._events_at = 0.0
-        read_fd, self._write_fd = os.pipe()
-        self._output = os.fdopen(read_fd, "rb")
-        self._write_lock = threading.Lock()
-        self._follower = threading.Thread(target=self._follow_log, daemon=True, name=f"log-{self.pod}")
-        self._follower.start()
-
-    # -- WorkerHandle ----------------------------------------------------------------------------------------
-
-    @property
-    def output(self) -> IO[bytes]:
-        return self._output
-
-    def poll(self) -> int | None:
-        if self.exit_code is None and self.deleted.is_set():
-            return -signal.SIGKILL  # deleted from outside before its end was seen
-        return self.exit_code
-
-    def terminate(self) -> None:
-        self._stopping = True
-        self.backend._stop_pod(self, grace_s=self.group.spec.grace_period_s)
-
-    def kill(self) -> None:
-        self._stopping = True
-        self.backend._stop_pod(self, grace_s=0)
-
-    def gone(self) -> bool:
-        return self.deleted.is_set() or self.exit_code is not None
-
-    def waiting_reason(self) -> str:
-        if self.started.is_set() or self.deleted.is_set() or not self.pending_reason:
-            return ""
-        events = "; ".join(sorted(self._events_seen))
-        return f"pod {self.pod} is Pending: {self.pending_reason}" + (f" (events: {events})" if events else "")
-
-    def record(self) -> dict:
-        return {"namespace": self.backend.settings.namespace, "pod": self.pod, "node": self.node}
-
-    def label(self) -> str:
-        return f"rank {self.rank} pod {self.pod}"
-
-    # -- fed by the backend's status loop -------------------------------------------------------------------
-
-    def _update(self, pod: V1Pod | None) -> None:
-        if pod is None:
-            if self.started.is_set() or self.exit_code is not None or self._seen:
-                if self.exit_code is None and not self._stopping and not self.deleted.is_set():
-                    self.termination = (f"[kubernetes] pod {self.pod} was deleted before its container ended "
-                                        "(kubectl delete, an eviction or a lost node)")
-                self.deleted.set()
-            return
-        self._seen = True
-        self.node = pod.spec.node_name or self.node
-        phase = pod.status.phase if pod.status else "Pending"
-        if phase in ("Running", "Succeeded", "Failed"):
-            self.started.set()
-        if self.exit_code is None:
-            self.exit_code = _exit_code(pod)
-            if self.exit_code not in (None, 0):
-                where = f" on node {self.node}" if self.node else ""
-                self.termination = f"[kubernetes] pod {self.pod}{where} ended {phase}: {_termination(pod)}"
-        if phase == "Pending":
-            reason = _pending_reason(pod)
-            if reason != self.pending_reason:
-                self.pending_reason = reason
-                self._emit(f"[kubernetes] pod {self.pod} is Pending: {reason}")
-            if time.monotonic() - self._events_at >= EVENTS_EVERY_S:
-                self._events_at = time.monotonic()
-                for line in self.backend._events(self.pod):
-                    if line not in self._events_seen:
-                        self._events_seen.add(line)
-                        self._emit(f"[kubernetes] event of pod {self.pod}: {line}")
-
-    def _emit(self, line: str) -> None:
-        self._write(line.encode() + b"\n")
-
-    def _write(self, data: bytes) -> None:
-        with self._write_lock:
-            if self._write_fd >= 0:
-                try:
-                    os.write(self._write_fd, data)
-                except OSError:
-                    pass  # the reader closed its end: nobody listens any more
-
-    def _close_output(self) -> None:
-        with self._write_lock:
-            if self._write_fd >= 0:
-                os.close(self._write_fd)
-                self._write_fd = -1
-
-    # -- the log follower -----------------------------------------------------------------------------------
-
-    def _follow_log(self) -> None:
-        """Copy the pod's log into the pipe until the container ended and one stream opened after its end was
-        read to the end (a stream dropped near the end would miss the last lines, which explain a failure)."""
-        try:
-            while not (self.started.is_set() or self.deleted.is_set() or self.group.stop.is_set()):
-                self.started.wait(0.2)
-            cursor = _LogCursor()
-            reads_after_end = 0
-            while self.started.is_set() and not self.group.stop.is_set():
-                ended = self.exit_code is not None or self.deleted.is_set()
-                complete = False
-                try:
-                    complete = self._read_log(cursor)
-                except ApiException as exc:
-                    if exc.status == 404:
-                        return
-                    log.debug("log of pod %s: %s", self.pod, api_reason(exc))
-                except TRANSPORT_ERRORS as exc:
-                    log.info("log stream of pod %s dropped (%s): reconnecting", self.pod, exc)
-                if ended:
-                    reads_after_end += 1
-                    if complete or reads_after_end >= MAX_READS_AFTER_END:
-                        return
-                    continue
-                time.sleep(LOG_RECONNECT_PAUSE_S)
-        finally:
-            if self.termination:
-                self._emit(self.termination)
-            self._close_output()
-
-    def _read_log(self, cursor: _LogCursor) -> bool:
-        """One follow stream, with timestamps, from where `cursor` says the last one stopped."""
-        response = self.backend.api.core.read_namespaced_pod_log(
-            self.pod, self.backend.settings.namespace, container=objects.CONTAINER_NAME, follow=True,
-            timestamps=True, since_seconds=cursor.since_seconds(), _preload_content=False,
-            # The provider's client would otherwise put its default read timeout on a quiet stream.
-            _request_timeout=(self.backend.settings.connect_timeout_s, None))
-        cursor.reopen()
-        partial = b""
-        try:
-            for chunk in response.stream(64 * 1024, decode_content=False):
-                *lines, partial = (partial + chunk).split(b"\n")
-                for raw in lines:
-                    self._log_line(cursor, raw)
-            if partial:  # the last line of an ended container, without a newline
-                self._log_line(cursor, partial)
-            return True
-        finally:
-            response.release_conn()
-
-    def _log_line(self, cursor: _LogCursor, raw: bytes) -> None:
-        stamp, _, text = raw.partition(b" ")
-        if cursor.is_new(stamp):
-            self._write(text + b"\n")
-
-
-
 class KubernetesBackend(Backend):
     name: ClassVar[str] = "kubernetes"
 
     def __init__(self, core: CoreV1Api, networking: NetworkingV1Api, settings: KubernetesSettings, *,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.settings = settings
-        self.api = _Api(core, networking, settings, sleep)
-        self._groups: dict[str, _GroupState] = {}
+        self.api = KubernetesApi(core, networking, settings.namespace,
+                                 timeout=(settings.connect_timeout_s, settings.request_timeout_s),
+                                 retries=settings.retries, sleep=sleep)
+        self._groups: dict[str, LaunchedGroup] = {}
         self._lock = threading.Lock()
 
     # -- Backend ---------------------------------------------------------------------------------------------
@@ -469,7 +133,7 @@ class KubernetesBackend(Backend):
         except BaseException:
             self._teardown(state)
             raise
-        handle = KubernetesWorkerHandle(self, state, worker.rank, worker.host)
+        handle = KubernetesWorkerHandle(self.api, state, worker.rank, worker.host, self._stop_pod)
         with self._lock:
             state.handles[handle.pod] = handle
         log.info("rank %d: pod %s/%s created (image %s)", worker.rank, self.settings.namespace, handle.pod,
@@ -556,7 +220,7 @@ class KubernetesBackend(Backend):
 
     # -- internals -------------------------------------------------------------------------------------------
 
-    def _group(self, group: GroupSpec) -> _GroupState:
+    def _group(self, group: GroupSpec) -> LaunchedGroup:
         """The group's Service, Secret and NetworkPolicy, created once per group (by its first rank)."""
         with self._lock:
             state = self._groups.get(group.name)
@@ -567,7 +231,7 @@ class KubernetesBackend(Backend):
         names = objects.GroupNames(group.run_key, group.name, self.settings.namespace)
         ns = self.settings.namespace
         service = self._create_or_adopt_service(names)
-        state = _GroupState(group, names, service.metadata.uid)
+        state = LaunchedGroup(group, names, service.metadata.uid)
         owner = objects.owner_reference(names.service, state.service_uid)
         try:
             if group.secret_env:
@@ -581,7 +245,8 @@ class KubernetesBackend(Backend):
         except BaseException:
             self._teardown(state)
             raise
-        state.watcher = threading.Thread(target=self._watch, args=(state,), daemon=True, name=f"watch-{group.name}")
+        state.watcher = threading.Thread(target=follow_status, args=(state, self.api, self.settings.status_interval_s),
+                                         daemon=True, name=f"watch-{group.name}")
         with self._lock:
             self._groups[group.name] = state
         state.watcher.start()
@@ -630,29 +295,6 @@ class KubernetesBackend(Backend):
             time.sleep(0.2)
         self.api.call(what, self.api.core.create_namespaced_pod, ns, body)
 
-    def _watch(self, state: _GroupState) -> None:
-        """One list call per interval for the whole group updates every handle (never a call per poll)."""
-        while not state.stop.is_set():
-            try:
-                pods = {p.metadata.name: p for p in self.api.list("pod", state.names.selector)}
-            except KubernetesApiError as exc:
-                log.warning("group %s: pod status unavailable: %s", state.spec.name, exc)
-            else:
-                for name, handle in list(state.handles.items()):
-                    handle._update(pods.get(name))
-            state.stop.wait(self.settings.status_interval_s)
-        for handle in list(state.handles.values()):
-            handle.started.set()  # a follower still waiting for a Pending pod ends now
-
-    def _events(self, pod: str) -> list[str]:
-        try:
-            events = self.api.call(f"listing events of pod {pod}", self.api.core.list_namespaced_event,
-                                   self.settings.namespace, field_selector=f"involvedObject.name={pod}",
-                                   retries=0).items
-        except KubernetesApiError as exc:
-            return [f"(events unavailable: {exc})"]
-        return [f"{e.type or ''} {e.reason}: {e.message}".strip() for e in events]
-
     def _stop_pod(self, handle: KubernetesWorkerHandle, grace_s: float) -> None:
         """Delete the pod (the kubelet sends SIGTERM, waits `grace_s`, then SIGKILL) and, the first time any rank
         of the group is stopped, the group's other objects: stopping one rank ends the group."""
@@ -665,7 +307,7 @@ class KubernetesBackend(Backend):
         except KubernetesApiError as exc:
             log.warning("rank %d: %s", handle.rank, exc)
 
-    def _teardown(self, state: _GroupState) -> None:
+    def _teardown(self, state: LaunchedGroup) -> None:
         """Delete the group's Service, Secret and NetworkPolicy (pods are deleted by their handles, and the
         Service's deletion cascades to any it owns unless failed pods are kept)."""
         with self._lock:
