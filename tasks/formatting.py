@@ -12,25 +12,24 @@ KNOWN_WORDS_NOTE = ("Known words: the share of the words in the model's greedy /
                     "training text; nats/char: eval loss per character of validation text, whatever the tokenizer")
 
 
-def fmt(value: Any, spec: str = ".3f", suffix: str = "") -> str:
-    """A figure for people; missing or non-finite values read as an em dash rather than 'None' or 'nan'."""
+def fmt(value: Any, spec: str = ".3f", suffix: str = "", scale: float = 1) -> str:
+    """A figure (times `scale`) for people; missing or non-finite values read as an em dash rather than 'None' or
+    'nan'. A value that is no number (a report.json someone else wrote) reads as it is: the UI escapes it."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "—"
-    return f"{value:{spec}}{suffix}"
+    if not isinstance(value, (int, float)):
+        return str(value)
+    return f"{value * scale:{spec}}{suffix}"
 
 
-def nats(delta: float | None) -> str:
+def nats(delta: Any) -> str:
     """A loss difference: 4 decimals, or scientific notation when it is too small for them (not '-0.0000')."""
-    if delta is None or not math.isfinite(delta):
+    if not isinstance(delta, (int, float)) or not math.isfinite(delta):
         return fmt(delta)
     return f"{delta:+.4f}" if delta == 0 or abs(delta) >= 5e-5 else f"{delta:+.2e}"
 
 
-def known_words(figures: dict[str, Any] | None) -> str:
+def known_words(figures: Any) -> str:
     """`greedy / top-k` known-word rates as percentages ('—' where a model's samples were not scored)."""
     figures = figures if isinstance(figures, dict) else {}
-    return " / ".join(fmt(percent(figures.get(mode)), ".0f", "%") for mode in ("greedy", "top_k"))
-
-
-def percent(fraction: float | None) -> float | None:
-    return None if fraction is None else 100.0 * fraction
+    return " / ".join(fmt(figures.get(mode), ".0f", "%", scale=100) for mode in ("greedy", "top_k"))

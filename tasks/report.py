@@ -1,4 +1,5 @@
-"""The comparison report: the Markdown table, the PNG charts, the history of runs, and writing them all.
+"""The comparison report: the figures table, the PNG charts, the history of runs, and writing them all (report.md
+from the report's view, tasks/report_view.py).
 
 `report.json` is written last under `<root>/runs/<run_key>/report/`: readers (the UI plugin, later runs' history
 charts) trust a report only once it exists. The layout of `report.json` (format_version 1):
@@ -16,8 +17,9 @@ charts) trust a report only once it exists. The layout of `report.json` (format_
      "warnings": [sentence] (tasks/throughput.py: tokens/s well below the prediction or the last comparable run),
      "release": {"clean", "released_at", "host", "survivors"} (added by the release task),
      "continued_from": {"name", "version", "url", "model_url", "run_id", "eval_loss"} | null,
-     "promoted": {"name", "version", "url", "run_id", "recorded_eval_loss", "eval_loss", "perplexity", "nats_per_char",
-                  "known_words", "samples", "note"} | null (the promoted version when evaluate ran, scored on this run's shards),
+     "promoted": {"name", "version", "url", "run_id", "recorded_eval_loss", "eval_loss", "perplexity",
+                  "nats_per_char", "known_words", "samples", "note"}
+                 | null (the promoted version when evaluate ran, scored on this run's shards),
      "samples": [{"model": label, "eval_loss", "nats_per_char", "known_words": KNOWN,
                   "samples": [{"prompt", "greedy", "top_k"}]}],
      "promotion": {"promoted", "policy", "model_name", "reason", "compared_with", "version", "url", "model_url",
@@ -38,8 +40,9 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from tasks import scaling
-from tasks.formatting import KNOWN_WORDS_NOTE, TABLE_COLUMNS, fmt, known_words, nats, percent
+from tasks.formatting import TABLE_COLUMNS, fmt, known_words
+from tasks.report_markdown import markdown
+from tasks.report_view import report_view
 from trainer.storage import exists, join, list_dir, read_json, write_bytes_atomic, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.report")
@@ -49,7 +52,6 @@ REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 LOSS_CHART = "loss_curves.png"
 SCALING_CHART = "scaling.png"
-
 
 
 def table_rows(report: dict[str, Any]) -> list[dict[str, str]]:
@@ -68,7 +70,7 @@ def table_rows(report: dict[str, Any]) -> list[dict[str, str]]:
             "eval time": fmt(run["eval_time_s"], ".1f", " s"),
             "tokens/s": fmt(run["tokens_per_s"], ",.0f"),
             "speedup": "1.00x" if is_reference else fmt(comparison["speedup"], ".2f", "x"),
-            "efficiency": "100%" if is_reference else fmt(percent(comparison["efficiency"]), ".0f", "%"),
+            "efficiency": "100%" if is_reference else fmt(comparison["efficiency"], ".0f", "%", scale=100),
             "eval loss": fmt(run["eval_loss"], ".4f"),
             "perplexity": fmt(run["perplexity"], ".2f"),
             "nats/char": fmt(run.get("nats_per_char"), ".3f"),
@@ -87,94 +89,7 @@ def text_table(rows: list[dict[str, str]]) -> str:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    comparison, runs = report["comparison"], report["runs"]
-    verdict = "PASSED" if report["gates_passed"] else "FAILED"
-    lines = [
-        f"# GPT fine-tune run `{report['run_id']}`",
-        "",
-        (f"**Gates: {verdict}** · **Released: {released(report)}** · {report['num_workers']} workers · global batch "
-         f"{runs['distributed']['global_batch_size']} · {runs['distributed']['steps']} steps · "
-         f"created {report['created_at']}{scaling.headline(report)}"),
-        "",
-        *[f"> **Warning:** {warning}\n" for warning in report.get("warnings") or ()],
-        "| " + " | ".join(TABLE_COLUMNS) + " |",
-        "|" + "|".join("---" for _ in TABLE_COLUMNS) + "|",
-    ]
-    lines += ["| " + " | ".join(row[col] for col in TABLE_COLUMNS) + " |" for row in report["table"]]
-    lines += [
-        "",
-        (f"- Speedup T1/TN: {fmt(comparison['speedup'], '.2f', 'x')}; scaling efficiency (speedup / N): "
-         f"{fmt(percent(comparison['efficiency']), '.0f', '%')}"),
-        (f"- Eval loss delta (distributed - baseline): {nats(comparison['loss_delta'])} nats "
-         f"(tolerance ±{fmt(comparison['loss_tolerance'], '.4f')})"),
-        f"- {KNOWN_WORDS_NOTE}",
-        f"- Hardware: {report['hardware']['line']}",
-        f"- Baseline: {_baseline_line(report['baseline'])}",
-        "",
-        "## Gates",
-        "",
-        "| gate | result | value | limit | detail |",
-        "|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {gate['name']} | {'pass' if gate['passed'] else 'FAIL'} | {fmt(gate['value'], '.4g')} | "
-        f"{fmt(gate['limit'], '.4g')} | {gate['detail']} |"
-        for gate in report["gates"]
-    ]
-    lines += scaling.markdown_lines(report)
-    lines += promotion_lines(report) + samples_lines(report)
-    lines += ["", "## Charts", ""]
-    lines += [f"![{name}]({file})" for name, file in report["charts"].items()]
-    lines += ["", "## Versions", ""]
-    lines += [f"- {name}: {value}" for name, value in sorted(report["versions"].items())]
-    return "\n".join(lines) + "\n"
-
-
-def promotion_lines(report: dict[str, Any]) -> list[str]:
-    """The promote task's verdict and why, or where the run continued from."""
-    lines = ["", "## Promotion", ""]
-    continued = report.get("continued_from")
-    if continued:
-        lines.append(f"- Continued from {continued['name']} {continued['version']} (run {continued['run_id']}, "
-                     f"eval loss {fmt(continued['eval_loss'], '.4f')})")
-    promotion = report.get("promotion")
-    if not promotion:
-        lines.append("- Pending: the promote task has not run yet.")
-    elif promotion["promoted"]:
-        lines.append(f"- **Promoted** to {promotion['model_name']} {promotion['version']} ({promotion['url']}): "
-                     f"{promotion['reason']}")
-    else:
-        lines.append(f"- **Not promoted** (policy '{promotion['policy']}'): {promotion['reason']}")
-    return lines
-
-
-def samples_lines(report: dict[str, Any]) -> list[str]:
-    """Each prompt with every model's greedy and top-k continuation, side by side."""
-    sections = report.get("samples") or []
-    if not sections:
-        return []
-    models = ", ".join(section["model"] for section in sections)
-    lines = ["", "## Samples", "",
-             f"Greedy and top-k continuations of the same prompts from the validation text (fixed seed): {models}.",
-             "", "| model | eval loss | nats/char | known words (greedy / top-k) |", "|---|---|---|---|"]
-    lines += [f"| {section['model']} | {fmt(section.get('eval_loss'), '.4f')} | "
-              f"{fmt(section.get('nats_per_char'), '.3f')} | {known_words(section.get('known_words'))} |"
-              for section in sections]
-    lines.append("")
-    for index, first in enumerate(sections[0]["samples"]):
-        lines += [f"**Prompt {index + 1}:** {_cell(first['prompt'])}", "", "| model | greedy | top-k |",
-                  "|---|---|---|"]
-        for section in sections:
-            if index < len(section["samples"]):
-                sample = section["samples"][index]
-                lines.append(f"| {section['model']} | {_cell(sample['greedy'])} | {_cell(sample['top_k'])} |")
-        lines.append("")
-    return lines
-
-
-def _cell(text: str) -> str:
-    """Generated text inside one Markdown table cell or line: no line breaks, pipes escaped."""
-    return " ".join(str(text).split()).replace("|", "\\|") or "(empty)"
+    return markdown(report_view(report, released(report)))
 
 
 def released(report: dict[str, Any]) -> str:
@@ -183,13 +98,6 @@ def released(report: dict[str, Any]) -> str:
     if not isinstance(release, dict):
         return "pending"
     return "yes" if release.get("clean") is True else "no"
-
-
-def _baseline_line(baseline: dict[str, Any]) -> str:
-    if baseline["policy"] == "skip":
-        return "skipped (policy 'skip'): no speedup or loss parity"
-    origin = "reused from run" if baseline["reused"] else "trained by this run"
-    return f"`{baseline['key']}`, {origin} {baseline['trained_by_run'] or '(unknown)'} (policy '{baseline['policy']}')"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The report's scaling parts: the train task's segments (elastic recovery) and the advisor's prediction next to
-the measured speedup and efficiency.
+"""The report's scaling figures: the train task's segments (elastic recovery) and the advisor's prediction next to
+the measured speedup and efficiency (shown by tasks/report_view.py).
 
 Inputs: `segments.json` in the training output (one entry per launch of the train task, written by
 `tf_multiworker.elastic.ElasticTrainOperator`), the chief's metrics lines, and `preflight.json`'s `advisor`.
@@ -11,7 +11,6 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tasks.formatting import fmt, percent
 from trainer.layout import TrainOutput
 from trainer.storage import exists, read_json
 
@@ -74,35 +73,3 @@ def prediction(preflight: Mapping[str, Any] | None, measured_workers: int,
         "recommendation": advice.get("recommendation"), "rows": advice["rows"],
         "step_source": advice["inputs"]["step_source"],
     }
-
-
-def markdown_lines(report: Mapping[str, Any]) -> list[str]:
-    """The report.md sections: the segments of an elastic run, and predicted vs measured scaling."""
-    lines: list[str] = []
-    rows = report.get("segments") or []
-    if report.get("elastic"):
-        lines += ["", "## Segments (elastic recovery)", "",
-                  "| steps | workers | accumulation | tokens/s (step time) | what happened |", "|---|---|---|---|---|"]
-        lines += [f"| {row['from_step'] + 1}-{row['to_step']} | {row['num_workers']} of {report['num_workers']} | "
-                  f"{row['grad_accum_steps']} | {fmt(row['tokens_per_s'], ',.0f')} | {row['line']} |" for row in rows]
-    predicted = report.get("prediction")
-    if predicted:
-        lines += ["", "## Scaling: predicted (preflight advisor) vs measured", "",
-                  "| workers | predicted speedup | measured speedup | predicted efficiency | measured efficiency |",
-                  "|---|---|---|---|---|",
-                  (f"| {predicted['num_workers']} | {fmt(predicted['predicted_speedup'], '.2f', 'x')} | "
-                   f"{fmt(predicted['measured_speedup'], '.2f', 'x')} | "
-                   f"{fmt(percent(predicted['predicted_efficiency']), '.0f', '%')} | "
-                   f"{fmt(percent(predicted['measured_efficiency']), '.0f', '%')} |"),
-                  "",
-                  f"- Advisor (single-worker step from the {predicted['step_source']}): {predicted['recommendation']}"]
-    return lines
-
-
-def headline(report: Mapping[str, Any]) -> str:
-    """` · elastic: ...` for the report's first line, empty for a run on its asked workers throughout."""
-    if not report.get("elastic"):
-        return ""
-    asked = report["num_workers"]
-    return " · **elastic**: " + "; ".join(row["line"] for index, row in enumerate(report["segments"])
-                                          if index or row["num_workers"] != asked)

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from html import unescape
 from pathlib import Path
 from urllib.parse import urlencode, urlsplit
 
@@ -35,6 +36,7 @@ KEY_28 = run_key(run_fixtures.DAG_ID, "scheduled__2026-11-28T02:00:00+00:00")
 KEY_29 = run_key(run_fixtures.DAG_ID, "scheduled__2026-11-29T02:00:00+00:00")
 
 sys.path.insert(0, str(REPO / "plugins"))  # as Airflow does for its plugins folder
+from gpt_finetune_ui.report_pages import render_run
 from gpt_finetune_ui.reports_app import create_app
 
 
@@ -60,8 +62,9 @@ def storage_root(tmp_path_factory):
                 compare.evaluate_run(prepared)
                 continue
             # The second run fails its parity gate on purpose (the page must show it), and only that gate.
-            with pytest.raises(compare.GateFailure, match=r"^1 comparison gate\(s\) failed .*eval loss distributed "
-                                                          r"5\.3100 - baseline 5\.3000 = \+0\.0100 nats, tolerance ±0\.0010"):
+            with pytest.raises(compare.GateFailure,
+                               match=r"^1 comparison gate\(s\) failed .*eval loss distributed "
+                                     r"5\.3100 - baseline 5\.3000 = \+0\.0100 nats, tolerance ±0\.0010"):
                 compare.evaluate_run(prepared)
     write_json_atomic(join(root, "runs", "manual__training", "config.json"), {})
     # The older run was released; the newer one's release has not run yet.
@@ -246,6 +249,45 @@ def test_an_elastic_runs_page_shows_its_segments_and_the_predicted_scaling(stora
     assert "id='segments'" not in plain and "id='prediction'" not in plain
 
 
+def test_report_md_and_the_run_page_write_the_same_view(storage_root):
+    """One view (tasks/report_view.py), two writers: every section title, table column and cell, line of text,
+    warning and chart of a report with every section appears in report.md and on the run's page."""
+    from tasks import report_view, scaling
+    from tasks.report import released, render_markdown
+
+    report = json.loads((Path(storage_root) / "runs" / KEY_28 / "report" / "report.json").read_text())
+    advice = {"rows": [{"num_workers": 2, "speedup": 1.6, "efficiency": 0.8, "tokens_per_s": 1600.0}],
+              "recommendation": "2 workers: predicted 80% efficiency (1.60x)", "inputs": {"step_source": "probe"}}
+    report.update(
+        segments=scaling.segments(run_fixtures.ELASTIC_RECORD, run_fixtures.step_metrics(range(1, 41), 0.1), 40),
+        elastic=True, num_workers=4, prediction=scaling.prediction({"advisor": advice}, 2, report["comparison"]),
+        warnings=["4,000 tokens/s is 40% of the 10,000 predicted"],
+        continued_from={"name": "gpt_finetune", "version": "v1", "run_id": "nightly__1", "eval_loss": 5.3},
+        promotion={"promoted": False, "policy": "auto", "reason": "worse than the promoted version"})
+    view = report_view.report_view(report, released(report))
+    markdown, page = render_markdown(report), unescape(render_run(report, released(report)))
+
+    titles = [section.title for section in view.sections if section.title]
+    assert titles == ["Gates", "Segments (elastic recovery)", "Scaling: predicted (preflight advisor) vs measured",
+                      "Promotion", "Samples", "Charts", "Versions"]
+    assert all(f"## {title}" in markdown and f"<h2>{title}</h2>" in page for title in titles)
+    shown = []  # every text of the view, whichever block holds it
+    for block in (block for section in view.sections for block in section.blocks):
+        if isinstance(block, report_view.Table):
+            shown += [*block.columns, *(cell for row in block.rows for cell in row)]
+        elif isinstance(block, report_view.Bullets | report_view.Paragraph):
+            items = block.items if isinstance(block, report_view.Bullets) else [block]
+            shown += [mark for item in items for mark in item.line]
+        elif isinstance(block, report_view.Warnings):
+            shown += block.texts
+        elif isinstance(block, report_view.Charts):
+            shown += [file for _, file in block.files]
+    texts = [mark if isinstance(mark, str) else mark.text for mark in shown]
+    assert len(texts) > 80 and "Not promoted" in texts and "5,120" in texts
+    assert [text for text in texts if " ".join(text.split()) not in markdown] == []
+    assert [text for text in texts if text not in page] == []
+
+
 def test_a_runs_throughput_warnings_show_above_its_figures_escaped(storage_root, tmp_path):
     root = tmp_path / "storage"
     shutil.copytree(Path(storage_root) / "runs" / KEY_28, root / "runs" / KEY_28)
@@ -290,7 +332,8 @@ def test_pages_show_the_latest_model_its_history_and_each_runs_samples(tmp_path,
     assert (model["latest"], model["run_id"], len(model["history"])) == ("v2", "nightly__2", 2)
 
     page = client.get(f"/runs/{keys['nightly__3']}/").text
-    assert "not promoted</span> (policy auto): worse than the promoted version" in page
+    # The verdict in report.md's words (one view writes both), coloured on the page.
+    assert "<span class='fail'>Not promoted</span> (policy 'auto'): worse than the promoted version" in unescape(page)
     samples = page.split("<h2>Samples</h2>")[1]
     assert "<b>Prompt 1:</b> To be, or not" in samples
     assert "<tr><td>distributed</td>" in samples and "<tr><td>promoted v2</td>" in samples
@@ -298,7 +341,7 @@ def test_pages_show_the_latest_model_its_history_and_each_runs_samples(tmp_path,
     quality = samples.split("id='sample-quality'>")[1].split("</table>")[0]
     assert "<tr><td>promoted v2</td><td>5.2000</td><td>1.733</td><td>100% / 75%</td></tr>" in quality
     assert "<td>100% / 75%</td>" in index  # the runs page: the distributed model's known-word rates
-    assert "promoted</span> to gpt_finetune v2" in client.get(f"/runs/{keys['nightly__2']}/").text
+    assert "<span class='pass'>Promoted</span> to gpt_finetune v2" in client.get(f"/runs/{keys['nightly__2']}/").text
 
 
 def test_responses_forbid_scripts_and_sniffing(server_url):
@@ -376,8 +419,8 @@ print(json.dumps({"info": info, "runs": runs.status_code, "errors": errors, "sha
     env = {key: value for key, value in os.environ.items() if not key.startswith("AIRFLOW")}
     env.update({"AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
                 "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "GPT_FINETUNE_STORAGE_ROOT": storage_root})
-    result = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=120,
-                            cwd=tmp_path)
+    result = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -82,6 +82,14 @@ def test_markdown_says_whether_the_run_was_released_beside_the_gates():
     assert "**Released: no**" in reports.render_markdown(data)
 
 
+def test_markdown_keeps_every_cell_on_one_line_and_in_its_column():
+    data = report()
+    data["gates"][0]["detail"] = "within | below\nthe tolerance"
+    markdown = reports.render_markdown(data)
+    assert "| loss_parity | **pass** | 0.01 | 0.02 | within \\| below the tolerance |" in markdown
+    assert "\n\n\n" not in markdown  # one blank line between blocks
+
+
 def test_known_words_column_reads_greedy_then_top_k():
     data = report()
     data["runs"]["distributed"]["known_words"] = {"greedy": 0.953, "top_k": 0.9, "words": {"greedy": 43, "top_k": 60}}

@@ -1,0 +1,154 @@
+"""What the report pages read from storage: each run's report.json, release.json and charts, and the model
+registry's latest.json (tasks/registry.py), through `trainer.storage`, so local disk and S3 read alike.
+
+Nothing read here is trusted (many tasks can write storage): run keys and chart names are matched whole before
+they become paths, an index row checks the type of every field it shows, and errors name runs, never storage URLs.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from tasks.registry import RegistryError, read_latest
+from trainer.layout import StorageLayout
+from trainer.storage import exists, join, list_dir, read_bytes, read_json
+
+log = logging.getLogger("gpt_finetune.ui")
+
+# What trainer.layout.run_key produces, matched whole: no leading dot (no `.` or `..`), no `/`, no newline.
+RUN_KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+CHART_FILE = re.compile(r"[A-Za-z0-9_-]{1,100}\.png")
+NUMBER = (int, float)
+
+
+class NotFound(LookupError):
+    """No such run, no report yet, or no such chart (HTTP 404)."""
+
+
+class UnreadableReport(ValueError):
+    """A report.json that is no JSON object (HTTP 422)."""
+
+
+class ReportError(ValueError):
+    """A report.json that is not what tasks/report.py writes: a field is missing or has the wrong type."""
+
+
+def report_dir(storage: StorageLayout, run_key: str) -> str:
+    if not RUN_KEY.fullmatch(run_key):
+        raise NotFound("No such run")
+    return storage.run(run_key).report
+
+
+def read_report(storage: StorageLayout, run_key: str) -> dict[str, Any]:
+    url = join(report_dir(storage, run_key), "report.json")
+    if not exists(url):
+        raise NotFound(f"Run {run_key} has no report: its evaluate task has not finished.")
+    try:
+        report = read_json(url)
+    except ValueError as error:
+        log.warning("Run %s: unreadable report %s (%s)", run_key, url, error)
+        raise UnreadableReport(f"Run {run_key} has an unreadable report.") from error
+    if not isinstance(report, dict):
+        raise UnreadableReport(f"Run {run_key} has an unreadable report.")
+    return report
+
+
+def read_chart(storage: StorageLayout, run_key: str, name: str) -> bytes:
+    """A chart the run's report names (no other file of the report directory)."""
+    charts = read_report(storage, run_key).get("charts")
+    if not CHART_FILE.fullmatch(name) or not isinstance(charts, dict) or name not in charts.values():
+        raise NotFound(f"Run {run_key} has no such chart")
+    url = join(report_dir(storage, run_key), name)
+    if not exists(url):
+        raise NotFound(f"Run {run_key}: chart {name} is missing")
+    return read_bytes(url)
+
+
+def release_status(release_url: str) -> str:
+    """yes / no (something of the run outlived its release) / pending (release has not run), from release.json."""
+    if not exists(release_url):
+        return "pending"
+    try:
+        return "yes" if read_json(release_url).get("clean") is True else "no"
+    except (OSError, ValueError, AttributeError) as error:  # e.g. a directory, a list: never a 500 for the index
+        log.warning("Unreadable release record %s (%s)", release_url, error)
+        return "no"
+
+
+def _field(report: Any, path: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
+    """`report[a][b]...` for `path` "a.b...", checked to be of `kind` (numbers: int or float, never bool)."""
+    value = report
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ReportError(f"field {path!r} is missing")
+        value = value[part]
+    if value is None and optional:
+        return None
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):  # bool is an int subclass
+        raise ReportError(f"field {path!r} is a {type(value).__name__}")
+    return value
+
+
+def headline(key: str, report: Any) -> dict[str, Any]:
+    """The index row of one report; ReportError when a field it shows is missing or of the wrong type."""
+    has_baseline = isinstance(report, dict) and isinstance(report.get("runs"), dict) and \
+        report["runs"].get("baseline") is not None
+    return {
+        "run_key": key,
+        "run_id": _field(report, "run_id", str),
+        "status": "passed" if _field(report, "gates_passed", bool) else "failed",
+        "created_at": _field(report, "created_at", str),
+        "num_workers": _field(report, "num_workers", int),
+        "speedup": _field(report, "comparison.speedup", NUMBER, optional=True),
+        "efficiency": _field(report, "comparison.efficiency", NUMBER, optional=True),
+        "tokens_per_s": _field(report, "runs.distributed.tokens_per_s", NUMBER, optional=True),
+        "train_time_s": _field(report, "runs.distributed.train_time_s", NUMBER, optional=True),
+        "eval_loss": _field(report, "runs.distributed.eval_loss", NUMBER, optional=True),
+        "baseline_eval_loss": _field(report, "runs.baseline.eval_loss", NUMBER, optional=True) if has_baseline
+        else None,
+        "known_words": {mode: _field(report, f"runs.distributed.known_words.{mode}", NUMBER, optional=True)
+                        for mode in ("greedy", "top_k")},
+    }
+
+
+def list_runs(storage: StorageLayout) -> list[dict[str, Any]]:
+    """Headline figures of every run with a report, newest first; runs without one are listed as pending, runs
+    whose report cannot be read or has wrong types as an error row."""
+    runs = []
+    for key in list_dir(storage.runs):
+        url = join(storage.run(key).report, "report.json")
+        released = release_status(storage.run(key).release)
+        if not exists(url):
+            runs.append({"run_key": key, "run_id": key, "status": "no report yet", "released": released})
+            continue
+        try:
+            runs.append({**headline(key, read_json(url)), "released": released})
+        except ValueError as error:  # ReportError and JSON decoding errors
+            log.warning("Run %s: unreadable report %s (%s)", key, url, error)
+            detail = error if isinstance(error, ReportError) else "not valid JSON"
+            runs.append({"run_key": key, "run_id": key, "status": f"unreadable report: {detail}", "released": released})
+    # created_at has whole seconds: runs of one second are ordered by run id (scheduled ids sort by date).
+    return sorted(runs, key=lambda run: (run.get("created_at") or "", run["run_id"]), reverse=True)
+
+
+def list_models(storage: StorageLayout) -> list[dict[str, Any]]:
+    """Every registered model: its latest version, the run that produced it and the version history (newest
+    first), from latest.json alone; an unreadable pointer becomes an error entry."""
+    models = []
+    for name in list_dir(storage.models):
+        try:
+            pointer = read_latest(storage.model(name))
+        except (RegistryError, OSError, ValueError) as error:
+            log.warning("Model %s: unreadable pointer (%s)", name, error)
+            models.append({"name": name, "error": "unreadable latest.json"})
+            continue
+        if pointer is None:  # a claim or a half-written version, never a promotion
+            continue
+        history = [{field: entry.get(field) for field in ("version", "run_id", "run_key", "promoted_at", "eval_loss")}
+                   for entry in pointer["history"] if isinstance(entry, dict)]
+        models.append({"name": name, "latest": pointer.get("version"), "run_id": pointer.get("run_id"),
+                       "run_key": pointer.get("run_key"), "promoted_at": pointer.get("promoted_at"),
+                       "eval_loss": pointer.get("eval_loss"), "history": history[::-1]})
+    return models

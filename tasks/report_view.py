@@ -1,0 +1,268 @@
+"""What a run's report says, built once from report.json and written twice: as report.md (tasks/report_markdown.py)
+and as the UI's run page (the UI plugin's report_pages.py).
+
+The view is plain text in a few shapes (sections of paragraphs, bullet lists, tables, warnings, charts), with three
+marks inside a line: emphasis, code and a verdict. Each writer decides how they look and escapes what its format
+needs, so a section is added or changed here, once, for both.
+
+report.json also comes from storage that many tasks can write, and the page shows whatever is there: building
+never fails on a missing field or a wrong type. A missing value reads as "—", anything else as its text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from tasks.formatting import KNOWN_WORDS_NOTE, TABLE_COLUMNS, fmt, known_words, nats
+
+
+@dataclass(frozen=True)
+class Emphasis:
+    text: str
+
+
+@dataclass(frozen=True)
+class Code:
+    text: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A pass/fail word, as `label: text` where a label is given; `passed` None is neither (e.g. "pending")."""
+    text: str
+    passed: bool | None
+    label: str = ""
+    anchor: str | None = None  # the page's element id
+
+
+Mark = str | Emphasis | Code | Verdict
+Line = tuple[Mark, ...]
+
+
+@dataclass(frozen=True)
+class Paragraph:
+    line: Line
+    anchor: str | None = None
+
+
+@dataclass(frozen=True)
+class Bullets:
+    items: tuple[Paragraph, ...]
+
+
+@dataclass(frozen=True)
+class Table:
+    columns: tuple[str, ...]
+    rows: tuple[tuple[Mark, ...], ...]
+    anchor: str | None = None
+    prose: tuple[str, ...] = ()  # columns of sentences rather than figures
+
+
+@dataclass(frozen=True)
+class Warnings:
+    texts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Charts:
+    files: tuple[tuple[str, str], ...]  # (name, file name beside report.json)
+
+
+Block = Paragraph | Bullets | Table | Warnings | Charts
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str | None  # None: the report's opening, under the report's own title
+    blocks: tuple[Block, ...]
+
+
+@dataclass(frozen=True)
+class ReportView:
+    title: Line
+    sections: tuple[Section, ...]
+
+
+def report_view(report: Any, released: str) -> ReportView:
+    """The report's sections in order; `released` is yes / no / pending (report.md reads it from the report, the
+    page from release.json)."""
+    report = report if isinstance(report, dict) else {}
+    sections = (opening(report, released), gates(report), *scaling(report), promotion(report), *samples(report),
+                charts(report), versions(report))
+    return ReportView(("GPT fine-tune run ", Code(text(report.get("run_id")))), sections)
+
+
+def text(value: Any) -> str:
+    return "—" if value is None else str(value)
+
+
+def opening(report: dict[str, Any], released: str) -> Section:
+    """The verdicts and the run's shape, throughput warnings, the figures and what to read them with."""
+    distributed = _get(report, "runs", "distributed")
+    gates_passed = report.get("gates_passed") is True
+    shape = (f" · {text(report.get('num_workers'))} workers · model {text(_get(report, 'config', 'model'))} · "
+             f"global batch {text(_get(distributed, 'global_batch_size'))} · {text(_get(distributed, 'steps'))} "
+             f"steps · created {text(report.get('created_at'))}")
+    headline = _paragraph(Verdict("PASSED" if gates_passed else "FAILED", gates_passed, "Gates"), " · ",
+                          Verdict(released, {"yes": True, "no": False}.get(released), "Released", anchor="released"),
+                          shape, *elastic_headline(report))
+    comparison = _get(report, "comparison")
+    notes = Bullets((
+        _paragraph(f"Speedup T1/TN: {fmt(_get(comparison, 'speedup'), '.2f', 'x')}; scaling efficiency "
+                   f"(speedup / N): {fmt(_get(comparison, 'efficiency'), '.0f', '%', scale=100)}"),
+        _paragraph(f"Eval loss delta (distributed - baseline): {nats(_get(comparison, 'loss_delta'))} nats "
+                   f"(tolerance ±{fmt(_get(comparison, 'loss_tolerance'), '.4f')})"),
+        _paragraph(KNOWN_WORDS_NOTE),
+        _paragraph(f"Hardware: {text(_get(report, 'hardware', 'line'))}", anchor="hardware"),
+        _paragraph("Baseline: ", *baseline_line(_get(report, "baseline"))),
+    ))
+    figures = Table(TABLE_COLUMNS, tuple(tuple(text(row.get(column)) for column in TABLE_COLUMNS)
+                                         for row in _items(report.get("table"))), anchor="figures")
+    warnings = tuple(warning for warning in _list(report.get("warnings")) if isinstance(warning, str))
+    return Section(None, (headline, *([Warnings(warnings)] if warnings else []), figures, notes))
+
+
+def elastic_headline(report: dict[str, Any]) -> Line:
+    """` · elastic: ...` for the headline, nothing for a run on its asked workers throughout."""
+    if report.get("elastic") is not True:
+        return ()
+    asked = report.get("num_workers")
+    changes = [text(segment.get("line")) for index, segment in enumerate(_items(report.get("segments")))
+               if index or segment.get("num_workers") != asked]
+    return (" · ", Emphasis("elastic"), ": " + "; ".join(changes))
+
+
+def baseline_line(baseline: Any) -> Line:
+    policy = _get(baseline, "policy")
+    if policy == "skip":
+        return ("skipped (policy 'skip'): no speedup or loss parity",)
+    origin = "reused from run" if _get(baseline, "reused") else "trained by this run"
+    return (Code(text(_get(baseline, "key"))),
+            f", {origin} {_get(baseline, 'trained_by_run') or '(unknown)'} (policy '{text(policy)}')")
+
+
+def gates(report: dict[str, Any]) -> Section:
+    rows = tuple((text(gate.get("name")), Verdict("pass", True) if gate.get("passed") is True else
+                  Verdict("FAIL", False), fmt(gate.get("value"), ".4g"), fmt(gate.get("limit"), ".4g"),
+                  text(gate.get("detail"))) for gate in _items(report.get("gates")))
+    return Section("Gates", (Table(("gate", "result", "value", "limit", "detail"), rows, anchor="gates",
+                                   prose=("detail",)),))
+
+
+def scaling(report: dict[str, Any]) -> list[Section]:
+    """An elastic run's segments (tasks/scaling.py), and the advisor's predicted scaling next to the measured."""
+    sections = []
+    segments = _items(report.get("segments"))
+    if report.get("elastic") is True and segments:
+        rows = tuple((_steps(segment), f"{text(segment.get('num_workers'))} of {text(report.get('num_workers'))}",
+                      text(segment.get("grad_accum_steps")), fmt(segment.get("tokens_per_s"), ",.0f"),
+                      text(segment.get("line"))) for segment in segments)
+        sections.append(Section("Segments (elastic recovery)", (Table(
+            ("steps", "workers", "accumulation", "tokens/s (step time)", "what happened"), rows, anchor="segments",
+            prose=("what happened",)),)))
+    predicted = report.get("prediction")
+    if isinstance(predicted, dict):
+        row = (text(predicted.get("num_workers")), fmt(predicted.get("predicted_speedup"), ".2f", "x"),
+               fmt(predicted.get("measured_speedup"), ".2f", "x"),
+               fmt(predicted.get("predicted_efficiency"), ".0f", "%", scale=100),
+               fmt(predicted.get("measured_efficiency"), ".0f", "%", scale=100))
+        advice = (f"Advisor (single-worker step from the {text(predicted.get('step_source'))}): "
+                  f"{text(predicted.get('recommendation'))}")
+        sections.append(Section("Scaling: predicted (preflight advisor) vs measured", (
+            Table(("workers", "predicted speedup", "measured speedup", "predicted efficiency", "measured efficiency"),
+                  (row,), anchor="prediction"), _bullets([advice]))))
+    return sections
+
+
+def _steps(segment: dict[str, Any]) -> str:
+    first, last = segment.get("from_step"), segment.get("to_step")
+    if all(isinstance(step, int) and not isinstance(step, bool) for step in (first, last)):
+        return f"{first + 1}-{last}"
+    return f"{text(first)}-{text(last)}"
+
+
+def promotion(report: dict[str, Any]) -> Section:
+    """The promote task's verdict and why, or where the run continued from."""
+    items = []
+    continued = report.get("continued_from")
+    if isinstance(continued, dict):
+        items.append(_paragraph(f"Continued from {text(continued.get('name'))} {text(continued.get('version'))} "
+                                f"(run {text(continued.get('run_id'))}, eval loss "
+                                f"{fmt(continued.get('eval_loss'), '.4f')})"))
+    decision = report.get("promotion")
+    if not isinstance(decision, dict):
+        items.append(_paragraph("Pending: the promote task has not run yet."))
+    elif decision.get("promoted") is True:
+        items.append(_paragraph(Verdict("Promoted", True), f" to {text(decision.get('model_name'))} "
+                                f"{text(decision.get('version'))} ({text(decision.get('url'))}): "
+                                f"{text(decision.get('reason'))}"))
+    else:
+        items.append(_paragraph(Verdict("Not promoted", False), f" (policy '{text(decision.get('policy'))}'): "
+                                f"{text(decision.get('reason'))}"))
+    return Section("Promotion", (Bullets(tuple(items)),))
+
+
+def samples(report: dict[str, Any]) -> list[Section]:
+    """Each model's sample scores, then each prompt with every model's greedy and top-k continuation."""
+    models = _items(report.get("samples"))
+    if not models:
+        return []
+    names = ", ".join(text(model.get("model")) for model in models)
+    blocks: list[Block] = [
+        _paragraph(f"Greedy and top-k continuations of the same prompts from the validation text (fixed seed): "
+                   f"{names}."),
+        Table(("model", "eval loss", "nats/char", "known words (greedy / top-k)"),
+              tuple((text(model.get("model")), fmt(model.get("eval_loss"), ".4f"),
+                     fmt(model.get("nats_per_char"), ".3f"), known_words(model.get("known_words")))
+                    for model in models), anchor="sample-quality")]
+    for index, first in enumerate(_items(models[0].get("samples"))):
+        rows = tuple((text(model.get("model")), _generated(sample.get("greedy")), _generated(sample.get("top_k")))
+                     for model in models for sample in _items(model.get("samples"))[index:index + 1])
+        blocks += [_paragraph(Emphasis(f"Prompt {index + 1}:"), " ", _generated(first.get("prompt"))),
+                   Table(("model", "greedy", "top-k"), rows, prose=("greedy", "top-k"))]
+    return [Section("Samples", tuple(blocks))]
+
+
+def charts(report: dict[str, Any]) -> Section:
+    files = tuple((name, file) for name, file in _dict(report, "charts").items() if isinstance(file, str))
+    return Section("Charts", (Charts(files),))
+
+
+def versions(report: dict[str, Any]) -> Section:
+    return Section("Versions", (_bullets(f"{name}: {text(value)}"
+                                         for name, value in sorted(_dict(report, "versions").items())),))
+
+
+def _generated(value: Any) -> str:
+    """Generated text as it is; a sample of nothing but whitespace says so."""
+    return text(value) if text(value).strip() else "(empty)"
+
+
+def _paragraph(*line: Mark, anchor: str | None = None) -> Paragraph:
+    return Paragraph(line, anchor)
+
+
+def _bullets(lines: Iterable[str]) -> Bullets:
+    return Bullets(tuple(_paragraph(line) for line in lines))
+
+
+def _get(value: Any, *path: str) -> Any:
+    for part in path:
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def _dict(report: dict[str, Any], name: str) -> dict[Any, Any]:
+    value = report.get(name)
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _items(value: Any) -> list[dict[str, Any]]:
+    """The dicts of a list from the report; anything else reads as none."""
+    return [item for item in _list(value) if isinstance(item, dict)]

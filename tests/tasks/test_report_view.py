@@ -1,0 +1,44 @@
+"""The report's view (tasks/report_view.py): the sections report.md and the run's page both write, from any JSON."""
+
+from tasks import report_view
+from tasks.report import render_markdown
+from tests.tasks.test_report import report
+
+
+def _titles(view: report_view.ReportView) -> list[str | None]:
+    return [section.title for section in view.sections]
+
+
+def test_sections_in_report_order_with_the_optional_ones_only_when_present():
+    data = report()
+    assert _titles(report_view.report_view(data, "pending")) == [None, "Gates", "Promotion", "Charts", "Versions"]
+    data["samples"] = [{"model": "distributed", "eval_loss": 5.31, "samples": [
+        {"prompt": "To be", "greedy": " or not", "top_k": "  \n"}]}]
+    view = report_view.report_view(data, "pending")
+    assert _titles(view) == [None, "Gates", "Promotion", "Samples", "Charts", "Versions"]
+    prompt_table = view.sections[3].blocks[-1]
+    assert prompt_table.rows == (("distributed", " or not", "(empty)"),)  # generated text kept as it is
+
+
+def test_the_verdicts_and_where_the_page_anchors_them():
+    view = report_view.report_view(report(), "no")
+    headline, *_ = view.sections[0].blocks
+    verdicts = [mark for mark in headline.line if isinstance(mark, report_view.Verdict)]
+    assert verdicts == [report_view.Verdict("PASSED", True, "Gates"),
+                        report_view.Verdict("no", False, "Released", anchor="released")]
+    (gate,) = view.sections[1].blocks[0].rows
+    assert gate[1] == report_view.Verdict("pass", True)
+
+
+def test_any_json_builds_a_view_showing_what_is_there():
+    """report.json comes from storage other tasks can write: missing fields read as dashes, wrong types as text."""
+    for broken in ({}, [], None, {"run_id": 7, "gates": "all", "table": [{"run": ["x"]}], "charts": [1],
+                                 "comparison": {"speedup": "fast", "efficiency": "high", "loss_delta": "tiny"},
+                                 "samples": [{"model": 3, "samples": "none"}], "elastic": True, "segments": [{}],
+                                 "prediction": {}, "promotion": {"promoted": "yes"}, "warnings": [1, "slow"]}):
+        view = report_view.report_view(broken, "pending")
+        assert view.title[1] == report_view.Code("—" if not isinstance(broken, dict) or not broken else "7")
+    view = report_view.report_view(broken, "pending")
+    figures = view.sections[0].blocks[2]
+    assert figures.rows[0][0] == "['x']" and view.sections[0].blocks[1] == report_view.Warnings(("slow",))
+    assert "Speedup T1/TN: fast; scaling efficiency (speedup / N): high" in render_markdown(broken)
