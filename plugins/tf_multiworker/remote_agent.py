@@ -1,8 +1,9 @@
 """The agent the SSH backend runs on each remote host: `<remote_python> -u -m tf_multiworker.remote_agent MODE`.
 
 Every mode reads one JSON line on stdin (so secrets never travel in an argv or an SSH exec string) and answers on
-stdout. Paths (`cwd`, `workdir`) are this host's: a relative one lies under its temporary directory. Standard library only (plus `pynvml` where installed): it starts for every rank, so it must start fast, and
-it imports neither Airflow nor TensorFlow.
+stdout. Paths (`cwd`, `workdir`) are this host's: a relative one lies under its temporary directory. Standard
+library only (plus `pynvml` where installed): it starts for every rank, so it must start fast, and it imports
+neither Airflow nor TensorFlow.
 
 - `run`: `{"argv": [...], "env": {...}, "cwd": str, "grace_s": float, "base_env": "inherit"}`. Starts `argv` in
   its own session, in `cwd` (created, mode 0700), with the allow-listed part of this process's environment
@@ -14,8 +15,9 @@ it imports neither Airflow nor TensorFlow.
   `grace_s` when the launcher asked for the stop (the line `STOP_LINE` before closing the channel), and at most
   `ORPHAN_GRACE_S` otherwise: the connection dropped or the launcher died (sshd closes the agent's pipes when the
   client's socket closes, however its process ended), and nobody waits for the worker's result any more.
-  Whatever the worker leaves behind in its group is stopped the same way once it exits. If the worker cannot be started, only `TFMW_EXIT {"code",
-  "error"}` is printed (127: no such program, 126: not executable or no working directory, 2: bad request).
+  Whatever the worker leaves behind in its group is stopped the same way once it exits. If the worker cannot be
+  started, only `TFMW_EXIT {"code", "error"}` is printed (127: no such program, 126: not executable or no working
+  directory, 2: bad request).
 - `probe`: `{"ports": n, "workdir": str, "use_gpu": bool}` -> this host's identity, `n` distinct ports
   free on every interface (TensorFlow's worker server binds 0.0.0.0), `free_gpus` and `gpus` (NVML's view; only
   with `use_gpu`, else [] and null),
@@ -41,7 +43,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -51,11 +52,12 @@ from tf_multiworker.launcher.local import gpu_check, gpu_processes
 from tf_multiworker.launcher.process import (
     KILL_WAIT_S,
     ORPHAN_GRACE_S,
-    POLL_INTERVAL_S,
     end_marked_processes,
     live_group_members,
     processes_with_env,
-    stop_ladder,
+    signal_group,
+    stop_group,
+    wait_group_gone,
 )
 from tf_multiworker.launcher.protocol import GROUP_ENV, RUN_KEY_ENV, inherited_environment, worker_temp_environment
 
@@ -232,30 +234,6 @@ def _watch_stdin(stdin: IO[bytes], stop: StopRequest) -> None:
     stop.event.set()
 
 
-def _signal_group(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass  # already gone
-
-
-def _group_gone(pgid: int) -> bool:
-    return not live_group_members(pgid)  # a zombie leader counts as gone: the agent reaps it
-
-
-def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not _group_gone(pgid) and time.monotonic() < deadline:
-        time.sleep(POLL_INTERVAL_S)
-    return _group_gone(pgid)
-
-
-def stop_group(pgid: int, grace_s: float) -> None:
-    """The launcher's one stopping ladder, for the worker's whole process group."""
-    stop_ladder([pgid], terminate=lambda g: _signal_group(g, signal.SIGTERM),
-                kill=lambda g: _signal_group(g, signal.SIGKILL), gone=_group_gone, grace_s=grace_s)
-
-
 def _signal_status(code: int) -> int:
     """A Popen return code as a shell exit status: 128 + signal for a signal."""
     return 128 - code if code < 0 else code
@@ -380,8 +358,8 @@ def kill_group(request: dict[str, Any]) -> dict[str, Any]:
     if not set(members) & set(processes_with_env({RUN_KEY_ENV: key})):
         return {**answer, "status": "refused", "members": members,
                 "reason": f"no member of process group {pgid} carries run key {key}"}
-    _signal_group(pgid, signal.SIGKILL)
-    _wait_group_gone(pgid, KILL_WAIT_S)
+    signal_group(pgid, signal.SIGKILL)
+    wait_group_gone(pgid, KILL_WAIT_S)
     return {**answer, "status": "killed", "members": members, "survivors": live_group_members(pgid)}
 
 

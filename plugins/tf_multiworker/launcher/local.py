@@ -30,6 +30,7 @@ from tf_multiworker.launcher.process import (
     ORPHAN_GRACE_S,
     end_marked_processes,
     live_group_members,
+    signal_group,
 )
 from tf_multiworker.launcher.protocol import (
     GROUP_ENV,
@@ -139,17 +140,11 @@ class LocalWorkerHandle(WorkerHandle):
     def poll(self) -> int | None:
         return self.process.poll()
 
-    def _signal_group(self, signum: int) -> None:
-        try:
-            os.killpg(self.pgid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass  # already gone (PermissionError: macOS reports a group of zombies this way)
-
     def terminate(self) -> None:
-        self._signal_group(signal.SIGTERM)
+        signal_group(self.pgid, signal.SIGTERM)
 
     def kill(self) -> None:
-        self._signal_group(signal.SIGKILL)
+        signal_group(self.pgid, signal.SIGKILL)
 
     def gone(self) -> bool:
         if self.process.poll() is None:

@@ -79,6 +79,30 @@ def live_group_members(pgid: int) -> list[int]:
     return members
 
 
+def signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone (PermissionError: macOS reports a group of zombies this way)
+
+
+def group_gone(pgid: int) -> bool:
+    return not live_group_members(pgid)  # a zombie leader counts as gone: its parent reaps it
+
+
+def wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not group_gone(pgid) and time.monotonic() < deadline:
+        time.sleep(POLL_INTERVAL_S)
+    return group_gone(pgid)
+
+
+def stop_group(pgid: int, grace_s: float) -> None:
+    """The launcher's one stopping ladder, for a worker's whole process group."""
+    stop_ladder([pgid], terminate=lambda g: signal_group(g, signal.SIGTERM),
+                kill=lambda g: signal_group(g, signal.SIGKILL), gone=group_gone, grace_s=grace_s)
+
+
 def processes_with_env(markers: Mapping[str, str]) -> dict[int, str]:
     """pid -> command line of every live process (not this one) whose environment has every `name=value` of
     `markers` (the run key alone: all of a run's processes; with the group's name: one task's)."""
