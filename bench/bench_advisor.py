@@ -4,7 +4,7 @@ single-worker probe, the ring model of trainer/advisor.py) against the speedup m
 For each case the real preflight runs on N workers, then `trainer.train` trains the baseline (1 worker x N
 accumulation steps) and the N-worker job with the same global batch; measured speedup = T1 / TN on training time
 per step (compile excluded), as the report computes it. Cases: the local demo's model and batch at N = 2 and 3 on
-this machine, and N = 2 on two real OpenSSH hosts (tests/sshd.py; they share this machine's cores, as the
+this machine, and N = 2 on two real OpenSSH hosts (tests/support/sshd.py; they share this machine's cores, as the
 advisor sees from their host names). Target: |predicted - measured| / measured within 25%.
 """
 
@@ -86,7 +86,7 @@ def run(out_dir: Path) -> dict:
     from tf_multiworker.backends import ssh_backend
     from tf_multiworker.launcher import LocalBackend
 
-    from tests.sshd import start_hosts, stop_hosts, unavailable_reason
+    from tests.support.sshd import start_hosts, stop_hosts, unavailable_reason
     from tests.trainer.shards import write_dataset
 
     logging.getLogger("tf_multiworker").setLevel(logging.WARNING)

@@ -145,7 +145,7 @@ def _s3_bytes(scratch: Path, tokenizer: str, files: list[Path]) -> dict:
     import boto3
     from moto.server import ThreadedMotoServer
 
-    from tests.s3server import S3FaultProxy
+    from tests.support.s3server import S3FaultProxy
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # the S3 server's line per request
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

@@ -1,5 +1,5 @@
 """SSH launch overhead: the same tiny 2-worker MultiWorkerMirroredStrategy job (bench/bench_launcher.py's) on the
-local backend and on the SSH backend across two real OpenSSH hosts on 127.0.0.2 and 127.0.0.3 (tests/sshd.py;
+local backend and on the SSH backend across two real OpenSSH hosts on 127.0.0.2 and 127.0.0.3 (tests/support/sshd.py;
 connections, host-key checks, one agent per rank, placement probes and the remote stop included).
 
 Runs alternate local / SSH so both see the same machine load; best and median ratios are printed. Target: SSH
@@ -41,7 +41,7 @@ def run(out_dir: Path) -> dict:
     from tf_multiworker.backends import ssh_backend
     from tf_multiworker.launcher import LocalBackend
 
-    from tests.sshd import start_hosts, stop_hosts, unavailable_reason
+    from tests.support.sshd import start_hosts, stop_hosts, unavailable_reason
 
     reason = unavailable_reason()
     if reason:

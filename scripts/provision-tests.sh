@@ -41,7 +41,7 @@ need() {
 }
 
 # Browser tests drive Chromium through Playwright: Debian's chromium on PATH, else Playwright's own build
-# (tests/browser.py looks in the same two places).
+# (tests/support/browser.py looks in the same two places).
 playwright_chromium() {
   [[ -x $PY ]] && $PY - <<'EOF' 2>/dev/null
 import os, sys
@@ -53,14 +53,14 @@ EOF
 need "on_path chromium || playwright_chromium" chromium "the browser tests (UI)" \
   "$PY -m playwright install chromium"
 
-# The SSH backend tests start their own sshd servers on loopback (tests/sshd.py). Debian's package would also start
-# the system's sshd on port 22: sshd_not_to_be_run (honoured by its init script and systemd unit) prevents that.
+# The SSH backend tests start their own sshd servers on loopback (tests/support/sshd.py). Debian's package would also
+# start the system's sshd on port 22: sshd_not_to_be_run (honoured by its init script and systemd unit) prevents that.
 if [[ ! -x /usr/sbin/sshd && $(id -u) == 0 ]]; then
   mkdir -p /etc/ssh && touch /etc/ssh/sshd_not_to_be_run
 fi
 need "[[ -x /usr/sbin/sshd ]]" openssh-server "the SSH backend tests (real sshd servers on loopback)"
 
-# The Celery stack tests (tests/celery_stack.py) run their own Postgres cluster and redis-server on free ports.
+# The Celery stack tests (tests/support/celery_stack.py) run their own Postgres cluster and redis-server on free ports.
 # Debian's packages would also start the system's (a "main" cluster on 5432, redis-server on 6379): a policy-rc.d
 # answering 101 ("action forbidden", honoured by invoke-rc.d and deb-systemd-invoke) holds them while installing,
 # unless the image has its own, and a service that started all the same is stopped and disabled.

@@ -18,7 +18,7 @@ os.environ.setdefault("GPT_FINETUNE_DATA_ROOTS", os.pathsep.join(
 
 import pytest
 
-pytest_plugins = ["tests.s3server"]  # a real S3-protocol server on loopback, for every test directory
+pytest_plugins = ["tests.support.s3server"]  # a real S3-protocol server on loopback, for every test directory
 
 # The test files that take longest, longest first, with their seconds in one `make test` on 2 cores (2026-12-03;
 # the suite's junit XML gives them). xdist hands whole files to its workers in collection order
@@ -63,10 +63,10 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def monitoring_sinks():
-    """A StatsD listener and an SMTP server of the session (tests/metrics_sinks.py), for the stack to report to."""
+    """The session's StatsD listener and SMTP server (tests/support/metrics_sinks.py), for the stack to report to."""
     from types import SimpleNamespace
 
-    from tests.metrics_sinks import SmtpSink, StatsdListener
+    from tests.support.metrics_sinks import SmtpSink, StatsdListener
 
     sinks = SimpleNamespace(statsd=StatsdListener(), smtp=SmtpSink())
     try:
@@ -88,7 +88,7 @@ def monitoring_env(sinks) -> dict[str, str]:
 def airflow_stack(tmp_path_factory, monitoring_sinks):
     """One real Airflow standalone for the whole session (start-up costs ~40 s on 2 cores), sending its metrics
     and alerts to `monitoring_sinks` (`stack.sinks`)."""
-    from tests.airflow_stack import start_stack
+    from tests.support.airflow_stack import start_stack
 
     home = tmp_path_factory.mktemp("airflow_home")
     storage = tmp_path_factory.mktemp("stack_storage")
@@ -104,9 +104,9 @@ def airflow_stack(tmp_path_factory, monitoring_sinks):
 
 @pytest.fixture(scope="session")
 def ssh_hosts(tmp_path_factory):
-    """Two real OpenSSH servers on 127.0.0.2 and 127.0.0.3 standing in for remote hosts (tests/sshd.py): each
+    """Two real OpenSSH servers on 127.0.0.2 and 127.0.0.3 standing in for remote hosts (tests/support/sshd.py): each
     yields its address, port, host key, disk and `connection_env()` (the `AIRFLOW_CONN_<ID>` to set)."""
-    from tests.sshd import start_hosts, stop_hosts, unavailable_reason
+    from tests.support.sshd import start_hosts, stop_hosts, unavailable_reason
 
     reason = unavailable_reason()
     if reason:

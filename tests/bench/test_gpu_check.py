@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hardware import nvidia_gpus
+from tests.support.hardware import nvidia_gpus
 
 REPO = Path(__file__).resolve().parents[2]
 

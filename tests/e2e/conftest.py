@@ -1,12 +1,12 @@
-"""`celery_stack`: the production topology (tests/celery_stack.py) for a test module."""
+"""`celery_stack`: the production topology (tests/support/celery_stack.py) for a test module."""
 
 import pytest
 
 
 @pytest.fixture(scope="module")
 def celery_stack(tmp_path_factory):
-    """A CeleryExecutor stack (tests/celery_stack.py) running the repo's DAGs for one test module, stopped after it."""
-    from tests.celery_stack import start_celery_stack, unavailable_reason
+    """A CeleryExecutor stack (tests/support/celery_stack.py) running the repo's DAGs, stopped after the module."""
+    from tests.support.celery_stack import start_celery_stack, unavailable_reason
 
     reason = unavailable_reason()
     if reason:

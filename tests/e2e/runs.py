@@ -9,7 +9,7 @@ import urllib.parse
 from pathlib import Path
 
 from tasks.release import processes_of_run
-from tests.hardware import assert_gpu_check_matches_this_machine
+from tests.support.hardware import assert_gpu_check_matches_this_machine
 from trainer.layout import StorageLayout, run_key
 
 DAG = "gpt_finetune"

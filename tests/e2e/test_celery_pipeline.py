@@ -1,9 +1,9 @@
-"""gpt_finetune on the production topology (tests/celery_stack.py: Postgres, Redis, CeleryExecutor, every Airflow
-component its own process, a worker for queue `default` and one for queue `gpu`): the GPU-slot tasks run on the gpu
-worker and the rest on the default one; a scheduler killed and restarted mid-training does not touch the run; the
-Celery pool child running train SIGKILLed (the OOM killer) leaves no worker alive 10 s later, and the retry resumes
-from the checkpoint without ever running beside the earlier group; train marked failed ends every worker within
-10 s; a gpu_queue no worker serves is named in prepare's log.
+"""gpt_finetune on the production topology (tests/support/celery_stack.py: Postgres, Redis, CeleryExecutor, every
+Airflow component its own process, a worker for queue `default` and one for queue `gpu`): the GPU-slot tasks run on the
+gpu worker and the rest on the default one; a scheduler killed and restarted mid-training does not touch the run; the
+Celery pool child running train SIGKILLed (the OOM killer) leaves no worker alive 10 s later, and the retry resumes from
+the checkpoint without ever running beside the earlier group; train marked failed ends every worker within 10 s; a
+gpu_queue no worker serves is named in prepare's log.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What tests/celery_stack.py says when it cannot run: a component that exits during start-up is named with its
+"""What tests/support/celery_stack.py says when it cannot run: a component that exits during start-up is named with its
 command and the last lines of its log; a machine without PostgreSQL or Redis skips the Celery tests naming the
 command that installs them. (The stack itself runs in tests/e2e/test_celery_pipeline.py.)"""
 
@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from tests import celery_stack
-from tests.celery_stack import LOG_TAIL_LINES, Component, ComponentStartError, wait_until_ready
+from tests.support import celery_stack
+from tests.support.celery_stack import LOG_TAIL_LINES, Component, ComponentStartError, wait_until_ready
 
 
 def test_a_component_that_exits_during_start_up_is_named_with_its_command_and_log_tail(tmp_path):

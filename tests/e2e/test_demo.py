@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from tests.airflow_stack import REPO, airflow_env, free_port
 from tests.e2e.runs import DAG, FAST, assert_no_library_noise
+from tests.support.airflow_stack import REPO, airflow_env, free_port
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -1,7 +1,7 @@
-"""Elastic recovery through the scheduler on two real OpenSSH hosts (tests/sshd.py): one host is lost mid-run, the
-retried train task continues on the remaining host with `min_workers` = 1 (2 accumulation steps, the same global
-batch), and the run succeeds with the baseline parity gate. The lost host comes back before release, which must
-still prove it clean."""
+"""Elastic recovery through the scheduler on two real OpenSSH hosts (tests/support/sshd.py): one host is lost mid-run,
+the retried train task continues on the remaining host with `min_workers` = 1 (2 accumulation steps, the same global
+batch), and the run succeeds with the baseline parity gate. The lost host comes back before release, which must still
+prove it clean."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from tasks.release import processes_of_run
 from tests.e2e.runs import DAG, FAST, trigger, wait_until
 from tests.e2e.test_ssh_pipeline import _connections
-from tests.sshd import bring_back, take_down
+from tests.support.sshd import bring_back, take_down
 from trainer.layout import run_key
 
 pytestmark = pytest.mark.timeout(900)

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from tasks.release import processes_of_run
-from tests.airflow_stack import REPO
 from tests.e2e.runs import DAG, FAST, assert_released, run_path, storage, trigger
-from tests.hardware import nvidia_gpus
+from tests.support.airflow_stack import REPO
+from tests.support.hardware import nvidia_gpus
 from trainer.layout import run_key
 
 pytestmark = pytest.mark.timeout(900)

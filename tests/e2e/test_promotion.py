@@ -16,8 +16,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tasks import registry
-from tests.airflow_stack import REPO
 from tests.e2e.runs import DAG, FAST, assert_released, storage, trigger
+from tests.support.airflow_stack import REPO
 from trainer.layout import run_key
 
 pytestmark = pytest.mark.timeout(1200)

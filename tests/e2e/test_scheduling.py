@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from tf_multiworker.gpu_admission import GPU_POOL
 
-from tests.airflow_stack import free_port, start_stack
+from tests.support.airflow_stack import free_port, start_stack
 
 pytestmark = pytest.mark.timeout(1500)
 

@@ -1,8 +1,8 @@
-"""The whole DAG with `backend=ssh` on two real OpenSSH hosts (127.0.0.2, 127.0.0.3; tests/sshd.py) and storage on
-the local S3-protocol server: through the scheduler (next to the same run on the local backend, which must give
-the same eval loss) and through `airflow dags test` (what `make demo` runs). The local run compared against keeps
-its storage endpoint and keys only in an Airflow connection, which every task, release included, must reach
-without the secret showing in any log or command line.
+"""The whole DAG with `backend=ssh` on two real OpenSSH hosts (127.0.0.2, 127.0.0.3; tests/support/sshd.py) and storage
+on the local S3-protocol server: through the scheduler (next to the same run on the local backend, which must give the
+same eval loss) and through `airflow dags test` (what `make demo` runs). The local run compared against keeps its
+storage endpoint and keys only in an Airflow connection, which every task, release included, must reach without the
+secret showing in any log or command line.
 
 The hosts share this machine's kernel, so these runs prove the launcher, agent, placement, streaming, storage-only
 data path and release across SSH, not separate machines (see docs/backends.md).
@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from tasks.release import processes_of_run
-from tests.airflow_stack import REPO, airflow_env, free_port
 from tests.e2e.runs import (
     DAG,
     FAST,
@@ -35,6 +34,7 @@ from tests.e2e.runs import (
     wait_until,
     worker_ranks,
 )
+from tests.support.airflow_stack import REPO, airflow_env, free_port
 from trainer.layout import run_key
 
 pytestmark = pytest.mark.timeout(900)

@@ -98,7 +98,7 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.05) -> float:
 
 @pytest.fixture(scope="session")
 def s3_server(s3_endpoint):
-    """The session's S3-protocol server (tests/s3server.py) with bucket `runs`; yields its endpoint URL."""
+    """The session's S3-protocol server (tests/support/s3server.py) with bucket `runs`; yields its endpoint URL."""
     import boto3
 
     boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="test-key",

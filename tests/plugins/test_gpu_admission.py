@@ -14,7 +14,7 @@ import sys
 import pytest
 from tf_multiworker.gpu_admission import DEFAULT_POOL, GPU_POOL, SLOTS_SETTING, configured_pool_size
 
-from tests.airflow_stack import REPO, airflow_env
+from tests.support.airflow_stack import REPO, airflow_env
 
 GPU_TASKS = {"preflight", "train", "baseline", "evaluate"}
 

@@ -10,7 +10,7 @@ from tf_multiworker.launcher import LaunchError
 from tf_multiworker.launcher.kubernetes import KubernetesBackend
 from tf_multiworker.registry import make_backend
 
-from tests.k8s_server import FakeKubernetes
+from tests.support.k8s_server import FakeKubernetes
 
 
 def test_a_connection_with_a_kubeconfig_reaches_the_cluster(monkeypatch):

@@ -1,6 +1,6 @@
-"""The kubernetes backend through the official client against tests/k8s_server.py, whose pods are real local
-processes (the tiny entry points): the group runner, failures, refused pods, stop, release and capacity (each pod's
-status and log: test_launcher_kubernetes_pods.py)."""
+"""The kubernetes backend through the official client against tests/support/k8s_server.py, whose pods are real
+local processes (the tiny entry points): the group runner, failures, refused pods, stop, release and capacity
+(each pod's status and log: test_launcher_kubernetes_pods.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from tf_multiworker.launcher.kubernetes import KubernetesBackend, KubernetesSett
 from tf_multiworker.launcher.kubernetes_api import KubernetesApiError
 from tf_multiworker.launcher.kubernetes_objects import GroupNames, PodSettings
 
-from tests.k8s_server import FakeKubernetes
 from tests.plugins.conftest import ENTRYPOINTS, REPO
+from tests.support.k8s_server import FakeKubernetes
 
 SECRET = "s3cret-for-the-pods-only"
 RUN_KEY = "manual__2026-12-01T10_00_00-0123456789"

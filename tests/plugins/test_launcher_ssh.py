@@ -1,4 +1,4 @@
-"""The SSH backend through real OpenSSH servers on 127.0.0.2 and 127.0.0.3 (tests/sshd.py), the provider's
+"""The SSH backend through real OpenSSH servers on 127.0.0.2 and 127.0.0.3 (tests/support/sshd.py), the provider's
 SSHHook with host-key checking on, and the real agent: placement, streaming, failures, stopping, release, and
 that no secret reaches any command line. Each case prints what it measured.
 

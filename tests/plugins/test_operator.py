@@ -234,7 +234,7 @@ def test_sigkill_of_the_task_mid_training_leaves_no_worker_of_a_quiet_tf_run(air
     print(f"\nSIGKILL of the task (dags test) while its TF workers print nothing: workers gone after {gone_s:.2f} s")
 
 
-# -- over SSH (real sshd hosts on 127.0.0.2 and 127.0.0.3, tests/sshd.py) -----------------------------------------
+# -- over SSH (real sshd hosts on 127.0.0.2 and 127.0.0.3, tests/support/sshd.py) --------------------------------------
 
 def _ssh_env(ssh_hosts) -> dict[str, str]:
     return {name: value for host in ssh_hosts for name, value in host.connection_env().items()}

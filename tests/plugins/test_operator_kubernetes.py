@@ -1,5 +1,5 @@
-"""TFMultiWorkerOperator with backend=kubernetes through Airflow's real task runner (tests/plugins/harness_dags),
-the cncf.kubernetes provider's hook and the official client, against tests/k8s_server.py: its pods are real local
+"""TFMultiWorkerOperator with backend=kubernetes through Airflow's real task runner (tests/plugins/harness_dags), the
+cncf.kubernetes provider's hook and the official client, against tests/support/k8s_server.py: its pods are real local
 processes, so the preflight and the training job below are the real trainer on two pods."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from tf_multiworker.launcher import GroupSpec, WorkerSpec, tensorflow_env
 from tf_multiworker.launcher.kubernetes_objects import GroupNames
 
 from tasks.release import release_run
-from tests.k8s_server import FakeKubernetes
 from tests.plugins.conftest import REPO, failure_excerpt
 from tests.plugins.test_launcher_kubernetes import backend, image_env
 from tests.plugins.test_operator import _case, _finish, _run_key, _start
+from tests.support.k8s_server import FakeKubernetes
 from tests.trainer.shards import write_dataset
 from trainer.layout import run_key
 from trainer.storage import read_json

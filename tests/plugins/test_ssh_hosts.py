@@ -1,5 +1,5 @@
-"""The remote agent through real OpenSSH servers (tests/sshd.py) and the Airflow SSH provider's own `SSHHook`, with
-host-key checking on: what the SSH backend stands on. Each case prints what it measured."""
+"""The remote agent through real OpenSSH servers (tests/support/sshd.py) and the Airflow SSH provider's own `SSHHook`,
+with host-key checking on: what the SSH backend stands on. Each case prints what it measured."""
 
 from __future__ import annotations
 

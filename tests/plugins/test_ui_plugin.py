@@ -25,7 +25,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from tasks import compare
-from tests.browser import chromium
+from tests.support.browser import chromium
 from tests.tasks import run_fixtures
 from trainer.layout import run_key
 from trainer.storage import join, upload_tree, write_json_atomic

@@ -10,7 +10,7 @@ from tf_multiworker.launcher.errors import WorkerFailedError
 from tf_multiworker.launcher.spec import FailureKind, GroupState, RunResult, WorkerFailure
 
 from tasks import alerts
-from tests.metrics_sinks import SmtpSink
+from tests.support.metrics_sinks import SmtpSink
 from trainer.config import ConfigError, RunConfig
 from trainer.layout import run_key
 

@@ -12,7 +12,7 @@ import pytest
 from tf_multiworker.launcher.protocol import LAUNCHER_WORKDIR_PREFIX
 
 from tasks.release import ReleaseError, processes_of_run, release_run
-from tests.hardware import assert_gpu_check_matches_this_machine
+from tests.support.hardware import assert_gpu_check_matches_this_machine
 from trainer.layout import StorageLayout, run_key
 from trainer.storage import write_json_atomic
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tasks import telemetry
-from tests.metrics_sinks import StatsdListener
+from tests.support.metrics_sinks import StatsdListener
 from trainer.metrics import LIVE_PREFIX
 
 

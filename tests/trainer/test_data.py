@@ -25,7 +25,7 @@ from trainer.data import (
     worker_shards,
 )
 
-pytest_plugins = ["tests.s3server"]
+pytest_plugins = ["tests.support.s3server"]
 
 
 @pytest.fixture(scope="module")

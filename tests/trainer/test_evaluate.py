@@ -13,7 +13,7 @@ import pytest
 
 from tests.trainer.shards import write_dataset
 
-pytest_plugins = ["tests.s3server"]
+pytest_plugins = ["tests.support.s3server"]
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = {

@@ -18,7 +18,7 @@ import pytest
 from tf_multiworker.launcher.protocol import HOST_TMPDIR_ENV
 
 from tests.conftest import REPO
-from tests.hardware import nvidia_gpus
+from tests.support.hardware import nvidia_gpus
 from trainer import selftest
 from trainer.config import RunConfig
 from trainer.layout import PreflightOutput

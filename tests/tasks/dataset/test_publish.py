@@ -18,7 +18,7 @@ from tests.tasks.dataset.corpus import REPO, config, dataset_files, dataset_name
 from trainer import storage
 from trainer.config import RunConfig
 
-pytest_plugins = ["tests.s3server"]
+pytest_plugins = ["tests.support.s3server"]
 
 
 def start_prepare_process(cfg: RunConfig, log_path: Path) -> subprocess.Popen:

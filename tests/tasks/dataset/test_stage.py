@@ -40,7 +40,7 @@ from tests.tasks.dataset.corpus import (
 from trainer import storage
 from trainer.config import ConfigError, RunConfig
 
-pytest_plugins = ["tests.s3server"]
+pytest_plugins = ["tests.support.s3server"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

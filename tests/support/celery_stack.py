@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.airflow_stack import REPO, AirflowClient, airflow_env, free_port
+from tests.support.airflow_stack import REPO, AirflowClient, airflow_env, free_port
 
 AIRFLOW = str(REPO / ".venv" / "bin" / "airflow")
 QUEUES = ("default", "gpu")
@@ -79,8 +79,8 @@ def unavailable_reason() -> str | None:
 class ComponentStartError(RuntimeError):
     def __init__(self, name: str, problem: str, command: list[str], log_path: Path, output: str):
         tail = "\n".join(output.splitlines()[-LOG_TAIL_LINES:])
-        super().__init__(f"{name} {problem}. Fix what its log says (its settings: tests/celery_stack.py and the "
-                         f"test's overrides).\ncommand: {shlex.join(command)}\nlast {LOG_TAIL_LINES} lines of "
+        super().__init__(f"{name} {problem}. Fix what its log says (its settings: tests/support/celery_stack.py and "
+                         f"the test's overrides).\ncommand: {shlex.join(command)}\nlast {LOG_TAIL_LINES} lines of "
                          f"{log_path}:\n{tail}")
 
 

@@ -1,6 +1,6 @@
 """A real S3-protocol server (moto's threaded server) on loopback, and a proxy that makes it fail on purpose.
 
-Use from a test module with `pytest_plugins = ["tests.s3server"]`, then request:
+Use from a test module with `pytest_plugins = ["tests.support.s3server"]`, then request:
 - `s3_endpoint`: the server's URL (one server per session, random free port on 127.0.0.1);
 - `s3_env`: AWS_* variables for this test (dummy keys, region, AWS_ENDPOINT_URL), the only way
   `trainer.storage` and child processes learn the endpoint and credentials;

@@ -2,7 +2,7 @@
 
 Started as `make airflow` starts it (`scripts/airflow-env.sh` + `airflow standalone`, docs/running.md), but on a
 temporary AIRFLOW_HOME and a free port, in its own process group so that every child is ended afterwards.
-`AirflowClient` is how tests reach any such stack (REST, CLI, logs); tests/celery_stack.py builds the production
+`AirflowClient` is how tests reach any such stack (REST, CLI, logs); tests/support/celery_stack.py builds the production
 topology on it.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tf_multiworker.launcher.local import PortAllocator
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
