@@ -1,0 +1,128 @@
+"""trainer.storage on local disk and on the S3 server alike: reads, atomic writes, trees, listings, and the endpoint
+taken from the environment."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from trainer import storage
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "storage")
+    return request.getfixturevalue("s3_bucket") + "/root"
+
+
+def test_bytes_and_json_round_trip_with_ranged_reads(root):
+    url = storage.join(root, "runs", "r1", "blob.bin")
+    assert not storage.exists(url)
+    storage.write_bytes_atomic(url, b"0123456789")
+    assert storage.exists(url)
+    assert storage.read_bytes(url) == b"0123456789"
+    assert storage.read_range(url, 2, 5) == b"234"
+    storage.write_json_atomic(storage.join(root, "runs", "r1", "state.json"), {"b": 1, "a": [1, 2]})
+    assert storage.read_json(storage.join(root, "runs", "r1", "state.json")) == {"a": [1, 2], "b": 1}
+
+
+def test_trees_round_trip_and_are_listed_and_removed(root, tmp_path):
+    source = tmp_path / "source"
+    for name in ("model/weights.h5", "model/config.json", "report.json"):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_text(name)
+    url = storage.join(root, "outputs")
+    assert storage.upload_tree(source, url) == [storage.join(url, name)
+                                                 for name in ("model/config.json", "model/weights.h5", "report.json")]
+    assert list(storage.list_dir(url)) == ["model", "report.json"]
+    copied = storage.download_tree(url, tmp_path / "copy")
+    assert sorted(path.relative_to(tmp_path / "copy").as_posix() for path in copied) == [
+        "model/config.json", "model/weights.h5", "report.json"]
+    assert all(path.read_text() == path.relative_to(tmp_path / "copy").as_posix() for path in copied)
+    storage.remove_tree(storage.join(url, "model"))
+    assert list(storage.list_dir(url)) == ["report.json"]
+
+
+def test_missing_trees_are_empty_not_errors(root, tmp_path):
+    missing = storage.join(root, "never-written")
+    assert list(storage.list_dir(missing)) == []
+    assert storage.download_tree(missing, tmp_path / "copy") == []
+    storage.remove_tree(missing)
+    assert storage.upload_tree(tmp_path / "empty-dir-that-does-not-exist", missing) == []
+
+
+def test_single_files_go_up_and_down(root, tmp_path):
+    local = tmp_path / "shard.bin"
+    local.write_bytes(os.urandom(4096))
+    url = storage.join(root, "shards", "deep", "shard.bin")
+    storage.upload_file(local, url)
+    storage.download_file(url, tmp_path / "back" / "shard.bin")
+    assert (tmp_path / "back" / "shard.bin").read_bytes() == local.read_bytes()
+    assert storage.sha256_file(local) == hashlib.sha256(local.read_bytes()).hexdigest()
+
+
+def test_readers_see_the_old_or_the_new_object_never_a_part(root):
+    """A reader racing an overwrite of a 2 MiB object always reads one complete version."""
+    url = storage.join(root, "latest.bin")
+    versions = [bytes([fill]) * (2 << 20) for fill in (1, 2)]
+    storage.write_bytes_atomic(url, versions[0])
+    done = threading.Event()
+    torn: list[int] = []
+
+    def read_while_writing() -> None:
+        while not done.is_set():
+            data = storage.read_bytes(url)
+            if data not in versions:
+                torn.append(len(data))
+
+    reader = threading.Thread(target=read_while_writing)
+    reader.start()
+    try:
+        for write in range(6):
+            storage.write_bytes_atomic(url, versions[write % 2])
+    finally:
+        done.set()
+        reader.join()
+    assert torn == []
+    assert storage.read_bytes(url) == versions[1]
+
+
+def test_a_local_write_that_fails_leaves_the_old_file(tmp_path, monkeypatch):
+    url = str(tmp_path / "state.json")
+    storage.write_bytes_atomic(url, b"old")
+
+    def disk_full(descriptor: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        storage.write_bytes_atomic(url, b"new")
+    assert Path(url).read_bytes() == b"old"
+
+
+def test_join_keeps_the_scheme_and_normalize_root_makes_roots_absolute(tmp_path):
+    assert storage.join("s3://bucket/root/", "/runs/", "r1") == "s3://bucket/root/runs/r1"
+    assert storage.join("/data", "a/", "b") == "/data/a/b"
+    assert storage.normalize_root("s3://bucket/root/") == "s3://bucket/root"
+    assert storage.normalize_root("storage", relative_to=tmp_path) == str((tmp_path / "storage").resolve())
+    assert storage.normalize_root(str(tmp_path / "a" / ".." / "b")) == str((tmp_path / "b").resolve())
+
+
+def test_the_s3_endpoint_comes_from_the_environment(monkeypatch):
+    def endpoint(url: str) -> dict:
+        return {"client_kwargs": {"endpoint_url": url}}
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://general:1")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    assert storage.storage_options_from_env("s3://bucket/key") == endpoint("http://general:1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://s3-only:2")  # botocore's service-specific name wins
+    assert storage.storage_options_from_env("s3://bucket/key") == endpoint("http://s3-only:2")
+    assert storage.storage_options_from_env("/local/path") == {}
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
+    assert storage.storage_options_from_env("s3://bucket/key") == {}
