@@ -40,7 +40,7 @@ bench: setup  ## performance ratios measured side by side; results in bench-resu
 bench-table: setup  ## regenerate docs/benchmarks.md's table from bench-results/*.json
 	$(PY) -m bench.results
 
-lint: setup
+lint: setup  ## ruff over code and tests: default rules, 120 columns, complexity <= 10 (pyproject.toml)
 	$(VENV)/bin/ruff check dags plugins tasks trainer tests bench scripts
 
 clean:

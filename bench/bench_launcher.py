@@ -112,7 +112,8 @@ def run(out_dir: Path) -> dict:
     return {"steps": STEPS, "repeats": REPEATS, "by_hand_s": floor, "launcher_s": launcher,
             "ratio_best": best_ratio, "ratio_median": median_ratio, "target_ratio": TARGET_RATIO,
             "rows": [{"benchmark": "launcher: tiny 2-worker job via the operator's launcher vs the same processes by "
-                                   "hand", "measured": f"{best_ratio:.2f}x (best of {REPEATS}; median {median_ratio:.2f}x)",
+                                   "hand",
+                      "measured": f"{best_ratio:.2f}x (best of {REPEATS}; median {median_ratio:.2f}x)",
                       "target": f"<= {TARGET_RATIO}x"}]}
 
 if __name__ == "__main__":

@@ -68,15 +68,19 @@ def run(out_dir: Path) -> dict:
     rows = [
         {"benchmark": "prepare scale: peak RSS of the tokenizing task, " + ", ".join(
             f"{m['text_mb']:.0f} MB -> {m['peak_rss_mb']:.0f} MB" for m in memory),
-         "measured": f"slope {slope:.4f} MB/MB (before {SLOPE_BEFORE}), intercept {intercept:.0f} MB, peak {peak:.0f} MB",
+         "measured": f"slope {slope:.4f} MB/MB (before {SLOPE_BEFORE}), intercept {intercept:.0f} MB, "
+                     f"peak {peak:.0f} MB",
          "target": f"< {SLOPE_TARGET} MB/MB, <= {RSS_TARGET_MB} MiB"},
-        {"benchmark": "prepare scale: tokens/s on 1 core vs raw `encode_batch_fast`, 42 plays, BPE 8192 (warm; by CPU time)",
-         "measured": f"{throughput['ratio']:.2f}x ({throughput['cpu_ratio']:.2f}x)", "target": f">= {THROUGHPUT_TARGET}x"},
+        {"benchmark": "prepare scale: tokens/s on 1 core vs raw `encode_batch_fast`, 42 plays, BPE 8192 "
+                      "(warm; by CPU time)",
+         "measured": f"{throughput['ratio']:.2f}x ({throughput['cpu_ratio']:.2f}x)",
+         "target": f">= {THROUGHPUT_TARGET}x"},
         {"benchmark": f"prepare scale: bytes read from S3 over corpus bytes ({S3_MB} MB, 2 lanes)",
          "measured": f"{s3['ratio']:.4f}", "target": "~1.0"},
         {"benchmark": f"prepare scale: {FAN_OUT_MB} MB, 2 mapped tasks (1 core each) vs 1 task on 1 core; steps of "
-                      f"the 2-task run: plan {fan_out['two']['plan_s']:.1f} s, lanes {fan_out['two']['lanes_s']:.1f} s, "
-                      f"finish (shards, manifest) {fan_out['two']['finish_s']:.1f} s",
+                      f"the 2-task run: plan {fan_out['two']['plan_s']:.1f} s, "
+                      f"lanes {fan_out['two']['lanes_s']:.1f} s, finish (shards, manifest) "
+                      f"{fan_out['two']['finish_s']:.1f} s",
          "measured": f"{fan_out['speedup']:.2f}x ({fan_out['one']['wall_s']:.0f} s -> {fan_out['two']['wall_s']:.0f} s;"
                      f" 1 task on {len(cores)} cores: {fan_out['one_all_cores']['wall_s']:.0f} s)",
          "target": f">= {SPEEDUP_TARGET}x"},

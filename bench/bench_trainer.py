@@ -7,14 +7,15 @@
    waiting for input (target < 2%); the two loss curves are compared as a by-product.
 3. tf.data read rate: `trainer.data.make_dataset` alone over one worker's shards (shuffle + repeat, as in
    training), in this process, against that worker's training consumption (target >= 5x).
-4. The trainer against the simplest thing a user would write: `model.fit` of the same `TFGPT2LMHeadModel` (its
-   built-in LM loss), the same AdamW, schedule and gradient clipping, on the same token stream (`make_dataset`
-   over the same shards, same seed) and batch, 1 worker, CPU, for the tiny preset and GPT-2 124M (the mid-size
-   preset; the largest there is). Same update on the same data: the mean losses over the run are printed side by side. Both run as fresh processes,
-   alternating which goes first; both exclude their first step (tracing) and sync every step (the trainer reads
-   the loss, fit's timing callback makes Keras convert its logs). Ratio: trainer tokens/s / fit tokens/s per
-   pair, median (target >= 0.95x); also by median step-to-step time, which a burst of other load moves less. The trainer's time is split from its metrics: waiting for input, inside the
-   step, and between steps (metrics, TensorBoard, progress; the only checkpoint comes after the last timed step).
+4. The trainer against the simplest thing a user would write: `model.fit` of the same `TFGPT2LMHeadModel` (its built-in
+   LM loss), the same AdamW, schedule and gradient clipping, on the same token stream (`make_dataset` over the same
+   shards, same seed) and batch, 1 worker, CPU, for the tiny preset and GPT-2 124M (the mid-size preset; the largest
+   there is). Same update on the same data: the mean losses over the run are printed side by side. Both run as fresh
+   processes, alternating which goes first; both exclude their first step (tracing) and sync every step (the trainer
+   reads the loss, fit's timing callback makes Keras convert its logs). Ratio: trainer tokens/s / fit tokens/s per pair,
+   median (target >= 0.95x); also by median step-to-step time, which a burst of other load moves less. The trainer's
+   time is split from its metrics: waiting for input, inside the step, and between steps (metrics, TensorBoard,
+   progress; the only checkpoint comes after the last timed step).
 The tiny model is the hard case for the input pipeline and per-step overheads: its steps are short.
 """
 
@@ -281,7 +282,8 @@ def run(out_dir: Path) -> dict:
          "measured": f"{100 * one['input_wait_fraction']:.2f}% / {100 * two['input_wait_fraction']:.2f}%",
          "target": "< 2%"},
         {"benchmark": "trainer: tf.data read rate vs training consumption, 1 and 2 workers",
-         "measured": f"{figures['read_vs_consumption_1_worker']:.0f}x / {figures['read_vs_consumption_2_workers']:.0f}x",
+         "measured": f"{figures['read_vs_consumption_1_worker']:.0f}x / "
+                     f"{figures['read_vs_consumption_2_workers']:.0f}x",
          "target": ">= 5x"},
         {"benchmark": "trainer: 2 workers vs 1 worker x 2 accumulation, tokens/s (2 cores: overhead only)",
          "measured": f"{two['tokens_per_s']:,.0f} vs {one['tokens_per_s']:,.0f} = {figures['speedup_2_vs_1']:.2f}x",

@@ -10,7 +10,8 @@ allocating on demand instead of reserving the whole GPU) and the compile time th
 more GPUs it also times a 256 MiB NCCL all-reduce between two worker processes, one GPU each (bus bandwidth =
 algorithm bandwidth x 2(N-1)/N, as nccl-tests report it). Target on an H200: MFU >= 40%.
 Not part of `make bench` (needs a GPU); takes a few minutes, most of it XLA compilation. The figures go to
-`bench-results/gpu_check.json` and the table in docs/benchmarks.md (bench/results.py); a dry run writes only where --json says.
+`bench-results/gpu_check.json` and the table in docs/benchmarks.md (bench/results.py); a dry run writes only where
+--json says.
 """
 
 from __future__ import annotations
@@ -189,7 +190,8 @@ def _report(figures: dict) -> None:
     print(f"MFU {100 * mfu:.1f}% (target >= {100 * MFU_TARGET:.0f}% on H200)" if mfu is not None else
           "MFU n/a: no GPU, or it is not in trainer.metrics.PEAK_FLOPS_16BIT, or NVML is unavailable")
     peak = figures["peak_gpu_memory_mb"]
-    print(f"peak GPU memory in use {peak / 1024:.1f} GiB (NVML)" if peak is not None else "peak GPU memory n/a (no GPU)")
+    print(f"peak GPU memory in use {peak / 1024:.1f} GiB (NVML)" if peak is not None
+          else "peak GPU memory n/a (no GPU)")
     print(f"input wait {100 * (figures['input_wait_fraction'] or 0):.2f}% of step time; final loss "
           f"{figures['final_loss']:.3f}")
     reduce = figures["allreduce"]

@@ -201,7 +201,8 @@ def test_every_pin_matches_the_lock():
         pins = requirement_pins(path)
         assert pins, f"{path.name} pins nothing"
         wrong = {name: version for name, version in pins.items() if version not in lock.get(name, set())}
-        assert not wrong, f"{path.name} ({role}) pins versions uv.lock does not have: {wrong}; run docker/export-requirements.sh"
+        assert not wrong, (f"{path.name} ({role}) pins versions uv.lock does not have: {wrong}; "
+                           "run docker/export-requirements.sh")
 
 
 def test_requirements_files_are_the_current_lock_export():
@@ -269,7 +270,8 @@ def test_base_images_follow_the_lock():
 
 def test_trainer_image_ships_only_the_worker():
     # The trainer, plus the launcher package: RunConfig reads its backend table, SSH hosts run its agent.
-    assert copy_sources(TRAINER_DOCKERFILE) == ["docker/requirements-trainer.txt", "trainer/", "plugins/tf_multiworker/"]
+    assert copy_sources(TRAINER_DOCKERFILE) == ["docker/requirements-trainer.txt", "trainer/",
+                                                "plugins/tf_multiworker/"]
     assert "--requirement /tmp/requirements-trainer.txt" in " ".join(instruction_args(TRAINER_DOCKERFILE, "RUN"))
     env = dockerfile_env(TRAINER_DOCKERFILE)
     assert env["TF_USE_LEGACY_KERAS"] == "1"
@@ -439,7 +441,8 @@ def test_compose_runs_celery_with_a_worker_per_queue():
     assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
     assert urlparse(env["AIRFLOW__CELERY__BROKER_URL"]).hostname == "redis" and "healthcheck" in services["redis"]
     backend = urlparse(env["AIRFLOW__CELERY__RESULT_BACKEND"].removeprefix("db+"))
-    assert backend.hostname == "postgres" and backend.password == services["postgres"]["environment"]["POSTGRES_PASSWORD"]
+    assert backend.hostname == "postgres"
+    assert backend.password == services["postgres"]["environment"]["POSTGRES_PASSWORD"]
     assert int(env["AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT"]) > 24 * 3600
     queues = {name: services[name]["command"].split("-q ")[1].split()[0] for name in ("airflow-worker",
                                                                                         "airflow-worker-gpu")}

@@ -58,8 +58,8 @@ def worker_ranks(key: str, module: str = "trainer.train") -> dict[int, int]:
         if f"-m {module}" not in cmdline:
             continue
         try:
-            environ = dict(item.split("=", 1) for item in
-                           Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in item)
+            entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+            environ = dict(item.split("=", 1) for item in entries if "=" in item)
         except (FileNotFoundError, ProcessLookupError):  # exited since the scan
             continue
         ranks[json.loads(environ["TF_CONFIG"])["task"]["index"]] = pid

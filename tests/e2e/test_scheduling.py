@@ -84,7 +84,8 @@ def stack(tmp_path_factory):
 
 
 def trigger(stack, dag_id: str, conf: dict | None = None) -> str:
-    return stack.rest("POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf or {}})["dag_run_id"]
+    run = stack.rest("POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf or {}})
+    return run["dag_run_id"]
 
 
 def task_instance(stack, dag_id: str, run_id: str, task_id: str) -> dict:

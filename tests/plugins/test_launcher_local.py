@@ -160,7 +160,8 @@ def test_stop_from_another_thread_ends_every_worker_within_grace(tmp_path):
 
 def test_more_workers_than_free_gpus_is_refused_before_launch(tmp_path):
     backend = LocalBackend(gpu_probe=lambda: [0, 3])
-    with pytest.raises(InsufficientGPUsError, match=r"num_workers=3 needs one GPU per worker.*2 free GPU\(s\) \[0, 3\]"):
+    with pytest.raises(InsufficientGPUsError,
+                       match=r"num_workers=3 needs one GPU per worker.*2 free GPU\(s\) \[0, 3\]"):
         backend.place(_spec(num_workers=3, use_gpu=True))
     assert [p.devices for p in backend.place(_spec(num_workers=2, use_gpu=True))] == [(0,), (3,)]
     assert [p.devices for p in backend.place(_spec(num_workers=2, use_gpu=False))] == [(), ()]

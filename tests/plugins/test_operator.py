@@ -1,7 +1,7 @@
 """TFMultiWorkerOperator: argument handling directly, and whole runs through Airflow's task runner.
 
-The Airflow runs use `dag.test()` in a subprocess (tests/plugins/harness_dags/tfmw_harness.py): templates rendered as native
-objects, the task runner's SIGTERM handler -> `on_kill`, XCom, connections from the environment.
+The Airflow runs use `dag.test()` in a subprocess (tests/plugins/harness_dags/tfmw_harness.py): templates rendered as
+native objects, the task runner's SIGTERM handler -> `on_kill`, XCom, connections from the environment.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from tasks.release import processes_of_run
 from tests.plugins.conftest import REPO, entrypoint_env, failure_excerpt, wait_until_gone
 from trainer.storage import read_bytes, read_json
 
-DAG_KWARGS = {"entrypoint", "args", "num_workers", "backend", "backend_settings", "use_gpu", "storage_root", "run_key", "storage_conn_id",
-              "startup_timeout_s", "hang_timeout_s", "summary_url", "env", "grace_period_s", "max_launch_attempts"}
+DAG_KWARGS = {"entrypoint", "args", "num_workers", "backend", "backend_settings", "use_gpu", "storage_root", "run_key",
+              "storage_conn_id", "startup_timeout_s", "hang_timeout_s", "summary_url", "env", "grace_period_s",
+              "max_launch_attempts"}
 SECRET = "s3cret-value-never-logged"
 HARNESS = Path(__file__).resolve().parent / "harness_dags" / "tfmw_harness.py"  # airflow_env: conftest.py
 
@@ -119,7 +120,8 @@ def _start(airflow_env, case: Path, tmp_path, extra_env=None) -> tuple[subproces
     with open(log, "wb") as log_file:
         process = subprocess.Popen(
             [sys.executable, str(HARNESS), str(out)],
-            env={**airflow_env, "TFMW_HARNESS_CASE": str(case), **(extra_env or {})}, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
+            env={**airflow_env, "TFMW_HARNESS_CASE": str(case), **(extra_env or {})}, cwd=REPO, stdout=log_file,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     return process, out, log

@@ -88,19 +88,7 @@ def end_process_groups(processes: list[subprocess.Popen], grace_s: float = STOP_
     """TERM each process's group, KILL it after `grace_s`, and KILL the groups its descendants made their own
     (a task runner, an operator's workers), which would otherwise outlive it. A group outlives its leader (a
     component killed by a test): it is signalled all the same."""
-    groups = {process.pid for process in processes}
-    for process in processes:
-        if process.poll() is not None:  # reaped: its pid may be another process's now
-            continue
-        try:
-            descendants = psutil.Process(process.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            continue
-        for child in descendants:
-            try:
-                groups.add(os.getpgid(child.pid))
-            except ProcessLookupError:
-                pass
+    groups = {process.pid for process in processes} | _descendant_groups(processes)
     groups.discard(os.getpgrp())
     for process in processes:
         _killpg(process.pid, signal.SIGTERM)
@@ -114,6 +102,24 @@ def end_process_groups(processes: list[subprocess.Popen], grace_s: float = STOP_
         _killpg(group, signal.SIGKILL)
     for process in processes:
         process.wait(timeout=10)
+
+
+def _descendant_groups(processes: list[subprocess.Popen]) -> set[int]:
+    """The process groups of every live descendant of `processes`."""
+    groups = set()
+    for process in processes:
+        if process.poll() is not None:  # reaped: its pid may be another process's now
+            continue
+        try:
+            descendants = psutil.Process(process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        for child in descendants:
+            try:
+                groups.add(os.getpgid(child.pid))
+            except ProcessLookupError:
+                pass
+    return groups
 
 
 def _killpg(group: int, sig: int) -> None:

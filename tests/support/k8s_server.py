@@ -15,9 +15,9 @@ sends SIGKILL, and only then does the pod disappear (404). Deleting an owner gar
 
 Test hooks: `tf_address(dns)` is the loopback `127.0.0.1:<port>` a pod DNS name resolves to (every TF_CONFIG is
 rewritten this way before the process starts; each rank gets its own port because TensorFlow binds 0.0.0.0);
-`hold_pending(pattern, reason, message)` keeps matching pods Pending with that event; `refuse(verb, resource,
-code, reason, message)` answers matching requests with an API error; `cut_log_streams_after(n, times)` drops the
-first log streams of each pod after n lines (the client must reconnect); `kill_pod_process(name, sig)` is a container crash.
+`hold_pending(pattern, reason, message)` keeps matching pods Pending with that event; `refuse(verb, resource, code,
+reason, message)` answers matching requests with an API error; `cut_log_streams_after(n, times)` drops the first log
+streams of each pod after n lines (the client must reconnect); `kill_pod_process(name, sig)` is a container crash.
 """
 
 from __future__ import annotations
@@ -153,8 +153,8 @@ class _Pod:
                 status["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": reason,
                                          "message": message}]
                 return status
-        status["containerStatuses"] = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": "running" in state,
-                                        "restartCount": 0, "state": state}
+        status["containerStatuses"] = [{"name": c["name"], "image": c["image"], "imageID": "",
+                                        "ready": "running" in state, "restartCount": 0, "state": state}
                                        for c in self.body["spec"]["containers"][:1]]
         return status
 
@@ -310,34 +310,45 @@ class FakeKubernetes:
         refused = self._refusal(verb, resource)
         if refused:
             return refused["code"], refused
-        kind, api_version = _KINDS[resource]
         with self._lock:
             if method == "POST" and not name:
+                kind, api_version = _KINDS[resource]
                 return self._create(resource, ns, kind, api_version, body or {})
-            if method == "GET" and name:
-                obj = self.objects.get((resource, ns, name))
-                if obj is None:
-                    return 404, _status(404, "NotFound", f'{resource} "{name}" not found', name, resource)
-                return 200, self._view(resource, ns, obj)
             if method == "GET":
-                items = [self._view(resource, ns, o) for (r, n, _), o in self.objects.items()
-                         if r == resource and n == ns and self._selected(o, query)]
-                return 200, {"kind": f"{kind}List", "apiVersion": api_version, "metadata": {"resourceVersion": "1"},
-                             "items": items}
-            if method == "DELETE" and name:
-                obj = self.objects.get((resource, ns, name))
-                if obj is None:
-                    return 404, _status(404, "NotFound", f'{resource} "{name}" not found', name, resource)
-                self._delete(resource, ns, name, body or {})
-                return 200, self._view(resource, ns, obj)
+                return self._read(resource, ns, name, query)
             if method == "DELETE":
-                doomed = [(n, o) for (r, s, n), o in self.objects.items()
-                          if r == resource and s == ns and self._selected(o, query)]
-                for n, _ in doomed:
-                    self._delete(resource, ns, n, body or {})
-                return 200, {"kind": f"{kind}List", "apiVersion": api_version, "metadata": {},
-                             "items": [self._view(resource, ns, o) for _, o in doomed]}
+                return self._remove(resource, ns, name, query, body or {})
         return 405, _status(405, "MethodNotAllowed", f"{method} is not supported here")
+
+    def _read(self, resource: str, ns: str, name: str | None, query: dict[str, str]) -> tuple[int, dict]:
+        """GET of one object by name, or of those the label selector picks."""
+        if name:
+            obj = self.objects.get((resource, ns, name))
+            if obj is None:
+                return 404, _status(404, "NotFound", f'{resource} "{name}" not found', name, resource)
+            return 200, self._view(resource, ns, obj)
+        kind, api_version = _KINDS[resource]
+        items = [self._view(resource, ns, o) for (r, n, _), o in self.objects.items()
+                 if r == resource and n == ns and self._selected(o, query)]
+        return 200, {"kind": f"{kind}List", "apiVersion": api_version, "metadata": {"resourceVersion": "1"},
+                     "items": items}
+
+    def _remove(self, resource: str, ns: str, name: str | None, query: dict[str, str],
+                body: dict) -> tuple[int, dict]:
+        """DELETE of one object by name, or of those the label selector picks (a collection delete)."""
+        if name:
+            obj = self.objects.get((resource, ns, name))
+            if obj is None:
+                return 404, _status(404, "NotFound", f'{resource} "{name}" not found', name, resource)
+            self._delete(resource, ns, name, body)
+            return 200, self._view(resource, ns, obj)
+        kind, api_version = _KINDS[resource]
+        doomed = [(n, o) for (r, s, n), o in self.objects.items()
+                  if r == resource and s == ns and self._selected(o, query)]
+        for n, _ in doomed:
+            self._delete(resource, ns, n, body)
+        return 200, {"kind": f"{kind}List", "apiVersion": api_version, "metadata": {},
+                     "items": [self._view(resource, ns, o) for _, o in doomed]}
 
     @staticmethod
     def _selected(obj: dict, query: Mapping[str, str]) -> bool:
@@ -538,69 +549,71 @@ class FakeKubernetes:
             if done or not follow:
                 return None
 
-    def _handler_class(self):
-        cluster = self
+    def _handler_class(self) -> type[_ApiHandler]:
+        return type("Handler", (_ApiHandler,), {"cluster": self})
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
 
-            def log_message(self, *args) -> None:
-                pass
+class _ApiHandler(BaseHTTPRequestHandler):
+    """HTTP for one `FakeKubernetes`: JSON requests to `handle`, pod logs as a chunked stream."""
 
-            def _respond(self, code: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
+    protocol_version = "HTTP/1.1"
+    cluster: FakeKubernetes  # set on the subclass each server makes
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _respond(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _dispatch(self) -> None:
+        url = urlparse(self.path)
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        body = json.loads(raw) if raw else None
+        self.cluster.requests.append((self.command, url.path))
+        log = _CORE.match(url.path)
+        if log and log["sub"] == "log" and self.command == "GET":
+            self._stream(log["ns"], log["name"], query)
+            return
+        self._respond(*self.cluster.handle(self.command, url.path, query, body))
+
+    def _stream(self, ns: str, name: str, query: dict[str, str]) -> None:
+        started = False
+
+        def write(chunk: bytes) -> None:
+            nonlocal started
+            if not started:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
-                self.wfile.write(data)
+                started = True
+            self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+            self.wfile.flush()
 
-            def _dispatch(self) -> None:
-                url = urlparse(self.path)
-                query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-                length = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(length) if length else b""
-                body = json.loads(raw) if raw else None
-                cluster.requests.append((self.command, url.path))
-                log = _CORE.match(url.path)
-                if log and log["sub"] == "log" and self.command == "GET":
-                    self._stream(log["ns"], log["name"], query)
-                    return
-                self._respond(*cluster.handle(self.command, url.path, query, body))
+        refused = self.cluster._refusal("log", "pods")
+        error = refused and (refused["code"], refused)
+        self.close_connection = True
+        try:
+            error = error or self.cluster.stream_log(ns, name, query, write)
+            if error and error[0] and not started:
+                self._respond(*error)
+                return
+            if error and not error[0]:
+                return  # cut: no terminating chunk, the client sees a broken stream
+            if not started:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+            self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
 
-            def _stream(self, ns: str, name: str, query: dict[str, str]) -> None:
-                started = False
-
-                def write(chunk: bytes) -> None:
-                    nonlocal started
-                    if not started:
-                        self.send_response(200)
-                        self.send_header("Content-Type", "text/plain")
-                        self.send_header("Transfer-Encoding", "chunked")
-                        self.end_headers()
-                        started = True
-                    self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
-                    self.wfile.flush()
-
-                refused = cluster._refusal("log", "pods")
-                error = refused and (refused["code"], refused)
-                self.close_connection = True
-                try:
-                    error = error or cluster.stream_log(ns, name, query, write)
-                    if error and error[0] and not started:
-                        self._respond(*error)
-                        return
-                    if error and not error[0]:
-                        return  # cut: no terminating chunk, the client sees a broken stream
-                    if not started:
-                        self.send_response(200)
-                        self.send_header("Content-Type", "text/plain")
-                        self.send_header("Transfer-Encoding", "chunked")
-                        self.end_headers()
-                    self.wfile.write(b"0\r\n\r\n")
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-            do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = _dispatch
-
-        return Handler
+    do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = _dispatch

@@ -121,74 +121,76 @@ class S3FaultProxy:
             return "fail"
         return "pass"
 
-    def _handler(self):
-        proxy = self
+    def _handler(self) -> type[_ProxyHandler]:
+        return type("Handler", (_ProxyHandler,), {"proxy": self})
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
 
-            def log_message(self, *args):  # keep test output quiet
-                pass
+class _ProxyHandler(BaseHTTPRequestHandler):
+    """One connection to an `S3FaultProxy`: every request passes, fails or waits as the proxy says."""
 
-            def _body(self) -> bytes:
-                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                    chunks = []
-                    while True:
-                        size = int(self.rfile.readline().split(b";")[0], 16)
-                        if size == 0:
-                            self.rfile.readline()
-                            return b"".join(chunks)
-                        chunks.append(self.rfile.read(size))
-                        self.rfile.readline()
-                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+    protocol_version = "HTTP/1.1"
+    proxy: S3FaultProxy  # set on the subclass each proxy makes
 
-            def _forward(self):
-                body = self._body()
-                verdict = proxy._verdict(self.command, self.path)
-                if verdict == "hold":
-                    proxy.held.set()
-                    proxy._release.wait()
-                    verdict = "fail"
-                if verdict == "fail":
-                    with proxy._lock:
-                        proxy.failed_puts += 1
-                    payload = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code>"
-                               b"<Message>injected by S3FaultProxy</Message></Error>")
-                    self.send_response(500)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
-                    return
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("transfer-encoding", "host", "expect")}
-                headers["Host"] = proxy.upstream
-                headers["Content-Length"] = str(len(body))
-                upstream = http.client.HTTPConnection(proxy.upstream, timeout=60)
-                try:
-                    upstream.request(self.command, self.path, body=body, headers=headers)
-                    response = upstream.getresponse()
-                    data = response.read()
-                finally:
-                    upstream.close()
-                self.send_response(response.status)
-                passed = ("transfer-encoding", "connection", "date", "server")
-                for key, value in response.getheaders():
-                    # A HEAD answer's Content-Length is the object's size, not this (empty) body's.
-                    if key.lower() not in passed and (self.command == "HEAD" or key.lower() != "content-length"):
-                        self.send_header(key, value)
-                if self.command != "HEAD":
-                    self.send_header("Content-Length", str(len(data)))
-                if self.command == "GET":
-                    with proxy._lock:
-                        proxy.got_bytes += len(data)
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
+    def log_message(self, *args):  # keep test output quiet
+        pass
 
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+    def _body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            chunks = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0], 16)
+                if size == 0:
+                    self.rfile.readline()
+                    return b"".join(chunks)
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+        return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-        return Handler
+    def _forward(self):
+        body = self._body()
+        verdict = self.proxy._verdict(self.command, self.path)
+        if verdict == "hold":
+            self.proxy.held.set()
+            self.proxy._release.wait()
+            verdict = "fail"
+        if verdict == "fail":
+            with self.proxy._lock:
+                self.proxy.failed_puts += 1
+            payload = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code>"
+                       b"<Message>injected by S3FaultProxy</Message></Error>")
+            self.send_response(500)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+            return
+        headers = {k: v for k, v in self.headers.items()
+                   if k.lower() not in ("transfer-encoding", "host", "expect")}
+        headers["Host"] = self.proxy.upstream
+        headers["Content-Length"] = str(len(body))
+        upstream = http.client.HTTPConnection(self.proxy.upstream, timeout=60)
+        try:
+            upstream.request(self.command, self.path, body=body, headers=headers)
+            response = upstream.getresponse()
+            data = response.read()
+        finally:
+            upstream.close()
+        self.send_response(response.status)
+        passed = ("transfer-encoding", "connection", "date", "server")
+        for key, value in response.getheaders():
+            # A HEAD answer's Content-Length is the object's size, not this (empty) body's.
+            if key.lower() not in passed and (self.command == "HEAD" or key.lower() != "content-length"):
+                self.send_header(key, value)
+        if self.command != "HEAD":
+            self.send_header("Content-Length", str(len(data)))
+        if self.command == "GET":
+            with self.proxy._lock:
+                self.proxy.got_bytes += len(data)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
 
 @pytest.fixture

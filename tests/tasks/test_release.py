@@ -99,7 +99,8 @@ def test_unreleasable_process_fails_the_task(tmp_path, processes, monkeypatch):
     proc = start("import time; time.sleep(600)")
     processes.append(proc)
     assert wait_for(lambda: proc.pid in processes_of_run(KEY))
-    monkeypatch.setattr("tf_multiworker.launcher.process.signal_pids", lambda pids, sig: [])  # a process that cannot be signalled
+    # A process that cannot be signalled.
+    monkeypatch.setattr("tf_multiworker.launcher.process.signal_pids", lambda pids, sig: [])
     with pytest.raises(ReleaseError, match=f"still alive: pid {proc.pid} "):
         release_run({"storage_root": str(tmp_path)}, RUN_ID, DAG_ID, grace_period_s=0.5)
 

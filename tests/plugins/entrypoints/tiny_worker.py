@@ -55,10 +55,8 @@ def _recv_exact(conn: socket.socket) -> None:
         time.sleep(FOREVER_S)
 
 
-def main() -> int:
-    me = worker_identity()
-    fault = _fault_for(me.rank)
-    print(f"rank {me.rank} of {me.num_workers} pid {os.getpid()} pgid {os.getpgid(0)} starting", flush=True)
+def _show_environment() -> None:
+    """What TINY_WORKER_SHOW_ENV, TINY_WORKER_ECHO_ENV and TINY_WORKER_TEMP ask to see."""
     shown = os.environ.get("TINY_WORKER_SHOW_ENV")
     if shown:
         print(f"{shown} is {'set' if os.environ.get(shown) else 'not set'}", flush=True)
@@ -70,6 +68,26 @@ def main() -> int:
         print(f"temp dir {temp} held {len(os.listdir(temp))} entries; host temp {os.environ.get('TFMW_HOST_TMPDIR')}",
               flush=True)
         os.close(tempfile.mkstemp(prefix="left-behind-")[0])
+
+
+def _fault_at_step_2(fault: str) -> int | None:
+    """Exit 1, die by SIGKILL or hang, as `fault` asks; the exit code for main to return, if any."""
+    if fault == "exit1":
+        print("failing on purpose with exit code 1", flush=True)
+        return 1
+    if fault == "sigkill":
+        print("killing myself with SIGKILL", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "hang":
+        time.sleep(FOREVER_S)
+    return None
+
+
+def main() -> int:
+    me = worker_identity()
+    fault = _fault_for(me.rank)
+    print(f"rank {me.rank} of {me.num_workers} pid {os.getpid()} pgid {os.getpgid(0)} starting", flush=True)
+    _show_environment()
     subprocess.Popen(["sleep", str(FOREVER_S)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if fault == "never_ready":
         time.sleep(FOREVER_S)
@@ -89,14 +107,9 @@ def main() -> int:
     steps = int(os.environ.get("TINY_WORKER_STEPS", "5"))
     step_s = float(os.environ.get("TINY_WORKER_STEP_S", "0.05"))
     for step in range(steps):
-        if step == 2 and fault == "exit1":
-            print("failing on purpose with exit code 1", flush=True)
-            return 1
-        if step == 2 and fault == "sigkill":
-            print("killing myself with SIGKILL", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if step == 2 and fault == "hang":
-            time.sleep(FOREVER_S)
+        exit_code = _fault_at_step_2(fault) if step == 2 else None
+        if exit_code is not None:
+            return exit_code
         time.sleep(step_s)
         if me.rank == 0:
             for peer in peers:

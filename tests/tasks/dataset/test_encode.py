@@ -15,7 +15,8 @@ from tasks.dataset.readers import DocumentChunk
 from tasks.dataset.split import DocumentDraws
 
 EOS = "<|endoftext|>"
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "quietly", "hex", "jumbo", "vexing", "daft", "zebras"]
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "quietly",
+         "hex", "jumbo", "vexing", "daft", "zebras"]
 
 
 @pytest.fixture(scope="module")
