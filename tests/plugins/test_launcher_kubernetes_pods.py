@@ -1,5 +1,5 @@
 """Each pod's status and log as the group sees them (kubernetes_pods.py), through the kubernetes backend against
-tests/k8s_server.py: a dropped log stream, a pod killed mid-run, a pod that stays Pending, an image that cannot be
+tests/support/k8s_server.py: a dropped log stream, a pod killed mid-run, a pod that stays Pending, an image that cannot be
 pulled."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from tf_multiworker.launcher import FailureKind, GroupState
 from tf_multiworker.launcher.kubernetes_objects import GroupNames
 
-from tests.k8s_server import FakeKubernetes
 from tests.plugins.test_launcher_kubernetes import RUN_KEY, backend, image_env, run, spec
+from tests.support.k8s_server import FakeKubernetes
 
 
 @pytest.fixture
