@@ -31,7 +31,7 @@ SHARDS_ASSET = Asset(name="gpt_finetune_shards", uri="gpt-finetune://datasets/sh
 MODEL_ASSET = Asset(name="gpt_finetune_model", uri="gpt-finetune://models/latest")
 PROMOTIONS = AssetAlias(name="gpt_finetune_promotions")
 
-# One entry per RunConfig field (trainer/config.py): the trigger form and --conf both go through these, and
+# One entry per RunConfig field (trainer/config/): the trigger form and --conf both go through these, and
 # RunConfig.from_params re-checks everything, including keys Airflow does not know.
 PARAMS = {
     "num_workers": Param(2, type="integer", minimum=1, maximum=64, title="Workers",

@@ -25,7 +25,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from trainer.config import QUEUE_NAME
+from trainer.config.launch import QUEUE_NAME
 
 if TYPE_CHECKING:
     from airflow.models.dagrun import DagRun

@@ -113,8 +113,8 @@ def test_params_cover_every_setting_with_matching_defaults(dag):
 
 def test_param_bounds_are_the_run_configs(dag):
     """The trigger form refuses exactly what RunConfig refuses: each numeric Param's minimum and maximum are the
-    bounds `RunConfig` applies (`trainer.config.RANGES`, `OPEN_BELOW` for an excluded low end)."""
-    from trainer.config import OPEN_BELOW, RANGES
+    bounds `RunConfig` applies (`trainer.config.core.RANGES`, `OPEN_BELOW` for an excluded low end)."""
+    from trainer.config.core import OPEN_BELOW, RANGES
 
     declared = {}
     for name in field_names():

@@ -52,7 +52,7 @@ def test_data_steps_and_code_change_the_key(tmp_path, monkeypatch):
     shutil.copytree(baseline_module.TRAINER_SOURCES, sources, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(baseline_module, "TRAINER_SOURCES", sources)
     before = key()
-    (sources / "config.py").write_text((sources / "config.py").read_text() + "\n# changed\n")
+    (sources / "config" / "core.py").write_text((sources / "config" / "core.py").read_text() + "\n# changed\n")
     assert key() != before
 
 

@@ -1,0 +1,69 @@
+import pytest
+
+from trainer.config import MODEL_PRESETS, ConfigError, RunConfig
+
+
+@pytest.mark.parametrize(
+    "params, fragments",
+    [
+        ({"num_workers": 0}, ["'num_workers' = 0", "out of range", "1 to 64"]),
+        ({"num_workers": 65}, ["'num_workers' = 65", "1 to 64"]),
+        ({"prepare_tasks": 300}, ["'prepare_tasks' = 300", "0 to 256"]),
+        ({"learning_rate": 0}, ["'learning_rate'", "(0, 1]"]),
+        ({"batch_size_per_worker": 0}, ["'batch_size_per_worker' = 0", "out of range"]),
+        ({"mixed_precision": "fp8"}, ["'mixed_precision' = 'fp8'", "'bf16'"]),
+        ({"baseline": "maybe"}, ["'baseline'", "'auto'"]),
+        ({"storage_root": "gs://bucket"}, ["'storage_root'", "scheme 'gs'"]),
+        ({"tokenizer": "bpe:abc"}, ["'tokenizer'", "bpe:<vocab size>"]),
+        ({"tokenizer": "bpe:100"}, ["'tokenizer'", "260 to 1000000"]),
+        ({"model": "tiny", "block_size": 512}, ["'block_size' = 512", "'tiny'", "256 positions"]),
+        ({"max_steps": 5, "warmup_steps": 5}, ["'warmup_steps' = 5", "'max_steps' = 5"]),
+        ({"num_workers": 4, "num_shards": 2}, ["'num_shards' = 2", "'num_workers' = 4"]),
+        ({"mixed_precision": "fp16"}, ["'fp16'", "use_gpu"]),
+        ({"dataset": "  "}, ["'dataset'", "empty"]),
+        ({"model_name": "../etc"}, ["'model_name' = '../etc'", "not a safe name", "letters, digits"]),
+        ({"model_name": "a/b"}, ["'model_name' = 'a/b'", "not a safe name"]),
+        ({"model_name": ""}, ["'model_name'", "not a safe name"]),
+        ({"model": "promoted:.hidden"}, ["'model' = 'promoted:.hidden'", "'.hidden'", "not a safe name"]),
+        ({"promotion_tolerance": -0.1}, ["'promotion_tolerance' = -0.1", "out of range", "0.0 to 100.0"]),
+        ({"promote": "sometimes"}, ["'promote' = 'sometimes'", "'auto'", "'always'", "'never'"]),
+        (
+            {"batch_size_per_worker": 4096, "num_workers": 64, "grad_accum_steps": 8},
+            ["Global batch", "4096 x 64 x 8", "lower one of them"],
+        ),
+    ],
+)
+def test_bad_settings_name_key_value_and_what_is_allowed(params, fragments):
+    with pytest.raises(ConfigError) as excinfo:
+        RunConfig.from_params(params)
+    message = str(excinfo.value)
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_presets_fit_their_block_sizes():
+    for name, preset in MODEL_PRESETS.items():
+        RunConfig.from_params({"model": name, "block_size": preset["n_positions"]})
+
+
+@pytest.mark.parametrize("params, fragments", [
+    ({"alert_emails": ["ops@example.com"]}, ["'alert_emails' needs 'alert_conn_id'", "smtp"]),
+    ({"alert_conn_id": "alerts"}, ["'alert_conn_id' = 'alerts' needs 'alert_emails'"]),
+    ({"alert_conn_id": "alerts", "alert_emails": ["ops"]}, ["'alert_emails' has ['ops']", "name@domain"]),
+    ({"alert_conn_id": "alerts", "alert_emails": "ops@example.com"}, ["'alert_emails' must be a list of strings"]),
+    ({"max_loss_rise": -1}, ["'max_loss_rise' = -1.0 is out of range", "0.0 to 100.0"]),
+    ({"min_throughput_ratio": 1.5}, ["'min_throughput_ratio' = 1.5 is out of range", "0.0 to 1.0"]),
+], ids=["emails-without-connection", "connection-without-emails", "not-an-address", "emails-not-a-list",
+        "negative-rise", "ratio-above-1"])
+def test_bad_monitoring_settings_are_refused_naming_the_setting(params, fragments):
+    with pytest.raises(ConfigError) as raised:
+        RunConfig.from_params(params)
+    assert all(fragment in str(raised.value) for fragment in fragments), str(raised.value)
+
+
+def test_alert_settings_round_trip_and_cleared_fields_mean_no_alerts():
+    cfg = RunConfig.from_params({"alert_conn_id": "alerts", "alert_emails": ["ops@example.com", "a.b@ml.example.org"]})
+    assert cfg.alert_emails == ("ops@example.com", "a.b@ml.example.org")
+    assert RunConfig.from_params(cfg.to_dict()) == cfg
+    cleared = RunConfig.from_params({"alert_conn_id": None, "alert_emails": None})  # the trigger form's empty fields
+    assert (cleared.alert_conn_id, cleared.alert_emails) == ("", ())

@@ -1,0 +1,209 @@
+"""The one run configuration: built once from the DAG's params, validated once, frozen, passed on.
+
+Airflow validates only the Params it declares; keys given with `--conf` that are not declared arrive unchecked.
+`RunConfig.from_params` therefore checks every key itself (unknown keys, types, ranges, cross-field rules) and
+raises `ConfigError` naming the key, the value given and what is allowed, before anything expensive starts.
+
+`RunConfig` holds the fields; their rules are one job per module: `core` (model, tokenizer, data, training,
+promotion and monitoring; the bounds of every numeric setting), `launch` (backend, worker counts, SSH hosts,
+Kubernetes pods, collectives, the GPU queue) and `access` (the places settings may name, from the environment).
+
+The package must stay importable without Airflow and without TensorFlow: the DAG, the tasks and every worker
+use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.config.access import AccessPolicy
+from trainer.config.core import BPE_SPEC, MODEL_PRESETS, PROMOTED_MODEL, ConfigError, check_core_settings, coerce
+from trainer.config.launch import DEFAULT_TRAINER_IMAGE, check_launch_settings, exact_worker_counts
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every setting of one pipeline run. Field order is the order shown in logs and reports."""
+
+    num_workers: int = 2
+    min_workers: int | None = None
+    backend: str = "local"
+    ssh_conn_ids: tuple[str, ...] = ()
+    workers_per_host: int = 0
+    remote_python: str = ""
+    remote_workdir: str = ""
+    dataset: str = "data/sample/*.txt"
+    text_column: str = "text"
+    tokenizer: str = "bpe:2048"
+    model: str = "tiny"
+    block_size: int = 64
+    batch_size_per_worker: int = 8
+    max_steps: int = 300
+    epochs: float = 1.0
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    grad_accum_steps: int = 1
+    mixed_precision: str = "no"
+    xla: bool = False
+    use_gpu: bool = False
+    baseline: str = "auto"
+    loss_tolerance: float = 0.02
+    storage_root: str = "storage"
+    storage_conn_id: str = ""
+    seed: int = 1234
+    val_fraction: float = 0.05
+    num_shards: int = 0
+    # prepare (tasks/dataset): mapped tasks (0 = from the corpus size, 1 = one task), unit size, BPE sample
+    prepare_tasks: int = 0
+    prepare_unit_mb: int = 0
+    bpe_sample_mb: int = 256
+    checkpoint_every_steps: int = 20
+    communication: str = "auto"
+    collective_timeout_s: int = 300
+    startup_timeout_s: int = 180
+    hang_timeout_s: int = 600
+    model_name: str = "gpt_finetune"
+    promotion_tolerance: float = 0.0
+    promote: str = "auto"
+    # backend=kubernetes (plugins/tf_multiworker/launcher/kubernetes.py)
+    kubernetes_conn_id: str = ""
+    namespace: str = "default"
+    image: str = DEFAULT_TRAINER_IMAGE
+    gpus_per_worker: int = 0
+    cpu: str = ""
+    memory: str = ""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    service_account: str = ""
+    keep_failed_pods: bool = False
+    min_predicted_efficiency: float = 0.0
+    # The Celery queue of the tasks that hold gpu_slots (plugins/tf_multiworker/gpu_admission.py); "": the default.
+    gpu_queue: str = ""
+    # Monitoring (docs/monitoring.md): fail fast when the loss diverges; warn when throughput collapses; alerts.
+    max_loss_rise: float = 3.0
+    min_throughput_ratio: float = 0.5
+    alert_conn_id: str = ""
+    alert_emails: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for spec in dataclasses.fields(self):  # direct construction gets the same type checks as from_params
+            coerce(spec.name, getattr(self, spec.name), spec)
+        check_core_settings(self)
+        AccessPolicy.from_env().check_settings(self)
+        check_launch_settings(self)
+
+    # -- construction ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> RunConfig:
+        """Build from DAG params / `--conf` (or a saved `to_dict()`); every key is checked."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"Unknown run setting(s) {unknown}: allowed keys are {sorted(known)}. "
+                "Check the spelling in --conf or the trigger form."
+            )
+        values = dict(params)
+        # The trigger form sends null for an optional field the user cleared.
+        for name in ("storage_conn_id", "remote_python", "remote_workdir", "kubernetes_conn_id", "cpu", "memory",
+                     "service_account", "gpu_queue", "alert_conn_id"):
+            if name in values and values[name] is None:
+                values[name] = ""
+        for name in ("ssh_conn_ids", "alert_emails"):
+            if name in values and values[name] is None:
+                values[name] = ()
+        return cls(**{name: coerce(name, value, known[name]) for name, value in values.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-shaped (lists, not tuples): what `from_params` takes back."""
+        return {name: list(value) if isinstance(value, tuple) else value
+                for name, value in dataclasses.asdict(self).items()}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return dataclasses.replace(self, **changes)
+
+    # -- derived values ----------------------------------------------------------------------------------------
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step across all workers."""
+        return self.batch_size_per_worker * self.num_workers * self.grad_accum_steps
+
+    @property
+    def lowest_worker_count(self) -> int:
+        """The fewest workers a retried train task may continue on (`min_workers`; unset: `num_workers`)."""
+        return self.num_workers if self.min_workers is None else self.min_workers
+
+    @property
+    def elastic_worker_counts(self) -> list[int]:
+        """Worker counts this run may train on, highest first: from `num_workers` down to `min_workers`, those
+        that split the global batch exactly (count x accumulation == num_workers x grad_accum_steps)."""
+        return exact_worker_counts(self.num_workers, self.grad_accum_steps, self.lowest_worker_count)
+
+    def for_workers(self, count: int, **changes: Any) -> RunConfig:
+        """The same run (same global batch, same per-slot data order) on `count` workers with more accumulation."""
+        slots = self.num_workers * self.grad_accum_steps
+        if count not in exact_worker_counts(self.num_workers, self.grad_accum_steps, 1):
+            raise ConfigError(f"{count} workers cannot split {slots} slots of the global batch exactly.")
+        return self.replace(num_workers=count, grad_accum_steps=slots // count,
+                            min_workers=None if self.min_workers is None else min(self.min_workers, count),
+                            **changes)
+
+    @property
+    def is_preset_model(self) -> bool:
+        return self.model in MODEL_PRESETS
+
+    @property
+    def promoted_source(self) -> str | None:
+        """The registered model name `model` continues from (`promoted`, `promoted:<name>`), else None."""
+        if self.model == PROMOTED_MODEL:
+            return self.model_name
+        prefix = PROMOTED_MODEL + ":"
+        return self.model[len(prefix):] if self.model.startswith(prefix) else None
+
+    @property
+    def bpe_vocab_size(self) -> int | None:
+        """Vocabulary size when the tokenizer is trained here (`bpe:<n>`), else None."""
+        match = BPE_SPEC.match(self.tokenizer)
+        return int(match.group(1)) if match else None
+
+    @property
+    def effective_num_shards(self) -> int:
+        """Shards to write: the explicit setting, or 4 per worker so any later worker count up to 4x divides."""
+        return self.num_shards or 4 * self.num_workers
+
+    def steps_for(self, train_sequences: int) -> int:
+        """Optimizer steps of this run: `max_steps` when set, else `epochs` passes over the training split."""
+        if self.max_steps:
+            return self.max_steps
+        if train_sequences <= 0:
+            raise ConfigError("The training split has no sequences: cannot derive steps from 'epochs'.")
+        return max(1, math.ceil(self.epochs * train_sequences / self.global_batch_size))
+
+    def baseline_config(self) -> RunConfig:
+        """The single-worker run with the same global batch and the same optimizer steps."""
+        return self.replace(num_workers=1, grad_accum_steps=self.grad_accum_steps * self.num_workers, min_workers=None)
+
+    def summary_lines(self) -> list[str]:
+        """One `key = value` line per setting, for the single log of the config."""
+        width = max(len(name) for name in self.to_dict())
+        lines = [f"{name:<{width}} = {value!r}" for name, value in self.to_dict().items()]
+        lines.append(f"{'global_batch_size':<{width}} = {self.global_batch_size} (derived)")
+        return lines
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(RunConfig)]
+
+
+__all__ = ["MODEL_PRESETS", "AccessPolicy", "ConfigError", "RunConfig", "field_names"]

@@ -1,0 +1,196 @@
+"""The core settings of a run: model, tokenizer, data, training, promotion and monitoring.
+
+The choices, the bounds of every numeric setting (`RANGES`, `OPEN_BELOW`), each field's JSON type, and the rules
+between these settings. Nothing here reads the environment: the same config gives the same answer everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlparse
+
+
+class ConfigError(ValueError):
+    """A run setting is missing, unknown, of the wrong type or out of range."""
+
+
+# Shapes of the random-init model presets; anything else in `model` is a hub id or a directory/URL
+# in `save_pretrained` format.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64, "n_positions": 256},
+    "gpt2-124m": {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024},
+}
+
+MIXED_PRECISION = ("no", "bf16", "fp16")
+BASELINE_POLICIES = ("auto", "run", "skip")
+PROMOTE_POLICIES = ("auto", "always", "never")
+# `model: "promoted"` continues from the latest promoted version of `model_name`, `promoted:<name>` from another.
+PROMOTED_MODEL = "promoted"
+# A registered model's name: one path segment, safe in local paths and S3 keys.
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+STORAGE_SCHEMES = ("", "file", "s3")
+MAX_GLOBAL_BATCH = 1 << 20
+MAX_GRAD_ACCUM = 1024
+MAX_PREPARE_TASKS = 256  # mapped tasks of the prepare stage (the scheduler slows with thousands of them)
+BPE_SPEC = re.compile(r"^bpe:(\d+)$")
+_EMAIL = re.compile(r"[^@\s,;<>]+@[^@\s,;<>]+\.[^@\s,;<>]+")
+
+# Every numeric setting's bounds, in one table: RunConfig applies them and the DAG's Params declare the same
+# minimum and maximum (tests/dags/test_gpt_finetune.py compares the two).
+RANGES: dict[str, tuple[float, float]] = {
+    "num_workers": (1, 64), "block_size": (8, 8192), "batch_size_per_worker": (1, 4096),
+    "max_steps": (0, 10_000_000), "grad_accum_steps": (1, MAX_GRAD_ACCUM), "warmup_steps": (0, 10_000_000),
+    "weight_decay": (0.0, 1.0), "loss_tolerance": (0.0, 100.0), "promotion_tolerance": (0.0, 100.0),
+    "seed": (0, 2**31 - 1), "num_shards": (0, 100_000), "prepare_tasks": (0, MAX_PREPARE_TASKS),
+    "prepare_unit_mb": (0, 1 << 20), "bpe_sample_mb": (1, 1 << 20), "checkpoint_every_steps": (1, 10_000_000),
+    "collective_timeout_s": (5, 86_400), "startup_timeout_s": (5, 86_400), "hang_timeout_s": (10, 7 * 86_400),
+    "max_loss_rise": (0.0, 100.0), "min_throughput_ratio": (0.0, 1.0), "min_predicted_efficiency": (0.0, 1.0),
+    "gpus_per_worker": (0, 16), "workers_per_host": (0, 64),
+}
+# Bounds whose low end is excluded: (low, high].
+OPEN_BELOW: dict[str, tuple[float, float]] = {"learning_rate": (0.0, 1.0), "epochs": (0.0, 1000.0),
+                                              "val_fraction": (0.0, 0.5)}
+
+
+def coerce(name: str, value: Any, spec: dataclasses.Field) -> Any:
+    """Check a value's JSON type against the field's type; ints are accepted where floats are expected."""
+    expected = spec.type if isinstance(spec.type, str) else spec.type.__name__
+    if expected == "int | None":
+        if value is None or isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"Setting '{name}' must be an integer or empty, got {value!r} ({type(value).__name__}).")
+    if expected == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"Setting '{name}' must be true or false, got {value!r} ({type(value).__name__}).")
+    if expected == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(
+            f"Setting '{name}' must be an integer, got {value!r} ({type(value).__name__}). "
+            f"In --conf write it without quotes, e.g. {{\"{name}\": 4}}."
+        )
+    if expected == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        raise ConfigError(f"Setting '{name}' must be a finite number, got {value!r} ({type(value).__name__}).")
+    if expected == "str":
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"Setting '{name}' must be a string, got {value!r} ({type(value).__name__}).")
+    if expected == "tuple[str, ...]":
+        if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+            return tuple(value)
+        raise ConfigError(
+            f"Setting '{name}' must be a list of strings, got {value!r} ({type(value).__name__}). "
+            f"In --conf write e.g. {{\"{name}\": [\"host_a\", \"host_b\"]}}."
+        )
+    if expected == "dict[str, str]":
+        if isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            return dict(value)
+        raise ConfigError(
+            f"Setting '{name}' must be a map of strings to strings, got {value!r} ({type(value).__name__}), "
+            f"e.g. {{\"{name}\": {{\"nvidia.com/gpu.product\": \"NVIDIA-H200\"}}}}."
+        )
+    if expected == "list[dict[str, Any]]":
+        if isinstance(value, (list, tuple)) and all(isinstance(item, Mapping) for item in value):
+            return [dict(item) for item in value]
+        raise ConfigError(f"Setting '{name}' must be a list of objects, got {value!r} ({type(value).__name__}).")
+    raise AssertionError(f"RunConfig field {name} has an unsupported type {expected}")
+
+
+def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"Setting '{name}' = {value!r} is not allowed: choose one of {list(allowed)}.")
+
+
+def check_model_name(name: str, value: str, *, setting_value: str | None = None) -> None:
+    if not _MODEL_NAME.fullmatch(value):
+        raise ConfigError(
+            f"Setting '{name}' = {setting_value or value!r} names the registered model {value!r}, which is not a "
+            "safe name: use 1-64 letters, digits, '_' or '-', starting with a letter or digit."
+        )
+
+
+def _check_bounds(cfg: Any) -> None:
+    for name, (low, high) in RANGES.items():
+        value = getattr(cfg, name)
+        if not low <= value <= high:
+            raise ConfigError(f"Setting '{name}' = {value!r} is out of range: allowed is {low} to {high}.")
+    for name, (low, high) in OPEN_BELOW.items():
+        value = getattr(cfg, name)
+        if not low < value <= high:
+            raise ConfigError(f"Setting '{name}' = {value!r} is out of range: allowed is ({low:g}, {high:g}].")
+
+
+def _check_alerts(cfg: Any) -> None:
+    """Recipients need a connection to send through and the other way round (the connection itself is looked up
+    in prepare, where Airflow's connections are: tasks/alerts.py)."""
+    bad = [address for address in cfg.alert_emails if not _EMAIL.fullmatch(address)]
+    if bad:
+        raise ConfigError(f"Setting 'alert_emails' has {bad}, which are not e-mail addresses (name@domain).")
+    if cfg.alert_emails and not cfg.alert_conn_id:
+        raise ConfigError("Setting 'alert_emails' needs 'alert_conn_id': the Airflow connection (smtp type) that "
+                          "sends the alerts.")
+    if cfg.alert_conn_id and not cfg.alert_emails:
+        raise ConfigError(f"Setting 'alert_conn_id' = {cfg.alert_conn_id!r} needs 'alert_emails': the addresses "
+                          "the alerts go to.")
+
+
+def check_core_settings(cfg: Any) -> None:
+    """The bounds of a RunConfig's numeric settings, and the rules of its model, tokenizer, data, training,
+    promotion and monitoring settings."""
+    _check_bounds(cfg)
+    _check_alerts(cfg)
+    check_choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION)
+    check_choice("baseline", cfg.baseline, BASELINE_POLICIES)
+    check_choice("promote", cfg.promote, PROMOTE_POLICIES)
+    check_model_name("model_name", cfg.model_name)
+
+    for name in ("dataset", "text_column", "tokenizer", "model", "storage_root"):
+        if not getattr(cfg, name).strip():
+            raise ConfigError(f"Setting '{name}' must not be empty.")
+
+    scheme = urlparse(cfg.storage_root).scheme
+    if scheme not in STORAGE_SCHEMES:
+        raise ConfigError(
+            f"Setting 'storage_root' = {cfg.storage_root!r} uses the unsupported scheme '{scheme}': "
+            "use a local path, file:// or s3://."
+        )
+    if cfg.promoted_source is not None:
+        check_model_name("model", cfg.promoted_source, setting_value=cfg.model)
+
+    vocab = cfg.bpe_vocab_size
+    if cfg.tokenizer.startswith("bpe:") and vocab is None:
+        raise ConfigError(
+            f"Setting 'tokenizer' = {cfg.tokenizer!r} is malformed: write bpe:<vocab size>, e.g. bpe:8192.")
+    if vocab is not None and not 260 <= vocab <= 1_000_000:
+        raise ConfigError(f"Setting 'tokenizer' = {cfg.tokenizer!r}: the BPE vocabulary must be 260 to 1000000.")
+
+    preset = MODEL_PRESETS.get(cfg.model)
+    if preset and cfg.block_size > preset["n_positions"]:
+        raise ConfigError(
+            f"Setting 'block_size' = {cfg.block_size} exceeds what model '{cfg.model}' allows "
+            f"({preset['n_positions']} positions): lower 'block_size'."
+        )
+    if cfg.max_steps and cfg.warmup_steps >= cfg.max_steps:
+        raise ConfigError(
+            f"Setting 'warmup_steps' = {cfg.warmup_steps} must be below 'max_steps' = {cfg.max_steps}."
+        )
+    if cfg.global_batch_size > MAX_GLOBAL_BATCH:
+        raise ConfigError(
+            f"Global batch = batch_size_per_worker x num_workers x grad_accum_steps = "
+            f"{cfg.batch_size_per_worker} x {cfg.num_workers} x {cfg.grad_accum_steps} = {cfg.global_batch_size} "
+            f"exceeds {MAX_GLOBAL_BATCH}: lower one of them."
+        )
+    if cfg.num_shards and cfg.num_shards < cfg.num_workers:
+        raise ConfigError(
+            f"Setting 'num_shards' = {cfg.num_shards} is below 'num_workers' = {cfg.num_workers}: every worker "
+            "needs at least one shard of its own. Raise 'num_shards' or set it to 0 (automatic)."
+        )
+    if cfg.mixed_precision == "fp16" and not cfg.use_gpu:
+        raise ConfigError("Setting 'mixed_precision' = 'fp16' needs 'use_gpu' = true: use 'bf16' or 'no' on CPU.")

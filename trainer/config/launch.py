@@ -1,0 +1,177 @@
+"""The launch settings of a run: backend, worker counts, SSH hosts, Kubernetes pods, collectives and queue.
+
+Formats are checked whatever the backend (a Kubernetes name is checked here, so a bad one fails before anything is
+created); the rules between settings apply to the backend chosen. Workers that run elsewhere (SSH hosts, pods)
+share no filesystem with the Airflow worker, so they need an s3:// storage root.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import urlparse
+
+from tf_multiworker.launcher.protocol import BACKEND_NAMES
+
+from trainer.config.access import is_hub_id
+from trainer.config.core import MAX_GRAD_ACCUM, ConfigError, check_choice
+
+COMMUNICATION = ("auto", "ring", "nccl")
+# A Celery queue as `airflow celery worker -q` takes it (a comma would split it into two queues).
+QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
+_CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")
+# Kubernetes formats (apimachinery validation).
+DEFAULT_TRAINER_IMAGE = "gpt-finetune-trainer:2.21.0"  # docker/trainer.Dockerfile
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+_CPU_QUANTITY = re.compile(r"\d+(\.\d+)?m?")
+_MEMORY_QUANTITY = re.compile(r"\d+(\.\d+)?([KMGTPE]i?|k)?")
+_IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@-]*")
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def exact_worker_counts(num_workers: int, grad_accum_steps: int, lowest: int) -> list[int]:
+    """Counts from `num_workers` down to `lowest` that divide the global batch's slots (num_workers x
+    grad_accum_steps) within the accumulation limit, highest first: each keeps every slot's data exact."""
+    slots = num_workers * grad_accum_steps
+    return [n for n in range(num_workers, max(lowest, 1) - 1, -1) if slots % n == 0 and slots // n <= MAX_GRAD_ACCUM]
+
+
+def check_launch_settings(cfg: Any) -> None:
+    """The rules of a RunConfig's launch settings (its field types and bounds are checked first)."""
+    check_choice("backend", cfg.backend, BACKEND_NAMES)
+    check_choice("communication", cfg.communication, COMMUNICATION)
+    if cfg.gpu_queue and not QUEUE_NAME.fullmatch(cfg.gpu_queue):
+        raise ConfigError(
+            f"Setting 'gpu_queue' = {cfg.gpu_queue!r} is not a queue name: letters, digits, '_', '.' and '-', starting "
+            "with a letter or digit, at most 200 characters (empty: the default queue). Name the queue that the GPU "
+            "hosts' Celery workers serve (`airflow celery worker -q <queue>`).")
+    _check_ssh(cfg)
+    _check_scaling(cfg)
+    if cfg.communication == "nccl" and not cfg.use_gpu:
+        raise ConfigError("Setting 'communication' = 'nccl' needs 'use_gpu' = true: use 'ring' or 'auto' on CPU.")
+    _check_kubernetes(cfg)
+
+
+def _check_kubernetes(cfg: Any) -> None:
+    """The kubernetes backend's settings: formats always, the rules between them when that backend is chosen."""
+    if not _DNS_LABEL.fullmatch(cfg.namespace):
+        raise ConfigError(
+            f"Setting 'namespace' = {cfg.namespace!r} is not a Kubernetes namespace name: a DNS label of at most 63 "
+            "lowercase letters, digits and '-', starting and ending with a letter or digit."
+        )
+    if cfg.backend == "kubernetes" and not cfg.image.strip():
+        raise ConfigError("Setting 'image' must name the trainer image for backend 'kubernetes', e.g. "
+                          f"{DEFAULT_TRAINER_IMAGE!r} (docker/trainer.Dockerfile).")
+    if cfg.backend == "kubernetes":
+        _check_shared_storage(cfg, "backend 'kubernetes' runs workers in pods", "the pods")
+    if cfg.image and not _IMAGE.fullmatch(cfg.image):
+        raise ConfigError(f"Setting 'image' = {cfg.image!r} is not an image reference (registry/name:tag).")
+    if cfg.gpus_per_worker and not cfg.use_gpu:
+        raise ConfigError(f"Setting 'gpus_per_worker' = {cfg.gpus_per_worker} needs 'use_gpu' = true: set use_gpu, "
+                          "or gpus_per_worker to 0 on CPU.")
+    if cfg.gpus_per_worker and cfg.backend != "kubernetes":
+        raise ConfigError(f"Setting 'gpus_per_worker' = {cfg.gpus_per_worker} applies to backend 'kubernetes' only "
+                          f"(backend is {cfg.backend!r}): set it to 0.")
+    if cfg.cpu and not _CPU_QUANTITY.fullmatch(cfg.cpu):
+        raise ConfigError(f"Setting 'cpu' = {cfg.cpu!r} is not a CPU quantity: write cores ('4', '0.5') or "
+                          "millicores ('500m'), or leave it empty for no request.")
+    if cfg.memory and not _MEMORY_QUANTITY.fullmatch(cfg.memory):
+        raise ConfigError(f"Setting 'memory' = {cfg.memory!r} is not a memory quantity: write e.g. '16Gi' or "
+                          "'512Mi', or leave it empty for no request.")
+    for key, value in cfg.node_selector.items():
+        prefix, _, label = key.rpartition("/")
+        if (prefix and not (len(prefix) <= 253 and _DNS_SUBDOMAIN.fullmatch(prefix))) or \
+                not _LABEL_NAME.fullmatch(label) or not _LABEL_VALUE.fullmatch(value):
+            raise ConfigError(f"Setting 'node_selector' entry {key!r}: {value!r} is not a Kubernetes label: keys "
+                              "are [prefix/]name, values at most 63 letters, digits, '-', '_' or '.'.")
+    allowed = {"key", "operator", "value", "effect", "tolerationSeconds"}
+    for toleration in cfg.tolerations:
+        unknown = sorted(set(toleration) - allowed)
+        if unknown:
+            raise ConfigError(f"Setting 'tolerations' entry {toleration!r} has unknown keys {unknown}: allowed are "
+                              f"{sorted(allowed)} (Kubernetes spelling).")
+        if toleration.get("operator", "Equal") not in TOLERATION_OPERATORS or \
+                toleration.get("effect", "") not in TOLERATION_EFFECTS:
+            raise ConfigError(f"Setting 'tolerations' entry {toleration!r}: operator must be one of "
+                              f"{list(TOLERATION_OPERATORS)} and effect one of {list(TOLERATION_EFFECTS)}.")
+        if not all(isinstance(toleration.get(k, ""), str) for k in ("key", "value")) or \
+                not isinstance(toleration.get("tolerationSeconds", 0), int):
+            raise ConfigError(f"Setting 'tolerations' entry {toleration!r}: key and value are strings, "
+                              "tolerationSeconds an integer.")
+    if cfg.service_account and not (len(cfg.service_account) <= 253
+                                    and _DNS_SUBDOMAIN.fullmatch(cfg.service_account)):
+        raise ConfigError(f"Setting 'service_account' = {cfg.service_account!r} is not a service account name "
+                          "(lowercase letters, digits, '-' and '.').")
+
+
+def _check_scaling(cfg: Any) -> None:
+    """`min_workers`: elastic recovery on fewer workers."""
+    if cfg.min_workers is None or cfg.min_workers == cfg.num_workers:
+        return
+    if not 1 <= cfg.min_workers <= cfg.num_workers:
+        raise ConfigError(f"Setting 'min_workers' = {cfg.min_workers} is out of range: allowed is 1 to 'num_workers' "
+                          f"= {cfg.num_workers}, or empty for {cfg.num_workers} (no recovery on fewer workers).")
+    slots = cfg.num_workers * cfg.grad_accum_steps
+    fewer = exact_worker_counts(cfg.num_workers, cfg.grad_accum_steps, cfg.min_workers)[1:]
+    if not fewer:
+        possible = exact_worker_counts(cfg.num_workers, cfg.grad_accum_steps, 1)[1:]
+        raise ConfigError(
+            f"Setting 'min_workers' = {cfg.min_workers}: no worker count from {cfg.min_workers} to "
+            f"{cfg.num_workers - 1} splits the global batch's {slots} slots (num_workers x grad_accum_steps = "
+            f"{cfg.num_workers} x {cfg.grad_accum_steps}) exactly; possible counts below {cfg.num_workers} are "
+            f"{possible or 'none'}: set 'min_workers' to one of them, or leave it empty.")
+    if cfg.effective_num_shards < slots:
+        raise ConfigError(
+            f"Setting 'min_workers' = {cfg.min_workers} needs the per-slot data order, one shard per slot of the "
+            f"global batch: 'num_shards' = {cfg.effective_num_shards} is below num_workers x grad_accum_steps = "
+            f"{slots}: raise 'num_shards' to at least {slots}.")
+
+
+def _check_shared_storage(cfg: Any, why: str, readers: str) -> None:
+    """Workers that run elsewhere reach the run's files only through object storage."""
+    if urlparse(cfg.storage_root).scheme != "s3":
+        raise ConfigError(
+            f"Setting 'storage_root' = {cfg.storage_root!r} is local, but {why}, which share no filesystem with "
+            "this one: use an s3:// storage root (shards, checkpoints and results go through it).")
+    for name in ("model", "tokenizer"):
+        value = getattr(cfg, name)
+        if name == "model" and cfg.is_preset_model or name == "tokenizer" and value.startswith("bpe:"):
+            continue
+        scheme = urlparse(value).scheme
+        if scheme == "file" or not scheme and not is_hub_id(value):
+            raise ConfigError(f"Setting '{name}' = {value!r} is a local path, which {readers} cannot read: "
+                              "put it on the s3:// storage and name its URL, or use a preset or hub id.")
+
+
+def _check_ssh(cfg: Any) -> None:
+    """The SSH backend's settings; connection ids that Airflow does not know are refused by the prepare task."""
+    if cfg.backend != "ssh":
+        if cfg.ssh_conn_ids:
+            raise ConfigError(f"Setting 'ssh_conn_ids' = {list(cfg.ssh_conn_ids)} is only read by backend 'ssh', "
+                              f"but 'backend' = {cfg.backend!r}: set 'backend' to 'ssh' or clear 'ssh_conn_ids'.")
+        return
+    if not cfg.ssh_conn_ids:
+        raise ConfigError("Setting 'backend' = 'ssh' needs 'ssh_conn_ids': the Airflow SSH connections of the hosts, "
+                          'one per host, e.g. {"ssh_conn_ids": ["gpu_host_1", "gpu_host_2"]}.')
+    for conn_id in cfg.ssh_conn_ids:
+        if not _CONN_ID.match(conn_id):
+            raise ConfigError(f"Setting 'ssh_conn_ids' has {conn_id!r}, which is not an Airflow connection id "
+                              "(letters, digits, '_', '.', '-').")
+    repeated = sorted({c for c in cfg.ssh_conn_ids if cfg.ssh_conn_ids.count(c) > 1})
+    if repeated:
+        raise ConfigError(f"Setting 'ssh_conn_ids' names {repeated} more than once: list each host once and set "
+                          "'workers_per_host' for several workers on a host.")
+    if cfg.workers_per_host and cfg.workers_per_host * len(cfg.ssh_conn_ids) != cfg.num_workers:
+        raise ConfigError(
+            f"'workers_per_host' = {cfg.workers_per_host} x {len(cfg.ssh_conn_ids)} host(s) in 'ssh_conn_ids' = "
+            f"{cfg.workers_per_host * len(cfg.ssh_conn_ids)} workers, but 'num_workers' = {cfg.num_workers}: make "
+            "them agree, or set 'workers_per_host' to 0 (one per free GPU with use_gpu, else one per host).")
+    _check_shared_storage(cfg, "backend 'ssh' runs workers on other hosts", "the SSH hosts")
+    if cfg.remote_python and not cfg.remote_python.startswith("/"):
+        raise ConfigError(f"Setting 'remote_python' = {cfg.remote_python!r} must be an absolute path to the worker "
+                          "environment's interpreter on the hosts (e.g. /opt/gpt-finetune/.venv/bin/python), or "
+                          "empty for the same path as here.")
