@@ -29,9 +29,7 @@ def _group(backend, name: str, entrypoint: str, args: tuple[str, ...], num_worke
     from tf_multiworker.launcher import GroupSpec, WorkerGroup
 
     spec = GroupSpec(name=name, entrypoint=entrypoint, args=args, num_workers=num_workers, run_key="bench-advisor",
-                     # SSH hosts start from their own environment: the data roots travel with the group.
-                     env={"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO),
-                          "GPT_FINETUNE_DATA_ROOTS": os.environ.get("GPT_FINETUNE_DATA_ROOTS", "")},
+                     env={"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO)},
                      startup_timeout_s=300,
                      hang_timeout_s=300)
     result = WorkerGroup(spec, backend, workdir, on_line=lambda rank, line: None).run()

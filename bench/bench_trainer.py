@@ -104,7 +104,7 @@ def fit_floor(config_path: str, manifest_url: str, out_path: str) -> None:
     from trainer.model import build_model
     from trainer.optim import GRAD_CLIP_NORM, learning_rate_schedule, make_optimizer
 
-    cfg = RunConfig.from_params(storage.read_json(config_path))
+    cfg = RunConfig.from_saved(storage.read_json(config_path))
     tf.config.set_visible_devices([], "GPU")
     tf_keras.utils.set_random_seed(cfg.seed)
     manifest = load_manifest(manifest_url)

@@ -91,7 +91,7 @@ def plan_baseline(prepared: dict) -> bool:
 
     `run` clears the old output first so its summary.json cannot pass for the new one.
     """
-    cfg = RunConfig.from_params(prepared["config"])
+    cfg = RunConfig.from_saved(prepared["config"])
     key, baseline_url = prepared["baseline_key"], prepared["baseline_url"]
     if cfg.baseline == "skip":
         log.info("Baseline policy 'skip': no baseline, the report will have no speedup or loss parity.")

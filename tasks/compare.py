@@ -43,7 +43,7 @@ class EvaluationError(RuntimeError):
 
 @uses_run_storage
 def evaluate_run(prepared: dict) -> dict:
-    cfg = RunConfig.from_params(prepared["config"])
+    cfg = RunConfig.from_saved(prepared["config"])
     return _evaluate(prepared, cfg)
 
 

@@ -22,7 +22,8 @@ log = logging.getLogger("gpt_finetune.prepare")
 
 
 def build_config(params: Mapping[str, Any]) -> RunConfig:
-    """Params (UI form or --conf) -> the validated config, with `storage_root` made absolute."""
+    """Params (UI form or --conf) -> the validated config, with `storage_root` made absolute. The one check of the
+    access policy (`RunConfig.from_params`): later tasks and the workers load the saved config with `from_saved`."""
     cfg = RunConfig.from_params(dict(params))
     return cfg.replace(storage_root=absolute_root(cfg.storage_root))
 
@@ -76,7 +77,7 @@ def finish_run(plan: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str, A
     from tasks.dataset.stage import PreparedDataset, finish_dataset
     from trainer.data import load_manifest
 
-    cfg = RunConfig.from_params(plan["config"])
+    cfg = RunConfig.from_saved(plan["config"])
     continued_from = plan["continued_from"]
     dataset = PreparedDataset(**plan["dataset"]) if "dataset" in plan else finish_dataset(dict(plan))
     manifest = load_manifest(dataset.manifest_url)

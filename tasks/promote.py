@@ -23,7 +23,7 @@ from tasks import registry
 from tasks import report as reports
 from tasks.connections import uses_run_storage
 from tasks.formatting import nats
-from trainer.config import ConfigError, RunConfig
+from trainer.config import AccessPolicy, ConfigError, RunConfig
 from trainer.layout import ModelLayout, VersionLayout
 from trainer.storage import (
     exists,
@@ -48,7 +48,7 @@ class NoReportError(RuntimeError):
 @uses_run_storage
 def promote_run(prepared: dict) -> dict[str, Any]:
     """Promote (or not) this run's model; returns the outcome recorded in the report."""
-    cfg = RunConfig.from_params(prepared["config"])
+    cfg = RunConfig.from_saved(prepared["config"])
     report_json = join(prepared["report_url"], reports.REPORT_JSON)
     if not exists(report_json):
         raise NoReportError(
@@ -253,9 +253,11 @@ def resolve_promoted_model(cfg: RunConfig) -> tuple[RunConfig, dict[str, Any] | 
                  cfg.tokenizer, name, pointer["version"])
     log.info("Continuing from %s %s (run %s, eval loss %.4f): %s", name, pointer["version"], pointer["run_id"],
              pointer["eval_loss"], pointer["model_url"])
-    return cfg.replace(**changes), {"name": name, "version": pointer["version"], "url": pointer["url"],
-                                    "model_url": pointer["model_url"], "run_id": pointer["run_id"],
-                                    "eval_loss": pointer["eval_loss"]}
+    resolved = cfg.replace(**changes)
+    # The registry's URL may name only what a setting may (`from_params` checked the settings themselves).
+    AccessPolicy.from_env().check_settings(resolved)
+    return resolved, {"name": name, "version": pointer["version"], "url": pointer["url"],
+                      "model_url": pointer["model_url"], "run_id": pointer["run_id"], "eval_loss": pointer["eval_loss"]}
 
 
 def _now() -> str:

@@ -38,7 +38,8 @@ class ReleaseError(RuntimeError):
 
 
 def _settings(params: Mapping[str, Any]) -> dict[str, Any]:
-    """The run's settings even when they were invalid (release must still run): then the defaults plus its root."""
+    """The run's settings even when they were invalid (release must still run): then the defaults plus its root.
+    Read from the params, checked as prepare checks them: prepare may have failed before it saved a config."""
     try:
         cfg = RunConfig.from_params(dict(params))
     except ConfigError:

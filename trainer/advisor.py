@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_worker_logging(logging.WARNING)
     os.environ.pop("TF_CONFIG", None)
     try:
-        result = probe_step_time(RunConfig.from_params(storage.read_json(args.config)), args.manifest)
+        result = probe_step_time(RunConfig.from_saved(storage.read_json(args.config)), args.manifest)
     except Exception as error:  # noqa: BLE001 - the preflight reports a probe that cannot run, and goes on
         log.error("the advisor's probe could not train: %s: %s", type(error).__name__, error)
         return 1

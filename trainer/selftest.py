@@ -698,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_worker_logging(logging.INFO, f"%(asctime)s rank{identity.rank} %(levelname)s %(name)s: %(message)s")
     logging.getLogger("tensorflow").setLevel(logging.WARNING)  # one INFO line per collective otherwise
     try:
-        cfg = RunConfig.from_params(storage.read_json(args.config))
+        cfg = RunConfig.from_saved(storage.read_json(args.config))
     except (OSError, ValueError) as error:  # ConfigError is a ValueError
         log.error("rank %d on %s: cannot read the run configuration %s: %s", identity.rank, identity.host,
                   args.config, error)

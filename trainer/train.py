@@ -68,7 +68,7 @@ class TrainJob:
 
 def plan_job(config_url: str, manifest_url: str, output_url: str, environ: dict[str, str] | None = None) -> TrainJob:
     """Validate config, TF_CONFIG and manifest against each other without TensorFlow; raise ConfigError."""
-    cfg = RunConfig.from_params(storage.read_json(config_url))
+    cfg = RunConfig.from_saved(storage.read_json(config_url))
     if cfg.max_steps <= 0:
         raise ConfigError(f"{config_url}: 'max_steps' must be resolved (> 0) before training, got {cfg.max_steps}.")
     identity = runtime.worker_identity(environ)

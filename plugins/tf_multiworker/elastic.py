@@ -59,7 +59,7 @@ class ElasticTrainOperator(TFMultiWorkerOperator):
     """
 
     def plan_group(self, context: Any, spec: GroupSpec, backend: Backend) -> GroupSpec:
-        cfg = RunConfig.from_params(self.backend_settings or {})
+        cfg = RunConfig.from_saved(self.backend_settings or {})
         config_url, output = _arg(spec.args, "--config"), TrainOutput(_arg(spec.args, "--output"))
         capacity = Capacity(cfg.num_workers)
         if cfg.lowest_worker_count < cfg.num_workers:

@@ -232,7 +232,7 @@ def finish_dataset(summary: dict[str, Any], *, started: float | None = None) -> 
         return _result(plan["manifest_url"], storage.read_json(plan["manifest_url"]), cache_hit=True, tokenized=0,
                        started=started, timings={}, read=0)
     job = UnitJob.from_dict(plan["job"])
-    cfg = RunConfig.from_params(plan["cfg"])
+    cfg = RunConfig.from_saved(plan["cfg"])
     for source in job.sources:
         check_unchanged(source)
     results = [_complete(job, unit) for unit in range(plan["units"])]

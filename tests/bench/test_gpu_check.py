@@ -18,8 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_dry_run_trains_probes_the_all_reduce_and_reports(tmp_path):
     out = tmp_path / "figures.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path),
-           "GPT_FINETUNE_DATA_ROOTS": os.pathsep.join([str(REPO / "data"), str(tmp_path)])}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run", "--json", str(out)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -13,9 +13,13 @@ from pathlib import Path
 import pytest
 from tf_multiworker.launcher.process import live_group_members
 
+from trainer.config.access import DATA_ROOTS_ENV, S3_BUCKETS_ENV, STORAGE_ROOT_ENV
+
 ENTRYPOINTS = Path(__file__).resolve().parent / "entrypoints"
 REPO = Path(__file__).resolve().parents[2]
 HARNESS_DAGS = Path(__file__).resolve().parent / "harness_dags"
+# The access policy's variables: the prepare task checked the config against them; no worker reads them.
+ACCESS_POLICY_ENV = {DATA_ROOTS_ENV: "/srv/corpora", S3_BUCKETS_ENV: "corpora", STORAGE_ROOT_ENV: "s3://corpora/runs"}
 
 
 def entrypoint_env(**extra: str) -> dict[str, str]:

@@ -17,8 +17,9 @@ from tf_multiworker.launcher import FailureKind, GroupSpec, GroupState, WorkerGr
 from tf_multiworker.launcher.kubernetes import KubernetesBackend, KubernetesSettings
 from tf_multiworker.launcher.kubernetes_api import KubernetesApiError
 from tf_multiworker.launcher.kubernetes_objects import GroupNames, PodSettings
+from tf_multiworker.launcher.log_policy import VERBOSE_ENV
 
-from tests.plugins.conftest import ENTRYPOINTS, REPO
+from tests.plugins.conftest import ACCESS_POLICY_ENV, ENTRYPOINTS, REPO
 from tests.support.k8s_server import FakeKubernetes
 
 SECRET = "s3cret-for-the-pods-only"
@@ -68,7 +69,9 @@ def run(group_spec: GroupSpec, the_backend: KubernetesBackend, tmp_path: Path):
     return result, time.monotonic() - started, lines
 
 
-def test_a_group_runs_as_pods_that_find_each_other_by_dns_name(cluster, tmp_path):
+def test_a_group_runs_as_pods_that_find_each_other_by_dns_name(cluster, tmp_path, monkeypatch):
+    for name, value in {**ACCESS_POLICY_ENV, VERBOSE_ENV: "1"}.items():
+        monkeypatch.setenv(name, value)
     result, wall_s, lines = run(spec(num_workers=3), backend(cluster), tmp_path)
     print(f"\n3 pods: {result.state.value} in {wall_s:.2f} s")
     assert result.succeeded, result.error_message()
@@ -81,6 +84,8 @@ def test_a_group_runs_as_pods_that_find_each_other_by_dns_name(cluster, tmp_path
         assert json.loads(env["TF_CONFIG"])["cluster"]["worker"] == [
             f"{names.pod(r)}.{names.service}.default.svc:2222" for r in range(3)]
         assert "CUDA_VISIBLE_DEVICES" in env and SECRET not in json.dumps(cluster.created_body(names.pod(rank)))
+        assert not set(ACCESS_POLICY_ENV) & set(env), "the pods load a checked config: no access policy"
+        assert env[VERBOSE_ENV] == "1"
     assert cluster.remaining() == {}, "the group's objects are deleted when it ends"
 
 

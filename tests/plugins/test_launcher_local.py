@@ -26,9 +26,18 @@ from tf_multiworker.launcher import (
     WorkerState,
     free_gpus,
 )
+from tf_multiworker.launcher.log_policy import VERBOSE_ENV
 
 from tasks.release import processes_of_run
-from tests.plugins.conftest import alive, entrypoint_env, guards_of, start_launcher, wait_for, wait_until_gone
+from tests.plugins.conftest import (
+    ACCESS_POLICY_ENV,
+    alive,
+    entrypoint_env,
+    guards_of,
+    start_launcher,
+    wait_for,
+    wait_until_gone,
+)
 
 
 def _spec(fault: str = "", num_workers: int = 2, **changes) -> GroupSpec:
@@ -201,9 +210,10 @@ def test_what_a_stopped_worker_leaves_in_its_temp_dir_stays_in_its_work_dir_and_
 
 
 def test_workers_get_an_allow_listed_environment_and_secrets_are_redacted(tmp_path, monkeypatch):
-    """Nothing of the launching process's environment but the allow-list, plus the run's own variables and
-    secrets; a secret a worker prints reaches neither the task log nor the rank log file."""
-    for name, value in AIRFLOW_SECRETS.items():
+    """Nothing of the launching process's environment but the allow-list (not the access policy's variables), plus
+    the run's own variables, the pipeline's switches and secrets; a secret a worker prints reaches neither the task
+    log nor the rank log file."""
+    for name, value in {**AIRFLOW_SECRETS, **ACCESS_POLICY_ENV, VERBOSE_ENV: "1"}.items():
         monkeypatch.setenv(name, value)
     secret = "storage-secret-value-9876"
     spec = _spec(num_workers=2, secret_env={"AWS_SECRET_ACCESS_KEY": secret},
@@ -230,7 +240,8 @@ def test_workers_get_an_allow_listed_environment_and_secrets_are_redacted(tmp_pa
 
     assert result.succeeded and len(environs) == 2
     for environ in environs:
-        assert not set(AIRFLOW_SECRETS) & set(environ)
+        assert not set(AIRFLOW_SECRETS) & set(environ) and not set(ACCESS_POLICY_ENV) & set(environ)
+        assert environ[VERBOSE_ENV] == "1"
         assert not [v for v in environ.values() for s in AIRFLOW_SECRETS.values() if s in v]
         assert environ["PATH"] and environ["TFMW_RUN_KEY"] == "run-env-test" and environ["TF_CONFIG"]
         assert environ["AWS_SECRET_ACCESS_KEY"] == secret

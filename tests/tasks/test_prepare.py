@@ -30,6 +30,13 @@ def test_invalid_settings_fail_the_task_without_retries(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing written
 
 
+def test_settings_beyond_the_access_policy_fail_the_task_naming_the_setting(tmp_path):
+    """The one check of the access policy (later tasks and the workers load the saved config without it)."""
+    with pytest.raises(AirflowFailException, match=r"'dataset' = '/etc/\*.conf' is outside the allowed data roots"):
+        prepare_run({"dataset": "/etc/*.conf", "storage_root": str(tmp_path)}, RUN_ID, DAG_ID)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
 def test_ssh_hosts_that_airflow_does_not_know_fail_the_task_before_tokenizing(tmp_path, monkeypatch):
     monkeypatch.setenv("AIRFLOW_CONN_NOT_SSH", '{"conn_type": "http", "host": "example.invalid"}')
     settings = {"backend": "ssh", "storage_root": "s3://runs/root", "dataset": str(tmp_path / "absent.txt")}
@@ -43,8 +50,8 @@ def test_prepared_run_lists_configs_with_resolved_steps(tmp_path):
     params = {"storage_root": str(tmp_path), "num_workers": 2, "tokenizer": "bpe:512", "block_size": 32,
               "max_steps": 0, "warmup_steps": 0, "epochs": 1.0, "baseline": "skip"}
     prepared = prepare_run(params, RUN_ID, DAG_ID)
-    run_cfg = RunConfig.from_params(json.loads(Path(prepared["config_url"]).read_text()))
-    baseline_cfg = RunConfig.from_params(json.loads(Path(prepared["baseline_config_url"]).read_text()))
+    run_cfg = RunConfig.from_saved(json.loads(Path(prepared["config_url"]).read_text()))
+    baseline_cfg = RunConfig.from_saved(json.loads(Path(prepared["baseline_config_url"]).read_text()))
     assert run_cfg.max_steps == prepared["total_steps"] > 0  # derived from epochs, never 0 for the workers
     assert baseline_cfg.num_workers == 1 and baseline_cfg.global_batch_size == run_cfg.global_batch_size
     assert Path(prepared["manifest_url"]).exists()

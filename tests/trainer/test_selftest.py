@@ -73,7 +73,7 @@ def _identity(rank=0, num_workers=1):
 def test_worker_checks_pass_on_a_good_setup(tmp_path, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # every GPU of the machine is visible
     paths = _dataset(tmp_path, num_workers=2)
-    cfg = RunConfig.from_params(read_json(paths["config"]))
+    cfg = RunConfig.from_saved(read_json(paths["config"]))
     report = selftest.check_worker(cfg, paths["manifest"], _identity(1, 2))
     assert report["errors"] == []
     assert report["manifest"] == {"ok": True, "fingerprint": "fp", "shards": 2, "shard_bytes": 256}
@@ -109,7 +109,7 @@ def test_the_disk_check_counts_cached_datasets_no_worker_holds_as_room(tmp_path,
 
     monkeypatch.setenv(HOST_TMPDIR_ENV, str(tmp_path / "host-tmp"))
     paths = _dataset(tmp_path, num_workers=2)
-    cfg = RunConfig.from_params(read_json(paths["config"]))
+    cfg = RunConfig.from_saved(read_json(paths["config"]))
     idle = shard_cache_root() / "another-dataset"
     idle.mkdir(parents=True)
     with open(idle / "train-00000-of-00001.tfrecord", "wb") as shard:

@@ -2,7 +2,11 @@
 
 Airflow validates only the Params it declares; keys given with `--conf` that are not declared arrive unchecked.
 `RunConfig.from_params` therefore checks every key itself (unknown keys, types, ranges, cross-field rules) and
-raises `ConfigError` naming the key, the value given and what is allowed, before anything expensive starts.
+raises `ConfigError` naming the key, the value given and what is allowed, before anything expensive starts. It
+also holds the locations the settings name to the access policy of its environment: the prepare task's, the one
+place where that policy is checked. Every later task and every worker loads the config that prepare saved with
+`RunConfig.from_saved`, which repeats the checks that depend only on the config, so a worker's environment (a
+pod, an SSH host) needs none of the policy's variables.
 
 `RunConfig` holds the fields; their rules are one job per module: `core` (model, tokenizer, data, training,
 promotion and monitoring; the bounds of every numeric setting), `launch` (backend, worker counts, SSH hosts,
@@ -92,17 +96,30 @@ class RunConfig:
     alert_emails: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for spec in dataclasses.fields(self):  # direct construction gets the same type checks as from_params
+        for spec in dataclasses.fields(self):  # direct construction and replace() get from_saved's checks
             coerce(spec.name, getattr(self, spec.name), spec)
         check_core_settings(self)
-        AccessPolicy.from_env().check_settings(self)
         check_launch_settings(self)
 
     # -- construction ---------------------------------------------------------------------------------------
 
     @classmethod
-    def from_params(cls, params: Mapping[str, Any]) -> RunConfig:
-        """Build from DAG params / `--conf` (or a saved `to_dict()`); every key is checked."""
+    def from_params(cls, params: Mapping[str, Any], policy: AccessPolicy | None = None) -> RunConfig:
+        """Build from DAG params / `--conf`: every key is checked, and the locations they name are held to
+        `policy` (default: the one of this process's environment)."""
+        cfg = cls._from_mapping(params)
+        (policy or AccessPolicy.from_env()).check_settings(cfg)
+        return cfg
+
+    @classmethod
+    def from_saved(cls, saved: Mapping[str, Any]) -> RunConfig:
+        """Load a config that the prepare task built with `from_params` and saved (its `to_dict()`: config.json,
+        the prepared run's XCom). Every key is checked again, but not against an access policy: prepare checked
+        that in its environment, and this process's may differ."""
+        return cls._from_mapping(saved)
+
+    @classmethod
+    def _from_mapping(cls, params: Mapping[str, Any]) -> RunConfig:
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(params) - set(known))
         if unknown:
@@ -122,7 +139,7 @@ class RunConfig:
         return cls(**{name: coerce(name, value, known[name]) for name, value in values.items()})
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-shaped (lists, not tuples): what `from_params` takes back."""
+        """JSON-shaped (lists, not tuples): what `from_saved` takes back."""
         return {name: list(value) if isinstance(value, tuple) else value
                 for name, value in dataclasses.asdict(self).items()}
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -31,10 +30,6 @@ from tf_multiworker.launcher.process import ORPHAN_GRACE_S
 from tf_multiworker.launcher.spec import GroupSpec, Placement, WorkerSpec
 
 log = logging.getLogger(__name__)
-
-# Variables of the launcher's environment that every worker needs to agree with it (trainer/config.py reads the
-# access policy from them); a pod does not inherit the Airflow worker's environment.
-FORWARDED_PREFIXES = ("GPT_FINETUNE_",)
 
 
 @dataclass(frozen=True)
@@ -123,9 +118,8 @@ class KubernetesBackend(Backend):
         if leaked:
             raise LaunchError(f"variables {leaked} would be literal values in the pod spec: secrets go only "
                               "through the group's Secret")
-        forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
         pod_settings = dataclasses.replace(self.settings.pod, grace_period_s=group.grace_period_s)
-        body = objects.pod(names, worker.rank, pod_settings, command, {**forwarded, **env},
+        body = objects.pod(names, worker.rank, pod_settings, command, env,
                            with_secret=bool(group.secret_env),
                            owner=objects.owner_reference(names.service, state.service_uid))
         try:

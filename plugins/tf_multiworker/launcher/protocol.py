@@ -41,15 +41,15 @@ def worker_temp_environment(workdir: str | Path) -> dict[str, str]:
 
 # What a worker inherits from the process that launches it (an Airflow task holds its database URL, Fernet key,
 # JWT secret and other connections in its environment: none of that may reach a worker). AWS_* are the storage
-# credentials when the run names no connection; GPT_FINETUNE_* hold the operator's limits that RunConfig applies
-# again in every worker (data roots, allowed buckets).
+# credentials when the run names no connection. The pipeline's own switches (verbose logs, live metrics) travel in
+# the group's environment, and its access policy stays with the prepare task (workers load a checked config).
 INHERITED_NAMES = frozenset({
     "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "VIRTUAL_ENV", "LD_LIBRARY_PATH",
     "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
     "http_proxy", "https_proxy", "no_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY",
 })
 INHERITED_PREFIXES = ("LC_", "PYTHON", "TF_", "CUDA_", "NCCL_", "NVIDIA_", "XLA_", "HF_", "TRANSFORMERS_",
-                      "TOKENIZERS_", "OMP_", "MKL_", "OPENBLAS_", "AWS_", "TFMW_", "GPT_FINETUNE_")
+                      "TOKENIZERS_", "OMP_", "MKL_", "OPENBLAS_", "AWS_", "TFMW_")
 
 
 def inherited_environment(environ: Mapping[str, str]) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""`trainer.train`, except that with GPT_FINETUNE_TEST_TRAIN_FAULT="<rank>:<step>" that rank SIGKILLs itself right
+"""`trainer.train`, except that with TFMW_TEST_TRAIN_FAULT="<rank>:<step>" that rank SIGKILLs itself right
 after saving the checkpoint of that step: a worker lost at a checkpointed step, at a step the test knows."""
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 from trainer import checkpoint, train
 
-FAULT = os.environ.get("GPT_FINETUNE_TEST_TRAIN_FAULT", "")
+FAULT = os.environ.get("TFMW_TEST_TRAIN_FAULT", "")
 
 if FAULT:
     fault_rank, fault_step = (int(part) for part in FAULT.split(":"))

@@ -9,7 +9,7 @@ OUT gets them and every task's state. The tests run this as a subprocess so they
 
 Optional case keys: "operator": "elastic" (ElasticTrainOperator), "retries" (with a 1 s delay), and "env_by_try":
 {"<try_number>": {VAR: value or null}} applied to this process's environment before each try (what the launcher's
-backend reads, and what workers inherit for TFMW_*/GPT_FINETUNE_* names).
+backend reads, and what workers inherit for TFMW_* names).
 """
 
 from __future__ import annotations
