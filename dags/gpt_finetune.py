@@ -264,36 +264,25 @@ def gpt_finetune():
     def prepared(key: str) -> str:
         return "{{ ti.xcom_pull(task_ids='" + PREPARED + "')['" + key + "'] }}"
 
-    def from_config(key: str) -> str:
-        return "{{ ti.xcom_pull(task_ids='" + PREPARED + "')['config']['" + key + "'] }}"
-
-    def worker_group(task_id: str, entrypoint: str, *, config: str, output: str, num_workers, extra_args=(),
+    def worker_group(task_id: str, entrypoint: str, *, config: str, output: str, extra_args=(),
                      operator=TFMultiWorkerOperator, **kwargs) -> TFMultiWorkerOperator:
         return operator(
             task_id=task_id,
             entrypoint=entrypoint,
+            # The validated configuration, once: backend, worker count, GPU use, timeouts, storage and connection.
+            run_config="{{ ti.xcom_pull(task_ids='" + PREPARED + "')['config'] }}",
+            run_key=prepared("run_key"),
             args=["--config", prepared(config), "--manifest", prepared("manifest_url"), "--output", prepared(output),
                   *extra_args],
-            num_workers=num_workers,
-            backend=from_config("backend"),
-            backend_settings="{{ ti.xcom_pull(task_ids='" + PREPARED + "')['config'] }}",
-            use_gpu=from_config("use_gpu"),
-            storage_root=from_config("storage_root"),
-            run_key=prepared("run_key"),
-            storage_conn_id=from_config("storage_conn_id"),
-            startup_timeout_s=from_config("startup_timeout_s"),
-            hang_timeout_s=from_config("hang_timeout_s"),
             pool=GPU_POOL,  # with use_gpu, one slot per worker (tf_multiworker/gpu_admission.py); CPU runs: none
             **kwargs,
         )
 
-    workers = from_config("num_workers")
     # The scaling advisor takes a reused baseline's step time instead of its own probe when one exists.
-    preflight = worker_group("preflight", "trainer.selftest", config="config_url", output="preflight_url",
-                             num_workers=workers, retries=0,
+    preflight = worker_group("preflight", "trainer.selftest", config="config_url", output="preflight_url", retries=0,
                              extra_args=["--baseline-summary", prepared("baseline_summary_url")])
     # A retry (or fewer usable hosts) may continue on fewer workers, down to min_workers (tf_multiworker/elastic.py).
-    train = worker_group("train", "trainer.train", config="config_url", output="train_url", num_workers=workers,
+    train = worker_group("train", "trainer.train", config="config_url", output="train_url",
                          summary_url=prepared("train_summary_url"), operator=ElasticTrainOperator)
 
     @task.short_circuit(task_id="plan_baseline", ignore_downstream_trigger_rules=False)

@@ -53,13 +53,13 @@ def _arg(args: tuple[str, ...], flag: str) -> str:
 class ElasticTrainOperator(TFMultiWorkerOperator):
     """`TFMultiWorkerOperator` for `trainer.train` that launches on fewer workers when fewer are usable.
 
-    Reads `min_workers` and the rest of the run's settings from `backend_settings` (the run's
-    `RunConfig.to_dict()`) and the trainer's `--config` and `--output` from `args`. Off (`min_workers` unset or
-    equal to `num_workers`) it launches as its parent does, and still records the launch in `segments.json`.
+    Reads `min_workers` and the rest of the run's settings from `run_config` and the trainer's `--config` and
+    `--output` from `args`. Off (`min_workers` unset or equal to `num_workers`) it launches as its parent does, and
+    still records the launch in `segments.json`.
     """
 
     def plan_group(self, context: Any, spec: GroupSpec, backend: Backend) -> GroupSpec:
-        cfg = RunConfig.from_saved(self.backend_settings or {})
+        cfg = RunConfig.from_saved(self.run_config)
         config_url, output = _arg(spec.args, "--config"), TrainOutput(_arg(spec.args, "--output"))
         capacity = Capacity(cfg.num_workers)
         if cfg.lowest_worker_count < cfg.num_workers:

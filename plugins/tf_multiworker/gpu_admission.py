@@ -8,9 +8,9 @@ and `airflow dags test` whenever a task instance is created or cleared, with the
 `plugins/airflow_local_settings.py`, which Airflow imports in every component.
 
 A task opts in by declaring `pool=GPU_POOL` in the DAG. Its GPUs are one per worker: a worker group with a fixed
-integer `num_workers` takes that many, one whose `num_workers` is templated takes the run's `num_workers`, and a
-task without workers (a plain Python task) takes one. Runs without `use_gpu` move such tasks to the default pool,
-so CPU runs never need `gpu_slots`.
+`num_workers` takes that many, one without (`None`: it follows the run's configuration) takes the run's
+`num_workers`, and a task without workers (a plain Python task) takes one. Runs without `use_gpu` move such tasks to
+the default pool, so CPU runs never need `gpu_slots`.
 
 The same tasks go to the run's `gpu_queue` (a Celery queue; empty: the task's own queue), whatever `use_gpu`: they
 launch and watch the workers, and the `local` backend starts them on the Airflow worker's own host. Queues matter
@@ -52,9 +52,10 @@ def gpus_needed(task: Any, use_gpu: Any, num_workers: Any) -> int:
     """GPUs a task of `gpu_slots` holds in a run with these settings; 0 on the CPU."""
     if use_gpu is not True:
         return 0
-    workers = getattr(task, "num_workers", 1)
-    if isinstance(workers, str):  # templated: the group follows the run's num_workers
-        workers = num_workers
+    if getattr(task, "run_config", None) is None:  # a plain Python task, no worker group
+        return 1
+    # A worker group's own count (the baseline's 1), else the run's (the scheduler sees only template fields).
+    workers = getattr(task, "num_workers", None) or num_workers
     # A malformed num_workers fails the run's first task (RunConfig); until then it holds one slot.
     return workers if isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1 else 1
 

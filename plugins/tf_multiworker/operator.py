@@ -1,7 +1,8 @@
 """TFMultiWorkerOperator: run one entry point on N TensorFlow workers as a single Airflow task.
 
-`__init__` only stores arguments; everything else happens in `execute`: the settings are coerced and checked, the
-storage connection is read (lazily, through the hook), the group is launched and supervised by
+`__init__` only stores arguments; everything else happens in `execute`: the run's prepared configuration gives the
+backend, the worker count, GPU use, timeouts, storage root and connection (read once, from the one prepared XCom),
+the storage connection is read (lazily, through the hook), the group is launched and supervised by
 `tf_multiworker.launcher`, and a run-state record is kept in object storage and XCom so the release task can end
 anything left behind. Every worker line reaches the task log prefixed with its rank; the per-rank log files are
 uploaded at the end, also when the group failed.
@@ -13,7 +14,8 @@ Airflow 3's task runner calls `on_kill` from its SIGTERM handler and then return
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -33,6 +35,7 @@ from tf_multiworker.launcher import (
 )
 from tf_multiworker.launcher.errors import MissingOutputError
 from tf_multiworker.registry import UnknownBackendError, make_backend
+from trainer.config import RunConfig
 from trainer.layout import StorageLayout, absolute_root
 from trainer.metrics import LIVE_INTERVAL_ENV
 from trainer.storage import exists
@@ -45,53 +48,50 @@ ON_KILL_GRACE_S = 3.0
 # Seconds between two live metrics lines of a rank (when Airflow's metrics are on): a gauge keeps its last value,
 # and StatsD exporters and Prometheus scrapes look every 10-15 s.
 LIVE_INTERVAL_S = 2.0
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off", ""}
 
 
-def _as_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
-    raise ValueError(f"{name} must be true or false, got {value!r}")
+@dataclass(frozen=True)
+class GroupSettings:
+    """What launching a worker group reads of the run's prepared configuration. Prepare validated the whole of it
+    (`RunConfig`), so this only reads these keys, with `RunConfig`'s defaults for any that are absent (a test may
+    hand a few), and refuses a value of the wrong type: a DAG that passes something else than that XCom."""
 
+    backend: str
+    num_workers: int
+    use_gpu: bool
+    storage_root: str
+    storage_conn_id: str
+    startup_timeout_s: float
+    hang_timeout_s: float
 
-def _as_number(name: str, value: Any, kind: type, minimum: float) -> Any:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    try:
-        number = kind(float(value)) if kind is float else int(str(value).strip())
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}") from None
-    if number < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-    return number
-
-
-def _as_str(name: str, value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    raise TypeError(f"{name} must be a string, got {type(value).__name__} {value!r}")
+    @classmethod
+    def of(cls, config: Any) -> GroupSettings:
+        if not isinstance(config, Mapping):
+            raise TypeError(f"run_config must be the prepared run's configuration (a mapping), got {config!r}")
+        defaults = RunConfig().to_dict()
+        values = {}
+        for field in dataclasses.fields(cls):
+            value = config.get(field.name, defaults[field.name])
+            kinds = {"str": (str,), "int": (int,), "bool": (bool,), "float": (int, float)}[field.type]
+            if not isinstance(value, kinds) or isinstance(value, bool) and field.type != "bool":
+                raise TypeError(f"run_config[{field.name!r}] must be a {field.type}, got {value!r}: pass the "
+                                "prepared run's configuration (the prepare stage's XCom 'config')")
+            values[field.name] = value
+        return cls(**values)
 
 
 class TFMultiWorkerOperator(BaseOperator):
-    """Launch `python -m <entrypoint> <args>` on `num_workers` workers with per-rank TF_CONFIG; fail as one.
+    """Launch `python -m <entrypoint> <args>` on the run's workers with per-rank TF_CONFIG; fail as one.
 
     :param entrypoint: module run on every worker (`python -m`), e.g. `trainer.train`.
-    :param args: its arguments (templated).
-    :param num_workers: workers; one GPU each when `use_gpu` (templated; numeric strings accepted).
-    :param backend: where workers run (`tf_multiworker.registry`): `local` starts processes on this Airflow
-        worker, `ssh` on the hosts of `backend_settings["ssh_conn_ids"]`, `kubernetes` one pod per rank.
-    :param backend_settings: the run's settings the backend reads (a `RunConfig.to_dict()`; templated).
-    :param use_gpu: pin one free GPU per worker (NVML), refuse when too few; else `CUDA_VISIBLE_DEVICES=""`.
-    :param storage_root: root URL of the run's storage (state record, logs).
-    :param run_key: the run's key under `storage_root/runs/`.
-    :param storage_conn_id: Airflow connection with S3 credentials, handed to workers as environment only.
-    :param startup_timeout_s: time for every rank to signal that it joined the group.
-    :param hang_timeout_s: end a group that printed nothing for this long once all ranks joined.
+    :param run_config: the run's prepared configuration (`RunConfig.to_dict()`, the prepare stage's XCom;
+        templated). It names the backend (`local` processes on this Airflow worker, `ssh` hosts, `kubernetes`
+        pods: `tf_multiworker.registry`), `num_workers`, `use_gpu` (one free GPU per worker, NVML; else
+        `CUDA_VISIBLE_DEVICES=""`), the timeouts, `storage_root` and `storage_conn_id` (S3 credentials handed to
+        workers as environment only).
+    :param run_key: the run's key under `storage_root/runs/` (templated).
+    :param args: the entry point's arguments (templated).
+    :param num_workers: launch this many workers instead of the configuration's (the one-worker baseline).
     :param summary_url: the chief's `summary.json`; when set it must exist after the workers succeed.
     :param env: extra environment variables for every worker (shown in the log: put no secrets here).
     :param grace_period_s: SIGTERM -> SIGKILL delay when stopping the group after a failure (a kill of the task
@@ -99,44 +99,30 @@ class TFMultiWorkerOperator(BaseOperator):
     :param max_launch_attempts: relaunches on new ports after a port-bind failure, at most this many attempts.
     """
 
-    template_fields: Sequence[str] = (
-        "args", "num_workers", "backend", "backend_settings", "use_gpu", "storage_root", "run_key", "storage_conn_id",
-        "startup_timeout_s", "hang_timeout_s", "summary_url", "env", "grace_period_s", "max_launch_attempts",
-    )
+    # num_workers is never a template: listed so that the scheduler's copy of the task has it (GPU admission).
+    template_fields: Sequence[str] = ("args", "run_config", "run_key", "summary_url", "env", "num_workers")
     ui_color = "#ffd8b1"
 
     def __init__(
         self,
         *,
         entrypoint: str,
-        storage_root: str,
+        run_config: dict[str, Any] | str,
         run_key: str,
         args: Sequence[Any] = (),
-        num_workers: int | str = 1,
-        backend: str = "local",
-        backend_settings: dict[str, Any] | str | None = None,
-        use_gpu: bool | str = False,
-        storage_conn_id: str = "",
-        startup_timeout_s: float | str = 180,
-        hang_timeout_s: float | str = 600,
+        num_workers: int | None = None,
         summary_url: str | None = None,
         env: dict[str, Any] | None = None,
-        grace_period_s: float | str = 10,
-        max_launch_attempts: int | str = 3,
+        grace_period_s: float = 10.0,
+        max_launch_attempts: int = 3,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.entrypoint = entrypoint
+        self.run_config = run_config
+        self.run_key = run_key
         self.args = args
         self.num_workers = num_workers
-        self.backend = backend
-        self.backend_settings = backend_settings
-        self.use_gpu = use_gpu
-        self.storage_root = storage_root
-        self.run_key = run_key
-        self.storage_conn_id = storage_conn_id
-        self.startup_timeout_s = startup_timeout_s
-        self.hang_timeout_s = hang_timeout_s
         self.summary_url = summary_url
         self.env = env
         self.grace_period_s = grace_period_s
@@ -146,20 +132,21 @@ class TFMultiWorkerOperator(BaseOperator):
         self._live_metrics: LiveLineReader | None = None
 
     @cached_property
+    def settings(self) -> GroupSettings:
+        return GroupSettings.of(self.run_config)
+
+    @cached_property
     def hook(self) -> StorageCredentialsHook:
-        return StorageCredentialsHook(self.storage_conn_id or "")
+        return StorageCredentialsHook(self.settings.storage_conn_id)
 
     # -- Airflow entry points ---------------------------------------------------------------------------------
 
     def execute(self, context: Any) -> dict[str, Any]:
         self._refuse_a_run_that_is_over(context["ti"])
         spec = self._group_spec()
-        run = StorageLayout(absolute_root(_as_str("storage_root", self.storage_root))).run(
-            _as_str("run_key", self.run_key))
-        if self.backend_settings is not None and not isinstance(self.backend_settings, dict):
-            raise TypeError(f"backend_settings must be a mapping, got {self.backend_settings!r}")
+        run = StorageLayout(absolute_root(self.settings.storage_root)).run(spec.run_key)
         try:
-            backend = make_backend(_as_str("backend", self.backend), self.backend_settings)
+            backend = make_backend(self.settings.backend, self.run_config)
         except UnknownBackendError as error:
             raise LaunchError(str(error)) from None
         try:
@@ -192,7 +179,7 @@ class TFMultiWorkerOperator(BaseOperator):
     def on_kill(self) -> None:
         self._killed = True
         if self.group is not None:
-            grace_s = min(_as_number("grace_period_s", self.grace_period_s, float, 0.1), ON_KILL_GRACE_S)
+            grace_s = min(self.grace_period_s, ON_KILL_GRACE_S)
             self.group.stop(f"task {self.task_id} was killed (SIGTERM, marked failed or execution_timeout)", grace_s)
 
     def _refuse_a_run_that_is_over(self, ti: Any) -> None:
@@ -215,25 +202,30 @@ class TFMultiWorkerOperator(BaseOperator):
     # -- helpers ----------------------------------------------------------------------------------------------
 
     def _group_spec(self) -> GroupSpec:
-        """The rendered arguments as checked launch settings: fail before anything starts."""
+        """The rendered arguments and the run's configuration as launch settings: fail before anything starts."""
         if isinstance(self.args, (str, bytes)) or not isinstance(self.args, (list, tuple)):
             raise TypeError(f"args must be a list, got {self.args!r}")
+        if any(isinstance(arg, bool) or not isinstance(arg, (str, int, float)) for arg in self.args):
+            raise TypeError(f"args must be strings or numbers, got {list(self.args)!r}")
         if self.env is not None and not isinstance(self.env, dict):
             raise TypeError(f"env must be a mapping of variable names to values, got {self.env!r}")
+        if not isinstance(self.run_key, str) or not self.run_key:
+            raise TypeError(f"run_key must be the prepared run's key, got {self.run_key!r}")
+        settings = self.settings
         return GroupSpec(
             name=self.task_id,
             entrypoint=self.entrypoint,
-            args=tuple(_as_str(f"args[{i}]", a) for i, a in enumerate(self.args)),
-            num_workers=_as_number("num_workers", self.num_workers, int, 1),
-            use_gpu=_as_bool("use_gpu", self.use_gpu),
-            env={k: _as_str(f"env[{k}]", v) for k, v in (self.env or {}).items()},
+            args=tuple(str(arg) for arg in self.args),
+            num_workers=self.num_workers or settings.num_workers,
+            use_gpu=settings.use_gpu,
+            env={name: str(value) for name, value in (self.env or {}).items()},
             # The run key marks every worker of the run, so release finds even those no record names.
-            run_key=_as_str("run_key", self.run_key),
+            run_key=self.run_key,
             secret_env=self.hook.env,
-            startup_timeout_s=_as_number("startup_timeout_s", self.startup_timeout_s, float, 1),
-            hang_timeout_s=_as_number("hang_timeout_s", self.hang_timeout_s, float, 1),
-            grace_period_s=_as_number("grace_period_s", self.grace_period_s, float, 0.1),
-            max_launch_attempts=_as_number("max_launch_attempts", self.max_launch_attempts, int, 1),
+            startup_timeout_s=settings.startup_timeout_s,
+            hang_timeout_s=settings.hang_timeout_s,
+            grace_period_s=self.grace_period_s,
+            max_launch_attempts=self.max_launch_attempts,
         )
 
     def _log_worker_line(self, rank: int, line: str) -> None:

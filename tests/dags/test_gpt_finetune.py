@@ -147,7 +147,9 @@ def test_worker_groups_read_the_prepared_paths(dag):
     assert preflight.entrypoint == "trainer.selftest"
     assert "'config_url'" in train.args[1] and "'train_url'" in train.args[-1]
     assert "'baseline_config_url'" in baseline.args[1] and "'baseline_url'" in baseline.args[-1]
-    assert baseline.num_workers == 1 and "'num_workers'" in train.num_workers
+    assert baseline.num_workers == 1 and train.num_workers is None and preflight.num_workers is None
+    assert train.run_config == baseline.run_config == preflight.run_config  # the prepared configuration, once
+    assert train.run_config.endswith("['config'] }}")
     assert "'train_summary_url'" in train.summary_url and "'baseline_summary_url'" in baseline.summary_url
 
 

@@ -88,9 +88,7 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
         "env": entrypoint_env(),
         "env_by_try": {"1": {"TFMW_TEST_TRAIN_FAULT": f"3:{FAULT_STEP}", LOCAL_USABLE_WORKERS_ENV: None},
                        "2": {"TFMW_TEST_TRAIN_FAULT": None, LOCAL_USABLE_WORKERS_ENV: "2"}},
-        "params": {"num_workers": 4, "backend": "local", "backend_settings": cfg.to_dict(), "use_gpu": False,
-                   "storage_root": storage, "run_key": key, "storage_conn_id": "", "startup_timeout_s": 240,
-                   "hang_timeout_s": 240},
+        "params": {"run_key": key, "run_config": {**cfg.to_dict(), "startup_timeout_s": 240, "hang_timeout_s": 240}},
     }
     case_file = tmp_path / "case.json"
     case_file.write_text(json.dumps(case))

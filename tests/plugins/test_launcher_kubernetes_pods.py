@@ -1,6 +1,6 @@
 """Each pod's status and log as the group sees them (kubernetes_pods.py), through the kubernetes backend against
-tests/support/k8s_server.py: a dropped log stream, a pod killed mid-run, a pod that stays Pending, an image that cannot be
-pulled."""
+tests/support/k8s_server.py: a dropped log stream, a pod killed mid-run, a pod that stays Pending, an image that
+cannot be pulled."""
 
 from __future__ import annotations
 

@@ -25,40 +25,35 @@ from tasks.release import processes_of_run
 from tests.plugins.conftest import REPO, entrypoint_env, failure_excerpt, wait_until_gone
 from trainer.storage import read_bytes, read_json
 
-DAG_KWARGS = {"entrypoint", "args", "num_workers", "backend", "backend_settings", "use_gpu", "storage_root", "run_key",
-              "storage_conn_id", "startup_timeout_s", "hang_timeout_s", "summary_url", "env", "grace_period_s",
-              "max_launch_attempts"}
+TEMPLATED = {"args", "run_config", "run_key", "summary_url", "env", "num_workers"}
 SECRET = "s3cret-value-never-logged"
 HARNESS = Path(__file__).resolve().parent / "harness_dags" / "tfmw_harness.py"  # airflow_env: conftest.py
 
 
 def _operator(**changes) -> TFMultiWorkerOperator:
-    kwargs = {"task_id": "train", "entrypoint": "trainer.train", "args": ["--config", "c"], "storage_root": "/tmp/x",
-                  "run_key": "r"}
+    kwargs = {"task_id": "train", "entrypoint": "trainer.train", "args": ["--config", "c"], "run_key": "r",
+              "run_config": {"num_workers": 3, "storage_root": "/tmp/x", "startup_timeout_s": 12.5}}
     return TFMultiWorkerOperator(**{**kwargs, **changes})
 
 
-def test_every_dag_argument_but_the_entrypoint_is_templated():
-    assert set(TFMultiWorkerOperator.template_fields) == DAG_KWARGS - {"entrypoint"}
+def test_what_the_dag_renders_is_templated():
+    assert set(TFMultiWorkerOperator.template_fields) == TEMPLATED
 
 
-def test_rendered_strings_are_coerced_to_launch_settings():
-    spec = _operator(num_workers="3", use_gpu="False", startup_timeout_s="12.5", hang_timeout_s=30,
-                     max_launch_attempts="2", args=["--steps", 5], env={"SEED": 7})._group_spec()
-    assert (spec.num_workers, spec.use_gpu, spec.startup_timeout_s, spec.max_launch_attempts) == (3, False, 12.5, 2)
+def test_the_group_follows_the_prepared_configuration():
+    spec = _operator(args=["--steps", 5], env={"SEED": 7})._group_spec()
+    assert (spec.num_workers, spec.use_gpu, spec.startup_timeout_s, spec.max_launch_attempts) == (3, False, 12.5, 3)
     assert spec.args == ("--steps", "5")
     assert dict(spec.env) == {"SEED": "7"} and spec.run_key == "r"  # the group marks every worker with the key
-    assert _operator(use_gpu="true")._group_spec().use_gpu is True
+    assert _operator(num_workers=1)._group_spec().num_workers == 1  # the one-worker baseline
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"num_workers": "two"}, "num_workers must be an integer, got 'two'"),
-    ({"num_workers": 0}, "num_workers must be >= 1"),
-    ({"use_gpu": "maybe"}, "use_gpu must be true or false, got 'maybe'"),
-    ({"hang_timeout_s": True}, "hang_timeout_s must be a number"),
+    ({"run_config": "{'num_workers': 2}"}, "run_config must be the prepared run's configuration"),
     ({"args": "--config c"}, "args must be a list"),
-    ({"args": [["nested"]]}, r"args\[0\] must be a string"),
+    ({"args": [["nested"]]}, "args must be strings or numbers"),
     ({"env": ["A=1"]}, "env must be a mapping"),
+    ({"run_key": ""}, "run_key must be the prepared run's key"),
 ])
 def test_bad_rendered_values_fail_before_anything_starts(changes, message):
     with pytest.raises((TypeError, ValueError), match=message):
@@ -94,17 +89,17 @@ def test_an_attempt_in_a_run_that_is_over_launches_nothing(monkeypatch, state):
 
 # -- through Airflow's task runner ------------------------------------------------------------------------------
 
-def _case(tmp_path, *, entrypoint="tiny_worker", args=(), worker_env=None, **params) -> Path:
+def _case(tmp_path, *, entrypoint="tiny_worker", args=(), worker_env=None, run_key=None, **settings) -> Path:
     """A harness run. Its run key is its own: an attempt ends what carries its run key and group on every host
     first, and xdist may run another file's harness runs (test_operator_kubernetes.py) at the same time."""
     case = {
         "entrypoint": entrypoint,
         "args": list(args),
         "env": entrypoint_env(**(worker_env or {})),
-        "params": {"num_workers": 2, "backend": "local", "backend_settings": {}, "use_gpu": False,
-                   "storage_root": str(tmp_path / "storage"), "run_key": f"run-{uuid.uuid4().hex[:8]}",
-                   "storage_conn_id": "",
-                   "startup_timeout_s": 60, "hang_timeout_s": 60, **params},
+        "params": {"run_key": run_key or f"run-{uuid.uuid4().hex[:8]}",
+                   "run_config": {"num_workers": 2, "backend": "local", "use_gpu": False,
+                                  "storage_root": str(tmp_path / "storage"), "storage_conn_id": "",
+                                  "startup_timeout_s": 60, "hang_timeout_s": 60, **settings}},
     }
     path = tmp_path / "case.json"
     path.write_text(json.dumps(case))
@@ -243,8 +238,7 @@ def _ssh_env(ssh_hosts) -> dict[str, str]:
 
 
 def _ssh_case(tmp_path, ssh_hosts, **kwargs) -> Path:
-    return _case(tmp_path, backend="ssh", backend_settings={"ssh_conn_ids": [h.conn_id for h in ssh_hosts]},
-                 **kwargs)
+    return _case(tmp_path, backend="ssh", ssh_conn_ids=[h.conn_id for h in ssh_hosts], **kwargs)
 
 
 def test_a_worker_sigkilled_on_one_ssh_host_fails_the_task_naming_host_and_rank(airflow_env, tmp_path, ssh_hosts):

@@ -54,9 +54,8 @@ def connection(cluster: FakeKubernetes) -> dict[str, str]:
 
 
 def pod_case(tmp_path: Path, backend_name: str = "kubernetes", **kwargs) -> Path:
-    settings = {"backend": backend_name, "kubernetes_conn_id": CONN_ID, "namespace": "default",
-                "image": "gpt-finetune-trainer:test"}
-    return _case(tmp_path, backend=backend_name, backend_settings=settings, **kwargs)
+    return _case(tmp_path, backend=backend_name, kubernetes_conn_id=CONN_ID, namespace="default",
+                 image="gpt-finetune-trainer:test", **kwargs)
 
 
 def run_case(airflow_env, cluster, case: Path, tmp_path: Path, timeout: float) -> tuple[dict, str]:

@@ -4,8 +4,8 @@
 
 `dag.test()` runs only DAGs found in the DAGs folder, so the tests point AIRFLOW__CORE__DAGS_FOLDER here and the
 file builds its DAG from the case named by TFMW_HARNESS_CASE (the operator's arguments, templated where the real
-DAG templates them, rendered as native objects). A downstream task that always runs pulls the operator's XComs;
-OUT gets them and every task's state. The tests run this as a subprocess so they can send it SIGTERM.
+DAG templates them, rendered as native objects: params `run_config`, the prepared run's configuration, and
+`run_key`). A downstream task that always runs pulls the operator's XComs; OUT gets them and every task's state. The tests run this as a subprocess so they can send it SIGTERM.
 
 Optional case keys: "operator": "elastic" (ElasticTrainOperator), "retries" (with a 1 s delay), and "env_by_try":
 {"<try_number>": {VAR: value or null}} applied to this process's environment before each try (what the launcher's
@@ -42,15 +42,8 @@ with DAG("tfmw_harness", schedule=None, start_date=pendulum.datetime(2026, 1, 1,
         task_id="group",
         entrypoint=CASE["entrypoint"],
         args=CASE["args"],
-        num_workers="{{ params.num_workers }}",
-        backend="{{ params.backend }}",
-        backend_settings="{{ params.backend_settings }}",
-        use_gpu="{{ params.use_gpu }}",
-        storage_root="{{ params.storage_root }}",
+        run_config="{{ params.run_config }}",
         run_key="{{ params.run_key }}",
-        storage_conn_id="{{ params.storage_conn_id }}",
-        startup_timeout_s="{{ params.startup_timeout_s }}",
-        hang_timeout_s="{{ params.hang_timeout_s }}",
         env=CASE["env"],
         retries=CASE.get("retries", 0),
         retry_delay=pendulum.duration(seconds=1),
