@@ -52,7 +52,7 @@ def case(label: str, make_backend, num_workers: int, manifest: str, root: Path) 
     config.write_text(cfg.to_json())
     baseline_config.write_text(cfg.baseline_config().to_json())
     inputs = ("--manifest", manifest)
-    _group(make_backend(), "preflight", "trainer.selftest",
+    _group(make_backend(), "preflight", "trainer.preflight",
            ("--config", str(config), *inputs, "--output", str(root / "report")), num_workers, root / "w-preflight")
     advice = read_json(str(root / "report" / "preflight.json"))["advisor"]
     if "rows" not in advice:

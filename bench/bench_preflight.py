@@ -1,4 +1,4 @@
-"""Preflight cost and what it measures: wall time of `trainer.selftest` on 2 CPU workers through the launcher,
+"""Preflight cost and what it measures: wall time of `trainer.preflight` on 2 CPU workers through the launcher,
 and its all-reduce bus bandwidth next to this machine's memory-copy bandwidth (numpy), the limit on loopback
 where every byte of a ring all-reduce is copied through memory and the TCP stack."""
 
@@ -58,7 +58,7 @@ def run(out_dir: Path) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="bench-preflight-") as tmp:
         root = Path(tmp)
-        spec = GroupSpec(name="preflight", entrypoint="trainer.selftest", args=_inputs(root), num_workers=NUM_WORKERS,
+        spec = GroupSpec(name="preflight", entrypoint="trainer.preflight", args=_inputs(root), num_workers=NUM_WORKERS,
                          env={"TF_CPP_MIN_LOG_LEVEL": "3"}, startup_timeout_s=180, hang_timeout_s=180)
         started = time.monotonic()
         result = WorkerGroup(spec, LocalBackend(), root / "work", on_line=lambda rank, line: None).run()

@@ -218,7 +218,7 @@ def run(out_dir: Path) -> dict:
         return {"skipped": message}
     from tasks.dataset.stage import prepare_dataset
     from trainer.config import RunConfig
-    from trainer.metrics import cpu_model
+    from trainer.host_info import cpu_model
 
     hardware = f"{os.cpu_count()} x {cpu_model()} (CPU only)"
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as scratch:

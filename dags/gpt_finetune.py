@@ -279,7 +279,7 @@ def gpt_finetune():
         )
 
     # The scaling advisor takes a reused baseline's step time instead of its own probe when one exists.
-    preflight = worker_group("preflight", "trainer.selftest", config="config_url", output="preflight_url", retries=0,
+    preflight = worker_group("preflight", "trainer.preflight", config="config_url", output="preflight_url", retries=0,
                              extra_args=["--baseline-summary", prepared("baseline_summary_url")])
     # A retry (or fewer usable hosts) may continue on fewer workers, down to min_workers (tf_multiworker/elastic.py).
     train = worker_group("train", "trainer.train", config="config_url", output="train_url",

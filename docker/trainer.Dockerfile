@@ -1,4 +1,4 @@
-# Training worker image: one process of a MultiWorkerMirroredStrategy group (trainer.train, trainer.selftest,
+# Training worker image: one process of a MultiWorkerMirroredStrategy group (trainer.train, trainer.preflight,
 # trainer.evaluate). The base image brings CUDA, cuDNN and NCCL; the Python packages come pinned from uv.lock.
 #
 # Build from the repository root:  docker build -f docker/trainer.Dockerfile -t gpt-finetune-trainer:2.21.0 .
@@ -33,9 +33,9 @@ RUN useradd --no-log-init --create-home --uid 10001 --shell /usr/sbin/nologin tr
 USER 10001
 WORKDIR /home/trainer
 
-# The self-test module imports without TensorFlow, so the check costs well under a second.
+# The preflight's entry point imports without TensorFlow, so the check costs well under a second.
 HEALTHCHECK --interval=60s --timeout=20s --start-period=10s --retries=3 \
-    CMD ["python3", "-c", "import trainer.selftest"]
+    CMD ["python3", "-c", "import trainer.preflight.__main__"]
 
 ENTRYPOINT ["python3", "-m"]
-CMD ["trainer.selftest", "--help"]
+CMD ["trainer.preflight", "--help"]

@@ -14,12 +14,14 @@ import logging
 import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from tf_multiworker.launcher.host_probe import package_versions
+
 from tasks.connections import uses_run_storage
 from trainer.config import RunConfig
+from trainer.host_info import code_fingerprint
 from trainer.layout import StorageLayout
 from trainer.storage import exists, join, list_dir, read_json, remove_tree, write_json_atomic
 
@@ -46,19 +48,8 @@ _NOT_IN_KEY = frozenset({
 
 
 def code_version() -> str:
-    """sha256 over the trainer's Python sources (path and content), the code every worker runs."""
-    digest = hashlib.sha256()
-    for path in sorted(TRAINER_SOURCES.rglob("*.py")):
-        digest.update(path.relative_to(TRAINER_SOURCES).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
-def _installed_version(distribution: str) -> str | None:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
+    """The fingerprint of the trainer's Python sources (paths and contents), the code every worker runs."""
+    return code_fingerprint({"trainer": [str(TRAINER_SOURCES)]})["fingerprint"]
 
 
 def baseline_key_parts(cfg: RunConfig, manifest: Mapping[str, Any], total_steps: int) -> dict[str, Any]:
@@ -72,7 +63,7 @@ def baseline_key_parts(cfg: RunConfig, manifest: Mapping[str, Any], total_steps:
         "global_batch_size": baseline_cfg.global_batch_size,
         "steps": total_steps,
         "code_version": code_version(),
-        "libraries": {name: _installed_version(name) for name in NUMERIC_LIBRARIES},
+        "libraries": package_versions(NUMERIC_LIBRARIES),
         **settings,
     }
 

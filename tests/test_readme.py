@@ -183,7 +183,7 @@ def test_run_settings_in_shell_blocks_are_valid(monkeypatch):
 def test_python_modules_named_can_be_imported():
     modules = {words[i + 1] for _, words in ALL_COMMANDS for i, word in enumerate(words[:-1])
                if word == "-m" and i and Path(words[i - 1]).name.startswith("python")}
-    assert {"bench.gpu_check", "trainer.selftest"} <= modules
+    assert {"bench.gpu_check", "trainer.preflight"} <= modules
     named = {module for module in modules if not module.startswith("<")}  # `python -m <module>` names none
     assert {module for module in named if importlib.util.find_spec(module) is None} == set()
 

@@ -174,8 +174,9 @@ def probe_step_time(cfg, manifest_url: str, steps: int = PROBE_TIMED_STEPS) -> d
     `PROBE_WARMUP_STEPS` untimed ones; runs without TF_CONFIG (one device)."""
     import tf_keras
 
+    from trainer.job import plan_job
     from trainer.optim import set_precision_policy
-    from trainer.train import TrainState, input_dataset, plan_job, stage_inputs
+    from trainer.train import TrainState, input_dataset, stage_inputs
 
     single = cfg.baseline_config()
     with tempfile.TemporaryDirectory(prefix="advisor-probe-") as scratch:

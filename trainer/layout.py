@@ -169,7 +169,7 @@ class VersionLayout:
 
 @dataclass(frozen=True)
 class PreflightOutput:
-    """What the preflight (`trainer.selftest --output <url>`) writes: each rank's checks, then the chief's verdict."""
+    """What the preflight (`trainer.preflight --output <url>`) writes: each rank's checks, then the chief's verdict."""
 
     url: str
 

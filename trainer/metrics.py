@@ -6,13 +6,14 @@ import json
 import logging
 import math
 import os
-import platform
 import socket
 import struct
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from trainer.host_info import worker_gpu
 
 log = logging.getLogger("trainer.metrics")
 
@@ -181,14 +182,8 @@ class GpuSampler:
         if not enabled:
             return
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible)) if visible.isdigit() else (
-                pynvml.nvmlDeviceGetHandleByUUID(visible))
-            self.name = pynvml.nvmlDeviceGetName(self._handle)
-            self._nvml = pynvml
+            self._nvml, self._handle = worker_gpu()
+            self.name = self._nvml.nvmlDeviceGetName(self._handle)
         except Exception as error:  # noqa: BLE001 - no driver / no library: report without GPU samples
             log.info("NVML unavailable (%s): metrics lines carry no GPU samples", error)
             self._handle = None
@@ -204,36 +199,3 @@ class GpuSampler:
         if not self.name:
             return None
         return next((flops for key, flops in PEAK_FLOPS_16BIT.items() if key in self.name), None)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def hardware_info(gpu_name: str | None, device_kind: str) -> dict[str, Any]:
-    return {
-        "host": socket.gethostname(),
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "device": device_kind,
-        "gpu": gpu_name,
-    }
-
-
-def versions() -> dict[str, str]:
-    import tensorflow as tf
-    import tf_keras
-    import transformers
-
-    return {
-        "python": platform.python_version(),
-        "tensorflow": tf.__version__,
-        "tf_keras": tf_keras.__version__,
-        "transformers": transformers.__version__,
-    }

@@ -16,129 +16,30 @@ the same global batch see the same sequences at every step and follow the same l
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import math
 import os
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from tf_multiworker.launcher.log_policy import configure_worker_logging
 
-from trainer import runtime, storage
-from trainer.config import ConfigError, RunConfig
-from trainer.data import DataError, load_manifest, tokenizer_url, worker_shards
-from trainer.layout import TrainOutput
+from trainer import runtime
+from trainer.data import DataError
+from trainer.job import TrainJob, plan_job
+from trainer.outputs import LoopTimes, OutputFiles, build_summary, export_model, utc_now, write_summary
+from trainer.strategy import collective_error_reason, create_strategy
 
 log = logging.getLogger("trainer.train")
 
 PROGRESS_INTERVAL_S = 5.0
 
 
-@dataclass(frozen=True)
-class TrainJob:
-    """A checked plan for this worker: what to train, on which shards, where to write."""
-
-    cfg: RunConfig
-    manifest: dict[str, Any]
-    manifest_url: str
-    output: TrainOutput
-    identity: runtime.WorkerIdentity
-    slot_shards: tuple[tuple[dict[str, Any], ...], ...]  # per micro-step its shards; one group in per-worker order
-    slot_order: bool  # True: per-slot data order, identical for every worker/accumulation split
-
-    @property
-    def rank(self) -> int:
-        return self.identity.rank
-
-    @property
-    def is_chief(self) -> bool:
-        return self.identity.is_chief
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.cfg.global_batch_size * self.cfg.block_size
-
-
-def plan_job(config_url: str, manifest_url: str, output_url: str, environ: dict[str, str] | None = None) -> TrainJob:
-    """Validate config, TF_CONFIG and manifest against each other without TensorFlow; raise ConfigError."""
-    cfg = RunConfig.from_saved(storage.read_json(config_url))
-    if cfg.max_steps <= 0:
-        raise ConfigError(f"{config_url}: 'max_steps' must be resolved (> 0) before training, got {cfg.max_steps}.")
-    identity = runtime.worker_identity(environ)
-    where = f"rank {identity.rank} on {identity.host}"
-    if identity.num_workers != cfg.num_workers:
-        raise ConfigError(
-            f"{where}: TF_CONFIG lists {identity.num_workers} workers but the config {config_url} says "
-            f"'num_workers' = {cfg.num_workers}: launch as many workers as the config names."
-        )
-    manifest = load_manifest(manifest_url)
-    if manifest["block_size"] != cfg.block_size:
-        raise ConfigError(
-            f"{where}: the shards of {manifest_url} hold sequences of {manifest['block_size']} tokens but "
-            f"'block_size' = {cfg.block_size}: re-prepare the dataset or set 'block_size' to match."
-        )
-    vocab_size = manifest["tokenizer"]["vocab_size"]
-    expected_dtype = "uint16" if vocab_size <= 65536 else "uint32"
-    if manifest["dtype"] != expected_dtype:
-        raise ConfigError(
-            f"{where}: {manifest_url} stores tokens as {manifest['dtype']} but a vocabulary of {vocab_size} "
-            f"needs {expected_dtype}: the manifest is inconsistent, re-prepare the dataset."
-        )
-    # Raises naming the counts when there are fewer shards than workers.
-    worker_shards(manifest, "train", identity.rank, identity.num_workers)
-
-    micro_steps = cfg.grad_accum_steps
-    num_slots = cfg.num_workers * micro_steps
-    if len(manifest["splits"]["train"]["shards"]) >= num_slots:
-        first = identity.rank * micro_steps
-        slots = tuple(
-            tuple(worker_shards(manifest, "train", slot, num_slots)) for slot in range(first, first + micro_steps)
-        )
-        return TrainJob(cfg, manifest, manifest_url, TrainOutput(output_url), identity, slots, True)
-    # Too few shards for one per slot: the worker's shards feed all its micro-steps in turn (still a correct
-    # run, but its data order differs from a split of the same global batch over other worker counts).
-    own = tuple(worker_shards(manifest, "train", identity.rank, identity.num_workers))
-    return TrainJob(cfg, manifest, manifest_url, TrainOutput(output_url), identity, (own,), False)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # TensorFlow from here on
-
-
-def create_strategy(cfg: RunConfig, multi_worker: bool):
-    """The distribution strategy; with TF_CONFIG it is the first TF object created in the process."""
-    import tensorflow as tf
-
-    if not cfg.use_gpu:
-        tf.config.set_visible_devices([], "GPU")
-    elif not tf.config.list_physical_devices("GPU"):
-        raise RuntimeError(
-            f"'use_gpu' is true but TensorFlow sees no GPU on {runtime.worker_identity().host} "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): set 'use_gpu' false or fix the driver."
-        )
-    if not multi_worker:
-        return tf.distribute.get_strategy()
-    implementation = {
-        "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
-        "ring": tf.distribute.experimental.CommunicationImplementation.RING,
-        "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
-    }[cfg.communication]
-    # No per-collective timeout: TF 2.21 parks one sleeping thread per collective for the whole timeout
-    # (tensorflow#62466), +2 threads per step until pthread_create fails. Hangs are bounded without it: a peer
-    # that exits or stops misses the coordination service's heartbeats and the others' collectives abort (exit
-    # 3); a peer alive but stuck leaves the group silent and the launcher's hang watchdog ends it. The retry
-    # resumes from the last checkpoint.
-    options = tf.distribute.experimental.CommunicationOptions(implementation=implementation)
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    runtime.end_on_sigterm()
-    return strategy
 
 
 def input_dataset(job: TrainJob, local_files: list[list[str]], start_step: int):
@@ -261,77 +162,6 @@ class TrainState:
             )
 
 
-class OutputFiles:
-    """This worker's local copy of the output's metrics/tensorboard files, published to object storage if remote."""
-
-    def __init__(self, job: TrainJob, work_dir: Path) -> None:
-        self.output = job.output
-        self.rank = job.rank
-        fs, path = storage.filesystem(job.output.url)
-        self.remote = not storage.is_local(fs)
-        self.root = work_dir / "output" if self.remote else Path(path)
-        self.metrics_file = self.root / "metrics" / f"rank-{job.rank}.jsonl"
-        self.tensorboard = self.root / "tensorboard"
-        if self.remote and storage.exists(job.output.metrics_file(job.rank)):
-            storage.download_file(job.output.metrics_file(job.rank), self.metrics_file)
-
-    def publish(self, include_tensorboard: bool) -> None:
-        if not self.remote:
-            return
-        if self.metrics_file.exists():
-            storage.upload_file(self.metrics_file, self.output.metrics_file(self.rank))
-        if include_tensorboard and self.tensorboard.exists():
-            storage.upload_tree(self.tensorboard, self.output.tensorboard)
-
-
-def export_model(job: TrainJob, model, work_dir: Path) -> None:
-    """Chief: model + tokenizer to `TrainOutput.model`, complete or absent. Others: a temp save, then removed."""
-    if not job.is_chief:
-        scratch = Path(tempfile.mkdtemp(prefix=f"workertemp_{job.rank}_model_"))
-        model.save_pretrained(str(scratch))
-        shutil.rmtree(scratch, ignore_errors=True)
-        return
-    from transformers import AutoTokenizer
-
-    from trainer.model import stage_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(stage_model_dir(tokenizer_url(job.manifest_url, job.manifest), work_dir))
-    fs, path = storage.filesystem(job.output.model)
-    local = storage.is_local(fs)
-    staging = Path(path).parent / f".model-{os.getpid()}.tmp" if local else work_dir / "model"
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(str(staging))
-    tokenizer.save_pretrained(str(staging))
-    if local:
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(staging, path)
-    else:
-        storage.remove_tree(job.output.model)
-        storage.upload_tree(staging, job.output.model)
-    log.info("model and tokenizer saved to %s", job.output.model)
-
-
-@dataclass
-class LoopTimes:
-    """Where this attempt's time went; the first step (tracing, compilation) is kept apart from throughput."""
-
-    start_step: int
-    step: int
-    loss: float = math.nan
-    first_step_s: float | None = None
-    timed_from: float | None = None  # end of the first step
-    timed_until: float | None = None  # end of the last step (checkpoints in between count, the export not)
-    input_wait_s: float = 0.0
-
-    @property
-    def timed_steps(self) -> int:
-        return max(0, self.step - self.start_step - 1)
-
-    @property
-    def train_time_s(self) -> float:
-        return self.timed_until - self.timed_from if self.timed_steps else 0.0
-
-
 def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gpu, start_step: int,
                local_files: list[list[str]]) -> LoopTimes:
     """Steps from `start_step` to `max_steps`: metrics every step, checkpoints every `checkpoint_every_steps`."""
@@ -388,36 +218,6 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gp
     return times
 
 
-def build_summary(job: TrainJob, state: TrainState, times: LoopTimes, outputs: OutputFiles, gpu, started: float,
-                  started_at: str) -> dict[str, Any]:
-    from trainer.metrics import hardware_info, versions
-    from trainer.model import flops_per_token
-
-    cfg = job.cfg
-    train_time = times.train_time_s
-    tokens_per_s = times.timed_steps * job.tokens_per_step / train_time if train_time > 0 else None
-    peak = gpu.peak_flops()
-    mfu = (
-        tokens_per_s * flops_per_token(state.model, cfg.block_size) / (peak * cfg.num_workers)
-        if tokens_per_s and peak else None
-    )
-    # Restarted after the last checkpoint: nothing was trained now, the final loss is the logged one.
-    final_loss = times.loss if times.step > times.start_step else last_logged_loss(outputs.metrics_file)
-    return {
-        "num_workers": cfg.num_workers, "global_batch_size": cfg.global_batch_size, "steps": times.step,
-        "tokens_seen": times.step * job.tokens_per_step, "wall_time_s": round(time.perf_counter() - started, 3),
-        "train_time_s": round(train_time, 3), "tokens_per_s": tokens_per_s, "final_loss": final_loss, "mfu": mfu,
-        "resumed_from_step": times.start_step, "first_step_s": times.first_step_s, "steps_timed": times.timed_steps,
-        "input_wait_fraction": times.input_wait_s / train_time if train_time > 0 else None,
-        "data_order": "per_slot" if job.slot_order else "per_worker",
-        # The gradients' size, for the scaling advisor when this summary stands in for its probe.
-        "parameters": int(sum(v.shape.num_elements() for v in state.model.trainable_variables)),
-        "gradient_dtype": state.model.trainable_variables[0].dtype.name,
-        "hardware": hardware_info(gpu.name, "GPU" if cfg.use_gpu else "CPU"), "versions": versions(),
-        "config": cfg.to_dict(), "started_at": started_at, "finished_at": utc_now(),
-    }
-
-
 def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str, Any] | None:
     """Restore the latest checkpoint, train to `max_steps`, export; the chief returns the summary."""
     import tf_keras
@@ -456,30 +256,9 @@ def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str,
         times = train_loop(job, state, store, outputs, gpu, start_step, local_files)
         export_model(job, state.model, work_dir)
         store.close()
-        return build_summary(job, state, times, outputs, gpu, started, started_at) if job.is_chief else None
+        return build_summary(job, state.model, times, outputs, gpu, started, started_at) if job.is_chief else None
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
-
-
-def last_logged_loss(metrics_file: Path) -> float | None:
-    lines = [line for line in metrics_file.read_text().splitlines() if line] if metrics_file.exists() else []
-    return json.loads(lines[-1])["loss"] if lines else None
-
-
-def collective_error_reason(error: Exception) -> str:
-    """The lines of a TF collective error that name the cause (`str(error)` opens with a node traceback)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    for index, line in enumerate(lines):
-        if "aborted by" in line or "unhealthy" in line or line.startswith("RPC:"):
-            reason = line
-            if line.endswith(":") and index + 1 < len(lines):  # "... unhealthy (stopped sending heartbeats):" + task
-                reason += " " + lines[index + 1]
-            return reason
-    return lines[0] if lines else type(error).__name__
-
-
-def utc_now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -534,9 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 3
     if summary is not None:
-        storage.write_json_atomic(job.output.summary, summary)
-        log.info("summary written to %s: %s tokens/s, final loss %.4f", job.output.summary,
-                 f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "n/a", summary["final_loss"])
+        write_summary(job, summary)
     return 0
 
 

@@ -25,6 +25,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from tf_multiworker.launcher.host_probe import NvmlUnavailable, nvml
 from trainer.config.launch import QUEUE_NAME
 
 if TYPE_CHECKING:
@@ -119,18 +120,11 @@ def configured_pool_size() -> int | None:
 def detected_gpus() -> int:
     """GPUs NVML sees on this host; 0 without NVML."""
     try:
-        import pynvml
-    except ImportError:
+        with nvml() as pynvml:
+            return pynvml.nvmlDeviceGetCount()
+    except NvmlUnavailable as reason:
+        log.info("NVML unavailable (%s): no GPUs visible", reason)
         return 0
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        log.info("NVML unavailable (%s): no GPUs visible", exc)
-        return 0
-    try:
-        return pynvml.nvmlDeviceGetCount()
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def ensure_gpu_pool() -> tuple[int, str]:

@@ -44,10 +44,10 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
 
+from tf_multiworker.launcher.host_probe import package_versions
 from tf_multiworker.launcher.local import gpu_check, gpu_processes
 from tf_multiworker.launcher.process import (
     KILL_WAIT_S,
@@ -65,8 +65,6 @@ AGENT_LINE = "TFMW_AGENT"
 EXIT_LINE = "TFMW_EXIT"
 # What the launcher writes after the request when it stops the worker itself (then the whole grace period applies).
 STOP_LINE = b"TFMW_STOP\n"
-# Reported before any worker starts, so the launcher can refuse hosts whose worker environments differ.
-VERSIONED_PACKAGES = ("tensorflow", "tf-keras", "transformers")
 EXIT_BAD_REQUEST = 2
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
@@ -162,17 +160,6 @@ def read_request(stream: IO[bytes], mode: str) -> dict[str, Any]:
         if not check(request[name]):
             raise BadRequest(f"the {mode} request's {name!r} must be {what}")
     return request
-
-
-def package_versions() -> dict[str, str | None]:
-    """Installed versions of the packages that must match across hosts, read without importing them."""
-    versions: dict[str, str | None] = {}
-    for name in VERSIONED_PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
 
 
 def identity() -> dict[str, Any]:

@@ -144,7 +144,7 @@ print(json.dumps(heavy))
 def test_worker_groups_read_the_prepared_paths(dag):
     train, baseline, preflight = (dag.get_task(t) for t in ("train", "baseline", "preflight"))
     assert train.entrypoint == baseline.entrypoint == "trainer.train"
-    assert preflight.entrypoint == "trainer.selftest"
+    assert preflight.entrypoint == "trainer.preflight"
     assert "'config_url'" in train.args[1] and "'train_url'" in train.args[-1]
     assert "'baseline_config_url'" in baseline.args[1] and "'baseline_url'" in baseline.args[-1]
     assert baseline.num_workers == 1 and train.num_workers is None and preflight.num_workers is None

@@ -278,20 +278,21 @@ def test_trainer_image_ships_only_the_worker():
     users = instruction_args(TRAINER_DOCKERFILE, "USER")
     assert users and users[-1] not in {"0", "root"}, "the worker must not run as root"
     (healthcheck,) = instruction_args(TRAINER_DOCKERFILE, "HEALTHCHECK")
-    assert healthcheck.endswith('CMD ["python3", "-c", "import trainer.selftest"]')
+    assert healthcheck.endswith('CMD ["python3", "-c", "import trainer.preflight.__main__"]')
     install_dir = env["PYTHONPATH"]
     copies = instruction_args(TRAINER_DOCKERFILE, "COPY")
     assert any(args.endswith(f"trainer/ {install_dir}/trainer/") for args in copies)
     assert any(args.endswith(f"plugins/tf_multiworker/ {install_dir}/tf_multiworker/") for args in copies)
 
 
-def test_trainer_selftest_import_is_cheap():
-    """The image's HEALTHCHECK imports trainer.selftest every minute: it must not pull in TensorFlow."""
-    probe = "import sys, trainer.selftest; print(sorted({'tensorflow', 'tf_keras', 'transformers'} & set(sys.modules)))"
+def test_the_preflight_import_is_cheap():
+    """The image's HEALTHCHECK imports the preflight's entry point every minute: it must not pull in TensorFlow."""
+    probe = ("import sys, trainer.preflight.__main__; "
+             "print(sorted({'tensorflow', 'tf_keras', 'transformers'} & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, check=False, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]", f"import trainer.selftest loads {result.stdout.strip()}"
+    assert result.stdout.strip() == "[]", f"import trainer.preflight.__main__ loads {result.stdout.strip()}"
 
 
 def test_airflow_image_layout_matches_the_repository_and_the_config():

@@ -68,7 +68,7 @@ def test_preflight_runs_as_pods(airflow_env, tmp_path, cluster, manifest):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TRAIN_CONFIG))
     report = tmp_path / "report"
-    case = pod_case(tmp_path, entrypoint="trainer.selftest", startup_timeout_s=180, hang_timeout_s=180,
+    case = pod_case(tmp_path, entrypoint="trainer.preflight", startup_timeout_s=180, hang_timeout_s=180,
                     args=["--config", str(config), "--manifest", manifest, "--output", str(report)])
     result, task_log = run_case(airflow_env, cluster, case, tmp_path, timeout=300)
     assert result["task_states"]["group"] == "success", failure_excerpt(task_log)

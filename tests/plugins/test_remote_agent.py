@@ -17,8 +17,9 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from tf_multiworker.launcher.host_probe import VERSIONED_PACKAGES
 from tf_multiworker.launcher.process import ORPHAN_GRACE_S, live_group_members
-from tf_multiworker.remote_agent import STOP_LINE, VERSIONED_PACKAGES
+from tf_multiworker.remote_agent import STOP_LINE
 
 from tests.plugins.conftest import ENTRYPOINTS, alive
 

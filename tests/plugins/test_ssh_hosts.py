@@ -15,8 +15,8 @@ from pathlib import Path
 import paramiko
 import pytest
 from airflow.providers.ssh.hooks.ssh import SSHHook
+from tf_multiworker.launcher.host_probe import VERSIONED_PACKAGES
 from tf_multiworker.launcher.process import live_group_members
-from tf_multiworker.remote_agent import VERSIONED_PACKAGES
 
 from tests.plugins.conftest import ENTRYPOINTS, alive
 

@@ -70,7 +70,7 @@ def write_training_output(url: str, *, num_workers: int, global_batch_size: int 
             "resumed_from_step": 0, "first_step_s": 2.5, "steps_timed": steps - 1,
             "hardware": {"host": "ci-runner", "cpu": "Fixture CPU @ 2.0GHz", "cpu_count": cpu_count,
                          "device": "CPU", "gpu": None},
-            "versions": {"tensorflow": "2.21.0", "transformers": "4.57.6", "tf_keras": "2.21.0"},
+            "versions": {"tensorflow": "2.21.0", "transformers": "4.57.6", "tf-keras": "2.21.0"},
             "config": {}, "started_at": "2026-11-29T10:01:00+00:00", "finished_at": "2026-11-29T10:02:00+00:00",
         })
     return output

@@ -90,7 +90,7 @@ def test_min_predicted_efficiency_fails_a_two_worker_cpu_preflight_in_seconds_wi
     (tmp_path / "config.json").write_text(cfg.to_json())
     output = tmp_path / "report"
     lines: list[str] = []
-    spec = GroupSpec(name="preflight", entrypoint="trainer.selftest", num_workers=2,
+    spec = GroupSpec(name="preflight", entrypoint="trainer.preflight", num_workers=2,
                      args=("--config", str(tmp_path / "config.json"), "--manifest", manifest, "--output", str(output),
                            "--baseline-summary", str(tmp_path / "no-baseline" / "summary.json")),
                      env={"TF_CPP_MIN_LOG_LEVEL": "3"}, startup_timeout_s=120, hang_timeout_s=120)

@@ -23,7 +23,7 @@ from tf_multiworker.launcher.local import PortAllocator
 from tests.trainer.shards import write_dataset
 from trainer.config import ConfigError
 from trainer.data import DataError
-from trainer.train import plan_job
+from trainer.job import plan_job
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 40

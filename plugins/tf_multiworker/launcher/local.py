@@ -24,6 +24,7 @@ from typing import IO, Any, ClassVar
 
 from tf_multiworker.launcher.backend import RELEASE_GRACE_S, Backend, Capacity, WorkerHandle
 from tf_multiworker.launcher.errors import InsufficientGPUsError, LaunchError
+from tf_multiworker.launcher.host_probe import NvmlUnavailable, nvml
 from tf_multiworker.launcher.process import (
     GUARD_ENV,
     KILL_WAIT_S,
@@ -83,20 +84,13 @@ class PortAllocator:
 def gpu_processes() -> dict[int, list[int]] | None:
     """GPU index (PCI bus order, as NVML numbers them) -> pids of its compute processes; None without NVML."""
     try:
-        import pynvml
-    except ImportError:
+        with nvml() as pynvml:
+            return {index: [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(
+                        pynvml.nvmlDeviceGetHandleByIndex(index))]
+                    for index in range(pynvml.nvmlDeviceGetCount())}
+    except NvmlUnavailable as reason:
+        log.info("NVML unavailable (%s): no GPUs visible", reason)
         return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        log.info("NVML unavailable (%s): no GPUs visible", exc)
-        return None
-    try:
-        return {index: [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(
-                    pynvml.nvmlDeviceGetHandleByIndex(index))]
-                for index in range(pynvml.nvmlDeviceGetCount())}
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def free_gpus() -> list[int]:

@@ -1,0 +1,140 @@
+"""What training leaves behind: the metrics and TensorBoard files (published to object storage when the output is
+remote), the exported model with its tokenizer, and the chief's summary.json (docs/CONTRACTS.md)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from trainer import storage
+from trainer.data import tokenizer_url
+from trainer.host_info import hardware_info, versions
+from trainer.job import TrainJob
+
+log = logging.getLogger("trainer.outputs")
+
+
+class OutputFiles:
+    """This worker's local copy of the output's metrics/tensorboard files, published to object storage if remote."""
+
+    def __init__(self, job: TrainJob, work_dir: Path) -> None:
+        self.output = job.output
+        self.rank = job.rank
+        fs, path = storage.filesystem(job.output.url)
+        self.remote = not storage.is_local(fs)
+        self.root = work_dir / "output" if self.remote else Path(path)
+        self.metrics_file = self.root / "metrics" / f"rank-{job.rank}.jsonl"
+        self.tensorboard = self.root / "tensorboard"
+        if self.remote and storage.exists(job.output.metrics_file(job.rank)):
+            storage.download_file(job.output.metrics_file(job.rank), self.metrics_file)
+
+    def publish(self, include_tensorboard: bool) -> None:
+        if not self.remote:
+            return
+        if self.metrics_file.exists():
+            storage.upload_file(self.metrics_file, self.output.metrics_file(self.rank))
+        if include_tensorboard and self.tensorboard.exists():
+            storage.upload_tree(self.tensorboard, self.output.tensorboard)
+
+
+def export_model(job: TrainJob, model, work_dir: Path) -> None:
+    """Chief: model + tokenizer to `TrainOutput.model`, complete or absent. Others: a temp save, then removed."""
+    if not job.is_chief:
+        scratch = Path(tempfile.mkdtemp(prefix=f"workertemp_{job.rank}_model_"))
+        model.save_pretrained(str(scratch))
+        shutil.rmtree(scratch, ignore_errors=True)
+        return
+    from transformers import AutoTokenizer
+
+    from trainer.model import stage_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(stage_model_dir(tokenizer_url(job.manifest_url, job.manifest), work_dir))
+    fs, path = storage.filesystem(job.output.model)
+    local = storage.is_local(fs)
+    staging = Path(path).parent / f".model-{os.getpid()}.tmp" if local else work_dir / "model"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(str(staging))
+    tokenizer.save_pretrained(str(staging))
+    if local:
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(staging, path)
+    else:
+        storage.remove_tree(job.output.model)
+        storage.upload_tree(staging, job.output.model)
+    log.info("model and tokenizer saved to %s", job.output.model)
+
+
+@dataclass
+class LoopTimes:
+    """Where this attempt's time went; the first step (tracing, compilation) is kept apart from throughput."""
+
+    start_step: int
+    step: int
+    loss: float = math.nan
+    first_step_s: float | None = None
+    timed_from: float | None = None  # end of the first step
+    timed_until: float | None = None  # end of the last step (checkpoints in between count, the export not)
+    input_wait_s: float = 0.0
+
+    @property
+    def timed_steps(self) -> int:
+        return max(0, self.step - self.start_step - 1)
+
+    @property
+    def train_time_s(self) -> float:
+        return self.timed_until - self.timed_from if self.timed_steps else 0.0
+
+
+def build_summary(job: TrainJob, model, times: LoopTimes, outputs: OutputFiles, gpu, started: float,
+                  started_at: str) -> dict[str, Any]:
+    """The chief's summary.json (docs/CONTRACTS.md, "Worker entry points")."""
+    from trainer.model import flops_per_token
+
+    cfg = job.cfg
+    train_time = times.train_time_s
+    tokens_per_s = times.timed_steps * job.tokens_per_step / train_time if train_time > 0 else None
+    peak = gpu.peak_flops()
+    mfu = (
+        tokens_per_s * flops_per_token(model, cfg.block_size) / (peak * cfg.num_workers)
+        if tokens_per_s and peak else None
+    )
+    # Restarted after the last checkpoint: nothing was trained now, the final loss is the logged one.
+    final_loss = times.loss if times.step > times.start_step else last_logged_loss(outputs.metrics_file)
+    return {
+        "num_workers": cfg.num_workers, "global_batch_size": cfg.global_batch_size, "steps": times.step,
+        "tokens_seen": times.step * job.tokens_per_step, "wall_time_s": round(time.perf_counter() - started, 3),
+        "train_time_s": round(train_time, 3), "tokens_per_s": tokens_per_s, "final_loss": final_loss, "mfu": mfu,
+        "resumed_from_step": times.start_step, "first_step_s": times.first_step_s, "steps_timed": times.timed_steps,
+        "input_wait_fraction": times.input_wait_s / train_time if train_time > 0 else None,
+        "data_order": "per_slot" if job.slot_order else "per_worker",
+        # The gradients' size, for the scaling advisor when this summary stands in for its probe.
+        "parameters": int(sum(v.shape.num_elements() for v in model.trainable_variables)),
+        "gradient_dtype": model.trainable_variables[0].dtype.name,
+        "hardware": hardware_info(gpu.name, "GPU" if cfg.use_gpu else "CPU"), "versions": versions(),
+        "config": cfg.to_dict(), "started_at": started_at, "finished_at": utc_now(),
+    }
+
+
+def last_logged_loss(metrics_file: Path) -> float | None:
+    lines = [line for line in metrics_file.read_text().splitlines() if line] if metrics_file.exists() else []
+    return json.loads(lines[-1])["loss"] if lines else None
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def write_summary(job: TrainJob, summary: dict[str, Any]) -> None:
+    """Written last, by the chief: readers take a summary as the sign that training finished."""
+    storage.write_json_atomic(job.output.summary, summary)
+    log.info("summary written to %s: %s tokens/s, final loss %.4f", job.output.summary,
+             f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "n/a", summary["final_loss"])
