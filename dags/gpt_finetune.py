@@ -18,7 +18,8 @@ _SCHEDULE_SETTING = os.environ.get("GPT_FINETUNE_SCHEDULE", "0 2 * * *").strip()
 SCHEDULE = None if _SCHEDULE_SETTING.lower() == "none" else _SCHEDULE_SETTING
 DEFAULT_STORAGE_ROOT = os.environ.get("GPT_FINETUNE_STORAGE_ROOT", "storage")
 RETRY_DELAY_S = int(os.environ.get("GPT_FINETUNE_RETRY_DELAY_S", "30"))
-# The Celery queue served by the GPU hosts' workers (docs/deployment.md, "Deploying on a cluster"); empty: the default queue.
+# The Celery queue served by the GPU hosts' workers (docs/deployment.md, "Deploying on a cluster"); empty: the default
+# queue.
 DEFAULT_GPU_QUEUE = os.environ.get("GPT_FINETUNE_GPU_QUEUE", "")
 
 PREPARE = "prepare"
@@ -209,6 +210,102 @@ Trigger from the CLI: `airflow dags trigger gpt_finetune --conf '{"num_workers":
 """
 
 
+# The tasks; gpt_finetune() below wires them with the worker groups.
+
+def the_plan(ti) -> dict:
+    return ti.xcom_pull(task_ids=PREPARE, key=PLAN_XCOM_KEY)
+
+
+# The promoted model is an inlet: `model: "promoted"` continues from it. A small corpus is prepared here
+# whole; a larger one is planned here, tokenized by `tokenize` and published by `publish`. The lanes are the
+# return value (what `tokenize` maps over); the plan goes by its own XCom key.
+@task(task_id=PREPARE, inlets=[MODEL_ASSET])
+def prepare(params=None, run_id=None, dag_run=None, ti=None) -> list:
+    from tasks.prepare import plan_run
+
+    planned = plan_run(params, run_id, dag_run.dag_id)
+    ti.xcom_push(key=PLAN_XCOM_KEY, value=planned["plan"])
+    return planned["lanes"]
+
+
+# One mapped task per lane of units, on as many Airflow workers as are free (none for a one-lane plan).
+@task(task_id="tokenize", retries=2)
+def tokenize(lane: list, ti=None) -> dict:
+    from tasks.prepare import tokenize_lane
+
+    return tokenize_lane(the_plan(ti), lane)
+
+
+@task(task_id=PREPARED, outlets=[SHARDS_ASSET], trigger_rule="none_failed")
+def publish(run_id=None, dag_run=None, ti=None, outlet_events=None) -> dict:
+    from tasks.prepare import finish_run
+
+    prepared_run = finish_run(the_plan(ti), run_id, dag_run.dag_id)
+    outlet_events[SHARDS_ASSET].extra = {
+        "manifest_url": prepared_run["manifest_url"],
+        "fingerprint": prepared_run["dataset_fingerprint"],
+    }
+    return prepared_run
+
+
+@task.short_circuit(task_id="plan_baseline", ignore_downstream_trigger_rules=False)
+def plan_baseline(prepared_run: dict) -> bool:
+    from tasks.baseline import plan_baseline as plan
+
+    return plan(prepared_run)
+
+
+@task(task_id="evaluate", trigger_rule="none_failed", retries=0)  # its pool (gpu_slots) is set where it is wired
+def evaluate(prepared_run: dict) -> dict:
+    from tasks.compare import evaluate_run
+
+    return evaluate_run(prepared_run)
+
+
+# all_done: a run whose gates failed still gets its verdict ("not promoted: the gates failed") in the report.
+@task(task_id="promote", trigger_rule="all_done", outlets=[PROMOTIONS])
+def promote(ti=None, outlet_events=None) -> dict:
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    from tasks.promote import NoReportError, promote_run
+
+    prepared_run = ti.xcom_pull(task_ids=PREPARED)
+    if not prepared_run:
+        raise AirflowSkipException("prepare did not finish: nothing to promote.")
+    try:
+        promotion = promote_run(prepared_run)
+    except NoReportError as error:
+        raise AirflowSkipException(str(error)) from error
+    if promotion["promoted"]:
+        outlet_events[PROMOTIONS].add(MODEL_ASSET, extra=promotion["event"])
+    return promotion
+
+
+@task(task_id="release", retries=2)
+def release(params=None, run_id=None, dag_run=None) -> dict:
+    from tasks.release import release_run
+
+    return release_run(params, run_id, dag_run.dag_id)
+
+
+# Its failure repeats another task's, which already alerted; a run stopped from outside alerts here.
+@task(task_id="outcome", retries=0, on_failure_callback=[])
+def outcome(params=None, ti=None) -> dict:
+    """Fails the DAG run when any task failed, the run was stopped, or release failed (see tasks/outcome.py)."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from tasks.alerts import alert_run_stopped
+    from tasks.outcome import RunFailedError, judge_run
+
+    states = ti.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id])[ti.run_id]
+    try:
+        return judge_run(states, final_task="promote", own_task=ti.task_id)
+    except RunFailedError as error:
+        if "failed" not in states.values():
+            alert_run_stopped(params, ti.run_id, str(error))
+        raise AirflowFailException(str(error)) from error
+
+
 @dag(
     dag_id="gpt_finetune",
     schedule=SCHEDULE,
@@ -228,38 +325,6 @@ def gpt_finetune():
     from tf_multiworker.elastic import ElasticTrainOperator
     from tf_multiworker.gpu_admission import GPU_POOL  # plugins/ is on sys.path when Airflow parses
     from tf_multiworker.operator import TFMultiWorkerOperator
-
-    def the_plan(ti) -> dict:
-        return ti.xcom_pull(task_ids=PREPARE, key=PLAN_XCOM_KEY)
-
-    # The promoted model is an inlet: `model: "promoted"` continues from it. A small corpus is prepared here
-    # whole; a larger one is planned here, tokenized by `tokenize` and published by `publish`. The lanes are the
-    # return value (what `tokenize` maps over); the plan goes by its own XCom key.
-    @task(task_id=PREPARE, inlets=[MODEL_ASSET])
-    def prepare(params=None, run_id=None, dag_run=None, ti=None) -> list:
-        from tasks.prepare import plan_run
-
-        planned = plan_run(params, run_id, dag_run.dag_id)
-        ti.xcom_push(key=PLAN_XCOM_KEY, value=planned["plan"])
-        return planned["lanes"]
-
-    # One mapped task per lane of units, on as many Airflow workers as are free (none for a one-lane plan).
-    @task(task_id="tokenize", retries=2)
-    def tokenize(lane: list, ti=None) -> dict:
-        from tasks.prepare import tokenize_lane
-
-        return tokenize_lane(the_plan(ti), lane)
-
-    @task(task_id=PREPARED, outlets=[SHARDS_ASSET], trigger_rule="none_failed")
-    def publish(run_id=None, dag_run=None, ti=None, outlet_events=None) -> dict:
-        from tasks.prepare import finish_run
-
-        prepared_run = finish_run(the_plan(ti), run_id, dag_run.dag_id)
-        outlet_events[SHARDS_ASSET].extra = {
-            "manifest_url": prepared_run["manifest_url"],
-            "fingerprint": prepared_run["dataset_fingerprint"],
-        }
-        return prepared_run
 
     def prepared(key: str) -> str:
         return "{{ ti.xcom_pull(task_ids='" + PREPARED + "')['" + key + "'] }}"
@@ -285,65 +350,12 @@ def gpt_finetune():
     train = worker_group("train", "trainer.train", config="config_url", output="train_url",
                          summary_url=prepared("train_summary_url"), operator=ElasticTrainOperator)
 
-    @task.short_circuit(task_id="plan_baseline", ignore_downstream_trigger_rules=False)
-    def plan_baseline(prepared_run: dict) -> bool:
-        from tasks.baseline import plan_baseline as plan
-
-        return plan(prepared_run)
-
     baseline = worker_group("baseline", "trainer.train", config="baseline_config_url", output="baseline_url",
                             num_workers=1, summary_url=prepared("baseline_summary_url"))
 
-    @task(task_id="evaluate", trigger_rule="none_failed", retries=0, pool=GPU_POOL)
-    def evaluate(prepared_run: dict) -> dict:
-        from tasks.compare import evaluate_run
-
-        return evaluate_run(prepared_run)
-
-    # all_done: a run whose gates failed still gets its verdict ("not promoted: the gates failed") in the report.
-    @task(task_id="promote", trigger_rule="all_done", outlets=[PROMOTIONS])
-    def promote(ti=None, outlet_events=None) -> dict:
-        from airflow.sdk.exceptions import AirflowSkipException
-
-        from tasks.promote import NoReportError, promote_run
-
-        prepared_run = ti.xcom_pull(task_ids=PREPARED)
-        if not prepared_run:
-            raise AirflowSkipException("prepare did not finish: nothing to promote.")
-        try:
-            outcome = promote_run(prepared_run)
-        except NoReportError as error:
-            raise AirflowSkipException(str(error)) from error
-        if outcome["promoted"]:
-            outlet_events[PROMOTIONS].add(MODEL_ASSET, extra=outcome["event"])
-        return outcome
-
-    @task(task_id="release", retries=2)
-    def release(params=None, run_id=None, dag_run=None) -> dict:
-        from tasks.release import release_run
-
-        return release_run(params, run_id, dag_run.dag_id)
-
-    # Its failure repeats another task's, which already alerted; a run stopped from outside alerts here.
-    @task(task_id="outcome", retries=0, on_failure_callback=[])
-    def outcome(params=None, ti=None) -> dict:
-        """Fails the DAG run when any task failed, the run was stopped, or release failed (see tasks/outcome.py)."""
-        from airflow.sdk.exceptions import AirflowFailException
-
-        from tasks.alerts import alert_run_stopped
-        from tasks.outcome import RunFailedError, judge_run
-
-        states = ti.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id])[ti.run_id]
-        try:
-            return judge_run(states, final_task="promote", own_task=ti.task_id)
-        except RunFailedError as error:
-            if "failed" not in states.values():
-                alert_run_stopped(params, ti.run_id, str(error))
-            raise AirflowFailException(str(error)) from error
-
     prepared_run = publish()
     tokenize.expand(lane=prepare()) >> prepared_run
-    evaluation = evaluate(prepared_run)
+    evaluation = evaluate.override(pool=GPU_POOL)(prepared_run)
     prepared_run >> preflight >> train >> plan_baseline(prepared_run) >> baseline >> evaluation
     # Both teardowns always run; the DAG run's state is outcome's (release's failure counts through it).
     promotion = promote()

@@ -38,7 +38,8 @@ TRAINER_SOURCES = Path(__file__).resolve().parents[1] / "trainer"
 # later counts by default. The dataset settings are left out because the dataset fingerprint stands for them;
 # `max_steps`/`epochs` because the resolved step count does.
 _NOT_IN_KEY = frozenset({
-    "num_workers", "backend", "ssh_conn_ids", "workers_per_host", "remote_python", "remote_workdir", "baseline", "loss_tolerance", "storage_root", "storage_conn_id",
+    "num_workers", "backend", "ssh_conn_ids", "workers_per_host", "remote_python", "remote_workdir", "baseline",
+    "loss_tolerance", "storage_root", "storage_conn_id",
     "checkpoint_every_steps", "communication", "collective_timeout_s", "startup_timeout_s", "hang_timeout_s",
     "dataset", "text_column", "tokenizer", "val_fraction", "num_shards", "max_steps", "epochs",
     "min_workers", "min_predicted_efficiency",

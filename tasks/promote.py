@@ -214,7 +214,8 @@ def model_card(cfg: RunConfig, prepared: dict, report: dict[str, Any], number: i
         "## Gates",
         "",
     ]
-    lines += [f"- {gate['name']}: {'pass' if gate['passed'] else 'FAIL'} ({gate['detail']})" for gate in report["gates"]]
+    lines += [f"- {gate['name']}: {'pass' if gate['passed'] else 'FAIL'} ({gate['detail']})"
+              for gate in report["gates"]]
     lines += ["", "## Settings", "", "| setting | value |", "|---|---|"]
     lines += [f"| {name} | `{value!r}` |" for name, value in cfg.to_dict().items()]
     lines += ["", "## Versions", ""]

@@ -125,7 +125,8 @@ def stage_shards(manifest_url: str, shards: Sequence[dict[str, Any]], local_dir:
             try:
                 storage.download_file(url, partial)
             except FileNotFoundError as error:
-                raise DataError(f"Shard {url} listed in {manifest_url} is missing: prepare the dataset again.") from error
+                raise DataError(
+                    f"Shard {url} listed in {manifest_url} is missing: prepare the dataset again.") from error
             problem = _mismatch(partial, shard)
             if problem:
                 partial.unlink(missing_ok=True)

@@ -116,7 +116,8 @@ def _idle_size(directory: Path, remove: bool = False) -> int | None:
             return None
         size = _tree_bytes(directory)
         if remove:
-            shutil.rmtree(directory, ignore_errors=True)  # under our lock: a worker about to hold it waits, then retries
+            # Under our lock: a worker about to hold it waits, then retries.
+            shutil.rmtree(directory, ignore_errors=True)
         return size
     finally:
         os.close(descriptor)

@@ -50,6 +50,13 @@ def create_app(storage_root: str | None = None, *, access: Callable[..., Any] | 
     """
     app = FastAPI(title="GPT fine-tune reports", docs_url=None, redoc_url=None, openapi_url=None,
                   dependencies=[Depends(access)] if access else [])
+    _answer_errors(app, login_url)
+    _serve_runs(app, lambda: StorageLayout(storage_root or default_storage_root()))
+    return app
+
+
+def _answer_errors(app: FastAPI, login_url: str | None) -> None:
+    """Security headers on every answer; a page's 401 redirects to the login; storage errors as HTTP statuses."""
 
     @app.middleware("http")
     async def security_headers(request: Request, call_next: Callable) -> Response:
@@ -72,8 +79,9 @@ def create_app(storage_root: str | None = None, *, access: Callable[..., Any] | 
     async def unreadable(request: Request, error: runs_data.UnreadableReport) -> Response:
         return await http_exception_handler(request, HTTPException(422, str(error)))
 
-    def layout() -> StorageLayout:
-        return StorageLayout(storage_root or default_storage_root())
+
+def _serve_runs(app: FastAPI, layout: Callable[[], StorageLayout]) -> None:
+    """The JSON API and the pages, each reading storage when asked."""
 
     @app.get("/api/runs")
     def runs_json() -> JSONResponse:
@@ -100,5 +108,3 @@ def create_app(storage_root: str | None = None, *, access: Callable[..., Any] | 
     def chart(run_key: str, name: str) -> Response:
         return Response(runs_data.read_chart(layout(), run_key, name), media_type="image/png",
                         headers={"Cache-Control": "max-age=60"})
-
-    return app

@@ -134,7 +134,8 @@ def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: f
     sources, tokenizer_plan, fingerprint = identity.sources, identity.tokenizer, identity.fingerprint
     manifest_url = layout.manifest(fingerprint)
     log.info("dataset %s: %d %s file(s), %s; tokenizer %s; block_size %d; fingerprint %s", cfg.dataset,
-             len(sources.files), sources.kind, human_bytes(sources.total_bytes), cfg.tokenizer, cfg.block_size, fingerprint)
+             len(sources.files), sources.kind, human_bytes(sources.total_bytes), cfg.tokenizer, cfg.block_size,
+             fingerprint)
     plan: dict[str, Any] = {"fingerprint": fingerprint, "manifest_url": manifest_url, "dataset": cfg.dataset,
                             "storage_root": cfg.storage_root, "started_at": time.time()}
     if complete_manifest(manifest_url, fingerprint) is not None:
@@ -160,7 +161,8 @@ def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: f
                   text_column=cfg.text_column, seed=cfg.seed, val_fraction=cfg.val_fraction,
                   dtype=tokenizer_plan.dtype, eos_token=tokenizer.eos_token, eos_id=tokenizer.eos_token_id,
                   joined=joins_at_eos(backend, tokenizer.eos_token), sources=sources.files)
-    log.info("%d unit(s) of about %s in %d lane(s)%s%s", len(units), human_bytes(sources.total_bytes / max(len(units), 1)),
+    log.info("%d unit(s) of about %s in %d lane(s)%s%s", len(units),
+             human_bytes(sources.total_bytes / max(len(units), 1)),
              len(dealt), "" if len(dealt) == 1 else " (one mapped task each)",
              "" if job.joined else "; one document per tokenizer input (joining them at the EOS would change the ids)")
     plan.update(cache_hit=False, job=job.to_dict(), units=len(units), lanes=len(dealt), settings=identity.settings,

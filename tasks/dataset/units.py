@@ -304,7 +304,8 @@ class _Progress:
         self._unit_base: tuple[int, int, int] = (0, 0, 0)
         self._current: tuple[int, Unit] | None = None
         if stage_bytes and stage_bytes > total_bytes:
-            log.info("this task tokenizes %d unit(s), %s of the stage's %s", units, human_bytes(total_bytes), human_bytes(stage_bytes))
+            log.info("this task tokenizes %d unit(s), %s of the stage's %s", units, human_bytes(total_bytes),
+                     human_bytes(stage_bytes))
 
     def skip(self, nbytes: int) -> None:
         self.done_bytes += nbytes
@@ -331,7 +332,8 @@ class _Progress:
         tokens = sum(s["tokens"] for s in splits)
         log.info("unit %d: %d documents, %d tokens in %.1fs (%s tokens/s), %s read for %s of text", unit.index,
                  sum(s["documents"] for s in splits), tokens, result["wall_s"],
-                 human_rate(tokens / max(result["wall_s"], 1e-9)), human_bytes(result["fetched_bytes"]), human_bytes(unit.bytes))
+                 human_rate(tokens / max(result["wall_s"], 1e-9)), human_bytes(result["fetched_bytes"]),
+                 human_bytes(unit.bytes))
 
     def finish(self) -> None:
         self._log(time.perf_counter())

@@ -56,51 +56,42 @@ OPEN_BELOW: dict[str, tuple[float, float]] = {"learning_rate": (0.0, 1.0), "epoc
                                               "val_fraction": (0.0, 0.5)}
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# Per field type: (accepted, converted, what the error asks for with an example). Ints count where floats are asked.
+_TYPES: dict[str, tuple[Any, Any, str]] = {
+    "int | None": (lambda v: v is None or _integer(v), lambda v: v, "an integer or empty"),
+    "bool": (lambda v: isinstance(v, bool), lambda v: v, "true or false"),
+    "int": (_integer, lambda v: v, 'an integer. In --conf write it without quotes, e.g. {{"{name}": 4}}'),
+    "float": (lambda v: _number(v) and math.isfinite(v), float, "a finite number"),
+    "str": (lambda v: isinstance(v, str), lambda v: v, "a string"),
+    "tuple[str, ...]": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(i, str) for i in v), tuple,
+                        'a list of strings. In --conf write e.g. {{"{name}": ["host_a", "host_b"]}}'),
+    "dict[str, str]": (lambda v: isinstance(v, Mapping) and all(isinstance(k, str) and isinstance(i, str)
+                                                                for k, i in v.items()), dict,
+                       'a map of strings to strings, e.g. {{"{name}": {{"nvidia.com/gpu.product": "NVIDIA-H200"}}}}'),
+    "list[dict[str, Any]]": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(i, Mapping) for i in v),
+                             lambda v: [dict(i) for i in v], "a list of objects"),
+}
+
+
 def coerce(name: str, value: Any, spec: dataclasses.Field) -> Any:
     """Check a value's JSON type against the field's type; ints are accepted where floats are expected."""
     expected = spec.type if isinstance(spec.type, str) else spec.type.__name__
-    if expected == "int | None":
-        if value is None or isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"Setting '{name}' must be an integer or empty, got {value!r} ({type(value).__name__}).")
-    if expected == "bool":
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"Setting '{name}' must be true or false, got {value!r} ({type(value).__name__}).")
-    if expected == "int":
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(
-            f"Setting '{name}' must be an integer, got {value!r} ({type(value).__name__}). "
-            f"In --conf write it without quotes, e.g. {{\"{name}\": 4}}."
-        )
-    if expected == "float":
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-        raise ConfigError(f"Setting '{name}' must be a finite number, got {value!r} ({type(value).__name__}).")
-    if expected == "str":
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"Setting '{name}' must be a string, got {value!r} ({type(value).__name__}).")
-    if expected == "tuple[str, ...]":
-        if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
-            return tuple(value)
-        raise ConfigError(
-            f"Setting '{name}' must be a list of strings, got {value!r} ({type(value).__name__}). "
-            f"In --conf write e.g. {{\"{name}\": [\"host_a\", \"host_b\"]}}."
-        )
-    if expected == "dict[str, str]":
-        if isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-            return dict(value)
-        raise ConfigError(
-            f"Setting '{name}' must be a map of strings to strings, got {value!r} ({type(value).__name__}), "
-            f"e.g. {{\"{name}\": {{\"nvidia.com/gpu.product\": \"NVIDIA-H200\"}}}}."
-        )
-    if expected == "list[dict[str, Any]]":
-        if isinstance(value, (list, tuple)) and all(isinstance(item, Mapping) for item in value):
-            return [dict(item) for item in value]
-        raise ConfigError(f"Setting '{name}' must be a list of objects, got {value!r} ({type(value).__name__}).")
-    raise AssertionError(f"RunConfig field {name} has an unsupported type {expected}")
+    if expected not in _TYPES:
+        raise AssertionError(f"RunConfig field {name} has an unsupported type {expected}")
+    accepted, converted, wanted = _TYPES[expected]
+    if accepted(value):
+        return converted(value)
+    wanted, _, example = wanted.format(name=name).partition(". ")
+    got = f"{value!r} ({type(value).__name__})"
+    raise ConfigError(f"Setting '{name}' must be {wanted}, got {got}." + (f" {example}." if example else ""))
 
 
 def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -150,7 +141,12 @@ def check_core_settings(cfg: Any) -> None:
     check_choice("baseline", cfg.baseline, BASELINE_POLICIES)
     check_choice("promote", cfg.promote, PROMOTE_POLICIES)
     check_model_name("model_name", cfg.model_name)
+    _check_locations(cfg)
+    _check_tokenizer(cfg)
+    _check_training(cfg)
 
+
+def _check_locations(cfg: Any) -> None:
     for name in ("dataset", "text_column", "tokenizer", "model", "storage_root"):
         if not getattr(cfg, name).strip():
             raise ConfigError(f"Setting '{name}' must not be empty.")
@@ -164,6 +160,8 @@ def check_core_settings(cfg: Any) -> None:
     if cfg.promoted_source is not None:
         check_model_name("model", cfg.promoted_source, setting_value=cfg.model)
 
+
+def _check_tokenizer(cfg: Any) -> None:
     vocab = cfg.bpe_vocab_size
     if cfg.tokenizer.startswith("bpe:") and vocab is None:
         raise ConfigError(
@@ -171,6 +169,8 @@ def check_core_settings(cfg: Any) -> None:
     if vocab is not None and not 260 <= vocab <= 1_000_000:
         raise ConfigError(f"Setting 'tokenizer' = {cfg.tokenizer!r}: the BPE vocabulary must be 260 to 1000000.")
 
+
+def _check_training(cfg: Any) -> None:
     preset = MODEL_PRESETS.get(cfg.model)
     if preset and cfg.block_size > preset["n_positions"]:
         raise ConfigError(

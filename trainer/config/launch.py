@@ -70,6 +70,17 @@ def _check_kubernetes(cfg: Any) -> None:
         _check_shared_storage(cfg, "backend 'kubernetes' runs workers in pods", "the pods")
     if cfg.image and not _IMAGE.fullmatch(cfg.image):
         raise ConfigError(f"Setting 'image' = {cfg.image!r} is not an image reference (registry/name:tag).")
+    _check_pod_resources(cfg)
+    _check_node_selector(cfg.node_selector)
+    for toleration in cfg.tolerations:
+        _check_toleration(toleration)
+    if cfg.service_account and not (len(cfg.service_account) <= 253
+                                    and _DNS_SUBDOMAIN.fullmatch(cfg.service_account)):
+        raise ConfigError(f"Setting 'service_account' = {cfg.service_account!r} is not a service account name "
+                          "(lowercase letters, digits, '-' and '.').")
+
+
+def _check_pod_resources(cfg: Any) -> None:
     if cfg.gpus_per_worker and not cfg.use_gpu:
         raise ConfigError(f"Setting 'gpus_per_worker' = {cfg.gpus_per_worker} needs 'use_gpu' = true: set use_gpu, "
                           "or gpus_per_worker to 0 on CPU.")
@@ -82,30 +93,33 @@ def _check_kubernetes(cfg: Any) -> None:
     if cfg.memory and not _MEMORY_QUANTITY.fullmatch(cfg.memory):
         raise ConfigError(f"Setting 'memory' = {cfg.memory!r} is not a memory quantity: write e.g. '16Gi' or "
                           "'512Mi', or leave it empty for no request.")
-    for key, value in cfg.node_selector.items():
+
+
+def _check_node_selector(node_selector: dict[str, str]) -> None:
+    for key, value in node_selector.items():
         prefix, _, label = key.rpartition("/")
         if (prefix and not (len(prefix) <= 253 and _DNS_SUBDOMAIN.fullmatch(prefix))) or \
                 not _LABEL_NAME.fullmatch(label) or not _LABEL_VALUE.fullmatch(value):
             raise ConfigError(f"Setting 'node_selector' entry {key!r}: {value!r} is not a Kubernetes label: keys "
                               "are [prefix/]name, values at most 63 letters, digits, '-', '_' or '.'.")
-    allowed = {"key", "operator", "value", "effect", "tolerationSeconds"}
-    for toleration in cfg.tolerations:
-        unknown = sorted(set(toleration) - allowed)
-        if unknown:
-            raise ConfigError(f"Setting 'tolerations' entry {toleration!r} has unknown keys {unknown}: allowed are "
-                              f"{sorted(allowed)} (Kubernetes spelling).")
-        if toleration.get("operator", "Equal") not in TOLERATION_OPERATORS or \
-                toleration.get("effect", "") not in TOLERATION_EFFECTS:
-            raise ConfigError(f"Setting 'tolerations' entry {toleration!r}: operator must be one of "
-                              f"{list(TOLERATION_OPERATORS)} and effect one of {list(TOLERATION_EFFECTS)}.")
-        if not all(isinstance(toleration.get(k, ""), str) for k in ("key", "value")) or \
-                not isinstance(toleration.get("tolerationSeconds", 0), int):
-            raise ConfigError(f"Setting 'tolerations' entry {toleration!r}: key and value are strings, "
-                              "tolerationSeconds an integer.")
-    if cfg.service_account and not (len(cfg.service_account) <= 253
-                                    and _DNS_SUBDOMAIN.fullmatch(cfg.service_account)):
-        raise ConfigError(f"Setting 'service_account' = {cfg.service_account!r} is not a service account name "
-                          "(lowercase letters, digits, '-' and '.').")
+
+
+_TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
+
+
+def _check_toleration(toleration: dict[str, Any]) -> None:
+    unknown = sorted(set(toleration) - _TOLERATION_KEYS)
+    if unknown:
+        raise ConfigError(f"Setting 'tolerations' entry {toleration!r} has unknown keys {unknown}: allowed are "
+                          f"{sorted(_TOLERATION_KEYS)} (Kubernetes spelling).")
+    if toleration.get("operator", "Equal") not in TOLERATION_OPERATORS or \
+            toleration.get("effect", "") not in TOLERATION_EFFECTS:
+        raise ConfigError(f"Setting 'tolerations' entry {toleration!r}: operator must be one of "
+                          f"{list(TOLERATION_OPERATORS)} and effect one of {list(TOLERATION_EFFECTS)}.")
+    if not all(isinstance(toleration.get(k, ""), str) for k in ("key", "value")) or \
+            not isinstance(toleration.get("tolerationSeconds", 0), int):
+        raise ConfigError(f"Setting 'tolerations' entry {toleration!r}: key and value are strings, "
+                          "tolerationSeconds an integer.")
 
 
 def _check_scaling(cfg: Any) -> None:

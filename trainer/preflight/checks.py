@@ -51,7 +51,8 @@ def check_worker(cfg: RunConfig, manifest_url: str, identity: runtime.WorkerIden
         base = manifest_url.rstrip("/").rsplit("/", 1)[0]
         absent = [s["name"] for s in shards if not storage.exists(storage.join(base, s["name"]))]
         if absent:
-            errors.append(f"{where}: shard(s) {absent} listed in {manifest_url} do not exist: prepare the dataset again")
+            errors.append(
+                f"{where}: shard(s) {absent} listed in {manifest_url} do not exist: prepare the dataset again")
         report["manifest"] = {"ok": not absent, "fingerprint": manifest["fingerprint"], "shards": len(shards),
                               "shard_bytes": shard_bytes}
     except (DataError, OSError, ValueError, KeyError) as error:

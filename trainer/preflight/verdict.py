@@ -69,7 +69,9 @@ def version_skew(reports: dict[int, dict[str, Any]]) -> list[str]:
         copies = [reports[ranks[0]].get("code", {}).get("files", {}) for ranks in by_code.values()]
         differ = sorted({name for files in copies for name in files if len({c.get(name) for c in copies}) > 1})
         named = ", ".join(differ[:8]) + (f" and {len(differ) - 8} more" if len(differ) > 8 else "")
-        spread = "; ".join(f"{fingerprint} on rank(s) {ranks} ({', '.join(sorted({reports[r]['host'] for r in ranks}))})"
+        hosts = {fingerprint: ", ".join(sorted({reports[r]["host"] for r in ranks}))
+                 for fingerprint, ranks in by_code.items()}
+        spread = "; ".join(f"{fingerprint} on rank(s) {ranks} ({hosts[fingerprint]})"
                            for fingerprint, ranks in by_code.items())
         errors.append(f"the project's code differs between workers: {spread}; files that differ: {named or 'unknown'}. "
                       "Deploy the same checkout of this project on every host (in remote_python's environment "

@@ -46,7 +46,8 @@ TAIL_LINES = 20
 STARTUP_PROGRESS_EVERY_S = 30.0
 READER_JOIN_S = 2.0
 # What TensorFlow's gRPC server (and Python's socket) print when the port was taken before the worker bound it.
-BIND_FAILURE = re.compile(r"address already in use|could not start grpc server|failed to add port|EADDRINUSE", re.IGNORECASE)
+BIND_FAILURE = re.compile(r"address already in use|could not start grpc server|failed to add port|EADDRINUSE",
+                          re.IGNORECASE)
 
 LineSink = Callable[[int, str], None]
 StartedSink = Callable[[Sequence[WorkerOutcome], int], None]
@@ -223,43 +224,58 @@ class WorkerGroup:
 
     def _watch(self, workers: list[_Worker]) -> tuple[GroupState, dict[int, WorkerFailure]]:
         started = self._last_output = time.monotonic()
-        next_progress = started + STARTUP_PROGRESS_EVERY_S
-        joined_at: float | None = None
+        self._next_progress = started + STARTUP_PROGRESS_EVERY_S
+        self._joined_at: float | None = None
         while True:
             self._drain_lines()
-            if self.supervisor_pid is not None and os.getppid() != self.supervisor_pid:
-                # Reparented: the supervisor is gone. Its task is failed already and a retry may be on its way.
-                self.stop(f"this task's supervisor (pid {self.supervisor_pid}) is gone, killed without warning "
-                          "(SIGKILL, the OOM killer): nobody will read this attempt's result", ORPHAN_GRACE_S)
+            self._stop_if_orphaned()
             if self._stop_requested.is_set():
                 return GroupState.STOPPED, {}
-            now = time.monotonic()
-            elapsed = now - started
-            for worker in workers:
-                if worker.exit_code is None:
-                    worker.exit_code = worker.handle.poll()
-                if worker.state is WorkerState.STARTING and worker.ready_seen:
-                    worker.state = WorkerState.READY
-            failed = [w for w in workers if w.exit_code not in (None, 0)]
-            if failed:
-                return GroupState.FAILED, {w.spec.rank: self._exit_failure(w, elapsed) for w in failed}
-            if all(w.exit_code == 0 for w in workers):
-                return GroupState.SUCCEEDED, {}
-            starting = [w for w in workers if w.state is WorkerState.STARTING and w.exit_code is None]
-            if starting and elapsed > self.spec.startup_timeout_s:
-                return GroupState.FAILED, {w.spec.rank: self._startup_failure(w, elapsed, workers) for w in starting}
-            if starting and now >= next_progress:
-                log.info("waiting for rank(s) %s to join the group: %.0f s of startup_timeout_s=%g",
-                         [w.spec.rank for w in starting], elapsed, self.spec.startup_timeout_s)
-                next_progress = now + STARTUP_PROGRESS_EVERY_S
-            if not starting:
-                # The watchdog starts once every rank has joined; before that the start-up timeout applies.
-                joined_at = joined_at or now
-                silent_s = now - max(self._last_output, joined_at)
-                if silent_s > self.spec.hang_timeout_s:
-                    alive = [w for w in workers if w.exit_code is None]
-                    return GroupState.FAILED, {w.spec.rank: self._hang_failure(w, elapsed, silent_s) for w in alive}
+            outcome = self._outcome(workers, time.monotonic(), started)
+            if outcome is not None:
+                return outcome
             time.sleep(POLL_INTERVAL_S)
+
+    def _stop_if_orphaned(self) -> None:
+        if self.supervisor_pid is not None and os.getppid() != self.supervisor_pid:
+            # Reparented: the supervisor is gone. Its task is failed already and a retry may be on its way.
+            self.stop(f"this task's supervisor (pid {self.supervisor_pid}) is gone, killed without warning "
+                      "(SIGKILL, the OOM killer): nobody will read this attempt's result", ORPHAN_GRACE_S)
+
+    def _outcome(self, workers: list[_Worker], now: float,
+                 started: float) -> tuple[GroupState, dict[int, WorkerFailure]] | None:
+        """How the group ended, when this poll sees it end; None while it runs."""
+        elapsed = now - started
+        for worker in workers:
+            if worker.exit_code is None:
+                worker.exit_code = worker.handle.poll()
+            if worker.state is WorkerState.STARTING and worker.ready_seen:
+                worker.state = WorkerState.READY
+        failed = [w for w in workers if w.exit_code not in (None, 0)]
+        if failed:
+            return GroupState.FAILED, {w.spec.rank: self._exit_failure(w, elapsed) for w in failed}
+        if all(w.exit_code == 0 for w in workers):
+            return GroupState.SUCCEEDED, {}
+        starting = [w for w in workers if w.state is WorkerState.STARTING and w.exit_code is None]
+        if starting:
+            return self._startup_outcome(starting, workers, now, elapsed)
+        # The watchdog starts once every rank has joined; before that the start-up timeout applies.
+        self._joined_at = self._joined_at or now
+        silent_s = now - max(self._last_output, self._joined_at)
+        if silent_s > self.spec.hang_timeout_s:
+            alive = [w for w in workers if w.exit_code is None]
+            return GroupState.FAILED, {w.spec.rank: self._hang_failure(w, elapsed, silent_s) for w in alive}
+        return None
+
+    def _startup_outcome(self, starting: list[_Worker], workers: list[_Worker], now: float,
+                         elapsed: float) -> tuple[GroupState, dict[int, WorkerFailure]] | None:
+        if elapsed > self.spec.startup_timeout_s:
+            return GroupState.FAILED, {w.spec.rank: self._startup_failure(w, elapsed, workers) for w in starting}
+        if now >= self._next_progress:
+            log.info("waiting for rank(s) %s to join the group: %.0f s of startup_timeout_s=%g",
+                     [w.spec.rank for w in starting], elapsed, self.spec.startup_timeout_s)
+            self._next_progress = now + STARTUP_PROGRESS_EVERY_S
+        return None
 
     # -- failures ---------------------------------------------------------------------------------------------
 

@@ -183,11 +183,7 @@ class KubernetesWorkerHandle(WorkerHandle):
 
     def _update(self, pod: V1Pod | None) -> None:
         if pod is None:
-            if self.started.is_set() or self.exit_code is not None or self._seen:
-                if self.exit_code is None and not self._stopping and not self.deleted.is_set():
-                    self.termination = (f"[kubernetes] pod {self.pod} was deleted before its container ended "
-                                        "(kubectl delete, an eviction or a lost node)")
-                self.deleted.set()
+            self._gone()
             return
         self._seen = True
         self.node = pod.spec.node_name or self.node
@@ -200,16 +196,28 @@ class KubernetesWorkerHandle(WorkerHandle):
                 where = f" on node {self.node}" if self.node else ""
                 self.termination = f"[kubernetes] pod {self.pod}{where} ended {phase}: {_termination(pod)}"
         if phase == "Pending":
-            reason = _pending_reason(pod)
-            if reason != self.pending_reason:
-                self.pending_reason = reason
-                self._emit(f"[kubernetes] pod {self.pod} is Pending: {reason}")
-            if time.monotonic() - self._events_at >= EVENTS_EVERY_S:
-                self._events_at = time.monotonic()
-                for line in self._events():
-                    if line not in self._events_seen:
-                        self._events_seen.add(line)
-                        self._emit(f"[kubernetes] event of pod {self.pod}: {line}")
+            self._report_pending(pod)
+
+    def _gone(self) -> None:
+        """The pod no longer exists: deleted by us, or from outside before its container ended."""
+        if self.started.is_set() or self.exit_code is not None or self._seen:
+            if self.exit_code is None and not self._stopping and not self.deleted.is_set():
+                self.termination = (f"[kubernetes] pod {self.pod} was deleted before its container ended "
+                                    "(kubectl delete, an eviction or a lost node)")
+            self.deleted.set()
+
+    def _report_pending(self, pod: V1Pod) -> None:
+        """Why the pod waits, when that changes, and its new events every EVENTS_EVERY_S."""
+        reason = _pending_reason(pod)
+        if reason != self.pending_reason:
+            self.pending_reason = reason
+            self._emit(f"[kubernetes] pod {self.pod} is Pending: {reason}")
+        if time.monotonic() - self._events_at >= EVENTS_EVERY_S:
+            self._events_at = time.monotonic()
+            for line in self._events():
+                if line not in self._events_seen:
+                    self._events_seen.add(line)
+                    self._emit(f"[kubernetes] event of pod {self.pod}: {line}")
 
     def _events(self) -> list[str]:
         try:

@@ -2,8 +2,9 @@
 
 gpu_admission_harness: one worker group declared as gpt_finetune declares its GPU tasks (pool=GPU_POOL, num_workers
 from the run's configuration, the run's `use_gpu` and `num_workers` Params), so the GPU admission policy gives it
-num_workers slots of the pool in a run with use_gpu. Its workers only sleep: the operator's own use_gpu stays off because a CPU
-machine has no GPU to pin; what is under test is the pool, which the scheduler enforces the same either way.
+num_workers slots of the pool in a run with use_gpu. Its workers only sleep: the operator's own use_gpu stays off
+because a CPU machine has no GPU to pin; what is under test is the pool, which the scheduler enforces the same either
+way.
 
 api_start_harness: one task that only returns, to watch how it reaches the execution API.
 """

@@ -5,7 +5,8 @@
 `dag.test()` runs only DAGs found in the DAGs folder, so the tests point AIRFLOW__CORE__DAGS_FOLDER here and the
 file builds its DAG from the case named by TFMW_HARNESS_CASE (the operator's arguments, templated where the real
 DAG templates them, rendered as native objects: params `run_config`, the prepared run's configuration, and
-`run_key`). A downstream task that always runs pulls the operator's XComs; OUT gets them and every task's state. The tests run this as a subprocess so they can send it SIGTERM.
+`run_key`). A downstream task that always runs pulls the operator's XComs; OUT gets them and every task's state.
+The tests run this as a subprocess so they can send it SIGTERM.
 
 Optional case keys: "operator": "elastic" (ElasticTrainOperator), "retries" (with a 1 s delay), and "env_by_try":
 {"<try_number>": {VAR: value or null}} applied to this process's environment before each try (what the launcher's

@@ -68,7 +68,8 @@ def test_a_peer_that_never_starts_fails_within_the_timeout_naming_its_rank(tmp_p
                  "task": {"type": "worker", "index": 0}}
     env = {**os.environ, **workers.WORKER_ENV, "TF_CONFIG": json.dumps(tf_config), "CUDA_VISIBLE_DEVICES": ""}
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "trainer.preflight", *workers.args(paths)], env=env, cwd=tempfile.gettempdir(),
+    done = subprocess.run([sys.executable, "-m", "trainer.preflight", *workers.args(paths)], env=env,
+                          cwd=tempfile.gettempdir(),
                           capture_output=True, text=True, timeout=180, check=False)
     elapsed = time.monotonic() - started
     assert done.returncode == verdict.EXIT_COLLECTIVES_FAILED, done.stderr[-2000:]

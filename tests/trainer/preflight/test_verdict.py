@@ -24,9 +24,11 @@ def test_a_host_with_another_copy_of_the_project_code_is_named_with_the_files_th
     stale = tmp_path / "old-checkout" / "trainer"
     shutil.copytree(REPO / "trainer", stale, ignore=shutil.ignore_patterns("__pycache__"))
     (stale / "data.py").write_text((stale / "data.py").read_text() + "\n# last week's version\n")
-    there = host_info.code_fingerprint({"trainer": [str(stale)], "tf_multiworker": [str(REPO / "plugins" / "tf_multiworker")]})
+    there = host_info.code_fingerprint({"trainer": [str(stale)],
+                                        "tf_multiworker": [str(REPO / "plugins" / "tf_multiworker")]})
     assert there["fingerprint"] != here["fingerprint"]
-    versions = {"python": "3.11.7", "tensorflow": "2.21.0", "tf-keras": "2.21.0", "transformers": "4.57.6", "numpy": "2.1"}
+    versions = {"python": "3.11.7", "tensorflow": "2.21.0", "tf-keras": "2.21.0", "transformers": "4.57.6",
+                "numpy": "2.1"}
     reports = {0: {"host": "host-a", "versions": versions, "code": here},
                1: {"host": "host-a", "versions": versions, "code": here},
                2: {"host": "host-c", "versions": versions, "code": there}}
