@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -58,18 +57,10 @@ def export_model(job: TrainJob, model, work_dir: Path) -> None:
     from trainer.model import stage_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(stage_model_dir(tokenizer_url(job.manifest_url, job.manifest), work_dir))
-    fs, path = storage.filesystem(job.output.model)
-    local = storage.is_local(fs)
-    staging = Path(path).parent / f".model-{os.getpid()}.tmp" if local else work_dir / "model"
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(str(staging))
-    tokenizer.save_pretrained(str(staging))
-    if local:
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(staging, path)
-    else:
-        storage.remove_tree(job.output.model)
-        storage.upload_tree(staging, job.output.model)
+    with storage.staging_directory(job.output.model) as staging:
+        model.save_pretrained(str(staging))
+        tokenizer.save_pretrained(str(staging))
+        storage.publish_directory(staging, job.output.model)
     log.info("model and tokenizer saved to %s", job.output.model)
 
 

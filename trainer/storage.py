@@ -195,6 +195,16 @@ def staging_directory(url: str) -> Iterator[Path]:
         shutil.rmtree(stage, ignore_errors=True)
 
 
+def publish_file(path: Path, url: str) -> None:
+    """Make the local file `path` the object at `url`: one rename when `url` is local (stage it on the same
+    filesystem), else one upload (an object PUT is atomic by itself)."""
+    fs, target = filesystem(url)
+    if is_local(fs):
+        os.replace(path, target)
+    else:
+        upload_file(path, url)
+
+
 def publish_directory(stage: Path, url: str, *, last: tuple[str, bytes] | None = None) -> None:
     """Make the files of `stage` (from `staging_directory(url)`) what `url` holds, replacing an earlier copy,
     complete or interrupted. `last` (a name and its bytes) is the file whose presence tells readers the rest is

@@ -237,7 +237,7 @@ def tokenize_unit(job: UnitJob, unit: Unit, tokenizer, progress: _Progress) -> d
             splits[split] = {"documents": count.documents, "tokens": count.tokens, "bytes": path.stat().st_size,
                              "sha256": storage.sha256_file(path),
                              "extreme": count.extreme.to_dict() if count.extreme else None}
-            _publish_file(path, job.stream_url(unit.index, split))
+            storage.publish_file(path, job.stream_url(unit.index, split))
     result = {"plan_id": job.plan_id, "unit": unit.index, "splits": splits, "bytes": unit.bytes,
               "fetched_bytes": chunks.fetched, "wall_s": round(time.perf_counter() - began, 3),
               "cpu_s": round(stats.cpu_s, 3)}
@@ -274,14 +274,6 @@ def _scratch_dir(job: UnitJob) -> str | None:
         return None
     os.makedirs(path, exist_ok=True)
     return path
-
-
-def _publish_file(path: Path, url: str) -> None:
-    fs, target = storage.filesystem(url)
-    if storage.is_local(fs):
-        os.replace(path, target)
-    else:
-        storage.upload_file(path, url)
 
 
 def load_tokenizer(directory: str):

@@ -126,3 +126,38 @@ def test_the_s3_endpoint_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv("AWS_ENDPOINT_URL")
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
     assert storage.storage_options_from_env("s3://bucket/key") == {}
+
+
+def test_a_published_directory_replaces_the_old_one_whole_with_its_completing_file_last(root):
+    url = storage.join(root, "datasets", "abc")
+    for version in ("old", "new"):
+        with storage.staging_directory(url) as stage:
+            (stage / "shards").mkdir()
+            (stage / "shards" / f"{version}.bin").write_bytes(version.encode())
+            assert not storage.exists(storage.join(url, "shards", f"{version}.bin"))  # nothing shows while staging
+            storage.publish_directory(stage, url, last=("manifest.json", version.encode()))
+    assert sorted(os.path.relpath(p, storage.filesystem(url)[1])
+                  for p in storage.filesystem(url)[0].find(storage.filesystem(url)[1])) == \
+        ["manifest.json", os.path.join("shards", "new.bin")]  # the old copy is gone, not merged
+    assert storage.read_bytes(storage.join(url, "manifest.json")) == b"new"
+
+
+def test_a_local_stage_sits_beside_its_target_and_a_killed_builds_leftovers_go(tmp_path):
+    url = str(tmp_path / "datasets" / "abc")
+    leftover = tmp_path / "datasets" / ".abc.partial-999999-dead"
+    leftover.mkdir(parents=True)
+    with storage.staging_directory(url) as stage:
+        assert stage.parent == Path(url).parent and not leftover.exists()  # same filesystem: one rename
+        (stage / "a").write_text("a")
+        storage.publish_directory(stage, url)
+    assert not stage.exists() and (Path(url) / "a").read_text() == "a"
+
+
+def test_a_published_file_is_renamed_locally_and_uploaded_to_object_storage(root, tmp_path):
+    target = storage.join(root, "streams", "unit-0.bin")
+    storage.filesystem(storage.join(root, "streams"))[0].makedirs(storage.filesystem(storage.join(root, "streams"))[1],
+                                                                   exist_ok=True)
+    staged = tmp_path / "unit-0.bin"
+    staged.write_bytes(b"tokens")
+    storage.publish_file(staged, target)
+    assert storage.read_bytes(target) == b"tokens"
