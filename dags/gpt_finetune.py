@@ -114,6 +114,14 @@ PARAMS = {
     "checkpoint_every_steps": Param(20, type="integer", minimum=1, maximum=10_000_000,
                                     title="Checkpoint interval (steps)"),
     "communication": Param("auto", type="string", enum=["auto", "ring", "nccl"], title="Collective implementation"),
+    "allreduce_dtype": Param("float32", type="string", enum=["float32", "bfloat16"], title="Gradients on the wire",
+                             description="bfloat16 halves the bytes each step sends across the network (gradients "
+                                         "are cast for the all-reduce only; accumulation and the update stay "
+                                         "float32); float32 keeps exact parity with the baseline."),
+    "allreduce_pack_mb": Param(32, type="number", minimum=0, maximum=1024, title="All-reduce pack size (MiB)",
+                               description="Gradients go out in packs of at least this size while the backward "
+                                           "pass still runs (overlap); 0 sends one pack after it. No overlap "
+                                           "with XLA."),
     "collective_timeout_s": Param(300, type="integer", minimum=5, maximum=86_400,
                                   title="Preflight collective timeout (s)",
                                   description="Bound on the preflight's collectives; training collectives have "

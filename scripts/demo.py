@@ -23,11 +23,11 @@ BUCKET = "gpt-finetune"
 
 
 @contextmanager
-def local_s3() -> Iterator[str]:
-    """A moto S3 server on loopback with one bucket; the credentials go to the environment only."""
+def local_s3(address: str) -> Iterator[str]:
+    """A moto S3 server on `address` with one bucket; the credentials go to the environment only."""
     from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server = ThreadedMotoServer(ip_address=address, port=0)
     server.start()
     host, port = server.get_host_and_port()
     os.environ.update({
@@ -65,13 +65,16 @@ def latest_report(storage_root: str, since: float) -> str | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--s3", action="store_true", help="store everything on a local S3-protocol server")
+    parser.add_argument("--s3-address", default="127.0.0.1",
+                        help="where that server listens (default loopback); with backend ssh, an address of this "
+                             "machine that the hosts reach")
     parser.add_argument("--conf", default="{}", help="run settings as JSON, as with `airflow dags trigger --conf`")
     args = parser.parse_args()
     conf = json.loads(args.conf)
 
     with ExitStack() as stack:
         if args.s3:
-            conf.setdefault("storage_root", stack.enter_context(local_s3()))
+            conf.setdefault("storage_root", stack.enter_context(local_s3(args.s3_address)))
         conf.setdefault("storage_root", os.environ.get("GPT_FINETUNE_STORAGE_ROOT", str(REPO / "storage")))
         subprocess.run([AIRFLOW, "db", "migrate"], check=True, stdout=subprocess.DEVNULL, cwd=REPO)
         started = time.time()

@@ -59,6 +59,9 @@ if [[ ! -x /usr/sbin/sshd && $(id -u) == 0 ]]; then
   mkdir -p /etc/ssh && touch /etc/ssh/sshd_not_to_be_run
 fi
 need "[[ -x /usr/sbin/sshd ]]" openssh-server "the SSH backend tests (real sshd servers on loopback)"
+# Test hosts on network stacks of their own (tests/support/netns.py: `ip netns`, veth, a bridge, `tc ... tbf`); without
+# it (or without root) the SSH tests run their hosts on loopback addresses and say so.
+need "on_path ip && on_path tc" iproute2 "test hosts on network stacks of their own"
 
 # The Celery stack tests (tests/support/celery_stack.py) run their own Postgres cluster and redis-server on free ports.
 # Debian's packages would also start the system's (a "main" cluster on 5432, redis-server on 6379): a policy-rc.d

@@ -43,6 +43,7 @@ _NOT_IN_KEY = frozenset({
     "checkpoint_every_steps", "communication", "collective_timeout_s", "startup_timeout_s", "hang_timeout_s",
     "dataset", "text_column", "tokenizer", "val_fraction", "num_shards", "max_steps", "epochs",
     "min_workers", "min_predicted_efficiency",
+    "allreduce_pack_mb",  # one worker all-reduces nothing (its wire dtype counts: it makes the same round trip)
     "model_name", "promotion_tolerance", "promote",  # what happens to the model after training
     "max_loss_rise", "min_throughput_ratio", "alert_conn_id", "alert_emails",  # watching the run, not its numbers
 })

@@ -14,7 +14,8 @@ from typing import Any
 
 # The settings that decide what one step costs: a run differing in any of them is not comparable.
 COMPARABLE_SETTINGS = ("num_workers", "backend", "model", "block_size", "batch_size_per_worker", "grad_accum_steps",
-                       "mixed_precision", "xla", "use_gpu", "communication", "tokenizer", "workers_per_host")
+                       "mixed_precision", "xla", "use_gpu", "communication", "allreduce_dtype", "allreduce_pack_mb",
+                       "tokenizer", "workers_per_host")
 COMPARABLE_HARDWARE = ("cpu", "cpu_count", "device", "gpu")
 
 

@@ -104,15 +104,33 @@ def airflow_stack(tmp_path_factory, monitoring_sinks):
 
 
 @pytest.fixture(scope="session")
-def ssh_hosts(tmp_path_factory):
-    """Two real OpenSSH servers on 127.0.0.2 and 127.0.0.3 standing in for remote hosts (tests/support/sshd.py): each
-    yields its address, port, host key, disk and `connection_env()` (the `AIRFLOW_CONN_<ID>` to set)."""
+def host_network():
+    """The test hosts' network (tests/support/netns.py): two hosts on network stacks of their own where the
+    machine allows (root, iproute2), else None (loopback addresses on this machine's stack). Services the hosts
+    must reach (the S3 server) listen on its `gateway`."""
+    from tests.support import netns
+
+    reason = netns.unavailable_reason()
+    if reason:
+        print(f"\ntest hosts on loopback addresses, one network stack: {reason}")
+        yield None
+        return
+    with netns.HostNetwork(2) as network:
+        print(f"\ntest hosts on network stacks of their own: {[host.address for host in network.hosts]}")
+        yield network
+
+
+@pytest.fixture(scope="session")
+def ssh_hosts(tmp_path_factory, host_network):
+    """Two real OpenSSH servers standing in for remote hosts (tests/support/sshd.py), each in its own network namespace
+    when the machine allows, else on 127.0.0.2 and 127.0.0.3: each yields its address, port, host key, disk and
+    `connection_env()` (the `AIRFLOW_CONN_<ID>` to set)."""
     from tests.support.sshd import start_hosts, stop_hosts, unavailable_reason
 
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
-    hosts = start_hosts(2, tmp_path_factory.mktemp("ssh_hosts"))
+    hosts = start_hosts(2, tmp_path_factory.mktemp("ssh_hosts"), host_network)
     try:
         yield hosts
     finally:

@@ -8,15 +8,21 @@ Inputs, all measured on the run's own workers:
 - the single-worker step time of the run's global batch: a few-step probe (`probe_step_time`, one process, no
   collectives) or the matching baseline's summary when it is reused.
 
-The model, per worker count N (step time T, single-worker step time T1, gradient bytes B):
+The model, per worker count N (step time T, single-worker step time T1, gradient bytes B on the wire):
 - compute: each worker does 1/N of the global batch's micro-steps, T1 / N; on the CPU workers on one host share
   its cores, so the busiest host (k of the N workers) runs at 1/k of the probe's speed: T1 x k / N;
-- communication: one ring all-reduce of the gradients, 2(N-1)/N x B / busbw, plus per-message latency for each
-  collective of a step (gradients, loss, gradient norm), scaled from the measured ring of N0 workers by the
-  2(N-1) hops of a ring of N;
-- without overlap (how the trainer runs: all-reduce after the last micro-step) T = compute + communication; with
-  overlap (the bound if the all-reduce hid behind backprop) T = max(compute, communication).
-Speedup = T1 / T(N), efficiency = speedup / N.
+- communication: a ring all-reduce of the gradients in `allreduce_dtype` (bfloat16 halves B), 2(N-1)/N x B /
+  busbw, plus per-message latency for each collective of a step (every gradient pack, then the loss and gradient
+  norm), scaled from the measured ring of N0 workers by the 2(N-1) hops of a ring of N;
+- exposed communication: with one pack, all of it (the all-reduce starts after the last micro-step's backward);
+  with packs (`allreduce_pack_mb`), TF all-reduces them in reverse variable order as their gradients become ready
+  during the last micro-step's backward (2/3 of a micro-step), so what shows is the larger of the last pack (the
+  first variables, the embedding among them, are ready only when backward ends) and the communication that the
+  backward cannot cover;
+- T = compute + exposed communication; the bound if all of it hid: T = max(compute, communication).
+Speedup = T1 / T(N), efficiency = speedup / N. The levers (`levers`): the asked count's efficiency with bfloat16
+on the wire, with packs, and with a 2x or 4x global batch (more tokens per all-reduce), so the recommendation can
+name the one that helps most on the measured network.
 
 This module imports no TensorFlow at module level (the tasks and the preflight's chief use the prediction); the
 probe imports it when it runs, in a child process without TF_CONFIG.
@@ -40,20 +46,50 @@ from tf_multiworker.launcher.log_policy import configure_worker_logging
 
 log = logging.getLogger("trainer.advisor")
 
-COLLECTIVES_PER_STEP = 3  # the gradients' all-reduce, then the loss and gradient-norm means
+METRIC_COLLECTIVES = 2  # after the gradients' packs: the loss and gradient-norm means
+BACKWARD_SHARE = 2 / 3  # of a micro-step: the backward pass costs about twice the forward
 PROBE_WARMUP_STEPS = 2  # the first traces and compiles the step, the second still warms caches: not timed
 PROBE_TIMED_STEPS = 20  # the median of short steps on a shared machine needs a few
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 # The recommendation: the fewest workers reaching this share of the best predicted speedup.
 NEAR_BEST_SPEEDUP = 0.9
+# A lever is named when it raises the asked count's predicted efficiency by at least this much.
+LEVER_GAIN = 0.05
+LEVER_PACK_MB = 32  # the pack size a lever proposes when the run sends one pack (Model Garden, DDP: 25-64 MiB)
 
 
-def ring_seconds(num_workers: int, gradient_bytes: int, busbw_gbps: float, hop_latency_s: float) -> float:
+def ring_seconds(num_workers: int, gradient_bytes: int, busbw_gbps: float, hop_latency_s: float,
+                 collectives: int = 1 + METRIC_COLLECTIVES) -> float:
     """One step's collectives on a ring of `num_workers`: bandwidth term 2(N-1)/N x B / busbw, plus latency."""
     if num_workers <= 1:
         return 0.0
     bandwidth = 2 * (num_workers - 1) / num_workers * gradient_bytes / (busbw_gbps * 1e9)
-    return bandwidth + COLLECTIVES_PER_STEP * 2 * (num_workers - 1) * hop_latency_s
+    return bandwidth + collectives * 2 * (num_workers - 1) * hop_latency_s
+
+
+def pack_sizes(variable_bytes: Sequence[int], pack_bytes: int) -> list[int]:
+    """The all-reduce packs TF 2.21 builds from gradients of these sizes (variable order), in the order it sends
+    them: the list reversed (the last layers' gradients are ready first), each pack closed once it holds more than
+    `pack_bytes` (`cross_device_utils.group_by_size`); 0 = one pack."""
+    if pack_bytes <= 0 or not variable_bytes:
+        return [sum(variable_bytes)]
+    packs: list[int] = []
+    for size in reversed(variable_bytes):
+        if not packs or packs[-1] > pack_bytes:
+            packs.append(0)
+        packs[-1] += size
+    return packs
+
+
+def exposed_seconds(num_workers: int, packs: Sequence[int], busbw_gbps: float, hop_latency_s: float,
+                    backward_s: float) -> float:
+    """Communication that shows in the step time: all of it with one pack; with packs, the larger of the last pack
+    (ready only when backward ends) and what `backward_s` of the last micro-step's backward cannot cover."""
+    total = ring_seconds(num_workers, sum(packs), busbw_gbps, hop_latency_s, len(packs) + METRIC_COLLECTIVES)
+    if len(packs) <= 1:
+        return total
+    last = ring_seconds(num_workers, packs[-1], busbw_gbps, hop_latency_s, 1 + METRIC_COLLECTIVES)
+    return max(last, total - backward_s)
 
 
 def busiest_host_share(hosts: Sequence[str], count: int) -> int:
@@ -63,23 +99,30 @@ def busiest_host_share(hosts: Sequence[str], count: int) -> int:
 
 
 def predict(*, num_workers: int, single_step_s: float, gradient_bytes: int, busbw_gbps: float, latency_ms: float,
-            measured_workers: int, tokens_per_step: int, hosts: Sequence[str], shared_cores: bool) -> dict[str, Any]:
-    """The advisor's table for N in 1..num_workers (see the module doc), with the recommendation."""
+            measured_workers: int, tokens_per_step: int, hosts: Sequence[str], shared_cores: bool,
+            packs: Sequence[int] | None = None, micro_steps: int = 1) -> dict[str, Any]:
+    """The advisor's table for N in 1..num_workers (see the module doc), with the recommendation. `packs`: the
+    gradients' all-reduce packs in bytes (None: one pack of `gradient_bytes`); `micro_steps`: the global batch's
+    micro-batches (the last one's backward is what packs overlap)."""
     if single_step_s <= 0 or busbw_gbps <= 0:
         raise ValueError(f"the advisor needs a positive step time and bus bandwidth, got {single_step_s!r} s and "
                          f"{busbw_gbps!r} GB/s")
+    packs = list(packs) if packs else [gradient_bytes]
     # The measured small all-reduce crossed 2(N0-1) ring hops.
     hop_latency_s = latency_ms / 1e3 / (2 * (measured_workers - 1)) if measured_workers > 1 else 0.0
     rows = []
     for count in range(1, num_workers + 1):
         crowd = busiest_host_share(hosts, count) if shared_cores else 1
         compute = single_step_s * crowd / count
-        communication = ring_seconds(count, gradient_bytes, busbw_gbps, hop_latency_s)
-        step = compute + communication
+        backward = BACKWARD_SHARE * single_step_s * crowd / micro_steps
+        communication = ring_seconds(count, sum(packs), busbw_gbps, hop_latency_s, len(packs) + METRIC_COLLECTIVES)
+        exposed = exposed_seconds(count, packs, busbw_gbps, hop_latency_s, backward)
+        step = compute + exposed
         overlapped = max(compute, communication)
         speedup = single_step_s / step
         rows.append({
-            "num_workers": count, "compute_s": compute, "communication_s": communication, "step_time_s": step,
+            "num_workers": count, "compute_s": compute, "communication_s": communication,
+            "exposed_communication_s": exposed, "step_time_s": step,
             "step_time_overlap_s": overlapped, "tokens_per_s": tokens_per_step / step,
             "tokens_per_s_overlap": tokens_per_step / overlapped, "speedup": speedup,
             "efficiency": speedup / count, "speedup_overlap": single_step_s / overlapped,
@@ -119,26 +162,84 @@ def table_lines(advice: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def wire_packs(step: Mapping[str, Any], wire_dtype: str, pack_mb: float) -> list[int]:
+    """The gradients' all-reduce packs in bytes for a step measurement, a wire dtype and a pack size."""
+    value_bytes = DTYPE_BYTES[wire_dtype] if wire_dtype == "bfloat16" else DTYPE_BYTES.get(step["gradient_dtype"], 4)
+    sizes = [count * value_bytes for count in step.get("variable_parameters") or [step["parameters"]]]
+    return pack_sizes(sizes, int(pack_mb * 2**20))
+
+
+def levers(cfg, measured: Mapping[str, Any], step: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The asked count's predicted efficiency with each setting that changes communication's share, best first:
+    bfloat16 on the wire, packs that overlap the backward pass (not with XLA, which releases every gradient at
+    once), and a 2x or 4x global batch (more accumulation steps: more tokens per all-reduce)."""
+    def efficiency(*, wire: str, pack_mb: float, scale: int) -> float:
+        rows = predict(**{**measured, "single_step_s": measured["single_step_s"] * scale,
+                          "tokens_per_step": measured["tokens_per_step"] * scale,
+                          "micro_steps": measured["micro_steps"] * scale,
+                          "packs": wire_packs(step, wire, pack_mb)})["rows"]
+        return rows[cfg.num_workers - 1]["efficiency"]
+
+    wire, pack_mb = cfg.allreduce_dtype, 0 if cfg.xla else cfg.allreduce_pack_mb
+    options = []
+    if wire != "bfloat16":
+        options.append(("bfloat16 on the wire", "allreduce_dtype",
+                        {"wire": "bfloat16", "pack_mb": pack_mb, "scale": 1}))
+    if not pack_mb and not cfg.xla:
+        options.append((f"{LEVER_PACK_MB} MiB packs that overlap the backward pass", "allreduce_pack_mb",
+                        {"wire": wire, "pack_mb": LEVER_PACK_MB, "scale": 1}))
+    for scale in (2, 4):
+        options.append((f"a {scale}x global batch (more tokens per all-reduce)", "grad_accum_steps",
+                        {"wire": wire, "pack_mb": pack_mb, "scale": scale}))
+    now = efficiency(wire=wire, pack_mb=pack_mb, scale=1)
+    found = [{"lever": name, "setting": setting, "efficiency": efficiency(**settings), "from_efficiency": now}
+             for name, setting, settings in options]
+    return sorted(found, key=lambda lever: -lever["efficiency"])
+
+
+def lever_sentence(found: Sequence[Mapping[str, Any]]) -> str | None:
+    """The lever to name, when one gains at least `LEVER_GAIN`: the communication settings first (they keep the
+    training recipe), the smallest larger global batch when neither helps enough."""
+    useful = [lever for lever in found if lever["efficiency"] - lever["from_efficiency"] >= LEVER_GAIN]
+    keeps_recipe = [lever for lever in useful if lever["setting"] != "grad_accum_steps"]
+    batches = sorted((lever for lever in useful if lever["setting"] == "grad_accum_steps"),
+                     key=lambda lever: lever["efficiency"])
+    best = keeps_recipe[0] if keeps_recipe else batches[0] if batches else None
+    if best is None:
+        return None
+    return (f"{best['lever']} ('{best['setting']}') is predicted to raise efficiency from "
+            f"{best['from_efficiency']:.0%} to {best['efficiency']:.0%} on this network")
+
+
 def advise(*, cfg, collectives: Mapping[str, Any], workers: Sequence[Mapping[str, Any]],
            step: Mapping[str, Any]) -> dict[str, Any]:
     """The prediction for a run from its preflight results and a single-worker step measurement
-    (`{"seconds_per_step", "parameters", "gradient_dtype", "source"}`)."""
+    (`{"seconds_per_step", "parameters", "variable_parameters", "gradient_dtype", "source"}`)."""
     bandwidth, latency = collectives["bandwidth"], collectives["latency"]
-    gradient_bytes = step["parameters"] * DTYPE_BYTES.get(step["gradient_dtype"], 4)
+    pack_mb = 0 if cfg.xla else cfg.allreduce_pack_mb  # XLA releases every gradient at once: nothing to overlap
+    packs = wire_packs(step, cfg.allreduce_dtype, pack_mb)
     hosts = [report["host"] for report in sorted(workers, key=lambda r: r["rank"])]
-    advice = predict(
-        num_workers=cfg.num_workers, single_step_s=step["seconds_per_step"], gradient_bytes=gradient_bytes,
-        busbw_gbps=bandwidth["busbw_gbps"], latency_ms=latency["p50_ms"], measured_workers=len(workers),
-        tokens_per_step=cfg.global_batch_size * cfg.block_size, hosts=hosts, shared_cores=not cfg.use_gpu,
-    )
+    measured = {
+        "num_workers": cfg.num_workers, "single_step_s": step["seconds_per_step"], "gradient_bytes": sum(packs),
+        "busbw_gbps": bandwidth["busbw_gbps"], "latency_ms": latency["p50_ms"], "measured_workers": len(workers),
+        "tokens_per_step": cfg.global_batch_size * cfg.block_size, "hosts": hosts, "shared_cores": not cfg.use_gpu,
+        "micro_steps": cfg.num_workers * cfg.grad_accum_steps,
+    }
+    advice = predict(**measured, packs=packs)
+    found = levers(cfg, measured, step)
+    lever = lever_sentence(found)
+    if lever:
+        advice["recommendation"] += f"; {lever}"
     asked = advice["rows"][cfg.num_workers - 1]
     return {
         "inputs": {"single_step_s": step["seconds_per_step"], "step_source": step["source"],
                    "parameters": step["parameters"], "gradient_dtype": step["gradient_dtype"],
-                   "gradient_bytes": gradient_bytes, "busbw_gbps": bandwidth["busbw_gbps"],
+                   "allreduce_dtype": cfg.allreduce_dtype, "allreduce_pack_mb": pack_mb, "packs": len(packs),
+                   "gradient_bytes": sum(packs), "busbw_gbps": bandwidth["busbw_gbps"],
                    "latency_p50_ms": latency["p50_ms"], "measured_workers": len(workers), "hosts": hosts,
-                   "shared_cores": not cfg.use_gpu, "collectives_per_step": COLLECTIVES_PER_STEP},
+                   "shared_cores": not cfg.use_gpu, "collectives_per_step": len(packs) + METRIC_COLLECTIVES},
         **advice,
+        "levers": found,
         "asked": {"num_workers": cfg.num_workers, "speedup": asked["speedup"], "efficiency": asked["efficiency"]},
         "min_predicted_efficiency": cfg.min_predicted_efficiency,
     }
@@ -162,6 +263,7 @@ def step_from_summary(summary: Mapping[str, Any]) -> dict[str, Any] | None:
     if summary.get("num_workers") != 1 or not timed or not seconds or not summary.get("parameters"):
         return None
     return {"seconds_per_step": seconds / timed, "parameters": summary["parameters"],
+            "variable_parameters": summary.get("variable_parameters"),
             "gradient_dtype": summary.get("gradient_dtype", "float32"), "source": "baseline summary"}
 
 
@@ -202,6 +304,7 @@ def probe_step_time(cfg, manifest_url: str, steps: int = PROBE_TIMED_STEPS) -> d
         variables = state.model.trainable_variables
         return {"seconds_per_step": statistics.median(times), "steps": steps,
                 "parameters": int(sum(v.shape.num_elements() for v in variables)),
+                "variable_parameters": [int(v.shape.num_elements()) for v in variables],
                 "gradient_dtype": variables[0].dtype.name, "source": "probe"}
 
 

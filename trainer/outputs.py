@@ -86,8 +86,9 @@ class LoopTimes:
 
 
 def build_summary(job: TrainJob, model, times: LoopTimes, outputs: OutputFiles, gpu, started: float,
-                  started_at: str) -> dict[str, Any]:
-    """The chief's summary.json (docs/CONTRACTS.md, "Worker entry points")."""
+                  started_at: str, allreduce: dict[str, Any] | None) -> dict[str, Any]:
+    """The chief's summary.json (docs/CONTRACTS.md, "Worker entry points"); `allreduce`: what the gradients'
+    all-reduce became (trainer/allreduce.py)."""
     from trainer.model import flops_per_token
 
     cfg = job.cfg
@@ -109,7 +110,8 @@ def build_summary(job: TrainJob, model, times: LoopTimes, outputs: OutputFiles, 
         "data_order": "per_slot" if job.slot_order else "per_worker",
         # The gradients' size, for the scaling advisor when this summary stands in for its probe.
         "parameters": int(sum(v.shape.num_elements() for v in model.trainable_variables)),
-        "gradient_dtype": model.trainable_variables[0].dtype.name,
+        "variable_parameters": [int(v.shape.num_elements()) for v in model.trainable_variables],
+        "gradient_dtype": model.trainable_variables[0].dtype.name, "allreduce": allreduce,
         "hardware": hardware_info(gpu.name, "GPU" if cfg.use_gpu else "CPU"), "versions": versions(),
         "config": cfg.to_dict(), "started_at": started_at, "finished_at": utc_now(),
     }

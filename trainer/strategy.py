@@ -9,6 +9,7 @@ launcher's `tf_env`): Keras 3 with this strategy is broken (keras-team/keras#205
 from __future__ import annotations
 
 import os
+import re
 
 from trainer import runtime
 from trainer.config import RunConfig
@@ -56,3 +57,20 @@ def collective_error_reason(error: Exception) -> str:
                 reason += " " + lines[index + 1]
             return reason
     return lines[0] if lines else type(error).__name__
+
+
+_TASK = re.compile(r"/job:worker/replica:\d+/task:(\d+)")
+
+
+def lost_peers(error: Exception, identity: runtime.WorkerIdentity) -> str:
+    """The peers a collective error reports unhealthy, named by rank, host and port from TF_CONFIG ("" if none):
+    what the operator needs when a host's link or power went away and that host can no longer say so itself."""
+    text = str(error)
+    if "unhealthy" not in text:
+        return ""
+    ranks = sorted({int(index) for index in _TASK.findall(text[text.index("unhealthy"):])} - {identity.rank})
+    named = []
+    for rank in ranks:
+        host, _, port = (identity.addresses[rank] if rank < len(identity.addresses) else "?").rpartition(":")
+        named.append(f"rank {rank} (host {host}, port {port})")
+    return ", ".join(named)

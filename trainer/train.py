@@ -28,10 +28,12 @@ from typing import Any
 from tf_multiworker.launcher.log_policy import configure_worker_logging
 
 from trainer import runtime
+from trainer.allreduce import GradientReducer, PackRecorder
+from trainer.config import RunConfig
 from trainer.data import DataError
 from trainer.job import TrainJob, plan_job
 from trainer.outputs import LoopTimes, OutputFiles, build_summary, export_model, utc_now, write_summary
-from trainer.strategy import collective_error_reason, create_strategy
+from trainer.strategy import collective_error_reason, create_strategy, lost_peers
 
 log = logging.getLogger("trainer.train")
 
@@ -77,16 +79,80 @@ def stage_inputs(job: TrainJob) -> list[list[str]]:
     return [stage_shards(job.manifest_url, list(shards), cache) for shards in job.slot_shards]
 
 
+def micro_step_function(cfg: RunConfig, model, optimizer, replicas: int):
+    """One micro-batch's gradients and loss; the loss is scaled so that summing the gradients over micro-steps and
+    replicas gives the mean (they arrive at the all-reduce already divided)."""
+    import tensorflow as tf
+
+    from trainer.model import causal_lm_loss
+
+    variables = model.trainable_variables
+    gradient_scale = 1.0 / (cfg.grad_accum_steps * replicas)
+    loss_scaling = cfg.mixed_precision == "fp16"
+
+    def micro_step(tokens):
+        with tf.GradientTape() as tape:
+            loss = causal_lm_loss(model, tokens, training=True)
+            scaled = loss * gradient_scale
+            if loss_scaling:
+                scaled = optimizer.get_scaled_loss(scaled)
+        gradients = tape.gradient(scaled, variables)
+        if loss_scaling:
+            gradients = optimizer.get_unscaled_gradients(gradients)
+        return [tf.convert_to_tensor(g) for g in gradients], loss
+
+    return micro_step
+
+
+def gradient_function(cfg: RunConfig, model, optimizer, replicas: int):
+    """This replica's gradients and mean loss over its micro-batches (a function to call in the step's graph)."""
+    import tensorflow as tf
+
+    variables = model.trainable_variables
+    micro_steps = cfg.grad_accum_steps
+    micro_step = micro_step_function(cfg, model, optimizer, replicas)
+
+    def add_micro_steps(micro_batches, count):
+        """The first `count` micro-steps' gradients and loss, summed in order."""
+        gradients = [tf.zeros_like(v) for v in variables]
+        loss_sum = tf.constant(0.0)
+        for index in tf.range(count):
+            micro_gradients, loss = micro_step(micro_batches[index])
+            gradients = [total + g for total, g in zip(gradients, micro_gradients)]
+            loss_sum += loss
+        return gradients, loss_sum
+
+    if cfg.xla:
+        # One compiled cluster for every micro-step: it releases all gradients at once, so nothing overlaps.
+        @tf.function(jit_compile=True)
+        def local_gradients(micro_batches):
+            if micro_steps == 1:
+                return micro_step(micro_batches[0])
+            gradients, loss_sum = add_micro_steps(micro_batches, micro_steps)
+            return gradients, loss_sum / micro_steps
+    else:
+        def local_gradients(micro_batches):
+            # The last micro-step outside any loop and in the step's own graph: its gradients appear layer by
+            # layer, and each pack's all-reduce starts as soon as its gradients exist.
+            if micro_steps == 1:  # nothing to add up: no zero buffers and no loop
+                return micro_step(micro_batches[0])
+            gradients, loss_sum = add_micro_steps(micro_batches, micro_steps - 1)
+            last_gradients, last_loss = micro_step(micro_batches[micro_steps - 1])
+            return [total + g for total, g in zip(gradients, last_gradients)], (loss_sum + last_loss) / micro_steps
+
+    return local_gradients
+
+
 class TrainState:
     """Model, optimizer and step counter under the strategy, with the compiled step function."""
 
     def __init__(self, job: TrainJob, strategy, work_dir: Path) -> None:
         import tensorflow as tf
 
-        from trainer.model import build_model, causal_lm_loss
+        from trainer.model import build_model
         from trainer.optim import GRAD_CLIP_NORM, learning_rate_schedule, make_optimizer
 
-        cfg = job.cfg
+        cfg = self.cfg = job.cfg
         self.strategy = strategy
         with strategy.scope():
             self.model = build_model(
@@ -100,54 +166,45 @@ class TrainState:
         self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step)
 
         model, optimizer, variables = self.model, self.optimizer, self.model.trainable_variables
-        micro_steps = cfg.grad_accum_steps
-        # Each micro-step's loss is scaled so that summing over micro-steps and replicas gives the mean.
-        gradient_scale = 1.0 / (micro_steps * strategy.num_replicas_in_sync)
-        loss_scaling = cfg.mixed_precision == "fp16"
-
-        def micro_step(tokens):
-            with tf.GradientTape() as tape:
-                loss = causal_lm_loss(model, tokens, training=True)
-                scaled = loss * gradient_scale
-                if loss_scaling:
-                    scaled = optimizer.get_scaled_loss(scaled)
-            gradients = tape.gradient(scaled, variables)
-            if loss_scaling:
-                gradients = optimizer.get_unscaled_gradients(gradients)
-            return [tf.convert_to_tensor(g) for g in gradients], loss
-
-        @tf.function(jit_compile=cfg.xla)
-        def accumulate_gradients(micro_batches):
-            if micro_steps == 1:  # nothing to add up: no zero buffers and no loop, ops a small model's step feels
-                return micro_step(micro_batches[0])
-            gradients = [tf.zeros_like(v) for v in variables]
-            loss_sum = tf.constant(0.0)
-            for index in tf.range(micro_steps):
-                micro_gradients, loss = micro_step(micro_batches[index])
-                gradients = [total + g for total, g in zip(gradients, micro_gradients)]
-                loss_sum += loss
-            return gradients, loss_sum / micro_steps
+        local_gradients = gradient_function(cfg, model, optimizer, strategy.num_replicas_in_sync)
+        self.reducer = reduce_gradients = GradientReducer(cfg)
 
         def replica_step(micro_batches):
-            gradients, loss = accumulate_gradients(micro_batches)
-            context = tf.distribute.get_replica_context()
-            gradients = context.all_reduce(tf.distribute.ReduceOp.SUM, gradients)
+            gradients, loss = local_gradients(micro_batches)
+            gradients = reduce_gradients(gradients)
             gradients, norm = tf.clip_by_global_norm(gradients, GRAD_CLIP_NORM)
+            # The gradients are summed over the workers already: the optimizer must not all-reduce them again.
             optimizer.apply_gradients(zip(gradients, variables), skip_gradients_aggregation=True)
             return loss, norm
 
         schedule = self.schedule
 
         @tf.function
-        def train_step(micro_batches):
+        def traced_step(micro_batches):
             # This step's rate, read before apply_gradients advances the count: in the graph, not as eager ops
             # between steps (which cost the tiny model a few percent of its step time).
             learning_rate = schedule(optimizer.iterations)
             loss, norm = strategy.run(replica_step, args=(micro_batches,))
             mean = tf.distribute.ReduceOp.MEAN
+            # After the gradients in program order: collectives run in that order, and these would delay them.
             return strategy.reduce(mean, loss, axis=None), strategy.reduce(mean, norm, axis=None), learning_rate
 
-        self.train_step = train_step
+        self._traced_step = traced_step
+        self.allreduce: dict[str, Any] | None = None  # what the gradients' all-reduce became, once traced
+
+    def train_step(self, micro_batches):
+        """One optimizer step: (mean loss, gradient norm, learning rate). The first call traces the step and
+        records the packs TF made of the gradients' all-reduce."""
+        if self.allreduce is not None:
+            return self._traced_step(micro_batches)
+        with PackRecorder() as recorder:
+            result = self._traced_step(micro_batches)
+        variables, cfg = self.model.trainable_variables, self.cfg
+        packs = recorder.gradient_packs(len(variables))
+        self.allreduce = {"dtype": self.reducer.dtype, "pack_mb": self.reducer.pack_mb, "packs": packs,
+                          "overlap": bool(packs and packs > 1)}
+        log.info("%s", self.reducer.describe(variables, packs, cfg.xla))
+        return result
 
     def check_same_step_everywhere(self, rank: int) -> None:
         """Every worker must resume from the same checkpoint, or the all-reduces would mix different steps."""
@@ -256,7 +313,8 @@ def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str,
         times = train_loop(job, state, store, outputs, gpu, start_step, local_files)
         export_model(job, state.model, work_dir)
         store.close()
-        return build_summary(job, state.model, times, outputs, gpu, started, started_at) if job.is_chief else None
+        return build_summary(job, state.model, times, outputs, gpu, started, started_at,
+                             state.allreduce) if job.is_chief else None
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
 
@@ -305,6 +363,13 @@ def main(argv: list[str] | None = None) -> int:
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError) as error:
         # TensorFlow's coordination service stopped hearing from a peer (it exited, crashed or was stopped) and
         # aborted this worker's collectives. The group must restart together; it resumes from the checkpoint.
+        peers = lost_peers(error, job.identity)
+        if peers:
+            log.error(
+                "rank %d lost %s during a collective: it stopped sending heartbeats (it exited, hung, or its host "
+                "or network went away; its own log may name the cause). Restart the whole group; it resumes from "
+                "the latest checkpoint in %s.", job.rank, peers, job.output.checkpoints)
+            return 3
         log.error(
             "rank %d on %s lost another worker during a collective (%s: %s): a peer exited or stopped answering "
             "its heartbeats; its own log names the cause. Restart the whole group; it resumes from the latest "

@@ -44,7 +44,7 @@ from tasks.dataset.split import SPLIT_RULE
 from tasks.dataset.tokenizer import (
     EOS_TOKEN,
     TokenizerPlan,
-    check_block_size,
+    check_model,
     packing_backend,
     plan_tokenizer,
     save_tokenizer,
@@ -101,7 +101,7 @@ class DatasetIdentity:
 def identify_dataset(cfg: RunConfig) -> DatasetIdentity:
     """Resolve sources, check the model's positions and the tokenizer, and compute the fingerprint."""
     sources = resolve_sources(cfg.dataset, REPO_ROOT)
-    check_block_size(cfg)
+    check_model(cfg)
     plan = plan_tokenizer(cfg)
     settings = packing_settings(cfg, sources, plan)
     return DatasetIdentity(sources, plan, settings, dataset_fingerprint(sources, plan, settings))

@@ -26,6 +26,7 @@ from tasks.dataset.sources import Sources
 from tasks.dataset.split import SAMPLE_RULE, SAMPLE_WINDOW_BYTES, DocumentDraws, window_draw
 from trainer import storage
 from trainer.config import RunConfig
+from trainer.config.launch import FLOAT_DTYPES
 from trainer.layout import REPO_ROOT
 
 log = logging.getLogger("gpt_finetune.prepare")
@@ -96,11 +97,17 @@ def dtype_for(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def check_block_size(cfg: RunConfig) -> None:
-    """Refuse a block size the model cannot embed; presets are already checked by RunConfig."""
+def check_model(cfg: RunConfig) -> None:
+    """Refuse a block size the model cannot embed, and gradients in bfloat16 on the wire for a model whose weights
+    are not floating point; presets are already checked by RunConfig."""
     if cfg.is_preset_model:
         return
     config = _model_config(cfg.model)
+    weights = str(config.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
+    if cfg.allreduce_dtype == "bfloat16" and weights not in FLOAT_DTYPES:
+        raise PrepareError(
+            f"Setting 'allreduce_dtype' = 'bfloat16' needs floating-point weights, but model {cfg.model!r} holds "
+            f"{weights}: set 'allreduce_dtype' to 'float32' or use a floating-point model.")
     positions = config.get("n_positions") or config.get("max_position_embeddings")
     if positions is None:
         raise PrepareError(

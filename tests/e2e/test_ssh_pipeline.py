@@ -168,7 +168,7 @@ def test_ssh_run_through_the_scheduler_matches_the_local_backend(airflow_stack, 
     assert_no_library_noise("\n".join(p.read_text(errors="replace") for p in logs))
 
 
-def test_readme_command_runs_the_whole_dag_on_ssh_hosts(ssh_hosts, tmp_path):
+def test_readme_command_runs_the_whole_dag_on_ssh_hosts(ssh_hosts, host_network, tmp_path):
     """`make demo-s3` with `--conf '{"backend": "ssh", ...}'` in DEMO_ARGS, in miniature, with the hosts' connections
     set by environment as a deployment would."""
     extra = {"GPT_FINETUNE_STORAGE_ROOT": str(tmp_path / "unused")}
@@ -176,7 +176,10 @@ def test_readme_command_runs_the_whole_dag_on_ssh_hosts(ssh_hosts, tmp_path):
         extra.update(host.connection_env())
     env = airflow_env(tmp_path / "home", free_port(), extra)
     conf = {**SSH_FAST, "backend": "ssh", "ssh_conn_ids": [h.conn_id for h in ssh_hosts]}
-    result = subprocess.run([sys.executable, "scripts/demo.py", "--s3", "--conf", json.dumps(conf)],
+    # Hosts on network stacks of their own reach this machine at the bridge's address, not at its loopback.
+    address = host_network.gateway if host_network else "127.0.0.1"
+    result = subprocess.run([sys.executable, "scripts/demo.py", "--s3", "--s3-address", address,
+                             "--conf", json.dumps(conf)],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=800, check=False)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]

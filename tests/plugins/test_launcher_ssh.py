@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -17,10 +18,10 @@ from pathlib import Path
 
 import pytest
 from tf_multiworker.backends import DEFAULT_REMOTE_WORKDIR, ssh_backend
-from tf_multiworker.launcher import FailureKind, GroupSpec, GroupState, LaunchError, WorkerGroup
+from tf_multiworker.launcher import FailureKind, GroupSpec, GroupState, LaunchError, WorkerGroup, error_for
 
 from tasks.release import processes_of_run
-from tests.plugins.conftest import entrypoint_env, start_launcher, wait_for
+from tests.plugins.conftest import REPO, entrypoint_env, start_launcher, wait_for
 
 SECRET = "ssh-secret-value-never-in-argv"
 
@@ -269,8 +270,8 @@ def test_a_host_key_that_is_unknown_or_wrong_is_refused(ssh_hosts, connections, 
     print(f"\n{host_key} host key refused after {time.monotonic() - started:.2f} s")
 
 
-def test_a_remote_python_that_does_not_exist_is_refused_naming_host_and_setting(connections, tmp_path):
-    with pytest.raises(LaunchError, match=r"host 127\.0\.0\.2 .*exited 127.*set remote_python"):
+def test_a_remote_python_that_does_not_exist_is_refused_naming_host_and_setting(ssh_hosts, connections, tmp_path):
+    with pytest.raises(LaunchError, match=rf"host {re.escape(ssh_hosts[0].address)} .*exited 127.*set remote_python"):
         _run(_spec("ssh-python"), _backend(connections, remote_python="/nowhere/bin/python3"), tmp_path)
 
 
@@ -377,3 +378,64 @@ def test_capacity_probes_every_host_at_once_and_keeps_only_the_usable_ones(monke
     backend, _ = _stubbed(monkeypatch, {"a": _probe([41000]), "c": _probe([41000])}, workers_per_host=2)
     assert backend.capacity(GroupSpec(name="g", entrypoint="tiny_worker", num_workers=4)) == Capacity(
         4, (), {}, ("a.example", "c.example"))
+
+
+# -- a host's link going down (namespaced hosts only: tests/support/netns.py) -------------------------------------
+
+LINK_TRAIN = {"model": "tiny", "tokenizer": "bpe:320", "block_size": 32, "batch_size_per_worker": 4,
+              "max_steps": 80, "warmup_steps": 2, "learning_rate": 3e-3, "checkpoint_every_steps": 4,
+              "collective_timeout_s": 60, "num_workers": 2, "backend": "ssh", "baseline": "skip"}
+
+
+def test_a_host_whose_link_goes_down_ends_the_group_naming_it_and_the_retry_resumes(ssh_hosts, connections,
+                                                                                     tmp_path, s3_bucket):
+    """A pulled cable, not a crash: host 2's link goes down mid-training (no process dies, no connection is
+    closed). The group must end naming that host; with the link back, the next attempt resumes from the latest
+    checkpoint in object storage (the hosts share no files)."""
+    from tests.trainer.shards import write_dataset
+    from trainer import storage
+    from trainer.checkpoint import latest_step
+
+    if ssh_hosts[1].network is None:
+        pytest.skip("needs test hosts on network stacks of their own (root and iproute2): tests/support/netns.py")
+    dataset = write_dataset(tmp_path / "dataset", sorted((REPO / "data" / "sample").glob("*.txt")), block_size=32,
+                            vocab_size=320, num_train_shards=4, max_chars=20_000)
+    root = f"{s3_bucket}/link"
+    storage.upload_tree(Path(dataset).parent, f"{root}/dataset")
+    manifest = f"{root}/dataset/{Path(dataset).name}"
+    config = f"{root}/config.json"
+    storage.write_json_atomic(config, {**LINK_TRAIN, "ssh_conn_ids": connections, "storage_root": root})
+    output = f"{root}/train"
+    credentials = {name: os.environ[name] for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                                        "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")}
+    spec = _spec("ssh-link", name="train", entrypoint="trainer.train",
+                 args=("--config", config, "--manifest", manifest, "--output", output),
+                 env=entrypoint_env(TF_CPP_MIN_LOG_LEVEL="2"), secret_env=credentials,
+                 startup_timeout_s=180, hang_timeout_s=180)
+    lost = ssh_hosts[1]
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.update(first=_run(spec, _backend(connections), tmp_path / "1")))
+    runner.start()
+    try:
+        wait_for(lambda: latest_step(f"{output}/checkpoints") >= 4 or not runner.is_alive(), 300, interval_s=1)
+        assert runner.is_alive(), f"training ended before its first checkpoint: {outcome['first'][0]}"
+        lost.network.set_link(False)
+        cut = time.monotonic()
+        runner.join(300)
+        ended_s = time.monotonic() - cut
+    finally:
+        lost.network.set_link(True)
+    result, _, lines = outcome["first"]
+    message = str(error_for(result))
+    print(f"\nlink of host {lost.address} down after checkpoint step {latest_step(f'{output}/checkpoints')}: "
+          f"group ended after {ended_s:.1f} s: {message.splitlines()[0]}")
+    assert not result.succeeded and f"host {lost.address}" in message, message
+    assert _wait_gone("ssh-link", 30) == {}, "a worker outlived its group"
+
+    resumed_from = latest_step(f"{output}/checkpoints")
+    result, _, lines = _run(spec, _backend(connections), tmp_path / "2")
+    assert result.succeeded, "\n".join(line for _, line in lines[-40:])
+    summary = storage.read_json(f"{output}/summary.json")
+    print(f"retry with the link up: resumed from step {summary['resumed_from_step']} and finished at step "
+          f"{summary['steps']}")
+    assert summary["resumed_from_step"] == resumed_from >= 4 and summary["steps"] == LINK_TRAIN["max_steps"]

@@ -4,6 +4,7 @@ with host-key checking on: what the SSH backend stands on. Each case prints what
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import socket
 import sys
@@ -84,7 +85,8 @@ def test_a_wrong_or_missing_host_key_is_refused(ssh_hosts, monkeypatch):
         _hook(monkeypatch, first, host_key=None).get_conn()
     print(f"no host key: {type(missing.value).__module__}.{type(missing.value).__name__}: {missing.value}")
     assert type(missing.value) is paramiko.SSHException
-    assert str(missing.value) == f"Server '[{first.address}]:{first.port}' not found in known_hosts"
+    known_as = first.address if first.port == 22 else f"[{first.address}]:{first.port}"  # OpenSSH's known_hosts form
+    assert str(missing.value) == f"Server '{known_as}' not found in known_hosts"
 
 
 def test_an_unreachable_or_silent_host_fails_in_seconds(ssh_hosts, monkeypatch):
@@ -194,3 +196,15 @@ def test_a_dropped_connection_ends_the_remote_worker(ssh_hosts, monkeypatch):
     finally:
         client.close()
     print(f"\nconnection dropped: stubborn worker and child gone after {gone_s:.2f} s (grace {GRACE_S} s)")
+
+
+def test_each_host_has_a_network_stack_of_its_own_where_the_machine_allows(ssh_hosts):
+    from tests.support import netns
+
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(f"the hosts are loopback addresses here: {reason}")
+    ours = os.readlink("/proc/self/ns/net")
+    stacks = {os.readlink(f"/proc/{host.process.pid}/ns/net") for host in ssh_hosts}  # each host's sshd
+    assert len(stacks) == len(ssh_hosts) and ours not in stacks
+    assert all(host.port == 22 and not host.address.startswith("127.") for host in ssh_hosts)

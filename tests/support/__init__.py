@@ -1,0 +1,1 @@
+"""Helpers the tests use that are not tests: servers, fake hosts, networks."""

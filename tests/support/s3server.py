@@ -1,7 +1,8 @@
 """A real S3-protocol server (moto's threaded server) on loopback, and a proxy that makes it fail on purpose.
 
 Use from a test module with `pytest_plugins = ["tests.support.s3server"]`, then request:
-- `s3_endpoint`: the server's URL (one server per session, random free port on 127.0.0.1);
+- `s3_endpoint`: the server's URL (one server per session, random free port on 127.0.0.1, or on the test hosts'
+  network gateway when they have network stacks of their own, so that they reach it too: tests/conftest.py);
 - `s3_env`: AWS_* variables for this test (dummy keys, region, AWS_ENDPOINT_URL), the only way
   `trainer.storage` and child processes learn the endpoint and credentials;
 - `s3_bucket`: `s3_env` plus a fresh bucket; yields `"s3://<bucket>"`;
@@ -24,10 +25,11 @@ REGION = "us-east-1"
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint():
+def s3_endpoint(host_network):
     from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    address = host_network.gateway if host_network else "127.0.0.1"
+    server = ThreadedMotoServer(ip_address=address, port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     try:

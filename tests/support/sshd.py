@@ -1,10 +1,15 @@
-"""Real OpenSSH servers standing in for remote hosts: one Debian `/usr/sbin/sshd` per loopback address
-(127.0.0.2, 127.0.0.3, ...), each with its own generated ed25519 host key and its own directory standing in for
-that host's disk, and one generated client key authorized for the current user.
+"""Real OpenSSH servers standing in for remote hosts: one Debian `/usr/sbin/sshd` per host, each with its own
+generated ed25519 host key and its own directory standing in for that host's disk, and one generated client key
+authorized for the current user.
+
+A host is either a network namespace of its own (`tests/support/netns.py`: its own network stack, address and
+link, sshd on port 22 of its address; what the tests use where the machine allows) or, without one, a loopback
+address (127.0.0.2, 127.0.0.3, ...) on this machine's stack.
 
 Every command run through host N gets `TFMW_HOST_ROOT=<its disk>` and `TMPDIR=<its disk>/tmp` from the server
 (`SetEnv`), so an agent and its workers write where that host would. All hosts share this machine's hostname,
-process table and Python: what differs is the address, the port, the host key and the disk.
+process table and Python: what differs is the address, the port, the host key, the disk and, namespaced, the
+network stack.
 The config follows OpenSSH's own regress setup (`regress/test-exec.sh`): `StrictModes no` (keys live under /tmp),
 `UsePAM no`, `-D -e` (never `-d`, which serves one connection), started by absolute path (sshd re-executes itself).
 """
@@ -22,6 +27,8 @@ import subprocess
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from tests.support.netns import HostNetwork, NamespacedHost
 
 SSHD = Path("/usr/sbin/sshd")
 PRIVSEP_DIR = Path("/run/sshd")  # sshd running as root refuses to start without it
@@ -43,6 +50,7 @@ class SSHHost:
     login: str
     log_file: Path
     process: subprocess.Popen
+    network: NamespacedHost | None = None  # its own network stack, or None: a loopback address
 
     @property
     def conn_id(self) -> str:
@@ -89,10 +97,13 @@ def _keygen(path: Path, comment: str) -> str:
     return " ".join(path.with_suffix(".pub").read_text().split()[:2])
 
 
-def _server_command(config: Path) -> list[str]:
-    """sshd in the foreground, ended by SIGTERM when the test process dies (even by SIGKILL or a timeout), so no
-    server outlives the session: util-linux's `setpriv --pdeathsig` sets that, then executes sshd itself."""
+def _server_command(config: Path, network: NamespacedHost | None) -> list[str]:
+    """sshd in the foreground (in the host's namespace when it has one), ended by SIGTERM when the test process dies
+    (even by SIGKILL or a timeout), so no server outlives the session: util-linux's `setpriv --pdeathsig` sets that,
+    then executes `ip netns exec`, which executes sshd."""
     sshd = [str(SSHD), "-D", "-e", "-f", str(config)]
+    if network is not None:
+        sshd = network.command(sshd)
     setpriv = shutil.which("setpriv")
     return [setpriv, "--pdeathsig", "TERM", "--", *sshd] if setpriv else sshd
 
@@ -139,32 +150,35 @@ def _accepts_ssh(address: str, port: int) -> bool:
         return False
 
 
-def _start_one(index: int, base: Path, authorized_keys: Path, key_file: Path) -> SSHHost:
-    address = f"127.0.0.{index + 1}"
+def _start_one(index: int, base: Path, authorized_keys: Path, key_file: Path,
+               network: NamespacedHost | None) -> SSHHost:
+    address = network.address if network else f"127.0.0.{index + 1}"
     host_dir = base / f"host-{index}"
     root = host_dir / "disk"
     (root / "tmp").mkdir(parents=True)
     host_key = _keygen(host_dir / "ssh_host_ed25519_key", f"tfmw-test-host-{index}")
     log_file = host_dir / "sshd.log"
     for _ in range(3):  # the free port can be taken before sshd binds it
-        port = _free_port(address)
+        port = 22 if network else _free_port(address)  # a host of its own serves SSH where a real one does
         config = host_dir / "sshd_config"
         config.write_text(_config(host_dir, root, address, port, authorized_keys))
         with log_file.open("ab") as log:
-            process = subprocess.Popen(_server_command(config), stdin=subprocess.DEVNULL, stdout=log,
+            process = subprocess.Popen(_server_command(config, network), stdin=subprocess.DEVNULL, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while process.poll() is None and time.monotonic() < deadline:
             if _accepts_ssh(address, port):
-                return SSHHost(index, address, port, host_key, root, key_file, getpass.getuser(), log_file, process)
+                return SSHHost(index, address, port, host_key, root, key_file, getpass.getuser(), log_file, process,
+                               network)
             time.sleep(0.05)
         _stop_listener(process)
     raise RuntimeError(f"sshd for fake host {index} ({address}) did not accept connections within "
                        f"{READY_TIMEOUT_S:.0f} s; its log {log_file}:\n{log_file.read_text()[-2000:]}")
 
 
-def start_hosts(count: int, base: Path) -> list[SSHHost]:
-    """Start `count` fake hosts under `base` (one directory each); stop them with `stop_hosts`."""
+def start_hosts(count: int, base: Path, network: HostNetwork | None = None) -> list[SSHHost]:
+    """Start `count` fake hosts under `base` (one directory each), on the namespaced hosts of `network` when given
+    (it has at least `count`), else on loopback addresses; stop them with `stop_hosts`."""
     if os.getuid() == 0:
         PRIVSEP_DIR.mkdir(mode=0o755, exist_ok=True)
     key_file = base / "client_ed25519"
@@ -173,7 +187,8 @@ def start_hosts(count: int, base: Path) -> list[SSHHost]:
     hosts: list[SSHHost] = []
     try:
         for index in range(1, count + 1):
-            hosts.append(_start_one(index, base, authorized_keys, key_file))
+            hosts.append(_start_one(index, base, authorized_keys, key_file,
+                                    network.hosts[index - 1] if network else None))
     except BaseException:
         stop_hosts(hosts)
         raise
@@ -251,7 +266,7 @@ def bring_back(host: SSHHost) -> SSHHost:
     """The host after `take_down`, serving again with the same configuration; returns it with its new server."""
     config = host.root.parent / "sshd_config"
     with host.log_file.open("ab") as log:
-        process = subprocess.Popen(_server_command(config), stdin=subprocess.DEVNULL, stdout=log,
+        process = subprocess.Popen(_server_command(config, host.network), stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while process.poll() is None and time.monotonic() < deadline:

@@ -57,6 +57,49 @@ def test_recommendation_names_the_asked_count_and_a_better_one():
     assert shared["recommended_workers"] == 1 and "1 worker is predicted as fast or faster" in shared["recommendation"]
 
 
+def test_packs_hide_communication_behind_the_last_backward_pass_by_hand():
+    # 2 workers, 100 MB in 4 packs of 25 MB: 2 x 1/2 x 1e8 B / 1e9 B/s = 100 ms of ring, no latency. The one
+    # micro-step's backward is 2/3 of the compute (0.3 / 2 = 150 ms): 100 ms, so 100 - 100 = 0 would be hidden, but
+    # the last pack (ready only when backward ends) still shows: 25 ms.
+    settings = {"num_workers": 2, "single_step_s": 0.3, "gradient_bytes": 100_000_000, "busbw_gbps": 1.0,
+                "latency_ms": 0.0, "measured_workers": 2, "tokens_per_step": 1000, "hosts": ["a", "b"],
+                "shared_cores": False}
+    one_pack = advisor.predict(**settings)["rows"][1]
+    packed = advisor.predict(**settings, packs=[25_000_000] * 4, micro_steps=2)["rows"][1]
+    assert one_pack["exposed_communication_s"] == pytest.approx(0.1) and one_pack["step_time_s"] == pytest.approx(0.25)
+    # micro_steps=2 global micro-batches: the last one's backward on a worker is 2/3 x 0.3 / 2 = 100 ms.
+    assert packed["communication_s"] == pytest.approx(0.1)
+    assert packed["exposed_communication_s"] == pytest.approx(0.025)
+    assert packed["step_time_s"] == pytest.approx(0.175)
+
+
+def test_the_levers_name_the_one_that_helps_most_on_this_network():
+    step = {"seconds_per_step": 0.2, "parameters": 25_000_000, "variable_parameters": [10_000_000] + [1_250_000] * 12,
+            "gradient_dtype": "float32", "source": "probe"}
+    slow = {"bandwidth": {"busbw_gbps": 0.1}, "latency": {"p50_ms": 0.5}}
+    workers = [{"rank": 0, "host": "a"}, {"rank": 1, "host": "b"}]
+    advice = advisor.advise(cfg=RunConfig(num_workers=2, use_gpu=False, allreduce_pack_mb=0), collectives=slow,
+                            workers=workers, step=step)
+    settings = [lever["setting"] for lever in advice["levers"]]
+    assert settings[0] == "grad_accum_steps"  # a link this slow: a 4x batch gains the most
+    assert sorted(settings) == ["allreduce_dtype", "allreduce_pack_mb", "grad_accum_steps", "grad_accum_steps"]
+    bf16 = next(lever for lever in advice["levers"] if lever["setting"] == "allreduce_dtype")
+    # The communication lever is named first: it keeps the recipe.
+    assert advice["recommendation"].endswith(
+        f"; bfloat16 on the wire ('allreduce_dtype') is predicted to raise efficiency from "
+        f"{bf16['from_efficiency']:.0%} to {bf16['efficiency']:.0%} on this network")
+    # Already bfloat16 in packs: only a larger global batch is left, the smallest that helps enough.
+    tuned = advisor.advise(cfg=RunConfig(num_workers=2, allreduce_dtype="bfloat16", allreduce_pack_mb=8),
+                           collectives=slow, workers=workers, step=step)
+    assert [lever["lever"][:12] for lever in tuned["levers"]] == ["a 4x global ", "a 2x global "]
+    assert "a 2x global batch (more tokens per all-reduce) ('grad_accum_steps')" in tuned["recommendation"]
+    assert tuned["inputs"]["gradient_bytes"] == 50_000_000 and tuned["inputs"]["packs"] > 1
+    # A network fast enough that no lever gains 5 points: nothing is proposed.
+    fast = advisor.advise(cfg=RunConfig(num_workers=2), collectives={"bandwidth": {"busbw_gbps": 1000.0},
+                          "latency": {"p50_ms": 0.01}}, workers=workers, step=step)
+    assert "raise efficiency" not in fast["recommendation"]
+
+
 def test_the_gate_fails_below_the_limit_with_the_table():
     advice = advisor.advise(
         cfg=RunConfig(num_workers=2, min_predicted_efficiency=0.9),
@@ -74,7 +117,8 @@ def test_the_gate_fails_below_the_limit_with_the_table():
 def test_a_baseline_summary_stands_in_for_the_probe_only_when_complete():
     summary = {"num_workers": 1, "steps_timed": 9, "train_time_s": 0.9, "parameters": 10, "gradient_dtype": "float32"}
     assert advisor.step_from_summary(summary) == {"seconds_per_step": pytest.approx(0.1), "parameters": 10,
-                                                  "gradient_dtype": "float32", "source": "baseline summary"}
+                                                  "variable_parameters": None, "gradient_dtype": "float32",
+                                                  "source": "baseline summary"}
     assert advisor.step_from_summary({**summary, "parameters": None}) is None  # written before the advisor
     assert advisor.step_from_summary({**summary, "num_workers": 2}) is None
 

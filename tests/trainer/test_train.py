@@ -309,3 +309,15 @@ def test_input_stream_shape_and_resume_position(tmp_path, manifest, monkeypatch,
     assert fresh[0].shape == (accum, 4, 32) and fresh[0].dtype == np.int32
     resumed = next(iter(input_dataset(job, files, start_step=3))).numpy()
     np.testing.assert_array_equal(resumed, fresh[3])
+
+
+def test_a_lost_peer_is_named_by_rank_host_and_port():
+    from trainer.runtime import WorkerIdentity
+    from trainer.strategy import lost_peers
+
+    identity = WorkerIdentity(0, 3, "vm", ("10.0.0.2:4001", "10.0.0.3:4002", "10.0.0.4:4003"))
+    error = RuntimeError("Collective ops is aborted by: Error reported from /job:worker/task:0: The following tasks "
+                         "are unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:2\nThe tasks have "
+                         "crashed.")
+    assert lost_peers(error, identity) == "rank 2 (host 10.0.0.4, port 4003)"
+    assert lost_peers(RuntimeError("Connection reset by peer"), identity) == ""

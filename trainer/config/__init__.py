@@ -69,6 +69,9 @@ class RunConfig:
     bpe_sample_mb: int = 256
     checkpoint_every_steps: int = 20
     communication: str = "auto"
+    # Gradient communication (trainer/allreduce.py): the dtype on the wire and the all-reduce pack size (0 = one).
+    allreduce_dtype: str = "float32"
+    allreduce_pack_mb: float = 32.0
     collective_timeout_s: int = 300
     startup_timeout_s: int = 180
     hang_timeout_s: int = 600

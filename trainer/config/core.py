@@ -49,7 +49,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "prepare_unit_mb": (0, 1 << 20), "bpe_sample_mb": (1, 1 << 20), "checkpoint_every_steps": (1, 10_000_000),
     "collective_timeout_s": (5, 86_400), "startup_timeout_s": (5, 86_400), "hang_timeout_s": (10, 7 * 86_400),
     "max_loss_rise": (0.0, 100.0), "min_throughput_ratio": (0.0, 1.0), "min_predicted_efficiency": (0.0, 1.0),
-    "gpus_per_worker": (0, 16), "workers_per_host": (0, 64),
+    "gpus_per_worker": (0, 16), "workers_per_host": (0, 64), "allreduce_pack_mb": (0.0, 1024.0),
 }
 # Bounds whose low end is excluded: (low, high].
 OPEN_BELOW: dict[str, tuple[float, float]] = {"learning_rate": (0.0, 1.0), "epochs": (0.0, 1000.0),

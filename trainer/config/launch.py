@@ -17,6 +17,8 @@ from trainer.config.access import is_hub_id
 from trainer.config.core import MAX_GRAD_ACCUM, ConfigError, check_choice
 
 COMMUNICATION = ("auto", "ring", "nccl")
+ALLREDUCE_DTYPES = ("float32", "bfloat16")  # no float16: it would need loss scaling on the wire
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 # A Celery queue as `airflow celery worker -q` takes it (a comma would split it into two queues).
 QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
 _CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")
@@ -44,6 +46,7 @@ def check_launch_settings(cfg: Any) -> None:
     """The rules of a RunConfig's launch settings (its field types and bounds are checked first)."""
     check_choice("backend", cfg.backend, BACKEND_NAMES)
     check_choice("communication", cfg.communication, COMMUNICATION)
+    check_choice("allreduce_dtype", cfg.allreduce_dtype, ALLREDUCE_DTYPES)
     if cfg.gpu_queue and not QUEUE_NAME.fullmatch(cfg.gpu_queue):
         raise ConfigError(
             f"Setting 'gpu_queue' = {cfg.gpu_queue!r} is not a queue name: letters, digits, '_', '.' and '-', starting "

@@ -21,7 +21,7 @@ import pytest
 
 from tasks.dataset.errors import PrepareError
 from tasks.dataset.stage import identify_dataset, prepare_dataset
-from tasks.dataset.tokenizer import check_block_size, plan_tokenizer
+from tasks.dataset.tokenizer import check_model, plan_tokenizer
 from tests.tasks.dataset.corpus import (
     REPO,
     SAMPLE,
@@ -297,7 +297,7 @@ def test_tokenizer_and_model_config_from_object_storage(tmp_path, s3_bucket):
 
     storage.write_json_atomic(f"{s3_bucket}/model/config.json", {"model_type": "gpt2", "n_positions": 16})
     with pytest.raises(PrepareError, match=r"'block_size' = 32 exceeds what model 's3://.*/model' allows"):
-        check_block_size(config(tmp_path, model=f"{s3_bucket}/model"))
+        check_model(config(tmp_path, model=f"{s3_bucket}/model"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -377,6 +377,18 @@ def test_block_size_beyond_the_model_positions_is_refused(tmp_path):
     with pytest.raises(PrepareError, match=r"'block_size' = 32 exceeds what model .* allows \(16 positions\)"):
         prepare_dataset(cfg)
     assert not (tmp_path / "storage").exists()
+
+
+def test_bfloat16_on_the_wire_is_refused_for_a_model_whose_weights_are_not_floating_point(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 64, "torch_dtype": "int8"}))
+    cfg = config(tmp_path, model=str(model), block_size=32, allreduce_dtype="bfloat16")
+    with pytest.raises(PrepareError, match=r"'allreduce_dtype' = 'bfloat16' needs floating-point weights, but model "
+                                           r".* holds int8: set 'allreduce_dtype' to 'float32'"):
+        prepare_dataset(cfg)
+    assert not (tmp_path / "storage").exists()
+    check_model(config(tmp_path, model=str(model), block_size=32))  # float32 on the wire sends what there is
 
 
 def test_unwritable_storage_root_fails_before_tokenizing(tmp_path, caplog):

@@ -24,6 +24,10 @@ SSH = {"backend": "ssh", "ssh_conn_ids": ["host_a", "host_b"], "storage_root": "
         ({**SSH, "remote_python": "python3"}, ["'remote_python' = 'python3'", "absolute path"]),
         ({"ssh_conn_ids": ["a"]}, ["'ssh_conn_ids'", "only read by backend 'ssh'", "'backend' = 'local'"]),
         ({"workers_per_host": -1}, ["'workers_per_host' = -1", "out of range"]),
+        ({"allreduce_dtype": "float16"}, ["'allreduce_dtype' = 'float16' is not allowed", "['float32', 'bfloat16']"]),
+        ({"allreduce_pack_mb": -1}, ["'allreduce_pack_mb' = -1.0 is out of range", "0.0 to 1024.0"]),
+        ({"allreduce_pack_mb": 1e6}, ["'allreduce_pack_mb' = 1000000.0 is out of range"]),
+        ({"allreduce_pack_mb": "32MB"}, ["'allreduce_pack_mb' must be a finite number", "'32MB'"]),
     ],
 )
 def test_bad_backend_and_ssh_settings_name_key_value_and_what_is_allowed(params, fragments):
