@@ -41,7 +41,7 @@ bench-table: setup  ## regenerate docs/benchmarks.md's table from bench-results/
 	$(PY) -m bench.results
 
 lint: setup  ## ruff over code and tests: default rules, 120 columns, complexity <= 10 (pyproject.toml)
-	$(VENV)/bin/ruff check dags plugins tasks trainer tests bench scripts
+	$(VENV)/bin/ruff check dags launcher plugins tasks trainer tests bench scripts
 
 clean:
 	rm -rf .airflow storage test-artifacts  # bench-results/ is kept: it is the source of docs/benchmarks.md's table

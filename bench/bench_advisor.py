@@ -26,7 +26,7 @@ SETTINGS = {"model": "tiny", "tokenizer": "bpe:512", "block_size": 64, "batch_si
 
 
 def _group(backend, name: str, entrypoint: str, args: tuple[str, ...], num_workers: int, workdir: Path) -> None:
-    from tf_multiworker.launcher import GroupSpec, WorkerGroup
+    from launcher import GroupSpec, WorkerGroup
 
     spec = GroupSpec(name=name, entrypoint=entrypoint, args=args, num_workers=num_workers, run_key="bench-advisor",
                      env={"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(REPO)},
@@ -82,12 +82,12 @@ def case(label: str, make_backend, num_workers: int, manifest: str, root: Path) 
 
 def run(out_dir: Path) -> dict:
     from tf_multiworker.backends import ssh_backend
-    from tf_multiworker.launcher import LocalBackend
 
+    from launcher import LocalBackend
     from tests.support.sshd import start_hosts, stop_hosts, unavailable_reason
     from tests.trainer.shards import write_dataset
 
-    logging.getLogger("tf_multiworker").setLevel(logging.WARNING)
+    logging.getLogger("launcher").setLevel(logging.WARNING)
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-advisor-") as tmp:
         root = Path(tmp)

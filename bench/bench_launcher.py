@@ -84,7 +84,7 @@ def _by_hand(workdir: Path) -> float:
 
 
 def _launcher(workdir: Path) -> float:
-    from tf_multiworker.launcher import GroupSpec, LocalBackend, WorkerGroup
+    from launcher import GroupSpec, LocalBackend, WorkerGroup
 
     spec = GroupSpec(name="bench", entrypoint="bench.bench_launcher", args=("--worker", "--steps", str(STEPS)),
                      num_workers=2, env=_worker_env(), startup_timeout_s=120, hang_timeout_s=120)
@@ -97,7 +97,7 @@ def _launcher(workdir: Path) -> float:
 
 
 def run(out_dir: Path) -> dict:
-    logging.getLogger("tf_multiworker").setLevel(logging.WARNING)
+    logging.getLogger("launcher").setLevel(logging.WARNING)
     floor, launcher = [], []
     with tempfile.TemporaryDirectory(prefix="bench-launcher-") as tmp:
         for repeat in range(REPEATS):

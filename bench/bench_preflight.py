@@ -52,8 +52,7 @@ def _inputs(root: Path) -> tuple[str, ...]:
 
 
 def run(out_dir: Path) -> dict:
-    from tf_multiworker.launcher import GroupSpec, LocalBackend, WorkerGroup
-
+    from launcher import GroupSpec, LocalBackend, WorkerGroup
     from trainer.storage import read_json
 
     with tempfile.TemporaryDirectory(prefix="bench-preflight-") as tmp:

@@ -22,7 +22,7 @@ TARGET_RATIO = 1.3
 
 
 def _group(backend, workdir: Path) -> float:
-    from tf_multiworker.launcher import GroupSpec, WorkerGroup
+    from launcher import GroupSpec, WorkerGroup
 
     spec = GroupSpec(name="bench", entrypoint="bench.bench_launcher", args=("--worker", "--steps", str(STEPS)),
                      num_workers=2, env=_worker_env(), startup_timeout_s=120, hang_timeout_s=120, run_key="bench-ssh")
@@ -39,14 +39,14 @@ def _group(backend, workdir: Path) -> float:
 
 def run(out_dir: Path) -> dict:
     from tf_multiworker.backends import ssh_backend
-    from tf_multiworker.launcher import LocalBackend
 
+    from launcher import LocalBackend
     from tests.support.sshd import start_hosts, stop_hosts, unavailable_reason
 
     reason = unavailable_reason()
     if reason:
         raise RuntimeError(f"no SSH hosts: {reason}")
-    logging.getLogger("tf_multiworker").setLevel(logging.WARNING)
+    logging.getLogger("launcher").setLevel(logging.WARNING)
     local, remote = [], []
     with tempfile.TemporaryDirectory(prefix="bench-ssh-") as tmp:
         (Path(tmp) / "hosts").mkdir()

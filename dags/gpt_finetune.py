@@ -11,7 +11,8 @@ import os
 
 import pendulum
 from airflow.sdk import Asset, AssetAlias, Param, dag, task
-from tf_multiworker.launcher.protocol import BACKEND_NAMES, BACKENDS  # one light table (stdlib-only launcher)
+
+from launcher.protocol import BACKEND_NAMES, BACKENDS  # one light table (stdlib-only launcher)
 
 # Cron expression of the nightly run; "none" leaves only manual and API triggers.
 _SCHEDULE_SETTING = os.environ.get("GPT_FINETUNE_SCHEDULE", "0 2 * * *").strip()
@@ -43,7 +44,7 @@ PARAMS = {
                                      "as few as this many workers, with more accumulation steps keeping the global "
                                      "batch and data order exact; empty = num_workers (off)."),
     "backend": Param("local", type="string", enum=list(BACKEND_NAMES), title="Launcher backend",
-                     description="Where workers run: " + "; ".join(f"{name}: {meaning}" for name, (_, meaning)
+                     description="Where workers run: " + "; ".join(f"{name}: {meaning}" for name, meaning
                                                                     in BACKENDS.items()) + "."),
     # "null" in the type marks a field optional: the UI form refuses to submit an empty required value.
     "ssh_conn_ids": Param([], type=["null", "array"], items={"type": "string"}, title="SSH hosts",
@@ -229,9 +230,11 @@ def the_plan(ti) -> dict:
 # return value (what `tokenize` maps over); the plan goes by its own XCom key.
 @task(task_id=PREPARE, inlets=[MODEL_ASSET])
 def prepare(params=None, run_id=None, dag_run=None, ti=None) -> list:
+    from tf_multiworker.backends import make_backend
+
     from tasks.prepare import plan_run
 
-    planned = plan_run(params, run_id, dag_run.dag_id)
+    planned = plan_run(params, run_id, dag_run.dag_id, make_backend)
     ti.xcom_push(key=PLAN_XCOM_KEY, value=planned["plan"])
     return planned["lanes"]
 
@@ -265,9 +268,11 @@ def plan_baseline(prepared_run: dict) -> bool:
 
 @task(task_id="evaluate", trigger_rule="none_failed", retries=0)  # its pool (gpu_slots) is set where it is wired
 def evaluate(prepared_run: dict) -> dict:
+    from tf_multiworker.backends import make_backend
+
     from tasks.compare import evaluate_run
 
-    return evaluate_run(prepared_run)
+    return evaluate_run(prepared_run, make_backend)
 
 
 # all_done: a run whose gates failed still gets its verdict ("not promoted: the gates failed") in the report.
@@ -291,9 +296,11 @@ def promote(ti=None, outlet_events=None) -> dict:
 
 @task(task_id="release", retries=2)
 def release(params=None, run_id=None, dag_run=None) -> dict:
+    from tf_multiworker.backends import make_backend
+
     from tasks.release import release_run
 
-    return release_run(params, run_id, dag_run.dag_id)
+    return release_run(params, run_id, dag_run.dag_id, make_backend)
 
 
 # Its failure repeats another task's, which already alerted; a run stopped from outside alerts here.

@@ -3,11 +3,12 @@ start-up; this folder is on sys.path wherever the project is installed (the edit
 it is Airflow's plugins folder (Airflow adds that; the images), so the policies apply in `make airflow`, the tests,
 `airflow dags test` and the images. A deployment with its own airflow_local_settings imports the hook from
 tf_multiworker.gpu_admission there instead (the first module of that name on sys.path wins). Library chatter is
-left out of the logs here too (plugins/tf_multiworker/launcher/log_policy.py).
+left out of the logs here too (launcher/log_policy.py).
 """
 
 from tf_multiworker.gpu_admission import task_instance_mutation_hook
-from tf_multiworker.launcher.log_policy import quiet_libraries
+
+from launcher.log_policy import quiet_libraries
 
 quiet_libraries()  # every component imports this module at start-up: the one place the Airflow side is quieted
 

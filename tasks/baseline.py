@@ -17,8 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tf_multiworker.launcher.host_probe import package_versions
-
+from launcher.host_probe import package_versions
 from tasks.connections import uses_run_storage
 from trainer.config import RunConfig
 from trainer.host_info import code_fingerprint

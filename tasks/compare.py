@@ -14,7 +14,7 @@ import math
 import os
 import platform
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tasks import registry, telemetry, throughput
 from tasks import report as reports
@@ -26,6 +26,9 @@ from trainer.config import RunConfig
 from trainer.data import tokenizer_url
 from trainer.layout import PreflightOutput, StorageLayout, TrainOutput
 from trainer.storage import exists, join, read_bytes, read_json, remove_tree
+
+if TYPE_CHECKING:
+    from launcher.backend import BackendFactory
 
 log = logging.getLogger("gpt_finetune.compare")
 
@@ -42,12 +45,14 @@ class EvaluationError(RuntimeError):
 
 
 @uses_run_storage
-def evaluate_run(prepared: dict) -> dict:
+def evaluate_run(prepared: dict, make_backend: BackendFactory) -> dict:
+    """The evaluate task; `make_backend` builds the run's backend for each evaluation (the DAG task hands in
+    `tf_multiworker.backends.make_backend`)."""
     cfg = RunConfig.from_saved(prepared["config"])
-    return _evaluate(prepared, cfg)
+    return _evaluate(prepared, cfg, make_backend)
 
 
-def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
+def _evaluate(prepared: dict, cfg: RunConfig, make_backend: BackendFactory) -> dict:
     distributed = TrainOutput(prepared["train_url"])
     baseline = None if cfg.baseline == "skip" else TrainOutput(prepared["baseline_url"])
     # Fail fast, before any model loads, when a training job left no summary (it did not complete).
@@ -59,7 +64,8 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
         remove_tree(join(report_url, stale))  # an earlier attempt's report must not pass for this one's
     distributed_eval = run_evaluation(distributed.model, prepared["manifest_url"],
                                       join(report_url, "eval-distributed.json"), cfg=cfg,
-                                      run_key=prepared["run_key"], label="distributed")
+                                      run_key=prepared["run_key"], label="distributed",
+                                      make_backend=make_backend)
     baseline_eval = None
     if baseline:
         cached = join(baseline.url, BASELINE_EVAL)
@@ -68,9 +74,10 @@ def _evaluate(prepared: dict, cfg: RunConfig) -> dict:
             baseline_eval = read_json(cached)
         else:
             baseline_eval = run_evaluation(baseline.model, prepared["manifest_url"], cached, cfg=cfg,
-                                           run_key=prepared["run_key"], label="baseline")
+                                           run_key=prepared["run_key"], label="baseline",
+                                           make_backend=make_backend)
 
-    promoted = evaluate_promoted(prepared, cfg)
+    promoted = evaluate_promoted(prepared, cfg, make_backend)
 
     report = build_report(
         prepared, cfg,
@@ -151,15 +158,13 @@ def read_metrics(output: TrainOutput, rank: int = 0) -> list[dict[str, Any]]:
 
 
 def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: RunConfig, run_key: str,
-                   label: str) -> dict[str, Any]:
+                   label: str, make_backend: BackendFactory) -> dict[str, Any]:
     """`python -m trainer.evaluate` as a one-worker group on the run's backend; its output streams to this log.
 
     The same launch path as training (tasks/launch.py): the run's marker (release finds it), a state record and the
     rank's log in the run's storage (`evaluate-<label>`), storage credentials as secrets only, one GPU with
     `use_gpu` (none otherwise), the start-up and hang bounds of the run. Returns its result."""
-    from tf_multiworker.launcher import GroupSpec
-    from tf_multiworker.registry import make_backend
-
+    from launcher import GroupSpec
     from tasks.connections import storage_env
     from tasks.launch import RecordedLaunch
 
@@ -202,7 +207,7 @@ def add_scaling(report: dict[str, Any], prepared: dict, distributed: TrainOutput
                  row["num_workers"], row["grad_accum_steps"], row["line"])
 
 
-def evaluate_promoted(prepared: dict, cfg: RunConfig) -> dict[str, Any] | None:
+def evaluate_promoted(prepared: dict, cfg: RunConfig, make_backend: BackendFactory) -> dict[str, Any] | None:
     """The latest promoted version of `model_name`, scored on this run's validation shards (the promotion rule's
     reference and its samples) when its tokenizer is this run's; None when nothing is promoted yet or the run
     is never to be promoted (`promote` = never: nothing to compare with)."""
@@ -219,7 +224,8 @@ def evaluate_promoted(prepared: dict, cfg: RunConfig) -> dict[str, Any] | None:
         log.warning("Promoted %s %s not evaluated: %s.", cfg.model_name, pointer["version"], section["note"])
         return section
     result = run_evaluation(pointer["model_url"], manifest_url, join(prepared["report_url"], "eval-promoted.json"),
-                            cfg=cfg, run_key=prepared["run_key"], label="promoted")
+                            cfg=cfg, run_key=prepared["run_key"], label="promoted",
+                            make_backend=make_backend)
     section.update(eval_loss=result["eval_loss"], perplexity=result["perplexity"], samples=result.get("samples"),
                    nats_per_char=result.get("nats_per_char"), known_words=result.get("known_words"))
     return section

@@ -17,10 +17,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tf_multiworker.launcher import GroupSpec, GroupState, RunResult, WorkerGroup, WorkerOutcome
-from tf_multiworker.launcher.backend import Backend
-from tf_multiworker.launcher.protocol import LAUNCHER_WORKDIR_PREFIX
-
+from launcher import GroupSpec, GroupState, RunResult, WorkerGroup, WorkerOutcome
+from launcher.backend import Backend
+from launcher.protocol import LAUNCHER_WORKDIR_PREFIX
 from trainer.layout import RunLayout
 from trainer.storage import upload_tree, write_json_atomic
 

@@ -10,15 +10,17 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tasks.connections import uses_run_storage
 from trainer.config import ConfigError, RunConfig
 from trainer.layout import StorageLayout, absolute_root, run_key
 from trainer.storage import write_json_atomic
 
-log = logging.getLogger("gpt_finetune.prepare")
+if TYPE_CHECKING:
+    from launcher.backend import BackendFactory
 
+log = logging.getLogger("gpt_finetune.prepare")
 
 
 def build_config(params: Mapping[str, Any]) -> RunConfig:
@@ -29,14 +31,13 @@ def build_config(params: Mapping[str, Any]) -> RunConfig:
 
 
 @uses_run_storage
-def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str, Any]:
+def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: BackendFactory) -> dict[str, Any]:
     """The first task: the settings checked once, then the dataset planned. A small corpus (one lane) is prepared
     here completely; a larger one returns its lanes for the mapped `tokenize` tasks. XCom: small dicts only."""
     started = time.perf_counter()  # the stage's figures count its imports below too
     from airflow.sdk.exceptions import AirflowFailException
-    from tf_multiworker.launcher import LaunchError
-    from tf_multiworker.registry import make_backend
 
+    from launcher import LaunchError
     from tasks.alerts import check_alert_connection
     from tasks.dataset.stage import plan_dataset, plan_summary, run_planned
     from tasks.promote import resolve_promoted_model

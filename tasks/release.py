@@ -17,11 +17,9 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from tf_multiworker.launcher.backend import RELEASE_GRACE_S
-from tf_multiworker.launcher.process import processes_with_env
-from tf_multiworker.launcher.protocol import RUN_KEY_ENV
-from tf_multiworker.registry import make_backend
-
+from launcher.backend import RELEASE_GRACE_S, BackendFactory
+from launcher.process import processes_with_env
+from launcher.protocol import RUN_KEY_ENV
 from tasks import report as reports
 from tasks import telemetry
 from tasks.connections import uses_run_storage
@@ -85,7 +83,7 @@ def _describe(hosts: list[dict[str, Any]]) -> str:
 
 
 @uses_run_storage
-def release_run(params: Mapping[str, Any], run_id: str, dag_id: str,
+def release_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: BackendFactory,
                 grace_period_s: float = RELEASE_GRACE_S) -> dict[str, Any]:
     key = run_key(dag_id, run_id)
     settings = _settings(params)

@@ -12,15 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_ROOTS = {name: REPO / name for name in ("dags", "plugins", "tasks", "trainer")}
-
-# Lowest first. A module may import modules of its own layer and of the layers below. The first matching prefix wins.
-LAYERS = (
-    ("launcher", ("tf_multiworker.launcher", "tf_multiworker.registry", "tf_multiworker.remote_agent")),
-    ("trainer", ("trainer",)),
-    ("tasks", ("tasks",)),
-    ("airflow glue", ("tf_multiworker", "gpt_finetune_ui", "airflow_local_settings", "gpt_finetune")),
-)
+# Lowest first, one folder each (the glue is Airflow's two folders): a module may import modules of its own layer
+# and of the layers below. A module's layer is its folder; there is no other list.
+LAYERS = (("launcher", ("launcher",)), ("trainer", ("trainer",)), ("tasks", ("tasks",)),
+          ("airflow glue", ("plugins", "dags")))
+SOURCE_ROOTS = {folder: REPO / folder for _, folders in LAYERS for folder in folders}
 # The worker side runs in images and on hosts without Airflow.
 WITHOUT_AIRFLOW = ("launcher", "trainer")
 
@@ -37,12 +33,10 @@ class Import:
 
 
 def module_name(path: Path) -> str:
-    if path.is_relative_to(SOURCE_ROOTS["plugins"]):
-        parts = path.relative_to(SOURCE_ROOTS["plugins"]).with_suffix("").parts
-    elif path.is_relative_to(SOURCE_ROOTS["dags"]):
-        parts = path.relative_to(SOURCE_ROOTS["dags"]).with_suffix("").parts
-    else:
-        parts = path.relative_to(REPO).with_suffix("").parts
+    """The name a module is imported by: Airflow puts plugins/ and dags/ themselves on sys.path."""
+    folder = path.relative_to(REPO).parts[0]
+    root = SOURCE_ROOTS[folder] if folder in ("plugins", "dags") else REPO
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -53,11 +47,9 @@ def source_files() -> list[Path]:
 MODULES = {module_name(path): path for path in source_files()}
 
 
-def layer(module: str) -> int | None:
-    for index, (_, prefixes) in enumerate(LAYERS):
-        if any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes):
-            return index
-    return None
+def layer(module: str) -> int:
+    folder = MODULES[module].relative_to(REPO).parts[0]
+    return next(index for index, (_, folders) in enumerate(LAYERS) if folder in folders)
 
 
 def project_module(name: str) -> str | None:
@@ -88,8 +80,9 @@ def imports() -> list[Import]:
 IMPORTS = imports()
 
 
-def test_every_source_module_has_a_layer():
-    assert [name for name in MODULES if layer(name) is None] == []
+def test_every_layer_is_a_folder_of_the_repository():
+    assert all(root.is_dir() for root in SOURCE_ROOTS.values())
+    assert {name.split(".")[0] for name in MODULES if layer(name) == 0} == {"launcher"}
 
 
 def test_no_module_imports_from_a_layer_above_its_own():
@@ -133,7 +126,8 @@ def test_no_import_cycle_between_modules():
 
 def test_the_layer_test_sees_an_upward_import():
     """The check itself: the launcher's own modules are read, and one importing a task would be caught."""
-    launcher_imports = [item for item in IMPORTS if item.source == "tf_multiworker.launcher.group"]
-    assert any(item.target.startswith("tf_multiworker.launcher.") for item in launcher_imports)
-    assert layer("tasks.report") > layer("tf_multiworker.launcher.group")
+    launcher_imports = [item for item in IMPORTS if item.source == "launcher.group"]
+    assert any(item.target.startswith("launcher.") for item in launcher_imports)
+    assert layer("tasks.report") > layer("launcher.group")
+    assert layer("tf_multiworker.operator") > layer("tasks.report")
     assert project_module("tasks.report.fmt") == "tasks.report" and project_module("numpy") is None

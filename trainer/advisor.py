@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tf_multiworker.launcher.log_policy import configure_worker_logging
+from launcher.log_policy import configure_worker_logging
 
 log = logging.getLogger("trainer.advisor")
 

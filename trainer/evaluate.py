@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tf_multiworker.launcher.log_policy import configure_worker_logging
-
+from launcher.log_policy import configure_worker_logging
 from trainer import runtime, storage
 from trainer.data import (
     DataError,

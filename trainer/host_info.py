@@ -16,11 +16,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from tf_multiworker.launcher.host_probe import NvmlUnavailable, nvml, package_versions, start_nvml
+from launcher.host_probe import NvmlUnavailable, nvml, package_versions, start_nvml
 
 # This project's code that runs on the workers' hosts. Ranks with different copies may shard the data differently
 # or wait in a collective only some of them run, and no package version shows it.
-CODE_PACKAGES = ("trainer", "tf_multiworker")
+CODE_PACKAGES = ("launcher", "trainer")
 
 
 def versions() -> dict[str, str | None]:

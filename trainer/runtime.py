@@ -1,6 +1,6 @@
 """What a worker process knows about its place in the group, and how it tells the launcher it is up.
 
-Contract with the launcher (`plugins/tf_multiworker/launcher`, whose `protocol.py` defines the names below):
+Contract with the launcher (`launcher`, whose `protocol.py` defines the names below):
 - `TF_CONFIG` (absent: a single worker) gives the cluster and this worker's index.
 - `TFMW_RUN_KEY` names the pipeline run the worker belongs to (see tasks/release.py), `TFMW_GROUP` its worker
   group (the task).
@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tf_multiworker.launcher.protocol import HOST_TMPDIR_ENV, READY_MARKER
+from launcher.protocol import HOST_TMPDIR_ENV, READY_MARKER
 
 
 def host_temp_dir() -> str:

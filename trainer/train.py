@@ -25,8 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tf_multiworker.launcher.log_policy import configure_worker_logging
-
+from launcher.log_policy import configure_worker_logging
 from trainer import runtime
 from trainer.allreduce import GradientReducer, PackRecorder
 from trainer.config import RunConfig

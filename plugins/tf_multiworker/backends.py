@@ -1,16 +1,35 @@
 """Backend factories, Airflow side: turn a run's settings (and the Airflow connections they name) into a ready
-launcher backend. Listed in `tf_multiworker.registry`; the backends themselves never import Airflow."""
+launcher backend, and `make_backend`, which picks one by name. The backends themselves (`launcher/`) never import
+Airflow; the names and their meanings are `launcher.protocol.BACKENDS`, and every name there has a factory here.
+
+Light on purpose (the DAG's tasks import it): each backend's modules are imported only when it is built.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from tf_multiworker.launcher.backend import Backend
+from launcher.backend import Backend
+from launcher.protocol import BACKEND_NAMES
+
+__all__ = ["UnknownBackendError", "kubernetes_backend", "local_backend", "make_backend", "ssh_backend"]
+
+
+class UnknownBackendError(ValueError):
+    pass
+
+
+def make_backend(name: str, settings: Mapping[str, Any] | None = None) -> Backend:
+    """The backend called `name`, configured from the run's settings (a `RunConfig.to_dict()`)."""
+    if name not in FACTORIES:
+        raise UnknownBackendError(
+            f"backend {name!r} is not available: choose one of {', '.join(BACKEND_NAMES)} (setting 'backend')")
+    return FACTORIES[name](dict(settings or {}))
 
 
 def local_backend(settings: Mapping[str, Any]) -> Backend:
-    from tf_multiworker.launcher.local import LocalBackend
+    from launcher.local import LocalBackend
 
     return LocalBackend()
 
@@ -28,8 +47,8 @@ def ssh_backend(settings: Mapping[str, Any]) -> Backend:
     from airflow.sdk import BaseHook
     from airflow.sdk.exceptions import AirflowNotFoundException
 
-    from tf_multiworker.launcher.errors import LaunchError
-    from tf_multiworker.launcher.ssh import RemoteHost, SSHBackend
+    from launcher.errors import LaunchError
+    from launcher.ssh import RemoteHost, SSHBackend
 
     hosts = []
     for conn_id in settings.get("ssh_conn_ids") or ():
@@ -59,3 +78,10 @@ def kubernetes_backend(settings: Mapping[str, Any]) -> Backend:
     from tf_multiworker.kubernetes_clients import kubernetes_backend as build
 
     return build(settings)
+
+
+FACTORIES: dict[str, Callable[[Mapping[str, Any]], Backend]] = {
+    "local": local_backend,
+    "ssh": ssh_backend,
+    "kubernetes": kubernetes_backend,
+}

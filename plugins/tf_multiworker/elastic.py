@@ -18,8 +18,8 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
-from tf_multiworker.launcher import GroupSpec, LaunchError
-from tf_multiworker.launcher.backend import Backend, Capacity
+from launcher import GroupSpec, LaunchError
+from launcher.backend import Backend, Capacity
 from tf_multiworker.operator import TFMultiWorkerOperator
 from trainer.checkpoint import latest_step
 from trainer.config import ConfigError, RunConfig

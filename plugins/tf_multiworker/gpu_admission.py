@@ -25,7 +25,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from tf_multiworker.launcher.host_probe import NvmlUnavailable, nvml
+from launcher.host_probe import NvmlUnavailable, nvml
 from trainer.config.launch import QUEUE_NAME
 
 if TYPE_CHECKING:

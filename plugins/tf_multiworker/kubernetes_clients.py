@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from tf_multiworker.launcher.errors import LaunchError
+from launcher.errors import LaunchError
 
 if TYPE_CHECKING:
     from kubernetes.client import CoreV1Api, NetworkingV1Api
 
-    from tf_multiworker.launcher.kubernetes import KubernetesBackend
+    from launcher.kubernetes import KubernetesBackend
 
 
 def kubernetes_clients(conn_id: str) -> tuple[CoreV1Api, NetworkingV1Api]:
@@ -42,8 +42,8 @@ def kubernetes_clients(conn_id: str) -> tuple[CoreV1Api, NetworkingV1Api]:
 def kubernetes_backend(settings: Mapping[str, Any]) -> KubernetesBackend:
     """The backend for a run's settings (a `RunConfig.to_dict()`, checked by the prepare task; missing keys take
     their defaults). Only the keys of this backend are read, so a test cluster may share this machine's disk."""
-    from tf_multiworker.launcher.kubernetes import KubernetesBackend, KubernetesSettings
-    from tf_multiworker.launcher.kubernetes_objects import PodSettings
+    from launcher.kubernetes import KubernetesBackend, KubernetesSettings
+    from launcher.kubernetes_objects import PodSettings
     from trainer.config import RunConfig
 
     values = {**RunConfig().to_dict(), **{k: v for k, v in settings.items() if v is not None}}

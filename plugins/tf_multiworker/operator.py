@@ -3,7 +3,7 @@
 `__init__` only stores arguments; everything else happens in `execute`: the run's prepared configuration gives the
 backend, the worker count, GPU use, timeouts, storage root and connection (read once, from the one prepared XCom),
 the storage connection is read (lazily, through the hook), the group is launched and supervised by
-`tf_multiworker.launcher`, and a run-state record is kept in object storage and XCom so the release task can end
+`launcher`, and a run-state record is kept in object storage and XCom so the release task can end
 anything left behind. Every worker line reaches the task log prefixed with its rank; the per-rank log files are
 uploaded at the end, also when the group failed.
 
@@ -22,10 +22,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
-from tasks.launch import RecordedLaunch
-from tasks.telemetry import LiveLineReader
-from tf_multiworker.hook import StorageCredentialsHook
-from tf_multiworker.launcher import (
+from launcher import (
     GroupSpec,
     GroupState,
     LaunchError,
@@ -33,8 +30,11 @@ from tf_multiworker.launcher import (
     WorkerGroupStoppedError,
     error_for,
 )
-from tf_multiworker.launcher.errors import MissingOutputError
-from tf_multiworker.registry import UnknownBackendError, make_backend
+from launcher.errors import MissingOutputError
+from tasks.launch import RecordedLaunch
+from tasks.telemetry import LiveLineReader
+from tf_multiworker.backends import UnknownBackendError, make_backend
+from tf_multiworker.hook import StorageCredentialsHook
 from trainer.config import RunConfig
 from trainer.layout import StorageLayout, absolute_root
 from trainer.metrics import LIVE_INTERVAL_ENV
@@ -86,7 +86,7 @@ class TFMultiWorkerOperator(BaseOperator):
     :param entrypoint: module run on every worker (`python -m`), e.g. `trainer.train`.
     :param run_config: the run's prepared configuration (`RunConfig.to_dict()`, the prepare stage's XCom;
         templated). It names the backend (`local` processes on this Airflow worker, `ssh` hosts, `kubernetes`
-        pods: `tf_multiworker.registry`), `num_workers`, `use_gpu` (one free GPU per worker, NVML; else
+        pods: `tf_multiworker.backends`), `num_workers`, `use_gpu` (one free GPU per worker, NVML; else
         `CUDA_VISIBLE_DEVICES=""`), the timeouts, `storage_root` and `storage_conn_id` (S3 credentials handed to
         workers as environment only).
     :param run_key: the run's key under `storage_root/runs/` (templated).

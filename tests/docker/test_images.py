@@ -37,7 +37,7 @@ REQUIREMENTS = {
     "airflow": DOCKER / "requirements-airflow.txt",
 }
 # Importable project code: the repository's packages and everything in plugins/ (on sys.path under Airflow).
-FIRST_PARTY = {"trainer", "tasks", "dags", "bench"} | {path.stem for path in (REPO / "plugins").iterdir()}
+FIRST_PARTY = {"launcher", "trainer", "tasks", "dags", "bench"} | {path.stem for path in (REPO / "plugins").iterdir()}
 AIRFLOW_COMPONENTS = {
     "airflow-apiserver": "api-server",
     "airflow-scheduler": "scheduler",
@@ -173,11 +173,40 @@ def gpu_reservations(service: dict) -> list[dict]:
     return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
 
 
+def imported_names(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+    return names
+
+
+def worker_side_files() -> list[Path]:
+    """What runs in the trainer image: the trainer, the SSH agent, and every launcher module they import (the
+    launcher's SSH and Kubernetes backends run on the Airflow side)."""
+    found, todo = set(), [*sorted((REPO / "trainer").rglob("*.py")), REPO / "launcher" / "agent.py"]
+    while todo:
+        path = todo.pop()
+        if path in found:
+            continue
+        found.add(path)
+        for name in imported_names(path):
+            parts = name.split(".")
+            if parts[0] == "launcher":
+                module = REPO.joinpath(*parts)
+                todo += [candidate for candidate in (module.with_suffix(".py"), module / "__init__.py")
+                         if candidate.is_file()]
+    return sorted(found)
+
+
 def third_party_imports(*roots: Path) -> dict[str, str]:
-    """Top-level module -> first file importing it, for every non-stdlib, non-project import under roots."""
+    """Top-level module -> first file importing it, for every non-stdlib, non-project import in roots (files, or
+    folders read whole)."""
     modules: dict[str, str] = {}
     for root in roots:
-        for path in sorted(root.rglob("*.py")):
+        for path in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.Import):
                     names = [alias.name for alias in node.names]
@@ -239,13 +268,14 @@ def test_dependency_split():
 
 @pytest.mark.parametrize(
     ("role", "roots"),
-    [("trainer", ("trainer",)), ("airflow", ("dags", "plugins", "tasks"))],
+    [("trainer", None), ("airflow", ("dags", "launcher", "plugins", "tasks"))],
 )
 def test_every_imported_package_is_in_its_image(role, roots):
     installed = importlib.metadata.packages_distributions()
     pins = requirement_pins(REQUIREMENTS[role])
     missing = {
-        module: where for module, where in third_party_imports(*(REPO / root for root in roots)).items()
+        module: where for module, where in third_party_imports(*(
+            worker_side_files() if roots is None else [REPO / root for root in roots])).items()
         if not any(canonical(dist) in pins for dist in installed.get(module, [module]))
     }
     assert not missing, f"imported but not in requirements-{role}.txt (module: first importer): {missing}"
@@ -269,9 +299,9 @@ def test_base_images_follow_the_lock():
 
 
 def test_trainer_image_ships_only_the_worker():
-    # The trainer, plus the launcher package: RunConfig reads its backend table, SSH hosts run its agent.
-    assert copy_sources(TRAINER_DOCKERFILE) == ["docker/requirements-trainer.txt", "trainer/",
-                                                "plugins/tf_multiworker/"]
+    # The worker side: the launcher (RunConfig reads its backend names, SSH hosts run its agent) and the trainer;
+    # no Airflow glue.
+    assert copy_sources(TRAINER_DOCKERFILE) == ["docker/requirements-trainer.txt", "launcher/", "trainer/"]
     assert "--requirement /tmp/requirements-trainer.txt" in " ".join(instruction_args(TRAINER_DOCKERFILE, "RUN"))
     env = dockerfile_env(TRAINER_DOCKERFILE)
     assert env["TF_USE_LEGACY_KERAS"] == "1"
@@ -282,7 +312,7 @@ def test_trainer_image_ships_only_the_worker():
     install_dir = env["PYTHONPATH"]
     copies = instruction_args(TRAINER_DOCKERFILE, "COPY")
     assert any(args.endswith(f"trainer/ {install_dir}/trainer/") for args in copies)
-    assert any(args.endswith(f"plugins/tf_multiworker/ {install_dir}/tf_multiworker/") for args in copies)
+    assert any(args.endswith(f"launcher/ {install_dir}/launcher/") for args in copies)
 
 
 def test_the_preflight_import_is_cheap():

@@ -21,7 +21,7 @@ FAST = {"num_workers": 2, "tokenizer": "bpe:512", "block_size": 32, "batch_size_
 LONG = {**FAST, "baseline": "skip", "max_steps": 300, "checkpoint_every_steps": 25}
 
 
-# Library chatter that plugins/tf_multiworker/launcher/log_policy.py keeps out of the task logs.
+# Library chatter that launcher/log_policy.py keeps out of the task logs.
 LIBRARY_NOISE = (
     "Connected (version",  # paramiko.transport INFO
     "Authentication (publickey) successful",  # paramiko.transport INFO

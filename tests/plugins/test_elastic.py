@@ -11,12 +11,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from tf_multiworker.backends import make_backend
 from tf_multiworker.elastic import choose_count
-from tf_multiworker.launcher import GroupSpec, LaunchError, LocalBackend, WorkerGroup
-from tf_multiworker.launcher.backend import Capacity
-from tf_multiworker.launcher.local import LOCAL_USABLE_WORKERS_ENV
 
-from tests.plugins.conftest import REPO, entrypoint_env, failure_excerpt
+from launcher import GroupSpec, LaunchError, LocalBackend, WorkerGroup
+from launcher.backend import Capacity
+from launcher.local import LOCAL_USABLE_WORKERS_ENV
+from tests.launcher.conftest import REPO, entrypoint_env
+from tests.plugins.conftest import failure_excerpt
 from tests.plugins.test_operator import _finish, _start
 from tests.trainer.shards import write_dataset
 from trainer.config import RunConfig
@@ -122,7 +124,7 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
     prepared = {"run_id": "elastic", "run_key": key, "storage_root": storage, "config": cfg.to_dict(),
                 "manifest_url": manifest, "train_url": run.train.url, "baseline_url": "", "baseline_key": "",
                 "report_url": run.report, "preflight_url": run.report, "dataset_fingerprint": "test"}
-    evaluation = _evaluate(prepared, cfg)
+    evaluation = _evaluate(prepared, cfg, make_backend)
     markdown = (Path(run.report) / "report.md").read_text()
     assert "**elastic**: continued on 2 of 4 workers from step 4: this machine allows 2 worker(s)" in markdown
     assert "| 1-4 | 4 of 4 | 1 |" in markdown and "| 5-12 | 2 of 4 | 2 |" in markdown
@@ -130,7 +132,7 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
     assert report["elastic"] is True and [s["steps"] for s in report["segments"]] == [FAULT_STEP, STEPS - FAULT_STEP]
     assert all(s["tokens_per_s"] > 0 for s in report["segments"])
     reference_eval = run_evaluation(reference.model, manifest, str(tmp_path / "reference-eval.json"), cfg=cfg,
-                                    run_key=key, label="reference")
+                                    run_key=key, label="reference", make_backend=make_backend)
     delta = abs(evaluation["eval_loss"] - reference_eval["eval_loss"])
     print(f"eval loss elastic {evaluation['eval_loss']:.6f} vs uninterrupted {reference_eval['eval_loss']:.6f}: "
           f"|delta| {delta:.2e}")

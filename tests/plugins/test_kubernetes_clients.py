@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from tf_multiworker.launcher import LaunchError
-from tf_multiworker.launcher.kubernetes import KubernetesBackend
-from tf_multiworker.registry import make_backend
+from tf_multiworker.backends import make_backend
 
+from launcher import LaunchError
+from launcher.kubernetes import KubernetesBackend
 from tests.support.k8s_server import FakeKubernetes
 
 

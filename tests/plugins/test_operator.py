@@ -22,7 +22,8 @@ from tf_multiworker import operator as operator_module
 from tf_multiworker.operator import TFMultiWorkerOperator
 
 from tasks.release import processes_of_run
-from tests.plugins.conftest import REPO, entrypoint_env, failure_excerpt, wait_until_gone
+from tests.launcher.conftest import REPO, entrypoint_env, wait_until_gone
+from tests.plugins.conftest import failure_excerpt
 from trainer.storage import read_bytes, read_json
 
 TEMPLATED = {"args", "run_config", "run_key", "summary_url", "env", "num_workers"}

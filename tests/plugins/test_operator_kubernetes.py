@@ -13,12 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from tf_multiworker.launcher import GroupSpec, WorkerSpec, tensorflow_env
-from tf_multiworker.launcher.kubernetes_objects import GroupNames
+from tf_multiworker.backends import make_backend
 
+from launcher import GroupSpec, WorkerSpec, tensorflow_env
+from launcher.kubernetes_objects import GroupNames
 from tasks.release import release_run
+from tests.launcher.test_kubernetes import backend, image_env
 from tests.plugins.conftest import REPO, failure_excerpt
-from tests.plugins.test_launcher_kubernetes import backend, image_env
 from tests.plugins.test_operator import _case, _finish, _run_key, _start
 from tests.support.k8s_server import FakeKubernetes
 from tests.trainer.shards import write_dataset
@@ -166,7 +167,7 @@ def test_release_deletes_the_leftovers_of_a_dead_task_by_label(tmp_path, cluster
     assert set(cluster.remaining()) == {"pods", "services", "secrets", "networkpolicies"}
     root = f"s3://runs/{tmp_path.name}"  # pods share no disk with Airflow: the run's storage is on S3
     params = {"backend": "kubernetes", "kubernetes_conn_id": CONN_ID, "storage_root": root}
-    result = release_run(params, "manual__dead_task", "gpt_finetune", grace_period_s=2)
+    result = release_run(params, "manual__dead_task", "gpt_finetune", make_backend, grace_period_s=2)
     record = read_json(f"{root}/runs/{key}/release.json")
     pods = next(h for h in record["hosts"] if h["backend"] == "kubernetes")
     print(f"\nrelease on the cluster: {pods}")

@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from tf_multiworker.launcher.local import PortAllocator
+from launcher.local import PortAllocator
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,9 +6,9 @@ import logging
 from types import SimpleNamespace
 
 import pytest
-from tf_multiworker.launcher.errors import WorkerFailedError
-from tf_multiworker.launcher.spec import FailureKind, GroupState, RunResult, WorkerFailure
 
+from launcher.errors import WorkerFailedError
+from launcher.spec import FailureKind, GroupState, RunResult, WorkerFailure
 from tasks import alerts
 from tests.support.metrics_sinks import SmtpSink
 from trainer.config import ConfigError, RunConfig

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import airflow  # noqa: F401 (its first import replaces the log handlers: here, not mid-test under caplog)
 import pytest
+from tf_multiworker.backends import make_backend
 
 from tasks import compare
 from tasks.baseline import plan_baseline
@@ -49,7 +50,7 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
     caplog.set_level(logging.INFO, logger="gpt_finetune.compare")
     prepared = trained_run(root, "manual__2026-11-29T10:00:00+00:00")
 
-    result = evaluate_run(prepared)
+    result = evaluate_run(prepared, make_backend)
 
     assert result["speedup"] == pytest.approx(33.0 / 30.0)
     assert result["efficiency"] == pytest.approx(33.0 / 30.0 / 2)
@@ -89,10 +90,10 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
 
 def test_a_reused_baseline_is_not_trained_or_evaluated_again(root, evaluations):
     first = trained_run(root, "scheduled__1")
-    evaluate_run(first)
+    evaluate_run(first, make_backend)
     second = trained_run(root, "scheduled__2", train_time_s=25.0, baseline_time_s=99.0)  # 99: never written
 
-    result = evaluate_run(second)
+    result = evaluate_run(second, make_backend)
 
     assert second["baseline_key"] == first["baseline_key"]
     assert result["speedup"] == pytest.approx(33.0 / 25.0)  # the first baseline's time
@@ -106,7 +107,7 @@ def test_an_impossible_tolerance_fails_the_task_and_still_writes_the_report(root
     prepared = trained_run(root, "manual__gate", loss_tolerance=0.001, eval_loss=5.31, baseline_loss=5.30)
 
     with pytest.raises(GateFailure) as failure:
-        evaluate_run(prepared)
+        evaluate_run(prepared, make_backend)
 
     message = str(failure.value)
     assert "5.3100 - baseline 5.3000 = +0.0100 nats, tolerance ±0.0010" in message
@@ -121,7 +122,7 @@ def test_an_impossible_tolerance_fails_the_task_and_still_writes_the_report(root
 def test_skip_reports_the_distributed_run_alone(root, evaluations):
     prepared = trained_run(root, "manual__skip", baseline="skip")
 
-    result = evaluate_run(prepared)
+    result = evaluate_run(prepared, make_backend)
 
     assert (result["speedup"], result["efficiency"], result["baseline_eval_loss"]) == (None, None, None)
     report = read_json(result["report_url"])
@@ -134,7 +135,7 @@ def test_an_unfinished_training_fails_fast_before_any_evaluation(root, evaluatio
     run_fixtures.write_training_output(prepared["train_url"], num_workers=2, train_time_s=30.0, eval_loss=5.3,
                                        complete=False)
     with pytest.raises(FileNotFoundError, match="'train' task did not complete"):
-        evaluate_run(prepared)
+        evaluate_run(prepared, make_backend)
     assert evaluations() == []
     assert not exists(join(prepared["report_url"], "report.json"))
 
@@ -145,7 +146,7 @@ def test_a_failing_evaluation_names_the_model_and_shows_its_output(root, evaluat
     os.remove(compare_model)
 
     with pytest.raises(EvaluationError) as failure:
-        evaluate_run(prepared)
+        evaluate_run(prepared, make_backend)
 
     assert "exited with code 3" in str(failure.value)
     assert join(prepared["train_url"], "model") in str(failure.value)
@@ -178,7 +179,7 @@ def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, 
     try:
         with pytest.raises(TimeoutError):
             compare.run_evaluation(model, manifest, join(root, "eval.json"), cfg=RunConfig(storage_root=root),
-                                   run_key="run-of-eval", label="distributed")
+                                   run_key="run-of-eval", label="distributed", make_backend=make_backend)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -212,7 +213,7 @@ def test_real_trainer_output_evaluated_by_the_real_entry_point(root, tmp_path, c
     assert train(["--config", prepared["config_url"], "--manifest", manifest, "--output", prepared["train_url"]]) == 0
     shutil.copytree(prepared["train_url"], prepared["baseline_url"], dirs_exist_ok=True)
 
-    result = evaluate_run(prepared)
+    result = evaluate_run(prepared, make_backend)
 
     assert result["gates_passed"] and result["speedup"] == 1.0 and result["efficiency"] == 1.0
     assert result["eval_loss"] == result["baseline_eval_loss"] < math.log(320)

@@ -8,10 +8,10 @@ import logging
 from pathlib import Path
 
 import pytest
-from tf_multiworker.launcher import GroupSpec, GroupState
 
+from launcher import GroupSpec, GroupState
 from tasks.launch import RecordedLaunch
-from tests.plugins.fake_backend import FakeBackend
+from tests.launcher.fake_backend import FakeBackend
 from trainer.layout import StorageLayout
 from trainer.storage import exists, join, read_json
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
+from tf_multiworker.backends import make_backend
 
 from tasks.prepare import finish_run, plan_run, tokenize_lane
 from trainer.config import RunConfig
@@ -18,7 +19,7 @@ DAG_ID = "gpt_finetune"
 
 def prepare_run(params: dict, run_id: str, dag_id: str) -> dict:
     """The three prepare tasks in a row, as the DAG runs them (XCom values through JSON)."""
-    planned = json.loads(json.dumps(plan_run(params, run_id, dag_id)))
+    planned = json.loads(json.dumps(plan_run(params, run_id, dag_id, make_backend)))
     for lane in planned["lanes"]:
         tokenize_lane(planned["plan"], lane)
     return finish_run(planned["plan"], run_id, dag_id)
@@ -87,7 +88,7 @@ def test_a_corpus_in_several_lanes_travels_as_small_dicts_and_gives_the_same_dat
         (corpus / f"part-{index}.txt").write_text("\n\n".join(f"{index} {i} {paragraph}" for i in range(3000)))
     params = {"storage_root": str(tmp_path / "root"), "dataset": str(corpus / "*.txt"), "tokenizer": "bpe:512",
               "block_size": 32, "baseline": "skip"}
-    planned = plan_run({**params, "prepare_tasks": 3, "prepare_unit_mb": 1}, RUN_ID, DAG_ID)
+    planned = plan_run({**params, "prepare_tasks": 3, "prepare_unit_mb": 1}, RUN_ID, DAG_ID, make_backend)
     assert len(planned["lanes"]) == 3 and "dataset" not in planned["plan"]
     assert len(json.dumps(planned["plan"])) < 4000 and len(json.dumps(planned["lanes"])) < 2000
     fanned = prepare_run({**params, "prepare_tasks": 3, "prepare_unit_mb": 1}, RUN_ID, DAG_ID)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tf_multiworker.backends import make_backend
 
 from tasks import compare, registry
 from tasks.promote import NoReportError, promote_run
@@ -38,7 +39,7 @@ def evaluated_run(root: str, run_id: str, eval_loss: float, **settings) -> dict:
     prepared = run_fixtures.prepare_run(root, run_id, baseline="skip", **settings)
     run_fixtures.write_training_output(prepared["train_url"], num_workers=2, train_time_s=30.0, eval_loss=eval_loss)
     try:
-        compare.evaluate_run(prepared)
+        compare.evaluate_run(prepared, make_backend)
     except compare.GateFailure:
         pass
     return prepared

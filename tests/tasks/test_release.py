@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from tf_multiworker.launcher.protocol import LAUNCHER_WORKDIR_PREFIX
+from tf_multiworker.backends import make_backend
 
+from launcher.protocol import LAUNCHER_WORKDIR_PREFIX
 from tasks.release import ReleaseError, processes_of_run, release_run
 from tests.support.hardware import assert_gpu_check_matches_this_machine
 from trainer.layout import StorageLayout, run_key
@@ -70,7 +71,7 @@ def test_release_ends_recorded_unrecorded_stubborn_and_grandchildren(tmp_path, p
     assert wait_for(lambda: len(processes_of_run(KEY)) == 4)  # recorded, stubborn, parent and its child
 
     started = time.monotonic()
-    result = release_run({"storage_root": root}, RUN_ID, DAG_ID, grace_period_s=2.0)
+    result = release_run({"storage_root": root}, RUN_ID, DAG_ID, make_backend, grace_period_s=2.0)
     elapsed = time.monotonic() - started
 
     assert result["clean"] is True
@@ -88,8 +89,8 @@ def test_release_ends_recorded_unrecorded_stubborn_and_grandchildren(tmp_path, p
 def test_release_is_idempotent_and_survives_invalid_settings(tmp_path):
     root = str(tmp_path / "storage")
     params = {"storage_root": root, "num_workers": 0, "bogus": 1}  # the run that prepare refused
-    first = release_run(params, RUN_ID, DAG_ID)
-    second = release_run(params, RUN_ID, DAG_ID)
+    first = release_run(params, RUN_ID, DAG_ID, make_backend)
+    second = release_run(params, RUN_ID, DAG_ID, make_backend)
     assert first["clean"] and second["clean"]
     assert first["terminated"] == second["terminated"] == []
     assert os.path.exists(StorageLayout(root).run(KEY).release)
@@ -100,9 +101,9 @@ def test_unreleasable_process_fails_the_task(tmp_path, processes, monkeypatch):
     processes.append(proc)
     assert wait_for(lambda: proc.pid in processes_of_run(KEY))
     # A process that cannot be signalled.
-    monkeypatch.setattr("tf_multiworker.launcher.process.signal_pids", lambda pids, sig: [])
+    monkeypatch.setattr("launcher.process.signal_pids", lambda pids, sig: [])
     with pytest.raises(ReleaseError, match=f"still alive: pid {proc.pid} "):
-        release_run({"storage_root": str(tmp_path)}, RUN_ID, DAG_ID, grace_period_s=0.5)
+        release_run({"storage_root": str(tmp_path)}, RUN_ID, DAG_ID, make_backend, grace_period_s=0.5)
 
 
 @pytest.mark.parametrize("named", ["/", "home", "not-ours", "symlink"])
@@ -121,7 +122,7 @@ def test_release_deletes_only_the_launchers_own_temporary_directories(tmp_path, 
         write_json_atomic(run.state_file("train"), {"workdir": workdir, "workers": [{"pid": worker.pid}]})
         assert wait_for(lambda: worker.pid in processes_of_run(KEY))
 
-        result = release_run({"storage_root": root}, RUN_ID, DAG_ID, grace_period_s=1.0)
+        result = release_run({"storage_root": root}, RUN_ID, DAG_ID, make_backend, grace_period_s=1.0)
 
         assert result["clean"] and worker.pid in result["terminated"] + result["killed"]
         assert json.loads(Path(run.release).read_text())["removed_dirs"] == []
@@ -142,7 +143,7 @@ def test_a_malformed_state_record_never_stops_the_kills(tmp_path, processes):
     Path(run.state, "preflight.json").write_text("[1, 2")
     assert wait_for(lambda: worker.pid in processes_of_run(KEY))
 
-    result = release_run({"storage_root": root}, RUN_ID, DAG_ID, grace_period_s=1.0)
+    result = release_run({"storage_root": root}, RUN_ID, DAG_ID, make_backend, grace_period_s=1.0)
 
     assert result["clean"] and worker.pid in result["terminated"] + result["killed"]
     assert sorted(json.loads(Path(run.release).read_text())["state_records"]) == ["preflight.json", "train.json"]
@@ -157,7 +158,7 @@ def test_release_ends_the_processes_before_failing_on_unreachable_storage(tmp_pa
     assert wait_for(lambda: worker.pid in processes_of_run(KEY))
 
     with pytest.raises(ReleaseError, match=r"could not be recorded: .*1 terminated.*still alive: none"):
-        release_run({"storage_root": str(blocker)}, RUN_ID, DAG_ID, grace_period_s=2.0)
+        release_run({"storage_root": str(blocker)}, RUN_ID, DAG_ID, make_backend, grace_period_s=2.0)
     assert processes_of_run(KEY) == {}
 
 
@@ -169,7 +170,7 @@ def test_release_marks_the_report_released(tmp_path):
     run = StorageLayout(root).run(KEY)
     write_json_atomic(f"{run.report}/{REPORT_JSON}", sample_report())
 
-    release_run({"storage_root": root}, RUN_ID, DAG_ID)
+    release_run({"storage_root": root}, RUN_ID, DAG_ID, make_backend)
 
     report = json.loads(Path(run.report, REPORT_JSON).read_text())
     assert report["release"]["clean"] is True and report["release"]["survivors"] == []
@@ -185,7 +186,7 @@ def test_release_of_one_run_leaves_a_lookalike_runs_workers_running(tmp_path, pr
     processes += [mine, other]
     assert wait_for(lambda: mine.pid in processes_of_run(KEY) and other.pid in processes_of_run(other_key))
 
-    result = release_run({"storage_root": str(tmp_path)}, RUN_ID, DAG_ID, grace_period_s=1.0)
+    result = release_run({"storage_root": str(tmp_path)}, RUN_ID, DAG_ID, make_backend, grace_period_s=1.0)
 
     assert mine.pid in result["terminated"] + result["killed"]
     assert other.poll() is None and other.pid in processes_of_run(other_key)

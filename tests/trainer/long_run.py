@@ -16,8 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tf_multiworker.launcher import GroupSpec, LocalBackend, RunResult, WorkerGroup, WorkerOutcome
-
+from launcher import GroupSpec, LocalBackend, RunResult, WorkerGroup, WorkerOutcome
 from tests.trainer.shards import write_dataset
 
 REPO = Path(__file__).resolve().parents[2]

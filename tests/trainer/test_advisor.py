@@ -124,7 +124,7 @@ def test_a_baseline_summary_stands_in_for_the_probe_only_when_complete():
 
 
 def test_min_predicted_efficiency_fails_a_two_worker_cpu_preflight_in_seconds_with_the_table(tmp_path):
-    from tf_multiworker.launcher import GroupSpec, LocalBackend, WorkerGroup
+    from launcher import GroupSpec, LocalBackend, WorkerGroup
 
     manifest = write_dataset(tmp_path / "dataset", sorted((REPO / "data" / "sample").glob("*.txt")), block_size=32,
                              vocab_size=320, num_train_shards=4, max_chars=20_000)

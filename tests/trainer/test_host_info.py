@@ -5,9 +5,8 @@ import shutil
 import sys
 from importlib import metadata
 
-from tf_multiworker.launcher import local
-from tf_multiworker.launcher.host_probe import VERSIONED_PACKAGES
-
+from launcher import local
+from launcher.host_probe import VERSIONED_PACKAGES
 from tests.conftest import REPO
 from trainer import host_info
 from trainer.metrics import GpuSampler
@@ -31,11 +30,11 @@ def test_without_nvml_every_probe_answers_empty(monkeypatch):
 
 def test_the_code_fingerprint_names_the_files_that_differ(tmp_path):
     here = host_info.code_fingerprint()
-    assert {"trainer/train.py", "tf_multiworker/launcher/ssh.py"} <= set(here["files"])
+    assert {"trainer/train.py", "launcher/ssh.py"} <= set(here["files"])
     stale = tmp_path / "old-checkout" / "trainer"
     shutil.copytree(REPO / "trainer", stale, ignore=shutil.ignore_patterns("__pycache__"))
     (stale / "data.py").write_text((stale / "data.py").read_text() + "\n# last week's version\n")
     there = host_info.code_fingerprint({"trainer": [str(stale)],
-                                        "tf_multiworker": [str(REPO / "plugins" / "tf_multiworker")]})
+                                        "launcher": [str(REPO / "launcher")]})
     assert there["fingerprint"] != here["fingerprint"]
     assert [name for name in here["files"] if here["files"][name] != there["files"][name]] == ["trainer/data.py"]

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-from tf_multiworker.launcher.protocol import RUN_KEY_ENV
 
+from launcher.protocol import RUN_KEY_ENV
 from tasks.release import processes_of_run
 from trainer.layout import run_key
 

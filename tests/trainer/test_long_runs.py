@@ -19,8 +19,8 @@ import sys
 import time
 
 import pytest
-from tf_multiworker.launcher import FailureKind, GroupState
 
+from launcher import FailureKind, GroupState
 from tests.trainer.freeze_thread import EXIT_NOT_PERMITTED
 from tests.trainer.long_run import REPO, TrainGroup, write_tiny_dataset
 from trainer.storage import exists, read_bytes, read_json

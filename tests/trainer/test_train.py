@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from tf_multiworker.launcher.local import PortAllocator
 
+from launcher.local import PortAllocator
 from tests.trainer.shards import write_dataset
 from trainer.config import ConfigError
 from trainer.data import DataError

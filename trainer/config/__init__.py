@@ -78,7 +78,7 @@ class RunConfig:
     model_name: str = "gpt_finetune"
     promotion_tolerance: float = 0.0
     promote: str = "auto"
-    # backend=kubernetes (plugins/tf_multiworker/launcher/kubernetes.py)
+    # backend=kubernetes (launcher/kubernetes.py)
     kubernetes_conn_id: str = ""
     namespace: str = "default"
     image: str = DEFAULT_TRAINER_IMAGE

@@ -11,8 +11,7 @@ import re
 from typing import Any
 from urllib.parse import urlparse
 
-from tf_multiworker.launcher.protocol import BACKEND_NAMES
-
+from launcher.protocol import BACKEND_NAMES
 from trainer.config.access import is_hub_id
 from trainer.config.core import MAX_GRAD_ACCUM, ConfigError, check_choice
 

@@ -15,8 +15,7 @@ import tempfile
 import time
 from typing import Any
 
-from tf_multiworker.launcher.log_policy import configure_worker_logging
-
+from launcher.log_policy import configure_worker_logging
 from trainer import runtime, storage
 from trainer.config import RunConfig
 from trainer.layout import PreflightOutput

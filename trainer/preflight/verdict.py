@@ -9,8 +9,7 @@ import socket
 from datetime import UTC, datetime
 from typing import Any
 
-from tf_multiworker.launcher.host_probe import VERSIONED_PACKAGES
-
+from launcher.host_probe import VERSIONED_PACKAGES
 from trainer import runtime, storage
 from trainer.layout import PreflightOutput
 

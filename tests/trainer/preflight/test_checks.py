@@ -7,8 +7,7 @@ import shutil
 from importlib import metadata
 from pathlib import Path
 
-from tf_multiworker.launcher.protocol import HOST_TMPDIR_ENV
-
+from launcher.protocol import HOST_TMPDIR_ENV
 from tests.support.hardware import nvidia_gpus
 from tests.trainer.preflight import workers
 from trainer.config import RunConfig

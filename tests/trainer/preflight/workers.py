@@ -42,7 +42,7 @@ def args(paths: dict[str, str]) -> tuple[str, ...]:
 
 
 def group(paths, num_workers: int, workdir: Path, **env: str):
-    from tf_multiworker.launcher import GroupSpec, LocalBackend, WorkerGroup
+    from launcher import GroupSpec, LocalBackend, WorkerGroup
 
     lines: list[str] = []
     spec = GroupSpec(name="preflight", entrypoint="trainer.preflight", args=args(paths), num_workers=num_workers,

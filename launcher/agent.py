@@ -1,0 +1,387 @@
+"""The agent the SSH backend runs on each remote host: `<remote_python> -u -m launcher.agent MODE`.
+
+Every mode reads one JSON line on stdin (so secrets never travel in an argv or an SSH exec string) and answers on
+stdout. Paths (`cwd`, `workdir`) are this host's: a relative one lies under its temporary directory. Standard
+library only (plus `pynvml` where installed): it starts for every rank, so it must start fast, and it imports
+neither Airflow nor TensorFlow.
+
+- `run`: `{"argv": [...], "env": {...}, "cwd": str, "grace_s": float, "base_env": "inherit"}`. Starts `argv` in
+  its own session, in `cwd` (created, mode 0700), with the allow-listed part of this process's environment
+  (`launcher.protocol.inherited_environment`) plus `env`, and its own `TMPDIR=<cwd>/tmp`
+  (`launcher.protocol.worker_temp_environment`). Prints `TFMW_AGENT {"pid", "pgid", "host", "python", "versions"}`,
+  then the worker's merged stdout/stderr line by line, then `TFMW_EXIT {"code"}` (negative: killed by
+  that signal) and exits with the code (128 + signal for a signal). When its stdin closes or it gets SIGTERM,
+  SIGHUP or SIGINT, it stops the worker's whole process group: SIGTERM, a grace period, SIGKILL. The grace is
+  `grace_s` when the launcher asked for the stop (the line `STOP_LINE` before closing the channel), and at most
+  `ORPHAN_GRACE_S` otherwise: the connection dropped or the launcher died (sshd closes the agent's pipes when the
+  client's socket closes, however its process ended), and nobody waits for the worker's result any more.
+  Whatever the worker leaves behind in its group is stopped the same way once it exits. If the worker cannot be
+  started, only `TFMW_EXIT {"code", "error"}` is printed (127: no such program, 126: not executable or no working
+  directory, 2: bad request).
+- `probe`: `{"ports": n, "workdir": str, "use_gpu": bool}` -> this host's identity, `n` distinct ports
+  free on every interface (TensorFlow's worker server binds 0.0.0.0), `free_gpus` and `gpus` (NVML's view; only
+  with `use_gpu`, else [] and null),
+  whether `workdir` can be created and written, and the free disk there.
+- `release`: `{"run_key": str, "grace_s": float, "workdir": str | null}` -> ends every process of the run on this
+  host (found by `TFMW_RUN_KEY` in its environment), checks the GPUs, and removes `<workdir>/<run_key>` when it is
+  a real directory of this user and nothing of the run survived.
+- `kill`: `{"pgid": int, "run_key": str}` -> SIGKILL to that process group, only when one of its live members
+  carries the run's key (never an unrelated group, never pgid 0 or 1).
+- `reap`: `{"run_key": str, "group": str, "grace_s": float}` -> ends what an earlier attempt of that worker group
+  left on this host (found by `TFMW_RUN_KEY` and `TFMW_GROUP`), before the group launches again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from launcher.host_probe import package_versions
+from launcher.local import gpu_check, gpu_processes
+from launcher.process import (
+    KILL_WAIT_S,
+    ORPHAN_GRACE_S,
+    end_marked_processes,
+    live_group_members,
+    processes_with_env,
+    signal_group,
+    stop_group,
+    wait_group_gone,
+)
+from launcher.protocol import GROUP_ENV, RUN_KEY_ENV, inherited_environment, worker_temp_environment
+
+AGENT_LINE = "TFMW_AGENT"
+EXIT_LINE = "TFMW_EXIT"
+# What the launcher writes after the request when it stops the worker itself (then the whole grace period applies).
+STOP_LINE = b"TFMW_STOP\n"
+EXIT_BAD_REQUEST = 2
+EXIT_NOT_EXECUTABLE = 126
+EXIT_NOT_FOUND = 127
+MAX_LINE_BYTES = 1 << 16  # a worker line longer than this is relayed in pieces
+OUTPUT_DRAIN_S = 2.0  # how long the relay may lag once the worker's group is gone (an escaped process holds it)
+SAFE_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+class BadRequest(ValueError):
+    """The JSON line on stdin is missing, malformed or has a field of the wrong kind."""
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _env(value: Any) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(name, str) and name and "=" not in name and "\0" not in name
+        and isinstance(text, str) and "\0" not in text for name, text in value.items())
+
+
+def _seconds(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 3600
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= 1024
+
+
+def _run_key(value: Any) -> bool:
+    # A key names a directory under the workdir: no separators, no "." or "..".
+    return isinstance(value, str) and bool(value) and set(value) <= SAFE_KEY_CHARS and value.strip(".") != ""
+
+
+# mode -> field -> (check, what the field must be). Fields not listed are refused.
+REQUESTS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
+    "run": {
+        "argv": (lambda v: _strings(v) and bool(v), "a non-empty list of strings"),
+        "env": (_env, "an object mapping variable names to strings"),
+        "cwd": (lambda v: isinstance(v, str) and bool(v), "a directory path"),
+        "grace_s": (_seconds, "seconds, 0 to 3600"),
+        "base_env": (lambda v: v == "inherit", '"inherit"'),
+    },
+    "probe": {
+        "ports": (_count, "a whole number 0 to 1024"),
+        "workdir": (lambda v: isinstance(v, str) and bool(v), "a directory path"),
+        "use_gpu": (lambda v: isinstance(v, bool), "true or false"),
+    },
+    "release": {
+        "run_key": (_run_key, "a run key (letters, digits, '.', '_', '-')"),
+        "grace_s": (_seconds, "seconds, 0 to 3600"),
+        "workdir": (lambda v: v is None or (isinstance(v, str) and bool(v)), "a directory path or null"),
+    },
+    "kill": {
+        "pgid": (lambda v: type(v) is int, "a process group id"),
+        "run_key": (_run_key, "a run key (letters, digits, '.', '_', '-')"),
+    },
+    "reap": {
+        "run_key": (_run_key, "a run key (letters, digits, '.', '_', '-')"),
+        "group": (lambda v: isinstance(v, str) and bool(v), "a worker group's name"),
+        "grace_s": (_seconds, "seconds, 0 to 3600"),
+    },
+}
+
+
+def host_path(path: str) -> Path:
+    """A path on this host: `~` expanded, and a relative one under this host's temporary directory ($TMPDIR or
+    /tmp here), so the launcher can name a per-host location without knowing the host's layout."""
+    expanded = Path(path).expanduser()
+    return expanded if expanded.is_absolute() else Path(tempfile.gettempdir()) / expanded
+
+
+def read_request(stream: IO[bytes], mode: str) -> dict[str, Any]:
+    """The one JSON line of a request, checked field by field. Messages name fields, never values (secrets)."""
+    line = stream.readline()
+    if not line.strip():
+        raise BadRequest(f"no {mode} request: stdin closed before a JSON line arrived")
+    try:
+        request = json.loads(line)
+    except ValueError as error:  # the message holds a position, not the text
+        raise BadRequest(f"the {mode} request is not one JSON object: {getattr(error, 'msg', error)}") from None
+    if not isinstance(request, dict):
+        raise BadRequest(f"the {mode} request must be a JSON object")
+    fields = REQUESTS[mode]
+    if mode == "run":
+        request.setdefault("base_env", "inherit")
+    wrong = [f"{what} fields {names}" for what, names in (("unknown", sorted(set(request) - set(fields))),
+                                                          ("missing", sorted(set(fields) - set(request)))) if names]
+    if wrong:
+        raise BadRequest(f"the {mode} request has {' and '.join(wrong)}; expected exactly {sorted(fields)}")
+    for name, (check, what) in fields.items():
+        if not check(request[name]):
+            raise BadRequest(f"the {mode} request's {name!r} must be {what}")
+    return request
+
+
+def identity() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "python": "{}.{}.{}".format(*sys.version_info[:3]),
+            "executable": sys.executable, "versions": package_versions()}
+
+
+class Output:
+    """Our stdout, written by the relay and the control lines alike: whole lines, flushed, and silently dropped once
+    the reader is gone (the worker is being stopped then; its output must still be drained)."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self.stream = stream
+        self.lock = threading.Lock()
+        self.broken = False
+        self.at_line_start = True
+
+    def write(self, data: bytes) -> None:
+        with self.lock:
+            if self.broken or not data:
+                return
+            try:
+                self.stream.write(data)
+                self.stream.flush()
+            except OSError:  # BrokenPipeError: the SSH channel is closed
+                self.broken = True
+            self.at_line_start = data.endswith(b"\n")
+
+    def control(self, tag: str, payload: dict[str, Any]) -> None:
+        prefix = b"" if self.at_line_start else b"\n"  # a worker's unterminated last line stays its own line
+        self.write(prefix + f"{tag} {json.dumps(payload)}\n".encode())
+
+
+def _relay(source: IO[bytes], out: Output) -> None:
+    for chunk in iter(lambda: source.readline(MAX_LINE_BYTES), b""):
+        out.write(chunk)
+
+
+class StopRequest:
+    """Why the worker must stop, once `event` is set: `asked` when the launcher wrote `STOP_LINE` first."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.asked = False
+
+    def grace_s(self, requested: float) -> float:
+        return requested if self.asked else min(requested, ORPHAN_GRACE_S)
+
+
+def _watch_stdin(stdin: IO[bytes], stop: StopRequest) -> None:
+    """Sets `stop` when stdin reaches EOF: sshd closes it when the channel closes or the connection drops."""
+    seen = b""
+    try:
+        while chunk := stdin.read1(MAX_LINE_BYTES):
+            seen = (seen + chunk)[-len(STOP_LINE):]  # nothing else is expected after the request
+            stop.asked = stop.asked or seen == STOP_LINE
+    except (OSError, ValueError):
+        pass
+    stop.event.set()
+
+
+def _signal_status(code: int) -> int:
+    """A Popen return code as a shell exit status: 128 + signal for a signal."""
+    return 128 - code if code < 0 else code
+
+
+def run_worker(request: dict[str, Any], out: Output, stdin: IO[bytes]) -> int:
+    argv, cwd, grace_s = request["argv"], str(host_path(request["cwd"])), float(request["grace_s"])
+    stop = StopRequest()
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.event.set())
+    try:
+        os.makedirs(cwd, mode=0o700, exist_ok=True)
+        temp_env = worker_temp_environment(cwd)  # removed with the run's directory at release
+    except OSError as error:
+        out.control(EXIT_LINE, {"code": EXIT_NOT_EXECUTABLE,
+                                "error": f"cannot create the working directory {cwd}: {error.strerror}"})
+        return EXIT_NOT_EXECUTABLE
+    try:
+        worker = subprocess.Popen(
+            argv, cwd=cwd, env={**inherited_environment(os.environ), **request["env"], **temp_env},
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError as error:
+        code = EXIT_NOT_FOUND if isinstance(error, FileNotFoundError) else EXIT_NOT_EXECUTABLE
+        out.control(EXIT_LINE, {"code": code, "error": f"cannot start {argv[0]!r}: {error.strerror}"})
+        return code
+    pgid = worker.pid  # start_new_session: the worker leads its own group
+    out.control(AGENT_LINE, {"pid": worker.pid, "pgid": pgid, **identity()})
+
+    relay = threading.Thread(target=_relay, args=(worker.stdout, out), name="relay", daemon=True)
+    relay.start()
+    threading.Thread(target=_watch_stdin, args=(stdin, stop), name="stdin", daemon=True).start()
+    threading.Thread(target=lambda: stop.event.wait() and stop_group(pgid, stop.grace_s(grace_s)), name="stop",
+                     daemon=True).start()
+
+    code = worker.wait()  # a signal runs its handler (stop.event.set) and the wait resumes
+    stop_group(pgid, stop.grace_s(grace_s) if stop.event.is_set() else grace_s)  # what it left in its group
+    relay.join(OUTPUT_DRAIN_S)
+    out.control(EXIT_LINE, {"code": code})
+    return _signal_status(code)
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free on every interface now, all distinct: each is held until all are chosen."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.bind(("0.0.0.0", 0))
+            ports.append(sock.getsockname()[1])
+    finally:
+        for sock in held:
+            sock.close()
+    return ports
+
+
+def _workdir_status(workdir: str) -> dict[str, Any]:
+    path = host_path(workdir)
+    status: dict[str, Any] = {"workdir": str(path), "workdir_writable": False, "workdir_error": None,
+                              "free_disk_bytes": None}
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".tfmw-probe-"):
+            pass
+        status["workdir_writable"] = True
+    except OSError as error:
+        status["workdir_error"] = f"{type(error).__name__}: {error.strerror or error}"
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None:
+        status["free_disk_bytes"] = shutil.disk_usage(existing).free
+    return status
+
+
+def gpu_inventory() -> dict[str, Any]:
+    """NVML's view of this host: {"nvml", "count", "free": indices with no compute process}."""
+    devices = gpu_processes()
+    if devices is None:
+        return {"nvml": False, "count": 0, "free": []}
+    return {"nvml": True, "count": len(devices), "free": [index for index, pids in devices.items() if not pids]}
+
+
+def probe(request: dict[str, Any]) -> dict[str, Any]:
+    gpus = gpu_inventory() if request["use_gpu"] else None  # NVML start-up costs time; CPU runs skip it
+    return {**identity(), "tmpdir": tempfile.gettempdir(),
+            "free_ports": free_ports(request["ports"]),
+            "free_gpus": gpus["free"] if gpus else [], "gpus": gpus,
+            **_workdir_status(request["workdir"])}
+
+
+def _own_directory(path: Path) -> bool:
+    """A real directory (not a symlink) owned by this user."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+
+
+def release(request: dict[str, Any]) -> dict[str, Any]:
+    key = request["run_key"]
+    outcome = end_marked_processes({RUN_KEY_ENV: key}, float(request["grace_s"]))
+    removed = []
+    if request["workdir"] and not outcome["survivors"]:  # a survivor may still be writing there
+        run_dir = host_path(request["workdir"]) / key
+        if _own_directory(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+            removed.append(str(run_dir))
+    gpus = gpu_check({process["pid"] for process in outcome["found"]})
+    return {"host": socket.gethostname(), "run_key": key, **outcome, "gpu_check": gpus, "removed_dirs": removed,
+            "clean": not outcome["survivors"] and not gpus.get("held_by_run")}
+
+
+def kill_group(request: dict[str, Any]) -> dict[str, Any]:
+    pgid, key = request["pgid"], request["run_key"]
+    answer: dict[str, Any] = {"host": socket.gethostname(), "pgid": pgid}
+    if pgid <= 1:
+        return {**answer, "status": "refused", "reason": f"process group {pgid} is never a worker's"}
+    members = live_group_members(pgid)
+    if not members:
+        return {**answer, "status": "gone", "members": []}
+    if not set(members) & set(processes_with_env({RUN_KEY_ENV: key})):
+        return {**answer, "status": "refused", "members": members,
+                "reason": f"no member of process group {pgid} carries run key {key}"}
+    signal_group(pgid, signal.SIGKILL)
+    wait_group_gone(pgid, KILL_WAIT_S)
+    return {**answer, "status": "killed", "members": members, "survivors": live_group_members(pgid)}
+
+
+def reap(request: dict[str, Any]) -> dict[str, Any]:
+    ended = end_marked_processes({RUN_KEY_ENV: request["run_key"], GROUP_ENV: request["group"]},
+                                 float(request["grace_s"]))
+    return {"host": socket.gethostname(), **ended}
+
+
+ANSWERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "probe": probe, "release": release, "kill": kill_group, "reap": reap}
+
+
+def main(args: list[str]) -> int:
+    if len(args) != 1 or args[0] not in REQUESTS:
+        print(f"usage: python -m launcher.agent {{{','.join(REQUESTS)}}} < request.json",
+              file=sys.stderr)
+        return EXIT_BAD_REQUEST
+    mode = args[0]
+    out = Output(sys.stdout.buffer)
+    try:
+        request = read_request(sys.stdin.buffer, mode)
+    except BadRequest as error:
+        if mode == "run":
+            out.control(EXIT_LINE, {"code": EXIT_BAD_REQUEST, "error": str(error)})
+        else:
+            out.write(json.dumps({"error": str(error)}).encode() + b"\n")
+        return EXIT_BAD_REQUEST
+    if mode == "run":
+        return run_worker(request, out, sys.stdin.buffer)
+    out.write(json.dumps(ANSWERS[mode](request)).encode() + b"\n")
+    return 0
+
+
+if __name__ == "__main__":
+    # os._exit: daemon threads may still block on stdin, and a normal interpreter shutdown can abort on their lock
+    # ("could not acquire lock for <stdin> at interpreter shutdown"); everything worth writing is flushed.
+    os._exit(main(sys.argv[1:]))

@@ -1,0 +1,119 @@
+"""The backend interface: everything about *where* workers run. The group runner (`group.py`) only places ranks,
+starts them, reads their output and polls them; each backend hides its hosts behind these calls: `local` starts
+processes here, `ssh` runs an agent per rank on remote hosts, Kubernetes one pod per rank."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import IO, Any, ClassVar
+
+from launcher.spec import GroupSpec, Placement, WorkerSpec
+
+# How long release gives a run's workers between SIGTERM (or a pod's deletion) and SIGKILL.
+RELEASE_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a backend can place now for a group: at most `workers`, with `reasons` saying why fewer than asked.
+
+    `settings` are the run settings a smaller launch on what is usable needs (the SSH hosts that answered:
+    `{"ssh_conn_ids": [...]}`), `hosts` where that is, for the launch record; both empty when nothing narrowed."""
+
+    workers: int
+    reasons: tuple[str, ...] = ()
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    hosts: tuple[str, ...] = ()
+
+
+class WorkerHandle(ABC):
+    """One started worker. Every method must be safe to call from a signal handler and more than once."""
+
+    rank: int
+    host: str
+    pid: int | None  # for messages; None where the backend has no process id (a pod)
+
+    @property
+    @abstractmethod
+    def output(self) -> IO[bytes]:
+        """The worker's merged stdout and stderr: `readline()` until b"", then `close()`."""
+
+    @abstractmethod
+    def poll(self) -> int | None:
+        """Exit status once finished (negative: killed by that signal), else None. Never blocks."""
+
+    @abstractmethod
+    def terminate(self) -> None:
+        """Ask the worker and everything it started to stop (SIGTERM, wherever it runs). Returns at once."""
+
+    @abstractmethod
+    def kill(self) -> None:
+        """Stop the worker and everything it started now (SIGKILL, wherever it runs)."""
+
+    @abstractmethod
+    def gone(self) -> bool:
+        """True once the worker and every process it started have exited."""
+
+    def waiting_reason(self) -> str:
+        """Why the worker has not started yet (a pod still Pending: its reason and events); "" once it runs."""
+        return ""
+
+    @abstractmethod
+    def record(self) -> dict[str, Any]:
+        """What the run-state record keeps so that release can find this worker again (JSON values)."""
+
+    def label(self) -> str:
+        """How log lines name this worker: "rank 2" here, "rank 2 host h" or "rank 2 pod p" elsewhere."""
+        return f"rank {self.rank}"
+
+
+class Backend(ABC):
+    """Where a group's workers run: places ranks, builds their command, starts them, and ends what a run left."""
+
+    name: ClassVar[str]
+
+    def capacity(self, group: GroupSpec) -> Capacity:
+        """How many of `group`'s workers could be placed now (asked before an elastic launch, which then places
+        at most that many); the default, for a backend that places or fails by itself, is all of them."""
+        return Capacity(group.num_workers)
+
+    @abstractmethod
+    def place(self, group: GroupSpec) -> list[Placement]:
+        """Host, port and GPUs of each rank. Raises `LaunchError` before anything starts."""
+
+    @abstractmethod
+    def command(self, group: GroupSpec) -> list[str]:
+        """The worker's command line, with the interpreter of wherever it runs."""
+
+    @abstractmethod
+    def start(self, group: GroupSpec, worker: WorkerSpec, command: list[str], env: Mapping[str, str]) -> WorkerHandle:
+        """Start one rank: `command` with `env` (shown in logs) plus `group.secret_env`, which each backend
+        delivers its own way and never into an argv, a log or a spec someone else can read."""
+
+    def end_group(self, group: GroupSpec) -> None:
+        """Called once every worker of a launch attempt is gone (objects the group shared)."""
+
+    @abstractmethod
+    def end_earlier_attempts(self, group: GroupSpec) -> list[dict[str, Any]]:
+        """End what an earlier attempt of the same group of the same run left alive, wherever this backend runs
+        workers (found by the run key and the group's name, not by records: the attempt that left them may have
+        died before writing one). Called before the group launches. Returns one entry per host, as `release` does:
+        {"host", "found", "terminated", "killed", "survivors"}, plus "error" for a host that could not be asked."""
+
+    @abstractmethod
+    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = RELEASE_GRACE_S) -> dict[str, Any]:
+        """End whatever is left of run `run_key` wherever this backend runs workers (SIGTERM, `grace_s`, SIGKILL);
+        `records` are all the run's state records, each backend uses what is its own. Returns {"backend",
+        "hosts": [{"host", "found", "terminated", "killed", "survivors", ...}], "clean"}; a host that cannot be
+        reached is reported, never skipped."""
+
+    def close(self) -> None:
+        """Release connections; the backend is not used afterwards."""
+
+
+# What builds a backend by name from the run's settings (a `RunConfig.to_dict()`). The Airflow side owns the one
+# implementation (`tf_multiworker.backends.make_backend`: it resolves connections); a DAG task hands it to the task
+# logic that launches or releases workers, so nothing below the glue imports the glue.
+BackendFactory = Callable[[str, Mapping[str, Any]], Backend]

@@ -1,0 +1,361 @@
+"""Run one worker group to the end: launch, stream logs, watch, and stop every rank as one.
+
+The supervising loop runs in the caller's thread; one reader thread per rank copies output to the rank's log
+file and hands lines back to the loop, which passes them to `on_line` in the caller's thread (Airflow's task
+logger is used from there only). `stop()` may be called from another thread or a signal handler.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO
+
+from launcher.backend import Backend, WorkerHandle
+from launcher.errors import LaunchError
+from launcher.log_policy import is_native_noise, verbose_environment
+from launcher.process import ORPHAN_GRACE_S, stop_ladder
+from launcher.protocol import GROUP_ENV, RUN_KEY_ENV, is_ready_marker
+from launcher.spec import (
+    FailureKind,
+    GroupSpec,
+    GroupState,
+    Placement,
+    RunResult,
+    WorkerFailure,
+    WorkerOutcome,
+    WorkerSpec,
+    WorkerState,
+)
+from launcher.tf_env import tensorflow_env
+
+log = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.05
+TAIL_LINES = 20
+STARTUP_PROGRESS_EVERY_S = 30.0
+READER_JOIN_S = 2.0
+# What TensorFlow's gRPC server (and Python's socket) print when the port was taken before the worker bound it.
+BIND_FAILURE = re.compile(r"address already in use|could not start grpc server|failed to add port|EADDRINUSE",
+                          re.IGNORECASE)
+
+LineSink = Callable[[int, str], None]
+StartedSink = Callable[[Sequence[WorkerOutcome], int], None]
+# The variables that make a process rank r of the placed group (TensorFlow's by default).
+RankEnvironment = Callable[[Sequence[Placement], int], dict[str, str]]
+
+
+@dataclass
+class _Worker:
+    """The mutable runtime record of one rank in one launch attempt."""
+
+    spec: WorkerSpec
+    handle: WorkerHandle
+    log_file: IO[str]
+    state: WorkerState = WorkerState.STARTING
+    exit_code: int | None = None
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    reader: threading.Thread | None = None
+    ready_seen: bool = False  # set by the reader thread when the worker printed its ready marker
+
+    def outcome(self) -> WorkerOutcome:
+        return WorkerOutcome(self.spec.rank, self.spec.host, self.spec.port, self.handle.pid, self.spec.devices,
+                             self.state, self.exit_code, self.handle.record(), self.handle.label())
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (signal {-code})"
+    return f"exited with code {code}"
+
+
+class WorkerGroup:
+    """Launches `spec` on `backend`, streams every rank's output, and ends the group as one (see module doc).
+
+    `supervisor_pid`: the process that supervises this one (an Airflow task's supervisor). When it dies, killed
+    without a word to us (SIGKILL, the OOM killer), nobody will ever read this task's result: the group is
+    stopped at once instead of training on unseen beside the retry that follows.
+    """
+
+    def __init__(self, spec: GroupSpec, backend: Backend, workdir: str | Path, *,
+                 on_line: LineSink | None = None, on_started: StartedSink | None = None,
+                 rank_environment: RankEnvironment = tensorflow_env, supervisor_pid: int | None = None) -> None:
+        self.spec = spec
+        self.backend = backend
+        self.rank_environment = rank_environment
+        self.supervisor_pid = supervisor_pid
+        self.workdir = Path(workdir)
+        self.log_dir = self.workdir / "logs"
+        self.on_line = on_line or (lambda rank, line: log.info("[rank %d] %s", rank, line))
+        self.on_started = on_started
+        self._lines: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
+        self._workers: list[_Worker] = []
+        self._stop_requested = threading.Event()
+        self._last_output = time.monotonic()
+        # Longest first, so a secret containing another is hidden whole; very short values would mask noise.
+        self._secret_values = sorted({v for v in spec.secret_env.values() if len(v) >= 4}, key=len, reverse=True)
+
+    # -- public -----------------------------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        started = time.monotonic()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for line in self.spec.describe():
+            log.info("%s", line)
+        if self.spec.run_key:
+            self._end_earlier_attempts()
+        attempt = 0
+        state, failures = GroupState.STOPPED, {}
+        while attempt < self.spec.max_launch_attempts and not self._stop_requested.is_set():
+            attempt += 1
+            state, failures = self._run_attempt(attempt)
+            bind_only = failures and all(f.kind is FailureKind.PORT_BIND for f in failures.values())
+            if not bind_only or attempt == self.spec.max_launch_attempts:
+                break
+            log.warning("attempt %d: rank(s) %s could not bind their port; relaunching the group on new ports "
+                        "(attempt %d of %d)", attempt, sorted(failures), attempt + 1, self.spec.max_launch_attempts)
+        return RunResult(
+            name=self.spec.name,
+            state=state,
+            workers=tuple(w.outcome() for w in self._workers),
+            failures=dict(failures),
+            attempts=attempt,
+            wall_time_s=time.monotonic() - started,
+            log_files={w.spec.rank: w.spec.log_file for w in self._workers},
+        )
+
+    def stop(self, reason: str, grace_s: float | None = None) -> None:
+        """Stop every worker (SIGTERM, `grace_s` or the spec's grace period, SIGKILL); `run` returns STOPPED."""
+        log.warning("stopping worker group %s: %s", self.spec.name, reason)
+        self._stop_requested.set()
+        self._stop_workers(list(self._workers), grace_s)
+
+    def _end_earlier_attempts(self) -> None:
+        """An earlier attempt of this task whose launcher was killed outright may have left workers that still
+        train, hold GPUs and write checkpoints: they are ended before this attempt starts beside them."""
+        hosts = self.backend.end_earlier_attempts(self.spec)
+        for host in hosts:
+            if host.get("error"):
+                log.warning("could not check host %s for workers an earlier attempt of %s left: %s", host["host"],
+                            self.spec.name, host["error"])
+            elif host.get("found"):
+                log.warning("ended what an earlier attempt of %s left alive on %s: %s (SIGTERM: %s, SIGKILL: %s)",
+                            self.spec.name, host["host"], "; ".join(f"pid {p['pid']} {p['cmdline'][:120]}"
+                                                                    if isinstance(p, dict) else str(p)
+                                                                    for p in host["found"]),
+                            host.get("terminated"), host.get("killed"))
+        survivors = [f"{survivor} on {host['host']}" for host in hosts for survivor in host.get("survivors", ())]
+        if survivors:
+            raise LaunchError(
+                f"group {self.spec.name}: an earlier attempt's workers are still alive after SIGKILL: "
+                f"{', '.join(map(str, survivors))}. Not launching beside them: end them on their hosts "
+                "(kill -9 <pid>, or delete the pods) and clear the task.")
+
+    # -- one attempt ------------------------------------------------------------------------------------------
+
+    def _run_attempt(self, attempt: int) -> tuple[GroupState, dict[int, WorkerFailure]]:
+        workers: list[_Worker] = []
+        self._workers = workers
+        try:
+            self._launch(attempt, workers)
+            if self.on_started and not self._stop_requested.is_set():
+                self.on_started([w.outcome() for w in workers], attempt)
+            return self._watch(workers)
+        finally:
+            self._stop_workers(workers)
+            for worker in workers:
+                if worker.reader:
+                    worker.reader.join(READER_JOIN_S)
+            self.backend.end_group(self.spec)
+            self._drain_lines()
+            for worker in workers:
+                worker.log_file.close()
+                if worker.exit_code is None:
+                    worker.exit_code = worker.handle.poll()
+                if worker.state in (WorkerState.STARTING, WorkerState.READY):
+                    worker.state = WorkerState.SUCCEEDED if worker.exit_code == 0 else WorkerState.STOPPED
+
+    def _launch(self, attempt: int, workers: list[_Worker]) -> None:
+        placements = self.backend.place(self.spec)
+        command = self.backend.command(self.spec)
+        log.info("attempt %d of %d on backend %s: %s", attempt, self.spec.max_launch_attempts, self.backend.name,
+                 " ".join(command))
+        marker = {RUN_KEY_ENV: self.spec.run_key, GROUP_ENV: self.spec.name} if self.spec.run_key else {}
+        for rank, placement in enumerate(placements):
+            rank_dir = self.workdir / f"rank-{rank}"
+            rank_dir.mkdir(parents=True, exist_ok=True)
+            spec = WorkerSpec(rank=rank, num_workers=len(placements), placement=placement,
+                              log_file=str(self.log_dir / f"rank-{rank}.log"), workdir=str(rank_dir))
+            env = {**self.spec.env, **marker, **verbose_environment(), **self.rank_environment(placements, rank)}
+            where = "".join(f" {k}={v}" for k, v in placement.where.items())
+            log.info("  rank %d: %s devices=%s%s TF_CONFIG=%s", rank, spec.address,
+                     "cpu" if spec.devices == () else list(spec.devices or []) or "backend", where,
+                     env.get("TF_CONFIG"))
+            if self._stop_requested.is_set():
+                return
+            # Closed in _run_attempt's finally: the reader thread writes to it until the worker's output ends.
+            log_file = open(spec.log_file, "a", encoding="utf-8")  # noqa: SIM115
+            stamp = datetime.now(UTC).isoformat(timespec="seconds")
+            log_file.write(f"===== {self.spec.name} attempt {attempt}, rank {rank}, {spec.address}, {stamp} =====\n")
+            try:
+                handle = self.backend.start(self.spec, spec, command, env)
+            except BaseException:
+                log_file.close()
+                raise
+            worker = _Worker(spec, handle, log_file)
+            workers.append(worker)
+            worker.reader = threading.Thread(target=self._pump, args=(worker,), daemon=True,
+                                             name=f"{self.spec.name}-rank-{rank}-output")
+            worker.reader.start()
+
+    def _watch(self, workers: list[_Worker]) -> tuple[GroupState, dict[int, WorkerFailure]]:
+        started = self._last_output = time.monotonic()
+        self._next_progress = started + STARTUP_PROGRESS_EVERY_S
+        self._joined_at: float | None = None
+        while True:
+            self._drain_lines()
+            self._stop_if_orphaned()
+            if self._stop_requested.is_set():
+                return GroupState.STOPPED, {}
+            outcome = self._outcome(workers, time.monotonic(), started)
+            if outcome is not None:
+                return outcome
+            time.sleep(POLL_INTERVAL_S)
+
+    def _stop_if_orphaned(self) -> None:
+        if self.supervisor_pid is not None and os.getppid() != self.supervisor_pid:
+            # Reparented: the supervisor is gone. Its task is failed already and a retry may be on its way.
+            self.stop(f"this task's supervisor (pid {self.supervisor_pid}) is gone, killed without warning "
+                      "(SIGKILL, the OOM killer): nobody will read this attempt's result", ORPHAN_GRACE_S)
+
+    def _outcome(self, workers: list[_Worker], now: float,
+                 started: float) -> tuple[GroupState, dict[int, WorkerFailure]] | None:
+        """How the group ended, when this poll sees it end; None while it runs."""
+        elapsed = now - started
+        for worker in workers:
+            if worker.exit_code is None:
+                worker.exit_code = worker.handle.poll()
+            if worker.state is WorkerState.STARTING and worker.ready_seen:
+                worker.state = WorkerState.READY
+        failed = [w for w in workers if w.exit_code not in (None, 0)]
+        if failed:
+            return GroupState.FAILED, {w.spec.rank: self._exit_failure(w, elapsed) for w in failed}
+        if all(w.exit_code == 0 for w in workers):
+            return GroupState.SUCCEEDED, {}
+        starting = [w for w in workers if w.state is WorkerState.STARTING and w.exit_code is None]
+        if starting:
+            return self._startup_outcome(starting, workers, now, elapsed)
+        # The watchdog starts once every rank has joined; before that the start-up timeout applies.
+        self._joined_at = self._joined_at or now
+        silent_s = now - max(self._last_output, self._joined_at)
+        if silent_s > self.spec.hang_timeout_s:
+            alive = [w for w in workers if w.exit_code is None]
+            return GroupState.FAILED, {w.spec.rank: self._hang_failure(w, elapsed, silent_s) for w in alive}
+        return None
+
+    def _startup_outcome(self, starting: list[_Worker], workers: list[_Worker], now: float,
+                         elapsed: float) -> tuple[GroupState, dict[int, WorkerFailure]] | None:
+        if elapsed > self.spec.startup_timeout_s:
+            return GroupState.FAILED, {w.spec.rank: self._startup_failure(w, elapsed, workers) for w in starting}
+        if now >= self._next_progress:
+            log.info("waiting for rank(s) %s to join the group: %.0f s of startup_timeout_s=%g",
+                     [w.spec.rank for w in starting], elapsed, self.spec.startup_timeout_s)
+            self._next_progress = now + STARTUP_PROGRESS_EVERY_S
+        return None
+
+    # -- failures ---------------------------------------------------------------------------------------------
+
+    def _exit_failure(self, worker: _Worker, elapsed: float) -> WorkerFailure:
+        if worker.reader:
+            worker.reader.join(READER_JOIN_S)  # the last lines are the ones that explain the exit
+        joined = worker.state is WorkerState.READY
+        worker.state = WorkerState.FAILED
+        code = worker.exit_code
+        tail = tuple(worker.tail)
+        kind = FailureKind.SIGNAL if code < 0 else FailureKind.EXIT_CODE
+        detail = _describe_exit(code)
+        if not joined and any(BIND_FAILURE.search(line) for line in tail):
+            kind = FailureKind.PORT_BIND
+            detail += f" before joining the group: port {worker.spec.port} was already in use"
+        return WorkerFailure(worker.spec.rank, worker.spec.host, worker.handle.pid, kind, code, elapsed, detail, tail)
+
+    def _startup_failure(self, worker: _Worker, elapsed: float, workers: list[_Worker]) -> WorkerFailure:
+        worker.state = WorkerState.FAILED
+        joined = [w.spec.rank for w in workers if w.state is WorkerState.READY]
+        waiting = worker.handle.waiting_reason()
+        detail = (
+            f"did not join the group within startup_timeout_s={self.spec.startup_timeout_s:g} s "
+            f"({f'never started: {waiting}' if waiting else 'still running'}, its address {worker.spec.address}; "
+            f"ranks that joined: {joined or 'none'}). "
+            "Likely causes: the worker is stuck before creating its strategy, an unreachable address or a closed "
+            "port in TF_CONFIG, a firewall, or a peer that never came up. Raise startup_timeout_s if start-up is "
+            "legitimately slow."
+        )
+        return WorkerFailure(worker.spec.rank, worker.spec.host, worker.handle.pid, FailureKind.STARTUP_TIMEOUT,
+                             None, elapsed, detail, tuple(worker.tail))
+
+    def _hang_failure(self, worker: _Worker, elapsed: float, silent_s: float) -> WorkerFailure:
+        worker.state = WorkerState.FAILED
+        detail = (
+            f"was alive but the whole group printed nothing for {silent_s:.0f} s "
+            f"(hang_timeout_s={self.spec.hang_timeout_s:g}): a hung collective, usually a peer that stopped "
+            "taking part. Raise hang_timeout_s if a step legitimately takes longer."
+        )
+        return WorkerFailure(worker.spec.rank, worker.spec.host, worker.handle.pid, FailureKind.HANG,
+                             None, elapsed, detail, tuple(worker.tail))
+
+    # -- plumbing ---------------------------------------------------------------------------------------------
+
+    def _redact(self, line: str) -> str:
+        """Secret values a worker prints never reach the task log or the rank log files kept in storage."""
+        for value in self._secret_values:
+            line = line.replace(value, "***")
+        return line
+
+    def _pump(self, worker: _Worker) -> None:
+        rank = worker.spec.rank
+        for raw in iter(worker.handle.output.readline, b""):
+            line = self._redact(raw.decode("utf-8", "replace").rstrip("\r\n"))
+            if worker.log_file.closed:
+                break  # a process that escaped the group still holds the pipe after the attempt ended
+            worker.log_file.write(line + "\n")
+            worker.log_file.flush()
+            if is_ready_marker(line):
+                worker.ready_seen = True
+            worker.tail.append(line)
+            self._last_output = time.monotonic()
+            if not is_native_noise(line, use_gpu=self.spec.use_gpu):  # the log file above keeps it
+                self._lines.put((rank, line))
+        worker.handle.output.close()
+
+    def _drain_lines(self) -> None:
+        while True:
+            try:
+                rank, line = self._lines.get_nowait()
+            except queue.Empty:
+                return
+            self.on_line(rank, line)
+
+    def _stop_workers(self, workers: list[_Worker], grace_s: float | None = None) -> None:
+        grace_s = self.spec.grace_period_s if grace_s is None else grace_s
+
+        def warn(worker: _Worker) -> None:
+            log.warning("rank %d (host %s, pid %s) still running %g s after SIGTERM: sending SIGKILL",
+                        worker.spec.rank, worker.spec.host, worker.handle.pid, grace_s)
+
+        stop_ladder(workers, terminate=lambda w: w.handle.terminate(), kill=lambda w: w.handle.kill(),
+                    gone=lambda w: w.handle.gone(), grace_s=grace_s, on_kill=warn)

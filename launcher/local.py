@@ -1,0 +1,277 @@
+"""Local backend: each worker is a process on this machine, in its own session (so its whole process group can
+be stopped), with one GPU when asked for. TF_CONFIG names loopback addresses, but TensorFlow's worker server
+listens on every interface (see docs/security.md), and the worker's environment is the allow-listed
+part of this process's (`launcher.protocol.inherited_environment`). A guard process per launch attempt
+(`launcher.guard`) ends the attempt's workers when this process dies without stopping them."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, ClassVar
+
+from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, WorkerHandle
+from launcher.errors import InsufficientGPUsError, LaunchError
+from launcher.host_probe import NvmlUnavailable, nvml
+from launcher.process import (
+    GUARD_ENV,
+    KILL_WAIT_S,
+    ORPHAN_GRACE_S,
+    end_marked_processes,
+    live_group_members,
+    signal_group,
+)
+from launcher.protocol import (
+    GROUP_ENV,
+    LAUNCHER_WORKDIR_PREFIX,
+    RUN_KEY_ENV,
+    inherited_environment,
+    worker_temp_environment,
+)
+from launcher.spec import GroupSpec, Placement, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+# Caps the workers this machine may start in an elastic launch (tests, or operators who keep cores free).
+LOCAL_USABLE_WORKERS_ENV = "TFMW_LOCAL_USABLE_WORKERS"
+
+
+class PortAllocator:
+    """Hands out ports the kernel reports free, never the same one twice in this process for a while.
+
+    A port can still be taken by another process between this check and the worker's bind: the group runner
+    detects the worker's bind failure and relaunches on new ports (bounded by `max_launch_attempts`).
+    """
+
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+    _recent: ClassVar[collections.deque[int]] = collections.deque(maxlen=4096)
+
+    def __init__(self, host: str = LOOPBACK) -> None:
+        self.host = host
+
+    def allocate(self, count: int) -> list[int]:
+        with self._lock:
+            held: list[socket.socket] = []
+            ports: list[int] = []
+            try:
+                while len(ports) < count:
+                    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    sock.bind((self.host, 0))
+                    held.append(sock)  # held open until all are chosen, so the kernel cannot repeat one
+                    port = sock.getsockname()[1]
+                    if port not in self._recent:
+                        ports.append(port)
+            finally:
+                for sock in held:
+                    sock.close()
+            self._recent.extend(ports)
+            return ports
+
+
+def gpu_processes() -> dict[int, list[int]] | None:
+    """GPU index (PCI bus order, as NVML numbers them) -> pids of its compute processes; None without NVML."""
+    try:
+        with nvml() as pynvml:
+            return {index: [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(
+                        pynvml.nvmlDeviceGetHandleByIndex(index))]
+                    for index in range(pynvml.nvmlDeviceGetCount())}
+    except NvmlUnavailable as reason:
+        log.info("NVML unavailable (%s): no GPUs visible", reason)
+        return None
+
+
+def free_gpus() -> list[int]:
+    """Indices of GPUs with no compute process; [] without NVML."""
+    return [index for index, pids in (gpu_processes() or {}).items() if not pids]
+
+
+def gpu_check(run_pids: set[int]) -> dict[str, Any]:
+    """Which GPU processes remain on this host, and whether any belongs to the run; on CPU nothing to check."""
+    devices = gpu_processes()
+    if devices is None:
+        return {"nvml": False, "note": "no NVML: no GPU to verify on this host"}
+    held = [{"gpu": gpu, "pid": pid} for gpu, pids in devices.items() for pid in pids if pid in run_pids]
+    return {"nvml": True, "devices": [{"gpu": gpu, "pids": pids} for gpu, pids in devices.items()],
+            "held_by_run": held}
+
+
+def is_launcher_workdir(path: str) -> bool:
+    """Only the launcher's own temporary directories may be deleted: a path read from storage proves nothing."""
+    candidate = Path(path)
+    try:
+        owned = candidate.lstat().st_uid == os.getuid() and not candidate.is_symlink() and candidate.is_dir()
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return False
+    return (owned and candidate.name.startswith(LAUNCHER_WORKDIR_PREFIX)
+            and candidate.resolve().parent == Path(tempfile.gettempdir()).resolve())
+
+
+class LocalWorkerHandle(WorkerHandle):
+    def __init__(self, rank: int, host: str, process: subprocess.Popen) -> None:
+        self.rank = rank
+        self.host = host
+        self.process = process
+        self.pid = process.pid
+        self.pgid = process.pid  # start_new_session: the worker leads its own process group
+
+    @property
+    def output(self) -> IO[bytes]:
+        return self.process.stdout
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def terminate(self) -> None:
+        signal_group(self.pgid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        signal_group(self.pgid, signal.SIGKILL)
+
+    def gone(self) -> bool:
+        if self.process.poll() is None:
+            return False
+        return not live_group_members(self.pgid)  # children the worker left behind keep the group alive
+
+    def record(self) -> dict[str, Any]:
+        return {"pid": self.pid, "pgid": self.pgid}
+
+
+@dataclass
+class _Guard:
+    """A running guard: its process (stdin is the pipe whose closing it waits for) and the token it ends."""
+
+    process: subprocess.Popen
+    token: str
+
+    @classmethod
+    def start(cls, group: GroupSpec, log_path: Path) -> _Guard:
+        token = f"{group.name}-{uuid.uuid4().hex[:12]}"
+        grace_s = min(group.grace_period_s, ORPHAN_GRACE_S)
+        with open(log_path, "ab") as guard_log:
+            # A session of its own: Airflow's supervisor kills the task runner's process group, and the guard must
+            # outlive it. No inherited stdout/stderr: they are the task's sockets to its supervisor, which would wait
+            # for the guard to close them.
+            process = subprocess.Popen(
+                [sys.executable, "-m", "launcher.guard", token, f"{grace_s:g}"],
+                env=inherited_environment(os.environ), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                stderr=guard_log, start_new_session=True)
+        return cls(process, token)
+
+    def close(self) -> None:
+        """The attempt ended normally: close the pipe; the guard ends what escaped the workers' groups, then exits."""
+        self.process.stdin.close()
+        try:
+            self.process.wait(ORPHAN_GRACE_S + KILL_WAIT_S + 5)
+        except subprocess.TimeoutExpired:
+            log.warning("guard %s (pid %d) still running after the attempt ended", self.token, self.process.pid)
+
+
+class LocalBackend(Backend):
+    name = "local"
+
+    def __init__(self, *, gpu_probe: Callable[[], list[int]] = free_gpus, ports: PortAllocator | None = None,
+                 environ: Mapping[str, str] = os.environ):
+        self.gpu_probe = gpu_probe
+        self.ports = ports or PortAllocator()
+        self.environ = environ
+        self._guards: dict[str, _Guard] = {}  # group name -> the guard of its current attempt
+
+    def capacity(self, group: GroupSpec) -> Capacity:
+        """The cap `TFMW_LOCAL_USABLE_WORKERS` and, with `use_gpu`, this machine's free GPUs."""
+        workers, reasons = group.num_workers, []
+        raw = self.environ.get(LOCAL_USABLE_WORKERS_ENV, "").strip()
+        if raw:
+            if not raw.isdigit():
+                raise LaunchError(
+                    f"{LOCAL_USABLE_WORKERS_ENV}={raw!r} is not a whole number of workers: fix or unset it.")
+            if int(raw) < workers:
+                workers = int(raw)
+                reasons.append(f"this machine allows {workers} worker(s) ({LOCAL_USABLE_WORKERS_ENV}={raw})")
+        if group.use_gpu:
+            free = self.gpu_probe()
+            if len(free) < workers:
+                workers = len(free)
+                reasons.append(f"this machine has {len(free)} free GPU(s) {free}")
+        return Capacity(workers, tuple(reasons))
+
+    def place(self, group: GroupSpec) -> list[Placement]:
+        num_workers = group.num_workers
+        devices: list[tuple[int, ...]] = [() for _ in range(num_workers)]
+        if group.use_gpu:
+            free = self.gpu_probe()
+            if num_workers > len(free):
+                raise InsufficientGPUsError(
+                    f"use_gpu is on and num_workers={num_workers} needs one GPU per worker, but this machine has "
+                    f"{len(free)} free GPU(s) {free} (NVML; GPUs running other processes are not free). "
+                    f"Lower num_workers to {len(free)} or less, free the GPUs, or set use_gpu to false."
+                    if free else
+                    f"use_gpu is on but NVML finds no free GPU on this machine (num_workers={num_workers}). "
+                    "Set use_gpu to false to run on CPU, or run on a machine with GPUs and the NVIDIA driver."
+                )
+            devices = [(gpu,) for gpu in free[:num_workers]]
+        ports = self.ports.allocate(num_workers)
+        return [Placement(LOOPBACK, port, dev) for port, dev in zip(ports, devices)]
+
+    def command(self, group: GroupSpec) -> list[str]:
+        return [sys.executable, "-u", "-m", group.entrypoint, *group.args]
+
+    def start(self, group: GroupSpec, worker: WorkerSpec, command: list[str],
+              env: Mapping[str, str]) -> LocalWorkerHandle:
+        guard = self._guards.get(group.name)
+        if guard is None:  # before the attempt's first worker: no worker ever runs unguarded
+            # What it ended goes next to the ranks' directories, in the launcher's work directory.
+            guard = self._guards[group.name] = _Guard.start(group, Path(worker.workdir).parent / "guard.log")
+        process = subprocess.Popen(
+            command,
+            cwd=worker.workdir,
+            env={**inherited_environment(os.environ), **env, **group.secret_env,
+                 **worker_temp_environment(worker.workdir), GUARD_ENV: guard.token},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        return LocalWorkerHandle(worker.rank, worker.host, process)
+
+    def end_group(self, group: GroupSpec) -> None:
+        guard = self._guards.pop(group.name, None)
+        if guard is not None:
+            guard.close()
+
+    def end_earlier_attempts(self, group: GroupSpec) -> list[dict[str, Any]]:
+        ended = end_marked_processes({RUN_KEY_ENV: group.run_key, GROUP_ENV: group.name},
+                                     min(group.grace_period_s, ORPHAN_GRACE_S))
+        return [{"host": socket.gethostname(), **ended}]
+
+    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = RELEASE_GRACE_S) -> dict[str, Any]:
+        """Every process of the run on this host, found by the marker each carries (so also one no record names,
+        or a grandchild), ended; the launcher work directories the records name removed; GPUs checked."""
+        ended = end_marked_processes({RUN_KEY_ENV: run_key}, grace_s)
+        removed, kept = [], []
+        for workdir in {r["workdir"] for r in records if isinstance(r.get("workdir"), str)}:
+            if is_launcher_workdir(workdir):
+                shutil.rmtree(workdir, ignore_errors=True)
+                removed.append(workdir)
+            elif os.path.exists(workdir):
+                kept.append(workdir)
+                log.warning("Not removing %s: not a launcher work directory of this user under %s.", workdir,
+                            tempfile.gettempdir())
+        recorded = {int(w["pid"]) for r in records for w in r.get("workers", ())
+                    if isinstance(w, dict) and isinstance(w.get("pid"), int)}
+        gpus = gpu_check(recorded | {p["pid"] for p in ended["found"]})
+        host = {"host": socket.gethostname(), **ended, "removed_dirs": sorted(removed), "gpu_check": gpus}
+        return {"backend": self.name, "hosts": [host],
+                "clean": not ended["survivors"] and not gpus.get("held_by_run")}

@@ -1,0 +1,163 @@
+"""Processes on this machine: the one stopping ladder (TERM, grace, KILL) and the two ways of finding them (a
+process group; markers in each process's environment: the run key, the group's name, a launch's guard token).
+Used by the local backend and its guard, the release of a run and, on remote hosts, the SSH agent
+(`launcher.agent`): stdlib only, no Airflow, no TensorFlow."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+POLL_INTERVAL_S = 0.05
+KILL_WAIT_S = 5.0
+# A worker whose launcher is gone (killed without running its cleanup: SIGKILL, the OOM killer) gets this long after
+# SIGTERM before SIGKILL: nobody waits for its result, a checkpoint it is writing is all worth waiting for (the trainer
+# ends right after it), and its GPUs are wanted by the retry.
+ORPHAN_GRACE_S = 3.0
+# Every worker of one local launch attempt carries `TFMW_GUARD=<token>`: its guard ends them by it
+# (launcher.guard, which the package must not import: it runs as `python -m`).
+GUARD_ENV = "TFMW_GUARD"
+
+
+def stop_ladder(targets: Sequence[T], *, terminate: Callable[[T], None], kill: Callable[[T], None],
+                gone: Callable[[T], bool], grace_s: float, on_kill: Callable[[T], None] | None = None,
+                kill_wait_s: float = KILL_WAIT_S) -> list[T]:
+    """Ask every target to stop, give them `grace_s`, then kill the stubborn ones; returns those still alive."""
+    alive = [t for t in targets if not gone(t)]
+    if not alive:
+        return []
+    for target in alive:
+        terminate(target)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and not all(gone(t) for t in alive):
+        time.sleep(POLL_INTERVAL_S)
+    stubborn = [t for t in alive if not gone(t)]
+    for target in stubborn:
+        if on_kill:
+            on_kill(target)
+        kill(target)
+    deadline = time.monotonic() + kill_wait_s
+    while time.monotonic() < deadline and not all(gone(t) for t in stubborn):
+        time.sleep(POLL_INTERVAL_S)
+    return [t for t in stubborn if not gone(t)]
+
+
+def _stat_fields(pid_dir: Path) -> list[str]:
+    stat = (pid_dir / "stat").read_text()
+    # "pid (comm) state ppid pgrp ...": comm may contain spaces and parentheses, so split after the last ')'.
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids in process group `pgid` that are not zombies.
+
+    Orphans are re-parented to PID 1, which in some containers never reaps them: a zombie has no resources left
+    but still counts for `killpg(pgid, 0)`, so on Linux the process table is read instead.
+    """
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    members = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = _stat_fields(entry)
+        except OSError:
+            continue  # exited while we looked
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone (PermissionError: macOS reports a group of zombies this way)
+
+
+def group_gone(pgid: int) -> bool:
+    return not live_group_members(pgid)  # a zombie leader counts as gone: its parent reaps it
+
+
+def wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not group_gone(pgid) and time.monotonic() < deadline:
+        time.sleep(POLL_INTERVAL_S)
+    return group_gone(pgid)
+
+
+def stop_group(pgid: int, grace_s: float) -> None:
+    """The launcher's one stopping ladder, for a worker's whole process group."""
+    stop_ladder([pgid], terminate=lambda g: signal_group(g, signal.SIGTERM),
+                kill=lambda g: signal_group(g, signal.SIGKILL), gone=group_gone, grace_s=grace_s)
+
+
+def processes_with_env(markers: Mapping[str, str]) -> dict[int, str]:
+    """pid -> command line of every live process (not this one) whose environment has every `name=value` of
+    `markers` (the run key alone: all of a run's processes; with the group's name: one task's)."""
+    wanted = {f"{name}={value}".encode() for name, value in markers.items()}
+    if not wanted:
+        raise ValueError("processes_with_env needs at least one marker")
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if not wanted <= set((entry / "environ").read_bytes().split(b"\0")):
+                continue
+            if _stat_fields(entry)[0] == "Z":  # a zombie holds nothing; its parent reaps it
+                continue
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            found[int(entry.name)] = cmdline.strip()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return found
+
+
+def signal_pids(pids: Iterable[int], sig: signal.Signals) -> list[int]:
+    """Send `sig` to each pid; returns those that existed."""
+    signalled = []
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+            signalled.append(pid)
+        except ProcessLookupError:
+            pass
+    return signalled
+
+
+def end_marked_processes(markers: Mapping[str, str], grace_s: float) -> dict[str, list]:
+    """End every process carrying all of `markers` (TERM, grace, KILL): what was found, signalled, and survived."""
+    found = processes_with_env(markers)
+    terminated = signal_pids(sorted(found), signal.SIGTERM)
+    killed: list[int] = []
+
+    def still_alive() -> dict[int, str]:
+        return processes_with_env(markers)
+
+    if terminated:
+        remaining = _wait_until(still_alive, grace_s)
+        killed = signal_pids(sorted(remaining), signal.SIGKILL)
+    survivors = sorted(_wait_until(still_alive, KILL_WAIT_S)) if killed else sorted(still_alive())
+    return {"found": [{"pid": pid, "cmdline": cmd[:200]} for pid, cmd in sorted(found.items())],
+            "terminated": terminated, "killed": killed, "survivors": survivors}
+
+
+def _wait_until(alive: Callable[[], dict[int, str]], timeout_s: float) -> dict[int, str]:
+    deadline = time.monotonic() + timeout_s
+    left = alive()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = alive()
+    return left

@@ -1,0 +1,72 @@
+"""The launcher's protocol with the workers and with the layers above it: names only, stdlib only.
+
+What a worker of any backend finds and says (`trainer/runtime.py` reads it; docs/CONTRACTS.md, "Launcher <->
+worker"), which environment it starts from, where its temporary files go, and which backends exist. The trainer,
+the tasks and the Airflow side import these from here, so the launcher imports nothing of theirs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+# The in-band readiness marker: a line of its own on stdout, so it travels wherever the worker's output does.
+READY_MARKER = "TFMW_READY"
+# Set on every worker of a pipeline run: the release task finds all of the run's processes by it.
+RUN_KEY_ENV = "TFMW_RUN_KEY"
+# Set next to it: the worker group's name (the task id), so a task's next attempt finds what an earlier one left.
+GROUP_ENV = "TFMW_GROUP"
+# The launcher's per-task temporary directories start with this; release deletes only such directories.
+LAUNCHER_WORKDIR_PREFIX = "tfmw-"
+
+# The host's temporary directory, for what should outlive one worker (the shard cache); see worker_temp_environment.
+HOST_TMPDIR_ENV = "TFMW_HOST_TMPDIR"
+
+
+def worker_temp_environment(workdir: str | Path) -> dict[str, str]:
+    """`TMPDIR` for a worker started in `workdir`: `<workdir>/tmp`, created empty, and the host's own temporary
+    directory as `TFMW_HOST_TMPDIR`.
+
+    What a worker writes to its temporary directory (TensorFlow's autograph modules, the trainer's work directory
+    with downloaded checkpoints and staged model files, non-chief saves) then goes when the launcher removes the
+    working directory, however the worker ended: one ended by a signal runs no cleanup, so every stopped attempt
+    left a checkpoint's size behind in /tmp. Emptied at each start: an earlier attempt's rank left it there."""
+    temp = Path(workdir) / "tmp"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(mode=0o700, parents=True)
+    return {"TMPDIR": str(temp), HOST_TMPDIR_ENV: tempfile.gettempdir()}
+
+
+# What a worker inherits from the process that launches it (an Airflow task holds its database URL, Fernet key,
+# JWT secret and other connections in its environment: none of that may reach a worker). AWS_* are the storage
+# credentials when the run names no connection. The pipeline's own switches (verbose logs, live metrics) travel in
+# the group's environment, and its access policy stays with the prepare task (workers load a checked config).
+INHERITED_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "VIRTUAL_ENV", "LD_LIBRARY_PATH",
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+    "http_proxy", "https_proxy", "no_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY",
+})
+INHERITED_PREFIXES = ("LC_", "PYTHON", "TF_", "CUDA_", "NCCL_", "NVIDIA_", "XLA_", "HF_", "TRANSFORMERS_",
+                      "TOKENIZERS_", "OMP_", "MKL_", "OPENBLAS_", "AWS_", "TFMW_")
+
+
+def inherited_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The allow-listed part of `environ` that a worker (or evaluation) process starts with."""
+    return {name: value for name, value in environ.items()
+            if name in INHERITED_NAMES or name.startswith(INHERITED_PREFIXES)}
+
+
+def is_ready_marker(line: str) -> bool:
+    return line.startswith(READY_MARKER + " rank=")
+
+
+# name -> what it means for users. Each backend's factory is Airflow glue (`tf_multiworker/backends.py` resolves
+# the connections a backend needs); RunConfig and the DAG's `backend` enum read the names from here.
+BACKENDS: dict[str, str] = {
+    "local": "processes on the Airflow worker",
+    "ssh": "processes on the hosts of ssh_conn_ids, over SSH",
+    "kubernetes": "one pod per worker on a Kubernetes cluster",
+}
+BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)

@@ -1,0 +1,84 @@
+"""launcher/log_policy.py: library chatter is left out, narrowly, and all of it comes back
+when verbose."""
+
+import logging
+import warnings
+
+import pytest
+
+from launcher import log_policy
+
+
+@pytest.fixture
+def quiet(monkeypatch):
+    monkeypatch.delenv(log_policy.VERBOSE_ENV, raising=False)
+    saved = {name: (logging.getLogger(name).level, list(logging.getLogger(name).filters))
+             for name in {*log_policy.ROUTINE_LOGGERS, *(name for name, _ in log_policy.KNOWN_RECORDS)}}
+    with warnings.catch_warnings():
+        yield
+    for name, (level, filters) in saved.items():
+        logging.getLogger(name).setLevel(level)
+        logging.getLogger(name).filters[:] = filters
+
+
+def test_routine_library_info_is_left_out_but_their_warnings_stay(quiet, caplog):
+    logging.getLogger("paramiko").setLevel(logging.NOTSET)
+    log_policy.quiet_libraries()
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("paramiko.transport").info("Connected (version 2.0, client OpenSSH_9.6)")
+        logging.getLogger("botocore.credentials").info("Found credentials in environment variables.")
+        logging.getLogger("paramiko.transport").warning("Oops, unhandled type 3")
+        logging.getLogger("trainer.train").info("rank 0 of 2 joined")
+    assert [record.getMessage() for record in caplog.records] == ["Oops, unhandled type 3", "rank 0 of 2 joined"]
+
+
+def test_known_library_records_are_dropped_by_message_and_others_kept(quiet, caplog):
+    log_policy.quiet_libraries()
+    log_policy.quiet_libraries()  # twice: still one filter per pattern
+    transformers = logging.getLogger("transformers.modeling_tf_utils")  # where transformers logs them
+    assert len(transformers.filters) == sum(name == transformers.name for name, _ in log_policy.KNOWN_RECORDS)
+    with caplog.at_level(logging.INFO):
+        transformers.warning("TensorFlow and JAX classes are deprecated and will be removed in Transformers v5.")
+        transformers.warning("All model checkpoint layers were used when initializing TFGPT2LMHeadModel.\n")
+        transformers.warning("Some layers of TFGPT2LMHeadModel were not initialized from the model checkpoint")
+    assert [record.getMessage() for record in caplog.records] == [
+        "Some layers of TFGPT2LMHeadModel were not initialized from the model checkpoint"]
+
+
+def test_known_python_warnings_are_ignored_and_others_raised(quiet):
+    log_policy.quiet_libraries()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        log_policy.quiet_libraries()  # its filters go in front of the default one
+        warnings.warn("Could not import graphviz. Rendering graph to the graphical format will not be possible.",
+                      UserWarning, stacklevel=1)
+        warnings.warn("Something else is deprecated", DeprecationWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["Something else is deprecated"]
+
+
+NO_DRIVER = "I0000 00:00:1796300659.250845   31166 cudart_stub.cc:31] Could not find cuda drivers on your machine"
+CUINIT = "E0000 00:00:1796300662.610045   31166 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)"
+
+
+@pytest.mark.parametrize(("line", "use_gpu", "noise"), [
+    ("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR", False, True),
+    (NO_DRIVER, True, True),
+    (CUINIT, False, True),
+    (CUINIT, True, False),  # with GPUs asked for, a failed CUDA probe is the first clue to a broken driver
+    ("E0000 00:00:1796300662.610045   31166 collective_ops.cc:12] Collective ops is aborted by: rank 1 is gone",
+     False, False),
+    ("2026-12-03 12:24:22,707 rank0 INFO trainer.train: rank 0 of 1 joined", False, False),
+])
+def test_native_noise_lines(monkeypatch, line, use_gpu, noise):
+    monkeypatch.delenv(log_policy.VERBOSE_ENV, raising=False)
+    assert log_policy.is_native_noise(line, use_gpu=use_gpu) is noise
+
+
+def test_verbose_keeps_everything(monkeypatch, quiet, caplog):
+    monkeypatch.setenv(log_policy.VERBOSE_ENV, "1")
+    logging.getLogger("paramiko").setLevel(logging.NOTSET)
+    log_policy.quiet_libraries()
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("paramiko.transport").info("Connected (version 2.0, client OpenSSH_9.6)")
+    assert caplog.records and not log_policy.is_native_noise(
+        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR", use_gpu=False)

@@ -1,0 +1,441 @@
+"""The SSH backend through real OpenSSH servers on 127.0.0.2 and 127.0.0.3 (tests/support/sshd.py), the provider's
+SSHHook with host-key checking on, and the real agent: placement, streaming, failures, stopping, release, and
+that no secret reaches any command line. Each case prints what it measured.
+
+What these hosts cannot show: separate kernels. They share this machine's process table and Python, so the tests
+check each host's own disk (its TMPDIR) and address, not separate machines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from tf_multiworker.backends import DEFAULT_REMOTE_WORKDIR, ssh_backend
+
+from launcher import FailureKind, GroupSpec, GroupState, LaunchError, WorkerGroup, error_for
+from tasks.release import processes_of_run
+from tests.launcher.conftest import REPO, entrypoint_env, start_launcher, wait_for
+
+SECRET = "ssh-secret-value-never-in-argv"
+
+
+@pytest.fixture
+def connections(ssh_hosts, monkeypatch):
+    """The fake hosts as Airflow connections (by environment, as a deployment would register them)."""
+    for host in ssh_hosts:
+        for name, value in host.connection_env().items():
+            monkeypatch.setenv(name, value)
+    return [host.conn_id for host in ssh_hosts]
+
+
+def _backend(conn_ids, **settings):
+    return ssh_backend({"ssh_conn_ids": conn_ids, "workers_per_host": 0, **settings})
+
+
+def _spec(run_key: str, fault: str = "", **changes) -> GroupSpec:
+    env = entrypoint_env(TINY_WORKER_FAULT=fault) if fault else entrypoint_env()
+    settings = {"name": "tiny", "entrypoint": "tiny_worker", "num_workers": 2, "env": env, "run_key": run_key,
+                "startup_timeout_s": 30, "hang_timeout_s": 30, "grace_period_s": 2,
+                "secret_env": {"AWS_SECRET_ACCESS_KEY": SECRET}}
+    return GroupSpec(**{**settings, **changes})
+
+
+def _run(spec, backend, tmp_path):
+    lines: list[tuple[int, str]] = []
+    group = WorkerGroup(spec, backend, tmp_path, on_line=lambda r, line: lines.append((r, line)))
+    started = time.monotonic()
+    try:
+        result = group.run()
+    finally:
+        backend.close()
+    return result, time.monotonic() - started, lines
+
+
+def _start_endless_group(key: str, connections, tmp_path):
+    """A 2-rank group that trains until stopped, running in a thread; returns once both ranks and their children
+    (4 processes carrying the run key) are up."""
+    spec = _spec(key, env=entrypoint_env(TINY_WORKER_STEPS="100000", TINY_WORKER_STEP_S="0.1"))
+    backend = _backend(connections)
+    group = WorkerGroup(spec, backend, tmp_path)
+    runner = threading.Thread(target=group.run)
+    runner.start()
+    deadline = time.monotonic() + 30
+    while len(processes_of_run(key)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(processes_of_run(key)) >= 4, "the group did not start"
+    return group, backend, runner
+
+
+def _cmdlines_with(text: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+def _wait_gone(key: str, timeout_s: float) -> dict[int, str]:
+    deadline = time.monotonic() + timeout_s
+    while (left := processes_of_run(key)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def test_two_hosts_run_one_rank_each_on_their_own_address_and_disk(ssh_hosts, connections, tmp_path):
+    key = "ssh-happy"
+    spec = _spec(key, env=entrypoint_env(TINY_WORKER_TEMP="1", TINY_WORKER_STEP_S="0.2"))
+    seen_in_argv: list[str] = []
+    watcher_stop = threading.Event()
+
+    def watch_cmdlines():
+        while not watcher_stop.is_set():
+            seen_in_argv.extend(_cmdlines_with(SECRET))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch_cmdlines)
+    watcher.start()
+    try:
+        result, wall_s, lines = _run(spec, _backend(connections), tmp_path)
+    finally:
+        watcher_stop.set()
+        watcher.join()
+    print(f"\n2 ranks on 2 SSH hosts: {result.state.value} in {wall_s:.2f} s")
+    assert result.succeeded, result.error_message()
+    assert [w.host for w in result.workers] == [h.address for h in ssh_hosts]
+    assert [w.record["conn_id"] for w in result.workers] == connections
+    assert all(w.record["remote_pgid"] for w in result.workers)
+    for rank, host in enumerate(ssh_hosts):  # each rank ran under its own host's disk, in its own temp dir there
+        own = host.tmpdir / DEFAULT_REMOTE_WORKDIR / key / "tiny" / f"rank-{rank}" / "tmp"
+        assert (rank, f"temp dir {own} held 0 entries; host temp {host.tmpdir}") in lines
+        assert (rank, f"rank {rank} finished") in lines
+        assert any(line.startswith("[agent] ") and "tensorflow" in line for r, line in lines if r == rank)
+    assert seen_in_argv == [], "a secret value appeared in a command line"
+    assert _wait_gone(key, 5) == {}
+
+
+def test_a_worker_sigkilled_on_one_host_fails_the_group_naming_host_and_rank(ssh_hosts, connections, tmp_path):
+    key = "ssh-sigkill"
+    result, _, _ = _run(_spec(key, "1:sigkill"), _backend(connections), tmp_path)
+    message = result.error_message()
+    print(f"\nSIGKILL on {ssh_hosts[1].address}: detected in {result.failures[1].elapsed_s:.2f} s\n{message}")
+    assert result.state is GroupState.FAILED and result.failures[1].kind is FailureKind.SIGNAL
+    assert f"rank 1 (host {ssh_hosts[1].address}, pid " in message and "killed by SIGKILL" in message
+    assert _wait_gone(key, 10) == {}, "a process of the run outlived the group on some host"
+
+
+def test_stopping_the_group_ends_every_remote_process_within_seconds(ssh_hosts, connections, tmp_path):
+    key = "ssh-stop"
+    group, backend, runner = _start_endless_group(key, connections, tmp_path)
+    started = time.monotonic()
+    group.stop("test", grace_s=1.0)
+    left = _wait_gone(key, 10)
+    stopped_s = time.monotonic() - started
+    runner.join(15)
+    backend.close()
+    print(f"\nstop: every remote process gone after {stopped_s:.2f} s")
+    assert left == {} and stopped_s < 10
+
+
+def test_a_dropped_connection_ends_the_remote_workers(ssh_hosts, connections, tmp_path):
+    """The agent's dead-man's switch: when the SSH connection dies, sshd closes its stdin and it ends its worker."""
+    key = "ssh-drop"
+    group, backend, runner = _start_endless_group(key, connections, tmp_path)
+    started = time.monotonic()
+    for client in list(backend._clients.values()):
+        client.get_transport().sock.close()  # the network goes away under paramiko
+    left = _wait_gone(key, 15)
+    gone_s = time.monotonic() - started
+    group.stop("test over", grace_s=0.5)
+    runner.join(15)
+    backend.close()
+    print(f"\nconnection dropped: remote workers gone after {gone_s:.2f} s")
+    assert left == {}
+
+
+def _quiet_spec(key: str) -> dict:
+    """Two ranks that join and then print nothing for ten minutes (a first step's compilation, a stall)."""
+    return {"name": "tiny", "entrypoint": "tiny_worker", "num_workers": 2, "run_key": key, "grace_period_s": 10,
+            "startup_timeout_s": 30, "hang_timeout_s": 900,
+            "env": entrypoint_env(TINY_WORKER_STEPS="3", TINY_WORKER_STEP_S="600")}
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def test_a_sigkilled_launcher_ends_every_remote_worker_within_seconds_while_they_print_nothing(
+        ssh_hosts, connections, tmp_path):
+    """The kernel closes a dead launcher's SSH sockets: each agent's stdin ends without the stop line, so it ends
+    its worker with the orphan grace (3 s), not the group's 10 s."""
+    key = f"ssh-orphans-{time.time_ns()}"
+    launcher, records = start_launcher(tmp_path, _quiet_spec(key), "ssh",
+                                       {"ssh_conn_ids": connections, "workers_per_host": 0})
+    wait_for(lambda: len(processes_of_run(key)) == 4, 30)
+    assert [r["conn_id"] for r in records] == connections
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    gone_s = wait_for(lambda: not processes_of_run(key), 10)
+    print(f"\nlauncher SIGKILLed: the workers on {[h.address for h in ssh_hosts]} gone {gone_s:.2f} s later")
+
+
+def test_the_next_attempt_ends_what_an_earlier_one_left_on_every_host(ssh_hosts, connections, tmp_path, caplog):
+    """Launcher and agents killed outright (nothing left to stop the workers): the retry's reap finds them."""
+    key = f"ssh-leftovers-{time.time_ns()}"
+    launcher, _ = start_launcher(tmp_path, _quiet_spec(key), "ssh",
+                                 {"ssh_conn_ids": connections, "workers_per_host": 0})
+    wait_for(lambda: len(processes_of_run(key)) == 4, 30)
+    agents = {parent for pid in processes_of_run(key) if b"launcher.agent" in _cmdline(parent := _parent(pid))}
+    assert len(agents) == 2
+    for pid in (*agents, launcher.pid):
+        os.kill(pid, signal.SIGKILL)
+    launcher.wait()
+    time.sleep(1)
+    left = processes_of_run(key)
+    assert len(left) == 4, "with its agent gone a remote worker outlives its launcher"
+    with caplog.at_level("WARNING"):
+        result, _, _ = _run(_spec(key, grace_period_s=10), _backend(connections), tmp_path / "retry")
+    assert result.succeeded, result.error_message()
+    ended = [r.message for r in caplog.records if "earlier attempt" in r.message]
+    print("\n" + "\n".join(ended))
+    # The fake hosts share one process table: whichever host's agent looks first ends them all.
+    assert ended and all(f"pid {pid} " in " ".join(ended) for pid in left)
+    assert not set(left) & set(processes_of_run(key))
+
+
+def test_release_ends_a_runs_processes_on_every_host(ssh_hosts, connections, tmp_path):
+    """A rank left running (its launcher died without stopping it) is found on its host by the run marker."""
+    key = "ssh-release"
+    backend = _backend(connections)
+    channel = backend._open(backend.hosts[1], "run")
+    env = {"TFMW_RUN_KEY": key, "PYTHONPATH": entrypoint_env()["PYTHONPATH"]}
+    channel.sendall(json.dumps({"argv": ["sleep", "600"], "env": env, "cwd": f"tfmw/{key}/x",
+                                "grace_s": 1}).encode() + b"\n")
+    deadline = time.monotonic() + 20
+    while not processes_of_run(key) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_of_run(key)
+    result = backend.release(key, [])
+    backend.close()
+    print(f"\nrelease over SSH: {json.dumps(result['hosts'])[:600]}")
+    assert result["clean"] and [h["host"] for h in result["hosts"]] == [h.address for h in ssh_hosts]
+    # The fake hosts share one process table, so whichever host's agent looks first ends it.
+    assert [pid for h in result["hosts"] for pid in h["terminated"]] and processes_of_run(key) == {}
+    assert not (ssh_hosts[1].tmpdir / "tfmw" / key).exists()  # its run directory on that host's disk is gone
+
+
+def test_release_fails_loudly_when_a_host_cannot_be_reached(ssh_hosts, connections, monkeypatch):
+    monkeypatch.setenv("AIRFLOW_CONN_TFMW_SSH_GONE", json.dumps(dict(ssh_hosts[1].connection(), host="127.0.0.9")))
+    backend = _backend([connections[0], "tfmw_ssh_gone"])
+    result = backend.release("ssh-release-gone", [])
+    backend.close()
+    gone = result["hosts"][1]
+    assert result["clean"] is False and result["hosts"][0]["clean"] is True
+    assert gone["host"] == "127.0.0.9" and "unreachable" in gone["error"]
+
+
+def test_an_unreachable_host_fails_placement_in_seconds_naming_it(ssh_hosts, connections, tmp_path, monkeypatch):
+    dead = dict(ssh_hosts[1].connection(), host="127.0.0.9")
+    monkeypatch.setenv("AIRFLOW_CONN_TFMW_SSH_DEAD", json.dumps(dead))
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match=r"host 127\.0\.0\.9 \(connection tfmw_ssh_dead\) is unreachable"):
+        _run(_spec("ssh-dead"), _backend([connections[0], "tfmw_ssh_dead"]), tmp_path)
+    print(f"\nunreachable host refused after {time.monotonic() - started:.2f} s")
+    assert time.monotonic() - started < 15
+    assert not (tmp_path / "logs" / "rank-0.log").exists(), "no worker may start when a host is unreachable"
+
+
+@pytest.mark.parametrize("host_key", ["wrong", "missing"])
+def test_a_host_key_that_is_unknown_or_wrong_is_refused(ssh_hosts, connections, tmp_path, monkeypatch, host_key):
+    other = ssh_hosts[0].host_key if host_key == "wrong" else None
+    monkeypatch.setenv(f"AIRFLOW_CONN_{ssh_hosts[1].conn_id.upper()}",
+                       json.dumps(ssh_hosts[1].connection(host_key=other)))
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match=rf"host {ssh_hosts[1].address} .*host key.*host_key"):
+        _run(_spec("ssh-hostkey"), _backend(connections), tmp_path)
+    print(f"\n{host_key} host key refused after {time.monotonic() - started:.2f} s")
+
+
+def test_a_remote_python_that_does_not_exist_is_refused_naming_host_and_setting(ssh_hosts, connections, tmp_path):
+    with pytest.raises(LaunchError, match=rf"host {re.escape(ssh_hosts[0].address)} .*exited 127.*set remote_python"):
+        _run(_spec("ssh-python"), _backend(connections, remote_python="/nowhere/bin/python3"), tmp_path)
+
+
+def test_more_workers_than_the_hosts_take_is_refused_before_launch(connections, tmp_path):
+    with pytest.raises(LaunchError, match=r"num_workers=3 but the hosts take only 2 worker\(s\).*workers_per_host"):
+        _run(_spec("ssh-capacity", num_workers=3), _backend(connections), tmp_path)
+
+
+def test_unknown_and_non_ssh_connections_are_refused_naming_the_setting(connections, monkeypatch):
+    with pytest.raises(LaunchError, match=r"'ssh_conn_ids' names 'no_such_host', which is no Airflow connection"):
+        _backend([connections[0], "no_such_host"])
+    monkeypatch.setenv("AIRFLOW_CONN_NOT_SSH", json.dumps({"conn_type": "aws", "login": "x"}))
+    with pytest.raises(LaunchError, match=r"'not_ssh', a connection of type 'aws'"):
+        _backend(["not_ssh"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the agents' answers stubbed: which hosts are asked, together, and how ports are shared out
+
+
+def _stubbed(monkeypatch, answers: dict, workers_per_host: int = 0, barrier: threading.Barrier | None = None,
+             mode: str = "probe"):
+    from launcher.ssh import RemoteHost, SSHBackend
+
+    hosts = [RemoteHost(conn_id=name, address=f"{name}.example", connect=lambda: None) for name in answers]
+    backend = SSHBackend(hosts, remote_python="python3", remote_workdir="/tmp/tfmw", workers_per_host=workers_per_host)
+    asked: list[tuple[str, int]] = []
+
+    def request(host, asked_mode, payload, timeout_s=30.0):
+        assert asked_mode == mode
+        asked.append((host.conn_id, payload["ports"] if mode == "probe" else payload["run_key"]))
+        if barrier is not None:
+            barrier.wait()  # breaks unless every request of the wave is in flight at once
+        answer = answers[host.conn_id]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(backend, "request", request)
+    return backend, asked
+
+
+def _probe(ports, gpus=()):
+    return {"versions": {"tensorflow": "2.21.0"}, "free_ports": list(ports), "free_gpus": list(gpus),
+            "workdir_writable": True}
+
+
+def test_hosts_are_probed_at_once_and_never_share_a_port(monkeypatch):
+    # Three "hosts" on one kernel offer the same free ports: each takes one no earlier host took.
+    answers = {name: _probe([41000, 41001, 41002]) for name in ("a", "b", "c")}
+    backend, asked = _stubbed(monkeypatch, answers, barrier=threading.Barrier(3, timeout=10))
+    placements = backend.place(GroupSpec(name="g", entrypoint="tiny_worker", num_workers=3))
+    assert [(p.host, p.port) for p in placements] == [("a.example", 41000), ("b.example", 41001),
+                                                       ("c.example", 41002)]
+    assert sorted(asked) == [("a", 3), ("b", 3), ("c", 3)]
+
+
+def test_a_host_beyond_those_needed_is_not_probed_and_a_needed_one_that_fails_is_named(monkeypatch):
+    from launcher.ssh import HostError
+
+    down = HostError("host c.example (connection c) is unreachable: ConnectionRefusedError")
+    answers = {"a": _probe([41000, 41001]), "b": _probe([41005, 41006]), "c": down}
+    backend, asked = _stubbed(monkeypatch, answers)
+    placements = backend.place(GroupSpec(name="g", entrypoint="tiny_worker", num_workers=2))
+    assert [p.host for p in placements] == ["a.example", "b.example"] and [h for h, _ in asked] == ["a", "b"]
+
+    # Host a has no free GPU, so a second wave asks c, which is down: placement fails naming it.
+    answers = {"a": _probe([41000, 41001], gpus=()), "b": _probe([41005, 41006], gpus=(0,)), "c": down}
+    backend, asked = _stubbed(monkeypatch, answers)
+    with pytest.raises(HostError, match="c.example"):
+        backend.place(GroupSpec(name="g", entrypoint="tiny_worker", num_workers=2, use_gpu=True))
+    assert [h for h, _ in asked] == ["a", "b", "c"]
+
+
+def test_release_asks_every_host_at_once_and_names_one_it_cannot_reach(monkeypatch):
+    from launcher.ssh import HostError
+
+    released = {"host": "x", "found": [], "terminated": [4242], "killed": [], "survivors": [], "clean": True}
+    down = HostError("host b.example (connection b) is unreachable: ConnectionRefusedError")
+    backend, asked = _stubbed(monkeypatch, {"a": released, "b": down, "c": released}, mode="release",
+                              barrier=threading.Barrier(3, timeout=10))
+    result = backend.release("run-1", [])
+    assert sorted(asked) == [("a", "run-1"), ("b", "run-1"), ("c", "run-1")]
+    assert [(h["host"], h["terminated"]) for h in result["hosts"]] == [("a.example", [4242]), ("b.example", []),
+                                                                      ("c.example", [4242])]
+    assert "unreachable" in result["hosts"][1]["error"] and result["clean"] is False
+
+
+def test_capacity_probes_every_host_at_once_and_keeps_only_the_usable_ones(monkeypatch):
+    from launcher.backend import Capacity
+    from launcher.ssh import HostError
+
+    down = HostError("host b.example (connection b) is unreachable: ConnectionRefusedError")
+    answers = {"a": _probe([41000], gpus=(0, 1)), "b": down, "c": _probe([41000], gpus=()),
+               "d": _probe([41000], gpus=(3,))}
+    backend, asked = _stubbed(monkeypatch, answers, barrier=threading.Barrier(4, timeout=10))
+    found = backend.capacity(GroupSpec(name="g", entrypoint="tiny_worker", num_workers=4, use_gpu=True))
+    assert sorted(asked) == [("a", 0), ("b", 0), ("c", 0), ("d", 0)]
+    assert found == Capacity(3, ("host b.example unreachable", "host c.example has no free GPU"),
+                             {"ssh_conn_ids": ["a", "d"]}, ("a.example", "d.example"))
+    assert [h.conn_id for h in backend.hosts] == ["a", "d"]  # placement now uses only these
+
+    # Without GPUs a host takes workers_per_host (else one); every host answered: nothing to narrow.
+    backend, _ = _stubbed(monkeypatch, {"a": _probe([41000]), "c": _probe([41000])}, workers_per_host=2)
+    assert backend.capacity(GroupSpec(name="g", entrypoint="tiny_worker", num_workers=4)) == Capacity(
+        4, (), {}, ("a.example", "c.example"))
+
+
+# -- a host's link going down (namespaced hosts only: tests/support/netns.py) -------------------------------------
+
+LINK_TRAIN = {"model": "tiny", "tokenizer": "bpe:320", "block_size": 32, "batch_size_per_worker": 4,
+              "max_steps": 80, "warmup_steps": 2, "learning_rate": 3e-3, "checkpoint_every_steps": 4,
+              "collective_timeout_s": 60, "num_workers": 2, "backend": "ssh", "baseline": "skip"}
+
+
+def test_a_host_whose_link_goes_down_ends_the_group_naming_it_and_the_retry_resumes(ssh_hosts, connections,
+                                                                                     tmp_path, s3_bucket):
+    """A pulled cable, not a crash: host 2's link goes down mid-training (no process dies, no connection is
+    closed). The group must end naming that host; with the link back, the next attempt resumes from the latest
+    checkpoint in object storage (the hosts share no files)."""
+    from tests.trainer.shards import write_dataset
+    from trainer import storage
+    from trainer.checkpoint import latest_step
+
+    if ssh_hosts[1].network is None:
+        pytest.skip("needs test hosts on network stacks of their own (root and iproute2): tests/support/netns.py")
+    dataset = write_dataset(tmp_path / "dataset", sorted((REPO / "data" / "sample").glob("*.txt")), block_size=32,
+                            vocab_size=320, num_train_shards=4, max_chars=20_000)
+    root = f"{s3_bucket}/link"
+    storage.upload_tree(Path(dataset).parent, f"{root}/dataset")
+    manifest = f"{root}/dataset/{Path(dataset).name}"
+    config = f"{root}/config.json"
+    storage.write_json_atomic(config, {**LINK_TRAIN, "ssh_conn_ids": connections, "storage_root": root})
+    output = f"{root}/train"
+    credentials = {name: os.environ[name] for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                                        "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")}
+    spec = _spec("ssh-link", name="train", entrypoint="trainer.train",
+                 args=("--config", config, "--manifest", manifest, "--output", output),
+                 env=entrypoint_env(TF_CPP_MIN_LOG_LEVEL="2"), secret_env=credentials,
+                 startup_timeout_s=180, hang_timeout_s=180)
+    lost = ssh_hosts[1]
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.update(first=_run(spec, _backend(connections), tmp_path / "1")))
+    runner.start()
+    try:
+        wait_for(lambda: latest_step(f"{output}/checkpoints") >= 4 or not runner.is_alive(), 300, interval_s=1)
+        assert runner.is_alive(), f"training ended before its first checkpoint: {outcome['first'][0]}"
+        lost.network.set_link(False)
+        cut = time.monotonic()
+        runner.join(300)
+        ended_s = time.monotonic() - cut
+    finally:
+        lost.network.set_link(True)
+    result, _, lines = outcome["first"]
+    message = str(error_for(result))
+    print(f"\nlink of host {lost.address} down after checkpoint step {latest_step(f'{output}/checkpoints')}: "
+          f"group ended after {ended_s:.1f} s: {message.splitlines()[0]}")
+    assert not result.succeeded and f"host {lost.address}" in message, message
+    assert _wait_gone("ssh-link", 30) == {}, "a worker outlived its group"
+
+    resumed_from = latest_step(f"{output}/checkpoints")
+    result, _, lines = _run(spec, _backend(connections), tmp_path / "2")
+    assert result.succeeded, "\n".join(line for _, line in lines[-40:])
+    summary = storage.read_json(f"{output}/summary.json")
+    print(f"retry with the link up: resumed from step {summary['resumed_from_step']} and finished at step "
+          f"{summary['steps']}")
+    assert summary["resumed_from_step"] == resumed_from >= 4 and summary["steps"] == LINK_TRAIN["max_steps"]

@@ -1,0 +1,25 @@
+"""`make_backend`: every backend name the launcher lists has a factory, and an unknown name names the setting."""
+
+from __future__ import annotations
+
+import pytest
+from tf_multiworker.backends import FACTORIES, UnknownBackendError, make_backend
+
+from launcher.protocol import BACKEND_NAMES
+
+
+def test_unknown_backend_is_refused_with_the_setting_to_change():
+    with pytest.raises(UnknownBackendError, match=r"backend 'slurm' is not available: choose one of local.*"
+                                                  r"\(setting 'backend'\)"):
+        make_backend("slurm")
+
+
+def test_one_backend_table_feeds_the_config_and_the_dag():
+    from dags.gpt_finetune import PARAMS
+    from trainer.config import ConfigError, RunConfig
+
+    assert PARAMS["backend"].schema["enum"] == list(BACKEND_NAMES)
+    assert make_backend("local", RunConfig().to_dict()).name == "local"
+    assert set(FACTORIES) == set(BACKEND_NAMES)
+    with pytest.raises(ConfigError, match="backend"):
+        RunConfig(backend="slurm")
