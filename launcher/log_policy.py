@@ -6,8 +6,8 @@ Three kinds, all known harmless and all matched narrowly, so a library's real wa
 - known warnings (log records or Python warnings) of transformers, TensorFlow, Airflow's CLI and its libraries:
   dropped by message;
 - lines a worker's native code writes to stderr before absl logging starts (CUDA probing on a machine without
-  GPUs): no environment setting silences those, so the launcher leaves them out of the task log. The worker's own
-  log file (`logs/` of the run) keeps every line.
+  GPUs, the oneDNN and CPU-instruction notices of TensorFlow's import): no environment setting silences those, so
+  the launcher leaves them out of the task log. The worker's own log file (`logs/` of the run) keeps every line.
 
 `GPT_FINETUNE_VERBOSE_LOGS=1` in the environment of Airflow turns all of it off; the launcher passes it on to every
 worker (`verbose_environment`).
@@ -42,10 +42,17 @@ KNOWN_WARNINGS = (
     r"GitWildMatchPattern \('gitwildmatch'\) is deprecated",
 )
 
-# Native lines a worker writes before absl logging is initialised: no log level reaches them.
+# Native lines a worker writes before absl logging is initialised: no log level reaches them. On CPUs where
+# TensorFlow's oneDNN kernels or AVX-512 apply, its import announces both (the second line of the CPU notice has no
+# prefix of its own); neither changes what a run does.
 NATIVE_NOISE = re.compile(
     r"^WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR$"
     r"|^I\d{4} [\d:. ]+\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine"
+    r"|^I\d{4} [\d:. ]+\d+ port\.cc:\d+\] oneDNN custom operations are on\."
+    r"|^I\d{4} [\d:. ]+\d+ cpu_feature_guard\.cc:\d+\] This TensorFlow binary is optimized to use available CPU "
+    r"instructions in performance-critical operations\.$"
+    r"|^To enable the following instructions: [A-Z0-9_ ]+, in other operations, rebuild TensorFlow with the "
+    r"appropriate compiler flags\.$"
 )
 # Without GPUs asked for, CUDA's failed probe says nothing either (with them, it is the first clue: kept).
 CPU_NATIVE_NOISE = re.compile(r"^E\d{4} [\d:. ]+\d+ cuda_platform\.cc:\d+\] failed call to cuInit")

@@ -33,6 +33,9 @@ LIBRARY_NOISE = (
     "starlette.testclient` is deprecated",  # Airflow's in-process execution API
     "absl::InitializeLog() is called",  # TensorFlow's native start-up
     "Could not find cuda drivers",  # TensorFlow's native start-up
+    "oneDNN custom operations are on",  # TensorFlow's native start-up on oneDNN CPUs (port.cc)
+    "This TensorFlow binary is optimized to use available CPU",  # ... on AVX-512 CPUs (cpu_feature_guard.cc)
+    "rebuild TensorFlow with the appropriate compiler flags",  # ... its second line
     "CollectiveAllReduceStrategy eagerly",  # TensorFlow, once per worker
 )
 

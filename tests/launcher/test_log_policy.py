@@ -58,6 +58,15 @@ def test_known_python_warnings_are_ignored_and_others_raised(quiet):
 
 NO_DRIVER = "I0000 00:00:1796300659.250845   31166 cudart_stub.cc:31] Could not find cuda drivers on your machine"
 CUINIT = "E0000 00:00:1796300662.610045   31166 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)"
+# TensorFlow 2.21's import on a oneDNN / AVX-512 CPU (a 2-core Xeon with AVX512_BF16), as a worker prints them.
+ONEDNN = ("I0000 00:00:1796419366.251757   31710 port.cc:153] oneDNN custom operations are on. You may see slightly "
+          "different numerical results due to floating-point round-off errors from different computation orders. To "
+          "turn them off, set the environment variable `TF_ENABLE_ONEDNN_OPTS=0`.")
+CPU_GUARD = ("I0000 00:00:1796419366.440530   31710 cpu_feature_guard.cc:227] This TensorFlow binary is optimized to "
+             "use available CPU instructions in performance-critical operations.")
+CPU_GUARD_INSTRUCTIONS = ("To enable the following instructions: AVX2 AVX512F AVX512_VNNI AVX512_BF16 AMX_TILE "
+                          "AMX_INT8 AMX_BF16 FMA, in other operations, rebuild TensorFlow with the appropriate "
+                          "compiler flags.")
 
 
 @pytest.mark.parametrize(("line", "use_gpu", "noise"), [
@@ -65,6 +74,12 @@ CUINIT = "E0000 00:00:1796300662.610045   31166 cuda_platform.cc:52] failed call
     (NO_DRIVER, True, True),
     (CUINIT, False, True),
     (CUINIT, True, False),  # with GPUs asked for, a failed CUDA probe is the first clue to a broken driver
+    (ONEDNN, False, True),
+    (ONEDNN, True, True),
+    (CPU_GUARD, False, True),
+    (CPU_GUARD_INSTRUCTIONS, True, True),  # the notice's second line, which has no prefix of its own
+    ("I0000 00:00:1796419366.440530   31710 port.cc:153] oneDNN failed to create a primitive", False, False),
+    ("To enable the following instructions: AVX2 FMA, rebuild TensorFlow", False, False),  # not the notice
     ("E0000 00:00:1796300662.610045   31166 collective_ops.cc:12] Collective ops is aborted by: rank 1 is gone",
      False, False),
     ("2026-12-03 12:24:22,707 rank0 INFO trainer.train: rank 0 of 1 joined", False, False),
@@ -82,3 +97,5 @@ def test_verbose_keeps_everything(monkeypatch, quiet, caplog):
         logging.getLogger("paramiko.transport").info("Connected (version 2.0, client OpenSSH_9.6)")
     assert caplog.records and not log_policy.is_native_noise(
         "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR", use_gpu=False)
+    assert not any(log_policy.is_native_noise(line, use_gpu=False)
+                   for line in (ONEDNN, CPU_GUARD, CPU_GUARD_INSTRUCTIONS))
