@@ -11,8 +11,9 @@ from launcher.errors import (
     WorkerHangError,
     WorkerStartupTimeoutError,
 )
+from launcher.gpus import probe_gpus
 from launcher.group import WorkerGroup
-from launcher.local import LocalBackend, PortAllocator, free_gpus
+from launcher.local import LocalBackend, PortAllocator
 from launcher.spec import (
     FailureKind,
     GroupSpec,
@@ -30,7 +31,7 @@ __all__ = [
     "Backend", "FailureKind", "GroupSpec", "GroupState", "InsufficientGPUsError", "LaunchError", "LocalBackend",
     "Placement", "PortAllocator", "PortBindError", "RunResult", "WorkerFailedError", "WorkerFailure", "WorkerGroup",
     "WorkerGroupError", "WorkerGroupStoppedError", "WorkerHandle", "WorkerHangError", "WorkerOutcome", "WorkerSpec",
-    "WorkerStartupTimeoutError", "WorkerState", "build_tf_config", "error_for", "free_gpus", "tensorflow_env",
+    "WorkerStartupTimeoutError", "WorkerState", "build_tf_config", "error_for", "probe_gpus", "tensorflow_env",
 ]
 
 

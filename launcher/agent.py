@@ -47,8 +47,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from launcher.gpus import probe_gpus, release_check, release_is_clean, watch_release
 from launcher.host_probe import package_versions
-from launcher.local import gpu_check, gpu_processes
 from launcher.process import (
     KILL_WAIT_S,
     ORPHAN_GRACE_S,
@@ -296,18 +296,21 @@ def _workdir_status(workdir: str) -> dict[str, Any]:
 
 
 def gpu_inventory() -> dict[str, Any]:
-    """NVML's view of this host: {"nvml", "count", "free": indices with no compute process}."""
-    devices = gpu_processes()
-    if devices is None:
-        return {"nvml": False, "count": 0, "free": []}
-    return {"nvml": True, "count": len(devices), "free": [index for index, pids in devices.items() if not pids]}
+    """NVML's view of this host: {"nvml", "count", "free": indices of free GPUs, "pin": how to pin each free GPU
+    (its UUID, else its index), "left_out": the GPUs that are not free and why}."""
+    gpus = probe_gpus()
+    if gpus.unavailable:
+        return {"nvml": False, "count": 0, "free": [], "pin": [], "left_out": [], "unavailable": gpus.unavailable}
+    return {"nvml": True, "count": len(gpus.free) + len(gpus.left_out), "free": gpus.free_indices,
+            "pin": [gpu.uuid or gpu.index for gpu in gpus.free],
+            "left_out": [{"gpu": gpu.index, "uuid": gpu.uuid, "reason": reason} for gpu, reason in gpus.left_out]}
 
 
 def probe(request: dict[str, Any]) -> dict[str, Any]:
     gpus = gpu_inventory() if request["use_gpu"] else None  # NVML start-up costs time; CPU runs skip it
     return {**identity(), "tmpdir": tempfile.gettempdir(),
             "free_ports": free_ports(request["ports"]),
-            "free_gpus": gpus["free"] if gpus else [], "gpus": gpus,
+            "free_gpus": gpus["pin"] if gpus else [], "gpus": gpus,
             **_workdir_status(request["workdir"])}
 
 
@@ -322,6 +325,7 @@ def _own_directory(path: Path) -> bool:
 
 def release(request: dict[str, Any]) -> dict[str, Any]:
     key = request["run_key"]
+    watch = watch_release(set(processes_with_env({RUN_KEY_ENV: key})))
     outcome = end_marked_processes({RUN_KEY_ENV: key}, float(request["grace_s"]))
     removed = []
     if request["workdir"] and not outcome["survivors"]:  # a survivor may still be writing there
@@ -329,9 +333,9 @@ def release(request: dict[str, Any]) -> dict[str, Any]:
         if _own_directory(run_dir):
             shutil.rmtree(run_dir, ignore_errors=True)
             removed.append(str(run_dir))
-    gpus = gpu_check({process["pid"] for process in outcome["found"]})
+    gpus = release_check(watch)
     return {"host": socket.gethostname(), "run_key": key, **outcome, "gpu_check": gpus, "removed_dirs": removed,
-            "clean": not outcome["survivors"] and not gpus.get("held_by_run")}
+            "clean": not outcome["survivors"] and release_is_clean(gpus)}
 
 
 def kill_group(request: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -24,13 +25,22 @@ from typing import IO, Any, ClassVar
 
 from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, WorkerHandle
 from launcher.errors import InsufficientGPUsError, LaunchError
-from launcher.host_probe import NvmlUnavailable, nvml
+from launcher.gpus import (
+    GPU_POLL_S,
+    GPU_RELEASE_WAIT_S,
+    GpuInventory,
+    probe_gpus,
+    release_check,
+    release_is_clean,
+    watch_release,
+)
 from launcher.process import (
     GUARD_ENV,
     KILL_WAIT_S,
     ORPHAN_GRACE_S,
     end_marked_processes,
     live_group_members,
+    processes_with_env,
     signal_group,
 )
 from launcher.protocol import (
@@ -79,33 +89,6 @@ class PortAllocator:
                     sock.close()
             self._recent.extend(ports)
             return ports
-
-
-def gpu_processes() -> dict[int, list[int]] | None:
-    """GPU index (PCI bus order, as NVML numbers them) -> pids of its compute processes; None without NVML."""
-    try:
-        with nvml() as pynvml:
-            return {index: [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(
-                        pynvml.nvmlDeviceGetHandleByIndex(index))]
-                    for index in range(pynvml.nvmlDeviceGetCount())}
-    except NvmlUnavailable as reason:
-        log.info("NVML unavailable (%s): no GPUs visible", reason)
-        return None
-
-
-def free_gpus() -> list[int]:
-    """Indices of GPUs with no compute process; [] without NVML."""
-    return [index for index, pids in (gpu_processes() or {}).items() if not pids]
-
-
-def gpu_check(run_pids: set[int]) -> dict[str, Any]:
-    """Which GPU processes remain on this host, and whether any belongs to the run; on CPU nothing to check."""
-    devices = gpu_processes()
-    if devices is None:
-        return {"nvml": False, "note": "no NVML: no GPU to verify on this host"}
-    held = [{"gpu": gpu, "pid": pid} for gpu, pids in devices.items() for pid in pids if pid in run_pids]
-    return {"nvml": True, "devices": [{"gpu": gpu, "pids": pids} for gpu, pids in devices.items()],
-            "held_by_run": held}
 
 
 def is_launcher_workdir(path: str) -> bool:
@@ -182,12 +165,17 @@ class _Guard:
 class LocalBackend(Backend):
     name = "local"
 
-    def __init__(self, *, gpu_probe: Callable[[], list[int]] = free_gpus, ports: PortAllocator | None = None,
-                 environ: Mapping[str, str] = os.environ):
+    def __init__(self, *, gpu_probe: Callable[[], GpuInventory] = probe_gpus, ports: PortAllocator | None = None,
+                 environ: Mapping[str, str] = os.environ, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
         self.gpu_probe = gpu_probe
         self.ports = ports or PortAllocator()
         self.environ = environ
+        self.clock, self.sleep = clock, sleep
         self._guards: dict[str, _Guard] = {}  # group name -> the guard of its current attempt
+        # Until then the GPU probe is repeated while too few GPUs are free: this backend just stopped workers that may
+        # still hold some (a relaunch, an earlier attempt's orphans; NVML lists them for 0.09-0.12 s after they die).
+        self._gpus_settle_until = 0.0
 
     def capacity(self, group: GroupSpec) -> Capacity:
         """The cap `TFMW_LOCAL_USABLE_WORKERS` and, with `use_gpu`, this machine's free GPUs."""
@@ -201,29 +189,36 @@ class LocalBackend(Backend):
                 workers = int(raw)
                 reasons.append(f"this machine allows {workers} worker(s) ({LOCAL_USABLE_WORKERS_ENV}={raw})")
         if group.use_gpu:
-            free = self.gpu_probe()
-            if len(free) < workers:
-                workers = len(free)
-                reasons.append(f"this machine has {len(free)} free GPU(s) {free}")
+            gpus = self._gpus(workers)
+            if len(gpus.free) < workers:
+                workers = len(gpus.free)
+                reasons.append(f"this machine has {len(gpus.free)} free GPU(s) {gpus.free_indices}"
+                               + (f" (NVML unavailable: {gpus.unavailable})" if gpus.unavailable else "")
+                               + (f" (left out: {gpus.describe_left_out()})" if gpus.left_out else ""))
         return Capacity(workers, tuple(reasons))
 
     def place(self, group: GroupSpec) -> list[Placement]:
         num_workers = group.num_workers
-        devices: list[tuple[int, ...]] = [() for _ in range(num_workers)]
+        devices: list[tuple[int | str, ...]] = [() for _ in range(num_workers)]
+        where: list[dict[str, str]] = [{} for _ in range(num_workers)]
         if group.use_gpu:
-            free = self.gpu_probe()
-            if num_workers > len(free):
-                raise InsufficientGPUsError(
-                    f"use_gpu is on and num_workers={num_workers} needs one GPU per worker, but this machine has "
-                    f"{len(free)} free GPU(s) {free} (NVML; GPUs running other processes are not free). "
-                    f"Lower num_workers to {len(free)} or less, free the GPUs, or set use_gpu to false."
-                    if free else
-                    f"use_gpu is on but NVML finds no free GPU on this machine (num_workers={num_workers}). "
-                    "Set use_gpu to false to run on CPU, or run on a machine with GPUs and the NVIDIA driver."
-                )
-            devices = [(gpu,) for gpu in free[:num_workers]]
+            gpus = self._gpus(num_workers)
+            if num_workers > len(gpus.free):
+                raise InsufficientGPUsError(_too_few_gpus(gpus, num_workers))
+            # By UUID: NVML does not promise that its index is CUDA's (NVML reference, nvmlDeviceGetHandleByIndex).
+            devices = [(gpu.uuid or gpu.index,) for gpu in gpus.free[:num_workers]]
+            where = [{"gpu": str(gpu.index)} for gpu in gpus.free[:num_workers]]
         ports = self.ports.allocate(num_workers)
-        return [Placement(LOOPBACK, port, dev) for port, dev in zip(ports, devices)]
+        return [Placement(LOOPBACK, port, dev, at) for port, dev, at in zip(ports, devices, where)]
+
+    def _gpus(self, wanted: int) -> GpuInventory:
+        """The GPU probe; polled, bounded, while fewer than `wanted` are free right after this backend stopped
+        workers (review section 5: a relaunch probed GPUs its stopped ranks still held)."""
+        gpus = self.gpu_probe()
+        while len(gpus.free) < wanted and not gpus.unavailable and self.clock() < self._gpus_settle_until:
+            self.sleep(GPU_POLL_S)
+            gpus = self.gpu_probe()
+        return gpus
 
     def command(self, group: GroupSpec) -> list[str]:
         return [sys.executable, "-u", "-m", group.entrypoint, *group.args]
@@ -247,6 +242,7 @@ class LocalBackend(Backend):
         return LocalWorkerHandle(worker.rank, worker.host, process)
 
     def end_group(self, group: GroupSpec) -> None:
+        self._gpus_settle_until = self.clock() + GPU_RELEASE_WAIT_S  # its ranks were just stopped
         guard = self._guards.pop(group.name, None)
         if guard is not None:
             guard.close()
@@ -254,11 +250,17 @@ class LocalBackend(Backend):
     def end_earlier_attempts(self, group: GroupSpec) -> list[dict[str, Any]]:
         ended = end_marked_processes({RUN_KEY_ENV: group.run_key, GROUP_ENV: group.name},
                                      min(group.grace_period_s, ORPHAN_GRACE_S))
+        if ended["found"]:
+            self._gpus_settle_until = self.clock() + GPU_RELEASE_WAIT_S
         return [{"host": socket.gethostname(), **ended}]
 
     def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = RELEASE_GRACE_S) -> dict[str, Any]:
         """Every process of the run on this host, found by the marker each carries (so also one no record names,
-        or a grandchild), ended; the launcher work directories the records name removed; GPUs checked."""
+        or a grandchild), ended; the launcher work directories the records name removed; GPUs checked: waited for,
+        bounded, until the run's processes left them and the memory they held came back."""
+        recorded = {int(w["pid"]) for r in records for w in r.get("workers", ())
+                    if isinstance(w, dict) and isinstance(w.get("pid"), int)}
+        watch = watch_release(recorded | set(processes_with_env({RUN_KEY_ENV: run_key})), placed_gpus(records))
         ended = end_marked_processes({RUN_KEY_ENV: run_key}, grace_s)
         removed, kept = [], []
         for workdir in {r["workdir"] for r in records if isinstance(r.get("workdir"), str)}:
@@ -269,9 +271,29 @@ class LocalBackend(Backend):
                 kept.append(workdir)
                 log.warning("Not removing %s: not a launcher work directory of this user under %s.", workdir,
                             tempfile.gettempdir())
-        recorded = {int(w["pid"]) for r in records for w in r.get("workers", ())
-                    if isinstance(w, dict) and isinstance(w.get("pid"), int)}
-        gpus = gpu_check(recorded | {p["pid"] for p in ended["found"]})
+        gpus = release_check(watch, environ=self.environ)
         host = {"host": socket.gethostname(), **ended, "removed_dirs": sorted(removed), "gpu_check": gpus}
-        return {"backend": self.name, "hosts": [host],
-                "clean": not ended["survivors"] and not gpus.get("held_by_run")}
+        return {"backend": self.name, "hosts": [host], "clean": not ended["survivors"] and release_is_clean(gpus)}
+
+
+def placed_gpus(records: list[dict[str, Any]]) -> set[str] | None:
+    """The GPUs (UUID or index) the records' workers were placed on; None when a worker's record does not say."""
+    workers = [w for r in records for w in r.get("workers", ()) if isinstance(w, dict)]
+    if not workers or any(not isinstance(w.get("gpus"), list) for w in workers):
+        return None
+    return {str(gpu) for w in workers for gpu in w["gpus"]}
+
+
+def _too_few_gpus(gpus: GpuInventory, num_workers: int) -> str:
+    host = gpus.host or socket.gethostname()
+    if gpus.unavailable:
+        return (f"use_gpu is on but NVML is unavailable on host {host} ({gpus.unavailable}): install the NVIDIA "
+                "driver and nvidia-ml-py there, run on a GPU host, or set use_gpu to false to run on CPU.")
+    left_out = f" Left out: {gpus.describe_left_out()}." if gpus.left_out else ""
+    if not gpus.free:
+        return (f"use_gpu is on but NVML finds no free GPU on host {host} (num_workers={num_workers}).{left_out} "
+                "Free a GPU, or set use_gpu to false to run on CPU.")
+    return (f"use_gpu is on and num_workers={num_workers} needs one GPU per worker, but host {host} has "
+            f"{len(gpus.free)} free GPU(s) {gpus.free_indices} (NVML; a GPU with a process or memory in use is not "
+            f"free).{left_out} Lower num_workers to {len(gpus.free)} or less, free the GPUs, or set use_gpu to "
+            "false.")

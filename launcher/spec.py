@@ -110,19 +110,27 @@ class GroupSpec:
         ]
 
 
+def _is_device(device: object) -> bool:
+    if isinstance(device, str):
+        return device.startswith(("GPU-", "MIG-"))
+    return isinstance(device, int) and not isinstance(device, bool) and device >= 0
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where one rank runs, as chosen by a backend.
 
     `host` is the address the rank's peers reach it at (it goes into TF_CONFIG). `devices`: () runs on the CPU
-    (GPUs hidden), (i,) on GPU i of that host, None leaves GPU visibility to the backend (a Kubernetes device
-    plugin scopes the pod's GPUs; an empty CUDA_VISIBLE_DEVICES would hide them). `where` holds the backend's own
-    details for messages and records (an SSH connection id, a pod name).
+    (GPUs hidden), ("GPU-<uuid>",) on that GPU of the host (CUDA_VISIBLE_DEVICES takes UUIDs, and NVML does not
+    promise that its index is CUDA's), (i,) on GPU index i where no UUID is known, None leaves GPU visibility to
+    the backend (a Kubernetes device plugin scopes the pod's GPUs; an empty CUDA_VISIBLE_DEVICES would hide them).
+    `where` holds the backend's own details for messages and records (an SSH connection id, a pod name, the GPU's
+    NVML index).
     """
 
     host: str
     port: int
-    devices: tuple[int, ...] | None = ()
+    devices: tuple[int | str, ...] | None = ()
     where: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -130,8 +138,8 @@ class Placement:
             raise ValueError("placement host must not be empty")
         if not 0 < self.port < 65536:
             raise ValueError(f"placement port {self.port} is outside 1..65535")
-        if self.devices is not None and any(not isinstance(d, int) or d < 0 for d in self.devices):
-            raise ValueError(f"devices must be GPU indices >= 0, got {self.devices!r}")
+        if self.devices is not None and not all(_is_device(d) for d in self.devices):
+            raise ValueError(f"devices must be GPU UUIDs (GPU-..., MIG-...) or indices >= 0, got {self.devices!r}")
 
     @property
     def address(self) -> str:
@@ -161,7 +169,7 @@ class WorkerSpec:
         return self.placement.port
 
     @property
-    def devices(self) -> tuple[int, ...] | None:
+    def devices(self) -> tuple[int | str, ...] | None:
         return self.placement.devices
 
     @property
@@ -196,7 +204,7 @@ class WorkerOutcome:
     host: str
     port: int
     pid: int | None
-    devices: tuple[int, ...] | None
+    devices: tuple[int | str, ...] | None
     state: WorkerState
     exit_code: int | None
     record: Mapping[str, Any] = field(default_factory=dict)

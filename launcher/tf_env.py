@@ -30,6 +30,6 @@ def tensorflow_env(placements: Sequence[Placement], rank: int) -> dict[str, str]
     }
     devices = placements[rank].devices
     if devices is not None:  # None: the backend scopes GPUs (device plugin); an empty list would hide them
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # NVML and CUDA agree on indices only in PCI bus order
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # for an index (no UUID known): NVML numbers GPUs in PCI bus order
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     return env

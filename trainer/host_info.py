@@ -45,23 +45,38 @@ def code_fingerprint(locations: dict[str, list[str]] | None = None) -> dict[str,
 
 
 def visible_gpus() -> dict[str, Any]:
-    """GPUs this process may use (CUDA_VISIBLE_DEVICES, as the launcher pinned it) with NVML name and memory."""
+    """GPUs this process may use (CUDA_VISIBLE_DEVICES as the launcher pinned it: UUIDs, or indices) with NVML name
+    and memory; an entry NVML cannot open (no such index or UUID, NO_PERMISSION, GPU_IS_LOST) goes to `unusable`,
+    naming this host, the entry and NVML's error."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         with nvml() as pynvml:
-            indices = range(pynvml.nvmlDeviceGetCount())
-            if visible is not None:
-                indices = [int(i) for i in visible.split(",") if i.strip().isdigit()]
-            gpus = []
-            for index in indices:
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                name = pynvml.nvmlDeviceGetName(handle)
-                gpus.append({"index": index, "name": name.decode() if isinstance(name, bytes) else name,
-                             "memory_total_mb": memory.total >> 20, "memory_free_mb": memory.free >> 20})
-            return {"nvml": pynvml.nvmlSystemGetDriverVersion(), "cuda_visible_devices": visible, "gpus": gpus}
+            count = pynvml.nvmlDeviceGetCount()
+            entries = [str(i) for i in range(count)] if visible is None else [
+                entry.strip() for entry in visible.split(",") if entry.strip()]
+            gpus, unusable = [], []
+            for entry in entries:
+                try:
+                    gpus.append(_describe_gpu(pynvml, entry))
+                except pynvml.NVMLError as error:
+                    unusable.append(f"CUDA_VISIBLE_DEVICES entry {entry!r} on host {socket.gethostname()}: NVML "
+                                    f"cannot open it ({type(error).__name__}: {error}); NVML counts {count} GPU(s) "
+                                    "here")
+            report = {"nvml": pynvml.nvmlSystemGetDriverVersion(), "cuda_visible_devices": visible, "gpus": gpus}
+            return {**report, "unusable": unusable} if unusable else report
     except NvmlUnavailable as reason:
         return {"nvml": f"unavailable ({reason})", "cuda_visible_devices": visible, "gpus": []}
+
+
+def _describe_gpu(pynvml: ModuleType, entry: str) -> dict[str, Any]:
+    """One CUDA_VISIBLE_DEVICES entry: an NVML index, or a UUID (GPU-..., MIG-...), as CUDA reads it."""
+    handle = (pynvml.nvmlDeviceGetHandleByIndex(int(entry)) if entry.isdigit()
+              else pynvml.nvmlDeviceGetHandleByUUID(entry))
+    memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    name, uuid = pynvml.nvmlDeviceGetName(handle), pynvml.nvmlDeviceGetUUID(handle)
+    return {"index": pynvml.nvmlDeviceGetIndex(handle), "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
+            "name": name.decode() if isinstance(name, bytes) else name,
+            "memory_total_mb": memory.total >> 20, "memory_free_mb": memory.free >> 20}
 
 
 def worker_gpu() -> tuple[ModuleType, Any]:

@@ -25,8 +25,8 @@ from launcher import (
     PortAllocator,
     WorkerGroup,
     WorkerState,
-    free_gpus,
 )
+from launcher.gpus import Gpu, GpuInventory
 from launcher.log_policy import VERBOSE_ENV
 from tasks.release import processes_of_run
 from tests.launcher.conftest import (
@@ -168,20 +168,19 @@ def test_stop_from_another_thread_ends_every_worker_within_grace(tmp_path):
 
 
 def test_more_workers_than_free_gpus_is_refused_before_launch(tmp_path):
-    backend = LocalBackend(gpu_probe=lambda: [0, 3])
+    backend = LocalBackend(gpu_probe=lambda: GpuInventory((Gpu(0, "GPU-a"), Gpu(3, "GPU-d")), host="gpu-host-1"))
     with pytest.raises(InsufficientGPUsError,
-                       match=r"num_workers=3 needs one GPU per worker.*2 free GPU\(s\) \[0, 3\]"):
+                       match=r"num_workers=3 needs one GPU per worker.*host gpu-host-1 has 2 free GPU\(s\) \[0, 3\]"):
         backend.place(_spec(num_workers=3, use_gpu=True))
-    assert [p.devices for p in backend.place(_spec(num_workers=2, use_gpu=True))] == [(0,), (3,)]
+    assert [p.devices for p in backend.place(_spec(num_workers=2, use_gpu=True))] == [("GPU-a",), ("GPU-d",)]
     assert [p.devices for p in backend.place(_spec(num_workers=2, use_gpu=False))] == [(), ()]
     assert not (tmp_path / "logs").exists()
 
 
 def test_use_gpu_without_gpus_names_the_setting(tmp_path):
-    if free_gpus():
-        pytest.skip("this machine has free GPUs")
-    with pytest.raises(InsufficientGPUsError, match="NVML finds no free GPU.*Set use_gpu to false"):
-        _run(_spec(use_gpu=True), tmp_path)
+    backend = LocalBackend(gpu_probe=lambda: GpuInventory(host="gpu-host-1"))
+    with pytest.raises(InsufficientGPUsError, match="NVML finds no free GPU on host gpu-host-1.*set use_gpu to false"):
+        _run(_spec(use_gpu=True), tmp_path, backend)
 
 
 AIRFLOW_SECRETS = {

@@ -83,6 +83,8 @@ def test_rank_environment_names_rank_and_devices():
     assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert env["TF_USE_LEGACY_KERAS"] == "1" and env["PYTHONUNBUFFERED"] == "1"
     assert tensorflow_env(_placements((), ()), 1)["CUDA_VISIBLE_DEVICES"] == ""  # CPU: GPUs hidden
+    pinned = tensorflow_env(_placements(("GPU-5d1c7c2a-aa44-4b36-9d4f-0c5e4a8b0001",), (4,)), 0)
+    assert pinned["CUDA_VISIBLE_DEVICES"] == "GPU-5d1c7c2a-aa44-4b36-9d4f-0c5e4a8b0001"
 
 
 def test_gpus_scoped_by_the_backend_are_never_hidden():
@@ -94,7 +96,8 @@ def test_gpus_scoped_by_the_backend_are_never_hidden():
 @pytest.mark.parametrize("changes, message", [
     ({"port": 0}, "port 0 is outside"),
     ({"host": ""}, "host must not be empty"),
-    ({"devices": (-1,)}, "GPU indices"),
+    ({"devices": (-1,)}, "GPU UUIDs .* or indices"),
+    ({"devices": ("0",)}, "GPU UUIDs .* or indices"),
 ])
 def test_placement_checks_itself(changes, message):
     with pytest.raises(ValueError, match=message):

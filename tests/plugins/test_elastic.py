@@ -16,6 +16,7 @@ from tf_multiworker.elastic import choose_count
 
 from launcher import GroupSpec, LaunchError, LocalBackend, WorkerGroup
 from launcher.backend import Capacity
+from launcher.gpus import Gpu, GpuInventory
 from launcher.local import LOCAL_USABLE_WORKERS_ENV
 from tests.launcher.conftest import REPO, entrypoint_env
 from tests.plugins.conftest import failure_excerpt
@@ -43,7 +44,8 @@ def test_local_capacity_reads_the_cap_and_the_free_gpus():
     group = GroupSpec(name="train", entrypoint="trainer.train", num_workers=4)
 
     def capacity(environ, **changes):
-        return LocalBackend(gpu_probe=lambda: [0, 1, 2], environ=environ).capacity(replace(group, **changes))
+        gpus = GpuInventory(tuple(Gpu(index) for index in (0, 1, 2)))
+        return LocalBackend(gpu_probe=lambda: gpus, environ=environ).capacity(replace(group, **changes))
 
     assert capacity({}) == Capacity(4)
     assert capacity({LOCAL_USABLE_WORKERS_ENV: "2"}) == Capacity(

@@ -66,8 +66,8 @@ MEASURED_LIST_LAG_S = 0.1  # the H200's 0.09-0.12 s
 GIB = 1 << 30
 MIB = 1 << 20
 # The functions that take a device handle: a lost GPU answers every one of them with GPU_IS_LOST.
-DEVICE_FUNCTIONS = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetName",
-                    "nvmlDeviceGetUUID", "nvmlDeviceGetUtilizationRates")
+DEVICE_FUNCTIONS = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetIndex", "nvmlDeviceGetMemoryInfo",
+                    "nvmlDeviceGetName", "nvmlDeviceGetUUID", "nvmlDeviceGetUtilizationRates")
 
 
 class NVMLError(Exception):
@@ -259,6 +259,10 @@ class FakeNvml(types.ModuleType):
             if gpu.uuid == wanted:
                 return FakeHandle(index)
         raise NVMLError(NVML_ERROR_NOT_FOUND)
+
+    def nvmlDeviceGetIndex(self, handle: FakeHandle) -> int:
+        self._call("nvmlDeviceGetIndex", handle)
+        return handle.index
 
     def nvmlDeviceGetUUID(self, handle: FakeHandle) -> str:
         return self._call("nvmlDeviceGetUUID", handle).uuid

@@ -2,12 +2,14 @@
 
 import platform
 import shutil
+import socket
 import sys
 from importlib import metadata
 
-from launcher import local
+from launcher import gpus
 from launcher.host_probe import VERSIONED_PACKAGES
 from tests.conftest import REPO
+from tests.support.fake_nvml import FakeNvml, h200s, install
 from trainer import host_info
 from trainer.metrics import GpuSampler
 
@@ -25,7 +27,7 @@ def test_without_nvml_every_probe_answers_empty(monkeypatch):
                                         "cuda_visible_devices": "0", "gpus": []}
     sampler = GpuSampler(enabled=True)
     assert sampler.sample() == {} and sampler.name is None and sampler.peak_flops() is None
-    assert local.gpu_processes() is None and local.free_gpus() == []
+    assert gpus.probe_gpus().unavailable == "nvidia-ml-py not installed"
 
 
 def test_the_code_fingerprint_names_the_files_that_differ(tmp_path):
@@ -38,3 +40,26 @@ def test_the_code_fingerprint_names_the_files_that_differ(tmp_path):
                                         "launcher": [str(REPO / "launcher")]})
     assert there["fingerprint"] != here["fingerprint"]
     assert [name for name in here["files"] if here["files"][name] != there["files"][name]] == ["trainer/data.py"]
+
+
+def test_visible_gpus_reads_uuid_entries_as_the_launcher_pins_them(monkeypatch):
+    fake = install(monkeypatch, FakeNvml(h200s(3)))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", fake.gpus[2].uuid)
+    report = host_info.visible_gpus()
+    assert [(gpu["index"], gpu["uuid"], gpu["name"]) for gpu in report["gpus"]] == [(2, fake.gpus[2].uuid,
+                                                                                     "NVIDIA H200")]
+    assert "unusable" not in report
+
+
+def test_a_device_that_does_not_exist_or_is_lost_is_named_with_the_host(monkeypatch):
+    fake = install(monkeypatch, FakeNvml(h200s(2)))
+    fake.lose(1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,1,GPU-not-on-this-host")
+    report = host_info.visible_gpus()
+    assert report["gpus"] == []
+    opened = f"on host {socket.gethostname()}: NVML cannot open it"
+    counted = "NVML counts 2 GPU(s) here"
+    assert report["unusable"] == [
+        f"CUDA_VISIBLE_DEVICES entry '7' {opened} (NVMLError_InvalidArgument: Invalid Argument); {counted}",
+        f"CUDA_VISIBLE_DEVICES entry '1' {opened} (NVMLError_GpuIsLost: GPU is lost); {counted}",
+        f"CUDA_VISIBLE_DEVICES entry 'GPU-not-on-this-host' {opened} (NVMLError_NotFound: Not Found); {counted}"]

@@ -38,6 +38,8 @@ def check_worker(cfg: RunConfig, manifest_url: str, identity: runtime.WorkerIden
     if identity.num_workers != cfg.num_workers:
         errors.append(f"{where}: TF_CONFIG lists {identity.num_workers} workers but num_workers={cfg.num_workers}: "
                       "the launcher and the run configuration disagree")
+    errors += [f"{where}: {problem}: run nvidia-smi on that host (a lost GPU needs a reset)" for problem in
+               report["devices"].get("unusable", ())]
     if cfg.use_gpu and not report["devices"]["gpus"]:
         errors.append(f"{where}: use_gpu is true but no GPU is visible (NVML: {report['devices']['nvml']}, "
                       f"CUDA_VISIBLE_DEVICES={report['devices']['cuda_visible_devices']!r}): set use_gpu to false or "

@@ -1,0 +1,239 @@
+"""This host's GPUs as NVML shows them, and the evidence that one is free or that a run released it.
+
+NVML's process list alone proves neither (docs: ../shared/research/gpu_paths_review.md, sections 3, 4 and 6):
+- a killed process stays listed for 0.09-0.12 s after `/proc` stops showing it (measured on an H200, driver
+  580.159.04), so release polls, bounded, instead of asking once;
+- in a container with its own PID namespace, drivers >= 570 drop other namespaces' processes from the list while
+  their memory stays in use (open-gpu-kernel-modules 570.86.15, `gpuGetProcWithObject_IMPL` -> `os_find_ns_pid`),
+  so a GPU is free only when nothing is listed AND its used memory is near idle; older drivers list host pids
+  that match no process here, and then whether the run left cannot be told: the check says "unverified";
+- one GPU may refuse a query after `nvmlInit` (NO_PERMISSION, GPU_IS_LOST) while the others answer: that GPU is
+  left out of placement and reported by release, named by index and UUID, instead of failing the whole probe.
+
+Standard library only (plus `pynvml` where installed): the SSH agent imports it on every host.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from launcher.host_probe import NvmlUnavailable, nvml
+
+MIB = 1 << 20
+# Used memory at or below this, with no compute process listed, counts as idle. The driver's own share is a few MiB
+# on current drivers; a CUDA context alone takes about 300-500 MiB and a worker holds GiBs. Raise it where the idle
+# level reads higher (nvidia-smi's "Memory-Usage" with nothing running).
+IDLE_USED_MB_ENV = "TFMW_GPU_IDLE_USED_MB"
+DEFAULT_IDLE_USED_MB = 256
+# How long release waits for the run's processes to leave the GPUs, and a relaunch for its stopped ranks' GPUs:
+# measured lag 0.09-0.12 s; a large context torn down through the driver's deferred close can take longer.
+GPU_RELEASE_WAIT_S = 10.0
+GPU_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU as NVML answered: the pids it lists, the memory they say they use, the device's used memory; or the
+    error NVML raised for this GPU alone."""
+
+    index: int
+    uuid: str | None = None
+    pids: tuple[int, ...] = ()
+    listed_bytes: int = 0
+    used_bytes: int | None = None
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"GPU {self.index}" + (f" ({self.uuid})" if self.uuid else "")
+
+    @property
+    def unlisted_bytes(self) -> int:
+        """Used memory no listed process accounts for: another PID namespace's, or a process still tearing down."""
+        return max(0, (self.used_bytes or 0) - self.listed_bytes)
+
+    def record(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"gpu": self.index, "uuid": self.uuid, "pids": list(self.pids)}
+        if self.used_bytes is not None:
+            entry["used_mb"] = self.used_bytes // MIB
+        if self.error:
+            entry["error"] = self.error
+        return entry
+
+
+def idle_used_bytes(environ: Mapping[str, str] = os.environ) -> int:
+    raw = environ.get(IDLE_USED_MB_ENV, "").strip()
+    if raw and not raw.isdigit():
+        raise ValueError(f"{IDLE_USED_MB_ENV}={raw!r} is not a whole number of MiB: fix or unset it")
+    return int(raw or DEFAULT_IDLE_USED_MB) * MIB
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _read_one(pynvml: ModuleType, index: int) -> Gpu:
+    uuid = None
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+        processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    except pynvml.NVMLError as error:
+        return Gpu(index, uuid, error=f"{type(error).__name__}: {error}")
+    # usedGpuMemory is None where NVML cannot tell (nvidia-ml-py maps NVML_VALUE_NOT_AVAILABLE to None).
+    return Gpu(index, uuid, tuple(p.pid for p in processes), sum(p.usedGpuMemory or 0 for p in processes),
+               memory.used)
+
+
+def read_gpus(pynvml: ModuleType) -> list[Gpu]:
+    """Every GPU NVML counts, each read on its own: one GPU's error does not hide the others."""
+    return [_read_one(pynvml, index) for index in range(pynvml.nvmlDeviceGetCount())]
+
+
+def why_not_free(gpu: Gpu, idle_bytes: int) -> str | None:
+    """Why a worker must not be placed on `gpu`; None when it is free."""
+    if gpu.error:
+        return f"NVML cannot read it ({gpu.error})"
+    if gpu.pids:
+        return f"compute process(es) {list(gpu.pids)} use it"
+    if gpu.unlisted_bytes > idle_bytes:
+        return (f"{gpu.unlisted_bytes // MIB} MiB of its memory are in use by no process NVML lists here (one of "
+                f"another PID namespace: the host, a container or a pod); idle is up to {idle_bytes // MIB} MiB "
+                f"({IDLE_USED_MB_ENV})")
+    return None
+
+
+@dataclass(frozen=True)
+class GpuInventory:
+    """Placement's view of this host: the free GPUs, those left out and why, or why NVML gave no answer."""
+
+    free: tuple[Gpu, ...] = ()
+    left_out: tuple[tuple[Gpu, str], ...] = ()
+    unavailable: str | None = None
+    host: str = ""
+
+    @property
+    def free_indices(self) -> list[int]:
+        return [gpu.index for gpu in self.free]
+
+    def describe_left_out(self) -> str:
+        return "; ".join(f"{gpu.label}: {reason}" for gpu, reason in self.left_out)
+
+
+def probe_gpus(environ: Mapping[str, str] = os.environ) -> GpuInventory:
+    """This host's GPUs split into free and left out (with the reason); `unavailable` says why without NVML."""
+    idle_bytes = idle_used_bytes(environ)
+    try:
+        with nvml() as pynvml:
+            gpus = read_gpus(pynvml)
+    except NvmlUnavailable as reason:
+        return GpuInventory(unavailable=str(reason), host=socket.gethostname())
+    verdicts = [(gpu, why_not_free(gpu, idle_bytes)) for gpu in gpus]
+    return GpuInventory(tuple(gpu for gpu, reason in verdicts if reason is None),
+                        tuple((gpu, reason) for gpu, reason in verdicts if reason is not None),
+                        host=socket.gethostname())
+
+
+def in_this_namespace(pid: int) -> bool:
+    """A pid NVML lists names a process of this PID namespace (older drivers list host pids: review section 3)."""
+    return Path(f"/proc/{pid}").exists()
+
+
+@dataclass(frozen=True)
+class ReleaseWatch:
+    """What release knows of the run's GPUs before ending its processes: which GPUs listed its pids, and the GPUs its
+    records say it was placed on (index or UUID; None when no record says)."""
+
+    run_pids: frozenset[int]
+    held: frozenset[int] = frozenset()
+    placed_on: frozenset[str] | None = None
+
+    def may_hold(self, gpu: Gpu, gpus: list[Gpu]) -> bool:
+        """The run may have used `gpu`: it listed a run pid, a record names it, no record says where the run ran,
+        or NVML cannot say which GPU this is (a lost GPU answers no UUID) while a GPU the records name is missing."""
+        if gpu.index in self.held or self.placed_on is None:
+            return True
+        if gpu.uuid is None:
+            named = {str(g.index) for g in gpus if g.uuid} | {g.uuid for g in gpus if g.uuid}
+            return bool(self.placed_on - named)
+        return str(gpu.index) in self.placed_on or gpu.uuid in self.placed_on
+
+
+def gpus_held(gpus: Iterable[Gpu], run_pids: set[int]) -> frozenset[int]:
+    return frozenset(gpu.index for gpu in gpus if set(gpu.pids) & run_pids)
+
+
+def _unsettled(gpus: list[Gpu], watch: ReleaseWatch, idle_bytes: int) -> list[tuple[Gpu, int | None]]:
+    """(GPU, run pid still listed) for each lingering run pid, and (GPU, None) for a GPU the run held whose memory
+    has not come back yet."""
+    lingering: list[tuple[Gpu, int | None]] = [(gpu, pid) for gpu in gpus for pid in gpu.pids
+                                               if pid in watch.run_pids]
+    lingering += [(gpu, None) for gpu in gpus
+                  if gpu.index in watch.held and not gpu.error and gpu.unlisted_bytes > idle_bytes]
+    return lingering
+
+
+def _unverified(gpus: list[Gpu], watch: ReleaseWatch, idle_bytes: int, unsettled: list[tuple[Gpu, int | None]],
+                here: Callable[[int], bool]) -> list[dict[str, Any]]:
+    """GPUs the run may have used whose state NVML leaves open: an error (a GPU lost mid-run must not pass as
+    released), pids that are no process of this namespace, or held memory that never came back."""
+    found = []
+    for gpu in (g for g in gpus if watch.may_hold(g, gpus)):
+        reason = None
+        if gpu.error:
+            reason = f"NVML cannot read it ({gpu.error}): whether the run's processes left it is unknown"
+        elif foreign := [pid for pid in gpu.pids if pid not in watch.run_pids and not here(pid)]:
+            reason = (f"NVML lists pid(s) {foreign}, which are no process of this PID namespace (the driver reports "
+                      "host pids; drivers before 570 do so in containers): the run's processes cannot be told apart")
+        elif any(g.index == gpu.index and pid is None for g, pid in unsettled):
+            reason = (f"the run held it and {gpu.unlisted_bytes // MIB} MiB are still in use by no listed process "
+                      f"(idle is up to {idle_bytes // MIB} MiB, {IDLE_USED_MB_ENV})")
+        if reason:
+            found.append({"gpu": gpu.index, "uuid": gpu.uuid, "reason": reason})
+    return found
+
+
+def watch_release(run_pids: set[int], placed_on: Iterable[str] | None = None) -> ReleaseWatch:
+    """Which GPUs list the run's pids now, before release ends them (none without NVML)."""
+    placed = None if placed_on is None else frozenset(placed_on)
+    try:
+        with nvml() as pynvml:
+            return ReleaseWatch(frozenset(run_pids), gpus_held(read_gpus(pynvml), run_pids), placed)
+    except NvmlUnavailable:
+        return ReleaseWatch(frozenset(run_pids), frozenset(), placed)
+
+
+def release_check(watch: ReleaseWatch, *, wait_s: float = GPU_RELEASE_WAIT_S, environ: Mapping[str, str] = os.environ,
+                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                  here: Callable[[int], bool] = in_this_namespace) -> dict[str, Any]:
+    """After release ended the run's processes: waits up to `wait_s` for their pids to leave every GPU and for the
+    memory of the GPUs they held to come back. `held_by_run` names only processes that never left; `unverified`
+    the GPUs NVML cannot vouch for; `free_after_s` how long the GPUs took (None when they never did)."""
+    idle_bytes = idle_used_bytes(environ)
+    started = clock()
+    try:
+        with nvml() as pynvml:
+            gpus = read_gpus(pynvml)
+            while (unsettled := _unsettled(gpus, watch, idle_bytes)) and clock() - started < wait_s:
+                sleep(GPU_POLL_S)
+                gpus = read_gpus(pynvml)
+    except NvmlUnavailable:
+        return {"nvml": False, "note": "no NVML: no GPU to verify on this host"}
+    return {"nvml": True, "devices": [gpu.record() for gpu in gpus],
+            "held_by_run": [{"gpu": gpu.index, "uuid": gpu.uuid, "pid": pid} for gpu, pid in unsettled
+                            if pid is not None],
+            "unverified": _unverified(gpus, watch, idle_bytes, unsettled, here),
+            "free_after_s": None if unsettled else round(clock() - started, 3), "waited_limit_s": wait_s}
+
+
+def release_is_clean(gpu_check: Mapping[str, Any]) -> bool:
+    """No process of the run left on a GPU and no GPU NVML could not vouch for (no NVML: nothing to verify)."""
+    return not gpu_check.get("held_by_run") and not gpu_check.get("unverified")
