@@ -83,6 +83,29 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def end_earlier_attempts(spec: GroupSpec, backend: Backend) -> None:
+    """An earlier attempt of this task whose launcher was killed outright may have left workers that still train,
+    hold GPUs and write checkpoints: they are ended before this attempt starts beside them, and before anything
+    counts the GPUs they hold (an elastic launch's `capacity`)."""
+    hosts = backend.end_earlier_attempts(spec)
+    for host in hosts:
+        if host.get("error"):
+            log.warning("could not check host %s for workers an earlier attempt of %s left: %s", host["host"],
+                        spec.name, host["error"])
+        elif host.get("found"):
+            log.warning("ended what an earlier attempt of %s left alive on %s: %s (SIGTERM: %s, SIGKILL: %s)",
+                        spec.name, host["host"], "; ".join(f"pid {p['pid']} {p['cmdline'][:120]}"
+                                                           if isinstance(p, dict) else str(p)
+                                                           for p in host["found"]),
+                        host.get("terminated"), host.get("killed"))
+    survivors = [f"{survivor} on {host['host']}" for host in hosts for survivor in host.get("survivors", ())]
+    if survivors:
+        raise LaunchError(
+            f"group {spec.name}: an earlier attempt's workers are still alive after SIGKILL: "
+            f"{', '.join(map(str, survivors))}. Not launching beside them: end them on their hosts "
+            "(kill -9 <pid>, or delete the pods) and clear the task.")
+
+
 class WorkerGroup:
     """Launches `spec` on `backend`, streams every rank's output, and ends the group as one (see module doc).
 
@@ -117,7 +140,7 @@ class WorkerGroup:
         for line in self.spec.describe():
             log.info("%s", line)
         if self.spec.run_key:
-            self._end_earlier_attempts()
+            end_earlier_attempts(self.spec, self.backend)
         attempt = 0
         state, failures = GroupState.STOPPED, {}
         while attempt < self.spec.max_launch_attempts and not self._stop_requested.is_set():
@@ -143,27 +166,6 @@ class WorkerGroup:
         log.warning("stopping worker group %s: %s", self.spec.name, reason)
         self._stop_requested.set()
         self._stop_workers(list(self._workers), grace_s)
-
-    def _end_earlier_attempts(self) -> None:
-        """An earlier attempt of this task whose launcher was killed outright may have left workers that still
-        train, hold GPUs and write checkpoints: they are ended before this attempt starts beside them."""
-        hosts = self.backend.end_earlier_attempts(self.spec)
-        for host in hosts:
-            if host.get("error"):
-                log.warning("could not check host %s for workers an earlier attempt of %s left: %s", host["host"],
-                            self.spec.name, host["error"])
-            elif host.get("found"):
-                log.warning("ended what an earlier attempt of %s left alive on %s: %s (SIGTERM: %s, SIGKILL: %s)",
-                            self.spec.name, host["host"], "; ".join(f"pid {p['pid']} {p['cmdline'][:120]}"
-                                                                    if isinstance(p, dict) else str(p)
-                                                                    for p in host["found"]),
-                            host.get("terminated"), host.get("killed"))
-        survivors = [f"{survivor} on {host['host']}" for host in hosts for survivor in host.get("survivors", ())]
-        if survivors:
-            raise LaunchError(
-                f"group {self.spec.name}: an earlier attempt's workers are still alive after SIGKILL: "
-                f"{', '.join(map(str, survivors))}. Not launching beside them: end them on their hosts "
-                "(kill -9 <pid>, or delete the pods) and clear the task.")
 
     # -- one attempt ------------------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from launcher import GroupSpec, LaunchError
 from launcher.backend import Backend, Capacity
+from launcher.group import end_earlier_attempts
 from tf_multiworker.operator import TFMultiWorkerOperator
 from trainer.checkpoint import latest_step
 from trainer.config import ConfigError, RunConfig
@@ -63,6 +64,8 @@ class ElasticTrainOperator(TFMultiWorkerOperator):
         config_url, output = _arg(spec.args, "--config"), TrainOutput(_arg(spec.args, "--output"))
         capacity = Capacity(cfg.num_workers)
         if cfg.lowest_worker_count < cfg.num_workers:
+            if spec.run_key:  # an earlier attempt's orphans hold GPUs until ended: end them before counting
+                end_earlier_attempts(spec, backend)
             capacity = backend.capacity(spec)  # the backend now places only on what it found usable
         count = choose_count(cfg, capacity)
         reasons = capacity.reasons

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from tf_multiworker.backends import make_backend
-from tf_multiworker.elastic import choose_count
+from tf_multiworker.elastic import ElasticTrainOperator, choose_count
 
 from launcher import GroupSpec, LaunchError, LocalBackend, WorkerGroup
 from launcher.backend import Capacity
@@ -139,3 +139,31 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
     print(f"eval loss elastic {evaluation['eval_loss']:.6f} vs uninterrupted {reference_eval['eval_loss']:.6f}: "
           f"|delta| {delta:.2e}")
     assert math.isfinite(delta) and delta < LOSS_TOLERANCE
+
+
+def test_an_earlier_attempts_orphans_are_ended_before_capacity_is_counted():
+    """With use_gpu the orphans hold GPUs until ended: counted first, they shrank the retry for the rest of the run
+    (review section 5)."""
+    calls = []
+
+    class CountingStopped(Exception):
+        pass
+
+    class RecordingBackend(LocalBackend):
+        def end_earlier_attempts(self, group):
+            calls.append("end_earlier_attempts")
+            return [{"host": "gpu-host-1", "found": [{"pid": 4242, "cmdline": "python -m trainer.train"}],
+                     "terminated": [4242], "killed": [], "survivors": []}]
+
+        def capacity(self, group):
+            calls.append("capacity")
+            raise CountingStopped
+
+    cfg = RunConfig(num_workers=4, min_workers=2, model="tiny", tokenizer="bpe:320", block_size=32, use_gpu=True)
+    operator = ElasticTrainOperator(task_id="train", entrypoint="trainer.train", run_config=cfg.to_dict(),
+                                    run_key="run-1")
+    spec = GroupSpec(name="train", entrypoint="trainer.train", num_workers=4, use_gpu=True, run_key="run-1",
+                     args=("--config", "config.json", "--output", "train"))
+    with pytest.raises(CountingStopped):
+        operator.plan_group({}, spec, RecordingBackend())
+    assert calls == ["end_earlier_attempts", "capacity"]
