@@ -131,11 +131,22 @@ def emit_report_metrics(report: Mapping[str, Any], throughput_ratio: float | Non
     }, run=report["run_key"])
 
 
+# A live line is a few hundred characters; a longer one is not parsed at all (a worker's stray output, or a value
+# that is not a metric). Lines the launcher delivers are cut long before (launcher.group.MAX_LINE_BYTES).
+MAX_LIVE_LINE_CHARS = 16384
+
+
+class MalformedLiveLine(ValueError):
+    """A live line that is not `{"scope": <scope>, "values": {<name>: <finite number>, ...}}`."""
+
+
 class LiveLineReader:
     """Turns the workers' live lines (`trainer.metrics.LIVE_PREFIX` + JSON) into gauges for one task.
 
     `consume(rank, line)` returns True when the line was a live line (sent, or dropped when metrics are off), so
-    the caller leaves it out of the task log; the rank's log file keeps it.
+    the caller leaves it out of the task log; the rank's log file keeps it. It never raises: a malformed line (too
+    long, not JSON, nested too deep, values that are not numbers, an unknown scope or field) is ignored and counted
+    in `malformed`, with one warning per task.
     """
 
     def __init__(self, *, run: str, task: str, enabled: bool | None = None) -> None:
@@ -144,7 +155,7 @@ class LiveLineReader:
         self.prefix = LIVE_PREFIX
         self.run, self.task = run, task
         self.enabled = metrics_enabled() if enabled is None else enabled
-        self._warned = False
+        self.malformed = 0
 
     def consume(self, rank: int, line: str) -> bool:
         if not line.startswith(self.prefix):
@@ -152,15 +163,45 @@ class LiveLineReader:
         if not self.enabled:
             return True
         try:
-            message = json.loads(line[len(self.prefix):])
-            scope, values = message["scope"], message["values"]
+            scope, values = parse_live_line(line[len(self.prefix):])
             if scope == "worker":  # `enabled` was read once for the task: no configuration lookup per line
                 known = {worker_metric(k): v for k, v in values.items() if k in WORKER_GAUGES}
                 _send_gauges(known, {"run": self.run, "task": self.task, "rank": rank})
             else:
                 _send_gauges(_task_gauges(scope, values), {"run": self.run, "task": scope})
-        except (ValueError, KeyError, TypeError) as error:
-            if not self._warned:  # one warning per task: a malformed line is a bug, not the run's problem
-                log.warning("rank %d: unreadable live metrics line (%s): %.200s", rank, error, line)
-                self._warned = True
+        except Exception as error:  # noqa: BLE001 - a malformed line is a bug, never the run's problem
+            self.malformed += 1
+            if self.malformed == 1:  # one warning per task
+                log.warning("rank %d: unreadable live metrics line, ignored (%s: %.200s): %r", rank,
+                            type(error).__name__, error, line[:200])
         return True
+
+
+def parse_live_line(payload: str) -> tuple[str, dict[str, float | None]]:
+    """(scope, values) of a live line's JSON, each value a float or None (not measured: no gauge); MalformedLiveLine
+    for anything else. The length is checked before parsing, so the work is linear in a bounded input."""
+    if len(payload) > MAX_LIVE_LINE_CHARS:
+        raise MalformedLiveLine(f"{len(payload)} characters, over {MAX_LIVE_LINE_CHARS}")
+    try:
+        message = json.loads(payload)
+    except RecursionError:
+        raise MalformedLiveLine("nested too deep") from None
+    if not isinstance(message, dict) or not isinstance(message.get("scope"), str):
+        raise MalformedLiveLine("not an object with a string 'scope'")
+    scope, values = message["scope"], message.get("values")
+    if scope != "worker" and scope not in TASK_GAUGES:
+        raise MalformedLiveLine(f"unknown scope {scope[:40]!r}")
+    if not isinstance(values, dict):
+        raise MalformedLiveLine(f"'values' is {type(values).__name__}, not an object")
+    return scope, {name: _number(name, value) for name, value in values.items()}
+
+
+def _number(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)):
+        raise MalformedLiveLine(f"value {name[:40]!r} is {type(value).__name__}, not a number")
+    try:
+        return float(value)  # NaN and infinities pass here and are left out as gauges
+    except OverflowError:
+        raise MalformedLiveLine(f"value {name[:40]!r} is out of range") from None

@@ -105,3 +105,37 @@ def test_metrics_off_sends_nothing_and_still_keeps_live_lines_out_of_the_log(mon
     assert telemetry.emit_task_metrics("release", {"clean": True}, run="r") == 0
     with pytest.raises(ValueError, match=r"release metrics \['nope'\] are not in"):
         telemetry.emit_task_metrics("release", {"nope": 1}, run="r")
+
+
+@pytest.mark.parametrize("payload", [
+    '{"scope":"worker","values":null}',  # the review's reproduction (finding 6): AttributeError out of the group
+    '{"scope":"release","values":""}',
+    "[" * 100000,  # RecursionError
+    '{"scope":"worker","values":{"loss":"4.0"}}',
+    '{"scope":"worker","values":{"loss":[1]}}',
+    '{"scope":"worker","values":{"loss":1' + "0" * 400 + '}}',
+    '{"scope":"nope","values":{}}',
+    '{"scope":["worker"],"values":{}}',
+    '{"scope":"release","values":{"not_a_release_gauge":1}}',
+    '{"scope":"worker","values":{"loss":1.0},"pad":"' + "x" * 20000 + '"}',  # over the length cap: not parsed
+])
+def test_a_malformed_live_line_is_ignored_and_counted_never_raised(payload, caplog):
+    reader = telemetry.LiveLineReader(run="r-4", task="train", enabled=True)
+    assert reader.consume(0, LIVE_PREFIX + payload) and reader.consume(1, LIVE_PREFIX + payload)
+    assert reader.malformed == 2
+    assert caplog.text.count("unreadable live metrics line") == 1
+
+
+def test_a_line_over_the_cap_is_refused_before_parsing(monkeypatch):
+    parsed = []
+    monkeypatch.setattr(telemetry.json, "loads", lambda text: parsed.append(text))
+    with pytest.raises(telemetry.MalformedLiveLine, match="characters, over 16384"):
+        telemetry.parse_live_line("{" + " " * telemetry.MAX_LIVE_LINE_CHARS + "}")
+    assert parsed == []
+
+
+def test_unmeasured_values_pass_and_send_no_gauge(statsd):
+    reader = telemetry.LiveLineReader(run="r-5", task="train")
+    assert reader.consume(0, live("worker", loss=2.0, gpu_util=None, grad_norm=float("nan")))
+    assert reader.malformed == 0
+    assert [p.name for p in wait_for(statsd, 1)] == ["airflow.gpt_finetune.worker.loss"]
