@@ -113,7 +113,7 @@ def _train(args, shapes: dict, corpus: str, use_gpu: bool, scratch: Path) -> tup
         raise SystemExit(f"training failed: exit codes {codes} (rank 0's log is above)")
     summary = json.loads((output / "summary.json").read_text())
     records = [json.loads(line) for line in (output / "metrics" / "rank-0.jsonl").read_text().splitlines() if line]
-    memory = [r["gpu_mem_mb"] for r in records if r.get("gpu_mem_mb") is not None]
+    memory = [r["gpu_mem_reserved_mb"] for r in records if r.get("gpu_mem_reserved_mb") is not None]
     return summary, max(memory) if memory else None
 
 

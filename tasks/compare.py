@@ -262,6 +262,8 @@ def run_figures(label: str, output: TrainOutput, summary: dict[str, Any], evalua
         "tokens_per_s": summary["tokens_per_s"],
         "final_loss": summary["final_loss"],
         "mfu": summary.get("mfu"),
+        "gpu_mem_peak_mb": summary.get("gpu_mem_peak_mb"),  # rank 0's; null on CPU and in older summaries
+        "gpu_mem_reserved_mb": summary.get("gpu_mem_reserved_mb"),
         "eval_loss": evaluation["eval_loss"],
         "perplexity": evaluation["perplexity"],
         "nats_per_char": evaluation.get("nats_per_char"),  # absent from a baseline evaluation cached before them

@@ -26,7 +26,8 @@ charts) trust a report only once it exists. The layout of `report.json` (format_
                    "decided_at"} (added by the promote task)}
     RUN = {"label", "num_workers", "global_batch_size", "steps", "tokens_seen", "train_time_s", "wall_time_s",
            "tokens_per_s", "final_loss", "mfu", "eval_loss", "perplexity", "nats_per_char", "known_words": KNOWN,
-           "eval_tokens", "eval_time_s", "model_url", "summary_url", "started_at", "finished_at"}
+           "eval_tokens", "eval_time_s", "model_url", "summary_url", "started_at", "finished_at",
+           "gpu_mem_peak_mb", "gpu_mem_reserved_mb" (rank 0's GPU, from summary.json; null on CPU)}
     KNOWN = {"greedy", "top_k": share of the sample words found in the training text, "words": {"greedy", "top_k"}}
            (trainer/text_quality.py; null in reports of evaluations that predate it)
 """

@@ -116,12 +116,28 @@ def opening(report: dict[str, Any], released: str) -> Section:
                    f"(tolerance ±{fmt(_get(comparison, 'loss_tolerance'), '.4f')})"),
         _paragraph(KNOWN_WORDS_NOTE),
         _paragraph(f"Hardware: {text(_get(report, 'hardware', 'line'))}", anchor="hardware"),
+        *gpu_memory(report),
         _paragraph("Baseline: ", *baseline_line(_get(report, "baseline"))),
     ))
     figures = Table(TABLE_COLUMNS, tuple(tuple(text(row.get(column)) for column in TABLE_COLUMNS)
                                          for row in _items(report.get("table"))), anchor="figures")
     warnings = tuple(warning for warning in _list(report.get("warnings")) if isinstance(warning, str))
     return Section(None, (headline, *([Warnings(warnings)] if warnings else []), figures, notes))
+
+
+def gpu_memory(report: dict[str, Any]) -> tuple[Paragraph, ...]:
+    """The chief's GPU memory per trained model, when a run had a GPU: the peak TensorFlow used (what training needs)
+    beside the memory in use on the device (what TensorFlow reserved at start-up)."""
+    runs = [(name, _dict(_dict(report, "runs"), name)) for name in ("distributed", "baseline")]
+    shown = [(name, run) for name, run in runs
+             if run.get("gpu_mem_peak_mb") is not None or run.get("gpu_mem_reserved_mb") is not None]
+    if not shown:
+        return ()
+    figures = "; ".join(f"{name} peak {fmt(run.get('gpu_mem_peak_mb'), ',.0f', ' MiB')} used by TensorFlow, "
+                        f"{fmt(run.get('gpu_mem_reserved_mb'), ',.0f', ' MiB')} in use on the GPU"
+                        for name, run in shown)
+    return (_paragraph(f"GPU memory of rank 0: {figures} (TensorFlow reserves nearly all of the GPU at start-up; "
+                       "the peak is what training needed)"),)
 
 
 def elastic_headline(report: dict[str, Any]) -> Line:

@@ -24,7 +24,7 @@ PREFIX = "gpt_finetune"
 # Per rank, while a training job runs (train and baseline): tags run, task, rank.
 WORKER_GAUGES = (
     "step", "loss", "learning_rate", "tokens_per_s", "step_time_s", "input_wait_s", "compute_s", "grad_norm",
-    "gpu_util", "gpu_mem_mb",
+    "gpu_util", "gpu_mem_reserved_mb", "gpu_mem_peak_mb",
 )
 # Per task, when it ends: tags run, task.
 TASK_GAUGES = {

@@ -9,6 +9,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ log = logging.getLogger("trainer.metrics")
 LIVE_PREFIX = "@gpt_finetune.metrics "
 LIVE_INTERVAL_ENV = "GPT_FINETUNE_LIVE_METRICS_S"
 LIVE_FIELDS = ("step", "loss", "learning_rate", "tokens_per_s", "step_time_s", "input_wait_s", "grad_norm",
-               "gpu_util", "gpu_mem_mb")
+               "gpu_util", "gpu_mem_reserved_mb", "gpu_mem_peak_mb")
 
 # Dense bf16/fp16 tensor-core peak FLOP/s per GPU (vendor datasheets, SXM parts, no sparsity). MFU is reported
 # only for GPUs listed here; the name is matched as a substring of the NVML device name.
@@ -173,27 +174,92 @@ class TensorBoardLog:
         self._writer.close()
 
 
-class GpuSampler:
-    """Utilization and memory of this worker's GPU through NVML; `sample()` is empty without a GPU or NVML."""
+def tensorflow_peak_mb(device: str = "GPU:0") -> float | None:
+    """The most memory TensorFlow's allocator has held for tensors on `device` since the process started (MiB): what
+    training needs, unlike the device's memory in use. None where TensorFlow has no such device (a CPU host: TF 2.21
+    raises ValueError "No matching devices found") or keeps no statistics for it. It starts TensorFlow's runtime: ask
+    only once the strategy exists (trainer/strategy.py)."""
+    import tensorflow as tf
 
-    def __init__(self, enabled: bool) -> None:
+    try:
+        return round(tf.config.experimental.get_memory_info(device)["peak"] / 2**20, 1)
+    except ValueError:
+        return None
+
+
+class GpuSampler:
+    """This worker's GPU, sampled every step: NVML utilization (`gpu_util`, %) and the memory in use on the device
+    (`gpu_mem_reserved_mb`: TensorFlow reserves nearly all of it at start-up, so this is its reservation, not what
+    training needs), and the peak TensorFlow's allocator has used (`gpu_mem_peak_mb`, from `read_peak_mb`).
+
+    `sample()` is empty without a GPU or NVML. After start-up no NVML error leaves it: a figure NVML refuses
+    (utilization is NotSupported on MIG-enabled GPUs, NO_PERMISSION) is no longer asked for, a lost GPU ends all NVML
+    samples, each said once in one log line naming the host, the GPU and NVML's error; training goes on.
+    """
+
+    def __init__(self, enabled: bool, read_peak_mb: Callable[[], float | None] | None = None) -> None:
         self._handle = None
         self.name: str | None = None
+        self.host = socket.gethostname()
+        self.gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+        self._figures: dict[str, Callable[[], float]] = {}
+        self._read_peak_mb = read_peak_mb if enabled else None
+        self.last: dict[str, float] = {}  # the latest value of each figure, for the summary
         if not enabled:
             return
         try:
             self._nvml, self._handle = worker_gpu()
             self.name = self._nvml.nvmlDeviceGetName(self._handle)
         except Exception as error:  # noqa: BLE001 - no driver / no library: report without GPU samples
-            log.info("NVML unavailable (%s): metrics lines carry no GPU samples", error)
+            log.info("NVML unavailable on %s for %s (%s): metrics lines carry no NVML samples", self.host,
+                     self._gpu_label(), error)
             self._handle = None
+            return
+        self._figures = {"gpu_util": self._utilization, "gpu_mem_reserved_mb": self._memory_used_mb}
+
+    def _gpu_label(self) -> str:
+        gpu = f"GPU {self.gpu}" if self.gpu.isdigit() else self.gpu  # an index, or a UUID that says GPU-...
+        return f"{gpu} ({self.name})" if self.name else gpu
+
+    def _utilization(self) -> float:
+        return float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+
+    def _memory_used_mb(self) -> float:
+        return round(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**20, 1)
 
     def sample(self) -> dict[str, float]:
-        if self._handle is None:
-            return {}
-        utilization = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
-        memory = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
-        return {"gpu_util": float(utilization.gpu), "gpu_mem_mb": round(memory.used / 2**20, 1)}
+        values = {}
+        for figure in list(self._figures):
+            if figure not in self._figures:  # a lost GPU ended them all
+                continue
+            try:
+                values[figure] = self._figures[figure]()
+            except self._nvml.NVMLError as error:
+                self._stop(figure, error)
+        if self._read_peak_mb is not None:
+            peak = self._read_peak_mb()
+            if peak is None:
+                log.warning("host %s, %s: TensorFlow keeps no memory statistics for this GPU: no gpu_mem_peak_mb "
+                            "samples; training goes on", self.host, self._gpu_label())
+                self._read_peak_mb = None
+            else:
+                values["gpu_mem_peak_mb"] = peak
+        self.last.update(values)
+        return values
+
+    def _stop(self, figure: str, error: Exception) -> None:
+        """Ask NVML no more for `figure` (for any figure, when the GPU is lost), and say so once."""
+        if getattr(error, "value", None) == self._nvml.NVML_ERROR_GPU_IS_LOST:
+            self._figures.clear()
+            log.error("host %s, %s: the GPU is lost (NVML: %s; it fell off the bus or stopped answering): no more "
+                      "NVML samples from it; the host's kernel log (dmesg, Xid errors) says why", self.host,
+                      self._gpu_label(), error)
+            return
+        del self._figures[figure]
+        log.warning("host %s, %s: NVML refused %s (%s%s): no more %s samples; training goes on", self.host,
+                    self._gpu_label(), figure, error,
+                    ", as on MIG-enabled GPUs" if getattr(error, "value", None) == self._nvml.NVML_ERROR_NOT_SUPPORTED
+                    else "", figure)
 
     def peak_flops(self) -> float | None:
         if not self.name:

@@ -112,6 +112,9 @@ def build_summary(job: TrainJob, model, times: LoopTimes, outputs: OutputFiles, 
         "parameters": int(sum(v.shape.num_elements() for v in model.trainable_variables)),
         "variable_parameters": [int(v.shape.num_elements()) for v in model.trainable_variables],
         "gradient_dtype": model.trainable_variables[0].dtype.name, "allreduce": allreduce,
+        # This rank's GPU at its last step: the memory in use on the device (TensorFlow's reservation) and the peak
+        # TensorFlow used for tensors (what training needs); null without a GPU (the first also without NVML).
+        "gpu_mem_reserved_mb": gpu.last.get("gpu_mem_reserved_mb"), "gpu_mem_peak_mb": gpu.last.get("gpu_mem_peak_mb"),
         "hardware": hardware_info(gpu.name, "GPU" if cfg.use_gpu else "CPU"), "versions": versions(),
         "config": cfg.to_dict(), "started_at": started_at, "finished_at": utc_now(),
     }

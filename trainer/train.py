@@ -279,7 +279,7 @@ def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str,
     import tf_keras
 
     from trainer.checkpoint import CheckpointStore
-    from trainer.metrics import GpuSampler
+    from trainer.metrics import GpuSampler, tensorflow_peak_mb
     from trainer.optim import set_precision_policy
 
     cfg = job.cfg
@@ -308,7 +308,7 @@ def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str,
             "per slot" if job.slot_order else "per worker (fewer shards than slots)",
         )
         outputs = OutputFiles(job, work_dir)
-        gpu = GpuSampler(cfg.use_gpu)
+        gpu = GpuSampler(cfg.use_gpu, read_peak_mb=tensorflow_peak_mb)
         times = train_loop(job, state, store, outputs, gpu, start_step, local_files)
         export_model(job, state.model, work_dir)
         store.close()

@@ -179,7 +179,8 @@ def test_every_emitted_metric_has_a_panel():
 
 def test_gpu_panels_say_they_are_empty_on_cpu_runs():
     prefix = statsd_prefix()
-    gpu = {prometheus_name(telemetry.worker_metric(field), prefix) for field in ("gpu_util", "gpu_mem_mb")}
+    gpu = {prometheus_name(telemetry.worker_metric(field), prefix)
+           for field in ("gpu_util", "gpu_mem_reserved_mb", "gpu_mem_peak_mb")}
     for panel in panels(dashboard()):
         if any(metric_names_in(target["expr"]) & gpu for target in panel["targets"]):
             assert "CPU runs" in panel["description"], panel["title"]

@@ -42,3 +42,14 @@ def test_any_json_builds_a_view_showing_what_is_there():
     figures = view.sections[0].blocks[2]
     assert figures.rows[0][0] == "['x']" and view.sections[0].blocks[1] == report_view.Warnings(("slow",))
     assert "Speedup T1/TN: fast; scaling efficiency (speedup / N): high" in render_markdown(broken)
+
+
+def test_gpu_memory_shows_tensorflows_peak_beside_the_memory_in_use_on_gpu_runs_only():
+    cpu = render_markdown(report())
+    assert "GPU memory" not in cpu
+    data = report()
+    data["runs"]["distributed"].update(gpu_mem_peak_mb=3210.4, gpu_mem_reserved_mb=139812.0)
+    data["runs"]["baseline"].update(gpu_mem_peak_mb=5120.0, gpu_mem_reserved_mb=None)
+    assert ("GPU memory of rank 0: distributed peak 3,210 MiB used by TensorFlow, 139,812 MiB in use on the GPU; "
+            "baseline peak 5,120 MiB used by TensorFlow, — in use on the GPU (TensorFlow reserves nearly all of "
+            "the GPU at start-up; the peak is what training needed)") in render_markdown(data)

@@ -4,10 +4,14 @@ live metrics lines, and the loss watch that fails a diverging run."""
 from __future__ import annotations
 
 import json
+import logging
 import math
+import socket
 
 import pytest
 
+from tests.support import fake_nvml
+from trainer import metrics
 from trainer.metrics import LIVE_INTERVAL_ENV, LIVE_PREFIX, LiveMetrics, LossDivergedError, LossWatch, TensorBoardLog
 
 
@@ -93,3 +97,110 @@ def test_tensorboard_events_are_what_tf_summary_scalar_writes(tmp_path):
                      for e in tf.compat.v1.train.summary_iterator(str(f)) if e.summary.value).summary.value[0]
     assert reference.tensor == events[1].summary.value[0].tensor
     assert reference.metadata == events[1].summary.value[0].metadata
+
+
+# -- the GPU sampler on the fake NVML (tests/support/fake_nvml.py): NVML errors after start-up never end training --
+
+
+@pytest.fixture
+def nvml(monkeypatch):
+    """One H200, this worker's (CUDA_VISIBLE_DEVICES=0), with 40 GiB in use: TensorFlow's reservation."""
+    fake = fake_nvml.install(monkeypatch, fake_nvml.FakeNvml(fake_nvml.h200s(1)))
+    fake.start_process(0, 40 * fake_nvml.GIB - fake_nvml.MIB)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    return fake
+
+
+def _sampler_lines(caplog) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.name == "trainer.metrics"]
+
+
+def test_sampler_reports_utilization_memory_in_use_and_tensorflows_peak(nvml):
+    sampler = metrics.GpuSampler(enabled=True, read_peak_mb=lambda: 3072.0)
+    assert sampler.sample() == {"gpu_util": 97.0, "gpu_mem_reserved_mb": 40960.0, "gpu_mem_peak_mb": 3072.0}
+    assert sampler.name == "NVIDIA H200" and sampler.last["gpu_mem_peak_mb"] == 3072.0
+
+
+def test_on_a_mig_gpu_the_sampler_drops_utilization_once_and_keeps_the_rest(nvml, caplog):
+    """nvmlDeviceGetUtilizationRates is NotSupported on MIG-enabled GPUs: today's sampler raised it after step 1."""
+    nvml.gpus[0].mig = True
+    sampler = metrics.GpuSampler(enabled=True)
+    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+        samples = [sampler.sample() for _ in range(3)]
+    assert samples == [{"gpu_mem_reserved_mb": 40960.0}] * 3
+    assert nvml.calls.count("nvmlDeviceGetUtilizationRates") == 1  # asked once, then no more
+    (line,) = _sampler_lines(caplog)
+    assert (f"host {socket.gethostname()}, GPU 0 (NVIDIA H200): NVML refused gpu_util (Not Supported, as on "
+            "MIG-enabled GPUs): no more gpu_util samples; training goes on") == line
+
+
+def test_a_figure_nvml_stops_permitting_mid_run_is_dropped_and_said_once(nvml, caplog):
+    sampler = metrics.GpuSampler(enabled=True)
+    assert sampler.sample()["gpu_util"] == 97.0
+    nvml.gpus[0].errors["nvmlDeviceGetMemoryInfo"] = fake_nvml.NVML_ERROR_NO_PERMISSION
+    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+        assert [sampler.sample() for _ in range(3)] == [{"gpu_util": 97.0}] * 3
+    assert nvml.calls.count("nvmlDeviceGetMemoryInfo") == 2
+    (line,) = _sampler_lines(caplog)
+    assert "GPU 0 (NVIDIA H200): NVML refused gpu_mem_reserved_mb (Insufficient Permissions)" in line
+    assert socket.gethostname() in line
+
+
+def test_a_gpu_lost_mid_run_ends_its_nvml_samples_with_one_line_naming_host_and_gpu(nvml, caplog):
+    sampler = metrics.GpuSampler(enabled=True)
+    sampler.sample()
+    nvml.lose(0)
+    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+        assert [sampler.sample() for _ in range(3)] == [{}] * 3
+    calls = len(nvml.calls)
+    sampler.sample()
+    assert len(nvml.calls) == calls  # NVML is not asked about a lost GPU again
+    (line,) = _sampler_lines(caplog)
+    assert line.startswith(f"host {socket.gethostname()}, GPU 0 (NVIDIA H200): the GPU is lost (NVML: GPU is lost;")
+    assert sampler.last["gpu_mem_reserved_mb"] == 40960.0  # the summary keeps the last figure it had
+
+
+def test_a_gpu_pinned_by_uuid_is_named_by_its_uuid(nvml, monkeypatch, caplog):
+    uuid = nvml.gpus[0].uuid
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", uuid)
+    sampler = metrics.GpuSampler(enabled=True)
+    nvml.lose(0)
+    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+        assert sampler.sample() == {}
+    assert f"{uuid} (NVIDIA H200): the GPU is lost" in _sampler_lines(caplog)[0]
+
+
+def test_tensorflows_peak_outlives_a_lost_gpu_and_ends_once_tensorflow_has_none(nvml, caplog):
+    peaks = iter([3072.0, 3100.0, None])
+    sampler = metrics.GpuSampler(enabled=True, read_peak_mb=lambda: next(peaks))
+    nvml.lose(0)
+    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+        samples = [sampler.sample() for _ in range(4)]
+    assert samples == [{"gpu_mem_peak_mb": 3072.0}, {"gpu_mem_peak_mb": 3100.0}, {}, {}]
+    assert [line.split(": ")[1] for line in _sampler_lines(caplog)] == [
+        "the GPU is lost (NVML", "TensorFlow keeps no memory statistics for this GPU"]
+
+
+def test_without_tensorflow_memory_statistics_the_peak_is_dropped_once(nvml, caplog):
+    sampler = metrics.GpuSampler(enabled=True, read_peak_mb=lambda: None)
+    with caplog.at_level(logging.INFO, logger="trainer.metrics"):
+        assert [sampler.sample() for _ in range(2)] == [{"gpu_util": 97.0, "gpu_mem_reserved_mb": 40960.0}] * 2
+    assert len(_sampler_lines(caplog)) == 1 and "no gpu_mem_peak_mb samples" in _sampler_lines(caplog)[0]
+
+
+def test_tensorflows_peak_is_none_on_a_cpu_host():
+    """TF 2.21's get_memory_info("GPU:0") raises ValueError ("No matching devices found") without a GPU."""
+    pytest.importorskip("tensorflow")
+    assert metrics.tensorflow_peak_mb() is None
+
+
+def test_tensorflows_peak_is_its_allocators_peak_in_mib(monkeypatch):
+    tf = pytest.importorskip("tensorflow")
+    asked = []
+
+    def get_memory_info(device):
+        asked.append(device)
+        return {"current": 1 << 30, "peak": 3 * (1 << 30) + 512 * 1024}
+
+    monkeypatch.setattr(tf.config.experimental, "get_memory_info", get_memory_info)
+    assert metrics.tensorflow_peak_mb() == 3072.5 and asked == ["GPU:0"]

@@ -164,6 +164,7 @@ def test_outputs_follow_the_contract(runs):
         assert summary["num_workers"] == workers and summary["global_batch_size"] == 8
         assert summary["steps"] == STEPS and summary["tokens_seen"] == STEPS * 8 * 32
         assert summary["resumed_from_step"] == 0 and summary["mfu"] is None
+        assert summary["gpu_mem_reserved_mb"] is None and summary["gpu_mem_peak_mb"] is None  # a CPU run
         assert 0 < summary["train_time_s"] < summary["wall_time_s"] and summary["tokens_per_s"] > 0
         assert summary["final_loss"] == job.losses()[STEPS]
         for rank in range(workers):
