@@ -32,14 +32,15 @@ def _inputs(root: Path) -> tuple[str, ...]:
     """A run config and a manifest with dummy shards: the preflight reads the manifest, not the tokens."""
     from trainer.config import RunConfig
 
-    dataset = root / "datasets" / "bench"
+    fingerprint = "be" * 10  # a dataset's name as prepare writes it (trainer.layout.DATASET_FINGERPRINT)
+    dataset = root / "datasets" / fingerprint
     dataset.mkdir(parents=True)
     shards = []
     for index in range(NUM_WORKERS):
         name = f"train-{index:05d}-of-{NUM_WORKERS:05d}.tfrecord"
         (dataset / name).write_bytes(b"\0" * 128)
         shards.append({"name": name, "records": 1, "sequences": 1, "tokens": 64, "bytes": 128, "sha256": "-"})
-    manifest = {"format_version": 1, "fingerprint": "bench", "dtype": "uint16", "block_size": 64,
+    manifest = {"format_version": 1, "fingerprint": fingerprint, "dtype": "uint16", "block_size": 64,
                 "sequences_per_record": 1,
                 "tokenizer": {"spec": "bpe:256", "fingerprint": "-", "vocab_size": 256, "eos_token_id": 0,
                               "path": "tokenizer"},

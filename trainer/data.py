@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import runtime, storage
+from trainer.layout import DATASET_FINGERPRINT, SHARD_NAME, SPLITS, TOKENIZER_DIR
 
 FORMAT_VERSION = 1
 _REQUIRED_KEYS = ("format_version", "fingerprint", "dtype", "block_size", "sequences_per_record", "tokenizer", "splits")
@@ -40,7 +41,47 @@ def load_manifest(url: str) -> dict[str, Any]:
             f"Manifest {url} has format_version {manifest['format_version']}, this trainer reads {FORMAT_VERSION}: "
             "prepare the dataset again with this version."
         )
+    problem = _names_problem(url, manifest)
+    if problem:
+        raise DataError(f"Manifest {url} is refused: {problem}. It was not written by the prepare task, or was "
+                        "altered since: delete its directory and run the prepare task again.")
     return manifest
+
+
+def _names_problem(url: str, manifest: dict[str, Any]) -> str | None:
+    """What in the manifest's names could reach outside the dataset's directory or the shard cache, else None:
+    its fingerprint names the cache directory, its shard names the files staged in it."""
+    fingerprint, directory = manifest["fingerprint"], dataset_dir(url).rsplit("/", 1)[-1]
+    if not isinstance(fingerprint, str) or not DATASET_FINGERPRINT.fullmatch(fingerprint):
+        return f"fingerprint {fingerprint!r} is not {DATASET_FINGERPRINT.pattern}"
+    if fingerprint != directory:
+        return f"fingerprint {fingerprint!r} is not the name of its directory ({directory!r})"
+    tokenizer = manifest["tokenizer"]
+    if not isinstance(tokenizer, dict) or tokenizer.get("path") != TOKENIZER_DIR:
+        return f"its tokenizer path is not {TOKENIZER_DIR!r}"
+    splits = manifest["splits"]
+    if not isinstance(splits, dict) or not set(splits) <= set(SPLITS):
+        return f"its splits are not among {list(SPLITS)}"
+    for split, entry in splits.items():
+        shards = entry.get("shards") if isinstance(entry, dict) else None
+        if not isinstance(shards, list):
+            return f"split {split!r} has no list of shards"
+        for shard in shards:
+            problem = _shard_problem(shard)
+            if problem:
+                return f"split {split!r}: {problem}"
+    return None
+
+
+def _shard_problem(shard: Any) -> str | None:
+    if not isinstance(shard, dict) or not isinstance(shard.get("name"), str):
+        return f"shard entry {shard!r:.80} has no name"
+    if not SHARD_NAME.fullmatch(shard["name"]):
+        return f"shard name {shard['name']!r:.80} is not {SHARD_NAME.pattern}"
+    size = shard.get("bytes")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0 or not isinstance(shard.get("sha256"), str):
+        return f"shard {shard['name']} has no byte count and sha256"
+    return None
 
 
 def dataset_dir(manifest_url: str) -> str:
@@ -81,6 +122,9 @@ def shard_cache_dir(fingerprint: str, base: str | Path | None = None) -> Path:
     retries and the baseline reuse it; `trainer.shard_cache` holds it in use and evicts idle datasets for room.
     Private, so that no other user of the host can pre-create it, point it elsewhere, or swap a shard after its
     sha256 was checked."""
+    if not isinstance(fingerprint, str) or not DATASET_FINGERPRINT.fullmatch(fingerprint):
+        raise DataError(f"Dataset fingerprint {fingerprint!r} is not {DATASET_FINGERPRINT.pattern}: it would not "
+                        "name one directory of the shard cache. Use the manifest prepare wrote (load_manifest).")
     root = shard_cache_root(base)
     private_dir(root)
     return private_dir(root / fingerprint)
@@ -118,7 +162,7 @@ def stage_shards(manifest_url: str, shards: Sequence[dict[str, Any]], local_dir:
     source_dir = dataset_dir(manifest_url)
     staged = []
     for shard in shards:
-        target = local_dir / shard["name"]
+        target = _staged_path(local_dir, shard)
         if not _matches(target, shard):
             url = storage.join(source_dir, shard["name"])
             partial = target.with_name(f".{target.name}.{os.getpid()}.part")
@@ -136,6 +180,16 @@ def stage_shards(manifest_url: str, shards: Sequence[dict[str, Any]], local_dir:
             os.replace(partial, target)
         staged.append(str(target))
     return staged
+
+
+def _staged_path(local_dir: Path, shard: dict[str, Any]) -> Path:
+    """Where `shard` is staged: a file directly in `local_dir`, whatever the shard entry says."""
+    problem = _shard_problem(shard)
+    target = local_dir / shard["name"] if problem is None else None
+    if target is None or target.resolve().parent != local_dir.resolve():
+        raise DataError(f"Shard entry refused before staging into {local_dir}: "
+                        f"{problem or 'it would be written outside that directory'}.")
+    return target
 
 
 def _matches(path: Path, shard: dict[str, Any]) -> bool:

@@ -28,6 +28,17 @@ from trainer.storage import join, normalize_root
 # The repository: relative settings (the storage root, local data) are taken from here, whatever the cwd.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+# A dataset's names, as prepare writes them. A manifest's fingerprint and shard names become local paths on every
+# worker host (the shard cache), so readers accept these forms only: anyone who can write the bucket could
+# otherwise place a file anywhere, or make the cache's eviction empty any directory.
+DATASET_FINGERPRINT = re.compile(r"[0-9a-f]{20}")  # the first 20 hex digits of a sha256
+SPLITS = ("train", "validation")
+SHARD_NAME = re.compile(r"(train|validation)-\d{5}-of-\d{5}\.tfrecord")
+TOKENIZER_DIR = "tokenizer"
+
+
+def shard_name(split: str, index: int, count: int) -> str:
+    return f"{split}-{index:05d}-of-{count:05d}.tfrecord"
 
 
 def absolute_root(root: str) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.data import DataError, private_dir
+from trainer.layout import DATASET_FINGERPRINT
 
 log = logging.getLogger("trainer.shard_cache")
 
@@ -88,7 +89,9 @@ def reclaimable_bytes(root: Path, keep: str) -> int:
 def _by_last_use(root: Path, keep: str) -> list[Path]:
     dated = []
     for entry in os.scandir(root) if root.is_dir() else ():
-        if entry.name == keep or not entry.is_dir(follow_symlinks=False):
+        # Only datasets are ever removed: whatever else lies beside them is not this cache's to judge.
+        if entry.name == keep or not DATASET_FINGERPRINT.fullmatch(entry.name) or not entry.is_dir(
+                follow_symlinks=False):
             continue
         try:
             dated.append((entry.stat(follow_symlinks=False).st_mtime, Path(entry.path)))

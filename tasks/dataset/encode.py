@@ -27,13 +27,13 @@ import numpy as np
 
 from tasks.dataset.readers import DocumentChunk
 from tasks.dataset.split import DocumentDraws
+from trainer.layout import SPLITS
 
 log = logging.getLogger("gpt_finetune.prepare")
 
 # Documents joined into one tokenizer input of about this many characters: fewer Python objects than one input per
 # document, while longer inputs encoded slower on 1 core (8 KiB: 1.3x the time of 1 KiB, 42 plays, BPE 16384).
 INPUT_CHARS = 1 << 10
-SPLITS = ("train", "validation")
 # Fixed, not taken from the data: whether documents are joined must not depend on which unit a task reads.
 JOIN_PROBE = ["First paragraph.", "", " leading space", "trailing newline\n", "\nleading newline", "tab\tand  spaces",
               "naïve café – “quoted” 日本語 😀", "12345 67890", "<|endoftext", "|>", "a"]

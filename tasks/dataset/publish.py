@@ -23,12 +23,11 @@ from tasks.dataset.sources import Sources
 from tasks.dataset.tokenizer import TokenizerPlan
 from trainer import storage
 from trainer.data import FORMAT_VERSION
-from trainer.layout import StorageLayout
+from trainer.layout import TOKENIZER_DIR, StorageLayout
 
 log = logging.getLogger("gpt_finetune.prepare")
 
 MANIFEST = "manifest.json"
-TOKENIZER_DIR = "tokenizer"
 WORK_DIR = ".work"
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from tasks.dataset.encode import SPLITS
 from tasks.tfrecord import write_sequence_records
 from trainer import storage
+from trainer.layout import shard_name
 
 READ_TOKENS = 1 << 21  # tokens read from the units' streams per step when writing a shard
 
@@ -92,7 +93,7 @@ def write_split(stream: Stream, split: str, shards: int, block_size: int, per_re
     entries = []
     for index in range(shards):
         low, high = index * sequences // shards, (index + 1) * sequences // shards
-        name = f"{split}-{index:05d}-of-{shards:05d}.tfrecord"
+        name = shard_name(split, index, shards)
         path = stage / name
         records = 0
         with open(path, "wb") as handle:

@@ -401,8 +401,9 @@ def test_a_host_whose_link_goes_down_ends_the_group_naming_it_and_the_retry_resu
     dataset = write_dataset(tmp_path / "dataset", sorted((REPO / "data" / "sample").glob("*.txt")), block_size=32,
                             vocab_size=320, num_train_shards=4, max_chars=20_000)
     root = f"{s3_bucket}/link"
-    storage.upload_tree(Path(dataset).parent, f"{root}/dataset")
-    manifest = f"{root}/dataset/{Path(dataset).name}"
+    remote = f"{root}/datasets/{Path(dataset).parent.name}"
+    storage.upload_tree(Path(dataset).parent, remote)
+    manifest = f"{remote}/{Path(dataset).name}"
     config = f"{root}/config.json"
     storage.write_json_atomic(config, {**LINK_TRAIN, "ssh_conn_ids": connections, "storage_root": root})
     output = f"{root}/train"

@@ -18,7 +18,7 @@ from trainer.config import RunConfig
 from trainer.layout import StorageLayout, TrainOutput, run_key
 from trainer.storage import join, write_bytes_atomic, write_json_atomic
 
-FINGERPRINT = "ds-3f2a9c01"
+FINGERPRINT = "3f2a9c01d4e5b6a7c8d9"
 DAG_ID = "gpt_finetune"
 HERE = Path(__file__).resolve().parent
 TOKENIZER_JSON = {"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []},

@@ -16,7 +16,7 @@ import numpy as np
 EOS = "<|endoftext|>"
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, directory: Path):
+def train_tokenizer(texts: list[str], vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GPT2TokenizerFast
 
@@ -27,9 +27,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, directory: Path):
         vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     core.train_from_iterator(texts, trainer=trainer)
-    tokenizer = GPT2TokenizerFast(tokenizer_object=core, eos_token=EOS, bos_token=EOS, unk_token=EOS)
-    tokenizer.save_pretrained(str(directory))
-    return tokenizer
+    return GPT2TokenizerFast(tokenizer_object=core, eos_token=EOS, bos_token=EOS, unk_token=EOS)
 
 
 def _write_shard(path: Path, records: list[np.ndarray]) -> dict:
@@ -68,18 +66,23 @@ def write_dataset(
     val_fraction: float = 0.05,
     max_chars: int | None = None,
 ) -> str:
-    """Tokenize `text_files` into shards + manifest under `directory`; returns the manifest path."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Tokenize `text_files` into shards + manifest under `directory/<fingerprint>/`, as prepare lays a dataset out;
+    returns the manifest path."""
     texts = [f.read_text(encoding="utf-8")[:max_chars] for f in text_files]
-    tokenizer = train_tokenizer(texts, vocab_size, directory / "tokenizer")
+    tokenizer = train_tokenizer(texts, vocab_size)
     ids = np.concatenate([np.array(tokenizer(t)["input_ids"] + [tokenizer.eos_token_id]) for t in texts])
+    fingerprint = hashlib.sha256(ids.tobytes() + f"{block_size},{num_train_shards},{val_fraction}".encode()
+                                 ).hexdigest()[:20]
+    directory = directory / fingerprint
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(directory / "tokenizer"))
     cut = int(len(ids) * (1 - val_fraction))
     splits = {
         "train": _split_records(ids[:cut], block_size, sequences_per_record, num_train_shards, "train", directory),
         "validation": _split_records(ids[cut:], block_size, sequences_per_record, 1, "validation", directory),
     }
     manifest = {
-        "format_version": 1, "fingerprint": "test-" + hashlib.sha256(ids.tobytes()).hexdigest()[:12],
+        "format_version": 1, "fingerprint": fingerprint,
         "created_at": datetime.now(UTC).isoformat(), "dtype": "uint16", "block_size": block_size,
         "sequences_per_record": sequences_per_record,
         "tokenizer": {"spec": f"bpe:{vocab_size}", "fingerprint": "test", "vocab_size": len(tokenizer),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -40,7 +41,7 @@ def prepared(tmp_path_factory):
 def dataset_copy(prepared, tmp_path):
     """A private copy of the prepared dataset, for tests that damage it."""
     source = Path(prepared[0]).parent
-    copy = tmp_path / "dataset"
+    copy = tmp_path / source.name  # a dataset's directory is named by its fingerprint
     shutil.copytree(source, copy)
     return str(copy / "manifest.json"), prepared[1]
 
@@ -211,3 +212,58 @@ def test_a_shard_cache_owned_by_someone_else_is_refused(prepared, tmp_path):
         shard_cache_dir(manifest["fingerprint"], base=tmp_path)
     with pytest.raises(DataError, match=f"belongs to uid {OTHER_UID}"):
         stage_shards(manifest_url, manifest["splits"]["train"]["shards"][:1], planted)
+
+
+def _rewritten(dataset_copy, change) -> str:
+    """The copied dataset's manifest after `change(manifest)`, as a storage writer could leave it."""
+    manifest_url, _ = dataset_copy
+    manifest = json.loads(Path(manifest_url).read_text())
+    change(manifest)
+    Path(manifest_url).write_text(json.dumps(manifest))
+    return manifest_url
+
+
+def _rename_first_shard(name):
+    def change(manifest):
+        manifest["splits"]["train"]["shards"][0]["name"] = name
+    return change
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    (_rename_first_shard("../../escaped.pth"), r"shard name '\.\./\.\./escaped\.pth'"),
+    (_rename_first_shard("/tmp/escaped.pth"), r"shard name '/tmp/escaped\.pth'"),
+    (_rename_first_shard("train-00000-of-00004.tfrecord/../../x"), r"shard name"),
+    (lambda m: m.update(fingerprint="../../victim/x"), r"fingerprint '\.\./\.\./victim/x' is not"),
+    (lambda m: m.update(fingerprint="0" * 20), r"fingerprint '0{20}' is not the name of its directory"),
+    (lambda m: m["tokenizer"].update(path="../../other"), r"tokenizer path is not 'tokenizer'"),
+    (lambda m: m["splits"].update(extra={"shards": []}), r"splits are not among"),
+    (lambda m: m["splits"]["train"]["shards"][0].update(bytes="9"), r"has no byte count and sha256"),
+], ids=["dot-dot-name", "absolute-name", "name-with-a-path", "dot-dot-fingerprint", "foreign-fingerprint",
+        "tokenizer-path", "unknown-split", "string-size"])
+def test_a_manifest_whose_names_reach_outside_is_refused_before_any_io(dataset_copy, tmp_path, change, named):
+    """Review t4 #1: shard names and the fingerprint become local paths on every worker host."""
+    manifest_url = _rewritten(dataset_copy, change)
+    with pytest.raises(DataError, match=named):
+        load_manifest(manifest_url)
+    assert not any(tmp_path.glob("*.pth")) and not (tmp_path / "victim").exists()
+
+
+def test_staging_never_writes_outside_its_directory(dataset_copy, tmp_path):
+    """The review's reproduction, at the staging step itself (a caller that skipped load_manifest): the planted
+    object passes its size and sha256 check, yet is refused, and nothing is written beside the cache."""
+    manifest_url, _ = dataset_copy
+    payload = b"import os; os.system('id')\n"
+    (tmp_path / "escaped.pth").write_bytes(payload)
+    shard = {"name": "../../escaped.pth", "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    cache = tmp_path / "cache" / "fp"
+    with pytest.raises(DataError, match=r"Shard entry refused before staging"):
+        stage_shards(manifest_url, [shard], cache)
+    assert {p.name for p in tmp_path.iterdir()} == {"cache", Path(manifest_url).parent.name, "escaped.pth"}
+    assert not any(cache.iterdir())
+
+
+@pytest.mark.parametrize("fingerprint", ["../../victim/x", "/etc", "", "ABCDEF0123456789ABCD", 7])
+def test_a_fingerprint_that_is_no_dataset_name_gets_no_cache_directory(tmp_path, fingerprint):
+    with pytest.raises(DataError, match=r"would not name one directory of the shard cache"):
+        shard_cache_dir(fingerprint, base=tmp_path / "hosttmp")
+    assert not (tmp_path / "hosttmp").exists()

@@ -3,6 +3,7 @@ its capacity less what the cache holds), so that eviction runs without filling a
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -21,8 +22,13 @@ MIB = 1 << 20
 Usage = namedtuple("Usage", "total used free")
 
 
+def fingerprint(name: str) -> str:
+    """A dataset's directory name in the cache, as prepare names datasets (trainer.layout.DATASET_FINGERPRINT)."""
+    return hashlib.sha256(name.encode()).hexdigest()[:20]
+
+
 def _dataset(root: Path, name: str, size: int, idle_s: float) -> Path:
-    directory = root / name
+    directory = root / fingerprint(name)
     directory.mkdir(parents=True, mode=0o700)
     with open(directory / "train-00000-of-00001.tfrecord", "wb") as shard:
         shard.truncate(size)  # sparse: the size counts, the disk is not used
@@ -65,16 +71,18 @@ def test_idle_datasets_make_room_least_recently_used_first_and_one_in_use_never(
     state["capacity"] = 32 * MIB  # 2 MiB free
     holder = _hold_elsewhere(held)
     try:
-        assert shard_cache.make_room(current, 10 * MIB) == ["oldest"]  # 12 MiB asked: one dataset is enough
+        # 12 MiB asked: one dataset is enough
+        assert shard_cache.make_room(current, 10 * MIB) == [fingerprint("oldest")]
         assert shard_cache.make_room(current, 10 * MIB) == []
-        assert shard_cache.make_room(current, 25 * MIB) == ["recent"]  # 30 MiB asked: the held one stays anyway
-        assert sorted(p.name for p in root.iterdir()) == ["current", "held"]
-        assert shard_cache.reclaimable_bytes(root, keep="current") == 0
+        # 30 MiB asked: the held one stays anyway
+        assert shard_cache.make_room(current, 25 * MIB) == [fingerprint("recent")]
+        assert sorted(p.name for p in root.iterdir()) == sorted([current.name, held.name])
+        assert shard_cache.reclaimable_bytes(root, keep=current.name) == 0
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-    assert shard_cache.reclaimable_bytes(root, keep="current") == 10 * MIB  # its lock died with it
-    assert shard_cache.make_room(current, 25 * MIB) == ["held"]
+    assert shard_cache.reclaimable_bytes(root, keep=current.name) == 10 * MIB  # its lock died with it
+    assert shard_cache.make_room(current, 25 * MIB) == [held.name]
 
 
 def test_holding_marks_the_last_use_and_recreates_a_dataset_evicted_meanwhile(disk):
@@ -86,3 +94,16 @@ def test_holding_marks_the_last_use_and_recreates_a_dataset_evicted_meanwhile(di
     assert shard_cache.missing_bytes(cache, [{"name": "a", "bytes": 5}, {"name": "b", "bytes": 7}]) == 12
     (cache / "a").write_bytes(b"12345")
     assert shard_cache.missing_bytes(cache, [{"name": "a", "bytes": 5}, {"name": "b", "bytes": 7}]) == 7
+
+
+def test_eviction_removes_only_datasets_beside_the_cache(disk):
+    """What else lies in the cache's directory is never removed, however much room is asked for (review t4 #1: a
+    crafted fingerprint of `../../victim/x` made `make_room` empty every directory under victim/)."""
+    root, state = disk
+    idle = _dataset(root, "idle", MIB, idle_s=86400)
+    for name in (".ssh", "project", "0123"):
+        (root / name).mkdir(mode=0o700)
+    current = _dataset(root, "current", 0, idle_s=0)
+    state["capacity"] = MIB
+    assert shard_cache.make_room(current, 10**18) == [idle.name]
+    assert sorted(p.name for p in root.iterdir()) == sorted([".ssh", "0123", "project", current.name])

@@ -21,7 +21,7 @@ def test_worker_checks_pass_on_a_good_setup(tmp_path, monkeypatch):
     cfg = RunConfig.from_saved(read_json(paths["config"]))
     report = checks.check_worker(cfg, paths["manifest"], workers.identity(1, 2))
     assert report["errors"] == []
-    assert report["manifest"] == {"ok": True, "fingerprint": "fp", "shards": 2, "shard_bytes": 256}
+    assert report["manifest"] == {"ok": True, "fingerprint": workers.FINGERPRINT, "shards": 2, "shard_bytes": 256}
     assert report["storage"]["ok"] and report["disk"]["free_bytes"] > report["disk"]["needed_bytes"]
     installed = {package: metadata.version(package) for package in ("tensorflow", "tf-keras", "transformers", "numpy")}
     assert report["versions"] == {"python": platform.python_version(), **installed}
@@ -55,7 +55,7 @@ def test_the_disk_check_counts_cached_datasets_no_worker_holds_as_room(tmp_path,
     monkeypatch.setenv(HOST_TMPDIR_ENV, str(tmp_path / "host-tmp"))
     paths = workers.dataset(tmp_path, num_workers=2)
     cfg = RunConfig.from_saved(read_json(paths["config"]))
-    idle = shard_cache_root() / "another-dataset"
+    idle = shard_cache_root() / ("ab" * 10)  # another dataset, named as prepare names them
     idle.mkdir(parents=True)
     with open(idle / "train-00000-of-00001.tfrecord", "wb") as shard:
         shard.truncate(1 << 30)  # sparse

@@ -13,11 +13,12 @@ from trainer.config import RunConfig
 from trainer.runtime import WorkerIdentity
 
 WORKER_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
+FINGERPRINT = "0f" * 10
 
 
 def dataset(root: Path, *, num_workers: int, collective_timeout_s: int = 60) -> dict[str, str]:
     """A manifest with four (dummy) train shards and the run's config.json; returns the preflight's arguments."""
-    directory = root / "datasets" / "fp"
+    directory = root / "datasets" / FINGERPRINT
     directory.mkdir(parents=True)
     shards = []
     for index in range(4):
@@ -25,8 +26,9 @@ def dataset(root: Path, *, num_workers: int, collective_timeout_s: int = 60) -> 
         (directory / name).write_bytes(b"\0" * 128)
         shards.append({"name": name, "records": 1, "sequences": 1, "tokens": 64, "bytes": 128, "sha256": "-"})
     manifest = {
-        "format_version": 1, "fingerprint": "fp", "dtype": "uint16", "block_size": 64, "sequences_per_record": 1,
-        "tokenizer": {"spec": "bpe:256", "fingerprint": "t", "vocab_size": 256, "eos_token_id": 0, "path": "tok"},
+        "format_version": 1, "fingerprint": FINGERPRINT, "dtype": "uint16", "block_size": 64, "sequences_per_record": 1,
+        "tokenizer": {"spec": "bpe:256", "fingerprint": "t", "vocab_size": 256, "eos_token_id": 0,
+                      "path": "tokenizer"},
         "splits": {"train": {"sequences": 4, "tokens": 256, "shards": shards},
                    "validation": {"sequences": 0, "tokens": 0, "shards": []}},
     }
