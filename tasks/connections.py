@@ -3,17 +3,26 @@
 Credentials travel only as environment variables (to this task process and to workers), never in configs, argv,
 logs or XCom. An empty connection id means the environment already carries them. Every task that touches storage
 goes through `uses_run_storage`, so none can forget the connection (release once did, and failed on S3).
+
+A storage connection is of type `aws`: the login and password of any other connection (the metadata database's,
+a mail server's) are no storage keys and are never handed on as such. A task never resolves a run's connection
+that the access policy (trainer/config/access.py) does not allow.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from trainer.config import AccessPolicy, ConfigError
+from trainer.config.access import STORAGE_CONN_IDS_ENV
+
+log = logging.getLogger("gpt_finetune.connections")
+STORAGE_CONN_TYPE = "aws"
 TaskLogic = TypeVar("TaskLogic", bound=Callable[..., Any])
 
 # Names botocore (and therefore s3fs) reads by itself.
@@ -30,13 +39,20 @@ _EXTRA_ENV = {
 
 def storage_env(conn_id: str) -> dict[str, str]:
     """The AWS_* variables for connection `conn_id` (aws type: login/password = keys, extras = endpoint/region);
-    without a connection, those this process's environment holds (remote workers inherit nothing from it)."""
+    without a connection, those this process's environment holds (remote workers inherit nothing from it).
+    A connection of another type is refused (ConfigError) without reading its secrets."""
     if not conn_id:
         names = (*_CONNECTION_ENV.values(), *_EXTRA_ENV.values())
         return {name: os.environ[name] for name in names if os.environ.get(name)}
     from airflow.sdk import BaseHook
 
     conn = BaseHook.get_connection(conn_id)
+    if conn.conn_type != STORAGE_CONN_TYPE:
+        raise ConfigError(
+            f"Setting 'storage_conn_id' = {conn_id!r} names a connection of type {conn.conn_type!r}, but storage "
+            f"connections are of type '{STORAGE_CONN_TYPE}' (login/password: the access key pair; extras "
+            f"endpoint_url, region_name): name an {STORAGE_CONN_TYPE} connection that ${STORAGE_CONN_IDS_ENV} "
+            "allows, or clear the setting for this environment's credentials.")
     env = {name: getattr(conn, attr) for attr, name in _CONNECTION_ENV.items() if getattr(conn, attr)}
     extra = conn.extra_dejson
     env.update({name: str(extra[key]) for key, name in _EXTRA_ENV.items() if extra.get(key)})
@@ -58,9 +74,17 @@ def applied_env(env: dict[str, str]) -> Iterator[dict[str, str]]:
                 os.environ[name] = value
 
 
-def storage_credentials(conn_id: str) -> contextlib.AbstractContextManager[dict[str, str]]:
-    """Apply the connection's variables to this process for the duration of the block."""
-    return applied_env(storage_env(conn_id))
+def run_storage_env(settings: Mapping[str, Any]) -> dict[str, str]:
+    """The variables of the run's storage connection. One that the access policy or its type refuses is never used:
+    the task goes on with this environment's credentials (release must still run), and prepare refuses the run
+    naming the setting."""
+    conn_id = run_storage_conn_id(settings)
+    try:
+        AccessPolicy.from_env().check_allowed("storage_conn_id", conn_id)
+        return storage_env(conn_id)
+    except ConfigError as refusal:
+        log.warning("%s This task reaches storage with this environment's credentials instead.", refusal)
+        return storage_env("")
 
 
 def run_storage_conn_id(settings: Mapping[str, Any]) -> str:
@@ -78,7 +102,7 @@ def uses_run_storage(task_logic: TaskLogic) -> TaskLogic:
 
     @functools.wraps(task_logic)
     def with_storage_credentials(settings: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
-        with storage_credentials(run_storage_conn_id(settings)):
+        with applied_env(run_storage_env(settings)):
             return task_logic(settings, *args, **kwargs)
 
     return with_storage_credentials  # type: ignore[return-value]

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from tasks.connections import uses_run_storage
+from tasks.connections import storage_env, uses_run_storage
 from trainer.config import ConfigError, RunConfig
 from trainer.layout import StorageLayout, absolute_root, run_key
 from trainer.storage import write_json_atomic
@@ -25,7 +25,8 @@ log = logging.getLogger("gpt_finetune.prepare")
 
 def build_config(params: Mapping[str, Any]) -> RunConfig:
     """Params (UI form or --conf) -> the validated config, with `storage_root` made absolute. The one check of the
-    access policy (`RunConfig.from_params`): later tasks and the workers load the saved config with `from_saved`."""
+    access policy (`RunConfig.from_params`; release repeats it on the same params): later tasks and the workers
+    load the saved config with `from_saved`."""
     cfg = RunConfig.from_params(dict(params))
     return cfg.replace(storage_root=absolute_root(cfg.storage_root))
 
@@ -45,8 +46,9 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
 
     try:
         cfg, continued_from = resolve_promoted_model(build_config(params))
-        # The backend's connections exist and are of the right type (nothing is contacted yet).
+        # The run's connections exist and are of the right type (nothing is contacted yet).
         make_backend(cfg.backend, cfg.to_dict()).close()
+        storage_env(cfg.storage_conn_id)
         check_alert_connection(cfg)
     except (ConfigError, LaunchError) as exc:  # bad settings do not get better on retry: fail now
         raise AirflowFailException(str(exc)) from exc

@@ -16,6 +16,18 @@ os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 # (trainer/config/access.py).
 os.environ.setdefault("GPT_FINETUNE_DATA_ROOTS", os.pathsep.join(
     [str(REPO / "data"), str(REPO / "storage"), os.path.realpath(tempfile.gettempdir())]))
+# The test deployment's allow-lists (the same module): the connections, SSH hosts, interpreter and recipients that
+# tests name besides the defaults. SSH test hosts are tfmw_ssh_host_<n> (tests/support/sshd.py); the stacks' storage
+# and alert connections are in tests/e2e/, `no_such_connection` included for prepare to refuse as missing.
+TEST_ALLOW_LISTS = {
+    "GPT_FINETUNE_STORAGE_CONN_IDS": "run_storage,elastic_run_storage",
+    "GPT_FINETUNE_SSH_CONN_IDS": "tfmw_ssh_*,host_*",
+    "GPT_FINETUNE_REMOTE_PYTHONS": "/opt/venv/bin/python",
+    "GPT_FINETUNE_ALERT_CONN_IDS": "alerts,alerts_smtp,no_such_connection",
+    "GPT_FINETUNE_ALERT_DOMAINS": "example.com,*.example.org",
+}
+for variable, entries in TEST_ALLOW_LISTS.items():
+    os.environ.setdefault(variable, entries)
 
 import pytest
 

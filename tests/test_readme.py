@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from trainer.config import ConfigError, RunConfig, field_names
+from trainer.config.access import ALLOW_LISTS
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -165,9 +166,16 @@ def _conf_values(words: list[str]) -> list[str]:
 
 def test_run_settings_in_shell_blocks_are_valid(monkeypatch):
     """Every `--conf` JSON parses and is a valid RunConfig under the operator's default policy (any bucket, the
-    repository's data/ and the storage root)."""
+    repository's data/ and the storage root) with the allow-lists that docs/security.md's example operator sets."""
     monkeypatch.delenv("GPT_FINETUNE_DATA_ROOTS", raising=False)
     monkeypatch.delenv("GPT_FINETUNE_S3_BUCKETS", raising=False)
+    example = re.search(r"^## What a trigger user can reach\n.*?^```text\n(.*?)^```", PAGES[DOCS / "security.md"],
+                        flags=re.MULTILINE | re.DOTALL)
+    for _, variable, _ in ALLOW_LISTS.values():
+        monkeypatch.delenv(variable, raising=False)
+    for line in example.group(1).splitlines():
+        variable, entries = line.split("=", 1)
+        monkeypatch.setenv(variable, entries)
     confs = [(path, conf) for path, words in BLOCK_COMMANDS for conf in _conf_values(words)]
     assert len(confs) >= 4
     for path, conf in confs:

@@ -497,6 +497,8 @@ def test_compose_keeps_the_api_server_private_and_storage_access_scoped(tmp_path
     buckets = {urlparse(env[name]).netloc for name in ("GPT_FINETUNE_STORAGE_ROOT",
                                                         "AIRFLOW__LOGGING__REMOTE_BASE_LOG_FOLDER")}
     assert env["GPT_FINETUNE_S3_BUCKETS"] == urlparse(env["GPT_FINETUNE_STORAGE_ROOT"]).netloc
+    # ... and only the stack's own storage connection, an aws one (trainer/config/access.py).
+    assert json.loads(env[f"AIRFLOW_CONN_{env['GPT_FINETUNE_STORAGE_CONN_IDS'].upper()}"])["conn_type"] == "aws"
     (script,) = services["minio-init"]["command"]
     assert "readwrite --user" not in script.replace("detach local readwrite --user", "")  # never attached
     policy = json.loads(re.search(r"<<'POLICY'\n(.*?)\nPOLICY\n", script, re.DOTALL).group(1))

@@ -39,6 +39,7 @@ def test_settings_beyond_the_access_policy_fail_the_task_naming_the_setting(tmp_
 
 
 def test_ssh_hosts_that_airflow_does_not_know_fail_the_task_before_tokenizing(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPT_FINETUNE_SSH_CONN_IDS", "no_such_host,not_ssh")  # allowed, so the lookup refuses them
     monkeypatch.setenv("AIRFLOW_CONN_NOT_SSH", '{"conn_type": "http", "host": "example.invalid"}')
     settings = {"backend": "ssh", "storage_root": "s3://runs/root", "dataset": str(tmp_path / "absent.txt")}
     with pytest.raises(AirflowFailException, match=r"'ssh_conn_ids' names 'no_such_host', which is no Airflow"):
@@ -73,7 +74,8 @@ def test_continuing_from_a_model_never_promoted_fails_at_once_naming_setting_and
     assert not (tmp_path / "datasets").exists()
 
 
-def test_a_kubernetes_connection_that_airflow_does_not_know_fails_the_task_before_tokenizing(tmp_path):
+def test_a_kubernetes_connection_that_airflow_does_not_know_fails_the_task_before_tokenizing(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPT_FINETUNE_KUBERNETES_CONN_IDS", "no_such_cluster")
     settings = {"backend": "kubernetes", "storage_root": "s3://runs/root", "dataset": str(tmp_path / "absent.txt"),
                 "kubernetes_conn_id": "no_such_cluster"}
     with pytest.raises(AirflowFailException, match=r"kubernetes_conn_id='no_such_cluster': no Airflow connection"):
@@ -95,3 +97,40 @@ def test_a_corpus_in_several_lanes_travels_as_small_dicts_and_gives_the_same_dat
     single = prepare_run({**params, "storage_root": str(tmp_path / "single"), "prepare_tasks": 1}, RUN_ID, DAG_ID)
     assert fanned["dataset_fingerprint"] == single["dataset_fingerprint"]
     assert fanned["total_steps"] == single["total_steps"]
+
+
+@pytest.mark.parametrize("setting, value, variable", [
+    ("image", "attacker.example/evil:latest", "GPT_FINETUNE_IMAGE_PREFIXES"),
+    ("namespace", "attacker-team", "GPT_FINETUNE_NAMESPACES"),
+    ("storage_conn_id", "metadata_db", "GPT_FINETUNE_STORAGE_CONN_IDS"),
+])
+def test_a_trigger_outside_the_allow_lists_is_refused_in_prepare_and_nothing_is_launched(
+        s3_env, s3_bucket, monkeypatch, setting, value, variable):
+    """The review's reproduction through the prepare task itself: refused by name, no backend made, nothing in the
+    run's storage. The connection exists, an aws one of another system."""
+    import boto3
+
+    monkeypatch.setenv("AIRFLOW_CONN_METADATA_DB", json.dumps(
+        {"conn_type": "aws", "login": "db-user", "password": "db-secret-pw"}))
+    made = []
+
+    def recording_backend(name, settings):
+        made.append(name)
+        return make_backend(name, settings)
+
+    params = {"backend": "kubernetes", "storage_root": f"{s3_bucket}/gpt", setting: value}
+    with pytest.raises(AirflowFailException, match=rf"Setting '{setting}' = '{value}' is outside the .*\({variable}="):
+        plan_run(params, RUN_ID, DAG_ID, recording_backend)
+    assert made == []
+    assert boto3.client("s3", endpoint_url=s3_env).list_objects_v2(Bucket=s3_bucket[len("s3://"):])["KeyCount"] == 0
+
+
+def test_a_storage_connection_of_another_type_is_refused_in_prepare_naming_its_type(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPT_FINETUNE_STORAGE_CONN_IDS", "metadata_db")  # allowed by name, but not an aws connection
+    monkeypatch.setenv("AIRFLOW_CONN_METADATA_DB", json.dumps(
+        {"conn_type": "postgres", "host": "db", "login": "airflow", "password": "db-secret-pw"}))
+    with pytest.raises(AirflowFailException) as refusal:
+        plan_run({"storage_root": str(tmp_path), "storage_conn_id": "metadata_db"}, RUN_ID, DAG_ID, make_backend)
+    assert "Setting 'storage_conn_id' = 'metadata_db' names a connection of type 'postgres'" in str(refusal.value)
+    assert "db-secret-pw" not in str(refusal.value)
+    assert not any(tmp_path.iterdir())  # nothing written

@@ -1,8 +1,14 @@
-"""The access policy: which places a run's settings may name, set by the operator through the environment.
+"""The access policy: what a run's settings may reach, set by the operator through the environment.
 
 `dataset`, `model`, `tokenizer` and `storage_root` may name only presets, hub ids, local paths under the data roots
 and `s3://` buckets on the allow-list. Every other scheme (`http://`, ...) and every `..` is refused, so that a user
 who may trigger runs cannot make the workers fetch URLs or read files of the host.
+
+The settings that choose what runs and with which credentials (the image, namespace and service account of pods,
+the connections of every role, the SSH hosts' interpreter, the alert recipients) may name only what the operator's
+allow-lists hold; each list defaults to the deployment's own value (the setting's default), never to anything.
+An empty setting (no connection: the environment's own; the namespace's default account; the same interpreter as
+here) names nothing of the user's choosing and always passes.
 """
 
 from __future__ import annotations
@@ -11,7 +17,8 @@ import glob
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -22,6 +29,28 @@ from trainer.layout import REPO_ROOT
 DATA_ROOTS_ENV = "GPT_FINETUNE_DATA_ROOTS"
 S3_BUCKETS_ENV = "GPT_FINETUNE_S3_BUCKETS"
 STORAGE_ROOT_ENV = "GPT_FINETUNE_STORAGE_ROOT"
+IMAGE_PREFIXES_ENV = "GPT_FINETUNE_IMAGE_PREFIXES"
+NAMESPACES_ENV = "GPT_FINETUNE_NAMESPACES"
+SERVICE_ACCOUNTS_ENV = "GPT_FINETUNE_SERVICE_ACCOUNTS"
+STORAGE_CONN_IDS_ENV = "GPT_FINETUNE_STORAGE_CONN_IDS"
+KUBERNETES_CONN_IDS_ENV = "GPT_FINETUNE_KUBERNETES_CONN_IDS"
+SSH_CONN_IDS_ENV = "GPT_FINETUNE_SSH_CONN_IDS"
+ALERT_CONN_IDS_ENV = "GPT_FINETUNE_ALERT_CONN_IDS"
+REMOTE_PYTHONS_ENV = "GPT_FINETUNE_REMOTE_PYTHONS"
+ALERT_DOMAINS_ENV = "GPT_FINETUNE_ALERT_DOMAINS"
+# The allow-lists: run setting -> (AccessPolicy field, its variable, what it lists).
+ALLOW_LISTS = {
+    "image": ("image_prefixes", IMAGE_PREFIXES_ENV, "images"),
+    "namespace": ("namespaces", NAMESPACES_ENV, "Kubernetes namespaces"),
+    "service_account": ("service_accounts", SERVICE_ACCOUNTS_ENV, "service accounts"),
+    "kubernetes_conn_id": ("kubernetes_conn_ids", KUBERNETES_CONN_IDS_ENV, "Kubernetes connections"),
+    "storage_conn_id": ("storage_conn_ids", STORAGE_CONN_IDS_ENV, "storage connections"),
+    "ssh_conn_ids": ("ssh_conn_ids", SSH_CONN_IDS_ENV, "SSH connections"),
+    "remote_python": ("remote_pythons", REMOTE_PYTHONS_ENV, "remote interpreters"),
+    "alert_conn_id": ("alert_conn_ids", ALERT_CONN_IDS_ENV, "alert connections"),
+    "alert_emails": ("alert_domains", ALERT_DOMAINS_ENV, "recipient domains"),
+}
+_IMAGE_BOUNDARIES = "/:@"  # where a prefix may end inside an image reference: a path, a tag, a digest
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # `gpt2`, `openai-community/gpt2`
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):")  # two letters at least: not a drive letter
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -35,10 +64,24 @@ class AccessPolicy:
         ($GPT_FINETUNE_DATA_ROOTS, separated by ':'; default: the repository's data/ and the storage root,
         $GPT_FINETUNE_STORAGE_ROOT or <repo>/storage). Relative entries are taken from the repository.
     s3_buckets: buckets that `s3://` settings may name ($GPT_FINETUNE_S3_BUCKETS, comma-separated; empty: any).
+
+    The allow-lists (`ALLOW_LISTS`; comma-separated variables, unset or empty: the default here) hold exact values
+    or shell patterns (`tfmw_ssh_*`); `image_prefixes` holds prefixes of image references that end at a '/', ':'
+    or '@' (`registry.example.com/ml` allows `registry.example.com/ml/trainer:1`, not `registry.example.com/ml-x`),
+    and `alert_domains` the domains of recipients (case-insensitive, `*.example.com` for subdomains).
     """
 
     data_roots: tuple[str, ...]
     s3_buckets: frozenset[str]
+    image_prefixes: tuple[str, ...] = ("gpt-finetune-trainer:",)  # the trainer image, any tag (RunConfig's default)
+    namespaces: tuple[str, ...] = ("default",)
+    service_accounts: tuple[str, ...] = ()
+    kubernetes_conn_ids: tuple[str, ...] = ()
+    storage_conn_ids: tuple[str, ...] = ()
+    ssh_conn_ids: tuple[str, ...] = ()
+    remote_pythons: tuple[str, ...] = ()
+    alert_conn_ids: tuple[str, ...] = ()
+    alert_domains: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> AccessPolicy:
@@ -48,23 +91,46 @@ class AccessPolicy:
         roots = tuple(os.path.realpath(REPO_ROOT / Path(entry.strip()).expanduser())
                       for entry in entries if entry.strip() and "://" not in entry)
         buckets = frozenset(b.strip() for b in environ.get(S3_BUCKETS_ENV, "").split(",") if b.strip())
-        return cls(roots, buckets)
+        defaults = {spec.name: spec.default for spec in fields(cls)}
+        allow_lists = {}
+        for field_name, variable, _ in ALLOW_LISTS.values():
+            entries = tuple(entry.strip() for entry in environ.get(variable, "").split(",") if entry.strip())
+            allow_lists[field_name] = entries or defaults[field_name]
+        return cls(roots, buckets, **allow_lists)
 
     def check_settings(self, cfg: Any) -> None:
-        """Refuse a RunConfig whose `dataset`, `storage_root`, `model` or `tokenizer` reaches beyond this policy;
-        a model preset or `promoted`, and a `bpe:<n>` tokenizer, reach nothing."""
+        """Refuse a RunConfig whose `dataset`, `storage_root`, `model` or `tokenizer` reaches beyond this policy (a
+        model preset or `promoted`, and a `bpe:<n>` tokenizer, reach nothing), or whose execution and credential
+        settings are outside the allow-lists. A backend's own settings are checked when the run uses that backend."""
         self.check("dataset", cfg.dataset, hub_ids=True)
         self.check("storage_root", cfg.storage_root, hub_ids=False)
         if cfg.promoted_source is None and not cfg.is_preset_model:
             self.check("model", cfg.model, hub_ids=True)
         if not cfg.tokenizer.startswith("bpe:"):
             self.check("tokenizer", cfg.tokenizer, hub_ids=True)
+        for name, value in _execution_settings(cfg):
+            self.check_allowed(name, value)
+
+    def check_allowed(self, name: str, value: str) -> None:
+        """Refuse `value` of execution or credential setting `name` (one entry of a list setting) unless its
+        allow-list holds it; an empty value passes."""
+        if not value:
+            return
+        if name == "remote_python":
+            _refuse_parent_steps(name, value)
+        field_name, variable, listed = ALLOW_LISTS[name]
+        entries = getattr(self, field_name)
+        if not any(_matches(name, value, entry) for entry in entries):
+            subject = f"has {value!r}, which" if name in ("ssh_conn_ids", "alert_emails") else f"= {value!r}"
+            raise ConfigError(
+                f"Setting '{name}' {subject} is outside the {listed} this deployment allows "
+                f"({variable}={','.join(entries) or '(none)'}): use one of those, or have the operator add it to "
+                f"${variable} (comma-separated, see docs/security.md).")
 
     def check(self, name: str, value: str, *, hub_ids: bool) -> None:
         """Refuse `value` of setting `name` unless it is a hub id (when `hub_ids`), an allowed bucket or a path
         under a data root. Presets are the caller's business."""
-        if ".." in re.split(r"[/\\]", value):
-            raise ConfigError(f"Setting '{name}' = {value!r} contains '..': name the location without it.")
+        _refuse_parent_steps(name, value)
         scheme = _URL_SCHEME.match(value)
         if scheme or "://" in value:
             kind = (scheme.group(1) if scheme else "").lower()
@@ -104,6 +170,34 @@ class AccessPolicy:
                 f"Setting '{name}' = {value!r} is outside the allowed data roots {list(self.data_roots)}: move it "
                 f"under one of them, or have the operator add its directory to ${DATA_ROOTS_ENV} (':'-separated)."
             )
+
+
+def _execution_settings(cfg: Any) -> list[tuple[str, str]]:
+    """(setting, value) of every execution and credential setting the run uses, one pair per list entry."""
+    chosen = [("storage_conn_id", cfg.storage_conn_id), ("alert_conn_id", cfg.alert_conn_id)]
+    chosen += [("alert_emails", address) for address in cfg.alert_emails]
+    if cfg.backend == "kubernetes":
+        pods = ("image", "namespace", "service_account", "kubernetes_conn_id")
+        chosen += [(name, getattr(cfg, name)) for name in pods]
+    if cfg.backend == "ssh":
+        chosen += [("ssh_conn_ids", conn_id) for conn_id in cfg.ssh_conn_ids]
+        chosen.append(("remote_python", cfg.remote_python))
+    return chosen
+
+
+def _refuse_parent_steps(name: str, value: str) -> None:
+    if ".." in re.split(r"[/\\]", value):
+        raise ConfigError(f"Setting '{name}' = {value!r} contains '..': name the location without it.")
+
+
+def _matches(name: str, value: str, entry: str) -> bool:
+    """Whether allow-list `entry` of setting `name` admits `value`."""
+    if name == "image":  # a prefix that ends at a boundary of the reference, never inside a name
+        return value.startswith(entry) and (len(value) == len(entry) or entry[-1] in _IMAGE_BOUNDARIES
+                                            or value[len(entry)] in _IMAGE_BOUNDARIES)
+    if name == "alert_emails":
+        return fnmatchcase(value.rpartition("@")[2].lower(), entry.lower())
+    return fnmatchcase(value, entry)
 
 
 def is_hub_id(value: str) -> bool:

@@ -1,6 +1,9 @@
+import dataclasses
+
 import pytest
 
 from trainer.config import AccessPolicy, ConfigError, RunConfig
+from trainer.config.access import ALLOW_LISTS
 from trainer.layout import REPO_ROOT
 
 DEMO_SETTINGS = [  # scripts/demo.py, the compose stack and settings like the docs' (tests/test_readme.py checks those)
@@ -16,10 +19,14 @@ DEMO_SETTINGS = [  # scripts/demo.py, the compose stack and settings like the do
 
 @pytest.fixture
 def operator_policy(monkeypatch, tmp_path):
-    """The defaults an operator gets: the repository's data/ and the storage root; a bucket allow-list."""
+    """The defaults an operator gets: the repository's data/ and the storage root; a bucket allow-list and the
+    compose stack's storage connection (docker/docker-compose.yaml); every other allow-list at its default."""
     monkeypatch.delenv("GPT_FINETUNE_DATA_ROOTS", raising=False)
     monkeypatch.setenv("GPT_FINETUNE_STORAGE_ROOT", str(tmp_path / "storage"))
     monkeypatch.setenv("GPT_FINETUNE_S3_BUCKETS", "gpt-finetune, shared-corpora")
+    for _, variable, _ in ALLOW_LISTS.values():
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("GPT_FINETUNE_STORAGE_CONN_IDS", "minio_s3")
     return tmp_path
 
 
@@ -95,3 +102,85 @@ def test_a_policy_given_to_from_params_replaces_the_environments():
     assert RunConfig.from_params({"storage_root": "s3://corpora/runs"}, policy).storage_root == "s3://corpora/runs"
     with pytest.raises(ConfigError, match="'storage_root' = 'storage' is outside the allowed data roots"):
         RunConfig.from_params({}, policy)
+
+
+# The review's reproduction (security_review_t4.md, section 2): pods of the user's image under a service account and
+# in a namespace of the user's choosing, with any connection's login and password as storage keys.
+ON_S3 = {"storage_root": "s3://gpt-finetune/x"}
+KUBERNETES = {**ON_S3, "backend": "kubernetes"}
+SSH = {**ON_S3, "backend": "ssh", "ssh_conn_ids": ["tfmw_ssh_host_0"]}
+ALERTS = {**ON_S3, "alert_conn_id": "alerts_smtp", "alert_emails": ["ops@example.com"]}
+
+
+@pytest.mark.parametrize("params, fragments", [
+    ({**KUBERNETES, "image": "attacker.example/evil:latest"},
+     ["'image' = 'attacker.example/evil:latest'", "GPT_FINETUNE_IMAGE_PREFIXES=gpt-finetune-trainer:"]),
+    ({**KUBERNETES, "service_account": "cluster-admin"},
+     ["'service_account' = 'cluster-admin'", "GPT_FINETUNE_SERVICE_ACCOUNTS=(none)"]),
+    ({**KUBERNETES, "namespace": "attacker-team"},
+     ["'namespace' = 'attacker-team'", "GPT_FINETUNE_NAMESPACES=default"]),
+    ({**KUBERNETES, "kubernetes_conn_id": "other_cluster"},
+     ["'kubernetes_conn_id' = 'other_cluster'", "GPT_FINETUNE_KUBERNETES_CONN_IDS"]),
+    ({**ON_S3, "storage_conn_id": "metadata_db"},
+     ["'storage_conn_id' = 'metadata_db'", "GPT_FINETUNE_STORAGE_CONN_IDS=minio_s3"]),
+    ({**SSH, "ssh_conn_ids": ["other_team_gpu"]},
+     ["'ssh_conn_ids' has 'other_team_gpu'", "GPT_FINETUNE_SSH_CONN_IDS=(none)"]),
+    ({**ALERTS, "alert_conn_id": "other_smtp"}, ["'alert_conn_id' = 'other_smtp'", "GPT_FINETUNE_ALERT_CONN_IDS"]),
+])
+def test_execution_and_credential_settings_outside_the_defaults_are_refused_by_name(operator_policy, params,
+                                                                                    fragments):
+    """Each allow-list defaults to the deployment's own value, never to anything."""
+    with pytest.raises(ConfigError) as error:
+        RunConfig.from_params(params)
+    message = str(error.value)
+    assert "outside the" in message and "this deployment allows" in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_alert_recipients_outside_the_allowed_domains_are_refused(operator_policy, monkeypatch):
+    monkeypatch.setenv("GPT_FINETUNE_ALERT_CONN_IDS", "alerts_smtp")
+    monkeypatch.setenv("GPT_FINETUNE_ALERT_DOMAINS", "example.com, *.example.org")
+    allowed = ["ops@example.com", "ML@Example.COM", "a@ml.example.org"]
+    assert RunConfig.from_params({**ALERTS, "alert_emails": allowed}).alert_emails == tuple(allowed)
+    for address in ("x@attacker.example", "x@example.com.attacker.example", "x@example.org"):
+        with pytest.raises(ConfigError, match=rf"'alert_emails' has '{address}', which is outside the recipient "
+                                              r"domains this deployment allows \(GPT_FINETUNE_ALERT_DOMAINS="
+                                              r"example.com,\*.example.org\)"):
+            RunConfig.from_params({**ALERTS, "alert_emails": ["ops@example.com", address]})
+
+
+def test_operator_lists_take_exact_values_patterns_and_image_prefixes_at_a_boundary(operator_policy, monkeypatch):
+    monkeypatch.setenv("GPT_FINETUNE_IMAGE_PREFIXES", "registry.example.com/ml, gpt-finetune-trainer:")
+    monkeypatch.setenv("GPT_FINETUNE_NAMESPACES", "ml-team")
+    monkeypatch.setenv("GPT_FINETUNE_SERVICE_ACCOUNTS", "trainer")
+    monkeypatch.setenv("GPT_FINETUNE_SSH_CONN_IDS", "tfmw_ssh_*")
+    monkeypatch.setenv("GPT_FINETUNE_REMOTE_PYTHONS", "/opt/*/bin/python")
+    pods = {**KUBERNETES, "namespace": "ml-team", "service_account": "trainer"}
+    for image in ("registry.example.com/ml/trainer:1", "registry.example.com/ml:2", "gpt-finetune-trainer:dev"):
+        assert RunConfig.from_params({**pods, "image": image}).image == image
+    for image in ("registry.example.com/ml-other/trainer:1", "registry.example.com/mlx", "gpt-finetune-trainer-x:1"):
+        with pytest.raises(ConfigError, match=f"'image' = '{image}' is outside the images"):
+            RunConfig.from_params({**pods, "image": image})
+    with pytest.raises(ConfigError, match="'namespace' = 'default' is outside"):  # the list replaces the default
+        RunConfig.from_params({**pods, "namespace": "default"})
+    hosts = {**SSH, "ssh_conn_ids": ["tfmw_ssh_a", "tfmw_ssh_b"], "remote_python": "/opt/venv/bin/python"}
+    assert RunConfig.from_params(hosts).ssh_conn_ids == ("tfmw_ssh_a", "tfmw_ssh_b")
+    with pytest.raises(ConfigError, match="'remote_python' = '/tmp/any/python' is outside the remote interpreters "
+                                          r"this deployment allows \(GPT_FINETUNE_REMOTE_PYTHONS=/opt/\*/bin/python\)"):
+        RunConfig.from_params({**hosts, "remote_python": "/tmp/any/python"})
+    with pytest.raises(ConfigError, match="'remote_python' = '/opt/../tmp/bin/python' contains '..'"):
+        RunConfig.from_params({**hosts, "remote_python": "/opt/../tmp/bin/python"})
+
+
+def test_the_defaults_are_the_deployment_s_own_values_and_a_backend_s_settings_count_only_when_used(
+        operator_policy):
+    """Unset variables give the lists' defaults, which hold RunConfig's defaults; empty settings name nothing and
+    pass. The Kubernetes and SSH settings of a run on another backend are never read, so an operator's narrower lists
+    do not refuse them."""
+    policy = AccessPolicy.from_env({})
+    assert policy == AccessPolicy(policy.data_roots, frozenset())
+    defaults = {spec.name: spec.default for spec in dataclasses.fields(RunConfig)}
+    assert defaults["image"].startswith(policy.image_prefixes[0]) and (defaults["namespace"],) == policy.namespaces
+    RunConfig.from_params(KUBERNETES)  # every default, on the backend that reads the most of them
+    RunConfig.from_params({**ON_S3, "namespace": "attacker-team", "image": "attacker.example/evil:latest"})
