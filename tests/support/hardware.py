@@ -20,11 +20,11 @@ def nvidia_gpus() -> list[tuple[int, str]]:
 
 
 def assert_gpu_check_matches_this_machine(gpu_check: dict) -> None:
-    """A release's NVML check: every GPU of the machine inspected and none held by the run, or, without a GPU,
-    nothing to verify."""
+    """A release's NVML check: every GPU of the machine inspected, none held by the run and none NVML could not
+    vouch for, or, without a GPU, nothing to verify."""
     gpus = nvidia_gpus()
     if not gpus:
         assert gpu_check["nvml"] is False and "no GPU to verify" in gpu_check["note"], gpu_check
         return
-    assert gpu_check["nvml"] is True and gpu_check["held_by_run"] == [], gpu_check
+    assert gpu_check["nvml"] is True and gpu_check["held_by_run"] == gpu_check["unverified"] == [], gpu_check
     assert [device["gpu"] for device in gpu_check["devices"]] == [index for index, _ in gpus], gpu_check
