@@ -112,6 +112,10 @@ PARAMS = {
     "bpe_sample_mb": Param(256, type="integer", minimum=1, maximum=1048576, title="BPE sample (MB)",
                            description="tokenizer bpe:<n>: train on at most this much training text, sampled evenly "
                                        "over the corpus (BPE training memory grows with the text it counts)."),
+    "max_document_mb": Param(4, type="integer", minimum=1, maximum=1024, title="Longest document (MB)",
+                             description="A paragraph, JSON line or Parquet cell longer than this is cut into "
+                                         "several documents (prepare's memory stays bounded); a JSON line over 4x "
+                                         "this is refused."),
     "checkpoint_every_steps": Param(20, type="integer", minimum=1, maximum=10_000_000,
                                     title="Checkpoint interval (steps)"),
     "communication": Param("auto", type="string", enum=["auto", "ring", "nccl"], title="Collective implementation"),

@@ -13,17 +13,25 @@ JSON Lines: one document per non-blank line, the string in `text_column` (null r
 offset. Parquet: one document per row of `text_column`, read a row group range at a time with only that column,
 keyed by the row's index in the file. Reads go to storage in chunks of exactly what is needed (fsspec with no read-ahead
 cache), so the bytes fetched are the unit's plus a few KiB of boundary scans; `SourceReader.fetched` counts them.
+
+Documents are bounded by `max_document_bytes` (the setting `max_document_mb`, in the fingerprint), so that one huge
+paragraph, line or cell never sits whole in memory. A paragraph is cut at each multiple M of the cap it crosses
+(moved on to the next character's first byte), when no paragraph break lies in the `lookback` bytes before
+(min(cap, 64 KiB)): a cut depends only on the bytes around it, so any unit finds the same ones, and no piece is
+longer than about cap + lookback. Each piece is a document keyed by its own offset. A JSON line or Parquet cell over
+the cap is read whole and its text cut into pieces of at most the cap (at character boundaries), all keyed by the
+line or row; a JSON line over `JSON_LINE_FACTOR` caps is refused, as is JSON nested deeper than the parser allows.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Self
-
-import numpy as np
 
 from tasks.dataset.errors import SourceError
 from tasks.dataset.sources import SourceFile
@@ -38,6 +46,12 @@ PARQUET_BUFFER_BYTES = 8 << 20  # pyarrow reads a column chunk in pieces of this
 _NEWLINE = re.compile(rb"[\r\n]")
 _CONTENT = re.compile(rb"[^\r\n]")
 _LINE_END = re.compile(rb"\n")
+_NEWLINE_RUN = re.compile(rb"[\r\n]{2,}")  # a paragraph break unless it is exactly one \r\n
+_BREAK = re.compile(rb"[\r\n]{3}|\n\n|\r\r|\n\r")  # found inside a window: it holds a paragraph break
+DEFAULT_MAX_DOCUMENT_BYTES = 4 << 20  # RunConfig.max_document_mb's default
+LOOKBACK_BYTES = 64 << 10
+JSON_LINE_FACTOR = 4  # a JSON line is read whole up to this many caps
+_CUT_HEAD = 8  # a cut moves past at most this many bytes (continuation bytes, a \r\n) to a character's start
 _STRING_TYPES = ("string", "large_string", "string_view")
 
 
@@ -78,6 +92,16 @@ class SourceReader:
             self._buffer += more
         return self._buffer[offset - self._start:max(offset, end) - self._start]
 
+    def peek(self, offset: int, length: int) -> bytes:
+        """Bytes at `offset` without moving the kept bytes (a look behind a cut): from them when they hold it."""
+        offset, end = max(0, offset), min(offset + length, self.source.size)
+        if self._start <= offset and end <= self._start + len(self._buffer):
+            return self._buffer[offset - self._start:end - self._start]
+        self._file.seek(offset)
+        data = self._file.read(max(0, end - offset))
+        self.fetched += len(data)
+        return data
+
     # -- the file protocol pyarrow uses ---------------------------------------------------------------------------
 
     def read(self, length: int = -1) -> bytes:
@@ -113,15 +137,20 @@ class SourceReader:
         self.close()
 
 
-def read_documents(reader: SourceReader, kind: str, start: int, end: int, text_column: str) -> Iterator[DocumentChunk]:
-    """The documents of `reader`'s file that start in [start, end) (bytes; row groups for Parquet), in chunks."""
+def read_documents(reader: SourceReader, kind: str, start: int, end: int, text_column: str,
+                   max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES) -> Iterator[DocumentChunk]:
+    """The documents of `reader`'s file that start in [start, end) (bytes; row groups for Parquet), in chunks, none
+    longer than about `max_document_bytes` (the module's docstring says how they are cut)."""
+    cap = max(1, max_document_bytes)
     if kind == "text":
-        yield from _ranged(reader, start, end, next_document_start, _paragraphs)
+        cuts = _Cuts(reader, cap)
+        yield from _ranged(reader, start, end, lambda r, pos, size: next_document_start(r, pos, size, cuts),
+                           lambda raw, base, url: _paragraphs(raw, base, url, cuts))
     elif kind == "jsonl":
-        yield from _ranged(reader, start, end, next_line_start, lambda raw, base, url: _json_lines(
-            raw, base, url, text_column))
+        yield from _ranged(reader, start, end, lambda r, pos, size: next_line_start(r, pos, size, cap),
+                           lambda raw, base, url: _json_lines(raw, base, url, text_column, cap))
     else:
-        yield from _parquet_rows(reader, start, end, text_column)
+        yield from _parquet_rows(reader, start, end, text_column, cap)
 
 
 # -- text -------------------------------------------------------------------------------------------------------
@@ -138,13 +167,30 @@ def _find(reader: SourceReader, pattern: re.Pattern[bytes], start: int, size: in
     return size
 
 
-def next_document_start(reader: SourceReader, pos: int, size: int) -> int:
-    """The offset of the first paragraph that starts at or after `pos`; `size` when none does.
+def next_document_start(reader: SourceReader, pos: int, size: int, cuts: _Cuts | None = None) -> int:
+    """The offset of the first document (a paragraph, or a piece of one at a cut) that starts at or after `pos`;
+    `size` when none does. Without `cuts`, paragraphs only. With them the scan never goes further than the next
+    cut's grid point, so a unit inside a huge paragraph finds its first document within about one cap."""
+    if cuts is None:
+        return _paragraph_start(reader, pos, size, size)
+    low = pos
+    while low < size:
+        high = min(size, low + max(cuts.cap, SCAN_BYTES))
+        start = _paragraph_start(reader, low, size, high)
+        found = cuts.within(low - 1, high)  # every cut in [low, high)
+        if found or start < high:
+            return min([start, *found])
+        low = high
+    return size
 
-    The state of `split("\\n\\n")` at a byte depends only on the newline run it is in or follows, so the scan
+
+def _paragraph_start(reader: SourceReader, pos: int, size: int, limit: int) -> int:
+    """The offset of the first paragraph that starts in [pos, limit); `limit` when none does (limit <= size).
+
+    The state of `split("\n\n")` at a byte depends only on the newline run it is in or follows, so the scan
     backs up to that run's first byte (or the file's start) and replays from there."""
-    if pos >= size:
-        return size
+    if pos >= limit:
+        return limit
     begin = pos
     while begin > 0:
         window_start = max(0, begin - SCAN_BYTES)
@@ -155,47 +201,95 @@ def next_document_start(reader: SourceReader, pos: int, size: int) -> int:
             break
     at_file_start = begin == 0
     cursor = begin
-    while cursor < size:
-        run_start = _find(reader, _NEWLINE, cursor, size)
+    while cursor < limit:
+        run_start = _find(reader, _NEWLINE, cursor, limit)
         if run_start > cursor:  # text before the run: a paragraph is open
             if at_file_start:
                 return 0
             at_file_start = False
-        if run_start >= size:
-            return size
-        run_end = _find(reader, _CONTENT, run_start, size)
+        if run_start >= limit:
+            return limit
+        # A run that goes on past limit + 2 starts its paragraph past limit, whatever its length: no need to see it all
+        run_end = _find(reader, _CONTENT, run_start, min(size, limit + 2))
         run = reader.read_at(run_start, run_end - run_start)
         newlines = len(run) - run.count(b"\r\n")
         if at_file_start or newlines >= 2:
             # Pairs of newlines end paragraphs; an odd last one starts the next paragraph, else its first byte does.
             start = run_end - (2 if run.endswith(b"\r\n") else 1) if newlines % 2 else run_end
             if pos <= start < size:
-                return start
+                return min(start, limit)
         at_file_start = False
         cursor = run_end
-    return size
+    return limit
 
 
-def _paragraphs(raw: bytes, base: int, url: str) -> DocumentChunk:
-    """The paragraphs of `raw`, which starts at a paragraph's first byte `base` of file `url` and ends at another's
-    (or at the end of the file), keyed by the file offset of their first byte."""
+class _Cuts:
+    """Where a text file's long paragraphs are cut: at grid point g (a multiple of `cap`), the first byte at or
+    after g that starts a character other than a newline, when the `lookback` bytes before it hold no paragraph
+    break. A pure function of the file's bytes, remembered per grid point."""
+
+    def __init__(self, reader: SourceReader, cap: int) -> None:
+        self.reader, self.cap = reader, cap
+        self.lookback = min(cap, LOOKBACK_BYTES)
+        self._known: dict[int, int | None] = {}
+
+    def at(self, grid: int) -> int | None:
+        if grid not in self._known:
+            self._known[grid] = self._find(grid)
+        return self._known[grid]
+
+    def _find(self, grid: int) -> int | None:
+        if grid <= 0 or grid >= self.reader.source.size:
+            return None
+        head = self.reader.peek(grid, _CUT_HEAD)
+        offset = next((i for i, byte in enumerate(head) if byte not in (10, 13) and not 0x80 <= byte < 0xC0), None)
+        if offset is None or grid + offset >= self.reader.source.size:
+            return None
+        cut = grid + offset
+        seen = 0  # the window backwards, a scan's worth first: ordinary text has a break within a few KiB
+        while seen < self.lookback:
+            step = min(SCAN_BYTES, self.lookback - seen)
+            # one byte of overlap, so a break across two steps is seen
+            window = self.reader.peek(cut - seen - step, step + min(seen, 2))
+            if _BREAK.search(window):
+                return None
+            seen += step
+        return cut
+
+    def within(self, low: int, high: int) -> list[int]:
+        """The cuts c with low < c < high (file offsets)."""
+        first = max(self.cap, (max(low - _CUT_HEAD, 0) // self.cap) * self.cap)
+        found = (self.at(grid) for grid in range(first, high, self.cap))
+        return sorted({cut for cut in found if cut is not None and low < cut < high})  # two grids, one cut
+
+
+def _paragraph_spans(raw: bytes) -> Iterator[tuple[int, int]]:
+    """[start, end) in `raw` of each non-empty paragraph, as `split("\n\n")` after universal newlines finds them
+    (`raw` starts at a document's first byte)."""
+    start = 0
+    for run in _NEWLINE_RUN.finditer(raw):
+        chars = run.group()
+        if chars == b"\r\n":
+            continue
+        if run.start() > start:
+            yield start, run.start()
+        newlines = len(chars) - chars.count(b"\r\n")
+        start = run.end() - (2 if chars.endswith(b"\r\n") else 1) if newlines % 2 else run.end()
+    if len(raw) > start:
+        yield start, len(raw)
+
+
+def _paragraphs(raw: bytes, base: int, url: str, cuts: _Cuts | None = None) -> DocumentChunk:
+    """The paragraphs of `raw` (pieces of them at `cuts`), which starts at a document's first byte `base` of file
+    `url` and ends at another's (or at the end of the file), keyed by the file offset of their first byte."""
     _check_utf8(raw, base, url)
-    consumed = len(raw)
-    crlf_positions = None
-    if b"\r" in raw:
-        octets = np.frombuffer(raw, np.uint8)
-        pairs = np.flatnonzero((octets[:-1] == 13) & (octets[1:] == 10))
-        crlf_positions = pairs - np.arange(len(pairs))  # where each \r\n's \n lands once they are normalized
-        raw = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-    keys, texts, offset = [], [], 0
-    for piece in raw.split(b"\n\n"):
-        if piece:
-            keys.append(offset)
-            texts.append(piece.decode("utf-8"))
-        offset += len(piece) + 2
-    if crlf_positions is not None and len(crlf_positions):
-        keys = (np.asarray(keys, dtype=np.int64) + np.searchsorted(crlf_positions, keys, side="left")).tolist()
-    return DocumentChunk([base + key for key in keys], texts, consumed)
+    keys, texts = [], []
+    for start, end in _paragraph_spans(raw):
+        bounds = [start, *(cut - base for cut in (cuts.within(base + start, base + end) if cuts else ())), end]
+        for low, high in itertools.pairwise(bounds):
+            keys.append(base + low)
+            texts.append(raw[low:high].replace(b"\r\n", b"\n").replace(b"\r", b"\n").decode("utf-8"))
+    return DocumentChunk(keys, texts, len(raw))
 
 
 def _check_utf8(raw: bytes, base: int, url: str) -> None:
@@ -225,22 +319,56 @@ def _ranged(reader: SourceReader, start: int, end: int, next_start, parse) -> It
 # -- JSON Lines -------------------------------------------------------------------------------------------------
 
 
-def next_line_start(reader: SourceReader, pos: int, size: int) -> int:
-    """The offset of the first line that starts at or after `pos`."""
+def next_line_start(reader: SourceReader, pos: int, size: int, cap: int = DEFAULT_MAX_DOCUMENT_BYTES) -> int:
+    """The offset of the first line that starts at or after `pos`; the scan stops after `JSON_LINE_FACTOR` caps,
+    refusing the line that is longer."""
     if pos <= 0:
         return 0
-    return min(_find(reader, _LINE_END, pos - 1, size) + 1, size)
+    limit = JSON_LINE_FACTOR * cap
+    bound = min(size, pos + limit)
+    end = _find(reader, _LINE_END, pos - 1, bound)
+    if end >= bound and bound < size:
+        raise SourceError(_long_line(reader.source.url, pos, cap))
+    return min(end + 1, size)
 
 
-def _json_lines(raw: bytes, base: int, url: str, column: str) -> DocumentChunk:
+def _long_line(url: str, offset: int, cap: int) -> str:
+    return (f"Source file {url}: the line at or before byte {offset} is longer than {JSON_LINE_FACTOR * cap} bytes "
+            f"({JSON_LINE_FACTOR} x the setting 'max_document_mb'), too long to read as one JSON object: split the "
+            "record, or raise 'max_document_mb'.")
+
+
+def _json_lines(raw: bytes, base: int, url: str, column: str, cap: int = DEFAULT_MAX_DOCUMENT_BYTES) -> \
+        DocumentChunk:
     _check_utf8(raw, base, url)
     keys, texts, offset = [], [], 0
     for line in raw.split(b"\n"):
+        if len(line) > JSON_LINE_FACTOR * cap:
+            raise SourceError(_long_line(url, base + offset, cap))
         if line.strip():
-            keys.append(base + offset)
-            texts.append(_text_of(line, base + offset, url, column))
+            pieces = split_text(_text_of(line, base + offset, url, column), cap)
+            keys += [base + offset] * len(pieces)
+            texts += pieces
         offset += len(line) + 1
     return DocumentChunk(keys, texts, len(raw))
+
+
+def split_text(text: str, cap: int) -> list[str]:
+    """`text` in pieces of at most `cap` UTF-8 bytes, cut at character boundaries (itself when it fits)."""
+    if len(text) * 4 <= cap:
+        return [text]
+    data = text.encode("utf-8")
+    if len(data) <= cap:
+        return [text]
+    pieces, start = [], 0
+    while start < len(data):
+        end = min(start + cap, len(data))
+        while end < len(data) and 0x80 <= data[end] < 0xC0:  # never inside a character
+            end -= 1
+        end = end if end > start else min(start + 4, len(data))  # a cap below one character: one character
+        pieces.append(data[start:end].decode("utf-8"))
+        start = end
+    return pieces
 
 
 def _text_of(line: bytes, offset: int, url: str, column: str) -> str:
@@ -249,6 +377,9 @@ def _text_of(line: bytes, offset: int, url: str, column: str) -> str:
     except ValueError as error:
         raise SourceError(f"Source file {url}: the line at byte {offset} is not JSON ({error}). JSON Lines files "
                           "hold one JSON object per line.") from None
+    except RecursionError:
+        raise SourceError(f"Source file {url}: the line at byte {offset} is JSON nested deeper than the parser "
+                          f"allows (about {sys.getrecursionlimit()} levels): flatten the record.") from None
     if not isinstance(row, dict):
         hint = " (a JSON array file: convert it with `jq -c '.[]' in.json > out.jsonl`)" if \
             isinstance(row, list) else ""
@@ -294,7 +425,8 @@ def parquet_layout(reader: SourceReader, column: str) -> list[dict[str, int]]:
             for g in range(metadata.num_row_groups)]
 
 
-def _parquet_rows(reader: SourceReader, first: int, end: int, column: str) -> Iterator[DocumentChunk]:
+def _parquet_rows(reader: SourceReader, first: int, end: int, column: str,
+                  cap: int = DEFAULT_MAX_DOCUMENT_BYTES) -> Iterator[DocumentChunk]:
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(reader, buffer_size=PARQUET_BUFFER_BYTES, pre_buffer=False)
@@ -307,5 +439,7 @@ def _parquet_rows(reader: SourceReader, first: int, end: int, column: str) -> It
         for batch in parquet.iter_batches(batch_size=rows_per_batch, row_groups=[group], columns=[column],
                                           use_threads=False):
             texts: list[Any] = batch.column(0).to_pylist()
-            yield DocumentChunk(list(range(row, row + len(texts))), [text or "" for text in texts], len(texts))
+            pieces = [split_text(text or "", cap) for text in texts]
+            yield DocumentChunk([row + i for i, cell in enumerate(pieces) for _ in cell],
+                                [piece for cell in pieces for piece in cell], len(texts))
             row += len(texts)

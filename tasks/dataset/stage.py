@@ -119,6 +119,7 @@ def packing_settings(cfg: RunConfig, sources: Sources, plan: TokenizerPlan) -> d
         "num_shards": cfg.effective_num_shards,
         "max_validation_shards": cfg.num_workers,
         "sequences_per_record": max(1, RECORD_TARGET_BYTES // (cfg.block_size * itemsize)),
+        "max_document_bytes": cfg.max_document_mb << 20,  # where long documents are cut (tasks/dataset/readers.py)
     }
 
 
@@ -160,7 +161,8 @@ def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: f
     job = UnitJob(plan_id=plan_id, work_url=work, tokenizer_dir=tokenizer_dir, kind=sources.kind,
                   text_column=cfg.text_column, seed=cfg.seed, val_fraction=cfg.val_fraction,
                   dtype=tokenizer_plan.dtype, eos_token=tokenizer.eos_token, eos_id=tokenizer.eos_token_id,
-                  joined=joins_at_eos(backend, tokenizer.eos_token), sources=sources.files)
+                  joined=joins_at_eos(backend, tokenizer.eos_token), sources=sources.files,
+                  max_document_bytes=cfg.max_document_mb << 20)
     log.info("%d unit(s) of about %s in %d lane(s)%s%s", len(units),
              human_bytes(sources.total_bytes / max(len(units), 1)),
              len(dealt), "" if len(dealt) == 1 else " (one mapped task each)",

@@ -190,7 +190,8 @@ def sample_training_texts(sources: Sources, cfg: RunConfig, cap_bytes: int, coun
             for index, (start, end) in enumerate(windows):
                 if rate < 1.0 and window_draw(cfg.seed, source.relpath, index) >= rate:
                     continue
-                for chunk in read_documents(reader, sources.kind, start, end, cfg.text_column):
+                for chunk in read_documents(reader, sources.kind, start, end, cfg.text_column,
+                                            cfg.max_document_mb << 20):
                     held_out = [u < cfg.val_fraction for u in draws.draws(chunk.keys)]
                     texts = [text for text, out in zip(chunk.texts, held_out, strict=True) if text and not out]
                     room = cap_bytes - counted.bytes

@@ -26,7 +26,13 @@ import numpy as np
 
 from tasks.dataset.encode import SPLITS, Encoder, EncodeStats
 from tasks.dataset.errors import SourceError
-from tasks.dataset.readers import DocumentChunk, SourceReader, parquet_layout, read_documents
+from tasks.dataset.readers import (
+    DEFAULT_MAX_DOCUMENT_BYTES,
+    DocumentChunk,
+    SourceReader,
+    parquet_layout,
+    read_documents,
+)
 from tasks.dataset.sources import SourceFile, Sources, check_unchanged
 from tasks.dataset.split import DocumentDraws
 from tasks.dataset.tokenizer import load_backend
@@ -163,6 +169,7 @@ class UnitJob:
     eos_id: int
     joined: bool
     sources: tuple[SourceFile, ...]
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> UnitJob:
@@ -260,7 +267,8 @@ class _UnitChunks:
             check_unchanged(source)
             draws = DocumentDraws(job.seed, source.relpath)
             with SourceReader(source) as reader:
-                for chunk in read_documents(reader, job.kind, part.start, part.end, job.text_column):
+                for chunk in read_documents(reader, job.kind, part.start, part.end, job.text_column,
+                                            job.max_document_bytes):
                     yield chunk, draws
                 self.fetched += reader.fetched
             check_unchanged(source)

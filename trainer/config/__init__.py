@@ -63,10 +63,12 @@ class RunConfig:
     seed: int = 1234
     val_fraction: float = 0.05
     num_shards: int = 0
-    # prepare (tasks/dataset): mapped tasks (0 = from the corpus size, 1 = one task), unit size, BPE sample
+    # prepare (tasks/dataset): mapped tasks (0 = from the corpus size, 1 = one task), unit size, BPE sample, and the
+    # longest document (a longer paragraph, JSON line or Parquet cell is cut into several: tasks/dataset/readers.py)
     prepare_tasks: int = 0
     prepare_unit_mb: int = 0
     bpe_sample_mb: int = 256
+    max_document_mb: int = 4
     checkpoint_every_steps: int = 20
     communication: str = "auto"
     # Gradient communication (trainer/allreduce.py): the dtype on the wire and the all-reduce pack size (0 = one).

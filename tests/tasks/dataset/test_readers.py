@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from tasks.dataset.errors import SourceError
-from tasks.dataset.readers import SourceReader, parquet_layout, read_documents
+from tasks.dataset.readers import (
+    DEFAULT_MAX_DOCUMENT_BYTES,
+    LOOKBACK_BYTES,
+    SourceReader,
+    parquet_layout,
+    read_documents,
+    split_text,
+)
 from tasks.dataset.sources import SourceFile
 
 
@@ -20,12 +27,13 @@ def _source(path: Path) -> SourceFile:
     return SourceFile(str(path), path.stat().st_size, "", path.name)
 
 
-def _read(path: Path, kind: str, cuts: list[int], column: str = "text") -> list[tuple[int, str]]:
+def _read(path: Path, kind: str, cuts: list[int], column: str = "text", cap: int | None = None) -> \
+        list[tuple[int, str]]:
     bounds = [0, *cuts, _source(path).size if kind != "parquet" else cuts[-1]]
     documents = []
     for start, end in itertools.pairwise(bounds):
         with SourceReader(_source(path)) as reader:
-            for chunk in read_documents(reader, kind, start, end, column):
+            for chunk in read_documents(reader, kind, start, end, column, *([cap] if cap else [])):
                 assert all(start <= key < end for key in chunk.keys) or kind == "parquet"
                 documents += zip(chunk.keys, chunk.texts, strict=True)
     return documents
@@ -138,3 +146,111 @@ def test_the_bytes_fetched_are_the_ranges_bytes(tmp_path):
             fetched += reader.fetched
     print(f"\n4 ranges of {size / 2**20 / 4:.1f} MiB: fetched {fetched / size:.4f}x the file")
     assert size <= fetched <= 1.01 * size
+
+
+# -- documents bounded by max_document_mb (issue 37, review finding 8) -----------------------------------------
+
+
+def _pieces_make_paragraphs(pieces: list[str], paragraphs: list[str]) -> bool:
+    """Consecutive pieces concatenate to each paragraph in turn, nothing left over."""
+    at = 0
+    for paragraph in paragraphs:
+        joined = ""
+        while len(joined) < len(paragraph) and at < len(pieces):
+            joined += pieces[at]
+            at += 1
+        if joined != paragraph:
+            return False
+    return at == len(pieces)
+
+
+LONG_PIECES = [*PIECES, "word " * 9, "€" * 7, "x" * 23, "😀😀😀"]
+
+
+@pytest.mark.parametrize("cap", [4, 8, 16, 64])
+def test_a_paragraph_over_the_cap_is_cut_the_same_way_by_every_cut_of_the_file(tmp_path, cap):
+    rng = random.Random(cap)
+    limit = cap + min(cap, LOOKBACK_BYTES) + 10
+    for trial in range(120):
+        raw = "".join(rng.choice(LONG_PIECES if rng.random() < 0.8 else PIECES)
+                      for _ in range(rng.randint(0, 25))).encode("utf-8")
+        path = tmp_path / f"t{trial}.txt"
+        path.write_bytes(raw)
+        whole = _read(path, "text", [], cap=cap)
+        assert _pieces_make_paragraphs([text for _, text in whole], _paragraphs(raw)), (raw, whole)
+        assert all(len(text.encode()) <= limit for _, text in whole), (raw, whole)
+        assert [key for key, _ in whole] == sorted({key for key, _ in whole})
+        for key, text in whole:
+            tail = raw[key:].decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+            assert tail.startswith(text), (raw, key, text)
+        if len(raw) > 1:
+            for cuts in [sorted(rng.sample(range(1, len(raw)), min(k, len(raw) - 1))) for k in (1, 3, 9)]:
+                assert _read(path, "text", cuts, cap=cap) == whole, (raw, cuts)
+
+
+def test_one_huge_paragraph_is_read_in_pieces_of_the_cap(tmp_path):
+    """The review's reproduction: 48 MiB without a blank line was one document, held whole (here 12 MiB)."""
+    path = tmp_path / "one_paragraph.txt"
+    with open(path, "wb") as f:
+        f.writelines(b"word " * 204 + b"\n" for _ in range(12 * 1024))
+    source = _source(path)
+    longest, total, documents = 0, 0, 0
+    for start, end in ((0, source.size // 2), (source.size // 2, source.size)):
+        with SourceReader(source) as reader:
+            for chunk in read_documents(reader, "text", start, end, "text"):
+                longest = max([longest, *map(len, chunk.texts)])
+                total += sum(map(len, chunk.texts))
+                documents += len(chunk.texts)
+    assert total == source.size and documents == 3
+    assert longest <= DEFAULT_MAX_DOCUMENT_BYTES + LOOKBACK_BYTES + 10
+
+
+def test_a_long_json_line_is_cut_into_pieces_with_its_key(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    rows = [{"body": "short"}, {"body": "€uro " * 30}, {"body": "end"}]
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n", encoding="utf-8")
+    whole = _read(path, "jsonl", [], column="body", cap=64)
+    raw = path.read_bytes()
+    second = raw.index(b"\n") + 1
+    assert [k for k, _ in whole] == [0] + [second] * 4 + [raw.rindex(b"{")]  # 210 bytes: 64 + 62 + 64 + 20
+    assert "".join(t for k, t in whole if k == second) == rows[1]["body"]
+    assert all(len(t.encode()) <= 64 for _, t in whole)
+    for cuts in ([second + 3], [second + 100, second + 200], list(range(1, len(raw), 29))):
+        assert _read(path, "jsonl", cuts, column="body", cap=64) == whole, cuts
+
+
+def test_a_json_line_over_four_caps_names_the_file_the_offset_and_the_setting(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"body": "a"}\n{"body": "' + "x" * 300 + '"}\n{"body": "b"}\n', encoding="utf-8")
+    message = r"rows.jsonl: the line at or before byte 14 is longer than 256 bytes .*'max_document_mb'"
+    with pytest.raises(SourceError, match=message):
+        _read(path, "jsonl", [], column="body", cap=64)
+    with pytest.raises(SourceError, match=r"rows.jsonl: the line at or before byte \d+ is longer than 256 bytes"):
+        _read(path, "jsonl", [40], column="body", cap=64)  # a unit starting inside it stops scanning, too
+
+
+def test_deep_json_names_the_file_and_the_offset(tmp_path):
+    """The review's reproduction: a line nested 100000 deep raised RecursionError."""
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": ' + "[" * 100000 + "\n")
+    with pytest.raises(SourceError, match=r"deep.jsonl: the line at byte 17 is JSON nested deeper than the parser"):
+        _read(path, "jsonl", [], cap=1 << 20)
+
+
+def test_a_parquet_cell_over_the_cap_is_cut_into_pieces_with_its_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "rows.parquet"
+    texts = ["small", "ü" * 100, None, "tail"]
+    pq.write_table(pa.table({"body": texts}), path, row_group_size=2)
+    whole = _read(path, "parquet", [2], column="body", cap=64)
+    assert [k for k, _ in whole] == [0, 1, 1, 1, 1, 2, 3]
+    assert "".join(t for k, t in whole if k == 1) == texts[1] and all(len(t.encode()) <= 64 for _, t in whole)
+
+
+@pytest.mark.parametrize("text, cap, pieces", [
+    ("abc", 2, ["ab", "c"]), ("€€", 4, ["€", "€"]), ("😀", 2, ["😀"]), ("", 3, [""]), ("ab", 2, ["ab"]),
+])
+def test_split_text_cuts_at_character_boundaries(text, cap, pieces):
+    assert split_text(text, cap) == pieces
