@@ -196,6 +196,9 @@ PARAMS = {
 }
 
 def alert_task_failure(context) -> None:
+    """Runs after the task runner reported the failure, inside Airflow's kill window for callbacks (about 25 s:
+    `[core] task_success_overtime` then SIGKILL); the alert is sent within tasks.alerts.ALERT_DEADLINE_S or given
+    up, logged and counted, and its settings are checked again there (they are the raw params)."""
     from tasks.alerts import alert_task_failure as alert
 
     alert(context)

@@ -109,3 +109,60 @@ class SmtpSink:
     def stop(self) -> None:
         if self._controller._thread is not None:  # stopped once already (a test took the server down)
             self._controller.stop()
+
+
+class StallingSmtpServer:
+    """A TCP server on 127.0.0.1 that accepts and then stops answering: at once (`stall_at=None`: no greeting, the
+    server that never answers), or at the first command starting with `stall_at` ("RCPT": greeting, EHLO and MAIL
+    answered). It holds every connection open until `stop()`; `connections` counts the accepted ones."""
+
+    def __init__(self, stall_at: str | None = None) -> None:
+        self.stall_at = stall_at.upper().encode() if stall_at else None
+        self._socket = socket.create_server(("127.0.0.1", 0))
+        self._socket.settimeout(0.2)
+        self.port = self._socket.getsockname()[1]
+        self.connections = 0
+        self._held: list[socket.socket] = []
+        self._running = True
+        self._thread = threading.Thread(target=self._accept, name="stalling-smtp", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while self._running:
+            try:
+                conn, _ = self._socket.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            self._held.append(conn)
+            if self.stall_at is not None:
+                threading.Thread(target=self._answer_until_stall, args=(conn,), daemon=True).start()
+
+    def _answer_until_stall(self, conn: socket.socket) -> None:
+        try:
+            conn.sendall(b"220 stalling\r\n")
+            for line in conn.makefile("rb"):
+                if line.upper().startswith(self.stall_at):
+                    return  # silent from here on, the connection held open
+                if line.upper().startswith(b"EHLO"):
+                    conn.sendall(b"250-stalling\r\n250 8BITMIME\r\n")
+                else:
+                    conn.sendall(b"250 ok\r\n")
+        except OSError:
+            return
+
+    def connection_uri(self, **extra: str) -> str:
+        """An `AIRFLOW_CONN_*` value: plain SMTP, the provider's defaults (timeout 30 s, 5 retries) unless `extra`
+        sets them."""
+        query = "&".join(f"{k}={v}" for k, v in {"disable_ssl": "true", "disable_tls": "true",
+                                                   "from_email": "airflow%40example.com", **extra}.items())
+        return f"smtp://127.0.0.1:{self.port}/?{query}"
+
+    def stop(self) -> None:
+        self._running = False
+        self._thread.join(timeout=2)
+        for conn in self._held:
+            conn.close()
+        self._socket.close()
