@@ -155,9 +155,10 @@ PARAMS = {
                        title="Kubernetes namespace", description="Namespace of the worker pods (a DNS label)."),
     "image": Param("gpt-finetune-trainer:2.21.0", type="string", title="Trainer image",
                    description="Image of the worker pods (docker/trainer.Dockerfile)."),
-    "gpus_per_worker": Param(0, type="integer", minimum=0, maximum=16, title="GPUs per pod",
+    "gpus_per_worker": Param(0, type="integer", minimum=0, maximum=1, title="GPUs per pod",
                              description="nvidia.com/gpu requested by each pod; 0 = one with use_gpu. Needs "
-                                         "use_gpu."),
+                                         "use_gpu. One GPU per worker: more are not supported yet, run more "
+                                         "workers instead."),
     "cpu": Param("", type=["null", "string"], title="CPU request per pod", description="e.g. 4 or 500m; empty: none."),
     "memory": Param("", type=["null", "string"], title="Memory request per pod",
                     description="e.g. 16Gi; empty: none."),

@@ -278,6 +278,7 @@ def run_figures(label: str, output: TrainOutput, summary: dict[str, Any], evalua
         "resumed_from_step": summary.get("resumed_from_step"),
         "hardware": summary.get("hardware", {}),
         "versions": summary.get("versions", {}),
+        "allreduce": summary.get("allreduce"),  # how its gradients crossed the network (trainer/allreduce.py)
     }
 
 

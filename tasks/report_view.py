@@ -112,6 +112,7 @@ def opening(report: dict[str, Any], released: str) -> Section:
     notes = Bullets((
         _paragraph(f"Speedup T1/TN: {fmt(_get(comparison, 'speedup'), '.2f', 'x')}; scaling efficiency "
                    f"(speedup / N): {fmt(_get(comparison, 'efficiency'), '.0f', '%', scale=100)}"),
+        *gradient_all_reduce(report),
         _paragraph(f"Eval loss delta (distributed - baseline): {nats(_get(comparison, 'loss_delta'))} nats "
                    f"(tolerance ±{fmt(_get(comparison, 'loss_tolerance'), '.4f')})"),
         _paragraph(KNOWN_WORDS_NOTE),
@@ -138,6 +139,22 @@ def gpu_memory(report: dict[str, Any]) -> tuple[Paragraph, ...]:
                         for name, run in shown)
     return (_paragraph(f"GPU memory of rank 0: {figures} (TensorFlow reserves nearly all of the GPU at start-up; "
                        "the peak is what training needed)"),)
+
+
+def gradient_all_reduce(report: dict[str, Any]) -> tuple[Paragraph, ...]:
+    """How the distributed run's gradients crossed the network (its summary's `allreduce`), when it says."""
+    allreduce = _dict(_dict(_dict(report, "runs"), "distributed"), "allreduce")
+    if not allreduce:
+        return ()
+    over = (f" over {text(allreduce['implementation']).upper()} ('communication' = "
+            f"'{text(_get(report, 'config', 'communication'))}')" if allreduce.get("implementation") else "")
+    packs = allreduce.get("packs")
+    if packs is None:
+        sent = "one worker: nothing crossed the network"
+    else:
+        sent = f"{text(packs)} pack(s) of >= {fmt(allreduce.get('pack_mb'), 'g')} MiB" + (
+            ", overlapping the backward pass" if allreduce.get("overlap") is True else "")
+    return (_paragraph(f"Gradient all-reduce: {text(allreduce.get('dtype'))}{over}, {sent}"),)
 
 
 def elastic_headline(report: dict[str, Any]) -> Line:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.log_policy import configure_worker_logging
+from trainer.config import ConfigError
 
 log = logging.getLogger("trainer.advisor")
 
@@ -172,7 +173,8 @@ def wire_packs(step: Mapping[str, Any], wire_dtype: str, pack_mb: float) -> list
 def levers(cfg, measured: Mapping[str, Any], step: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The asked count's predicted efficiency with each setting that changes communication's share, best first:
     bfloat16 on the wire, packs that overlap the backward pass (not with XLA, which releases every gradient at
-    once), and a 2x or 4x global batch (more accumulation steps: more tokens per all-reduce)."""
+    once), and a 2x or 4x global batch (more accumulation steps: more tokens per all-reduce). Only those the run's
+    config accepts with that setting changed: never one that cannot run (bfloat16 over NCCL, a batch past a limit)."""
     def efficiency(*, wire: str, pack_mb: float, scale: int) -> float:
         rows = predict(**{**measured, "single_step_s": measured["single_step_s"] * scale,
                           "tokens_per_step": measured["tokens_per_step"] * scale,
@@ -181,20 +183,29 @@ def levers(cfg, measured: Mapping[str, Any], step: Mapping[str, Any]) -> list[di
         return rows[cfg.num_workers - 1]["efficiency"]
 
     wire, pack_mb = cfg.allreduce_dtype, 0 if cfg.xla else cfg.allreduce_pack_mb
-    options = []
+    options = []  # (lever, setting, its new value, the prediction's inputs)
     if wire != "bfloat16":
-        options.append(("bfloat16 on the wire", "allreduce_dtype",
+        options.append(("bfloat16 on the wire", "allreduce_dtype", "bfloat16",
                         {"wire": "bfloat16", "pack_mb": pack_mb, "scale": 1}))
     if not pack_mb and not cfg.xla:
         options.append((f"{LEVER_PACK_MB} MiB packs that overlap the backward pass", "allreduce_pack_mb",
-                        {"wire": wire, "pack_mb": LEVER_PACK_MB, "scale": 1}))
+                        LEVER_PACK_MB, {"wire": wire, "pack_mb": LEVER_PACK_MB, "scale": 1}))
     for scale in (2, 4):
         options.append((f"a {scale}x global batch (more tokens per all-reduce)", "grad_accum_steps",
-                        {"wire": wire, "pack_mb": pack_mb, "scale": scale}))
+                        cfg.grad_accum_steps * scale, {"wire": wire, "pack_mb": pack_mb, "scale": scale}))
     now = efficiency(wire=wire, pack_mb=pack_mb, scale=1)
     found = [{"lever": name, "setting": setting, "efficiency": efficiency(**settings), "from_efficiency": now}
-             for name, setting, settings in options]
+             for name, setting, value, settings in options if _runs(cfg, setting, value)]
     return sorted(found, key=lambda lever: -lever["efficiency"])
+
+
+def _runs(cfg, setting: str, value: Any) -> bool:
+    """Whether the run's config accepts `setting` = `value` with everything else kept."""
+    try:
+        cfg.replace(**{setting: value})
+    except ConfigError:
+        return False
+    return True
 
 
 def lever_sentence(found: Sequence[Mapping[str, Any]]) -> str | None:

@@ -9,6 +9,9 @@
   pack) and all-reduces them in reverse variable order. In one graph with the backward pass, a pack starts as soon
   as its gradients exist, so communication hides behind the rest of the backward pass. Collectives run in program
   order (an ordering token), so the loss and norm reductions come after the gradients.
+- **Implementation**: the strategy, this all-reduce and the preflight's take their options from one builder
+  (`communication_options`), so the preflight's all-reduce carries the wire dtype over the implementation training
+  will use; NCCL cannot carry bfloat16, and the config refuses that pair before launch.
 - **Once**: the optimizer applies the reduced gradients with `skip_gradients_aggregation=True`; the packs TF logs
   while tracing are recorded (`PackRecorder`), so the summary and a test can see there is exactly one gradient
   all-reduce and how many packs it took.
@@ -65,19 +68,30 @@ class PackRecorder(logging.Handler):
         return packs[0] if packs else None
 
 
+def communication_options(cfg: Any, *, pack_mb: float = 0.0, timeout_s: int | None = None) -> Any:
+    """TF's options for `cfg`'s collectives: the implementation `communication` resolves to (RunConfig's
+    `collective_implementation`), packs of at least `pack_mb` MiB (0: one), and a timeout (None: none)."""
+    import tensorflow as tf
+
+    implementations = tf.distribute.experimental.CommunicationImplementation
+    return tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=int(pack_mb * 2**20), timeout_seconds=timeout_s,
+        implementation={"nccl": implementations.NCCL, "ring": implementations.RING}[cfg.collective_implementation])
+
+
 class GradientReducer:
     """Sums the per-replica gradients over all workers as the run's settings ask; call in a replica context."""
 
     def __init__(self, cfg: Any) -> None:
         import tensorflow as tf
 
-        self.dtype = cfg.allreduce_dtype
+        self.dtype, self.implementation = cfg.allreduce_dtype, cfg.collective_implementation
         # With XLA the whole backward pass is one compiled cluster that releases every gradient at once: packs
         # would overlap nothing, so one pack.
         self.pack_mb = 0.0 if cfg.xla else float(cfg.allreduce_pack_mb)
         self._wire = tf.bfloat16 if self.dtype == "bfloat16" else None
         # Call-level options: under XLA on GPUs TF skips the strategy's merge_call and reads only these.
-        self._options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=int(self.pack_mb * 2**20))
+        self._options = communication_options(cfg, pack_mb=self.pack_mb)
 
     def __call__(self, gradients: list[Any]) -> list[Any]:
         import tensorflow as tf
@@ -95,6 +109,7 @@ class GradientReducer:
         head = f"gradients: {len(variables)} tensors, {size:.2f} MiB in {self.dtype} per step"
         if packs is None:
             return f"{head}; one worker: nothing crosses the network"
+        head += f" over {self.implementation.upper()}"
         if xla:
             overlap = "XLA compiles the forward and backward passes, so the all-reduce follows them (no overlap)"
         elif packs and packs > 1:

@@ -12,6 +12,7 @@ import os
 import re
 
 from trainer import runtime
+from trainer.allreduce import communication_options
 from trainer.config import RunConfig
 
 
@@ -35,13 +36,7 @@ def create_strategy(cfg: RunConfig, multi_worker: bool, collective_timeout_s: in
         )
     if not multi_worker:
         return tf.distribute.get_strategy()
-    implementation = {
-        "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
-        "ring": tf.distribute.experimental.CommunicationImplementation.RING,
-        "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
-    }[cfg.communication]
-    options = tf.distribute.experimental.CommunicationOptions(implementation=implementation,
-                                                              timeout_seconds=collective_timeout_s)
+    options = communication_options(cfg, timeout_s=collective_timeout_s)
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     runtime.end_on_sigterm()
     return strategy

@@ -200,8 +200,8 @@ class TrainState:
             result = self._traced_step(micro_batches)
         variables, cfg = self.model.trainable_variables, self.cfg
         packs = recorder.gradient_packs(len(variables))
-        self.allreduce = {"dtype": self.reducer.dtype, "pack_mb": self.reducer.pack_mb, "packs": packs,
-                          "overlap": bool(packs and packs > 1)}
+        self.allreduce = {"implementation": self.reducer.implementation, "dtype": self.reducer.dtype,
+                          "pack_mb": self.reducer.pack_mb, "packs": packs, "overlap": bool(packs and packs > 1)}
         log.info("%s", self.reducer.describe(variables, packs, cfg.xla))
         return result
 

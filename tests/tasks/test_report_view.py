@@ -53,3 +53,27 @@ def test_gpu_memory_shows_tensorflows_peak_beside_the_memory_in_use_on_gpu_runs_
     assert ("GPU memory of rank 0: distributed peak 3,210 MiB used by TensorFlow, 139,812 MiB in use on the GPU; "
             "baseline peak 5,120 MiB used by TensorFlow, — in use on the GPU (TensorFlow reserves nearly all of "
             "the GPU at start-up; the peak is what training needed)") in render_markdown(data)
+
+
+def test_the_report_says_how_the_gradients_crossed_the_network():
+    """summary.json's `allreduce` (trainer/train.py) reaches the report through the run's figures (tasks/compare.py):
+    the implementation `communication` resolved to, the wire dtype and the packs."""
+    from tasks.compare import run_figures
+    from trainer.layout import TrainOutput
+
+    summary = {"num_workers": 2, "global_batch_size": 16, "steps": 4, "tokens_seen": 4096, "train_time_s": 2.0,
+               "wall_time_s": 3.0, "tokens_per_s": 2048.0, "final_loss": 5.0,
+               "allreduce": {"implementation": "nccl", "dtype": "float32", "pack_mb": 32.0, "packs": 3,
+                             "overlap": True}}
+    evaluation = {"eval_loss": 5.0, "perplexity": 148.4, "eval_tokens": 100, "eval_time_s": 1.0}
+    data = report()
+    data["runs"]["distributed"] = run_figures("distributed", TrainOutput("storage/run"), summary, evaluation)
+    data["config"] = {"communication": "auto"}
+    assert ("Gradient all-reduce: float32 over NCCL ('communication' = 'auto'), 3 pack(s) of >= 32 MiB, "
+            "overlapping the backward pass") in render_markdown(data)
+    data["runs"]["distributed"]["allreduce"] = {"implementation": "ring", "dtype": "bfloat16", "pack_mb": 0.0,
+                                                "packs": None, "overlap": False}
+    assert ("Gradient all-reduce: bfloat16 over RING ('communication' = 'auto'), one worker: nothing crossed the "
+            "network") in render_markdown(data)
+    del data["runs"]["distributed"]["allreduce"]  # a summary written before the field
+    assert "Gradient all-reduce" not in render_markdown(data)

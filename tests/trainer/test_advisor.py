@@ -100,6 +100,30 @@ def test_the_levers_name_the_one_that_helps_most_on_this_network():
     assert "raise efficiency" not in fast["recommendation"]
 
 
+def test_the_levers_never_offer_a_setting_the_run_cannot_take():
+    """NCCL cannot carry bfloat16 (the config refuses the pair), so a run on NCCL, `auto` with `use_gpu` among them,
+    is not told to put bfloat16 on the wire; nor is a run told to grow its batch past the accumulation limit."""
+    step = {"seconds_per_step": 0.2, "parameters": 25_000_000, "variable_parameters": [10_000_000] + [1_250_000] * 12,
+            "gradient_dtype": "float32", "source": "probe"}
+    slow = {"bandwidth": {"busbw_gbps": 0.1}, "latency": {"p50_ms": 0.5}}
+    workers = [{"rank": 0, "host": "a"}, {"rank": 1, "host": "b"}]
+
+    def settings(cfg):
+        advice = advisor.advise(cfg=cfg, collectives=slow, workers=workers, step=step)
+        return sorted(lever["setting"] for lever in advice["levers"]), advice["recommendation"]
+
+    for communication in ("auto", "nccl"):
+        offered, recommendation = settings(RunConfig(num_workers=2, use_gpu=True, communication=communication,
+                                                     allreduce_pack_mb=0))
+        assert offered == ["allreduce_pack_mb", "grad_accum_steps", "grad_accum_steps"], communication
+        assert "bfloat16" not in recommendation
+    offered, _ = settings(RunConfig(num_workers=2, use_gpu=True, communication="ring", allreduce_pack_mb=0))
+    assert "allreduce_dtype" in offered  # a ring carries bfloat16
+    near_the_limit = RunConfig(num_workers=2, grad_accum_steps=512, allreduce_dtype="bfloat16")
+    found = advisor.advise(cfg=near_the_limit, collectives=slow, workers=workers, step=step)["levers"]
+    assert [lever["lever"] for lever in found] == ["a 2x global batch (more tokens per all-reduce)"]
+
+
 def test_the_gate_fails_below_the_limit_with_the_table():
     advice = advisor.advise(
         cfg=RunConfig(num_workers=2, min_predicted_efficiency=0.9),

@@ -21,7 +21,8 @@ import pytest
 from tests.trainer.shards import write_dataset
 from tests.trainer.test_train import REPO, Job
 from trainer import advisor
-from trainer.allreduce import PackRecorder
+from trainer.allreduce import GradientReducer, PackRecorder
+from trainer.config import ConfigError, RunConfig
 
 STEPS = 60
 SETTINGS = {"max_steps": STEPS, "checkpoint_every_steps": STEPS, "warmup_steps": 6}
@@ -98,6 +99,24 @@ def test_the_recorder_reads_tfs_trace_line_and_refuses_a_second_gradient_all_red
         recorder.gradient_packs(148)
 
 
+def test_the_reducer_all_reduces_over_the_implementation_communication_resolves_to():
+    """`auto` with `use_gpu` is NCCL in the reducer's own call-level options too: TF's CommunicationOptions.merge
+    keeps a call-level implementation other than AUTO (tensorflow/python/distribute/collective_util.py:158-159 in the
+    2.21.0 wheel). bfloat16 never reaches NCCL: no reducer can be built for that pair, the config refuses it."""
+    import tensorflow as tf
+
+    implementations = tf.distribute.experimental.CommunicationImplementation
+    on_gpu = GradientReducer(RunConfig(use_gpu=True))
+    assert (on_gpu.implementation, on_gpu._options.implementation) == ("nccl", implementations.NCCL)
+    assert on_gpu._options.bytes_per_pack == 32 * 2**20  # the packs travel with the implementation
+    on_cpu = GradientReducer(RunConfig(allreduce_dtype="bfloat16"))
+    assert (on_cpu.implementation, on_cpu._options.implementation) == ("ring", implementations.RING)
+    ring_on_gpu = GradientReducer(RunConfig(use_gpu=True, communication="ring", allreduce_dtype="bfloat16"))
+    assert ring_on_gpu._options.implementation == implementations.RING
+    with pytest.raises(ConfigError, match="'allreduce_dtype' = 'bfloat16' cannot go over NCCL"):
+        GradientReducer(RunConfig(use_gpu=True, communication="nccl", allreduce_dtype="bfloat16"))
+
+
 def test_float32_on_the_wire_is_step_exact_with_the_baseline(jobs):
     baseline, pair = jobs["baseline"].losses(), jobs["float32"].losses()
     assert sorted(baseline) == sorted(pair) == list(range(1, STEPS + 1))
@@ -124,10 +143,11 @@ def test_the_gradients_cross_once_in_the_configured_packs(jobs):
         wire_bytes = 2 if dtype == "bfloat16" else 4
         expected = len(advisor.pack_sizes([n * wire_bytes for n in summary["variable_parameters"]],
                                           int(pack_mb * 2**20)))
-        assert summary["allreduce"] == {"dtype": dtype, "pack_mb": pack_mb, "packs": expected,
-                                        "overlap": expected > 1}, name
+        assert summary["allreduce"] == {"implementation": "ring", "dtype": dtype, "pack_mb": pack_mb,
+                                        "packs": expected, "overlap": expected > 1}, name
     assert jobs["bfloat16"].summary()["allreduce"]["packs"] > 1
     assert jobs["one_pack"].summary()["allreduce"]["packs"] == 1
     assert jobs["baseline"].summary()["allreduce"]["packs"] is None  # one worker: nothing crosses the network
     assert "gradients: " in jobs["bfloat16"].log(0) and "overlap the last micro-step's backward pass" in \
         jobs["bfloat16"].log(0)
+    assert "MiB in bfloat16 per step over RING in" in jobs["bfloat16"].log(0)

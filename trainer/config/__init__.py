@@ -27,7 +27,12 @@ from typing import Any
 
 from trainer.config.access import AccessPolicy
 from trainer.config.core import BPE_SPEC, MODEL_PRESETS, PROMOTED_MODEL, ConfigError, check_core_settings, coerce
-from trainer.config.launch import DEFAULT_TRAINER_IMAGE, check_launch_settings, exact_worker_counts
+from trainer.config.launch import (
+    DEFAULT_TRAINER_IMAGE,
+    check_launch_settings,
+    exact_worker_counts,
+    resolve_communication,
+)
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,11 @@ class RunConfig:
         return self.replace(num_workers=count, grad_accum_steps=slots // count,
                             min_workers=None if self.min_workers is None else min(self.min_workers, count),
                             **changes)
+
+    @property
+    def collective_implementation(self) -> str:
+        """What `communication` runs as: 'nccl' or 'ring' (`auto`: NCCL with `use_gpu`, else ring)."""
+        return resolve_communication(self.communication, self.use_gpu)
 
     @property
     def is_preset_model(self) -> bool:

@@ -50,7 +50,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "checkpoint_every_steps": (1, 10_000_000),
     "collective_timeout_s": (5, 86_400), "startup_timeout_s": (5, 86_400), "hang_timeout_s": (10, 7 * 86_400),
     "max_loss_rise": (0.0, 100.0), "min_throughput_ratio": (0.0, 1.0), "min_predicted_efficiency": (0.0, 1.0),
-    "gpus_per_worker": (0, 16), "workers_per_host": (0, 64), "allreduce_pack_mb": (0.0, 1024.0),
+    "gpus_per_worker": (0, 1), "workers_per_host": (0, 64), "allreduce_pack_mb": (0.0, 1024.0),
 }
 # Bounds whose low end is excluded: (low, high].
 OPEN_BELOW: dict[str, tuple[float, float]] = {"learning_rate": (0.0, 1.0), "epochs": (0.0, 1000.0),
@@ -119,6 +119,16 @@ def _check_bounds(cfg: Any) -> None:
             raise ConfigError(f"Setting '{name}' = {value!r} is out of range: allowed is ({low:g}, {high:g}].")
 
 
+def _check_one_gpu_per_worker(cfg: Any) -> None:
+    """Before the bounds, to say why and what instead: a pod with N GPUs makes N replicas of one worker, which
+    training refuses ("each worker must drive exactly one device") only after the pods were scheduled."""
+    if cfg.gpus_per_worker > 1:
+        raise ConfigError(
+            f"Setting 'gpus_per_worker' = {cfg.gpus_per_worker} is not supported yet: one GPU per worker; run more "
+            f"workers instead (setting 'num_workers', e.g. {cfg.num_workers * cfg.gpus_per_worker} for the same "
+            "GPUs) with 'gpus_per_worker' = 1, or 0 for one with 'use_gpu'.")
+
+
 def _check_alerts(cfg: Any) -> None:
     """Recipients need a connection to send through and the other way round (the connection itself is looked up
     in prepare, where Airflow's connections are: tasks/alerts.py)."""
@@ -136,6 +146,7 @@ def _check_alerts(cfg: Any) -> None:
 def check_core_settings(cfg: Any) -> None:
     """The bounds of a RunConfig's numeric settings, and the rules of its model, tokenizer, data, training,
     promotion and monitoring settings."""
+    _check_one_gpu_per_worker(cfg)
     _check_bounds(cfg)
     _check_alerts(cfg)
     check_choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION)

@@ -17,6 +17,8 @@ from trainer.config.core import MAX_GRAD_ACCUM, ConfigError, check_choice
 
 COMMUNICATION = ("auto", "ring", "nccl")
 ALLREDUCE_DTYPES = ("float32", "bfloat16")  # no float16: it would need loss scaling on the wire
+# What TensorFlow's NCCL all-reduce carries (tensorflow/core/nccl/nccl_manager.cc, kValidDataTypes): no bfloat16.
+NCCL_DTYPES = ("float16", "float32", "float64", "int32", "int64")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 # A Celery queue as `airflow celery worker -q` takes it (a comma would split it into two queues).
 QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
@@ -41,6 +43,15 @@ def exact_worker_counts(num_workers: int, grad_accum_steps: int, lowest: int) ->
     return [n for n in range(num_workers, max(lowest, 1) - 1, -1) if slots % n == 0 and slots // n <= MAX_GRAD_ACCUM]
 
 
+def resolve_communication(communication: str, use_gpu: bool) -> str:
+    """The collective implementation `communication` runs as, 'nccl' or 'ring'. `auto` is NCCL with `use_gpu`, else
+    ring: TF2's own AUTO never picks NCCL (its collectives take NCCL from the hint alone), so a GPU run left on AUTO
+    would all-reduce over gRPC rings through host memory."""
+    if communication != "auto":
+        return communication
+    return "nccl" if use_gpu else "ring"
+
+
 def check_launch_settings(cfg: Any) -> None:
     """The rules of a RunConfig's launch settings (its field types and bounds are checked first)."""
     check_choice("backend", cfg.backend, BACKEND_NAMES)
@@ -55,7 +66,20 @@ def check_launch_settings(cfg: Any) -> None:
     _check_scaling(cfg)
     if cfg.communication == "nccl" and not cfg.use_gpu:
         raise ConfigError("Setting 'communication' = 'nccl' needs 'use_gpu' = true: use 'ring' or 'auto' on CPU.")
+    _check_wire_dtype(cfg)
     _check_kubernetes(cfg)
+
+
+def _check_wire_dtype(cfg: Any) -> None:
+    """NCCL cannot carry the wire dtype: TF's NcclManager would fail every rank's first step, and every retry's."""
+    if resolve_communication(cfg.communication, cfg.use_gpu) != "nccl" or cfg.allreduce_dtype in NCCL_DTYPES:
+        return
+    resolved = "" if cfg.communication == "nccl" else " ('communication' = 'auto' is NCCL with 'use_gpu')"
+    raise ConfigError(
+        f"Setting 'allreduce_dtype' = {cfg.allreduce_dtype!r} cannot go over NCCL{resolved}: TensorFlow's NCCL "
+        f"all-reduce carries {', '.join(NCCL_DTYPES)} only, so every worker would fail at the first step. Set "
+        "'allreduce_dtype' to 'float32' to keep NCCL (generally the faster one between GPUs), or 'communication' to "
+        f"'ring' to keep {cfg.allreduce_dtype} on the wire.")
 
 
 def _check_kubernetes(cfg: Any) -> None:

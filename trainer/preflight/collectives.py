@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from trainer import runtime, storage
+from trainer.allreduce import communication_options
 from trainer.config import RunConfig
 from trainer.layout import PreflightOutput
 from trainer.preflight.verdict import EXIT_COLLECTIVES_FAILED, group_id
@@ -33,35 +34,44 @@ RESULT_FILE = "collectives.json"
 REPORT_FILE = "report.json"
 
 
-def _all_reduce_fn(strategy):
+def _all_reduce_fn(strategy, cfg: RunConfig):
+    """An all-reduce as the gradients' (trainer/allreduce.py): the same options, so the same implementation."""
+    import numpy as np
     import tensorflow as tf
+
+    options = communication_options(cfg)
 
     @tf.function
     def reduce(value):
         def replica(v):
             # identity places the input on this replica's device; the bare function input has none
-            return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(v))
+            return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(v),
+                                                                  options=options)
 
         return strategy.run(replica, args=(value,))
 
     def call(value) -> Any:
-        return strategy.experimental_local_results(reduce(value))[0].numpy()
+        return strategy.experimental_local_results(reduce(value))[0].numpy().astype(np.float32)
 
     return call
 
 
-def run_collectives(strategy, rank: int, num_workers: int) -> dict[str, Any]:
+def run_collectives(strategy, rank: int, num_workers: int, cfg: RunConfig) -> dict[str, Any]:
+    """The collectives, the all-reduces in `cfg`'s wire dtype (`allreduce_dtype`) over its implementation: a pair
+    the collective cannot carry fails here, not at training's first step. bfloat16 holds the sum's integers exactly
+    up to 256 (num_workers is at most 64)."""
     import numpy as np
     import tensorflow as tf
 
-    all_reduce = _all_reduce_fn(strategy)
+    all_reduce, wire = _all_reduce_fn(strategy, cfg), tf.as_dtype(cfg.allreduce_dtype)
     contribution = np.zeros(num_workers, dtype=np.float32)
     contribution[rank] = rank + 1
-    got = all_reduce(tf.constant(contribution))
+    got = all_reduce(tf.constant(contribution, dtype=wire))
     expected = np.arange(1, num_workers + 1, dtype=np.float32)
     wrong = [r for r in range(num_workers) if got[r] != expected[r]]
     results: dict[str, Any] = {"all_reduce": {"expected": expected.tolist(), "got": got.tolist(), "ok": not wrong,
-                                              "wrong_ranks": wrong}}
+                                              "wrong_ranks": wrong, "dtype": wire.name,
+                                              "implementation": cfg.collective_implementation}}
 
     with strategy.scope():
         # MWMS broadcasts the chief's initial value to every worker: rank 0's pattern must arrive everywhere.
@@ -71,7 +81,7 @@ def run_collectives(strategy, rank: int, num_workers: int) -> dict[str, Any]:
     results["broadcast"] = {"expected": chief_value.tolist(), "got": seen.tolist(),
                             "ok": bool(np.array_equal(seen, chief_value))}
 
-    payload = tf.constant(np.ones(BANDWIDTH_BYTES // 4, dtype=np.float32))
+    payload = tf.ones(BANDWIDTH_BYTES // wire.size, dtype=wire)
     all_reduce(payload)  # warm-up: builds the function and the ring for this size
     times = []
     for _ in range(BANDWIDTH_ITERATIONS):
@@ -86,14 +96,14 @@ def run_collectives(strategy, rank: int, num_workers: int) -> dict[str, Any]:
         "ok": bool(total[0] == num_workers),
     }
 
-    tiny = tf.constant(np.ones(1, dtype=np.float32))
+    tiny = tf.ones(1, dtype=wire)
     all_reduce(tiny)
     latencies = []
     for _ in range(LATENCY_ITERATIONS):
         started = time.perf_counter()
         all_reduce(tiny)
         latencies.append(time.perf_counter() - started)
-    results["latency"] = {"bytes": 4, "iterations": LATENCY_ITERATIONS,
+    results["latency"] = {"bytes": wire.size, "iterations": LATENCY_ITERATIONS,
                           "p50_ms": statistics.median(latencies) * 1e3, "max_ms": max(latencies) * 1e3}
     return results
 
@@ -162,8 +172,9 @@ def collectives_main(scratch: str, cfg: RunConfig, output: str) -> int:
         strategy = create_strategy(cfg, multi_worker=True, collective_timeout_s=cfg.collective_timeout_s)
         runtime.signal_ready()
         exposure = port_exposure(identity)  # the TF server listens from here on
-        _set_phase(scratch, "all-reduce, broadcast and bandwidth probe")
-        collectives = run_collectives(strategy, identity.rank, identity.num_workers)
+        _set_phase(scratch, f"all-reduce of {cfg.allreduce_dtype} over {cfg.collective_implementation} (as training: "
+                            "settings 'allreduce_dtype' and 'communication'), broadcast and bandwidth probe")
+        collectives = run_collectives(strategy, identity.rank, identity.num_workers, cfg)
         report = storage.read_json(os.path.join(scratch, REPORT_FILE))
         storage.write_json_atomic(PreflightOutput(output).rank_report(identity.rank),
                                   {**report, "collectives": collectives, "worker_port": exposure})

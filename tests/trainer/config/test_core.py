@@ -67,3 +67,17 @@ def test_alert_settings_round_trip_and_cleared_fields_mean_no_alerts():
     assert RunConfig.from_params(cfg.to_dict()) == cfg
     cleared = RunConfig.from_params({"alert_conn_id": None, "alert_emails": None})  # the trigger form's empty fields
     assert (cleared.alert_conn_id, cleared.alert_emails) == ("", ())
+
+
+def test_more_than_one_gpu_per_worker_is_refused_by_name():
+    """A pod with 2 GPUs makes 2 replicas of one worker; training refuses that only after the pods were scheduled
+    (trainer/train.py: "each worker must drive exactly one device")."""
+    kubernetes = {"backend": "kubernetes", "storage_root": "s3://runs/x", "use_gpu": True, "num_workers": 4}
+    with pytest.raises(ConfigError) as refused:
+        RunConfig.from_params({**kubernetes, "gpus_per_worker": 2})
+    assert str(refused.value).startswith(
+        "Setting 'gpus_per_worker' = 2 is not supported yet: one GPU per worker; run more workers instead "
+        "(setting 'num_workers', e.g. 8 for the same GPUs)"), str(refused.value)
+    with pytest.raises(ConfigError, match="'gpus_per_worker' = 16 is not supported yet"):
+        RunConfig.from_params({**kubernetes, "gpus_per_worker": 16})
+    assert RunConfig.from_params({**kubernetes, "gpus_per_worker": 1}).gpus_per_worker == 1
