@@ -100,6 +100,10 @@ PARAMS = {
     "seed": Param(1234, type="integer", minimum=0, maximum=2**31 - 1, title="Seed"),
     "val_fraction": Param(0.05, type="number", exclusiveMinimum=0, maximum=0.5, title="Validation fraction",
                           description="Share of documents held out for evaluation."),
+    "eval_tokens": Param(1_000_000, type="integer", minimum=0, maximum=10**12, title="Evaluation tokens",
+                         description="Validation tokens each model is scored on: the same sample of the split for "
+                                     "every model of a run and every run on the same dataset, read without the "
+                                     "rest of it; 0 = the whole split. At least one batch (8 x block_size)."),
     "num_shards": Param(0, type="integer", minimum=0, maximum=100_000, title="Shards",
                         description="0 writes 4 shards per worker; else at least num_workers."),
     "prepare_tasks": Param(0, type="integer", minimum=0, maximum=256, title="Prepare tasks",

@@ -2,8 +2,9 @@
 
 A baseline is one worker with the run's global batch (gradient accumulation x N) and the same optimizer steps.
 Its result depends on the data, the model, the hyperparameters, the trainer code and the numerics, not on how
-many workers the distributed run used, so runs with different `num_workers` but the same global batch share one
-baseline under `<root>/baselines/<baseline_key>/`.
+many workers the distributed run used; its cached evaluation (`eval.json`) also on the evaluation sample, whose
+identity is part of the key (trainer/eval_sample.py), so a reused baseline was scored on this run's sample. Runs
+with different `num_workers` but the same global batch share one baseline under `<root>/baselines/<baseline_key>/`.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from typing import Any
 from launcher.host_probe import package_versions
 from tasks.connections import uses_run_storage
 from trainer.config import RunConfig
+from trainer.eval_sample import sample_identity
 from trainer.host_info import code_fingerprint
 from trainer.layout import StorageLayout
 from trainer.storage import exists, join, list_dir, read_json, remove_tree, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.baseline")
 
-KEY_FORMAT_VERSION = 1
+KEY_FORMAT_VERSION = 2  # 2: the evaluation sample's identity
 KEY_RECORD = "baseline_key.json"  # the key's parts, next to the baseline's output, to explain later mismatches
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 # Libraries whose version can change the numbers a baseline produces (read from metadata: no TF import here).
@@ -35,12 +37,12 @@ TRAINER_SOURCES = Path(__file__).resolve().parents[1] / "trainer"
 
 # Settings that cannot change what the baseline learns. Everything else is part of the key, so a setting added
 # later counts by default. The dataset settings are left out because the dataset fingerprint stands for them;
-# `max_steps`/`epochs` because the resolved step count does.
+# `max_steps`/`epochs` because the resolved step count does; `eval_tokens` because the sample's identity does.
 _NOT_IN_KEY = frozenset({
     "num_workers", "backend", "ssh_conn_ids", "workers_per_host", "remote_python", "remote_workdir", "baseline",
     "loss_tolerance", "storage_root", "storage_conn_id",
     "checkpoint_every_steps", "communication", "collective_timeout_s", "startup_timeout_s", "hang_timeout_s",
-    "dataset", "text_column", "tokenizer", "val_fraction", "num_shards", "max_steps", "epochs",
+    "dataset", "text_column", "tokenizer", "val_fraction", "num_shards", "max_steps", "epochs", "eval_tokens",
     "min_workers", "min_predicted_efficiency",
     "allreduce_pack_mb",  # one worker all-reduces nothing (its wire dtype counts: it makes the same round trip)
     "model_name", "promotion_tolerance", "promote",  # what happens to the model after training
@@ -61,6 +63,7 @@ def baseline_key_parts(cfg: RunConfig, manifest: Mapping[str, Any], total_steps:
         "key_format_version": KEY_FORMAT_VERSION,
         "dataset_fingerprint": manifest["fingerprint"],
         "tokenizer_fingerprint": manifest["tokenizer"]["fingerprint"],
+        "eval_sample": sample_identity(manifest, cfg.eval_tokens)["id"],
         "global_batch_size": baseline_cfg.global_batch_size,
         "steps": total_steps,
         "code_version": code_version(),

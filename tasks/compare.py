@@ -1,16 +1,17 @@
-"""The evaluate task: both final models on the same validation shards, then speedup, efficiency and loss parity.
+"""The evaluate task: both final models on the same evaluation sample, then speedup, efficiency and loss parity.
 
-Evaluation runs `python -m trainer.evaluate` as a one-worker group through the launcher, on the run's backend
-(a local process, an SSH host), so TensorFlow never loads into the Airflow task runner and release ends it like any
-worker. The report is written whatever the outcome of the gates; a failed gate then fails the task with the
-numbers in the message.
+Each model's evaluation runs `python -m trainer.evaluate` as a group of the run's `num_workers` through the launcher,
+on the run's backend (local processes, SSH hosts, pods), so TensorFlow never loads into the Airflow task runner and
+release ends it like any worker. Every worker scores its part of the sample (`eval_tokens` validation tokens, the
+same for every model: trainer/eval_sample.py); this task combines the parts exactly (trainer/eval_result.py). The
+report is written whatever the outcome of the gates; a failed gate then fails the task with the numbers in the
+message.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import platform
 from datetime import UTC, datetime
@@ -21,11 +22,13 @@ from tasks import report as reports
 from tasks.alerts import alert_throughput
 from tasks.baseline import read_key_record
 from tasks.connections import uses_run_storage
-from tasks.formatting import nats
+from tasks.figures import compare, gates, run_figures
 from trainer.config import RunConfig
 from trainer.data import tokenizer_url
+from trainer.eval_result import ResultError, combine, delta_standard_error, part_url, sample_id
+from trainer.eval_sample import sample_identity
 from trainer.layout import PreflightOutput, StorageLayout, TrainOutput
-from trainer.storage import exists, join, read_bytes, read_json, remove_tree
+from trainer.storage import exists, join, read_bytes, read_json, remove_tree, write_json_atomic
 
 if TYPE_CHECKING:
     from launcher.backend import BackendFactory
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gpt_finetune.compare")
 
 EVALUATE_MODULE = "trainer.evaluate"  # the worker entry point of docs/CONTRACTS.md
-BASELINE_EVAL = "eval.json"  # cached next to a baseline: its key covers the data and the evaluation code
+BASELINE_EVAL = "eval.json"  # cached next to a baseline: its key covers the data, the sample and the evaluation code
 
 
 class GateFailure(RuntimeError):
@@ -66,23 +69,14 @@ def _evaluate(prepared: dict, cfg: RunConfig, make_backend: BackendFactory) -> d
                                       join(report_url, "eval-distributed.json"), cfg=cfg,
                                       run_key=prepared["run_key"], label="distributed",
                                       make_backend=make_backend)
-    baseline_eval = None
-    if baseline:
-        cached = join(baseline.url, BASELINE_EVAL)
-        if exists(cached):
-            log.info("Baseline evaluation reused from %s (same baseline key: same data and code).", cached)
-            baseline_eval = read_json(cached)
-        else:
-            baseline_eval = run_evaluation(baseline.model, prepared["manifest_url"], cached, cfg=cfg,
-                                           run_key=prepared["run_key"], label="baseline",
-                                           make_backend=make_backend)
-
-    promoted = evaluate_promoted(prepared, cfg, make_backend)
+    baseline_eval = evaluate_baseline(prepared, cfg, baseline, make_backend) if baseline else None
+    promoted = evaluate_promoted(prepared, cfg, make_backend, distributed_eval)
 
     report = build_report(
         prepared, cfg,
         distributed=run_figures("distributed", distributed, distributed_summary, distributed_eval),
         baseline=run_figures("baseline", baseline, baseline_summary, baseline_eval) if baseline else None,
+        delta_se=delta_standard_error(distributed_eval, baseline_eval),
     )
     add_scaling(report, prepared, distributed)
     report["continued_from"] = prepared.get("continued_from")
@@ -159,37 +153,85 @@ def read_metrics(output: TrainOutput, rank: int = 0) -> list[dict[str, Any]]:
 
 def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: RunConfig, run_key: str,
                    label: str, make_backend: BackendFactory) -> dict[str, Any]:
-    """`python -m trainer.evaluate` as a one-worker group on the run's backend; its output streams to this log.
+    """`python -m trainer.evaluate` as a group of the run's `num_workers` on its backend, each worker scoring its
+    part of the `eval_tokens` sample; their output streams to this log. Returns the combined result, also written
+    at `output_url`.
 
     The same launch path as training (tasks/launch.py): the run's marker (release finds it), a state record and the
-    rank's log in the run's storage (`evaluate-<label>`), storage credentials as secrets only, one GPU with
-    `use_gpu` (none otherwise), the start-up and hang bounds of the run. Returns its result."""
+    ranks' logs in the run's storage (`evaluate-<label>`), storage credentials as secrets only, one GPU per worker
+    with `use_gpu` (none otherwise), the start-up and hang bounds of the run. A worker that fails fails the
+    evaluation, naming its rank."""
     from launcher import GroupSpec
     from tasks.connections import storage_env
     from tasks.launch import RecordedLaunch
 
+    workers = cfg.num_workers
     spec = GroupSpec(
-        name=f"evaluate-{label}", entrypoint=EVALUATE_MODULE, num_workers=1, use_gpu=cfg.use_gpu, run_key=run_key,
-        args=("--model", model_url, "--manifest", manifest_url, "--output", output_url),
+        name=f"evaluate-{label}", entrypoint=EVALUATE_MODULE, num_workers=workers, use_gpu=cfg.use_gpu,
+        run_key=run_key, args=("--model", model_url, "--manifest", manifest_url, "--output", output_url,
+                               "--eval-tokens", str(cfg.eval_tokens)),
         secret_env=storage_env(cfg.storage_conn_id), startup_timeout_s=cfg.startup_timeout_s,
         hang_timeout_s=cfg.hang_timeout_s,
     )
-    remove_tree(output_url)  # a result left by an earlier attempt must not pass for this one
-    log.info("Evaluating %s on backend %s", model_url, cfg.backend)
+    parts = [part_url(output_url, rank, workers) for rank in range(workers)]
+    for stale in {output_url, *parts}:
+        remove_tree(stale)  # a result left by an earlier attempt must not pass for this one
+    log.info("Evaluating %s on %d worker(s) of backend %s", model_url, workers, cfg.backend)
     backend = make_backend(cfg.backend, cfg.to_dict())
     try:
         result = RecordedLaunch(spec, backend, StorageLayout(cfg.storage_root).run(run_key),
-                                on_line=lambda rank, line: log.info("[evaluate %s] %s", label, line)).run_group()
+                                on_line=lambda rank, line: log.info("[evaluate %s %d] %s", label, rank, line)
+                                ).run_group()
     finally:
         backend.close()
     if not result.succeeded:
-        raise EvaluationError(f"evaluating {model_url} failed: {result.error_message()}")
-    if not exists(output_url):
-        raise EvaluationError(f"{EVALUATE_MODULE} exited 0 but wrote no result at {output_url} (model {model_url}).")
-    evaluation = read_json(output_url)
-    log.info("Evaluated %s in %.1f s: eval loss %.4f, perplexity %.2f", model_url, result.wall_time_s,
-             evaluation["eval_loss"], evaluation["perplexity"])
+        raise EvaluationError(f"evaluating {model_url} on {workers} worker(s) failed: {result.error_message()}")
+    evaluation = _combined(parts, output_url, model_url)
+    sample = evaluation["sample"]
+    log.info("Evaluated %s on %d worker(s) in %.1f s: eval loss %.4f ± %s, perplexity %.2f, over %d of %d validation "
+             "tokens (sample %s)", model_url, workers, result.wall_time_s, evaluation["eval_loss"],
+             fmt_se(evaluation.get("eval_loss_se")), evaluation["perplexity"], sample["tokens"],
+             sample["split_tokens"], sample["id"])
     return evaluation
+
+
+def _combined(parts: list[str], output_url: str, model_url: str) -> dict[str, Any]:
+    """The result at `output_url`: a single worker's own, or the parts combined (then written there)."""
+    missing = [url for url in parts if not exists(url)]
+    if missing:
+        raise EvaluationError(f"{EVALUATE_MODULE} exited 0 but wrote no result at {', '.join(missing)} (model "
+                              f"{model_url}).")
+    if parts == [output_url]:
+        return read_json(output_url)
+    try:
+        evaluation = combine([read_json(url) for url in parts])
+    except ResultError as error:
+        raise EvaluationError(f"evaluating {model_url}: {error}") from error
+    write_json_atomic(output_url, evaluation)
+    for url in parts:
+        remove_tree(url)
+    return evaluation
+
+
+def fmt_se(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def evaluate_baseline(prepared: dict, cfg: RunConfig, baseline: TrainOutput,
+                      make_backend: BackendFactory) -> dict[str, Any]:
+    """The baseline's evaluation, cached beside it: reused when it scored this run's sample (the baseline key
+    holds the sample's identity, so a reused baseline's cache normally has), else evaluated again."""
+    cached = join(baseline.url, BASELINE_EVAL)
+    expected = sample_identity(read_json(prepared["manifest_url"]), cfg.eval_tokens)["id"]
+    if exists(cached):
+        evaluation = read_json(cached)
+        if sample_id(evaluation) == expected:
+            log.info("Baseline evaluation reused from %s (same baseline key: same data, sample and code).", cached)
+            return evaluation
+        log.info("Baseline evaluation at %s scored sample %s, not this run's %s: evaluating it again.", cached,
+                 sample_id(evaluation), expected)
+    return run_evaluation(baseline.model, prepared["manifest_url"], cached, cfg=cfg, run_key=prepared["run_key"],
+                          label="baseline", make_backend=make_backend)
 
 
 def add_scaling(report: dict[str, Any], prepared: dict, distributed: TrainOutput) -> None:
@@ -207,17 +249,20 @@ def add_scaling(report: dict[str, Any], prepared: dict, distributed: TrainOutput
                  row["num_workers"], row["grad_accum_steps"], row["line"])
 
 
-def evaluate_promoted(prepared: dict, cfg: RunConfig, make_backend: BackendFactory) -> dict[str, Any] | None:
-    """The latest promoted version of `model_name`, scored on this run's validation shards (the promotion rule's
-    reference and its samples) when its tokenizer is this run's; None when nothing is promoted yet or the run
-    is never to be promoted (`promote` = never: nothing to compare with)."""
+def evaluate_promoted(prepared: dict, cfg: RunConfig, make_backend: BackendFactory,
+                      distributed_eval: dict[str, Any]) -> dict[str, Any] | None:
+    """The latest promoted version of `model_name`, scored on this run's evaluation sample (the promotion rule's
+    reference and its samples) when its tokenizer is this run's, with the standard error of the run's loss minus
+    its (`delta_se`, paired over the sample's sequences); None when nothing is promoted yet or the run is never to
+    be promoted (`promote` = never: nothing to compare with)."""
     pointer = registry.read_latest(registry.model_layout(cfg.storage_root, cfg.model_name))
     if pointer is None or cfg.promote == "never":
         return None
     section = {"name": cfg.model_name, "version": pointer["version"], "url": pointer["url"],
                "run_id": pointer["run_id"], "recorded_eval_loss": pointer["eval_loss"],
-               "eval_loss": None, "perplexity": None, "nats_per_char": None, "known_words": None, "samples": None,
-               "note": None}
+               "recorded_eval_sample": pointer.get("eval_sample"), "recorded_eval_loss_se": pointer.get("eval_loss_se"),
+               "eval_loss": None, "eval_loss_se": None, "eval_sample": None, "delta_se": None, "perplexity": None,
+               "nats_per_char": None, "known_words": None, "samples": None, "note": None}
     manifest_url = prepared["manifest_url"]
     if not registry.same_tokenizer(pointer["model_url"], tokenizer_url(manifest_url, read_json(manifest_url))):
         section["note"] = f"{pointer['version']}'s tokenizer differs from this run's: it cannot be scored on its shards"
@@ -227,7 +272,9 @@ def evaluate_promoted(prepared: dict, cfg: RunConfig, make_backend: BackendFacto
                             cfg=cfg, run_key=prepared["run_key"], label="promoted",
                             make_backend=make_backend)
     section.update(eval_loss=result["eval_loss"], perplexity=result["perplexity"], samples=result.get("samples"),
-                   nats_per_char=result.get("nats_per_char"), known_words=result.get("known_words"))
+                   nats_per_char=result.get("nats_per_char"), known_words=result.get("known_words"),
+                   eval_loss_se=result.get("eval_loss_se"), eval_sample=sample_id(result),
+                   delta_se=delta_standard_error(distributed_eval, result))
     return section
 
 
@@ -245,96 +292,7 @@ def samples_by_model(evaluations: dict[str, dict[str, Any] | None]) -> list[dict
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# figures
-
-
-def run_figures(label: str, output: TrainOutput, summary: dict[str, Any], evaluation: dict[str, Any]) -> dict:
-    """The figures of one trained model, from its summary.json and its evaluation result."""
-    return {
-        "label": label,
-        "num_workers": summary["num_workers"],
-        "global_batch_size": summary["global_batch_size"],
-        "steps": summary["steps"],
-        "tokens_seen": summary["tokens_seen"],
-        "train_time_s": summary["train_time_s"],
-        "seconds_per_step": seconds_per_step(summary),
-        "wall_time_s": summary["wall_time_s"],
-        "tokens_per_s": summary["tokens_per_s"],
-        "final_loss": summary["final_loss"],
-        "mfu": summary.get("mfu"),
-        "gpu_mem_peak_mb": summary.get("gpu_mem_peak_mb"),  # rank 0's; null on CPU and in older summaries
-        "gpu_mem_reserved_mb": summary.get("gpu_mem_reserved_mb"),
-        "eval_loss": evaluation["eval_loss"],
-        "perplexity": evaluation["perplexity"],
-        "nats_per_char": evaluation.get("nats_per_char"),  # absent from a baseline evaluation cached before them
-        "known_words": evaluation.get("known_words"),
-        "eval_tokens": evaluation["eval_tokens"],
-        "eval_time_s": evaluation["eval_time_s"],
-        "output_url": output.url,
-        "model_url": output.model,
-        "summary_url": output.summary,
-        "started_at": summary.get("started_at"),
-        "finished_at": summary.get("finished_at"),
-        "resumed_from_step": summary.get("resumed_from_step"),
-        "hardware": summary.get("hardware", {}),
-        "versions": summary.get("versions", {}),
-        "allreduce": summary.get("allreduce"),  # how its gradients crossed the network (trainer/allreduce.py)
-    }
-
-
-def seconds_per_step(summary: dict[str, Any]) -> float | None:
-    """Training seconds per timed step; None when the job timed no step (it resumed at its last step)."""
-    timed = summary.get("steps_timed", summary["steps"] - (summary.get("resumed_from_step") or 0))
-    return summary["train_time_s"] / timed if timed and summary["train_time_s"] > 0 else None
-
-
-def compare(distributed: dict[str, Any], baseline: dict[str, Any] | None, tolerance: float) -> dict[str, Any]:
-    """speedup = T1/TN, efficiency = speedup/N, delta = lossN - loss1.
-
-    T is the training time per optimizer step (no start-up, no compiling first step): with equal steps it is the
-    ratio of the train times, and it stays right when a job resumed from a checkpoint and timed fewer steps.
-    """
-    if baseline is None:
-        return {"speedup": None, "efficiency": None, "loss_delta": None, "loss_tolerance": tolerance}
-    timed = baseline["seconds_per_step"] is not None and distributed["seconds_per_step"]
-    speedup = baseline["seconds_per_step"] / distributed["seconds_per_step"] if timed else None
-    return {
-        "speedup": speedup,
-        "efficiency": speedup / distributed["num_workers"] if speedup is not None else None,
-        "loss_delta": distributed["eval_loss"] - baseline["eval_loss"],
-        "loss_tolerance": tolerance,
-    }
-
-
-def gates(distributed: dict[str, Any], baseline: dict[str, Any] | None, comparison: dict[str, Any]) -> list[dict]:
-    """Each gate: name, passed, value, limit and a sentence with the numbers (used in the failure message)."""
-    finite = math.isfinite(distributed["eval_loss"])
-    result = [_gate("eval_loss_finite", finite, distributed["eval_loss"], None,
-                    f"distributed eval loss is {distributed['eval_loss']:.4f}"
-                    + ("" if finite else ": training diverged; lower 'learning_rate' or enable warmup"))]
-    if baseline is None:
-        return result
-    same_work = (baseline["steps"], baseline["global_batch_size"]) == (distributed["steps"],
-                                                                       distributed["global_batch_size"])
-    result.append(_gate(
-        "same_work", same_work, None, None,
-        f"baseline trained {baseline['steps']} steps of {baseline['global_batch_size']} sequences, distributed "
-        f"{distributed['steps']} of {distributed['global_batch_size']}"
-        + ("" if same_work else ": the comparison is void; trigger with baseline='run'"),
-    ))
-    delta, tolerance = comparison["loss_delta"], comparison["loss_tolerance"]
-    parity = math.isfinite(delta) and abs(delta) <= tolerance
-    result.append(_gate(
-        "loss_parity", parity, delta, tolerance,
-        f"eval loss distributed {distributed['eval_loss']:.4f} - baseline {baseline['eval_loss']:.4f} = "
-        f"{nats(delta)} nats, tolerance ±{tolerance:.4f}"
-        + ("" if parity else " (setting 'loss_tolerance')"),
-    ))
-    return result
-
-
-def _gate(name: str, passed: bool, value: float | None, limit: float | None, detail: str) -> dict[str, Any]:
-    return {"name": name, "passed": bool(passed), "value": value, "limit": limit, "detail": detail}
+# the report
 
 
 def hardware_line(cfg: RunConfig, distributed: dict[str, Any]) -> str:
@@ -356,8 +314,8 @@ def hardware_line(cfg: RunConfig, distributed: dict[str, Any]) -> str:
 
 
 def build_report(prepared: dict, cfg: RunConfig, *, distributed: dict[str, Any],
-                 baseline: dict[str, Any] | None) -> dict[str, Any]:
-    comparison = compare(distributed, baseline, cfg.loss_tolerance)
+                 baseline: dict[str, Any] | None, delta_se: float | None = None) -> dict[str, Any]:
+    comparison = compare(distributed, baseline, cfg.loss_tolerance, delta_se)
     checked = gates(distributed, baseline, comparison)
     record = read_key_record(prepared["baseline_url"]) if baseline else None
     trained_by = record["trained_by_run"] if record else None
@@ -387,6 +345,7 @@ def build_report(prepared: dict, cfg: RunConfig, *, distributed: dict[str, Any],
         "versions": distributed["versions"],
         "config": cfg.to_dict(),
         "dataset_fingerprint": prepared["dataset_fingerprint"],
+        "eval_sample": distributed.get("eval_sample"),  # every model of the run scored this one
         "charts": {"loss_curves": reports.LOSS_CHART, "scaling": reports.SCALING_CHART},
     }
     report["table"] = reports.table_rows(report)

@@ -19,7 +19,10 @@ def fmt(value: Any, spec: str = ".3f", suffix: str = "", scale: float = 1) -> st
         return "—"
     if not isinstance(value, (int, float)):
         return str(value)
-    return f"{value * scale:{spec}}{suffix}"
+    try:
+        return f"{value * scale:{spec}}{suffix}"
+    except OverflowError:  # an integer beyond float range (`,.0f` converts it)
+        return "—"
 
 
 def nats(delta: Any) -> str:

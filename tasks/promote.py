@@ -2,14 +2,18 @@
 
 Setting `promote`: `auto` promotes when the run's gates passed and its eval loss is not worse than the promoted
 version's by more than `promotion_tolerance`; `always` promotes whenever the gates passed; `never` does not. A
-promotion copies the model (with its tokenizer), the report and a model card to `models/<model_name>/v<N>/`,
-writes `version.json` last, then moves `latest.json` by compare-and-swap (tasks/registry.py). The outcome, with
-the reason, goes into the run's report (`promotion`) and the task log; the DAG turns a promotion into an event of
-the Asset `gpt_finetune_model`.
+promotion copies the model (with its tokenizer), each serving format that passed its parity check (the run's
+`export_formats`: a missing or failed one is a failed gate, tasks/exports.py), the report and a model card to
+`models/<model_name>/v<N>/`, writes `version.json` last, then moves `latest.json` by compare-and-swap
+(tasks/registry.py). The outcome, with the reason, goes into the run's report (`promotion`) and the task log; the
+DAG turns a promotion into an event of the Asset `gpt_finetune_model`.
 
-The eval losses compared are the same validation shards' whenever possible: the evaluate task scores the promoted
-version on this run's validation split when their tokenizers agree (`report["promoted"]`); otherwise the
-version's recorded loss is used, and the reason says whether its dataset fingerprint matches this run's.
+The eval losses compared are the same evaluation sample's whenever possible: the evaluate task scores the promoted
+version on this run's sample of the validation split when their tokenizers agree (`report["promoted"]`);
+otherwise the version's recorded loss is used, and the reason says whether it was scored on the same sample
+(`eval_sample`, trainer/eval_sample.py) or at least the same dataset. `promotion_tolerance` is widened by
+GATE_STANDARD_ERRORS standard errors of the delta: paired over the sample's sequences when both were scored here,
+else the two recorded errors together (0 when the whole split was scored).
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import math
 from datetime import UTC, datetime
 from typing import Any
 
-from tasks import registry
+from tasks import exports, registry
 from tasks import report as reports
 from tasks.connections import uses_run_storage
 from tasks.formatting import nats
 from trainer.config import AccessPolicy, ConfigError, RunConfig
+from trainer.eval_result import GATE_STANDARD_ERRORS
 from trainer.layout import ModelLayout, VersionLayout
 from trainer.storage import (
     exists,
@@ -54,7 +59,7 @@ def promote_run(prepared: dict) -> dict[str, Any]:
         raise NoReportError(
             f"Run {prepared['run_id']} has no report at {report_json}: evaluate failed before writing it (see its "
             "log), so no model is promoted.")
-    report = read_json(report_json)
+    report = exports.with_export_gates(read_json(report_json), cfg, prepared)
     outcome = promote(prepared, cfg, report, registry.model_layout(cfg.storage_root, cfg.model_name))
     report["promotion"] = outcome
     reports.write_report(prepared["report_url"], report, charts={})
@@ -115,30 +120,61 @@ def decide(cfg: RunConfig, report: dict[str, Any], pointer: dict[str, Any] | Non
         return _verdict(True, f"first version of '{cfg.model_name}' (eval loss {loss:.4f}).")
     reference = reference_loss(report, pointer)
     delta = loss - reference["eval_loss"]
+    limit = cfg.promotion_tolerance + GATE_STANDARD_ERRORS * (reference["delta_se"] or 0.0)
     comparison = (f"eval loss {loss:.4f} vs {reference['eval_loss']:.4f} of promoted {pointer['version']} "
-                  f"(run {pointer['run_id']}): {nats(delta)} nats, tolerance {cfg.promotion_tolerance:.4f}; "
+                  f"(run {pointer['run_id']}): {nats(delta)} nats, {_allowance(cfg, reference, limit)}; "
                   f"{reference['note']}")
     if cfg.promote == "always":
         return _verdict(True, f"setting 'promote' = 'always' ({comparison}).", reference)
-    if math.isfinite(delta) and delta <= cfg.promotion_tolerance:
+    if math.isfinite(delta) and delta <= limit:
         return _verdict(True, f"not worse than the promoted version: {comparison}.", reference)
     return _verdict(False, f"worse than the promoted version by more than 'promotion_tolerance': {comparison}. "
                            "Raise 'promotion_tolerance' or set 'promote' = 'always' to promote it anyway.", reference)
 
 
+def _allowance(cfg: RunConfig, reference: dict[str, Any], limit: float) -> str:
+    if not reference["delta_se"]:
+        return f"tolerance {cfg.promotion_tolerance:.4f} (no sampling error)"
+    return (f"limit {limit:.4f} = tolerance {cfg.promotion_tolerance:.4f} + {GATE_STANDARD_ERRORS:g} x "
+            f"{reference['delta_se']:.4f}, the standard error of the delta ({reference['error_source']})")
+
+
 def reference_loss(report: dict[str, Any], pointer: dict[str, Any]) -> dict[str, Any]:
-    """The promoted version's eval loss to compare with, and where it comes from."""
+    """The promoted version's eval loss to compare with, where it comes from, and the standard error of the run's
+    loss minus it (`delta_se`: None when unknown)."""
     scored = report.get("promoted") or {}
     fingerprint = report["dataset_fingerprint"]
+    sample = _sample_id(report)
     if scored.get("version") == pointer["version"] and scored.get("eval_loss") is not None:
         return {"version": pointer["version"], "eval_loss": scored["eval_loss"], "same_shards": True,
-                "note": f"both scored on this run's validation shards (dataset {fingerprint})"}
+                "same_sample": True, "delta_se": scored.get("delta_se"),
+                "error_source": "paired over the sample's sequences",
+                "note": f"both scored on this run's evaluation sample {sample} (dataset {fingerprint})"}
     same = pointer.get("dataset_fingerprint") == fingerprint
-    note = (f"its recorded eval loss, on the same validation shards (dataset {fingerprint})" if same else
-            f"its recorded eval loss, NOT on the same validation shards: it was scored on dataset "
-            f"{pointer.get('dataset_fingerprint')}, this run on {fingerprint}"
-            + (f" ({scored['note']})" if scored.get("note") else ""))
-    return {"version": pointer["version"], "eval_loss": pointer["eval_loss"], "same_shards": same, "note": note}
+    same_sample = sample is not None and pointer.get("eval_sample") == sample
+    if same_sample:
+        where = f"on the same evaluation sample {sample} (dataset {fingerprint})"
+    elif same:
+        where = (f"on the same dataset {fingerprint} but NOT the same evaluation sample ({pointer.get('eval_sample')}"
+                 f", this run {sample})")
+    else:
+        where = (f"NOT on the same validation shards: it was scored on dataset {pointer.get('dataset_fingerprint')}, "
+                 f"this run on {fingerprint}")
+    note = f"its recorded eval loss, {where}" + (f" ({scored['note']})" if scored.get("note") else "")
+    errors = [_run(report).get("eval_loss_se"), pointer.get("eval_loss_se")]
+    delta_se = math.hypot(*errors) if all(isinstance(error, (int, float)) for error in errors) else None
+    return {"version": pointer["version"], "eval_loss": pointer["eval_loss"], "same_shards": same,
+            "same_sample": same_sample, "delta_se": delta_se, "error_source": "both recorded errors together",
+            "note": note}
+
+
+def _run(report: dict[str, Any]) -> dict[str, Any]:
+    return report["runs"]["distributed"]
+
+
+def _sample_id(report: dict[str, Any]) -> str | None:
+    sample = report.get("eval_sample")
+    return sample.get("id") if isinstance(sample, dict) else None
 
 
 def _verdict(promote: bool, reason: str, reference: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -161,6 +197,7 @@ def history_entry(version: VersionLayout, prepared: dict, report: dict[str, Any]
     return {"version": f"v{number}", "number": number, "url": version.url, "model_url": version.model,
             "run_id": prepared["run_id"], "run_key": prepared["run_key"], "promoted_at": _now(),
             "eval_loss": distributed["eval_loss"], "perplexity": distributed["perplexity"],
+            "eval_loss_se": distributed.get("eval_loss_se"), "eval_sample": _sample_id(report),
             "dataset_fingerprint": report["dataset_fingerprint"],
             "run_report_url": join(prepared["report_url"], reports.REPORT_JSON)}
 
@@ -174,6 +211,7 @@ def publish_version(version: VersionLayout, prepared: dict, cfg: RunConfig, repo
     """Model, report and model card, then version.json listing them: complete, or never pointed to."""
     files = [{**file, "name": f"model/{file['name']}"}
              for file in registry.copy_tree(report["runs"]["distributed"]["model_url"], version.model)]
+    files += exports.copy_exports(report, prepared, version)
     write_json_atomic(version.report, report)
     write_bytes_atomic(version.model_card, model_card(cfg, prepared, report, number, verdict).encode("utf-8"))
     files += [{"name": "report.json", "bytes": _size(version.report)},
@@ -183,8 +221,18 @@ def publish_version(version: VersionLayout, prepared: dict, cfg: RunConfig, repo
         "format_version": VERSION_FORMAT_VERSION, "name": cfg.model_name, "version": f"v{number}",
         "run_id": prepared["run_id"], "run_key": prepared["run_key"], "created_at": _now(),
         "eval_loss": distributed["eval_loss"], "perplexity": distributed["perplexity"],
+        "eval_loss_se": distributed.get("eval_loss_se"), "eval_sample": _sample_id(report),
         "dataset_fingerprint": report["dataset_fingerprint"], "files": files,
     })
+
+
+def _evaluated(distributed: dict[str, Any]) -> str:
+    sample = distributed.get("eval_sample")
+    if not isinstance(sample, dict):
+        return f"{distributed['eval_tokens']} tokens"
+    error = distributed.get("eval_loss_se")
+    return (f"{sample.get('tokens')} of {sample.get('split_tokens')} validation tokens, sample {sample.get('id')}"
+            + (f"; standard error {error:.4f}" if error else ""))
 
 
 def _size(url: str) -> int:
@@ -208,7 +256,7 @@ def model_card(cfg: RunConfig, prepared: dict, report: dict[str, Any], number: i
         (f"- Training: {distributed['num_workers']} workers, {distributed['steps']} steps of "
         f"{distributed['global_batch_size']} sequences x {cfg.block_size} tokens"),
         (f"- Eval loss on the validation split: {distributed['eval_loss']:.4f} nats, perplexity "
-        f"{distributed['perplexity']:.2f} ({distributed['eval_tokens']} tokens)"),
+        f"{distributed['perplexity']:.2f} ({_evaluated(distributed)})"),
         f"- Run report: {join(prepared['report_url'], reports.REPORT_MD)}",
         "",
         "## Gates",
@@ -216,7 +264,7 @@ def model_card(cfg: RunConfig, prepared: dict, report: dict[str, Any], number: i
     ]
     lines += [f"- {gate['name']}: {'pass' if gate['passed'] else 'FAIL'} ({gate['detail']})"
               for gate in report["gates"]]
-    lines += ["", "## Settings", "", "| setting | value |", "|---|---|"]
+    lines += ["", *exports.card_lines(cfg, report), "## Settings", "", "| setting | value |", "|---|---|"]
     lines += [f"| {name} | `{value!r}` |" for name, value in cfg.to_dict().items()]
     lines += ["", "## Versions", ""]
     lines += [f"- {name}: {value}" for name, value in sorted(report.get("versions", {}).items())]

@@ -70,7 +70,7 @@ def read_pointer(url: str) -> tuple[dict[str, Any] | None, str | None]:
 def _parse_pointer(url: str, data: bytes) -> dict[str, Any]:
     try:
         pointer = json.loads(data.decode("utf-8"))
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # RecursionError: nested too deep
         raise RegistryError(f"{url} is not valid JSON ({error}): the registry pointer is damaged.") from error
     if not isinstance(pointer, dict) or not isinstance(pointer.get("history"), list):
         raise RegistryError(f"{url} is not a registry pointer (no history list).")

@@ -6,10 +6,12 @@ charts) trust a report only once it exists. The layout of `report.json` (format_
 
     {"format_version", "run_id", "run_key", "created_at", "num_workers", "gates_passed",
      "runs": {"distributed": RUN, "baseline": RUN | null},
-     "comparison": {"speedup", "efficiency", "loss_delta", "loss_tolerance"} (null figures without a baseline),
+     "comparison": {"speedup", "efficiency", "loss_delta", "loss_delta_se", "loss_tolerance"} (null figures without
+                    a baseline; loss_delta_se: the delta's standard error, paired over the sample's sequences),
      "gates": [{"name", "passed", "value", "limit", "detail"}],
      "baseline": {"policy", "key", "url", "trained_by_run", "reused"},
      "hardware": {"line", "distributed", "baseline", "task_host"}, "versions": {...}, "config": {...},
+     "eval_sample": SAMPLE (what every model of the run was scored on),
      "table": [ROW], "charts": {"loss_curves": "loss_curves.png", "scaling": "scaling.png"},
      "segments": [SEGMENT], "elastic": bool (tasks/scaling.py: each launch of train, fewer workers than asked),
      "prediction": {"num_workers", "predicted_speedup", "measured_speedup", "predicted_efficiency",
@@ -17,8 +19,9 @@ charts) trust a report only once it exists. The layout of `report.json` (format_
      "warnings": [sentence] (tasks/throughput.py: tokens/s well below the prediction or the last comparable run),
      "release": {"clean", "released_at", "host", "survivors"} (added by the release task),
      "continued_from": {"name", "version", "url", "model_url", "run_id", "eval_loss"} | null,
-     "promoted": {"name", "version", "url", "run_id", "recorded_eval_loss", "eval_loss", "perplexity",
-                  "nats_per_char", "known_words", "samples", "note"}
+     "promoted": {"name", "version", "url", "run_id", "recorded_eval_loss", "recorded_eval_loss_se",
+                  "recorded_eval_sample", "eval_loss", "eval_loss_se", "eval_sample" (id), "delta_se" (of the run's
+                  loss minus this one, paired), "perplexity", "nats_per_char", "known_words", "samples", "note"}
                  | null (the promoted version when evaluate ran, scored on this run's shards),
      "samples": [{"model": label, "eval_loss", "nats_per_char", "known_words": KNOWN,
                   "samples": [{"prompt", "greedy", "top_k"}]}],
@@ -27,7 +30,11 @@ charts) trust a report only once it exists. The layout of `report.json` (format_
     RUN = {"label", "num_workers", "global_batch_size", "steps", "tokens_seen", "train_time_s", "wall_time_s",
            "tokens_per_s", "final_loss", "mfu", "eval_loss", "perplexity", "nats_per_char", "known_words": KNOWN,
            "eval_tokens", "eval_time_s", "model_url", "summary_url", "started_at", "finished_at",
-           "gpu_mem_peak_mb", "gpu_mem_reserved_mb" (rank 0's GPU, from summary.json; null on CPU)}
+           "gpu_mem_peak_mb", "gpu_mem_reserved_mb" (rank 0's GPU, from summary.json; null on CPU),
+           "eval_loss_se" (standard error over the sample's sequences as an estimate of the split's loss: 0 for the
+           whole split), "eval_sample": SAMPLE}
+    SAMPLE = {"id", "tokens", "split_tokens", "sequences", "split_sequences", "whole_split", "asked_tokens" (the
+              setting eval_tokens), "workers" (that scored it), "read_bytes"} (trainer/eval_sample.py)
     KNOWN = {"greedy", "top_k": share of the sample words found in the training text, "words": {"greedy", "top_k"}}
            (trainer/text_quality.py; null in reports of evaluations that predate it)
 """
@@ -42,9 +49,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from tasks.formatting import TABLE_COLUMNS, fmt, known_words
+from tasks.report_file import finite, read_record
 from tasks.report_markdown import markdown
 from tasks.report_view import report_view
-from trainer.storage import exists, join, list_dir, read_json, write_bytes_atomic, write_json_atomic
+from trainer.storage import exists, join, list_dir, write_bytes_atomic, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.report")
 
@@ -72,7 +80,8 @@ def table_rows(report: dict[str, Any]) -> list[dict[str, str]]:
             "tokens/s": fmt(run["tokens_per_s"], ",.0f"),
             "speedup": "1.00x" if is_reference else fmt(comparison["speedup"], ".2f", "x"),
             "efficiency": "100%" if is_reference else fmt(comparison["efficiency"], ".0f", "%", scale=100),
-            "eval loss": fmt(run["eval_loss"], ".4f"),
+            "eval loss": fmt(run["eval_loss"], ".4f") + (f" ± {run['eval_loss_se']:.4f}"
+                                                        if run.get("eval_loss_se") else ""),
             "perplexity": fmt(run["perplexity"], ".2f"),
             "nats/char": fmt(run.get("nats_per_char"), ".3f"),
             "known words": known_words(run.get("known_words")),
@@ -209,20 +218,65 @@ def history_point(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def earlier_reports(runs_url: str, *, exclude_run_key: str) -> list[dict[str, Any]]:
-    """Every other run's report.json that reads as a report; unreadable ones are logged and left out."""
+    """Every other run's report.json that reads as a report: within the size and depth limits of any record read
+    back (tasks/report_file.py), with every field a use of an earlier report reads of its type (`check_earlier`).
+    Others are logged and left out: another run's odd report never fails this run's evaluate."""
     found = []
     for key in list_dir(runs_url):
         url = join(runs_url, key, "report", REPORT_JSON)
         if key == exclude_run_key or not exists(url):
             continue
         try:
-            report = read_json(url)
-            history_point(report)  # the fields every use of an earlier report reads
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            report = read_record(url)
+            check_earlier(report)
+        except Exception as error:  # noqa: BLE001 - storage errors too: the history is best effort
             log.warning("Leaving %s out of the history: it is not a readable report (%s).", url, error)
             continue
         found.append(report)
     return found
+
+
+class ReportFieldError(ValueError):
+    """A field of an earlier report that its readers use is missing or of another type."""
+
+
+def check_earlier(report: Any) -> None:
+    """ReportFieldError naming the first field that the history (`history_point`), the scaling chart and the throughput
+    watch (tasks/throughput.py) read of an earlier report and that is missing or of another type."""
+    if not isinstance(report, dict):
+        raise ReportFieldError(f"a JSON {type(report).__name__}, not an object")
+    for name in ("run_id", "created_at"):
+        if not isinstance(report.get(name), str):
+            raise ReportFieldError(f"field {name!r} is not text")
+    for path in ("config", "hardware", "hardware.distributed", "prediction"):
+        if not isinstance(_at(report, path), (dict, type(None))):
+            raise ReportFieldError(f"field {path!r} is not an object")
+    if not isinstance(report.get("runs"), dict) or not isinstance(report.get("comparison"), dict):
+        raise ReportFieldError("field 'runs' or 'comparison' is not an object")
+    for name in ("baseline", "distributed"):
+        _check_run(report["runs"].get(name), name, efficiency=report["comparison"].get("efficiency"))
+
+
+def _at(report: dict[str, Any], path: str) -> Any:
+    value: Any = report
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def _check_run(run: Any, name: str, *, efficiency: Any) -> None:
+    if not run:  # no baseline: nothing read
+        return
+    if not isinstance(run, dict):
+        raise ReportFieldError(f"field 'runs.{name}' is not an object")
+    workers = run.get("num_workers")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ReportFieldError(f"field 'runs.{name}.num_workers' is not a worker count")
+    speed = run.get("tokens_per_s")  # null: not timed
+    if speed is not None and (not finite(speed) or speed <= 0):
+        raise ReportFieldError(f"field 'runs.{name}.tokens_per_s' is not a positive number")
+    if name == "distributed" and efficiency is not None and not finite(efficiency):  # null: no baseline
+        raise ReportFieldError("field 'comparison.efficiency' is not a number")
 
 
 def write_report(report_url: str, report: dict[str, Any], charts: dict[str, bytes]) -> str:

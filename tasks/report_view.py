@@ -114,7 +114,8 @@ def opening(report: dict[str, Any], released: str) -> Section:
                    f"(speedup / N): {fmt(_get(comparison, 'efficiency'), '.0f', '%', scale=100)}"),
         *gradient_all_reduce(report),
         _paragraph(f"Eval loss delta (distributed - baseline): {nats(_get(comparison, 'loss_delta'))} nats "
-                   f"(tolerance ±{fmt(_get(comparison, 'loss_tolerance'), '.4f')})"),
+                   f"{_delta_error(comparison)}(tolerance ±{fmt(_get(comparison, 'loss_tolerance'), '.4f')})"),
+        *evaluation_sample(report),
         _paragraph(KNOWN_WORDS_NOTE),
         _paragraph(f"Hardware: {text(_get(report, 'hardware', 'line'))}", anchor="hardware"),
         *gpu_memory(report),
@@ -155,6 +156,31 @@ def gradient_all_reduce(report: dict[str, Any]) -> tuple[Paragraph, ...]:
         sent = f"{text(packs)} pack(s) of >= {fmt(allreduce.get('pack_mb'), 'g')} MiB" + (
             ", overlapping the backward pass" if allreduce.get("overlap") is True else "")
     return (_paragraph(f"Gradient all-reduce: {text(allreduce.get('dtype'))}{over}, {sent}"),)
+
+
+def _delta_error(comparison: Any) -> str:
+    error = _get(comparison, "loss_delta_se")
+    return f"± {fmt(error, '.4f')} " if isinstance(error, (int, float)) and error else ""
+
+
+def evaluation_sample(report: dict[str, Any]) -> tuple[Paragraph, ...]:
+    """What the models were scored on: tokens evaluated out of the split's, the sample, and the error's meaning."""
+    sample = _dict(report, "eval_sample")
+    if not sample:
+        return ()
+    workers = f"scored on {text(sample.get('workers'))} worker(s)"
+    if sample.get("whole_split") is True:
+        asked = sample.get("asked_tokens")
+        why = ("'eval_tokens' = 0" if asked == 0 else
+               f"'eval_tokens' = {fmt(asked, ',.0f')} asks for more than the split holds, so all of it is used")
+        return (_paragraph(f"Evaluation: the whole validation split, {fmt(sample.get('split_tokens'), ',.0f')} "
+                           f"tokens ({why}), {workers}; the losses have no sampling error.", anchor="eval-sample"),)
+    tokens, total = sample.get("tokens"), sample.get("split_tokens")
+    share = fmt(tokens / total, ".1%") if isinstance(tokens, int) and isinstance(total, int) and total else "—"
+    return (_paragraph(f"Evaluation: {fmt(tokens, ',.0f')} of {fmt(total, ',.0f')} validation tokens ({share}; "
+                       f"{fmt(sample.get('sequences'), ',.0f')} sequences), sample ", Code(text(sample.get("id"))),
+                       f" (the same for every model of this run and every run on this dataset), {workers}; each "
+                       "eval loss is given ± its standard error over the sampled sequences.", anchor="eval-sample"),)
 
 
 def elastic_headline(report: dict[str, Any]) -> Line:
@@ -237,9 +263,13 @@ def promotion(report: dict[str, Any]) -> Section:
     return Section("Promotion", (Bullets(tuple(items)),))
 
 
+MAX_PROMPTS_SHOWN = 50  # a report from storage may hold any number: the page stays small and linear
+
+
 def samples(report: dict[str, Any]) -> list[Section]:
-    """Each model's sample scores, then each prompt with every model's greedy and top-k continuation."""
-    models = _items(report.get("samples"))
+    """Each model's sample scores, then each prompt (the first MAX_PROMPTS_SHOWN) with every model's greedy and
+    top-k continuation; each model's samples are read once, so the work is linear in them."""
+    models = _items(report.get("samples"))[:MAX_PROMPTS_SHOWN]
     if not models:
         return []
     names = ", ".join(text(model.get("model")) for model in models)
@@ -250,9 +280,10 @@ def samples(report: dict[str, Any]) -> list[Section]:
               tuple((text(model.get("model")), fmt(model.get("eval_loss"), ".4f"),
                      fmt(model.get("nats_per_char"), ".3f"), known_words(model.get("known_words")))
                     for model in models), anchor="sample-quality")]
-    for index, first in enumerate(_items(models[0].get("samples"))):
-        rows = tuple((text(model.get("model")), _generated(sample.get("greedy")), _generated(sample.get("top_k")))
-                     for model in models for sample in _items(model.get("samples"))[index:index + 1])
+    per_model = [(text(model.get("model")), _items(model.get("samples"))[:MAX_PROMPTS_SHOWN]) for model in models]
+    for index, first in enumerate(per_model[0][1]):
+        rows = tuple((name, _generated(own[index].get("greedy")), _generated(own[index].get("top_k")))
+                     for name, own in per_model if index < len(own))
         blocks += [_paragraph(Emphasis(f"Prompt {index + 1}:"), " ", _generated(first.get("prompt"))),
                    Table(("model", "greedy", "top-k"), rows, prose=("greedy", "top-k"))]
     return [Section("Samples", tuple(blocks))]

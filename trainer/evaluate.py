@@ -1,10 +1,14 @@
-"""Eval loss, perplexity and nats per character of a saved model on the validation shards, and a few short
-generations with their known-word rate (trainer/text_quality.py).
+"""Eval loss, perplexity and nats per character of a saved model on the run's evaluation sample of the validation
+split, and a few short generations with their known-word rate (trainer/text_quality.py).
 
-    python -m trainer.evaluate --model URL --manifest URL --output JSON_URL [--max-batches N] [--prompt TEXT]...
+    python -m trainer.evaluate --model URL --manifest URL --output JSON_URL [--eval-tokens N] [--prompt TEXT]...
 
-The loss is the mean next-token cross-entropy over every predicted token of the validation split (the same
-`causal_lm_loss` the trainer optimizes), in float32, in file order, so two evaluations of one model agree exactly.
+The sample is `--eval-tokens` tokens of the validation split, the same for every model and every run on the same
+dataset, read without the rest of the split (trainer/eval_sample.py). In a group (TF_CONFIG), worker r scores its
+part of the sample and writes it next to the output (`trainer.eval_result.part_url`); the evaluate task combines
+the parts exactly (trainer/eval_result.py). Alone, the worker writes the result itself. Rank 0 also writes the text
+samples. Each sequence's loss is the mean next-token cross-entropy of its predicted tokens (the `token_losses` the
+trainer optimizes), in float32, so a model scores the same on any number of workers to float32 rounding.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import math
+import os
 import shutil
 import sys
 import tempfile
@@ -20,20 +24,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from launcher.log_policy import configure_worker_logging
 from trainer import runtime, storage
-from trainer.data import (
-    DataError,
-    load_manifest,
-    stage_shards,
-    tokenizer_url,
-    worker_shards,
-)
-from trainer.text_quality import known_word_rate, nats_per_character, words
+from trainer.config import RunConfig
+from trainer.config.core import EVAL_BATCH_SEQUENCES
+from trainer.data import load_manifest, tokenizer_url
+from trainer.eval_result import combine, part_url
+from trainer.eval_sample import draw_sample, leading_records, read_part
+from trainer.text_quality import known_word_rate, words
 
 log = logging.getLogger("trainer.evaluate")
 
-EVAL_BATCH_SIZE = 8
+EVAL_BATCH_SIZE = EVAL_BATCH_SEQUENCES
+DEFAULT_EVAL_TOKENS = RunConfig.eval_tokens  # the run setting's default
 PROMPT_TOKENS = 16
 NUM_PROMPTS = 3
 SAMPLE_NEW_TOKENS = 32
@@ -43,38 +48,26 @@ SAMPLE_SEED = 1234
 VOCABULARY_MAX_TOKENS = 2_000_000
 
 
-def validation_dataset(manifest_url: str, manifest: dict[str, Any], local_dir: Path, batch_size: int):
-    from trainer.data import make_dataset
-
-    shards = worker_shards(manifest, "validation", 0, 1)
-    files = stage_shards(manifest_url, shards, local_dir)
-    return make_dataset(
-        files, block_size=manifest["block_size"], dtype=manifest["dtype"], batch_size=batch_size,
-        shuffle=False, seed=0, repeat=False,
-    )
-
-
-def eval_loss(model, dataset, max_batches: int | None, tokenizer) -> tuple[float, int, int]:
-    """Token-weighted mean loss over the dataset (every batch has the same shape), the tokens scored and the
-    characters those predicted tokens spell (special tokens count none)."""
+def sequence_losses(model, sequences: np.ndarray, tokenizer, batch_size: int = EVAL_BATCH_SIZE,
+                    ) -> tuple[list[float], int, int]:
+    """Each sequence's mean loss over its predicted tokens (float32, as Python floats), the tokens scored and the
+    characters those predicted tokens spell (special tokens count none). A last batch may be short."""
     import tensorflow as tf
 
-    from trainer.model import causal_lm_loss
+    from trainer.model import token_losses
 
-    @tf.function
-    def batch_loss(tokens):
-        return causal_lm_loss(model, tokens, training=False)
+    @tf.function(input_signature=[tf.TensorSpec([None, sequences.shape[1]], tf.int32)])
+    def batch_losses(tokens):
+        return tf.reduce_mean(token_losses(model, tokens, training=False), axis=1)
 
-    total, batches, tokens, characters = 0.0, 0, 0, 0
-    for batch in dataset.take(max_batches) if max_batches else dataset:
-        total += float(batch_loss(batch))
-        batches += 1
-        tokens += int(batch.shape[0]) * (int(batch.shape[1]) - 1)
-        predicted = tokenizer.batch_decode(batch[:, 1:].numpy().tolist(), skip_special_tokens=True)
+    losses: list[float] = []
+    characters = 0
+    for first in range(0, len(sequences), batch_size):
+        batch = sequences[first:first + batch_size]
+        losses += batch_losses(tf.constant(batch)).numpy().tolist()
+        predicted = tokenizer.batch_decode(batch[:, 1:].tolist(), skip_special_tokens=True)
         characters += sum(len(text) for text in predicted)
-    if not batches:
-        raise DataError("The validation split has no full batch to evaluate: prepare more validation data.")
-    return total / batches, tokens, characters
+    return losses, len(sequences) * (sequences.shape[1] - 1), characters
 
 
 def logits_function(model):
@@ -137,71 +130,94 @@ def known_words(samples: list[dict[str, str]], vocabulary: set[str]) -> dict[str
     return figures
 
 
-def training_vocabulary(manifest_url: str, manifest: dict[str, Any], tokenizer, local_dir: Path,
+def training_vocabulary(manifest_url: str, manifest: dict[str, Any], tokenizer,
                         max_tokens: int = VOCABULARY_MAX_TOKENS) -> tuple[set[str], int]:
-    """The words of the training text, decoded from the train shards in order, up to about `max_tokens` tokens
-    (a large corpus's first shards: a split drawn by keyed hash, so representative). Returns (words, tokens read)."""
-    import numpy as np
-    import tensorflow as tf
-
+    """The words of the training text, decoded from the train shards' first records in order, up to about
+    `max_tokens` tokens (a large corpus's first records: a split drawn by keyed hash, so representative), read
+    without the rest of the shards. Returns (words, tokens read)."""
     vocabulary: set[str] = set()
-    tokens_read = 0
-    for shard in manifest["splits"]["train"]["shards"]:
-        if tokens_read >= max_tokens:
-            break
-        (path,) = stage_shards(manifest_url, [shard], local_dir)
-        for record in tf.data.TFRecordDataset(path).as_numpy_iterator():
-            ids = np.frombuffer(record, dtype=np.dtype(manifest["dtype"]).newbyteorder("<"))
-            # One record is a run of consecutive sequences: decoded whole, few words are cut at its edges.
-            vocabulary.update(words(tokenizer.decode(ids.tolist(), skip_special_tokens=True)))
-            tokens_read += len(ids)
-    return vocabulary, tokens_read
+    records, _ = leading_records(manifest_url, manifest, "train", max_tokens)
+    for ids in records:
+        # One record is a run of consecutive sequences: decoded whole, few words are cut at its edges.
+        vocabulary.update(words(tokenizer.decode(ids.tolist(), skip_special_tokens=True)))
+    return vocabulary, sum(len(ids) for ids in records)
 
 
-def validation_prompts(dataset, count: int = NUM_PROMPTS) -> list[list[int]]:
-    """The openings of the first validation sequences: text the model has not trained on, in its domain."""
-    batch = next(iter(dataset))
-    return batch[:count, :PROMPT_TOKENS].numpy().tolist()
+def validation_prompts(sequences: np.ndarray, count: int = NUM_PROMPTS) -> list[list[int]]:
+    """The openings of the sample's first sequences: text the model has not trained on, in its domain."""
+    return sequences[:count, :PROMPT_TOKENS].tolist()
 
 
-def evaluate(model_url: str, manifest_url: str, *, max_batches: int | None = None,
-             prompts: list[str] | None = None, batch_size: int = EVAL_BATCH_SIZE) -> dict[str, Any]:
+def load_model(model_url: str, manifest_url: str, manifest: dict[str, Any], work_dir: Path):
+    """The saved model and its tokenizer (the model directory's own, else the dataset's)."""
     from transformers import AutoTokenizer, TFGPT2LMHeadModel
 
     from trainer.model import stage_model_dir
 
+    model = TFGPT2LMHeadModel.from_pretrained(stage_model_dir(model_url, work_dir))
+    tokenizer_dir = model_url if storage.exists(storage.join(model_url, "tokenizer_config.json")) else (
+        tokenizer_url(manifest_url, manifest))
+    return model, AutoTokenizer.from_pretrained(stage_model_dir(tokenizer_dir, work_dir))
+
+
+def text_samples(model, tokenizer, manifest_url: str, manifest: dict[str, Any], prompts: list[list[int]],
+                 ) -> dict[str, Any]:
+    """Rank 0's share beside its losses: the samples, their known-word rates and how they were drawn."""
+    started = time.perf_counter()
+    samples = generate_samples(model, tokenizer, prompts)
+    sample_time = time.perf_counter() - started
+    vocabulary, vocabulary_tokens = training_vocabulary(manifest_url, manifest, tokenizer)
+    return {"samples": samples, "known_words": known_words(samples, vocabulary),
+            "sampling": {"seed": SAMPLE_SEED, "top_k": SAMPLE_TOP_K, "new_tokens": SAMPLE_NEW_TOKENS,
+                         "time_s": round(sample_time, 3), "vocabulary_words": len(vocabulary),
+                         "vocabulary_tokens": vocabulary_tokens}}
+
+
+def evaluate_part(model_url: str, manifest_url: str, *, eval_tokens: int = DEFAULT_EVAL_TOKENS, rank: int = 0,
+                  num_workers: int = 1, prompts: list[str] | None = None) -> dict[str, Any]:
+    """Worker `rank`'s part of the evaluation of `eval_tokens` validation tokens (0: the whole split)."""
     manifest = load_manifest(manifest_url)
+    sample = draw_sample(manifest, eval_tokens)
+    started = time.perf_counter()
+    sequences, read_bytes = read_part(manifest_url, manifest, sample.part(rank, num_workers))
+    read_time = time.perf_counter() - started
+    log.info("rank %d of %d: %d of the sample's %d sequences (sample %s: %d of %d validation tokens), %d bytes "
+             "read in %.2f s", rank, num_workers, len(sequences), sample.sequences, sample.sample_id,
+             sample.identity["tokens"], sample.identity["split_tokens"], read_bytes, read_time)
     work_dir = Path(tempfile.mkdtemp(prefix="evaluate-"))
     try:
-        model = TFGPT2LMHeadModel.from_pretrained(stage_model_dir(model_url, work_dir))
-        tokenizer_dir = model_url if storage.exists(storage.join(model_url, "tokenizer_config.json")) else (
-            tokenizer_url(manifest_url, manifest))
-        tokenizer = AutoTokenizer.from_pretrained(stage_model_dir(tokenizer_dir, work_dir))
-        dataset = validation_dataset(manifest_url, manifest, work_dir / "shards", batch_size)
+        model, tokenizer = load_model(model_url, manifest_url, manifest, work_dir)
         started = time.perf_counter()
-        loss, tokens, characters = eval_loss(model, dataset, max_batches, tokenizer)
-        eval_time = time.perf_counter() - started
-        prompt_ids = ([tokenizer(prompt)["input_ids"] for prompt in prompts] if prompts
-                      else validation_prompts(dataset))
-        started = time.perf_counter()
-        samples = generate_samples(model, tokenizer, prompt_ids)
-        sample_time = time.perf_counter() - started
-        vocabulary, vocabulary_tokens = training_vocabulary(manifest_url, manifest, tokenizer, work_dir / "train")
+        losses, tokens, characters = sequence_losses(model, sequences, tokenizer)
+        eval_time = read_time + time.perf_counter() - started
+        part = {"rank": rank, "num_workers": num_workers, "model": model_url, "sample": sample.identity,
+                "sequences": len(losses), "sequence_losses": losses, "scored_tokens": tokens,
+                "characters": characters, "read_bytes": read_bytes, "read_time_s": round(read_time, 3),
+                "eval_time_s": round(eval_time, 3)}
+        if rank == 0:
+            prompt_ids = ([tokenizer(prompt)["input_ids"] for prompt in prompts] if prompts
+                          else validation_prompts(sequences))
+            part.update(text_samples(model, tokenizer, manifest_url, manifest, prompt_ids))
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
-    result = {
-        "eval_loss": loss, "perplexity": math.exp(loss), "eval_tokens": tokens, "eval_characters": characters,
-        "nats_per_char": nats_per_character(loss, tokens, characters), "eval_time_s": round(eval_time, 3),
-        "samples": samples, "known_words": known_words(samples, vocabulary), "model": model_url,
-        "sampling": {"seed": SAMPLE_SEED, "top_k": SAMPLE_TOP_K, "new_tokens": SAMPLE_NEW_TOKENS,
-                     "time_s": round(sample_time, 3), "vocabulary_words": len(vocabulary),
-                     "vocabulary_tokens": vocabulary_tokens},
-    }
-    rates = result["known_words"]
-    log.info("eval loss %.4f, perplexity %.2f, %s nats/char over %d tokens in %.1f s; known words: greedy %s, "
-             "top-k %s", loss, result["perplexity"], _figure(result["nats_per_char"], ".3f"), tokens, eval_time,
-             _figure(rates["greedy"], ".0%"), _figure(rates["top_k"], ".0%"))
+    return part
+
+
+def evaluate(model_url: str, manifest_url: str, *, eval_tokens: int = DEFAULT_EVAL_TOKENS,
+             prompts: list[str] | None = None) -> dict[str, Any]:
+    """The one-worker evaluation: the whole sample on this process, as a result."""
+    result = combine([evaluate_part(model_url, manifest_url, eval_tokens=eval_tokens, prompts=prompts)])
+    log_result(result)
     return result
+
+
+def log_result(result: dict[str, Any]) -> None:
+    rates, sample = result["known_words"] or {}, result["sample"]
+    log.info("eval loss %.4f ± %s, perplexity %.2f, %s nats/char over %d of %d validation tokens (sample %s) in "
+             "%.1f s; known words: greedy %s, top-k %s", result["eval_loss"], _figure(result["eval_loss_se"], ".4f"),
+             result["perplexity"], _figure(result["nats_per_char"], ".3f"), sample["tokens"],
+             sample["split_tokens"], sample["id"], result["eval_time_s"], _figure(rates.get("greedy"), ".0%"),
+             _figure(rates.get("top_k"), ".0%"))
 
 
 def _figure(value: float | None, spec: str) -> str:
@@ -213,22 +229,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="save_pretrained directory (path or URL)")
     parser.add_argument("--manifest", required=True, help="manifest.json of the tokenized dataset")
     parser.add_argument("--output", required=True, help="where to write the result JSON (path or URL)")
-    parser.add_argument("--max-batches", type=int, default=None, help=f"at most N batches of {EVAL_BATCH_SIZE}")
+    parser.add_argument("--eval-tokens", type=int, default=DEFAULT_EVAL_TOKENS,
+                        help=f"validation tokens to score (setting eval_tokens; default {DEFAULT_EVAL_TOKENS}); "
+                             "0 = the whole split")
     parser.add_argument("--prompt", action="append", default=None,
                         help="a prompt for the samples, repeatable (default: openings of the validation text)")
     args = parser.parse_args(argv)
-    if args.max_batches is not None and args.max_batches < 1:
-        parser.error(f"--max-batches must be at least 1, got {args.max_batches}")
+    if args.eval_tokens < 0:
+        parser.error(f"--eval-tokens (setting eval_tokens) must be 0 or more, got {args.eval_tokens}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_worker_logging()
-    runtime.signal_ready()  # a group of one: up means joined; the launcher's hang watchdog takes over from here
-    result = evaluate(args.model, args.manifest, max_batches=args.max_batches, prompts=args.prompt)
-    storage.write_json_atomic(args.output, result)
-    print(f"eval_loss {result['eval_loss']:.4f} perplexity {result['perplexity']:.2f} -> {args.output}", flush=True)
+    identity = runtime.worker_identity()
+    runtime.signal_ready()  # up means joined; the launcher's hang watchdog takes over from here
+    os.environ.pop("TF_CONFIG", None)  # no collective here: each worker scores its part on its own
+    manifest = load_manifest(args.manifest)
+    batch_tokens = EVAL_BATCH_SIZE * manifest["block_size"]
+    if 0 < args.eval_tokens < batch_tokens:
+        raise SystemExit(f"error: setting eval_tokens = {args.eval_tokens} is below one evaluation batch "
+                         f"({EVAL_BATCH_SIZE} sequences x block_size {manifest['block_size']} = {batch_tokens} "
+                         "tokens): raise it, or 0 for the whole validation split.")
+    part = evaluate_part(args.model, args.manifest, eval_tokens=args.eval_tokens, rank=identity.rank,
+                         num_workers=identity.num_workers, prompts=args.prompt)
+    output = part_url(args.output, identity.rank, identity.num_workers)
+    if identity.num_workers == 1:
+        result = combine([part])
+        log_result(result)
+        storage.write_json_atomic(output, result)
+        print(f"eval_loss {result['eval_loss']:.4f} perplexity {result['perplexity']:.2f} -> {output}", flush=True)
+    else:
+        storage.write_json_atomic(output, part)
+        print(f"rank {identity.rank}: {part['sequences']} sequences scored -> {output}", flush=True)
     return 0
 
 

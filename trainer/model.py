@@ -68,18 +68,22 @@ def build_model(spec: str, *, vocab_size: int, eos_token_id: int, block_size: in
     return model
 
 
-def causal_lm_loss(model: TFGPT2LMHeadModel, tokens: tf.Tensor, training: bool) -> tf.Tensor:
-    """Mean next-token cross-entropy over a batch of token sequences (labels are the inputs, shifted by one).
-
-    Computed in float32 whatever the compute dtype, so bf16/fp16 runs report comparable losses.
-    """
+def token_losses(model: TFGPT2LMHeadModel, tokens: tf.Tensor, training: bool) -> tf.Tensor:
+    """Next-token cross-entropy of every predicted token, `[batch, block_size - 1]` (labels are the inputs, shifted
+    by one). Computed in float32 whatever the compute dtype, so bf16/fp16 runs report comparable losses."""
     import tensorflow as tf
 
     logits = model(input_ids=tokens, training=training, use_cache=False, return_dict=True).logits
-    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(
         labels=tokens[:, 1:], logits=tf.cast(logits[:, :-1], tf.float32)
     )
-    return tf.reduce_mean(losses)
+
+
+def causal_lm_loss(model: TFGPT2LMHeadModel, tokens: tf.Tensor, training: bool) -> tf.Tensor:
+    """Mean next-token cross-entropy over a batch of token sequences (`token_losses`, averaged)."""
+    import tensorflow as tf
+
+    return tf.reduce_mean(token_losses(model, tokens, training))
 
 
 def count_parameters(model: TFGPT2LMHeadModel) -> int:

@@ -3,6 +3,8 @@ registry's latest.json (tasks/registry.py), through `trainer.storage`, so local 
 
 Nothing read here is trusted (many tasks can write storage): run keys and chart names are matched whole before
 they become paths, an index row checks the type of every field it shows, and errors name runs, never storage URLs.
+A report or release record over the size or depth limits of tasks/report_file.py reads as unreadable: on the index
+as an error row (one run's record never fails the page), on its run page as 422.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import logging
 import re
 from typing import Any
 
-from tasks.registry import RegistryError, read_latest
+from tasks.registry import read_latest
+from tasks.report_file import UnreadableRecord, finite, read_record
 from trainer.layout import StorageLayout
-from trainer.storage import exists, join, list_dir, read_bytes, read_json
+from trainer.storage import exists, join, list_dir, read_bytes
 
 log = logging.getLogger("gpt_finetune.ui")
 
@@ -46,8 +49,8 @@ def read_report(storage: StorageLayout, run_key: str) -> dict[str, Any]:
     if not exists(url):
         raise NotFound(f"Run {run_key} has no report: its evaluate task has not finished.")
     try:
-        report = read_json(url)
-    except ValueError as error:
+        report = read_record(url)
+    except (UnreadableRecord, OSError) as error:
         log.warning("Run %s: unreadable report %s (%s)", run_key, url, error)
         raise UnreadableReport(f"Run {run_key} has an unreadable report.") from error
     if not isinstance(report, dict):
@@ -71,8 +74,9 @@ def release_status(release_url: str) -> str:
     if not exists(release_url):
         return "pending"
     try:
-        return "yes" if read_json(release_url).get("clean") is True else "no"
-    except (OSError, ValueError, AttributeError) as error:  # e.g. a directory, a list: never a 500 for the index
+        record = read_record(release_url)
+        return "yes" if isinstance(record, dict) and record.get("clean") is True else "no"
+    except Exception as error:  # noqa: BLE001 - e.g. a directory, a list, too large: never a 500 for the index
         log.warning("Unreadable release record %s (%s)", release_url, error)
         return "no"
 
@@ -88,6 +92,8 @@ def _field(report: Any, path: str, kind: type | tuple[type, ...], *, optional: b
         return None
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):  # bool is an int subclass
         raise ReportError(f"field {path!r} is a {type(value).__name__}")
+    if kind is NUMBER and not finite(value):  # a 401-digit integer once made the index a 500 (OverflowError)
+        raise ReportError(f"field {path!r} is not a finite number")
     return value
 
 
@@ -124,10 +130,11 @@ def list_runs(storage: StorageLayout) -> list[dict[str, Any]]:
             runs.append({"run_key": key, "run_id": key, "status": "no report yet", "released": released})
             continue
         try:
-            runs.append({**headline(key, read_json(url)), "released": released})
-        except ValueError as error:  # ReportError and JSON decoding errors
+            runs.append({**headline(key, read_record(url)), "released": released})
+        except Exception as error:  # noqa: BLE001 - one run's report, whatever is wrong with it, is one error row
             log.warning("Run %s: unreadable report %s (%s)", key, url, error)
-            detail = error if isinstance(error, ReportError) else "not valid JSON"
+            detail = error if isinstance(error, ReportError) else error.reason if isinstance(
+                error, UnreadableRecord) else "cannot be read"
             runs.append({"run_key": key, "run_id": key, "status": f"unreadable report: {detail}", "released": released})
     # created_at has whole seconds: runs of one second are ordered by run id (scheduled ids sort by date).
     return sorted(runs, key=lambda run: (run.get("created_at") or "", run["run_id"]), reverse=True)
@@ -140,7 +147,7 @@ def list_models(storage: StorageLayout) -> list[dict[str, Any]]:
     for name in list_dir(storage.models):
         try:
             pointer = read_latest(storage.model(name))
-        except (RegistryError, OSError, ValueError) as error:
+        except Exception as error:  # noqa: BLE001 - RegistryError, storage errors: one model's error entry
             log.warning("Model %s: unreadable pointer (%s)", name, error)
             models.append({"name": name, "error": "unreadable latest.json"})
             continue

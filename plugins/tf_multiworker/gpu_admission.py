@@ -9,8 +9,9 @@ and `airflow dags test` whenever a task instance is created or cleared, with the
 
 A task opts in by declaring `pool=GPU_POOL` in the DAG. Its GPUs are one per worker: a worker group with a fixed
 `num_workers` takes that many, one without (`None`: it follows the run's configuration) takes the run's
-`num_workers`, and a task without workers (a plain Python task) takes one. Runs without `use_gpu` move such tasks to
-the default pool, so CPU runs never need `gpu_slots`.
+`num_workers`, as does a plain Python task that launches a group of the run's workers (`RUN_GROUP_TASKS`: evaluate,
+which scores each model on every worker of the run); any other task without workers takes one. Runs without
+`use_gpu` move such tasks to the default pool, so CPU runs never need `gpu_slots`.
 
 The same tasks go to the run's `gpu_queue` (a Celery queue; empty: the task's own queue), whatever `use_gpu`: they
 launch and watch the workers, and the `local` backend starts them on the Airflow worker's own host. Queues matter
@@ -38,6 +39,8 @@ GPU_POOL = "gpu_slots"
 DEFAULT_POOL = "default_pool"  # airflow.models.pool.Pool.DEFAULT_POOL_NAME, without importing the ORM at start-up
 SLOTS_SETTING = "GPT_FINETUNE_GPU_SLOTS"
 POOL_DESCRIPTION = "GPUs on the training hosts: one slot per worker"
+# Plain Python tasks that launch groups of the run's `num_workers` (tasks/compare.py's evaluations).
+RUN_GROUP_TASKS = frozenset({"evaluate"})
 
 
 def run_setting(task: Any, dag_run: DagRun, key: str) -> Any:
@@ -53,8 +56,8 @@ def gpus_needed(task: Any, use_gpu: Any, num_workers: Any) -> int:
     """GPUs a task of `gpu_slots` holds in a run with these settings; 0 on the CPU."""
     if use_gpu is not True:
         return 0
-    if getattr(task, "run_config", None) is None:  # a plain Python task, no worker group
-        return 1
+    if getattr(task, "run_config", None) is None and getattr(task, "task_id", None) not in RUN_GROUP_TASKS:
+        return 1  # a plain Python task, no worker group
     # A worker group's own count (the baseline's 1), else the run's (the scheduler sees only template fields).
     workers = getattr(task, "num_workers", None) or num_workers
     # A malformed num_workers fails the run's first task (RunConfig); until then it holds one slot.

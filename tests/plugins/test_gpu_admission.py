@@ -78,8 +78,9 @@ def test_no_gpu_queue_or_a_malformed_one_leaves_every_task_on_the_default_queue(
 @pytest.mark.parametrize("num_workers", [1, 3])
 def test_gpu_runs_take_one_slot_per_gpu(scheduler_dag, num_workers):
     pools = admitted(scheduler_dag, {"use_gpu": True, "num_workers": num_workers})
-    assert pools["preflight"] == pools["train"] == (GPU_POOL, num_workers)
-    assert pools["baseline"] == pools["evaluate"] == (GPU_POOL, 1)
+    # evaluate scores each model on every worker of the run; the baseline trains on one.
+    assert pools["preflight"] == pools["train"] == pools["evaluate"] == (GPU_POOL, num_workers)
+    assert pools["baseline"] == (GPU_POOL, 1)
     assert {task: pools[task] for task in pools.keys() - GPU_TASKS} == dict.fromkeys(pools.keys() - GPU_TASKS,
                                                                                      (DEFAULT_POOL, 1))
 

@@ -537,3 +537,64 @@ def test_the_nav_entry_shows_the_reports_inside_airflow(airflow_stack, stack_run
     assert frame.locator("#figures tr").nth(2).inner_text().split("\t")[:6] == [
         "distributed", "2", "30.0 s", "1.2 s", "1,331", "1.10x"]
     page.screenshot(path=str(ARTIFACTS / "ui_in_airflow.png"))
+
+
+# -- one crafted report.json never fails the index (issue 37 item 4, review finding 9) ---------------------------
+
+@pytest.fixture
+def crafted_storage(storage_root, tmp_path):
+    """The good run, and reports a storage writer crafted: the review's reproductions and more."""
+    root = tmp_path / "storage"
+    shutil.copytree(Path(storage_root) / "runs" / KEY_28, root / "runs" / KEY_28)
+    good = json.loads((root / "runs" / KEY_28 / "report" / "report.json").read_text())
+    crafted = {
+        "deep": "[" * 5000,  # RecursionError in list_runs: a 500 for everyone (the review's had 100000)
+        "nested": "[" * 50 + "]" * 50,  # parses, nests past the limit
+        "huge_int": json.dumps({**good, "runs": {**good["runs"], "distributed": {
+            **good["runs"]["distributed"], "tokens_per_s": 10 ** 400}}}),  # OverflowError in render_index
+        "not_utf8": b"\xff\xfe{}",
+        "too_large": json.dumps({**good, "pad": "x" * 5000}),
+    }
+    for key, content in crafted.items():
+        path = root / "runs" / key / "report" / "report.json"
+        path.parent.mkdir(parents=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    (root / "runs" / "deep" / "release.json").write_text("[" * 100000)
+    return root
+
+
+def test_a_crafted_report_is_an_error_row_and_never_a_500(crafted_storage, monkeypatch):
+    from tasks import report_file
+
+    monkeypatch.setattr(report_file, "MAX_RECORD_BYTES", len(
+        (crafted_storage / "runs" / KEY_28 / "report" / "report.json").read_bytes()) + 100)
+    client = TestClient(create_app(str(crafted_storage)), raise_server_exceptions=False)
+    assert client.get("/").status_code == 200
+    statuses = {run["run_key"]: run["status"] for run in client.get("/api/runs").json()}
+    assert statuses[KEY_28] == "passed"
+    assert statuses["deep"] == "unreadable report: nested too deep"
+    assert statuses["nested"] == "unreadable report: nested too deep: more than 32 levels"
+    assert statuses["huge_int"] == "unreadable report: field 'runs.distributed.tokens_per_s' is not a finite number"
+    assert statuses["not_utf8"] == "unreadable report: not valid JSON"
+    assert statuses["too_large"].startswith("unreadable report: too large: ")
+    for key in ("deep", "nested", "not_utf8", "too_large"):
+        assert client.get(f"/runs/{key}/").status_code == 422, key
+    page = client.get("/runs/huge_int/")  # readable, one odd figure: shown as a dash
+    assert page.status_code == 200 and "tokens/s" in page.text
+
+
+def test_the_run_page_is_linear_in_samples(storage_root, tmp_path):
+    """The review measured 0.17 s, 0.67 s, 1.62 s for 1000, 2000, 4000 samples per model: quadratic."""
+    import time
+
+    report = json.loads((Path(storage_root) / "runs" / KEY_28 / "report" / "report.json").read_text())
+    timings = {}
+    for count in (4000, 40000):
+        sample = {"prompt": "p", "greedy": "g", "top_k": "k"}
+        report["samples"] = [{"model": name, "eval_loss": 5.0, "samples": [sample] * count}
+                             for name in ("baseline", "distributed")]
+        started = time.perf_counter()
+        page = render_run(report, "yes")
+        timings[count] = time.perf_counter() - started
+        assert page.count("Prompt ") <= 50
+    assert timings[40000] < 2.0, timings

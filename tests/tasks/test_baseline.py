@@ -12,7 +12,10 @@ from trainer.config import RunConfig
 from trainer.layout import TrainOutput
 from trainer.storage import exists, read_json
 
-MANIFEST = {"fingerprint": "ds-1", "tokenizer": {"fingerprint": "tok-1"}}
+VALIDATION = {"sequences": 10_000, "tokens": 640_000, "shards": [
+    {"name": "validation-00000-of-00001.tfrecord", "sequences": 10_000, "sha256": "0" * 64}]}
+MANIFEST = {"fingerprint": "ds-1", "tokenizer": {"fingerprint": "tok-1"}, "block_size": 64, "sequences_per_record": 512,
+            "splits": {"validation": VALIDATION}}
 BASE = RunConfig(num_workers=2, max_steps=40)
 
 
@@ -47,6 +50,11 @@ def test_data_steps_and_code_change_the_key(tmp_path, monkeypatch):
     assert key(manifest={**MANIFEST, "fingerprint": "ds-2"}) != key()
     assert key(manifest={**MANIFEST, "tokenizer": {"fingerprint": "tok-2"}}) != key()
     assert key(steps=41) != key()
+    # The evaluation sample: its size, and the validation shards it is drawn from (a cached eval.json scored it).
+    assert key(BASE.replace(eval_tokens=64_000)) != key()
+    assert key(BASE.replace(eval_tokens=0)) == key(BASE.replace(eval_tokens=10**9))  # both the whole split
+    shard = {**VALIDATION["shards"][0], "sha256": "1" * 64}
+    assert key(manifest={**MANIFEST, "splits": {"validation": {**VALIDATION, "shards": [shard]}}}) != key()
 
     sources = tmp_path / "trainer"
     shutil.copytree(baseline_module.TRAINER_SOURCES, sources, ignore=shutil.ignore_patterns("__pycache__"))

@@ -16,7 +16,7 @@ import airflow  # noqa: F401 (its first import replaces the log handlers: here, 
 import pytest
 from tf_multiworker.backends import make_backend
 
-from tasks import compare
+from tasks import compare, figures
 from tasks.baseline import plan_baseline
 from tasks.compare import EvaluationError, GateFailure, evaluate_run
 from tests.tasks import run_fixtures
@@ -61,7 +61,11 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
     assert (distributed["num_workers"], baseline["num_workers"]) == (2, 1)
     assert distributed["perplexity"] == pytest.approx(math.exp(5.305))
     assert distributed["tokens_per_s"] == pytest.approx(39 * 16 * 64 / 30.0)  # the compiling first step untimed
-    assert (distributed["eval_time_s"], distributed["eval_tokens"]) == (1.25, 2560)
+    assert (distributed["eval_time_s"], distributed["eval_tokens"]) == (1.25, 40 * 63)  # 63 predicted per sequence
+    # 1,000,000 tokens asked of a split of 2,560: all of it, on both workers, and the report says so.
+    assert report["eval_sample"] == {**distributed["eval_sample"], "workers": 2} == baseline["eval_sample"]
+    assert report["eval_sample"]["whole_split"] is True and report["eval_sample"]["tokens"] == 2560
+    assert distributed["eval_loss_se"] == 0.0 and report["comparison"]["loss_delta_se"] == 0.0
     assert report["comparison"]["loss_delta"] == pytest.approx(0.005)
     assert [gate["name"] for gate in report["gates"]] == ["eval_loss_finite", "same_work", "loss_parity"]
     assert report["hardware"]["line"].startswith("2 workers on a 2-core CPU: efficiency is bounded by cores")
@@ -80,6 +84,9 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
     assert "| baseline | 5.3000 | 1.767 | 100% / 75% |" in markdown
     assert [section["known_words"]["greedy"] for section in report["samples"]] == [1.0, 1.0]
     assert "efficiency is bounded by cores" in markdown
+    assert ("Evaluation: the whole validation split, 2,560 tokens ('eval_tokens' = 1,000,000 asks for more than the "
+            "split holds, so all of it is used), scored on 2 worker(s); the losses have no sampling error.") in markdown
+    assert "tolerance ±0.0200 (the whole validation split: no sampling error)" in markdown
     for chart in ("loss_curves.png", "scaling.png"):
         assert read_bytes(join(prepared["report_url"], chart)).startswith(PNG_MAGIC)
     assert sorted(evaluations()) == sorted([join(prepared["train_url"], "model"),
@@ -154,13 +161,55 @@ def test_a_failing_evaluation_names_the_model_and_shows_its_output(root, evaluat
     assert not exists(join(prepared["report_url"], "report.json"))
 
 
+def test_a_worker_failing_during_a_sharded_evaluation_fails_the_task_naming_its_rank(root, evaluations):
+    prepared = trained_run(root, "manual__rank", baseline="skip")
+    write_json_atomic(join(prepared["train_url"], "model", "fixture_eval.json"), {"eval_loss": 5.3, "fail_rank": 1})
+
+    with pytest.raises(EvaluationError) as failure:
+        evaluate_run(prepared, make_backend)
+
+    message = str(failure.value)
+    assert "on 2 worker(s) failed" in message and "rank 1" in message and "exited with code 3" in message
+    assert "rank 1 lost its model files" in message  # the failed rank's last lines
+    assert not exists(join(prepared["report_url"], "report.json"))
+
+
+def test_a_sampled_evaluation_reports_its_share_and_widens_loss_parity_by_the_paired_error(root, evaluations):
+    """8 of the split's 40 sequences (eval_tokens = one batch of 8 x 64): each model's loss comes with its standard
+    error, and the parity gate allows the delta two paired standard errors beyond the tolerance, saying so."""
+    prepared = trained_run(root, "manual__sample", eval_tokens=512, loss_tolerance=0.001)
+    for url, loss, spread in ((prepared["train_url"], 5.305, 0.2), (prepared["baseline_url"], 5.300, 0.1)):
+        write_json_atomic(join(url, "model", "fixture_eval.json"), {"eval_loss": loss, "spread": spread})
+
+    result = evaluate_run(prepared, make_backend)
+
+    report = read_json(result["report_url"])
+    assert report["eval_sample"]["tokens"] == 512 and report["eval_sample"]["split_tokens"] == 2560
+    assert report["eval_sample"]["whole_split"] is False and report["eval_sample"]["workers"] == 2
+    fpc = math.sqrt((40 - 8) / (40 - 1))  # the finite-population correction of 8 sequences of 40
+    distributed = report["runs"]["distributed"]
+    assert distributed["eval_loss"] == pytest.approx(5.305)
+    assert distributed["eval_loss_se"] == pytest.approx(math.sqrt(8 * 0.2**2 / 7 / 8) * fpc)
+    # The per-sequence deltas alternate 0.005 -+ 0.1: their error, far below the two models' errors together.
+    delta_se = math.sqrt(8 * 0.1**2 / 7 / 8) * fpc
+    assert report["comparison"]["loss_delta_se"] == pytest.approx(delta_se)
+    (parity,) = [gate for gate in report["gates"] if gate["name"] == "loss_parity"]
+    assert parity["passed"] and parity["limit"] == pytest.approx(0.001 + 2 * delta_se)
+    assert f"limit ±{0.001 + 2 * delta_se:.4f} = tolerance 0.0010 + 2 x {delta_se:.4f}" in parity["detail"]
+    assert "over 8 sampled sequences (both models scored the same sequences: paired)" in parity["detail"]
+    markdown = read_bytes(result["report_md_url"]).decode()
+    assert "Evaluation: 512 of 2,560 validation tokens (20.0%; 8 sequences), sample" in markdown
+    assert f"| 5.3050 ± {distributed['eval_loss_se']:.4f} |" in markdown
+    assert report["baseline"]["key"] != trained_run(root, "manual__all", eval_tokens=0)["baseline_key"]
+
+
 def test_speedup_compares_time_per_step_so_a_resumed_job_is_measured_fairly():
     baseline = {"steps": 40, "steps_timed": 39, "train_time_s": 39.0, "resumed_from_step": 0}
     resumed = {"steps": 40, "steps_timed": 19, "train_time_s": 9.5, "resumed_from_step": 20}  # 0.5 s per step
-    assert compare.seconds_per_step(baseline) == 1.0 and compare.seconds_per_step(resumed) == 0.5
-    assert compare.seconds_per_step({**resumed, "steps_timed": 0}) is None
-    figures = {"num_workers": 4, "eval_loss": 5.0, "seconds_per_step": 0.5}
-    result = compare.compare(figures, {**figures, "num_workers": 1, "seconds_per_step": 1.0}, 0.02)
+    assert figures.seconds_per_step(baseline) == 1.0 and figures.seconds_per_step(resumed) == 0.5
+    assert figures.seconds_per_step({**resumed, "steps_timed": 0}) is None
+    run = {"num_workers": 4, "eval_loss": 5.0, "seconds_per_step": 0.5}
+    result = compare.compare(run, {**run, "num_workers": 1, "seconds_per_step": 1.0}, 0.02)
     assert (result["speedup"], result["efficiency"], result["loss_delta"]) == (2.0, 0.5, 0.0)
 
 
@@ -184,15 +233,17 @@ def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, 
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 
-    (line,) = [r.getMessage() for r in caplog.records if "evaluating as pid" in r.getMessage()]
-    assert line.endswith(" of run run-of-eval")  # the marker release finds the run's processes by
-    with pytest.raises(ProcessLookupError):
-        os.kill(int(line.split("evaluating as pid ")[1].split()[0]), 0)
-    # Launched as training is (tasks/launch.py): a state record that release reads, the rank's log kept.
+    lines = [r.getMessage() for r in caplog.records if "evaluating as pid" in r.getMessage()]
+    assert 1 <= len(lines) <= 2  # a worker of each rank (the run's 2)
+    for line in lines:
+        assert line.endswith(" of run run-of-eval")  # the marker release finds the run's processes by
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(line.split("evaluating as pid ")[1].split()[0]), 0)
+    # Launched as training is (tasks/launch.py): a state record that release reads, the ranks' logs kept.
     run = StorageLayout(root).run("run-of-eval")
     record = read_json(run.state_file("evaluate-distributed"))
     assert (record["task_id"], record["backend"], record["state"]) == ("evaluate-distributed", "local", "failed")
-    assert exists(join(run.logs("evaluate-distributed"), "rank-0.log"))
+    assert all(exists(join(run.logs("evaluate-distributed"), f"rank-{rank}.log")) for rank in (0, 1))
 
 
 def test_real_trainer_output_evaluated_by_the_real_entry_point(root, tmp_path, caplog):

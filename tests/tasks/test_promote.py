@@ -34,10 +34,14 @@ def root(request, tmp_path):
     return request.getfixturevalue("s3_bucket") + "/gpt"
 
 
-def evaluated_run(root: str, run_id: str, eval_loss: float, **settings) -> dict:
-    """A run trained (fixture outputs) and evaluated by the real evaluate task; gate failures are left in the report."""
+def evaluated_run(root: str, run_id: str, eval_loss: float, spread: float = 0.0, **settings) -> dict:
+    """A run trained (fixture outputs) and evaluated by the real evaluate task; gate failures are left in the report.
+    `spread`: its sequences' losses lie that far on either side of `eval_loss`."""
     prepared = run_fixtures.prepare_run(root, run_id, baseline="skip", **settings)
     run_fixtures.write_training_output(prepared["train_url"], num_workers=2, train_time_s=30.0, eval_loss=eval_loss)
+    if spread:
+        write_json_atomic(join(prepared["train_url"], "model", "fixture_eval.json"),
+                          {"eval_loss": eval_loss, "spread": spread})
     try:
         compare.evaluate_run(prepared, make_backend)
     except compare.GateFailure:
@@ -90,7 +94,7 @@ def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
     assert refused["promoted"] is False and refused["version"] is None and refused["event"] is None
     assert "worse than the promoted version by more than 'promotion_tolerance'" in refused["reason"]
     assert "eval loss 5.5000 vs 5.3000 of promoted v1" in refused["reason"]
-    assert "both scored on this run's validation shards" in refused["reason"]
+    assert "both scored on this run's evaluation sample" in refused["reason"]
     markdown = read_bytes(join(worse["report_url"], "report.md")).decode()
     assert "**Not promoted** (policy 'auto'): worse than the promoted version" in markdown
     samples = markdown.split("## Samples")[1]
@@ -135,6 +139,29 @@ def test_a_version_scored_on_other_data_is_compared_by_its_record_and_the_reason
     assert ("its recorded eval loss, NOT on the same validation shards: it was scored on dataset "
             f"{run_fixtures.FINGERPRINT}, this run on ds-other") in outcome["reason"]
     assert "tokenizer differs from this run's" in outcome["reason"]
+
+
+def test_a_sampled_comparison_allows_two_paired_standard_errors_and_records_its_sample(evaluations, tmp_path):
+    """8 of the split's 40 sequences: v1 is scored again on the run's sample beside it, and the rule allows the
+    delta two standard errors of the paired per-sequence differences beyond 'promotion_tolerance'."""
+    root = str(tmp_path / "storage")
+    first = evaluated_run(root, "r1", 5.30, spread=0.20, eval_tokens=512)
+    assert promote_run(first)["version"] == "v1"
+    entry = registry.read_latest(models(root))["history"][0]
+    sample = report_of(first)["eval_sample"]
+    assert entry["eval_sample"] == sample["id"] and entry["eval_loss_se"] > 0 and sample["tokens"] == 512
+
+    later = evaluated_run(root, "r2", 5.32, spread=0.25, eval_tokens=512)  # worse by 0.02: within the error
+    promoted = report_of(later)["promoted"]
+    delta_se = 0.05 * (8 / 7 / 8) ** 0.5 * ((40 - 8) / (40 - 1)) ** 0.5  # differences 0.02 -+ 0.05, paired
+    assert promoted["eval_sample"] == sample["id"] and promoted["delta_se"] == pytest.approx(delta_se)
+    outcome = promote_run(later)
+    assert outcome["promoted"] is True and outcome["version"] == "v2"
+    assert (f"+0.0200 nats, limit {2 * delta_se:.4f} = tolerance 0.0000 + 2 x {delta_se:.4f}, the standard error "
+            "of the delta (paired over the sample's sequences)") in outcome["reason"]
+    assert f"both scored on this run's evaluation sample {sample['id']}" in outcome["reason"]
+    worse = promote_run(evaluated_run(root, "r3", 5.40, spread=0.25, eval_tokens=512))  # 0.08: beyond it
+    assert worse["promoted"] is False and "worse than the promoted version" in worse["reason"]
 
 
 def test_a_retried_promotion_keeps_the_version_it_got(evaluations, tmp_path):

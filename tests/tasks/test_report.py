@@ -3,6 +3,8 @@
 import logging
 import struct
 
+import pytest
+
 from tasks import formatting
 from tasks import report as reports
 from trainer.storage import exists, join, read_bytes, write_bytes_atomic, write_json_atomic
@@ -135,3 +137,46 @@ def test_write_report_writes_every_file(tmp_path):
     assert read_bytes(join(url, "scaling.png")) == b"\x89PNG fake"
     assert read_bytes(join(url, "report.md")).startswith(b"# GPT fine-tune run `manual__1`")
     assert exists(join(url, "preflight.json"))
+
+
+# -- earlier reports are untrusted input (issue 37 item 4, review finding 10) -----------------------------------
+
+@pytest.mark.parametrize("damage", [
+    lambda r: r["runs"]["distributed"].update(tokens_per_s="9000"),  # the review's reproduction: TypeError
+    lambda r: r.update(config=[1]),  # AttributeError: 'list' object has no attribute 'get'
+    lambda r: r.update(hardware={"distributed": "gpu-a"}),
+    lambda r: r["runs"]["distributed"].update(tokens_per_s=10 ** 400),
+    lambda r: r["runs"]["distributed"].update(num_workers=True),
+    lambda r: r.update(created_at=None),
+    lambda r: r["comparison"].update(efficiency=float("nan")),
+])
+def test_an_odd_earlier_report_is_left_out_and_never_fails_the_throughput_watch(tmp_path, caplog, damage):
+    from tasks import throughput
+
+    runs_url = str(tmp_path / "runs")
+    cfg = {"num_workers": 2, "backend": "local", "model": "tiny"}
+    good, odd = report("good", 2, 0.9), report("odd", 2, 0.9)
+    for data in (good, odd):
+        data.update(config=cfg, created_at="2026-12-01T00:00:00+00:00")
+    damage(odd)
+    write_json_atomic(join(runs_url, "good-1", "report", "report.json"), good)
+    write_json_atomic(join(runs_url, "odd-1", "report", "report.json"), odd)
+    with caplog.at_level(logging.WARNING, logger="gpt_finetune.report"):
+        earlier = reports.earlier_reports(runs_url, exclude_run_key="new-2")
+    assert [r["run_id"] for r in earlier] == ["good"] and "odd-1/report/report.json" in caplog.text
+
+    new = {"run_id": "new", "config": cfg, "runs": {"distributed": {"num_workers": 2, "tokens_per_s": 1.0}}}
+    assert throughput.assess(new, earlier, 0.5).warnings  # compared with the good one, and it ran
+
+
+def test_an_earlier_report_too_large_or_too_deep_is_left_out_unread(tmp_path, monkeypatch, caplog):
+    from tasks import report_file
+
+    runs_url = str(tmp_path / "runs")
+    write_bytes_atomic(join(runs_url, "deep-1", "report", "report.json"), b"[" * 100000)
+    write_bytes_atomic(join(runs_url, "nested-1", "report", "report.json"), b"[" * 40 + b"]" * 40)
+    write_json_atomic(join(runs_url, "big-1", "report", "report.json"), {**report("big", 2, 0.5), "pad": "x" * 5000})
+    monkeypatch.setattr(report_file, "MAX_RECORD_BYTES", 4096)
+    with caplog.at_level(logging.WARNING, logger="gpt_finetune.report"):
+        assert reports.earlier_reports(runs_url, exclude_run_key="new-2") == []
+    assert "nested too deep" in caplog.text and "too large" in caplog.text

@@ -1,4 +1,5 @@
-"""trainer.evaluate: the saved model loads with from_pretrained and scores exactly like the trained weights."""
+"""trainer.evaluate: the saved model loads with from_pretrained and scores exactly like the trained weights, on a
+bounded sample of the validation split that any number of workers score alike."""
 
 from __future__ import annotations
 
@@ -39,14 +40,11 @@ def trained(tmp_path_factory):
 
 def test_saved_model_scores_like_the_final_checkpoint(trained):
     import tensorflow as tf
+    from transformers import AutoTokenizer
 
     from trainer.data import load_manifest
-    from trainer.evaluate import (
-        EVAL_BATCH_SIZE,
-        eval_loss,
-        evaluate,
-        validation_dataset,
-    )
+    from trainer.eval_sample import draw_sample, read_part
+    from trainer.evaluate import evaluate, sequence_losses
     from trainer.model import build_model
 
     manifest_url, output = trained
@@ -55,16 +53,15 @@ def test_saved_model_scores_like_the_final_checkpoint(trained):
                            eos_token_id=manifest["tokenizer"]["eos_token_id"], block_size=32, work_dir=output)
     final_checkpoint = tf.train.latest_checkpoint(str(output / "checkpoints"))
     tf.train.Checkpoint(model=restored).restore(final_checkpoint).expect_partial()
-    dataset = validation_dataset(manifest_url, manifest, output.parent / "val", EVAL_BATCH_SIZE)
-    from transformers import AutoTokenizer
-
+    sequences, _ = read_part(manifest_url, manifest, draw_sample(manifest, 0).part(0, 1))  # the whole split
     tokenizer = AutoTokenizer.from_pretrained(str(output / "model"))
-    checkpoint_loss, tokens, characters = eval_loss(restored, dataset, None, tokenizer)
+    losses, tokens, characters = sequence_losses(restored, sequences, tokenizer)
 
-    result = evaluate(str(output / "model"), manifest_url)
-    assert result["eval_loss"] == pytest.approx(checkpoint_loss, abs=1e-6)
+    result = evaluate(str(output / "model"), manifest_url, eval_tokens=0)
+    assert result["eval_loss"] == pytest.approx(math.fsum(losses) / len(losses), abs=1e-6)
     assert result["eval_characters"] == characters > tokens
-    assert result["eval_tokens"] == tokens > 0
+    assert result["eval_tokens"] == tokens == len(sequences) * 31 > 0
+    assert result["sample"]["whole_split"] is True and result["eval_loss_se"] == 0.0
     assert result["perplexity"] == pytest.approx(math.exp(result["eval_loss"]))
     # Trained weights, not a fresh init: far below the uniform-guess loss log(vocab).
     assert result["eval_loss"] < math.log(manifest["tokenizer"]["vocab_size"]) - 0.3
@@ -75,7 +72,7 @@ def test_cli_writes_the_result_json(trained, tmp_path):
     result_path = tmp_path / "eval" / "result.json"
     completed = subprocess.run(
         [sys.executable, "-m", "trainer.evaluate", "--model", str(output / "model"), "--manifest", manifest_url,
-         "--output", str(result_path), "--max-batches", "2", "--prompt", "Enter the king", "--prompt", "Thunder"],
+         "--output", str(result_path), "--eval-tokens", "512", "--prompt", "Enter the king", "--prompt", "Thunder"],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=180,
         check=False,
     )
@@ -95,13 +92,77 @@ def test_cli_writes_the_result_json(trained, tmp_path):
     assert all(known[mode] is None or 0.0 <= known[mode] <= 1.0 for mode in ("greedy", "top_k"))
 
 
+def test_eval_tokens_below_one_batch_is_refused_by_name(trained, tmp_path):
+    manifest_url, output = trained
+    completed = subprocess.run(
+        [sys.executable, "-m", "trainer.evaluate", "--model", str(output / "model"), "--manifest", manifest_url,
+         "--output", str(tmp_path / "result.json"), "--eval-tokens", "100"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=180,
+        check=False)
+    assert completed.returncode != 0 and not (tmp_path / "result.json").exists()
+    assert "setting eval_tokens = 100 is below one evaluation batch (8 sequences x block_size 32" in completed.stderr
+
+
+@pytest.fixture(scope="module")
+def large_validation(tmp_path_factory):
+    """The trained model's texts tokenized again with half of them held out (the same tokenizer: the same texts and
+    vocabulary), in records of 16 sequences: a validation split of about 550 sequences."""
+    return write_dataset(tmp_path_factory.mktemp("large-validation"), sorted((REPO / "data" / "sample").glob("*.txt")),
+                         block_size=32, vocab_size=320, num_train_shards=2, max_chars=30_000, val_fraction=0.5,
+                         sequences_per_record=16)
+
+
+def test_a_split_20x_eval_tokens_is_sampled_within_bounds_alike_every_time_and_on_two_workers(
+        trained, large_validation, monkeypatch):
+    """Evaluate reads at most `eval_tokens` plus one batch of a split 20 times larger, scores the same sequences
+    twice, reports tokens evaluated / total with a standard error, and two workers' parts combine to the one-worker
+    result within 1e-5 nats."""
+    from trainer import eval_sample
+    from trainer.data import load_manifest
+    from trainer.eval_result import combine
+    from trainer.evaluate import EVAL_BATCH_SIZE, evaluate, evaluate_part
+
+    manifest = load_manifest(large_validation)
+    split_tokens = manifest["splits"]["validation"]["tokens"]
+    eval_tokens = split_tokens // 20
+    assert eval_tokens >= EVAL_BATCH_SIZE * 32
+    reads: list[tuple[str, int, int]] = []
+    read_ranges = eval_sample._read_ranges
+    monkeypatch.setattr(eval_sample, "_read_ranges", lambda where, ranges: reads.extend(ranges) or read_ranges(
+        where, ranges))
+    model = str(trained[1] / "model")
+
+    first = evaluate(model, large_validation, eval_tokens=eval_tokens)
+
+    read_bytes = sum(end - start for name, start, end in reads if name.startswith("validation"))
+    assert read_bytes == first["sample"]["read_bytes"] <= (eval_tokens + EVAL_BATCH_SIZE * 32) * 2  # uint16
+    sample = first["sample"]
+    assert (sample["tokens"], sample["split_tokens"]) == (eval_tokens // 32 * 32, split_tokens)
+    assert sample["whole_split"] is False and sample["sequences"] == len(first["sequence_losses"])
+    assert 0 < first["eval_loss_se"] < 0.5 and math.isfinite(first["eval_loss"])
+    again = evaluate(model, large_validation, eval_tokens=eval_tokens)
+    assert again["sample"]["id"] == sample["id"] and again["sequence_losses"] == first["sequence_losses"]
+    assert again["eval_loss"] == first["eval_loss"]
+
+    halves = combine([evaluate_part(model, large_validation, eval_tokens=eval_tokens, rank=rank, num_workers=2)
+                      for rank in (1, 0)])
+    print(f"one worker {first['eval_loss']:.8f} ± {first['eval_loss_se']:.4f}, two workers "
+          f"{halves['eval_loss']:.8f}: |delta| {abs(halves['eval_loss'] - first['eval_loss']):.1e} nats over "
+          f"{sample['tokens']} of {split_tokens} tokens")
+    assert abs(halves["eval_loss"] - first["eval_loss"]) < 1e-5
+    assert halves["sequence_losses"] == pytest.approx(first["sequence_losses"], abs=1e-5)
+    assert halves["eval_loss_se"] == pytest.approx(first["eval_loss_se"], abs=1e-5)
+    assert (halves["eval_tokens"], halves["eval_characters"]) == (first["eval_tokens"], first["eval_characters"])
+    assert halves["samples"] == first["samples"]  # rank 0 writes them, from the sample's first sequences
+
+
 def test_samples_continue_validation_openings_the_same_way_every_time(trained):
     """Greedy and top-k continuations of the first validation sequences' openings, under a fixed seed."""
     from trainer.evaluate import NUM_PROMPTS, evaluate
 
     manifest_url, output = trained
-    first = evaluate(str(output / "model"), manifest_url, max_batches=1)
-    again = evaluate(str(output / "model"), manifest_url, max_batches=1)
+    first = evaluate(str(output / "model"), manifest_url, eval_tokens=256)
+    again = evaluate(str(output / "model"), manifest_url, eval_tokens=256)
     assert len(first["samples"]) == NUM_PROMPTS
     assert len({sample["prompt"] for sample in first["samples"]}) == NUM_PROMPTS  # distinct openings
     assert all(sample["prompt"] and sample["greedy"].strip() and sample["top_k"].strip()
@@ -178,5 +239,5 @@ def test_train_resume_and_evaluate_on_object_storage(trained, s3_bucket):
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
     checkpoints = set(storage.list_dir(f"{output}/checkpoints"))
     assert {"checkpoint", "ckpt-6.index"} <= checkpoints and "ckpt-2.index" not in checkpoints  # rotated
-    result = evaluate(f"{output}/model", f"{dataset}/manifest.json", max_batches=2)
+    result = evaluate(f"{output}/model", f"{dataset}/manifest.json", eval_tokens=512)  # ranged reads of the bucket
     assert math.isfinite(result["eval_loss"]) and result["eval_tokens"] == 2 * 8 * 31

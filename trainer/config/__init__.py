@@ -67,6 +67,8 @@ class RunConfig:
     storage_conn_id: str = ""
     seed: int = 1234
     val_fraction: float = 0.05
+    # Validation tokens each model is evaluated on: a fixed sample of the split (trainer/eval_sample.py); 0 = all.
+    eval_tokens: int = 1_000_000
     num_shards: int = 0
     # prepare (tasks/dataset): mapped tasks (0 = from the corpus size, 1 = one task), unit size, BPE sample, and the
     # longest document (a longer paragraph, JSON line or Parquet cell is cut into several: tasks/dataset/readers.py)

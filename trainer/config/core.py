@@ -36,6 +36,8 @@ STORAGE_SCHEMES = ("", "file", "s3")
 MAX_GLOBAL_BATCH = 1 << 20
 MAX_GRAD_ACCUM = 1024
 MAX_PREPARE_TASKS = 256  # mapped tasks of the prepare stage (the scheduler slows with thousands of them)
+EVAL_BATCH_SEQUENCES = 8  # sequences per evaluation batch (trainer/evaluate.py): `eval_tokens` asks for one at least
+MAX_EVAL_TOKENS = 10**12
 BPE_SPEC = re.compile(r"^bpe:(\d+)$")
 _EMAIL = re.compile(r"[^@\s,;<>]+@[^@\s,;<>]+\.[^@\s,;<>]+")
 
@@ -51,6 +53,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "collective_timeout_s": (5, 86_400), "startup_timeout_s": (5, 86_400), "hang_timeout_s": (10, 7 * 86_400),
     "max_loss_rise": (0.0, 100.0), "min_throughput_ratio": (0.0, 1.0), "min_predicted_efficiency": (0.0, 1.0),
     "gpus_per_worker": (0, 1), "workers_per_host": (0, 64), "allreduce_pack_mb": (0.0, 1024.0),
+    "eval_tokens": (0, MAX_EVAL_TOKENS),
 }
 # Bounds whose low end is excluded: (low, high].
 OPEN_BELOW: dict[str, tuple[float, float]] = {"learning_rate": (0.0, 1.0), "epochs": (0.0, 1000.0),
@@ -204,5 +207,16 @@ def _check_training(cfg: Any) -> None:
             f"Setting 'num_shards' = {cfg.num_shards} is below 'num_workers' = {cfg.num_workers}: every worker "
             "needs at least one shard of its own. Raise 'num_shards' or set it to 0 (automatic)."
         )
+    _check_eval_tokens(cfg)
     if cfg.mixed_precision == "fp16" and not cfg.use_gpu:
         raise ConfigError("Setting 'mixed_precision' = 'fp16' needs 'use_gpu' = true: use 'bf16' or 'no' on CPU.")
+
+
+def _check_eval_tokens(cfg: Any) -> None:
+    """An evaluation sample of at least one batch; 0 evaluates the whole validation split."""
+    batch_tokens = EVAL_BATCH_SEQUENCES * cfg.block_size
+    if 0 < cfg.eval_tokens < batch_tokens:
+        raise ConfigError(
+            f"Setting 'eval_tokens' = {cfg.eval_tokens} is below one evaluation batch ({EVAL_BATCH_SEQUENCES} "
+            f"sequences x 'block_size' {cfg.block_size} = {batch_tokens} tokens): raise it to {batch_tokens} or "
+            "more, or set 0 to evaluate the whole validation split.")

@@ -1,0 +1,135 @@
+"""The figures of the comparison: each trained model's, speedup, scaling efficiency and the gates with their limits.
+
+The loss-parity gate's limit is its tolerance widened by the sampling error of the delta: both models are scored on
+the same sample of the validation split (trainer/eval_sample.py), so the delta's standard error is the paired one
+over the sample's sequences (trainer/eval_result.py), and it is 0 when the whole split is scored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tasks.formatting import nats
+from trainer.eval_result import GATE_STANDARD_ERRORS
+from trainer.layout import TrainOutput
+
+
+def run_figures(label: str, output: TrainOutput, summary: dict[str, Any], evaluation: dict[str, Any]) -> dict:
+    """The figures of one trained model, from its summary.json and its evaluation result."""
+    return {
+        "label": label,
+        "num_workers": summary["num_workers"],
+        "global_batch_size": summary["global_batch_size"],
+        "steps": summary["steps"],
+        "tokens_seen": summary["tokens_seen"],
+        "train_time_s": summary["train_time_s"],
+        "seconds_per_step": seconds_per_step(summary),
+        "wall_time_s": summary["wall_time_s"],
+        "tokens_per_s": summary["tokens_per_s"],
+        "final_loss": summary["final_loss"],
+        "mfu": summary.get("mfu"),
+        "gpu_mem_peak_mb": summary.get("gpu_mem_peak_mb"),  # rank 0's; null on CPU and in older summaries
+        "gpu_mem_reserved_mb": summary.get("gpu_mem_reserved_mb"),
+        "eval_loss": evaluation["eval_loss"],
+        "perplexity": evaluation["perplexity"],
+        "nats_per_char": evaluation.get("nats_per_char"),  # absent from a baseline evaluation cached before them
+        "known_words": evaluation.get("known_words"),
+        "eval_tokens": evaluation["eval_tokens"],
+        "eval_loss_se": evaluation.get("eval_loss_se"),  # over sequences, of the sample as an estimate of the split
+        "eval_sample": _sample_figures(evaluation),
+        "eval_time_s": evaluation["eval_time_s"],
+        "output_url": output.url,
+        "model_url": output.model,
+        "summary_url": output.summary,
+        "started_at": summary.get("started_at"),
+        "finished_at": summary.get("finished_at"),
+        "resumed_from_step": summary.get("resumed_from_step"),
+        "hardware": summary.get("hardware", {}),
+        "versions": summary.get("versions", {}),
+        "allreduce": summary.get("allreduce"),  # how its gradients crossed the network (trainer/allreduce.py)
+    }
+
+
+def _sample_figures(evaluation: dict[str, Any]) -> dict[str, Any] | None:
+    """What the report says of the sample an evaluation scored (its per-sequence losses stay in its result)."""
+    sample = evaluation.get("sample")
+    if not isinstance(sample, dict):
+        return None
+    return {name: sample.get(name) for name in ("id", "tokens", "split_tokens", "sequences", "split_sequences",
+                                                "whole_split", "asked_tokens", "workers", "read_bytes")}
+
+
+def seconds_per_step(summary: dict[str, Any]) -> float | None:
+    """Training seconds per timed step; None when the job timed no step (it resumed at its last step)."""
+    timed = summary.get("steps_timed", summary["steps"] - (summary.get("resumed_from_step") or 0))
+    return summary["train_time_s"] / timed if timed and summary["train_time_s"] > 0 else None
+
+
+def compare(distributed: dict[str, Any], baseline: dict[str, Any] | None, tolerance: float,
+            delta_se: float | None = None) -> dict[str, Any]:
+    """speedup = T1/TN, efficiency = speedup/N, delta = lossN - loss1 with its standard error `delta_se`.
+
+    T is the training time per optimizer step (no start-up, no compiling first step): with equal steps it is the
+    ratio of the train times, and it stays right when a job resumed from a checkpoint and timed fewer steps.
+    """
+    if baseline is None:
+        return {"speedup": None, "efficiency": None, "loss_delta": None, "loss_delta_se": None,
+                "loss_tolerance": tolerance}
+    timed = baseline["seconds_per_step"] is not None and distributed["seconds_per_step"]
+    speedup = baseline["seconds_per_step"] / distributed["seconds_per_step"] if timed else None
+    return {
+        "speedup": speedup,
+        "efficiency": speedup / distributed["num_workers"] if speedup is not None else None,
+        "loss_delta": distributed["eval_loss"] - baseline["eval_loss"],
+        "loss_delta_se": delta_se,
+        "loss_tolerance": tolerance,
+    }
+
+
+def gates(distributed: dict[str, Any], baseline: dict[str, Any] | None, comparison: dict[str, Any]) -> list[dict]:
+    """Each gate: name, passed, value, limit and a sentence with the numbers (used in the failure message)."""
+    finite = math.isfinite(distributed["eval_loss"])
+    result = [_gate("eval_loss_finite", finite, distributed["eval_loss"], None,
+                    f"distributed eval loss is {distributed['eval_loss']:.4f}"
+                    + ("" if finite else ": training diverged; lower 'learning_rate' or enable warmup"))]
+    if baseline is None:
+        return result
+    same_work = (baseline["steps"], baseline["global_batch_size"]) == (distributed["steps"],
+                                                                       distributed["global_batch_size"])
+    result.append(_gate(
+        "same_work", same_work, None, None,
+        f"baseline trained {baseline['steps']} steps of {baseline['global_batch_size']} sequences, distributed "
+        f"{distributed['steps']} of {distributed['global_batch_size']}"
+        + ("" if same_work else ": the comparison is void; trigger with baseline='run'"),
+    ))
+    delta, tolerance = comparison["loss_delta"], comparison["loss_tolerance"]
+    error = comparison.get("loss_delta_se") or 0.0
+    limit = tolerance + GATE_STANDARD_ERRORS * error
+    parity = math.isfinite(delta) and abs(delta) <= limit
+    result.append(_gate(
+        "loss_parity", parity, delta, limit,
+        f"eval loss distributed {distributed['eval_loss']:.4f} - baseline {baseline['eval_loss']:.4f} = "
+        f"{nats(delta)} nats, {sampling_allowance(tolerance, error, distributed, baseline)}"
+        + ("" if parity else " (setting 'loss_tolerance')"),
+    ))
+    return result
+
+
+def sampling_allowance(tolerance: float, error: float, first: dict[str, Any], second: dict[str, Any]) -> str:
+    """How the loss gate's limit follows from its tolerance and the standard error of the delta, in words."""
+    sample, other = first.get("eval_sample") or {}, second.get("eval_sample") or {}
+    if not error:
+        exact = "the whole validation split: no sampling error" if sample.get("whole_split") else (
+            "no sampling error known")
+        return f"tolerance ±{tolerance:.4f} ({exact})"
+    how = ("both models scored the same sequences: paired" if sample.get("id") and sample.get("id") == other.get("id")
+           else "different samples: their errors combined")
+    return (f"limit ±{tolerance + GATE_STANDARD_ERRORS * error:.4f} = tolerance {tolerance:.4f} + "
+            f"{GATE_STANDARD_ERRORS:g} x {error:.4f}, the standard error of the delta over "
+            f"{sample.get('sequences', '?')} sampled sequences ({how}); a model within tolerance fails by the "
+            "sample's chance alone less than 1 time in 40")
+
+
+def _gate(name: str, passed: bool, value: float | None, limit: float | None, detail: str) -> dict[str, Any]:
+    return {"name": name, "passed": bool(passed), "value": value, "limit": limit, "detail": detail}

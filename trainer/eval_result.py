@@ -1,0 +1,123 @@
+"""An evaluation's result from its workers' parts, combined exactly, and the standard errors the gates use.
+
+Each worker of an evaluation scores its part of the sample (trainer/eval_sample.py) and writes it: the loss of every
+sequence it scored, in sample order, the tokens and characters scored, and (rank 0) the text samples. `combine`
+makes the result: the parts' per-sequence losses in rank order are the sample's, so the loss is their
+token-weighted mean (every sequence scores `block_size - 1` tokens: the plain mean, summed exactly with `fsum`,
+so the order of the parts cannot change it), and the standard error comes from the same losses.
+
+The standard error is that of the sample's mean as an estimate of the whole validation split's loss: the standard
+deviation of the sequences' losses over the square root of their number, times the finite-population correction
+sqrt((N - n) / (N - 1)) for a sample of n of the split's N sequences, so it is 0 when the whole split is evaluated.
+Two models scored on the same sample differ by the mean of their per-sequence differences, whose standard error
+(`paired_standard_error`) is far smaller than the two errors together: most of a sequence's loss is how hard the
+sequence is, which both models share.
+No TensorFlow here: the evaluate task combines the parts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from trainer.text_quality import nats_per_character
+
+# The gates allow this many standard errors of a loss delta beyond their tolerance: a model within tolerance fails
+# by the sample's chance alone less than 1 time in 40 (one-sided normal tail at 2 sigma: 2.3%).
+GATE_STANDARD_ERRORS = 2.0
+RANK_FIELDS = ("rank", "sequences", "read_bytes", "read_time_s", "eval_time_s")
+
+
+class ResultError(RuntimeError):
+    """The parts of an evaluation do not make one result (missing ranks, another sample)."""
+
+
+def part_url(output_url: str, rank: int, num_workers: int) -> str:
+    """Where worker `rank` of `num_workers` writes its part: the result itself for a single worker."""
+    if num_workers == 1:
+        return output_url
+    return f"{output_url.removesuffix('.json')}.rank-{rank}-of-{num_workers}.json"
+
+
+def standard_error(losses: Sequence[float], population: int) -> float | None:
+    """Of the mean of `losses`, n sequences of a split of `population`: 0 for the whole split, None below 2 or
+    when a loss is not finite."""
+    n = len(losses)
+    if n >= population:
+        return 0.0
+    if n < 2 or not all(math.isfinite(loss) for loss in losses):
+        return None
+    mean = math.fsum(losses) / n
+    variance = math.fsum((loss - mean) ** 2 for loss in losses) / (n - 1)
+    return math.sqrt(variance / n * (population - n) / (population - 1))
+
+
+def paired_standard_error(first: Sequence[float], second: Sequence[float], population: int) -> float | None:
+    """Of mean(first) - mean(second), the losses of two models on the same sequences in the same order."""
+    if len(first) != len(second):
+        return None
+    return standard_error([a - b for a, b in zip(first, second, strict=True)], population)
+
+
+def delta_standard_error(first: dict[str, Any] | None, second: dict[str, Any] | None) -> float | None:
+    """The standard error of first's eval loss minus second's: paired when both scored one sample sequence by
+    sequence, else both errors together (independent samples); None when either lacks one."""
+    if not first or not second:
+        return None
+    same = sample_id(first) is not None and sample_id(first) == sample_id(second)
+    losses = first.get("sequence_losses"), second.get("sequence_losses")
+    if same and all(isinstance(values, list) and values for values in losses):
+        return paired_standard_error(losses[0], losses[1], first["sample"]["split_sequences"])
+    errors = first.get("eval_loss_se"), second.get("eval_loss_se")
+    if any(error is None for error in errors):
+        return None
+    return math.hypot(*errors)
+
+
+def sample_id(evaluation: dict[str, Any] | None) -> str | None:
+    """The id of the sample an evaluation (a result, a report's figures) scored; None before samples existed."""
+    sample = (evaluation or {}).get("sample")
+    return sample.get("id") if isinstance(sample, dict) else None
+
+
+def combine(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The evaluation's result from every worker's part (any order)."""
+    parts = sorted(parts, key=lambda part: part["rank"])
+    _check_parts(parts)
+    first = parts[0]
+    losses = [loss for part in parts for loss in part["sequence_losses"]]
+    if not losses:
+        raise ResultError("The evaluation scored no sequence: the validation split has none to evaluate.")
+    loss = math.fsum(losses) / len(losses)
+    tokens = sum(part["scored_tokens"] for part in parts)
+    characters = sum(part["characters"] for part in parts)
+    workers = [{name: part[name] for name in RANK_FIELDS} for part in parts]
+    sample = {**first["sample"], "workers": len(parts), "read_bytes": sum(part["read_bytes"] for part in parts)}
+    return {
+        "eval_loss": loss, "eval_loss_se": standard_error(losses, sample["split_sequences"]),
+        "perplexity": math.inf if loss > 700 else math.exp(loss), "eval_tokens": tokens,
+        "eval_characters": characters, "nats_per_char": nats_per_character(loss, tokens, characters),
+        # Every worker scores at once: the evaluation took as long as its slowest worker.
+        "eval_time_s": max(part["eval_time_s"] for part in parts),
+        "model": first["model"], "samples": first.get("samples"), "known_words": first.get("known_words"),
+        "sampling": first.get("sampling"), "sample": sample, "workers": workers, "sequence_losses": losses,
+    }
+
+
+def _check_parts(parts: Sequence[dict[str, Any]]) -> None:
+    if not parts:
+        raise ResultError("No part of the evaluation to combine.")
+    count = parts[0]["num_workers"]
+    ranks = [part["rank"] for part in parts]
+    if ranks != list(range(count)) or any(part["num_workers"] != count for part in parts):
+        raise ResultError(f"The evaluation's parts come from ranks {ranks}, of a group of {count}: every rank must "
+                          "write one.")
+    scored, asked = sum(part["sequences"] for part in parts), parts[0]["sample"]["sequences"]
+    if scored != asked:
+        raise ResultError(f"The evaluation's parts scored {scored} sequences of a sample of {asked}.")
+    samples = {part["sample"]["id"] for part in parts}
+    models = {part["model"] for part in parts}
+    if len(samples) != 1 or len(models) != 1:
+        raise ResultError(f"The evaluation's parts scored different samples {sorted(samples)} or models "
+                          f"{sorted(models)}: they cannot be combined.")
