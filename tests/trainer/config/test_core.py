@@ -27,6 +27,9 @@ from trainer.config import MODEL_PRESETS, ConfigError, RunConfig
         ({"model": "promoted:.hidden"}, ["'model' = 'promoted:.hidden'", "'.hidden'", "not a safe name"]),
         ({"promotion_tolerance": -0.1}, ["'promotion_tolerance' = -0.1", "out of range", "0.0 to 100.0"]),
         ({"promote": "sometimes"}, ["'promote' = 'sometimes'", "'auto'", "'always'", "'never'"]),
+        ({"eval_tokens": 511}, ["'eval_tokens' = 511", "below one evaluation batch", "8 sequences x 'block_size' 64",
+                                "0 to evaluate the whole validation split"]),
+        ({"eval_tokens": -1}, ["'eval_tokens' = -1", "out of range"]),
         (
             {"batch_size_per_worker": 4096, "num_workers": 64, "grad_accum_steps": 8},
             ["Global batch", "4096 x 64 x 8", "lower one of them"],
@@ -81,3 +84,8 @@ def test_more_than_one_gpu_per_worker_is_refused_by_name():
     with pytest.raises(ConfigError, match="'gpus_per_worker' = 16 is not supported yet"):
         RunConfig.from_params({**kubernetes, "gpus_per_worker": 16})
     assert RunConfig.from_params({**kubernetes, "gpus_per_worker": 1}).gpus_per_worker == 1
+
+
+def test_eval_tokens_of_one_batch_or_zero_are_accepted():
+    assert RunConfig(eval_tokens=512).eval_tokens == 512 and RunConfig(eval_tokens=0).eval_tokens == 0
+    assert RunConfig(block_size=32, eval_tokens=256).eval_tokens == 256  # one batch of 8 x 32
