@@ -151,6 +151,14 @@ PARAMS = {
                      description="auto: promote when the gates passed and eval loss is not worse than the promoted "
                                  "version's by more than promotion_tolerance; always: whenever the gates passed; "
                                  "never."),
+    "export_formats": Param(["safetensors", "saved_model", "tf_h5"], type="array",
+                            items={"type": "string", "enum": ["safetensors", "saved_model", "tf_h5"]},
+                            uniqueItems=True, title="Export formats",
+                            description="Formats the model is exported in, each read back and compared with the "
+                                        "trained model (logits within 1e-4, same greedy tokens) before it may be "
+                                        "promoted: safetensors (PyTorch / transformers 5), saved_model (TF "
+                                        "Serving), tf_h5 (transformers 4.57 TF, always written). [] writes "
+                                        "tf_model.h5 alone, unchecked."),
     # backend=kubernetes: one pod per worker (docs/backends.md, "Kubernetes").
     "kubernetes_conn_id": Param("", type=["null", "string"], title="Kubernetes connection",
                                 description="Airflow connection (kubernetes type) of the cluster; empty uses the "

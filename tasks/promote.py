@@ -59,7 +59,7 @@ def promote_run(prepared: dict) -> dict[str, Any]:
         raise NoReportError(
             f"Run {prepared['run_id']} has no report at {report_json}: evaluate failed before writing it (see its "
             "log), so no model is promoted.")
-    report = exports.with_export_gates(read_json(report_json), cfg, prepared)
+    report = exports.with_export_gates(read_json(report_json), cfg)
     outcome = promote(prepared, cfg, report, registry.model_layout(cfg.storage_root, cfg.model_name))
     report["promotion"] = outcome
     reports.write_report(prepared["report_url"], report, charts={})
@@ -211,7 +211,7 @@ def publish_version(version: VersionLayout, prepared: dict, cfg: RunConfig, repo
     """Model, report and model card, then version.json listing them: complete, or never pointed to."""
     files = [{**file, "name": f"model/{file['name']}"}
              for file in registry.copy_tree(report["runs"]["distributed"]["model_url"], version.model)]
-    files += exports.copy_exports(report, prepared, version)
+    files += exports.copy_exports(report, version)
     write_json_atomic(version.report, report)
     write_bytes_atomic(version.model_card, model_card(cfg, prepared, report, number, verdict).encode("utf-8"))
     files += [{"name": "report.json", "bytes": _size(version.report)},

@@ -8,12 +8,14 @@
     <root>/runs/<run_key>/state/<task_id>.json        what a worker group launched (for release)
     <root>/runs/<run_key>/logs/<task_id>/rank-<r>.log
     <root>/runs/<run_key>/train/                      the distributed training output (see TrainOutput)
+    <root>/runs/<run_key>/train/exports/              serving formats and exports.json (their parity), record last
     <root>/runs/<run_key>/train/segments.json         each launch of train: from step, workers (elastic recovery)
     <root>/runs/<run_key>/report/                     report.json, report.md, *.png, preflight.json
     <root>/runs/<run_key>/release.json
     <root>/baselines/<baseline_key>/                  a single-worker training output, reusable across runs
     <root>/models/<name>/latest.json                  the promoted version and the history (see tasks/registry.py)
-    <root>/models/<name>/v<N>/                        one promoted version: model/, report.json, model_card.md
+    <root>/models/<name>/v<N>/                        one promoted version: model/, safetensors/, saved_model/,
+                                                      report.json, model_card.md
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ DATASET_FINGERPRINT = re.compile(r"[0-9a-f]{20}")  # the first 20 hex digits of 
 SPLITS = ("train", "validation")
 SHARD_NAME = re.compile(r"(train|validation)-\d{5}-of-\d{5}\.tfrecord")
 TOKENIZER_DIR = "tokenizer"
+EXPORTS_RECORD = "exports.json"
 
 
 def shard_name(split: str, index: int, count: int) -> str:
@@ -76,6 +79,16 @@ class TrainOutput:
     def model(self) -> str:
         """The final model and tokenizer, `save_pretrained` format, written by the chief only."""
         return join(self.url, "model")
+
+    @property
+    def exports(self) -> str:
+        """The serving formats (trainer/export.py), published whole by the chief after `model`: <format>/ folders
+        and `exports.json` (each format's files and parity with the trained model), written last."""
+        return join(self.url, "exports")
+
+    @property
+    def exports_record(self) -> str:
+        return join(self.exports, EXPORTS_RECORD)
 
     @property
     def metrics(self) -> str:
@@ -163,6 +176,10 @@ class VersionLayout:
     def model(self) -> str:
         """save_pretrained model and tokenizer, as the trainer's chief wrote them."""
         return join(self.url, "model")
+
+    def export(self, name: str) -> str:
+        """The folder of one serving format (trainer/export.py) beside `model/`."""
+        return join(self.url, name)
 
     @property
     def report(self) -> str:

@@ -18,6 +18,7 @@ from trainer import storage
 from trainer.data import tokenizer_url
 from trainer.host_info import hardware_info, versions
 from trainer.job import TrainJob
+from trainer.layout import EXPORTS_RECORD
 
 log = logging.getLogger("trainer.outputs")
 
@@ -46,7 +47,9 @@ class OutputFiles:
 
 
 def export_model(job: TrainJob, model, work_dir: Path) -> None:
-    """Chief: model + tokenizer to `TrainOutput.model`, complete or absent. Others: a temp save, then removed."""
+    """Chief: model + tokenizer to `TrainOutput.model`, complete or absent, then the serving formats of
+    `export_formats` with their parity to `TrainOutput.exports`, exports.json last (trainer/export.py). Others: a
+    temp save, then removed."""
     if not job.is_chief:
         scratch = Path(tempfile.mkdtemp(prefix=f"workertemp_{job.rank}_model_"))
         model.save_pretrained(str(scratch))
@@ -60,8 +63,32 @@ def export_model(job: TrainJob, model, work_dir: Path) -> None:
     with storage.staging_directory(job.output.model) as staging:
         model.save_pretrained(str(staging))
         tokenizer.save_pretrained(str(staging))
-        storage.publish_directory(staging, job.output.model)
-    log.info("model and tokenizer saved to %s", job.output.model)
+        if not job.cfg.export_formats:
+            storage.publish_directory(staging, job.output.model)
+            log.info("model and tokenizer saved to %s (setting 'export_formats' = []: no other format)",
+                     job.output.model)
+            return
+        with storage.staging_directory(job.output.exports) as exports:
+            record = export_serving_formats(job, model, staging, exports)
+            storage.publish_directory(staging, job.output.model)
+            storage.publish_directory(exports, job.output.exports, last=(
+                EXPORTS_RECORD, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()))
+    log.info("model and tokenizer saved to %s; exports %s to %s", job.output.model,
+             ", ".join(f"{name} {'passed' if result['passed'] else 'FAILED'}"
+                       for name, result in record["formats"].items()), job.output.exports)
+
+
+def export_serving_formats(job: TrainJob, model, model_dir: Path, target: Path) -> dict[str, Any]:
+    """exports.json's content: every format written under `target` and compared with the trained model on the
+    validation split's first sequences; a failure is recorded (promotion refuses it), never raised."""
+    from trainer import export
+
+    try:
+        prompts = export.validation_prompts(job.manifest_url, job.manifest)
+    except Exception as error:  # recorded: without prompts no format can be proven
+        log.exception("no parity prompts")
+        return export.failed_record(job.cfg.export_formats, f"no parity prompts: {type(error).__name__}: {error}")
+    return export.export_formats(model, model_dir, target, job.cfg.export_formats, prompts)
 
 
 @dataclass

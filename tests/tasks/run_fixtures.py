@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import RunConfig
+from trainer.config.core import EXPORT_FORMATS
+from trainer.export import FORMAT_DIRS
 from trainer.layout import StorageLayout, TrainOutput, run_key
 from trainer.storage import join, write_bytes_atomic, write_json_atomic
 
@@ -45,8 +47,10 @@ def write_manifest(root: str, fingerprint: str = FINGERPRINT, tokenizer_fingerpr
 
 def write_training_output(url: str, *, num_workers: int, global_batch_size: int = 16, steps: int = 40,
                           train_time_s: float, eval_loss: float, start_loss: float = 7.6, final_loss: float = 5.1,
-                          cpu_count: int = 2, block_size: int = 64, complete: bool = True) -> TrainOutput:
-    """A finished training job: metrics of every rank, the model dir, then summary.json (when `complete`)."""
+                          cpu_count: int = 2, block_size: int = 64, complete: bool = True,
+                          exports: dict[str, bool] | None = None) -> TrainOutput:
+    """A finished training job: metrics of every rank, the model dir, its serving exports (`exports`: format ->
+    parity passed; default all formats passed), then summary.json (when `complete`)."""
     output = TrainOutput(url)
     tokens_per_step = global_batch_size * block_size
     for rank in range(num_workers):
@@ -62,6 +66,7 @@ def write_training_output(url: str, *, num_workers: int, global_batch_size: int 
     write_json_atomic(join(output.model, "fixture_eval.json"), {"eval_loss": eval_loss})
     write_json_atomic(join(output.model, "tokenizer.json"), TOKENIZER_JSON)
     write_json_atomic(join(output.checkpoints, "checkpoint.json"), {"step": steps})
+    write_exports(output, {name: True for name in EXPORT_FORMATS} if exports is None else exports)
     if complete:
         write_json_atomic(output.summary, {
             "num_workers": num_workers, "global_batch_size": global_batch_size, "steps": steps,
@@ -74,6 +79,24 @@ def write_training_output(url: str, *, num_workers: int, global_batch_size: int 
             "config": {}, "started_at": "2026-11-29T10:01:00+00:00", "finished_at": "2026-11-29T10:02:00+00:00",
         })
     return output
+
+
+def write_exports(output: TrainOutput, passed: dict[str, bool]) -> None:
+    """exports/ as the trainer's chief leaves it (trainer/export.py): a folder per format, exports.json last."""
+    formats = {}
+    for name, ok in passed.items():
+        files = []
+        if name != "tf_h5":
+            file = {"safetensors": "model.safetensors", "saved_model": "saved_model.pb"}[name]
+            write_bytes_atomic(join(output.exports, name, file), b"fixture " + name.encode())
+            files = [{"name": file, "bytes": len(b"fixture " + name.encode())}]
+        diff = 2.5e-7 if ok else 3.2e-2
+        formats[name] = {"passed": ok, "max_abs_diff": diff, "greedy_identical": ok, "tolerance": 1e-4,
+                         "detail": f"max |logit diff| {diff:.2e} (limit 1e-04), greedy tokens {96 if ok else 90}/96 "
+                                   "same", "files": files, "dir": FORMAT_DIRS[name], "seconds": 0.1}
+    write_json_atomic(output.exports_record, {
+        "format_version": 1, "tolerance": 1e-4, "prompts": {"count": 3, "tokens": 32, "source": "fixture"},
+        "reference": {"dtype": "float32", "max_abs_logit": 9.5}, "formats": formats})
 
 
 def prepare_run(root: str, run_id: str, manifest_url: str | None = None, **settings: Any) -> dict[str, Any]:

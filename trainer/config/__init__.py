@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.config.access import AccessPolicy
-from trainer.config.core import BPE_SPEC, MODEL_PRESETS, PROMOTED_MODEL, ConfigError, check_core_settings, coerce
+from trainer.config.core import (
+    BPE_SPEC,
+    EXPORT_FORMATS,
+    MODEL_PRESETS,
+    PROMOTED_MODEL,
+    ConfigError,
+    check_core_settings,
+    coerce,
+)
 from trainer.config.launch import (
     DEFAULT_TRAINER_IMAGE,
     check_launch_settings,
@@ -87,6 +95,8 @@ class RunConfig:
     model_name: str = "gpt_finetune"
     promotion_tolerance: float = 0.0
     promote: str = "auto"
+    # Serving formats written beside the TF model and checked for parity before promotion (trainer/export.py).
+    export_formats: tuple[str, ...] = EXPORT_FORMATS
     # backend=kubernetes (launcher/kubernetes.py)
     kubernetes_conn_id: str = ""
     namespace: str = "default"
@@ -225,8 +235,10 @@ class RunConfig:
         return max(1, math.ceil(self.epochs * train_sequences / self.global_batch_size))
 
     def baseline_config(self) -> RunConfig:
-        """The single-worker run with the same global batch and the same optimizer steps."""
-        return self.replace(num_workers=1, grad_accum_steps=self.grad_accum_steps * self.num_workers, min_workers=None)
+        """The single-worker run with the same global batch and the same optimizer steps (it exports nothing: only
+        the run's own model is promoted)."""
+        return self.replace(num_workers=1, grad_accum_steps=self.grad_accum_steps * self.num_workers, min_workers=None,
+                            export_formats=())
 
     def summary_lines(self) -> list[str]:
         """One `key = value` line per setting, for the single log of the config."""

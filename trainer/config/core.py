@@ -28,6 +28,8 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 MIXED_PRECISION = ("no", "bf16", "fp16")
 BASELINE_POLICIES = ("auto", "run", "skip")
 PROMOTE_POLICIES = ("auto", "always", "never")
+# Serving exports of the trained model, each checked for parity before promotion (trainer/export.py).
+EXPORT_FORMATS = ("safetensors", "saved_model", "tf_h5")
 # `model: "promoted"` continues from the latest promoted version of `model_name`, `promoted:<name>` from another.
 PROMOTED_MODEL = "promoted"
 # A registered model's name: one path segment, safe in local paths and S3 keys.
@@ -156,9 +158,19 @@ def check_core_settings(cfg: Any) -> None:
     check_choice("baseline", cfg.baseline, BASELINE_POLICIES)
     check_choice("promote", cfg.promote, PROMOTE_POLICIES)
     check_model_name("model_name", cfg.model_name)
+    _check_export_formats(cfg)
     _check_locations(cfg)
     _check_tokenizer(cfg)
     _check_training(cfg)
+
+
+def _check_export_formats(cfg: Any) -> None:
+    unknown = [name for name in cfg.export_formats if name not in EXPORT_FORMATS]
+    if unknown:
+        raise ConfigError(f"Setting 'export_formats' has {unknown}, which are not export formats: choose from "
+                          f"{list(EXPORT_FORMATS)}, or [] for the TF model alone without parity checks.")
+    if len(set(cfg.export_formats)) != len(cfg.export_formats):
+        raise ConfigError(f"Setting 'export_formats' = {list(cfg.export_formats)} names a format twice.")
 
 
 def _check_locations(cfg: Any) -> None:

@@ -1,0 +1,123 @@
+"""The promote task's view of a run's serving exports (trainer/export.py): their gate rows, their copy into the
+promoted version, and their part of the model card.
+
+Every format of the run's `export_formats` must have passed its parity check in the training output's
+`exports/exports.json`; a format that failed, or a record that is missing (training did not finish its exports),
+adds a failed gate row naming the format, and a run with a failed gate is never promoted. A promoted version holds
+each format in a folder of its own beside `model/` (tf_h5): `safetensors/`, `saved_model/`.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any
+
+from trainer.config import RunConfig
+from trainer.layout import TrainOutput, VersionLayout
+from trainer.storage import exists, join, read_json
+
+GATE_PREFIX = "export_"
+# The folder of each format in a promoted version (tf_h5 is the version's model/, copied as before).
+VERSION_DIRS = {"safetensors": "safetensors", "saved_model": "saved_model", "tf_h5": "model"}
+
+
+def train_output(report: dict[str, Any]) -> TrainOutput:
+    """The training output the report's model comes from (its `model_url` is that output's `model/`)."""
+    return TrainOutput(posixpath.dirname(report["runs"]["distributed"]["model_url"].rstrip("/")))
+
+
+def read_record(report: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
+    url = train_output(report).exports_record
+    return url, (read_json(url) if exists(url) else None)
+
+
+def gate_rows(cfg: RunConfig, url: str, record: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """One gate per format of `export_formats`: passed when its parity check passed."""
+    rows = []
+    for name in cfg.export_formats:
+        result = ((record or {}).get("formats") or {}).get(name)
+        if result is None:
+            missing = "is missing" if record is None else "lists no such format"
+            rows.append(_row(name, False, None, None, f"export {name}: not written ({url} {missing}: training did "
+                                                      "not finish its exports; see the train task's log)"))
+            continue
+        rows.append(_row(name, result.get("passed") is True, result.get("max_abs_diff"), result.get("tolerance"),
+                         f"export {name}: {result.get('detail')}"))
+    return rows
+
+
+def _row(name: str, passed: bool, value: float | None, limit: float | None, detail: str) -> dict[str, Any]:
+    return {"name": f"{GATE_PREFIX}{name}", "passed": passed, "value": value, "limit": limit, "detail": detail}
+
+
+def with_export_gates(report: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
+    """The report with the export gate rows (replacing those of an earlier attempt) and `gates_passed` including
+    them; unchanged when `export_formats` is []."""
+    if not cfg.export_formats:
+        return report
+    url, record = read_record(report)
+    earlier = [gate for gate in report.get("gates", []) if not str(gate.get("name")).startswith(GATE_PREFIX)]
+    gates = earlier + gate_rows(cfg, url, record)
+    passed = report.get("gates_passed") is True and all(gate["passed"] for gate in gates)
+    return {**report, "gates": gates, "gates_passed": passed, "exports": record}
+
+
+def copy_exports(report: dict[str, Any], version: VersionLayout) -> list[dict[str, Any]]:
+    """Copy every exported format but tf_h5 (the version's model/) from the training output into the version;
+    returns the files, relative to the version."""
+    from tasks.registry import copy_tree
+
+    record = report.get("exports") or {}
+    files = []
+    for name, result in sorted((record.get("formats") or {}).items()):
+        if name == "tf_h5" or not result.get("passed"):
+            continue
+        copied = copy_tree(join(train_output(report).url, result["dir"]), version.export(VERSION_DIRS[name]))
+        files += [{**file, "name": f"{VERSION_DIRS[name]}/{file['name']}"} for file in copied]
+    return files
+
+
+def card_lines(cfg: RunConfig, report: dict[str, Any]) -> list[str]:
+    """The model card's formats: each folder, its files, its parity figure and three lines that load it."""
+    record = report.get("exports") or {}
+    formats = record.get("formats") or {}
+    if not cfg.export_formats:
+        return ["## Formats", "", _TF_ONLY, ""]
+    prompts = record.get("prompts") or {}
+    lines = ["## Formats", "", _PARITY_NOTE.format(count=prompts.get("count"), tokens=prompts.get("tokens"),
+                                                   tolerance=record.get("tolerance", 0)), ""]
+    for name in [name for name in VERSION_DIRS if name in formats]:
+        result = formats[name]
+        folder = VERSION_DIRS[name]
+        files = ", ".join(f"`{file['name']}`" for file in result.get("files", []))
+        diff = result.get("max_abs_diff")
+        figure = f"max |logit diff| {diff:.2e}" if isinstance(diff, (int, float)) else "no figure"
+        lines += [f"### `{folder}/`: {_TITLES[name]}", "",
+                  f"- Parity: {'pass' if result.get('passed') else 'FAIL'}, {figure}; {result.get('detail')}",
+                  f"- Files: {files}", "", "```python", _LOADING[name].format(folder=folder), "```", ""]
+    if "tf_h5" not in formats:
+        lines += [_TF_UNCHECKED, ""]
+    return lines
+
+
+_TF_ONLY = ("Only `model/` (tf_model.h5 and the tokenizer, transformers 4.57 TF): setting `export_formats` = [] "
+            "wrote no other format and checked no parity.")
+_TF_UNCHECKED = ("`model/` (tf_model.h5, transformers 4.57 TF) is there as always; its reload was not checked "
+                 "(`tf_h5` is not in `export_formats`).")
+_PARITY_NOTE = ("Each format was read back and its logits compared with the trained model's on {count} prompts of "
+                "{tokens} tokens from the validation split (float32; largest absolute difference at most "
+                "{tolerance:.0e}, greedy tokens identical). Paths are relative to this version's folder.")
+_TITLES = {"safetensors": "model.safetensors for transformers 5 with PyTorch (vLLM, TGI)",
+           "saved_model": "TensorFlow SavedModel, signature `serving_default` (TF Serving)",
+           "tf_h5": "tf_model.h5 for transformers 4.57 TensorFlow (resuming, `model: promoted`)"}
+_LOADING = {
+    "safetensors": """from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("{folder}")
+tokenizer = AutoTokenizer.from_pretrained("{folder}")""",
+    "saved_model": """import tensorflow as tf
+serve = tf.saved_model.load("{folder}").signatures["serving_default"]
+logits = serve(input_ids=tf.constant([[0, 1]]), attention_mask=tf.constant([[1, 1]]))["logits"]""",
+    "tf_h5": """from transformers import AutoTokenizer, TFGPT2LMHeadModel
+model = TFGPT2LMHeadModel.from_pretrained("{folder}", use_safetensors=False)
+tokenizer = AutoTokenizer.from_pretrained("{folder}")""",
+}
