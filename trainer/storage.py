@@ -14,7 +14,9 @@ import json
 import os
 import posixpath
 import shutil
+import socket
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -176,16 +178,18 @@ def list_dir(url: str) -> Iterator[str]:
 @contextlib.contextmanager
 def staging_directory(url: str) -> Iterator[Path]:
     """A local directory to build what `url` will hold, for `publish_directory`. For a local `url` it sits beside
-    the target (the same filesystem, so publishing is one rename), and what killed builds of this target left
-    there is removed first (one build of a target at a time: its task); else a temporary directory. Whatever is
-    left of it is removed on exit."""
+    the target (the same filesystem, so publishing is one rename), named after its host and process; what killed
+    builds of this target left there is removed first: a stage of this host whose process is gone, or any stage
+    untouched for STALE_STAGE_S. A live build's stage (another run preparing the same dataset) stays: only its
+    owner removes it. Else a temporary directory. Whatever is left of it is removed on exit."""
     fs, target = filesystem(url)
     if is_local(fs):
         parent, name = Path(target).parent, Path(target).name
         parent.mkdir(parents=True, exist_ok=True)
         for stale in parent.glob(f".{name}.partial-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        stage = parent / f".{name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            if _stale_stage(stale, f".{name}.partial-"):
+                shutil.rmtree(stale, ignore_errors=True)
+        stage = parent / f".{name}.partial-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         stage.mkdir()
     else:
         stage = Path(tempfile.mkdtemp(prefix=f"stage-{posixpath.basename(target.rstrip('/'))}-"))
@@ -193,6 +197,32 @@ def staging_directory(url: str) -> Iterator[Path]:
         yield stage
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+STALE_STAGE_S = 24 * 3600  # a stage untouched this long was left by a build that died, on whatever host
+
+
+def _stale_stage(stage: Path, prefix: str) -> bool:
+    """Whether a `.<name>.partial-<host>-<pid>-<id>` stage was left by a build that ended."""
+    parts = stage.name[len(prefix):].rsplit("-", 2)  # the host name may hold '-', the pid and the id do not
+    host, pid = (parts[0], parts[1]) if len(parts) == 3 else (socket.gethostname(), parts[0])  # <pid>-<id>: older
+    if host == socket.gethostname() and pid.isdigit():
+        return not pid_alive(int(pid))
+    try:
+        return time.time() - stage.stat().st_mtime > STALE_STAGE_S
+    except FileNotFoundError:
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host has this pid (another user's counts; no /proc needed)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def publish_file(path: Path, url: str) -> None:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -82,12 +83,33 @@ def check_writable(root: str) -> None:
         ) from error
 
 
-def remove_leftovers(url: str) -> None:
-    """What an unfinished stage of this fingerprint left in its work directory."""
+LEFTOVER_AGE_S = 24 * 3600  # a plan's work directory that nothing wrote to for this long belongs to a dead stage
+
+
+def remove_leftovers(url: str, *, older_than_s: float | None = None) -> None:
+    """What unfinished stages of this fingerprint left in its work directory: each plan's directory (`<plan_id>/`)
+    that nothing wrote to for `older_than_s` (LEFTOVER_AGE_S). A younger one may belong to another run preparing
+    the same dataset right now: only its owner removes it (its finish), so two preparations never destroy each
+    other's work."""
+    age = LEFTOVER_AGE_S if older_than_s is None else older_than_s
     fs, path = storage.filesystem(url)
-    if fs.exists(path):
-        log.info("removing %s left by an unfinished run of this dataset", url)
-        fs.rm(path, recursive=True)
+    if not fs.exists(path):
+        return
+    now = time.time()
+    for entry in fs.ls(path, detail=True):
+        written = [_modified(info) for info in fs.find(entry["name"], detail=True, withdirs=True).values()]
+        if max(written + [_modified(entry)], default=0.0) < now - age:
+            log.info("removing %s, left by an unfinished run of this dataset (nothing written for %.0f h)",
+                     entry["name"], age / 3600)
+            fs.rm(entry["name"], recursive=True)
+
+
+def _modified(info: dict[str, Any]) -> float:
+    """A file's modification time from fsspec's info: `mtime` (local), `LastModified` (S3); 0 when it has none."""
+    value = info.get("mtime", info.get("LastModified"))
+    if hasattr(value, "timestamp"):
+        return value.timestamp()
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 def publish(stage: Path, dataset_url: str, manifest: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ a local temporary directory: no mapped task, no round trip through storage.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -195,7 +196,7 @@ def _temporary_work(fingerprint: str) -> str:
     process that died (a SIGKILLed task) are removed here; a live one's (another run of it) stay."""
     for stale in Path(tempfile.gettempdir()).glob(f"prepare-{fingerprint}-*-*"):
         pid = stale.name.removeprefix(f"prepare-{fingerprint}-").split("-", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if pid.isdigit() and not storage.pid_alive(int(pid)):
             log.info("removing %s left by an interrupted run", stale)
             shutil.rmtree(stale, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"prepare-{fingerprint}-{os.getpid()}-")
@@ -242,11 +243,17 @@ def finish_dataset(summary: dict[str, Any], *, started: float | None = None) -> 
     results = [_complete(job, unit) for unit in range(plan["units"])]
     began = time.perf_counter()
     layout = StorageLayout(cfg.storage_root)
+    published = _published_meanwhile(plan)
+    if published is not None:  # another run prepared the same dataset first: it stays as it is, in use or not
+        _remove_own_work(plan, job, layout)
+        return _result(plan["manifest_url"], published, cache_hit=True, tokenized=0, started=started, timings={},
+                       read=sum(r["fetched_bytes"] for r in results))
     with storage.staging_directory(layout.dataset(plan["fingerprint"])) as stage:
         manifest, tokens = _build(plan, cfg, job, results, stage)
         shards_s = time.perf_counter() - began
-        publish(stage, layout.dataset(plan["fingerprint"]), manifest)
-    storage.remove_tree(job.work_url if plan["temporary_work"] else work_url(layout, plan["fingerprint"]))
+        if _published_meanwhile(plan) is None:
+            publish(stage, layout.dataset(plan["fingerprint"]), manifest)
+    _remove_own_work(plan, job, layout)
     timings = {"plan": plan["plan_s"], "units": max((r["wall_s"] for r in results), default=0.0),
                "shards": round(shards_s, 3), "manifest": round(time.perf_counter() - began - shards_s, 3)}
     read, size = sum(r["fetched_bytes"] for r in results), sum(s.size for s in job.sources)
@@ -257,6 +264,26 @@ def finish_dataset(summary: dict[str, Any], *, started: float | None = None) -> 
              human_bytes(size), read / max(size, 1))
     return _result(plan["manifest_url"], manifest, cache_hit=False, tokenized=tokens, started=started,
                    timings=timings, read=sum(r["fetched_bytes"] for r in results))
+
+
+def _published_meanwhile(plan: dict[str, Any]) -> dict[str, Any] | None:
+    """The complete manifest of this fingerprint when another preparation published it after this one planned:
+    publishing again would first delete a dataset that training runs may be reading."""
+    manifest = complete_manifest(plan["manifest_url"], plan["fingerprint"])
+    if manifest is not None:
+        log.info("%s was published meanwhile by another preparation of the same dataset: using it, publishing "
+                 "nothing", plan["manifest_url"])
+    return manifest
+
+
+def _remove_own_work(plan: dict[str, Any], job: UnitJob, layout: StorageLayout) -> None:
+    """This plan's work directory only: another plan of the same fingerprint may be running beside it."""
+    storage.remove_tree(job.work_url)
+    if not plan["temporary_work"]:
+        fs, path = storage.filesystem(work_url(layout, plan["fingerprint"]))
+        if storage.is_local(fs):
+            with contextlib.suppress(OSError):  # not empty: another plan's directory is still there
+                os.rmdir(path)
 
 
 def _complete(job: UnitJob, unit: int) -> dict[str, Any]:

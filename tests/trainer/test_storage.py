@@ -161,3 +161,31 @@ def test_a_published_file_is_renamed_locally_and_uploaded_to_object_storage(root
     staged.write_bytes(b"tokens")
     storage.publish_file(staged, target)
     assert storage.read_bytes(target) == b"tokens"
+
+
+def test_two_builds_of_one_target_keep_each_others_stage(tmp_path):
+    """The review's reproduction (finding 11): the second stage's start removed the first, live, one."""
+    target = str(tmp_path / "datasets" / "abc123")
+    with storage.staging_directory(target) as first:
+        (first / "shard").write_bytes(b"a")
+        with storage.staging_directory(target) as second:
+            assert first.exists() and (first / "shard").read_bytes() == b"a" and second != first
+        assert first.exists()
+
+
+def test_a_stage_of_another_host_goes_only_once_untouched_for_a_day(tmp_path):
+    import time
+
+    target = tmp_path / "datasets" / "abc"
+    other = tmp_path / "datasets" / ".abc.partial-gpu-host-7-1234-cafe0123"  # a host name with '-' in it
+    other.mkdir(parents=True)
+    with storage.staging_directory(str(target)):
+        assert other.exists()  # its pid means nothing here: it may be live
+    day_ago = time.time() - storage.STALE_STAGE_S - 60
+    os.utime(other, (day_ago, day_ago))
+    with storage.staging_directory(str(target)):
+        assert not other.exists()
+
+
+def test_pid_alive_needs_no_proc():
+    assert storage.pid_alive(os.getpid()) and not storage.pid_alive(2 ** 22 + 12345)

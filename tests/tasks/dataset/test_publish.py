@@ -44,9 +44,10 @@ def wait_for(condition, process: subprocess.Popen, log_path: Path, timeout: floa
 
 
 @pytest.mark.parametrize("tasks", [1, 2])
-def test_killed_local_run_leaves_no_manifest_and_the_next_run_starts_clean(tmp_path, tasks):
-    """Killed once it has a tokenizer for its units: in a temporary directory (one task) or in the storage root's
-    work directory (mapped tasks), which the next run of the same dataset removes."""
+def test_killed_local_run_leaves_no_manifest_and_the_next_run_starts_clean(tmp_path, tasks, monkeypatch):
+    """Killed once it has a tokenizer for its units: in a temporary directory (one task: its process is gone, so the
+    next run removes it) or in the storage root's work directory (mapped tasks: no process to ask, so the next run
+    removes it once nothing was written there for LEFTOVER_AGE_S; a younger one may be another run's, live)."""
     cfg = config(tmp_path, prepare_tasks=tasks)
     fingerprint = identify_dataset(cfg).fingerprint
     datasets_dir = Path(cfg.storage_root) / "datasets"
@@ -60,6 +61,10 @@ def test_killed_local_run_leaves_no_manifest_and_the_next_run_starts_clean(tmp_p
         process.wait()
     assert not list(datasets_dir.glob("*/manifest.json"))
 
+    if tasks == 2:
+        from tasks.dataset import publish
+
+        monkeypatch.setattr(publish, "LEFTOVER_AGE_S", -1.0)  # as if a day had passed
     result = prepare_dataset(cfg)
     assert not result.cache_hit
     assert not list(datasets_dir.glob(".*.partial-*"))

@@ -158,14 +158,41 @@ def test_a_source_that_changes_while_it_is_read_publishes_nothing(tmp_path):
     assert not list(Path(cfg.storage_root, "datasets").glob("*/manifest.json"))
 
 
-def test_the_next_plan_of_the_same_dataset_removes_what_an_unfinished_one_left(tmp_path):
+def test_the_next_plan_of_the_same_dataset_removes_what_an_unfinished_one_left(tmp_path, monkeypatch):
+    """Only what nothing wrote to for LEFTOVER_AGE_S: a younger plan may be another run's, still working."""
+    from tasks.dataset import publish
+
     cfg = config(tmp_path, dataset=str(_text_corpus(tmp_path / "corpus") / "*.txt"), block_size=64,
                  prepare_tasks=2, prepare_unit_mb=1)
-    stale = UnitJob.from_dict(plan_dataset(cfg)["plan"]["job"])
-    assert Path(stale.work_url).exists()
+    earlier = UnitJob.from_dict(plan_dataset(cfg)["plan"]["job"])
+    assert Path(earlier.work_url).exists()
+    beside = UnitJob.from_dict(plan_dataset(cfg)["plan"]["job"])
+    assert Path(earlier.work_url).exists() and Path(beside.work_url).exists()  # it may be live: kept
+    monkeypatch.setattr(publish, "LEFTOVER_AGE_S", -1.0)  # both count as untouched for long now
     fresh = plan_dataset(cfg)
-    assert not Path(stale.work_url).exists()
+    assert not Path(earlier.work_url).exists() and not Path(beside.work_url).exists()
     assert Path(UnitJob.from_dict(fresh["plan"]["job"]).work_url).exists()
+
+
+def test_two_preparations_of_one_fingerprint_never_destroy_each_other(tmp_path):
+    """The review's finding 11: the second plan deleted the first one's units while its tasks ran, the first finish
+    deleted the second's work, and a second publish replaced a dataset in use."""
+    from tasks.dataset.stage import tokenize_lane
+
+    cfg = config(tmp_path, dataset=str(_text_corpus(tmp_path / "corpus") / "*.txt"), block_size=64,
+                 prepare_tasks=2, prepare_unit_mb=1)
+    first, second = plan_dataset(cfg), plan_dataset(cfg)
+    for planned in (first, second):
+        for lane in planned["lanes"]:
+            tokenize_lane(plan_summary(planned["plan"]), lane)
+    one = finish_dataset(plan_summary(first["plan"]))
+    assert not one.cache_hit and Path(UnitJob.from_dict(second["plan"]["job"]).work_url).exists()
+    manifest = Path(one.manifest_url)
+    published = (manifest.stat().st_ino, manifest.stat().st_mtime_ns)
+    other = finish_dataset(plan_summary(second["plan"]))
+    assert other.cache_hit and other.manifest_url == one.manifest_url
+    assert (manifest.stat().st_ino, manifest.stat().st_mtime_ns) == published  # not replaced: readers keep it
+    assert not any(Path(UnitJob.from_dict(p["plan"]["job"]).work_url).exists() for p in (first, second))
 
 
 def _sources(*sizes: int) -> Sources:
