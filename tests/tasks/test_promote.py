@@ -21,8 +21,8 @@ from tf_multiworker.backends import make_backend
 from tasks import compare, registry
 from tasks.promote import NoReportError, promote_run
 from tests.tasks import run_fixtures
-from trainer.layout import StorageLayout
-from trainer.storage import exists, filesystem, join, read_bytes, read_json, write_json_atomic
+from trainer.layout import StorageLayout, TrainOutput
+from trainer.storage import exists, filesystem, join, read_bytes, read_json, remove_tree, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,11 +34,14 @@ def root(request, tmp_path):
     return request.getfixturevalue("s3_bucket") + "/gpt"
 
 
-def evaluated_run(root: str, run_id: str, eval_loss: float, spread: float = 0.0, **settings) -> dict:
+def evaluated_run(root: str, run_id: str, eval_loss: float, spread: float = 0.0, exports: dict | None = None,
+                  **settings) -> dict:
     """A run trained (fixture outputs) and evaluated by the real evaluate task; gate failures are left in the report.
-    `spread`: its sequences' losses lie that far on either side of `eval_loss`."""
+    `spread`: its sequences' losses lie that far on either side of `eval_loss`; `exports`: format -> parity passed
+    (default: every format passed)."""
     prepared = run_fixtures.prepare_run(root, run_id, baseline="skip", **settings)
-    run_fixtures.write_training_output(prepared["train_url"], num_workers=2, train_time_s=30.0, eval_loss=eval_loss)
+    run_fixtures.write_training_output(prepared["train_url"], num_workers=2, train_time_s=30.0, eval_loss=eval_loss,
+                                       exports=exports)
     if spread:
         write_json_atomic(join(prepared["train_url"], "model", "fixture_eval.json"),
                           {"eval_loss": eval_loss, "spread": spread})
@@ -180,6 +183,62 @@ def test_a_run_without_a_report_is_not_promoted(tmp_path):
     assert not exists(models(prepared["storage_root"]).url)
 
 
+def test_a_version_holds_each_format_in_its_folder_and_the_card_lists_them(evaluations, tmp_path):
+    root = str(tmp_path / "storage")
+    prepared = evaluated_run(root, "r1", 5.30)
+    assert promote_run(prepared)["version"] == "v1"
+    v1 = models(root).version(1)
+    names = {file["name"] for file in registry.complete_version(v1)["files"]}
+    assert {"model/tokenizer.json", "safetensors/model.safetensors", "saved_model/saved_model.pb"} <= names
+    assert read_bytes(join(v1.export("safetensors"), "model.safetensors")) == b"fixture safetensors"
+    gates = {gate["name"]: gate for gate in report_of(prepared)["gates"]}
+    assert {name: (gate["passed"], gate["value"], gate["limit"]) for name, gate in gates.items()
+            if name.startswith("export_")} == {f"export_{name}": (True, 2.5e-7, 1e-4)
+                                                for name in ("safetensors", "saved_model", "tf_h5")}
+    card = read_bytes(v1.model_card).decode()
+    for fragment in ("## Formats", "on 3 prompts of 32 tokens from the validation split",
+                     "### `safetensors/`: model.safetensors for transformers 5 with PyTorch",
+                     "### `saved_model/`: TensorFlow SavedModel", "### `model/`: tf_model.h5 for transformers 4.57",
+                     "- Parity: pass, max |logit diff| 2.50e-07", "- Files: `model.safetensors`",
+                     'model = AutoModelForCausalLM.from_pretrained("safetensors")',
+                     'serve = tf.saved_model.load("saved_model").signatures["serving_default"]',
+                     'model = TFGPT2LMHeadModel.from_pretrained("model", use_safetensors=False)',
+                     "- export_safetensors: pass (export safetensors: max |logit diff| 2.50e-07"):
+        assert fragment in card, fragment
+
+
+def test_a_failed_or_missing_export_blocks_promotion_with_a_gate_row_naming_it(evaluations, tmp_path):
+    root = str(tmp_path / "storage")
+    failed = evaluated_run(root, "r1", 5.30, exports={"safetensors": False, "saved_model": True, "tf_h5": True})
+    outcome = promote_run(failed)
+    assert outcome["promoted"] is False
+    assert ("the run's gates failed (export safetensors: max |logit diff| 3.20e-02 (limit 1e-04), greedy tokens "
+            "90/96 same), so it is never promoted") in outcome["reason"]
+    report = report_of(failed)
+    assert report["gates_passed"] is False
+    assert [(gate["name"], gate["passed"]) for gate in report["gates"] if gate["name"].startswith("export_")] == [
+        ("export_safetensors", False), ("export_saved_model", True), ("export_tf_h5", True)]
+    markdown = read_bytes(join(failed["report_url"], "report.md")).decode()
+    assert "| export_safetensors | **FAIL** | 0.032 | 0.0001 | export safetensors: max" in markdown
+
+    missing = evaluated_run(root, "r2", 5.30)
+    remove_tree(TrainOutput(missing["train_url"]).exports)  # training ended before its exports were published
+    outcome = promote_run(missing)
+    assert outcome["promoted"] is False
+    assert (f"export safetensors: not written ({TrainOutput(missing['train_url']).exports_record} is missing"
+            in outcome["reason"])
+    assert promote_run(missing)["reason"].count("export safetensors") == 1  # a retry replaces the rows
+    assert registry.read_latest(models(root)) is None
+
+    tf_only = evaluated_run(root, "r3", 5.30, export_formats=[])  # [] keeps model/ alone, unchecked
+    assert promote_run(tf_only)["version"] == "v1"
+    v1 = models(root).version(1)
+    assert {file["name"].split("/")[0] for file in registry.complete_version(v1)["files"]} == {
+        "model", "report.json", "model_card.md"}
+    assert not any(gate["name"].startswith("export_") for gate in report_of(tf_only)["gates"])
+    assert "Only `model/` (tf_model.h5 and the tokenizer" in read_bytes(v1.model_card).decode()
+
+
 PROMOTER = """
 import json, sys, time
 from tasks.promote import promote_run
@@ -229,8 +288,9 @@ def test_a_promotion_killed_on_s3_leaves_latest_on_a_complete_version(s3_faults,
     first = evaluated_run(root, "r1", 5.30)
     promote_run(first)
     killed = reported_run(first, "r2", 5.20)
-    # The promotion's PUTs: its claim, two model files, then report.json: hold that one and kill the promoter.
-    s3_faults.hold_at(s3_faults.object_puts + 4)
+    # The promotion's PUTs: its claim, two model files, two export files, then report.json: hold that one and kill
+    # the promoter.
+    s3_faults.hold_at(s3_faults.object_puts + 6)
     process = promoter(killed, 0)
     assert s3_faults.held.wait(60), "the promotion never reached its report.json"
     process.send_signal(signal.SIGKILL)

@@ -89,3 +89,19 @@ def test_more_than_one_gpu_per_worker_is_refused_by_name():
 def test_eval_tokens_of_one_batch_or_zero_are_accepted():
     assert RunConfig(eval_tokens=512).eval_tokens == 512 and RunConfig(eval_tokens=0).eval_tokens == 0
     assert RunConfig(block_size=32, eval_tokens=256).eval_tokens == 256  # one batch of 8 x 32
+
+
+def test_export_formats_are_checked_and_the_baseline_exports_nothing():
+    cfg = RunConfig.from_params({})
+    assert cfg.export_formats == ("safetensors", "saved_model", "tf_h5")
+    assert RunConfig.from_params({"export_formats": []}).export_formats == ()
+    assert RunConfig.from_saved(RunConfig.from_params({"export_formats": ["saved_model"]}).to_dict()).export_formats \
+        == ("saved_model",)
+    with pytest.raises(ConfigError, match=r"'export_formats' has \['onnx'\], which are not export formats: choose "
+                                          r"from \['safetensors', 'saved_model', 'tf_h5'\]"):
+        RunConfig.from_params({"export_formats": ["safetensors", "onnx"]})
+    with pytest.raises(ConfigError, match="names a format twice"):
+        RunConfig.from_params({"export_formats": ["tf_h5", "tf_h5"]})
+    with pytest.raises(ConfigError, match="'export_formats' must be a list of strings"):
+        RunConfig.from_params({"export_formats": "safetensors"})
+    assert cfg.baseline_config().export_formats == ()  # only the run's own model is promoted
