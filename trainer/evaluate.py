@@ -154,7 +154,7 @@ def load_model(model_url: str, manifest_url: str, manifest: dict[str, Any], work
 
     from trainer.model import stage_model_dir
 
-    model = TFGPT2LMHeadModel.from_pretrained(stage_model_dir(model_url, work_dir))
+    model = TFGPT2LMHeadModel.from_pretrained(stage_model_dir(model_url, work_dir), use_safetensors=False)
     tokenizer_dir = model_url if storage.exists(storage.join(model_url, "tokenizer_config.json")) else (
         tokenizer_url(manifest_url, manifest))
     return model, AutoTokenizer.from_pretrained(stage_model_dir(tokenizer_dir, work_dir))

@@ -55,7 +55,8 @@ def build_model(spec: str, *, vocab_size: int, eos_token_id: int, block_size: in
         log.info("Model: preset %r (random init) %s, vocab %d", spec, shape, vocab_size)
     else:
         source = stage_model_dir(spec, work_dir) if is_model_location(spec) else spec
-        model = TFGPT2LMHeadModel.from_pretrained(source, **NO_DROPOUT)
+        # use_safetensors=False: the TF weights; a PyTorch-format model.safetensors beside them breaks this loader.
+        model = TFGPT2LMHeadModel.from_pretrained(source, use_safetensors=False, **NO_DROPOUT)
         log.info("Model: %s loaded from %s", spec, source)
         if model.config.vocab_size != vocab_size:
             log.info("Resizing token embeddings %d -> %d to match the tokenizer", model.config.vocab_size, vocab_size)
