@@ -8,6 +8,7 @@ logger is used from there only). `stop()` may be called from another thread or a
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import queue
@@ -45,6 +46,13 @@ POLL_INTERVAL_S = 0.05
 TAIL_LINES = 20
 STARTUP_PROGRESS_EVERY_S = 30.0
 READER_JOIN_S = 2.0
+# Worker output is bounded on its way to the task log (the rank's log file keeps every line): a longer line arrives
+# in pieces of MAX_LINE_BYTES (as the SSH agent cuts them); at most MAX_QUEUED_LINES wait for the task log, more are
+# left out there and counted; one poll hands on at most MAX_LINES_PER_POLL, so a flood never keeps the watch loop
+# from its exit, orphan and hang checks.
+MAX_LINE_BYTES = 64 << 10
+MAX_QUEUED_LINES = 10_000
+MAX_LINES_PER_POLL = 2_000
 # What TensorFlow's gRPC server (and Python's socket) print when the port was taken before the worker bound it.
 BIND_FAILURE = re.compile(r"address already in use|could not start grpc server|failed to add port|EADDRINUSE",
                           re.IGNORECASE)
@@ -81,6 +89,11 @@ def _describe_exit(code: int) -> str:
             name = f"signal {-code}"
         return f"was killed by {name} (signal {-code})"
     return f"exited with code {code}"
+
+
+def _left_out(rank: int, count: int) -> str:
+    return (f"[{count} line(s) of rank {rank} left out of the task log: the workers print faster than it is "
+            "written; the rank's log file has them]")
 
 
 def end_earlier_attempts(spec: GroupSpec, backend: Backend) -> None:
@@ -125,7 +138,7 @@ class WorkerGroup:
         self.log_dir = self.workdir / "logs"
         self.on_line = on_line or (lambda rank, line: log.info("[rank %d] %s", rank, line))
         self.on_started = on_started
-        self._lines: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
+        self._lines: queue.Queue[tuple[int, str]] = queue.Queue(MAX_QUEUED_LINES)
         self._workers: list[_Worker] = []
         self._stop_requested = threading.Event()
         self._last_output = time.monotonic()
@@ -229,7 +242,7 @@ class WorkerGroup:
         self._next_progress = started + STARTUP_PROGRESS_EVERY_S
         self._joined_at: float | None = None
         while True:
-            self._drain_lines()
+            self._drain_lines(MAX_LINES_PER_POLL)
             self._stop_if_orphaned()
             if self._stop_requested.is_set():
                 return GroupState.STOPPED, {}
@@ -329,8 +342,8 @@ class WorkerGroup:
         return line
 
     def _pump(self, worker: _Worker) -> None:
-        rank = worker.spec.rank
-        for raw in iter(worker.handle.output.readline, b""):
+        rank, left_out = worker.spec.rank, 0
+        for raw in iter(lambda: worker.handle.output.readline(MAX_LINE_BYTES), b""):
             line = self._redact(raw.decode("utf-8", "replace").rstrip("\r\n"))
             if worker.log_file.closed:
                 break  # a process that escaped the group still holds the pipe after the attempt ended
@@ -341,16 +354,34 @@ class WorkerGroup:
             worker.tail.append(line)
             self._last_output = time.monotonic()
             if not is_native_noise(line, use_gpu=self.spec.use_gpu):  # the log file above keeps it
-                self._lines.put((rank, line))
+                left_out = self._queue_line(rank, line, left_out)
+        if left_out:  # the output ended while lines were left out: say so, waiting a little for room
+            with contextlib.suppress(queue.Full):
+                self._lines.put((rank, _left_out(rank, left_out)), timeout=READER_JOIN_S / 4)
         worker.handle.output.close()
 
-    def _drain_lines(self) -> None:
-        while True:
+    def _queue_line(self, rank: int, line: str, left_out: int) -> int:
+        """Queue the line for the task log unless the queue is full; returns how many lines are left out since the
+        last one queued (said in the task log once there is room again)."""
+        try:
+            if left_out:
+                self._lines.put_nowait((rank, _left_out(rank, left_out)))
+                left_out = 0
+            self._lines.put_nowait((rank, line))
+        except queue.Full:
+            return left_out + 1
+        return 0
+
+    def _drain_lines(self, limit: int | None = None) -> None:
+        """Hand queued lines to `on_line`: at most `limit` (a poll of the watch loop), else all of them."""
+        handed = 0
+        while limit is None or handed < limit:
             try:
                 rank, line = self._lines.get_nowait()
             except queue.Empty:
                 return
             self.on_line(rank, line)
+            handed += 1
 
     def _stop_workers(self, workers: list[_Worker], grace_s: float | None = None) -> None:
         grace_s = self.spec.grace_period_s if grace_s is None else grace_s

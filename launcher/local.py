@@ -38,6 +38,7 @@ from launcher.process import (
     GUARD_ENV,
     KILL_WAIT_S,
     ORPHAN_GRACE_S,
+    check_process_table,
     end_marked_processes,
     live_group_members,
     processes_with_env,
@@ -141,6 +142,7 @@ class _Guard:
 
     @classmethod
     def start(cls, group: GroupSpec, log_path: Path) -> _Guard:
+        check_process_table()  # the guard finds the workers in it: without one, no worker starts unguarded
         token = f"{group.name}-{uuid.uuid4().hex[:12]}"
         grace_s = min(group.grace_period_s, ORPHAN_GRACE_S)
         with open(log_path, "ab") as guard_log:

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from launcher.errors import LaunchError
+
 T = TypeVar("T")
+PROC = Path("/proc")  # the process table: pids, their process groups and their environments
 POLL_INTERVAL_S = 0.05
 KILL_WAIT_S = 5.0
 # A worker whose launcher is gone (killed without running its cleanup: SIGKILL, the OOM killer) gets this long after
@@ -59,7 +63,7 @@ def live_group_members(pgid: int) -> list[int]:
     Orphans are re-parented to PID 1, which in some containers never reaps them: a zombie has no resources left
     but still counts for `killpg(pgid, 0)`, so on Linux the process table is read instead.
     """
-    proc = Path("/proc")
+    proc = PROC
     if not proc.is_dir():
         try:
             os.killpg(pgid, 0)
@@ -110,7 +114,7 @@ def processes_with_env(markers: Mapping[str, str]) -> dict[int, str]:
     if not wanted:
         raise ValueError("processes_with_env needs at least one marker")
     found = {}
-    for entry in Path("/proc").iterdir():
+    for entry in _process_table():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
@@ -123,6 +127,26 @@ def processes_with_env(markers: Mapping[str, str]) -> dict[int, str]:
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
     return found
+
+
+class NoProcessTableError(LaunchError):
+    """This host has no /proc to find a run's processes by their environment: nothing is launched here."""
+
+
+def check_process_table() -> None:
+    """NoProcessTableError, naming the host and what to do, when processes cannot be found by their markers."""
+    _process_table()
+
+
+def _process_table() -> list[Path]:
+    try:
+        return list(PROC.iterdir())
+    except OSError as error:  # FileNotFoundError (no /proc: macOS, a container without it), PermissionError
+        raise NoProcessTableError(
+            f"Host {socket.gethostname()} has no readable process table at {PROC} ({type(error).__name__}): the "
+            "local backend finds a run's processes by the markers in their environment there, to end what an "
+            "earlier attempt left and to guard this one, so it launches nothing on this host. Run it on Linux with "
+            "/proc mounted, or use backend 'ssh' or 'kubernetes'.") from None
 
 
 def signal_pids(pids: Iterable[int], sig: signal.Signals) -> list[int]:

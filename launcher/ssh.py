@@ -79,10 +79,10 @@ class SSHWorkerHandle(WorkerHandle):
     def output(self) -> IO[bytes]:
         return self  # readline/close below
 
-    def readline(self) -> bytes:
+    def readline(self, size: int = -1) -> bytes:
         while True:
             try:
-                line = self._stream.readline()
+                line = self._stream.readline(size)
             except (OSError, EOFError):
                 return b""
             if line.startswith(AGENT_LINE):

@@ -23,9 +23,14 @@ class _Output:
     def __init__(self) -> None:
         self.lines: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self.closed = False
+        self._pending = b""
 
-    def readline(self) -> bytes:
-        return self.lines.get()
+    def readline(self, size: int = -1) -> bytes:
+        """As a pipe's readline: at most `size` bytes, the rest of a longer line on the next call."""
+        line, self._pending = (self._pending, b"") if self._pending else (self.lines.get(), b"")
+        if 0 <= size < len(line):
+            line, self._pending = line[:size], line[size:]
+        return line
 
     def close(self) -> None:
         self.closed = True

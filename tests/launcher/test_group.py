@@ -178,3 +178,38 @@ def test_stop_from_another_thread_returns_stopped(tmp_path):
 def test_exit_descriptions_name_the_signal_or_code(tmp_path, code, text):
     result, _, _ = _run(FakeBackend({0: [("ready",), ("exit", code)]}), tmp_path, num_workers=1)
     assert f"rank 0 (host fake-host-0, pid 1000) {text}" in result.error_message()
+
+
+# -- bounded output (issue 37 item 5, review finding 12) --------------------------------------------------------
+
+def test_a_huge_line_reaches_the_task_log_in_bounded_pieces(tmp_path):
+    from launcher import group as group_module
+
+    huge = "x" * (3 * group_module.MAX_LINE_BYTES + 10)
+    backend = FakeBackend({0: [("ready",), ("line", huge), ("exit", 0)]})
+    result, _, lines = _run(backend, tmp_path, num_workers=1)
+    pieces = [line for _, line in lines if line.startswith("x")]
+    assert result.succeeded and "".join(pieces) == huge
+    assert max(map(len, pieces)) <= group_module.MAX_LINE_BYTES
+
+
+def test_a_flood_of_lines_is_bounded_and_never_holds_up_the_watch_loop(tmp_path, monkeypatch):
+    """Before: the queue grew without bound and each poll handed on every line before its exit and hang checks."""
+    from launcher import group as group_module
+
+    monkeypatch.setattr(group_module, "MAX_QUEUED_LINES", 100)
+    monkeypatch.setattr(group_module, "MAX_LINES_PER_POLL", 20)
+    flood = [("line", f"line {i}") for i in range(3000)]
+    backend = FakeBackend({0: [("ready",), *flood, ("exit", 0)]})
+    spec = GroupSpec(name="g", entrypoint="trainer.train", num_workers=1, **FAST)
+    lines: list[str] = []
+
+    def slow_task_log(rank: int, line: str) -> None:  # a task log that writes 1000 lines/s
+        time.sleep(0.001)
+        lines.append(line)
+
+    started = time.monotonic()
+    result = WorkerGroup(spec, backend, tmp_path, on_line=slow_task_log).run()
+    assert result.succeeded and time.monotonic() - started < 2.0  # not 3 s of handing on every line
+    assert any("left out of the task log" in line for line in lines) and len(lines) < 3000
+    assert (tmp_path / "logs" / "rank-0.log").read_text().count("\nline ") == 3000  # the rank's log has them all

@@ -143,3 +143,30 @@ def test_signal_pids_names_only_the_processes_that_existed(groups):
     reaped = subprocess.Popen(["true"])
     reaped.wait()
     assert signal_pids([child, reaped.pid], signal.SIGKILL) == [child]
+
+
+# -- a host without /proc (issue 37 item 5, review finding 12) --------------------------------------------------
+
+def test_without_proc_finding_processes_fails_with_a_clear_error_and_no_launch_starts(tmp_path, monkeypatch):
+    """The review's reproduction: with /proc missing, the guard's `end_workers` raised FileNotFoundError, and every
+    local launch with a run key failed the same way in `end_earlier_attempts`."""
+    from launcher import guard, process
+    from launcher.errors import LaunchError
+    from launcher.local import LocalBackend
+    from launcher.spec import GroupSpec
+
+    monkeypatch.setattr(process, "PROC", tmp_path / "no-proc")
+    message = r"has no readable process table at .*no-proc \(FileNotFoundError\).*use backend 'ssh' or 'kubernetes'"
+    with pytest.raises(process.NoProcessTableError, match=message):
+        guard.end_workers("train-0123", 0.1)
+    spec = GroupSpec(name="train", entrypoint="tiny_worker", num_workers=1, run_key="run-0123456789")
+    with pytest.raises(LaunchError, match=message):
+        LocalBackend().end_earlier_attempts(spec)
+    started = []
+    monkeypatch.setattr(process.os, "getpid", os.getpid)
+    from launcher import local
+
+    monkeypatch.setattr(local.subprocess, "Popen", lambda *args, **kwargs: started.append(args))
+    with pytest.raises(LaunchError, match=message):  # no run key: no sweep, but the guard could not work
+        local._Guard.start(spec, tmp_path / "guard.log")
+    assert started == []  # neither the guard nor a worker
