@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
@@ -19,9 +20,10 @@ from typing import Any
 
 from launcher import GroupSpec, GroupState, RunResult, WorkerGroup, WorkerOutcome
 from launcher.backend import Backend
-from launcher.protocol import LAUNCHER_WORKDIR_PREFIX
+from launcher.host_identity import describe, host_identity, same_host
+from launcher.protocol import LAUNCHER_WORKDIR_PREFIX, is_ready_marker
 from trainer.layout import RunLayout
-from trainer.storage import upload_tree, write_json_atomic
+from trainer.storage import exists, join, read_json, upload_tree, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.launch")
 
@@ -55,7 +57,10 @@ class RecordedLaunch:
         self.storage, self.on_record = storage, on_record
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{LAUNCHER_WORKDIR_PREFIX}{spec.name}-"))
         self._labels: dict[int, str] = {}
-        self.group = WorkerGroup(spec, backend, self.workdir, on_line=on_line, on_started=self._started,
+        self._recorded = False  # this launch wrote its first state record
+        self._usage: dict[str, Any] | None = None  # the running attempt's GPU-time events (tasks/usage.py)
+        self._on_line = on_line
+        self.group = WorkerGroup(spec, backend, self.workdir, on_line=self._line, on_started=self._started,
                                  supervisor_pid=task_supervisor_pid())
 
     @property
@@ -87,9 +92,60 @@ class RecordedLaunch:
     def stop(self, reason: str, grace_s: float | None = None) -> None:
         self.group.stop(reason, grace_s)
 
+    def _warn_of_an_earlier_attempt_elsewhere(self) -> None:
+        """The backend's sweep of earlier attempts (`end_earlier_attempts`) sees only this host: say so when the
+        group's last record is a local attempt that never finished, launched from another host. Called in the
+        storage context, before this launch's first record replaces it."""
+        try:
+            earlier = read_json(self.state_url) if exists(self.state_url) else None
+        except Exception as error:  # noqa: BLE001 - a warning's evidence must not stop the launch
+            log.info("could not read the earlier state record %s (%s): not compared", self.state_url, error)
+            return
+        if not isinstance(earlier, dict) or earlier.get("backend") != "local" or earlier.get("state") != "running":
+            return
+        here = host_identity()
+        if same_host(earlier.get("launcher"), here):
+            return
+        log.warning(
+            "An earlier attempt of %s (state record %s, never finished) was launched on %s; this attempt runs on %s, "
+            "whose sweep of earlier attempts cannot see that host: its workers may still run there, holding GPUs and "
+            "writing the same checkpoints. Route every attempt to one host (set gpu_queue to a queue that only that "
+            "host's Celery worker serves), and check that host (its workers carry TFMW_RUN_KEY=%s).",
+            self.spec.name, self.state_url, describe(earlier.get("launcher")), describe(here), self.spec.run_key)
+
+    def _line(self, rank: int, line: str) -> None:
+        if self._usage is not None and is_ready_marker(line):
+            self._usage["ranks"].get(rank, {}).setdefault("ready", time.time())
+        self._on_line(rank, line)
+
     def _started(self, workers: Sequence[WorkerOutcome], attempt: int) -> None:
+        self._write_usage(())  # a relaunch on new ports: the earlier attempt has ended
+        launched = time.time()
+        self._usage = {"group": self.spec.name, "backend": self.backend.name, "attempt": attempt,
+                       "try_number": os.environ.get("AIRFLOW_CTX_TRY_NUMBER"),
+                       "ranks": {w.rank: {"rank": w.rank, "host": w.host, "gpus": list(w.devices or []),
+                                          "launch": launched} for w in workers}}
         self._labels = {w.rank: w.label for w in workers}
         self._write_state(GroupState.RUNNING, workers)
+
+    def _write_usage(self, workers: Sequence[WorkerOutcome], state: GroupState | None = None) -> None:
+        """The ended attempt's events, one file per group attempt under `runs/<key>/usage/` (append-only: a file is
+        written once, never read back and rewritten). A storage error is logged: the ledger must not fail a run."""
+        usage, self._usage = self._usage, None
+        if usage is None:
+            return
+        ended = time.time()
+        codes = {w.rank: w.exit_code for w in workers}
+        usage["state"] = state.value if state else "relaunched"
+        usage["ranks"] = [{**rank, "exit": ended, "exit_code": codes.get(rank["rank"])}
+                          for rank in usage["ranks"].values()]
+        stamp = datetime.fromtimestamp(usage["ranks"][0]["launch"] if usage["ranks"] else ended, UTC)
+        name = f"{self.spec.name}-{stamp.strftime('%Y%m%dT%H%M%S.%f')}-a{usage['attempt']}.json"
+        try:
+            with self.storage():
+                write_json_atomic(join(self.run.url, "usage", name), usage)
+        except Exception:  # a missing ledger entry is reported by the ledger, not by the task
+            log.exception("could not record the GPU-time events of %s", self.spec.name)
 
     def _write_state(self, state: GroupState, workers: Sequence[WorkerOutcome]) -> None:
         record = {
@@ -98,10 +154,14 @@ class RecordedLaunch:
             "state": state.value,
             "updated_at": datetime.now(UTC).isoformat(),
             "workdir": str(self.workdir),  # removed at the end; release removes it when the task died first
+            "launcher": host_identity(),  # release checks a local group only from this same host and container
             "workers": [{"rank": w.rank, "host": w.host, "port": w.port, "gpus": list(w.devices or []),
                          **w.record} for w in workers],
         }
         with self.storage():
+            if not self._recorded:
+                self._warn_of_an_earlier_attempt_elsewhere()
+                self._recorded = True
             write_json_atomic(self.state_url, record)
         if self.on_record:
             self.on_record(record)
@@ -109,6 +169,7 @@ class RecordedLaunch:
     def _finish(self, state: GroupState, result: RunResult | None, *, failing: bool) -> None:
         """Final state record and log upload. When the group is already failing, a storage error here is logged so
         that it does not hide the workers' error; after a success it raises (artifacts complete or absent)."""
+        self._write_usage(result.workers if result else (), state)
         try:
             self._write_state(state, result.workers if result else ())
             logs_dir = self.workdir / "logs"

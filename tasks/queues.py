@@ -14,6 +14,9 @@ from trainer.config import RunConfig
 log = logging.getLogger("gpt_finetune.queues")
 
 GPU_TASKS = ("preflight", "train", "baseline", "evaluate")
+# Tasks that follow the GPU tasks to their queue without holding GPUs: release ends and checks the processes, work
+# directories and GPUs of its own host, so it must run where the local backend's groups ran.
+HOST_TASKS = ("release",)
 INSPECT_TIMEOUT_S = 3.0
 
 
@@ -46,11 +49,20 @@ def report_gpu_queue(cfg: RunConfig) -> None:
         return
     serving = sorted(worker for worker, queues in workers.items() if cfg.gpu_queue in queues)
     if serving:
-        log.info("%s run on queue %r, served by %s.", ", ".join(GPU_TASKS), cfg.gpu_queue, ", ".join(serving))
+        log.info("%s run on queue %r, served by %s.", ", ".join(GPU_TASKS + HOST_TASKS), cfg.gpu_queue,
+                 ", ".join(serving))
+        if len(serving) > 1:
+            log.warning(
+                "Queue %r is served by %d workers (%s): this run's groups may run on different hosts, and release "
+                "can check only the host it runs on (a group of another host is reported unverified, and the run "
+                "not released). Give each GPU host a queue of its own (`airflow celery worker -q %s,%s-<host>`) "
+                "and trigger with gpu_queue=%s-<host>.", cfg.gpu_queue, len(serving), ", ".join(serving),
+                cfg.gpu_queue, cfg.gpu_queue, cfg.gpu_queue)
     else:
         log.warning(
             "No Celery worker serves queue %r now (workers answering: %s). %s will wait in that queue until one "
-            "does, and fail after [scheduler] task_queued_timeout: start `airflow celery worker -q %s` on each GPU "
+            "does, and fail after [scheduler] task_queued_timeout (a run stopped meanwhile still waits for its "
+            "release there: mark release skipped if nothing ran): start `airflow celery worker -q %s` on each GPU "
             "host, or trigger with another gpu_queue.", cfg.gpu_queue,
             "; ".join(f"{worker} ({', '.join(queues)})" for worker, queues in sorted(workers.items())) or "none",
-            ", ".join(GPU_TASKS), cfg.gpu_queue)
+            ", ".join(GPU_TASKS + HOST_TASKS), cfg.gpu_queue)

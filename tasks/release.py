@@ -5,8 +5,10 @@ ends what is left of the run wherever it runs workers (`Backend.release`): this 
 process of the run carries `TFMW_RUN_KEY=<run key>`, so even one whose record was never written, or a grandchild,
 is found), then the run's other backends (every SSH host of the run, found by the same marker there), from the
 run-state records the operator wrote (`runs/<key>/state/*.json`) and the run's settings. A host that cannot be
-reached fails the task, named. The outcome goes to `release.json` and, when the run has a report, into the report
-("released: yes/no" beside the gates).
+reached fails the task, named. A local group launched from another host or container (its record names the
+launcher's `launcher.host_identity`) cannot be checked from here: it is reported unverified, never clean, naming
+both hosts and the setting that routes release to the GPU hosts (`gpu_queue`). The outcome goes to `release.json`
+and, when the run has a report, into the report ("released: yes/no" beside the gates).
 """
 
 from __future__ import annotations
@@ -18,17 +20,18 @@ from datetime import UTC, datetime
 from typing import Any
 
 from launcher.backend import RELEASE_GRACE_S, BackendFactory
+from launcher.host_identity import describe, host_identity, same_host
 from launcher.process import processes_with_env
 from launcher.protocol import RUN_KEY_ENV
 from tasks import report as reports
 from tasks import telemetry
 from tasks.connections import uses_run_storage
+from tasks.usage_record import attach_usage
 from trainer.config import ConfigError, RunConfig
 from trainer.layout import StorageLayout, absolute_root, run_key
 from trainer.storage import exists, join, list_dir, read_json, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.release")
-
 
 
 class ReleaseError(RuntimeError):
@@ -52,9 +55,10 @@ def processes_of_run(key: str) -> dict[int, str]:
     return processes_with_env({RUN_KEY_ENV: key})
 
 
-def _state_records(state_url: str) -> tuple[list[str], list[dict[str, Any]]]:
-    """The run-state records' names and their well-formed contents; a malformed record is logged and skipped."""
-    names, records = [], []
+def _state_records(state_url: str) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """The run-state records' names and their well-formed contents by name; a malformed record is logged and
+    skipped."""
+    names, records = [], {}
     for name in list_dir(state_url):
         if not name.endswith(".json"):
             continue
@@ -63,11 +67,34 @@ def _state_records(state_url: str) -> tuple[list[str], list[dict[str, Any]]]:
             record = read_json(f"{state_url}/{name}")
             if not isinstance(record, dict) or not isinstance(record.get("workers", []), list):
                 raise TypeError("not a state record")
-            records.append(record)
+            records[name] = record
         except (ValueError, TypeError) as error:
             log.warning("State record %s/%s is malformed (%s): skipped; the process scan still covers it.",
                         state_url, name, error)
     return names, records
+
+
+def unverified_elsewhere(records: Mapping[str, dict[str, Any]], here: Mapping[str, str]) -> list[dict[str, Any]]:
+    """A host entry for each local group whose launcher ran on another host or container than `here`: this host
+    cannot see its processes, work directory or GPUs, so nothing of it is checked, and the entry says so."""
+    entries = []
+    for name, record in sorted(records.items()):
+        if record.get("backend") != "local" or same_host(record.get("launcher"), here):
+            continue
+        launcher = record.get("launcher")
+        hostname = launcher.get("hostname") if isinstance(launcher, Mapping) else None
+        entries.append({
+            "backend": "local", "host": hostname or "unknown", "state_record": name, "launcher": launcher,
+            "found": [], "terminated": [], "killed": [], "survivors": [],
+            "unverified": (
+                f"state record {name} (state {record.get('state')}) is a local group launched on "
+                f"{describe(launcher)}, but release runs on {describe(here)}, which cannot see that host's "
+                f"processes, work directory or GPUs: nothing of it was checked. Release must run where the group "
+                f"ran: set gpu_queue (default GPT_FINETUNE_GPU_QUEUE) to a Celery queue that only that host's "
+                f"worker serves (`airflow celery worker -q <gpu_queue>` on it); release follows the GPU tasks "
+                f"there. Then check that host (its workers carry TFMW_RUN_KEY) and clear the release task."),
+        })
+    return entries
 
 
 def _describe(hosts: list[dict[str, Any]]) -> str:
@@ -79,6 +106,7 @@ def _describe(hosts: list[dict[str, Any]]) -> str:
                   + (f" ({cmdlines[pid][:80]})" if pid in cmdlines else "") for pid in host.get("survivors", [])]
         if host.get("error"):
             parts.append(f"host {host['host']} not checked: {host['error']}")
+        parts += host.get("problems", [])
     return ", ".join(parts) or "none"
 
 
@@ -89,10 +117,15 @@ def release_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backen
     settings = _settings(params)
     run = StorageLayout(absolute_root(settings["storage_root"])).run(key)
     try:
-        names, records = _state_records(run.state)
+        names, named = _state_records(run.state)
         unreadable = None
     except Exception as error:  # noqa: BLE001 - raised below, once this host's processes have ended
-        names, records, unreadable = [], [], error
+        names, named, unreadable = [], {}, error
+    identity = host_identity()
+    elsewhere = unverified_elsewhere(named, identity)
+    foreign = {entry["state_record"] for entry in elsewhere}
+    # Another host's pids and work directories mean nothing here: only this host's records reach the backends.
+    records = [record for name, record in named.items() if name not in foreign]
     # Every backend the run used: this host's always (and first), the run's own, and any a state record names.
     # Each gets every record and takes what is its own (the launcher work directories are all on this host).
     backends = ["local", *sorted({settings["backend"], *(r.get("backend") for r in records)} - {"local", None})]
@@ -109,7 +142,7 @@ def release_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backen
                          len(results[name]["hosts"][0]["found"]))
         if unreadable is not None:
             raise unreadable
-        result = _release_record(key, names, results)
+        result = _release_record(key, names, results, identity, elsewhere)
         write_json_atomic(run.release, result)
         mark_report_released(run.report, result)
     except Exception as error:
@@ -121,32 +154,43 @@ def release_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backen
             f"alive: {_describe([here])}. Fix access to the storage root (storage_root / storage_conn_id) or "
             f"the hosts, and clear the release task; until it succeeds this run counts as not released."
         ) from error
-    for host in result["hosts"]:
+    for host in (host for host in result["hosts"] if not host.get("unverified")):
         log.info("Release of run %s on %s: terminated %s, killed %s, survivors %s; GPUs: %s%s", key, host["host"],
                  host.get("terminated"), host.get("killed"), host.get("survivors"),
                  (host.get("gpu_check") or {}).get("note") or (host.get("gpu_check") or {}).get("devices"),
                  f"; ERROR: {host['error']}" if host.get("error") else "")
+    for entry in elsewhere:
+        log.warning("Release of run %s: UNVERIFIED: %s", key, entry["unverified"])
     log.info("Release record written to %s", run.release)
     telemetry.emit_task_metrics("release", {
         "clean": result["clean"], "processes_found": len(result["processes_found"]),
         "terminated": len(result["terminated"]), "killed": len(result["killed"])}, run=key)
     if not result["clean"]:
-        held = [h for host in result["hosts"] for h in (host.get("gpu_check") or {}).get("held_by_run", [])]
-        raise ReleaseError(
-            f"Run {key} is not fully released: still alive: {_describe(result['hosts'])}; GPU holders: "
-            f"{held or 'none'}. End them by hand (kill -9 <pid> on that host), make the host reachable, and "
-            f"clear the release task."
-        )
+        raise ReleaseError(f"Run {key} is not fully released: " + _not_released(result["hosts"], elsewhere))
     return {"release_url": run.release, **{k: result[k] for k in ("clean", "terminated", "killed")}}
 
 
-def _release_record(key: str, names: list[str], results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """release.json: every host of every backend; the top-level process fields are this host's."""
+def _not_released(hosts: list[dict[str, Any]], elsewhere: list[dict[str, Any]]) -> str:
+    """What kept release from proving the run released, and what to do about it."""
+    alive = _describe(hosts)
+    held = [h for host in hosts for h in (host.get("gpu_check") or {}).get("held_by_run", [])]
+    parts = [f"Unverified: {entry['unverified']}" for entry in elsewhere]
+    if alive != "none" or held or not parts:
+        parts.insert(0, f"still alive: {alive}; GPU holders: {held or 'none'}. End them by hand (kill -9 <pid> on "
+                        f"that host), make the host reachable, and clear the release task.")
+    return " ".join(parts)
+
+
+def _release_record(key: str, names: list[str], results: dict[str, dict[str, Any]], identity: dict[str, str],
+                    elsewhere: list[dict[str, Any]]) -> dict[str, Any]:
+    """release.json: every host of every backend, and the local groups of other hosts (unverified); the top-level
+    process fields are this host's."""
     here = results["local"]["hosts"][0]
     hosts = [{"backend": name, **host} for name, result in results.items() for host in result["hosts"]]
     return {
         "run_key": key,
         "host": here["host"],
+        "host_identity": identity,
         "released_at": datetime.now(UTC).isoformat(),
         "state_records": names,
         "processes_found": here["found"],
@@ -155,8 +199,9 @@ def _release_record(key: str, names: list[str], results: dict[str, dict[str, Any
         "survivors": here["survivors"],
         "removed_dirs": here["removed_dirs"],
         "gpu_check": here["gpu_check"],
-        "hosts": hosts,
-        "clean": all(result["clean"] for result in results.values()),
+        "hosts": hosts + elsewhere,
+        "unverified_records": [entry["state_record"] for entry in elsewhere],
+        "clean": all(result["clean"] for result in results.values()) and not elsewhere,
     }
 
 
@@ -167,4 +212,5 @@ def mark_report_released(report_url: str, release: dict[str, Any]) -> None:
         return
     report = read_json(json_url)
     report["release"] = {name: release[name] for name in ("clean", "released_at", "host", "survivors")}
-    reports.write_report(report_url, report, charts={})
+    charts = attach_usage(report_url, report, release["released_at"])  # GPU time and cost, up to this release
+    reports.write_report(report_url, report, charts=charts)

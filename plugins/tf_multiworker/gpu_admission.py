@@ -14,7 +14,9 @@ which scores each model on every worker of the run); any other task without work
 `use_gpu` move such tasks to the default pool, so CPU runs never need `gpu_slots`.
 
 The same tasks go to the run's `gpu_queue` (a Celery queue; empty: the task's own queue), whatever `use_gpu`: they
-launch and watch the workers, and the `local` backend starts them on the Airflow worker's own host. Queues matter
+launch and watch the workers, and the `local` backend starts them on the Airflow worker's own host. Release
+(`tasks.queues.HOST_TASKS`) follows them there without holding a slot: it ends and checks the processes and GPUs of
+its own host, and reports a local group launched on another host as unverified. Queues matter
 only to the CeleryExecutor (and the Kubernetes executor's queue routing); pools are counted in the scheduler, so
 `gpu_slots` sized to what the GPU queues can run at once keeps tasks waiting there, never in the broker (a task
 queued in the broker longer than `[scheduler] task_queued_timeout` fails).
@@ -27,6 +29,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from launcher.host_probe import NvmlUnavailable, nvml
+from tasks.queues import HOST_TASKS
 from trainer.config.launch import QUEUE_NAME
 
 if TYPE_CHECKING:
@@ -92,8 +95,13 @@ def gpu_queue(task: Any, dag_run: DagRun) -> str:
 
 def task_instance_mutation_hook(task_instance: TaskInstance, dag_run: DagRun | None) -> None:
     task = getattr(task_instance, "task", None)
-    if dag_run is None or task is None or task.pool != GPU_POOL:
-        return  # not a GPU task, or not bound to a run yet: the hook runs again once it is
+    if dag_run is None or task is None:
+        return  # not bound to a run yet: the hook runs again once it is
+    if task.task_id in HOST_TASKS and task.pool != GPU_POOL:
+        task_instance.queue = gpu_queue(task, dag_run)  # where the groups ran; no GPU slot
+        return
+    if task.pool != GPU_POOL:
+        return  # not a GPU task
     task_instance.queue = gpu_queue(task, dag_run)
     gpus = gpus_needed(task, run_setting(task, dag_run, "use_gpu"), run_setting(task, dag_run, "num_workers"))
     if gpus == 0:

@@ -2,8 +2,9 @@
 Airflow component its own process, a worker for queue `default` and one for queue `gpu`): the GPU-slot tasks run on the
 gpu worker and the rest on the default one; a scheduler killed and restarted mid-training does not touch the run; the
 Celery pool child running train SIGKILLed (the OOM killer) leaves no worker alive 10 s later, and the retry resumes from
-the checkpoint without ever running beside the earlier group; train marked failed ends every worker within 10 s; a
-gpu_queue no worker serves is named in prepare's log.
+the checkpoint without ever running beside the earlier group; release follows the GPU tasks to the gpu worker and
+checks the same host identity (host, boot, PID and mount namespaces) that train's group recorded; train marked failed
+ends every worker within 10 s; a gpu_queue no worker serves is named in prepare's log.
 """
 
 from __future__ import annotations
@@ -26,6 +27,19 @@ pytestmark = pytest.mark.timeout(1200)
 
 GPU_QUEUE = "gpu"
 GPU_TASKS = {"preflight", "train", "baseline", "evaluate"}
+ON_GPU_QUEUE = GPU_TASKS | {"release"}  # release checks the host where the groups ran
+
+
+def assert_release_checked_the_group_s_host(stack, key: str) -> dict:
+    """Release ran where train's group ran (the identity the launcher recorded), so it checked, not assumed."""
+    run = StorageLayout(stack.env["GPT_FINETUNE_STORAGE_ROOT"]).run(key)
+    group = json.loads(Path(run.state_file("train")).read_text())
+    release = json.loads(Path(run.release).read_text())
+    assert group["backend"] == "local" and group["launcher"]["hostname"]
+    assert release["host_identity"] == group["launcher"], (release["host_identity"], group["launcher"])
+    assert release["unverified_records"] == [] and release["clean"] is True
+    print(f"train's group and release on the same host identity: {group['launcher']}")
+    return release
 
 
 def task_instances(stack, run_id: str) -> dict[str, dict]:
@@ -95,10 +109,11 @@ def test_gpu_tasks_on_the_gpu_queue_a_scheduler_restart_and_a_sigkilled_pool_chi
     instances = task_instances(stack, run_id)
     gpu, default = stack.worker_hostname(GPU_QUEUE), stack.worker_hostname("default")
     for task_id, instance in instances.items():
-        expected = (GPU_QUEUE, gpu) if task_id in GPU_TASKS else ("default", default)
+        expected = (GPU_QUEUE, gpu) if task_id in ON_GPU_QUEUE else ("default", default)
         assert (instance["queue"], instance["hostname"]) == expected, (task_id, instance)
-    assert GPU_TASKS - {"baseline"} <= set(instances)  # LONG skips the baseline
+    assert ON_GPU_QUEUE - {"baseline"} <= set(instances)  # LONG skips the baseline
     assert_released(stack, run_id)
+    assert_release_checked_the_group_s_host(stack, key)
 
 
 def test_marking_train_failed_ends_every_worker_within_10_seconds(celery_stack):
@@ -112,6 +127,9 @@ def test_marking_train_failed_ends_every_worker_within_10_seconds(celery_stack):
     print(f"\ntrain marked failed on Celery: every worker gone after {time.monotonic() - marked:.1f} s")
     assert stack.wait_for_run(DAG, run_id, timeout=300) == "failed"
     assert stack.task_states(DAG, run_id)["release"] == "success"
+    release = task_instances(stack, run_id)["release"]
+    assert (release["queue"], release["hostname"]) == (GPU_QUEUE, stack.worker_hostname(GPU_QUEUE)), release
+    assert_release_checked_the_group_s_host(stack, key)
 
 
 def test_a_gpu_queue_no_worker_serves_is_named_in_the_prepare_log(celery_stack):
@@ -123,4 +141,12 @@ def test_a_gpu_queue_no_worker_serves_is_named_in_the_prepare_log(celery_stack):
     time.sleep(5)
     assert stack.task_states(DAG, run_id)["preflight"] in ("queued", "scheduled"), "a task ran on no worker"
     stack.rest("PATCH", run_path(run_id), {"state": "failed"})
+    # Release follows the GPU tasks to their queue, so it waits there too (it never runs on another host than
+    # theirs); nothing ran on a GPU host, so the stopped run ends once it is marked skipped.
+    wait_until(lambda: stack.task_states(DAG, run_id).get("release") in ("queued", "scheduled"), 120,
+               "release waiting in the unserved queue")
+    time.sleep(3)
+    assert stack.task_states(DAG, run_id)["release"] in ("queued", "scheduled"), "release ran on another queue"
+    assert task_instances(stack, run_id)["release"]["queue"] == "nowhere"
+    stack.rest("PATCH", f"{run_path(run_id)}/taskInstances/release", {"new_state": "skipped"})
     assert stack.wait_for_run(DAG, run_id, timeout=300) == "failed"

@@ -63,11 +63,32 @@ def queues(dag, conf: dict) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("use_gpu", [True, False])
-def test_the_gpu_slot_tasks_go_to_the_gpu_queue_and_the_rest_stays_on_the_default(scheduler_dag, use_gpu):
-    """Whatever use_gpu: these tasks launch the workers, which the local backend starts on their own host."""
+def test_the_gpu_slot_tasks_and_release_go_to_the_gpu_queue_and_the_rest_stays_on_the_default(scheduler_dag,
+                                                                                             use_gpu):
+    """Whatever use_gpu: these tasks launch the workers, which the local backend starts on their own host, and
+    release ends and checks what is left on its own host, so it follows them there (without a GPU slot)."""
     routed = queues(scheduler_dag, {"gpu_queue": "gpu", "use_gpu": use_gpu})
-    assert {task for task, queue in routed.items() if queue == "gpu"} == GPU_TASKS
-    assert {routed[task] for task in routed.keys() - GPU_TASKS} == {"default"}
+    assert {task for task, queue in routed.items() if queue == "gpu"} == GPU_TASKS | {"release"}
+    assert {routed[task] for task in routed.keys() - GPU_TASKS - {"release"}} == {"default"}
+    assert admitted(scheduler_dag, {"gpu_queue": "gpu", "use_gpu": use_gpu})["release"] == (DEFAULT_POOL, 1)
+
+
+def test_prepare_warns_when_several_workers_serve_the_gpu_queue(monkeypatch, caplog):
+    """Several hosts on one gpu_queue: a run's groups may land on different hosts, which release cannot all check."""
+    from tasks import queues as gpu_queues
+    from trainer.config import RunConfig
+
+    monkeypatch.setattr(gpu_queues, "served_queues", lambda: {"gpu@a": ["gpu"], "gpu@b": ["gpu", "gpu-b"],
+                                                             "default@c": ["default"]})
+    with caplog.at_level(logging.INFO, logger="gpt_finetune.queues"):
+        gpu_queues.report_gpu_queue(RunConfig(gpu_queue="gpu"))
+    text = caplog.text
+    assert "preflight, train, baseline, evaluate, release run on queue 'gpu', served by gpu@a, gpu@b" in text
+    assert "served by 2 workers" in text and "airflow celery worker -q gpu,gpu-<host>" in text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="gpt_finetune.queues"):
+        gpu_queues.report_gpu_queue(RunConfig(gpu_queue="gpu-b"))
+    assert "served by gpu@b" in caplog.text and "WARNING" not in caplog.text
 
 
 @pytest.mark.parametrize("conf", [{}, {"gpu_queue": ""}, {"gpu_queue": None}, {"gpu_queue": "gpu,default"}])

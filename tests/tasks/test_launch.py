@@ -80,3 +80,28 @@ def test_storage_that_fails_at_the_end_hides_no_failure_and_fails_a_success(tmp_
     with pytest.raises(OSError, match="storage unreachable"):
         launch.run_group()
     assert not Path(launch.workdir).exists()
+
+
+def test_the_record_names_the_launcher_host_and_an_unfinished_attempt_elsewhere_is_named(tmp_path, caplog):
+    """Release and the sweep of earlier attempts see only their own host: every record names its launcher's host
+    identity, and a retry launched elsewhere than an attempt that never finished says so, naming both hosts."""
+    from launcher.host_identity import host_identity
+    from trainer.storage import write_json_atomic
+
+    run = StorageLayout(str(tmp_path / "storage")).run("run-1")
+    elsewhere = {**host_identity(), "hostname": "gpu-host-7", "boot_id": "0f0e0d0c-0000-4000-8000-000000000007"}
+    write_json_atomic(run.state_file("train"), {"task_id": "train", "backend": "local", "state": "running",
+                                                "launcher": elsewhere, "workers": []})
+    backend = FakeBackend(scripts())
+    backend.name = "local"  # a local group: its workers run beside its launcher
+    with caplog.at_level(logging.WARNING, logger="gpt_finetune.launch"):
+        RecordedLaunch(spec(name="train"), backend, run, on_line=lambda *_: None).run_group()
+    assert read_json(run.state_file("train"))["launcher"] == host_identity()
+    warning = caplog.text
+    assert "An earlier attempt of train" in warning and "launched on gpu-host-7 (boot 0f0e0d0c" in warning
+    assert f"this attempt runs on {host_identity()['hostname']} " in warning and "set gpu_queue" in warning
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpt_finetune.launch"):  # its own record: same host, finished
+        RecordedLaunch(spec(name="train"), FakeBackend(scripts()), run, on_line=lambda *_: None).run_group()
+    assert "earlier attempt" not in caplog.text

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from tf_multiworker.backends import make_backend
 
+from launcher.host_identity import host_identity
 from launcher.protocol import LAUNCHER_WORKDIR_PREFIX
 from tasks.release import ReleaseError, processes_of_run, release_run
 from tests.support.hardware import assert_gpu_check_matches_this_machine
@@ -65,6 +66,7 @@ def test_release_ends_recorded_unrecorded_stubborn_and_grandchildren(tmp_path, p
     workdir = Path(tempfile.mkdtemp(prefix=f"{LAUNCHER_WORKDIR_PREFIX}train-"))
     write_json_atomic(run.state_file("train"), {
         "task_id": "train", "backend": "local", "state": "failed", "workdir": str(workdir),
+        "launcher": host_identity(),
         "workers": [{"rank": 0, "host": "localhost", "pid": recorded.pid, "pgid": recorded.pid, "port": 1,
                      "gpus": []}],
     })
@@ -82,8 +84,59 @@ def test_release_ends_recorded_unrecorded_stubborn_and_grandchildren(tmp_path, p
     assert not workdir.exists()
     report = json.loads(Path(run.release).read_text())
     assert report["state_records"] == ["train.json"]
-    assert report["clean"] and report["survivors"] == []
+    assert report["clean"] and report["survivors"] == [] and report["unverified_records"] == []
+    assert report["host_identity"] == host_identity()
     assert_gpu_check_matches_this_machine(report["gpu_check"])
+
+
+def _elsewhere(how: str) -> dict | None:
+    """The launcher identity of a record written on another machine, in another container of this one (its own
+    PID and mount namespaces), or by a version that did not record it."""
+    here = host_identity()
+    return {"machine": {**here, "hostname": "gpu-host-7", "boot_id": "0f0e0d0c-0000-4000-8000-000000000007"},
+            "container": {**here, "pid_namespace": "pid:[4026532999]", "mount_namespace": "mnt:[4026532998]"},
+            "unrecorded": None}[how]
+
+
+@pytest.mark.parametrize("how", ["machine", "container", "unrecorded"])
+def test_a_local_record_from_another_host_is_never_clean(tmp_path, processes, how):
+    """Release here cannot see another host's (or container's) processes, work directory or GPUs: a local group
+    launched there is reported unverified, naming both hosts and the setting, and the run is not released. This
+    host's own processes are still ended, and the other host's pids are never looked for here."""
+    root = str(tmp_path / "storage")
+    run = StorageLayout(root).run(KEY)
+    mine = start("import time; time.sleep(600)")
+    processes.append(mine)
+    bystander = start("import time; time.sleep(600)", key="not_this_run")  # the other host's pid, reused here
+    processes.append(bystander)
+    launcher = _elsewhere(how)
+    write_json_atomic(run.state_file("train"), {
+        "task_id": "train", "backend": "local", "state": "running", "workdir": "/tmp/tfmw-train-elsewhere",
+        **({"launcher": launcher} if launcher else {}),
+        "workers": [{"rank": 0, "host": "127.0.0.1", "pid": bystander.pid, "pgid": bystander.pid, "port": 1,
+                     "gpus": [0]}]})
+    write_json_atomic(run.state_file("preflight"), {"task_id": "preflight", "backend": "local", "state": "succeeded",
+                                                    "launcher": host_identity(), "workers": []})
+    assert wait_for(lambda: mine.pid in processes_of_run(KEY))
+
+    with pytest.raises(ReleaseError) as raised:
+        release_run({"storage_root": root}, RUN_ID, DAG_ID, make_backend, grace_period_s=1.0)
+
+    message = str(raised.value)
+    print(f"\n{how}: {message}")
+    here = host_identity()
+    assert "Unverified: state record train.json" in message and "set gpu_queue" in message
+    assert f"release runs on {here['hostname']} " in message
+    assert ("gpu-host-7 (boot 0f0e0d0c" in message if how == "machine" else
+            "pid:[4026532999]" in message if how == "container" else "an unknown host" in message)
+    report = json.loads(Path(run.release).read_text())
+    assert report["clean"] is False and report["unverified_records"] == ["train.json"]
+    entry = next(host for host in report["hosts"] if host.get("state_record") == "train.json")
+    assert entry["backend"] == "local" and entry["host"] == ("gpu-host-7" if how == "machine" else
+                                                             here["hostname"] if how == "container" else "unknown")
+    assert entry["unverified"].startswith("state record train.json (state running) is a local group launched on")
+    assert mine.pid in report["terminated"] + report["killed"]  # this host's part was done all the same
+    assert bystander.poll() is None  # the other host's pid means nothing here
 
 
 def test_release_is_idempotent_and_survives_invalid_settings(tmp_path):
