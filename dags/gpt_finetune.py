@@ -206,6 +206,19 @@ PARAMS = {
                                        "empty = no alerts."),
     "alert_emails": Param([], type=["null", "array"], items={"type": "string"}, title="Alert recipients",
                           description="E-mail addresses of the alerts; required with an alert connection."),
+    "capacity": Param("on_demand", type="string", enum=["on_demand", "reserved", "spot"], title="Capacity",
+                      description="Which rate of the operator's pricing table (GPT_FINETUNE_PRICING) prices the run."),
+    "max_idle_held_s": Param(900, type="integer", minimum=0, maximum=30 * 86_400, title="Idle-held warning (s)",
+                             description="Warn when a group held its GPUs this long without step progress (0 = off)."),
+    "min_cost_efficiency": Param(0.5, type="number", minimum=0, maximum=1, title="Cost efficiency warning",
+                                 description="Warn when the measured scaling efficiency is below this: extra workers "
+                                             "more than 1/E the GPU-hours per token (0 = off)."),
+    "max_release_s": Param(300, type="integer", minimum=0, maximum=86_400, title="Release warning (s)",
+                           description="Warn when the GPUs were free later than this after the last worker exited "
+                                       "(0 = off)."),
+    "max_run_cost": Param(0.0, type="number", minimum=0, maximum=1e12, title="Run budget",
+                          description="Preflight fails when the advisor predicts the run above this cost, in the "
+                                      "pricing table's currency (0 = off)."),
 }
 
 def alert_task_failure(context) -> None:

@@ -41,6 +41,7 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
     from launcher import LaunchError
     from tasks.alerts import check_alert_connection
     from tasks.dataset.stage import plan_dataset, plan_summary, run_planned
+    from tasks.pricing import freeze, table_from_env
     from tasks.promote import resolve_promoted_model
     from tasks.queues import report_gpu_queue
 
@@ -50,13 +51,19 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
         make_backend(cfg.backend, cfg.to_dict()).close()
         storage_env(cfg.storage_conn_id)
         check_alert_connection(cfg)
+        table, source = table_from_env()  # the operator's prices: a bad table is refused here, by name
+        price = freeze(table, source, backend=cfg.backend, queue=cfg.gpu_queue, capacity=cfg.capacity,
+                       use_gpu=cfg.use_gpu)
     except (ConfigError, LaunchError) as exc:  # bad settings do not get better on retry: fail now
         raise AirflowFailException(str(exc)) from exc
     log.info("Run configuration (validated):\n  %s", "\n  ".join(cfg.summary_lines()))
     report_gpu_queue(cfg)
+    log.info("Price: %s", f"{price['default']} {price['currency']} per {price['unit'].replace('_', '-')} "
+             f"({price['capacity']}; {price['source']})" if price else "none (no GPT_FINETUNE_PRICING): cost not shown")
 
     planned = plan_dataset(cfg, started=started)
-    summary = {**plan_summary(planned["plan"]), "config": cfg.to_dict(), "continued_from": continued_from}
+    summary = {**plan_summary(planned["plan"]), "config": cfg.to_dict(), "continued_from": continued_from,
+               "price": price}
     if planned["plan"]["cache_hit"] or len(planned["lanes"]) == 1:
         summary["dataset"] = asdict(run_planned(planned, started=started))
         return {"plan": summary, "lanes": []}
@@ -93,14 +100,17 @@ def finish_run(plan: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str, A
         dataset.validation_sequences, total_steps, cfg.global_batch_size,
     )
     return lay_out_run(run_cfg, manifest, dataset.manifest_url, run_key(dag_id, run_id), run_id=run_id,
-                       continued_from=continued_from)
+                       continued_from=continued_from, price=plan.get("price"))
 
 
 def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: str, key: str, *, run_id: str,
-                continued_from: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                continued_from: Mapping[str, Any] | None = None,
+                price: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Write the run's configuration and its baseline's under the run's directory and return the prepared run:
-    the XCom every later task reads (paths and a few numbers). `run_cfg` has its step count resolved."""
+    the XCom every later task reads (paths and a few numbers). `run_cfg` has its step count resolved; `price`
+    the rate prepare froze (tasks/pricing.py), kept with the run."""
     from tasks.baseline import baseline_key
+    from tasks.usage_record import write_price
 
     storage = StorageLayout(run_cfg.storage_root)
     run = storage.run(key)
@@ -108,6 +118,7 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
     baseline = storage.baseline(base_key)
     write_json_atomic(run.config, run_cfg.to_dict())
     write_json_atomic(run.baseline_config, run_cfg.baseline_config().to_dict())
+    write_price(run.url, price)
     log.info("Run directory %s", run.url)
     return {
         "run_id": run_id,
@@ -127,4 +138,5 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
         "baseline_summary_url": baseline.summary,
         "report_url": run.report,
         "continued_from": continued_from,
+        "price": dict(price) if price else None,
     }

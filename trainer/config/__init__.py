@@ -116,6 +116,13 @@ class RunConfig:
     min_throughput_ratio: float = 0.5
     alert_conn_id: str = ""
     alert_emails: tuple[str, ...] = ()
+    # GPU time and cost (tasks/usage.py, tasks/pricing.py): which rate of the operator's table applies, and the
+    # warnings (0 = off) and budget (preflight fails when the advisor predicts the asked count over it).
+    capacity: str = "on_demand"
+    max_idle_held_s: int = 900
+    min_cost_efficiency: float = 0.5
+    max_release_s: int = 300
+    max_run_cost: float = 0.0
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):  # direct construction and replace() get from_saved's checks

@@ -56,7 +56,10 @@ RANGES: dict[str, tuple[float, float]] = {
     "max_loss_rise": (0.0, 100.0), "min_throughput_ratio": (0.0, 1.0), "min_predicted_efficiency": (0.0, 1.0),
     "gpus_per_worker": (0, 1), "workers_per_host": (0, 64), "allreduce_pack_mb": (0.0, 1024.0),
     "eval_tokens": (0, MAX_EVAL_TOKENS),
+    "max_idle_held_s": (0, 30 * 86_400), "min_cost_efficiency": (0.0, 1.0), "max_release_s": (0, 86_400),
+    "max_run_cost": (0.0, 1e12),
 }
+CAPACITIES = ("on_demand", "reserved", "spot")
 # Bounds whose low end is excluded: (low, high].
 OPEN_BELOW: dict[str, tuple[float, float]] = {"learning_rate": (0.0, 1.0), "epochs": (0.0, 1000.0),
                                               "val_fraction": (0.0, 0.5)}
@@ -157,6 +160,7 @@ def check_core_settings(cfg: Any) -> None:
     check_choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION)
     check_choice("baseline", cfg.baseline, BASELINE_POLICIES)
     check_choice("promote", cfg.promote, PROMOTE_POLICIES)
+    check_choice("capacity", cfg.capacity, CAPACITIES)
     check_model_name("model_name", cfg.model_name)
     _check_export_formats(cfg)
     _check_locations(cfg)

@@ -1,0 +1,186 @@
+"""The ledger's reads and writes: the launch path's events under `runs/<key>/usage/` (one file per group attempt,
+`<group>-<launch time>-a<attempt>.json`, written by tasks/launch.py), the training summaries' step times, the
+frozen price (`usage/price.json`, written by prepare) and release's time, into report.json's `usage`
+(tasks/usage.py computes; this module only gathers).
+
+Step ends come from the summaries, not from the workers' clocks: a successful train or baseline attempt trained
+`train_time_s` on every rank and its last step ended `finished_at - time of the last metrics line` before the
+rank exited (both on the worker's clock, a difference), so only durations cross from the workers' clocks to the
+launcher's. An attempt that failed after joining left no summary: its time after the join counts as redone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from tasks import usage
+from trainer.storage import exists, join, list_dir, read_bytes, read_json, write_json_atomic
+
+log = logging.getLogger("gpt_finetune.usage")
+
+ATTEMPT_FILE = re.compile(r"-a\d+\.json$")
+PRICE_FILE = "price.json"
+
+
+def usage_dir(run_url: str) -> str:
+    return join(run_url, "usage")
+
+
+def write_price(run_url: str, price: Mapping[str, Any] | None) -> None:
+    """The price prepare froze (null: no table), kept with the run so that a later table does not reprice it."""
+    write_json_atomic(join(usage_dir(run_url), PRICE_FILE), {"price": price})
+
+
+def read_price(run_url: str) -> Mapping[str, Any] | None:
+    url = join(usage_dir(run_url), PRICE_FILE)
+    return read_json(url).get("price") if exists(url) else None
+
+
+def load_attempts(run_url: str) -> list[dict[str, Any]]:
+    """Every group attempt the launch path recorded, by launch time."""
+    folder = usage_dir(run_url)
+    if not exists(folder):
+        return []
+    attempts = []
+    for name in list_dir(folder):
+        if ATTEMPT_FILE.search(name):
+            attempt = read_json(join(folder, name))
+            attempt["kind"] = "evaluate" if attempt["group"].startswith("evaluate") else attempt["group"]
+            attempts.append(attempt)
+    return sorted(attempts, key=lambda a: min((r["launch"] for r in a["ranks"]), default=0.0))
+
+
+def _seconds_after_last_step(run: Mapping[str, Any]) -> float:
+    """Worker clock: from the last step's metrics line to the summary (export, saving); 0 when unknown."""
+    try:
+        metrics_url = join(run["summary_url"].rsplit("/", 1)[0], "metrics", "rank-0.jsonl")
+        last = json.loads(read_bytes(metrics_url).decode().strip().splitlines()[-1])["time"]
+        return max(0.0, datetime.fromisoformat(run["finished_at"]).timestamp() - float(last))
+    except Exception as error:  # noqa: BLE001 - a position, not an amount: busy is the summary's either way
+        log.info("no last-step time for %s (%s): its steps are placed right before the exit", run.get("label"),
+                 error)
+        return 0.0
+
+
+def add_steps(attempts: list[dict[str, Any]], runs: Mapping[str, Any] | None) -> None:
+    """Step events of train and baseline attempts: the last successful one from its summary (`runs`: report.json's
+    runs), every earlier one as redone after its join."""
+    summaries = {"train": (runs or {}).get("distributed"), "baseline": (runs or {}).get("baseline")}
+    for kind, run in summaries.items():
+        mine = [a for a in attempts if a["kind"] == kind]
+        good = [a for a in mine if a.get("state") == "succeeded"]
+        for attempt in mine:
+            ranks = attempt["ranks"]
+            readies = [r.get("ready") for r in ranks]
+            joined = max(readies) if readies and None not in readies else None
+            if attempt is (good[-1] if good else None) and run and run.get("train_time_s") is not None:
+                after = _seconds_after_last_step(run)
+                for rank in ranks:
+                    rank["last_step_end"] = rank["exit"] - after
+                    rank["first_step_end"] = rank["last_step_end"] - float(run["train_time_s"])
+            elif joined is not None and attempt.get("state") != "succeeded":
+                for rank in ranks:
+                    rank.update(first_step_end=joined, last_step_end=rank["exit"], redone_after=joined)
+
+
+def run_usage(run_url: str, report: Mapping[str, Any], released_at: str) -> dict[str, Any] | None:
+    """report.json's `usage`, or None when the run recorded no events (a run from before the ledger)."""
+    attempts = load_attempts(run_url)
+    if not attempts:
+        return None
+    add_steps(attempts, report.get("runs"))
+    book = usage.ledger(attempts, datetime.fromisoformat(released_at).timestamp())
+    distributed = (report.get("runs") or {}).get("distributed") or {}
+    hardware = (report.get("hardware") or {}).get("distributed") or {}
+    accelerator = hardware.get("gpu") if isinstance(hardware, dict) else None
+    tokens = sum(int((run or {}).get("tokens_seen") or 0) for run in (report.get("runs") or {}).values()) or None
+    summary = usage.summarize(book, price=read_price(run_url), accelerator=accelerator, tokens=tokens,
+                              efficiency=(report.get("comparison") or {}).get("efficiency"))
+    summary["per_slot_by_cause"] = [{"slot": slot, "hours": {"busy": s["busy_s"] / 3600,
+                                                  **{c: v / 3600 for c, v in s["idle_by_cause_s"].items()}}}
+                         for slot, s in book["slots"].items()]
+    summary["attempts"] = [{"group": a["group"], "attempt": a["attempt"], "try_number": a.get("try_number"),
+                            "state": a.get("state"), "workers": len(a["ranks"])} for a in attempts]
+    summary["workers"] = distributed.get("num_workers")
+    return summary
+
+
+USAGE_CHART = "usage.png"
+CAUSE_COLORS = {"busy": "#2e7d32", "between_tasks": "#bdbdbd", "startup": "#90caf9", "stragglers": "#ffb74d",
+                "preflight": "#ce93d8", "compile": "#64b5f6", "redone": "#e57373", "evaluation": "#4db6ac",
+                "export": "#a1887f", "release": "#616161", "other": "#fff176"}
+
+
+def usage_chart(summary: Mapping[str, Any]) -> bytes:
+    """One stacked bar per slot: its held hours by cause, training first."""
+    from tasks.report import _figure, _png
+
+    pyplot = _figure()
+    figure, axes = pyplot.subplots(figsize=(7.5, 1.2 + 0.45 * max(1, len(summary["per_slot_by_cause"]))))
+    names = [row["slot"] for row in summary["per_slot_by_cause"]]
+    left = [0.0] * len(names)
+    for cause, color in CAUSE_COLORS.items():
+        widths = [row["hours"].get(cause, 0.0) * 3600 for row in summary["per_slot_by_cause"]]
+        if any(widths):
+            axes.barh(names, widths, left=left, color=color, label=cause.replace("_", " "))
+            left = [a + b for a, b in zip(left, widths, strict=True)]
+    axes.set_xlabel("seconds held")
+    axes.set_title("Held time by cause")
+    axes.invert_yaxis()
+    axes.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(names) < 3 else -0.2))
+    return _png(pyplot, figure)
+
+
+def cost_warnings(summary: Mapping[str, Any], cfg: Mapping[str, Any]) -> list[str]:
+    """The warnings of a finished run's usage (never failures): slow release, a mostly idle run, extra workers
+    that cost more than `min_cost_efficiency` allows."""
+    found = []
+    limit = cfg.get("max_release_s") or 0
+    if limit and (summary.get("time_to_release_s") or 0) > limit:
+        found.append(f"GPU time: the GPUs were free {summary['time_to_release_s']:.0f} s after the last worker "
+                     f"exited, more than max_release_s = {limit} s.")
+    share = summary.get("busy_share")
+    if share is not None and share < 0.5:
+        top = max(summary["idle_by_cause_gpu_h"].items(), key=lambda item: item[1])
+        found.append(f"GPU time: the run was mostly idle: {share:.0%} of its {summary['held_gpu_h']:.3g} held "
+                     f"{_unit(summary)}-h trained; the largest idle cause is {top[0].replace('_', ' ')} "
+                     f"({top[1]:.3g} {_unit(summary)}-h).")
+    floor, efficiency = cfg.get("min_cost_efficiency") or 0, summary.get("efficiency")
+    if floor and efficiency is not None and efficiency < floor:
+        cheapest = summary.get("cheapest_workers")
+        found.append(f"GPU time: at {efficiency:.0%} scaling efficiency the {summary.get('workers')} workers used "
+                     f"{1 / efficiency:.1f}x the {_unit(summary)}-hours per token of one (min_cost_efficiency = "
+                     f"{floor:g})" + (f"; the advisor's cheapest count is {cheapest}." if cheapest else "."))
+    return found
+
+
+def _unit(summary: Mapping[str, Any]) -> str:
+    return "GPU" if summary.get("unit") == "gpu_hour" else "worker"
+
+
+def attach_usage(report_url: str, report: dict[str, Any], released_at: str) -> dict[str, bytes]:
+    """Put `usage` (and its warnings) into the report; returns the chart to write with it. A ledger that cannot be
+    read is logged and left out: it never fails release."""
+    run_url = report_url.rstrip("/").rsplit("/", 1)[0]
+    try:
+        summary = run_usage(run_url, report, released_at)
+        if summary is None:
+            return {}
+        cheapest = ((report.get("prediction") or {}).get("cost") or {}).get("cheapest_workers")
+        summary["cheapest_workers"] = cheapest
+        warnings = cost_warnings(summary, report.get("config") or {})
+        summary["warnings"] = warnings
+        report["usage"] = summary
+        report["warnings"] = [w for w in report.get("warnings") or [] if not w.startswith("GPU time:")] + warnings
+        report.setdefault("charts", {})["usage"] = USAGE_CHART
+        for warning in warnings:
+            log.warning("%s", warning)
+        return {USAGE_CHART: usage_chart(summary)}
+    except Exception:  # the ledger is a view of the run; release's proof must not depend on it
+        log.exception("could not compute the GPU-time ledger of %s", run_url)
+        return {}

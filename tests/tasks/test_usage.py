@@ -1,0 +1,292 @@
+"""The GPU-time ledger (tasks/usage.py) on hand-written timelines, the price table (tasks/pricing.py) and what the
+report's `usage` says (held, busy, idle by cause, cost)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tasks import pricing, usage
+from trainer.config import ConfigError
+
+
+def rank(r, launch, ready, end, first=None, last=None, redone=None, host="h"):
+    return {"rank": r, "host": host, "gpus": [], "launch": launch, "ready": ready, "exit": end,
+            "first_step_end": first, "last_step_end": last, "redone_after": redone}
+
+
+def attempt(kind, *ranks):
+    return {"kind": kind, "group": kind, "ranks": list(ranks)}
+
+
+def causes(book, slot=None):
+    part = book["slots"][slot] if slot else book
+    return {cause: round(s, 6) for cause, s in part["idle_by_cause_s"].items() if s}
+
+
+def assert_invariants(book):
+    """Causes sum to idle, idle = held - busy, per slot and for the run; per-slot sums equal the run's."""
+    for part in (book, *book["slots"].values()):
+        assert sum(part["idle_by_cause_s"].values()) == pytest.approx(part["idle_s"], abs=1e-6)
+        assert part["held_s"] - part["busy_s"] == pytest.approx(part["idle_s"], abs=1e-6)
+        assert all(value >= -1e-9 for value in part["idle_by_cause_s"].values())
+    slots = book["slots"].values()
+    for name in ("held_s", "busy_s", "idle_s"):
+        assert sum(s[name] for s in slots) == pytest.approx(book[name], abs=1e-6)
+    for cause in usage.CAUSES:
+        assert sum(s["idle_by_cause_s"][cause] for s in slots) == pytest.approx(book["idle_by_cause_s"][cause])
+
+
+TWO_WORKERS = [
+    attempt("preflight", rank(0, 0, 5, 10), rank(1, 0, 5, 10)),
+    attempt("train", rank(0, 15, 20, 50, 25, 45), rank(1, 15, 20, 50, 25, 45)),
+    attempt("evaluate", rank(0, 55, 58, 65)),
+]
+
+
+def test_two_workers_every_second_has_one_cause():
+    """2 workers: preflight, train, a 1-worker evaluation, release 5 s after the last exit."""
+    book = usage.ledger(TWO_WORKERS, released_at=70)
+    assert_invariants(book)
+    assert book["held_s"] == 140 and book["busy_s"] == 40
+    assert causes(book, "h/rank0") == {"startup": 13, "preflight": 5, "between_tasks": 10, "compile": 5, "export": 5,
+                                       "evaluation": 7, "release": 5}
+    # rank 1's slot has no evaluation: from its last exit to release it waits for release
+    assert causes(book, "h/rank1") == {"startup": 10, "preflight": 5, "between_tasks": 5, "compile": 5, "export": 5,
+                                       "release": 20}
+    assert book["time_to_release_s"] == 5 and book["clock_skew_s"] == 0 and book["idle_by_cause_s"]["other"] == 0
+
+
+def test_elastic_four_to_two_counts_the_left_slots_until_release():
+    """Elastic 4 -> 2: the failed 4-worker launch's steps are redone; slots 2 and 3 are held until release."""
+    failed = attempt("train", *(rank(r, 0, 5, 30, 5, 30, redone=5) for r in range(4)))
+    relaunch = attempt("train", rank(0, 40, 45, 75, 50, 70), rank(1, 40, 45, 75, 50, 70))
+    book = usage.ledger([failed, relaunch], released_at=80)
+    assert_invariants(book)
+    assert causes(book, "h/rank0") == {"startup": 10, "redone": 25, "between_tasks": 10, "compile": 5, "export": 5,
+                                       "release": 5}
+    assert book["slots"]["h/rank0"]["busy_s"] == 20
+    assert causes(book, "h/rank3") == {"startup": 5, "redone": 25, "release": 50}
+    assert book["held_s"] == 4 * 80 and book["busy_s"] == 40
+
+
+def test_retried_attempt_redone_steps_are_idle_not_busy():
+    """A retry resumed at the checkpoint the first attempt reached at t=30: its steps from 30 to 40 are redone."""
+    first = attempt("train", rank(0, 0, 5, 42, 10, 40, redone=30))
+    retry = attempt("train", rank(0, 50, 55, 90, 60, 85))
+    book = usage.ledger([first, retry], released_at=90)
+    assert_invariants(book)
+    assert book["busy_s"] == 20 + 25
+    assert causes(book) == {"startup": 10, "compile": 10, "redone": 10, "export": 7, "between_tasks": 8}
+
+
+def test_late_rank_makes_the_others_wait_in_the_rendezvous():
+    book = usage.ledger([attempt("train", rank(0, 0, 5, 40, 20, 35), rank(1, 0, 12, 40, 20, 35))], released_at=40)
+    assert_invariants(book)
+    assert book["slots"]["h/rank0"]["idle_by_cause_s"]["stragglers"] == 7
+    assert book["slots"]["h/rank1"]["idle_by_cause_s"]["stragglers"] == 0
+    assert book["slots"]["h/rank1"]["idle_by_cause_s"]["startup"] == 12
+
+
+@pytest.mark.parametrize("workers,delay", [(2, 3.0), (4, 7.5), (8, 0.25)])
+def test_one_rank_started_d_seconds_late_gives_stragglers_d_times_n_minus_1(workers, delay):
+    """Every rank takes 4 s to start; rank 1 is launched `delay` late: the other N-1 wait `delay` each."""
+    ranks = [rank(r, (delay if r == 1 else 0), (delay if r == 1 else 0) + 4, 60, 30, 55) for r in range(workers)]
+    book = usage.ledger([attempt("train", *ranks)], released_at=61)
+    assert_invariants(book)
+    assert book["idle_by_cause_s"]["stragglers"] == pytest.approx(delay * (workers - 1))
+
+
+def test_gap_before_release_is_release_time():
+    book = usage.ledger([attempt("train", rank(0, 0, 2, 20, 5, 15))], released_at=120)
+    assert_invariants(book)
+    assert book["time_to_release_s"] == 100 and causes(book)["release"] == 100
+
+
+def test_release_clock_behind_the_last_exit_is_clamped_and_reported():
+    """Release ran on a host whose clock is 5 s behind: the window ends at the last exit, the skew is reported."""
+    book = usage.ledger([attempt("train", rank(0, 0, 2, 50, 5, 45))], released_at=45)
+    assert_invariants(book)
+    assert book["clock_skew_s"] == 5 and book["time_to_release_s"] == 0
+    assert book["held_s"] == 50 and "release" not in causes(book)
+
+
+def test_groups_whose_clocks_overlap_still_partition_the_held_time():
+    """Evaluate's launcher clock runs 3 s behind train's: the overlap is counted once (busy wins)."""
+    book = usage.ledger([attempt("train", rank(0, 0, 2, 30, 5, 28)), attempt("evaluate", rank(0, 27, 29, 40))], 41)
+    assert_invariants(book)
+    assert book["busy_s"] == 23 and book["held_s"] == 41
+
+
+def _random_attempt(rng, hosts, start):
+    kind = rng.choice(["preflight", "train", "baseline", "evaluate", "train"])
+    workers = rng.randint(1, 4)
+    ranks = []
+    for r in range(workers):
+        launch = start + rng.uniform(0, 3)
+        ready = None if rng.random() < 0.1 else launch + rng.uniform(0, 10)
+        first = (ready or launch) + rng.uniform(0, 8)
+        last = first + rng.uniform(0, 30)
+        end = last + rng.uniform(0, 6)
+        redone = rng.uniform(first, last) if rng.random() < 0.2 else None
+        ranks.append({**rank(r, launch, ready, end, first, last, redone, host=rng.choice(hosts)),
+                      "gpus": [r] if rng.random() < 0.5 else []})
+    return attempt(kind, *ranks), max(r["exit"] for r in ranks)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_timelines_keep_the_invariants(seed):
+    rng = random.Random(seed)
+    attempts, clock = [], 0.0
+    for _ in range(rng.randint(1, 6)):
+        made, clock = _random_attempt(rng, ["a", "b"], clock + rng.uniform(-2, 10))  # some overlap (skew)
+        attempts.append(made)
+    released = clock + rng.uniform(-5, 20)
+    book = usage.ledger(attempts, released)
+    assert_invariants(book)
+    assert book["idle_by_cause_s"]["other"] == 0  # every kind is a known one
+    assert book["clock_skew_s"] == pytest.approx(max(0.0, clock - released))
+
+
+# -- prices --------------------------------------------------------------------------------------------------
+
+TABLE = {"currency": "EUR", "default": {"on_demand": 2.5, "spot": 1.0},
+         "accelerators": {"NVIDIA H200": {"on_demand": 3.8, "reserved": 2.1, "spot": 1.4}},
+         "backends": {"kubernetes": {"accelerators": {"NVIDIA H200": {"on_demand": 4.1}}}},
+         "queues": {"gpu_spot": {"default": {"spot": 1.2}, "accelerators": {"NVIDIA H200": {"spot": 1.3}}}},
+         "cpu_worker": {"on_demand": 0.05}}
+
+
+def freeze(**kw):
+    settings = {"backend": "local", "queue": "", "capacity": "on_demand", "use_gpu": True, **kw}
+    return pricing.freeze(pricing.parse_table(json.dumps(TABLE), "t"), "t", **settings)
+
+
+def test_price_precedence_queue_over_backend_over_table():
+    assert freeze()["rates"]["NVIDIA H200"] == 3.8
+    assert freeze(backend="kubernetes")["rates"]["NVIDIA H200"] == 4.1
+    spot = freeze(backend="kubernetes", queue="gpu_spot", capacity="spot")
+    assert spot["rates"]["NVIDIA H200"] == 1.3 and spot["default"] == 1.2
+    assert "queues.gpu_spot" in spot["source"]
+    cpu = freeze(use_gpu=False)
+    assert cpu["unit"] == "worker_hour" and cpu["default"] == 0.05
+
+
+@pytest.mark.parametrize("text,named", [
+    ("{not json", "not JSON"),
+    (json.dumps({**TABLE, "default": {"on_demand": -1}}), "default.on_demand"),
+    (json.dumps({**TABLE, "accelerators": {"A100": {"spot": "cheap"}}}), "accelerators.A100.spot"),
+    (json.dumps({**TABLE, "cpu_worker": {"hourly": 1}}), "cpu_worker.hourly"),
+    (json.dumps({**TABLE, "queues": {"q": {"default": {"spot": float("nan")}}}}), "queues.q.default.spot"),
+    (json.dumps({"default": {"on_demand": 1}}), "currency"),
+])
+def test_a_bad_table_is_refused_by_name(text, named):
+    with pytest.raises(ConfigError, match=named) as caught:
+        pricing.parse_table(text, "t")
+    assert pricing.PRICING_ENV in str(caught.value)
+
+
+def test_table_from_env_inline_or_file(tmp_path):
+    assert pricing.table_from_env({}) == (None, None)
+    assert pricing.table_from_env({pricing.PRICING_ENV: json.dumps(TABLE)})[0]["currency"] == "EUR"
+    path = tmp_path / "prices.json"
+    path.write_text(json.dumps(TABLE))
+    assert pricing.table_from_env({pricing.PRICING_ENV: str(path)})[1] == str(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        pricing.table_from_env({pricing.PRICING_ENV: str(tmp_path / "missing.json")})
+
+
+def test_no_table_means_no_cost_never_zero():
+    book = usage.ledger(TWO_WORKERS, released_at=70)
+    summary = usage.summarize(book, price=pricing.freeze(None, None, backend="local", queue="", capacity="on_demand",
+                                                           use_gpu=False), tokens=1000)
+    assert summary["cost"] is None and summary["price"] is None
+    assert summary["held_gpu_h"] == pytest.approx(140 / 3600, abs=1e-6)
+
+
+def test_cost_is_held_times_rate_and_unknown_accelerator_uses_the_default():
+    book = usage.ledger(TWO_WORKERS, released_at=70)
+    summary = usage.summarize(book, price=freeze(), accelerator="NVIDIA B200", tokens=2_000_000, efficiency=0.8)
+    assert summary["price"]["rate"] == 2.5 and "NVIDIA B200" in summary["price"]["note"]
+    assert summary["cost"]["held"] == pytest.approx(140 / 3600 * 2.5, abs=1e-6)
+    assert summary["cost"]["per_mtoken"] == pytest.approx(140 / 3600 * 2.5 / 2, abs=1e-6)
+    assert summary["cost"]["extra_for_parallelism"] == pytest.approx(40 / 3600 * 2.5 * 0.2, abs=1e-6)
+    assert summary["busy_share"] == pytest.approx(40 / 140, abs=1e-4)
+    known = usage.summarize(book, price=freeze(), accelerator="NVIDIA H200")
+    assert known["price"]["rate"] == 3.8 and known["price"]["note"] is None
+
+
+# -- the launch path's events and the report's usage -----------------------------------------------------------
+
+def test_the_launch_path_writes_one_event_file_per_group_attempt(tmp_path):
+    """RecordedLaunch appends usage/<group>-<launch>-a<attempt>.json: launch <= ready <= exit per rank, once."""
+    from tasks.launch import RecordedLaunch
+    from tasks.usage_record import load_attempts
+    from tests.launcher.fake_backend import FakeBackend
+    from tests.tasks.test_launch import scripts, spec
+    from trainer.layout import StorageLayout
+
+    run = StorageLayout(str(tmp_path / "storage")).run("run-1")
+    for _ in range(2):  # a retry of the task: a second file, the first kept
+        RecordedLaunch(spec(name="train"), FakeBackend(scripts()), run, on_line=lambda *_: None).run_group()
+    attempts = load_attempts(run.url)
+    assert [(a["group"], a["kind"], a["attempt"], a["state"]) for a in attempts] == [("train", "train", 1,
+                                                                                      "succeeded")] * 2
+    for made in attempts:
+        assert [r["rank"] for r in made["ranks"]] == [0, 1]
+        for r in made["ranks"]:
+            assert r["launch"] <= r["ready"] <= r["exit"] and r["exit_code"] == 0
+    assert attempts[0]["ranks"][0]["exit"] <= attempts[1]["ranks"][0]["launch"]
+
+
+def _write_run(tmp_path, price):
+    from tasks.usage_record import write_price
+    from trainer.storage import write_json_atomic
+
+    run_url = str(tmp_path / "run")
+    write_price(run_url, price)
+    train = tmp_path / "run" / "train"
+    (train / "metrics").mkdir(parents=True)
+    (train / "metrics" / "rank-0.jsonl").write_text(json.dumps({"step": 12, "time": 1000.0 + 41.5}) + "\n")
+    write_json_atomic(f"{run_url}/usage/preflight-1-a1.json", {"group": "preflight", "attempt": 1, "state": "succeeded",
+                      "ranks": [rank(r, 1000, 1004, 1010) for r in range(2)]})
+    write_json_atomic(f"{run_url}/usage/train-2-a1.json", {"group": "train", "attempt": 1, "state": "succeeded",
+                      "ranks": [rank(r, 1012, 1016 + r, 1045) for r in range(2)]})
+    report = {"runs": {"distributed": {"label": "distributed", "num_workers": 2, "train_time_s": 20.0,
+                                       "tokens_seen": 4096, "summary_url": str(train / "summary.json"),
+                                       "finished_at": "1970-01-01T00:17:23+00:00"}, "baseline": None},
+              "comparison": {"efficiency": None}, "config": {"max_release_s": 2, "min_cost_efficiency": 0.5},
+              "hardware": {"distributed": {"gpu": None}}}
+    return run_url, report
+
+
+def test_attach_usage_prices_held_time_and_places_steps_before_the_exit(tmp_path):
+    """The report's usage from the files: busy = train_time_s x workers, cost = held x rate, slow release warned."""
+    from tasks.usage_record import attach_usage
+
+    price = freeze(use_gpu=False)
+    run_url, report = _write_run(tmp_path, price)
+    charts = attach_usage(f"{run_url}/report", report, "1970-01-01T00:17:30+00:00")  # 1050: 5 s after the exit
+    got = report["usage"]
+    assert got["busy_gpu_h"] == pytest.approx(2 * 20 / 3600, abs=1e-6)
+    assert got["held_gpu_h"] == pytest.approx(2 * 50 / 3600, abs=1e-6)
+    assert got["cost"]["held"] == pytest.approx(got["held_gpu_h"] * 0.05, abs=1e-6)
+    assert got["price"]["unit"] == "worker_hour" and got["time_to_release_s"] == 5
+    # the last metrics line came 1.5 s before the summary: the steps end 1.5 s before the exit
+    assert got["idle_by_cause_gpu_h"]["export"] == pytest.approx(2 * 1.5 / 3600, abs=1e-6)
+    assert any("max_release_s = 2" in w for w in report["warnings"])
+    assert any("mostly idle" in w for w in report["warnings"])
+    assert charts["usage.png"].startswith(b"\x89PNG") and report["charts"]["usage"] == "usage.png"
+
+
+def test_no_price_no_cost_and_no_ledger_no_usage(tmp_path):
+    from tasks.usage_record import attach_usage
+
+    run_url, report = _write_run(tmp_path, None)
+    attach_usage(f"{run_url}/report", report, "1970-01-01T00:17:30+00:00")
+    assert report["usage"]["cost"] is None and report["usage"]["held_gpu_h"] > 0
+    empty = {"runs": {}}
+    assert attach_usage(str(tmp_path / "other" / "report"), empty, "1970-01-01T00:17:30+00:00") == {}
+    assert "usage" not in empty
