@@ -4,7 +4,8 @@ The official client's `CoreV1Api` and `NetworkingV1Api` come in ready-made (buil
 `tf_multiworker.kubernetes_clients`), so this module never imports Airflow. Per group it creates the objects of
 `kubernetes_objects` (Service, Secret, NetworkPolicy, then the pods, which are owned by the Service) through
 `kubernetes_api`; `kubernetes_pods` follows each pod's status and log. Stopping the group deletes its objects;
-`release` deletes whatever of a run is left, by label, and lists again to prove that nothing remains.
+`release` deletes whatever of a run is left, by label, and lists again until the pods have terminated
+(`kubernetes_release`: never a forced deletion, and the record says what was checked).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kubernetes.client import CoreV1Api, NetworkingV1Api, V1Pod
 
 from launcher import kubernetes_capacity as capacity
 from launcher import kubernetes_objects as objects
+from launcher import kubernetes_release
 from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, WorkerHandle
 from launcher.errors import LaunchError
 from launcher.kubernetes_api import KubernetesApi, KubernetesApiError
@@ -44,6 +46,7 @@ class KubernetesSettings:
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 30.0
     retries: int = 4  # after the first try, with backoff 0.5, 1, 2, 4 s
+    termination_margin_s: float = 10.0  # release waits this long past a pod's grace period for its kubelet
     conn_id: str = ""  # for messages and records only
 
     def __post_init__(self) -> None:
@@ -165,46 +168,21 @@ class KubernetesBackend(Backend):
 
     def release(self, run_key: str, records: list[dict], grace_s: float = RELEASE_GRACE_S) -> dict:
         """Delete every object labelled with the run (the records are not needed: the label also finds what no
-        record names), pods with up to `grace_s` of grace and then at once, and list again to prove nothing is
-        left."""
+        record names), pods with up to `grace_s` of grace, and list again until their kubelets have ended them:
+        a pod still listed after its grace period is a survivor, never force-deleted."""
         host = self._delete_labelled(objects.run_selector(run_key), grace_s=grace_s)
         return {"backend": self.name, "hosts": [host], "clean": not host["survivors"]}
 
     def _delete_labelled(self, selector: str, grace_s: float) -> dict:
-        """Delete every object matching `selector` (pods with `grace_s`, capped by the pods' own grace period, then
-        at once) and list again; failed pods stay when `keep_failed_pods`. Returns what was found and what is left."""
-        ns = self.settings.namespace
-        pods = self.api.list("pod", selector)
-        found = {"pod": [p.metadata.name for p in pods],
-                 **{kind: [o.metadata.name for o in self.api.list(kind, selector)]
-                    for kind in ("service", "secret", "networkpolicy")}}
-        kept = [p.metadata.name for p in pods if self.settings.keep_failed_pods and p.status.phase == "Failed"]
-        orphan = {"propagation_policy": "Orphan"} if kept else {"propagation_policy": "Background"}
-        for name in found["service"]:
-            self.api.delete("service", name, **orphan)
-        for kind in ("secret", "networkpolicy"):
-            for name in found[kind]:
-                self.api.delete(kind, name)
-        doomed = [p.metadata.name for p in pods if p.metadata.name not in kept]
-        grace = math.ceil(min(self.settings.pod.grace_period_s, grace_s))
-        for name in doomed:
-            self.api.delete("pod", name, grace_period_seconds=grace)
-        remaining = self._wait_gone(selector, kept, grace + 5)
-        killed = list(remaining.get("pod", []))
-        for name in killed:
-            self.api.delete("pod", name, grace_period_seconds=0)
-        if killed:
-            remaining = self._wait_gone(selector, kept, 10)
-        survivors = [f"{kind}/{name}" for kind, names in remaining.items() for name in names]
-        return {
-            "host": f"namespace {ns}" + (f" (connection {self.settings.conn_id})" if self.settings.conn_id else ""),
-            "selector": selector,
-            "found": [f"{kind}/{name}" for kind, names in found.items() for name in names],
-            "terminated": [f"pod/{name}" for name in doomed if name not in killed],
-            "killed": [f"pod/{name}" for name in killed],
-            "kept": [f"pod/{name}" for name in kept],
-            "survivors": survivors,
-        }
+        """Delete every object matching `selector`, pods with `grace_s` at most (their own grace period when
+        shorter, never 0), and list again until they are gone (kubernetes_release.py); failed pods stay when
+        `keep_failed_pods`. Returns what was found, what is left and what was checked."""
+        host = kubernetes_release.delete_labelled(self.api, selector, grace_s,
+                                                  keep_failed=self.settings.keep_failed_pods,
+                                                  margin_s=self.settings.termination_margin_s)
+        if self.settings.conn_id:
+            host["host"] += f" (connection {self.settings.conn_id})"
+        return host
 
     def close(self) -> None:
         with self._lock:
@@ -316,13 +294,3 @@ class KubernetesBackend(Backend):
                 self.api.delete(kind, name, retries=1, **options)  # may run in on_kill: 5 s in all
             except KubernetesApiError as exc:
                 log.warning("group %s: %s", state.spec.name, exc)
-
-    def _wait_gone(self, selector: str, kept: list[str], timeout_s: float) -> dict[str, list[str]]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = {kind: names for kind in ("pod", "service", "secret", "networkpolicy")
-                         if (names := [o.metadata.name for o in self.api.list(kind, selector)
-                                       if o.metadata.name not in kept])}
-            if not remaining or time.monotonic() > deadline:
-                return remaining
-            time.sleep(0.2)

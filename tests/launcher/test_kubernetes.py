@@ -185,6 +185,51 @@ def test_release_deletes_what_a_dead_task_left_by_label(cluster, tmp_path):
     assert backend(cluster).release(RUN_KEY, [])["clean"] is True, "running it twice is fine"
 
 
+def test_release_waits_for_a_pod_that_takes_seconds_to_terminate_and_never_forces_it(cluster, tmp_path):
+    """A pod whose kubelet ends it only 9 s after its delete (past its 2 s grace and the old 5 s allowance) is
+    reported gone only once its process has ended, no pod is ever deleted with grace 0, and the record says what
+    was checked and when each pod was gone."""
+    names = _abandoned_group(cluster, tmp_path)
+    slow = names.pod(1)
+    cluster.slow_termination(slow, 9.0)
+    began = time.monotonic()
+    report = backend(cluster).release(RUN_KEY, [], grace_s=10)
+    returned = time.monotonic()
+    host = report["hosts"][0]
+    print(f"\nrelease after {returned - began:.1f} s: pods {host.get('pods')}; checked: {host.get('checked')}")
+
+    ended = cluster.ended_at(slow)
+    assert ended is not None and began + 9.0 <= ended <= returned, "reported gone before its process ended"
+    # 2: the pods' own grace; None: the Service's garbage collection, which uses it too. Never 0.
+    assert {grace for _, grace, _ in cluster.deletions} <= {2, None} and cluster.deletions, "a forced deletion"
+    assert report["clean"] is True and host["survivors"] == [] and cluster.remaining() == {}
+    ends = {end["pod"]: end for end in host["pods"]}
+    assert ends[slow]["grace_s"] == 2 and ends[slow]["gone_after_s"] >= 9.0
+    assert ends[names.pod(0)]["gone_after_s"] < 9.0
+    assert set(host["terminated"]) == {f"pod/{names.pod(0)}", f"pod/{slow}"} and host["killed"] == []
+    assert f"labelled {host['selector']} in namespace default" in host["checked"]
+    assert "no pod was force-deleted" in host["checked"] and host["problems"] == []
+
+
+def test_a_pod_whose_kubelet_never_ends_it_is_a_survivor_and_is_not_force_deleted(cluster, tmp_path):
+    """Its node is down or its container is stuck: release does not drop the object with grace 0 (which would hide
+    containers that may still hold GPUs) but reports the pod, its node and what to do; the run is not released."""
+    names = _abandoned_group(cluster, tmp_path)
+    stuck = names.pod(0)
+    cluster.slow_termination(stuck, 60.0)
+    report = backend(cluster, termination_margin_s=2).release(RUN_KEY, [], grace_s=10)
+    host = report["hosts"][0]
+    print(f"\nrelease: survivors {host['survivors']}; {host.get('problems')}")
+
+    assert report["clean"] is False and host["survivors"] == [f"pod/{stuck}"]
+    assert cluster.names("pods") == [stuck] and cluster.ended_at(stuck) is None, "still there, still running"
+    assert {grace for _, grace, _ in cluster.deletions} <= {2, None} and cluster.deletions, "a forced deletion"
+    [problem] = host["problems"]
+    assert f"pod default/{stuck} on node fake-node-1 is still listed (Running (terminating)) 4 s after" in problem
+    assert f"kubectl delete pod {stuck} -n default --grace-period=0 --force" in problem
+    assert {end["pod"]: end["gone_after_s"] for end in host["pods"]}[stuck] is None
+
+
 def _wait_for(condition, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

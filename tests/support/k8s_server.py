@@ -10,14 +10,19 @@ resolved the way a kubelet would (literal `env`, `secretKeyRef`, `envFrom.secret
 "image's" environment. Its phase follows the process: Pending -> Running -> Succeeded / Failed with the exit code
 (128 + signal when killed, as container runtimes report). A pod whose Secret is missing stays Pending with a
 CreateContainerConfigError event. DELETE of a pod sends SIGTERM to its process group, waits the grace period,
-sends SIGKILL, and only then does the pod disappear (404). Deleting an owner garbage-collects its dependents
-(ownerReferences), unless `propagationPolicy` is Orphan.
+sends SIGKILL, and only then does the pod disappear (404); until then it is listed with its `deletionTimestamp`. A
+forced deletion (`gracePeriodSeconds: 0`) drops the pod object at once, as a real API server does, while its
+"kubelet" kills the process afterwards. Deleting an owner garbage-collects its dependents (ownerReferences), unless
+`propagationPolicy` is Orphan.
 
 Test hooks: `tf_address(dns)` is the loopback `127.0.0.1:<port>` a pod DNS name resolves to (every TF_CONFIG is
 rewritten this way before the process starts; each rank gets its own port because TensorFlow binds 0.0.0.0);
 `hold_pending(pattern, reason, message)` keeps matching pods Pending with that event; `refuse(verb, resource, code,
 reason, message)` answers matching requests with an API error; `cut_log_streams_after(n, times)` drops the first log
-streams of each pod after n lines (the client must reconnect); `kill_pod_process(name, sig)` is a container crash.
+streams of each pod after n lines (the client must reconnect); `kill_pod_process(name, sig)` is a container crash;
+`slow_termination(pattern, seconds)` makes the kubelet end matching pods only that long after their delete (a node
+under pressure, a process stuck in the GPU driver). `deletions` lists every pod delete (name, grace asked, when),
+`ended_at(name)` when the pod's process ended.
 """
 
 from __future__ import annotations
@@ -128,6 +133,7 @@ class _Pod:
     waiting: tuple[str, str] | None = None  # (reason, message) while the container cannot start
     env: dict[str, str] | None = None  # the container's resolved environment
     deleting: bool = False
+    ended_at: float | None = None  # time.monotonic() when the process was seen ended
     output_done: threading.Event = field(default_factory=threading.Event)
     changed: threading.Condition = field(default_factory=threading.Condition)
 
@@ -171,6 +177,8 @@ class FakeKubernetes:
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, for assertions
         self.created: dict[tuple[str, str], dict] = {}  # (resource, name) -> the body as created, kept after deletion
         self._history: dict[str, _Pod] = {}  # pod name -> its last kubelet record, kept after deletion
+        self.deletions: list[tuple[str, Any, float]] = []  # (pod, gracePeriodSeconds asked, time.monotonic())
+        self._slow: list[tuple[str, float]] = []  # (pod pattern, seconds the kubelet takes to act on a delete)
         self._lock = threading.RLock()
         self._addresses: dict[str, str] = {}
         self._pending: list[tuple[str, str, str]] = []
@@ -191,7 +199,7 @@ class FakeKubernetes:
 
     def __exit__(self, *exc) -> None:
         with self._lock:
-            pods = list(self.pods.values())
+            pods = list(self._history.values())  # also force-deleted pods whose process may still run
         for pod in pods:
             if pod.process and pod.process.poll() is None:
                 os.killpg(pod.process.pid, signal.SIGKILL)
@@ -229,6 +237,16 @@ class FakeKubernetes:
     def cut_log_streams_after(self, lines: int, times: int = 2) -> None:
         """Drop the first `times` log streams of every pod after `lines` lines each (a dropped connection)."""
         self._cut_after, self._cuts_left = lines, times
+
+    def slow_termination(self, pod_pattern: str, seconds: float) -> None:
+        """The kubelet acts on a delete of a matching pod only `seconds` after it (whatever the grace period): the
+        process lives that long, and a gracefully deleted pod stays listed until it has ended."""
+        self._slow.append((pod_pattern, seconds))
+
+    def ended_at(self, name: str) -> float | None:
+        """time.monotonic() when the pod's process ended; None while it runs (or never started)."""
+        record = self._history.get(name)
+        return record.ended_at if record else None
 
     def kill_pod_process(self, name: str, sig: int = signal.SIGKILL, namespace: str = "default") -> None:
         pod = self.pods[(namespace, name)]
@@ -409,13 +427,18 @@ class FakeKubernetes:
             del self.objects[(resource, ns, name)]
             return
         pod = self.pods[(ns, name)]
+        self.deletions.append((name, options.get("gracePeriodSeconds"), time.monotonic()))
         grace = options.get("gracePeriodSeconds")
         if grace is None:
             grace = obj["spec"].get("terminationGracePeriodSeconds", 30)
         obj["metadata"].setdefault("deletionTimestamp", _now())
+        if grace == 0:  # forced: the object goes now, whatever the node still runs
+            del self.objects[(resource, ns, name)]
+            del self.pods[(ns, name)]
         if not pod.deleting or grace == 0:
             pod.deleting = True
-            threading.Thread(target=self._stop_pod, args=(ns, name, pod, float(grace)), daemon=True).start()
+            delay = max((seconds for pattern, seconds in self._slow if fnmatch.fnmatch(name, pattern)), default=0.0)
+            threading.Thread(target=self._stop_pod, args=(ns, name, pod, float(grace), delay), daemon=True).start()
 
     def _uid_exists(self, ns: str, uid: str) -> bool:
         return any(s == ns and o["metadata"]["uid"] == uid for (_, s, _), o in self.objects.items())
@@ -485,12 +508,14 @@ class FakeKubernetes:
                 pod.lines.append((time.time(), line))
                 pod.changed.notify_all()
         pod.process.wait()
+        pod.ended_at = pod.ended_at or time.monotonic()
         pod.finished_at = _now()
         with pod.changed:
             pod.output_done.set()
             pod.changed.notify_all()
 
-    def _stop_pod(self, ns: str, name: str, pod: _Pod, grace_s: float) -> None:
+    def _stop_pod(self, ns: str, name: str, pod: _Pod, grace_s: float, delay_s: float = 0.0) -> None:
+        time.sleep(delay_s)  # a slow kubelet
         if pod.process and pod.process.poll() is None:
             try:
                 os.killpg(pod.process.pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
@@ -504,6 +529,8 @@ class FakeKubernetes:
                 except ProcessLookupError:
                     pass
                 pod.process.wait()
+        if pod.process:
+            pod.ended_at = pod.ended_at or time.monotonic()
         with self._lock:
             if self.pods.get((ns, name)) is pod:
                 self.objects.pop(("pods", ns, name), None)
