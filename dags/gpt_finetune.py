@@ -72,6 +72,10 @@ PARAMS = {
                    description="Preset for random init (tiny, gpt2-124m), a hub name, a save_pretrained path/URL "
                                "under the allowed data roots or buckets, or promoted / promoted:<name> to continue "
                                "from the latest promoted version."),
+    "model_revision": Param("", type=["null", "string"], maxLength=255, title="Model revision",
+                            description="For a hub model: the branch, tag or commit to fine-tune; empty = main. "
+                                        "prepare pins it to the commit sha and fetches the model once into "
+                                        "storage_root/models/base/<name>@<sha>/, which every worker loads."),
     "block_size": Param(64, type="integer", minimum=8, maximum=8192, title="Block size",
                         description="Tokens per training sequence."),
     "batch_size_per_worker": Param(8, type="integer", minimum=1, maximum=4096, title="Batch per worker"),

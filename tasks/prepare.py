@@ -40,6 +40,7 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
 
     from launcher import LaunchError
     from tasks.alerts import check_alert_connection
+    from tasks.base_models import resolve_base_model
     from tasks.dataset.stage import plan_dataset, plan_summary, run_planned
     from tasks.pricing import freeze, table_from_env
     from tasks.promote import resolve_promoted_model
@@ -47,6 +48,7 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
 
     try:
         cfg, continued_from = resolve_promoted_model(build_config(params))
+        cfg, _ = resolve_base_model(cfg)  # a hub name: pinned to a commit, fetched once into storage
         # The run's connections exist and are of the right type (nothing is contacted yet).
         make_backend(cfg.backend, cfg.to_dict()).close()
         storage_env(cfg.storage_conn_id)

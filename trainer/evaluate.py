@@ -241,6 +241,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ["HF_HUB_OFFLINE"] = "1"  # models come from storage only: prepare fetched a hub model once
     args = parse_args(argv)
     configure_worker_logging()
     identity = runtime.worker_identity()

@@ -13,6 +13,7 @@
     <root>/runs/<run_key>/report/                     report.json, report.md, *.png, preflight.json
     <root>/runs/<run_key>/release.json
     <root>/baselines/<baseline_key>/                  a single-worker training output, reusable across runs
+    <root>/models/base/<name>@<sha>/                  a hub model at one commit, base_model.json last
     <root>/models/<name>/latest.json                  the promoted version and the history (see tasks/registry.py)
     <root>/models/<name>/v<N>/                        one promoted version: model/, safetensors/, saved_model/,
                                                       report.json, model_card.md
@@ -38,6 +39,8 @@ SPLITS = ("train", "validation")
 SHARD_NAME = re.compile(r"(train|validation)-\d{5}-of-\d{5}\.tfrecord")
 TOKENIZER_DIR = "tokenizer"
 EXPORTS_RECORD = "exports.json"
+BASE_MODEL_RECORD = "base_model.json"  # written last in a cached base model (tasks/base_models.py)
+BASE_MODELS = "base"  # storage_root/models/base/: cached hub models, a name no registered model may take
 
 
 def shard_name(split: str, index: int, count: int) -> str:
@@ -143,6 +146,10 @@ class StorageLayout:
 
     def model(self, name: str) -> ModelLayout:
         return ModelLayout(join(self.models, name))
+
+    def base_model(self, name: str, sha: str) -> str:
+        """A hub model's files at one commit, fetched once (tasks/base_models.py): `<name>@<sha>`, '/' as '--'."""
+        return join(self.models, BASE_MODELS, f"{name.replace('/', '--')}@{sha}")
 
 
 @dataclass(frozen=True)

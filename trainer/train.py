@@ -328,6 +328,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     started, started_at = time.perf_counter(), utc_now()
+    os.environ["HF_HUB_OFFLINE"] = "1"  # models come from storage only: prepare fetched a hub model once
     args = parse_args(argv)
     identity = runtime.worker_identity()
     configure_worker_logging(logging.WARNING, f"%(asctime)s rank{identity.rank} %(levelname)s %(name)s: %(message)s")

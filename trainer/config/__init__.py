@@ -58,6 +58,8 @@ class RunConfig:
     text_column: str = "text"
     tokenizer: str = "bpe:2048"
     model: str = "tiny"
+    # A hub model's branch, tag or commit; prepare pins it to the commit sha (tasks/base_models.py). "": main.
+    model_revision: str = ""
     block_size: int = 64
     batch_size_per_worker: int = 8
     max_steps: int = 300
@@ -159,7 +161,7 @@ class RunConfig:
         values = dict(params)
         # The trigger form sends null for an optional field the user cleared.
         for name in ("storage_conn_id", "remote_python", "remote_workdir", "kubernetes_conn_id", "cpu", "memory",
-                     "service_account", "gpu_queue", "alert_conn_id"):
+                     "service_account", "gpu_queue", "alert_conn_id", "model_revision"):
             if name in values and values[name] is None:
                 values[name] = ""
         for name in ("ssh_conn_ids", "alert_emails"):

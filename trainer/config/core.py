@@ -41,6 +41,7 @@ MAX_PREPARE_TASKS = 256  # mapped tasks of the prepare stage (the scheduler slow
 EVAL_BATCH_SEQUENCES = 8  # sequences per evaluation batch (trainer/evaluate.py): `eval_tokens` asks for one at least
 MAX_EVAL_TOKENS = 10**12
 BPE_SPEC = re.compile(r"^bpe:(\d+)$")
+_REVISION = re.compile(r"[A-Za-z0-9._/-]{1,255}")
 _EMAIL = re.compile(r"[^@\s,;<>]+@[^@\s,;<>]+\.[^@\s,;<>]+")
 
 # Every numeric setting's bounds, in one table: RunConfig applies them and the DAG's Params declare the same
@@ -190,6 +191,22 @@ def _check_locations(cfg: Any) -> None:
         )
     if cfg.promoted_source is not None:
         check_model_name("model", cfg.promoted_source, setting_value=cfg.model)
+    _check_model_revision(cfg)
+
+
+def _check_model_revision(cfg: Any) -> None:
+    """A revision pins a hub model (prepare resolves it to a commit sha); a preset or a promoted version has none."""
+    if cfg.model_name == "base":
+        raise ConfigError("Setting 'model_name' = 'base' is reserved: storage_root/models/base/ holds the cached hub "
+                          "models. Choose another name.")
+    if not cfg.model_revision:
+        return
+    if cfg.model in MODEL_PRESETS or cfg.promoted_source is not None:
+        raise ConfigError(f"Setting 'model_revision' = {cfg.model_revision!r} applies to a hub model name, not to "
+                          f"'model' = {cfg.model!r}: leave it empty.")
+    if not _REVISION.fullmatch(cfg.model_revision):
+        raise ConfigError(f"Setting 'model_revision' = {cfg.model_revision!r} is no branch, tag or commit name: use "
+                          "up to 255 letters, digits, '.', '_', '-' or '/'.")
 
 
 def _check_tokenizer(cfg: Any) -> None:

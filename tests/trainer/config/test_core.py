@@ -105,3 +105,16 @@ def test_export_formats_are_checked_and_the_baseline_exports_nothing():
     with pytest.raises(ConfigError, match="'export_formats' must be a list of strings"):
         RunConfig.from_params({"export_formats": "safetensors"})
     assert cfg.baseline_config().export_formats == ()  # only the run's own model is promoted
+
+
+def test_model_revision_pins_only_a_hub_model_and_base_is_no_model_name():
+    assert RunConfig.from_params({"model": "gpt2", "model_revision": "v1.0"}).model_revision == "v1.0"
+    assert RunConfig.from_params({"model": "gpt2", "model_revision": None}).model_revision == ""
+    for model in ("tiny", "promoted"):
+        with pytest.raises(ConfigError, match=f"'model_revision' = 'main' applies to a hub model name, not to "
+                                              f"'model' = '{model}'"):
+            RunConfig.from_params({"model": model, "model_revision": "main"})
+    with pytest.raises(ConfigError, match="'model_revision' = 'main branch' is no branch, tag or commit name"):
+        RunConfig.from_params({"model": "gpt2", "model_revision": "main branch"})
+    with pytest.raises(ConfigError, match="'model_name' = 'base' is reserved"):
+        RunConfig.from_params({"model_name": "base"})

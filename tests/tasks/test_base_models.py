@@ -1,0 +1,108 @@
+"""Base models fetched once, pinned and cached (tasks/base_models.py), against a local hub in huggingface_hub's cache
+layout (tests/support/local_hub.py) with HF_HUB_OFFLINE=1: no network anywhere."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tasks.base_models import resolve_base_model
+from tests.support import local_hub
+from tests.tasks import run_fixtures
+from trainer.config import ConfigError, RunConfig
+from trainer.layout import StorageLayout
+from trainer.storage import read_json
+
+
+def config(tmp_path: Path, **settings) -> RunConfig:
+    return RunConfig.from_params({"storage_root": str(tmp_path / "storage"), "model": "gpt2", **settings})
+
+
+@pytest.fixture
+def hub(tmp_path) -> Path:
+    return tmp_path / "hub"
+
+
+def test_a_hub_model_is_fetched_once_then_reused_without_the_hub(tmp_path, hub, caplog):
+    sha = local_hub.add_model(hub, "gpt2")
+    caplog.set_level(logging.INFO, logger="gpt_finetune.base_models")
+    cfg, record = resolve_base_model(config(tmp_path, tokenizer="gpt2"), cache_dir=hub)
+    url = StorageLayout(str(tmp_path / "storage")).base_model("gpt2", sha)
+    assert url.endswith(f"/models/base/gpt2@{sha}")
+    assert (cfg.model, cfg.tokenizer, cfg.model_revision) == (url, url, sha)
+    assert (record["name"], record["revision"], record["sha"]) == ("gpt2", "main", sha)
+    files = sorted(path.name for path in Path(url).iterdir())
+    assert files == ["base_model.json", "config.json", "generation_config.json", "tf_model.h5", "tokenizer.json"]
+    assert f"Base model gpt2@{sha} (revision 'main'): fetched once to {url}" in caplog.text
+
+    shutil.rmtree(hub)  # the second run cannot reach the hub at all: its pinned commit is served from storage
+    caplog.clear()
+    again, _ = resolve_base_model(config(tmp_path, model_revision=sha), cache_dir=hub)
+    assert again.model == url and f"Base model gpt2@{sha} (revision '{sha}'): reusing {url}" in caplog.text
+
+    local_hub.add_model(hub, "gpt2")  # the hub still names the same head, but holds no weights any more:
+    (hub / "models--gpt2" / "snapshots" / sha / "tf_model.h5").unlink()  # nothing is fetched again
+    latest, _ = resolve_base_model(config(tmp_path), cache_dir=hub)
+    assert latest.model == url and "fetched once" not in caplog.text
+
+
+def test_a_pinned_revision_resolves_to_its_commit_and_an_unknown_one_is_refused_by_name(tmp_path, hub):
+    old = local_hub.add_model(hub, "openai-community/gpt2", revisions=("v1",), seed=1)
+    head = local_hub.add_model(hub, "openai-community/gpt2", revisions=("main",), seed=2)
+    pinned, _ = resolve_base_model(config(tmp_path, model="openai-community/gpt2", model_revision="v1"), cache_dir=hub)
+    latest, _ = resolve_base_model(config(tmp_path, model="openai-community/gpt2"), cache_dir=hub)
+    assert pinned.model.endswith(f"/models/base/openai-community--gpt2@{old}") and pinned.model_revision == old
+    assert latest.model.endswith(f"@{head}") and latest.model_revision == head
+    by_sha, _ = resolve_base_model(config(tmp_path, model="openai-community/gpt2", model_revision=old), cache_dir=hub)
+    assert by_sha.model == pinned.model
+    with pytest.raises(ConfigError, match=r"Setting 'model_revision' = 'v9': revision 'v9' of model "
+                                          r"'openai-community/gpt2' cannot be resolved"):
+        resolve_base_model(config(tmp_path, model="openai-community/gpt2", model_revision="v9"), cache_dir=hub)
+    with pytest.raises(ConfigError, match="'model_revision' = 'main' applies to a hub model name"):
+        config(tmp_path, model="tiny", model_revision="main")
+
+
+def test_files_that_are_not_a_tf_gpt2_are_refused_before_training(tmp_path, hub):
+    local_hub.add_model(hub, "acme/llama", model_type="llama")
+    with pytest.raises(ConfigError, match=r"'acme/llama' \(revision 'main', commit [0-9a-f]{40}\): its files are not "
+                                          r"a TF GPT-2: model_type 'llama', not 'gpt2'"):
+        resolve_base_model(config(tmp_path, model="acme/llama"), cache_dir=hub)
+    local_hub.add_model(hub, "acme/torch-only", tf_weights=False)
+    with pytest.raises(ConfigError, match="no tf_model.h5"):
+        resolve_base_model(config(tmp_path, model="acme/torch-only"), cache_dir=hub)
+    assert not (tmp_path / "storage" / "models" / "base").exists() or not any(
+        (tmp_path / "storage" / "models" / "base").iterdir())
+
+
+def test_a_half_written_cache_is_never_used(tmp_path, hub):
+    sha = local_hub.add_model(hub, "gpt2")
+    url = Path(StorageLayout(str(tmp_path / "storage")).base_model("gpt2", sha))
+    url.mkdir(parents=True)  # a killed prepare's copy: files, but no base_model.json
+    (url / "tf_model.h5").write_bytes(b"truncated")
+    (url.parent / f".{url.name}.partial-999999-dead").mkdir()  # and the stage it left (its process is gone)
+    cfg, _ = resolve_base_model(config(tmp_path), cache_dir=hub)
+    assert cfg.model == str(url) and json.loads((url / "base_model.json").read_text())["sha"] == sha
+    assert (url / "tf_model.h5").stat().st_size == (hub / "models--gpt2" / "snapshots" / sha / "tf_model.h5").stat(
+        ).st_size
+    assert [path.name for path in url.parent.iterdir()] == [url.name]
+
+
+def test_workers_load_the_cached_copy_offline_and_the_sha_is_in_the_baseline_key(tmp_path, hub):
+    from tasks.baseline import baseline_key_parts
+    from trainer.model import build_model
+
+    first = local_hub.add_model(hub, "gpt2", revisions=("v1",), seed=1)
+    second = local_hub.add_model(hub, "gpt2", seed=2)
+    cfg, _ = resolve_base_model(config(tmp_path, model_revision="v1"), cache_dir=hub)
+    shutil.rmtree(hub)
+    model = build_model(cfg.model, vocab_size=local_hub.VOCAB, eos_token_id=0, block_size=32, work_dir=tmp_path)
+    assert model.config.n_embd == local_hub.TINY["n_embd"]
+    other = cfg.replace(model=cfg.model.replace(first, second), model_revision=second)
+    manifest = read_json(run_fixtures.write_manifest(cfg.storage_root))
+    parts = baseline_key_parts(cfg, manifest, 10), baseline_key_parts(other, manifest, 10)
+    assert parts[0]["model_revision"] == first and parts[1]["model_revision"] == second
+    assert parts[0]["model"] != parts[1]["model"]
