@@ -139,5 +139,13 @@ def publish_snapshot(snapshot: Path, url: str, name: str, revision: str) -> dict
     return record
 
 
-__all__ = ["DEFAULT_REVISION", "FILES", "fetch_snapshot", "is_hub_name", "publish_snapshot", "resolve_base_model",
-           "resolve_sha"]
+def pinned_base(cfg: RunConfig) -> dict[str, Any] | None:
+    """The cached hub model a prepared config trains from: {"name", "revision", "sha", "url"}, else None."""
+    if not cfg.model_revision or not exists(join(cfg.model, BASE_MODEL_RECORD)):
+        return None
+    record = read_json(join(cfg.model, BASE_MODEL_RECORD))
+    return {"name": record["name"], "revision": record["revision"], "sha": record["sha"], "url": cfg.model}
+
+
+__all__ = ["DEFAULT_REVISION", "FILES", "fetch_snapshot", "is_hub_name", "pinned_base", "publish_snapshot",
+           "resolve_base_model", "resolve_sha"]

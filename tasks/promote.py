@@ -25,6 +25,7 @@ from typing import Any
 
 from tasks import exports, registry
 from tasks import report as reports
+from tasks.base_models import pinned_base
 from tasks.connections import uses_run_storage
 from tasks.formatting import nats
 from trainer.config import AccessPolicy, ConfigError, RunConfig
@@ -222,7 +223,7 @@ def publish_version(version: VersionLayout, prepared: dict, cfg: RunConfig, repo
         "run_id": prepared["run_id"], "run_key": prepared["run_key"], "created_at": _now(),
         "eval_loss": distributed["eval_loss"], "perplexity": distributed["perplexity"],
         "eval_loss_se": distributed.get("eval_loss_se"), "eval_sample": _sample_id(report),
-        "dataset_fingerprint": report["dataset_fingerprint"], "files": files,
+        "dataset_fingerprint": report["dataset_fingerprint"], "base_model": pinned_base(cfg), "files": files,
     })
 
 
@@ -243,8 +244,10 @@ def _size(url: str) -> int:
 def model_card(cfg: RunConfig, prepared: dict, report: dict[str, Any], number: int, verdict: dict[str, Any]) -> str:
     distributed = report["runs"]["distributed"]
     continued = report.get("continued_from")
-    base = (f"continued from {continued['name']} {continued['version']} ({continued['url']})" if continued
-            else f"`{cfg.model}`")
+    pinned = pinned_base(cfg)
+    base = (f"continued from {continued['name']} {continued['version']} ({continued['url']})" if continued else
+            f"`{pinned['name']}` at commit `{pinned['sha']}` (revision `{pinned['revision']}`, fetched once to "
+            f"{pinned['url']})" if pinned else f"`{cfg.model}`")
     lines = [
         f"# {cfg.model_name} v{number}",
         "",

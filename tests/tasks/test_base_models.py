@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.base_models import resolve_base_model
+from tasks.base_models import pinned_base, resolve_base_model
 from tests.support import local_hub
 from tests.tasks import run_fixtures
 from trainer.config import ConfigError, RunConfig
@@ -38,6 +38,9 @@ def test_a_hub_model_is_fetched_once_then_reused_without_the_hub(tmp_path, hub, 
     files = sorted(path.name for path in Path(url).iterdir())
     assert files == ["base_model.json", "config.json", "generation_config.json", "tf_model.h5", "tokenizer.json"]
     assert f"Base model gpt2@{sha} (revision 'main'): fetched once to {url}" in caplog.text
+    # What promotion records in version.json and the model card names: the base at its commit.
+    assert pinned_base(cfg) == {"name": "gpt2", "revision": "main", "sha": sha, "url": url}
+    assert pinned_base(config(tmp_path, model="tiny")) is None
 
     shutil.rmtree(hub)  # the second run cannot reach the hub at all: its pinned commit is served from storage
     caplog.clear()
