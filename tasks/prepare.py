@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.connections import storage_env, uses_run_storage
 from trainer.config import ConfigError, RunConfig
+from trainer.config.access import AccessPolicy
 from trainer.layout import StorageLayout, absolute_root, run_key
 from trainer.storage import write_json_atomic
 
@@ -74,24 +75,44 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
     return {"plan": summary, "lanes": planned["lanes"]}
 
 
+def checked_config(saved: Mapping[str, Any]) -> RunConfig:
+    """A configuration read back from XCom or storage, held to the access policy of this (Airflow) process again:
+    a rewritten one reaches no further than the trigger form could. AirflowFailException naming the setting."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    try:
+        return RunConfig.from_saved(saved, policy=AccessPolicy.from_env())
+    except ConfigError as error:
+        raise AirflowFailException(f"The prepared run's configuration is refused: {error}") from error
+
+
 @uses_run_storage
 def tokenize_lane(plan: Mapping[str, Any], lane: list[dict[str, Any]]) -> dict[str, Any]:
-    """A mapped task: the units of one lane (a retry redoes only those not complete)."""
+    """A mapped task: the units of one lane (a retry redoes only those not complete). From XCom it takes the
+    checked configuration and the plan's ids; the plan itself is read from the run's own storage root and checked
+    with the lane against the policy before anything is read (tasks/dataset/checks.py)."""
     from tasks.dataset.stage import tokenize_lane as run
 
-    return run(dict(plan), lane)
+    return run(dict(plan), lane, cfg=checked_config(plan["config"]), policy=AccessPolicy.from_env())
 
 
 @uses_run_storage
 def finish_run(plan: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str, Any]:
     """The last prepare step: the dataset published (unless the first task did it), then the run laid out. Its
     XCom is what every later task reads."""
+    from tasks.dataset.checks import FINGERPRINT
+    from tasks.dataset.errors import PrepareError
     from tasks.dataset.stage import PreparedDataset, finish_dataset
     from trainer.data import load_manifest
 
-    cfg = RunConfig.from_saved(plan["config"])
+    cfg = checked_config(plan["config"])
     continued_from = plan["continued_from"]
-    dataset = PreparedDataset(**plan["dataset"]) if "dataset" in plan else finish_dataset(dict(plan))
+    dataset = PreparedDataset(**plan["dataset"]) if "dataset" in plan else finish_dataset(
+        dict(plan), cfg=cfg, policy=AccessPolicy.from_env())
+    if not FINGERPRINT.fullmatch(str(dataset.fingerprint)) or \
+            dataset.manifest_url != StorageLayout(cfg.storage_root).manifest(dataset.fingerprint):
+        raise PrepareError(f"The prepared dataset's manifest {dataset.manifest_url!r} is not where its fingerprint "
+                           f"{dataset.fingerprint!r} lies under the storage root: refusing it.")
     manifest = load_manifest(dataset.manifest_url)
     total_steps = cfg.steps_for(dataset.train_sequences)
     run_cfg = cfg.replace(max_steps=total_steps, warmup_steps=min(cfg.warmup_steps, total_steps - 1))

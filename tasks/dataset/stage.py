@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from tasks.dataset.checks import PLAN_FILE, check_lane, checked_plan
 from tasks.dataset.encode import SPLITS, joins_at_eos
 from tasks.dataset.errors import PrepareError
 from tasks.dataset.publish import (
@@ -66,12 +67,12 @@ from tasks.dataset.units import (
 )
 from trainer import storage
 from trainer.config import RunConfig
+from trainer.config.access import AccessPolicy
 from trainer.data import FORMAT_VERSION
 from trainer.layout import REPO_ROOT, StorageLayout
 
 log = logging.getLogger("gpt_finetune.prepare")
 
-PLAN_FILE = "plan.json"
 RECORD_TARGET_BYTES = 64 << 10  # many sequences per record keeps TFRecord framing far below 1% of the bytes
 
 
@@ -181,9 +182,11 @@ def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: f
 
 
 def plan_summary(plan: dict[str, Any]) -> dict[str, Any]:
-    """What XCom carries of a plan for the mapped tasks and the finish: they load the rest from `plan_url`."""
-    return {key: plan[key] for key in ("fingerprint", "manifest_url", "cache_hit", "plan_url", "units", "lanes")
-            if key in plan}
+    """What XCom carries of a plan for the mapped tasks and the finish: they load the rest from `plan_url` (in a
+    DAG run: from where the fingerprint and the plan id say, `tasks.dataset.checks.checked_plan`)."""
+    summary = {key: plan[key] for key in ("fingerprint", "manifest_url", "cache_hit", "plan_url", "units", "lanes")
+               if key in plan}
+    return {**summary, "plan_id": plan["job"]["plan_id"]} if "job" in plan else summary
 
 
 def load_plan(summary: dict[str, Any]) -> dict[str, Any]:
@@ -211,9 +214,14 @@ def _save(tokenizer: Any, url: str) -> None:
 # -- 2. lanes ---------------------------------------------------------------------------------------------------
 
 
-def tokenize_lane(summary: dict[str, Any], lane: list[dict[str, Any]], progress_interval_s: float = 5.0) -> dict:
-    """One mapped task: the lane's units (a small summary goes to XCom; the results are in storage)."""
-    plan = load_plan(summary)
+def tokenize_lane(summary: dict[str, Any], lane: list[dict[str, Any]], progress_interval_s: float = 5.0, *,
+                  cfg: RunConfig | None = None, policy: AccessPolicy | None = None) -> dict:
+    """One mapped task: the lane's units (a small summary goes to XCom; the results are in storage). With `cfg`
+    (held to `policy`), the plan is read from where the summary's ids say under its storage root and checked,
+    and so is the lane, before anything is read (tasks/dataset/checks.py)."""
+    plan = load_plan(summary) if cfg is None or policy is None else checked_plan(summary, cfg, policy)
+    if cfg is not None and policy is not None:
+        check_lane(plan, lane)
     job = UnitJob.from_dict(plan["job"])
     results = run_lane(job, [Unit.from_dict(u) for u in lane], stage_bytes=_planned_bytes(plan),
                        progress_interval_s=progress_interval_s)
@@ -229,15 +237,18 @@ def _planned_bytes(plan: dict[str, Any]) -> int:
 # -- 3. finish --------------------------------------------------------------------------------------------------
 
 
-def finish_dataset(summary: dict[str, Any], *, started: float | None = None) -> PreparedDataset:
-    """Shards and manifest from the units' streams (or the cached dataset), published manifest last."""
+def finish_dataset(summary: dict[str, Any], *, started: float | None = None, cfg: RunConfig | None = None,
+                   policy: AccessPolicy | None = None) -> PreparedDataset:
+    """Shards and manifest from the units' streams (or the cached dataset), published manifest last. With `cfg`
+    (held to `policy`), the plan is read and checked as `tokenize_lane` does, and `cfg` is the one used."""
     started = time.perf_counter() if started is None else started
-    plan = load_plan(summary)
+    checked = cfg is not None and policy is not None and not summary.get("cache_hit")
+    plan = checked_plan(summary, cfg, policy) if checked else load_plan(summary)
     if plan["cache_hit"]:
         return _result(plan["manifest_url"], storage.read_json(plan["manifest_url"]), cache_hit=True, tokenized=0,
                        started=started, timings={}, read=0)
     job = UnitJob.from_dict(plan["job"])
-    cfg = RunConfig.from_saved(plan["cfg"])
+    cfg = cfg if checked else RunConfig.from_saved(plan["cfg"])
     for source in job.sources:
         check_unchanged(source)
     results = [_complete(job, unit) for unit in range(plan["units"])]

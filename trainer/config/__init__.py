@@ -143,11 +143,16 @@ class RunConfig:
         return cfg
 
     @classmethod
-    def from_saved(cls, saved: Mapping[str, Any]) -> RunConfig:
+    def from_saved(cls, saved: Mapping[str, Any], *, policy: AccessPolicy | None = None) -> RunConfig:
         """Load a config that the prepare task built with `from_params` and saved (its `to_dict()`: config.json,
-        the prepared run's XCom). Every key is checked again, but not against an access policy: prepare checked
-        that in its environment, and this process's may differ."""
-        return cls._from_mapping(saved)
+        the prepared run's XCom). Every key is checked again; against an access policy only when `policy` is given:
+        where the policy's environment is (every Airflow task: `AccessPolicy.from_env()`), so that a config
+        rewritten in XCom or storage reaches no further than the trigger form could. A worker's environment holds
+        no policy (the launcher passes none on): it loads what the Airflow side checked."""
+        cfg = cls._from_mapping(saved)
+        if policy is not None:
+            policy.check_settings(cfg)
+        return cfg
 
     @classmethod
     def _from_mapping(cls, params: Mapping[str, Any]) -> RunConfig:
