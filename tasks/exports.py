@@ -90,10 +90,8 @@ def card_lines(cfg: RunConfig, report: dict[str, Any]) -> list[str]:
         result = formats[name]
         folder = VERSION_DIRS[name]
         files = ", ".join(f"`{file['name']}`" for file in result.get("files", []))
-        diff = result.get("max_abs_diff")
-        figure = f"max |logit diff| {diff:.2e}" if isinstance(diff, (int, float)) else "no figure"
         lines += [f"### `{folder}/`: {_TITLES[name]}", "",
-                  f"- Parity: {'pass' if result.get('passed') else 'FAIL'}, {figure}; {result.get('detail')}",
+                  f"- Parity: {'pass' if result.get('passed') else 'FAIL'}: {result.get('detail')}",
                   f"- Files: {files}", "", "```python", _LOADING[name].format(folder=folder), "```", ""]
     if "tf_h5" not in formats:
         lines += [_TF_UNCHECKED, ""]
