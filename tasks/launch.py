@@ -22,6 +22,8 @@ from launcher import GroupSpec, GroupState, RunResult, WorkerGroup, WorkerOutcom
 from launcher.backend import Backend
 from launcher.host_identity import describe, host_identity, same_host
 from launcher.protocol import LAUNCHER_WORKDIR_PREFIX, is_ready_marker
+from tasks import telemetry
+from tasks.usage import slots_of
 from trainer.layout import RunLayout
 from trainer.storage import exists, join, read_json, upload_tree, write_json_atomic
 
@@ -126,7 +128,14 @@ class RecordedLaunch:
                        "ranks": {w.rank: {"rank": w.rank, "host": w.host, "gpus": list(w.devices or []),
                                           "launch": launched} for w in workers}}
         self._labels = {w.rank: w.label for w in workers}
+        self._gpus_held(sum(len(slots_of({"rank": w.rank, "host": w.host, "gpus": list(w.devices or [])}))
+                            for w in workers))
         self._write_state(GroupState.RUNNING, workers)
+
+    def _gpus_held(self, slots: int) -> None:
+        """The live gauge of the slots this group holds (0 when it ended)."""
+        telemetry.emit_gauges({telemetry.task_metric("usage", "gpus_held"): slots},
+                              {"run": self.spec.run_key, "task": self.spec.name})
 
     def _write_usage(self, workers: Sequence[WorkerOutcome], state: GroupState | None = None) -> None:
         """The ended attempt's events, one file per group attempt under `runs/<key>/usage/` (append-only: a file is
@@ -135,6 +144,7 @@ class RecordedLaunch:
         if usage is None:
             return
         ended = time.time()
+        self._gpus_held(0)
         codes = {w.rank: w.exit_code for w in workers}
         usage["state"] = state.value if state else "relaunched"
         usage["ranks"] = [{**rank, "exit": ended, "exit_code": codes.get(rank["rank"])}

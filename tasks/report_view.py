@@ -89,8 +89,8 @@ def report_view(report: Any, released: str) -> ReportView:
     """The report's sections in order; `released` is yes / no / pending (report.md reads it from the report, the
     page from release.json)."""
     report = report if isinstance(report, dict) else {}
-    sections = (opening(report, released), gates(report), *scaling(report), promotion(report), *samples(report),
-                charts(report), versions(report))
+    sections = (opening(report, released), gates(report), *scaling(report), *gpu_time(report), promotion(report),
+                *samples(report), charts(report), versions(report))
     return ReportView(("GPT fine-tune run ", Code(text(report.get("run_id")))), sections)
 
 
@@ -290,8 +290,68 @@ def samples(report: dict[str, Any]) -> list[Section]:
 
 
 def charts(report: dict[str, Any]) -> Section:
-    files = tuple((name, file) for name, file in _dict(report, "charts").items() if isinstance(file, str))
+    files = tuple((name, file) for name, file in _dict(report, "charts").items()
+                  if isinstance(file, str) and name != "usage")  # shown in "GPU time and cost"
     return Section("Charts", (Charts(files),))
+
+
+def usage_line(usage: Any) -> str:
+    """One sentence: "2 workers held 0.08 worker-h (0.08 EUR at 1 EUR/worker-h, on_demand): 31% training, 69% idle:
+    between tasks 30%, start-up 20%, ...; free 0.4 s after the last worker exited"."""
+    unit = "GPU" if _get(usage, "unit") == "gpu_hour" else "worker"
+    held = _get(usage, "held_gpu_h")
+    price, cost = _get(usage, "price"), _get(usage, "cost")
+    priced = (f" ({fmt(_get(cost, 'held'), '.4g')} {text(_get(price, 'currency'))} at {text(_get(price, 'rate'))} "
+              f"{text(_get(price, 'currency'))}/{unit}-h, {text(_get(price, 'capacity'))})" if cost else
+              " (no price: cost not shown)")
+    causes = sorted(((c, h) for c, h in _dict(usage if isinstance(usage, dict) else {}, "idle_by_cause_gpu_h").items()
+                     if isinstance(h, int | float) and h > 0), key=lambda item: -item[1])
+    share = _get(usage, "busy_share")
+    split = ", ".join(f"{c.replace('_', ' ')} {fmt(h / held, '.0f', '%', scale=100)}" for c, h in causes
+                      if isinstance(held, int | float) and held > 0)
+    return (f"{text(_get(usage, 'slots'))} {unit} slots held {fmt(held, '.3g')} {unit}-h{priced}: "
+            f"{fmt(share, '.0f', '%', scale=100)} training"
+            + (f", {fmt(1 - share, '.0f', '%', scale=100)} idle: {split}" if isinstance(share, int | float) else "")
+            + f"; free {fmt(_get(usage, 'time_to_release_s'), '.1f')} s after the last worker exited")
+
+
+def gpu_time(report: dict[str, Any]) -> list[Section]:
+    """Held, busy and idle time by cause, per slot and attempt, the price and the cost (report.json `usage`)."""
+    usage = report.get("usage")
+    if not isinstance(usage, dict):
+        return []
+    unit = "GPU" if usage.get("unit") == "gpu_hour" else "worker"
+    held = usage.get("held_gpu_h") if isinstance(usage.get("held_gpu_h"), int | float) else None
+    causes = Table(("cause", f"{unit}-h", "share of held"), tuple(
+        (cause.replace("_", " "), fmt(hours, ".4f"), fmt(hours / held if held else None, ".1f", "%", scale=100))
+        for cause, hours in [("training (busy)", usage.get("busy_gpu_h")),
+                             *_dict(usage, "idle_by_cause_gpu_h").items()]
+        if isinstance(hours, int | float) and (hours > 0 or cause.startswith("training"))), anchor="usage-causes")
+    slots = Table(("slot", "held h", "busy h", "idle h"), tuple(
+        (text(row.get("slot")), fmt(row.get("held_h"), ".4f"), fmt(row.get("busy_h"), ".4f"),
+         fmt(row.get("idle_h"), ".4f")) for row in _items(usage.get("per_slot"))))
+    attempts = Table(("group", "attempt", "try", "state", "workers"), tuple(
+        tuple(text(row.get(name)) for name in ("group", "attempt", "try_number", "state", "workers"))
+        for row in _items(usage.get("attempts"))))
+    notes = [f"Price: {text(_get(usage, 'price', 'source'))}" + (f"; {_get(usage, 'price', 'note')}" if
+                                                                  _get(usage, "price", "note") else "")
+             if usage.get("price") else "No price table (GPT_FINETUNE_PRICING): GPU-hours only, cost not shown."]
+    efficiency, cost = usage.get("efficiency"), _dict(usage, "cost")
+    if isinstance(efficiency, int | float) and efficiency > 0:
+        notes.append(f"At {efficiency:.0%} scaling efficiency the {text(usage.get('workers'))} workers used "
+                     f"{1 / efficiency:.2f}x the {unit}-hours per token of one worker"
+                     + (f"; extra cost of parallelism {fmt(cost.get('extra_for_parallelism'), '.4g')}"
+                        if cost else "") + ".")
+    if cost.get("per_mtoken") is not None:
+        notes.append(f"Cost per million tokens trained: {fmt(cost.get('per_mtoken'), '.4g')} "
+                     f"{text(_get(usage, 'price', 'currency'))}.")
+    if usage.get("clock_skew_s"):
+        notes.append(f"Release's clock was {fmt(usage.get('clock_skew_s'), '.1f')} s behind a worker's exit: the "
+                     "held time ends at the last exit.")
+    chart = _dict(report, "charts").get("usage")
+    return [Section("GPU time and cost", (
+        _paragraph(usage_line(usage), anchor="usage"), causes, slots, attempts, _bullets(notes),
+        *([Charts((("usage", chart),))] if isinstance(chart, str) else [])))]
 
 
 def versions(report: dict[str, Any]) -> Section:

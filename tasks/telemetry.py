@@ -33,9 +33,15 @@ TASK_GAUGES = {
     "evaluate": ("eval_loss", "perplexity", "baseline_eval_loss", "loss_delta", "parity_ok", "tokens_per_s",
                  "baseline_tokens_per_s", "speedup", "efficiency", "throughput_ratio"),
     "release": ("clean", "processes_found", "terminated", "killed"),
+    # GPU time (tasks/usage.py): gpus_held while a group runs (task = the group, 0 when it ends), the rest once at
+    # release; idle_<cause>_gpu_h per cause of tasks.usage.CAUSES. "gpu" reads "worker" on CPU runs.
+    "usage": ("gpus_held", "price_per_gpu_h", "held_gpu_h", "busy_gpu_h", "idle_gpu_h", "busy_share", "cost",
+              "cost_per_mtoken", "time_to_release_s",
+              *(f"idle_{cause}_gpu_h" for cause in ("between_tasks", "startup", "stragglers", "preflight", "compile",
+                                                    "redone", "evaluation", "export", "release", "other"))),
 }
 # Counters: tags run and task.
-COUNTERS = ("task_failed", "throughput_warning", "alert_sent", "alert_failed")
+COUNTERS = ("task_failed", "throughput_warning", "alert_sent", "alert_failed", "cost_warning")
 
 
 def worker_metric(field: str) -> str:

@@ -180,7 +180,22 @@ def attach_usage(report_url: str, report: dict[str, Any], released_at: str) -> d
         report.setdefault("charts", {})["usage"] = USAGE_CHART
         for warning in warnings:
             log.warning("%s", warning)
+        _emit(summary, warnings, str(report.get("run_key")))
         return {USAGE_CHART: usage_chart(summary)}
     except Exception:  # the ledger is a view of the run; release's proof must not depend on it
         log.exception("could not compute the GPU-time ledger of %s", run_url)
         return {}
+
+
+def _emit(summary: Mapping[str, Any], warnings: list[str], run_key: str) -> None:
+    """The ledger's gauges once, at release, and a `cost_warning` count per warning (best effort)."""
+    from tasks import telemetry
+
+    cost, price = summary.get("cost") or {}, summary.get("price") or {}
+    telemetry.emit_task_metrics("usage", {
+        "held_gpu_h": summary["held_gpu_h"], "busy_gpu_h": summary["busy_gpu_h"], "idle_gpu_h": summary["idle_gpu_h"],
+        "busy_share": summary["busy_share"], "time_to_release_s": summary["time_to_release_s"],
+        "cost": cost.get("held"), "cost_per_mtoken": cost.get("per_mtoken"), "price_per_gpu_h": price.get("rate"),
+        **{f"idle_{cause}_gpu_h": hours for cause, hours in summary["idle_by_cause_gpu_h"].items()}}, run=run_key)
+    for _ in warnings:
+        telemetry.count("cost_warning", {"run": run_key, "task": "release"})

@@ -48,16 +48,25 @@ def _status(status: str) -> str:
 # the index: every run's headline figures and the promoted models
 
 
+def _usage_cells(run: dict[str, Any]) -> str:
+    """GPU-h held, busy share, cost (blank without a price, never 0) and time to release."""
+    cost = "" if run.get("cost") is None else f"{_fmt(run['cost'], '.4g')} {_text(run.get('currency') or '')}"
+    return (f"<td>{_fmt(run.get('held_gpu_h'), '.3f')}</td><td>{_fmt(run.get('busy_share'), '.0f', '%', scale=100)}"
+            f"</td><td>{cost}</td><td>{_fmt(run.get('time_to_release_s'), '.1f', ' s')}</td>")
+
+
 def render_index(runs: list[dict[str, Any]], root: str, *, models: list[dict[str, Any]] | None = None) -> str:
     header = ("<tr><th>run</th><th>gates</th><th>released</th><th>workers</th><th>speedup</th><th>efficiency</th>"
               "<th>tokens/s</th><th>train time</th><th>eval loss</th><th>baseline eval loss</th>"
               "<th title='share of the words in the distributed model's greedy / top-k samples that occur in the "
-              "training text'>known words</th><th>created</th></tr>")
+              "training text'>known words</th><th>GPU-h held</th><th>busy</th><th>cost</th>"
+              "<th title='from the last worker's exit to release's proof that its GPUs are free'>time to release</th>"
+              "<th>created</th></tr>")
     rows = []
     for run in runs:
         if "created_at" not in run:  # nothing to show: no link to a page that would say so
             rows.append(f"<tr><td>{_text(run['run_id'])}</td><td>{_status(run['status'])}</td>"
-                        f"<td>{_status(run['released'])}</td><td colspan='9'></td></tr>")
+                        f"<td>{_status(run['released'])}</td><td colspan='13'></td></tr>")
             continue
         link = f"<a href='runs/{_text(run['run_key'])}/'>{_text(run['run_id'])}</a>"
         rows.append(
@@ -66,7 +75,8 @@ def render_index(runs: list[dict[str, Any]], root: str, *, models: list[dict[str
             f"<td>{_fmt(run['speedup'], '.2f', 'x')}</td><td>{_fmt(run['efficiency'], '.0f', '%', scale=100)}</td>"
             f"<td>{_fmt(run['tokens_per_s'], ',.0f')}</td><td>{_fmt(run['train_time_s'], '.1f', ' s')}</td>"
             f"<td>{_fmt(run['eval_loss'], '.4f')}</td><td>{_fmt(run['baseline_eval_loss'], '.4f')}</td>"
-            f"<td>{html.escape(known_words(run['known_words']))}</td><td>{_text(run['created_at'])}</td></tr>"
+            f"<td>{html.escape(known_words(run['known_words']))}</td>{_usage_cells(run)}"
+            f"<td>{_text(run['created_at'])}</td></tr>"
         )
     table = f"<table id='runs'>{header}{''.join(rows)}</table>" if rows else "<p>No runs yet.</p>"
     return _page("GPT fine-tune runs", f"<h1>GPT fine-tune runs</h1><p class='note'>Storage root: "

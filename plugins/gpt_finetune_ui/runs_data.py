@@ -97,6 +97,16 @@ def _field(report: Any, path: str, kind: type | tuple[type, ...], *, optional: b
     return value
 
 
+def _if_present(report: Any, path: str, kind: type | tuple[type, ...]) -> Any:
+    """As `_field`, but a field that is absent, or under a null (a run without usage, cost or price), reads None."""
+    value = report
+    for part in path.split("."):
+        if not isinstance(value, dict) or value.get(part) is None:
+            return None
+        value = value[part]
+    return _field(report, path, kind, optional=True)
+
+
 def headline(key: str, report: Any) -> dict[str, Any]:
     """The index row of one report; ReportError when a field it shows is missing or of the wrong type."""
     has_baseline = isinstance(report, dict) and isinstance(report.get("runs"), dict) and \
@@ -116,6 +126,12 @@ def headline(key: str, report: Any) -> dict[str, Any]:
         else None,
         "known_words": {mode: _field(report, f"runs.distributed.known_words.{mode}", NUMBER, optional=True)
                         for mode in ("greedy", "top_k")},
+        # GPU time and cost (release adds `usage`; a report without it lists with blanks)
+        "held_gpu_h": _if_present(report, "usage.held_gpu_h", NUMBER),
+        "busy_share": _if_present(report, "usage.busy_share", NUMBER),
+        "cost": _if_present(report, "usage.cost.held", NUMBER),
+        "currency": _if_present(report, "usage.price.currency", str),
+        "time_to_release_s": _if_present(report, "usage.time_to_release_s", NUMBER),
     }
 
 

@@ -290,3 +290,46 @@ def test_no_price_no_cost_and_no_ledger_no_usage(tmp_path):
     empty = {"runs": {}}
     assert attach_usage(str(tmp_path / "other" / "report"), empty, "1970-01-01T00:17:30+00:00") == {}
     assert "usage" not in empty
+
+
+# -- what people see ---------------------------------------------------------------------------------------------
+
+def _summary(price=None):
+    book = usage.ledger(TWO_WORKERS, released_at=70)
+    made = usage.summarize(book, price=price, tokens=10_000, efficiency=0.7)
+    return {**made, "workers": 2, "attempts": [{"group": "train", "attempt": 1, "state": "succeeded", "workers": 2}]}
+
+
+def test_the_report_has_a_gpu_time_section_with_the_line_causes_and_chart():
+    from tasks.report_markdown import markdown
+    from tasks.report_view import report_view
+
+    report = {"run_id": "r", "usage": _summary(freeze(use_gpu=False)),
+              "charts": {"usage": "usage.png", "loss_curves": "loss.png"}}
+    md = markdown(report_view(report, "yes"))
+    section = md.split("## GPU time and cost")[1].split("\n## ")[0]
+    assert "2 worker slots held 0.0389 worker-h (0.001944 EUR at 0.05 EUR/worker-h, on_demand): 29% training" in section
+    assert "| training (busy) | 0.0111 | 28.6% |" in section and "| release |" in section
+    assert "1.43x the worker-hours per token of one worker" in section and "![usage](usage.png)" in section
+    assert "usage.png" not in md.split("## Charts")[1]  # shown once, in its section
+    unpriced = markdown(report_view({"run_id": "r", "usage": _summary()}, "yes"))
+    assert "no price: cost not shown" in unpriced and "GPT_FINETUNE_PRICING" in unpriced
+    assert "GPU time and cost" not in markdown(report_view({"run_id": "r"}, "yes"))
+
+
+def test_the_runs_page_shows_held_busy_cost_and_time_to_release():
+    from gpt_finetune_ui.report_pages import render_index
+    from gpt_finetune_ui.runs_data import headline
+
+    base = {"run_id": "r", "gates_passed": True, "created_at": "2026-01-01T00:00:00", "num_workers": 2,
+            "comparison": {"speedup": None, "efficiency": None},
+            "runs": {"distributed": {name: None for name in ("tokens_per_s", "train_time_s", "eval_loss")}
+                     | {"known_words": {"greedy": None, "top_k": None}}, "baseline": None}}
+    priced = headline("k", {**base, "usage": _summary(freeze(use_gpu=False))})
+    assert (priced["held_gpu_h"], priced["currency"], priced["time_to_release_s"]) == (0.038889, "EUR", 5.0)
+    old = headline("k2", base)  # a report from before the ledger lists with blanks
+    assert old["held_gpu_h"] is None and old["cost"] is None
+    page = render_index([{**priced, "released": "yes"}, {**old, "released": "yes"}], "/root")
+    assert "<th>GPU-h held</th><th>busy</th><th>cost</th>" in page
+    assert "<td>0.039</td><td>29%</td><td>0.001944 EUR</td><td>5.0 s</td>" in page
+    assert "<td>—</td><td>—</td><td></td><td>—</td>" in page  # no cost: blank, never 0
