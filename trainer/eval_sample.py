@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,31 +175,53 @@ def _coalesce(pieces: Sequence[Piece]) -> list[Piece]:
 # reading a part
 
 
+WINDOW_BYTES = 64 << 20  # a part is read and scored in windows of about this many bytes: bounded memory
+
+
 def read_part(manifest_url: str, manifest: dict[str, Any], pieces: Sequence[Piece]) -> tuple[np.ndarray, int]:
     """The part's sequences as int32 `[n, block_size]` in the pieces' order, and the bytes read from storage."""
+    windows = list(read_windows(manifest_url, manifest, pieces, window_bytes=None))
+    if not windows:
+        return np.zeros((0, manifest["block_size"]), dtype=np.int32), 0
+    return np.concatenate([tokens for tokens, _ in windows]), sum(read for _, read in windows)
+
+
+def read_windows(manifest_url: str, manifest: dict[str, Any], pieces: Sequence[Piece],
+                 window_bytes: int | None = WINDOW_BYTES) -> Iterator[tuple[np.ndarray, int]]:
+    """The part's sequences in order, as int32 `[n, block_size]` windows of about `window_bytes` (None: one), each
+    with the bytes read for it: one batch of ranged requests per window."""
     block, per_record = manifest["block_size"], manifest["sequences_per_record"]
-    itemsize = np.dtype(manifest["dtype"]).itemsize
-    row_bytes = block * itemsize
+    row_bytes = block * np.dtype(manifest["dtype"]).itemsize
     stride = _FRAME_BYTES + per_record * row_bytes
     shards = _validation(manifest)["shards"]
-    ranges, whole = [], []
+    for index in {piece.shard for piece in pieces}:
+        _check_layout(shards[index], per_record, row_bytes)
+    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+    ranges: list[tuple[str, int, int, bool]] = []
+    size = 0
     for piece in pieces:
         shard = shards[piece.shard]
-        _check_layout(shard, per_record, row_bytes)
         record_start = piece.record * stride
-        in_record = int(_record_sizes(shard["sequences"], per_record)[piece.record])
-        whole.append(piece.count == in_record)
-        if whole[-1]:  # the framed record, checksums and all
-            ranges.append((shard["name"], record_start, record_start + _FRAME_BYTES + in_record * row_bytes))
+        in_record = min(per_record, shard["sequences"] - piece.record * per_record)
+        if piece.count == in_record:  # the framed record, checksums and all
+            ranges.append((shard["name"], record_start, record_start + _FRAME_BYTES + in_record * row_bytes, True))
         else:
             first = record_start + 12 + (piece.start - piece.record * per_record) * row_bytes
-            ranges.append((shard["name"], first, first + piece.count * row_bytes))
-    blobs = _read_ranges(dataset_dir(manifest_url), ranges)
-    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+            ranges.append((shard["name"], first, first + piece.count * row_bytes, False))
+        size += ranges[-1][2] - ranges[-1][1]
+        if window_bytes is not None and size >= window_bytes:
+            yield _window(manifest_url, ranges, dtype, block)
+            ranges, size = [], 0
+    if ranges:
+        yield _window(manifest_url, ranges, dtype, block)
+
+
+def _window(manifest_url: str, ranges: list[tuple[str, int, int, bool]], dtype: np.dtype,
+            block: int) -> tuple[np.ndarray, int]:
+    blobs = _read_ranges(dataset_dir(manifest_url), [(name, start, end) for name, start, end, _ in ranges])
     rows = [np.frombuffer(_payload(blob, name) if framed else blob, dtype=dtype)
-            for blob, framed, (name, _, _) in zip(blobs, whole, ranges, strict=True)]
-    tokens = np.concatenate(rows) if rows else np.zeros(0, dtype=dtype)
-    return tokens.astype(np.int32).reshape(-1, block), sum(len(blob) for blob in blobs)
+            for blob, (name, _, _, framed) in zip(blobs, ranges, strict=True)]
+    return np.concatenate(rows).astype(np.int32).reshape(-1, block), sum(len(blob) for blob in blobs)
 
 
 def leading_records(manifest_url: str, manifest: dict[str, Any], split: str,

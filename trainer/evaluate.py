@@ -32,7 +32,7 @@ from trainer.config import RunConfig
 from trainer.config.core import EVAL_BATCH_SEQUENCES
 from trainer.data import load_manifest, tokenizer_url
 from trainer.eval_result import combine, part_url
-from trainer.eval_sample import draw_sample, leading_records, read_part
+from trainer.eval_sample import draw_sample, leading_records, read_part, read_windows
 from trainer.text_quality import known_word_rate, words
 
 log = logging.getLogger("trainer.evaluate")
@@ -173,30 +173,49 @@ def text_samples(model, tokenizer, manifest_url: str, manifest: dict[str, Any], 
                          "vocabulary_tokens": vocabulary_tokens}}
 
 
+def score_windows(model, tokenizer, windows) -> dict[str, Any]:
+    """Each window's sequences scored as it is read (bounded memory): the losses in order, tokens and characters
+    scored, bytes read, the time spent reading and the time in all, and the first sequences (the prompts')."""
+    scored: dict[str, Any] = {"sequence_losses": [], "scored_tokens": 0, "characters": 0, "read_bytes": 0,
+                              "read_time_s": 0.0, "first": None}
+    started = clock = time.perf_counter()
+    for window, read_bytes in windows:
+        scored["read_time_s"] += time.perf_counter() - clock
+        if scored["first"] is None:
+            scored["first"] = window[:NUM_PROMPTS]
+        losses, tokens, characters = sequence_losses(model, window, tokenizer)
+        scored["sequence_losses"] += losses
+        scored["scored_tokens"] += tokens
+        scored["characters"] += characters
+        scored["read_bytes"] += read_bytes
+        clock = time.perf_counter()
+    scored["eval_time_s"] = round(time.perf_counter() - started, 3)
+    scored["read_time_s"] = round(scored["read_time_s"], 3)
+    return scored
+
+
 def evaluate_part(model_url: str, manifest_url: str, *, eval_tokens: int = DEFAULT_EVAL_TOKENS, rank: int = 0,
                   num_workers: int = 1, prompts: list[str] | None = None) -> dict[str, Any]:
     """Worker `rank`'s part of the evaluation of `eval_tokens` validation tokens (0: the whole split)."""
     manifest = load_manifest(manifest_url)
     sample = draw_sample(manifest, eval_tokens)
-    started = time.perf_counter()
-    sequences, read_bytes = read_part(manifest_url, manifest, sample.part(rank, num_workers))
-    read_time = time.perf_counter() - started
-    log.info("rank %d of %d: %d of the sample's %d sequences (sample %s: %d of %d validation tokens), %d bytes "
-             "read in %.2f s", rank, num_workers, len(sequences), sample.sequences, sample.sample_id,
-             sample.identity["tokens"], sample.identity["split_tokens"], read_bytes, read_time)
+    pieces = sample.part(rank, num_workers)
     work_dir = Path(tempfile.mkdtemp(prefix="evaluate-"))
     try:
         model, tokenizer = load_model(model_url, manifest_url, manifest, work_dir)
-        started = time.perf_counter()
-        losses, tokens, characters = sequence_losses(model, sequences, tokenizer)
-        eval_time = read_time + time.perf_counter() - started
+        scored = score_windows(model, tokenizer, read_windows(manifest_url, manifest, pieces))
+        first = scored.pop("first")
+        log.info("rank %d of %d: %d of the sample's %d sequences (sample %s: %d of %d validation tokens), %d bytes "
+                 "read in %.2f s, scored in %.2f s in all", rank, num_workers, len(scored["sequence_losses"]),
+                 sample.sequences, sample.sample_id, sample.identity["tokens"], sample.identity["split_tokens"],
+                 scored["read_bytes"], scored["read_time_s"], scored["eval_time_s"])
         part = {"rank": rank, "num_workers": num_workers, "model": model_url, "sample": sample.identity,
-                "sequences": len(losses), "sequence_losses": losses, "scored_tokens": tokens,
-                "characters": characters, "read_bytes": read_bytes, "read_time_s": round(read_time, 3),
-                "eval_time_s": round(eval_time, 3)}
+                "sequences": len(scored["sequence_losses"]), **scored}
         if rank == 0:
+            if first is None or len(first) < NUM_PROMPTS:  # a part shorter than the prompts: the sample's opening
+                first = read_part(manifest_url, manifest, sample.part(0, 1)[:NUM_PROMPTS])[0][:NUM_PROMPTS]
             prompt_ids = ([tokenizer(prompt)["input_ids"] for prompt in prompts] if prompts
-                          else validation_prompts(sequences))
+                          else validation_prompts(first))
             part.update(text_samples(model, tokenizer, manifest_url, manifest, prompt_ids))
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)

@@ -276,7 +276,7 @@ def test_real_trainer_output_evaluated_by_the_real_entry_point(root, tmp_path, c
     assert report["hardware"]["line"].startswith(f"1 worker on a {os.cpu_count()}-core CPU")
     assert report["versions"]["tensorflow"] == metadata.version("tensorflow")  # the trainer's, as installed
     assert read_bytes(join(prepared["report_url"], "loss_curves.png")).startswith(PNG_MAGIC)
-    assert "[evaluate distributed] eval_loss" in caplog.text
+    assert "[evaluate distributed 0] eval_loss" in caplog.text
 
 
 def test_two_workers_evaluate_the_sample_as_one_does(tmp_path, caplog):

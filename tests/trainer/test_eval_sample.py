@@ -99,6 +99,15 @@ def test_parts_are_disjoint_and_read_only_the_sample(dataset, workers):
     assert sum(count for _, count in read) <= 50 * BLOCK * 2 + 16 * len(sample.pieces)
 
 
+def test_a_part_is_read_in_bounded_windows(dataset):
+    manifest_url, manifest, rows = dataset
+    pieces = draw_sample(manifest, 0).part(0, 1)
+    windows = list(eval_sample.read_windows(manifest_url, manifest, pieces, window_bytes=500))
+    assert len(windows) > 3 and all(len(tokens) <= 500 // (BLOCK * 2) + PER_RECORD for tokens, _ in windows)
+    assert np.array_equal(np.concatenate([tokens for tokens, _ in windows]), rows)
+    assert sum(read for _, read in windows) == read_part(manifest_url, manifest, pieces)[1]
+
+
 def test_a_damaged_record_read_whole_is_refused(dataset, tmp_path):
     manifest_url, manifest, _ = dataset
     damaged = tmp_path / Path(manifest["splits"]["validation"]["shards"][0]["name"])

@@ -226,7 +226,7 @@ def test_train_resume_and_evaluate_on_object_storage(trained, s3_bucket):
     from trainer.train import main
 
     manifest_path, _ = trained
-    dataset = f"{s3_bucket}/dataset"
+    dataset = f"{s3_bucket}/{Path(manifest_path).parent.name}"  # a dataset lies in the directory of its fingerprint
     storage.upload_tree(Path(manifest_path).parent, dataset)
     config_url, output = f"{s3_bucket}/config.json", f"{s3_bucket}/train"
     for steps in (4, 6):  # the second run finds step 4 in the bucket and trains two more
