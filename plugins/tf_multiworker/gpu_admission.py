@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import TYPE_CHECKING, Any
 
 from launcher.host_probe import NvmlUnavailable, nvml
@@ -129,10 +130,16 @@ def configured_pool_size() -> int | None:
 
 
 def detected_gpus() -> int:
-    """GPUs NVML sees on this host; 0 without NVML."""
+    """GPUs NVML sees on this host; 0 without NVML, or when NVML starts but cannot count them (the pool then gets
+    one slot, and a `use_gpu` run fails in preflight naming the GPUs it lacks, instead of the scheduler failing)."""
     try:
         with nvml() as pynvml:
-            return pynvml.nvmlDeviceGetCount()
+            try:
+                return pynvml.nvmlDeviceGetCount()
+            except pynvml.NVMLError as error:
+                log.warning("NVML on %s started but could not count its GPUs (%s): none counted; set %s to size "
+                            "the pool by hand", socket.gethostname(), error, SLOTS_SETTING)
+                return 0
     except NvmlUnavailable as reason:
         log.info("NVML unavailable (%s): no GPUs visible", reason)
         return 0

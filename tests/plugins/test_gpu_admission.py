@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from tf_multiworker.gpu_admission import DEFAULT_POOL, GPU_POOL, SLOTS_SETTING, configured_pool_size
+from tf_multiworker.gpu_admission import DEFAULT_POOL, GPU_POOL, SLOTS_SETTING, configured_pool_size, detected_gpus
 
 from tests.support.airflow_stack import REPO, airflow_env
 
@@ -187,3 +187,21 @@ def test_a_malformed_pool_size_names_the_setting(monkeypatch, value):
     monkeypatch.setenv(SLOTS_SETTING, value)
     with pytest.raises(ValueError, match=f"{SLOTS_SETTING}='{value}'"):
         configured_pool_size()
+
+
+def test_the_pool_counts_the_gpus_nvml_sees_and_an_nvml_error_after_start_up_counts_none(monkeypatch, caplog):
+    """NVML may start and still fail a query (nvmlDeviceGetCount: NVML_ERROR_UNKNOWN): the scheduler's pool set-up
+    must not raise (issue 38, item 3)."""
+    from tests.support import fake_nvml
+
+    fake = fake_nvml.install(monkeypatch, fake_nvml.FakeNvml(fake_nvml.h200s(2)))
+    assert detected_gpus() == 2
+
+    def unknown_error():
+        raise fake.NVMLError(fake.NVML_ERROR_UNKNOWN)
+
+    monkeypatch.setattr(fake, "nvmlDeviceGetCount", unknown_error)
+    with caplog.at_level(logging.WARNING, logger="tf_multiworker.gpu_admission"):
+        assert detected_gpus() == 0
+    assert f"could not count its GPUs (Unknown Error): none counted; set {SLOTS_SETTING}" in caplog.text
+    assert fake.initialised == 0  # shut down again
