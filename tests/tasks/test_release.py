@@ -243,3 +243,20 @@ def test_release_of_one_run_leaves_a_lookalike_runs_workers_running(tmp_path, pr
 
     assert mine.pid in result["terminated"] + result["killed"]
     assert other.poll() is None and other.pid in processes_of_run(other_key)
+
+
+def test_a_gpu_release_cannot_vouch_for_is_named_in_the_failure(tmp_path, processes, monkeypatch):
+    """NVML lists a host pid beside the run's worker (a driver that reports host pids in a container): release
+    ends the worker yet cannot tell the GPU free, fails, and names the host, the GPU and why (issue 38, 2b)."""
+    from tests.support import fake_nvml
+
+    fake = fake_nvml.install(monkeypatch, fake_nvml.FakeNvml(fake_nvml.h200s(1)))
+    proc = start("import time; time.sleep(600)")
+    processes.append(proc)
+    assert wait_for(lambda: proc.pid in processes_of_run(KEY))
+    fake.attach(proc.pid, 0, 8 << 30)
+    fake.start_process(0, 1 << 30, pid=4_000_001, listed_pid=4_000_001)
+    with pytest.raises(ReleaseError, match=r"GPUs not verified free: \S+ GPU 0 \(GPU-00000000-\S+\): NVML lists "
+                                           r"pid\(s\) \[4000001\], which are no process of this PID namespace"):
+        release_run({"storage_root": str(tmp_path)}, RUN_ID, DAG_ID, make_backend, grace_period_s=0.5)
+    assert proc.wait(timeout=10) is not None
