@@ -82,13 +82,20 @@ def slot_ledger(segments: Sequence[tuple[float, float, str]], released_at: float
     held_until = max(released_at, last_exit)
     points = sorted({held_from, held_until, *(p for s in segments for p in s[:2] if held_from < p < held_until)})
     seconds = dict.fromkeys(("busy", *CAUSES), 0.0)
+    stretch: dict[str, float] = {}  # the current stretch without step progress, by cause
+    longest: dict[str, float] = {}
     for a, b in itertools.pairwise(points):
         label = _label_at(segments, a, b) or ("between_tasks" if b <= last_exit else "release")
         seconds[label] += b - a
+        stretch = {} if label == "busy" else {**stretch, label: stretch.get(label, 0.0) + b - a}
+        if sum(stretch.values()) > sum(longest.values()):
+            longest = dict(stretch)
     held = held_until - held_from
     busy = seconds.pop("busy")
     return {"held_s": held, "busy_s": busy, "idle_s": held - busy, "idle_by_cause_s": seconds,
-            "held_from": held_from, "last_exit": last_exit, "time_to_release_s": max(0.0, released_at - last_exit)}
+            "held_from": held_from, "last_exit": last_exit, "time_to_release_s": max(0.0, released_at - last_exit),
+            "longest_idle_s": sum(longest.values()),
+            "longest_idle_cause": max(longest, key=longest.__getitem__) if longest else None}
 
 
 def ledger(attempts: Sequence[Mapping[str, Any]], released_at: float) -> dict[str, Any]:
@@ -153,7 +160,8 @@ def summarize(book: Mapping[str, Any], *, price: Mapping[str, Any] | None, accel
                               else None),
         "clock_skew_s": round(book["clock_skew_s"], 3),
         "per_slot": [{"slot": slot, "held_h": _hours(s["held_s"]), "busy_h": _hours(s["busy_s"]),
-                      "idle_h": _hours(s["idle_s"])} for slot, s in book["slots"].items()],
+                      "idle_h": _hours(s["idle_s"]), "longest_idle_s": round(s["longest_idle_s"], 3),
+                      "longest_idle_cause": s["longest_idle_cause"]} for slot, s in book["slots"].items()],
         "efficiency": efficiency,
         "gpu_h_per_token_vs_one_worker": round(1 / efficiency, 3) if efficiency else None,
         "price": None if rate is None else {**{k: price[k] for k in ("currency", "capacity", "unit", "source")},

@@ -136,16 +136,27 @@ def usage_chart(summary: Mapping[str, Any]) -> bytes:
     return _png(pyplot, figure)
 
 
+MOSTLY_IDLE_MIN_HELD_H = 1.0  # a run is called mostly idle only from this many held hours (gpuledger's rule)
+
+
 def cost_warnings(summary: Mapping[str, Any], cfg: Mapping[str, Any]) -> list[str]:
-    """The warnings of a finished run's usage (never failures): slow release, a mostly idle run, extra workers
-    that cost more than `min_cost_efficiency` allows."""
+    """The warnings of a finished run's usage (never failures): a slot held without step progress longer than
+    `max_idle_held_s`, slow release, a mostly idle run, extra workers that cost more than `min_cost_efficiency`
+    allows."""
     found = []
+    idle_limit = cfg.get("max_idle_held_s") or 0
+    stalled = [row for row in summary.get("per_slot") or [] if idle_limit and row["longest_idle_s"] > idle_limit]
+    if stalled:
+        worst = max(stalled, key=lambda row: row["longest_idle_s"])
+        found.append(f"GPU time: {len(stalled)} slot(s) held with no step progress for longer than max_idle_held_s = "
+                     f"{idle_limit} s; the longest, {worst['slot']}, {worst['longest_idle_s']:.0f} s, mostly "
+                     f"{(worst['longest_idle_cause'] or 'other').replace('_', ' ')}.")
     limit = cfg.get("max_release_s") or 0
     if limit and (summary.get("time_to_release_s") or 0) > limit:
         found.append(f"GPU time: the GPUs were free {summary['time_to_release_s']:.0f} s after the last worker "
                      f"exited, more than max_release_s = {limit} s.")
     share = summary.get("busy_share")
-    if share is not None and share < 0.5:
+    if share is not None and share < 0.5 and summary["held_gpu_h"] >= MOSTLY_IDLE_MIN_HELD_H:
         top = max(summary["idle_by_cause_gpu_h"].items(), key=lambda item: item[1])
         found.append(f"GPU time: the run was mostly idle: {share:.0%} of its {summary['held_gpu_h']:.3g} held "
                      f"{_unit(summary)}-h trained; the largest idle cause is {top[0].replace('_', ' ')} "
@@ -181,6 +192,7 @@ def attach_usage(report_url: str, report: dict[str, Any], released_at: str) -> d
         for warning in warnings:
             log.warning("%s", warning)
         _emit(summary, warnings, str(report.get("run_key")))
+        _mail(report, warnings)
         return {USAGE_CHART: usage_chart(summary)}
     except Exception:  # the ledger is a view of the run; release's proof must not depend on it
         log.exception("could not compute the GPU-time ledger of %s", run_url)
@@ -199,3 +211,17 @@ def _emit(summary: Mapping[str, Any], warnings: list[str], run_key: str) -> None
         **{f"idle_{cause}_gpu_h": hours for cause, hours in summary["idle_by_cause_gpu_h"].items()}}, run=run_key)
     for _ in warnings:
         telemetry.count("cost_warning", {"run": run_key, "task": "release"})
+
+
+def _mail(report: Mapping[str, Any], warnings: list[str]) -> None:
+    """The warnings as one alert, when the run has an alert connection (bounded like every alert)."""
+    cfg = report.get("config") or {}
+    if not warnings or not cfg.get("alert_conn_id"):
+        return
+    from tasks.alerts import run_page_url, send_alert
+
+    run_id = str(report.get("run_id"))
+    opening = f"The GPU time of run {run_id} needs a look (the run itself is not failed by it):"
+    text = "\n".join([opening, "", *(f"- {warning}" for warning in warnings), "", f"Report: {run_page_url(run_id)}"])
+    send_alert(cfg["alert_conn_id"], tuple(cfg.get("alert_emails") or ()), f"[gpt_finetune] run {run_id}: GPU time "
+               "warnings", text, run=str(report.get("run_key")), task="release")

@@ -277,7 +277,7 @@ def test_attach_usage_prices_held_time_and_places_steps_before_the_exit(tmp_path
     # the last metrics line came 1.5 s before the summary: the steps end 1.5 s before the exit
     assert got["idle_by_cause_gpu_h"]["export"] == pytest.approx(2 * 1.5 / 3600, abs=1e-6)
     assert any("max_release_s = 2" in w for w in report["warnings"])
-    assert any("mostly idle" in w for w in report["warnings"])
+    assert not any("mostly idle" in w for w in report["warnings"])  # under 1 held hour: too small to call
     assert charts["usage.png"].startswith(b"\x89PNG") and report["charts"]["usage"] == "usage.png"
 
 
@@ -333,3 +333,36 @@ def test_the_runs_page_shows_held_busy_cost_and_time_to_release():
     assert "<th>GPU-h held</th><th>busy</th><th>cost</th>" in page
     assert "<td>0.039</td><td>29%</td><td>0.001944 EUR</td><td>5.0 s</td>" in page
     assert "<td>—</td><td>—</td><td></td><td>—</td>" in page  # no cost: blank, never 0
+
+
+def test_cost_warnings_name_the_idle_slot_the_top_cause_and_the_cheapest_count():
+    """Never failures: a slot held without step progress past max_idle_held_s, a mostly idle run of at least one
+    held hour, efficiency below min_cost_efficiency naming the advisor's cheapest count, a slow release."""
+    from tasks.usage_record import cost_warnings
+
+    book = usage.ledger([attempt("train", rank(0, 0, 2000, 9000, 2100, 3000), rank(1, 0, 5, 9000, 2100, 3000))],
+                        released_at=9100)
+    summary = {**usage.summarize(book, price=None, efficiency=0.3), "workers": 2, "cheapest_workers": 1}
+    assert summary["per_slot"][1]["longest_idle_s"] == 6100  # export 3000 -> 9000, then release
+    found = cost_warnings(summary, {"max_idle_held_s": 900, "min_cost_efficiency": 0.5, "max_release_s": 60})
+    assert len(found) == 4, found
+    assert "2 slot(s) held with no step progress" in found[0] and "h/rank0, 6100 s, mostly export" in found[0]
+    assert "more than max_release_s = 60 s" in found[1]
+    assert "mostly idle" in found[2] and "largest idle cause is export" in found[2]
+    assert "3.3x the worker-hours per token of one" in found[3] and "cheapest count is 1" in found[3]
+    assert cost_warnings(summary, {"max_idle_held_s": 0, "min_cost_efficiency": 0, "max_release_s": 0}) == \
+        [found[2]]  # 0 turns each setting's warning off; the mostly idle run has no setting
+
+
+def test_cost_warnings_are_mailed_once_with_an_alert_connection(monkeypatch):
+    from tasks import alerts, usage_record
+
+    sent = []
+    monkeypatch.setattr(alerts, "send_alert", lambda *args, **kw: sent.append((args, kw)) or True)
+    report = {"run_id": "r1", "run_key": "k1", "config": {"alert_conn_id": "smtp", "alert_emails": ["a@b.example"]}}
+    usage_record._mail(report, ["GPU time: one", "GPU time: two"])
+    usage_record._mail({**report, "config": {}}, ["GPU time: one"])  # no connection: no mail
+    assert len(sent) == 1
+    (conn, recipients, subject, text), kw = sent[0]
+    assert conn == "smtp" and recipients == ("a@b.example",) and "GPU time warnings" in subject
+    assert "- GPU time: two" in text and kw == {"run": "k1", "task": "release"}
