@@ -21,6 +21,7 @@ import json
 import logging
 import shlex
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing import IO, Any, ClassVar
 
 from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, WorkerHandle
 from launcher.errors import InsufficientGPUsError, LaunchError
+from launcher.gpus import GPU_RELEASE_WAIT_S
 from launcher.process import ORPHAN_GRACE_S
 from launcher.spec import GroupSpec, Placement, WorkerSpec
 
@@ -39,6 +41,10 @@ EXIT_LINE = b"TFMW_EXIT "
 STOP_LINE = b"TFMW_STOP\n"  # the agent's STOP_LINE: this stop is asked for, so the whole grace period applies
 EXIT_CONNECTION_LOST = 255  # what ssh(1) reports when the connection, not the command, ended
 REQUEST_TIMEOUT_S = 30.0
+# Right after this backend stopped workers, a probe that finds too few free GPUs is repeated this often, up to
+# GPU_RELEASE_WAIT_S: NVML lists a stopped rank for 0.09-0.12 s after it died, and the agents keep no state between
+# requests to wait on (a probe is one SSH request per host, so not as often as the local backend polls).
+GPU_SETTLE_POLL_S = 0.25
 MAX_PARALLEL_REQUESTS = 16  # SSH sessions opened at once when asking every host (probe, release)
 KILL_TIMEOUT_S = 3.0  # kill runs inside Airflow's 5 s on_kill budget
 
@@ -145,13 +151,16 @@ class SSHBackend(Backend):
     name: ClassVar[str] = "ssh"
 
     def __init__(self, hosts: Sequence[RemoteHost], *, remote_python: str, remote_workdir: str,
-                 workers_per_host: int = 0) -> None:
+                 workers_per_host: int = 0, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         if not hosts:
             raise LaunchError("the ssh backend needs at least one host: set ssh_conn_ids")
         self.hosts = list(hosts)
         self.remote_python = remote_python
         self.remote_workdir = remote_workdir
         self.workers_per_host = workers_per_host
+        self.clock, self.sleep = clock, sleep
+        self._gpus_settle_until = 0.0  # until then too few free GPUs are probed again (see GPU_SETTLE_POLL_S)
         self._clients: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._host_locks: dict[str, threading.Lock] = {}
@@ -266,7 +275,7 @@ class SSHBackend(Backend):
         backend places only on the hosts that answered (in their order)."""
         usable, workers, reasons = [], 0, []
         payload = {"ports": 0, "workdir": self.remote_workdir, "use_gpu": group.use_gpu}
-        for host, probe in zip(self.hosts, self.ask_all(self.hosts, "probe", payload), strict=True):
+        for host, probe in zip(self.hosts, self._probe(self.hosts, payload, group.num_workers), strict=True):
             if isinstance(probe, LaunchError):
                 log.warning("leaving host %s out of this launch: %s", host, probe)
                 reasons.append(f"host {host.address} unreachable")
@@ -294,7 +303,7 @@ class SSHBackend(Backend):
             hosts_needed = -(-need // (self.workers_per_host or 1))  # at least one worker per usable host
             wave, waiting = waiting[:hosts_needed], waiting[hosts_needed:]
             payload = {"ports": group.num_workers, "workdir": self.remote_workdir, "use_gpu": group.use_gpu}
-            for host, probe in zip(wave, self.ask_all(wave, "probe", payload), strict=True):
+            for host, probe in zip(wave, self._probe(wave, payload, need), strict=True):
                 need = group.num_workers - len(placements)
                 if need <= 0:
                     break
@@ -310,6 +319,18 @@ class SSHBackend(Backend):
                 f"{'; '.join(capacity)}. Add hosts to ssh_conn_ids, raise workers_per_host"
                 f"{', free GPUs' if group.use_gpu else ''}, or lower num_workers.")
         return placements
+
+    def _probe(self, hosts: Sequence[RemoteHost], payload: Mapping[str, Any],
+               wanted: int) -> list[dict[str, Any] | HostError]:
+        """The hosts' probes; with `use_gpu`, repeated while they have fewer than `wanted` free GPUs in all, up to
+        GPU_RELEASE_WAIT_S after this backend stopped workers (review section 5: a relaunch probed GPUs its stopped
+        ranks still held)."""
+        while True:
+            answers = self.ask_all(hosts, "probe", payload)
+            free = sum(len(answer["free_gpus"]) for answer in answers if not isinstance(answer, LaunchError))
+            if not payload["use_gpu"] or free >= wanted or self.clock() >= self._gpus_settle_until:
+                return answers
+            self.sleep(GPU_SETTLE_POLL_S)
 
     def _place_on(self, host: RemoteHost, probe: dict[str, Any], group: GroupSpec, need: int,
                   placements: list[Placement], capacity: list[str], versions: dict[str, str]) -> None:
@@ -344,6 +365,9 @@ class SSHBackend(Backend):
         channel.sendall(json.dumps(request).encode() + b"\n")
         return SSHWorkerHandle(self, host, worker.rank, channel, group.run_key)
 
+    def end_group(self, group: GroupSpec) -> None:
+        self._gpus_settle_until = self.clock() + GPU_RELEASE_WAIT_S  # its ranks were just stopped
+
     # -- earlier attempts and release ---------------------------------------------------------------------------
 
     def end_earlier_attempts(self, group: GroupSpec) -> list[dict[str, Any]]:
@@ -351,6 +375,8 @@ class SSHBackend(Backend):
         An unreachable host is reported: it cannot be placed on either, so nothing launches beside its workers."""
         request = {"run_key": group.run_key, "group": group.name, "grace_s": min(group.grace_period_s, ORPHAN_GRACE_S)}
         answers = self.ask_all(self.hosts, "reap", request, timeout_s=REQUEST_TIMEOUT_S)
+        if any(not isinstance(answer, HostError) and answer.get("found") for answer in answers):
+            self._gpus_settle_until = self.clock() + GPU_RELEASE_WAIT_S  # their GPUs may still list them
         return [{"host": host.address, "found": [], "survivors": [], "error": str(answer)}
                 if isinstance(answer, HostError) else {**answer, "host": host.address, "hostname": answer.get("host")}
                 for host, answer in zip(self.hosts, answers, strict=True)]

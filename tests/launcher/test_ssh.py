@@ -440,3 +440,58 @@ def test_a_host_whose_link_goes_down_ends_the_group_naming_it_and_the_retry_resu
     print(f"retry with the link up: resumed from step {summary['resumed_from_step']} and finished at step "
           f"{summary['steps']}")
     assert summary["resumed_from_step"] == resumed_from >= 4 and summary["steps"] == LINK_TRAIN["max_steps"]
+
+
+class ScriptedProbes:
+    """The agents' probe answers, one list per round (the last repeats), on a fake clock: no SSH, no GPU."""
+
+    def __init__(self, free_gpus_per_round: list[list[list[str]]]) -> None:
+        self.rounds, self.asked, self.now = free_gpus_per_round, 0, 0.0
+
+    def ask_all(self, hosts, mode, payload, timeout_s=None):
+        assert mode == "probe"
+        answer = self.rounds[min(self.asked, len(self.rounds) - 1)]
+        self.asked += 1
+        return [{"free_gpus": gpus, "free_ports": [7000 + i, 7100 + i], "workdir_writable": True,
+                 "versions": {"python": "3"}} for i, gpus in enumerate(answer)]
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _scripted_backend(probes: ScriptedProbes):
+    from launcher.ssh import RemoteHost, SSHBackend
+
+    hosts = [RemoteHost(f"h{i}", f"10.0.0.{i + 1}", lambda: None) for i in range(2)]
+    backend = SSHBackend(hosts, remote_python="python3", remote_workdir="tfmw", clock=lambda: probes.now,
+                         sleep=probes.sleep)
+    backend.ask_all = probes.ask_all
+    return backend
+
+
+GPU_GROUP = GroupSpec(name="train", entrypoint="trainer.train", num_workers=2, use_gpu=True, run_key="k")
+
+
+def test_a_relaunch_waits_bounded_for_the_gpus_its_stopped_ranks_held():
+    """Issue 38, item 4: right after a group's ranks were stopped, NVML still lists them for about 0.1 s; the next
+    placement probes again, bounded, instead of failing on GPUs they still held."""
+    from launcher.errors import InsufficientGPUsError
+    from launcher.gpus import GPU_RELEASE_WAIT_S
+
+    probes = ScriptedProbes([[[], []], [["GPU-a"], []], [["GPU-a"], ["GPU-b"]]])
+    backend = _scripted_backend(probes)
+    backend.end_group(GPU_GROUP)
+    placements = backend.place(GPU_GROUP)
+    assert [p.devices for p in placements] == [("GPU-a",), ("GPU-b",)] and probes.asked == 3
+
+    never = ScriptedProbes([[[], []]])  # the GPUs never come back: refused once the wait is over
+    backend = _scripted_backend(never)
+    backend.end_group(GPU_GROUP)
+    with pytest.raises(InsufficientGPUsError):
+        backend.place(GPU_GROUP)
+    assert GPU_RELEASE_WAIT_S <= never.now < GPU_RELEASE_WAIT_S + 1
+
+    fresh = ScriptedProbes([[[], []]])  # nothing stopped: no waiting
+    with pytest.raises(InsufficientGPUsError):
+        _scripted_backend(fresh).place(GPU_GROUP)
+    assert fresh.asked == 1 and fresh.now == 0
