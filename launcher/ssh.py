@@ -282,7 +282,7 @@ class SSHBackend(Backend):
                 continue
             slots = self.slots(probe, group.use_gpu)
             if not slots:
-                reasons.append(f"host {host.address} has no free GPU")
+                reasons.append(f"host {host.address} has no free GPU{_gpu_detail(probe)}")
                 continue
             usable.append(host)
             workers += slots
@@ -342,7 +342,7 @@ class SSHBackend(Backend):
         versions[str(host)] = ", ".join(f"{k} {v}" for k, v in probe["versions"].items())
         gpus = probe["free_gpus"]
         slots = self.slots(probe, group.use_gpu)
-        capacity.append(f"{host}: {slots}" + (f" (free GPUs {gpus})" if group.use_gpu else ""))
+        capacity.append(f"{host}: {slots}" + (f" (free GPUs {gpus}{_gpu_detail(probe)})" if group.use_gpu else ""))
         taken = {placement.port for placement in placements}
         ports = [port for port in probe["free_ports"] if port not in taken]
         for slot in range(min(slots, need)):
@@ -398,3 +398,13 @@ class SSHBackend(Backend):
                 hosts.append({**answer, "host": host.address, "hostname": answer.get("host"), "conn_id": host.conn_id})
         return {"backend": self.name, "hosts": hosts,
                 "clean": all(h.get("clean") and not h.get("error") for h in hosts)}
+
+
+def _gpu_detail(probe: Mapping[str, Any]) -> str:
+    """What the host's agent said of its GPUs that are not free: NVML missing, or each GPU left out and why."""
+    gpus = probe.get("gpus") or {}
+    if gpus.get("unavailable"):
+        return f"; NVML unavailable: {gpus['unavailable']}"
+    left_out = [f"GPU {entry.get('gpu')} ({entry.get('uuid') or 'no UUID'}): {entry.get('reason')}"
+                for entry in gpus.get("left_out") or ()]
+    return f"; left out: {'; '.join(left_out)}" if left_out else ""

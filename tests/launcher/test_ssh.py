@@ -447,13 +447,14 @@ class ScriptedProbes:
 
     def __init__(self, free_gpus_per_round: list[list[list[str]]]) -> None:
         self.rounds, self.asked, self.now = free_gpus_per_round, 0, 0.0
+        self.gpus = {"nvml": True, "left_out": []}
 
     def ask_all(self, hosts, mode, payload, timeout_s=None):
         assert mode == "probe"
         answer = self.rounds[min(self.asked, len(self.rounds) - 1)]
         self.asked += 1
         return [{"free_gpus": gpus, "free_ports": [7000 + i, 7100 + i], "workdir_writable": True,
-                 "versions": {"python": "3"}} for i, gpus in enumerate(answer)]
+                 "versions": {"python": "3"}, "gpus": self.gpus} for i, gpus in enumerate(answer)]
 
     def sleep(self, seconds: float) -> None:
         self.now += seconds
@@ -495,3 +496,15 @@ def test_a_relaunch_waits_bounded_for_the_gpus_its_stopped_ranks_held():
     with pytest.raises(InsufficientGPUsError):
         _scripted_backend(fresh).place(GPU_GROUP)
     assert fresh.asked == 1 and fresh.now == 0
+
+
+def test_placement_names_the_gpus_a_host_left_out_and_why():
+    """Issue 38, item 3: a GPU the agent's NVML cannot read is left out of placement, and the refusal names it."""
+    from launcher.errors import InsufficientGPUsError
+
+    probes = ScriptedProbes([[["GPU-a"], []]])
+    probes.gpus = {"nvml": True, "left_out": [{"gpu": 1, "uuid": None, "reason": "GPU is lost (NVML GPU_IS_LOST)"}]}
+    backend = _scripted_backend(probes)
+    with pytest.raises(InsufficientGPUsError, match=r"left out: GPU 1 \(no UUID\): GPU is lost"):
+        backend.place(GPU_GROUP)
+    assert "has no free GPU; left out: GPU 1 (no UUID): GPU is lost" in " ".join(backend.capacity(GPU_GROUP).reasons)
