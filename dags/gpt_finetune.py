@@ -126,6 +126,10 @@ PARAMS = {
                                          "this is refused."),
     "checkpoint_every_steps": Param(20, type="integer", minimum=1, maximum=10_000_000,
                                     title="Checkpoint interval (steps)"),
+    "preemption_checkpoint_s": Param(8, type="integer", minimum=0, maximum=3600, title="Preemption checkpoint (s)",
+                                     description="A training worker that gets SIGTERM (spot reclaim, node drain) saves "
+                                                 "a checkpoint within this many seconds and the retry resumes there "
+                                                 "(0 = off)."),
     "communication": Param("auto", type="string", enum=["auto", "ring", "nccl"], title="Collective implementation"),
     "allreduce_dtype": Param("float32", type="string", enum=["float32", "bfloat16"], title="Gradients on the wire",
                              description="bfloat16 halves the bytes each step sends across the network (gradients "

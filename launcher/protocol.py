@@ -21,6 +21,16 @@ GROUP_ENV = "TFMW_GROUP"
 # The launcher's per-task temporary directories start with this; release deletes only such directories.
 LAUNCHER_WORKDIR_PREFIX = "tfmw-"
 
+# How a worker's exit status tells the launcher, and the operator above it, what a retry can do (docs/CONTRACTS.md,
+# "Launcher <-> worker"). 0: done. EXIT_PEER_LOST: a peer went away during a collective; the group restarts together
+# and resumes from the latest checkpoint. EXIT_PERMANENT: a failure that no retry can fix (a refused setting, bad
+# data, a diverged loss): the task fails at once, without spending its retries. EXIT_PREEMPTED: the worker got
+# SIGTERM with notice (a spot reclaim, a node drain, a pod's deletion, the stop ladder), every rank saved a checkpoint
+# at the step they agreed on and exited: the next attempt resumes there. Any other status is an ordinary failure.
+EXIT_PEER_LOST = 3
+EXIT_PERMANENT = 65
+EXIT_PREEMPTED = 75
+
 # The host's temporary directory, for what should outlive one worker (the shard cache); see worker_temp_environment.
 HOST_TMPDIR_ENV = "TFMW_HOST_TMPDIR"
 

@@ -102,6 +102,7 @@ class LoopTimes:
     timed_from: float | None = None  # end of the first step
     timed_until: float | None = None  # end of the last step (checkpoints in between count, the export not)
     input_wait_s: float = 0.0
+    preempted: bool = False  # the loop stopped on a preemption notice, checkpoint saved
 
     @property
     def timed_steps(self) -> int:

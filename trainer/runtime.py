@@ -9,6 +9,7 @@ Contract with the launcher (`launcher`, whose `protocol.py` defines the names be
 - Once the worker has joined the group (strategy created, i.e. the collective rendezvous passed) it prints the
   line `TFMW_READY rank=<r>` on stdout, which the launcher reads from the output stream of every backend (local
   pipe, SSH channel, pod log). The launcher's start-up timeout names the ranks whose line never came.
+- Its exit status says what a retry can do (`protocol.py`: EXIT_PEER_LOST, EXIT_PERMANENT, EXIT_PREEMPTED).
 Never imports TensorFlow or Airflow.
 """
 
@@ -21,6 +22,8 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -70,21 +73,77 @@ def end_on_sigterm() -> None:
     """Make SIGTERM end this worker again; call right after creating MultiWorkerMirroredStrategy.
 
     Creating the strategy installs TensorFlow's preemption notifier: a C-level SIGTERM handler that only records
-    the signal, so a worker asked to stop trained on until the launcher's SIGKILL. This project takes no preemption
-    notices (a retry resumes from the last checkpoint), so SIGTERM ends the worker, by that signal, as soon as
-    Python runs again; inside `writing_checkpoint()` it waits for the end of the block: when a peer dies, the
-    survivors are stopped while the chief may still be writing the checkpoint the retry must resume from. A worker
-    blocked in a collective never returns to Python: the launcher's SIGKILL after the grace period ends it.
+    the signal, so a worker asked to stop trained on until the launcher's SIGKILL. Outside the training loop SIGTERM
+    ends the worker, by that signal, as soon as Python runs again; inside `writing_checkpoint()` it waits for the end
+    of the block: when a peer dies, the survivors are stopped while the chief may still be writing the checkpoint the
+    retry must resume from. Inside `preemption_notices()` (the training loop) it is a notice instead: the loop saves a
+    checkpoint at the next step that every rank agrees on and the worker exits EXIT_PREEMPTED. A worker blocked in a
+    collective never returns to Python: the launcher's SIGKILL after the grace period ends it.
     """
     signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 _checkpoint_writing = False
 _stop_requested = False
+_notice_deadline_s = 0.0  # > 0 inside preemption_notices(): SIGTERM is a notice with this deadline
+_notice_at: float | None = None  # when (time.monotonic()) the notice came
+_notice_taken = False  # the loop saved the checkpoint a notice asked for
+
+
+def preemption_notice() -> float | None:
+    """When (time.monotonic()) this worker got a SIGTERM taken as a preemption notice; None without one."""
+    return _notice_at
+
+
+@contextlib.contextmanager
+def preemption_notices(deadline_s: float) -> Iterator[None]:
+    """A block (the training loop) in which SIGTERM is a preemption notice: it is recorded for the loop to save a
+    checkpoint and stop, and if the worker is still alive `deadline_s` later (a save that hangs, a step that never
+    ends) it exits with code 128 + SIGTERM without one. `deadline_s` 0: SIGTERM ends the worker as outside. Leaving
+    the block with a notice the loop did not act on (it came during the last step) ends the worker by SIGTERM."""
+    global _notice_deadline_s
+    _notice_deadline_s = deadline_s
+    try:
+        yield
+    finally:
+        _notice_deadline_s = 0.0
+    if _notice_at is not None and not _notice_taken:
+        _end_by(signal.SIGTERM)
+
+
+def preemption_checkpointed() -> None:
+    """The loop saved the checkpoint a notice asked for (this rank's or another's): leaving `preemption_notices()`
+    ends nothing, and a SIGTERM from now on (the launcher stopping the rest of the group) is ignored."""
+    global _notice_taken
+    _notice_taken = True
+
+
+def _deadline_passed(deadline_s: float) -> None:
+    if _notice_taken:
+        return
+    sys.stderr.write(f"rank {worker_identity().rank}: no preemption checkpoint within preemption_checkpoint_s="
+                     f"{deadline_s:g} s of SIGTERM: exiting without it (the retry resumes from the last one)\n")
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGTERM)
+
+
+def _take_notice() -> None:
+    global _notice_at
+    if _notice_at is not None:
+        return
+    _notice_at = time.monotonic()
+    timer = threading.Timer(_notice_deadline_s, _deadline_passed, args=(_notice_deadline_s,))
+    timer.daemon = True
+    timer.start()
 
 
 def _on_sigterm(signum: int, frame) -> None:
     global _stop_requested
+    if _notice_taken:
+        return  # the preemption checkpoint is saved and the worker is on its way out with EXIT_PREEMPTED
+    if _notice_deadline_s > 0:
+        _take_notice()
+        return
     if _checkpoint_writing:
         _stop_requested = True
         return

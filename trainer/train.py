@@ -22,10 +22,12 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 from launcher.log_policy import configure_worker_logging
+from launcher.protocol import EXIT_PEER_LOST, EXIT_PERMANENT, EXIT_PREEMPTED
 from trainer import runtime
 from trainer.allreduce import GradientReducer, PackRecorder
 from trainer.config import RunConfig
@@ -37,6 +39,7 @@ from trainer.strategy import collective_error_reason, create_strategy, lost_peer
 log = logging.getLogger("trainer.train")
 
 PROGRESS_INTERVAL_S = 5.0
+PREEMPTED = {"preempted": True}  # what `train` returns when it stopped on a preemption notice
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,36 +171,41 @@ class TrainState:
         local_gradients = gradient_function(cfg, model, optimizer, strategy.num_replicas_in_sync)
         self.reducer = reduce_gradients = GradientReducer(cfg)
 
-        def replica_step(micro_batches):
+        def replica_step(micro_batches, stop):
             gradients, loss = local_gradients(micro_batches)
             gradients = reduce_gradients(gradients)
             gradients, norm = tf.clip_by_global_norm(gradients, GRAD_CLIP_NORM)
             # The gradients are summed over the workers already: the optimizer must not all-reduce them again.
             optimizer.apply_gradients(zip(gradients, variables), skip_gradients_aggregation=True)
-            return loss, norm
+            # Loss, norm and this worker's stop flag (a preemption notice) travel in one all-reduce.
+            return tf.stack([tf.cast(loss, tf.float32), tf.cast(norm, tf.float32), stop])
 
         schedule = self.schedule
 
         @tf.function
-        def traced_step(micro_batches):
+        def traced_step(micro_batches, stop):
             # This step's rate, read before apply_gradients advances the count: in the graph, not as eager ops
             # between steps (which cost the tiny model a few percent of its step time).
             learning_rate = schedule(optimizer.iterations)
-            loss, norm = strategy.run(replica_step, args=(micro_batches,))
-            mean = tf.distribute.ReduceOp.MEAN
-            # After the gradients in program order: collectives run in that order, and these would delay them.
-            return strategy.reduce(mean, loss, axis=None), strategy.reduce(mean, norm, axis=None), learning_rate
+            figures = strategy.run(replica_step, args=(micro_batches, stop))
+            # After the gradients in program order: collectives run in that order, and this would delay them. The
+            # mean stop flag is above 0 on every rank as soon as one rank has a notice: all stop at the same step.
+            loss, norm, stop_any = tf.unstack(strategy.reduce(tf.distribute.ReduceOp.MEAN, figures, axis=None))
+            return loss, norm, learning_rate, stop_any > 0.0
 
         self._traced_step = traced_step
+        self._stop_flags = (tf.constant(0.0), tf.constant(1.0))  # made once: no eager op per step
         self.allreduce: dict[str, Any] | None = None  # what the gradients' all-reduce became, once traced
 
-    def train_step(self, micro_batches):
-        """One optimizer step: (mean loss, gradient norm, learning rate). The first call traces the step and
-        records the packs TF made of the gradients' all-reduce."""
+    def train_step(self, micro_batches, stop: bool = False):
+        """One optimizer step: (mean loss, gradient norm, learning rate, whether any rank asked to stop). `stop`:
+        this worker has a preemption notice. The first call traces the step and records the packs TF made of the
+        gradients' all-reduce."""
+        flag = self._stop_flags[int(stop)]
         if self.allreduce is not None:
-            return self._traced_step(micro_batches)
+            return self._traced_step(micro_batches, flag)
         with PackRecorder() as recorder:
-            result = self._traced_step(micro_batches)
+            result = self._traced_step(micro_batches, flag)
         variables, cfg = self.model.trainable_variables, self.cfg
         packs = recorder.gradient_packs(len(variables))
         self.allreduce = {"implementation": self.reducer.implementation, "dtype": self.reducer.dtype,
@@ -218,9 +226,21 @@ class TrainState:
             )
 
 
+def save_checkpoint(job: TrainJob, state: TrainState, store, outputs: OutputFiles, tensorboard, step: int) -> None:
+    """Every rank saves (saving runs collectives), the chief's is the real one; then the outputs are published."""
+    state.step.assign(step)  # only the checkpoint reads it: an eager op per step costs small models ~0.1%
+    with runtime.writing_checkpoint():
+        store.save(step)
+    if tensorboard:
+        tensorboard.flush()
+    outputs.publish(job.is_chief)
+
+
 def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gpu, start_step: int,
                local_files: list[list[str]]) -> LoopTimes:
-    """Steps from `start_step` to `max_steps`: metrics every step, checkpoints every `checkpoint_every_steps`."""
+    """Steps from `start_step` to `max_steps`: metrics every step, checkpoints every `checkpoint_every_steps`, and
+    at once at the first step whose all-reduced stop flag says a rank got a preemption notice (then
+    `times.preempted`)."""
     from trainer.metrics import LiveMetrics, LossWatch, MetricsLog, ProgressPrinter, TensorBoardLog
 
     cfg = job.cfg
@@ -237,7 +257,8 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gp
         begin = time.perf_counter()
         micro_batches = next(iterator)
         fetched = time.perf_counter()
-        loss_tensor, grad_norm, learning_rate = state.train_step(micro_batches)
+        noticed = runtime.preemption_notice() is not None
+        loss_tensor, grad_norm, learning_rate, stop = state.train_step(micro_batches, noticed)
         loss = float(loss_tensor)  # waits for the step: the timings below are real
         end = time.perf_counter()
         step = times.step = times.step + 1
@@ -260,13 +281,14 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gp
             tensorboard.write(step, {k: record[k] for k in ("loss", "learning_rate", "tokens_per_s", "grad_norm")})
             seconds_per_step = times.train_time_s / times.timed_steps if times.timed_steps else end - begin
             progress.maybe_print(step, loss, record["learning_rate"], record["tokens_per_s"], seconds_per_step)
-        if step % cfg.checkpoint_every_steps == 0 or step == cfg.max_steps:
-            state.step.assign(step)  # only the checkpoint reads it: an eager op per step costs small models ~0.1%
-            with runtime.writing_checkpoint():
-                store.save(step)
-            if tensorboard:
-                tensorboard.flush()
-            outputs.publish(job.is_chief)
+        times.preempted = bool(stop)
+        if times.preempted or step % cfg.checkpoint_every_steps == 0 or step == cfg.max_steps:
+            save_checkpoint(job, state, store, outputs, tensorboard, step)
+        if times.preempted:
+            log.warning("rank %d: %s; checkpoint of step %d saved, stopping (the next attempt resumes there)",
+                        job.rank, "SIGTERM with notice" if noticed else "another rank got SIGTERM with notice", step)
+            runtime.preemption_checkpointed()
+            break
     metrics.close()
     if tensorboard:
         tensorboard.close()
@@ -309,7 +331,11 @@ def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str,
         )
         outputs = OutputFiles(job, work_dir)
         gpu = GpuSampler(cfg.use_gpu, read_peak_mb=tensorflow_peak_mb)
-        times = train_loop(job, state, store, outputs, gpu, start_step, local_files)
+        with runtime.preemption_notices(cfg.preemption_checkpoint_s):
+            times = train_loop(job, state, store, outputs, gpu, start_step, local_files)
+        if times.preempted:
+            store.close()
+            return PREEMPTED
         export_model(job, state.model, work_dir)
         store.close()
         return build_summary(job, state.model, times, outputs, gpu, started, started_at,
@@ -336,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = plan_job(args.config, args.manifest, args.output)
     except (DataError, ValueError) as error:  # ConfigError is a ValueError
-        log.error("rank %d on %s: cannot start: %s", identity.rank, identity.host, error)
-        return 2
+        log.error("rank %d on %s: cannot start: %s (a retry cannot fix this: exit %d)", identity.rank, identity.host,
+                  error, EXIT_PERMANENT)
+        return EXIT_PERMANENT
     if job.is_chief:
         log.info("Run configuration:\n  %s", "\n  ".join(job.cfg.summary_lines()))
 
@@ -356,7 +383,15 @@ def main(argv: list[str] | None = None) -> int:
             strategy.num_replicas_in_sync, job.identity.num_workers,
         )
         return 2
+    return run_training(job, strategy, started, started_at)
+
+
+def run_training(job: TrainJob, strategy, started: float, started_at: str) -> int:
+    """Train and write the summary; the exit status tells the launcher what a retry can do (launcher/protocol.py)."""
     import tensorflow as tf
+
+    from trainer.config import ConfigError
+    from trainer.metrics import LossDivergedError
 
     try:
         summary = train(job, strategy, started, started_at)
@@ -369,14 +404,21 @@ def main(argv: list[str] | None = None) -> int:
                 "rank %d lost %s during a collective: it stopped sending heartbeats (it exited, hung, or its host "
                 "or network went away; its own log may name the cause). Restart the whole group; it resumes from "
                 "the latest checkpoint in %s.", job.rank, peers, job.output.checkpoints)
-            return 3
+            return EXIT_PEER_LOST
         log.error(
             "rank %d on %s lost another worker during a collective (%s: %s): a peer exited or stopped answering "
             "its heartbeats; its own log names the cause. Restart the whole group; it resumes from the latest "
             "checkpoint in %s.", job.rank, job.identity.host, type(error).__name__, collective_error_reason(error),
             job.output.checkpoints,
         )
-        return 3
+        return EXIT_PEER_LOST
+    except (LossDivergedError, DataError, ConfigError):
+        log.error("rank %d on %s: a retry cannot fix this failure: exit %d, the task fails without spending its "
+                  "retries", job.rank, job.identity.host, EXIT_PERMANENT)
+        traceback.print_exc()  # its last line names the error: the task's failure reason and alerts quote it
+        return EXIT_PERMANENT
+    if summary is PREEMPTED:
+        return EXIT_PREEMPTED
     if summary is not None:
         write_summary(job, summary)
     return 0

@@ -9,6 +9,13 @@ uploaded at the end, also when the group failed.
 
 Airflow 3's task runner calls `on_kill` from its SIGTERM handler and then returns into `execute`
 (apache/airflow#73006), so `execute` checks whether it was killed and raises: the task ends FAILED.
+
+What a failed group's exit statuses say decides what Airflow does next (launcher/protocol.py): a rank that exited
+EXIT_PERMANENT (a refused setting, bad data, a diverged loss) fails the task at once with `AirflowFailException`,
+whatever its retries; a group whose failed ranks all exited EXIT_PREEMPTED (each saved the checkpoint the next attempt
+resumes from) is rescheduled with `AirflowRescheduleException`, which Airflow 3.3 runs again without counting a try
+(models/dagrun.py keeps `try_number` for UP_FOR_RESCHEDULE), up to `preemption_reschedules` times; anything else
+raises the group's error and uses the task's retries.
 """
 
 from __future__ import annotations
@@ -16,21 +23,24 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import Any
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk.exceptions import AirflowFailException, AirflowRescheduleException
 
 from launcher import (
     GroupSpec,
     GroupState,
     LaunchError,
     RunResult,
+    WorkerFailedError,
     WorkerGroupStoppedError,
     error_for,
 )
 from launcher.errors import MissingOutputError
+from launcher.protocol import EXIT_PERMANENT, EXIT_PREEMPTED
 from tasks.launch import RecordedLaunch
 from tasks.telemetry import LiveLineReader
 from tf_multiworker.backends import UnknownBackendError, make_backend
@@ -48,6 +58,21 @@ ON_KILL_GRACE_S = 3.0
 # Seconds between two live metrics lines of a rank (when Airflow's metrics are on): a gauge keeps its last value,
 # and StatsD exporters and Prometheus scrapes look every 10-15 s.
 LIVE_INTERVAL_S = 2.0
+# A preemption checkpoint must be written before the stop ladder's SIGKILL: the group's grace period (and a pod's
+# terminationGracePeriodSeconds, which the Kubernetes backend sets from it) is at least the deadline plus this.
+PREEMPTION_MARGIN_S = 2.0
+
+
+class NotRetryableError(WorkerFailedError, AirflowFailException):
+    """A rank exited EXIT_PERMANENT: a refused setting, bad data or a diverged loss, which no retry can fix. Airflow
+    fails the task without retrying (an AirflowFailException); `result` names the rank and its error, like any
+    worker failure."""
+
+    def __init__(self, result: RunResult) -> None:
+        super().__init__(result)
+        note = (f"A rank exited {EXIT_PERMANENT}: a retry cannot fix this (a refused setting, bad data or a diverged "
+                "loss), so the task fails now without spending its retries.")
+        self.args = (f"{result.error_message()}\n{note}",)
 
 
 @dataclass(frozen=True)
@@ -63,6 +88,7 @@ class GroupSettings:
     storage_conn_id: str
     startup_timeout_s: float
     hang_timeout_s: float
+    preemption_checkpoint_s: float
 
     @classmethod
     def of(cls, config: Any) -> GroupSettings:
@@ -97,6 +123,9 @@ class TFMultiWorkerOperator(BaseOperator):
     :param grace_period_s: SIGTERM -> SIGKILL delay when stopping the group after a failure (a kill of the task
         waits at most ON_KILL_GRACE_S).
     :param max_launch_attempts: relaunches on new ports after a port-bind failure, at most this many attempts.
+    :param preemption_reschedules: a group whose ranks exited on a preemption notice (checkpoint saved) is run again
+        through Airflow's reschedule, which spends no retry, at most this many times per try; then it fails as usual.
+    :param preemption_reschedule_delay_s: how long after the preemption the rescheduled run may start.
     """
 
     # num_workers is never a template: listed so that the scheduler's copy of the task has it (GPU admission).
@@ -115,6 +144,8 @@ class TFMultiWorkerOperator(BaseOperator):
         env: dict[str, Any] | None = None,
         grace_period_s: float = 10.0,
         max_launch_attempts: int = 3,
+        preemption_reschedules: int = 3,
+        preemption_reschedule_delay_s: float = 10.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -127,6 +158,8 @@ class TFMultiWorkerOperator(BaseOperator):
         self.env = env
         self.grace_period_s = grace_period_s
         self.max_launch_attempts = max_launch_attempts
+        self.preemption_reschedules = preemption_reschedules
+        self.preemption_reschedule_delay_s = preemption_reschedule_delay_s
         self.group: RecordedLaunch | None = None  # must be set for on_kill
         self._killed = False
         self._live_metrics: LiveLineReader | None = None
@@ -167,7 +200,7 @@ class TFMultiWorkerOperator(BaseOperator):
         if self._killed or result.state is GroupState.STOPPED:
             raise WorkerGroupStoppedError(result)
         if not result.succeeded:
-            raise error_for(result)
+            raise self._failure(result, context)
         if self.summary_url:
             with self.hook.applied():
                 if not exists(self.summary_url):
@@ -193,6 +226,24 @@ class TFMultiWorkerOperator(BaseOperator):
                 f"{self.task_id} launches no workers: DAG run {ti.run_id} is already {state} (marked from outside "
                 f"while an earlier attempt of {self.task_id} ended). Trigger a new run, or clear the run's tasks, to "
                 f"train again.")
+
+    def _failure(self, result: RunResult, context: Any) -> BaseException:
+        """What a failed group raises: see the module doc."""
+        codes = {failure.exit_code for failure in result.failures.values()}
+        if EXIT_PERMANENT in codes:
+            return NotRetryableError(result)
+        error = error_for(result)
+        if codes != {EXIT_PREEMPTED}:
+            return error
+        done = int(context.get("task_reschedule_count") or 0)
+        if done >= self.preemption_reschedules:
+            self.log.warning("%s was preempted again after %d free reschedule(s) (preemption_reschedules=%d): this "
+                             "failure uses the task's retries", self.task_id, done, self.preemption_reschedules)
+            return error
+        self.log.warning("%s was preempted (every rank saved a checkpoint on SIGTERM and exited %d): rescheduled in "
+                         "%g s without spending a retry (%d of %d), resuming from that checkpoint", self.task_id,
+                         EXIT_PREEMPTED, self.preemption_reschedule_delay_s, done + 1, self.preemption_reschedules)
+        return AirflowRescheduleException(datetime.now(UTC) + timedelta(seconds=self.preemption_reschedule_delay_s))
 
     def plan_group(self, context: Any, spec: GroupSpec, backend: Any) -> GroupSpec:
         """The group to launch now; subclasses may shrink it to what the backend can place
@@ -224,7 +275,7 @@ class TFMultiWorkerOperator(BaseOperator):
             secret_env=self.hook.env,
             startup_timeout_s=settings.startup_timeout_s,
             hang_timeout_s=settings.hang_timeout_s,
-            grace_period_s=self.grace_period_s,
+            grace_period_s=max(self.grace_period_s, settings.preemption_checkpoint_s + PREEMPTION_MARGIN_S),
             max_launch_attempts=self.max_launch_attempts,
         )
 

@@ -24,8 +24,10 @@ def test_a_diverging_run_fails_in_train_naming_the_step_and_mails_one_alert(airf
     assert airflow_stack.wait_for_run(DAG, run_id, timeout=600) == "failed"
     states = airflow_stack.task_states(DAG, run_id)
     assert (states["train"], states["evaluate"], states["release"]) == ("failed", "upstream_failed", "success"), states
-    for attempt in (1, 2):  # the retry diverges the same way: same data, same seed
-        assert "the training loss diverged at step 2" in airflow_stack.task_log(DAG, run_id, "train", attempt)
+    # No retry: a diverged loss exits EXIT_PERMANENT and the operator fails the task at once (it would diverge the
+    # same way: same data, same seed).
+    assert "the training loss diverged at step 2" in airflow_stack.task_log(DAG, run_id, "train", 1)
+    assert not airflow_stack.task_log(DAG, run_id, "train", 2), "train was retried"
 
     smtp = airflow_stack.sinks.smtp
     mails = wait_until(lambda: [m for m in smtp.messages if run_id in m["Subject"]], 30, "the alert mail")
@@ -33,11 +35,11 @@ def test_a_diverging_run_fails_in_train_naming_the_step_and_mails_one_alert(airf
     (mail,) = mails
     assert mail["Subject"] == f"[{DAG}] run {run_id} failed: train" and mail["To"] == RECIPIENTS[0]
     text = smtp.text(mail)
-    assert "failed in task train (try 2)" in text
+    assert "failed in task train (try 1)" in text
     # Every rank sees the same all-reduced loss and stops at step 2: the reason names whichever exited first.
-    assert re.search(r"Reason: rank (\d) \(host [^)]*\) exited with code 1: \S*LossDivergedError: rank \1: "
+    assert re.search(r"Reason: rank (\d) \(host [^)]*\) exited with code 65: \S*LossDivergedError: rank \1: "
                      r"the training loss diverged at step 2", text), text
-    assert f"/dags/{DAG}/runs/" in text and "/tasks/train?try_number=2" in text
+    assert f"/dags/{DAG}/runs/" in text and "/tasks/train?try_number=1" in text
     assert f"/gpt-finetune/runs/{run_key(DAG, run_id)}/" in text
     failed = airflow_stack.sinks.statsd.matching("gpt_finetune.task_failed", run=run_key(DAG, run_id), task="train")
     assert len(failed) == 1

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from launcher.local import PortAllocator
+from launcher.protocol import EXIT_PERMANENT
 from tests.trainer.shards import write_dataset
 from trainer.config import ConfigError
 from trainer.data import DataError
@@ -210,8 +211,10 @@ def test_killed_worker_resumes_from_its_checkpoint(runs):
 
 
 def test_sigterm_ends_a_training_worker_at_once(tmp_path, manifest):
-    """TensorFlow's preemption handler swallows SIGTERM; the trainer undoes it, so a stop needs no SIGKILL."""
-    job = Job(tmp_path, "sigterm", manifest, num_workers=2, max_steps=100_000, checkpoint_every_steps=100_000)
+    """TensorFlow's preemption handler swallows SIGTERM; the trainer undoes it, so a stop needs no SIGKILL. With
+    preemption checkpoints off (0) the worker ends by the signal; with them on, tests/trainer/test_preemption.py."""
+    job = Job(tmp_path, "sigterm", manifest, num_workers=2, max_steps=100_000, checkpoint_every_steps=100_000,
+              preemption_checkpoint_s=0)
     job.start()
     try:
         metrics = job.output / "metrics" / "rank-1.jsonl"
@@ -264,7 +267,8 @@ def test_bad_config_fails_at_start(tmp_path, manifest, settings, environ, error,
 
 
 def test_bad_config_exits_before_tensorflow_with_the_reason(tmp_path, manifest):
-    """The CLI exits 2 naming the key, without importing TensorFlow (seconds, not a TF start-up)."""
+    """The CLI exits EXIT_PERMANENT (no retry can fix it) naming the key, without importing TensorFlow (seconds, not
+    a TF start-up)."""
     probe = (
         "import runpy, sys\n"
         "try:\n    runpy.run_module('trainer.train', run_name='__main__')\n"
@@ -276,7 +280,7 @@ def test_bad_config_exits_before_tensorflow_with_the_reason(tmp_path, manifest):
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
         check=False,
     )
-    assert result.returncode == 2, result.stderr
+    assert result.returncode == EXIT_PERMANENT, result.stderr
     assert "cannot start" in result.stderr and "['learning_rat']" in result.stderr
     assert "TF_IMPORTED False" in result.stdout
     assert not (tmp_path / "out").exists()

@@ -87,6 +87,10 @@ class RunConfig:
     bpe_sample_mb: int = 256
     max_document_mb: int = 4
     checkpoint_every_steps: int = 20
+    # SIGTERM with notice (spot reclaim, node drain, pod deletion): every rank saves a checkpoint within this many
+    # seconds and exits; the next attempt resumes there (0 = off: SIGTERM ends a worker at once). The group's grace
+    # before SIGKILL (the stop ladder, a pod's terminationGracePeriodSeconds) is at least this plus a margin.
+    preemption_checkpoint_s: int = 8
     communication: str = "auto"
     # Gradient communication (trainer/allreduce.py): the dtype on the wire and the all-reduce pack size (0 = one).
     allreduce_dtype: str = "float32"

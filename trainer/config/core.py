@@ -52,7 +52,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "weight_decay": (0.0, 1.0), "loss_tolerance": (0.0, 100.0), "promotion_tolerance": (0.0, 100.0),
     "seed": (0, 2**31 - 1), "num_shards": (0, 100_000), "prepare_tasks": (0, MAX_PREPARE_TASKS),
     "prepare_unit_mb": (0, 1 << 20), "bpe_sample_mb": (1, 1 << 20), "max_document_mb": (1, 1024),
-    "checkpoint_every_steps": (1, 10_000_000),
+    "checkpoint_every_steps": (1, 10_000_000), "preemption_checkpoint_s": (0, 3600),
     "collective_timeout_s": (5, 86_400), "startup_timeout_s": (5, 86_400), "hang_timeout_s": (10, 7 * 86_400),
     "max_loss_rise": (0.0, 100.0), "min_throughput_ratio": (0.0, 1.0), "min_predicted_efficiency": (0.0, 1.0),
     "gpus_per_worker": (0, 1), "workers_per_host": (0, 64), "allreduce_pack_mb": (0.0, 1024.0),

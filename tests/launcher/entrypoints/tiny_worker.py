@@ -2,7 +2,7 @@
 steps that each end in a barrier with rank 0 (a socket stand-in for a collective), printing one line per step.
 
 Faults for tests, from TINY_WORKER_FAULT="<rank>:<mode>":
-  exit1        exit with code 1 at step 2
+  exit<N>      exit with code N at step 2 (exit1, exit65: not retryable, exit75: preempted)
   sigkill      SIGKILL itself at step 2
   hang         stop taking part in the barrier at step 2 (every peer then blocks, silent)
   never_ready  never bind, never signal ready, print nothing more
@@ -72,9 +72,9 @@ def _show_environment() -> None:
 
 def _fault_at_step_2(fault: str) -> int | None:
     """Exit 1, die by SIGKILL or hang, as `fault` asks; the exit code for main to return, if any."""
-    if fault == "exit1":
-        print("failing on purpose with exit code 1", flush=True)
-        return 1
+    if fault.startswith("exit") and fault[4:].isdigit():
+        print(f"failing on purpose with exit code {fault[4:]}", flush=True)
+        return int(fault[4:])
     if fault == "sigkill":
         print("killing myself with SIGKILL", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -8,7 +8,8 @@ DAG templates them, rendered as native objects: params `run_config`, the prepare
 `run_key`). A downstream task that always runs pulls the operator's XComs; OUT gets them and every task's state.
 The tests run this as a subprocess so they can send it SIGTERM.
 
-Optional case keys: "operator": "elastic" (ElasticTrainOperator), "retries" (with a 1 s delay), and "env_by_try":
+Optional case keys: "operator": "elastic" (ElasticTrainOperator), "retries" (with a 1 s delay), "operator_args"
+(more keyword arguments of the operator), and "env_by_try":
 {"<try_number>": {VAR: value or null}} applied to this process's environment before each try (what the launcher's
 backend reads, and what workers inherit for TFMW_* names).
 """
@@ -49,6 +50,7 @@ with DAG("tfmw_harness", schedule=None, start_date=pendulum.datetime(2026, 1, 1,
         retries=CASE.get("retries", 0),
         retry_delay=pendulum.duration(seconds=1),
         pre_execute=environment_for_try,
+        **CASE.get("operator_args", {}),
     )
 
     @task(trigger_rule="all_done")
@@ -67,6 +69,8 @@ if __name__ == "__main__":
     from airflow.utils.session import create_session
 
     with create_session() as session:
-        states = {ti.task_id: str(ti.state) for ti in
-                  session.query(TaskInstance).filter_by(dag_id=dag.dag_id, run_id=run.run_id)}
-    Path(sys.argv[1]).write_text(json.dumps({"task_states": states, **json.loads(XCOM_FILE.read_text())}))
+        instances = session.query(TaskInstance).filter_by(dag_id=dag.dag_id, run_id=run.run_id).all()
+        states = {ti.task_id: str(ti.state) for ti in instances}
+        tries = {ti.task_id: ti.try_number for ti in instances}
+    Path(sys.argv[1]).write_text(json.dumps({"task_states": states, "try_numbers": tries,
+                                             **json.loads(XCOM_FILE.read_text())}))

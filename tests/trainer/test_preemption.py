@@ -1,0 +1,71 @@
+"""Retries that waste nothing, with the real trainer on 2 tiny CPU workers through the launcher (issue 40, item 7).
+
+- A worker that gets SIGTERM mid-run (a spot reclaim, a node drain, a pod's deletion) saves a checkpoint at once:
+  its stop flag travels in the step's all-reduce, so both ranks save the same step and exit EXIT_PREEMPTED, within
+  `preemption_checkpoint_s`. The next launch resumes at that step, not at the last periodic checkpoint (there is none:
+  the interval is the whole run).
+- A diverged loss exits EXIT_PERMANENT on every rank (the operator then fails the task without retrying).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from launcher import GroupState
+from launcher.protocol import EXIT_PERMANENT, EXIT_PREEMPTED
+from tests.trainer.long_run import TrainGroup, last_step, write_tiny_dataset
+from tests.trainer.test_long_runs import checkpoint_step, resume_and_finish
+from trainer.storage import exists
+
+pytestmark = pytest.mark.timeout(900)
+
+STEPS = 400
+DEADLINE_S = 8
+LAUNCH_BOUND_S = 600  # a safety net for a group that never ends, not a performance target
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory) -> str:
+    return write_tiny_dataset(tmp_path_factory.mktemp("dataset"))
+
+
+def test_a_worker_given_sigterm_mid_run_checkpoints_and_the_next_launch_resumes_at_that_step(tmp_path, manifest):
+    job = TrainGroup(tmp_path, manifest, max_steps=STEPS, checkpoint_every_steps=STEPS,
+                     preemption_checkpoint_s=DEADLINE_S)
+    job.start()
+    job.wait_for(lambda: last_step(job.metrics_file(1)) >= 20, 300, "step 20 of rank 1")
+    os.kill(job.workers[1].pid, signal.SIGTERM)  # one rank only, as a spot reclaim of one node
+    sent, step_at_signal = time.monotonic(), last_step(job.metrics_file(1))
+    result = job.wait(LAUNCH_BOUND_S)
+    ended_after_s = time.monotonic() - sent
+    saved = checkpoint_step(job.output)
+    print(f"\nSIGTERM to rank 1 at step {step_at_signal}: checkpoint of step {saved}, group ended after "
+          f"{ended_after_s:.2f} s")
+
+    assert result.state is GroupState.FAILED, result.error_message()
+    # Both ranks agreed through the all-reduced flag: the one signalled and the one that was not.
+    assert {w.rank: w.exit_code for w in result.workers} == {0: EXIT_PREEMPTED, 1: EXIT_PREEMPTED}, job.log_text()
+    assert saved is not None and step_at_signal <= saved < STEPS, (step_at_signal, saved)
+    assert ended_after_s < DEADLINE_S, "the preemption checkpoint missed its deadline"
+    logs = job.log_text(last=400)
+    assert f"rank 1: SIGTERM with notice; checkpoint of step {saved} saved" in logs, logs
+    assert f"rank 0: another rank got SIGTERM with notice; checkpoint of step {saved} saved" in logs, logs
+    assert not exists(f"{job.output}/summary.json")
+
+    resume_and_finish(job, saved)  # "resuming at step <saved>", and the summary's resumed_from_step
+
+
+def test_a_diverged_loss_exits_not_retryable_on_every_rank(tmp_path, manifest):
+    # A learning rate of 1 without warm-up: the loss leaves its lowest value by more than 0.5 nats within a few steps.
+    job = TrainGroup(tmp_path, manifest, max_steps=200, learning_rate=1.0, warmup_steps=0, max_loss_rise=0.5)
+    job.start()
+    result = job.wait(LAUNCH_BOUND_S)
+    assert result.state is GroupState.FAILED
+    assert {w.exit_code for w in result.failures.values()} == {EXIT_PERMANENT}, result.error_message()
+    root = min(result.failures.values(), key=lambda f: (f.elapsed_s, f.rank))
+    assert any("LossDivergedError: rank" in line and "the training loss diverged" in line
+               for line in root.log_tail), "\n".join(root.log_tail)
