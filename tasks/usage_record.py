@@ -174,6 +174,13 @@ def _unit(summary: Mapping[str, Any]) -> str:
     return "GPU" if summary.get("unit") == "gpu_hour" else "worker"
 
 
+def _cheapest_workers(report_url: str) -> int | None:
+    """The worker count preflight's advisor found cheapest (its cost columns), when it priced the run."""
+    url = join(report_url, "preflight.json")
+    advisor = (read_json(url).get("advisor") or {}) if exists(url) else {}
+    return (advisor.get("cost") or {}).get("cheapest_workers")
+
+
 def attach_usage(report_url: str, report: dict[str, Any], released_at: str) -> dict[str, bytes]:
     """Put `usage` (and its warnings) into the report; returns the chart to write with it. A ledger that cannot be
     read is logged and left out: it never fails release."""
@@ -182,8 +189,7 @@ def attach_usage(report_url: str, report: dict[str, Any], released_at: str) -> d
         summary = run_usage(run_url, report, released_at)
         if summary is None:
             return {}
-        cheapest = ((report.get("prediction") or {}).get("cost") or {}).get("cheapest_workers")
-        summary["cheapest_workers"] = cheapest
+        summary["cheapest_workers"] = _cheapest_workers(report_url)
         warnings = cost_warnings(summary, report.get("config") or {})
         summary["warnings"] = warnings
         report["usage"] = summary

@@ -152,15 +152,72 @@ def recommendation(rows: Sequence[Mapping[str, Any]], asked: int) -> str:
 
 
 def table_lines(advice: Mapping[str, Any]) -> list[str]:
-    """The prediction as a small text table for logs and error messages."""
+    """The prediction as a small text table for logs and error messages (with the cost columns when priced)."""
+    cost = advice.get("cost") or {}
+    priced = bool(cost.get("cheapest_workers"))
     lines = [(f"{'workers':>7} {'step ms':>9} {'overlap ms':>10} {'tokens/s':>10} {'speedup':>8} "
-              f"{'efficiency':>10} {'eff. overlap':>12}")]
+              f"{'efficiency':>10} {'eff. overlap':>12}" + (f" {'est. h':>8} {'est. cost':>10} {'per Mtok':>9}"
+                                                            if priced else ""))]
     for row in advice["rows"]:
         lines.append(f"{row['num_workers']:>7} {row['step_time_s'] * 1e3:>9.1f} "
                      f"{row['step_time_overlap_s'] * 1e3:>10.1f} {row['tokens_per_s']:>10,.0f} "
-                     f"{row['speedup']:>7.2f}x {row['efficiency']:>10.0%} {row['efficiency_overlap']:>12.0%}")
+                     f"{row['speedup']:>7.2f}x {row['efficiency']:>10.0%} {row['efficiency_overlap']:>12.0%}"
+                     + (f" {row['est_hours']:>8.3f} {row['est_cost']:>10.4g} {row['cost_per_mtoken']:>9.4g}"
+                        if priced else ""))
     lines.append(f"recommendation: {advice['recommendation']}")
+    if priced:
+        lines.append(f"cost ({cost['currency']} at {cost['rate']:g}/{cost['unit']}, overhead {cost['overhead_s']:.0f} s"
+                     f" per worker from run {cost['overhead_from']}): cheapest {cost['cheapest_workers']} workers; "
+                     f"fastest{' within max_run_cost' if cost.get('budget') else ''}: "
+                     f"{cost['fastest_workers'] or 'none'}")
+    elif cost.get("skipped"):
+        lines.append(f"cost: not estimated: {cost['skipped']}")
     return lines
+
+
+# Idle causes that every launch of a run pays again (tasks/usage.py): the fixed overhead per worker of a run.
+OVERHEAD_CAUSES = ("startup", "stragglers", "preflight", "compile", "evaluation", "export")
+
+
+def overhead_per_worker_s(usage: Mapping[str, Any]) -> float:
+    """An earlier run's fixed overhead per worker slot (seconds) from its report's `usage`."""
+    causes = usage.get("idle_by_cause_gpu_h") or {}
+    return sum(float(causes.get(cause) or 0.0) for cause in OVERHEAD_CAUSES) * 3600 / max(1, int(usage["slots"]))
+
+
+def cost_columns(rows: Sequence[dict[str, Any]], *, steps: int, tokens_per_step: int, rate: float,
+                 overhead_s: float, budget: float = 0.0) -> dict[str, Any]:
+    """Adds `est_hours` (wall), `est_cost` (N x wall x rate) and `cost_per_mtoken` to each row, as `sky bench`'s
+    EST(hr) and EST($) predicted: N workers hold their slots for the fixed overhead plus `steps` predicted steps.
+    Returns the two picks: cheapest (least cost per token; fewer workers on a tie) and fastest within `budget`
+    (0 = no budget: the fastest)."""
+    for row in rows:
+        wall_s = overhead_s + steps * row["step_time_s"]
+        row["est_hours"] = wall_s / 3600
+        row["est_cost"] = row["num_workers"] * row["est_hours"] * rate
+        row["cost_per_mtoken"] = row["est_cost"] / max(1, steps * tokens_per_step) * 1e6
+    cheapest = min(rows, key=lambda row: (round(row["cost_per_mtoken"], 12), row["num_workers"]))
+    within = [row for row in rows if not budget or row["est_cost"] <= budget]
+    fastest = min(within, key=lambda row: (row["est_hours"], row["num_workers"])) if within else None
+    return {"cheapest_workers": cheapest["num_workers"], "fastest_workers": fastest and fastest["num_workers"],
+            "budget": budget}
+
+
+def budget_error(advice: Mapping[str, Any]) -> str | None:
+    """The preflight error when the asked count's predicted cost is above `max_run_cost`, else None."""
+    cost = advice.get("cost") or {}
+    budget = cost.get("budget")
+    if not budget or not cost.get("cheapest_workers"):
+        return None
+    asked = advice["rows"][advice["asked"]["num_workers"] - 1]
+    if asked["est_cost"] <= budget:
+        return None
+    fastest = cost.get("fastest_workers")
+    return (f"{asked['num_workers']} workers are predicted to cost {asked['est_cost']:.4g} {cost['currency']} "
+            f"({asked['est_hours']:.3f} h each), above 'max_run_cost' = {budget:g}: "
+            + (f"{fastest} workers are the fastest within it, {cost['cheapest_workers']} the cheapest; "
+               if fastest else "no worker count fits it; ")
+            + "lower 'num_workers', or raise 'max_run_cost' (0 = off).\n" + "\n".join(table_lines(advice)))
 
 
 def wire_packs(step: Mapping[str, Any], wire_dtype: str, pack_mb: float) -> list[int]:

@@ -35,7 +35,59 @@ def advise(cfg: RunConfig, identity: runtime.WorkerIdentity, *, config_url: str,
         if "skipped" in step:  # no step time: the advice is the reason
             return step
     advice = advisor.advise(cfg=cfg, collectives=collectives, workers=[reports[r] for r in sorted(reports)], step=step)
-    return {**advice, "error": advisor.efficiency_error(advice)}
+    try:
+        advice["cost"] = cost_advice(cfg, advice, config_url=config_url, reports=reports)
+    except Exception as error:  # noqa: BLE001 - the cost columns are advice; storage trouble here fails nothing
+        advice["cost"] = {"skipped": f"could not read the price or the earlier runs: {type(error).__name__}: {error}"}
+    if advice["cost"].get("skipped"):
+        log.info("advisor: no cost estimate: %s", advice["cost"]["skipped"])
+    return {**advice, "error": advisor.efficiency_error(advice) or advisor.budget_error(advice)}
+
+
+def _gpu_name(reports: dict[int, dict[str, Any]]) -> str | None:
+    gpus = ((reports.get(0) or {}).get("devices") or {}).get("gpus") or []
+    return gpus[0].get("name") if gpus and isinstance(gpus[0], dict) else None
+
+
+def last_comparable_usage(cfg: RunConfig, own_run_url: str) -> dict[str, Any] | None:
+    """The newest earlier report of this storage root with a GPU-time ledger (`usage`) and the same model, block
+    size, backend and device kind: whose fixed overhead the cost columns use."""
+    runs_url = storage.join(cfg.storage_root, "runs")
+    found = []
+    for key in storage.list_dir(runs_url) if storage.exists(runs_url) else ():
+        url = storage.join(runs_url, key, "report", "report.json")
+        if storage.join(runs_url, key) == own_run_url or not storage.exists(url):
+            continue
+        report = storage.read_json(url)
+        earlier = report.get("config") or {}
+        same = all(earlier.get(name) == getattr(cfg, name) for name in ("model", "block_size", "backend", "use_gpu"))
+        if same and isinstance(report.get("usage"), dict) and report["usage"].get("slots"):
+            found.append(report)
+    return max(found, key=lambda report: str(report.get("created_at"))) if found else None
+
+
+def cost_advice(cfg: RunConfig, advice: dict[str, Any], *, config_url: str,
+                reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Estimated hours and cost per worker count at the run's frozen price (prepare's `usage/price.json`), with
+    the last comparable run's fixed overhead; {"skipped": why} without a price or such a run."""
+    run_url = config_url.rsplit("/", 1)[0]
+    price_url = storage.join(run_url, "usage", "price.json")
+    price = storage.read_json(price_url).get("price") if storage.exists(price_url) else None
+    if not price:
+        return {"skipped": "the run has no price (no GPT_FINETUNE_PRICING table when it was prepared)"}
+    rate = (price.get("rates") or {}).get(_gpu_name(reports) or "", price.get("default"))
+    if rate is None:
+        return {"skipped": f"the price table has no default rate for {price['capacity']}"}
+    earlier = last_comparable_usage(cfg, run_url)
+    if earlier is None:
+        return {"skipped": "no earlier run of this model, block size, backend and device kind has a GPU-time ledger "
+                           "(runs from before it, or none yet): its fixed overhead is unknown"}
+    overhead = advisor.overhead_per_worker_s(earlier["usage"])
+    picks = advisor.cost_columns(advice["rows"], steps=cfg.max_steps,
+                                 tokens_per_step=cfg.global_batch_size * cfg.block_size, rate=rate,
+                                 overhead_s=overhead, budget=cfg.max_run_cost)
+    return {**picks, "rate": rate, "currency": price["currency"], "unit": price["unit"].replace("_", "-"),
+            "overhead_s": overhead, "overhead_from": earlier.get("run_id")}
 
 
 def probe_step(cfg: RunConfig, identity: runtime.WorkerIdentity, *, config_url: str,
