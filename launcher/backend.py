@@ -5,11 +5,11 @@ processes here, `ssh` runs an agent per rank on remote hosts, Kubernetes one pod
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, ClassVar
 
-from launcher.spec import GroupSpec, Placement, WorkerSpec
+from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
 
 # How long release gives a run's workers between SIGTERM (or a pod's deletion) and SIGKILL.
 RELEASE_GRACE_S = 10.0
@@ -94,6 +94,15 @@ class Backend(ABC):
 
     def end_group(self, group: GroupSpec) -> None:
         """Called once every worker of a launch attempt is gone (objects the group shared)."""
+
+    def check_slots_free(self, group: GroupSpec, workers: Sequence[WorkerOutcome]) -> dict[str, Any]:
+        """Right after `group` exited (every rank ended, `end_group` done): evidence, bounded in time, that the slots
+        its `workers` held (GPUs; on CPU a slot is a host and a rank) are free, so they are known released as soon as
+        training ends and not only at the run's release. Returns {"checked", "free", "free_after_s" (seconds the
+        check took to prove it; None when not proven), ...}. This default checks nothing: the run's release checks
+        this backend's hosts."""
+        return {"checked": False, "free": None, "free_after_s": None,
+                "note": f"the {self.name} backend proves its slots free at the run's release only"}
 
     @abstractmethod
     def end_earlier_attempts(self, group: GroupSpec) -> list[dict[str, Any]]:

@@ -234,6 +234,39 @@ def release_check(watch: ReleaseWatch, *, wait_s: float = GPU_RELEASE_WAIT_S, en
             "free_after_s": None if unsettled else round(clock() - started, 3), "waited_limit_s": wait_s}
 
 
+def _placed_indices(pynvml: ModuleType, placed: frozenset[str]) -> frozenset[int]:
+    """The indices of the GPUs named in `placed` (by index or UUID)."""
+    return frozenset(gpu.index for gpu in read_gpus(pynvml) if str(gpu.index) in placed or gpu.uuid in placed)
+
+
+def check_exited_slots(run_pids: Iterable[int], placed_on: Iterable[str], *, use_gpu: bool,
+                       alive: Callable[[], list[int]], wait_s: float = GPU_RELEASE_WAIT_S,
+                       environ: Mapping[str, str] = os.environ, clock: Callable[[], float] = time.monotonic,
+                       sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
+    """Right after a group exited, on its host: the slots it held are free. A CPU slot (this host and a rank) is free
+    once the rank's processes are gone (`alive()` lists those still running); a GPU once `release_check` finds the
+    group's pids gone from it and the memory of the GPUs it was placed on back to idle, both polled up to `wait_s`.
+    `free_after_s`: seconds from this call to the proof (None: not proven; `release` checks again)."""
+    started = clock()
+    while (left := alive()) and clock() - started < wait_s:
+        sleep(GPU_POLL_S)
+    check: dict[str, Any] = {"checked": True, "slots": "gpu" if use_gpu else "cpu", "processes_left": left}
+    if use_gpu:
+        placed = frozenset(str(device) for device in placed_on)
+        try:
+            with nvml() as pynvml:
+                held = _placed_indices(pynvml, placed)
+        except NvmlUnavailable:
+            held = frozenset()
+        remaining = max(0.0, wait_s - (clock() - started))
+        check["gpu_check"] = release_check(ReleaseWatch(frozenset(run_pids), held, placed), wait_s=remaining,
+                                           environ=environ, clock=clock, sleep=sleep)
+    gpus_free = not use_gpu or (release_is_clean(check["gpu_check"]) and check["gpu_check"].get("nvml") is True)
+    check["free"] = not left and gpus_free
+    check["free_after_s"] = round(clock() - started, 3) if check["free"] else None
+    return check
+
+
 def release_is_clean(gpu_check: Mapping[str, Any]) -> bool:
     """No process of the run left on a GPU and no GPU NVML could not vouch for (no NVML: nothing to verify)."""
     return not gpu_check.get("held_by_run") and not gpu_check.get("unverified")

@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, ClassVar
@@ -29,6 +29,7 @@ from launcher.gpus import (
     GPU_POLL_S,
     GPU_RELEASE_WAIT_S,
     GpuInventory,
+    check_exited_slots,
     probe_gpus,
     release_check,
     release_is_clean,
@@ -51,7 +52,7 @@ from launcher.protocol import (
     inherited_environment,
     worker_temp_environment,
 )
-from launcher.spec import GroupSpec, Placement, WorkerSpec
+from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +249,13 @@ class LocalBackend(Backend):
         guard = self._guards.pop(group.name, None)
         if guard is not None:
             guard.close()
+
+    def check_slots_free(self, group: GroupSpec, workers: Sequence[WorkerOutcome]) -> dict[str, Any]:
+        """Each rank's process group gone and, with GPUs, the bounded NVML check release uses (launcher/gpus.py)."""
+        pgids = [w.record["pgid"] for w in workers if isinstance(w.record.get("pgid"), int)]
+        return check_exited_slots({w.pid for w in workers if w.pid}, [d for w in workers for d in (w.devices or ())],
+                                  use_gpu=group.use_gpu, alive=lambda: [p for p in pgids if live_group_members(p)],
+                                  environ=self.environ, clock=self.clock, sleep=self.sleep)
 
     def end_earlier_attempts(self, group: GroupSpec) -> list[dict[str, Any]]:
         ended = end_marked_processes({RUN_KEY_ENV: group.run_key, GROUP_ENV: group.name},

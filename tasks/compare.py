@@ -23,6 +23,7 @@ from tasks.alerts import alert_throughput
 from tasks.baseline import read_key_record
 from tasks.connections import uses_run_storage
 from tasks.figures import compare, gates, run_figures
+from tasks.launch import add_release_after_train
 from trainer.config import RunConfig
 from trainer.data import tokenizer_url
 from trainer.eval_result import ResultError, combine, delta_standard_error, part_url, sample_id
@@ -79,6 +80,7 @@ def _evaluate(prepared: dict, cfg: RunConfig, make_backend: BackendFactory) -> d
         delta_se=delta_standard_error(distributed_eval, baseline_eval),
     )
     add_scaling(report, prepared, distributed)
+    add_release_after_train(report, StorageLayout(prepared["storage_root"]).run(prepared["run_key"]))
     report["continued_from"] = prepared.get("continued_from")
     report["promoted"] = promoted
     evaluations = {"baseline": baseline_eval, "distributed": distributed_eval}

@@ -44,6 +44,28 @@ def task_supervisor_pid() -> int | None:
     return os.getppid()
 
 
+def release_after_exit(run: RunLayout, group: str) -> float | None:
+    """`release_after_train_s` of group `group`'s state record: seconds from its exit to the proof that its slots
+    were free; None without a record or a proof."""
+    url = run.state_file(group)
+    try:
+        record = read_json(url) if exists(url) else None
+    except Exception as error:  # noqa: BLE001 - a figure of the report, never a failure
+        log.info("could not read the state record %s (%s)", url, error)
+        return None
+    after = record.get("after_exit") if isinstance(record, dict) else None
+    value = after.get("release_after_train_s") if isinstance(after, dict) else None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def add_release_after_train(report: dict[str, Any], run: RunLayout) -> None:
+    """Each trained model's `release_after_train_s` in the report, from its group's state record (train, baseline;
+    a baseline reused from another run has none here)."""
+    for name, group in (("distributed", "train"), ("baseline", "baseline")):
+        if isinstance(report["runs"].get(name), dict):
+            report["runs"][name]["release_after_train_s"] = release_after_exit(run, group)
+
+
 class RecordedLaunch:
     """Runs `spec` on `backend` as a task's group `spec.name` of the run laid out by `run`.
 
@@ -59,6 +81,7 @@ class RecordedLaunch:
         self.storage, self.on_record = storage, on_record
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{LAUNCHER_WORKDIR_PREFIX}{spec.name}-"))
         self._labels: dict[int, str] = {}
+        self.after_exit: dict[str, Any] | None = None  # _check_slots_free's result, once the group exited
         self._recorded = False  # this launch wrote its first state record
         self._usage: dict[str, Any] | None = None  # the running attempt's GPU-time events (tasks/usage.py)
         self._on_line = on_line
@@ -83,6 +106,8 @@ class RecordedLaunch:
         result: RunResult | None = None
         try:
             result = self.group.run()
+            if not stopped():  # a killed task has seconds left: release proves its slots free
+                self.after_exit = self._check_slots_free(result)
         except BaseException:  # the task is being ended (SystemExit, KeyboardInterrupt): no worker may outlive it
             self.group.stop(f"the task running {self.spec.name} is ending")
             raise
@@ -93,6 +118,27 @@ class RecordedLaunch:
 
     def stop(self, reason: str, grace_s: float | None = None) -> None:
         self.group.stop(reason, grace_s)
+
+    def _check_slots_free(self, result: RunResult) -> dict[str, Any]:
+        """Right after the group exited: the backend's proof that the slots it held are free (launcher/gpus.py for the
+        local backend), so a run's GPUs are known released as soon as training ends, not only at release.
+        `release_after_train_s`: seconds from the group's exit to that proof; None when not proven here. Evidence
+        only: an error is logged, and release checks the slots again."""
+        exited = time.monotonic()
+        try:
+            check = dict(self.backend.check_slots_free(self.spec, result.workers))
+        except Exception as error:  # noqa: BLE001 - evidence must not fail the task
+            log.warning("could not check that the slots of %s are free after it exited: %s", self.spec.name, error)
+            check = {"checked": False, "free": None, "free_after_s": None, "note": f"the check failed: {error}"}
+        proven = check.get("free") is True and check.get("free_after_s") is not None
+        check["release_after_train_s"] = round(time.monotonic() - exited, 3) if proven else None
+        if proven:
+            log.info("the %s slots of %s are free %.3f s after its workers exited", check.get("slots", ""),
+                     self.spec.name, check["release_after_train_s"])
+        elif check.get("checked"):
+            log.warning("the slots of %s are not proven free after its workers exited (%s): release checks them again",
+                        self.spec.name, {k: v for k, v in check.items() if k not in ("checked", "free_after_s")})
+        return check
 
     def _warn_of_an_earlier_attempt_elsewhere(self) -> None:
         """The backend's sweep of earlier attempts (`end_earlier_attempts`) sees only this host: say so when the
@@ -167,6 +213,7 @@ class RecordedLaunch:
             "launcher": host_identity(),  # release checks a local group only from this same host and container
             "workers": [{"rank": w.rank, "host": w.host, "port": w.port, "gpus": list(w.devices or []),
                          **w.record} for w in workers],
+            "after_exit": self.after_exit,  # _check_slots_free: the slots proven free right after the group exited
         }
         with self.storage():
             if not self._recorded:

@@ -119,6 +119,7 @@ def opening(report: dict[str, Any], released: str) -> Section:
         _paragraph(KNOWN_WORDS_NOTE),
         _paragraph(f"Hardware: {text(_get(report, 'hardware', 'line'))}", anchor="hardware"),
         *gpu_memory(report),
+        *release_after_train(report),
         _paragraph("Baseline: ", *baseline_line(_get(report, "baseline"))),
     ))
     figures = Table(TABLE_COLUMNS, tuple(tuple(text(row.get(column)) for column in TABLE_COLUMNS)
@@ -140,6 +141,18 @@ def gpu_memory(report: dict[str, Any]) -> tuple[Paragraph, ...]:
                         for name, run in shown)
     return (_paragraph(f"GPU memory of rank 0: {figures} (TensorFlow reserves nearly all of the GPU at start-up; "
                        "the peak is what training needed)"),)
+
+
+def release_after_train(report: dict[str, Any]) -> tuple[Paragraph, ...]:
+    """How soon after each training group exited its slots were proven free (tasks/launch.py), when known."""
+    runs = [(name, _dict(_dict(report, "runs"), name).get("release_after_train_s")) for name in ("distributed",
+                                                                                                    "baseline")]
+    shown = [(name, value) for name, value in runs if isinstance(value, (int, float)) and not isinstance(value, bool)]
+    if not shown:
+        return ()
+    figures = "; ".join(f"{name} {fmt(value, '.2f', ' s')}" for name, value in shown)
+    return (_paragraph(f"Released after training: the workers' slots were proven free {figures} after they exited, "
+                       "before the run's release", anchor="release-after-train"),)
 
 
 def gradient_all_reduce(report: dict[str, Any]) -> tuple[Paragraph, ...]:

@@ -296,4 +296,7 @@ class TFMultiWorkerOperator(BaseOperator):
             "summary_url": self.summary_url,
             "state_url": run.state_file(self.task_id),
             "logs_url": run.logs(self.task_id),
+            # Seconds from the group's exit to the backend's proof that its slots (GPUs; on CPU host and rank) are
+            # free, checked right then (tasks/launch.py); None when not proven there (release checks them again).
+            "release_after_train_s": (self.group.after_exit or {}).get("release_after_train_s") if self.group else None,
         }
