@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from launcher.protocol import EXIT_PREEMPTED
 from tasks import usage
 from trainer.storage import exists, join, list_dir, read_bytes, read_json, write_json_atomic
 
@@ -84,8 +85,16 @@ def add_steps(attempts: list[dict[str, Any]], runs: Mapping[str, Any] | None) ->
                     rank["last_step_end"] = rank["exit"] - after
                     rank["first_step_end"] = rank["last_step_end"] - float(run["train_time_s"])
             elif joined is not None and attempt.get("state") != "succeeded":
-                for rank in ranks:
-                    rank.update(first_step_end=joined, last_step_end=rank["exit"], redone_after=joined)
+                _failed_attempt_steps(ranks, joined)
+
+
+def _failed_attempt_steps(ranks: list[dict[str, Any]], joined: float) -> None:
+    """A failed attempt's time after its join is redone, unless every rank exited EXIT_PREEMPTED: each saved the
+    checkpoint of its last step on SIGTERM and the next attempt resumed there, so its steps are kept (busy) and
+    nothing is redone (its first step's tracing and the save count as busy too: no summary splits them off)."""
+    preempted = bool(ranks) and all(rank.get("exit_code") == EXIT_PREEMPTED for rank in ranks)
+    for rank in ranks:
+        rank.update(first_step_end=joined, last_step_end=rank["exit"], redone_after=None if preempted else joined)
 
 
 def run_usage(run_url: str, report: Mapping[str, Any], released_at: str) -> dict[str, Any] | None:
