@@ -282,8 +282,16 @@ def float32_model(model):
     with float32_policy():
         copy = TFGPT2LMHeadModel(model.config)
         copy.build_in_name_scope()
-    copy.set_weights(model.get_weights())
+    # By name, not by order: resize_token_embeddings moves the embeddings to the end of a model's weights.
+    source = {_unscoped(weight.name): weight for weight in model.weights}
+    for weight in copy.weights:
+        weight.assign(np.asarray(source[_unscoped(weight.name)].numpy(), dtype=np.float32))
     return copy
+
+
+def _unscoped(name: str) -> str:
+    """A variable's name without the model's own scope (`tfgpt2lm_head_model_1/`), which differs between models."""
+    return name.split("/", 1)[-1]
 
 
 @contextlib.contextmanager

@@ -86,8 +86,9 @@ def pytorch_gpt2_keys(n_layer: int) -> set[str]:
 def tiny_config(**overrides):
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, **MODEL_PRESETS["tiny"],
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **overrides)
+    settings = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 0, **MODEL_PRESETS["tiny"],
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    return GPT2Config(**{**settings, **overrides})
 
 
 def built(config):
@@ -220,13 +221,16 @@ def test_an_export_that_differs_or_fails_is_recorded_failed_naming_it(tmp_path, 
     assert saved_model["files"] == [] and not (tmp_path / "exports" / "saved_model").exists()
 
 
-def test_a_mixed_precision_model_is_compared_in_float32(tmp_path):
+def test_a_mixed_precision_model_with_resized_embeddings_is_compared_in_float32(tmp_path):
+    """A bf16 run is compared through a float32 copy of its weights, by name: a hub model resized to the dataset's
+    vocabulary (resize_token_embeddings) keeps its embeddings last among its weights."""
     import tf_keras
 
     tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:
-        model = built(tiny_config())
-        assert model.compute_dtype == "bfloat16"
+        model = built(tiny_config(vocab_size=300))
+        model.resize_token_embeddings(VOCAB)
+        assert model.compute_dtype == "bfloat16" and model.weights[-1].shape == (VOCAB, 64)
         record = export.export_formats(model, saved(model, tmp_path / "model"), tmp_path / "exports",
                                        export.FORMATS, prompts(1, 16, VOCAB))
     finally:
