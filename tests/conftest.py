@@ -1,5 +1,6 @@
 """Shared test settings: offline hub, legacy Keras in every worker, quiet TF logs."""
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -97,6 +98,10 @@ def monitoring_env(sinks) -> dict[str, str]:
             "AIRFLOW_CONN_ALERTS_SMTP": sinks.smtp.connection_uri()}
 
 
+# The operator's price table of the session's stack (tasks/pricing.py): CPU workers at 1 EUR per worker-hour.
+STACK_PRICES = {"currency": "EUR", "cpu_worker": {"on_demand": 1.0}}
+
+
 @pytest.fixture(scope="session")
 def airflow_stack(tmp_path_factory, monitoring_sinks):
     """One real Airflow standalone for the whole session (start-up costs ~40 s on 2 cores), sending its metrics
@@ -107,7 +112,8 @@ def airflow_stack(tmp_path_factory, monitoring_sinks):
     storage = tmp_path_factory.mktemp("stack_storage")
     # No schedule: a scheduled run created at start-up would hold the single active-run slot the tests need.
     stack = start_stack(home, {"GPT_FINETUNE_STORAGE_ROOT": str(storage), "GPT_FINETUNE_RETRY_DELAY_S": "2",
-                               "GPT_FINETUNE_SCHEDULE": "none", **monitoring_env(monitoring_sinks)})
+                               "GPT_FINETUNE_SCHEDULE": "none", "GPT_FINETUNE_PRICING": json.dumps(STACK_PRICES),
+                               **monitoring_env(monitoring_sinks)})
     stack.sinks = monitoring_sinks
     try:
         yield stack

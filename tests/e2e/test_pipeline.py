@@ -51,9 +51,47 @@ def assert_metrics_arrived_while_training(stack, run_id: str) -> None:
             packets = statsd.matching(f"gpt_finetune.worker.{field}", run=key, task="train", rank=rank)
             assert packets and packets[0].received < train_ended, (rank, field, packets)
     assert max(p.value for p in statsd.matching("gpt_finetune.worker.step", run=key, task="train")) == FAST["max_steps"]
-    for name in ("preflight.busbw_gbps", "evaluate.eval_loss", "evaluate.speedup", "release.clean"):
+    for name in ("preflight.busbw_gbps", "evaluate.eval_loss", "evaluate.speedup", "release.clean",
+                 "usage.held_gpu_h", "usage.cost", "usage.gpus_held"):
         assert statsd.matching(f"gpt_finetune.{name}", run=key), name
     assert "@gpt_finetune.metrics" not in stack.task_log(DAG, run_id, "train")
+
+
+def _epoch(stamp: str) -> float:
+    return datetime.fromisoformat(stamp).timestamp()
+
+
+def assert_usage_matches_airflow(stack, run_id: str, report: dict) -> None:
+    """The report's GPU-time ledger against independent records: busy = the summaries' train time x workers; the
+    held window starts inside preflight's task instance and covers every GPU task instance to release, whose own
+    task instance holds released_at (Airflow's metadata database, through its REST API); cost = held x rate."""
+    from tests.conftest import STACK_PRICES
+    from trainer.storage import read_json
+
+    usage = report["usage"]
+    trained = ["distributed"] + (["baseline"] if (report.get("baseline") or {}).get("trained_by_run") else [])
+    runs = [report["runs"][name] for name in trained]
+    busy_s = sum(read_json(run["summary_url"])["train_time_s"] * run["num_workers"] for run in runs)
+    assert usage["busy_gpu_h"] * 3600 == pytest.approx(busy_s, abs=0.05)
+    page = stack.rest("GET", f"{run_path(run_id)}/taskInstances?limit=100")["task_instances"]
+    instances = {row["task_id"]: (_epoch(row["start_date"]), _epoch(row["end_date"])) for row in page
+                 if row["task_id"] in ("preflight", "train", "baseline", "evaluate", "release")}
+    run = storage(stack).run(run_key(DAG, run_id))
+    events = [json.loads(path.read_text()) for path in Path(run.url, "usage").glob("*-a*.json")]
+    first_launch = min(rank["launch"] for event in events for rank in event["ranks"])
+    released_at = _epoch(json.loads(Path(run.release).read_text())["released_at"])
+    assert instances["preflight"][0] <= first_launch <= instances["preflight"][1]
+    assert instances["release"][0] <= released_at <= instances["release"][1]
+    last_gpu_task_end = max(end for task, (_, end) in instances.items() if task != "release")
+    for slot in usage["per_slot"]:  # both workers' slots held from the first launch to release
+        assert slot["held_h"] * 3600 >= last_gpu_task_end - first_launch - 0.05, slot
+        assert slot["held_h"] * 3600 == pytest.approx(released_at - first_launch, abs=0.05)
+    assert sum(usage["idle_by_cause_gpu_h"].values()) == pytest.approx(usage["idle_gpu_h"], abs=1e-5)
+    rate = STACK_PRICES["cpu_worker"]["on_demand"]
+    assert usage["price"]["rate"] == rate and usage["price"]["unit"] == "worker_hour"
+    assert usage["cost"]["held"] == pytest.approx(usage["held_gpu_h"] * rate, abs=1e-6)
+    line = Path(run.report, "report.md").read_text().split("## GPU time and cost")[1].strip().splitlines()[0]
+    print(f"\nGPU time of {run_id}: {line}")  # the demo's usage line (pytest -s)
 
 
 def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_baseline(airflow_stack, tmp_path):
@@ -73,6 +111,8 @@ def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_basel
     assert "cache hit" not in airflow_stack.task_log(DAG, first, "prepare")
     assert_released(airflow_stack, first)
     assert_metrics_arrived_while_training(airflow_stack, first)
+    report = json.loads(Path(run.report, "report.json").read_text())  # release added the GPU-time ledger
+    assert_usage_matches_airflow(airflow_stack, first, report)
 
     second = trigger(airflow_stack, conf)
     assert airflow_stack.wait_for_run(DAG, second, timeout=600) == "success"
