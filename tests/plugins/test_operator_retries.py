@@ -18,6 +18,7 @@ from launcher.kubernetes_objects import GroupNames, PodSettings, pod
 from launcher.protocol import EXIT_PERMANENT, EXIT_PREEMPTED
 from tests.plugins.conftest import failure_excerpt
 from tests.plugins.test_operator import _case, _finish, _start
+from tests.trainer.long_run import FAST_STEPS, write_tiny_dataset
 
 
 def _operator(**changes) -> TFMultiWorkerOperator:
@@ -76,7 +77,7 @@ def _run(airflow_env, tmp_path, **case) -> tuple[dict, str]:
     extra.update({key: case.pop(key) for key in ("retries", "operator_args") if key in case})
     case_file.write_text(json.dumps(extra))
     process, out, log = _start(airflow_env, case_file, tmp_path)
-    _finish(process, timeout=240)
+    _finish(process, timeout=420)
     return json.loads(out.read_text()), log.read_text(errors="replace")
 
 
@@ -97,3 +98,19 @@ def test_a_preempted_group_runs_again_without_spending_a_retry(airflow_env, tmp_
     assert "rescheduled in 1 s without spending a retry (1 of 1)" in task_log
     assert "was preempted again after 1 free reschedule(s)" in task_log
     assert result["task_states"]["group"] == "failed" and result["try_numbers"]["group"] == 1
+
+
+def test_a_diverged_loss_fails_train_on_its_first_try_through_the_task_runner(airflow_env, tmp_path):
+    """The real trainer on 2 tiny CPU workers: the loss diverges, every rank exits 65 and the task fails on try 1
+    although it has 2 retries."""
+    manifest = write_tiny_dataset(tmp_path / "dataset")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_workers": 2, "storage_root": str(tmp_path / "storage"), **FAST_STEPS,
+                                  "max_steps": 200, "learning_rate": 1.0, "warmup_steps": 0, "max_loss_rise": 0.5}))
+    result, task_log = _run(airflow_env, tmp_path, entrypoint="trainer.train", retries=2, startup_timeout_s=240,
+                            args=["--config", str(config), "--manifest", manifest, "--output",
+                                  str(tmp_path / "output")])
+    assert result["task_states"]["group"] == "failed", failure_excerpt(task_log)
+    assert result["try_numbers"]["group"] == 1, "train was retried"
+    assert "NotRetryableError" in task_log and f"exited with code {EXIT_PERMANENT}" in task_log
+    assert "LossDivergedError: rank" in task_log and "the training loss diverged at step" in task_log
