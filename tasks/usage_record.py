@@ -130,7 +130,7 @@ def usage_chart(summary: Mapping[str, Any]) -> bytes:
     from tasks.report import _figure, _png
 
     pyplot = _figure()
-    figure, axes = pyplot.subplots(figsize=(7.5, 1.2 + 0.45 * max(1, len(summary["per_slot_by_cause"]))))
+    figure, axes = pyplot.subplots(figsize=(9, 1.8 + 0.45 * max(1, len(summary["per_slot_by_cause"]))))
     names = [row["slot"] for row in summary["per_slot_by_cause"]]
     left = [0.0] * len(names)
     for cause, color in CAUSE_COLORS.items():
@@ -141,7 +141,7 @@ def usage_chart(summary: Mapping[str, Any]) -> bytes:
     axes.set_xlabel("seconds held")
     axes.set_title("Held time by cause")
     axes.invert_yaxis()
-    axes.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(names) < 3 else -0.2))
+    axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the bars, not over the axis
     return _png(pyplot, figure)
 
 
