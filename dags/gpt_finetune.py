@@ -392,7 +392,7 @@ def gpt_finetune():
             entrypoint=entrypoint,
             # The validated configuration, once: backend, worker count, GPU use, timeouts, storage and connection.
             run_config="{{ ti.xcom_pull(task_ids='" + PREPARED + "')['config'] }}",
-            run_key=prepared("run_key"),
+            # No run_key: the operator derives it from (dag_id, run_id), never from XCom.
             args=["--config", prepared(config), "--manifest", prepared("manifest_url"), "--output", prepared(output),
                   *extra_args],
             pool=GPU_POOL,  # with use_gpu, one slot per worker (tf_multiworker/gpu_admission.py); CPU runs: none

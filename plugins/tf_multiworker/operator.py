@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
+from types import SimpleNamespace
 from typing import Any
 
 from airflow.sdk import BaseOperator
@@ -45,8 +46,10 @@ from tasks.launch import RecordedLaunch
 from tasks.telemetry import LiveLineReader
 from tf_multiworker.backends import UnknownBackendError, make_backend
 from tf_multiworker.hook import StorageCredentialsHook
-from trainer.config import RunConfig
+from trainer.config import ConfigError, RunConfig
+from trainer.config.access import AccessPolicy
 from trainer.layout import StorageLayout, absolute_root
+from trainer.layout import run_key as layout_run_key
 from trainer.metrics import LIVE_INTERVAL_ENV
 from trainer.storage import exists
 
@@ -73,6 +76,18 @@ class NotRetryableError(WorkerFailedError, AirflowFailException):
         note = (f"A rank exited {EXIT_PERMANENT}: a retry cannot fix this (a refused setting, bad data or a diverged "
                 "loss), so the task fails now without spending its retries.")
         self.args = (f"{result.error_message()}\n{note}",)
+
+
+def _policy_view(config: Mapping[str, Any]) -> SimpleNamespace:
+    """What the access policy reads of a configuration (`AccessPolicy.check_settings`), from the keys `config` has
+    and RunConfig's defaults for the rest: prepare checked its other rules, and a DAG's literal one may be partial."""
+    values = {**RunConfig().to_dict(), **{k: v for k, v in config.items() if k in RunConfig.__dataclass_fields__}}
+    for name in ("ssh_conn_ids", "alert_emails"):
+        values[name] = tuple(values[name] or ())
+    view = SimpleNamespace(**values)
+    for derived in ("is_preset_model", "promoted_source"):  # RunConfig's own rules, read off the same values
+        setattr(view, derived, getattr(RunConfig, derived).fget(view))
+    return view
 
 
 @dataclass(frozen=True)
@@ -115,7 +130,9 @@ class TFMultiWorkerOperator(BaseOperator):
         pods: `tf_multiworker.backends`), `num_workers`, `use_gpu` (one free GPU per worker, NVML; else
         `CUDA_VISIBLE_DEVICES=""`), the timeouts, `storage_root` and `storage_conn_id` (S3 credentials handed to
         workers as environment only).
-    :param run_key: the run's key under `storage_root/runs/` (templated).
+    :param run_key: the run's key under `storage_root/runs/`; unset (the DAG's way): derived from the task's
+        (dag_id, run_id) here, never read from XCom, where an editor could name another run's key and the sweep of
+        earlier attempts would end that run's workers.
     :param args: the entry point's arguments (templated).
     :param num_workers: launch this many workers instead of the configuration's (the one-worker baseline).
     :param summary_url: the chief's `summary.json`; when set it must exist after the workers succeed.
@@ -137,7 +154,7 @@ class TFMultiWorkerOperator(BaseOperator):
         *,
         entrypoint: str,
         run_config: dict[str, Any] | str,
-        run_key: str,
+        run_key: str | None = None,
         args: Sequence[Any] = (),
         num_workers: int | None = None,
         summary_url: str | None = None,
@@ -176,6 +193,7 @@ class TFMultiWorkerOperator(BaseOperator):
 
     def execute(self, context: Any) -> dict[str, Any]:
         self._refuse_a_run_that_is_over(context["ti"])
+        self._check_run(context["ti"])
         spec = self._group_spec()
         run = StorageLayout(absolute_root(self.settings.storage_root)).run(spec.run_key)
         try:
@@ -197,6 +215,9 @@ class TFMultiWorkerOperator(BaseOperator):
             result = self.group.run_group(stopped=lambda: self._killed)
         finally:
             backend.close()
+            if self._live_metrics.malformed:
+                self.log.warning("%d malformed live metrics line(s) ignored (the ranks' log files keep them)",
+                                 self._live_metrics.malformed)
         if self._killed or result.state is GroupState.STOPPED:
             raise WorkerGroupStoppedError(result)
         if not result.succeeded:
@@ -214,6 +235,18 @@ class TFMultiWorkerOperator(BaseOperator):
         if self.group is not None:
             grace_s = min(self.grace_period_s, ON_KILL_GRACE_S)
             self.group.stop(f"task {self.task_id} was killed (SIGTERM, marked failed or execution_timeout)", grace_s)
+
+    def _check_run(self, ti: Any) -> None:
+        """The run key from the task's own (dag_id, run_id) unless one was given, and the configuration (XCom) held
+        to the access policy again, here where its environment is: a rewritten one launches nothing."""
+        if not self.run_key:
+            self.run_key = layout_run_key(ti.dag_id, ti.run_id)
+        if isinstance(self.run_config, Mapping):
+            try:
+                AccessPolicy.from_env().check_settings(_policy_view(self.run_config))
+            except ConfigError as error:
+                raise AirflowFailException(f"{self.task_id} launches no workers: its configuration is refused: "
+                                           f"{error}") from error
 
     def _refuse_a_run_that_is_over(self, ti: Any) -> None:
         """Airflow can start a retry in a run that is already over: when the run is marked failed while the scheduler

@@ -88,6 +88,35 @@ def test_an_attempt_in_a_run_that_is_over_launches_nothing(monkeypatch, state):
     assert asked == [("gpt_finetune", "manual__1")] and backends == []
 
 
+
+# -- XCom is not trusted (issue 37 item 1, review finding 3) -----------------------------------------------------
+
+def _ti(state: str = "running") -> SimpleNamespace:
+    return SimpleNamespace(dag_id="gpt_finetune", run_id="manual__1", get_dagrun_state=lambda dag_id, run_id: state)
+
+
+def test_the_run_key_comes_from_the_task_s_own_dag_run_not_from_xcom():
+    """The review: a foreign run_key in XCom made this task's sweep of earlier attempts end another run's workers.
+    The DAG passes none now; the operator derives it from (dag_id, run_id)."""
+    from trainer.layout import run_key
+
+    op = _operator(run_key=None, run_config={"num_workers": 3, "storage_root": "/tmp/x"})
+    op._check_run(_ti())
+    assert op.run_key == run_key("gpt_finetune", "manual__1") and op._group_spec().run_key == op.run_key
+
+
+@pytest.mark.parametrize("setting, value", [
+    ("model", "http://169.254.169.254/latest/"), ("dataset", "/etc/*.txt"), ("storage_conn_id", "metadata_db"),
+])
+def test_a_configuration_rewritten_in_xcom_launches_nothing(monkeypatch, tmp_path, setting, value):
+    backends = []
+    monkeypatch.setattr(operator_module, "make_backend", lambda *args: backends.append(args))
+    op = _operator(run_key=None, run_config={"num_workers": 2, "storage_root": str(tmp_path), setting: value})
+    with pytest.raises(AirflowFailException, match=f"train launches no workers: its configuration is refused: "
+                                                   f"Setting '{setting}'"):
+        op.execute({"ti": _ti()})
+    assert backends == []
+
 # -- through Airflow's task runner ------------------------------------------------------------------------------
 
 def _case(tmp_path, *, entrypoint="tiny_worker", args=(), worker_env=None, run_key=None, **settings) -> Path:
@@ -135,9 +164,10 @@ def _finish(process: subprocess.Popen, timeout: float) -> None:
 def test_success_on_s3_with_credentials_from_a_connection(airflow_env, tmp_path, s3_server):
     connection = {"conn_type": "aws", "login": "test-key", "password": SECRET,
                   "extra": {"endpoint_url": s3_server, "region_name": "us-east-1"}}
-    case = _case(tmp_path, storage_root="s3://runs/root", storage_conn_id="tfmw_s3",
+    # A connection id of the test deployment's allow-list (tests/conftest.py): the operator holds the config to it.
+    case = _case(tmp_path, storage_root="s3://runs/root", storage_conn_id="run_storage",
                  worker_env={"TINY_WORKER_SHOW_ENV": "AWS_SECRET_ACCESS_KEY"})
-    process, out, log = _start(airflow_env, case, tmp_path, {"AIRFLOW_CONN_TFMW_S3": json.dumps(connection)})
+    process, out, log = _start(airflow_env, case, tmp_path, {"AIRFLOW_CONN_RUN_STORAGE": json.dumps(connection)})
     _finish(process, timeout=120)
     task_log = log.read_text(errors="replace")
     result = json.loads(out.read_text())
