@@ -192,6 +192,8 @@ def parse_live_line(payload: str) -> tuple[str, dict[str, float | None]]:
         message = json.loads(payload)
     except RecursionError:
         raise MalformedLiveLine("nested too deep") from None
+    except ValueError as error:  # not JSON
+        raise MalformedLiveLine(str(error)[:200]) from None
     if not isinstance(message, dict) or not isinstance(message.get("scope"), str):
         raise MalformedLiveLine("not an object with a string 'scope'")
     scope, values = message["scope"], message.get("values")
