@@ -8,7 +8,6 @@ logger is used from there only). `stop()` may be called from another thread or a
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import os
 import queue
@@ -139,6 +138,7 @@ class WorkerGroup:
         self.on_line = on_line or (lambda rank, line: log.info("[rank %d] %s", rank, line))
         self.on_started = on_started
         self._lines: queue.Queue[tuple[int, str]] = queue.Queue(MAX_QUEUED_LINES)
+        self._unannounced: dict[int, int] = {}  # rank -> lines left out of the task log when its output ended
         self._workers: list[_Worker] = []
         self._stop_requested = threading.Event()
         self._last_output = time.monotonic()
@@ -355,9 +355,8 @@ class WorkerGroup:
             self._last_output = time.monotonic()
             if not is_native_noise(line, use_gpu=self.spec.use_gpu):  # the log file above keeps it
                 left_out = self._queue_line(rank, line, left_out)
-        if left_out:  # the output ended while lines were left out: say so, waiting a little for room
-            with contextlib.suppress(queue.Full):
-                self._lines.put((rank, _left_out(rank, left_out)), timeout=READER_JOIN_S / 4)
+        if left_out:  # the output ended while lines were left out: the attempt's last drain says so
+            self._unannounced[rank] = left_out
         worker.handle.output.close()
 
     def _queue_line(self, rank: int, line: str, left_out: int) -> int:
@@ -373,15 +372,19 @@ class WorkerGroup:
         return 0
 
     def _drain_lines(self, limit: int | None = None) -> None:
-        """Hand queued lines to `on_line`: at most `limit` (a poll of the watch loop), else all of them."""
+        """Hand queued lines to `on_line`: at most `limit` (a poll of the watch loop), else all of them and then
+        how many lines each rank had left out at its output's end."""
         handed = 0
         while limit is None or handed < limit:
             try:
                 rank, line = self._lines.get_nowait()
             except queue.Empty:
-                return
+                break
             self.on_line(rank, line)
             handed += 1
+        while limit is None and self._unannounced:
+            rank, count = self._unannounced.popitem()
+            self.on_line(rank, _left_out(rank, count))
 
     def _stop_workers(self, workers: list[_Worker], grace_s: float | None = None) -> None:
         grace_s = self.spec.grace_period_s if grace_s is None else grace_s
