@@ -33,6 +33,12 @@ def load_manifest(url: str) -> dict[str, Any]:
         raise DataError(
             f"Manifest {url} does not exist: the prepare task has not completed for this dataset. Run it again."
         ) from error
+    except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, nested too deep
+        raise DataError(f"Manifest {url} is not readable JSON ({type(error).__name__}): it was not written by the "
+                        "prepare task, or was altered since: delete its directory and prepare again.") from None
+    if not isinstance(manifest, dict):
+        raise DataError(f"Manifest {url} is a JSON {type(manifest).__name__}, not an object: delete its directory "
+                        "and prepare again.")
     missing = [key for key in _REQUIRED_KEYS if key not in manifest]
     if missing:
         raise DataError(f"Manifest {url} lacks {missing}: it was not written by the prepare task. Prepare again.")

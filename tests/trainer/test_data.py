@@ -267,3 +267,54 @@ def test_a_fingerprint_that_is_no_dataset_name_gets_no_cache_directory(tmp_path,
     with pytest.raises(DataError, match=r"would not name one directory of the shard cache"):
         shard_cache_dir(fingerprint, base=tmp_path / "hosttmp")
     assert not (tmp_path / "hosttmp").exists()
+
+
+ODD_VALUES = [None, True, 0, -1, 2 ** 70, 1.5, "", "..", "../../x", "/etc/passwd", "a\nb", [], {}, [{}], {"shards": 1},
+              "train-00000-of-00004.tfrecord", "0" * 20, "ab" * 10]
+
+
+def _odd_manifest(rng, manifest: dict):
+    """The genuine manifest with a few values, at any depth, replaced by odd ones; now and then no object at all."""
+    if rng.random() < 0.05:
+        return rng.choice(ODD_VALUES)
+    manifest = json.loads(json.dumps(manifest))
+    for _ in range(rng.randint(1, 3)):
+        target = manifest
+        while True:
+            keys = list(target) if isinstance(target, dict) else list(range(len(target))) if isinstance(
+                target, list) else []
+            if not keys:
+                break
+            key = rng.choice(keys)
+            if rng.random() < 0.4 or not isinstance(target[key], (dict, list)):
+                target[key] = rng.choice(ODD_VALUES)
+                break
+            target = target[key]
+    return manifest
+
+
+def test_generated_manifests_are_loaded_and_staged_or_refused_with_data_error(dataset_copy, tmp_path):
+    """Fuzz (issue 37): any manifest a storage writer leaves either loads and stages inside the cache directory, or
+    raises DataError; nothing is written outside the cache, and it takes milliseconds each."""
+    import random
+    import time
+
+    manifest_url, genuine = dataset_copy
+    rng = random.Random(37)
+    cache = tmp_path / "cache" / "fp"
+    before = {p for p in tmp_path.rglob("*") if "cache" not in p.parts}
+    started = time.perf_counter()
+    outcomes = {"staged": 0, "refused": 0}
+    for case in range(150):
+        data = _odd_manifest(rng, genuine)
+        Path(manifest_url).write_text(json.dumps(data) if rng.random() < 0.95 else "[" * 10000)
+        try:
+            manifest = load_manifest(manifest_url)
+            shards = [shard for split in manifest["splits"].values() for shard in split["shards"]]
+            staged = stage_shards(manifest_url, shards, cache)
+            assert all(Path(path).parent == cache for path in staged), case
+            outcomes["staged"] += 1
+        except DataError:
+            outcomes["refused"] += 1
+    assert {p for p in tmp_path.rglob("*") if "cache" not in p.parts} == before
+    assert outcomes["refused"] > 50 and time.perf_counter() - started < 60, outcomes
