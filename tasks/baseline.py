@@ -20,6 +20,7 @@ from typing import Any
 
 from launcher.host_probe import package_versions
 from tasks.connections import uses_run_storage
+from tasks.policy import checked_config
 from trainer.config import RunConfig
 from trainer.eval_sample import sample_identity
 from trainer.host_info import code_fingerprint
@@ -87,7 +88,7 @@ def plan_baseline(prepared: dict) -> bool:
 
     `run` clears the old output first so its summary.json cannot pass for the new one.
     """
-    cfg = RunConfig.from_saved(prepared["config"])
+    cfg = checked_config(prepared["config"])
     key, baseline_url = prepared["baseline_key"], prepared["baseline_url"]
     if cfg.baseline == "skip":
         log.info("Baseline policy 'skip': no baseline, the report will have no speedup or loss parity.")

@@ -24,6 +24,7 @@ from tasks.baseline import read_key_record
 from tasks.connections import uses_run_storage
 from tasks.figures import compare, gates, run_figures
 from tasks.launch import add_release_after_train
+from tasks.policy import checked_config
 from trainer.config import RunConfig
 from trainer.data import tokenizer_url
 from trainer.eval_result import ResultError, combine, delta_standard_error, part_url, sample_id
@@ -52,7 +53,7 @@ class EvaluationError(RuntimeError):
 def evaluate_run(prepared: dict, make_backend: BackendFactory) -> dict:
     """The evaluate task; `make_backend` builds the run's backend for each evaluation (the DAG task hands in
     `tf_multiworker.backends.make_backend`)."""
-    cfg = RunConfig.from_saved(prepared["config"])
+    cfg = checked_config(prepared["config"])
     return _evaluate(prepared, cfg, make_backend)
 
 

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from tasks.connections import storage_env, uses_run_storage
+from tasks.policy import checked_config
 from trainer.config import ConfigError, RunConfig
 from trainer.config.access import AccessPolicy
 from trainer.layout import StorageLayout, absolute_root, run_key
@@ -73,17 +74,6 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
     log.info("tokenizing in %d mapped tasks (prepare_tasks=%d): %s", len(planned["lanes"]), cfg.prepare_tasks,
              ", ".join(f"task {i}: {len(lane)} unit(s)" for i, lane in enumerate(planned["lanes"])))
     return {"plan": summary, "lanes": planned["lanes"]}
-
-
-def checked_config(saved: Mapping[str, Any]) -> RunConfig:
-    """A configuration read back from XCom or storage, held to the access policy of this (Airflow) process again:
-    a rewritten one reaches no further than the trigger form could. AirflowFailException naming the setting."""
-    from airflow.sdk.exceptions import AirflowFailException
-
-    try:
-        return RunConfig.from_saved(saved, policy=AccessPolicy.from_env())
-    except ConfigError as error:
-        raise AirflowFailException(f"The prepared run's configuration is refused: {error}") from error
 
 
 @uses_run_storage

@@ -28,6 +28,7 @@ from tasks import report as reports
 from tasks.base_models import pinned_base
 from tasks.connections import uses_run_storage
 from tasks.formatting import nats
+from tasks.policy import checked_config
 from trainer.config import AccessPolicy, ConfigError, RunConfig
 from trainer.eval_result import GATE_STANDARD_ERRORS
 from trainer.layout import ModelLayout, VersionLayout
@@ -54,7 +55,7 @@ class NoReportError(RuntimeError):
 @uses_run_storage
 def promote_run(prepared: dict) -> dict[str, Any]:
     """Promote (or not) this run's model; returns the outcome recorded in the report."""
-    cfg = RunConfig.from_saved(prepared["config"])
+    cfg = checked_config(prepared["config"])
     report_json = join(prepared["report_url"], reports.REPORT_JSON)
     if not exists(report_json):
         raise NoReportError(
