@@ -122,25 +122,6 @@ def test_the_alert_connection_is_checked_before_launch(smtp):
 # -- bounded in time, checked in the callback (issue 37: review findings 5 and 7) ---------------------------------
 
 @pytest.fixture
-def statsd(monkeypatch):
-    """Airflow's metrics on, StatsD InfluxDB-style tags, sent to a listener of the test."""
-    from airflow.sdk.observability import stats
-    from airflow.sdk.observability.metrics import stats_utils
-
-    listener = StatsdListener()
-    for option, value in {"STATSD_ON": "True", "STATSD_HOST": "127.0.0.1", "STATSD_PORT": str(listener.port),
-                          "STATSD_PREFIX": "airflow", "STATSD_INFLUXDB_ENABLED": "True"}.items():
-        monkeypatch.setenv(f"AIRFLOW__METRICS__{option}", value)
-    stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=False)
-    try:
-        yield listener
-    finally:
-        monkeypatch.undo()
-        stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=False)
-        listener.stop()
-
-
-@pytest.fixture
 def stalling(request, monkeypatch):
     server = StallingSmtpServer(stall_at=getattr(request, "param", None))
     monkeypatch.setenv("AIRFLOW_CONN_ALERTS_SILENT", server.connection_uri())  # the provider's 30 s, 5 retries

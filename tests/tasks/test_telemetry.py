@@ -11,25 +11,6 @@ from tests.support.metrics_sinks import StatsdListener
 from trainer.metrics import LIVE_PREFIX
 
 
-@pytest.fixture
-def statsd(monkeypatch):
-    """Airflow's metrics on, StatsD InfluxDB-style tags, sent to a listener of the test."""
-    from airflow.sdk.observability import stats
-    from airflow.sdk.observability.metrics import stats_utils
-
-    listener = StatsdListener()
-    for option, value in {"STATSD_ON": "True", "STATSD_HOST": "127.0.0.1", "STATSD_PORT": str(listener.port),
-                          "STATSD_PREFIX": "airflow", "STATSD_INFLUXDB_ENABLED": "True"}.items():
-        monkeypatch.setenv(f"AIRFLOW__METRICS__{option}", value)
-    stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=False)
-    try:
-        yield listener
-    finally:
-        monkeypatch.undo()
-        stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=False)
-        listener.stop()
-
-
 def wait_for(listener: StatsdListener, count: int) -> list:
     import time
 
