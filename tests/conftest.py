@@ -23,6 +23,7 @@ os.environ.setdefault("GPT_FINETUNE_DATA_ROOTS", os.pathsep.join(
 TEST_ALLOW_LISTS = {
     "GPT_FINETUNE_STORAGE_CONN_IDS": "run_storage,elastic_run_storage",
     "GPT_FINETUNE_SSH_CONN_IDS": "tfmw_ssh_*,host_*",
+    "GPT_FINETUNE_KUBERNETES_CONN_IDS": "k8s_fake",  # the in-repo API server (tests/support/k8s_server.py)
     "GPT_FINETUNE_REMOTE_PYTHONS": "/opt/venv/bin/python",
     "GPT_FINETUNE_ALERT_CONN_IDS": "alerts,alerts_smtp,no_such_connection",
     "GPT_FINETUNE_ALERT_DOMAINS": "example.com,*.example.org",
