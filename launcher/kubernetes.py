@@ -146,7 +146,8 @@ class KubernetesBackend(Backend):
         self._teardown(state)
         kept = []
         for handle in list(state.handles.values()):
-            if self.settings.keep_failed_pods and handle.exit_code not in (None, 0):
+            failed = handle.exit_code not in (None, 0) and not handle.stopped_by_launcher
+            if self.settings.keep_failed_pods and failed:
                 kept.append(handle.pod)
                 continue
             try:

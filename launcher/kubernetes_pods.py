@@ -164,6 +164,11 @@ class KubernetesWorkerHandle(WorkerHandle):
         self._stopping = True
         self._stop_pod(self, 0)
 
+    @property
+    def stopped_by_launcher(self) -> bool:
+        """Whether this launcher asked the pod to stop: its exit (SIGTERM's 143, say) is then no failure of its own."""
+        return self._stopping
+
     def gone(self) -> bool:
         return self.deleted.is_set() or self.exit_code is not None
 
