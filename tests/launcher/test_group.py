@@ -203,13 +203,27 @@ def test_a_flood_of_lines_is_bounded_and_never_holds_up_the_watch_loop(tmp_path,
     backend = FakeBackend({0: [("ready",), *flood, ("exit", 0)]})
     spec = GroupSpec(name="g", entrypoint="trainer.train", num_workers=1, **FAST)
     lines: list[str] = []
+    handed_at_checks: list[int] = []  # lines handed on when each poll checked for an exit or a hang
 
-    def slow_task_log(rank: int, line: str) -> None:  # a task log that writes 1000 lines/s
-        time.sleep(0.001)
+    def slow_task_log(rank: int, line: str) -> None:
+        """A task log slower than the worker, whatever the machine's load: it takes its first line only once the
+        worker printed them all."""
+        worker_output = backend.handles[0].output.lines
+        deadline = time.monotonic() + 30
+        while not lines and not worker_output.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
         lines.append(line)
 
-    started = time.monotonic()
+    check_outcome = group_module.WorkerGroup._outcome
+
+    def counting_outcome(self, *args):
+        handed_at_checks.append(len(lines))
+        return check_outcome(self, *args)
+
+    monkeypatch.setattr(group_module.WorkerGroup, "_outcome", counting_outcome)
     result = WorkerGroup(spec, backend, tmp_path, on_line=slow_task_log).run()
-    assert result.succeeded and time.monotonic() - started < 2.0  # not 3 s of handing on every line
+    assert result.succeeded
+    per_poll = [b - a for a, b in zip([0, *handed_at_checks], handed_at_checks, strict=False)]
+    assert handed_at_checks and max(per_poll) <= 20  # not every queued line before the exit check
     assert any("left out of the task log" in line for line in lines) and len(lines) < 3000
     assert (tmp_path / "logs" / "rank-0.log").read_text().count("\nline ") == 3000  # the rank's log has them all

@@ -32,7 +32,7 @@ with DAG("gpu_admission_harness", schedule=None, start_date=START, render_templa
         run_config={"num_workers": "{{ params.num_workers }}", "use_gpu": False,
                     "storage_root": os.environ["GPT_FINETUNE_STORAGE_ROOT"]},
         run_key="{{ run_id | replace(':', '_') | replace('+', '_') }}",
-        env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "plugins" / "entrypoints"), str(REPO)]),
+        env={"PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "launcher" / "entrypoints"), str(REPO)]),
              "TINY_WORKER_STEPS": "60", "TINY_WORKER_STEP_S": "0.25"},
         pool=GPU_POOL,
         retries=0,
