@@ -56,7 +56,7 @@ def test_nightly_runs_promote_v1_refuse_a_worse_model_and_promote_v2(airflow_sta
     refused = report(airflow_stack, harmful)
     assert refused["continued_from"]["version"] == "v1"
     assert refused["promotion"]["promoted"] is False
-    assert "both scored on this run's validation shards" in refused["promotion"]["reason"]
+    assert "both scored on this run's evaluation sample" in refused["promotion"]["reason"]
     markdown = Path(storage(airflow_stack).run(run_key(DAG, harmful)).report, "report.md").read_text()
     assert "**Not promoted** (policy 'auto'): worse than the promoted version" in markdown
 
