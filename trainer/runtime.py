@@ -116,6 +116,10 @@ def preemption_checkpointed() -> None:
     ends nothing, and a SIGTERM from now on (the launcher stopping the rest of the group) is ignored."""
     global _notice_taken
     _notice_taken = True
+    # Ignored by the kernel, not only by the Python handler: Python resets its handlers to SIG_DFL while the
+    # interpreter shuts down, and a SIGTERM then (the launcher stopping the group once the first rank exited)
+    # would end this rank by the signal instead of with EXIT_PREEMPTED.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _deadline_passed(deadline_s: float) -> None:
