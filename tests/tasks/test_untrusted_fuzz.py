@@ -135,12 +135,10 @@ def test_a_generated_plan_or_lane_is_tokenized_as_planned_or_refused_by_name(tmp
 
     from tasks.dataset.errors import PrepareError
     from tasks.prepare import plan_run, tokenize_lane
+    from tests.tasks.dataset.corpus import two_part_corpus
 
     root = tmp_path / "allowed"
-    corpus = root / "corpus"
-    corpus.mkdir(parents=True)
-    for index in range(2):
-        (corpus / f"part-{index}.txt").write_text("\n\n".join(f"{index} {i} " + "word " * 60 for i in range(2000)))
+    corpus = two_part_corpus(root / "corpus")
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "secret.txt").write_text("hunter2\n")

@@ -138,3 +138,12 @@ def write_corpus(directory: Path, files: int = 2, paragraphs: int = 60, seed: in
         text = "\n\n".join(" ".join(rng.choice(WORDS, size=rng.integers(5, 40))) for _ in range(paragraphs))
         (directory / f"part-{index}.txt").write_text(text + "\n", encoding="utf-8")
     return directory
+
+
+def two_part_corpus(directory: Path) -> Path:
+    """Two text files of 2000 short paragraphs each: enough for a plan of two lanes with tiny units."""
+    directory.mkdir(parents=True)
+    for index in range(2):
+        (directory / f"part-{index}.txt").write_text(
+            "\n\n".join(f"{index} {i} " + "word " * 60 for i in range(2000)))
+    return directory

@@ -12,6 +12,7 @@ from tf_multiworker.backends import make_backend
 
 from tasks.dataset.errors import PrepareError
 from tasks.prepare import finish_run, plan_run, tokenize_lane
+from tests.tasks.dataset.corpus import two_part_corpus
 from trainer.config import ConfigError, RunConfig
 from trainer.config.access import AccessPolicy
 
@@ -23,10 +24,7 @@ DAG_ID = "gpt_finetune"
 def planned(tmp_path, monkeypatch):
     """A corpus planned in two lanes under a data root; the secret lies outside every data root."""
     root = tmp_path / "allowed"
-    corpus = root / "corpus"
-    corpus.mkdir(parents=True)
-    for index in range(2):
-        (corpus / f"part-{index}.txt").write_text("\n\n".join(f"{index} {i} " + "word " * 60 for i in range(2000)))
+    corpus = two_part_corpus(root / "corpus")
     monkeypatch.setenv("GPT_FINETUNE_DATA_ROOTS", str(root))
     secret = tmp_path / "outside-every-data-root.txt"
     secret.write_text("db_password = hunter2\n" * 50)
