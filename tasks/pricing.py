@@ -22,10 +22,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainer.config import ConfigError
+from trainer.config import ConfigError, schema
 
 PRICING_ENV = "GPT_FINETUNE_PRICING"
-CAPACITIES = ("on_demand", "reserved", "spot")
+CAPACITIES = schema.choices("capacity")
 RATE_SECTIONS = ("default", "cpu_worker")
 OVERRIDES = ("backends", "queues")
 

@@ -24,12 +24,9 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
+from trainer import REPO_ROOT
 from trainer.storage import join, normalize_root
-
-# The repository: relative settings (the storage root, local data) are taken from here, whatever the cwd.
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # A dataset's names, as prepare writes them. A manifest's fingerprint and shard names become local paths on every
 # worker host (the shard cache), so readers accept these forms only: anyone who can write the bucket could

@@ -99,34 +99,68 @@ def test_schedule_is_overridable_by_environment():
     assert out.stdout.split()[-1] == "None"
 
 
-def test_params_cover_every_setting_with_matching_defaults(dag):
+def test_params_are_generated_from_the_schema_in_its_order(dag):
+    from trainer.config.schema import SETTINGS
+
     params = dag.params.dump()
+    assert list(params) == [setting.name for setting in SETTINGS]
     assert sorted(params) == sorted(field_names())
     defaults = RunConfig().to_dict()
     for name, value in params.items():
         if name != "storage_root":  # the DAG's default comes from the environment
             assert value == defaults[name], name
-    for name in params:
-        assert dag.params.get_param(name).schema.get("type"), f"Param {name} has no JSON-schema type"
     RunConfig.from_params(params)  # the form's defaults form a valid run
 
 
-def test_param_bounds_are_the_run_configs(dag):
-    """The trigger form refuses exactly what RunConfig refuses: each numeric Param's minimum and maximum are the
-    bounds `RunConfig` applies (`trainer.config.core.RANGES`, `OPEN_BELOW` for an excluded low end)."""
-    from trainer.config.core import OPEN_BELOW, RANGES
+# A value each format refuses; every setting with a pattern (of its own or of its items) needs one here.
+BAD_FORMATS = {
+    "model_name": "-model", "model_revision": "main branch", "namespace": "Team_A", "image": "trainer image:1",
+    "cpu": "4 cores", "memory": "16 GB", "remote_python": "venv/bin/python", "gpu_queue": "gpu,cpu",
+    "alert_conn_id": "smtp conn", "ssh_conn_ids": ["host a"], "alert_emails": ["ops@example.com\nBcc: x@y.z"],
+}
 
-    declared = {}
-    for name in field_names():
-        schema = dag.params.get_param(name).schema
-        low = schema.get("exclusiveMinimum", schema.get("minimum"))
-        if low is not None or "maximum" in schema:
-            declared[name] = (low, schema.get("maximum"), "exclusiveMinimum" in schema)
-    expected = {**{name: (low, high, False) for name, (low, high) in RANGES.items()},
-                **{name: (low, high, True) for name, (low, high) in OPEN_BELOW.items()}}
-    mismatched = {name: (declared.get(name), expected.get(name)) for name in {*declared, *expected}
-                  if declared.get(name) != expected.get(name) and name not in ("min_workers",)}
-    assert mismatched == {}  # (Param, RunConfig); min_workers' bound is num_workers, checked by RunConfig alone
+
+def _refusals():
+    """(setting, value) pairs the schema refuses: each bound's first value outside it, a value of no enum, a value
+    of no format."""
+    from trainer.config.schema import SETTINGS
+
+    for setting in SETTINGS:
+        rules = setting.rules
+        step = 1 if setting.type == "integer" else 0.5
+        if "minimum" in rules:
+            yield setting.name, rules["minimum"] - step
+        if "exclusiveMinimum" in rules:
+            yield setting.name, rules["exclusiveMinimum"]
+        if "maximum" in rules:
+            yield setting.name, rules["maximum"] + step
+        if "enum" in rules:
+            yield setting.name, "bogus"
+        if "enum" in rules.get("items", {}):
+            yield setting.name, ["bogus"]
+        if "pattern" in rules or "pattern" in rules.get("items", {}):
+            yield setting.name, BAD_FORMATS[setting.name]
+
+
+@pytest.mark.parametrize(("name", "value"), list(_refusals()), ids=lambda v: v if isinstance(v, str) else None)
+def test_the_form_refuses_what_the_run_config_refuses(dag, name, value):
+    """Bounds, enums and formats are written once (trainer/config/schema.py): the trigger form and RunConfig refuse
+    the same values, the config naming the setting."""
+    from airflow.sdk.definitions.param import ParamValidationError
+
+    from trainer.config import ConfigError
+
+    with pytest.raises(ParamValidationError):
+        dag.params.get_param(name).resolve(value=value)
+    with pytest.raises(ConfigError, match=f"'{name}'"):
+        RunConfig.from_params({name: value})
+
+
+def test_every_format_has_a_refusal_to_test():
+    from trainer.config.schema import SETTINGS
+
+    patterned = {s.name for s in SETTINGS if "pattern" in s.rules or "pattern" in s.rules.get("items", {})}
+    assert patterned == set(BAD_FORMATS)
 
 
 def test_parsing_imports_no_heavy_library():

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer.config import schema
 from trainer.config.access import AccessPolicy
 from trainer.config.core import (
     BPE_SPEC,
@@ -168,14 +169,10 @@ class RunConfig:
                 "Check the spelling in --conf or the trigger form."
             )
         values = dict(params)
-        # The trigger form sends null for an optional field the user cleared.
-        for name in ("storage_conn_id", "remote_python", "remote_workdir", "kubernetes_conn_id", "cpu", "memory",
-                     "service_account", "gpu_queue", "alert_conn_id", "model_revision"):
-            if name in values and values[name] is None:
-                values[name] = ""
-        for name in ("ssh_conn_ids", "alert_emails"):
-            if name in values and values[name] is None:
-                values[name] = ()
+        # The trigger form sends null for an optional field the user cleared: empty (min_workers: unset).
+        for name, value in values.items():
+            if value is None and schema.BY_NAME[name].optional:
+                values[name] = schema.BY_NAME[name].default
         return cls(**{name: coerce(name, value, known[name]) for name, value in values.items()})
 
     def to_dict(self) -> dict[str, Any]:

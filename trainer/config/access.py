@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from trainer import REPO_ROOT
 from trainer.config.core import ConfigError
-from trainer.layout import REPO_ROOT
 
 DATA_ROOTS_ENV = "GPT_FINETUNE_DATA_ROOTS"
 S3_BUCKETS_ENV = "GPT_FINETUNE_S3_BUCKETS"

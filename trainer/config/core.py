@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlparse
 
+from trainer.config import schema
+
 
 class ConfigError(ValueError):
     """A run setting is missing, unknown, of the wrong type or out of range."""
@@ -24,46 +26,26 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
     "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64, "n_positions": 256},
     "gpt2-124m": {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024},
 }
+assert tuple(MODEL_PRESETS) == schema.MODEL_PRESET_NAMES, "the trigger form names the presets (schema.py)"
 
-MIXED_PRECISION = ("no", "bf16", "fp16")
-BASELINE_POLICIES = ("auto", "run", "skip")
-PROMOTE_POLICIES = ("auto", "always", "never")
 # Serving exports of the trained model, each checked for parity before promotion (trainer/export.py).
-EXPORT_FORMATS = ("safetensors", "saved_model", "tf_h5")
+EXPORT_FORMATS = schema.EXPORT_FORMATS
 # `model: "promoted"` continues from the latest promoted version of `model_name`, `promoted:<name>` from another.
 PROMOTED_MODEL = "promoted"
-# A registered model's name: one path segment, safe in local paths and S3 keys.
-_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+_MODEL_NAME = re.compile(schema.MODEL_NAME)
 STORAGE_SCHEMES = ("", "file", "s3")
 MAX_GLOBAL_BATCH = 1 << 20
-MAX_GRAD_ACCUM = 1024
-MAX_PREPARE_TASKS = 256  # mapped tasks of the prepare stage (the scheduler slows with thousands of them)
+MAX_GRAD_ACCUM = schema.RANGES["grad_accum_steps"][1]
 EVAL_BATCH_SEQUENCES = 8  # sequences per evaluation batch (trainer/evaluate.py): `eval_tokens` asks for one at least
-MAX_EVAL_TOKENS = 10**12
 BPE_SPEC = re.compile(r"^bpe:(\d+)$")
-_REVISION = re.compile(r"[A-Za-z0-9._/-]{1,255}")
-_EMAIL = re.compile(r"[^@\s,;<>]+@[^@\s,;<>]+\.[^@\s,;<>]+")
+_REVISION = re.compile(schema.REVISION)
+_EMAIL = re.compile(schema.EMAIL)
+_CONN_ID = re.compile(schema.CONN_ID)
 
-# Every numeric setting's bounds, in one table: RunConfig applies them and the DAG's Params declare the same
-# minimum and maximum (tests/dags/test_gpt_finetune.py compares the two).
-RANGES: dict[str, tuple[float, float]] = {
-    "num_workers": (1, 64), "block_size": (8, 8192), "batch_size_per_worker": (1, 4096),
-    "max_steps": (0, 10_000_000), "grad_accum_steps": (1, MAX_GRAD_ACCUM), "warmup_steps": (0, 10_000_000),
-    "weight_decay": (0.0, 1.0), "loss_tolerance": (0.0, 100.0), "promotion_tolerance": (0.0, 100.0),
-    "seed": (0, 2**31 - 1), "num_shards": (0, 100_000), "prepare_tasks": (0, MAX_PREPARE_TASKS),
-    "prepare_unit_mb": (0, 1 << 20), "bpe_sample_mb": (1, 1 << 20), "max_document_mb": (1, 1024),
-    "checkpoint_every_steps": (1, 10_000_000), "preemption_checkpoint_s": (0, 3600),
-    "collective_timeout_s": (5, 86_400), "startup_timeout_s": (5, 86_400), "hang_timeout_s": (10, 7 * 86_400),
-    "max_loss_rise": (0.0, 100.0), "min_throughput_ratio": (0.0, 1.0), "min_predicted_efficiency": (0.0, 1.0),
-    "gpus_per_worker": (0, 1), "workers_per_host": (0, 64), "allreduce_pack_mb": (0.0, 1024.0),
-    "eval_tokens": (0, MAX_EVAL_TOKENS),
-    "max_idle_held_s": (0, 30 * 86_400), "min_cost_efficiency": (0.0, 1.0), "max_release_s": (0, 86_400),
-    "max_run_cost": (0.0, 1e12),
-}
-CAPACITIES = ("on_demand", "reserved", "spot")
+# Every numeric setting's bounds, from the schema the DAG's Params are generated from.
+RANGES = schema.RANGES
 # Bounds whose low end is excluded: (low, high].
-OPEN_BELOW: dict[str, tuple[float, float]] = {"learning_rate": (0.0, 1.0), "epochs": (0.0, 1000.0),
-                                              "val_fraction": (0.0, 0.5)}
+OPEN_BELOW = schema.OPEN_BELOW
 
 
 def _number(value: Any) -> bool:
@@ -141,6 +123,9 @@ def _check_one_gpu_per_worker(cfg: Any) -> None:
 def _check_alerts(cfg: Any) -> None:
     """Recipients need a connection to send through and the other way round (the connection itself is looked up
     in prepare, where Airflow's connections are: tasks/alerts.py)."""
+    if cfg.alert_conn_id and not _CONN_ID.fullmatch(cfg.alert_conn_id):
+        raise ConfigError(f"Setting 'alert_conn_id' = {cfg.alert_conn_id!r} is not an Airflow connection id (letters, "
+                          "digits, '_', '.', '-').")
     bad = [address for address in cfg.alert_emails if not _EMAIL.fullmatch(address)]
     if bad:
         raise ConfigError(f"Setting 'alert_emails' has {bad}, which are not e-mail addresses (name@domain).")
@@ -158,10 +143,8 @@ def check_core_settings(cfg: Any) -> None:
     _check_one_gpu_per_worker(cfg)
     _check_bounds(cfg)
     _check_alerts(cfg)
-    check_choice("mixed_precision", cfg.mixed_precision, MIXED_PRECISION)
-    check_choice("baseline", cfg.baseline, BASELINE_POLICIES)
-    check_choice("promote", cfg.promote, PROMOTE_POLICIES)
-    check_choice("capacity", cfg.capacity, CAPACITIES)
+    for name in ("mixed_precision", "baseline", "promote", "capacity"):
+        check_choice(name, getattr(cfg, name), schema.choices(name))
     check_model_name("model_name", cfg.model_name)
     _check_export_formats(cfg)
     _check_locations(cfg)

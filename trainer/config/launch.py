@@ -11,27 +11,24 @@ import re
 from typing import Any
 from urllib.parse import urlparse
 
-from launcher.protocol import BACKEND_NAMES
+from trainer.config import schema
 from trainer.config.access import is_hub_id
 from trainer.config.core import MAX_GRAD_ACCUM, ConfigError, check_choice
 
-COMMUNICATION = ("auto", "ring", "nccl")
-ALLREDUCE_DTYPES = ("float32", "bfloat16")  # no float16: it would need loss scaling on the wire
 # What TensorFlow's NCCL all-reduce carries (tensorflow/core/nccl/nccl_manager.cc, kValidDataTypes): no bfloat16.
 NCCL_DTYPES = ("float16", "float32", "float64", "int32", "int64")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
-# A Celery queue as `airflow celery worker -q` takes it (a comma would split it into two queues).
-QUEUE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
-_CONN_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")
+QUEUE_NAME = re.compile(schema.QUEUE_NAME)
+_CONN_ID = re.compile(schema.CONN_ID)
 # Kubernetes formats (apimachinery validation).
-DEFAULT_TRAINER_IMAGE = "gpt-finetune-trainer:2.21.0"  # docker/trainer.Dockerfile
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+DEFAULT_TRAINER_IMAGE = schema.DEFAULT_TRAINER_IMAGE
+_DNS_LABEL = re.compile(schema.DNS_LABEL)
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
-_CPU_QUANTITY = re.compile(r"\d+(\.\d+)?m?")
-_MEMORY_QUANTITY = re.compile(r"\d+(\.\d+)?([KMGTPE]i?|k)?")
-_IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@-]*")
+_CPU_QUANTITY = re.compile(schema.CPU_QUANTITY)
+_MEMORY_QUANTITY = re.compile(schema.MEMORY_QUANTITY)
+_IMAGE = re.compile(schema.IMAGE)
 TOLERATION_OPERATORS = ("Exists", "Equal")
 TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
 
@@ -54,9 +51,8 @@ def resolve_communication(communication: str, use_gpu: bool) -> str:
 
 def check_launch_settings(cfg: Any) -> None:
     """The rules of a RunConfig's launch settings (its field types and bounds are checked first)."""
-    check_choice("backend", cfg.backend, BACKEND_NAMES)
-    check_choice("communication", cfg.communication, COMMUNICATION)
-    check_choice("allreduce_dtype", cfg.allreduce_dtype, ALLREDUCE_DTYPES)
+    for name in ("backend", "communication", "allreduce_dtype"):
+        check_choice(name, getattr(cfg, name), schema.choices(name))
     if cfg.gpu_queue and not QUEUE_NAME.fullmatch(cfg.gpu_queue):
         raise ConfigError(
             f"Setting 'gpu_queue' = {cfg.gpu_queue!r} is not a queue name: letters, digits, '_', '.' and '-', starting "
@@ -189,6 +185,10 @@ def _check_shared_storage(cfg: Any, why: str, readers: str) -> None:
 
 def _check_ssh(cfg: Any) -> None:
     """The SSH backend's settings; connection ids that Airflow does not know are refused by the prepare task."""
+    if cfg.remote_python and not cfg.remote_python.startswith("/"):
+        raise ConfigError(f"Setting 'remote_python' = {cfg.remote_python!r} must be an absolute path to the worker "
+                          "environment's interpreter on the hosts (e.g. /opt/gpt-finetune/.venv/bin/python), or "
+                          "empty for the same path as here.")
     if cfg.backend != "ssh":
         if cfg.ssh_conn_ids:
             raise ConfigError(f"Setting 'ssh_conn_ids' = {list(cfg.ssh_conn_ids)} is only read by backend 'ssh', "
@@ -198,7 +198,7 @@ def _check_ssh(cfg: Any) -> None:
         raise ConfigError("Setting 'backend' = 'ssh' needs 'ssh_conn_ids': the Airflow SSH connections of the hosts, "
                           'one per host, e.g. {"ssh_conn_ids": ["gpu_host_1", "gpu_host_2"]}.')
     for conn_id in cfg.ssh_conn_ids:
-        if not _CONN_ID.match(conn_id):
+        if not _CONN_ID.fullmatch(conn_id):
             raise ConfigError(f"Setting 'ssh_conn_ids' has {conn_id!r}, which is not an Airflow connection id "
                               "(letters, digits, '_', '.', '-').")
     repeated = sorted({c for c in cfg.ssh_conn_ids if cfg.ssh_conn_ids.count(c) > 1})
@@ -211,7 +211,3 @@ def _check_ssh(cfg: Any) -> None:
             f"{cfg.workers_per_host * len(cfg.ssh_conn_ids)} workers, but 'num_workers' = {cfg.num_workers}: make "
             "them agree, or set 'workers_per_host' to 0 (one per free GPU with use_gpu, else one per host).")
     _check_shared_storage(cfg, "backend 'ssh' runs workers on other hosts", "the SSH hosts")
-    if cfg.remote_python and not cfg.remote_python.startswith("/"):
-        raise ConfigError(f"Setting 'remote_python' = {cfg.remote_python!r} must be an absolute path to the worker "
-                          "environment's interpreter on the hosts (e.g. /opt/gpt-finetune/.venv/bin/python), or "
-                          "empty for the same path as here.")
