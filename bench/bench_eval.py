@@ -4,7 +4,7 @@ from the shared Shakespeare plays, against training's start-up.
 The corpus (CORPUS_MB, files of the plays in rotated order) is prepared by the real prepare stage in one task, with
 the demo's tokenizer (bpe:2048, trained on the plays alone) and block (64); the demo's `tiny` GPT-2 trains
 TRAIN_STEPS steps on 2 workers through the launcher (local backend). The trained model is then evaluated as the
-evaluate task does (tasks/compare.run_evaluation: a group of the run's workers, each scoring its part of the sample,
+evaluate task does (tasks/evaluate.run_evaluation: a group of the run's workers, each scoring its part of the sample,
 combined exactly):
 
 1. The default sample (`eval_tokens` 1,000,000) on 2 workers and on 1: wall time from launch to the combined result,
@@ -85,7 +85,7 @@ def _train(root: Path, manifest: str, tokenizer: str) -> dict:
 
 def _evaluate(root: Path, manifest: str, workers: int, eval_tokens: int) -> dict:
     from launcher import LocalBackend
-    from tasks.compare import run_evaluation
+    from tasks.evaluate import run_evaluation
     from trainer.config import RunConfig
 
     cfg = RunConfig(**SETTINGS, num_workers=workers, eval_tokens=eval_tokens, storage_root=str(root / "eval"))

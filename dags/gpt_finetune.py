@@ -123,7 +123,7 @@ def plan_baseline(prepared_run: dict) -> bool:
 def evaluate(prepared_run: dict) -> dict:
     from tf_multiworker.backends import make_backend
 
-    from tasks.compare import evaluate_run
+    from tasks.evaluate import evaluate_run
 
     return evaluate_run(prepared_run, make_backend)
 

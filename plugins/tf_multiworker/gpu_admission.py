@@ -43,7 +43,7 @@ GPU_POOL = "gpu_slots"
 DEFAULT_POOL = "default_pool"  # airflow.models.pool.Pool.DEFAULT_POOL_NAME, without importing the ORM at start-up
 SLOTS_SETTING = "GPT_FINETUNE_GPU_SLOTS"
 POOL_DESCRIPTION = "GPUs on the training hosts: one slot per worker"
-# Plain Python tasks that launch groups of the run's `num_workers` (tasks/compare.py's evaluations).
+# Plain Python tasks that launch groups of the run's `num_workers` (tasks/evaluate.py's evaluations).
 RUN_GROUP_TASKS = frozenset({"evaluate"})
 
 

@@ -63,7 +63,7 @@ def _losses(output: TrainOutput) -> dict[int, float]:
 
 
 def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(airflow_env, tmp_path):
-    from tasks.compare import _evaluate, run_evaluation
+    from tasks.evaluate import evaluate_run, run_evaluation
 
     manifest = write_dataset(tmp_path / "dataset", sorted((REPO / "data" / "sample").glob("*.txt")), block_size=32,
                              vocab_size=320, num_train_shards=4, max_chars=20_000)
@@ -126,7 +126,7 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
     prepared = {"run_id": "elastic", "run_key": key, "storage_root": storage, "config": cfg.to_dict(),
                 "manifest_url": manifest, "train_url": run.train.url, "baseline_url": "", "baseline_key": "",
                 "report_url": run.report, "preflight_url": run.report, "dataset_fingerprint": "test"}
-    evaluation = _evaluate(prepared, cfg, make_backend)
+    evaluation = evaluate_run(prepared, make_backend)
     markdown = (Path(run.report) / "report.md").read_text()
     assert "**elastic**: continued on 2 of 4 workers from step 4: this machine allows 2 worker(s)" in markdown
     assert "| 1-4 | 4 of 4 | 1 |" in markdown and "| 5-12 | 2 of 4 | 2 |" in markdown

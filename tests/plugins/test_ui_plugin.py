@@ -25,7 +25,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 from tf_multiworker.backends import make_backend
 
-from tasks import compare
+from tasks import evaluate
 from tests.support.browser import chromium
 from tests.tasks import run_fixtures
 from trainer.layout import run_key
@@ -47,7 +47,7 @@ def storage_root(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ui") / "storage")
     calls = Path(root).parent / "evaluate-calls.txt"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compare, "EVALUATE_MODULE", "tests.tasks.fixture_evaluate")
+        patch.setattr(evaluate, "EVALUATE_MODULE", "tests.tasks.fixture_evaluate")
         patch.setenv("TFMW_FIXTURE_EVALUATE_CALLS", str(calls))
         patch.setenv("PYTHONPATH", str(REPO))
         for run_id, workers, train_time_s, tolerance, gates in (
@@ -60,13 +60,13 @@ def storage_root(tmp_path_factory):
             run_fixtures.write_training_output(prepared["train_url"], num_workers=workers,
                                                train_time_s=train_time_s, eval_loss=5.31)
             if gates == "passed":
-                compare.evaluate_run(prepared, make_backend)
+                evaluate.evaluate_run(prepared, make_backend)
                 continue
             # The second run fails its parity gate on purpose (the page must show it), and only that gate.
-            with pytest.raises(compare.GateFailure,
+            with pytest.raises(evaluate.GateFailure,
                                match=r"^1 comparison gate\(s\) failed .*eval loss distributed "
                                      r"5\.3100 - baseline 5\.3000 = \+0\.0100 nats, tolerance ±0\.0010"):
-                compare.evaluate_run(prepared, make_backend)
+                evaluate.evaluate_run(prepared, make_backend)
     write_json_atomic(join(root, "runs", "manual__training", "config.json"), {})
     # The older run was released; the newer one's release has not run yet.
     write_json_atomic(join(root, "runs", KEY_28, "release.json"), {"clean": True})
@@ -310,7 +310,7 @@ def test_pages_show_the_latest_model_its_history_and_each_runs_samples(tmp_path,
     from tasks.promote import promote_run
 
     root = str(tmp_path / "storage")
-    monkeypatch.setattr(compare, "EVALUATE_MODULE", "tests.tasks.fixture_evaluate")
+    monkeypatch.setattr(evaluate, "EVALUATE_MODULE", "tests.tasks.fixture_evaluate")
     monkeypatch.setenv("TFMW_FIXTURE_EVALUATE_CALLS", str(tmp_path / "calls.txt"))
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     keys = {}
@@ -318,7 +318,7 @@ def test_pages_show_the_latest_model_its_history_and_each_runs_samples(tmp_path,
         prepared = run_fixtures.prepare_run(root, run_id, baseline="skip")
         run_fixtures.write_training_output(prepared["train_url"], num_workers=2, train_time_s=30.0,
                                            eval_loss=eval_loss)
-        compare.evaluate_run(prepared, make_backend)
+        evaluate.evaluate_run(prepared, make_backend)
         promote_run(prepared)
         keys[run_id] = prepared["run_key"]
     client = TestClient(create_app(root))

@@ -8,7 +8,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from tf_multiworker.backends import make_backend
 
 from tasks.baseline import plan_baseline
-from tasks.compare import evaluate_run
+from tasks.evaluate import evaluate_run
 from tasks.promote import promote_run
 from tests.tasks import run_fixtures
 

@@ -2,7 +2,7 @@
 and kills, on local disk and on the S3 server alike.
 
 Reports come from the real evaluate task with `fixture_evaluate` standing in for `trainer.evaluate` (see
-test_compare.py), so the promoted version is really scored on the later run's shards by a child process.
+test_evaluate.py), so the promoted version is really scored on the later run's shards by a child process.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from tf_multiworker.backends import make_backend
 
-from tasks import compare, registry
+from tasks import evaluate, registry
 from tasks.promote import NoReportError, promote_run
 from tests.tasks import run_fixtures
 from trainer.layout import StorageLayout, TrainOutput
@@ -46,8 +46,8 @@ def evaluated_run(root: str, run_id: str, eval_loss: float, spread: float = 0.0,
         write_json_atomic(join(prepared["train_url"], "model", "fixture_eval.json"),
                           {"eval_loss": eval_loss, "spread": spread})
     try:
-        compare.evaluate_run(prepared, make_backend)
-    except compare.GateFailure:
+        evaluate.evaluate_run(prepared, make_backend)
+    except evaluate.GateFailure:
         pass
     return prepared
 

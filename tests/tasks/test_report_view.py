@@ -56,9 +56,9 @@ def test_gpu_memory_shows_tensorflows_peak_beside_the_memory_in_use_on_gpu_runs_
 
 
 def test_the_report_says_how_the_gradients_crossed_the_network():
-    """summary.json's `allreduce` (trainer/train.py) reaches the report through the run's figures (tasks/compare.py):
+    """summary.json's `allreduce` (trainer/train.py) reaches the report through the run's figures (tasks/comparison.py):
     the implementation `communication` resolved to, the wire dtype and the packs."""
-    from tasks.compare import run_figures
+    from tasks.comparison import run_figures
     from trainer.layout import TrainOutput
 
     summary = {"num_workers": 2, "global_batch_size": 16, "steps": 4, "tokens_seen": 4096, "train_time_s": 2.0,

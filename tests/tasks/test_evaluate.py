@@ -16,9 +16,9 @@ import airflow  # noqa: F401 (its first import replaces the log handlers: here, 
 import pytest
 from tf_multiworker.backends import make_backend
 
-from tasks import compare, figures
+from tasks import evaluate
 from tasks.baseline import plan_baseline
-from tasks.compare import EvaluationError, GateFailure, evaluate_run
+from tasks.evaluate import EvaluationError, GateFailure, evaluate_run
 from tests.tasks import run_fixtures
 from trainer.config import RunConfig
 from trainer.layout import StorageLayout
@@ -47,7 +47,7 @@ def trained_run(root, run_id, *, train_time_s=30.0, baseline_time_s=33.0, eval_l
 
 
 def test_two_workers_against_the_baseline_report_every_figure(root, evaluations, caplog):
-    caplog.set_level(logging.INFO, logger="gpt_finetune.compare")
+    caplog.set_level(logging.INFO, logger="gpt_finetune.evaluate")
     prepared = trained_run(root, "manual__2026-11-29T10:00:00+00:00")
 
     result = evaluate_run(prepared, make_backend)
@@ -55,8 +55,8 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
     assert result["speedup"] == pytest.approx(33.0 / 30.0)
     assert result["efficiency"] == pytest.approx(33.0 / 30.0 / 2)
     assert (result["eval_loss"], result["baseline_eval_loss"], result["gates_passed"]) == (5.305, 5.300, True)
-    assert result["report_url"] == join(prepared["report_url"], "report.json")
-    report = read_json(result["report_url"])
+    assert result["report_json_url"] == join(prepared["report_url"], "report.json")
+    report = read_json(result["report_json_url"])
     distributed, baseline = report["runs"]["distributed"], report["runs"]["baseline"]
     assert (distributed["num_workers"], baseline["num_workers"]) == (2, 1)
     assert distributed["perplexity"] == pytest.approx(math.exp(5.305))
@@ -104,7 +104,7 @@ def test_a_reused_baseline_is_not_trained_or_evaluated_again(root, evaluations):
 
     assert second["baseline_key"] == first["baseline_key"]
     assert result["speedup"] == pytest.approx(33.0 / 25.0)  # the first baseline's time
-    report = read_json(result["report_url"])
+    report = read_json(result["report_json_url"])
     assert report["baseline"]["reused"] is True and report["baseline"]["trained_by_run"] == "scheduled__1"
     assert evaluations().count(join(first["baseline_url"], "model")) == 1
     assert evaluations().count(join(second["train_url"], "model")) == 1
@@ -132,7 +132,7 @@ def test_skip_reports_the_distributed_run_alone(root, evaluations):
     result = evaluate_run(prepared, make_backend)
 
     assert (result["speedup"], result["efficiency"], result["baseline_eval_loss"]) == (None, None, None)
-    report = read_json(result["report_url"])
+    report = read_json(result["report_json_url"])
     assert report["runs"]["baseline"] is None and [row["run"] for row in report["table"]] == ["distributed"]
     assert evaluations() == [join(prepared["train_url"], "model")]
 
@@ -183,7 +183,7 @@ def test_a_sampled_evaluation_reports_its_share_and_widens_loss_parity_by_the_pa
 
     result = evaluate_run(prepared, make_backend)
 
-    report = read_json(result["report_url"])
+    report = read_json(result["report_json_url"])
     assert report["eval_sample"]["tokens"] == 512 and report["eval_sample"]["split_tokens"] == 2560
     assert report["eval_sample"]["whole_split"] is False and report["eval_sample"]["workers"] == 2
     fpc = math.sqrt((40 - 8) / (40 - 1))  # the finite-population correction of 8 sequences of 40
@@ -203,19 +203,9 @@ def test_a_sampled_evaluation_reports_its_share_and_widens_loss_parity_by_the_pa
     assert report["baseline"]["key"] != trained_run(root, "manual__all", eval_tokens=0)["baseline_key"]
 
 
-def test_speedup_compares_time_per_step_so_a_resumed_job_is_measured_fairly():
-    baseline = {"steps": 40, "steps_timed": 39, "train_time_s": 39.0, "resumed_from_step": 0}
-    resumed = {"steps": 40, "steps_timed": 19, "train_time_s": 9.5, "resumed_from_step": 20}  # 0.5 s per step
-    assert figures.seconds_per_step(baseline) == 1.0 and figures.seconds_per_step(resumed) == 0.5
-    assert figures.seconds_per_step({**resumed, "steps_timed": 0}) is None
-    run = {"num_workers": 4, "eval_loss": 5.0, "seconds_per_step": 0.5}
-    result = compare.compare(run, {**run, "num_workers": 1, "seconds_per_step": 1.0}, 0.02)
-    assert (result["speedup"], result["efficiency"], result["loss_delta"]) == (2.0, 0.5, 0.0)
-
-
 def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, caplog):
     """Airflow's execution_timeout raises from a SIGALRM handler while the task waits on the child."""
-    caplog.set_level(logging.INFO, logger="gpt_finetune.compare")
+    caplog.set_level(logging.INFO, logger="gpt_finetune.evaluate")
     model = join(root, "model")
     write_json_atomic(join(model, "fixture_eval.json"), {"eval_loss": 5.3, "hang_s": 120})
     manifest = run_fixtures.write_manifest(root)
@@ -227,7 +217,7 @@ def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, 
     signal.setitimer(signal.ITIMER_REAL, 3.0)
     try:
         with pytest.raises(TimeoutError):
-            compare.run_evaluation(model, manifest, join(root, "eval.json"), cfg=RunConfig(storage_root=root),
+            evaluate.run_evaluation(model, manifest, join(root, "eval.json"), cfg=RunConfig(storage_root=root),
                                    run_key="run-of-eval", label="distributed", make_backend=make_backend)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -254,7 +244,7 @@ def test_real_trainer_output_evaluated_by_the_real_entry_point(root, tmp_path, c
     from tests.trainer.shards import write_dataset
     from trainer.train import main as train
 
-    caplog.set_level(logging.INFO, logger="gpt_finetune.compare")
+    caplog.set_level(logging.INFO, logger="gpt_finetune.evaluate")
     manifest = write_dataset(tmp_path / "dataset", [REPO / "data" / "sample" / "macbeth_gut.txt"], block_size=32,
                              vocab_size=320, num_train_shards=2, max_chars=30_000)
     prepared = run_fixtures.prepare_run(
@@ -268,7 +258,7 @@ def test_real_trainer_output_evaluated_by_the_real_entry_point(root, tmp_path, c
 
     assert result["gates_passed"] and result["speedup"] == 1.0 and result["efficiency"] == 1.0
     assert result["eval_loss"] == result["baseline_eval_loss"] < math.log(320)
-    report = read_json(result["report_url"])
+    report = read_json(result["report_json_url"])
     distributed = report["runs"]["distributed"]
     summary = read_json(prepared["train_summary_url"])
     assert distributed["tokens_per_s"] == summary["tokens_per_s"] > 0 and distributed["steps"] == 4
@@ -288,7 +278,7 @@ def test_two_workers_evaluate_the_sample_as_one_does(tmp_path, caplog):
     from tests.trainer.shards import write_dataset
     from trainer.train import main as train
 
-    caplog.set_level(logging.INFO, logger="gpt_finetune.compare")
+    caplog.set_level(logging.INFO, logger="gpt_finetune.evaluate")
     manifest = write_dataset(tmp_path / "dataset", sorted((REPO / "data" / "sample").glob("*.txt")), block_size=32,
                              vocab_size=320, num_train_shards=2, max_chars=30_000, val_fraction=0.5,
                              sequences_per_record=16)
@@ -302,7 +292,7 @@ def test_two_workers_evaluate_the_sample_as_one_does(tmp_path, caplog):
     for workers in (1, 2):
         cfg = RunConfig(storage_root=root, num_workers=workers, block_size=32, eval_tokens=split_tokens // 20)
         started = time.perf_counter()
-        results[workers] = compare.run_evaluation(
+        results[workers] = evaluate.run_evaluation(
             str(tmp_path / "train" / "model"), manifest, join(root, f"eval-{workers}.json"), cfg=cfg,
             run_key="one-and-two", label=f"on-{workers}", make_backend=make_backend)
         times[workers] = time.perf_counter() - started

@@ -1,4 +1,5 @@
-"""The figures of the comparison: each trained model's, speedup, scaling efficiency and the gates with their limits.
+"""The comparison, pure: each trained model's figures, speedup, scaling efficiency, the gates with their limits, the
+hardware line and the report built from them (the evaluate task, tasks/evaluate.py, gathers the inputs and writes it).
 
 The loss-parity gate's limit is its tolerance widened by the sampling error of the delta: both models are scored on
 the same sample of the validation split (trainer/eval_sample.py), so the delta's standard error is the paired one
@@ -8,9 +9,14 @@ over the sample's sequences (trainer/eval_result.py), and it is 0 when the whole
 from __future__ import annotations
 
 import math
+import os
+import platform
+from datetime import UTC, datetime
 from typing import Any
 
+from tasks import report as reports
 from tasks.formatting import nats
+from trainer.config import RunConfig
 from trainer.eval_result import GATE_STANDARD_ERRORS
 from trainer.layout import TrainOutput
 
@@ -133,3 +139,64 @@ def sampling_allowance(tolerance: float, error: float, first: dict[str, Any], se
 
 def _gate(name: str, passed: bool, value: float | None, limit: float | None, detail: str) -> dict[str, Any]:
     return {"name": name, "passed": bool(passed), "value": value, "limit": limit, "detail": detail}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the report
+
+
+def hardware_line(cfg: RunConfig, distributed: dict[str, Any]) -> str:
+    """One honest sentence on what bounds the scaling of this run."""
+    hardware = distributed.get("hardware") or {}
+    workers = cfg.num_workers
+    if cfg.use_gpu:
+        return (f"{workers} workers x 1 GPU ({hardware.get('gpu') or 'GPU'}), chief on {hardware.get('host')}; "
+                f"the baseline trained on 1 GPU of the same kind.")
+    cores = hardware.get("cpu_count") or os.cpu_count() or 1
+    cpu = f" ({hardware['cpu']})" if hardware.get("cpu") else ""
+    if workers == 1:
+        return f"1 worker on a {cores}-core CPU{cpu}."
+    return (
+        f"{workers} workers on a {cores}-core CPU: efficiency is bounded by cores. The 1-worker baseline already "
+        f"kept all {cores} cores busy, so the {workers} workers split the same cores: expect a speedup near 1x at "
+        f"best and efficiency near 1/N = {1 / workers:.0%}, less the cost of the gradient all-reduce. CPU{cpu}."
+    )
+
+
+def build_report(prepared: dict, cfg: RunConfig, *, distributed: dict[str, Any], baseline: dict[str, Any] | None,
+                 delta_se: float | None = None, trained_by: str | None = None) -> dict[str, Any]:
+    """report.json's core (tasks/report.py has its layout): the runs' figures compared and gated; `trained_by` is the
+    run that trained the baseline (its key record's), so a reused baseline is reported as such."""
+    comparison = compare(distributed, baseline, cfg.loss_tolerance, delta_se)
+    checked = gates(distributed, baseline, comparison)
+    report = {
+        "format_version": reports.REPORT_FORMAT_VERSION,
+        "run_id": prepared["run_id"],
+        "run_key": prepared["run_key"],
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "num_workers": cfg.num_workers,
+        "gates_passed": all(gate["passed"] for gate in checked),
+        "runs": {"distributed": distributed, "baseline": baseline},
+        "comparison": comparison,
+        "gates": checked,
+        "baseline": {
+            "policy": cfg.baseline,
+            "key": prepared["baseline_key"] if baseline else None,
+            "url": prepared["baseline_url"] if baseline else None,
+            "trained_by_run": trained_by,
+            "reused": bool(baseline) and trained_by != prepared["run_id"],
+        },
+        "hardware": {
+            "line": hardware_line(cfg, distributed),
+            "distributed": distributed["hardware"],
+            "baseline": baseline["hardware"] if baseline else None,
+            "task_host": {"host": platform.node(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
+        },
+        "versions": distributed["versions"],
+        "config": cfg.to_dict(),
+        "dataset_fingerprint": prepared["dataset_fingerprint"],
+        "eval_sample": distributed.get("eval_sample"),  # every model of the run scored this one
+        "charts": {"loss_curves": reports.LOSS_CHART, "scaling": reports.SCALING_CHART},
+    }
+    report["table"] = reports.table_rows(report)
+    return report

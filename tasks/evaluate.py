@@ -1,4 +1,5 @@
-"""The evaluate task: both final models on the same evaluation sample, then speedup, efficiency and loss parity.
+"""The evaluate task: every model of the run on the same evaluation sample, then the report (tasks/comparison.py
+compares them: speedup, efficiency, loss parity and the gates).
 
 Each model's evaluation runs `python -m trainer.evaluate` as a group of the run's `num_workers` through the launcher,
 on the run's backend (local processes, SSH hosts, pods), so TensorFlow never loads into the Airflow task runner and
@@ -12,17 +13,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import platform
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tasks import registry, telemetry, throughput
 from tasks import report as reports
 from tasks.alerts import alert_throughput
 from tasks.baseline import read_key_record
+from tasks.comparison import build_report, run_figures
 from tasks.connections import uses_run_storage
-from tasks.figures import compare, gates, run_figures
 from tasks.launch import add_release_after_train
 from tasks.policy import checked_config
 from trainer.config import RunConfig
@@ -35,7 +34,7 @@ from trainer.storage import exists, join, read_bytes, read_json, remove_tree, wr
 if TYPE_CHECKING:
     from launcher.backend import BackendFactory
 
-log = logging.getLogger("gpt_finetune.compare")
+log = logging.getLogger("gpt_finetune.evaluate")
 
 EVALUATE_MODULE = "trainer.evaluate"  # the worker entry point of docs/CONTRACTS.md
 BASELINE_EVAL = "eval.json"  # cached next to a baseline: its key covers the data, the sample and the evaluation code
@@ -52,12 +51,48 @@ class EvaluationError(RuntimeError):
 @uses_run_storage
 def evaluate_run(prepared: dict, make_backend: BackendFactory) -> dict:
     """The evaluate task; `make_backend` builds the run's backend for each evaluation (the DAG task hands in
-    `tf_multiworker.backends.make_backend`)."""
+    `tf_multiworker.backends.make_backend`). Its steps: the models scored, the report assembled and written, the
+    run's throughput announced, the gates checked (a failed gate fails the task, the report written)."""
     cfg = checked_config(prepared["config"])
-    return _evaluate(prepared, cfg, make_backend)
+    scored = score_models(prepared, cfg, make_backend)
+    report = assemble_report(prepared, cfg, scored)
+    earlier = reports.earlier_reports(StorageLayout(prepared["storage_root"]).runs, exclude_run_key=prepared["run_key"])
+    expected = throughput.assess(report, earlier, cfg.min_throughput_ratio)
+    report["warnings"] = expected.warnings
+    report_json_url = reports.write_report(prepared["report_url"], report, charts(prepared, cfg, report, earlier))
+    log.info("Report written to %s\n%s\n%s", prepared["report_url"], reports.text_table(report["table"]),
+             f"Hardware: {report['hardware']['line']}")
+    announce(prepared, cfg, report, expected.ratio)
+    check_gates(prepared, report, report_json_url)
+    comparison = report["comparison"]
+    return {
+        "report_json_url": report_json_url,
+        "report_md_url": join(prepared["report_url"], reports.REPORT_MD),
+        "speedup": comparison["speedup"],
+        "efficiency": comparison["efficiency"],
+        "eval_loss": report["runs"]["distributed"]["eval_loss"],
+        "baseline_eval_loss": scored.baseline_eval["eval_loss"] if scored.baseline_eval else None,
+        "gates_passed": True,
+    }
 
 
-def _evaluate(prepared: dict, cfg: RunConfig, make_backend: BackendFactory) -> dict:
+@dataclass(frozen=True)
+class Scored:
+    """What `score_models` measured: each trained model's output, summary and evaluation, and the promoted
+    version's section (None: nothing promoted to compare with)."""
+
+    distributed: TrainOutput
+    distributed_summary: dict[str, Any]
+    distributed_eval: dict[str, Any]
+    baseline: TrainOutput | None
+    baseline_summary: dict[str, Any] | None
+    baseline_eval: dict[str, Any] | None
+    promoted: dict[str, Any] | None
+
+
+def score_models(prepared: dict, cfg: RunConfig, make_backend: BackendFactory) -> Scored:
+    """Every model of the run on the same evaluation sample: the distributed one, the baseline (its cached
+    evaluation when it scored this sample) and the promoted version. An earlier attempt's report is removed first."""
     distributed = TrainOutput(prepared["train_url"])
     baseline = None if cfg.baseline == "skip" else TrainOutput(prepared["baseline_url"])
     # Fail fast, before any model loads, when a training job left no summary (it did not complete).
@@ -73,26 +108,38 @@ def _evaluate(prepared: dict, cfg: RunConfig, make_backend: BackendFactory) -> d
                                       make_backend=make_backend)
     baseline_eval = evaluate_baseline(prepared, cfg, baseline, make_backend) if baseline else None
     promoted = evaluate_promoted(prepared, cfg, make_backend, distributed_eval)
+    return Scored(distributed, distributed_summary, distributed_eval, baseline, baseline_summary, baseline_eval,
+                  promoted)
 
+
+def assemble_report(prepared: dict, cfg: RunConfig, scored: Scored) -> dict[str, Any]:
+    """report.json without its warnings: the comparison (tasks/comparison.py), the scaling segments and prediction,
+    the slots' release after training, where the model continued from, the promoted version and the samples."""
+    baseline = scored.baseline
+    record = read_key_record(prepared["baseline_url"]) if baseline else None
     report = build_report(
         prepared, cfg,
-        distributed=run_figures("distributed", distributed, distributed_summary, distributed_eval),
-        baseline=run_figures("baseline", baseline, baseline_summary, baseline_eval) if baseline else None,
-        delta_se=delta_standard_error(distributed_eval, baseline_eval),
+        distributed=run_figures("distributed", scored.distributed, scored.distributed_summary,
+                                scored.distributed_eval),
+        baseline=run_figures("baseline", baseline, scored.baseline_summary, scored.baseline_eval) if baseline else None,
+        delta_se=delta_standard_error(scored.distributed_eval, scored.baseline_eval),
+        trained_by=record["trained_by_run"] if record else None,
     )
-    add_scaling(report, prepared, distributed)
+    add_scaling(report, prepared, scored.distributed)
     add_release_after_train(report, StorageLayout(prepared["storage_root"]).run(prepared["run_key"]))
     report["continued_from"] = prepared.get("continued_from")
-    report["promoted"] = promoted
-    evaluations = {"baseline": baseline_eval, "distributed": distributed_eval}
-    if promoted:
-        evaluations[f"promoted {promoted['version']}"] = promoted
+    report["promoted"] = scored.promoted
+    evaluations = {"baseline": scored.baseline_eval, "distributed": scored.distributed_eval}
+    if scored.promoted:
+        evaluations[f"promoted {scored.promoted['version']}"] = scored.promoted
     report["samples"] = samples_by_model(evaluations)
-    earlier = reports.earlier_reports(StorageLayout(prepared["storage_root"]).runs, exclude_run_key=prepared["run_key"])
-    expected = throughput.assess(report, earlier, cfg.min_throughput_ratio)
-    report["warnings"] = expected.warnings
+    return report
+
+
+def charts(prepared: dict, cfg: RunConfig, report: dict[str, Any], earlier: list[dict[str, Any]]) -> dict[str, bytes]:
+    """The loss curves of the models trained and the scaling history with this run (and the advisor's rows)."""
     trained = [run for run in (report["runs"]["baseline"], report["runs"]["distributed"]) if run]
-    charts = {
+    return {
         reports.LOSS_CHART: reports.loss_chart(
             {run["label"]: read_metrics(TrainOutput(run["output_url"])) for run in trained},
             title=f"Training loss and final eval loss, global batch {cfg.global_batch_size}",
@@ -104,32 +151,26 @@ def _evaluate(prepared: dict, cfg: RunConfig, make_backend: BackendFactory) -> d
             predicted=(report.get("prediction") or {}).get("rows"),
         ),
     }
-    report_json_url = reports.write_report(report_url, report, charts)
-    log.info("Report written to %s\n%s\n%s", report_url, reports.text_table(report["table"]),
-             f"Hardware: {report['hardware']['line']}")
 
-    telemetry.emit_report_metrics(report, expected.ratio)
+
+def announce(prepared: dict, cfg: RunConfig, report: dict[str, Any], ratio: float | None) -> None:
+    """The report's metrics, and its throughput warnings as log lines, a count and an alert."""
+    telemetry.emit_report_metrics(report, ratio)
     for warning in report["warnings"]:
         log.warning("Throughput: %s", warning)
     if report["warnings"]:
         telemetry.count("throughput_warning", {"run": prepared["run_key"], "task": "evaluate"})
         alert_throughput(cfg, prepared["run_id"], report["warnings"])
+
+
+def check_gates(prepared: dict, report: dict[str, Any], report_json_url: str) -> None:
+    """GateFailure, with each failed gate's numbers, when any gate failed (the report is written by then)."""
     failed = [gate for gate in report["gates"] if not gate["passed"]]
     if failed:
         raise GateFailure(
             f"{len(failed)} comparison gate(s) failed for run {prepared['run_id']} (report: {report_json_url}): "
             + "; ".join(gate["detail"] for gate in failed)
         )
-    comparison = report["comparison"]
-    return {
-        "report_url": report_json_url,
-        "report_md_url": join(report_url, reports.REPORT_MD),
-        "speedup": comparison["speedup"],
-        "efficiency": comparison["efficiency"],
-        "eval_loss": report["runs"]["distributed"]["eval_loss"],
-        "baseline_eval_loss": baseline_eval["eval_loss"] if baseline_eval else None,
-        "gates_passed": True,
-    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -292,64 +333,3 @@ def samples_by_model(evaluations: dict[str, dict[str, Any] | None]) -> list[dict
                             "nats_per_char": evaluation.get("nats_per_char"),
                             "known_words": evaluation.get("known_words"), "samples": samples})
     return section
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the report
-
-
-def hardware_line(cfg: RunConfig, distributed: dict[str, Any]) -> str:
-    """One honest sentence on what bounds the scaling of this run."""
-    hardware = distributed.get("hardware") or {}
-    workers = cfg.num_workers
-    if cfg.use_gpu:
-        return (f"{workers} workers x 1 GPU ({hardware.get('gpu') or 'GPU'}), chief on {hardware.get('host')}; "
-                f"the baseline trained on 1 GPU of the same kind.")
-    cores = hardware.get("cpu_count") or os.cpu_count() or 1
-    cpu = f" ({hardware['cpu']})" if hardware.get("cpu") else ""
-    if workers == 1:
-        return f"1 worker on a {cores}-core CPU{cpu}."
-    return (
-        f"{workers} workers on a {cores}-core CPU: efficiency is bounded by cores. The 1-worker baseline already "
-        f"kept all {cores} cores busy, so the {workers} workers split the same cores: expect a speedup near 1x at "
-        f"best and efficiency near 1/N = {1 / workers:.0%}, less the cost of the gradient all-reduce. CPU{cpu}."
-    )
-
-
-def build_report(prepared: dict, cfg: RunConfig, *, distributed: dict[str, Any],
-                 baseline: dict[str, Any] | None, delta_se: float | None = None) -> dict[str, Any]:
-    comparison = compare(distributed, baseline, cfg.loss_tolerance, delta_se)
-    checked = gates(distributed, baseline, comparison)
-    record = read_key_record(prepared["baseline_url"]) if baseline else None
-    trained_by = record["trained_by_run"] if record else None
-    report = {
-        "format_version": reports.REPORT_FORMAT_VERSION,
-        "run_id": prepared["run_id"],
-        "run_key": prepared["run_key"],
-        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "num_workers": cfg.num_workers,
-        "gates_passed": all(gate["passed"] for gate in checked),
-        "runs": {"distributed": distributed, "baseline": baseline},
-        "comparison": comparison,
-        "gates": checked,
-        "baseline": {
-            "policy": cfg.baseline,
-            "key": prepared["baseline_key"] if baseline else None,
-            "url": prepared["baseline_url"] if baseline else None,
-            "trained_by_run": trained_by,
-            "reused": bool(baseline) and trained_by != prepared["run_id"],
-        },
-        "hardware": {
-            "line": hardware_line(cfg, distributed),
-            "distributed": distributed["hardware"],
-            "baseline": baseline["hardware"] if baseline else None,
-            "task_host": {"host": platform.node(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
-        },
-        "versions": distributed["versions"],
-        "config": cfg.to_dict(),
-        "dataset_fingerprint": prepared["dataset_fingerprint"],
-        "eval_sample": distributed.get("eval_sample"),  # every model of the run scored this one
-        "charts": {"loss_curves": reports.LOSS_CHART, "scaling": reports.SCALING_CHART},
-    }
-    report["table"] = reports.table_rows(report)
-    return report

@@ -1,0 +1,23 @@
+"""The comparison's pure parts (tasks/comparison.py): figures, speedup and the hardware line, without storage."""
+
+from tasks import comparison
+from trainer.config import RunConfig
+
+
+def test_speedup_compares_time_per_step_so_a_resumed_job_is_measured_fairly():
+    baseline = {"steps": 40, "steps_timed": 39, "train_time_s": 39.0, "resumed_from_step": 0}
+    resumed = {"steps": 40, "steps_timed": 19, "train_time_s": 9.5, "resumed_from_step": 20}  # 0.5 s per step
+    assert comparison.seconds_per_step(baseline) == 1.0 and comparison.seconds_per_step(resumed) == 0.5
+    assert comparison.seconds_per_step({**resumed, "steps_timed": 0}) is None
+    run = {"num_workers": 4, "eval_loss": 5.0, "seconds_per_step": 0.5}
+    result = comparison.compare(run, {**run, "num_workers": 1, "seconds_per_step": 1.0}, 0.02)
+    assert (result["speedup"], result["efficiency"], result["loss_delta"]) == (2.0, 0.5, 0.0)
+
+
+def test_the_hardware_line_says_what_bounds_the_scaling():
+    cpu = {"cpu_count": 8, "cpu": "Xeon"}
+    assert comparison.hardware_line(RunConfig(num_workers=1), {"hardware": cpu}) == "1 worker on a 8-core CPU (Xeon)."
+    line = comparison.hardware_line(RunConfig(num_workers=4), {"hardware": cpu})
+    assert line.startswith("4 workers on a 8-core CPU: efficiency is bounded by cores") and "1/N = 25%" in line
+    gpu = comparison.hardware_line(RunConfig(num_workers=2, use_gpu=True), {"hardware": {"gpu": "H200", "host": "h"}})
+    assert gpu == "2 workers x 1 GPU (H200), chief on h; the baseline trained on 1 GPU of the same kind."
