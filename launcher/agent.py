@@ -29,6 +29,10 @@ neither Airflow nor TensorFlow.
   carries the run's key (never an unrelated group, never pgid 0 or 1).
 - `reap`: `{"run_key": str, "group": str, "grace_s": float}` -> ends what an earlier attempt of that worker group
   left on this host (found by `TFMW_RUN_KEY` and `TFMW_GROUP`), before the group launches again.
+- `slots`: `{"run_key": str, "group": str, "pids": [int], "gpus": [str], "use_gpu": bool}` -> right after that
+  group exited, whether the slots its ranks held here are free (`launcher.gpus.check_exited_slots`, release's
+  bounded checks): no process of the group left (by `TFMW_RUN_KEY` and `TFMW_GROUP`) and, with `use_gpu`, its
+  `pids` gone from NVML's lists and the memory of the GPUs it was placed on (`gpus`: UUIDs or indices) back to idle.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from launcher.gpus import probe_gpus, release_check, release_is_clean, watch_release
+from launcher.gpus import check_exited_slots, probe_gpus, release_check, release_is_clean, watch_release
 from launcher.host_probe import package_versions
 from launcher.process import (
     KILL_WAIT_S,
@@ -127,6 +131,13 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "run_key": (_run_key, "a run key (letters, digits, '.', '_', '-')"),
         "group": (lambda v: isinstance(v, str) and bool(v), "a worker group's name"),
         "grace_s": (_seconds, "seconds, 0 to 3600"),
+    },
+    "slots": {
+        "run_key": (_run_key, "a run key (letters, digits, '.', '_', '-')"),
+        "group": (lambda v: isinstance(v, str) and bool(v), "a worker group's name"),
+        "pids": (lambda v: isinstance(v, list) and all(type(p) is int and p > 0 for p in v), "a list of pids"),
+        "gpus": (_strings, "a list of GPU UUIDs or indices"),
+        "use_gpu": (lambda v: isinstance(v, bool), "true or false"),
     },
 }
 
@@ -360,8 +371,15 @@ def reap(request: dict[str, Any]) -> dict[str, Any]:
     return {"host": socket.gethostname(), **ended}
 
 
+def slots_free(request: dict[str, Any]) -> dict[str, Any]:
+    markers = {RUN_KEY_ENV: request["run_key"], GROUP_ENV: request["group"]}
+    check = check_exited_slots(request["pids"], request["gpus"], use_gpu=request["use_gpu"],
+                               alive=lambda: sorted(processes_with_env(markers)))
+    return {"host": socket.gethostname(), **check}
+
+
 ANSWERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "probe": probe, "release": release, "kill": kill_group, "reap": reap}
+    "probe": probe, "release": release, "kill": kill_group, "reap": reap, "slots": slots_free}
 
 
 def main(args: list[str]) -> int:

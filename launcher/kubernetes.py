@@ -15,7 +15,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,10 +26,11 @@ from launcher import kubernetes_objects as objects
 from launcher import kubernetes_release
 from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, WorkerHandle
 from launcher.errors import LaunchError
+from launcher.gpus import GPU_RELEASE_WAIT_S
 from launcher.kubernetes_api import KubernetesApi, KubernetesApiError
 from launcher.kubernetes_pods import KubernetesWorkerHandle, LaunchedGroup, follow_status
 from launcher.process import ORPHAN_GRACE_S
-from launcher.spec import GroupSpec, Placement, WorkerSpec
+from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class KubernetesBackend(Backend):
                                  timeout=(settings.connect_timeout_s, settings.request_timeout_s),
                                  retries=settings.retries, sleep=sleep)
         self._groups: dict[str, LaunchedGroup] = {}
+        self._ended: dict[str, dict[str, str | None]] = {}  # group -> pod -> how its end was seen (end_group)
         self._lock = threading.Lock()
 
     # -- Backend ---------------------------------------------------------------------------------------------
@@ -144,6 +146,7 @@ class KubernetesBackend(Backend):
             return
         state.stop.set()
         self._teardown(state)
+        self._ended[group.name] = {handle.pod: handle.end_evidence() for handle in state.handles.values()}
         kept = []
         for handle in list(state.handles.values()):
             failed = handle.exit_code not in (None, 0) and not handle.stopped_by_launcher
@@ -160,6 +163,14 @@ class KubernetesBackend(Backend):
                         self.settings.namespace, state.names.selector)
         if state.watcher:
             state.watcher.join(self.settings.status_interval_s + 5)
+
+    def check_slots_free(self, group: GroupSpec, workers: Sequence[WorkerOutcome]) -> dict[str, Any]:
+        """The group's pods ended (seen from their kubelets) and none of them listed still running: what the pods
+        held (their GPUs) is free (kubernetes_release.check_group_ended, bounded like release's GPU check)."""
+        names = objects.GroupNames(group.run_key, group.name, self.settings.namespace)
+        evidence = self._ended.pop(group.name, {})
+        check = kubernetes_release.check_group_ended(self.api, names.selector, evidence, GPU_RELEASE_WAIT_S)
+        return {**check, "slots": "gpu" if group.use_gpu else "cpu"}
 
     def end_earlier_attempts(self, group: GroupSpec) -> list[dict]:
         """The group's pods and objects that an earlier attempt left (its launcher died before deleting them),

@@ -137,6 +137,7 @@ class KubernetesWorkerHandle(WorkerHandle):
         self.termination = ""  # how a failed pod ended, written after its last log line
         self._seen = False  # the status loop has listed the pod at least once
         self._stopping = False  # this launcher deletes the pod: its disappearance is expected
+        self._forced = False  # ... and without a grace period (kill): its disappearance proves nothing
         self._events_seen: set[str] = set()
         self._events_at = 0.0
         read_fd, self._write_fd = os.pipe()
@@ -161,7 +162,7 @@ class KubernetesWorkerHandle(WorkerHandle):
         self._stop_pod(self, self.group.spec.grace_period_s)
 
     def kill(self) -> None:
-        self._stopping = True
+        self._stopping = self._forced = True
         self._stop_pod(self, 0)
 
     @property
@@ -171,6 +172,16 @@ class KubernetesWorkerHandle(WorkerHandle):
 
     def gone(self) -> bool:
         return self.deleted.is_set() or self.exit_code is not None
+
+    def end_evidence(self) -> str | None:
+        """What shows that the pod's container ended: its kubelet reported it terminated (or the pod Failed), or the
+        pod stopped being listed after this launcher deleted it with a grace period (the API server drops such a pod
+        only once its kubelet reported the containers ended); None when nothing does (a forced deletion)."""
+        if self.exit_code is not None:
+            return "kubelet"
+        if self.deleted.is_set() and self._stopping and not self._forced:
+            return "graceful delete"
+        return None
 
     def waiting_reason(self) -> str:
         if self.started.is_set() or self.deleted.is_set() or not self.pending_reason:

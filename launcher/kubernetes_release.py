@@ -106,6 +106,30 @@ def _wait_gone(api: KubernetesApi, selector: str, kept: list[str], ends: dict[st
         sleep(POLL_S)
 
 
+TERMINAL_PHASES = ("Succeeded", "Failed")
+
+
+def check_group_ended(api: KubernetesApi, selector: str, evidence: dict[str, str | None], wait_s: float, *,
+                      clock: Callable[[], float] = time.monotonic,
+                      sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
+    """Right after a group exited: its GPUs (its pods' resources) are free. `evidence` maps each of the group's pods
+    to how its end was seen (`KubernetesWorkerHandle.end_evidence`). Free once every pod's end was seen and no pod
+    matching `selector` is listed in a phase other than Succeeded or Failed (a kept failed pod holds nothing),
+    listed again every POLL_S for up to `wait_s`. `free_after_s`: seconds to that proof (None: not proven)."""
+    started = clock()
+    while True:
+        running = [f"{p.metadata.name} ({_phase(p)})" for p in api.list("pod", selector)
+                   if (p.status.phase if p.status else None) not in TERMINAL_PHASES]
+        if not running or clock() - started >= wait_s:
+            break
+        sleep(POLL_S)
+    unseen = sorted(pod for pod, how in evidence.items() if how is None)
+    free = bool(evidence) and not running and not unseen
+    return {"checked": True, "free": free, "free_after_s": round(clock() - started, 3) if free
+            else None, "pods": dict(sorted(evidence.items())), "still_listed": running,
+            **({"note": f"no end seen of pod(s) {unseen} (deleted without a grace period)"} if unseen else {})}
+
+
 def _stuck(namespace: str, end: PodEnd, wait_s: float) -> str:
     node = f" on node {end.node}" if end.node else ""
     return (f"pod {namespace}/{end.pod}{node} is still listed ({end.phase}) {wait_s:g} s after its delete with a "

@@ -31,7 +31,7 @@ from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, WorkerHandle
 from launcher.errors import InsufficientGPUsError, LaunchError
 from launcher.gpus import GPU_RELEASE_WAIT_S
 from launcher.process import ORPHAN_GRACE_S
-from launcher.spec import GroupSpec, Placement, WorkerSpec
+from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -367,6 +367,34 @@ class SSHBackend(Backend):
 
     def end_group(self, group: GroupSpec) -> None:
         self._gpus_settle_until = self.clock() + GPU_RELEASE_WAIT_S  # its ranks were just stopped
+
+    def check_slots_free(self, group: GroupSpec, workers: Sequence[WorkerOutcome]) -> dict[str, Any]:
+        """Every host the group ran on, asked at once (the agent's `slots`: release's bounded checks, on that host):
+        no process of the group left there and, with GPUs, its pids gone from NVML and its GPUs' memory back. Free
+        only when every host proved it; `free_after_s` is the slowest host's."""
+        by_conn: dict[str, list[WorkerOutcome]] = {}
+        for worker in workers:
+            by_conn.setdefault(str(worker.record.get("conn_id")), []).append(worker)
+        hosts = [h for h in self.hosts if h.conn_id in by_conn]
+        requests = {h.conn_id: {"run_key": group.run_key, "group": group.name, "use_gpu": group.use_gpu,
+                                "pids": [w.record["remote_pid"] for w in by_conn[h.conn_id]
+                                         if isinstance(w.record.get("remote_pid"), int)],
+                                "gpus": [str(d) for w in by_conn[h.conn_id] for d in (w.devices or ())]}
+                    for h in hosts}
+        with ThreadPoolExecutor(max(1, min(len(hosts), MAX_PARALLEL_REQUESTS)), thread_name_prefix="ssh-slots") as pool:
+            answers = list(pool.map(lambda h: self._ask_slots(h, requests[h.conn_id]), hosts))
+        missing = sorted(set(by_conn) - {h.conn_id for h in hosts})
+        free = bool(hosts) and not missing and all(a.get("free") is True for a in answers)
+        return {"checked": True, "slots": "gpu" if group.use_gpu else "cpu", "free": free,
+                "free_after_s": max(a["free_after_s"] for a in answers) if free else None,
+                "hosts": answers, **({"note": f"no host of connection(s) {missing} to ask"} if missing else {})}
+
+    def _ask_slots(self, host: RemoteHost, request: Mapping[str, Any]) -> dict[str, Any]:
+        try:
+            return {**self.request(host, "slots", request, timeout_s=REQUEST_TIMEOUT_S + GPU_RELEASE_WAIT_S),
+                    "host": host.address}
+        except HostError as error:
+            return {"host": host.address, "free": None, "error": str(error)}
 
     # -- earlier attempts and release ---------------------------------------------------------------------------
 

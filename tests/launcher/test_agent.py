@@ -325,3 +325,16 @@ def test_reap_ends_only_the_named_group_of_the_run():
         for sleeper in sleepers.values():
             sleeper.kill()
             sleeper.wait()
+
+
+def test_slots_are_free_once_no_process_of_the_group_is_left_and_a_bad_request_is_refused():
+    key = f"slots-{uuid.uuid4().hex[:8]}"
+    other = subprocess.Popen(["sleep", "600"], env={"TFMW_RUN_KEY": key, "TFMW_GROUP": "baseline"})
+    try:  # another group of the run (baseline beside train) does not hold train's slots
+        answer = _answer("slots", {"run_key": key, "group": "train", "pids": [], "gpus": [], "use_gpu": False})
+        assert answer["free"] is True and answer["processes_left"] == [] and 0 <= answer["free_after_s"] < 1, answer
+    finally:
+        other.kill()
+        other.wait()
+    done = _one_shot("slots", b'{"run_key": "k", "group": "train", "pids": ["1"], "gpus": [], "use_gpu": false}\n')
+    assert done.returncode == 2 and "'pids' must be a list of pids" in json.loads(done.stdout)["error"]

@@ -14,13 +14,16 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config
 
-from launcher import FailureKind, GroupSpec, GroupState, WorkerGroup, WorkerSpec, tensorflow_env
+from launcher import FailureKind, GroupSpec, GroupState, WorkerGroup, WorkerSpec, kubernetes_release, tensorflow_env
 from launcher.kubernetes import KubernetesBackend, KubernetesSettings
 from launcher.kubernetes_api import KubernetesApiError
 from launcher.kubernetes_objects import GroupNames, PodSettings
 from launcher.log_policy import VERBOSE_ENV
+from tasks.launch import RecordedLaunch
 from tests.launcher.conftest import ACCESS_POLICY_ENV, ENTRYPOINTS, REPO
 from tests.support.k8s_server import FakeKubernetes
+from trainer.layout import StorageLayout
+from trainer.storage import read_json
 
 SECRET = "s3cret-for-the-pods-only"
 RUN_KEY = "manual__2026-12-01T10_00_00-0123456789"
@@ -142,6 +145,42 @@ def test_stopping_the_group_deletes_every_object(cluster, tmp_path):
     _wait_for(lambda: cluster.remaining() == {}, 10)
     print(f"\nstop: every object deleted after {time.monotonic() - stopped:.2f} s")
     runner.join(10)
+
+
+def test_the_groups_pods_are_proven_ended_right_after_it_exits(cluster, tmp_path):
+    """Issue 40, item 6 on Kubernetes: right after the group exits, the one launch path asks the backend; every pod's
+    end was reported by its kubelet and none is listed running, so `release_after_train_s` is measured."""
+    run = StorageLayout(str(tmp_path / "storage")).run(RUN_KEY)
+    launch = RecordedLaunch(spec(), backend(cluster), run, on_line=lambda *_: None)
+    result = launch.run_group()
+    check = launch.after_exit
+    print(f"\npods after exit: {json.dumps(check)}")
+    assert result.succeeded, result.error_message()
+    names = GroupNames(RUN_KEY, "tiny", "default")
+    assert check["free"] is True and check["slots"] == "cpu" and check["still_listed"] == [], check
+    assert check["pods"] == {names.pod(0): "kubelet", names.pod(1): "kubelet"}
+    assert 0 <= check["release_after_train_s"] < 5, check
+    assert read_json(run.state_file("tiny"))["after_exit"]["release_after_train_s"] == check["release_after_train_s"]
+
+
+def test_a_pod_whose_end_was_not_seen_or_that_still_runs_is_not_proven_free(cluster, tmp_path):
+    """A pod deleted without a grace period (its end unseen) proves nothing; one still listed running holds the proof
+    back until the bounded wait ends."""
+    the_backend = backend(cluster)
+    group = WorkerGroup(spec(env={"TINY_WORKER_STEPS": "100000", "TINY_WORKER_STEP_S": "0.05"}), the_backend,
+                        tmp_path / "work", on_line=lambda rank, line: None)
+    runner = threading.Thread(target=group.run, daemon=True)
+    runner.start()
+    names = GroupNames(RUN_KEY, "tiny", "default")
+    _wait_for(lambda: b"step 2 done" in cluster.log_of(names.pod(1)), 30)
+    evidence = {names.pod(0): "kubelet", names.pod(1): None}
+    still = kubernetes_release.check_group_ended(the_backend.api, names.selector, evidence, 0.5)
+    assert still["free"] is False and still["free_after_s"] is None
+    assert len(still["still_listed"]) == 2 and names.pod(1) in still["note"], still
+    group.stop("test", grace_s=1)
+    runner.join(10)
+    ended = the_backend.check_slots_free(spec(), [])
+    assert ended["free"] is True and set(ended["pods"].values()) <= {"kubelet", "graceful delete"}, ended
 
 
 def _abandoned_group(cluster, tmp_path, num_workers: int = 2) -> GroupNames:

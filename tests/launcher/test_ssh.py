@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -20,8 +21,13 @@ import pytest
 from tf_multiworker.backends import DEFAULT_REMOTE_WORKDIR, ssh_backend
 
 from launcher import FailureKind, GroupSpec, GroupState, LaunchError, WorkerGroup, error_for
+from launcher.protocol import GROUP_ENV, RUN_KEY_ENV
+from launcher.ssh import RemoteHost
+from tasks.launch import RecordedLaunch
 from tasks.release import processes_of_run
 from tests.launcher.conftest import REPO, entrypoint_env, start_launcher, wait_for
+from trainer.layout import StorageLayout
+from trainer.storage import read_json
 
 SECRET = "ssh-secret-value-never-in-argv"
 
@@ -236,6 +242,49 @@ def test_release_ends_a_runs_processes_on_every_host(ssh_hosts, connections, tmp
     # The fake hosts share one process table, so whichever host's agent looks first ends it.
     assert [pid for h in result["hosts"] for pid in h["terminated"]] and processes_of_run(key) == {}
     assert not (ssh_hosts[1].tmpdir / "tfmw" / key).exists()  # its run directory on that host's disk is gone
+
+
+def test_each_host_proves_the_groups_slots_free_right_after_it_exits(ssh_hosts, connections, tmp_path):
+    """Issue 40, item 6 on SSH: the one launch path asks every host's agent (`slots`) right after the group exited;
+    a process of the group still alive on a host holds the proof back until it is gone (bounded)."""
+    key = f"ssh-slots-{time.time_ns()}"
+    run = StorageLayout(str(tmp_path / "storage")).run(key)
+    launch = RecordedLaunch(_spec(key), _backend(connections), run, on_line=lambda *_: None)
+    leftover: list[subprocess.Popen] = []
+
+    def check_with_a_leftover(group, workers):  # as if a rank's child escaped its process group
+        leftover.append(subprocess.Popen(["sleep", "60"], env={**os.environ, RUN_KEY_ENV: key, GROUP_ENV: "tiny"}))
+        threading.Timer(1.0, leftover[0].kill).start()
+        return type(launch.backend).check_slots_free(launch.backend, group, workers)
+
+    launch.backend.check_slots_free = check_with_a_leftover
+    try:
+        result = launch.run_group()
+    finally:
+        launch.backend.close()
+        for process in leftover:
+            process.kill()
+            process.wait()
+    check = launch.after_exit
+    print(f"\nslots over SSH after exit: {json.dumps(check)[:700]}")
+    assert result.succeeded, result.error_message()
+    assert check["checked"] is True and check["free"] is True and check["slots"] == "cpu", check
+    assert [h["host"] for h in check["hosts"]] == [h.address for h in ssh_hosts]
+    # The fake hosts share one process table: each host's agent (started in about 0.3 s) waited for the leftover.
+    assert all(0.3 <= h["free_after_s"] < 5 for h in check["hosts"]), check
+    assert 1.0 <= check["release_after_train_s"] < 15, check
+    assert read_json(run.state_file("tiny"))["after_exit"]["release_after_train_s"] == check["release_after_train_s"]
+
+
+def test_a_host_that_cannot_be_asked_leaves_the_slots_unproven(ssh_hosts, connections, tmp_path):
+    backend = _backend(connections)
+    result, _, _ = _run(_spec(f"ssh-slots-gone-{time.time_ns()}"), backend, tmp_path)
+    assert result.succeeded, result.error_message()
+    backend.hosts[1] = RemoteHost(backend.hosts[1].conn_id, "127.0.0.9", lambda: (_ for _ in ()).throw(OSError("no")))
+    check = backend.check_slots_free(_spec("ssh-slots-gone"), result.workers)
+    backend.close()
+    assert check["free"] is False and check["free_after_s"] is None
+    assert check["hosts"][0]["free"] is True and "unreachable" in check["hosts"][1]["error"]
 
 
 def test_release_fails_loudly_when_a_host_cannot_be_reached(ssh_hosts, connections, monkeypatch):

@@ -135,7 +135,9 @@ def _config(host_dir: Path, root: Path, address: str, port: int, authorized_keys
         "PrintMotd no",
         "PrintLastLog no",
         "LogLevel VERBOSE",
-        f'SetEnv "{HOST_ROOT_ENV}={root}" "TMPDIR={root / "tmp"}"',
+        f'SetEnv "{HOST_ROOT_ENV}={root}" "TMPDIR={root / "tmp"}"'
+        # The agent imports the code under test (a worktree first on PYTHONPATH), not only the installed project.
+        + (f' "PYTHONPATH={os.environ["PYTHONPATH"]}"' if os.environ.get("PYTHONPATH") else ""),
     ]
     if sshd_version() >= (9, 8):
         lines.append("PerSourcePenalties no")  # failed-auth tests would otherwise lock the client address out
