@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import bench
+from launcher.local import PortAllocator
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = bench.CORPUS
@@ -53,7 +54,7 @@ def _train(config: dict, manifest_url: str, out: Path) -> tuple[dict, list[dict]
     config_path = out / "config.json"
     config_path.write_text(json.dumps(config))
     workers = config["num_workers"]
-    addresses = [f"127.0.0.1:{p}" for p in bench.free_ports(workers)] if workers > 1 else []
+    addresses = [f"127.0.0.1:{p}" for p in PortAllocator().allocate(workers)] if workers > 1 else []
     procs = []
     for rank in range(workers):
         env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "HF_HUB_OFFLINE": "1"}

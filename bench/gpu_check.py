@@ -28,6 +28,7 @@ from pathlib import Path
 
 import bench
 from bench import results
+from launcher.local import PortAllocator
 
 REPO = bench.REPO
 MFU_TARGET = 0.40
@@ -129,7 +130,7 @@ def _allreduce(shapes: dict, use_gpu: bool, out: Path) -> dict:
 
 
 def _run_workers(command: list[str], workers: int, use_gpu: bool, extra_env: dict[str, str]) -> list[int]:
-    addresses = [f"127.0.0.1:{port}" for port in bench.free_ports(workers)] if workers > 1 else []
+    addresses = [f"127.0.0.1:{port}" for port in PortAllocator().allocate(workers)] if workers > 1 else []
     procs = []
     for rank in range(workers):
         env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "1", "HF_HUB_OFFLINE": "1",

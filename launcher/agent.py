@@ -1,38 +1,11 @@
 """The agent the SSH backend runs on each remote host: `<remote_python> -u -m launcher.agent MODE`.
 
 Every mode reads one JSON line on stdin (so secrets never travel in an argv or an SSH exec string) and answers on
-stdout. Paths (`cwd`, `workdir`) are this host's: a relative one lies under its temporary directory. Standard
-library only (plus `pynvml` where installed): it starts for every rank, so it must start fast, and it imports
-neither Airflow nor TensorFlow.
-
-- `run`: `{"argv": [...], "env": {...}, "cwd": str, "grace_s": float, "base_env": "inherit"}`. Starts `argv` in
-  its own session, in `cwd` (created, mode 0700), with the allow-listed part of this process's environment
-  (`launcher.protocol.inherited_environment`) plus `env`, and its own `TMPDIR=<cwd>/tmp`
-  (`launcher.protocol.worker_temp_environment`). Prints `TFMW_AGENT {"pid", "pgid", "host", "python", "versions"}`,
-  then the worker's merged stdout/stderr line by line, then `TFMW_EXIT {"code"}` (negative: killed by
-  that signal) and exits with the code (128 + signal for a signal). When its stdin closes or it gets SIGTERM,
-  SIGHUP or SIGINT, it stops the worker's whole process group: SIGTERM, a grace period, SIGKILL. The grace is
-  `grace_s` when the launcher asked for the stop (the line `STOP_LINE` before closing the channel), and at most
-  `ORPHAN_GRACE_S` otherwise: the connection dropped or the launcher died (sshd closes the agent's pipes when the
-  client's socket closes, however its process ended), and nobody waits for the worker's result any more.
-  Whatever the worker leaves behind in its group is stopped the same way once it exits. If the worker cannot be
-  started, only `TFMW_EXIT {"code", "error"}` is printed (127: no such program, 126: not executable or no working
-  directory, 2: bad request).
-- `probe`: `{"ports": n, "workdir": str, "use_gpu": bool}` -> this host's identity, `n` distinct ports
-  free on every interface (TensorFlow's worker server binds 0.0.0.0), `free_gpus` and `gpus` (NVML's view; only
-  with `use_gpu`, else [] and null),
-  whether `workdir` can be created and written, and the free disk there.
-- `release`: `{"run_key": str, "grace_s": float, "workdir": str | null}` -> ends every process of the run on this
-  host (found by `TFMW_RUN_KEY` in its environment), checks the GPUs, and removes `<workdir>/<run_key>` when it is
-  a real directory of this user and nothing of the run survived.
-- `kill`: `{"pgid": int, "run_key": str}` -> SIGKILL to that process group, only when one of its live members
-  carries the run's key (never an unrelated group, never pgid 0 or 1).
-- `reap`: `{"run_key": str, "group": str, "grace_s": float}` -> ends what an earlier attempt of that worker group
-  left on this host (found by `TFMW_RUN_KEY` and `TFMW_GROUP`), before the group launches again.
-- `slots`: `{"run_key": str, "group": str, "pids": [int], "gpus": [str], "use_gpu": bool}` -> right after that
-  group exited, whether the slots its ranks held here are free (`launcher.gpus.check_exited_slots`, release's
-  bounded checks): no process of the group left (by `TFMW_RUN_KEY` and `TFMW_GROUP`) and, with `use_gpu`, its
-  `pids` gone from NVML's lists and the memory of the GPUs it was placed on (`gpus`: UUIDs or indices) back to idle.
+stdout: `run` starts a worker and relays its output between control lines; `probe`, `release`, `kill`, `reap` and
+`slots` answer with one JSON object. The modes, their requests and answers are specified in docs/CONTRACTS.md ("SSH
+backend <-> remote agent"); the fields each request must have, and what they must be, are `REQUESTS` below; the
+control lines are named in `launcher.protocol`. It runs from the launcher package installed in `remote_python`'s
+environment on that host, and imports neither Airflow nor TensorFlow: it starts for every rank, so it must start fast.
 """
 
 from __future__ import annotations
@@ -53,9 +26,11 @@ from typing import IO, Any
 
 from launcher.gpus import check_exited_slots, probe_gpus, release_check, release_is_clean, watch_release
 from launcher.host_probe import package_versions
+from launcher.local import PortAllocator
 from launcher.process import (
     KILL_WAIT_S,
     ORPHAN_GRACE_S,
+    code_to_exit_status,
     end_marked_processes,
     live_group_members,
     processes_with_env,
@@ -63,15 +38,22 @@ from launcher.process import (
     stop_group,
     wait_group_gone,
 )
-from launcher.protocol import GROUP_ENV, RUN_KEY_ENV, inherited_environment, worker_temp_environment
+from launcher.protocol import (
+    AGENT_LINE,
+    AGENT_MODULE,
+    EXIT_LINE,
+    GROUP_ENV,
+    RUN_KEY_ENV,
+    STOP_LINE,
+    control_line,
+    inherited_environment,
+    worker_temp_environment,
+)
 
-AGENT_LINE = "TFMW_AGENT"
-EXIT_LINE = "TFMW_EXIT"
-# What the launcher writes after the request when it stops the worker itself (then the whole grace period applies).
-STOP_LINE = b"TFMW_STOP\n"
 EXIT_BAD_REQUEST = 2
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
+EVERY_INTERFACE = "0.0.0.0"  # where a probe's ports must be free: TensorFlow's worker server binds them all
 MAX_LINE_BYTES = 1 << 16  # a worker line longer than this is relayed in pieces
 OUTPUT_DRAIN_S = 2.0  # how long the relay may lag once the worker's group is gone (an escaped process holds it)
 SAFE_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
@@ -201,7 +183,7 @@ class Output:
 
     def control(self, tag: str, payload: dict[str, Any]) -> None:
         prefix = b"" if self.at_line_start else b"\n"  # a worker's unterminated last line stays its own line
-        self.write(prefix + f"{tag} {json.dumps(payload)}\n".encode())
+        self.write(prefix + control_line(tag, payload))
 
 
 def _relay(source: IO[bytes], out: Output) -> None:
@@ -230,11 +212,6 @@ def _watch_stdin(stdin: IO[bytes], stop: StopRequest) -> None:
     except (OSError, ValueError):
         pass
     stop.event.set()
-
-
-def _signal_status(code: int) -> int:
-    """A Popen return code as a shell exit status: 128 + signal for a signal."""
-    return 128 - code if code < 0 else code
 
 
 def run_worker(request: dict[str, Any], out: Output, stdin: IO[bytes]) -> int:
@@ -270,23 +247,7 @@ def run_worker(request: dict[str, Any], out: Output, stdin: IO[bytes]) -> int:
     stop_group(pgid, stop.grace_s(grace_s) if stop.event.is_set() else grace_s)  # what it left in its group
     relay.join(OUTPUT_DRAIN_S)
     out.control(EXIT_LINE, {"code": code})
-    return _signal_status(code)
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports free on every interface now, all distinct: each is held until all are chosen."""
-    held: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < count:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            held.append(sock)
-            sock.bind(("0.0.0.0", 0))
-            ports.append(sock.getsockname()[1])
-    finally:
-        for sock in held:
-            sock.close()
-    return ports
+    return code_to_exit_status(code)
 
 
 def _workdir_status(workdir: str) -> dict[str, Any]:
@@ -320,7 +281,7 @@ def gpu_inventory() -> dict[str, Any]:
 def probe(request: dict[str, Any]) -> dict[str, Any]:
     gpus = gpu_inventory() if request["use_gpu"] else None  # NVML start-up costs time; CPU runs skip it
     return {**identity(), "tmpdir": tempfile.gettempdir(),
-            "free_ports": free_ports(request["ports"]),
+            "free_ports": PortAllocator(EVERY_INTERFACE).allocate(request["ports"]),
             "free_gpus": gpus["pin"] if gpus else [], "gpus": gpus,
             **_workdir_status(request["workdir"])}
 
@@ -384,7 +345,7 @@ ANSWERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 
 def main(args: list[str]) -> int:
     if len(args) != 1 or args[0] not in REQUESTS:
-        print(f"usage: python -m launcher.agent {{{','.join(REQUESTS)}}} < request.json",
+        print(f"usage: python -m {AGENT_MODULE} {{{','.join(REQUESTS)}}} < request.json",
               file=sys.stderr)
         return EXIT_BAD_REQUEST
     mode = args[0]

@@ -24,6 +24,7 @@ from kubernetes.client.rest import ApiException
 from launcher import kubernetes_objects as objects
 from launcher.backend import WorkerHandle
 from launcher.kubernetes_api import TRANSPORT_ERRORS, KubernetesApi, KubernetesApiError, api_reason
+from launcher.process import exit_status_to_code
 from launcher.spec import GroupSpec
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def _exit_code(pod: V1Pod) -> int | None:
             code = terminated.exit_code
             if terminated.signal:
                 return -terminated.signal
-            return -(code - 128) if 128 < code <= 128 + 64 else code
+            return exit_status_to_code(code)
     if pod.status.phase == "Failed":  # e.g. evicted before the container ran
         return 1
     return None

@@ -62,7 +62,8 @@ LOCAL_USABLE_WORKERS_ENV = "TFMW_LOCAL_USABLE_WORKERS"
 
 
 class PortAllocator:
-    """Hands out ports the kernel reports free, never the same one twice in this process for a while.
+    """Hands out ports the kernel reports free on `host`, never the same one twice in this process for a while.
+    The local backend asks on loopback; the SSH agent on every interface ("0.0.0.0"), where TensorFlow binds.
 
     A port can still be taken by another process between this check and the worker's bind: the group runner
     detects the worker's bind failure and relaunches on new ports (bounded by `max_launch_attempts`).

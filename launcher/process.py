@@ -26,6 +26,20 @@ ORPHAN_GRACE_S = 3.0
 # Every worker of one local launch attempt carries `TFMW_GUARD=<token>`: its guard ends them by it
 # (launcher.guard, which the package must not import: it runs as `python -m`).
 GUARD_ENV = "TFMW_GUARD"
+# A process ended by signal n: Popen's return code is -n; a shell, sshd and container runtimes report 128 + n.
+SIGNAL_STATUS_BASE = 128
+MAX_SIGNAL = 64  # Linux's highest real-time signal
+
+
+def exit_status_to_code(status: int) -> int:
+    """An exit status as a shell, sshd or a container runtime reports it, as a Popen return code: 128 + n for a
+    signal n is -n; anything else is unchanged."""
+    return SIGNAL_STATUS_BASE - status if SIGNAL_STATUS_BASE < status <= SIGNAL_STATUS_BASE + MAX_SIGNAL else status
+
+
+def code_to_exit_status(code: int) -> int:
+    """A Popen return code as an exit status (the inverse of `exit_status_to_code`): -n is 128 + n."""
+    return SIGNAL_STATUS_BASE - code if code < 0 else code
 
 
 def stop_ladder(targets: Sequence[T], *, terminate: Callable[[T], None], kill: Callable[[T], None],

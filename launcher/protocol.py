@@ -1,16 +1,19 @@
 """The launcher's protocol with the workers and with the layers above it: names only, stdlib only.
 
 What a worker of any backend finds and says (`trainer/runtime.py` reads it; docs/CONTRACTS.md, "Launcher <->
-worker"), which environment it starts from, where its temporary files go, and which backends exist. The trainer,
+worker"), which environment it starts from, where its temporary files go, the SSH agent's lines, and which backends
+exist. The trainer,
 the tasks and the Airflow side import these from here, so the launcher imports nothing of theirs.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 # The in-band readiness marker: a line of its own on stdout, so it travels wherever the worker's output does.
 READY_MARKER = "TFMW_READY"
@@ -30,6 +33,28 @@ LAUNCHER_WORKDIR_PREFIX = "tfmw-"
 EXIT_PEER_LOST = 3
 EXIT_PERMANENT = 65
 EXIT_PREEMPTED = 75
+
+# The SSH agent's lines (launcher/agent.py; docs/CONTRACTS.md, "SSH backend <-> remote agent"). Around a `run`
+# worker's output the agent prints control lines, `<tag> <JSON object>`: AGENT_LINE once the worker started, EXIT_LINE
+# last. The launcher writes STOP_LINE after the request when it stops the worker itself (then the whole grace applies).
+AGENT_MODULE = "launcher.agent"
+AGENT_LINE = "TFMW_AGENT"
+EXIT_LINE = "TFMW_EXIT"
+STOP_LINE = b"TFMW_STOP\n"
+
+
+def control_line(tag: str, payload: Mapping[str, Any]) -> bytes:
+    return f"{tag} {json.dumps(payload)}\n".encode()
+
+
+def read_control_line(line: bytes) -> tuple[str, dict[str, Any]] | None:
+    """(tag, payload) of one of the agent's control lines, None for any other line (the worker's own output)."""
+    for tag in (AGENT_LINE, EXIT_LINE):
+        prefix = f"{tag} ".encode()
+        if line.startswith(prefix):
+            return tag, json.loads(line[len(prefix):])
+    return None
+
 
 # The host's temporary directory, for what should outlive one worker (the shard cache); see worker_temp_environment.
 HOST_TMPDIR_ENV = "TFMW_HOST_TMPDIR"

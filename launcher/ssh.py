@@ -30,15 +30,12 @@ from typing import IO, Any, ClassVar
 from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, WorkerHandle
 from launcher.errors import InsufficientGPUsError, LaunchError
 from launcher.gpus import GPU_RELEASE_WAIT_S
-from launcher.process import ORPHAN_GRACE_S
+from launcher.process import ORPHAN_GRACE_S, exit_status_to_code
+from launcher.protocol import AGENT_LINE, AGENT_MODULE, STOP_LINE, read_control_line
 from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
 
 log = logging.getLogger(__name__)
 
-AGENT_MODULE = "launcher.agent"
-AGENT_LINE = b"TFMW_AGENT "
-EXIT_LINE = b"TFMW_EXIT "
-STOP_LINE = b"TFMW_STOP\n"  # the agent's STOP_LINE: this stop is asked for, so the whole grace period applies
 EXIT_CONNECTION_LOST = 255  # what ssh(1) reports when the connection, not the command, ended
 REQUEST_TIMEOUT_S = 30.0
 # Right after this backend stopped workers, a probe that finds too few free GPUs is repeated this often, up to
@@ -91,18 +88,19 @@ class SSHWorkerHandle(WorkerHandle):
                 line = self._stream.readline(size)
             except (OSError, EOFError):
                 return b""
-            if line.startswith(AGENT_LINE):
-                self.agent = json.loads(line[len(AGENT_LINE):])
+            control = read_control_line(line)
+            if control is None:
+                return line
+            tag, payload = control
+            if tag == AGENT_LINE:
+                self.agent = payload
                 self.pid, self.pgid = self.agent.get("pid"), self.agent.get("pgid")
                 versions = ", ".join(f"{k} {v}" for k, v in (self.agent.get("versions") or {}).items())
                 return (f"[agent] {self.agent.get('host')}: pid {self.pid}, python {self.agent.get('python')}, "
                         f"{versions}\n").encode()
-            if line.startswith(EXIT_LINE):
-                self.agent_error = json.loads(line[len(EXIT_LINE):]).get("error")
-                if self.agent_error:
-                    return f"[agent] {self.agent_error}\n".encode()
-                continue
-            return line
+            self.agent_error = payload.get("error")  # EXIT_LINE: the code is the channel's exit status
+            if self.agent_error:
+                return f"[agent] {self.agent_error}\n".encode()
 
     def close(self) -> None:
         self._stream.close()
@@ -115,7 +113,7 @@ class SSHWorkerHandle(WorkerHandle):
         status = self.channel.recv_exit_status()
         if status < 0:  # the connection went away without an exit status
             return EXIT_CONNECTION_LOST
-        return -(status - 128) if 128 < status < 128 + 65 else status
+        return exit_status_to_code(status)
 
     def terminate(self) -> None:
         try:

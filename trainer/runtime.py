@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from launcher.process import code_to_exit_status
 from launcher.protocol import HOST_TMPDIR_ENV, READY_MARKER
 
 
@@ -128,7 +129,7 @@ def _deadline_passed(deadline_s: float) -> None:
     sys.stderr.write(f"rank {worker_identity().rank}: no preemption checkpoint within preemption_checkpoint_s="
                      f"{deadline_s:g} s of SIGTERM: exiting without it (the retry resumes from the last one)\n")
     sys.stderr.flush()
-    os._exit(128 + signal.SIGTERM)
+    os._exit(code_to_exit_status(-signal.SIGTERM))
 
 
 def _take_notice() -> None:

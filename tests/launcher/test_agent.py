@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.agent import STOP_LINE
 from launcher.host_probe import VERSIONED_PACKAGES
 from launcher.process import ORPHAN_GRACE_S, live_group_members
+from launcher.protocol import STOP_LINE, read_control_line
 from tests.launcher.conftest import ENTRYPOINTS, alive
 
 AGENT = [sys.executable, "-u", "-m", "launcher.agent"]
@@ -83,8 +83,10 @@ def _request(tmp_path: Path, mode: str = "stubborn", show: str = "", **env: str)
 
 
 def _control(line: str, tag: str) -> dict:
-    assert line.startswith(tag + " "), f"expected a {tag} line, got {line!r}"
-    return json.loads(line[len(tag) + 1:])
+    """The payload of a control line, read as the SSH backend reads it."""
+    control = read_control_line(line.encode())
+    assert control is not None and control[0] == tag, f"expected a {tag} line, got {line!r}"
+    return control[1]
 
 
 def _started(agent: Agent) -> tuple[dict, int, int]:
@@ -289,6 +291,13 @@ def test_release_never_follows_a_symlinked_run_directory(tmp_path):
     released = _answer("release", {"run_key": key, "grace_s": GRACE_S, "workdir": str(tmp_path / "workdir")})
     assert released["found"] == [] and released["removed_dirs"] == [] and released["clean"]
     assert (target / "keep.txt").exists()
+
+
+def test_a_probe_with_a_field_the_contract_does_not_name_is_refused(tmp_path):
+    done = _one_shot("probe", json.dumps({"ports": 1, "exclude": [], "workdir": str(tmp_path), "use_gpu": False})
+                     .encode() + b"\n")
+    assert done.returncode == 2
+    assert "unknown fields ['exclude']" in json.loads(done.stdout)["error"]
 
 
 def test_release_refuses_a_run_key_that_is_a_path():

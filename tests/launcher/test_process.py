@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from launcher.process import (
+    code_to_exit_status,
     end_marked_processes,
+    exit_status_to_code,
     live_group_members,
     processes_with_env,
     signal_pids,
@@ -170,3 +172,15 @@ def test_without_proc_finding_processes_fails_with_a_clear_error_and_no_launch_s
     with pytest.raises(LaunchError, match=message):  # no run key: no sweep, but the guard could not work
         local._Guard.start(spec, tmp_path / "guard.log")
     assert started == []  # neither the guard nor a worker
+
+
+def test_a_signal_s_exit_status_is_the_return_code_popen_gives_and_back():
+    direct = subprocess.Popen(["sleep", "60"])
+    direct.send_signal(signal.SIGTERM)
+    code = direct.wait()
+    # What a shell (and sshd, and a container runtime) reports for the same death: 128 + n.
+    status = subprocess.run(["sh", "-c", "sleep 60 & kill -TERM $!; wait $!"], check=False).returncode
+    assert (code, status) == (-signal.SIGTERM, 128 + signal.SIGTERM)
+    assert exit_status_to_code(status) == code and code_to_exit_status(code) == status
+    for ordinary in (0, 1, 2, 65, 75, 127, 128, 255):  # 255: ssh's own failure, not signal 127
+        assert exit_status_to_code(ordinary) == ordinary == code_to_exit_status(ordinary)
