@@ -207,6 +207,8 @@ def gpt_finetune():
             # No run_key: the operator derives it from (dag_id, run_id), never from XCom.
             args=["--config", prepared(config), "--manifest", prepared("manifest_url"), "--output", prepared(output),
                   *extra_args],
+            # The digest prepare pinned for that file: the workers refuse it changed (trainer/config/pinned.py).
+            config_sha256=prepared(config.removesuffix("_url") + "_sha256"),
             pool=GPU_POOL,  # with use_gpu, one slot per worker (tf_multiworker/gpu_admission.py); CPU runs: none
             **kwargs,
         )

@@ -21,6 +21,11 @@ READY_MARKER = "TFMW_READY"
 RUN_KEY_ENV = "TFMW_RUN_KEY"
 # Set next to it: the worker group's name (the task id), so a task's next attempt finds what an earlier one left.
 GROUP_ENV = "TFMW_GROUP"
+# Set on every worker of a group that reads a run configuration (`--config`): the sha256 of the exact bytes the
+# Airflow side wrote there after checking them (trainer/config/pinned.py). Anyone who can write the bucket (every
+# worker host holds its credentials) could change the file in between; a worker refuses a file of another digest.
+# Not a secret, but kept out of argv so that the command line stays what the entry point documents.
+CONFIG_SHA256_ENV = "TFMW_CONFIG_SHA256"
 # The launcher's per-task temporary directories start with this; release deletes only such directories.
 LAUNCHER_WORKDIR_PREFIX = "tfmw-"
 

@@ -16,8 +16,8 @@ from tasks.connections import storage_env, uses_run_storage
 from tasks.policy import checked_config
 from trainer.config import ConfigError, RunConfig
 from trainer.config.access import AccessPolicy
+from trainer.config.pinned import save_config
 from trainer.layout import StorageLayout, absolute_root, run_key
-from trainer.storage import write_json_atomic
 
 if TYPE_CHECKING:
     from launcher.backend import BackendFactory
@@ -120,8 +120,8 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
                 continued_from: Mapping[str, Any] | None = None,
                 price: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Write the run's configuration and its baseline's under the run's directory and return the prepared run:
-    the XCom every later task reads (paths and a few numbers). `run_cfg` has its step count resolved; `price`
-    the rate prepare froze (tasks/pricing.py), kept with the run."""
+    the XCom every later task reads (paths, the configurations' digests and a few numbers). `run_cfg` has its step
+    count resolved; `price` the rate prepare froze (tasks/pricing.py), kept with the run."""
     from tasks.baseline import baseline_key
     from tasks.usage_record import write_price
 
@@ -129,8 +129,9 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
     run = storage.run(key)
     base_key = baseline_key(run_cfg, manifest, run_cfg.max_steps)
     baseline = storage.baseline(base_key)
-    write_json_atomic(run.config, run_cfg.to_dict())
-    write_json_atomic(run.baseline_config, run_cfg.baseline_config().to_dict())
+    # Their digests travel in XCom: the operators pin them on the workers (trainer/config/pinned.py).
+    config_sha256 = save_config(run.config, run_cfg)
+    baseline_config_sha256 = save_config(run.baseline_config, run_cfg.baseline_config())
     write_price(run.url, price)
     log.info("Run directory %s", run.url)
     return {
@@ -139,6 +140,7 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
         "storage_root": run_cfg.storage_root,
         "config": run_cfg.to_dict(),
         "config_url": run.config,
+        "config_sha256": config_sha256,
         "manifest_url": manifest_url,
         "dataset_fingerprint": manifest["fingerprint"],
         "total_steps": run_cfg.max_steps,
@@ -148,6 +150,7 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
         "baseline_key": base_key,
         "baseline_url": baseline.url,
         "baseline_config_url": run.baseline_config,
+        "baseline_config_sha256": baseline_config_sha256,
         "baseline_summary_url": baseline.summary,
         "report_url": run.report,
         "continued_from": continued_from,

@@ -344,15 +344,14 @@ def probe_step_time(cfg, manifest_url: str, steps: int = PROBE_TIMED_STEPS) -> d
     `PROBE_WARMUP_STEPS` untimed ones; runs without TF_CONFIG (one device)."""
     import tf_keras
 
-    from trainer.job import plan_job
+    from trainer.job import plan_job_for
     from trainer.optim import set_precision_policy
     from trainer.train import TrainState, input_dataset, stage_inputs
 
     single = cfg.baseline_config()
     with tempfile.TemporaryDirectory(prefix="advisor-probe-") as scratch:
-        config = Path(scratch) / "config.json"
-        config.write_text(single.to_json())
-        job = plan_job(str(config), manifest_url, str(Path(scratch) / "output"), environ={})
+        job = plan_job_for(single, "the advisor's one-worker config", manifest_url, str(Path(scratch) / "output"),
+                           environ={})
         tf_keras.utils.set_random_seed(cfg.seed)
         set_precision_policy(single)
         import tensorflow as tf
@@ -378,8 +377,7 @@ def probe_step_time(cfg, manifest_url: str, steps: int = PROBE_TIMED_STEPS) -> d
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m trainer.advisor --config URL --manifest URL --out FILE`: the probe, its result as JSON."""
-    from trainer import storage
-    from trainer.config import RunConfig
+    from trainer.config.pinned import load_pinned_config
 
     parser = argparse.ArgumentParser(prog="python -m trainer.advisor", description=probe_step_time.__doc__)
     parser.add_argument("--config", required=True)
@@ -389,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_worker_logging(logging.WARNING)
     os.environ.pop("TF_CONFIG", None)
     try:
-        result = probe_step_time(RunConfig.from_saved(storage.read_json(args.config)), args.manifest)
+        result = probe_step_time(load_pinned_config(args.config), args.manifest)
     except Exception as error:  # noqa: BLE001 - the preflight reports a probe that cannot run, and goes on
         log.error("the advisor's probe could not train: %s: %s", type(error).__name__, error)
         return 1

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer import runtime, storage
+from trainer import runtime
 from trainer.config import ConfigError, RunConfig
+from trainer.config.pinned import load_pinned_config
 from trainer.data import load_manifest, worker_shards
 from trainer.layout import TrainOutput
 
@@ -38,8 +39,14 @@ class TrainJob:
 
 
 def plan_job(config_url: str, manifest_url: str, output_url: str, environ: dict[str, str] | None = None) -> TrainJob:
-    """Validate config, TF_CONFIG and manifest against each other without TensorFlow; raise ConfigError."""
-    cfg = RunConfig.from_saved(storage.read_json(config_url))
+    """Validate config, TF_CONFIG and manifest against each other without TensorFlow; raise ConfigError (also when
+    the config is not the one the Airflow side pinned: trainer/config/pinned.py)."""
+    return plan_job_for(load_pinned_config(config_url, environ), config_url, manifest_url, output_url, environ)
+
+
+def plan_job_for(cfg: RunConfig, config_url: str, manifest_url: str, output_url: str,
+                 environ: dict[str, str] | None = None) -> TrainJob:
+    """`plan_job` for a configuration already loaded (`config_url` only names it in errors)."""
     if cfg.max_steps <= 0:
         raise ConfigError(f"{config_url}: 'max_steps' must be resolved (> 0) before training, got {cfg.max_steps}.")
     identity = runtime.worker_identity(environ)

@@ -5,8 +5,9 @@ The trainer's data order is defined per slot of the global batch (`trainer/train
 step and follows the same loss curve, and checkpoints hold no per-worker state. So when the backend finds fewer
 workers usable (`Backend.capacity`: an SSH host unreachable or without free GPUs, fewer free local GPUs, the local
 cap `TFMW_LOCAL_USABLE_WORKERS`), `ElasticTrainOperator` launches the largest exact count N' >= `min_workers` that
-fits, with a config of N' workers written next to the run's, and the trainer resumes from the last checkpoint at
-the exact step and data position.
+fits, with a config of N' workers written next to the run's (its digest pinned on the workers in place of the
+run's: trainer/config/pinned.py), and the trainer resumes from the last checkpoint at the exact step and data
+position.
 
 Every launch is recorded in the training output's `segments.json` (the report shows each segment with its steps,
 workers and tokens/s) and logged as "continued on 2 of 4 workers from step 20: host h unreachable".
@@ -21,9 +22,11 @@ from typing import Any
 from launcher import GroupSpec, LaunchError
 from launcher.backend import Backend, Capacity
 from launcher.group import end_earlier_attempts
+from launcher.protocol import CONFIG_SHA256_ENV
 from tf_multiworker.operator import TFMultiWorkerOperator
 from trainer.checkpoint import latest_step
 from trainer.config import ConfigError, RunConfig
+from trainer.config.pinned import save_config
 from trainer.layout import TrainOutput
 from trainer.storage import exists, join, read_json, write_json_atomic
 
@@ -78,8 +81,10 @@ class ElasticTrainOperator(TFMultiWorkerOperator):
                 except ConfigError as error:
                     raise LaunchError(f"cannot continue on {count} workers: {error}") from None
                 config_url = join(output.url, f"config-{count}-workers.json")
-                write_json_atomic(config_url, smaller.to_dict())
-                spec = replace(spec, num_workers=count, args=_replace_arg(spec.args, "--config", config_url))
+                # Pinned like prepare's: the workers refuse this file if it changes before they read it.
+                pinned = {**spec.env, CONFIG_SHA256_ENV: save_config(config_url, smaller)}
+                spec = replace(spec, num_workers=count, args=_replace_arg(spec.args, "--config", config_url),
+                               env=pinned)
                 self.log.warning(
                     "continued on %d of %d workers from step %d: %s; %d accumulation steps per worker keep the "
                     "global batch at %d sequences and every slot's data order (config %s)", count,

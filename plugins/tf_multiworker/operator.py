@@ -41,8 +41,9 @@ from launcher import (
     error_for,
 )
 from launcher.errors import MissingOutputError
-from launcher.protocol import EXIT_PERMANENT, EXIT_PREEMPTED
+from launcher.protocol import CONFIG_SHA256_ENV, EXIT_PERMANENT, EXIT_PREEMPTED
 from tasks.launch import RecordedLaunch
+from tasks.policy import check_launch_urls
 from tasks.telemetry import LiveLineReader
 from tf_multiworker.backends import UnknownBackendError, make_backend
 from tf_multiworker.hook import StorageCredentialsHook
@@ -133,7 +134,11 @@ class TFMultiWorkerOperator(BaseOperator):
     :param run_key: the run's key under `storage_root/runs/`; unset (the DAG's way): derived from the task's
         (dag_id, run_id) here, never read from XCom, where an editor could name another run's key and the sweep of
         earlier attempts would end that run's workers.
-    :param args: the entry point's arguments (templated).
+    :param args: the entry point's arguments (templated). Its `--config`, `--manifest` and `--output` must lie in the
+        run's own storage layout (`tasks.policy.check_launch_urls`).
+    :param config_sha256: the sha256 the prepared run's XCom pinned for the `--config` file (templated); every worker
+        gets it as `CONFIG_SHA256_ENV` and refuses a file of another digest (trainer/config/pinned.py). Required
+        with `--config`.
     :param num_workers: launch this many workers instead of the configuration's (the one-worker baseline).
     :param summary_url: the chief's `summary.json`; when set it must exist after the workers succeed.
     :param env: extra environment variables for every worker (shown in the log: put no secrets here).
@@ -146,7 +151,8 @@ class TFMultiWorkerOperator(BaseOperator):
     """
 
     # num_workers is never a template: listed so that the scheduler's copy of the task has it (GPU admission).
-    template_fields: Sequence[str] = ("args", "run_config", "run_key", "summary_url", "env", "num_workers")
+    template_fields: Sequence[str] = ("args", "run_config", "run_key", "config_sha256", "summary_url", "env",
+                                      "num_workers")
     ui_color = "#ffd8b1"
 
     def __init__(
@@ -156,6 +162,7 @@ class TFMultiWorkerOperator(BaseOperator):
         run_config: dict[str, Any] | str,
         run_key: str | None = None,
         args: Sequence[Any] = (),
+        config_sha256: str | None = None,
         num_workers: int | None = None,
         summary_url: str | None = None,
         env: dict[str, Any] | None = None,
@@ -170,6 +177,7 @@ class TFMultiWorkerOperator(BaseOperator):
         self.run_config = run_config
         self.run_key = run_key
         self.args = args
+        self.config_sha256 = config_sha256
         self.num_workers = num_workers
         self.summary_url = summary_url
         self.env = env
@@ -237,16 +245,28 @@ class TFMultiWorkerOperator(BaseOperator):
             self.group.stop(f"task {self.task_id} was killed (SIGTERM, marked failed or execution_timeout)", grace_s)
 
     def _check_run(self, ti: Any) -> None:
-        """The run key from the task's own (dag_id, run_id) unless one was given, and the configuration (XCom) held
-        to the access policy again, here where its environment is: a rewritten one launches nothing."""
+        """The run key from the task's own (dag_id, run_id) unless one was given, the configuration (XCom) held
+        to the access policy again, here where its environment is, and the storage URLs of the arguments held to
+        the run's layout: a rewritten one launches nothing."""
         if not self.run_key:
             self.run_key = layout_run_key(ti.dag_id, ti.run_id)
-        if isinstance(self.run_config, Mapping):
+        if not isinstance(self.run_config, Mapping):
+            return  # _group_spec refuses it, naming the type
+        try:
+            AccessPolicy.from_env().check_settings(_policy_view(self.run_config))
+        except ConfigError as error:
+            raise AirflowFailException(f"{self.task_id} launches no workers: its configuration is refused: "
+                                       f"{error}") from error
+        if isinstance(self.args, (list, tuple)) and isinstance(self.run_key, str) and self.run_key:
             try:
-                AccessPolicy.from_env().check_settings(_policy_view(self.run_config))
+                check_launch_urls(self.args, self.settings.storage_root, self.run_key)
             except ConfigError as error:
-                raise AirflowFailException(f"{self.task_id} launches no workers: its configuration is refused: "
-                                           f"{error}") from error
+                raise AirflowFailException(f"{self.task_id} launches no workers: {error}") from error
+            if "--config" in self.args and not self.config_sha256:
+                raise AirflowFailException(
+                    f"{self.task_id} launches no workers: its --config has no pinned digest (config_sha256 is "
+                    f"{self.config_sha256!r}): pass the prepared run's digest of that file (its XCom "
+                    "'config_sha256' or 'baseline_config_sha256'), so that the workers load only what was checked.")
 
     def _refuse_a_run_that_is_over(self, ti: Any) -> None:
         """Airflow can start a retry in a run that is already over: when the run is marked failed while the scheduler
@@ -295,6 +315,11 @@ class TFMultiWorkerOperator(BaseOperator):
             raise TypeError(f"env must be a mapping of variable names to values, got {self.env!r}")
         if not isinstance(self.run_key, str) or not self.run_key:
             raise TypeError(f"run_key must be the prepared run's key, got {self.run_key!r}")
+        if self.config_sha256 is not None and not isinstance(self.config_sha256, str):
+            raise TypeError(f"config_sha256 must be the prepared run's digest (a string), got {self.config_sha256!r}")
+        env = {name: str(value) for name, value in (self.env or {}).items()}
+        if self.config_sha256:  # after `env`: the pinned digest is the prepared run's, never a caller's
+            env[CONFIG_SHA256_ENV] = self.config_sha256
         settings = self.settings
         return GroupSpec(
             name=self.task_id,
@@ -302,7 +327,7 @@ class TFMultiWorkerOperator(BaseOperator):
             args=tuple(str(arg) for arg in self.args),
             num_workers=self.num_workers or settings.num_workers,
             use_gpu=settings.use_gpu,
-            env={name: str(value) for name, value in (self.env or {}).items()},
+            env=env,
             # The run key marks every worker of the run, so release finds even those no record names.
             run_key=self.run_key,
             secret_env=self.hook.env,

@@ -45,7 +45,8 @@ def airflow_env(tmp_path_factory) -> dict[str, str]:
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__DAGS_FOLDER": str(HARNESS_DAGS),
-        "PYTHONPATH": str(REPO),
+        # This checkout's plugins too: an editable install may point the environment at another checkout's.
+        "PYTHONPATH": os.pathsep.join((str(REPO), str(REPO / "plugins"))),
     })
     subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True,
                    timeout=180)

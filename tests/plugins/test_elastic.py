@@ -18,13 +18,15 @@ from launcher import GroupSpec, LaunchError, LocalBackend, WorkerGroup
 from launcher.backend import Capacity
 from launcher.gpus import Gpu, GpuInventory
 from launcher.local import LOCAL_USABLE_WORKERS_ENV
+from launcher.protocol import CONFIG_SHA256_ENV
 from tests.launcher.conftest import REPO, entrypoint_env
 from tests.plugins.conftest import failure_excerpt
 from tests.plugins.test_operator import _finish, _start
 from tests.trainer.shards import write_dataset
 from trainer.config import RunConfig
+from trainer.config.pinned import ConfigChangedError, load_pinned_config, save_config
 from trainer.layout import StorageLayout, TrainOutput
-from trainer.storage import read_json
+from trainer.storage import read_bytes, read_json, write_json_atomic
 
 LOSS_TOLERANCE = 1e-4
 STEPS, CHECKPOINT_EVERY, FAULT_STEP = 12, 4, 4
@@ -65,16 +67,15 @@ def _losses(output: TrainOutput) -> dict[int, float]:
 def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(airflow_env, tmp_path):
     from tasks.evaluate import evaluate_run, run_evaluation
 
-    manifest = write_dataset(tmp_path / "dataset", sorted((REPO / "data" / "sample").glob("*.txt")), block_size=32,
-                             vocab_size=320, num_train_shards=4, max_chars=20_000)
     storage = str(tmp_path / "storage")
+    manifest = write_dataset(Path(storage) / "datasets", sorted((REPO / "data" / "sample").glob("*.txt")),
+                             block_size=32, vocab_size=320, num_train_shards=4, max_chars=20_000)
     key = "elastic-run"
     run = StorageLayout(storage).run(key)
     cfg = RunConfig(num_workers=4, min_workers=2, model="tiny", tokenizer="bpe:320", block_size=32,
                     batch_size_per_worker=2, max_steps=STEPS, warmup_steps=2, learning_rate=3e-3, num_shards=4,
                     checkpoint_every_steps=CHECKPOINT_EVERY, storage_root=storage, baseline="skip")
-    Path(run.config).parent.mkdir(parents=True)
-    Path(run.config).write_text(cfg.to_json())
+    digest = save_config(run.config, cfg)
 
     # The uninterrupted 4-worker run, side by side with the elastic one.
     reference = TrainOutput(str(tmp_path / "reference"))
@@ -90,6 +91,7 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
         "entrypoint": "faulty_train", "operator": "elastic", "retries": 1,
         "args": ["--config", run.config, "--manifest", manifest, "--output", run.train.url],
         "env": entrypoint_env(),
+        "operator_args": {"config_sha256": digest},
         "env_by_try": {"1": {"TFMW_TEST_TRAIN_FAULT": f"3:{FAULT_STEP}", LOCAL_USABLE_WORKERS_ENV: None},
                        "2": {"TFMW_TEST_TRAIN_FAULT": None, LOCAL_USABLE_WORKERS_ENV: "2"}},
         "params": {"run_key": key, "run_config": {**cfg.to_dict(), "startup_timeout_s": 240, "hang_timeout_s": 240}},
@@ -167,3 +169,32 @@ def test_an_earlier_attempts_orphans_are_ended_before_capacity_is_counted():
     with pytest.raises(CountingStopped):
         operator.plan_group({}, spec, RecordingBackend())
     assert calls == ["end_earlier_attempts", "capacity"]
+
+
+def test_the_config_of_fewer_workers_is_pinned_on_its_workers_in_place_of_the_run_s(tmp_path):
+    """The elastic operator writes config-2-workers.json itself: the workers get that file's digest, and refuse the
+    file once it is rewritten on storage."""
+    import hashlib
+
+    class TwoUsable(LocalBackend):
+        def capacity(self, group):
+            return Capacity(2, ("host h unreachable",))
+
+    storage = str(tmp_path / "storage")
+    run = StorageLayout(storage).run("run-1")
+    cfg = RunConfig(num_workers=4, min_workers=2, model="tiny", tokenizer="bpe:320", block_size=32,
+                    storage_root=storage)
+    run_digest = save_config(run.config, cfg)
+    operator = ElasticTrainOperator(task_id="train", entrypoint="trainer.train", run_config=cfg.to_dict(),
+                                    run_key="run-1", config_sha256=run_digest)
+    spec = GroupSpec(name="train", entrypoint="trainer.train", num_workers=4, env={CONFIG_SHA256_ENV: run_digest},
+                     args=("--config", run.config, "--output", run.train.url))
+    planned = operator.plan_group({"ti": type("TI", (), {"try_number": 1})()}, spec, TwoUsable())
+
+    config_url = planned.args[planned.args.index("--config") + 1]
+    assert config_url == run.train.url + "/config-2-workers.json" and planned.num_workers == 2
+    assert planned.env[CONFIG_SHA256_ENV] == hashlib.sha256(read_bytes(config_url)).hexdigest() != run_digest
+    assert load_pinned_config(config_url, planned.env).grad_accum_steps == 2
+    write_json_atomic(config_url, {**read_json(config_url), "model": "http://169.254.169.254/latest/"})
+    with pytest.raises(ConfigChangedError, match=f"{config_url} has sha256 .* changed after the Airflow side"):
+        load_pinned_config(config_url, planned.env)

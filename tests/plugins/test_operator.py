@@ -24,9 +24,10 @@ from tf_multiworker.operator import TFMultiWorkerOperator
 from tasks.release import processes_of_run
 from tests.launcher.conftest import REPO, entrypoint_env, wait_until_gone
 from tests.plugins.conftest import failure_excerpt
+from trainer.layout import StorageLayout
 from trainer.storage import read_bytes, read_json
 
-TEMPLATED = {"args", "run_config", "run_key", "summary_url", "env", "num_workers"}
+TEMPLATED = {"args", "run_config", "run_key", "config_sha256", "summary_url", "env", "num_workers"}
 SECRET = "s3cret-value-never-logged"
 HARNESS = Path(__file__).resolve().parent / "harness_dags" / "tfmw_harness.py"  # airflow_env: conftest.py
 
@@ -100,7 +101,7 @@ def test_the_run_key_comes_from_the_task_s_own_dag_run_not_from_xcom():
     The DAG passes none now; the operator derives it from (dag_id, run_id)."""
     from trainer.layout import run_key
 
-    op = _operator(run_key=None, run_config={"num_workers": 3, "storage_root": "/tmp/x"})
+    op = _operator(run_key=None, args=[], run_config={"num_workers": 3, "storage_root": "/tmp/x"})
     op._check_run(_ti())
     assert op.run_key == run_key("gpt_finetune", "manual__1") and op._group_spec().run_key == op.run_key
 
@@ -117,15 +118,78 @@ def test_a_configuration_rewritten_in_xcom_launches_nothing(monkeypatch, tmp_pat
         op.execute({"ti": _ti()})
     assert backends == []
 
+def _prepared_args(root: str, key: str) -> dict[str, str]:
+    layout = StorageLayout(root)
+    run = layout.run(key)
+    return {"--config": run.config, "--manifest": layout.manifest("0123456789abcdef0123"), "--output": run.train.url}
+
+
+@pytest.mark.parametrize("flag, url", [
+    ("--config", "{root}/runs/another-run-0123456789/config.json"),  # another run's config
+    ("--config", "{root}/../elsewhere/runs/{key}/config.json"),
+    ("--config", "s3://attacker/config.json"),
+    ("--manifest", "{root}/datasets/../runs/{key}/manifest.json"),
+    ("--manifest", "{root}/datasets/not-a-fingerprint/manifest.json"),
+    ("--output", "{root}/runs/another-run-0123456789/train"),
+    ("--output", "{root}/baselines/a/b"),
+    ("--output", "/tmp/anywhere"),
+])
+def test_a_launch_url_outside_the_run_s_layout_launches_nothing(monkeypatch, tmp_path, flag, url):
+    """The storage URLs the DAG renders from XCom: an edited one must not point the workers at another run's
+    configuration or output, or at a place outside the policy-checked storage root."""
+    from trainer.layout import run_key
+
+    backends = []
+    monkeypatch.setattr(operator_module, "make_backend", lambda *args: backends.append(args))
+    root, key = str(tmp_path), run_key("gpt_finetune", "manual__1")
+    args = {**_prepared_args(root, key), flag: url.format(root=root, key=key)}
+    op = _operator(run_key=None, args=[part for pair in args.items() for part in pair], config_sha256="0" * 64,
+                   run_config={"num_workers": 2, "storage_root": root})
+    with pytest.raises(AirflowFailException, match=f"train launches no workers: the worker argument {flag} "
+                                                   f".* is outside this run's storage layout"):
+        op.execute({"ti": _ti()})
+    assert backends == []
+
+
+def test_the_prepared_run_s_urls_launch_with_the_pinned_digest(tmp_path):
+    """The URLs prepare lays out (the run's config, a dataset's manifest, the run's and a baseline's outputs) pass,
+    and every worker gets the pinned digest in its environment, never in argv."""
+    from launcher.protocol import CONFIG_SHA256_ENV
+    from trainer.layout import run_key
+
+    root, key = str(tmp_path), run_key("gpt_finetune", "manual__1")
+    args = _prepared_args(root, key)
+    for output in (args["--output"], StorageLayout(root).run(key).report, StorageLayout(root).baseline("b-1").url):
+        op = _operator(run_key=None, args=["--config", args["--config"], "--manifest", args["--manifest"],
+                                           "--output", output],
+                       config_sha256="ab" * 32, env={CONFIG_SHA256_ENV: "caller's"},
+                       run_config={"num_workers": 2, "storage_root": root})
+        op._check_run(_ti())
+        spec = op._group_spec()
+        assert spec.env[CONFIG_SHA256_ENV] == "ab" * 32 and "ab" * 32 not in spec.args
+
+
+def test_a_config_without_a_pinned_digest_launches_nothing(tmp_path):
+    from trainer.layout import run_key
+
+    root, key = str(tmp_path), run_key("gpt_finetune", "manual__1")
+    op = _operator(run_key=None, args=[part for pair in _prepared_args(root, key).items() for part in pair],
+                   run_config={"num_workers": 2, "storage_root": root})
+    with pytest.raises(AirflowFailException, match="train launches no workers: its --config has no pinned digest"):
+        op._check_run(_ti())
+
+
 # -- through Airflow's task runner ------------------------------------------------------------------------------
 
-def _case(tmp_path, *, entrypoint="tiny_worker", args=(), worker_env=None, run_key=None, **settings) -> Path:
+def _case(tmp_path, *, entrypoint="tiny_worker", args=(), worker_env=None, run_key=None, operator_args=None,
+          **settings) -> Path:
     """A harness run. Its run key is its own: an attempt ends what carries its run key and group on every host
     first, and xdist may run another file's harness runs (test_operator_kubernetes.py) at the same time."""
     case = {
         "entrypoint": entrypoint,
         "args": list(args),
         "env": entrypoint_env(**(worker_env or {})),
+        "operator_args": operator_args or {},
         "params": {"run_key": run_key or f"run-{uuid.uuid4().hex[:8]}",
                    "run_config": {"num_workers": 2, "backend": "local", "use_gpu": False,
                                   "storage_root": str(tmp_path / "storage"), "storage_conn_id": "",
@@ -134,6 +198,20 @@ def _case(tmp_path, *, entrypoint="tiny_worker", args=(), worker_env=None, run_k
     path = tmp_path / "case.json"
     path.write_text(json.dumps(case))
     return path
+
+
+def prepared_launch(storage: Path, key: str, manifest: str, settings: dict, output: str = "train"
+                    ) -> tuple[list[str], dict[str, str]]:
+    """The worker arguments of a run prepared under `storage` with run key `key`, as the DAG renders them: the run's
+    config (written where prepare writes it, as prepare writes it) and `manifest` (under `storage`/datasets), the
+    output `output` of the run's directory; and the operator's arguments that pin the config's digest."""
+    from trainer.config import RunConfig
+    from trainer.config.pinned import save_config
+
+    run = StorageLayout(str(storage)).run(key)
+    digest = save_config(run.config, RunConfig.from_saved({"storage_root": str(storage), **settings}))
+    return (["--config", run.config, "--manifest", manifest, "--output", f"{run.url}/{output}"],
+            {"config_sha256": digest})
 
 
 def _run_key(case: Path) -> str:

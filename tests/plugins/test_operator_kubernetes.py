@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from launcher.kubernetes_objects import GroupNames
 from tasks.release import release_run
 from tests.launcher.test_kubernetes import backend, image_env
 from tests.plugins.conftest import REPO, failure_excerpt
-from tests.plugins.test_operator import _case, _finish, _run_key, _start
+from tests.plugins.test_operator import _case, _finish, _run_key, _start, prepared_launch
 from tests.support.k8s_server import FakeKubernetes
 from tests.trainer.shards import write_dataset
 from trainer.layout import run_key
@@ -45,8 +46,13 @@ def cluster(tmp_path):
 
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory) -> str:
-    return write_dataset(tmp_path_factory.mktemp("dataset"), sorted((REPO / "data" / "sample").glob("*.txt")),
-                         block_size=32, vocab_size=320, num_train_shards=4, max_chars=20_000)
+    """A dataset under a storage root shared by the module's runs (`storage_of`), as prepare lays it out."""
+    return write_dataset(tmp_path_factory.mktemp("storage") / "datasets", sorted((REPO / "data" / "sample").glob(
+        "*.txt")), block_size=32, vocab_size=320, num_train_shards=4, max_chars=20_000)
+
+
+def storage_of(manifest: str) -> Path:
+    return Path(manifest).parents[2]
 
 
 def connection(cluster: FakeKubernetes) -> dict[str, str]:
@@ -66,11 +72,11 @@ def run_case(airflow_env, cluster, case: Path, tmp_path: Path, timeout: float) -
 
 
 def test_preflight_runs_as_pods(airflow_env, tmp_path, cluster, manifest):
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(TRAIN_CONFIG))
-    report = tmp_path / "report"
-    case = pod_case(tmp_path, entrypoint="trainer.preflight", startup_timeout_s=180, hang_timeout_s=180,
-                    args=["--config", str(config), "--manifest", manifest, "--output", str(report)])
+    key = f"preflight-{uuid.uuid4().hex[:8]}"
+    args, pinned = prepared_launch(storage_of(manifest), key, manifest, TRAIN_CONFIG, output="report")
+    report = Path(args[-1])
+    case = pod_case(tmp_path, entrypoint="trainer.preflight", startup_timeout_s=180, hang_timeout_s=180, args=args,
+                    run_key=key, operator_args=pinned, storage_root=str(storage_of(manifest)))
     result, task_log = run_case(airflow_env, cluster, case, tmp_path, timeout=300)
     assert result["task_states"]["group"] == "success", failure_excerpt(task_log)
     preflight = json.loads((report / "preflight.json").read_text())
@@ -81,15 +87,15 @@ def test_preflight_runs_as_pods(airflow_env, tmp_path, cluster, manifest):
 
 
 def test_training_on_pods_gives_the_eval_loss_of_the_local_backend(airflow_env, tmp_path, cluster, manifest):
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(TRAIN_CONFIG))
     models = {}
     for name in ("local", "kubernetes"):
         work = tmp_path / name
         work.mkdir()
-        output = work / "train"
-        case = pod_case(work, name, entrypoint="trainer.train", startup_timeout_s=180, hang_timeout_s=180,
-                        args=["--config", str(config), "--manifest", manifest, "--output", str(output)])
+        key = f"{name}-{uuid.uuid4().hex[:8]}"
+        args, pinned = prepared_launch(storage_of(manifest), key, manifest, TRAIN_CONFIG)
+        output = Path(args[-1])
+        case = pod_case(work, name, entrypoint="trainer.train", startup_timeout_s=180, hang_timeout_s=180, args=args,
+                        run_key=key, operator_args=pinned, storage_root=str(storage_of(manifest)))
         started = time.monotonic()
         result, task_log = run_case(airflow_env, cluster, case, work, timeout=420)
         print(f"\n{name}: train task {result['task_states']['group']} in {time.monotonic() - started:.1f} s")

@@ -8,6 +8,7 @@ tfmw_harness.py) with the tiny workers of tests/launcher/entrypoints exiting wit
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException, AirflowRescheduleException
@@ -17,7 +18,7 @@ from launcher import FailureKind, GroupState, RunResult, WorkerFailedError, Work
 from launcher.kubernetes_objects import GroupNames, PodSettings, pod
 from launcher.protocol import EXIT_PERMANENT, EXIT_PREEMPTED
 from tests.plugins.conftest import failure_excerpt
-from tests.plugins.test_operator import _case, _finish, _start
+from tests.plugins.test_operator import _case, _finish, _start, prepared_launch
 from tests.trainer.long_run import FAST_STEPS, write_tiny_dataset
 
 
@@ -103,13 +104,12 @@ def test_a_preempted_group_runs_again_without_spending_a_retry(airflow_env, tmp_
 def test_a_diverged_loss_fails_train_on_its_first_try_through_the_task_runner(airflow_env, tmp_path):
     """The real trainer on 2 tiny CPU workers: the loss diverges, every rank exits 65 and the task fails on try 1
     although it has 2 retries."""
-    manifest = write_tiny_dataset(tmp_path / "dataset")
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({"num_workers": 2, "storage_root": str(tmp_path / "storage"), **FAST_STEPS,
-                                  "max_steps": 200, "learning_rate": 1.0, "warmup_steps": 0, "max_loss_rise": 0.5}))
+    storage, key = tmp_path / "storage", f"diverged-{uuid.uuid4().hex[:8]}"
+    args, pinned = prepared_launch(storage, key, write_tiny_dataset(storage / "datasets"), {
+        "num_workers": 2, **FAST_STEPS, "max_steps": 200, "learning_rate": 1.0, "warmup_steps": 0,
+        "max_loss_rise": 0.5})
     result, task_log = _run(airflow_env, tmp_path, entrypoint="trainer.train", retries=2, startup_timeout_s=240,
-                            args=["--config", str(config), "--manifest", manifest, "--output",
-                                  str(tmp_path / "output")])
+                            run_key=key, args=args, operator_args=pinned)
     assert result["task_states"]["group"] == "failed", failure_excerpt(task_log)
     assert result["try_numbers"]["group"] == 1, "train was retried"
     assert "NotRetryableError" in task_log and f"exited with code {EXIT_PERMANENT}" in task_log

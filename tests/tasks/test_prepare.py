@@ -9,8 +9,9 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 from tf_multiworker.backends import make_backend
 
+from launcher.protocol import CONFIG_SHA256_ENV
 from tasks.prepare import finish_run, plan_run, tokenize_lane
-from trainer.config import RunConfig
+from trainer.config.pinned import load_pinned_config
 from trainer.layout import run_key
 
 RUN_ID = "manual__2026-11-29T02:00:00+00:00"
@@ -52,8 +53,10 @@ def test_prepared_run_lists_configs_with_resolved_steps(tmp_path):
     params = {"storage_root": str(tmp_path), "num_workers": 2, "tokenizer": "bpe:512", "block_size": 32,
               "max_steps": 0, "warmup_steps": 0, "epochs": 1.0, "baseline": "skip"}
     prepared = prepare_run(params, RUN_ID, DAG_ID)
-    run_cfg = RunConfig.from_saved(json.loads(Path(prepared["config_url"]).read_text()))
-    baseline_cfg = RunConfig.from_saved(json.loads(Path(prepared["baseline_config_url"]).read_text()))
+    # Loaded as the workers load them, with the digests the XCom pinned (trainer/config/pinned.py).
+    run_cfg = load_pinned_config(prepared["config_url"], {CONFIG_SHA256_ENV: prepared["config_sha256"]})
+    baseline_cfg = load_pinned_config(prepared["baseline_config_url"],
+                                      {CONFIG_SHA256_ENV: prepared["baseline_config_sha256"]})
     assert run_cfg.max_steps == prepared["total_steps"] > 0  # derived from epochs, never 0 for the workers
     assert baseline_cfg.num_workers == 1 and baseline_cfg.global_batch_size == run_cfg.global_batch_size
     assert Path(prepared["manifest_url"]).exists()

@@ -6,7 +6,8 @@ raises `ConfigError` naming the key, the value given and what is allowed, before
 also holds the locations the settings name to the access policy of its environment: the prepare task's, the one
 place where that policy is checked. Every later task and every worker loads the config that prepare saved with
 `RunConfig.from_saved`, which repeats the checks that depend only on the config, so a worker's environment (a
-pod, an SSH host) needs none of the policy's variables.
+pod, an SSH host) needs none of the policy's variables: a worker loads it through `trainer.config.pinned`, which
+refuses a file that is not the one the Airflow side checked (its sha256 is pinned in the worker's environment).
 
 `RunConfig` holds the fields; their rules are one job per module: `core` (model, tokenizer, data, training,
 promotion and monitoring; the bounds of every numeric setting), `launch` (backend, worker counts, SSH hosts,
@@ -153,7 +154,8 @@ class RunConfig:
         the prepared run's XCom). Every key is checked again; against an access policy only when `policy` is given:
         where the policy's environment is (every Airflow task: `AccessPolicy.from_env()`), so that a config
         rewritten in XCom or storage reaches no further than the trigger form could. A worker's environment holds
-        no policy (the launcher passes none on): it loads what the Airflow side checked."""
+        no policy (the launcher passes none on): it loads what the Airflow side checked, pinned by its digest
+        (`trainer.config.pinned.load_pinned_config`)."""
         cfg = cls._from_mapping(saved)
         if policy is not None:
             policy.check_settings(cfg)

@@ -16,8 +16,10 @@ import time
 from typing import Any
 
 from launcher.log_policy import configure_worker_logging
+from launcher.protocol import EXIT_PERMANENT
 from trainer import runtime, storage
 from trainer.config import RunConfig
+from trainer.config.pinned import ConfigChangedError, load_pinned_config
 from trainer.layout import PreflightOutput
 from trainer.metrics import print_live_line
 from trainer.preflight.advice import advise
@@ -178,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     configure_worker_logging(logging.INFO, f"%(asctime)s rank{identity.rank} %(levelname)s %(name)s: %(message)s")
     logging.getLogger("tensorflow").setLevel(logging.WARNING)  # one INFO line per collective otherwise
     try:
-        cfg = RunConfig.from_saved(storage.read_json(args.config))
+        cfg = load_pinned_config(args.config)
+    except ConfigChangedError as error:  # the same file on a retry: permanent, like train's refusals
+        log.error("rank %d on %s: cannot start: %s (a retry cannot fix this: exit %d)", identity.rank, identity.host,
+                  error, EXIT_PERMANENT)
+        return EXIT_PERMANENT
     except (OSError, ValueError) as error:  # ConfigError is a ValueError
         log.error("rank %d on %s: cannot read the run configuration %s: %s", identity.rank, identity.host,
                   args.config, error)
