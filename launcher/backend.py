@@ -104,6 +104,11 @@ class Backend(ABC):
         return {"checked": False, "free": None, "free_after_s": None,
                 "note": f"the {self.name} backend proves its slots free at the run's release only"}
 
+    def utilization(self, group: GroupSpec, workers: Sequence[WorkerOutcome]) -> dict[int, float | None] | None:
+        """Each rank's GPU utilization (%) now, for the idle-held warning (launcher/idle.py); None where this backend
+        cannot sample it (the default): missing samples count as busy."""
+        return None
+
     @abstractmethod
     def end_earlier_attempts(self, group: GroupSpec) -> list[dict[str, Any]]:
         """End what an earlier attempt of the same group of the same run left alive, wherever this backend runs

@@ -267,6 +267,28 @@ def check_exited_slots(run_pids: Iterable[int], placed_on: Iterable[str], *, use
     return check
 
 
+def _handle(pynvml: ModuleType, device: int | str) -> Any:
+    """The NVML handle of a GPU named by its UUID (GPU-..., MIG-...) or its index."""
+    text = str(device)
+    return pynvml.nvmlDeviceGetHandleByIndex(int(text)) if text.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(text)
+
+
+def gpu_utilization(devices: Mapping[int, int | str]) -> dict[int, float | None]:
+    """Key -> NVML's utilization (%) of the GPU `devices` names for it (UUID or index), None for a GPU that refuses the
+    query (MIG: NotSupported; lost) or without NVML: a missing sample, never a 0."""
+    try:
+        with nvml() as pynvml:
+            found: dict[int, float | None] = {}
+            for key, device in devices.items():
+                try:
+                    found[key] = float(pynvml.nvmlDeviceGetUtilizationRates(_handle(pynvml, device)).gpu)
+                except (pynvml.NVMLError, ValueError):
+                    found[key] = None
+            return found
+    except NvmlUnavailable:
+        return dict.fromkeys(devices)
+
+
 def release_is_clean(gpu_check: Mapping[str, Any]) -> bool:
     """No process of the run left on a GPU and no GPU NVML could not vouch for (no NVML: nothing to verify)."""
     return not gpu_check.get("held_by_run") and not gpu_check.get("unverified")

@@ -23,6 +23,7 @@ from typing import IO
 
 from launcher.backend import Backend, WorkerHandle
 from launcher.errors import LaunchError
+from launcher.idle import IdleWatch
 from launcher.log_policy import is_native_noise, verbose_environment
 from launcher.process import ORPHAN_GRACE_S, stop_ladder
 from launcher.protocol import GROUP_ENV, RUN_KEY_ENV, is_ready_marker
@@ -124,11 +125,15 @@ class WorkerGroup:
     `supervisor_pid`: the process that supervises this one (an Airflow task's supervisor). When it dies, killed
     without a word to us (SIGKILL, the OOM killer), nobody will ever read this task's result: the group is
     stopped at once instead of training on unseen beside the retry that follows.
+
+    `idle`: the idle-held watch (launcher/idle.py) fed with every rank's lines and polled by the watch loop; it only
+    reports, through its own callback.
     """
 
     def __init__(self, spec: GroupSpec, backend: Backend, workdir: str | Path, *,
                  on_line: LineSink | None = None, on_started: StartedSink | None = None,
-                 rank_environment: RankEnvironment = tensorflow_env, supervisor_pid: int | None = None) -> None:
+                 rank_environment: RankEnvironment = tensorflow_env, supervisor_pid: int | None = None,
+                 idle: IdleWatch | None = None) -> None:
         self.spec = spec
         self.backend = backend
         self.rank_environment = rank_environment
@@ -137,6 +142,7 @@ class WorkerGroup:
         self.log_dir = self.workdir / "logs"
         self.on_line = on_line or (lambda rank, line: log.info("[rank %d] %s", rank, line))
         self.on_started = on_started
+        self.idle = idle
         self._lines: queue.Queue[tuple[int, str]] = queue.Queue(MAX_QUEUED_LINES)
         self._unannounced: dict[int, int] = {}  # rank -> lines left out of the task log when its output ended
         self._workers: list[_Worker] = []
@@ -189,8 +195,14 @@ class WorkerGroup:
             self._launch(attempt, workers)
             if self.on_started and not self._stop_requested.is_set():
                 self.on_started([w.outcome() for w in workers], attempt)
+            if self.idle:
+                outcomes = [w.outcome() for w in workers]
+                self.idle.start(self.spec.name, attempt, [w.spec.rank for w in workers],
+                                lambda: self.backend.utilization(self.spec, outcomes) or {})
             return self._watch(workers)
         finally:
+            if self.idle:
+                self.idle.stop()
             self._stop_workers(workers)
             for worker in workers:
                 if worker.reader:
@@ -246,6 +258,8 @@ class WorkerGroup:
             self._stop_if_orphaned()
             if self._stop_requested.is_set():
                 return GroupState.STOPPED, {}
+            if self.idle:
+                self.idle.poll()
             outcome = self._outcome(workers, time.monotonic(), started)
             if outcome is not None:
                 return outcome
@@ -351,6 +365,8 @@ class WorkerGroup:
             worker.log_file.flush()
             if is_ready_marker(line):
                 worker.ready_seen = True
+            if self.idle:  # here, not in the task log's queue: a line left out of the log is still progress
+                self.idle.line(rank, line, ready=worker.ready_seen)
             worker.tail.append(line)
             self._last_output = time.monotonic()
             if not is_native_noise(line, use_gpu=self.spec.use_gpu):  # the log file above keeps it

@@ -30,6 +30,7 @@ from launcher.gpus import (
     GPU_RELEASE_WAIT_S,
     GpuInventory,
     check_exited_slots,
+    gpu_utilization,
     probe_gpus,
     release_check,
     release_is_clean,
@@ -257,6 +258,12 @@ class LocalBackend(Backend):
         return check_exited_slots({w.pid for w in workers if w.pid}, [d for w in workers for d in (w.devices or ())],
                                   use_gpu=group.use_gpu, alive=lambda: [p for p in pgids if live_group_members(p)],
                                   environ=self.environ, clock=self.clock, sleep=self.sleep)
+
+    def utilization(self, group: GroupSpec, workers: Sequence[WorkerOutcome]) -> dict[int, float | None] | None:
+        """NVML's utilization of each rank's GPU on this host (None: a CPU run)."""
+        if not group.use_gpu:
+            return None
+        return gpu_utilization({w.rank: w.devices[0] for w in workers if w.devices})
 
     def end_earlier_attempts(self, group: GroupSpec) -> list[dict[str, Any]]:
         ended = end_marked_processes({RUN_KEY_ENV: group.run_key, GROUP_ENV: group.name},

@@ -48,7 +48,8 @@ _NOT_IN_KEY = frozenset({
     "allreduce_pack_mb",  # one worker all-reduces nothing (its wire dtype counts: it makes the same round trip)
     "model_name", "promotion_tolerance", "promote",  # what happens to the model after training
     "max_loss_rise", "min_throughput_ratio", "alert_conn_id", "alert_emails",  # watching the run, not its numbers
-    "capacity", "max_idle_held_s", "min_cost_efficiency", "max_release_s", "max_run_cost",  # what it costs
+    "capacity", "max_idle_held_s", "idle_gpu_util_pct", "min_cost_efficiency", "max_release_s",  # what it costs
+    "max_run_cost",
 })
 
 

@@ -105,7 +105,7 @@ def score_models(prepared: dict, cfg: RunConfig, make_backend: BackendFactory) -
     distributed_eval = run_evaluation(distributed.model, prepared["manifest_url"],
                                       join(report_url, "eval-distributed.json"), cfg=cfg,
                                       run_key=prepared["run_key"], label="distributed",
-                                      make_backend=make_backend)
+                                      make_backend=make_backend, run_id=prepared["run_id"])
     baseline_eval = evaluate_baseline(prepared, cfg, baseline, make_backend) if baseline else None
     promoted = evaluate_promoted(prepared, cfg, make_backend, distributed_eval)
     return Scored(distributed, distributed_summary, distributed_eval, baseline, baseline_summary, baseline_eval,
@@ -196,7 +196,7 @@ def read_metrics(output: TrainOutput, rank: int = 0) -> list[dict[str, Any]]:
 
 
 def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: RunConfig, run_key: str,
-                   label: str, make_backend: BackendFactory) -> dict[str, Any]:
+                   label: str, make_backend: BackendFactory, run_id: str | None = None) -> dict[str, Any]:
     """`python -m trainer.evaluate` as a group of the run's `num_workers` on its backend, each worker scoring its
     part of the `eval_tokens` sample; their output streams to this log. Returns the combined result, also written
     at `output_url`.
@@ -204,10 +204,11 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: R
     The same launch path as training (tasks/launch.py): the run's marker (release finds it), a state record and the
     ranks' logs in the run's storage (`evaluate-<label>`), storage credentials as secrets only, one GPU per worker
     with `use_gpu` (none otherwise), the start-up and hang bounds of the run. A worker that fails fails the
-    evaluation, naming its rank."""
+    evaluation, naming its rank. Held without progress past `max_idle_held_s` it warns as training does (mailed
+    when `run_id` is given)."""
     from launcher import GroupSpec
     from tasks.connections import storage_env
-    from tasks.launch import RecordedLaunch
+    from tasks.launch import IdleSettings, RecordedLaunch
 
     workers = cfg.num_workers
     spec = GroupSpec(
@@ -224,8 +225,8 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: R
     backend = make_backend(cfg.backend, cfg.to_dict())
     try:
         result = RecordedLaunch(spec, backend, StorageLayout(cfg.storage_root).run(run_key),
-                                on_line=lambda rank, line: log.info("[evaluate %s %d] %s", label, rank, line)
-                                ).run_group()
+                                on_line=lambda rank, line: log.info("[evaluate %s %d] %s", label, rank, line),
+                                idle=IdleSettings.of(cfg.to_dict(), run_id, spec.name)).run_group()
     finally:
         backend.close()
     if not result.succeeded:
@@ -275,7 +276,7 @@ def evaluate_baseline(prepared: dict, cfg: RunConfig, baseline: TrainOutput,
         log.info("Baseline evaluation at %s scored sample %s, not this run's %s: evaluating it again.", cached,
                  sample_id(evaluation), expected)
     return run_evaluation(baseline.model, prepared["manifest_url"], cached, cfg=cfg, run_key=prepared["run_key"],
-                          label="baseline", make_backend=make_backend)
+                          label="baseline", make_backend=make_backend, run_id=prepared["run_id"])
 
 
 def add_scaling(report: dict[str, Any], prepared: dict, distributed: TrainOutput) -> None:
@@ -314,7 +315,7 @@ def evaluate_promoted(prepared: dict, cfg: RunConfig, make_backend: BackendFacto
         return section
     result = run_evaluation(pointer["model_url"], manifest_url, join(prepared["report_url"], "eval-promoted.json"),
                             cfg=cfg, run_key=prepared["run_key"], label="promoted",
-                            make_backend=make_backend)
+                            make_backend=make_backend, run_id=prepared["run_id"])
     section.update(eval_loss=result["eval_loss"], perplexity=result["perplexity"], samples=result.get("samples"),
                    nats_per_char=result.get("nats_per_char"), known_words=result.get("known_words"),
                    eval_loss_se=result.get("eval_loss_se"), eval_sample=sample_id(result),

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -21,10 +23,12 @@ from typing import Any
 from launcher import GroupSpec, GroupState, RunResult, WorkerGroup, WorkerOutcome
 from launcher.backend import Backend
 from launcher.host_identity import describe, host_identity, same_host
+from launcher.idle import IdleEpisode, IdleWatch
 from launcher.protocol import LAUNCHER_WORKDIR_PREFIX, is_ready_marker
 from tasks import telemetry
 from tasks.usage import slots_of
 from trainer.layout import RunLayout
+from trainer.metrics import LIVE_PREFIX
 from trainer.storage import exists, join, read_json, upload_tree, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.launch")
@@ -66,17 +70,53 @@ def add_release_after_train(report: dict[str, Any], run: RunLayout) -> None:
             report["runs"][name]["release_after_train_s"] = release_after_exit(run, group)
 
 
+def live_step(line: str) -> int | None:
+    """The step a worker's live metrics line reports (trainer/metrics.py); None for any other line."""
+    if not line.startswith(LIVE_PREFIX):
+        return None
+    try:
+        scope, values = telemetry.parse_live_line(line[len(LIVE_PREFIX):])
+    except telemetry.MalformedLiveLine:
+        return None
+    step = values.get("step") if scope == "worker" else None
+    return int(step) if step is not None and math.isfinite(step) else None
+
+
+@dataclass(frozen=True)
+class IdleSettings:
+    """The idle-held warning of a launch (launcher/idle.py): `max_idle_held_s` (0 = off), `idle_gpu_util_pct` (GPU
+    runs), and `mail(text)`, which sends it without waiting (tasks.alerts.alert_in_background) or None."""
+
+    max_idle_held_s: float = 0.0
+    idle_gpu_util_pct: float = 5.0
+    mail: Callable[[str], object] | None = None
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any], run_id: str | None, task: str) -> IdleSettings:
+        """From the run's prepared configuration; mailed when it names an alert connection (and the run is known)."""
+        from tasks.alerts import alert_in_background
+
+        def mail(text: str) -> object:
+            return alert_in_background(config, str(run_id), f"GPUs held idle in {task}", text, task=task)
+
+        return cls(float(config.get("max_idle_held_s") or 0), float(config.get("idle_gpu_util_pct", 5)),
+                   mail if config.get("alert_conn_id") and run_id else None)
+
+
 class RecordedLaunch:
     """Runs `spec` on `backend` as a task's group `spec.name` of the run laid out by `run`.
 
     `on_line(rank, line)` gets every worker line (`label(rank)` names the rank the backend's way); `storage()`
     is the context in which storage is written (the operator's connection credentials); `on_record(record)` sees
     each state record written (the operator pushes it to XCom). `stop()` may be called from a signal handler.
+    `idle`: the live idle-held warning; each one is logged, counted, recorded with the attempt's GPU-time events
+    (`idle_warnings`, read by the report) and mailed off the watch loop.
     """
 
     def __init__(self, spec: GroupSpec, backend: Backend, run: RunLayout, *, on_line: Callable[[int, str], None],
                  storage: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-                 on_record: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_record: Callable[[dict[str, Any]], None] | None = None,
+                 idle: IdleSettings | None = None) -> None:
         self.spec, self.backend, self.run = spec, backend, run
         self.storage, self.on_record = storage, on_record
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{LAUNCHER_WORKDIR_PREFIX}{spec.name}-"))
@@ -85,8 +125,11 @@ class RecordedLaunch:
         self._recorded = False  # this launch wrote its first state record
         self._usage: dict[str, Any] | None = None  # the running attempt's GPU-time events (tasks/usage.py)
         self._on_line = on_line
+        self.idle = idle or IdleSettings()
+        watch = IdleWatch(self.idle.max_idle_held_s, live_step, self._idle_held,
+                          util_below_pct=self.idle.idle_gpu_util_pct if spec.use_gpu else None)
         self.group = WorkerGroup(spec, backend, self.workdir, on_line=self._line, on_started=self._started,
-                                 supervisor_pid=task_supervisor_pid())
+                                 supervisor_pid=task_supervisor_pid(), idle=watch if watch.enabled else None)
 
     @property
     def state_url(self) -> str:
@@ -165,6 +208,28 @@ class RecordedLaunch:
         if self._usage is not None and is_ready_marker(line):
             self._usage["ranks"].get(rank, {}).setdefault("ready", time.time())
         self._on_line(rank, line)
+
+    def _idle_held(self, episode: IdleEpisode) -> None:
+        """One idle-held episode (the group's watch loop calls this): logged, counted, recorded, mailed off-loop."""
+        ranks = (self._usage or {}).get("ranks") or {}
+        slots = [slot for rank in episode.ranks for slot in slots_of(ranks.get(rank) or {"rank": rank})]
+        where = "; ".join(f"{self.label(rank)} {episode.phase[rank]}" + (
+            f", GPU utilization at most {episode.peak_util_pct[rank]:.0f}%" if episode.peak_util_pct else "")
+            for rank in episode.ranks)
+        text = (f"GPU time: {self.spec.name} (attempt {episode.attempt}) held {len(slots)} slot(s) {slots} with no "
+                f"step progress for {episode.idle_s:.0f} s (max_idle_held_s = {self.idle.max_idle_held_s:g}"
+                + (f", below idle_gpu_util_pct = {self.idle.idle_gpu_util_pct:g}%" if episode.peak_util_pct else "")
+                + f"): {where}. The run goes on.")
+        log.warning("%s", text)
+        telemetry.count("cost_warning", {"run": self.spec.run_key, "task": self.spec.name})
+        if self._usage is not None:
+            self._usage.setdefault("idle_warnings", []).append({
+                "at": datetime.fromtimestamp(episode.at, UTC).isoformat(), "ranks": list(episode.ranks),
+                "slots": slots, "idle_s": episode.idle_s, "phase": {str(r): p for r, p in episode.phase.items()},
+                "peak_util_pct": ({str(r): u for r, u in episode.peak_util_pct.items()}
+                                  if episode.peak_util_pct else None), "text": text})
+        if self.idle.mail is not None:
+            self.idle.mail(text)
 
     def _started(self, workers: Sequence[WorkerOutcome], attempt: int) -> None:
         self._write_usage(())  # a relaunch on new ports: the earlier attempt has ended

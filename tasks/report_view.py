@@ -358,6 +358,12 @@ def gpu_time(report: dict[str, Any]) -> list[Section]:
     if cost.get("per_mtoken") is not None:
         notes.append(f"Cost per million tokens trained: {fmt(cost.get('per_mtoken'), '.4g')} "
                      f"{text(_get(usage, 'price', 'currency'))}.")
+    if isinstance(usage.get("idle_warnings"), list):
+        idle = _items(usage.get("idle_warnings"))
+        notes.append(f"Idle-held warnings (checked live while groups ran, max_idle_held_s): {len(idle)}"
+                     + "".join(f"; {text(row.get('at'))}: {text(row.get('group'))} slots "
+                               f"{', '.join(map(text, row.get('slots') or []))} idle {fmt(row.get('idle_s'), '.0f')} s"
+                               for row in idle) + ".")
     if usage.get("clock_skew_s"):
         notes.append(f"Release's clock was {fmt(usage.get('clock_skew_s'), '.1f')} s behind a worker's exit: the "
                      "held time ends at the last exit.")

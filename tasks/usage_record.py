@@ -116,6 +116,9 @@ def run_usage(run_url: str, report: Mapping[str, Any], released_at: str) -> dict
     summary["attempts"] = [{"group": a["group"], "attempt": a["attempt"], "try_number": a.get("try_number"),
                             "state": a.get("state"), "workers": len(a["ranks"])} for a in attempts]
     summary["workers"] = distributed.get("num_workers")
+    # The live idle-held warnings (tasks/launch.py, launcher/idle.py), each already logged, counted and mailed.
+    summary["idle_warnings"] = [{"group": a["group"], "attempt": a["attempt"], **warning}
+                                for a in attempts for warning in a.get("idle_warnings") or []]
     return summary
 
 
@@ -149,17 +152,10 @@ MOSTLY_IDLE_MIN_HELD_H = 1.0  # a run is called mostly idle only from this many 
 
 
 def cost_warnings(summary: Mapping[str, Any], cfg: Mapping[str, Any]) -> list[str]:
-    """The warnings of a finished run's usage (never failures): a slot held without step progress longer than
-    `max_idle_held_s`, slow release, a mostly idle run, extra workers that cost more than `min_cost_efficiency`
-    allows."""
-    found = []
-    idle_limit = cfg.get("max_idle_held_s") or 0
-    stalled = [row for row in summary.get("per_slot") or [] if idle_limit and row["longest_idle_s"] > idle_limit]
-    if stalled:
-        worst = max(stalled, key=lambda row: row["longest_idle_s"])
-        found.append(f"GPU time: {len(stalled)} slot(s) held with no step progress for longer than max_idle_held_s = "
-                     f"{idle_limit} s; the longest, {worst['slot']}, {worst['longest_idle_s']:.0f} s, mostly "
-                     f"{(worst['longest_idle_cause'] or 'other').replace('_', ' ')}.")
+    """The warnings of a finished run's usage (never failures): each idle-held warning raised while a group ran
+    (slots held without step progress past `max_idle_held_s`, checked live), slow release, a mostly idle run, extra
+    workers that cost more than `min_cost_efficiency` allows."""
+    found = [warning["text"] for warning in summary.get("idle_warnings") or []]
     limit = cfg.get("max_release_s") or 0
     if limit and (summary.get("time_to_release_s") or 0) > limit:
         found.append(f"GPU time: the GPUs were free {summary['time_to_release_s']:.0f} s after the last worker "
@@ -200,14 +196,15 @@ def attach_usage(report_url: str, report: dict[str, Any], released_at: str) -> d
             return {}
         summary["cheapest_workers"] = _cheapest_workers(report_url)
         warnings = cost_warnings(summary, report.get("config") or {})
+        raised_live = {warning["text"] for warning in summary["idle_warnings"]}  # counted and mailed back then
         summary["warnings"] = warnings
         report["usage"] = summary
         report["warnings"] = [w for w in report.get("warnings") or [] if not w.startswith("GPU time:")] + warnings
         report.setdefault("charts", {})["usage"] = USAGE_CHART
         for warning in warnings:
             log.warning("%s", warning)
-        _emit(summary, warnings, str(report.get("run_key")))
-        _mail(report, warnings)
+        _emit(summary, [w for w in warnings if w not in raised_live], str(report.get("run_key")))
+        _mail(report, [w for w in warnings if w not in raised_live])
         return {USAGE_CHART: usage_chart(summary)}
     except Exception:  # the ledger is a view of the run; release's proof must not depend on it
         log.exception("could not compute the GPU-time ledger of %s", run_url)

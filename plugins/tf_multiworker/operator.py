@@ -42,7 +42,7 @@ from launcher import (
 )
 from launcher.errors import MissingOutputError
 from launcher.protocol import CONFIG_SHA256_ENV, EXIT_PERMANENT, EXIT_PREEMPTED
-from tasks.launch import RecordedLaunch
+from tasks.launch import IdleSettings, RecordedLaunch
 from tasks.policy import check_launch_urls
 from tasks.telemetry import LiveLineReader
 from tf_multiworker.backends import UnknownBackendError, make_backend
@@ -214,12 +214,14 @@ class TFMultiWorkerOperator(BaseOperator):
             backend.close()
             raise
         self._live_metrics = LiveLineReader(run=spec.run_key, task=self.task_id)
-        if self._live_metrics.enabled:  # per-step lines only when Airflow sends metrics somewhere
-            spec = dataclasses.replace(spec, env={**spec.env, LIVE_INTERVAL_ENV: str(LIVE_INTERVAL_S)})
         ti = context["ti"]
+        idle = IdleSettings.of(self.run_config if isinstance(self.run_config, Mapping) else {}, ti.run_id, self.task_id)
+        if self._live_metrics.enabled or idle.max_idle_held_s:  # per-step lines: Airflow's metrics, step progress
+            spec = dataclasses.replace(spec, env={**spec.env, LIVE_INTERVAL_ENV: str(LIVE_INTERVAL_S)})
         try:
             self.group = RecordedLaunch(spec, backend, run, on_line=self._log_worker_line, storage=self.hook.applied,
-                                        on_record=lambda record: ti.xcom_push(key=STATE_XCOM_KEY, value=record))
+                                        on_record=lambda record: ti.xcom_push(key=STATE_XCOM_KEY, value=record),
+                                        idle=idle)
             result = self.group.run_group(stopped=lambda: self._killed)
         finally:
             backend.close()

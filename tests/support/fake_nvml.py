@@ -119,13 +119,15 @@ globals().update(ERROR_CLASSES)
 
 @dataclass
 class FakeGpu:
-    """One device. `idle_used_bytes`: what `used` reads with no process on it (the driver's own share)."""
+    """One device. `idle_used_bytes`: what `used` reads with no process on it (the driver's own share);
+    `utilization_pct`: what nvmlDeviceGetUtilizationRates reads as `.gpu` (None: 97 with a process on it, else 0)."""
 
     uuid: str
     name: str = "NVIDIA H200"
     total_bytes: int = 143771 * MIB
     idle_used_bytes: int = 1 * MIB
     mig: bool = False
+    utilization_pct: int | None = None
     errors: dict[str, int] = field(default_factory=dict)  # function name -> NVML_ERROR_* it raises for this GPU
 
 
@@ -286,7 +288,8 @@ class FakeNvml(types.ModuleType):
         if gpu.mig:  # NVML's reference: "On MIG-enabled GPUs, querying device utilization rates is not ... supported"
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         busy = bool(self._on_device(handle.index))
-        return types.SimpleNamespace(gpu=97 if busy else 0, memory=60 if busy else 0)
+        percent = gpu.utilization_pct if gpu.utilization_pct is not None else 97 if busy else 0
+        return types.SimpleNamespace(gpu=percent, memory=60 if busy else 0)
 
 
 def h200s(count: int, **overrides) -> list[FakeGpu]:

@@ -335,22 +335,25 @@ def test_the_runs_page_shows_held_busy_cost_and_time_to_release():
     assert "<td>—</td><td>—</td><td></td><td>—</td>" in page  # no cost: blank, never 0
 
 
-def test_cost_warnings_name_the_idle_slot_the_top_cause_and_the_cheapest_count():
-    """Never failures: a slot held without step progress past max_idle_held_s, a mostly idle run of at least one
-    held hour, efficiency below min_cost_efficiency naming the advisor's cheapest count, a slow release."""
+def test_cost_warnings_name_the_live_idle_warnings_the_top_cause_and_the_cheapest_count():
+    """Never failures: each idle-held warning raised while a group ran (tests/tasks/test_usage_idle.py), a mostly
+    idle run of at least one held hour, efficiency below min_cost_efficiency naming the advisor's cheapest count, a
+    slow release."""
     from tasks.usage_record import cost_warnings
 
     book = usage.ledger([attempt("train", rank(0, 0, 2000, 9000, 2100, 3000), rank(1, 0, 5, 9000, 2100, 3000))],
                         released_at=9100)
-    summary = {**usage.summarize(book, price=None, efficiency=0.3), "workers": 2, "cheapest_workers": 1}
-    assert summary["per_slot"][1]["longest_idle_s"] == 6100  # export 3000 -> 9000, then release
+    live = {"group": "train", "attempt": 1, "text": "GPU time: train (attempt 1) held 1 slot(s) ['h/rank0'] ..."}
+    summary = {**usage.summarize(book, price=None, efficiency=0.3), "workers": 2, "cheapest_workers": 1,
+               "idle_warnings": [live]}
     found = cost_warnings(summary, {"max_idle_held_s": 900, "min_cost_efficiency": 0.5, "max_release_s": 60})
     assert len(found) == 4, found
-    assert "2 slot(s) held with no step progress" in found[0] and "h/rank0, 6100 s, mostly export" in found[0]
+    assert found[0] == live["text"]
     assert "more than max_release_s = 60 s" in found[1]
     assert "mostly idle" in found[2] and "largest idle cause is export" in found[2]
     assert "3.3x the worker-hours per token of one" in found[3] and "cheapest count is 1" in found[3]
-    assert cost_warnings(summary, {"max_idle_held_s": 0, "min_cost_efficiency": 0, "max_release_s": 0}) == \
+    assert cost_warnings({**summary, "idle_warnings": []},
+                         {"max_idle_held_s": 0, "min_cost_efficiency": 0, "max_release_s": 0}) == \
         [found[2]]  # 0 turns each setting's warning off; the mostly idle run has no setting
 
 

@@ -128,6 +128,7 @@ class RunConfig:
     # warnings (0 = off) and budget (preflight fails when the advisor predicts the asked count over it).
     capacity: str = "on_demand"
     max_idle_held_s: int = 900
+    idle_gpu_util_pct: int = 5
     min_cost_efficiency: float = 0.5
     max_release_s: int = 300
     max_run_cost: float = 0.0

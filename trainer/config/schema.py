@@ -245,6 +245,9 @@ SETTINGS: tuple[Setting, ...] = (
        enum=["on_demand", "reserved", "spot"]),
     _s("max_idle_held_s", _MONITORING, 900, "integer", "Idle-held warning (s)",
        "Warn when a group held its GPUs this long without step progress (0 = off).", minimum=0, maximum=30 * 86_400),
+    _s("idle_gpu_util_pct", _MONITORING, 5, "integer", "Idle GPU utilization (%)",
+       "GPU runs: a group without step progress is idle only while every NVML utilization sample of its GPUs over "
+       "that time is below this (missing samples count as busy).", minimum=0, maximum=100),
     _s("min_cost_efficiency", _MONITORING, 0.5, "number", "Cost efficiency warning",
        "Warn when the measured scaling efficiency is below this: extra workers more than 1/E the GPU-hours per "
        "token (0 = off).", minimum=0, maximum=1),

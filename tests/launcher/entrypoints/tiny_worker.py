@@ -10,12 +10,15 @@ TINY_WORKER_SHOW_ENV names a variable whose presence (never its value) is printe
 value is printed (to test redaction).
 TINY_WORKER_TEMP=1 prints how many entries its temporary directory held at start, then leaves a file there (as
 a worker ended by a signal leaves its temporary files).
-TINY_WORKER_STEPS (default 5) and TINY_WORKER_STEP_S (default 0.05) set the length of the run. Every worker also
+TINY_WORKER_STEPS (default 5) and TINY_WORKER_STEP_S (default 0.05) set the length of the run.
+TINY_WORKER_LIVE_STEPS=k also prints the trainer's live metrics line after every step, its step frozen at k - 1 from
+step k on (a rank that talks but no longer trains, for the idle-held warning). Every worker also
 starts a `sleep` child in its process group, so tests can see that the whole group is stopped.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -24,6 +27,7 @@ import sys
 import tempfile
 import time
 
+from trainer.metrics import LIVE_PREFIX
 from trainer.runtime import signal_ready, worker_identity
 
 FOREVER_S = 3600
@@ -120,6 +124,9 @@ def main() -> int:
             chief.sendall(b"s")
             _recv_exact(chief)
         print(f"rank {me.rank} step {step} done", flush=True)
+        if os.environ.get("TINY_WORKER_LIVE_STEPS"):
+            frozen = min(step, int(os.environ["TINY_WORKER_LIVE_STEPS"]) - 1)
+            print(LIVE_PREFIX + json.dumps({"scope": "worker", "values": {"step": frozen}}), flush=True)
     print(f"rank {me.rank} finished", flush=True)
     return 0
 

@@ -1,0 +1,75 @@
+"""The idle-held warning live (issue 40, item 4): real tiny workers that keep printing while their live step stays
+frozen, watched by the one launch path (tasks/launch.py + launcher/idle.py). The warning is logged, recorded with the
+attempt's GPU-time events, shown and counted in the report's usage, and mailed on a thread of its own: a mail server
+that hangs never holds up the group."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from launcher import GroupSpec, LocalBackend
+from tasks import alerts
+from tasks.launch import IdleSettings, RecordedLaunch, live_step
+from tasks.report import render_markdown
+from tasks.usage_record import load_attempts, run_usage
+from tests.launcher.conftest import entrypoint_env
+from trainer.layout import StorageLayout, run_key
+from trainer.metrics import LIVE_PREFIX
+
+MAIL_HANGS_S = 15.0
+
+
+def test_live_step_reads_only_the_workers_live_lines():
+    assert live_step(LIVE_PREFIX + '{"scope": "worker", "values": {"step": 7, "loss": 2.5}}') == 7
+    assert live_step(LIVE_PREFIX + '{"scope": "preflight", "values": {"busbw_gbps": 1}}') is None
+    assert live_step(LIVE_PREFIX + '{"scope": "worker", "values": {"loss": 2.5}}') is None
+    assert live_step(LIVE_PREFIX + "not json") is None and live_step("rank 0 step 7 done") is None
+
+
+def test_ranks_that_talk_but_do_not_train_warn_once_live_and_a_hanging_mail_never_holds_the_group(
+        monkeypatch, tmp_path):
+    sent: list[tuple] = []
+    done = threading.Event()
+
+    def hanging_send(*args, **kw) -> bool:  # an SMTP server that answers after MAIL_HANGS_S
+        time.sleep(MAIL_HANGS_S)
+        sent.append((args, kw))
+        done.set()
+        return True
+
+    monkeypatch.setattr(alerts, "send_alert", hanging_send)
+    config = {"max_idle_held_s": 1, "idle_gpu_util_pct": 5, "alert_conn_id": "smtp", "alert_emails": ["a@b.example"]}
+    run = StorageLayout(str(tmp_path / "storage")).run("run-1")
+    spec = GroupSpec(name="train", entrypoint="tiny_worker", num_workers=2, run_key="run-1", startup_timeout_s=60,
+                     hang_timeout_s=60, grace_period_s=2,
+                     env=entrypoint_env(TINY_WORKER_STEPS="35", TINY_WORKER_STEP_S="0.1", TINY_WORKER_LIVE_STEPS="3"))
+    lines: list[str] = []
+    launch = RecordedLaunch(spec, LocalBackend(), run, on_line=lambda rank, line: lines.append(line),
+                            idle=IdleSettings.of(config, "manual__1", "train"))
+    started = time.monotonic()
+    result = launch.run_group()
+    wall_s = time.monotonic() - started
+    assert result.succeeded, result.error_message()
+    assert not done.is_set() and wall_s < MAIL_HANGS_S, "the group waited for the mail"
+    assert any(line.startswith(LIVE_PREFIX) for line in lines)
+
+    (attempt,) = load_attempts(run.url)
+    (warning,) = attempt["idle_warnings"]  # one episode: both ranks froze at step 2 together
+    print(f"\ngroup {wall_s:.2f} s; warning: {warning['text']}")
+    assert warning["ranks"] == [0, 1] and warning["slots"] == ["127.0.0.1/rank0", "127.0.0.1/rank1"]
+    assert 1.0 < warning["idle_s"] < 3 and warning["phase"] == {"0": "after step 2", "1": "after step 2"}
+    assert warning["peak_util_pct"] is None  # a CPU run: progress alone decides
+    assert "max_idle_held_s = 1" in warning["text"] and "The run goes on." in warning["text"]
+
+    assert done.wait(MAIL_HANGS_S + 5), "the mail was sent after all, off the watch loop"
+    (conn, recipients, subject, body), kw = sent[0]
+    assert conn == "smtp" and recipients == ("a@b.example",) and "GPUs held idle in train" in subject
+    assert warning["text"] in body and kw == {"run": run_key("gpt_finetune", "manual__1"), "task": "train"}
+
+    report = {"run_key": "run-1", "runs": {}, "config": config}
+    summary = run_usage(run.url, report, "2030-01-01T00:00:00+00:00")
+    assert [w["text"] for w in summary["idle_warnings"]] == [warning["text"]]
+    page = render_markdown({**report, "usage": summary})
+    assert "Idle-held warnings (checked live while groups ran, max_idle_held_s): 1;" in page
+    assert "train slots 127.0.0.1/rank0, 127.0.0.1/rank1 idle" in page
