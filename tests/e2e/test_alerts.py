@@ -1,14 +1,16 @@
-"""Alerts on a real scheduler: a run whose loss diverges fails in train, naming the step, and the failure reaches a
-real SMTP server (the stack's `alerts_smtp` connection, tests/conftest.py) with the task, the reason and the links.
+"""Alerts and refusals on a real scheduler: a run whose loss diverges fails in train, naming the step, and the failure
+reaches a real SMTP server (the stack's `alerts_smtp` connection, tests/conftest.py) with the task, the reason and
+the links; runs whose settings the deployment does not allow fail in prepare, naming the setting, and launch nothing.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
-from tests.e2e.runs import DAG, FAST, assert_released, trigger, wait_until
+from tests.e2e.runs import DAG, FAST, assert_released, storage, trigger, wait_until
 from trainer.layout import run_key
 
 pytestmark = pytest.mark.timeout(900)
@@ -55,3 +57,27 @@ def test_an_alert_connection_that_does_not_exist_is_refused_in_prepare(airflow_s
     assert "'alert_conn_id' = 'no_such_connection': no Airflow connection has this id" in log
     # prepare's own alert cannot go out through that connection: logged, and the task's outcome stays its own.
     assert "Could not send the alert" in log and "the run's outcome is unchanged" in log
+
+
+def test_a_trigger_outside_the_allow_lists_is_refused_in_prepare_and_launches_nothing(airflow_stack):
+    """Issue 37: a storage connection the deployment does not allow (the metadata database's, whose login would
+    become the workers' storage keys; tests/conftest.py TEST_ALLOW_LISTS) is refused by name before anything is
+    planned or launched. (`image` and `namespace` are checked the same way, with backend kubernetes, whose storage
+    must be an s3:// bucket: tests/tasks/test_prepare.py.)"""
+    run_id = trigger(airflow_stack, {**FAST, "storage_conn_id": "metadata_db"})
+    assert airflow_stack.wait_for_run(DAG, run_id, timeout=300) == "failed"
+    states = airflow_stack.task_states(DAG, run_id)
+    assert states["prepare"] == "failed", states
+    assert {states[task] for task in ("publish", "preflight", "train", "plan_baseline", "baseline", "evaluate")} == {
+        "upstream_failed"}, states
+    assert not airflow_stack.task_log(DAG, run_id, "prepare", 2), "prepare was retried"
+    log = airflow_stack.task_log(DAG, run_id, "prepare")
+    assert ("Setting 'storage_conn_id' = 'metadata_db' is outside the storage connections this deployment allows "
+            "(GPT_FINETUNE_STORAGE_CONN_IDS=run_storage,elastic_run_storage)") in log, log[-3000:]
+    assert "have the operator add it to $GPT_FINETUNE_STORAGE_CONN_IDS" in log
+    # Release ran and found nothing to end; the run's storage holds its record and nothing else.
+    assert states["release"] == "success", states
+    release = assert_released(airflow_stack, run_id)
+    assert (release["state_records"], release["processes_found"], release["removed_dirs"]) == ([], [], []), release
+    run = Path(storage(airflow_stack).run(run_key(DAG, run_id)).url)
+    assert sorted(path.name for path in run.rglob("*")) == ["release.json"]
