@@ -14,10 +14,12 @@ import os
 import platform
 import subprocess
 import sys
-from datetime import UTC, datetime
+from datetime import datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from launcher.protocol import utc_now
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench-results"
@@ -66,12 +68,12 @@ def describe(machine_info: dict[str, Any]) -> str:
 
 def save(name: str, figures: dict[str, Any], machine_info: dict[str, Any], results: Path = RESULTS) -> Path:
     """Write one benchmark's figures as its latest result and into the history; returns the latest file."""
-    now = datetime.now(UTC)
-    record = {"benchmark": name, "finished_at": now.isoformat(timespec="seconds"), "machine": machine_info,
+    finished_at = utc_now()
+    record = {"benchmark": name, "finished_at": finished_at, "machine": machine_info,
               "load_average_at_end": list(os.getloadavg()), **figures}
     text = json.dumps(record, indent=2, default=str) + "\n"
     (results / "history").mkdir(parents=True, exist_ok=True)
-    (results / "history" / f"{now.strftime('%Y%m%dT%H%M%SZ')}-{name}.json").write_text(text)
+    (results / "history" / f"{datetime.fromisoformat(finished_at):%Y%m%dT%H%M%SZ}-{name}.json").write_text(text)
     latest = results / f"{name}.json"
     latest.write_text(text)
     return latest

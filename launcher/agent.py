@@ -44,6 +44,7 @@ from launcher.protocol import (
     EXIT_LINE,
     GROUP_ENV,
     RUN_KEY_ENV,
+    RUN_KEY_PATTERN,
     STOP_LINE,
     control_line,
     inherited_environment,
@@ -56,7 +57,6 @@ EXIT_NOT_FOUND = 127
 EVERY_INTERFACE = "0.0.0.0"  # where a probe's ports must be free: TensorFlow's worker server binds them all
 MAX_LINE_BYTES = 1 << 16  # a worker line longer than this is relayed in pieces
 OUTPUT_DRAIN_S = 2.0  # how long the relay may lag once the worker's group is gone (an escaped process holds it)
-SAFE_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
 class BadRequest(ValueError):
@@ -82,8 +82,10 @@ def _count(value: Any) -> bool:
 
 
 def _run_key(value: Any) -> bool:
-    # A key names a directory under the workdir: no separators, no "." or "..".
-    return isinstance(value, str) and bool(value) and set(value) <= SAFE_KEY_CHARS and value.strip(".") != ""
+    return isinstance(value, str) and RUN_KEY_PATTERN.fullmatch(value) is not None  # it names a directory here
+
+
+RUN_KEY_FIELD = (_run_key, "a run key (letters, digits, '.', '_', '-'; not starting with '.')")
 
 
 # mode -> field -> (check, what the field must be). Fields not listed are refused.
@@ -101,21 +103,21 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "use_gpu": (lambda v: isinstance(v, bool), "true or false"),
     },
     "release": {
-        "run_key": (_run_key, "a run key (letters, digits, '.', '_', '-')"),
+        "run_key": RUN_KEY_FIELD,
         "grace_s": (_seconds, "seconds, 0 to 3600"),
         "workdir": (lambda v: v is None or (isinstance(v, str) and bool(v)), "a directory path or null"),
     },
     "kill": {
         "pgid": (lambda v: type(v) is int, "a process group id"),
-        "run_key": (_run_key, "a run key (letters, digits, '.', '_', '-')"),
+        "run_key": RUN_KEY_FIELD,
     },
     "reap": {
-        "run_key": (_run_key, "a run key (letters, digits, '.', '_', '-')"),
+        "run_key": RUN_KEY_FIELD,
         "group": (lambda v: isinstance(v, str) and bool(v), "a worker group's name"),
         "grace_s": (_seconds, "seconds, 0 to 3600"),
     },
     "slots": {
-        "run_key": (_run_key, "a run key (letters, digits, '.', '_', '-')"),
+        "run_key": RUN_KEY_FIELD,
         "group": (lambda v: isinstance(v, str) and bool(v), "a worker group's name"),
         "pids": (lambda v: isinstance(v, list) and all(type(p) is int and p > 0 for p in v), "a list of pids"),
         "gpus": (_strings, "a list of GPU UUIDs or indices"),

@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
@@ -26,7 +25,7 @@ from launcher.errors import LaunchError
 from launcher.idle import IdleWatch
 from launcher.log_policy import is_native_noise, verbose_environment
 from launcher.process import ORPHAN_GRACE_S, stop_ladder
-from launcher.protocol import GROUP_ENV, RUN_KEY_ENV, is_ready_marker
+from launcher.protocol import GROUP_ENV, RUN_KEY_ENV, is_ready_marker, utc_now
 from launcher.spec import (
     FailureKind,
     GroupSpec,
@@ -236,7 +235,7 @@ class WorkerGroup:
                 return
             # Closed in _run_attempt's finally: the reader thread writes to it until the worker's output ends.
             log_file = open(spec.log_file, "a", encoding="utf-8")  # noqa: SIM115
-            stamp = datetime.now(UTC).isoformat(timespec="seconds")
+            stamp = utc_now()
             log_file.write(f"===== {self.spec.name} attempt {attempt}, rank {rank}, {spec.address}, {stamp} =====\n")
             try:
                 handle = self.backend.start(self.spec, spec, command, env)

@@ -28,6 +28,7 @@ from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, WorkerHandle
 from launcher.errors import LaunchError
 from launcher.gpus import GPU_RELEASE_WAIT_S
 from launcher.kubernetes_api import KubernetesApi, KubernetesApiError
+from launcher.kubernetes_names import is_dns_label
 from launcher.kubernetes_pods import KubernetesWorkerHandle, LaunchedGroup, follow_status
 from launcher.process import ORPHAN_GRACE_S
 from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
@@ -51,7 +52,7 @@ class KubernetesSettings:
     conn_id: str = ""  # for messages and records only
 
     def __post_init__(self) -> None:
-        if not objects.is_dns_label(self.namespace):
+        if not is_dns_label(self.namespace):
             raise ValueError(f"namespace {self.namespace!r} is not a DNS label (lowercase letters, digits and '-', "
                              "at most 63 characters)")
 

@@ -43,6 +43,8 @@ from kubernetes.client import (
     V1Toleration,
 )
 
+from launcher.kubernetes_names import MAX_NAME, TOLERATION_KEYS, is_label_value
+
 # Every pod has its own IP, so all ranks share one fixed port (TFJob's default).
 WORKER_PORT = 2222
 CONTAINER_NAME = "worker"
@@ -50,17 +52,9 @@ LABEL_RUN_KEY = "tfmw/run-key"
 LABEL_GROUP = "tfmw/group"
 LABEL_RANK = "tfmw/rank"
 ANNOTATION_RUN_KEY = "tfmw/run-key"  # the full run key, when the label had to be shortened
-MAX_NAME = 63  # DNS-1123 label: pod hostnames and Service names
 _RANK_SUFFIX_ROOM = 6  # "-<rank>" for ranks up to 99999
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 _NOT_DNS = re.compile(r"[^a-z0-9]+")
 _NOT_LABEL = re.compile(r"[^A-Za-z0-9_.-]+")
-TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
-
-
-def is_dns_label(text: str) -> bool:
-    return len(text) <= MAX_NAME and bool(_DNS_LABEL.match(text))
 
 
 def _digest(*parts: str, chars: int = 8) -> str:
@@ -70,7 +64,7 @@ def _digest(*parts: str, chars: int = 8) -> str:
 def label_value(text: str) -> str:
     """`text` as a label value (<= 63 characters of [A-Za-z0-9_.-], alphanumeric at both ends): unchanged when
     it already is one, else sanitized and shortened with a hash of the original, so distinct texts stay distinct."""
-    if len(text) <= MAX_NAME and _LABEL_VALUE.match(text) and text:
+    if text and is_label_value(text):
         return text
     readable = _NOT_LABEL.sub("_", text)[: MAX_NAME - 11].strip("-_.")
     return f"{readable}-{_digest(text, chars=10)}" if readable else _digest(text, chars=10)

@@ -1,17 +1,19 @@
 """The launcher's protocol with the workers and with the layers above it: names only, stdlib only.
 
 What a worker of any backend finds and says (`trainer/runtime.py` reads it; docs/CONTRACTS.md, "Launcher <->
-worker"), which environment it starts from, where its temporary files go, the SSH agent's lines, and which backends
-exist. The trainer,
+worker"), which environment it starts from, where its temporary files go, the SSH agent's lines, the records' timestamps
+and which backends exist. The trainer,
 the tasks and the Airflow side import these from here, so the launcher imports nothing of theirs.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,11 @@ from typing import Any
 READY_MARKER = "TFMW_READY"
 # Set on every worker of a pipeline run: the release task finds all of the run's processes by it.
 RUN_KEY_ENV = "TFMW_RUN_KEY"
+# A run key (trainer.layout.run_key makes them) names directories (storage, the SSH agent's workdir) and travels in
+# the environment and labels: letters, digits, '.', '_' and '-', at most 200, not starting with '.' (so never '.' or
+# '..', no '/', no newline). Whatever reads one back from a request, XCom or a URL holds it to this (`fullmatch`).
+RUN_KEY_CHARACTERS = "A-Za-z0-9._-"  # a regex character class's body
+RUN_KEY_PATTERN = re.compile(rf"(?!\.)[{RUN_KEY_CHARACTERS}]{{1,200}}")
 # Set next to it: the worker group's name (the task id), so a task's next attempt finds what an earlier one left.
 GROUP_ENV = "TFMW_GROUP"
 # Set on every worker of a group that reads a run configuration (`--config`): the sha256 of the exact bytes the
@@ -38,6 +45,14 @@ LAUNCHER_WORKDIR_PREFIX = "tfmw-"
 EXIT_PEER_LOST = 3
 EXIT_PERMANENT = 65
 EXIT_PREEMPTED = 75
+
+def utc_now() -> str:
+    """Now, as every record's `*_at` field and log header holds it: ISO 8601 in UTC, to the millisecond
+    (`2026-12-05T00:27:05.123+00:00`). Not whole seconds: durations are measured from these stamps (the GPU-time
+    ledger's time to release, from release.json's `released_at`; the time after a run's last step, from its summary's
+    `finished_at`)."""
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
 
 # The SSH agent's lines (launcher/agent.py; docs/CONTRACTS.md, "SSH backend <-> remote agent"). Around a `run`
 # worker's output the agent prints control lines, `<tag> <JSON object>`: AGENT_LINE once the worker started, EXIT_LINE

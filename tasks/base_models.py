@@ -21,10 +21,10 @@ import logging
 import re
 import shutil
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from launcher.protocol import utc_now
 from trainer.config import AccessPolicy, ConfigError, RunConfig
 from trainer.layout import BASE_MODEL_RECORD, StorageLayout
 from trainer.model import is_model_location
@@ -130,7 +130,7 @@ def publish_snapshot(snapshot: Path, url: str, name: str, revision: str) -> dict
     """Copy the snapshot's files to `url`, the record written last (a stage renamed whole when local)."""
     files = sorted(path for path in snapshot.iterdir() if path.name in FILES and path.is_file())
     record = {"format_version": 1, "name": name, "revision": revision, "sha": snapshot.name,
-              "fetched_at": datetime.now(UTC).isoformat(timespec="seconds"),
+              "fetched_at": utc_now(),
               "files": [{"name": path.name, "bytes": path.stat().st_size} for path in files]}
     with staging_directory(url) as stage:
         for path in files:

@@ -12,26 +12,24 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from launcher.host_probe import package_versions
+from launcher.protocol import utc_now
 from tasks.connections import uses_run_storage
 from tasks.policy import checked_config
 from trainer.config import RunConfig
 from trainer.eval_sample import sample_identity
 from trainer.host_info import code_fingerprint
-from trainer.layout import StorageLayout
+from trainer.layout import StorageLayout, safe_name
 from trainer.storage import exists, join, list_dir, read_json, remove_tree, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.baseline")
 
 KEY_FORMAT_VERSION = 2  # 2: the evaluation sample's identity
 KEY_RECORD = "baseline_key.json"  # the key's parts, next to the baseline's output, to explain later mismatches
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 # Libraries whose version can change the numbers a baseline produces (read from metadata: no TF import here).
 NUMERIC_LIBRARIES = ("tensorflow", "tf-keras", "transformers")
 TRAINER_SOURCES = Path(__file__).resolve().parents[1] / "trainer"
@@ -79,7 +77,7 @@ def baseline_key(cfg: RunConfig, manifest: dict, total_steps: int) -> str:
     """A stable name for the baseline of this run: equal keys mean interchangeable baselines."""
     parts = baseline_key_parts(cfg, manifest, total_steps)
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-    model_name = _UNSAFE.sub("_", cfg.model.rstrip("/").rsplit("/", 1)[-1]).strip("._")[:40] or "model"
+    model_name = safe_name(cfg.model.rstrip("/").rsplit("/", 1)[-1], 40) or "model"
     return f"{model_name}-gb{parts['global_batch_size']}-s{total_steps}-{digest[:16]}"
 
 
@@ -136,7 +134,7 @@ def read_key_record(baseline_url: str) -> dict[str, Any] | None:
 def _write_key_record(baseline_url: str, key: str, parts: dict[str, Any], run_id: str) -> None:
     write_json_atomic(join(baseline_url, KEY_RECORD), {
         "key": key, "parts": parts, "trained_by_run": run_id,
-        "planned_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "planned_at": utc_now(),
     })
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 import os
 import platform
-from datetime import UTC, datetime
 from typing import Any
 
+from launcher.protocol import utc_now
 from tasks import report as reports
 from tasks.formatting import nats
 from trainer.config import RunConfig
@@ -173,7 +173,7 @@ def build_report(prepared: dict, cfg: RunConfig, *, distributed: dict[str, Any],
         "format_version": reports.REPORT_FORMAT_VERSION,
         "run_id": prepared["run_id"],
         "run_key": prepared["run_key"],
-        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "created_at": utc_now(),
         "num_workers": cfg.num_workers,
         "gates_passed": all(gate["passed"] for gate in checked),
         "runs": {"distributed": distributed, "baseline": baseline},

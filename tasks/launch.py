@@ -24,7 +24,7 @@ from launcher import GroupSpec, GroupState, RunResult, WorkerGroup, WorkerOutcom
 from launcher.backend import Backend
 from launcher.host_identity import describe, host_identity, same_host
 from launcher.idle import IdleEpisode, IdleWatch
-from launcher.protocol import LAUNCHER_WORKDIR_PREFIX, is_ready_marker
+from launcher.protocol import LAUNCHER_WORKDIR_PREFIX, is_ready_marker, utc_now
 from tasks import telemetry
 from tasks.usage import slots_of
 from trainer.layout import RunLayout
@@ -273,7 +273,7 @@ class RecordedLaunch:
             "task_id": self.spec.name,
             "backend": self.backend.name,
             "state": state.value,
-            "updated_at": datetime.now(UTC).isoformat(),
+            "updated_at": utc_now(),
             "workdir": str(self.workdir),  # removed at the end; release removes it when the task died first
             "launcher": host_identity(),  # release checks a local group only from this same host and container
             "workers": [{"rank": w.rank, "host": w.host, "port": w.port, "gpus": list(w.devices or []),

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import logging
 import math
-from datetime import UTC, datetime
 from typing import Any
 
+from launcher.protocol import utc_now
 from tasks import exports, registry
 from tasks import report as reports
 from tasks.base_models import pinned_base
@@ -95,7 +95,7 @@ def promote(prepared: dict, cfg: RunConfig, report: dict[str, Any], layout: Mode
             if version is not None:
                 remove_tree(version.url)
             number = registry.claim_version(layout, current, {
-                "run_id": prepared["run_id"], "claimed_at": _now()})
+                "run_id": prepared["run_id"], "claimed_at": utc_now()})
             version = layout.version(number)
             publish_version(version, prepared, cfg, report, number, verdict)
         entry = history_entry(version, prepared, report, number)
@@ -191,13 +191,13 @@ def outcome(cfg: RunConfig, verdict: dict[str, Any], *, promoted: bool,
     return {"promoted": promoted, "policy": cfg.promote, "model_name": cfg.model_name,
             "reason": verdict["reason"], "compared_with": verdict["compared_with"],
             "version": entry["version"] if entry else None, "url": entry["url"] if entry else None,
-            "model_url": entry["model_url"] if entry else None, "event": event, "decided_at": _now()}
+            "model_url": entry["model_url"] if entry else None, "event": event, "decided_at": utc_now()}
 
 
 def history_entry(version: VersionLayout, prepared: dict, report: dict[str, Any], number: int) -> dict[str, Any]:
     distributed = report["runs"]["distributed"]
     return {"version": f"v{number}", "number": number, "url": version.url, "model_url": version.model,
-            "run_id": prepared["run_id"], "run_key": prepared["run_key"], "promoted_at": _now(),
+            "run_id": prepared["run_id"], "run_key": prepared["run_key"], "promoted_at": utc_now(),
             "eval_loss": distributed["eval_loss"], "perplexity": distributed["perplexity"],
             "eval_loss_se": distributed.get("eval_loss_se"), "eval_sample": _sample_id(report),
             "dataset_fingerprint": report["dataset_fingerprint"],
@@ -221,7 +221,7 @@ def publish_version(version: VersionLayout, prepared: dict, cfg: RunConfig, repo
     distributed = report["runs"]["distributed"]
     write_json_atomic(version.record, {
         "format_version": VERSION_FORMAT_VERSION, "name": cfg.model_name, "version": f"v{number}",
-        "run_id": prepared["run_id"], "run_key": prepared["run_key"], "created_at": _now(),
+        "run_id": prepared["run_id"], "run_key": prepared["run_key"], "created_at": utc_now(),
         "eval_loss": distributed["eval_loss"], "perplexity": distributed["perplexity"],
         "eval_loss_se": distributed.get("eval_loss_se"), "eval_sample": _sample_id(report),
         "dataset_fingerprint": report["dataset_fingerprint"], "base_model": pinned_base(cfg), "files": files,
@@ -252,7 +252,7 @@ def model_card(cfg: RunConfig, prepared: dict, report: dict[str, Any], number: i
     lines = [
         f"# {cfg.model_name} v{number}",
         "",
-        f"Promoted {_now()} from run `{prepared['run_id']}` (policy `{cfg.promote}`): {verdict['reason']}",
+        f"Promoted {utc_now()} from run `{prepared['run_id']}` (policy `{cfg.promote}`): {verdict['reason']}",
         "",
         f"- Base model: {base}",
         (f"- Data: dataset fingerprint `{report['dataset_fingerprint']}` (setting `dataset` = `{cfg.dataset}`, "
@@ -313,5 +313,3 @@ def resolve_promoted_model(cfg: RunConfig) -> tuple[RunConfig, dict[str, Any] | 
                       "model_url": pointer["model_url"], "run_id": pointer["run_id"], "eval_loss": pointer["eval_loss"]}
 
 
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")

@@ -16,13 +16,12 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from typing import Any
 
 from launcher.backend import RELEASE_GRACE_S, BackendFactory
 from launcher.host_identity import describe, host_identity, same_host
 from launcher.process import processes_with_env
-from launcher.protocol import RUN_KEY_ENV
+from launcher.protocol import RUN_KEY_ENV, utc_now
 from tasks import report as reports
 from tasks import telemetry
 from tasks.connections import uses_run_storage
@@ -196,7 +195,7 @@ def _release_record(key: str, names: list[str], results: dict[str, dict[str, Any
         "run_key": key,
         "host": here["host"],
         "host_identity": identity,
-        "released_at": datetime.now(UTC).isoformat(),
+        "released_at": utc_now(),
         "state_records": names,
         "processes_found": here["found"],
         "terminated": here["terminated"],

@@ -22,6 +22,12 @@ _REQUIRED_KEYS = ("format_version", "fingerprint", "dtype", "block_size", "seque
 SHUFFLE_BUFFER_SEQUENCES = 8192
 
 
+def token_dtype(vocab_size: int) -> str:
+    """How prepare stores token ids, and what a manifest must say for its vocabulary: two bytes while every id fits,
+    else four."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
 class DataError(RuntimeError):
     """The prepared dataset is missing, of another format, or damaged."""
 

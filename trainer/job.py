@@ -9,7 +9,7 @@ from typing import Any
 from trainer import runtime
 from trainer.config import ConfigError, RunConfig
 from trainer.config.pinned import load_pinned_config
-from trainer.data import load_manifest, worker_shards
+from trainer.data import load_manifest, token_dtype, worker_shards
 from trainer.layout import TrainOutput
 
 
@@ -63,7 +63,7 @@ def plan_job_for(cfg: RunConfig, config_url: str, manifest_url: str, output_url:
             f"'block_size' = {cfg.block_size}: re-prepare the dataset or set 'block_size' to match."
         )
     vocab_size = manifest["tokenizer"]["vocab_size"]
-    expected_dtype = "uint16" if vocab_size <= 65536 else "uint32"
+    expected_dtype = token_dtype(vocab_size)
     if manifest["dtype"] != expected_dtype:
         raise ConfigError(
             f"{where}: {manifest_url} stores tokens as {manifest['dtype']} but a vocabulary of {vocab_size} "

@@ -25,6 +25,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
+from launcher.protocol import RUN_KEY_CHARACTERS
 from trainer import REPO_ROOT
 from trainer.storage import join, normalize_root
 
@@ -49,19 +50,26 @@ def absolute_root(root: str) -> str:
     return normalize_root(root, relative_to=REPO_ROOT)
 
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_UNSAFE = re.compile(rf"[^{RUN_KEY_CHARACTERS}]+")
 KEY_HASH_CHARS = 10
 KEY_TEXT_CHARS = 100
+
+
+def safe_name(text: str, limit: int) -> str:
+    """`text` as a readable name safe in paths and S3 keys, the run key's alphabet: every other run of characters
+    becomes '_', then no leading or trailing '.' or '_', at most `limit` characters; "" when nothing is left."""
+    return _UNSAFE.sub("_", text).strip("._")[:limit]
 
 
 def run_key(dag_id: str, run_id: str) -> str:
     """A DAG run as a name safe in paths and S3 keys: the run id made readable, plus a short hash of
     (dag_id, run_id), so that two run ids that sanitize alike, or the same run id in another DAG, never share a
-    key, a storage directory or a release sweep: `manual__2026-11-29T15_00_00_00_00-3f1c0a9b2e`."""
+    key, a storage directory or a release sweep: `manual__2026-11-29T15_00_00_00_00-3f1c0a9b2e`. It matches
+    `launcher.protocol.RUN_KEY_PATTERN`, which the SSH agent and the UI hold keys to."""
     if not dag_id or not run_id:
         raise ValueError(f"a run key needs a dag id and a run id, got {dag_id!r} and {run_id!r}")
     digest = hashlib.sha256(f"{dag_id}\0{run_id}".encode()).hexdigest()[:KEY_HASH_CHARS]
-    text = _UNSAFE.sub("_", run_id).strip("._")[:KEY_TEXT_CHARS]
+    text = safe_name(run_id, KEY_TEXT_CHARS)
     return f"{text}-{digest}" if text else digest
 
 

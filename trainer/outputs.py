@@ -10,10 +10,10 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from launcher.protocol import utc_now
 from trainer import storage
 from trainer.data import tokenizer_url
 from trainer.host_info import hardware_info, versions
@@ -153,8 +153,6 @@ def last_logged_loss(metrics_file: Path) -> float | None:
     return json.loads(lines[-1])["loss"] if lines else None
 
 
-def utc_now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def write_summary(job: TrainJob, summary: dict[str, Any]) -> None:

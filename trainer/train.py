@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from launcher.log_policy import configure_worker_logging
-from launcher.protocol import EXIT_PEER_LOST, EXIT_PERMANENT, EXIT_PREEMPTED
+from launcher.protocol import EXIT_PEER_LOST, EXIT_PERMANENT, EXIT_PREEMPTED, utc_now
 from trainer import runtime
 from trainer.allreduce import GradientReducer, PackRecorder
 from trainer.config import RunConfig
 from trainer.data import DataError
 from trainer.job import TrainJob, plan_job
-from trainer.outputs import LoopTimes, OutputFiles, build_summary, export_model, utc_now, write_summary
+from trainer.outputs import LoopTimes, OutputFiles, build_summary, export_model, write_summary
 from trainer.strategy import collective_error_reason, create_strategy, lost_peers
 
 log = logging.getLogger("trainer.train")

@@ -10,7 +10,8 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from gpt_finetune_ui.runs_data import CHART_FILE, RUN_KEY
+from gpt_finetune_ui.runs_data import CHART_FILE
+from launcher.protocol import RUN_KEY_PATTERN
 from tasks import report_view
 from tasks.formatting import fmt, known_words
 
@@ -86,7 +87,7 @@ def render_index(runs: list[dict[str, Any]], root: str, *, models: list[dict[str
 
 def _run_link(run_key: Any, text: Any, prefix: str = "") -> str:
     """A link to a run's page when `run_key` is a run key, else the text alone."""
-    if isinstance(run_key, str) and RUN_KEY.fullmatch(run_key):
+    if isinstance(run_key, str) and RUN_KEY_PATTERN.fullmatch(run_key):
         return f"<a href='{prefix}runs/{html.escape(run_key)}/'>{_text(text)}</a>"
     return _text(text)
 

@@ -13,6 +13,7 @@ import logging
 import re
 from typing import Any
 
+from launcher.protocol import RUN_KEY_PATTERN
 from tasks.registry import read_latest
 from tasks.report_file import UnreadableRecord, finite, read_record
 from trainer.layout import StorageLayout
@@ -20,8 +21,6 @@ from trainer.storage import exists, join, list_dir, read_bytes
 
 log = logging.getLogger("gpt_finetune.ui")
 
-# What trainer.layout.run_key produces, matched whole: no leading dot (no `.` or `..`), no `/`, no newline.
-RUN_KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 CHART_FILE = re.compile(r"[A-Za-z0-9_-]{1,100}\.png")
 NUMBER = (int, float)
 
@@ -39,7 +38,7 @@ class ReportError(ValueError):
 
 
 def report_dir(storage: StorageLayout, run_key: str) -> str:
-    if not RUN_KEY.fullmatch(run_key):
+    if not RUN_KEY_PATTERN.fullmatch(run_key):
         raise NotFound("No such run")
     return storage.run(run_key).report
 
@@ -152,7 +151,7 @@ def list_runs(storage: StorageLayout) -> list[dict[str, Any]]:
             detail = error if isinstance(error, ReportError) else error.reason if isinstance(
                 error, UnreadableRecord) else "cannot be read"
             runs.append({"run_key": key, "run_id": key, "status": f"unreadable report: {detail}", "released": released})
-    # created_at has whole seconds: runs of one second are ordered by run id (scheduled ids sort by date).
+    # created_at has milliseconds (launcher.protocol.utc_now): runs created within one are ordered by run id.
     return sorted(runs, key=lambda run: (run.get("created_at") or "", run["run_id"]), reverse=True)
 
 

@@ -16,13 +16,12 @@ workers and tokens/s) and logged as "continued on 2 of 4 workers from step 20: h
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import UTC, datetime
 from typing import Any
 
 from launcher import GroupSpec, LaunchError
 from launcher.backend import Backend, Capacity
 from launcher.group import end_earlier_attempts
-from launcher.protocol import CONFIG_SHA256_ENV
+from launcher.protocol import CONFIG_SHA256_ENV, utc_now
 from tf_multiworker.operator import TFMultiWorkerOperator
 from trainer.checkpoint import latest_step
 from trainer.config import ConfigError, RunConfig
@@ -95,7 +94,7 @@ class ElasticTrainOperator(TFMultiWorkerOperator):
                 "grad_accum_steps": cfg.num_workers * cfg.grad_accum_steps // count, "config_url": config_url,
                 "reason": "; ".join(reasons) if count < cfg.num_workers else None,
                 "hosts": list(capacity.hosts),
-                "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                "started_at": utc_now(),
             }
             write_json_atomic(output.segments, {
                 "num_workers": cfg.num_workers, "grad_accum_steps": cfg.grad_accum_steps,

@@ -21,12 +21,12 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from launcher.protocol import utc_now
 from tasks.dataset.checks import PLAN_FILE, check_lane, checked_plan
 from tasks.dataset.encode import SPLITS, joins_at_eos
 from tasks.dataset.errors import PrepareError
@@ -344,7 +344,7 @@ def _build(plan: dict[str, Any], cfg: RunConfig, job: UnitJob, results: list[dic
     manifest = {
         "format_version": FORMAT_VERSION,
         "fingerprint": plan["fingerprint"],
-        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "created_at": utc_now(),
         "dtype": job.dtype,
         "block_size": block,
         "sequences_per_record": per_record,

@@ -27,6 +27,7 @@ from tasks.dataset.split import SAMPLE_RULE, SAMPLE_WINDOW_BYTES, DocumentDraws,
 from trainer import storage
 from trainer.config import RunConfig
 from trainer.config.launch import FLOAT_DTYPES
+from trainer.data import token_dtype
 from trainer.layout import REPO_ROOT
 
 log = logging.getLogger("gpt_finetune.prepare")
@@ -48,13 +49,13 @@ def plan_tokenizer(cfg: RunConfig) -> TokenizerPlan:
     vocab = cfg.bpe_vocab_size
     if vocab is not None:
         sample = {"rule": SAMPLE_RULE, "window_bytes": SAMPLE_WINDOW_BYTES, "cap_bytes": cfg.bpe_sample_mb << 20}
-        return TokenizerPlan(cfg.tokenizer, _sha256_text(f"{BPE_RECIPE}:{vocab}:{EOS_TOKEN}"), dtype_for(vocab), None,
+        return TokenizerPlan(cfg.tokenizer, _sha256_text(f"{BPE_RECIPE}:{vocab}:{EOS_TOKEN}"), token_dtype(vocab), None,
                              sample)
     tokenizer = load_pretrained_tokenizer(cfg.tokenizer)
     # The serialized tokenizer as it is: deterministic for a tokenizers version (vocabularies in id order), and
     # hashing it directly saves parsing and re-sorting megabytes of JSON on every run, cache hits included.
     identity = f"eos={tokenizer.eos_token!r}\n{tokenizer.backend_tokenizer.to_str()}"
-    return TokenizerPlan(cfg.tokenizer, _sha256_text(identity), dtype_for(len(tokenizer)), tokenizer, None)
+    return TokenizerPlan(cfg.tokenizer, _sha256_text(identity), token_dtype(len(tokenizer)), tokenizer, None)
 
 
 def load_pretrained_tokenizer(spec: str):
@@ -91,10 +92,6 @@ def local_or_hub(name: str) -> str:
     if (REPO_ROOT / name).exists():
         return str(REPO_ROOT / name)
     return name
-
-
-def dtype_for(vocab_size: int) -> str:
-    return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
 def check_model(cfg: RunConfig) -> None:

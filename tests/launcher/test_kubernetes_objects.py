@@ -11,6 +11,7 @@ import pytest
 from kubernetes.client import ApiClient
 
 from launcher import kubernetes_objects as k8s
+from launcher.kubernetes_names import is_dns_label, is_label_value
 from launcher.spec import Placement
 from launcher.tf_env import tensorflow_env
 
@@ -68,9 +69,9 @@ def test_names_are_dns_labels_and_labels_are_label_values(run_key, group):
     names = k8s.GroupNames(run_key, group, "default")
     assert names.service[0].isalpha(), "a Service name is a DNS-1035 label: it starts with a letter"
     for name in (names.service, names.secret, names.network_policy, names.pod(0), names.pod(99999)):
-        assert k8s.is_dns_label(name), name
+        assert is_dns_label(name), name
     for value in names.pod_labels(12).values():
-        assert len(value) <= 63 and k8s._LABEL_VALUE.match(value), value
+        assert is_label_value(value), value
 
 
 def test_names_stay_distinct_for_runs_that_read_alike():

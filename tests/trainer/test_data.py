@@ -23,6 +23,7 @@ from trainer.data import (
     make_dataset,
     shard_cache_dir,
     stage_shards,
+    token_dtype,
     worker_shards,
 )
 
@@ -318,3 +319,8 @@ def test_generated_manifests_are_loaded_and_staged_or_refused_with_data_error(da
             outcomes["refused"] += 1
     assert {p for p in tmp_path.rglob("*") if "cache" not in p.parts} == before
     assert outcomes["refused"] > 50 and time.perf_counter() - started < 60, outcomes
+
+
+def test_token_ids_take_two_bytes_while_every_id_fits():
+    assert token_dtype(1 << 16) == "uint16"  # ids 0..65535
+    assert token_dtype((1 << 16) + 1) == "uint32"

@@ -1,19 +1,17 @@
 """Run keys: one per DAG run, safe in paths and S3 keys, never shared by two runs."""
 
-import re
 import subprocess
 import sys
 
 import pytest
 
-from launcher.protocol import RUN_KEY_ENV
+from launcher.protocol import RUN_KEY_ENV, RUN_KEY_PATTERN
 from tasks.release import processes_of_run
 from trainer.layout import run_key
 
 # Both are valid Airflow run ids (default pattern ^[A-Za-z0-9_.~:+-]+$) and sanitize to the same text.
 SCHEDULED = "manual__2026-11-29T15:00:00+00:00"
 LOOKALIKE = "manual__2026-11-29T15_00_00_00_00"
-UI_RUN_KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")  # what the reports app accepts
 
 
 def test_run_ids_that_sanitize_alike_get_different_keys():
@@ -29,9 +27,14 @@ def test_keys_are_stable_and_safe_in_paths():
     for run_id in (SCHEDULED, LOOKALIKE, "..", "~~", "a/../../b", "x" * 300, ".hidden"):
         key = run_key("gpt_finetune", run_id)
         assert key == run_key("gpt_finetune", run_id)
-        assert UI_RUN_KEY.fullmatch(key) and ".." not in key.split("/"), key
+        assert RUN_KEY_PATTERN.fullmatch(key), key  # what the SSH agent and the reports app accept
     with pytest.raises(ValueError):
         run_key("gpt_finetune", "")
+
+
+@pytest.mark.parametrize("text", [".", "..", ".hidden", "a/b", "../etc", "a\nb", "a b", "", "x" * 201, "ключ"])
+def test_the_run_key_pattern_refuses_what_is_not_one_directory_name(text):
+    assert RUN_KEY_PATTERN.fullmatch(text) is None
 
 
 def test_releasing_one_run_finds_only_its_own_workers():

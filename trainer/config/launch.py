@@ -11,6 +11,14 @@ import re
 from typing import Any
 from urllib.parse import urlparse
 
+from launcher.kubernetes_names import (
+    TOLERATION_EFFECTS,
+    TOLERATION_KEYS,
+    TOLERATION_OPERATORS,
+    is_dns_label,
+    is_dns_subdomain,
+    is_label,
+)
 from trainer.config import schema
 from trainer.config.access import is_hub_id
 from trainer.config.core import MAX_GRAD_ACCUM, ConfigError, check_choice
@@ -20,17 +28,11 @@ NCCL_DTYPES = ("float16", "float32", "float64", "int32", "int64")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 QUEUE_NAME = re.compile(schema.QUEUE_NAME)
 _CONN_ID = re.compile(schema.CONN_ID)
-# Kubernetes formats (apimachinery validation).
+# Kubernetes formats (apimachinery validation; the names and labels are launcher.kubernetes_names').
 DEFAULT_TRAINER_IMAGE = schema.DEFAULT_TRAINER_IMAGE
-_DNS_LABEL = re.compile(schema.DNS_LABEL)
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
-_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
-_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
 _CPU_QUANTITY = re.compile(schema.CPU_QUANTITY)
 _MEMORY_QUANTITY = re.compile(schema.MEMORY_QUANTITY)
 _IMAGE = re.compile(schema.IMAGE)
-TOLERATION_OPERATORS = ("Exists", "Equal")
-TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
 
 
 def exact_worker_counts(num_workers: int, grad_accum_steps: int, lowest: int) -> list[int]:
@@ -80,7 +82,7 @@ def _check_wire_dtype(cfg: Any) -> None:
 
 def _check_kubernetes(cfg: Any) -> None:
     """The kubernetes backend's settings: formats always, the rules between them when that backend is chosen."""
-    if not _DNS_LABEL.fullmatch(cfg.namespace):
+    if not is_dns_label(cfg.namespace):
         raise ConfigError(
             f"Setting 'namespace' = {cfg.namespace!r} is not a Kubernetes namespace name: a DNS label of at most 63 "
             "lowercase letters, digits and '-', starting and ending with a letter or digit."
@@ -96,8 +98,7 @@ def _check_kubernetes(cfg: Any) -> None:
     _check_node_selector(cfg.node_selector)
     for toleration in cfg.tolerations:
         _check_toleration(toleration)
-    if cfg.service_account and not (len(cfg.service_account) <= 253
-                                    and _DNS_SUBDOMAIN.fullmatch(cfg.service_account)):
+    if cfg.service_account and not is_dns_subdomain(cfg.service_account):
         raise ConfigError(f"Setting 'service_account' = {cfg.service_account!r} is not a service account name "
                           "(lowercase letters, digits, '-' and '.').")
 
@@ -119,21 +120,16 @@ def _check_pod_resources(cfg: Any) -> None:
 
 def _check_node_selector(node_selector: dict[str, str]) -> None:
     for key, value in node_selector.items():
-        prefix, _, label = key.rpartition("/")
-        if (prefix and not (len(prefix) <= 253 and _DNS_SUBDOMAIN.fullmatch(prefix))) or \
-                not _LABEL_NAME.fullmatch(label) or not _LABEL_VALUE.fullmatch(value):
+        if not is_label(key, value):
             raise ConfigError(f"Setting 'node_selector' entry {key!r}: {value!r} is not a Kubernetes label: keys "
                               "are [prefix/]name, values at most 63 letters, digits, '-', '_' or '.'.")
 
 
-_TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
-
-
 def _check_toleration(toleration: dict[str, Any]) -> None:
-    unknown = sorted(set(toleration) - _TOLERATION_KEYS)
+    unknown = sorted(set(toleration) - TOLERATION_KEYS)
     if unknown:
         raise ConfigError(f"Setting 'tolerations' entry {toleration!r} has unknown keys {unknown}: allowed are "
-                          f"{sorted(_TOLERATION_KEYS)} (Kubernetes spelling).")
+                          f"{sorted(TOLERATION_KEYS)} (Kubernetes spelling).")
     if toleration.get("operator", "Equal") not in TOLERATION_OPERATORS or \
             toleration.get("effect", "") not in TOLERATION_EFFECTS:
         raise ConfigError(f"Setting 'tolerations' entry {toleration!r}: operator must be one of "

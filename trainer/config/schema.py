@@ -9,7 +9,8 @@ The Params are flat (`{"num_workers": 4}`); `section` says where each setting li
 ("" for the core training settings, `launch`, `launch.ssh`, `launch.kubernetes`, `promotion`, `monitoring`). A
 setting keeps its one name in both places, in the form, in `--conf` and in every error message.
 
-Stdlib only (and the launcher's stdlib-only protocol table): the DAG file imports it at parse time.
+Stdlib only (and the launcher's stdlib-only protocol table and Kubernetes name rules): the DAG file imports it at
+parse time.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from launcher.kubernetes_names import DNS_LABEL
 from launcher.protocol import BACKEND_NAMES, BACKENDS
 
 SECTIONS = ("", "launch", "launch.ssh", "launch.kubernetes", "promotion", "monitoring")
@@ -32,7 +34,6 @@ REVISION = r"[A-Za-z0-9._/-]{1,255}"
 QUEUE_NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}"  # as `airflow celery worker -q` takes it (a comma splits it)
 CONN_ID = r"[A-Za-z0-9_.-]{1,250}"  # an Airflow connection id
 EMAIL = r"[^@\s,;<>\"]+@[^@\s,;<>\"]+\.[^@\s,;<>\"]+"
-DNS_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"  # a Kubernetes namespace (apimachinery validation)
 IMAGE = r"[A-Za-z0-9][A-Za-z0-9._/:@-]*"
 CPU_QUANTITY = r"\d+(\.\d+)?m?"
 MEMORY_QUANTITY = r"\d+(\.\d+)?([KMGTPE]i?|k)?"

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from launcher.log_policy import configure_worker_logging
-from launcher.protocol import EXIT_PERMANENT
+from launcher.protocol import EXIT_PERMANENT, utc_now
 from trainer import runtime, storage
 from trainer.config import RunConfig
 from trainer.config.pinned import ConfigChangedError, load_pinned_config
@@ -33,7 +33,6 @@ from trainer.preflight.verdict import (
     live_values,
     read_rank_reports,
     summary_lines,
-    utc_now,
     version_skew,
 )
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
-from datetime import UTC, datetime
 from typing import Any
 
 from launcher.host_probe import VERSIONED_PACKAGES
@@ -15,10 +14,6 @@ from trainer.layout import PreflightOutput
 
 EXIT_CHECKS_FAILED = 1
 EXIT_COLLECTIVES_FAILED = 3
-
-
-def utc_now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def group_id(identity: runtime.WorkerIdentity) -> str:
