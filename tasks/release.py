@@ -143,7 +143,7 @@ def release_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backen
             raise unreadable
         result = _release_record(key, names, results, identity, elsewhere)
         write_json_atomic(run.release, result)
-        mark_report_released(run.report, result)
+        mark_report_released(run.report, result, dag_id)
     except Exception as error:
         here = results["local"]["hosts"][0] if "local" in results else {
             "host": socket.gethostname(), "terminated": [], "killed": [], "survivors": []}
@@ -209,12 +209,13 @@ def _release_record(key: str, names: list[str], results: dict[str, dict[str, Any
     }
 
 
-def mark_report_released(report_url: str, release: dict[str, Any]) -> None:
-    """Put the release outcome into the run's report (report.json and report.md), when evaluate wrote one."""
+def mark_report_released(report_url: str, release: dict[str, Any], dag_id: str | None = None) -> None:
+    """Put the release outcome into the run's report (report.json and report.md), when evaluate wrote one; with
+    `dag_id`, the GPU tasks' admission waits are read from Airflow (tasks/airflow_api.py)."""
     json_url = join(report_url, reports.REPORT_JSON)
     if not exists(json_url):
         return
     report = read_json(json_url)
     report["release"] = {name: release[name] for name in ("clean", "released_at", "host", "survivors")}
-    charts = attach_usage(report_url, report, release["released_at"])  # GPU time and cost, up to this release
+    charts = attach_usage(report_url, report, release["released_at"], dag_id)  # GPU time and cost, to this release
     reports.write_report(report_url, report, charts=charts)

@@ -328,6 +328,17 @@ def usage_line(usage: Any) -> str:
             + f"; free {fmt(_get(usage, 'time_to_release_s'), '.1f')} s after the last worker exited")
 
 
+def waited_line(usage: Any) -> str:
+    """How long the GPU tasks waited for admission in Airflow (not charged), or why that is not known."""
+    waited = _get(usage, "waited_s")
+    if not isinstance(waited, int | float):
+        return f"Waited for admission in Airflow: unknown ({text(_get(usage, 'waited_note'))}); nothing charged for it."
+    carved = _get(usage, "waited_gpu_h")
+    return (f"Waited for admission in Airflow (scheduled to queued, every try of the GPU tasks): {waited:.1f} s, not "
+            "charged" + (f"; {fmt(carved, '.4g')} slot-h of it fell between the run's groups and are left out of held"
+                         if isinstance(carved, int | float) and carved > 0 else "") + ".")
+
+
 def gpu_time(report: dict[str, Any]) -> list[Section]:
     """Held, busy and idle time by cause, per slot and attempt, the price and the cost (report.json `usage`)."""
     usage = report.get("usage")
@@ -358,6 +369,8 @@ def gpu_time(report: dict[str, Any]) -> list[Section]:
     if cost.get("per_mtoken") is not None:
         notes.append(f"Cost per million tokens trained: {fmt(cost.get('per_mtoken'), '.4g')} "
                      f"{text(_get(usage, 'price', 'currency'))}.")
+    if "waited_s" in usage:
+        notes.append(waited_line(usage))
     if isinstance(usage.get("idle_warnings"), list):
         idle = _items(usage.get("idle_warnings"))
         notes.append(f"Idle-held warnings (checked live while groups ran, max_idle_held_s): {len(idle)}"

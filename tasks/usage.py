@@ -14,6 +14,12 @@ group (`kind` train, baseline, preflight, evaluate) has per rank the events `lau
 
 When `released_at` comes before a worker's exit (release ran on another host whose clock is behind), the window
 ends at the last exit instead and `clock_skew_s` says by how much.
+
+Time a GPU task of the run waited for admission (`not_held`: Airflow's scheduled -> queued of each try,
+tasks/airflow_api.py) is not held: no slot was the run's then. A second of a slot's window that no segment covers,
+before its last exit (between tasks), and that lies in such a wait, is `waited`: left out of held (and so of idle
+and every cause) and counted apart, costing nothing. Waits outside the window (before the first launch) are outside
+held anyway; a second is never both waited and held.
 """
 
 from __future__ import annotations
@@ -75,42 +81,57 @@ def _label_at(segments: Sequence[tuple[float, float, str]], a: float, b: float) 
     return next((label for label in PRIORITY if label in covering), None)
 
 
-def slot_ledger(segments: Sequence[tuple[float, float, str]], released_at: float) -> dict[str, Any]:
-    """held, busy, idle and idle by cause (seconds) of one slot, from its segments and the release time."""
+def _waiting(not_held: Sequence[tuple[float, float]], a: float, b: float) -> bool:
+    return any(start <= a and end >= b for start, end in not_held)
+
+
+def slot_ledger(segments: Sequence[tuple[float, float, str]], released_at: float,
+                not_held: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
+    """held, busy, idle and idle by cause (seconds) of one slot, from its segments and the release time; `waited_s`:
+    the seconds between tasks that lay in an admission wait (`not_held`), left out of held."""
     held_from = min(start for start, _, _ in segments)
     last_exit = max(end for _, end, _ in segments)
     held_until = max(released_at, last_exit)
-    points = sorted({held_from, held_until, *(p for s in segments for p in s[:2] if held_from < p < held_until)})
-    seconds = dict.fromkeys(("busy", *CAUSES), 0.0)
+    edges = [p for s in segments for p in s[:2]] + [p for w in not_held for p in w]
+    points = sorted({held_from, held_until, *(p for p in edges if held_from < p < held_until)})
+    seconds = dict.fromkeys(("busy", *CAUSES, "waited"), 0.0)
     stretch: dict[str, float] = {}  # the current stretch without step progress, by cause
     longest: dict[str, float] = {}
     for a, b in itertools.pairwise(points):
-        label = _label_at(segments, a, b) or ("between_tasks" if b <= last_exit else "release")
+        label = _label_at(segments, a, b) or ("release" if b > last_exit else
+                                              "waited" if _waiting(not_held, a, b) else "between_tasks")
         seconds[label] += b - a
+        if label == "waited":
+            continue
         stretch = {} if label == "busy" else {**stretch, label: stretch.get(label, 0.0) + b - a}
         if sum(stretch.values()) > sum(longest.values()):
             longest = dict(stretch)
-    held = held_until - held_from
+    waited = seconds.pop("waited")
+    held = held_until - held_from - waited
     busy = seconds.pop("busy")
-    return {"held_s": held, "busy_s": busy, "idle_s": held - busy, "idle_by_cause_s": seconds,
+    return {"held_s": held, "busy_s": busy, "idle_s": held - busy, "idle_by_cause_s": seconds, "waited_s": waited,
             "held_from": held_from, "last_exit": last_exit, "time_to_release_s": max(0.0, released_at - last_exit),
             "longest_idle_s": sum(longest.values()),
             "longest_idle_cause": max(longest, key=longest.__getitem__) if longest else None}
 
 
-def ledger(attempts: Sequence[Mapping[str, Any]], released_at: float) -> dict[str, Any]:
+def ledger(attempts: Sequence[Mapping[str, Any]], released_at: float,
+           not_held: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
     """The run's ledger: per slot and summed (seconds), time to release (last exit of any worker to release's
-    proof), and the clock skew when release's clock is behind the last exit."""
-    slots = {slot: slot_ledger(segments, released_at) for slot, segments in sorted(segments_by_slot(attempts).items())}
+    proof), and the clock skew when release's clock is behind the last exit. `not_held`: the run's admission waits
+    (start, end), see the module doc."""
+    slots = {slot: slot_ledger(segments, released_at, not_held)
+             for slot, segments in sorted(segments_by_slot(attempts).items())}
     if not slots:
         return {"held_s": 0.0, "busy_s": 0.0, "idle_s": 0.0, "idle_by_cause_s": dict.fromkeys(CAUSES, 0.0),
-                "slots": {}, "time_to_release_s": None, "clock_skew_s": 0.0}
+                "waited_s": 0.0, "slots": {}, "time_to_release_s": None, "clock_skew_s": 0.0}
     last_exit = max(s["last_exit"] for s in slots.values())
     return {
         "held_s": sum(s["held_s"] for s in slots.values()),
         "busy_s": sum(s["busy_s"] for s in slots.values()),
         "idle_s": sum(s["idle_s"] for s in slots.values()),
         "idle_by_cause_s": {c: sum(s["idle_by_cause_s"][c] for s in slots.values()) for c in CAUSES},
+        "waited_s": sum(s["waited_s"] for s in slots.values()),
         "slots": slots,
         "time_to_release_s": max(0.0, released_at - last_exit),
         "clock_skew_s": max(0.0, last_exit - released_at),

@@ -97,13 +97,40 @@ def _failed_attempt_steps(ranks: list[dict[str, Any]], joined: float) -> None:
         rank.update(first_step_end=joined, last_step_end=rank["exit"], redone_after=None if preempted else joined)
 
 
-def run_usage(run_url: str, report: Mapping[str, Any], released_at: str) -> dict[str, Any] | None:
-    """report.json's `usage`, or None when the run recorded no events (a run from before the ledger)."""
+def task_of(group: str) -> str:
+    """The Airflow task that launched a group: its own name, or evaluate for each `evaluate-<model>` group."""
+    return "evaluate" if group.startswith("evaluate") else group
+
+
+def admission(attempts: list[dict[str, Any]], dag_id: str | None, run_id: str | None) -> dict[str, Any]:
+    """The GPU tasks' admission waits from Airflow (tasks/airflow_api.py): {"waits": [...]} or {"waits": None,
+    "note": why not}. Never raises: without them `waited` is null, never 0."""
+    from tasks import airflow_api
+
+    if not attempts:
+        return {"waits": None, "note": "no GPU task recorded"}
+    if not dag_id or not run_id:
+        return {"waits": None, "note": "not asked: release did not name the DAG run"}
+    try:
+        tries = airflow_api.task_tries(dag_id, run_id, {task_of(a["group"]) for a in attempts})
+    except airflow_api.ApiUnavailable as error:
+        log.info("admission waits not measured: %s", error)
+        return {"waits": None, "note": f"not measured: {error}"}
+    return {"waits": airflow_api.admission_waits(tries), "note": None}
+
+
+def run_usage(run_url: str, report: Mapping[str, Any], released_at: str,
+              waits: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """report.json's `usage`, or None when the run recorded no events (a run from before the ledger). `waits`: the
+    GPU tasks' admission waits (`admission`); without them `waited_s` is null and `waited_note` says why."""
     attempts = load_attempts(run_url)
     if not attempts:
         return None
     add_steps(attempts, report.get("runs"))
-    book = usage.ledger(attempts, datetime.fromisoformat(released_at).timestamp())
+    waits = waits or {"waits": None, "note": "not asked"}
+    admitted = waits.get("waits")
+    not_held = [(w["scheduled"], w["queued"]) for w in admitted or [] if w["queued"] > w["scheduled"]]
+    book = usage.ledger(attempts, datetime.fromisoformat(released_at).timestamp(), not_held)
     distributed = (report.get("runs") or {}).get("distributed") or {}
     hardware = (report.get("hardware") or {}).get("distributed") or {}
     accelerator = hardware.get("gpu") if isinstance(hardware, dict) else None
@@ -116,6 +143,15 @@ def run_usage(run_url: str, report: Mapping[str, Any], released_at: str) -> dict
     summary["attempts"] = [{"group": a["group"], "attempt": a["attempt"], "try_number": a.get("try_number"),
                             "state": a.get("state"), "workers": len(a["ranks"])} for a in attempts]
     summary["workers"] = distributed.get("num_workers")
+    # Admission waits (Airflow's scheduled -> queued per try of a GPU task): shown, never charged; the part of them
+    # between two of the run's groups is left out of held (`waited_gpu_h`, per slot `waited_h`).
+    summary["waited_s"] = round(sum(w["waited_s"] for w in admitted), 3) if admitted is not None else None
+    summary["waited_note"] = waits.get("note")
+    summary["waited_gpu_h"] = round(book["waited_s"] / 3600, 6)
+    summary["admission"] = [{k: w[k] for k in ("task_id", "try_number", "map_index", "waited_s", "queued_s")}
+                            for w in admitted or []]
+    for row in summary["per_slot"]:
+        row["waited_h"] = round(book["slots"][row["slot"]]["waited_s"] / 3600, 6)
     # The live idle-held warnings (tasks/launch.py, launcher/idle.py), each already logged, counted and mailed.
     summary["idle_warnings"] = [{"group": a["group"], "attempt": a["attempt"], **warning}
                                 for a in attempts for warning in a.get("idle_warnings") or []]
@@ -186,12 +222,15 @@ def _cheapest_workers(report_url: str) -> int | None:
     return (advisor.get("cost") or {}).get("cheapest_workers")
 
 
-def attach_usage(report_url: str, report: dict[str, Any], released_at: str) -> dict[str, bytes]:
+def attach_usage(report_url: str, report: dict[str, Any], released_at: str,
+                 dag_id: str | None = None) -> dict[str, bytes]:
     """Put `usage` (and its warnings) into the report; returns the chart to write with it. A ledger that cannot be
-    read is logged and left out: it never fails release."""
+    read is logged and left out: it never fails release. With `dag_id`, the admission waits of the report's run are
+    read from Airflow."""
     run_url = report_url.rstrip("/").rsplit("/", 1)[0]
     try:
-        summary = run_usage(run_url, report, released_at)
+        waits = admission(load_attempts(run_url), dag_id, report.get("run_id"))
+        summary = run_usage(run_url, report, released_at, waits)
         if summary is None:
             return {}
         summary["cheapest_workers"] = _cheapest_workers(report_url)

@@ -117,6 +117,10 @@ def airflow_stack(tmp_path_factory, monitoring_sinks):
                                **monitoring_env(monitoring_sinks)})
     stack.sinks = monitoring_sinks
     try:
+        # Release reads the GPU tasks' admission waits from the API server through it (tasks/airflow_api.py)
+        stack.rest("POST", "/api/v2/connections", {
+            "connection_id": "gpt_finetune_api", "conn_type": "http", "host": "localhost", "port": stack.port,
+            "login": stack.login[0], "password": stack.login[1]})
         yield stack
     finally:
         stack.stop()

@@ -64,7 +64,8 @@ def _epoch(stamp: str) -> float:
 def assert_usage_matches_airflow(stack, run_id: str, report: dict) -> None:
     """The report's GPU-time ledger against independent records: busy = the summaries' train time x workers; the
     held window starts inside preflight's task instance and covers every GPU task instance to release, whose own
-    task instance holds released_at (Airflow's metadata database, through its REST API); cost = held x rate."""
+    task instance holds released_at (Airflow's metadata database, through its REST API), less the time a GPU task
+    waited for admission between groups; waited = every try's scheduled -> queued there; cost = held x rate."""
     from tests.conftest import STACK_PRICES
     from trainer.storage import read_json
 
@@ -83,15 +84,23 @@ def assert_usage_matches_airflow(stack, run_id: str, report: dict) -> None:
     assert instances["preflight"][0] <= first_launch <= instances["preflight"][1]
     assert instances["release"][0] <= released_at <= instances["release"][1]
     last_gpu_task_end = max(end for task, (_, end) in instances.items() if task != "release")
-    for slot in usage["per_slot"]:  # both workers' slots held from the first launch to release
-        assert slot["held_h"] * 3600 >= last_gpu_task_end - first_launch - 0.05, slot
-        assert slot["held_h"] * 3600 == pytest.approx(released_at - first_launch, abs=0.05)
+    tries = [row for task in {event["group"].split("-")[0] for event in events}
+             for row in stack.rest("GET", f"{run_path(run_id)}/taskInstances/{task}/tries")["task_instances"]]
+    waited = sum(_epoch(row["queued_when"]) - _epoch(row["scheduled_when"]) for row in tries
+                 if row["queued_when"] and row["scheduled_when"])
+    assert usage["waited_s"] == pytest.approx(waited, abs=0.01) and usage["waited_note"] is None, usage
+    assert {row["task_id"] for row in usage["admission"]} >= {"preflight", "train", "evaluate"}
+    for slot in usage["per_slot"]:  # both workers' slots held from the first launch to release, less waits between
+        waited_between = slot["waited_h"] * 3600
+        assert 0 <= waited_between <= waited + 0.01, slot
+        assert slot["held_h"] * 3600 >= last_gpu_task_end - first_launch - waited_between - 0.05, slot
+        assert slot["held_h"] * 3600 == pytest.approx(released_at - first_launch - waited_between, abs=0.05)
     assert sum(usage["idle_by_cause_gpu_h"].values()) == pytest.approx(usage["idle_gpu_h"], abs=1e-5)
     rate = STACK_PRICES["cpu_worker"]["on_demand"]
     assert usage["price"]["rate"] == rate and usage["price"]["unit"] == "worker_hour"
     assert usage["cost"]["held"] == pytest.approx(usage["held_gpu_h"] * rate, abs=1e-6)
     line = Path(run.report, "report.md").read_text().split("## GPU time and cost")[1].strip().splitlines()[0]
-    print(f"\nGPU time of {run_id}: {line}")  # the demo's usage line (pytest -s)
+    print(f"\nGPU time of {run_id}: {line}; waited for admission {waited:.2f} s (not charged)")
 
 
 def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_baseline(airflow_stack, tmp_path):
