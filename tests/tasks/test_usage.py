@@ -148,6 +148,14 @@ def test_random_timelines_keep_the_invariants(seed):
     assert_invariants(book)
     assert book["idle_by_cause_s"]["other"] == 0  # every kind is a known one
     assert book["clock_skew_s"] == pytest.approx(max(0.0, clock - released))
+    waits = [(start, start + rng.uniform(0, 15)) for start in (rng.uniform(-10, clock) for _ in range(3))]
+    waited = usage.ledger(attempts, released, waits)  # admission waits: out of held, never out of a group's time
+    assert_invariants(waited)
+    assert waited["held_s"] + waited["waited_s"] == pytest.approx(book["held_s"])
+    assert waited["busy_s"] == pytest.approx(book["busy_s"])
+    for cause in usage.CAUSES:
+        change = book["idle_by_cause_s"][cause] - waited["idle_by_cause_s"][cause]
+        assert change == pytest.approx(waited["waited_s"] if cause == "between_tasks" else 0, abs=1e-6)
 
 
 # -- prices --------------------------------------------------------------------------------------------------
