@@ -106,17 +106,18 @@ def publish(run_id=None, dag_run=None, ti=None, outlet_events=None) -> dict:
 
     prepared_run = finish_run(the_plan(ti), run_id, dag_run.dag_id)
     outlet_events[SHARDS_ASSET].extra = {
-        "manifest_url": prepared_run["manifest_url"],
-        "fingerprint": prepared_run["dataset_fingerprint"],
+        "manifest_url": prepared_run.manifest_url,
+        "fingerprint": prepared_run.dataset_fingerprint,
     }
-    return prepared_run
+    return prepared_run.to_xcom()
 
 
 @task.short_circuit(task_id="plan_baseline", ignore_downstream_trigger_rules=False)
 def plan_baseline(prepared_run: dict) -> bool:
     from tasks.baseline import plan_baseline as plan
+    from tasks.prepared_run import PreparedRun
 
-    return plan(prepared_run)
+    return plan(PreparedRun.from_xcom(prepared_run))
 
 
 @task(task_id="evaluate", trigger_rule="none_failed", retries=0)  # its pool (gpu_slots) is set where it is wired
@@ -124,8 +125,9 @@ def evaluate(prepared_run: dict) -> dict:
     from tf_multiworker.backends import make_backend
 
     from tasks.evaluate import evaluate_run
+    from tasks.prepared_run import PreparedRun
 
-    return evaluate_run(prepared_run, make_backend)
+    return evaluate_run(PreparedRun.from_xcom(prepared_run), make_backend)
 
 
 # all_done: a run whose gates failed still gets its verdict ("not promoted: the gates failed") in the report.
@@ -133,13 +135,14 @@ def evaluate(prepared_run: dict) -> dict:
 def promote(ti=None, outlet_events=None) -> dict:
     from airflow.sdk.exceptions import AirflowSkipException
 
+    from tasks.prepared_run import PreparedRun
     from tasks.promote import NoReportError, promote_run
 
     prepared_run = ti.xcom_pull(task_ids=PREPARED)
     if not prepared_run:
         raise AirflowSkipException("prepare did not finish: nothing to promote.")
     try:
-        promotion = promote_run(prepared_run)
+        promotion = promote_run(PreparedRun.from_xcom(prepared_run))
     except NoReportError as error:
         raise AirflowSkipException(str(error)) from error
     if promotion["promoted"]:
@@ -214,7 +217,8 @@ def gpt_finetune():
         )
 
     # The scaling advisor takes a reused baseline's step time instead of its own probe when one exists.
-    preflight = worker_group("preflight", "trainer.preflight", config="config_url", output="preflight_url", retries=0,
+    # Preflight writes preflight.json into the run's report directory (trainer/layout.py, RunLayout.preflight).
+    preflight = worker_group("preflight", "trainer.preflight", config="config_url", output="report_url", retries=0,
                              extra_args=["--baseline-summary", prepared("baseline_summary_url")])
     # A retry (or fewer usable hosts) may continue on fewer workers, down to min_workers (tf_multiworker/elastic.py).
     train = worker_group("train", "trainer.train", config="config_url", output="train_url",

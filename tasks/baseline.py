@@ -14,7 +14,7 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher.host_probe import package_versions
 from launcher.protocol import utc_now
@@ -25,6 +25,9 @@ from trainer.eval_sample import sample_identity
 from trainer.host_info import code_fingerprint
 from trainer.layout import StorageLayout, safe_name
 from trainer.storage import exists, join, list_dir, read_json, remove_tree, write_json_atomic
+
+if TYPE_CHECKING:
+    from tasks.prepared_run import PreparedRun
 
 log = logging.getLogger("gpt_finetune.baseline")
 
@@ -82,20 +85,20 @@ def baseline_key(cfg: RunConfig, manifest: dict, total_steps: int) -> str:
 
 
 @uses_run_storage
-def plan_baseline(prepared: dict) -> bool:
+def plan_baseline(prepared: PreparedRun) -> bool:
     """True when the `baseline` task must train; False skips it (policy `skip`, or a matching baseline exists).
 
     `run` clears the old output first so its summary.json cannot pass for the new one.
     """
-    cfg = checked_config(prepared["config"])
-    key, baseline_url = prepared["baseline_key"], prepared["baseline_url"]
+    cfg = checked_config(prepared.config)
+    key, baseline_url = prepared.baseline_key, prepared.baseline_url
     if cfg.baseline == "skip":
         log.info("Baseline policy 'skip': no baseline, the report will have no speedup or loss parity.")
         return False
 
-    manifest = read_json(prepared["manifest_url"])
-    parts = baseline_key_parts(cfg, manifest, prepared["total_steps"])
-    if baseline_key(cfg, manifest, prepared["total_steps"]) != key:
+    manifest = read_json(prepared.manifest_url)
+    parts = baseline_key_parts(cfg, manifest, cfg.max_steps)
+    if baseline_key(cfg, manifest, cfg.max_steps) != key:
         raise RuntimeError(
             f"Baseline key {key} from the prepare task no longer matches this run's settings and trainer code "
             f"(the trainer/ sources changed between tasks?): clear the run and trigger it again."
@@ -103,10 +106,10 @@ def plan_baseline(prepared: dict) -> bool:
     if cfg.baseline == "run":
         log.info("Baseline policy 'run': training baseline %s again; clearing %s first.", key, baseline_url)
         remove_tree(baseline_url)
-        _write_key_record(baseline_url, key, parts, prepared["run_id"])
+        _write_key_record(baseline_url, key, parts, prepared.run_id)
         return True
 
-    summary_url = prepared["baseline_summary_url"]
+    summary_url = prepared.baseline_summary_url
     if exists(summary_url):
         summary = read_json(summary_url)
         log.info(
@@ -121,7 +124,7 @@ def plan_baseline(prepared: dict) -> bool:
     else:
         log.info("Baseline policy 'auto': no baseline with key %s; %s", key,
                  _explain_mismatch(StorageLayout(cfg.storage_root).baselines, key, parts))
-    _write_key_record(baseline_url, key, parts, prepared["run_id"])
+    _write_key_record(baseline_url, key, parts, prepared.run_id)
     return True
 
 

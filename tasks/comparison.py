@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import platform
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher.protocol import utc_now
 from tasks import report as reports
@@ -19,6 +19,10 @@ from tasks.formatting import nats
 from trainer.config import RunConfig
 from trainer.eval_result import GATE_STANDARD_ERRORS
 from trainer.layout import TrainOutput
+
+if TYPE_CHECKING:
+    from tasks.prepared_run import PreparedRun
+
 
 
 def run_figures(label: str, output: TrainOutput, summary: dict[str, Any], evaluation: dict[str, Any]) -> dict:
@@ -163,7 +167,7 @@ def hardware_line(cfg: RunConfig, distributed: dict[str, Any]) -> str:
     )
 
 
-def build_report(prepared: dict, cfg: RunConfig, *, distributed: dict[str, Any], baseline: dict[str, Any] | None,
+def build_report(prepared: PreparedRun, cfg: RunConfig, *, distributed: dict[str, Any], baseline: dict[str, Any] | None,
                  delta_se: float | None = None, trained_by: str | None = None) -> dict[str, Any]:
     """report.json's core (tasks/report.py has its layout): the runs' figures compared and gated; `trained_by` is the
     run that trained the baseline (its key record's), so a reused baseline is reported as such."""
@@ -171,8 +175,8 @@ def build_report(prepared: dict, cfg: RunConfig, *, distributed: dict[str, Any],
     checked = gates(distributed, baseline, comparison)
     report = {
         "format_version": reports.REPORT_FORMAT_VERSION,
-        "run_id": prepared["run_id"],
-        "run_key": prepared["run_key"],
+        "run_id": prepared.run_id,
+        "run_key": prepared.run_key,
         "created_at": utc_now(),
         "num_workers": cfg.num_workers,
         "gates_passed": all(gate["passed"] for gate in checked),
@@ -181,10 +185,10 @@ def build_report(prepared: dict, cfg: RunConfig, *, distributed: dict[str, Any],
         "gates": checked,
         "baseline": {
             "policy": cfg.baseline,
-            "key": prepared["baseline_key"] if baseline else None,
-            "url": prepared["baseline_url"] if baseline else None,
+            "key": prepared.baseline_key if baseline else None,
+            "url": prepared.baseline_url if baseline else None,
             "trained_by_run": trained_by,
-            "reused": bool(baseline) and trained_by != prepared["run_id"],
+            "reused": bool(baseline) and trained_by != prepared.run_id,
         },
         "hardware": {
             "line": hardware_line(cfg, distributed),
@@ -194,7 +198,7 @@ def build_report(prepared: dict, cfg: RunConfig, *, distributed: dict[str, Any],
         },
         "versions": distributed["versions"],
         "config": cfg.to_dict(),
-        "dataset_fingerprint": prepared["dataset_fingerprint"],
+        "dataset_fingerprint": prepared.dataset_fingerprint,
         "eval_sample": distributed.get("eval_sample"),  # every model of the run scored this one
         "charts": {"loss_curves": reports.LOSS_CHART, "scaling": reports.SCALING_CHART},
     }

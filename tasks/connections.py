@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from tasks.prepared_run import PreparedRun
 from trainer.config import AccessPolicy, ConfigError
 from trainer.config.access import STORAGE_CONN_IDS_ENV
 
@@ -74,7 +75,7 @@ def applied_env(env: dict[str, str]) -> Iterator[dict[str, str]]:
                 os.environ[name] = value
 
 
-def run_storage_env(settings: Mapping[str, Any]) -> dict[str, str]:
+def run_storage_env(settings: Mapping[str, Any] | PreparedRun) -> dict[str, str]:
     """The variables of the run's storage connection. One that the access policy or its type refuses is never used:
     the task goes on with this environment's credentials (release must still run), and prepare refuses the run
     naming the setting."""
@@ -87,11 +88,14 @@ def run_storage_env(settings: Mapping[str, Any]) -> dict[str, str]:
         return storage_env("")
 
 
-def run_storage_conn_id(settings: Mapping[str, Any]) -> str:
-    """The run's storage connection id, from its raw params or from a prepared run (its validated `config`).
+def run_storage_conn_id(settings: Mapping[str, Any] | PreparedRun) -> str:
+    """The run's storage connection id, from its raw params, from a prepared run or from a plan's XCom (both: their
+    validated `config`).
 
     Read leniently: release must reach storage even for a run whose other settings were refused.
     """
+    if isinstance(settings, PreparedRun):
+        return run_storage_conn_id(settings.config)
     config = settings.get("config")
     conn_id = (config if isinstance(config, Mapping) else settings).get("storage_conn_id")
     return conn_id if isinstance(conn_id, str) else ""
@@ -101,7 +105,7 @@ def uses_run_storage(task_logic: TaskLogic) -> TaskLogic:
     """Run task logic whose first argument is the run's params or prepared run with its storage credentials applied."""
 
     @functools.wraps(task_logic)
-    def with_storage_credentials(settings: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+    def with_storage_credentials(settings: Mapping[str, Any] | PreparedRun, *args: Any, **kwargs: Any) -> Any:
         with applied_env(run_storage_env(settings)):
             return task_logic(settings, *args, **kwargs)
 

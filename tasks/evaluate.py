@@ -28,11 +28,12 @@ from trainer.config import RunConfig
 from trainer.data import tokenizer_url
 from trainer.eval_result import ResultError, combine, delta_standard_error, part_url, sample_id
 from trainer.eval_sample import sample_identity
-from trainer.layout import PreflightOutput, StorageLayout, TrainOutput
+from trainer.layout import RunLayout, StorageLayout, TrainOutput
 from trainer.storage import exists, join, read_bytes, read_json, remove_tree, write_json_atomic
 
 if TYPE_CHECKING:
     from launcher.backend import BackendFactory
+    from tasks.prepared_run import PreparedRun
 
 log = logging.getLogger("gpt_finetune.evaluate")
 
@@ -49,25 +50,25 @@ class EvaluationError(RuntimeError):
 
 
 @uses_run_storage
-def evaluate_run(prepared: dict, make_backend: BackendFactory) -> dict:
+def evaluate_run(prepared: PreparedRun, make_backend: BackendFactory) -> dict:
     """The evaluate task; `make_backend` builds the run's backend for each evaluation (the DAG task hands in
     `tf_multiworker.backends.make_backend`). Its steps: the models scored, the report assembled and written, the
     run's throughput announced, the gates checked (a failed gate fails the task, the report written)."""
-    cfg = checked_config(prepared["config"])
+    cfg = checked_config(prepared.config)
     scored = score_models(prepared, cfg, make_backend)
     report = assemble_report(prepared, cfg, scored)
-    earlier = reports.earlier_reports(StorageLayout(prepared["storage_root"]).runs, exclude_run_key=prepared["run_key"])
+    earlier = reports.earlier_reports(StorageLayout(cfg.storage_root).runs, exclude_run_key=prepared.run_key)
     expected = throughput.assess(report, earlier, cfg.min_throughput_ratio)
     report["warnings"] = expected.warnings
-    report_json_url = reports.write_report(prepared["report_url"], report, charts(prepared, cfg, report, earlier))
-    log.info("Report written to %s\n%s\n%s", prepared["report_url"], reports.text_table(report["table"]),
+    report_json_url = reports.write_report(prepared.report_url, report, charts(prepared, cfg, report, earlier))
+    log.info("Report written to %s\n%s\n%s", prepared.report_url, reports.text_table(report["table"]),
              f"Hardware: {report['hardware']['line']}")
     announce(prepared, cfg, report, expected.ratio)
     check_gates(prepared, report, report_json_url)
     comparison = report["comparison"]
     return {
         "report_json_url": report_json_url,
-        "report_md_url": join(prepared["report_url"], reports.REPORT_MD),
+        "report_md_url": join(prepared.report_url, reports.REPORT_MD),
         "speedup": comparison["speedup"],
         "efficiency": comparison["efficiency"],
         "eval_loss": report["runs"]["distributed"]["eval_loss"],
@@ -90,33 +91,33 @@ class Scored:
     promoted: dict[str, Any] | None
 
 
-def score_models(prepared: dict, cfg: RunConfig, make_backend: BackendFactory) -> Scored:
+def score_models(prepared: PreparedRun, cfg: RunConfig, make_backend: BackendFactory) -> Scored:
     """Every model of the run on the same evaluation sample: the distributed one, the baseline (its cached
     evaluation when it scored this sample) and the promoted version. An earlier attempt's report is removed first."""
-    distributed = TrainOutput(prepared["train_url"])
-    baseline = None if cfg.baseline == "skip" else TrainOutput(prepared["baseline_url"])
+    distributed = TrainOutput(prepared.train_url)
+    baseline = None if cfg.baseline == "skip" else TrainOutput(prepared.baseline_url)
     # Fail fast, before any model loads, when a training job left no summary (it did not complete).
     distributed_summary = _read_summary(distributed, "train")
     baseline_summary = _read_summary(baseline, "baseline") if baseline else None
 
-    report_url = prepared["report_url"]
+    report_url = prepared.report_url
     for stale in (reports.REPORT_JSON, reports.REPORT_MD, reports.LOSS_CHART, reports.SCALING_CHART):
         remove_tree(join(report_url, stale))  # an earlier attempt's report must not pass for this one's
-    distributed_eval = run_evaluation(distributed.model, prepared["manifest_url"],
+    distributed_eval = run_evaluation(distributed.model, prepared.manifest_url,
                                       join(report_url, "eval-distributed.json"), cfg=cfg,
-                                      run_key=prepared["run_key"], label="distributed",
-                                      make_backend=make_backend, run_id=prepared["run_id"])
+                                      run_key=prepared.run_key, label="distributed",
+                                      make_backend=make_backend, run_id=prepared.run_id)
     baseline_eval = evaluate_baseline(prepared, cfg, baseline, make_backend) if baseline else None
     promoted = evaluate_promoted(prepared, cfg, make_backend, distributed_eval)
     return Scored(distributed, distributed_summary, distributed_eval, baseline, baseline_summary, baseline_eval,
                   promoted)
 
 
-def assemble_report(prepared: dict, cfg: RunConfig, scored: Scored) -> dict[str, Any]:
+def assemble_report(prepared: PreparedRun, cfg: RunConfig, scored: Scored) -> dict[str, Any]:
     """report.json without its warnings: the comparison (tasks/comparison.py), the scaling segments and prediction,
     the slots' release after training, where the model continued from, the promoted version and the samples."""
     baseline = scored.baseline
-    record = read_key_record(prepared["baseline_url"]) if baseline else None
+    record = read_key_record(prepared.baseline_url) if baseline else None
     report = build_report(
         prepared, cfg,
         distributed=run_figures("distributed", scored.distributed, scored.distributed_summary,
@@ -125,9 +126,10 @@ def assemble_report(prepared: dict, cfg: RunConfig, scored: Scored) -> dict[str,
         delta_se=delta_standard_error(scored.distributed_eval, scored.baseline_eval),
         trained_by=record["trained_by_run"] if record else None,
     )
-    add_scaling(report, prepared, scored.distributed)
-    add_release_after_train(report, StorageLayout(prepared["storage_root"]).run(prepared["run_key"]))
-    report["continued_from"] = prepared.get("continued_from")
+    run = StorageLayout(cfg.storage_root).run(prepared.run_key)
+    add_scaling(report, run, scored.distributed)
+    add_release_after_train(report, run)
+    report["continued_from"] = prepared.continued_from
     report["promoted"] = scored.promoted
     evaluations = {"baseline": scored.baseline_eval, "distributed": scored.distributed_eval}
     if scored.promoted:
@@ -136,7 +138,8 @@ def assemble_report(prepared: dict, cfg: RunConfig, scored: Scored) -> dict[str,
     return report
 
 
-def charts(prepared: dict, cfg: RunConfig, report: dict[str, Any], earlier: list[dict[str, Any]]) -> dict[str, bytes]:
+def charts(prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any],
+           earlier: list[dict[str, Any]]) -> dict[str, bytes]:
     """The loss curves of the models trained and the scaling history with this run (and the advisor's rows)."""
     trained = [run for run in (report["runs"]["baseline"], report["runs"]["distributed"]) if run]
     return {
@@ -147,28 +150,28 @@ def charts(prepared: dict, cfg: RunConfig, report: dict[str, Any], earlier: list
         ),
         reports.SCALING_CHART: reports.scaling_chart(
             [point for other in earlier for point in reports.history_point(other)] + reports.history_point(report),
-            current_run_id=prepared["run_id"],
+            current_run_id=prepared.run_id,
             predicted=(report.get("prediction") or {}).get("rows"),
         ),
     }
 
 
-def announce(prepared: dict, cfg: RunConfig, report: dict[str, Any], ratio: float | None) -> None:
+def announce(prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any], ratio: float | None) -> None:
     """The report's metrics, and its throughput warnings as log lines, a count and an alert."""
     telemetry.emit_report_metrics(report, ratio)
     for warning in report["warnings"]:
         log.warning("Throughput: %s", warning)
     if report["warnings"]:
-        telemetry.count("throughput_warning", {"run": prepared["run_key"], "task": "evaluate"})
-        alert_throughput(cfg, prepared["run_id"], report["warnings"])
+        telemetry.count("throughput_warning", {"run": prepared.run_key, "task": "evaluate"})
+        alert_throughput(cfg, prepared.run_id, report["warnings"])
 
 
-def check_gates(prepared: dict, report: dict[str, Any], report_json_url: str) -> None:
+def check_gates(prepared: PreparedRun, report: dict[str, Any], report_json_url: str) -> None:
     """GateFailure, with each failed gate's numbers, when any gate failed (the report is written by then)."""
     failed = [gate for gate in report["gates"] if not gate["passed"]]
     if failed:
         raise GateFailure(
-            f"{len(failed)} comparison gate(s) failed for run {prepared['run_id']} (report: {report_json_url}): "
+            f"{len(failed)} comparison gate(s) failed for run {prepared.run_id} (report: {report_json_url}): "
             + "; ".join(gate["detail"] for gate in failed)
         )
 
@@ -262,12 +265,12 @@ def fmt_se(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
-def evaluate_baseline(prepared: dict, cfg: RunConfig, baseline: TrainOutput,
+def evaluate_baseline(prepared: PreparedRun, cfg: RunConfig, baseline: TrainOutput,
                       make_backend: BackendFactory) -> dict[str, Any]:
     """The baseline's evaluation, cached beside it: reused when it scored this run's sample (the baseline key
     holds the sample's identity, so a reused baseline's cache normally has), else evaluated again."""
     cached = join(baseline.url, BASELINE_EVAL)
-    expected = sample_identity(read_json(prepared["manifest_url"]), cfg.eval_tokens)["id"]
+    expected = sample_identity(read_json(prepared.manifest_url), cfg.eval_tokens)["id"]
     if exists(cached):
         evaluation = read_json(cached)
         if sample_id(evaluation) == expected:
@@ -275,18 +278,18 @@ def evaluate_baseline(prepared: dict, cfg: RunConfig, baseline: TrainOutput,
             return evaluation
         log.info("Baseline evaluation at %s scored sample %s, not this run's %s: evaluating it again.", cached,
                  sample_id(evaluation), expected)
-    return run_evaluation(baseline.model, prepared["manifest_url"], cached, cfg=cfg, run_key=prepared["run_key"],
-                          label="baseline", make_backend=make_backend, run_id=prepared["run_id"])
+    return run_evaluation(baseline.model, prepared.manifest_url, cached, cfg=cfg, run_key=prepared.run_key,
+                          label="baseline", make_backend=make_backend, run_id=prepared.run_id)
 
 
-def add_scaling(report: dict[str, Any], prepared: dict, distributed: TrainOutput) -> None:
+def add_scaling(report: dict[str, Any], layout: RunLayout, distributed: TrainOutput) -> None:
     """The train task's segments (elastic recovery) and the advisor's prediction next to the measured figures."""
     from tasks import scaling
 
     run = report["runs"]["distributed"]
     report["segments"] = scaling.segments(scaling.read_segments(distributed), read_metrics(distributed), run["steps"])
     report["elastic"] = scaling.is_elastic(report["segments"], report["num_workers"])
-    preflight = PreflightOutput(prepared["preflight_url"]).result
+    preflight = layout.preflight.result
     report["prediction"] = scaling.prediction(read_json(preflight) if exists(preflight) else None,
                                               run["num_workers"], report["comparison"])
     for row in report["segments"] if report["elastic"] else ():
@@ -294,7 +297,7 @@ def add_scaling(report: dict[str, Any], prepared: dict, distributed: TrainOutput
                  row["num_workers"], row["grad_accum_steps"], row["line"])
 
 
-def evaluate_promoted(prepared: dict, cfg: RunConfig, make_backend: BackendFactory,
+def evaluate_promoted(prepared: PreparedRun, cfg: RunConfig, make_backend: BackendFactory,
                       distributed_eval: dict[str, Any]) -> dict[str, Any] | None:
     """The latest promoted version of `model_name`, scored on this run's evaluation sample (the promotion rule's
     reference and its samples) when its tokenizer is this run's, with the standard error of the run's loss minus
@@ -308,14 +311,14 @@ def evaluate_promoted(prepared: dict, cfg: RunConfig, make_backend: BackendFacto
                "recorded_eval_sample": pointer.get("eval_sample"), "recorded_eval_loss_se": pointer.get("eval_loss_se"),
                "eval_loss": None, "eval_loss_se": None, "eval_sample": None, "delta_se": None, "perplexity": None,
                "nats_per_char": None, "known_words": None, "samples": None, "note": None}
-    manifest_url = prepared["manifest_url"]
+    manifest_url = prepared.manifest_url
     if not registry.same_tokenizer(pointer["model_url"], tokenizer_url(manifest_url, read_json(manifest_url))):
         section["note"] = f"{pointer['version']}'s tokenizer differs from this run's: it cannot be scored on its shards"
         log.warning("Promoted %s %s not evaluated: %s.", cfg.model_name, pointer["version"], section["note"])
         return section
-    result = run_evaluation(pointer["model_url"], manifest_url, join(prepared["report_url"], "eval-promoted.json"),
-                            cfg=cfg, run_key=prepared["run_key"], label="promoted",
-                            make_backend=make_backend, run_id=prepared["run_id"])
+    result = run_evaluation(pointer["model_url"], manifest_url, join(prepared.report_url, "eval-promoted.json"),
+                            cfg=cfg, run_key=prepared.run_key, label="promoted",
+                            make_backend=make_backend, run_id=prepared.run_id)
     section.update(eval_loss=result["eval_loss"], perplexity=result["perplexity"], samples=result.get("samples"),
                    nats_per_char=result.get("nats_per_char"), known_words=result.get("known_words"),
                    eval_loss_se=result.get("eval_loss_se"), eval_sample=sample_id(result),

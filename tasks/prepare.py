@@ -1,7 +1,8 @@
 """The prepare stage's Airflow side: `prepare` validates the run settings once and plans (or, for a small corpus,
 builds) the dataset, mapped `tokenize` tasks tokenize its lanes, `publish` publishes it and lays out the run.
 
-Everything later tasks need travels in the small dict `publish` returns (XCom): paths and a few numbers, never data.
+Everything later tasks need travels in the prepared run `publish` returns (XCom, tasks/prepared_run.py): paths and a
+few numbers, never data.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.connections import storage_env, uses_run_storage
 from tasks.policy import checked_config
+from tasks.prepared_run import PreparedRun
 from trainer.config import ConfigError, RunConfig
 from trainer.config.access import AccessPolicy
 from trainer.config.pinned import save_config
@@ -87,9 +89,9 @@ def tokenize_lane(plan: Mapping[str, Any], lane: list[dict[str, Any]]) -> dict[s
 
 
 @uses_run_storage
-def finish_run(plan: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str, Any]:
+def finish_run(plan: Mapping[str, Any], run_id: str, dag_id: str) -> PreparedRun:
     """The last prepare step: the dataset published (unless the first task did it), then the run laid out. Its
-    XCom is what every later task reads."""
+    XCom (`PreparedRun.to_xcom()`) is what every later task reads."""
     from tasks.dataset.checks import FINGERPRINT
     from tasks.dataset.errors import PrepareError
     from tasks.dataset.stage import PreparedDataset, finish_dataset
@@ -118,10 +120,10 @@ def finish_run(plan: Mapping[str, Any], run_id: str, dag_id: str) -> dict[str, A
 
 def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: str, key: str, *, run_id: str,
                 continued_from: Mapping[str, Any] | None = None,
-                price: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Write the run's configuration and its baseline's under the run's directory and return the prepared run:
-    the XCom every later task reads (paths, the configurations' digests and a few numbers). `run_cfg` has its step
-    count resolved; `price` the rate prepare froze (tasks/pricing.py), kept with the run."""
+                price: Mapping[str, Any] | None = None) -> PreparedRun:
+    """Write the run's configuration and its baseline's under the run's directory and return the prepared run
+    (tasks/prepared_run.py), the XCom every later task reads: paths, the configurations' digests and a few numbers.
+    `run_cfg` has its step count resolved; `price` the rate prepare froze (tasks/pricing.py), kept with the run."""
     from tasks.baseline import baseline_key
     from tasks.usage_record import write_price
 
@@ -134,25 +136,22 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
     baseline_config_sha256 = save_config(run.baseline_config, run_cfg.baseline_config())
     write_price(run.url, price)
     log.info("Run directory %s", run.url)
-    return {
-        "run_id": run_id,
-        "run_key": key,
-        "storage_root": run_cfg.storage_root,
-        "config": run_cfg.to_dict(),
-        "config_url": run.config,
-        "config_sha256": config_sha256,
-        "manifest_url": manifest_url,
-        "dataset_fingerprint": manifest["fingerprint"],
-        "total_steps": run_cfg.max_steps,
-        "preflight_url": run.report,
-        "train_url": run.train.url,
-        "train_summary_url": run.train.summary,
-        "baseline_key": base_key,
-        "baseline_url": baseline.url,
-        "baseline_config_url": run.baseline_config,
-        "baseline_config_sha256": baseline_config_sha256,
-        "baseline_summary_url": baseline.summary,
-        "report_url": run.report,
-        "continued_from": continued_from,
-        "price": dict(price) if price else None,
-    }
+    return PreparedRun(
+        run_id=run_id,
+        run_key=key,
+        config=run_cfg.to_dict(),
+        config_url=run.config,
+        config_sha256=config_sha256,
+        manifest_url=manifest_url,
+        dataset_fingerprint=manifest["fingerprint"],
+        train_url=run.train.url,
+        train_summary_url=run.train.summary,
+        baseline_key=base_key,
+        baseline_url=baseline.url,
+        baseline_config_url=run.baseline_config,
+        baseline_config_sha256=baseline_config_sha256,
+        baseline_summary_url=baseline.summary,
+        report_url=run.report,
+        continued_from=dict(continued_from) if continued_from else None,
+        price=dict(price) if price else None,
+    )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher.protocol import utc_now
 from tasks import exports, registry
@@ -42,6 +42,9 @@ from trainer.storage import (
     write_json_atomic,
 )
 
+if TYPE_CHECKING:
+    from tasks.prepared_run import PreparedRun
+
 log = logging.getLogger("gpt_finetune.promote")
 
 VERSION_FORMAT_VERSION = 1
@@ -53,35 +56,35 @@ class NoReportError(RuntimeError):
 
 
 @uses_run_storage
-def promote_run(prepared: dict) -> dict[str, Any]:
+def promote_run(prepared: PreparedRun) -> dict[str, Any]:
     """Promote (or not) this run's model; returns the outcome recorded in the report."""
-    cfg = checked_config(prepared["config"])
-    report_json = join(prepared["report_url"], reports.REPORT_JSON)
+    cfg = checked_config(prepared.config)
+    report_json = join(prepared.report_url, reports.REPORT_JSON)
     if not exists(report_json):
         raise NoReportError(
-            f"Run {prepared['run_id']} has no report at {report_json}: evaluate failed before writing it (see its "
+            f"Run {prepared.run_id} has no report at {report_json}: evaluate failed before writing it (see its "
             "log), so no model is promoted.")
     report = exports.with_export_gates(read_json(report_json), cfg)
     outcome = promote(prepared, cfg, report, registry.model_layout(cfg.storage_root, cfg.model_name))
     report["promotion"] = outcome
-    reports.write_report(prepared["report_url"], report, charts={})
+    reports.write_report(prepared.report_url, report, charts={})
     if outcome["promoted"]:
-        log.info("Promoted run %s to %s %s (%s): %s", prepared["run_id"], cfg.model_name, outcome["version"],
+        log.info("Promoted run %s to %s %s (%s): %s", prepared.run_id, cfg.model_name, outcome["version"],
                  outcome["url"], outcome["reason"])
     else:
-        log.warning("Not promoted: run %s stays out of %s: %s", prepared["run_id"], cfg.model_name,
+        log.warning("Not promoted: run %s stays out of %s: %s", prepared.run_id, cfg.model_name,
                     outcome["reason"])
     return outcome
 
 
-def promote(prepared: dict, cfg: RunConfig, report: dict[str, Any], layout: ModelLayout) -> dict[str, Any]:
+def promote(prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any], layout: ModelLayout) -> dict[str, Any]:
     """Decide against the current pointer, publish a complete version, swap the pointer; on a lost swap decide
     again against the pointer that won."""
     version: VersionLayout | None = None
     number = 0
     for _ in range(MAX_SWAP_ATTEMPTS):
         pointer, token = registry.read_pointer(layout.latest)
-        earlier = [entry for entry in (pointer or {}).get("history", []) if entry.get("run_key") == prepared["run_key"]]
+        earlier = [entry for entry in (pointer or {}).get("history", []) if entry.get("run_key") == prepared.run_key]
         if earlier:  # a retry after the pointer moved: the run has its version, it gets no second one
             reason = f"already promoted to {earlier[-1]['version']} by an earlier attempt of this task."
             return outcome(cfg, _verdict(True, reason), promoted=True, entry=earlier[-1])
@@ -95,7 +98,7 @@ def promote(prepared: dict, cfg: RunConfig, report: dict[str, Any], layout: Mode
             if version is not None:
                 remove_tree(version.url)
             number = registry.claim_version(layout, current, {
-                "run_id": prepared["run_id"], "claimed_at": utc_now()})
+                "run_id": prepared.run_id, "claimed_at": utc_now()})
             version = layout.version(number)
             publish_version(version, prepared, cfg, report, number, verdict)
         entry = history_entry(version, prepared, report, number)
@@ -106,7 +109,7 @@ def promote(prepared: dict, cfg: RunConfig, report: dict[str, Any], layout: Mode
             return outcome(cfg, verdict, promoted=True, entry=entry)
         log.info("Another promotion moved %s first; deciding again against it.", layout.latest)
     raise registry.RegistryError(
-        f"{layout.latest} kept changing under {MAX_SWAP_ATTEMPTS} promotion attempts of run {prepared['run_id']}: "
+        f"{layout.latest} kept changing under {MAX_SWAP_ATTEMPTS} promotion attempts of run {prepared.run_id}: "
         "other runs are promoting continuously; trigger this run's promote task again.")
 
 
@@ -194,22 +197,22 @@ def outcome(cfg: RunConfig, verdict: dict[str, Any], *, promoted: bool,
             "model_url": entry["model_url"] if entry else None, "event": event, "decided_at": utc_now()}
 
 
-def history_entry(version: VersionLayout, prepared: dict, report: dict[str, Any], number: int) -> dict[str, Any]:
+def history_entry(version: VersionLayout, prepared: PreparedRun, report: dict[str, Any], number: int) -> dict[str, Any]:
     distributed = report["runs"]["distributed"]
     return {"version": f"v{number}", "number": number, "url": version.url, "model_url": version.model,
-            "run_id": prepared["run_id"], "run_key": prepared["run_key"], "promoted_at": utc_now(),
+            "run_id": prepared.run_id, "run_key": prepared.run_key, "promoted_at": utc_now(),
             "eval_loss": distributed["eval_loss"], "perplexity": distributed["perplexity"],
             "eval_loss_se": distributed.get("eval_loss_se"), "eval_sample": _sample_id(report),
             "dataset_fingerprint": report["dataset_fingerprint"],
-            "run_report_url": join(prepared["report_url"], reports.REPORT_JSON)}
+            "run_report_url": join(prepared.report_url, reports.REPORT_JSON)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # a version's files
 
 
-def publish_version(version: VersionLayout, prepared: dict, cfg: RunConfig, report: dict[str, Any], number: int,
-                    verdict: dict[str, Any]) -> None:
+def publish_version(version: VersionLayout, prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any],
+                    number: int, verdict: dict[str, Any]) -> None:
     """Model, report and model card, then version.json listing them: complete, or never pointed to."""
     files = [{**file, "name": f"model/{file['name']}"}
              for file in registry.copy_tree(report["runs"]["distributed"]["model_url"], version.model)]
@@ -221,7 +224,7 @@ def publish_version(version: VersionLayout, prepared: dict, cfg: RunConfig, repo
     distributed = report["runs"]["distributed"]
     write_json_atomic(version.record, {
         "format_version": VERSION_FORMAT_VERSION, "name": cfg.model_name, "version": f"v{number}",
-        "run_id": prepared["run_id"], "run_key": prepared["run_key"], "created_at": utc_now(),
+        "run_id": prepared.run_id, "run_key": prepared.run_key, "created_at": utc_now(),
         "eval_loss": distributed["eval_loss"], "perplexity": distributed["perplexity"],
         "eval_loss_se": distributed.get("eval_loss_se"), "eval_sample": _sample_id(report),
         "dataset_fingerprint": report["dataset_fingerprint"], "base_model": pinned_base(cfg), "files": files,
@@ -242,7 +245,8 @@ def _size(url: str) -> int:
     return fs.size(path)
 
 
-def model_card(cfg: RunConfig, prepared: dict, report: dict[str, Any], number: int, verdict: dict[str, Any]) -> str:
+def model_card(cfg: RunConfig, prepared: PreparedRun, report: dict[str, Any], number: int,
+               verdict: dict[str, Any]) -> str:
     distributed = report["runs"]["distributed"]
     continued = report.get("continued_from")
     pinned = pinned_base(cfg)
@@ -252,7 +256,7 @@ def model_card(cfg: RunConfig, prepared: dict, report: dict[str, Any], number: i
     lines = [
         f"# {cfg.model_name} v{number}",
         "",
-        f"Promoted {utc_now()} from run `{prepared['run_id']}` (policy `{cfg.promote}`): {verdict['reason']}",
+        f"Promoted {utc_now()} from run `{prepared.run_id}` (policy `{cfg.promote}`): {verdict['reason']}",
         "",
         f"- Base model: {base}",
         (f"- Data: dataset fingerprint `{report['dataset_fingerprint']}` (setting `dataset` = `{cfg.dataset}`, "
@@ -261,7 +265,7 @@ def model_card(cfg: RunConfig, prepared: dict, report: dict[str, Any], number: i
         f"{distributed['global_batch_size']} sequences x {cfg.block_size} tokens"),
         (f"- Eval loss on the validation split: {distributed['eval_loss']:.4f} nats, perplexity "
         f"{distributed['perplexity']:.2f} ({_evaluated(distributed)})"),
-        f"- Run report: {join(prepared['report_url'], reports.REPORT_MD)}",
+        f"- Run report: {join(prepared.report_url, reports.REPORT_MD)}",
         "",
         "## Gates",
         "",

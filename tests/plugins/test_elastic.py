@@ -66,6 +66,7 @@ def _losses(output: TrainOutput) -> dict[int, float]:
 
 def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(airflow_env, tmp_path):
     from tasks.evaluate import evaluate_run, run_evaluation
+    from tasks.prepared_run import PreparedRun
 
     storage = str(tmp_path / "storage")
     manifest = write_dataset(Path(storage) / "datasets", sorted((REPO / "data" / "sample").glob("*.txt")),
@@ -125,9 +126,10 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
     assert worst < LOSS_TOLERANCE
 
     # The report names both segments; the final models evaluate alike.
-    prepared = {"run_id": "elastic", "run_key": key, "storage_root": storage, "config": cfg.to_dict(),
-                "manifest_url": manifest, "train_url": run.train.url, "baseline_url": "", "baseline_key": "",
-                "report_url": run.report, "preflight_url": run.report, "dataset_fingerprint": "test"}
+    prepared = PreparedRun(run_id="elastic", run_key=key, config=cfg.to_dict(), config_url=run.config,
+                           manifest_url=manifest, dataset_fingerprint="test", train_url=run.train.url,
+                           train_summary_url=run.train.summary, baseline_key="", baseline_url="",
+                           baseline_config_url="", baseline_summary_url="", report_url=run.report)
     evaluation = evaluate_run(prepared, make_backend)
     markdown = (Path(run.report) / "report.md").read_text()
     assert "**elastic**: continued on 2 of 4 workers from step 4: this machine allows 2 worker(s)" in markdown

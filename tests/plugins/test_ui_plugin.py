@@ -55,9 +55,9 @@ def storage_root(tmp_path_factory):
                 ("scheduled__2026-11-29T02:00:00+00:00", 4, 22.0, 0.001, "failed")):
             prepared = run_fixtures.prepare_run(root, run_id, num_workers=workers, batch_size_per_worker=16 // workers,
                                                 loss_tolerance=tolerance)
-            run_fixtures.write_training_output(prepared["baseline_url"], num_workers=1, train_time_s=33.0,
+            run_fixtures.write_training_output(prepared.baseline_url, num_workers=1, train_time_s=33.0,
                                                eval_loss=5.30)
-            run_fixtures.write_training_output(prepared["train_url"], num_workers=workers,
+            run_fixtures.write_training_output(prepared.train_url, num_workers=workers,
                                                train_time_s=train_time_s, eval_loss=5.31)
             if gates == "passed":
                 evaluate.evaluate_run(prepared, make_backend)
@@ -198,7 +198,7 @@ def test_hostile_reports_render_escaped_as_error_rows(hostile_storage):
     index = client.get("/")
     assert index.status_code == 200
     assert "<script" not in index.text.lower()
-    statuses = {run["run_key"]: run["status"] for run in client.get("/api/runs").json()}
+    statuses = {run.run_key: run["status"] for run in client.get("/api/runs").json()}
     assert statuses == {
         KEY_28: "passed",
         "poisoned": "unreadable report: field 'num_workers' is a str",
@@ -316,11 +316,11 @@ def test_pages_show_the_latest_model_its_history_and_each_runs_samples(tmp_path,
     keys = {}
     for run_id, eval_loss in (("nightly__1", 5.30), ("nightly__2", 5.20), ("nightly__3", 5.90)):
         prepared = run_fixtures.prepare_run(root, run_id, baseline="skip")
-        run_fixtures.write_training_output(prepared["train_url"], num_workers=2, train_time_s=30.0,
+        run_fixtures.write_training_output(prepared.train_url, num_workers=2, train_time_s=30.0,
                                            eval_loss=eval_loss)
         evaluate.evaluate_run(prepared, make_backend)
         promote_run(prepared)
-        keys[run_id] = prepared["run_key"]
+        keys[run_id] = prepared.run_key
     client = TestClient(create_app(root))
 
     index = client.get("/").text
@@ -495,7 +495,7 @@ def test_the_reports_require_an_airflow_login(airflow_stack, stack_run):
     with urllib.request.urlopen(request, timeout=30) as response:
         token = json.load(response)["access_token"]
     status, _, body = _get(f"{base}/api/runs", {"Authorization": f"Bearer {token}"})
-    assert status == 200 and stack_run in [run["run_key"] for run in json.loads(body)]
+    assert status == 200 and stack_run in [run.run_key for run in json.loads(body)]
     status, headers, body = _get(f"{base}/runs/{stack_run}/", {"Cookie": f"_token={token}"})  # as the UI sends it
     assert status == 200 and b"<table id='figures'>" in body
     assert "default-src 'none'" in headers["content-security-policy"]
@@ -570,7 +570,7 @@ def test_a_crafted_report_is_an_error_row_and_never_a_500(crafted_storage, monke
         (crafted_storage / "runs" / KEY_28 / "report" / "report.json").read_bytes()) + 100)
     client = TestClient(create_app(str(crafted_storage)), raise_server_exceptions=False)
     assert client.get("/").status_code == 200
-    statuses = {run["run_key"]: run["status"] for run in client.get("/api/runs").json()}
+    statuses = {run.run_key: run["status"] for run in client.get("/api/runs").json()}
     assert statuses[KEY_28] == "passed"
     assert statuses["deep"] == "unreadable report: nested too deep"
     assert statuses["nested"] == "unreadable report: nested too deep: more than 32 levels"

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from tasks.prepared_run import PreparedRun
 from trainer.config import RunConfig
 from trainer.config.core import EXPORT_FORMATS
 from trainer.export import FORMAT_DIRS
@@ -99,8 +100,9 @@ def write_exports(output: TrainOutput, passed: dict[str, bool]) -> None:
         "reference": {"dtype": "float32", "max_abs_logit": 9.5}, "formats": formats})
 
 
-def prepare_run(root: str, run_id: str, manifest_url: str | None = None, **settings: Any) -> dict[str, Any]:
-    """The prepare task's XCom for `settings` (the run config written as prepare does), without tokenizing.
+def prepare_run(root: str, run_id: str, manifest_url: str | None = None, **settings: Any) -> PreparedRun:
+    """The prepare task's XCom for `settings` (the run config written as prepare does), without tokenizing, read
+    back as a later task reads it (through JSON and `PreparedRun.from_xcom`).
 
     `manifest_url` names a real tokenized dataset; by default a manifest without shards is written.
     """
@@ -109,7 +111,8 @@ def prepare_run(root: str, run_id: str, manifest_url: str | None = None, **setti
 
     manifest_url = manifest_url or write_manifest(root)
     cfg = RunConfig.from_params({"storage_root": root, **settings})
-    return lay_out_run(cfg, read_json(manifest_url), manifest_url, run_key(DAG_ID, run_id), run_id=run_id)
+    prepared = lay_out_run(cfg, read_json(manifest_url), manifest_url, run_key(DAG_ID, run_id), run_id=run_id)
+    return PreparedRun.from_xcom(json.loads(json.dumps(prepared.to_xcom())))
 
 
 def step_metrics(steps: range, step_time_s: float, tokens_per_step: int = 512) -> list[dict]:

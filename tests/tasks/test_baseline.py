@@ -2,6 +2,7 @@
 
 import logging
 import shutil
+from dataclasses import replace
 
 import pytest
 
@@ -72,36 +73,36 @@ def root(tmp_path):
 def test_skip_never_trains(root):
     prepared = run_fixtures.prepare_run(root, "manual__1", baseline="skip")
     assert plan_baseline(prepared) is False
-    assert not exists(prepared["baseline_url"])
+    assert not exists(prepared.baseline_url)
 
 
 def test_auto_trains_once_then_reuses_the_matching_baseline(root, caplog):
     caplog.set_level(logging.INFO, logger="gpt_finetune.baseline")
     first = run_fixtures.prepare_run(root, "scheduled__1")
     assert plan_baseline(first) is True
-    assert read_key_record(first["baseline_url"])["trained_by_run"] == "scheduled__1"
-    run_fixtures.write_training_output(first["baseline_url"], num_workers=1, train_time_s=20.0, eval_loss=5.3)
+    assert read_key_record(first.baseline_url)["trained_by_run"] == "scheduled__1"
+    run_fixtures.write_training_output(first.baseline_url, num_workers=1, train_time_s=20.0, eval_loss=5.3)
 
     # The next night: other workers and timeouts, same global batch -> the same baseline, not trained again.
     second = run_fixtures.prepare_run(root, "scheduled__2", num_workers=1, grad_accum_steps=2, hang_timeout_s=99)
-    assert second["baseline_key"] == first["baseline_key"]
-    summary_before = read_json(second["baseline_summary_url"])
+    assert second.baseline_key == first.baseline_key
+    summary_before = read_json(second.baseline_summary_url)
     assert plan_baseline(second) is False
-    assert read_json(second["baseline_summary_url"]) == summary_before
+    assert read_json(second.baseline_summary_url) == summary_before
     assert "reusing baseline" in caplog.text
 
     # A key part changes -> a new baseline, and the log names what changed against the latest complete one.
     third = run_fixtures.prepare_run(root, "scheduled__3", learning_rate=2e-3)
-    assert third["baseline_key"] != first["baseline_key"]
+    assert third.baseline_key != first.baseline_key
     assert plan_baseline(third) is True
     assert "learning_rate (0.003 -> 0.002)" in caplog.text
-    assert exists(first["baseline_url"] + "/summary.json")  # the old baseline stays for runs that match it
+    assert exists(first.baseline_url + "/summary.json")  # the old baseline stays for runs that match it
 
 
 def test_auto_resumes_an_interrupted_baseline(root, caplog):
     caplog.set_level(logging.INFO, logger="gpt_finetune.baseline")
     prepared = run_fixtures.prepare_run(root, "manual__1")
-    output = run_fixtures.write_training_output(prepared["baseline_url"], num_workers=1, train_time_s=20.0,
+    output = run_fixtures.write_training_output(prepared.baseline_url, num_workers=1, train_time_s=20.0,
                                                 eval_loss=5.3, complete=False)
     assert plan_baseline(prepared) is True
     assert exists(output.checkpoints)  # kept: the trainer resumes from them
@@ -110,16 +111,16 @@ def test_auto_resumes_an_interrupted_baseline(root, caplog):
 
 def test_run_clears_the_old_baseline_so_its_summary_cannot_pass_for_the_new_one(root):
     prepared = run_fixtures.prepare_run(root, "manual__1", baseline="run")
-    output = run_fixtures.write_training_output(prepared["baseline_url"], num_workers=1, train_time_s=20.0,
+    output = run_fixtures.write_training_output(prepared.baseline_url, num_workers=1, train_time_s=20.0,
                                                 eval_loss=5.3)
     assert plan_baseline(prepared) is True
     assert not exists(output.summary) and not exists(output.checkpoints)
-    assert read_key_record(prepared["baseline_url"])["key"] == prepared["baseline_key"]
+    assert read_key_record(prepared.baseline_url)["key"] == prepared.baseline_key
 
 
 def test_a_key_that_no_longer_matches_the_settings_is_refused(root):
     prepared = run_fixtures.prepare_run(root, "manual__1")
-    prepared["config"]["seed"] = 99  # settings changed behind the prepare task's back
-    with pytest.raises(RuntimeError, match=prepared["baseline_key"]):
+    prepared = replace(prepared, config={**prepared.config, "seed": 99})  # changed behind the prepare task's back
+    with pytest.raises(RuntimeError, match=prepared.baseline_key):
         plan_baseline(prepared)
-    assert not exists(TrainOutput(prepared["baseline_url"]).url)
+    assert not exists(TrainOutput(prepared.baseline_url).url)

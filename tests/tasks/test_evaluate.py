@@ -37,11 +37,11 @@ def trained_run(root, run_id, *, train_time_s=30.0, baseline_time_s=33.0, eval_l
                 **settings):
     """A run whose prepare, plan_baseline, train and (when planned) baseline tasks have finished."""
     prepared = run_fixtures.prepare_run(root, run_id, **settings)
-    cfg = prepared["config"]
+    cfg = prepared.config
     if plan_baseline(prepared):
-        run_fixtures.write_training_output(prepared["baseline_url"], num_workers=1, train_time_s=baseline_time_s,
+        run_fixtures.write_training_output(prepared.baseline_url, num_workers=1, train_time_s=baseline_time_s,
                                            eval_loss=baseline_loss, global_batch_size=16)
-    run_fixtures.write_training_output(prepared["train_url"], num_workers=cfg["num_workers"],
+    run_fixtures.write_training_output(prepared.train_url, num_workers=cfg["num_workers"],
                                        train_time_s=train_time_s, eval_loss=eval_loss, global_batch_size=16)
     return prepared
 
@@ -55,7 +55,7 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
     assert result["speedup"] == pytest.approx(33.0 / 30.0)
     assert result["efficiency"] == pytest.approx(33.0 / 30.0 / 2)
     assert (result["eval_loss"], result["baseline_eval_loss"], result["gates_passed"]) == (5.305, 5.300, True)
-    assert result["report_json_url"] == join(prepared["report_url"], "report.json")
+    assert result["report_json_url"] == join(prepared.report_url, "report.json")
     report = read_json(result["report_json_url"])
     distributed, baseline = report["runs"]["distributed"], report["runs"]["baseline"]
     assert (distributed["num_workers"], baseline["num_workers"]) == (2, 1)
@@ -70,8 +70,8 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
     assert [gate["name"] for gate in report["gates"]] == ["eval_loss_finite", "same_work", "loss_parity"]
     assert report["hardware"]["line"].startswith("2 workers on a 2-core CPU: efficiency is bounded by cores")
     assert report["config"]["num_workers"] == 2 and report["versions"]["tensorflow"] == "2.21.0"
-    assert report["baseline"] == {"policy": "auto", "key": prepared["baseline_key"], "url": prepared["baseline_url"],
-                                  "trained_by_run": prepared["run_id"], "reused": False}
+    assert report["baseline"] == {"policy": "auto", "key": prepared.baseline_key, "url": prepared.baseline_url,
+                                  "trained_by_run": prepared.run_id, "reused": False}
 
     markdown = read_bytes(result["report_md_url"]).decode()
     assert ("| run | workers | train time | eval time | tokens/s | speedup | efficiency | eval loss | perplexity | "
@@ -88,9 +88,9 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
             "split holds, so all of it is used), scored on 2 worker(s); the losses have no sampling error.") in markdown
     assert "tolerance ±0.0200 (the whole validation split: no sampling error)" in markdown
     for chart in ("loss_curves.png", "scaling.png"):
-        assert read_bytes(join(prepared["report_url"], chart)).startswith(PNG_MAGIC)
-    assert sorted(evaluations()) == sorted([join(prepared["train_url"], "model"),
-                                            join(prepared["baseline_url"], "model")])
+        assert read_bytes(join(prepared.report_url, chart)).startswith(PNG_MAGIC)
+    assert sorted(evaluations()) == sorted([join(prepared.train_url, "model"),
+                                            join(prepared.baseline_url, "model")])
     # The task log ends with the table.
     assert caplog.records[-1].getMessage().splitlines()[-2].startswith("distributed | 2 ")
 
@@ -102,12 +102,12 @@ def test_a_reused_baseline_is_not_trained_or_evaluated_again(root, evaluations):
 
     result = evaluate_run(second, make_backend)
 
-    assert second["baseline_key"] == first["baseline_key"]
+    assert second.baseline_key == first.baseline_key
     assert result["speedup"] == pytest.approx(33.0 / 25.0)  # the first baseline's time
     report = read_json(result["report_json_url"])
     assert report["baseline"]["reused"] is True and report["baseline"]["trained_by_run"] == "scheduled__1"
-    assert evaluations().count(join(first["baseline_url"], "model")) == 1
-    assert evaluations().count(join(second["train_url"], "model")) == 1
+    assert evaluations().count(join(first.baseline_url, "model")) == 1
+    assert evaluations().count(join(second.train_url, "model")) == 1
 
 
 def test_an_impossible_tolerance_fails_the_task_and_still_writes_the_report(root, evaluations):
@@ -118,12 +118,12 @@ def test_an_impossible_tolerance_fails_the_task_and_still_writes_the_report(root
 
     message = str(failure.value)
     assert "5.3100 - baseline 5.3000 = +0.0100 nats, tolerance ±0.0010" in message
-    assert "'loss_tolerance'" in message and prepared["run_id"] in message
-    report = read_json(join(prepared["report_url"], "report.json"))
+    assert "'loss_tolerance'" in message and prepared.run_id in message
+    report = read_json(join(prepared.report_url, "report.json"))
     assert report["gates_passed"] is False
     assert {gate["name"]: gate["passed"] for gate in report["gates"]} == {
         "eval_loss_finite": True, "same_work": True, "loss_parity": False}
-    assert "**Gates: FAILED**" in read_bytes(join(prepared["report_url"], "report.md")).decode()
+    assert "**Gates: FAILED**" in read_bytes(join(prepared.report_url, "report.md")).decode()
 
 
 def test_skip_reports_the_distributed_run_alone(root, evaluations):
@@ -134,36 +134,36 @@ def test_skip_reports_the_distributed_run_alone(root, evaluations):
     assert (result["speedup"], result["efficiency"], result["baseline_eval_loss"]) == (None, None, None)
     report = read_json(result["report_json_url"])
     assert report["runs"]["baseline"] is None and [row["run"] for row in report["table"]] == ["distributed"]
-    assert evaluations() == [join(prepared["train_url"], "model")]
+    assert evaluations() == [join(prepared.train_url, "model")]
 
 
 def test_an_unfinished_training_fails_fast_before_any_evaluation(root, evaluations):
     prepared = run_fixtures.prepare_run(root, "manual__1")
-    run_fixtures.write_training_output(prepared["train_url"], num_workers=2, train_time_s=30.0, eval_loss=5.3,
+    run_fixtures.write_training_output(prepared.train_url, num_workers=2, train_time_s=30.0, eval_loss=5.3,
                                        complete=False)
     with pytest.raises(FileNotFoundError, match="'train' task did not complete"):
         evaluate_run(prepared, make_backend)
     assert evaluations() == []
-    assert not exists(join(prepared["report_url"], "report.json"))
+    assert not exists(join(prepared.report_url, "report.json"))
 
 
 def test_a_failing_evaluation_names_the_model_and_shows_its_output(root, evaluations):
     prepared = trained_run(root, "manual__1", baseline="skip")
-    compare_model = join(prepared["train_url"], "model", "fixture_eval.json")
+    compare_model = join(prepared.train_url, "model", "fixture_eval.json")
     os.remove(compare_model)
 
     with pytest.raises(EvaluationError) as failure:
         evaluate_run(prepared, make_backend)
 
     assert "exited with code 3" in str(failure.value)
-    assert join(prepared["train_url"], "model") in str(failure.value)
+    assert join(prepared.train_url, "model") in str(failure.value)
     assert "fixture_eval.json missing" in str(failure.value)
-    assert not exists(join(prepared["report_url"], "report.json"))
+    assert not exists(join(prepared.report_url, "report.json"))
 
 
 def test_a_worker_failing_during_a_sharded_evaluation_fails_the_task_naming_its_rank(root, evaluations):
     prepared = trained_run(root, "manual__rank", baseline="skip")
-    write_json_atomic(join(prepared["train_url"], "model", "fixture_eval.json"), {"eval_loss": 5.3, "fail_rank": 1})
+    write_json_atomic(join(prepared.train_url, "model", "fixture_eval.json"), {"eval_loss": 5.3, "fail_rank": 1})
 
     with pytest.raises(EvaluationError) as failure:
         evaluate_run(prepared, make_backend)
@@ -171,14 +171,14 @@ def test_a_worker_failing_during_a_sharded_evaluation_fails_the_task_naming_its_
     message = str(failure.value)
     assert "on 2 worker(s) failed" in message and "rank 1" in message and "exited with code 3" in message
     assert "rank 1 lost its model files" in message  # the failed rank's last lines
-    assert not exists(join(prepared["report_url"], "report.json"))
+    assert not exists(join(prepared.report_url, "report.json"))
 
 
 def test_a_sampled_evaluation_reports_its_share_and_widens_loss_parity_by_the_paired_error(root, evaluations):
     """8 of the split's 40 sequences (eval_tokens = one batch of 8 x 64): each model's loss comes with its standard
     error, and the parity gate allows the delta two paired standard errors beyond the tolerance, saying so."""
     prepared = trained_run(root, "manual__sample", eval_tokens=512, loss_tolerance=0.001)
-    for url, loss, spread in ((prepared["train_url"], 5.305, 0.2), (prepared["baseline_url"], 5.300, 0.1)):
+    for url, loss, spread in ((prepared.train_url, 5.305, 0.2), (prepared.baseline_url, 5.300, 0.1)):
         write_json_atomic(join(url, "model", "fixture_eval.json"), {"eval_loss": loss, "spread": spread})
 
     result = evaluate_run(prepared, make_backend)
@@ -251,8 +251,8 @@ def test_real_trainer_output_evaluated_by_the_real_entry_point(root, tmp_path, c
         root, "manual__real", manifest_url=manifest, num_workers=1, tokenizer="bpe:320", block_size=32,
         batch_size_per_worker=4, max_steps=4, warmup_steps=1, learning_rate=3e-3, checkpoint_every_steps=4)
     assert plan_baseline(prepared) is True
-    assert train(["--config", prepared["config_url"], "--manifest", manifest, "--output", prepared["train_url"]]) == 0
-    shutil.copytree(prepared["train_url"], prepared["baseline_url"], dirs_exist_ok=True)
+    assert train(["--config", prepared.config_url, "--manifest", manifest, "--output", prepared.train_url]) == 0
+    shutil.copytree(prepared.train_url, prepared.baseline_url, dirs_exist_ok=True)
 
     result = evaluate_run(prepared, make_backend)
 
@@ -260,12 +260,12 @@ def test_real_trainer_output_evaluated_by_the_real_entry_point(root, tmp_path, c
     assert result["eval_loss"] == result["baseline_eval_loss"] < math.log(320)
     report = read_json(result["report_json_url"])
     distributed = report["runs"]["distributed"]
-    summary = read_json(prepared["train_summary_url"])
+    summary = read_json(prepared.train_summary_url)
     assert distributed["tokens_per_s"] == summary["tokens_per_s"] > 0 and distributed["steps"] == 4
     assert distributed["eval_tokens"] > 0 and distributed["eval_time_s"] > 0
     assert report["hardware"]["line"].startswith(f"1 worker on a {os.cpu_count()}-core CPU")
     assert report["versions"]["tensorflow"] == metadata.version("tensorflow")  # the trainer's, as installed
-    assert read_bytes(join(prepared["report_url"], "loss_curves.png")).startswith(PNG_MAGIC)
+    assert read_bytes(join(prepared.report_url, "loss_curves.png")).startswith(PNG_MAGIC)
     assert "[evaluate distributed 0] eval_loss" in caplog.text
 
 

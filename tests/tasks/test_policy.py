@@ -3,6 +3,8 @@ finding 3): a prepared run rewritten after prepare reaches no further than the t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 from tf_multiworker.backends import make_backend
@@ -22,6 +24,6 @@ TASKS = {"plan_baseline": plan_baseline, "evaluate": lambda prepared: evaluate_r
 def test_a_prepared_run_rewritten_in_xcom_is_refused_before_the_task_acts(tmp_path, task, setting, value):
     prepared = run_fixtures.prepare_run(str(tmp_path), "manual__rewritten")
     assert TASKS["plan_baseline"](prepared) in (True, False)  # the run as prepare left it passes
-    crafted = {**prepared, "config": {**prepared["config"], setting: value}}
+    crafted = replace(prepared, config={**prepared.config, setting: value})
     with pytest.raises(AirflowFailException, match=f"configuration is refused: Setting '{setting}'"):
         TASKS[task](crafted)

@@ -11,6 +11,7 @@ from tf_multiworker.backends import make_backend
 
 from launcher.protocol import CONFIG_SHA256_ENV
 from tasks.prepare import finish_run, plan_run, tokenize_lane
+from tasks.prepared_run import PreparedRun
 from trainer.config.pinned import load_pinned_config
 from trainer.layout import run_key
 
@@ -18,12 +19,13 @@ RUN_ID = "manual__2026-11-29T02:00:00+00:00"
 DAG_ID = "gpt_finetune"
 
 
-def prepare_run(params: dict, run_id: str, dag_id: str) -> dict:
-    """The three prepare tasks in a row, as the DAG runs them (XCom values through JSON)."""
+def prepare_run(params: dict, run_id: str, dag_id: str) -> PreparedRun:
+    """The three prepare tasks in a row, as the DAG runs them (XCom values through JSON), and the prepared run as
+    a later task reads it."""
     planned = json.loads(json.dumps(plan_run(params, run_id, dag_id, make_backend)))
     for lane in planned["lanes"]:
         tokenize_lane(planned["plan"], lane)
-    return finish_run(planned["plan"], run_id, dag_id)
+    return PreparedRun.from_xcom(json.loads(json.dumps(finish_run(planned["plan"], run_id, dag_id).to_xcom())))
 
 
 def test_invalid_settings_fail_the_task_without_retries(tmp_path):
@@ -54,15 +56,15 @@ def test_prepared_run_lists_configs_with_resolved_steps(tmp_path):
               "max_steps": 0, "warmup_steps": 0, "epochs": 1.0, "baseline": "skip"}
     prepared = prepare_run(params, RUN_ID, DAG_ID)
     # Loaded as the workers load them, with the digests the XCom pinned (trainer/config/pinned.py).
-    run_cfg = load_pinned_config(prepared["config_url"], {CONFIG_SHA256_ENV: prepared["config_sha256"]})
-    baseline_cfg = load_pinned_config(prepared["baseline_config_url"],
-                                      {CONFIG_SHA256_ENV: prepared["baseline_config_sha256"]})
-    assert run_cfg.max_steps == prepared["total_steps"] > 0  # derived from epochs, never 0 for the workers
+    run_cfg = load_pinned_config(prepared.config_url, {CONFIG_SHA256_ENV: prepared.config_sha256})
+    baseline_cfg = load_pinned_config(prepared.baseline_config_url,
+                                      {CONFIG_SHA256_ENV: prepared.baseline_config_sha256})
+    assert run_cfg.max_steps == prepared.config["max_steps"] > 0  # derived from epochs, never 0 for the workers
     assert baseline_cfg.num_workers == 1 and baseline_cfg.global_batch_size == run_cfg.global_batch_size
-    assert Path(prepared["manifest_url"]).exists()
-    assert prepared["run_key"] == run_key(DAG_ID, RUN_ID)
-    assert prepared["train_summary_url"].startswith(prepared["train_url"])
-    assert prepared["baseline_summary_url"].startswith(prepared["baseline_url"])
+    assert Path(prepared.manifest_url).exists()
+    assert prepared.run_key == run_key(DAG_ID, RUN_ID)
+    assert prepared.train_summary_url.startswith(prepared.train_url)
+    assert prepared.baseline_summary_url.startswith(prepared.baseline_url)
 
 
 @pytest.mark.parametrize("model, name", [("promoted", "gpt_finetune"), ("promoted:nightly-chat", "nightly-chat")])
@@ -98,8 +100,8 @@ def test_a_corpus_in_several_lanes_travels_as_small_dicts_and_gives_the_same_dat
     assert len(json.dumps(planned["plan"])) < 4000 and len(json.dumps(planned["lanes"])) < 2000
     fanned = prepare_run({**params, "prepare_tasks": 3, "prepare_unit_mb": 1}, RUN_ID, DAG_ID)
     single = prepare_run({**params, "storage_root": str(tmp_path / "single"), "prepare_tasks": 1}, RUN_ID, DAG_ID)
-    assert fanned["dataset_fingerprint"] == single["dataset_fingerprint"]
-    assert fanned["total_steps"] == single["total_steps"]
+    assert fanned.dataset_fingerprint == single.dataset_fingerprint
+    assert fanned.config["max_steps"] == single.config["max_steps"]
 
 
 @pytest.mark.parametrize("setting, value, variable", [

@@ -19,6 +19,7 @@ import pytest
 from tf_multiworker.backends import make_backend
 
 from tasks import evaluate, registry
+from tasks.prepared_run import PreparedRun
 from tasks.promote import NoReportError, promote_run
 from tests.tasks import run_fixtures
 from trainer.layout import StorageLayout, TrainOutput
@@ -35,15 +36,15 @@ def root(request, tmp_path):
 
 
 def evaluated_run(root: str, run_id: str, eval_loss: float, spread: float = 0.0, exports: dict | None = None,
-                  **settings) -> dict:
+                  **settings) -> PreparedRun:
     """A run trained (fixture outputs) and evaluated by the real evaluate task; gate failures are left in the report.
     `spread`: its sequences' losses lie that far on either side of `eval_loss`; `exports`: format -> parity passed
     (default: every format passed)."""
     prepared = run_fixtures.prepare_run(root, run_id, baseline="skip", **settings)
-    run_fixtures.write_training_output(prepared["train_url"], num_workers=2, train_time_s=30.0, eval_loss=eval_loss,
+    run_fixtures.write_training_output(prepared.train_url, num_workers=2, train_time_s=30.0, eval_loss=eval_loss,
                                        exports=exports)
     if spread:
-        write_json_atomic(join(prepared["train_url"], "model", "fixture_eval.json"),
+        write_json_atomic(join(prepared.train_url, "model", "fixture_eval.json"),
                           {"eval_loss": eval_loss, "spread": spread})
     try:
         evaluate.evaluate_run(prepared, make_backend)
@@ -52,13 +53,13 @@ def evaluated_run(root: str, run_id: str, eval_loss: float, spread: float = 0.0,
     return prepared
 
 
-def reported_run(source: dict, run_id: str, eval_loss: float) -> dict:
+def reported_run(source: PreparedRun, run_id: str, eval_loss: float) -> PreparedRun:
     """Another run whose report is `source`'s with its own id and loss (and `source`'s model): for the race and
     kill tests, which are about the registry, without an evaluation per run."""
-    prepared = run_fixtures.prepare_run(source["storage_root"], run_id, baseline="skip")
-    report = {**report_of(source), "run_id": run_id, "run_key": prepared["run_key"]}
+    prepared = run_fixtures.prepare_run(source.config["storage_root"], run_id, baseline="skip")
+    report = {**report_of(source), "run_id": run_id, "run_key": prepared.run_key}
     report["runs"] = {**report["runs"], "distributed": {**report["runs"]["distributed"], "eval_loss": eval_loss}}
-    write_json_atomic(join(prepared["report_url"], "report.json"), report)
+    write_json_atomic(join(prepared.report_url, "report.json"), report)
     return prepared
 
 
@@ -66,8 +67,8 @@ def models(root: str):
     return StorageLayout(root).model("gpt_finetune")
 
 
-def report_of(prepared: dict) -> dict:
-    return read_json(join(prepared["report_url"], "report.json"))
+def report_of(prepared: PreparedRun) -> dict:
+    return read_json(join(prepared.report_url, "report.json"))
 
 
 def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
@@ -98,7 +99,7 @@ def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
     assert "worse than the promoted version by more than 'promotion_tolerance'" in refused["reason"]
     assert "eval loss 5.5000 vs 5.3000 of promoted v1" in refused["reason"]
     assert "both scored on this run's evaluation sample" in refused["reason"]
-    markdown = read_bytes(join(worse["report_url"], "report.md")).decode()
+    markdown = read_bytes(join(worse.report_url, "report.md")).decode()
     assert "**Not promoted** (policy 'auto'): worse than the promoted version" in markdown
     samples = markdown.split("## Samples")[1]
     assert "**Prompt 1:** To be, or not" in samples
@@ -113,7 +114,7 @@ def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
     assert (pointer["version"], pointer["run_id"]) == ("v2", "scheduled__3")
     assert [(entry["version"], entry["run_id"], entry["eval_loss"]) for entry in pointer["history"]] == [
         ("v1", "scheduled__1", 5.30), ("v2", "scheduled__3", 5.20)]
-    assert "**Promoted** to gpt_finetune v2" in read_bytes(join(better["report_url"], "report.md")).decode()
+    assert "**Promoted** to gpt_finetune v2" in read_bytes(join(better.report_url, "report.md")).decode()
 
 
 def test_tolerance_and_the_promote_policies(evaluations, tmp_path):
@@ -173,14 +174,14 @@ def test_a_retried_promotion_keeps_the_version_it_got(evaluations, tmp_path):
     again = promote_run(prepared)  # the task retried after its pointer swap
     assert (again["promoted"], again["version"], again["event"]) == (True, "v1", first["event"])
     assert "already promoted to v1 by an earlier attempt" in again["reason"]
-    assert len(registry.read_latest(models(prepared["storage_root"]))["history"]) == 1
+    assert len(registry.read_latest(models(prepared.config["storage_root"]))["history"]) == 1
 
 
 def test_a_run_without_a_report_is_not_promoted(tmp_path):
     prepared = run_fixtures.prepare_run(str(tmp_path / "storage"), "r1")
     with pytest.raises(NoReportError, match="evaluate failed before writing it"):
         promote_run(prepared)
-    assert not exists(models(prepared["storage_root"]).url)
+    assert not exists(models(prepared.config["storage_root"]).url)
 
 
 def test_a_version_holds_each_format_in_its_folder_and_the_card_lists_them(evaluations, tmp_path):
@@ -219,14 +220,14 @@ def test_a_failed_or_missing_export_blocks_promotion_with_a_gate_row_naming_it(e
     assert report["gates_passed"] is False
     assert [(gate["name"], gate["passed"]) for gate in report["gates"] if gate["name"].startswith("export_")] == [
         ("export_safetensors", False), ("export_saved_model", True), ("export_tf_h5", True)]
-    markdown = read_bytes(join(failed["report_url"], "report.md")).decode()
+    markdown = read_bytes(join(failed.report_url, "report.md")).decode()
     assert "| export_safetensors | **FAIL** | 0.032 | 0.0001 | export safetensors: max" in markdown
 
     missing = evaluated_run(root, "r2", 5.30)
-    remove_tree(TrainOutput(missing["train_url"]).exports)  # training ended before its exports were published
+    remove_tree(TrainOutput(missing.train_url).exports)  # training ended before its exports were published
     outcome = promote_run(missing)
     assert outcome["promoted"] is False
-    assert (f"export safetensors: not written ({TrainOutput(missing['train_url']).exports_record} is missing"
+    assert (f"export safetensors: not written ({TrainOutput(missing.train_url).exports_record} is missing"
             in outcome["reason"])
     assert promote_run(missing)["reason"].count("export safetensors") == 1  # a retry replaces the rows
     assert registry.read_latest(models(root)) is None
@@ -242,15 +243,16 @@ def test_a_failed_or_missing_export_blocks_promotion_with_a_gate_row_naming_it(e
 
 PROMOTER = """
 import json, sys, time
+from tasks.prepared_run import PreparedRun
 from tasks.promote import promote_run
-prepared, start_at = json.loads(sys.argv[1]), float(sys.argv[2])
+prepared, start_at = PreparedRun.from_xcom(json.loads(sys.argv[1])), float(sys.argv[2])
 time.sleep(max(0.0, start_at - time.time()))  # every promoter starts together
 print(json.dumps(promote_run(prepared)))
 """
 
 
-def promoter(prepared: dict, start_at: float) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", PROMOTER, json.dumps(prepared), str(start_at)], cwd=REPO,
+def promoter(prepared: PreparedRun, start_at: float) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PROMOTER, json.dumps(prepared.to_xcom()), str(start_at)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -279,7 +281,7 @@ def test_concurrent_promotions_never_interleave_versions(root, evaluations):
     # Equal losses are never worse: all three are promoted, each to its own version, one after another.
     assert all(outcome["promoted"] for outcome in outcomes)
     pointer = assert_pointer_consistent(models(root))
-    assert sorted(entry["run_id"] for entry in pointer["history"]) == sorted(run["run_id"] for run in runs)
+    assert sorted(entry["run_id"] for entry in pointer["history"]) == sorted(run.run_id for run in runs)
     assert sorted(outcome["version"] for outcome in outcomes) == sorted(e["version"] for e in pointer["history"])
 
 

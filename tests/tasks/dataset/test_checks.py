@@ -116,7 +116,7 @@ def test_a_prepared_dataset_in_xcom_must_lie_where_its_fingerprint_says(planned,
                "tokenized_tokens": 0, "elapsed_s": 0.0, "timings": {}, "source_bytes_read": 0}
     with pytest.raises(PrepareError, match="is not where its fingerprint"):
         finish_run({**result["plan"], "dataset": dataset}, RUN_ID, DAG_ID)
-    assert prepared["dataset_fingerprint"] == result["plan"]["fingerprint"]
+    assert prepared.dataset_fingerprint == result["plan"]["fingerprint"]
 
 
 def test_from_saved_holds_a_config_to_the_policy_it_is_given():
