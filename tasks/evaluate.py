@@ -28,7 +28,7 @@ from trainer.config import RunConfig
 from trainer.data import tokenizer_url
 from trainer.eval_result import ResultError, combine, delta_standard_error, part_url, sample_id
 from trainer.eval_sample import sample_identity
-from trainer.layout import RunLayout, StorageLayout, TrainOutput
+from trainer.layout import PROMOTION_JSON, RunLayout, StorageLayout, TrainOutput
 from trainer.storage import exists, join, read_bytes, read_json, remove_tree, write_json_atomic
 
 if TYPE_CHECKING:
@@ -101,8 +101,8 @@ def score_models(prepared: PreparedRun, cfg: RunConfig, make_backend: BackendFac
     baseline_summary = _read_summary(baseline, "baseline") if baseline else None
 
     report_url = prepared.report_url
-    for stale in (reports.REPORT_JSON, reports.REPORT_MD, reports.LOSS_CHART, reports.SCALING_CHART):
-        remove_tree(join(report_url, stale))  # an earlier attempt's report must not pass for this one's
+    for stale in (reports.REPORT_JSON, reports.REPORT_MD, reports.LOSS_CHART, reports.SCALING_CHART, PROMOTION_JSON):
+        remove_tree(join(report_url, stale))  # an earlier attempt's report (or the verdict on it) must not pass
     distributed_eval = run_evaluation(distributed.model, prepared.manifest_url,
                                       join(report_url, "eval-distributed.json"), cfg=cfg,
                                       run_key=prepared.run_key, label="distributed",

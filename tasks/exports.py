@@ -50,16 +50,14 @@ def _row(name: str, passed: bool, value: float | None, limit: float | None, deta
     return {"name": f"{GATE_PREFIX}{name}", "passed": passed, "value": value, "limit": limit, "detail": detail}
 
 
-def with_export_gates(report: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
-    """The report with the export gate rows (replacing those of an earlier attempt) and `gates_passed` including
-    them; unchanged when `export_formats` is []."""
+def export_part(report: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
+    """What promote records of the serving exports in promotion.json: {"export_gates": one gate per format of
+    `export_formats`, "exports": their parity record (None when missing)}; {} when `export_formats` is []. The
+    view counts the gates with the report's (tasks/report_parts.py `with_exports`)."""
     if not cfg.export_formats:
-        return report
+        return {}
     url, record = read_record(report)
-    earlier = [gate for gate in report.get("gates", []) if not str(gate.get("name")).startswith(GATE_PREFIX)]
-    gates = earlier + gate_rows(cfg, url, record)
-    passed = report.get("gates_passed") is True and all(gate["passed"] for gate in gates)
-    return {**report, "gates": gates, "gates_passed": passed, "exports": record}
+    return {"export_gates": gate_rows(cfg, url, record), "exports": record}
 
 
 def copy_exports(report: dict[str, Any], version: VersionLayout) -> list[dict[str, Any]]:

@@ -5,8 +5,9 @@ version's by more than `promotion_tolerance`; `always` promotes whenever the gat
 promotion copies the model (with its tokenizer), each serving format that passed its parity check (the run's
 `export_formats`: a missing or failed one is a failed gate, tasks/exports.py), the report and a model card to
 `models/<model_name>/v<N>/`, writes `version.json` last, then moves `latest.json` by compare-and-swap
-(tasks/registry.py). The outcome, with the reason, goes into the run's report (`promotion`) and the task log; the
-DAG turns a promotion into an event of the Asset `gpt_finetune_model`.
+(tasks/registry.py). The outcome, with the reason and the export gates, goes to `promotion.json` beside the run's
+report (its one writer; report.md and the run's page show it as the report's `promotion`) and the task log; the DAG
+turns a promotion into an event of the Asset `gpt_finetune_model`.
 
 The eval losses compared are the same evaluation sample's whenever possible: the evaluate task scores the promoted
 version on this run's sample of the validation split when their tokenizers agree (`report["promoted"]`);
@@ -29,9 +30,10 @@ from tasks.base_models import pinned_base
 from tasks.connections import uses_run_storage
 from tasks.formatting import nats
 from tasks.policy import checked_config
+from tasks.report_parts import with_exports
 from trainer.config import AccessPolicy, ConfigError, RunConfig
 from trainer.eval_result import GATE_STANDARD_ERRORS
-from trainer.layout import ModelLayout, VersionLayout
+from trainer.layout import PROMOTION_JSON, REPORT_JSON, ModelLayout, VersionLayout
 from trainer.storage import (
     exists,
     filesystem,
@@ -57,17 +59,20 @@ class NoReportError(RuntimeError):
 
 @uses_run_storage
 def promote_run(prepared: PreparedRun) -> dict[str, Any]:
-    """Promote (or not) this run's model; returns the outcome recorded in the report."""
+    """Promote (or not) this run's model; returns the outcome, which promotion.json records beside the report with
+    the export gates it was decided on (report.json stays evaluate's), and report.md shows."""
     cfg = checked_config(prepared.config)
-    report_json = join(prepared.report_url, reports.REPORT_JSON)
+    report_json = join(prepared.report_url, REPORT_JSON)
     if not exists(report_json):
         raise NoReportError(
             f"Run {prepared.run_id} has no report at {report_json}: evaluate failed before writing it (see its "
             "log), so no model is promoted.")
-    report = exports.with_export_gates(read_json(report_json), cfg)
+    evaluated = read_json(report_json)
+    exported = exports.export_part(evaluated, cfg)
+    report = with_exports(evaluated, exported)
     outcome = promote(prepared, cfg, report, registry.model_layout(cfg.storage_root, cfg.model_name))
-    report["promotion"] = outcome
-    reports.write_report(prepared.report_url, report, charts={})
+    write_json_atomic(join(prepared.report_url, PROMOTION_JSON), {**outcome, **exported})
+    reports.render_report_md(prepared.report_url)
     if outcome["promoted"]:
         log.info("Promoted run %s to %s %s (%s): %s", prepared.run_id, cfg.model_name, outcome["version"],
                  outcome["url"], outcome["reason"])
@@ -204,7 +209,7 @@ def history_entry(version: VersionLayout, prepared: PreparedRun, report: dict[st
             "eval_loss": distributed["eval_loss"], "perplexity": distributed["perplexity"],
             "eval_loss_se": distributed.get("eval_loss_se"), "eval_sample": _sample_id(report),
             "dataset_fingerprint": report["dataset_fingerprint"],
-            "run_report_url": join(prepared.report_url, reports.REPORT_JSON)}
+            "run_report_url": join(prepared.report_url, REPORT_JSON)}
 
 
 # ---------------------------------------------------------------------------------------------------------------

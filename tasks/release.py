@@ -8,7 +8,8 @@ run-state records the operator wrote (`runs/<key>/state/*.json`) and the run's s
 reached fails the task, named. A local group launched from another host or container (its record names the
 launcher's `launcher.host_identity`) cannot be checked from here: it is reported unverified, never clean, naming
 both hosts and the setting that routes release to the GPU hosts (`gpu_queue`). The outcome goes to `release.json`
-and, when the run has a report, into the report ("released: yes/no" beside the gates).
+beside the run's report (with the GPU-time ledger when the run has a report), which report.md and the run's page
+show ("released: yes/no" beside the gates).
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from launcher.protocol import RUN_KEY_ENV, utc_now
 from tasks import report as reports
 from tasks import telemetry
 from tasks.connections import uses_run_storage
+from tasks.report_parts import UNREADABLE, read_part
 from tasks.usage_record import attach_usage
 from trainer.config import ConfigError, RunConfig
-from trainer.layout import StorageLayout, absolute_root, run_key
-from trainer.storage import exists, join, list_dir, read_json, write_json_atomic
+from trainer.layout import RunLayout, StorageLayout, absolute_root, run_key
+from trainer.storage import join, list_dir, read_json, write_bytes_atomic, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.release")
 
@@ -142,8 +144,7 @@ def release_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backen
         if unreadable is not None:
             raise unreadable
         result = _release_record(key, names, results, identity, elsewhere)
-        write_json_atomic(run.release, result)
-        mark_report_released(run.report, result, dag_id)
+        write_release(run, result, dag_id)
     except Exception as error:
         here = results["local"]["hosts"][0] if "local" in results else {
             "host": socket.gethostname(), "terminated": [], "killed": [], "survivors": []}
@@ -209,13 +210,18 @@ def _release_record(key: str, names: list[str], results: dict[str, dict[str, Any
     }
 
 
-def mark_report_released(report_url: str, release: dict[str, Any], dag_id: str | None = None) -> None:
-    """Put the release outcome into the run's report (report.json and report.md), when evaluate wrote one; with
+def write_release(run: RunLayout, release: dict[str, Any], dag_id: str | None = None) -> None:
+    """release.json beside the run's report (its one writer), with the GPU-time ledger up to this release when
+    evaluate wrote a report (`usage`, its chart beside it), then report.md again from the three parts; with
     `dag_id`, the GPU tasks' admission waits are read from Airflow (tasks/airflow_api.py)."""
-    json_url = join(report_url, reports.REPORT_JSON)
-    if not exists(json_url):
-        return
-    report = read_json(json_url)
-    report["release"] = {name: release[name] for name in ("clean", "released_at", "host", "survivors")}
-    charts = attach_usage(report_url, report, release["released_at"], dag_id)  # GPU time and cost, to this release
-    reports.write_report(report_url, report, charts=charts)
+    report = read_part(run.report_json)  # untrusted, and release must not fail on it: None or unreadable is no report
+    charts: dict[str, bytes] = {}
+    if isinstance(report, dict) and UNREADABLE not in report:
+        view = dict(report)  # attach_usage puts the ledger into a report: here only to take it out
+        charts = attach_usage(run.report, view, release["released_at"], dag_id)
+        if isinstance(view.get("usage"), dict):
+            release = {**release, "usage": view["usage"], "charts": {"usage": view["charts"]["usage"]}}
+    for name, png in charts.items():
+        write_bytes_atomic(join(run.report, name), png)
+    write_json_atomic(run.release, release)
+    reports.render_report_md(run.report)

@@ -17,7 +17,7 @@ charts) trust a report only once it exists. The layout of `report.json` (format_
      "prediction": {"num_workers", "predicted_speedup", "measured_speedup", "predicted_efficiency",
                     "measured_efficiency", "speedup_error", "recommendation", "rows", "step_source"} | null,
      "warnings": [sentence] (tasks/throughput.py: tokens/s well below the prediction or the last comparable run),
-     "release": {"clean", "released_at", "host", "survivors"} (added by the release task),
+     "release": {"clean", "released_at", "host", "survivors"} (release.json's, folded in by tasks/report_parts.py),
      "continued_from": {"name", "version", "url", "model_url", "run_id", "eval_loss"} | null,
      "promoted": {"name", "version", "url", "run_id", "recorded_eval_loss", "recorded_eval_loss_se",
                   "recorded_eval_sample", "eval_loss", "eval_loss_se", "eval_sample" (id), "delta_se" (of the run's
@@ -26,7 +26,7 @@ charts) trust a report only once it exists. The layout of `report.json` (format_
      "samples": [{"model": label, "eval_loss", "nats_per_char", "known_words": KNOWN,
                   "samples": [{"prompt", "greedy", "top_k"}]}],
      "promotion": {"promoted", "policy", "model_name", "reason", "compared_with", "version", "url", "model_url",
-                   "decided_at"} (added by the promote task)}
+                   "decided_at"} (promotion.json's, folded in by tasks/report_parts.py)}
     RUN = {"label", "num_workers", "global_batch_size", "steps", "tokens_seen", "train_time_s", "wall_time_s",
            "tokens_per_s", "final_loss", "mfu", "eval_loss", "perplexity", "nats_per_char", "known_words": KNOWN,
            "eval_tokens", "eval_time_s", "model_url", "summary_url", "started_at", "finished_at",
@@ -51,15 +51,16 @@ from collections.abc import Iterable
 from typing import Any
 
 from tasks.formatting import TABLE_COLUMNS, fmt, known_words
-from tasks.report_file import finite, read_record
+from tasks.report_file import UnreadableRecord, finite, read_record
 from tasks.report_markdown import markdown
+from tasks.report_parts import read_parts, run_report
 from tasks.report_view import report_view
+from trainer.layout import REPORT_JSON
 from trainer.storage import exists, join, list_dir, write_bytes_atomic, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.report")
 
 REPORT_FORMAT_VERSION = 1
-REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 LOSS_CHART = "loss_curves.png"
 SCALING_CHART = "scaling.png"
@@ -282,10 +283,28 @@ def _check_run(run: Any, name: str, *, efficiency: Any) -> None:
 
 
 def write_report(report_url: str, report: dict[str, Any], charts: dict[str, bytes]) -> str:
-    """Charts and report.md first, report.json last (its presence marks a complete report); returns its URL."""
+    """Evaluate's report: charts and report.md first, report.json last (its presence marks a complete report);
+    returns its URL. report.md shows the parts promote and release wrote beside it, if any (tasks/report_parts.py)."""
     for name, png in charts.items():
         write_bytes_atomic(join(report_url, name), png)
-    write_bytes_atomic(join(report_url, REPORT_MD), render_markdown(report).encode("utf-8"))
+    write_bytes_atomic(join(report_url, REPORT_MD), render_markdown(run_report(report, *read_parts(report_url))).encode(
+        "utf-8"))
     json_url = join(report_url, REPORT_JSON)
     write_json_atomic(json_url, report)
     return json_url
+
+
+def render_report_md(report_url: str) -> None:
+    """report.md again from the three parts, after promote or release wrote theirs; nothing before evaluate wrote
+    report.json (an unreadable one is left as it is: the page says so)."""
+    json_url = join(report_url, REPORT_JSON)
+    if not exists(json_url):
+        return
+    try:
+        report = read_record(json_url)
+    except (UnreadableRecord, OSError) as error:
+        log.warning("Not re-rendering report.md: %s", error)
+        return
+    if isinstance(report, dict):
+        write_bytes_atomic(join(report_url, REPORT_MD),
+                           render_markdown(run_report(report, *read_parts(report_url))).encode("utf-8"))

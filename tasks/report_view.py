@@ -86,8 +86,8 @@ class ReportView:
 
 
 def report_view(report: Any, released: str) -> ReportView:
-    """The report's sections in order; `released` is yes / no / pending (report.md reads it from the report, the
-    page from release.json)."""
+    """The report's sections in order (`report` as tasks/report_parts.py merges its three files); `released` is yes /
+    no / pending (report.md reads it from the merged report, the page from release.json)."""
     report = report if isinstance(report, dict) else {}
     sections = (opening(report, released), gates(report), *scaling(report), *gpu_time(report), promotion(report),
                 *samples(report), charts(report), versions(report))
@@ -266,6 +266,9 @@ def promotion(report: dict[str, Any]) -> Section:
     decision = report.get("promotion")
     if not isinstance(decision, dict):
         items.append(_paragraph("Pending: the promote task has not run yet."))
+    elif "unreadable" in decision:  # tasks/report_parts.py: promotion.json exists but cannot be read
+        items.append(_paragraph(Verdict("Unknown", False), f": the promote task's record cannot be read "
+                                f"({text(decision.get('unreadable'))})."))
     elif decision.get("promoted") is True:
         items.append(_paragraph(Verdict("Promoted", True), f" to {text(decision.get('model_name'))} "
                                 f"{text(decision.get('version'))} ({text(decision.get('url'))}): "

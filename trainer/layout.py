@@ -10,8 +10,8 @@
     <root>/runs/<run_key>/train/                      the distributed training output (see TrainOutput)
     <root>/runs/<run_key>/train/exports/              serving formats and exports.json (their parity), record last
     <root>/runs/<run_key>/train/segments.json         each launch of train: from step, workers (elastic recovery)
-    <root>/runs/<run_key>/report/                     report.json, report.md, *.png, preflight.json
-    <root>/runs/<run_key>/release.json
+    <root>/runs/<run_key>/report/                     report.json (evaluate), promotion.json (promote), release.json
+                                                      (release): one writer each; report.md, *.png, preflight.json
     <root>/baselines/<baseline_key>/                  a single-worker training output, reusable across runs
     <root>/models/base/<name>@<sha>/                  a hub model at one commit, base_model.json last
     <root>/models/<name>/latest.json                  the promoted version and the history (see tasks/registry.py)
@@ -39,6 +39,10 @@ TOKENIZER_DIR = "tokenizer"
 EXPORTS_RECORD = "exports.json"
 BASE_MODEL_RECORD = "base_model.json"  # written last in a cached base model (tasks/base_models.py)
 BASE_MODELS = "base"  # storage_root/models/base/: cached hub models, a name no registered model may take
+# The run's report: three files beside each other, one writer each (tasks/report_parts.py reads them as one).
+REPORT_JSON = "report.json"  # evaluate
+PROMOTION_JSON = "promotion.json"  # promote: its verdict and the export gates
+RELEASE_JSON = "release.json"  # release: the release record and the GPU-time ledger
 
 
 def shard_name(split: str, index: int, count: int) -> str:
@@ -258,5 +262,13 @@ class RunLayout:
         return PreflightOutput(self.report)
 
     @property
+    def report_json(self) -> str:
+        return join(self.report, REPORT_JSON)
+
+    @property
+    def promotion(self) -> str:
+        return join(self.report, PROMOTION_JSON)
+
+    @property
     def release(self) -> str:
-        return join(self.url, "release.json")
+        return join(self.report, RELEASE_JSON)

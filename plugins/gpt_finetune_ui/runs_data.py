@@ -1,10 +1,12 @@
-"""What the report pages read from storage: each run's report.json, release.json and charts, and the model
-registry's latest.json (tasks/registry.py), through `trainer.storage`, so local disk and S3 read alike.
+"""What the report pages read from storage: each run's report (report.json with promotion.json and release.json
+beside it, read as one by tasks/report_parts.py) and charts, and the model registry's latest.json
+(tasks/registry.py), through `trainer.storage`, so local disk and S3 read alike.
 
 Nothing read here is trusted (many tasks can write storage): run keys and chart names are matched whole before
 they become paths, an index row checks the type of every field it shows, and errors name runs, never storage URLs.
 A report or release record over the size or depth limits of tasks/report_file.py reads as unreadable: on the index
-as an error row (one run's record never fails the page), on its run page as 422.
+as an error row (one run's record never fails the page), on its run page as 422. A promotion or release record that
+cannot be read leaves the report readable: the page says which part it could not read.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from launcher.protocol import RUN_KEY_PATTERN
 from tasks.registry import read_latest
 from tasks.report_file import UnreadableRecord, finite, read_record
+from tasks.report_parts import read_part, read_parts, run_report
 from trainer.layout import StorageLayout
 from trainer.storage import exists, join, list_dir, read_bytes
 
@@ -54,7 +57,7 @@ def read_report(storage: StorageLayout, run_key: str) -> dict[str, Any]:
         raise UnreadableReport(f"Run {run_key} has an unreadable report.") from error
     if not isinstance(report, dict):
         raise UnreadableReport(f"Run {run_key} has an unreadable report.")
-    return report
+    return run_report(report, *read_parts(report_dir(storage, run_key)))
 
 
 def read_chart(storage: StorageLayout, run_key: str, name: str) -> bytes:
@@ -145,7 +148,10 @@ def list_runs(storage: StorageLayout) -> list[dict[str, Any]]:
             runs.append({"run_key": key, "run_id": key, "status": "no report yet", "released": released})
             continue
         try:
-            runs.append({**headline(key, read_record(url)), "released": released})
+            report = read_record(url)
+            if isinstance(report, dict):  # the GPU-time ledger is release's (release.json)
+                report = run_report(report, None, read_part(storage.run(key).release))
+            runs.append({**headline(key, report), "released": released})
         except Exception as error:  # noqa: BLE001 - one run's report, whatever is wrong with it, is one error row
             log.warning("Run %s: unreadable report %s (%s)", key, url, error)
             detail = error if isinstance(error, ReportError) else error.reason if isinstance(

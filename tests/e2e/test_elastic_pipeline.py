@@ -80,5 +80,5 @@ def test_a_lost_ssh_host_is_left_out_of_the_retry_and_the_run_passes_its_gates(a
     assert [s["num_workers"] for s in report["segments"]] == [2, 1]
     print(f"\nlost host {lost.address} after step {retry['from_step']}: continued on 1 worker; eval loss delta "
           f"{report['comparison']['loss_delta']:+.2e}")
-    assert stored("release.json")["clean"] is True
+    assert stored("report/release.json")["clean"] is True
     assert processes_of_run(key) == {}

@@ -16,6 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tasks import registry
+from tasks.report_parts import read_parts, run_report
 from tests.e2e.runs import DAG, FAST, assert_released, storage, trigger
 from tests.support.airflow_stack import REPO
 from trainer.layout import run_key
@@ -33,7 +34,9 @@ HARMFUL = {"learning_rate": 1.0, "max_loss_rise": 0.0, "export_formats": []}
 
 
 def report(stack, run_id: str) -> dict:
-    return json.loads(Path(storage(stack).run(run_key(DAG, run_id)).report, "report.json").read_text())
+    """The run's report as its page shows it: report.json with promotion.json and release.json beside it."""
+    url = storage(stack).run(run_key(DAG, run_id)).report
+    return run_report(json.loads(Path(url, "report.json").read_text()), *read_parts(url))
 
 
 def succeed(stack, conf: dict) -> str:

@@ -86,10 +86,10 @@ def test_storage_credentials_only_in_an_airflow_connection(airflow_stack, connec
     assert set(airflow_stack.task_states(DAG, run_id).values()) <= {"success", "skipped"}
 
     key = run_key(DAG, run_id)
-    release = json.loads(client.get_object(Bucket=bucket, Key=f"gpt/runs/{key}/release.json")["Body"].read())
+    release = json.loads(client.get_object(Bucket=bucket, Key=f"gpt/runs/{key}/report/release.json")["Body"].read())
     assert release["clean"] is True
-    report = json.loads(client.get_object(Bucket=bucket, Key=f"gpt/runs/{key}/report/report.json")["Body"].read())
-    assert report["release"]["clean"] is True
+    report = client.get_object(Bucket=bucket, Key=f"gpt/runs/{key}/report/report.md")["Body"].read().decode()
+    assert "**Released: yes**" in report
     rank_logs = [item["Key"] for item in client.list_objects_v2(Bucket=bucket, Prefix=f"gpt/runs/{key}/logs/")
                  ["Contents"]]
     assert rank_logs
@@ -158,7 +158,7 @@ def test_ssh_run_through_the_scheduler_matches_the_local_backend(airflow_stack, 
     assert [w["address"].rsplit(":", 1)[0] for w in preflight["workers"]] == [h.address for h in ssh_hosts]
     for rank, host in enumerate(ssh_hosts):
         assert f"[rank {rank} host {host.address}]" in train_log
-    release = stored(ssh_id, "release.json")
+    release = stored(ssh_id, "report/release.json")
     assert release["clean"] is True
     assert {h["host"] for h in release["hosts"] if h["backend"] == "ssh"} == {h.address for h in ssh_hosts}
     assert processes_of_run(run_key(DAG, ssh_id)) == {}

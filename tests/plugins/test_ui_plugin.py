@@ -69,8 +69,8 @@ def storage_root(tmp_path_factory):
                 evaluate.evaluate_run(prepared, make_backend)
     write_json_atomic(join(root, "runs", "manual__training", "config.json"), {})
     # The older run was released; the newer one's release has not run yet.
-    write_json_atomic(join(root, "runs", KEY_28, "release.json"), {"clean": True})
-    Path(root, "runs", "manual__training", "release.json").mkdir()  # unreadable: reads as not released
+    write_json_atomic(join(root, "runs", KEY_28, "report", "release.json"), {"clean": True})
+    Path(root, "runs", "manual__training", "report", "release.json").mkdir(parents=True)  # unreadable: not released
     return root
 
 
@@ -198,7 +198,7 @@ def test_hostile_reports_render_escaped_as_error_rows(hostile_storage):
     index = client.get("/")
     assert index.status_code == 200
     assert "<script" not in index.text.lower()
-    statuses = {run.run_key: run["status"] for run in client.get("/api/runs").json()}
+    statuses = {run["run_key"]: run["status"] for run in client.get("/api/runs").json()}
     assert statuses == {
         KEY_28: "passed",
         "poisoned": "unreadable report: field 'num_workers' is a str",
@@ -495,7 +495,7 @@ def test_the_reports_require_an_airflow_login(airflow_stack, stack_run):
     with urllib.request.urlopen(request, timeout=30) as response:
         token = json.load(response)["access_token"]
     status, _, body = _get(f"{base}/api/runs", {"Authorization": f"Bearer {token}"})
-    assert status == 200 and stack_run in [run.run_key for run in json.loads(body)]
+    assert status == 200 and stack_run in [run["run_key"] for run in json.loads(body)]
     status, headers, body = _get(f"{base}/runs/{stack_run}/", {"Cookie": f"_token={token}"})  # as the UI sends it
     assert status == 200 and b"<table id='figures'>" in body
     assert "default-src 'none'" in headers["content-security-policy"]
@@ -559,7 +559,7 @@ def crafted_storage(storage_root, tmp_path):
         path = root / "runs" / key / "report" / "report.json"
         path.parent.mkdir(parents=True)
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    (root / "runs" / "deep" / "release.json").write_text("[" * 100000)
+    (root / "runs" / "deep" / "report" / "release.json").write_text("[" * 100000)
     return root
 
 
@@ -570,7 +570,7 @@ def test_a_crafted_report_is_an_error_row_and_never_a_500(crafted_storage, monke
         (crafted_storage / "runs" / KEY_28 / "report" / "report.json").read_bytes()) + 100)
     client = TestClient(create_app(str(crafted_storage)), raise_server_exceptions=False)
     assert client.get("/").status_code == 200
-    statuses = {run.run_key: run["status"] for run in client.get("/api/runs").json()}
+    statuses = {run["run_key"]: run["status"] for run in client.get("/api/runs").json()}
     assert statuses[KEY_28] == "passed"
     assert statuses["deep"] == "unreadable report: nested too deep"
     assert statuses["nested"] == "unreadable report: nested too deep: more than 32 levels"

@@ -200,7 +200,7 @@ def test_a_sampled_evaluation_reports_its_share_and_widens_loss_parity_by_the_pa
     markdown = read_bytes(result["report_md_url"]).decode()
     assert "Evaluation: 512 of 2,560 validation tokens (20.0%; 8 sequences), sample" in markdown
     assert f"| 5.3050 ± {distributed['eval_loss_se']:.4f} |" in markdown
-    assert report["baseline"]["key"] != trained_run(root, "manual__all", eval_tokens=0)["baseline_key"]
+    assert report["baseline"]["key"] != trained_run(root, "manual__all", eval_tokens=0).baseline_key
 
 
 def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, caplog):

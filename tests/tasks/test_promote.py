@@ -21,6 +21,7 @@ from tf_multiworker.backends import make_backend
 from tasks import evaluate, registry
 from tasks.prepared_run import PreparedRun
 from tasks.promote import NoReportError, promote_run
+from tasks.report_parts import read_parts, run_report
 from tests.tasks import run_fixtures
 from trainer.layout import StorageLayout, TrainOutput
 from trainer.storage import exists, filesystem, join, read_bytes, read_json, remove_tree, write_json_atomic
@@ -57,7 +58,7 @@ def reported_run(source: PreparedRun, run_id: str, eval_loss: float) -> Prepared
     """Another run whose report is `source`'s with its own id and loss (and `source`'s model): for the race and
     kill tests, which are about the registry, without an evaluation per run."""
     prepared = run_fixtures.prepare_run(source.config["storage_root"], run_id, baseline="skip")
-    report = {**report_of(source), "run_id": run_id, "run_key": prepared.run_key}
+    report = {**read_json(join(source.report_url, "report.json")), "run_id": run_id, "run_key": prepared.run_key}
     report["runs"] = {**report["runs"], "distributed": {**report["runs"]["distributed"], "eval_loss": eval_loss}}
     write_json_atomic(join(prepared.report_url, "report.json"), report)
     return prepared
@@ -68,7 +69,8 @@ def models(root: str):
 
 
 def report_of(prepared: PreparedRun) -> dict:
-    return read_json(join(prepared.report_url, "report.json"))
+    """The run's report as its page shows it: evaluate's report.json with promote's promotion.json beside it."""
+    return run_report(read_json(join(prepared.report_url, "report.json")), *read_parts(prepared.report_url))
 
 
 def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
@@ -192,6 +194,10 @@ def test_a_version_holds_each_format_in_its_folder_and_the_card_lists_them(evalu
     names = {file["name"] for file in registry.complete_version(v1)["files"]}
     assert {"model/tokenizer.json", "safetensors/model.safetensors", "saved_model/saved_model.pb"} <= names
     assert read_bytes(join(v1.export("safetensors"), "model.safetensors")) == b"fixture safetensors"
+    # One writer per file: report.json is evaluate's; the export gates are in promote's promotion.json.
+    assert not [gate for gate in read_json(join(prepared.report_url, "report.json"))["gates"]
+                if gate["name"].startswith("export_")]
+    assert read_json(join(prepared.report_url, "promotion.json"))["version"] == "v1"
     gates = {gate["name"]: gate for gate in report_of(prepared)["gates"]}
     assert {name: (gate["passed"], gate["value"], gate["limit"]) for name, gate in gates.items()
             if name.startswith("export_")} == {f"export_{name}": (True, 2.5e-7, 1e-4)
@@ -313,7 +319,7 @@ def test_a_promotion_killed_on_local_disk_leaves_latest_on_a_complete_version(tm
     promote_run(evaluated_run(root, "r1", 5.30))
     killed = evaluated_run(root, "r2", 5.20)
     # A model file large enough that its copy is still running when the promoter is killed.
-    with open(join(killed["train_url"], "model", "tf_model.h5"), "wb") as handle:
+    with open(join(killed.train_url, "model", "tf_model.h5"), "wb") as handle:
         handle.truncate(256 << 20)
     process = promoter(killed, 0)
     copied = Path(layout.version(2).model)
@@ -327,7 +333,7 @@ def test_a_promotion_killed_on_local_disk_leaves_latest_on_a_complete_version(tm
     assert registry.complete_version(layout.version(2)) is None, "killed after the version was complete"
     pointer = assert_pointer_consistent(layout)
     assert [entry["version"] for entry in pointer["history"]] == ["v1"]
-    os.remove(join(killed["train_url"], "model", "tf_model.h5"))
+    os.remove(join(killed.train_url, "model", "tf_model.h5"))
     assert promote_run(evaluated_run(root, "r3", 5.10))["version"] == "v3"
 
 

@@ -215,17 +215,23 @@ def test_release_ends_the_processes_before_failing_on_unreachable_storage(tmp_pa
     assert processes_of_run(KEY) == {}
 
 
-def test_release_marks_the_report_released(tmp_path):
-    from tasks.report import REPORT_JSON, REPORT_MD
+def test_release_writes_its_own_record_beside_the_report_and_report_md_shows_it(tmp_path):
+    """One writer per file: release writes release.json beside report.json, leaves report.json as evaluate wrote
+    it, and renders report.md again from the parts (Released: yes)."""
+    from tasks.report import REPORT_MD
+    from tasks.report_parts import read_parts, run_report
     from tests.tasks.test_report import report as sample_report
 
     root = str(tmp_path / "storage")
     run = StorageLayout(root).run(KEY)
-    write_json_atomic(f"{run.report}/{REPORT_JSON}", sample_report())
+    write_json_atomic(run.report_json, sample_report())
+    evaluated = Path(run.report_json).read_bytes()
 
     release_run({"storage_root": root}, RUN_ID, DAG_ID, make_backend)
 
-    report = json.loads(Path(run.report, REPORT_JSON).read_text())
+    assert Path(run.report_json).read_bytes() == evaluated
+    assert Path(run.release).parent == Path(run.report_json).parent
+    report = run_report(json.loads(evaluated), *read_parts(run.report))
     assert report["release"]["clean"] is True and report["release"]["survivors"] == []
     assert "**Released: yes**" in Path(run.report, REPORT_MD).read_text()
 

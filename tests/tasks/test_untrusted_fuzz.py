@@ -113,8 +113,9 @@ def test_any_report_json_gives_an_index_and_never_a_500(tmp_path, good_report):
         path = runs / key / "report" / "report.json"
         path.parent.mkdir(parents=True)
         path.write_text(text_of(rng, data) if rng.random() < 0.3 else json.dumps(data, allow_nan=True, default=str))
-        if rng.random() < 0.2:
-            (runs / key / "release.json").write_text(text_of(rng, value(rng)))
+        for part in ("release.json", "promotion.json"):  # beside it, one writer each (tasks/report_parts.py)
+            if rng.random() < 0.2:
+                (runs / key / "report" / part).write_text(text_of(rng, value(rng)))
         keys.append(key)
     before = sorted(p for p in tmp_path.rglob("*"))
     client = TestClient(create_app(str(tmp_path / "storage")), raise_server_exceptions=False)
