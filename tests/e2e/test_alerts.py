@@ -80,4 +80,4 @@ def test_a_trigger_outside_the_allow_lists_is_refused_in_prepare_and_launches_no
     release = assert_released(airflow_stack, run_id)
     assert (release["state_records"], release["processes_found"], release["removed_dirs"]) == ([], [], []), release
     run = Path(storage(airflow_stack).run(run_key(DAG, run_id)).url)
-    assert sorted(path.name for path in run.rglob("*")) == ["release.json"]
+    assert sorted(str(path.relative_to(run)) for path in run.rglob("*")) == ["report", "report/release.json"]
