@@ -1,11 +1,12 @@
 """The agent the SSH backend runs on each remote host: `<remote_python> -u -m launcher.agent MODE`.
 
 Every mode reads one JSON line on stdin (so secrets never travel in an argv or an SSH exec string) and answers on
-stdout: `run` starts a worker and relays its output between control lines; `probe`, `release`, `kill`, `reap` and
-`slots` answer with one JSON object. The modes, their requests and answers are specified in docs/CONTRACTS.md ("SSH
-backend <-> remote agent"); the fields each request must have, and what they must be, are `REQUESTS` below; the
-control lines are named in `launcher.protocol`. It runs from the launcher package installed in `remote_python`'s
-environment on that host, and imports neither Airflow nor TensorFlow: it starts for every rank, so it must start fast.
+stdout: `run` starts a worker and relays its output between control lines; `probe`, `release`, `kill`, `reap`,
+`slots` and `utilization` answer with one JSON object. The modes, their requests and answers are specified in
+docs/CONTRACTS.md ("SSH backend <-> remote agent"); the fields each request must have, and what they must be, are
+`REQUESTS` below; the control lines are named in `launcher.protocol`. It runs from the launcher package installed in
+`remote_python`'s environment on that host, and imports neither Airflow nor TensorFlow: it starts for every rank, so
+it must start fast.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from launcher.gpus import check_exited_slots, probe_gpus, release_check, release_is_clean, watch_release
+from launcher.gpus import (
+    check_exited_slots,
+    gpu_utilization,
+    probe_gpus,
+    release_check,
+    release_is_clean,
+    watch_release,
+)
 from launcher.host_probe import package_versions
 from launcher.local import PortAllocator
 from launcher.process import (
@@ -122,6 +130,9 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "pids": (lambda v: isinstance(v, list) and all(type(p) is int and p > 0 for p in v), "a list of pids"),
         "gpus": (_strings, "a list of GPU UUIDs or indices"),
         "use_gpu": (lambda v: isinstance(v, bool), "true or false"),
+    },
+    "utilization": {
+        "gpus": (_strings, "a list of GPU UUIDs or indices"),
     },
 }
 
@@ -341,8 +352,15 @@ def slots_free(request: dict[str, Any]) -> dict[str, Any]:
     return {"host": socket.gethostname(), **check}
 
 
+def utilization(request: dict[str, Any]) -> dict[str, Any]:
+    """NVML's utilization of each named GPU (null where it gives none), for the idle-held warning."""
+    percent = gpu_utilization(dict(enumerate(request["gpus"])))
+    return {"host": socket.gethostname(), "utilization": [percent[index] for index in range(len(request["gpus"]))]}
+
+
 ANSWERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "probe": probe, "release": release, "kill": kill_group, "reap": reap, "slots": slots_free}
+    "probe": probe, "release": release, "kill": kill_group, "reap": reap, "slots": slots_free,
+    "utilization": utilization}
 
 
 def main(args: list[str]) -> int:

@@ -44,6 +44,7 @@ REQUEST_TIMEOUT_S = 30.0
 GPU_SETTLE_POLL_S = 0.25
 MAX_PARALLEL_REQUESTS = 16  # SSH sessions opened at once when asking every host (probe, release)
 KILL_TIMEOUT_S = 3.0  # kill runs inside Airflow's 5 s on_kill budget
+UTILIZATION_TIMEOUT_S = 10.0  # one idle-held sample (its own thread: a slow host only delays that sample)
 
 
 @dataclass(frozen=True)
@@ -241,17 +242,20 @@ class SSHBackend(Backend):
             raise HostError(f"host {host}: agent {mode}: {answer['error']}")
         return answer
 
-    def ask_all(self, hosts: Sequence[RemoteHost], mode: str, payload: Mapping[str, Any],
+    def ask_all(self, hosts: Sequence[RemoteHost], mode: str,
+                payload: Mapping[str, Any] | Callable[[RemoteHost], Mapping[str, Any]],
                 timeout_s: float = REQUEST_TIMEOUT_S) -> list[dict[str, Any] | HostError]:
-        """Every host's answer to one agent call, or the HostError it failed with, asked in parallel (each costs a
-        connection and an agent start: a quarter of a second on loopback, more across a network)."""
+        """Every host's answer to one agent call (`payload`, or `payload(host)` for a host's own), or the HostError it
+        failed with, asked in parallel (each costs a connection and an agent start: a quarter of a second on
+        loopback, more across a network)."""
         def ask(host: RemoteHost) -> dict[str, Any] | HostError:
             try:
-                return self.request(host, mode, payload, timeout_s=timeout_s)
+                return self.request(host, mode, payload(host) if callable(payload) else payload, timeout_s=timeout_s)
             except HostError as error:
                 return error
 
-        with ThreadPoolExecutor(min(len(hosts), MAX_PARALLEL_REQUESTS), thread_name_prefix=f"ssh-{mode}") as pool:
+        with ThreadPoolExecutor(max(1, min(len(hosts), MAX_PARALLEL_REQUESTS)),
+                                thread_name_prefix=f"ssh-{mode}") as pool:
             return list(pool.map(ask, hosts))
 
     def close(self) -> None:
@@ -386,6 +390,25 @@ class SSHBackend(Backend):
         return {"checked": True, "slots": "gpu" if group.use_gpu else "cpu", "free": free,
                 "free_after_s": max(a["free_after_s"] for a in answers) if free else None,
                 "hosts": answers, **({"note": f"no host of connection(s) {missing} to ask"} if missing else {})}
+
+    def utilization(self, group: GroupSpec, workers: Sequence[WorkerOutcome]) -> dict[int, float | None] | None:
+        """Each rank's GPU utilization from its host's agent (`utilization`, every host at once); a host that does
+        not answer gives no sample (None), which counts as busy. None on a CPU run."""
+        if not group.use_gpu:
+            return None
+        by_conn: dict[str, list[WorkerOutcome]] = {}
+        for worker in workers:
+            if worker.devices:
+                by_conn.setdefault(str(worker.record.get("conn_id")), []).append(worker)
+        hosts = [h for h in self.hosts if h.conn_id in by_conn]
+        answers = self.ask_all(hosts, "utilization", lambda host: {
+            "gpus": [str(w.devices[0]) for w in by_conn[host.conn_id]]}, timeout_s=UTILIZATION_TIMEOUT_S)
+        found: dict[int, float | None] = {w.rank: None for w in workers}
+        for host, answer in zip(hosts, answers, strict=True):
+            if not isinstance(answer, HostError):
+                found.update(zip((w.rank for w in by_conn[host.conn_id]), answer.get("utilization") or [],
+                                 strict=False))
+        return found
 
     def _ask_slots(self, host: RemoteHost, request: Mapping[str, Any]) -> dict[str, Any]:
         try:

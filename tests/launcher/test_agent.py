@@ -347,3 +347,17 @@ def test_slots_are_free_once_no_process_of_the_group_is_left_and_a_bad_request_i
         other.wait()
     done = _one_shot("slots", b'{"run_key": "k", "group": "train", "pids": ["1"], "gpus": [], "use_gpu": false}\n')
     assert done.returncode == 2 and "'pids' must be a list of pids" in json.loads(done.stdout)["error"]
+
+
+def test_utilization_reads_each_named_gpu_and_none_without_nvml(monkeypatch):
+    from launcher import agent
+    from tests.support.fake_nvml import FakeNvml, h200s, install
+    from tests.support.hardware import nvidia_gpus
+
+    over_ssh = _answer("utilization", {"gpus": ["0"]})["utilization"]
+    assert len(over_ssh) == 1 and (over_ssh[0] is None) == (not nvidia_gpus())  # no NVML here: no sample, never 0
+    fake = install(monkeypatch, FakeNvml(h200s(2)))
+    fake.gpus[1].utilization_pct = 42
+    fake.gpus[0].mig = True  # NVML refuses utilization on a MIG-enabled GPU: no sample, never 0
+    answer = agent.utilization({"gpus": [fake.gpus[1].uuid, "0", "1"]})
+    assert answer["utilization"] == [42.0, None, 42.0]

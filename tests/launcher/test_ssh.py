@@ -557,3 +557,29 @@ def test_placement_names_the_gpus_a_host_left_out_and_why():
     with pytest.raises(InsufficientGPUsError, match=r"left out: GPU 1 \(no UUID\): GPU is lost"):
         backend.place(GPU_GROUP)
     assert "has no free GPU; left out: GPU 1 (no UUID): GPU is lost" in " ".join(backend.capacity(GPU_GROUP).reasons)
+
+
+def test_gpu_utilization_is_asked_of_each_host_at_once_and_a_silent_host_gives_no_sample(monkeypatch):
+    """The idle-held warning's samples on SSH (launcher/idle.py): each host's agent reads its ranks' GPUs; a host
+    that does not answer gives None, which counts as busy."""
+    from launcher import WorkerOutcome, WorkerState
+    from launcher.ssh import HostError, RemoteHost, SSHBackend
+
+    hosts = [RemoteHost(conn_id=name, address=f"{name}.example", connect=lambda: None) for name in ("a", "b")]
+    backend = SSHBackend(hosts, remote_python="python3", remote_workdir="/tmp/tfmw")
+    asked = []
+
+    def request(host, mode, payload, timeout_s=30.0):
+        asked.append((host.conn_id, mode, payload))
+        if host.conn_id == "b":
+            raise HostError("host b.example is unreachable")
+        return {"host": "a", "utilization": [3.0, 0.0]}
+
+    monkeypatch.setattr(backend, "request", request)
+    workers = [WorkerOutcome(rank, f"{conn}.example", 0, None, (f"GPU-{rank}",), WorkerState.READY, None,
+                             {"conn_id": conn}) for rank, conn in enumerate(("a", "a", "b"))]
+    gpu = GroupSpec(name="train", entrypoint="x", num_workers=3, use_gpu=True)
+    assert backend.utilization(gpu, workers) == {0: 3.0, 1: 0.0, 2: None}
+    assert sorted(asked) == [("a", "utilization", {"gpus": ["GPU-0", "GPU-1"]}),
+                             ("b", "utilization", {"gpus": ["GPU-2"]})]
+    assert backend.utilization(GroupSpec(name="train", entrypoint="x", num_workers=3), workers) is None
