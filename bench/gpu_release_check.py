@@ -184,9 +184,9 @@ def _stubborn_worker_released(args, gpus, stand_ins: StandIns, fake) -> dict[str
     started = time.monotonic()
     released = LocalBackend().release(key, records, grace_s=args.grace)
     release_s = time.monotonic() - started
-    host = released["hosts"][0]
+    host = released.hosts[0].entry()
     gpu_check = host["gpu_check"]
-    return {"ok": released["clean"] and host["killed"] == [worker.pid], "clean": released["clean"],
+    return {"ok": released.clean and host["killed"] == [worker.pid], "clean": released.clean,
             "terminated": host["terminated"], "killed": host["killed"], "survivors": host["survivors"],
             "release_s": round(release_s, 3), "grace_s": args.grace, "free_after_s": gpu_check.get("free_after_s"),
             "held_by_run": gpu_check.get("held_by_run"), "unverified": gpu_check.get("unverified")}

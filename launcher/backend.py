@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import IO, Any, ClassVar
 
+from launcher.document import Document
 from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
 
 # How long release gives a run's workers between SIGTERM (or a pod's deletion) and SIGKILL.
@@ -26,6 +27,58 @@ class Capacity:
     reasons: tuple[str, ...] = ()
     settings: Mapping[str, Any] = field(default_factory=dict)
     hosts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HostRelease(Document):
+    """What ending a run's workers on one host found and did: each host of a backend's `release` and of its sweep
+    of earlier attempts (`end_earlier_attempts`), and, flattened (`entry`), each of release.json's `hosts`.
+
+    Attributes:
+        host: where: an address or hostname; "namespace <ns> (connection <id>)" on Kubernetes.
+        found: what of the run was there: {"pid", "cmdline"} per process (local, ssh), "<kind>/<name>" per object
+            (kubernetes).
+        terminated: what ended within the grace (pids after SIGTERM; objects after a graceful delete).
+        killed: pids ended by SIGKILL after the grace.
+        survivors: what is still there afterwards: pids, or "<kind>/<name>". Any survivor makes a release unclean.
+        error: why the host could not be asked (unreachable, refused); None when it answered.
+        gpu_check: the bounded check that the run's GPUs are free (launcher/gpus.py), where the backend makes one.
+        evidence: the backend's own further fields, JSON values: local and ssh "removed_dirs"; ssh "conn_id",
+            "hostname" and the agent's "clean"; kubernetes "selector", "kept", "pods", "checked", "problems".
+    """
+
+    host: str
+    found: tuple[Any, ...] = ()
+    terminated: tuple[Any, ...] = ()
+    killed: tuple[Any, ...] = ()
+    survivors: tuple[Any, ...] = ()
+    error: str | None = None
+    gpu_check: dict[str, Any] | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, host: str, answer: Mapping[str, Any]) -> HostRelease:
+        """The entry for `host` from a flat answer (an SSH agent's JSON line, a sweep's dict), its named fields
+        checked as `from_xcom` checks them (an answer from a host is untrusted input too), the rest kept as
+        `evidence`; the answer's own "host" (a remote hostname) gives way to `host`."""
+        named = {f.name for f in fields(cls)} - {"host", "evidence"}
+        return cls.from_xcom({"host": host, **{k: v for k, v in answer.items() if k in named},
+                              "evidence": {k: v for k, v in answer.items() if k not in named and k != "host"}})
+
+    def entry(self) -> dict[str, Any]:
+        """The flat host entry of release.json: the named fields with the evidence beside them."""
+        named = {name: value for name, value in self.to_xcom().items() if name != "evidence"}
+        return {**self.evidence, **named}
+
+
+@dataclass(frozen=True)
+class ReleaseResult(Document):
+    """A backend's release of a run (`Backend.release`): every host it runs workers on, and whether all of them
+    are proven released (no survivor, no host left unasked, the GPUs checked free)."""
+
+    backend: str
+    hosts: tuple[HostRelease, ...]
+    clean: bool
 
 
 class WorkerHandle(ABC):
@@ -110,18 +163,17 @@ class Backend(ABC):
         return None
 
     @abstractmethod
-    def end_earlier_attempts(self, group: GroupSpec) -> list[dict[str, Any]]:
+    def end_earlier_attempts(self, group: GroupSpec) -> list[HostRelease]:
         """End what an earlier attempt of the same group of the same run left alive, wherever this backend runs
         workers (found by the run key and the group's name, not by records: the attempt that left them may have
-        died before writing one). Called before the group launches. Returns one entry per host, as `release` does:
-        {"host", "found", "terminated", "killed", "survivors"}, plus "error" for a host that could not be asked."""
+        died before writing one). Called before the group launches. Returns one entry per host, as `release` does
+        (`error` set for a host that could not be asked)."""
 
     @abstractmethod
-    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = RELEASE_GRACE_S) -> dict[str, Any]:
+    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = RELEASE_GRACE_S) -> ReleaseResult:
         """End whatever is left of run `run_key` wherever this backend runs workers (SIGTERM, `grace_s`, SIGKILL);
-        `records` are all the run's state records, each backend uses what is its own. Returns {"backend",
-        "hosts": [{"host", "found", "terminated", "killed", "survivors", ...}], "clean"}; a host that cannot be
-        reached is reported, never skipped."""
+        `records` are all the run's state records, each backend uses what is its own. A host that cannot be
+        reached is reported (`HostRelease.error`), never skipped, and makes the release unclean."""
 
     def close(self) -> None:
         """Release connections; the backend is not used afterwards."""

@@ -101,16 +101,15 @@ def end_earlier_attempts(spec: GroupSpec, backend: Backend) -> None:
     counts the GPUs they hold (an elastic launch's `capacity`)."""
     hosts = backend.end_earlier_attempts(spec)
     for host in hosts:
-        if host.get("error"):
-            log.warning("could not check host %s for workers an earlier attempt of %s left: %s", host["host"],
-                        spec.name, host["error"])
-        elif host.get("found"):
+        if host.error:
+            log.warning("could not check host %s for workers an earlier attempt of %s left: %s", host.host,
+                        spec.name, host.error)
+        elif host.found:
             log.warning("ended what an earlier attempt of %s left alive on %s: %s (SIGTERM: %s, SIGKILL: %s)",
-                        spec.name, host["host"], "; ".join(f"pid {p['pid']} {p['cmdline'][:120]}"
-                                                           if isinstance(p, dict) else str(p)
-                                                           for p in host["found"]),
-                        host.get("terminated"), host.get("killed"))
-    survivors = [f"{survivor} on {host['host']}" for host in hosts for survivor in host.get("survivors", ())]
+                        spec.name, host.host, "; ".join(f"pid {p.get('pid')} {str(p.get('cmdline'))[:120]}"
+                                                        if isinstance(p, dict) else str(p) for p in host.found),
+                        list(host.terminated), list(host.killed))
+    survivors = [f"{survivor} on {host.host}" for host in hosts for survivor in host.survivors]
     if survivors:
         raise LaunchError(
             f"group {spec.name}: an earlier attempt's workers are still alive after SIGKILL: "

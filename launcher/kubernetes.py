@@ -24,7 +24,7 @@ from kubernetes.client import CoreV1Api, NetworkingV1Api, V1Pod
 from launcher import kubernetes_capacity as capacity
 from launcher import kubernetes_objects as objects
 from launcher import kubernetes_release
-from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, WorkerHandle
+from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, HostRelease, ReleaseResult, WorkerHandle
 from launcher.errors import LaunchError
 from launcher.gpus import GPU_RELEASE_WAIT_S
 from launcher.kubernetes_api import KubernetesApi, KubernetesApiError
@@ -173,29 +173,28 @@ class KubernetesBackend(Backend):
         check = kubernetes_release.check_group_ended(self.api, names.selector, evidence, GPU_RELEASE_WAIT_S)
         return {**check, "slots": "gpu" if group.use_gpu else "cpu"}
 
-    def end_earlier_attempts(self, group: GroupSpec) -> list[dict]:
+    def end_earlier_attempts(self, group: GroupSpec) -> list[HostRelease]:
         """The group's pods and objects that an earlier attempt left (its launcher died before deleting them),
         found by the group's labels, deleted as release deletes them."""
         names = objects.GroupNames(group.run_key, group.name, self.settings.namespace)
         return [self._delete_labelled(names.selector, grace_s=min(group.grace_period_s, ORPHAN_GRACE_S))]
 
-    def release(self, run_key: str, records: list[dict], grace_s: float = RELEASE_GRACE_S) -> dict:
+    def release(self, run_key: str, records: list[dict], grace_s: float = RELEASE_GRACE_S) -> ReleaseResult:
         """Delete every object labelled with the run (the records are not needed: the label also finds what no
         record names), pods with up to `grace_s` of grace, and list again until their kubelets have ended them:
         a pod still listed after its grace period is a survivor, never force-deleted."""
         host = self._delete_labelled(objects.run_selector(run_key), grace_s=grace_s)
-        return {"backend": self.name, "hosts": [host], "clean": not host["survivors"]}
+        return ReleaseResult(self.name, (host,), clean=not host.survivors)
 
-    def _delete_labelled(self, selector: str, grace_s: float) -> dict:
+    def _delete_labelled(self, selector: str, grace_s: float) -> HostRelease:
         """Delete every object matching `selector`, pods with `grace_s` at most (their own grace period when
         shorter, never 0), and list again until they are gone (kubernetes_release.py); failed pods stay when
         `keep_failed_pods`. Returns what was found, what is left and what was checked."""
         host = kubernetes_release.delete_labelled(self.api, selector, grace_s,
                                                   keep_failed=self.settings.keep_failed_pods,
                                                   margin_s=self.settings.termination_margin_s)
-        if self.settings.conn_id:
-            host["host"] += f" (connection {self.settings.conn_id})"
-        return host
+        where = host["host"] + (f" (connection {self.settings.conn_id})" if self.settings.conn_id else "")
+        return HostRelease.of(where, host)
 
     def close(self) -> None:
         with self._lock:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
-from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, WorkerHandle
+from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, HostRelease, ReleaseResult, WorkerHandle
 from launcher.errors import InsufficientGPUsError, LaunchError
 from launcher.gpus import (
     GPU_POLL_S,
@@ -265,14 +265,14 @@ class LocalBackend(Backend):
             return None
         return gpu_utilization({w.rank: w.devices[0] for w in workers if w.devices})
 
-    def end_earlier_attempts(self, group: GroupSpec) -> list[dict[str, Any]]:
+    def end_earlier_attempts(self, group: GroupSpec) -> list[HostRelease]:
         ended = end_marked_processes({RUN_KEY_ENV: group.run_key, GROUP_ENV: group.name},
                                      min(group.grace_period_s, ORPHAN_GRACE_S))
         if ended["found"]:
             self._gpus_settle_until = self.clock() + GPU_RELEASE_WAIT_S
-        return [{"host": socket.gethostname(), **ended}]
+        return [HostRelease.of(socket.gethostname(), ended)]
 
-    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = RELEASE_GRACE_S) -> dict[str, Any]:
+    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = RELEASE_GRACE_S) -> ReleaseResult:
         """Every process of the run on this host, found by the marker each carries (so also one no record names,
         or a grandchild), ended; the launcher work directories the records name removed; GPUs checked: waited for,
         bounded, until the run's processes left them and the memory they held came back."""
@@ -290,8 +290,8 @@ class LocalBackend(Backend):
                 log.warning("Not removing %s: not a launcher work directory of this user under %s.", workdir,
                             tempfile.gettempdir())
         gpus = release_check(watch, environ=self.environ)
-        host = {"host": socket.gethostname(), **ended, "removed_dirs": sorted(removed), "gpu_check": gpus}
-        return {"backend": self.name, "hosts": [host], "clean": not ended["survivors"] and release_is_clean(gpus)}
+        host = HostRelease.of(socket.gethostname(), {**ended, "removed_dirs": sorted(removed), "gpu_check": gpus})
+        return ReleaseResult(self.name, (host,), clean=not ended["survivors"] and release_is_clean(gpus))
 
 
 def placed_gpus(records: list[dict[str, Any]]) -> set[str] | None:

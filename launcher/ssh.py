@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
-from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, WorkerHandle
+from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, HostRelease, ReleaseResult, WorkerHandle
+from launcher.document import DocumentError
 from launcher.errors import InsufficientGPUsError, LaunchError
 from launcher.gpus import GPU_RELEASE_WAIT_S
 from launcher.process import ORPHAN_GRACE_S, exit_status_to_code
@@ -419,34 +420,39 @@ class SSHBackend(Backend):
 
     # -- earlier attempts and release ---------------------------------------------------------------------------
 
-    def end_earlier_attempts(self, group: GroupSpec) -> list[dict[str, Any]]:
+    def end_earlier_attempts(self, group: GroupSpec) -> list[HostRelease]:
         """Every host of the settings, asked at once (an earlier attempt may have used hosts this one will not).
         An unreachable host is reported: it cannot be placed on either, so nothing launches beside its workers."""
         request = {"run_key": group.run_key, "group": group.name, "grace_s": min(group.grace_period_s, ORPHAN_GRACE_S)}
         answers = self.ask_all(self.hosts, "reap", request, timeout_s=REQUEST_TIMEOUT_S)
         if any(not isinstance(answer, HostError) and answer.get("found") for answer in answers):
             self._gpus_settle_until = self.clock() + GPU_RELEASE_WAIT_S  # their GPUs may still list them
-        return [{"host": host.address, "found": [], "survivors": [], "error": str(answer)}
-                if isinstance(answer, HostError) else {**answer, "host": host.address, "hostname": answer.get("host")}
-                for host, answer in zip(self.hosts, answers, strict=True)]
+        return [_host_release(host, answer) for host, answer in zip(self.hosts, answers, strict=True)]
 
     # -- release ------------------------------------------------------------------------------------------------
 
-    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = RELEASE_GRACE_S) -> dict[str, Any]:
+    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = RELEASE_GRACE_S) -> ReleaseResult:
         """Every host of the run (from the settings, so also one no record names), asked at once: its processes
         ended, its run directory removed, its GPUs checked. An unreachable host is reported, and the release is not
         clean."""
         request = {"run_key": run_key, "grace_s": grace_s, "workdir": self.remote_workdir}
         answers = self.ask_all(self.hosts, "release", request, timeout_s=grace_s + 30)
-        hosts = []
-        for host, answer in zip(self.hosts, answers, strict=True):
-            if isinstance(answer, HostError):
-                hosts.append({"host": host.address, "conn_id": host.conn_id, "found": [], "terminated": [],
-                              "killed": [], "survivors": [], "error": str(answer)})
-            else:
-                hosts.append({**answer, "host": host.address, "hostname": answer.get("host"), "conn_id": host.conn_id})
-        return {"backend": self.name, "hosts": hosts,
-                "clean": all(h.get("clean") and not h.get("error") for h in hosts)}
+        hosts = tuple(_host_release(host, answer) for host, answer in zip(self.hosts, answers, strict=True))
+        # The agent's own verdict (its processes gone, its GPUs checked free) for each host that answered.
+        return ReleaseResult(self.name, hosts, clean=all(h.evidence.get("clean") is True and not h.error
+                                                         for h in hosts))
+
+
+def _host_release(host: RemoteHost, answer: dict[str, Any] | HostError) -> HostRelease:
+    """A host's entry from its agent's answer (checked: a host's answer is untrusted input), or the error that kept
+    it from answering; the agent's hostname is kept beside the address the settings name."""
+    if isinstance(answer, HostError):
+        return HostRelease(host.address, error=str(answer), evidence={"conn_id": host.conn_id})
+    try:
+        return HostRelease.of(host.address, {**answer, "hostname": answer.get("host"), "conn_id": host.conn_id})
+    except DocumentError as error:
+        return HostRelease(host.address, error=f"its agent's answer is malformed: {error}",
+                           evidence={"conn_id": host.conn_id})
 
 
 def _gpu_detail(probe: Mapping[str, Any]) -> str:

@@ -19,7 +19,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from launcher.backend import RELEASE_GRACE_S, BackendFactory
+from launcher.backend import RELEASE_GRACE_S, BackendFactory, HostRelease, ReleaseResult
 from launcher.host_identity import describe, host_identity, same_host
 from launcher.process import processes_with_env
 from launcher.protocol import RUN_KEY_ENV, utc_now
@@ -130,7 +130,7 @@ def release_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backen
     # Every backend the run used: this host's always (and first), the run's own, and any a state record names.
     # Each gets every record and takes what is its own (the launcher work directories are all on this host).
     backends = ["local", *sorted({settings["backend"], *(r.get("backend") for r in records)} - {"local", None})]
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, ReleaseResult] = {}
     try:
         for name in backends:
             backend = make_backend(name, settings)
@@ -139,15 +139,14 @@ def release_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backen
             finally:
                 backend.close()
             if name == "local":
-                log.info("Release of run %s on %s: %d live process(es)", key, results[name]["hosts"][0]["host"],
-                         len(results[name]["hosts"][0]["found"]))
+                log.info("Release of run %s on %s: %d live process(es)", key, results[name].hosts[0].host,
+                         len(results[name].hosts[0].found))
         if unreadable is not None:
             raise unreadable
         result = _release_record(key, names, results, identity, elsewhere)
         write_release(run, result, dag_id)
     except Exception as error:
-        here = results["local"]["hosts"][0] if "local" in results else {
-            "host": socket.gethostname(), "terminated": [], "killed": [], "survivors": []}
+        here = results["local"].hosts[0].entry() if "local" in results else HostRelease(socket.gethostname()).entry()
         raise ReleaseError(
             f"Release of run {key} on {here['host']} could not be recorded: {type(error).__name__}: {error}. "
             f"Processes ended here: {len(here['terminated'])} terminated, {len(here['killed'])} killed; still "
@@ -186,12 +185,12 @@ def _not_released(hosts: list[dict[str, Any]], elsewhere: list[dict[str, Any]]) 
     return " ".join(parts)
 
 
-def _release_record(key: str, names: list[str], results: dict[str, dict[str, Any]], identity: dict[str, str],
+def _release_record(key: str, names: list[str], results: dict[str, ReleaseResult], identity: dict[str, str],
                     elsewhere: list[dict[str, Any]]) -> dict[str, Any]:
-    """release.json: every host of every backend, and the local groups of other hosts (unverified); the top-level
-    process fields are this host's."""
-    here = results["local"]["hosts"][0]
-    hosts = [{"backend": name, **host} for name, result in results.items() for host in result["hosts"]]
+    """release.json: every host of every backend (`HostRelease.entry`), and the local groups of other hosts
+    (unverified); the top-level process fields are this host's."""
+    here = results["local"].hosts[0].entry()
+    hosts = [{"backend": name, **host.entry()} for name, result in results.items() for host in result.hosts]
     return {
         "run_key": key,
         "host": here["host"],
@@ -206,7 +205,7 @@ def _release_record(key: str, names: list[str], results: dict[str, dict[str, Any
         "gpu_check": here["gpu_check"],
         "hosts": hosts + elsewhere,
         "unverified_records": [entry["state_record"] for entry in elsewhere],
-        "clean": all(result["clean"] for result in results.values()) and not elsewhere,
+        "clean": all(result.clean for result in results.values()) and not elsewhere,
     }
 
 

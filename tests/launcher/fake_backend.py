@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from launcher.backend import Backend, WorkerHandle
+from launcher.backend import Backend, HostRelease, ReleaseResult, WorkerHandle
 from launcher.protocol import READY_MARKER
 from launcher.spec import GroupSpec, Placement, WorkerSpec
 
@@ -130,9 +130,9 @@ class FakeBackend(Backend):
     def end_group(self, group: GroupSpec) -> None:
         self.ended_groups += 1
 
-    def end_earlier_attempts(self, group: GroupSpec) -> list[dict[str, Any]]:
+    def end_earlier_attempts(self, group: GroupSpec) -> list[HostRelease]:
         self.earlier_asked.append(group.name)
-        return self.earlier
+        return [HostRelease.of(entry["host"], entry) for entry in self.earlier]
 
-    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = 10.0) -> dict[str, Any]:
-        return {"backend": self.name, "hosts": [], "clean": True}
+    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = 10.0) -> ReleaseResult:
+        return ReleaseResult(self.name, (), clean=True)

@@ -91,8 +91,8 @@ def test_release_of_a_worker_that_ignores_sigterm_waits_for_nvml_and_reports_cle
     finally:
         worker.kill()
         worker.wait()
-    host = released["hosts"][0]
-    assert host["killed"] == [worker.pid] and released["clean"] is True, released
+    host = released.hosts[0].entry()
+    assert host["killed"] == [worker.pid] and released.clean is True, released
     assert host["gpu_check"]["held_by_run"] == [] and host["gpu_check"]["free_after_s"] >= 0.05
     assert not alive(worker.pid)
 
@@ -249,7 +249,7 @@ def test_ending_an_earlier_attempts_orphans_makes_placement_wait_for_their_gpus(
         fake.attach(orphan.pid, 0, 8 * GIB)
         backend = LocalBackend()
         ended = backend.end_earlier_attempts(group)
-        assert [p["pid"] for p in ended[0]["found"]] == [orphan.pid]
+        assert [p["pid"] for p in ended[0].found] == [orphan.pid]
         assert [p.devices for p in backend.place(group)] == [(fake.gpus[0].uuid,)]
     finally:
         if orphan.poll() is None:

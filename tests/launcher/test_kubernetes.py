@@ -109,9 +109,9 @@ def test_keep_failed_pods_keeps_only_the_failed_pod_and_says_so(cluster, tmp_pat
     assert cluster.remaining() == {"pods": [names.pod(1)]}
     assert f"kept failed pod(s) ['{names.pod(1)}']" in caplog.text
     kept = backend(cluster, keep_failed_pods=True).release(RUN_KEY, [])
-    assert kept["clean"] and kept["hosts"][0]["kept"] == [f"pod/{names.pod(1)}"]
+    assert kept.clean and kept.hosts[0].evidence["kept"] == [f"pod/{names.pod(1)}"]
     assert cluster.remaining() == {"pods": [names.pod(1)]}, "release keeps it too"
-    assert backend(cluster).release(RUN_KEY, [])["clean"] and cluster.remaining() == {}, "until the setting is off"
+    assert backend(cluster).release(RUN_KEY, []).clean and cluster.remaining() == {}, "until the setting is off"
 
 
 @pytest.mark.parametrize("after, message", [
@@ -216,12 +216,12 @@ def test_release_deletes_what_a_dead_task_left_by_label(cluster, tmp_path):
     names = _abandoned_group(cluster, tmp_path)
     report = backend(cluster).release(RUN_KEY, [])
     print(f"\nrelease: {report}")
-    assert report["clean"] is True and cluster.remaining() == {}
-    host = report["hosts"][0]
+    assert report.clean is True and cluster.remaining() == {}
+    host = report.hosts[0].entry()
     assert set(host["found"]) >= {f"pod/{names.pod(0)}", f"pod/{names.pod(1)}", f"service/{names.service}",
                                   f"secret/{names.secret}", f"networkpolicy/{names.network_policy}"}
     assert host["survivors"] == []
-    assert backend(cluster).release(RUN_KEY, [])["clean"] is True, "running it twice is fine"
+    assert backend(cluster).release(RUN_KEY, []).clean is True, "running it twice is fine"
 
 
 def test_release_waits_for_a_pod_that_takes_seconds_to_terminate_and_never_forces_it(cluster, tmp_path):
@@ -234,14 +234,14 @@ def test_release_waits_for_a_pod_that_takes_seconds_to_terminate_and_never_force
     began = time.monotonic()
     report = backend(cluster).release(RUN_KEY, [], grace_s=10)
     returned = time.monotonic()
-    host = report["hosts"][0]
+    host = report.hosts[0].entry()
     print(f"\nrelease after {returned - began:.1f} s: pods {host.get('pods')}; checked: {host.get('checked')}")
 
     ended = cluster.ended_at(slow)
     assert ended is not None and began + 9.0 <= ended <= returned, "reported gone before its process ended"
     # 2: the pods' own grace; None: the Service's garbage collection, which uses it too. Never 0.
     assert {grace for _, grace, _ in cluster.deletions} <= {2, None} and cluster.deletions, "a forced deletion"
-    assert report["clean"] is True and host["survivors"] == [] and cluster.remaining() == {}
+    assert report.clean is True and host["survivors"] == [] and cluster.remaining() == {}
     ends = {end["pod"]: end for end in host["pods"]}
     assert ends[slow]["grace_s"] == 2 and ends[slow]["gone_after_s"] >= 9.0
     assert ends[names.pod(0)]["gone_after_s"] < 9.0
@@ -257,10 +257,10 @@ def test_a_pod_whose_kubelet_never_ends_it_is_a_survivor_and_is_not_force_delete
     stuck = names.pod(0)
     cluster.slow_termination(stuck, 60.0)
     report = backend(cluster, termination_margin_s=2).release(RUN_KEY, [], grace_s=10)
-    host = report["hosts"][0]
+    host = report.hosts[0].entry()
     print(f"\nrelease: survivors {host['survivors']}; {host.get('problems')}")
 
-    assert report["clean"] is False and host["survivors"] == [f"pod/{stuck}"]
+    assert report.clean is False and host["survivors"] == [f"pod/{stuck}"]
     assert cluster.names("pods") == [stuck] and cluster.ended_at(stuck) is None, "still there, still running"
     assert {grace for _, grace, _ in cluster.deletions} <= {2, None} and cluster.deletions, "a forced deletion"
     [problem] = host["problems"]

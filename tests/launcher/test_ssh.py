@@ -237,10 +237,10 @@ def test_release_ends_a_runs_processes_on_every_host(ssh_hosts, connections, tmp
     assert processes_of_run(key)
     result = backend.release(key, [])
     backend.close()
-    print(f"\nrelease over SSH: {json.dumps(result['hosts'])[:600]}")
-    assert result["clean"] and [h["host"] for h in result["hosts"]] == [h.address for h in ssh_hosts]
+    print(f"\nrelease over SSH: {json.dumps(result.to_xcom()['hosts'])[:600]}")
+    assert result.clean and [h.host for h in result.hosts] == [h.address for h in ssh_hosts]
     # The fake hosts share one process table, so whichever host's agent looks first ends it.
-    assert [pid for h in result["hosts"] for pid in h["terminated"]] and processes_of_run(key) == {}
+    assert [pid for h in result.hosts for pid in h.terminated] and processes_of_run(key) == {}
     assert not (ssh_hosts[1].tmpdir / "tfmw" / key).exists()  # its run directory on that host's disk is gone
 
 
@@ -292,9 +292,9 @@ def test_release_fails_loudly_when_a_host_cannot_be_reached(ssh_hosts, connectio
     backend = _backend([connections[0], "tfmw_ssh_gone"])
     result = backend.release("ssh-release-gone", [])
     backend.close()
-    gone = result["hosts"][1]
-    assert result["clean"] is False and result["hosts"][0]["clean"] is True
-    assert gone["host"] == "127.0.0.9" and "unreachable" in gone["error"]
+    gone = result.hosts[1]
+    assert result.clean is False and result.hosts[0].evidence["clean"] is True
+    assert gone.host == "127.0.0.9" and "unreachable" in gone.error
 
 
 def test_an_unreachable_host_fails_placement_in_seconds_naming_it(ssh_hosts, connections, tmp_path, monkeypatch):
@@ -404,9 +404,23 @@ def test_release_asks_every_host_at_once_and_names_one_it_cannot_reach(monkeypat
                               barrier=threading.Barrier(3, timeout=10))
     result = backend.release("run-1", [])
     assert sorted(asked) == [("a", "run-1"), ("b", "run-1"), ("c", "run-1")]
-    assert [(h["host"], h["terminated"]) for h in result["hosts"]] == [("a.example", [4242]), ("b.example", []),
-                                                                      ("c.example", [4242])]
-    assert "unreachable" in result["hosts"][1]["error"] and result["clean"] is False
+    assert [(h.host, h.terminated) for h in result.hosts] == [("a.example", (4242,)), ("b.example", ()),
+                                                              ("c.example", (4242,))]
+    assert "unreachable" in result.hosts[1].error and result.clean is False
+
+
+def test_a_malformed_agent_answer_makes_its_host_an_error_not_a_release(monkeypatch):
+    """A host's answer is untrusted input: survivors that are not a list, or a GPU check that is not an object,
+    cannot vouch for anything, so the host counts as not released and says why."""
+    good = {"host": "x", "found": [], "terminated": [], "killed": [], "survivors": [], "clean": True,
+            "removed_dirs": ["/tmp/tfmw/run-1"]}
+    odd = {**good, "survivors": "none", "gpu_check": ["free"]}
+    backend, _ = _stubbed(monkeypatch, {"a": good, "b": odd}, mode="release")
+    result = backend.release("run-1", [])
+    assert result.hosts[0].error is None and result.hosts[0].entry()["removed_dirs"] == ["/tmp/tfmw/run-1"]
+    assert result.hosts[0].entry()["hostname"] == "x" and result.hosts[0].host == "a.example"
+    assert "its agent's answer is malformed: HostRelease.survivors: expected tuple" in result.hosts[1].error
+    assert result.clean is False
 
 
 def test_capacity_probes_every_host_at_once_and_keeps_only_the_usable_ones(monkeypatch):

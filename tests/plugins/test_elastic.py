@@ -15,7 +15,7 @@ from tf_multiworker.backends import make_backend
 from tf_multiworker.elastic import ElasticTrainOperator, choose_count
 
 from launcher import GroupSpec, LaunchError, LocalBackend, WorkerGroup
-from launcher.backend import Capacity
+from launcher.backend import Capacity, HostRelease
 from launcher.gpus import Gpu, GpuInventory
 from launcher.local import LOCAL_USABLE_WORKERS_ENV
 from launcher.protocol import CONFIG_SHA256_ENV
@@ -156,8 +156,8 @@ def test_an_earlier_attempts_orphans_are_ended_before_capacity_is_counted():
     class RecordingBackend(LocalBackend):
         def end_earlier_attempts(self, group):
             calls.append("end_earlier_attempts")
-            return [{"host": "gpu-host-1", "found": [{"pid": 4242, "cmdline": "python -m trainer.train"}],
-                     "terminated": [4242], "killed": [], "survivors": []}]
+            return [HostRelease("gpu-host-1", found=({"pid": 4242, "cmdline": "python -m trainer.train"},),
+                                terminated=(4242,))]
 
         def capacity(self, group):
             calls.append("capacity")

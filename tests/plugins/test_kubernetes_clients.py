@@ -23,7 +23,7 @@ def test_a_connection_with_a_kubeconfig_reaches_the_cluster(monkeypatch):
         assert (backend.settings.namespace, backend.settings.pod.gpus) == ("ml-team", 2)
         one = make_backend("kubernetes", {"kubernetes_conn_id": "my_cluster", "use_gpu": True})
         assert one.settings.pod.gpus == 1, "gpus_per_worker 0 means one per pod with use_gpu"
-        assert backend.release("some-run", [])["clean"] is True
+        assert backend.release("some-run", []).clean is True
         assert ("GET", "/api/v1/namespaces/ml-team/pods") in cluster.requests, "the calls reached the server"
 
 
