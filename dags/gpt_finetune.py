@@ -74,8 +74,11 @@ Trigger from the CLI: `airflow dags trigger gpt_finetune --conf '{"num_workers":
 
 # The tasks; gpt_finetune() below wires them with the worker groups.
 
-def the_plan(ti) -> dict:
-    return ti.xcom_pull(task_ids=PREPARE, key=PLAN_XCOM_KEY)
+def the_plan(ti):
+    """The dataset plan `prepare` pushed, read as a `DatasetPlan` (unknown, missing or mistyped keys refused)."""
+    from tasks.dataset.plan import DatasetPlan
+
+    return DatasetPlan.from_xcom(ti.xcom_pull(task_ids=PREPARE, key=PLAN_XCOM_KEY))
 
 
 # The promoted model is an inlet: `model: "promoted"` continues from it. A small corpus is prepared here
@@ -88,7 +91,7 @@ def prepare(params=None, run_id=None, dag_run=None, ti=None) -> list:
     from tasks.prepare import plan_run
 
     planned = plan_run(params, run_id, dag_run.dag_id, make_backend)
-    ti.xcom_push(key=PLAN_XCOM_KEY, value=planned["plan"])
+    ti.xcom_push(key=PLAN_XCOM_KEY, value=planned["plan"].to_xcom())
     return planned["lanes"]
 
 

@@ -77,7 +77,10 @@ def checked(kind: Any, value: Any, where: str) -> Any:
 
 
 def _one_of(kind: Any, value: Any, where: str) -> Any:
-    for arm in typing.get_args(kind):
+    arms = typing.get_args(kind)
+    if value is not None and len(arms) == 2 and type(None) in arms:  # X | None: X's own error says more
+        return checked(next(arm for arm in arms if arm is not type(None)), value, where)
+    for arm in arms:
         try:
             return checked(arm, value, where)
         except DocumentError:

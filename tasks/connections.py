@@ -16,11 +16,16 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from tasks.prepared_run import PreparedRun
 from trainer.config import AccessPolicy, ConfigError
 from trainer.config.access import STORAGE_CONN_IDS_ENV
+
+if TYPE_CHECKING:
+    from tasks.dataset.plan import DatasetPlan
+    from tasks.prepared_run import PreparedRun
+
+    RunSettings = Mapping[str, Any] | PreparedRun | DatasetPlan  # raw params, or a document with their `config`
 
 log = logging.getLogger("gpt_finetune.connections")
 STORAGE_CONN_TYPE = "aws"
@@ -75,7 +80,7 @@ def applied_env(env: dict[str, str]) -> Iterator[dict[str, str]]:
                 os.environ[name] = value
 
 
-def run_storage_env(settings: Mapping[str, Any] | PreparedRun) -> dict[str, str]:
+def run_storage_env(settings: RunSettings) -> dict[str, str]:
     """The variables of the run's storage connection. One that the access policy or its type refuses is never used:
     the task goes on with this environment's credentials (release must still run), and prepare refuses the run
     naming the setting."""
@@ -88,13 +93,13 @@ def run_storage_env(settings: Mapping[str, Any] | PreparedRun) -> dict[str, str]
         return storage_env("")
 
 
-def run_storage_conn_id(settings: Mapping[str, Any] | PreparedRun) -> str:
-    """The run's storage connection id, from its raw params, from a prepared run or from a plan's XCom (both: their
+def run_storage_conn_id(settings: RunSettings) -> str:
+    """The run's storage connection id, from its raw params, or from a prepared run or a dataset plan (their
     validated `config`).
 
     Read leniently: release must reach storage even for a run whose other settings were refused.
     """
-    if isinstance(settings, PreparedRun):
+    if not isinstance(settings, Mapping):  # a document: its config
         return run_storage_conn_id(settings.config)
     config = settings.get("config")
     conn_id = (config if isinstance(config, Mapping) else settings).get("storage_conn_id")
@@ -105,7 +110,7 @@ def uses_run_storage(task_logic: TaskLogic) -> TaskLogic:
     """Run task logic whose first argument is the run's params or prepared run with its storage credentials applied."""
 
     @functools.wraps(task_logic)
-    def with_storage_credentials(settings: Mapping[str, Any] | PreparedRun, *args: Any, **kwargs: Any) -> Any:
+    def with_storage_credentials(settings: RunSettings, *args: Any, **kwargs: Any) -> Any:
         with applied_env(run_storage_env(settings)):
             return task_logic(settings, *args, **kwargs)
 

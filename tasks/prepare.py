@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from tasks.connections import storage_env, uses_run_storage
+from tasks.dataset.plan import DatasetPlan
 from tasks.policy import checked_config
 from tasks.prepared_run import PreparedRun
 from trainer.config import ConfigError, RunConfig
@@ -38,7 +39,8 @@ def build_config(params: Mapping[str, Any]) -> RunConfig:
 @uses_run_storage
 def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: BackendFactory) -> dict[str, Any]:
     """The first task: the settings checked once, then the dataset planned. A small corpus (one lane) is prepared
-    here completely; a larger one returns its lanes for the mapped `tokenize` tasks. XCom: small dicts only."""
+    here completely; a larger one returns its lanes for the mapped `tokenize` tasks. Returns {"plan": the
+    `DatasetPlan` (tasks/dataset/plan.py, XCom key `plan`), "lanes": its lanes of units}: small dicts only."""
     started = time.perf_counter()  # the stage's figures count its imports below too
     from airflow.sdk.exceptions import AirflowFailException
 
@@ -68,39 +70,36 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
              f"({price['capacity']}; {price['source']})" if price else "none (no GPT_FINETUNE_PRICING): cost not shown")
 
     planned = plan_dataset(cfg, started=started)
-    summary = {**plan_summary(planned["plan"]), "config": cfg.to_dict(), "continued_from": continued_from,
-               "price": price}
-    if planned["plan"]["cache_hit"] or len(planned["lanes"]) == 1:
-        summary["dataset"] = asdict(run_planned(planned, started=started))
-        return {"plan": summary, "lanes": []}
+    plan = DatasetPlan(**plan_summary(planned["plan"]), config=cfg.to_dict(), continued_from=continued_from,
+                       price=price)
+    if plan.cache_hit or len(planned["lanes"]) == 1:
+        return {"plan": replace(plan, dataset=run_planned(planned, started=started)), "lanes": []}
     log.info("tokenizing in %d mapped tasks (prepare_tasks=%d): %s", len(planned["lanes"]), cfg.prepare_tasks,
              ", ".join(f"task {i}: {len(lane)} unit(s)" for i, lane in enumerate(planned["lanes"])))
-    return {"plan": summary, "lanes": planned["lanes"]}
+    return {"plan": plan, "lanes": planned["lanes"]}
 
 
 @uses_run_storage
-def tokenize_lane(plan: Mapping[str, Any], lane: list[dict[str, Any]]) -> dict[str, Any]:
-    """A mapped task: the units of one lane (a retry redoes only those not complete). From XCom it takes the
-    checked configuration and the plan's ids; the plan itself is read from the run's own storage root and checked
+def tokenize_lane(plan: DatasetPlan, lane: list[dict[str, Any]]) -> dict[str, Any]:
+    """A mapped task: the units of one lane (a retry redoes only those not complete). From the plan (XCom) it takes
+    the checked configuration and the plan's ids; the whole plan is read from the run's own storage root and checked
     with the lane against the policy before anything is read (tasks/dataset/checks.py)."""
     from tasks.dataset.stage import tokenize_lane as run
 
-    return run(dict(plan), lane, cfg=checked_config(plan["config"]), policy=AccessPolicy.from_env())
+    return run(plan.summary(), lane, cfg=checked_config(plan.config), policy=AccessPolicy.from_env())
 
 
 @uses_run_storage
-def finish_run(plan: Mapping[str, Any], run_id: str, dag_id: str) -> PreparedRun:
+def finish_run(plan: DatasetPlan, run_id: str, dag_id: str) -> PreparedRun:
     """The last prepare step: the dataset published (unless the first task did it), then the run laid out. Its
     XCom (`PreparedRun.to_xcom()`) is what every later task reads."""
     from tasks.dataset.checks import FINGERPRINT
     from tasks.dataset.errors import PrepareError
-    from tasks.dataset.stage import PreparedDataset, finish_dataset
+    from tasks.dataset.stage import finish_dataset
     from trainer.data import load_manifest
 
-    cfg = checked_config(plan["config"])
-    continued_from = plan["continued_from"]
-    dataset = PreparedDataset(**plan["dataset"]) if "dataset" in plan else finish_dataset(
-        dict(plan), cfg=cfg, policy=AccessPolicy.from_env())
+    cfg = checked_config(plan.config)
+    dataset = plan.dataset or finish_dataset(plan.summary(), cfg=cfg, policy=AccessPolicy.from_env())
     if not FINGERPRINT.fullmatch(str(dataset.fingerprint)) or \
             dataset.manifest_url != StorageLayout(cfg.storage_root).manifest(dataset.fingerprint):
         raise PrepareError(f"The prepared dataset's manifest {dataset.manifest_url!r} is not where its fingerprint "
@@ -115,7 +114,7 @@ def finish_run(plan: Mapping[str, Any], run_id: str, dag_id: str) -> PreparedRun
         dataset.validation_sequences, total_steps, cfg.global_batch_size,
     )
     return lay_out_run(run_cfg, manifest, dataset.manifest_url, run_key(dag_id, run_id), run_id=run_id,
-                       continued_from=continued_from, price=plan.get("price"))
+                       continued_from=plan.continued_from, price=plan.price)
 
 
 def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: str, key: str, *, run_id: str,

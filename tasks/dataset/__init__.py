@@ -11,5 +11,6 @@ One job per module, in the order the data flows:
 - `units`: the corpus cut into work units and lanes (one mapped task each), and tokenizing one unit;
 - `shards`: the units' streams as one stream per split, cut into equal TFRecord shards;
 - `publish`: fingerprint, manifest, cache check, staging and publishing (the manifest last);
-- `stage`: the three steps the DAG runs (plan, lanes, finish) and `prepare_dataset`, all of them in one process.
+- `stage`: the three steps the DAG runs (plan, lanes, finish) and `prepare_dataset`, all of them in one process;
+- `plan`: what the steps hand on by XCom, `DatasetPlan` and `PreparedDataset`.
 """

@@ -30,6 +30,7 @@ from launcher.protocol import utc_now
 from tasks.dataset.checks import PLAN_FILE, check_lane, checked_plan
 from tasks.dataset.encode import SPLITS, joins_at_eos
 from tasks.dataset.errors import PrepareError
+from tasks.dataset.plan import PreparedDataset
 from tasks.dataset.publish import (
     TOKENIZER_DIR,
     check_writable,
@@ -74,20 +75,6 @@ from trainer.layout import REPO_ROOT, StorageLayout
 log = logging.getLogger("gpt_finetune.prepare")
 
 RECORD_TARGET_BYTES = 64 << 10  # many sequences per record keeps TFRecord framing far below 1% of the bytes
-
-
-@dataclass(frozen=True)
-class PreparedDataset:
-    manifest_url: str
-    fingerprint: str
-    cache_hit: bool
-    train_sequences: int
-    validation_sequences: int
-    train_tokens: int
-    tokenized_tokens: int  # tokens produced by this stage (0 on a cache hit), EOS and dropped remainders included
-    elapsed_s: float
-    timings: dict[str, float]  # seconds per step: plan, units (the longest unit), shards, manifest
-    source_bytes_read: int  # what the units fetched from storage (about the sources' size: no whole-file copies)
 
 
 @dataclass(frozen=True)
@@ -173,7 +160,7 @@ def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: f
                 tokenizer={"spec": tokenizer_plan.spec, "fingerprint": tokenizer_plan.fingerprint,
                            "sample": tokenizer_plan.sample, "vocab_size": len(tokenizer),
                            "eos_token_id": tokenizer.eos_token_id},
-                sources=[f.to_dict() for f in sources.files], cfg=cfg.to_dict(), temporary_work=tasks == 1,
+                sources=[f.to_dict() for f in sources.files], config=cfg.to_dict(), temporary_work=tasks == 1,
                 plan_s=round(time.perf_counter() - started, 3))
     if tasks > 1:  # the tasks read the plan from storage: XCom carries its URL, not its list of files
         plan["plan_url"] = storage.join(work, PLAN_FILE)
@@ -248,7 +235,7 @@ def finish_dataset(summary: dict[str, Any], *, started: float | None = None, cfg
         return _result(plan["manifest_url"], storage.read_json(plan["manifest_url"]), cache_hit=True, tokenized=0,
                        started=started, timings={}, read=0)
     job = UnitJob.from_dict(plan["job"])
-    cfg = cfg if checked else RunConfig.from_saved(plan["cfg"])
+    cfg = cfg if checked else RunConfig.from_saved(plan["config"])
     for source in job.sources:
         check_unchanged(source)
     results = [_complete(job, unit) for unit in range(plan["units"])]

@@ -10,6 +10,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from tf_multiworker.backends import make_backend
 
 from launcher.protocol import CONFIG_SHA256_ENV
+from tasks.dataset.plan import DatasetPlan
 from tasks.prepare import finish_run, plan_run, tokenize_lane
 from tasks.prepared_run import PreparedRun
 from trainer.config.pinned import load_pinned_config
@@ -22,10 +23,11 @@ DAG_ID = "gpt_finetune"
 def prepare_run(params: dict, run_id: str, dag_id: str) -> PreparedRun:
     """The three prepare tasks in a row, as the DAG runs them (XCom values through JSON), and the prepared run as
     a later task reads it."""
-    planned = json.loads(json.dumps(plan_run(params, run_id, dag_id, make_backend)))
-    for lane in planned["lanes"]:
-        tokenize_lane(planned["plan"], lane)
-    return PreparedRun.from_xcom(json.loads(json.dumps(finish_run(planned["plan"], run_id, dag_id).to_xcom())))
+    planned = plan_run(params, run_id, dag_id, make_backend)
+    plan = DatasetPlan.from_xcom(json.loads(json.dumps(planned["plan"].to_xcom())))
+    for lane in json.loads(json.dumps(planned["lanes"])):
+        tokenize_lane(plan, lane)
+    return PreparedRun.from_xcom(json.loads(json.dumps(finish_run(plan, run_id, dag_id).to_xcom())))
 
 
 def test_invalid_settings_fail_the_task_without_retries(tmp_path):
@@ -96,8 +98,8 @@ def test_a_corpus_in_several_lanes_travels_as_small_dicts_and_gives_the_same_dat
     params = {"storage_root": str(tmp_path / "root"), "dataset": str(corpus / "*.txt"), "tokenizer": "bpe:512",
               "block_size": 32, "baseline": "skip"}
     planned = plan_run({**params, "prepare_tasks": 3, "prepare_unit_mb": 1}, RUN_ID, DAG_ID, make_backend)
-    assert len(planned["lanes"]) == 3 and "dataset" not in planned["plan"]
-    assert len(json.dumps(planned["plan"])) < 4000 and len(json.dumps(planned["lanes"])) < 2000
+    assert len(planned["lanes"]) == 3 and planned["plan"].dataset is None
+    assert len(json.dumps(planned["plan"].to_xcom())) < 4000 and len(json.dumps(planned["lanes"])) < 2000
     fanned = prepare_run({**params, "prepare_tasks": 3, "prepare_unit_mb": 1}, RUN_ID, DAG_ID)
     single = prepare_run({**params, "storage_root": str(tmp_path / "single"), "prepare_tasks": 1}, RUN_ID, DAG_ID)
     assert fanned.dataset_fingerprint == single.dataset_fingerprint

@@ -134,7 +134,9 @@ def test_any_report_json_gives_an_index_and_never_a_500(tmp_path, good_report):
 def test_a_generated_plan_or_lane_is_tokenized_as_planned_or_refused_by_name(tmp_path, monkeypatch):
     from tf_multiworker.backends import make_backend
 
+    from launcher.document import DocumentError
     from tasks.dataset.errors import PrepareError
+    from tasks.dataset.plan import DatasetPlan
     from tasks.prepare import plan_run, tokenize_lane
     from tests.tasks.dataset.corpus import two_part_corpus
 
@@ -146,7 +148,8 @@ def test_a_generated_plan_or_lane_is_tokenized_as_planned_or_refused_by_name(tmp
     monkeypatch.setenv("GPT_FINETUNE_DATA_ROOTS", str(root))
     params = {"storage_root": str(root / "storage"), "dataset": str(corpus / "*.txt"), "tokenizer": "bpe:300",
               "block_size": 32, "baseline": "skip", "prepare_tasks": 2, "prepare_unit_mb": 1}
-    planned = json.loads(json.dumps(plan_run(params, "manual__fuzz", "gpt_finetune", make_backend)))
+    planned = plan_run(params, "manual__fuzz", "gpt_finetune", make_backend)
+    planned = json.loads(json.dumps({"plan": planned["plan"].to_xcom(), "lanes": planned["lanes"]}))  # as XCom
     assert len(planned["lanes"]) == 2
     plan_path = Path(planned["plan"]["plan_url"])
     genuine = plan_path.read_text()
@@ -174,12 +177,12 @@ def test_a_generated_plan_or_lane_is_tokenized_as_planned_or_refused_by_name(tmp
         summary = dict(planned["plan"])
         if rng.random() < 0.2:
             summary[rng.choice(["fingerprint", "plan_id"])] = rng.choice(hostile)
-        try:
-            tokenize_lane(summary, lane)  # a change that the lane does not read (another file's size) is harmless
-        except PrepareError:
+        try:  # a change that the lane does not read (another file's size) is harmless
+            tokenize_lane(DatasetPlan.from_xcom(summary), lane)
+        except (PrepareError, DocumentError):
             refused += 1
     plan_path.write_text(genuine)
-    assert tokenize_lane(planned["plan"], planned["lanes"][0])["units"]  # the genuine plan still works
+    assert tokenize_lane(DatasetPlan.from_xcom(planned["plan"]), planned["lanes"][0])["units"]  # the genuine one
     assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]  # nothing written outside
     assert not [p for p in tmp_path.iterdir() if p.name not in ("allowed", "outside")]
     assert refused >= 50 and time.perf_counter() - started < 120

@@ -10,7 +10,9 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 from tf_multiworker.backends import make_backend
 
+from launcher.document import DocumentError
 from tasks.dataset.errors import PrepareError
+from tasks.dataset.plan import DatasetPlan
 from tasks.prepare import finish_run, plan_run, tokenize_lane
 from tests.tasks.dataset.corpus import two_part_corpus
 from trainer.config import ConfigError, RunConfig
@@ -30,7 +32,8 @@ def planned(tmp_path, monkeypatch):
     secret.write_text("db_password = hunter2\n" * 50)
     params = {"storage_root": str(root / "storage"), "dataset": str(corpus / "*.txt"), "tokenizer": "bpe:300",
               "block_size": 32, "baseline": "skip", "prepare_tasks": 2, "prepare_unit_mb": 1}
-    result = json.loads(json.dumps(plan_run(params, RUN_ID, DAG_ID, make_backend)))
+    planned = plan_run(params, RUN_ID, DAG_ID, make_backend)
+    result = json.loads(json.dumps({"plan": planned["plan"].to_xcom(), "lanes": planned["lanes"]}))  # as XCom
     assert len(result["lanes"]) == 2
     return result, secret
 
@@ -44,7 +47,10 @@ def test_a_plan_in_xcom_is_ignored_the_plan_is_read_from_its_place(planned):
     result, secret = planned
     crafted = {**result["plan"], "job": {"work_url": "/tmp/x", "sources": [{"url": str(secret)}]},
                "plan_url": str(secret)}
-    done = tokenize_lane(crafted, result["lanes"][0])
+    with pytest.raises(DocumentError, match=r"DatasetPlan: unknown key\(s\) job"):
+        DatasetPlan.from_xcom(crafted)  # the dataset plan holds ids, never a job
+    del crafted["job"]
+    done = tokenize_lane(DatasetPlan.from_xcom(crafted), result["lanes"][0])
     assert done["units"] == [unit["index"] for unit in result["lanes"][0]]
     assert not Path("/tmp/x").exists() or not any(Path("/tmp/x").glob("*.bin"))
 
@@ -66,9 +72,9 @@ def test_a_plan_rewritten_in_storage_is_refused_before_anything_is_read(planned,
     change(plan, secret)
     path.write_text(json.dumps(plan))
     with pytest.raises(PrepareError, match=message):
-        tokenize_lane(result["plan"], result["lanes"][0])
+        tokenize_lane(DatasetPlan.from_xcom(result["plan"]), result["lanes"][0])
     with pytest.raises(PrepareError, match=message):
-        finish_run(result["plan"], RUN_ID, DAG_ID)
+        finish_run(DatasetPlan.from_xcom(result["plan"]), RUN_ID, DAG_ID)
 
 
 @pytest.mark.parametrize("ids, message", [
@@ -79,7 +85,7 @@ def test_a_plan_rewritten_in_storage_is_refused_before_anything_is_read(planned,
 def test_ids_from_xcom_name_only_a_plan_under_the_storage_root(planned, ids, message):
     result, _ = planned
     with pytest.raises(PrepareError, match=message):
-        tokenize_lane({**result["plan"], **ids}, result["lanes"][0])
+        tokenize_lane(DatasetPlan.from_xcom({**result["plan"], **ids}), result["lanes"][0])
 
 
 @pytest.mark.parametrize("unit", [
@@ -92,7 +98,7 @@ def test_ids_from_xcom_name_only_a_plan_under_the_storage_root(planned, ids, mes
 def test_a_lane_with_units_outside_the_plan_is_refused(planned, unit):
     result, _ = planned
     with pytest.raises(PrepareError, match="lane"):
-        tokenize_lane(result["plan"], [unit])
+        tokenize_lane(DatasetPlan.from_xcom(result["plan"]), [unit])
 
 
 def test_a_config_rewritten_in_xcom_is_held_to_the_policy_again(planned):
@@ -101,21 +107,21 @@ def test_a_config_rewritten_in_xcom_is_held_to_the_policy_again(planned):
                            ("storage_root", "/")):
         crafted = {**result["plan"], "config": {**result["plan"]["config"], setting: value}}
         with pytest.raises(AirflowFailException, match=f"configuration is refused: Setting '{setting}'"):
-            tokenize_lane(crafted, result["lanes"][0])
+            tokenize_lane(DatasetPlan.from_xcom(crafted), result["lanes"][0])
         with pytest.raises(AirflowFailException, match=f"Setting '{setting}'"):
-            finish_run(crafted, RUN_ID, DAG_ID)
+            finish_run(DatasetPlan.from_xcom(crafted), RUN_ID, DAG_ID)
 
 
 def test_a_prepared_dataset_in_xcom_must_lie_where_its_fingerprint_says(planned, tmp_path):
     result, _ = planned
     for lane in result["lanes"]:
-        tokenize_lane(result["plan"], lane)
-    prepared = finish_run(result["plan"], RUN_ID, DAG_ID)
+        tokenize_lane(DatasetPlan.from_xcom(result["plan"]), lane)
+    prepared = finish_run(DatasetPlan.from_xcom(result["plan"]), RUN_ID, DAG_ID)
     dataset = {"manifest_url": str(tmp_path / "elsewhere" / "manifest.json"), "fingerprint": "../elsewhere",
                "cache_hit": True, "train_sequences": 1, "validation_sequences": 1, "train_tokens": 1,
                "tokenized_tokens": 0, "elapsed_s": 0.0, "timings": {}, "source_bytes_read": 0}
     with pytest.raises(PrepareError, match="is not where its fingerprint"):
-        finish_run({**result["plan"], "dataset": dataset}, RUN_ID, DAG_ID)
+        finish_run(DatasetPlan.from_xcom({**result["plan"], "dataset": dataset}), RUN_ID, DAG_ID)
     assert prepared.dataset_fingerprint == result["plan"]["fingerprint"]
 
 
