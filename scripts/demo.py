@@ -87,7 +87,8 @@ def main() -> int:
 
             print("\n" + read_bytes(report).decode())
             print(f"Report: {report}")
-            print("Charts and report.json beside it; browse all runs with `make airflow` -> GPT fine-tune runs.")
+            print("Charts, report.json, promotion.json and release.json beside it; browse all runs with "
+                  "`make airflow` -> GPT fine-tune runs.")
         else:
             print("No report was written: see the task logs above for the stage that failed.")
         return result.returncode or (0 if report else 1)

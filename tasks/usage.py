@@ -158,7 +158,7 @@ def rate_for(price: Mapping[str, Any] | None, accelerator: str | None) -> tuple[
 
 def summarize(book: Mapping[str, Any], *, price: Mapping[str, Any] | None, accelerator: str | None = None,
               tokens: int | None = None, efficiency: float | None = None) -> dict[str, Any]:
-    """report.json's `usage` from a ledger: hours, shares, and the cost when the run has a price (else null, never
+    """release.json's `usage` from a ledger: hours, shares, and the cost when the run has a price (else null, never
     0). `tokens`: the tokens trained (for the cost per million); `efficiency`: the measured scaling efficiency,
     whence the extra cost of parallelism, busy cost x (1 - E)."""
     held, busy = book["held_s"], book["busy_s"]

@@ -1,6 +1,6 @@
 """The ledger's reads and writes: the launch path's events under `runs/<key>/usage/` (one file per group attempt,
 `<group>-<launch time>-a<attempt>.json`, written by tasks/launch.py), the training summaries' step times, the
-frozen price (`usage/price.json`, written by prepare) and release's time, into report.json's `usage`
+frozen price (`usage/price.json`, written by prepare) and release's time, into release.json's `usage`
 (tasks/usage.py computes; this module only gathers).
 
 Step ends come from the summaries, not from the workers' clocks: a successful train or baseline attempt trained
@@ -121,7 +121,7 @@ def admission(attempts: list[dict[str, Any]], dag_id: str | None, run_id: str | 
 
 def run_usage(run_url: str, report: Mapping[str, Any], released_at: str,
               waits: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
-    """report.json's `usage`, or None when the run recorded no events (a run from before the ledger). `waits`: the
+    """release.json's `usage`, or None when the run recorded no events (a run from before the ledger). `waits`: the
     GPU tasks' admission waits (`admission`); without them `waited_s` is null and `waited_note` says why."""
     attempts = load_attempts(run_url)
     if not attempts:
