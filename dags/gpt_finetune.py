@@ -210,9 +210,10 @@ def gpt_finetune():
             entrypoint=entrypoint,
             # The validated configuration, once: backend, worker count, GPU use, timeouts, storage and connection.
             run_config="{{ ti.xcom_pull(task_ids='" + PREPARED + "')['config'] }}",
-            # No run_key: the operator derives it from (dag_id, run_id), never from XCom.
-            args=["--config", prepared(config), "--manifest", prepared("manifest_url"), "--output", prepared(output),
-                  *extra_args],
+            # The workers' --config and --output; no run_key: the operator derives it from (dag_id, run_id).
+            config_url=prepared(config),
+            output_url=prepared(output),
+            args=["--manifest", prepared("manifest_url"), *extra_args],
             # The digest prepare pinned for that file: the workers refuse it changed (trainer/config/pinned.py).
             config_sha256=prepared(config.removesuffix("_url") + "_sha256"),
             pool=GPU_POOL,  # with use_gpu, one slot per worker (tf_multiworker/gpu_admission.py); CPU runs: none

@@ -179,7 +179,8 @@ class Backend(ABC):
         """Release connections; the backend is not used afterwards."""
 
 
-# What builds a backend by name from the run's settings (a `RunConfig.to_dict()`). The Airflow side owns the one
-# implementation (`tf_multiworker.backends.make_backend`: it resolves connections); a DAG task hands it to the task
-# logic that launches or releases workers, so nothing below the glue imports the glue.
-BackendFactory = Callable[[str, Mapping[str, Any]], Backend]
+# What builds a backend from the run's `trainer.config.RunConfig` (its own, or the one named by the optional second
+# argument). The Airflow side owns the one implementation (`tf_multiworker.backends.make_backend`: it resolves
+# connections); a DAG task hands it to the task logic that launches or releases workers, so nothing below the glue
+# imports the glue.
+BackendFactory = Callable[..., Backend]

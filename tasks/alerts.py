@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tasks import telemetry
-from trainer.config import ConfigError, RunConfig
+from trainer.config import ConfigError, RunConfig, schema
 from trainer.config.access import AccessPolicy
 from trainer.layout import run_key
 
@@ -51,8 +51,9 @@ ALERT_DEADLINE_S = 10.0
 # `timeout` extra may lower it, never raise it (SmtpHook's default is 30 s).
 SMTP_TIMEOUT_S = 5.0
 SMTP_RETRY_LIMIT = 0  # SmtpHook's default 5 retries re-send over the same broken connection: none within a deadline
-_CONN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,249}")  # an Airflow connection id, nothing else
-_EMAIL = re.compile(r"[^@\s,;<>\"]+@[^@\s,;<>\"]+\.[^@\s,;<>\"]+")  # as trainer.config.core, quotes refused too
+# The formats RunConfig checks (trainer/config/schema.py), applied here one value at a time.
+_CONN_ID = re.compile(schema.CONN_ID)
+_EMAIL = re.compile(schema.EMAIL)
 
 
 class AlertTimeout(TimeoutError):
@@ -109,21 +110,22 @@ SENDERS: dict[str, Callable[[str, tuple[str, ...], str, str, list[Callable[[], N
 
 def check_alert_connection(cfg: RunConfig) -> None:
     """Refuse, before anything is launched, an alert connection that does not exist or that no sender handles."""
-    if not cfg.alert_conn_id:
+    conn_id = cfg.monitoring.alert_conn_id
+    if not conn_id:
         return
     from airflow.sdk import BaseHook
     from airflow.sdk.exceptions import AirflowNotFoundException
 
     try:
-        conn = BaseHook.get_connection(cfg.alert_conn_id)
+        conn = BaseHook.get_connection(conn_id)
     except AirflowNotFoundException:
         raise ConfigError(
-            f"Setting 'alert_conn_id' = {cfg.alert_conn_id!r}: no Airflow connection has this id. Create it (type "
+            f"Setting 'alert_conn_id' = {conn_id!r}: no Airflow connection has this id. Create it (type "
             f"smtp: host, port, login/password, extra from_email) or clear the setting to run without alerts."
         ) from None
     if conn.conn_type not in SENDERS:
         raise ConfigError(
-            f"Setting 'alert_conn_id' = {cfg.alert_conn_id!r} is a connection of type {conn.conn_type!r}; alerts are "
+            f"Setting 'alert_conn_id' = {conn_id!r} is a connection of type {conn.conn_type!r}; alerts are "
             f"sent through connections of type {sorted(SENDERS)}.")
 
 
@@ -211,7 +213,8 @@ def _settings(params: Mapping[str, Any] | None) -> tuple[str, tuple[str, ...], l
     """The alert settings of a run whose other settings may be invalid (a failed prepare must still alert), checked
     as prepare checks them: (connection id, recipients, why values were refused). A connection id that is not one,
     or outside the allow-list, sends nothing; a recipient that is not an address, or outside the allowed domains,
-    is left out."""
+    is left out. Read value by value (RunConfig would refuse all of a run for one bad setting), with RunConfig's
+    formats (`schema`) and allow-lists."""
     params = params or {}
     conn_id = params.get("alert_conn_id") or ""
     emails = params.get("alert_emails") or ()
@@ -289,15 +292,16 @@ def alert_run_stopped(params: Mapping[str, Any], run_id: str, reason: str) -> No
 def alert_throughput(cfg: RunConfig, run_id: str, warnings: list[str]) -> None:
     """The evaluate task's throughput warnings, as one alert (the report carries them too). Evaluate holds GPU
     slots: the send is bounded by `ALERT_DEADLINE_S` like every alert, and the settings were checked in prepare."""
-    if not cfg.alert_conn_id or not warnings:
+    alerts = cfg.monitoring
+    if not alerts.alert_conn_id or not warnings:
         return
     text = "\n".join([f"The run {run_id} of {DAG_ID} trained, but slower than expected:", "",
                       *(f"- {warning}" for warning in warnings), "", f"Report: {run_page_url(run_id)}"])
-    send_alert(cfg.alert_conn_id, cfg.alert_emails, f"[{DAG_ID}] run {run_id}: throughput below expectation",
+    send_alert(alerts.alert_conn_id, alerts.alert_emails, f"[{DAG_ID}] run {run_id}: throughput below expectation",
                text, run=run_key(DAG_ID, run_id), task="evaluate")
 
 
-def alert_in_background(config: Mapping[str, Any], run_id: str, what: str, text: str, *, task: str) -> threading.Thread:
+def alert_in_background(cfg: RunConfig, run_id: str, what: str, text: str, *, task: str) -> threading.Thread:
     """A warning raised while a task holds GPU slots (the idle-held warning, from a group's watch loop), mailed on a
     thread of its own: `send_alert` is bounded by ALERT_DEADLINE_S, but even that must not hold up the loop that
     watches the workers. The settings were checked in prepare; the thread is a daemon (the task's end is not held
@@ -306,7 +310,7 @@ def alert_in_background(config: Mapping[str, Any], run_id: str, what: str, text:
     body = "\n".join([f"The run {run_id} of {DAG_ID} needs a look (it is not failed by this):", "", f"- {text}", "",
                       f"Report: {run_page_url(run_id)}"])
     sender = threading.Thread(target=send_alert, name="gpt-finetune-alert-background", daemon=True, args=(
-        str(config.get("alert_conn_id")), tuple(config.get("alert_emails") or ()), f"[{DAG_ID}] run {run_id}: {what}",
-        body), kwargs={"run": key, "task": task})
+        cfg.monitoring.alert_conn_id, cfg.monitoring.alert_emails, f"[{DAG_ID}] run {run_id}: {what}", body),
+        kwargs={"run": key, "task": task})
     sender.start()
     return sender

@@ -62,7 +62,7 @@ def code_version() -> str:
 def baseline_key_parts(cfg: RunConfig, manifest: Mapping[str, Any], total_steps: int) -> dict[str, Any]:
     """Everything that changes the baseline's result, as a flat JSON-able dict."""
     baseline_cfg = cfg.baseline_config()
-    settings = {name: value for name, value in baseline_cfg.to_dict().items() if name not in _NOT_IN_KEY}
+    settings = {name: value for name, value in baseline_cfg.settings().items() if name not in _NOT_IN_KEY}
     return {
         "key_format_version": KEY_FORMAT_VERSION,
         "dataset_fingerprint": manifest["fingerprint"],

@@ -58,7 +58,7 @@ def evaluate_run(prepared: PreparedRun, make_backend: BackendFactory) -> dict:
     scored = score_models(prepared, cfg, make_backend)
     report = assemble_report(prepared, cfg, scored)
     earlier = reports.earlier_reports(StorageLayout(cfg.storage_root).runs, exclude_run_key=prepared.run_key)
-    expected = throughput.assess(report, earlier, cfg.min_throughput_ratio)
+    expected = throughput.assess(report, earlier, cfg.monitoring.min_throughput_ratio)
     report["warnings"] = expected.warnings
     report_json_url = reports.write_report(prepared.report_url, report, charts(prepared, cfg, report, earlier))
     log.info("Report written to %s\n%s\n%s", prepared.report_url, reports.text_table(report["table"]),
@@ -218,18 +218,18 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: R
         name=f"evaluate-{label}", entrypoint=EVALUATE_MODULE, num_workers=workers, use_gpu=cfg.use_gpu,
         run_key=run_key, args=("--model", model_url, "--manifest", manifest_url, "--output", output_url,
                                "--eval-tokens", str(cfg.eval_tokens)),
-        secret_env=storage_env(cfg.storage_conn_id), startup_timeout_s=cfg.startup_timeout_s,
-        hang_timeout_s=cfg.hang_timeout_s,
+        secret_env=storage_env(cfg.storage_conn_id), startup_timeout_s=cfg.launch.startup_timeout_s,
+        hang_timeout_s=cfg.launch.hang_timeout_s,
     )
     parts = [part_url(output_url, rank, workers) for rank in range(workers)]
     for stale in {output_url, *parts}:
         remove_tree(stale)  # a result left by an earlier attempt must not pass for this one
-    log.info("Evaluating %s on %d worker(s) of backend %s", model_url, workers, cfg.backend)
-    backend = make_backend(cfg.backend, cfg.to_dict())
+    log.info("Evaluating %s on %d worker(s) of backend %s", model_url, workers, cfg.launch.backend)
+    backend = make_backend(cfg)
     try:
         result = RecordedLaunch(spec, backend, StorageLayout(cfg.storage_root).run(run_key),
                                 on_line=lambda rank, line: log.info("[evaluate %s %d] %s", label, rank, line),
-                                idle=IdleSettings.of(cfg.to_dict(), run_id, spec.name)).run_group()
+                                idle=IdleSettings.of(cfg, run_id, spec.name)).run_group()
     finally:
         backend.close()
     if not result.succeeded:
@@ -303,10 +303,10 @@ def evaluate_promoted(prepared: PreparedRun, cfg: RunConfig, make_backend: Backe
     reference and its samples) when its tokenizer is this run's, with the standard error of the run's loss minus
     its (`delta_se`, paired over the sample's sequences); None when nothing is promoted yet or the run is never to
     be promoted (`promote` = never: nothing to compare with)."""
-    pointer = registry.read_latest(registry.model_layout(cfg.storage_root, cfg.model_name))
-    if pointer is None or cfg.promote == "never":
+    pointer = registry.read_latest(registry.model_layout(cfg.storage_root, cfg.promotion.model_name))
+    if pointer is None or cfg.promotion.promote == "never":
         return None
-    section = {"name": cfg.model_name, "version": pointer["version"], "url": pointer["url"],
+    section = {"name": cfg.promotion.model_name, "version": pointer["version"], "url": pointer["url"],
                "run_id": pointer["run_id"], "recorded_eval_loss": pointer["eval_loss"],
                "recorded_eval_sample": pointer.get("eval_sample"), "recorded_eval_loss_se": pointer.get("eval_loss_se"),
                "eval_loss": None, "eval_loss_se": None, "eval_sample": None, "delta_se": None, "perplexity": None,
@@ -314,7 +314,7 @@ def evaluate_promoted(prepared: PreparedRun, cfg: RunConfig, make_backend: Backe
     manifest_url = prepared.manifest_url
     if not registry.same_tokenizer(pointer["model_url"], tokenizer_url(manifest_url, read_json(manifest_url))):
         section["note"] = f"{pointer['version']}'s tokenizer differs from this run's: it cannot be scored on its shards"
-        log.warning("Promoted %s %s not evaluated: %s.", cfg.model_name, pointer["version"], section["note"])
+        log.warning("Promoted %s %s not evaluated: %s.", cfg.promotion.model_name, pointer["version"], section["note"])
         return section
     result = run_evaluation(pointer["model_url"], manifest_url, join(prepared.report_url, "eval-promoted.json"),
                             cfg=cfg, run_key=prepared.run_key, label="promoted",

@@ -34,7 +34,7 @@ def read_record(report: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
 def gate_rows(cfg: RunConfig, url: str, record: dict[str, Any] | None) -> list[dict[str, Any]]:
     """One gate per format of `export_formats`: passed when its parity check passed."""
     rows = []
-    for name in cfg.export_formats:
+    for name in cfg.promotion.export_formats:
         result = ((record or {}).get("formats") or {}).get(name)
         if result is None:
             missing = "is missing" if record is None else "lists no such format"
@@ -54,7 +54,7 @@ def export_part(report: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
     """What promote records of the serving exports in promotion.json: {"export_gates": one gate per format of
     `export_formats`, "exports": their parity record (None when missing)}; {} when `export_formats` is []. The
     view counts the gates with the report's (tasks/report_parts.py `with_exports`)."""
-    if not cfg.export_formats:
+    if not cfg.promotion.export_formats:
         return {}
     url, record = read_record(report)
     return {"export_gates": gate_rows(cfg, url, record), "exports": record}
@@ -79,7 +79,7 @@ def card_lines(cfg: RunConfig, report: dict[str, Any]) -> list[str]:
     """The model card's formats: each folder, its files, its parity figure and three lines that load it."""
     record = report.get("exports") or {}
     formats = record.get("formats") or {}
-    if not cfg.export_formats:
+    if not cfg.promotion.export_formats:
         return ["## Formats", "", _TF_ONLY, ""]
     prompts = record.get("prompts") or {}
     lines = ["## Formats", "", _PARITY_NOTE.format(count=prompts.get("count"), tokens=prompts.get("tokens"),

@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -27,6 +27,7 @@ from launcher.idle import IdleEpisode, IdleWatch
 from launcher.protocol import LAUNCHER_WORKDIR_PREFIX, is_ready_marker, utc_now
 from tasks import telemetry
 from tasks.usage import slots_of
+from trainer.config import RunConfig
 from trainer.layout import RunLayout
 from trainer.metrics import LIVE_PREFIX
 from trainer.storage import exists, join, read_json, upload_tree, write_json_atomic
@@ -92,15 +93,16 @@ class IdleSettings:
     mail: Callable[[str], object] | None = None
 
     @classmethod
-    def of(cls, config: Mapping[str, Any], run_id: str | None, task: str) -> IdleSettings:
-        """From the run's prepared configuration; mailed when it names an alert connection (and the run is known)."""
+    def of(cls, cfg: RunConfig, run_id: str | None, task: str) -> IdleSettings:
+        """From the run's config (`monitoring`); mailed when it names an alert connection (and the run is known)."""
         from tasks.alerts import alert_in_background
 
         def mail(text: str) -> object:
-            return alert_in_background(config, str(run_id), f"GPUs held idle in {task}", text, task=task)
+            return alert_in_background(cfg, str(run_id), f"GPUs held idle in {task}", text, task=task)
 
-        return cls(float(config.get("max_idle_held_s") or 0), float(config.get("idle_gpu_util_pct", 5)),
-                   mail if config.get("alert_conn_id") and run_id else None)
+        watch = cfg.monitoring
+        return cls(float(watch.max_idle_held_s), float(watch.idle_gpu_util_pct),
+                   mail if watch.alert_conn_id and run_id else None)
 
 
 class RecordedLaunch:

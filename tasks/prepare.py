@@ -56,12 +56,12 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
         cfg, continued_from = resolve_promoted_model(build_config(params))
         cfg, _ = resolve_base_model(cfg)  # a hub name: pinned to a commit, fetched once into storage
         # The run's connections exist and are of the right type (nothing is contacted yet).
-        make_backend(cfg.backend, cfg.to_dict()).close()
+        make_backend(cfg).close()
         storage_env(cfg.storage_conn_id)
         check_alert_connection(cfg)
         table, source = table_from_env()  # the operator's prices: a bad table is refused here, by name
-        price = freeze(table, source, backend=cfg.backend, queue=cfg.gpu_queue, capacity=cfg.capacity,
-                       use_gpu=cfg.use_gpu)
+        price = freeze(table, source, backend=cfg.launch.backend, queue=cfg.launch.gpu_queue,
+                       capacity=cfg.monitoring.capacity, use_gpu=cfg.use_gpu)
     except (ConfigError, LaunchError) as exc:  # bad settings do not get better on retry: fail now
         raise AirflowFailException(str(exc)) from exc
     log.info("Run configuration (validated):\n  %s", "\n  ".join(cfg.summary_lines()))

@@ -70,14 +70,14 @@ def promote_run(prepared: PreparedRun) -> dict[str, Any]:
     evaluated = read_json(report_json)
     exported = exports.export_part(evaluated, cfg)
     report = with_exports(evaluated, exported)
-    outcome = promote(prepared, cfg, report, registry.model_layout(cfg.storage_root, cfg.model_name))
+    outcome = promote(prepared, cfg, report, registry.model_layout(cfg.storage_root, cfg.promotion.model_name))
     write_json_atomic(join(prepared.report_url, PROMOTION_JSON), {**outcome, **exported})
     reports.render_report_md(prepared.report_url)
     if outcome["promoted"]:
-        log.info("Promoted run %s to %s %s (%s): %s", prepared.run_id, cfg.model_name, outcome["version"],
+        log.info("Promoted run %s to %s %s (%s): %s", prepared.run_id, cfg.promotion.model_name, outcome["version"],
                  outcome["url"], outcome["reason"])
     else:
-        log.warning("Not promoted: run %s stays out of %s: %s", prepared.run_id, cfg.model_name,
+        log.warning("Not promoted: run %s stays out of %s: %s", prepared.run_id, cfg.promotion.model_name,
                     outcome["reason"])
     return outcome
 
@@ -108,7 +108,7 @@ def promote(prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any], layou
             publish_version(version, prepared, cfg, report, number, verdict)
         entry = history_entry(version, prepared, report, number)
         history = (pointer["history"] if pointer else []) + [entry]
-        new_pointer = {**entry, "format_version": registry.POINTER_FORMAT_VERSION, "name": cfg.model_name,
+        new_pointer = {**entry, "format_version": registry.POINTER_FORMAT_VERSION, "name": cfg.promotion.model_name,
                        "history": history}
         if registry.swap_pointer(layout.latest, token, new_pointer):
             return outcome(cfg, verdict, promoted=True, entry=entry)
@@ -120,21 +120,21 @@ def promote(prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any], layou
 
 def decide(cfg: RunConfig, report: dict[str, Any], pointer: dict[str, Any] | None) -> dict[str, Any]:
     """{"promote", "reason", "compared_with"}: the rule of setting `promote` applied to this report."""
-    if cfg.promote == "never":
+    if cfg.promotion.promote == "never":
         return _verdict(False, "setting 'promote' = 'never'.")
     if report.get("gates_passed") is not True:
         failed = "; ".join(gate["detail"] for gate in report.get("gates", []) if not gate.get("passed"))
         return _verdict(False, f"the run's gates failed ({failed}), so it is never promoted.")
     loss = report["runs"]["distributed"]["eval_loss"]
     if pointer is None:
-        return _verdict(True, f"first version of '{cfg.model_name}' (eval loss {loss:.4f}).")
+        return _verdict(True, f"first version of '{cfg.promotion.model_name}' (eval loss {loss:.4f}).")
     reference = reference_loss(report, pointer)
     delta = loss - reference["eval_loss"]
-    limit = cfg.promotion_tolerance + GATE_STANDARD_ERRORS * (reference["delta_se"] or 0.0)
+    limit = cfg.promotion.promotion_tolerance + GATE_STANDARD_ERRORS * (reference["delta_se"] or 0.0)
     comparison = (f"eval loss {loss:.4f} vs {reference['eval_loss']:.4f} of promoted {pointer['version']} "
                   f"(run {pointer['run_id']}): {nats(delta)} nats, {_allowance(cfg, reference, limit)}; "
                   f"{reference['note']}")
-    if cfg.promote == "always":
+    if cfg.promotion.promote == "always":
         return _verdict(True, f"setting 'promote' = 'always' ({comparison}).", reference)
     if math.isfinite(delta) and delta <= limit:
         return _verdict(True, f"not worse than the promoted version: {comparison}.", reference)
@@ -144,8 +144,8 @@ def decide(cfg: RunConfig, report: dict[str, Any], pointer: dict[str, Any] | Non
 
 def _allowance(cfg: RunConfig, reference: dict[str, Any], limit: float) -> str:
     if not reference["delta_se"]:
-        return f"tolerance {cfg.promotion_tolerance:.4f} (no sampling error)"
-    return (f"limit {limit:.4f} = tolerance {cfg.promotion_tolerance:.4f} + {GATE_STANDARD_ERRORS:g} x "
+        return f"tolerance {cfg.promotion.promotion_tolerance:.4f} (no sampling error)"
+    return (f"limit {limit:.4f} = tolerance {cfg.promotion.promotion_tolerance:.4f} + {GATE_STANDARD_ERRORS:g} x "
             f"{reference['delta_se']:.4f}, the standard error of the delta ({reference['error_source']})")
 
 
@@ -194,9 +194,9 @@ def _verdict(promote: bool, reason: str, reference: dict[str, Any] | None = None
 def outcome(cfg: RunConfig, verdict: dict[str, Any], *, promoted: bool,
             entry: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the report, the task log and (as `event`, the Asset event's extra) downstream DAGs learn."""
-    event = {"model_name": cfg.model_name, **{name: entry[name] for name in (
+    event = {"model_name": cfg.promotion.model_name, **{name: entry[name] for name in (
         "version", "url", "model_url", "run_id", "eval_loss", "perplexity", "dataset_fingerprint")}} if entry else None
-    return {"promoted": promoted, "policy": cfg.promote, "model_name": cfg.model_name,
+    return {"promoted": promoted, "policy": cfg.promotion.promote, "model_name": cfg.promotion.model_name,
             "reason": verdict["reason"], "compared_with": verdict["compared_with"],
             "version": entry["version"] if entry else None, "url": entry["url"] if entry else None,
             "model_url": entry["model_url"] if entry else None, "event": event, "decided_at": utc_now()}
@@ -228,7 +228,7 @@ def publish_version(version: VersionLayout, prepared: PreparedRun, cfg: RunConfi
               {"name": "model_card.md", "bytes": _size(version.model_card)}]
     distributed = report["runs"]["distributed"]
     write_json_atomic(version.record, {
-        "format_version": VERSION_FORMAT_VERSION, "name": cfg.model_name, "version": f"v{number}",
+        "format_version": VERSION_FORMAT_VERSION, "name": cfg.promotion.model_name, "version": f"v{number}",
         "run_id": prepared.run_id, "run_key": prepared.run_key, "created_at": utc_now(),
         "eval_loss": distributed["eval_loss"], "perplexity": distributed["perplexity"],
         "eval_loss_se": distributed.get("eval_loss_se"), "eval_sample": _sample_id(report),
@@ -259,9 +259,9 @@ def model_card(cfg: RunConfig, prepared: PreparedRun, report: dict[str, Any], nu
             f"`{pinned['name']}` at commit `{pinned['sha']}` (revision `{pinned['revision']}`, fetched once to "
             f"{pinned['url']})" if pinned else f"`{cfg.model}`")
     lines = [
-        f"# {cfg.model_name} v{number}",
+        f"# {cfg.promotion.model_name} v{number}",
         "",
-        f"Promoted {utc_now()} from run `{prepared.run_id}` (policy `{cfg.promote}`): {verdict['reason']}",
+        f"Promoted {utc_now()} from run `{prepared.run_id}` (policy `{cfg.promotion.promote}`): {verdict['reason']}",
         "",
         f"- Base model: {base}",
         (f"- Data: dataset fingerprint `{report['dataset_fingerprint']}` (setting `dataset` = `{cfg.dataset}`, "
@@ -278,7 +278,7 @@ def model_card(cfg: RunConfig, prepared: PreparedRun, report: dict[str, Any], nu
     lines += [f"- {gate['name']}: {'pass' if gate['passed'] else 'FAIL'} ({gate['detail']})"
               for gate in report["gates"]]
     lines += ["", *exports.card_lines(cfg, report), "## Settings", "", "| setting | value |", "|---|---|"]
-    lines += [f"| {name} | `{value!r}` |" for name, value in cfg.to_dict().items()]
+    lines += [f"| {name} | `{value!r}` |" for name, value in cfg.settings().items()]
     lines += ["", "## Versions", ""]
     lines += [f"- {name}: {value}" for name, value in sorted(report.get("versions", {}).items())]
     return "\n".join(lines) + "\n"

@@ -35,34 +35,34 @@ def served_queues(timeout_s: float = INSPECT_TIMEOUT_S) -> dict[str, list[str]] 
 
 def report_gpu_queue(cfg: RunConfig) -> None:
     """Log the queue of the GPU tasks; warn, naming the queue and the command, when no worker serves it."""
-    if not cfg.gpu_queue:
+    if not cfg.launch.gpu_queue:
         return
     try:
         workers = served_queues()
     except Exception as error:  # noqa: BLE001 - a broker that does not answer must not fail the run
         log.warning("Could not ask the Celery workers which queues they serve (%s: %s); %s will wait for a worker "
-                    "of queue %r.", type(error).__name__, error, ", ".join(GPU_TASKS), cfg.gpu_queue)
+                    "of queue %r.", type(error).__name__, error, ", ".join(GPU_TASKS), cfg.launch.gpu_queue)
         return
     if workers is None:
         log.info("gpu_queue=%r: this deployment's executor does not use Celery queues, so it has no effect.",
-                 cfg.gpu_queue)
+                 cfg.launch.gpu_queue)
         return
-    serving = sorted(worker for worker, queues in workers.items() if cfg.gpu_queue in queues)
+    serving = sorted(worker for worker, queues in workers.items() if cfg.launch.gpu_queue in queues)
     if serving:
-        log.info("%s run on queue %r, served by %s.", ", ".join(GPU_TASKS + HOST_TASKS), cfg.gpu_queue,
+        log.info("%s run on queue %r, served by %s.", ", ".join(GPU_TASKS + HOST_TASKS), cfg.launch.gpu_queue,
                  ", ".join(serving))
         if len(serving) > 1:
             log.warning(
                 "Queue %r is served by %d workers (%s): this run's groups may run on different hosts, and release "
                 "can check only the host it runs on (a group of another host is reported unverified, and the run "
                 "not released). Give each GPU host a queue of its own (`airflow celery worker -q %s,%s-<host>`) "
-                "and trigger with gpu_queue=%s-<host>.", cfg.gpu_queue, len(serving), ", ".join(serving),
-                cfg.gpu_queue, cfg.gpu_queue, cfg.gpu_queue)
+                "and trigger with gpu_queue=%s-<host>.", cfg.launch.gpu_queue, len(serving), ", ".join(serving),
+                cfg.launch.gpu_queue, cfg.launch.gpu_queue, cfg.launch.gpu_queue)
     else:
         log.warning(
             "No Celery worker serves queue %r now (workers answering: %s). %s will wait in that queue until one "
             "does, and fail after [scheduler] task_queued_timeout (a run stopped meanwhile still waits for its "
             "release there: mark release skipped if nothing ran): start `airflow celery worker -q %s` on each GPU "
-            "host, or trigger with another gpu_queue.", cfg.gpu_queue,
+            "host, or trigger with another gpu_queue.", cfg.launch.gpu_queue,
             "; ".join(f"{worker} ({', '.join(queues)})" for worker, queues in sorted(workers.items())) or "none",
-            ", ".join(GPU_TASKS + HOST_TASKS), cfg.gpu_queue)
+            ", ".join(GPU_TASKS + HOST_TASKS), cfg.launch.gpu_queue)

@@ -39,16 +39,20 @@ class ReleaseError(RuntimeError):
     """Something of this run is still alive or still holds a GPU after release, or a host could not be checked."""
 
 
-def _settings(params: Mapping[str, Any]) -> dict[str, Any]:
-    """The run's settings even when they were invalid (release must still run): then the defaults plus its root.
-    Read from the params, checked as prepare checks them: prepare may have failed before it saved a config."""
+def _run_config(params: Mapping[str, Any]) -> RunConfig:
+    """The run's config even when its settings were invalid (release must still run): then the defaults with its
+    root, when that one is valid. Read from the params, checked as prepare checks them: prepare may have failed
+    before it saved a config."""
     try:
-        cfg = RunConfig.from_params(dict(params))
-    except ConfigError:
-        root = params.get("storage_root")
-        cfg = RunConfig()
-        return {**cfg.to_dict(), "storage_root": root if isinstance(root, str) and root else cfg.storage_root}
-    return cfg.to_dict()
+        return RunConfig.from_params(dict(params))
+    except ConfigError as refused:
+        try:
+            cfg = RunConfig.of(storage_root=params.get("storage_root"))  # where prepare would have written
+        except ConfigError:
+            cfg = RunConfig()
+        log.warning("The run's settings are refused (%s): release uses the defaults with storage_root %r.", refused,
+                    cfg.storage_root)
+        return cfg
 
 
 def processes_of_run(key: str) -> dict[int, str]:
@@ -115,8 +119,8 @@ def _describe(hosts: list[dict[str, Any]]) -> str:
 def release_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: BackendFactory,
                 grace_period_s: float = RELEASE_GRACE_S) -> dict[str, Any]:
     key = run_key(dag_id, run_id)
-    settings = _settings(params)
-    run = StorageLayout(absolute_root(settings["storage_root"])).run(key)
+    cfg = _run_config(params)
+    run = StorageLayout(absolute_root(cfg.storage_root)).run(key)
     try:
         names, named = _state_records(run.state)
         unreadable = None
@@ -129,11 +133,11 @@ def release_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backen
     records = [record for name, record in named.items() if name not in foreign]
     # Every backend the run used: this host's always (and first), the run's own, and any a state record names.
     # Each gets every record and takes what is its own (the launcher work directories are all on this host).
-    backends = ["local", *sorted({settings["backend"], *(r.get("backend") for r in records)} - {"local", None})]
+    backends = ["local", *sorted({cfg.launch.backend, *(r.get("backend") for r in records)} - {"local", None})]
     results: dict[str, ReleaseResult] = {}
     try:
         for name in backends:
-            backend = make_backend(name, settings)
+            backend = make_backend(cfg, name)
             try:
                 results[name] = backend.release(key, records, grace_s=grace_period_s)
             finally:

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.config.schema import flat_settings
+
 # The settings that decide what one step costs: a run differing in any of them is not comparable.
 COMPARABLE_SETTINGS = ("num_workers", "backend", "model", "block_size", "batch_size_per_worker", "grad_accum_steps",
                        "mixed_precision", "xla", "use_gpu", "communication", "allreduce_dtype", "allreduce_pack_mb",
@@ -20,7 +22,7 @@ COMPARABLE_HARDWARE = ("cpu", "cpu_count", "device", "gpu")
 
 
 def _signature(report: Mapping[str, Any]) -> tuple:
-    config = report.get("config") or {}
+    config = flat_settings(report.get("config") or {})  # nested, or flat as reports before the sections
     hardware = ((report.get("hardware") or {}).get("distributed")) or {}
     return (tuple(config.get(name) for name in COMPARABLE_SETTINGS),
             tuple(hardware.get(name) for name in COMPARABLE_HARDWARE))

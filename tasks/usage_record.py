@@ -20,6 +20,7 @@ from typing import Any
 
 from launcher.protocol import EXIT_PREEMPTED
 from tasks import usage
+from trainer.config.schema import flat_settings
 from trainer.storage import exists, join, list_dir, read_bytes, read_json, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.usage")
@@ -234,7 +235,7 @@ def attach_usage(report_url: str, report: dict[str, Any], released_at: str,
         if summary is None:
             return {}
         summary["cheapest_workers"] = _cheapest_workers(report_url)
-        warnings = cost_warnings(summary, report.get("config") or {})
+        warnings = cost_warnings(summary, flat_settings(report.get("config") or {}))
         raised_live = {warning["text"] for warning in summary["idle_warnings"]}  # counted and mailed back then
         summary["warnings"] = warnings
         report["usage"] = summary
@@ -266,7 +267,7 @@ def _emit(summary: Mapping[str, Any], warnings: list[str], run_key: str) -> None
 
 def _mail(report: Mapping[str, Any], warnings: list[str]) -> None:
     """The warnings as one alert, when the run has an alert connection (bounded like every alert)."""
-    cfg = report.get("config") or {}
+    cfg = flat_settings(report.get("config") or {})
     if not warnings or not cfg.get("alert_conn_id"):
         return
     from tasks.alerts import run_page_url, send_alert

@@ -309,7 +309,7 @@ def advise(*, cfg, collectives: Mapping[str, Any], workers: Sequence[Mapping[str
         **advice,
         "levers": found,
         "asked": {"num_workers": cfg.num_workers, "speedup": asked["speedup"], "efficiency": asked["efficiency"]},
-        "min_predicted_efficiency": cfg.min_predicted_efficiency,
+        "min_predicted_efficiency": cfg.monitoring.min_predicted_efficiency,
     }
 
 

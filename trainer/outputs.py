@@ -63,7 +63,7 @@ def export_model(job: TrainJob, model, work_dir: Path) -> None:
     with storage.staging_directory(job.output.model) as staging:
         model.save_pretrained(str(staging))
         tokenizer.save_pretrained(str(staging))
-        if not job.cfg.export_formats:
+        if not job.cfg.promotion.export_formats:
             storage.publish_directory(staging, job.output.model)
             log.info("model and tokenizer saved to %s (setting 'export_formats' = []: no other format)",
                      job.output.model)
@@ -85,10 +85,10 @@ def export_serving_formats(job: TrainJob, model, model_dir: Path, target: Path) 
 
     try:
         prompts = export.validation_prompts(job.manifest_url, job.manifest)
-        return export.export_formats(model, model_dir, target, job.cfg.export_formats, prompts)
+        return export.export_formats(model, model_dir, target, job.cfg.promotion.export_formats, prompts)
     except Exception as error:  # recorded: without prompts or the trained model's logits nothing can be proven
         log.exception("no format could be checked")
-        return export.failed_record(job.cfg.export_formats, f"not checked: {type(error).__name__}: {error}")
+        return export.failed_record(job.cfg.promotion.export_formats, f"not checked: {type(error).__name__}: {error}")
 
 
 @dataclass

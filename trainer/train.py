@@ -251,7 +251,7 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gp
     tensorboard = TensorBoardLog(outputs.tensorboard) if job.is_chief else None
     progress = ProgressPrinter(cfg.max_steps, PROGRESS_INTERVAL_S)
     live = LiveMetrics(cfg.max_steps)
-    watch = LossWatch(job.rank, cfg.max_loss_rise)
+    watch = LossWatch(job.rank, cfg.monitoring.max_loss_rise)
     times = LoopTimes(start_step=start_step, step=start_step)
     while times.step < cfg.max_steps:
         begin = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Backend factories, Airflow side: turn a run's settings (and the Airflow connections they name) into a ready
+"""Backend factories, Airflow side: turn a run's `RunConfig` (and the Airflow connections it names) into a ready
 launcher backend, and `make_backend`, which picks one by name. The backends themselves (`launcher/`) never import
 Airflow; the names and their meanings are `launcher.protocol.BACKENDS`, and every name there has a factory here.
 
@@ -7,11 +7,11 @@ Light on purpose (the DAG's tasks import it): each backend's modules are importe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from launcher.backend import Backend
 from launcher.protocol import BACKEND_NAMES
+from trainer.config import RunConfig
 
 __all__ = ["UnknownBackendError", "kubernetes_backend", "local_backend", "make_backend", "ssh_backend"]
 
@@ -20,15 +20,17 @@ class UnknownBackendError(ValueError):
     pass
 
 
-def make_backend(name: str, settings: Mapping[str, Any] | None = None) -> Backend:
-    """The backend called `name`, configured from the run's settings (a `RunConfig.to_dict()`)."""
+def make_backend(cfg: RunConfig, name: str | None = None) -> Backend:
+    """The run's backend (`launch.backend`), or the one called `name` (release ends what every backend of a run
+    left), configured from the run's `launch` settings."""
+    name = name or cfg.launch.backend
     if name not in FACTORIES:
         raise UnknownBackendError(
             f"backend {name!r} is not available: choose one of {', '.join(BACKEND_NAMES)} (setting 'backend')")
-    return FACTORIES[name](dict(settings or {}))
+    return FACTORIES[name](cfg)
 
 
-def local_backend(settings: Mapping[str, Any]) -> Backend:
+def local_backend(cfg: RunConfig) -> Backend:
     from launcher.local import LocalBackend
 
     return LocalBackend()
@@ -38,7 +40,7 @@ def local_backend(settings: Mapping[str, Any]) -> Backend:
 DEFAULT_REMOTE_WORKDIR = "tfmw"
 
 
-def ssh_backend(settings: Mapping[str, Any]) -> Backend:
+def ssh_backend(cfg: RunConfig) -> Backend:
     """One `RemoteHost` per connection of `ssh_conn_ids`, through the SSH provider's hook (key files, passphrases,
     host-key checking, timeouts come from the connection). Connects lazily: nothing is contacted here."""
     import sys
@@ -50,8 +52,9 @@ def ssh_backend(settings: Mapping[str, Any]) -> Backend:
     from launcher.errors import LaunchError
     from launcher.ssh import RemoteHost, SSHBackend
 
+    ssh = cfg.launch.ssh
     hosts = []
-    for conn_id in settings.get("ssh_conn_ids") or ():
+    for conn_id in ssh.ssh_conn_ids:
         try:
             conn = BaseHook.get_connection(conn_id)
         except AirflowNotFoundException:
@@ -69,18 +72,18 @@ def ssh_backend(settings: Mapping[str, Any]) -> Backend:
         # One attempt, a bounded banner wait: an unreachable or silent host fails in seconds (the task retries).
         hook = SSHHook(ssh_conn_id=conn_id, conn_retry_attempts=1, banner_timeout=10)
         hosts.append(RemoteHost(conn_id, address, hook.get_conn))
-    return SSHBackend(hosts, remote_python=settings.get("remote_python") or sys.executable,
-                      remote_workdir=settings.get("remote_workdir") or DEFAULT_REMOTE_WORKDIR,
-                      workers_per_host=settings.get("workers_per_host") or 0)
+    return SSHBackend(hosts, remote_python=ssh.remote_python or sys.executable,
+                      remote_workdir=ssh.remote_workdir or DEFAULT_REMOTE_WORKDIR,
+                      workers_per_host=ssh.workers_per_host)
 
 
-def kubernetes_backend(settings: Mapping[str, Any]) -> Backend:
+def kubernetes_backend(cfg: RunConfig) -> Backend:
     from tf_multiworker.kubernetes_clients import kubernetes_backend as build
 
-    return build(settings)
+    return build(cfg)
 
 
-FACTORIES: dict[str, Callable[[Mapping[str, Any]], Backend]] = {
+FACTORIES: dict[str, Callable[[RunConfig], Backend]] = {
     "local": local_backend,
     "ssh": ssh_backend,
     "kubernetes": kubernetes_backend,

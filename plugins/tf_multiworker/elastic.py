@@ -42,28 +42,19 @@ def choose_count(cfg: RunConfig, capacity: Capacity) -> int:
         "hosts/GPUs back, or lower 'min_workers' to a count that splits the global batch exactly.")
 
 
-def _replace_arg(args: tuple[str, ...], flag: str, value: str) -> tuple[str, ...]:
-    index = args.index(flag)
-    return (*args[:index + 1], value, *args[index + 2:])
-
-
-def _arg(args: tuple[str, ...], flag: str) -> str:
-    if flag not in args[:-1]:
-        raise LaunchError(f"the elastic train task needs the trainer's {flag} argument, got {list(args)}")
-    return args[args.index(flag) + 1]
-
-
 class ElasticTrainOperator(TFMultiWorkerOperator):
     """`TFMultiWorkerOperator` for `trainer.train` that launches on fewer workers when fewer are usable.
 
-    Reads `min_workers` and the rest of the run's settings from `run_config` and the trainer's `--config` and
-    `--output` from `args`. Off (`min_workers` unset or equal to `num_workers`) it launches as its parent does, and
-    still records the launch in `segments.json`.
+    Reads `min_workers` and the rest of the run's settings from its `config` (loaded once), and the trainer's files
+    from `config_url` and `output_url`, both required. Off (`min_workers` unset or equal to `num_workers`) it
+    launches as its parent does, and still records the launch in `segments.json`.
     """
 
     def plan_group(self, context: Any, spec: GroupSpec, backend: Backend) -> GroupSpec:
-        cfg = RunConfig.from_saved(self.run_config)
-        config_url, output = _arg(spec.args, "--config"), TrainOutput(_arg(spec.args, "--output"))
+        if not self.config_url or not self.output_url:
+            raise LaunchError(f"the elastic train task needs config_url and output_url (the trainer's --config and "
+                              f"--output), got {self.config_url!r} and {self.output_url!r}")
+        cfg, config_url, output = self.config, self.config_url, TrainOutput(self.output_url)
         capacity = Capacity(cfg.num_workers)
         if cfg.lowest_worker_count < cfg.num_workers:
             if spec.run_key:  # an earlier attempt's orphans hold GPUs until ended: end them before counting
@@ -82,8 +73,7 @@ class ElasticTrainOperator(TFMultiWorkerOperator):
                 config_url = join(output.url, f"config-{count}-workers.json")
                 # Pinned like prepare's: the workers refuse this file if it changes before they read it.
                 pinned = {**spec.env, CONFIG_SHA256_ENV: save_config(config_url, smaller)}
-                spec = replace(spec, num_workers=count, args=_replace_arg(spec.args, "--config", config_url),
-                               env=pinned)
+                spec = replace(spec, num_workers=count, args=self.worker_args(config_url), env=pinned)
                 self.log.warning(
                     "continued on %d of %d workers from step %d: %s; %d accumulation steps per worker keep the "
                     "global batch at %d sequences and every slot's data order (config %s)", count,

@@ -1,10 +1,11 @@
 """GPU admission: tasks that use GPUs queue for slots of the `gpu_slots` pool, one slot per GPU, and run on the
 Celery queue that the GPU hosts' workers serve.
 
-Whether a task uses GPUs, and how many, depends on the run's settings (`use_gpu`, `num_workers`: the trigger's conf
-over the Param defaults), but Airflow fixes a task instance's `pool` and `pool_slots` when it creates it and does not
-template them. So a cluster policy sets them: `task_instance_mutation_hook` runs in the scheduler, the API server
-and `airflow dags test` whenever a task instance is created or cleared, with the run at hand. It is registered by
+Whether a task uses GPUs, and how many, depends on the run's settings (`use_gpu`, `num_workers`: its `RunConfig`,
+built from the trigger's conf over the Param defaults), but Airflow fixes a task instance's `pool` and `pool_slots`
+when it creates it and does not template them. So a cluster policy sets them: `task_instance_mutation_hook` runs in
+the scheduler, the API server and `airflow dags test` whenever a task instance is created or cleared, with the run at
+hand. It is registered by
 `plugins/airflow_local_settings.py`, which Airflow imports in every component.
 
 A task opts in by declaring `pool=GPU_POOL` in the DAG. Its GPUs are one per worker: a worker group with a fixed
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from launcher.host_probe import NvmlUnavailable, nvml
 from tasks.queues import HOST_TASKS
-from trainer.config.launch import QUEUE_NAME
+from trainer.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:
     from airflow.models.dagrun import DagRun
@@ -47,25 +48,29 @@ POOL_DESCRIPTION = "GPUs on the training hosts: one slot per worker"
 RUN_GROUP_TASKS = frozenset({"evaluate"})
 
 
-def run_setting(task: Any, dag_run: DagRun, key: str) -> Any:
-    """A run setting as the tasks see it: the trigger's conf over the DAG's Param default."""
-    conf = dag_run.conf or {}
-    if key in conf:
-        return conf[key]
-    params = getattr(task, "params", None) or {}
-    return params.get(key)
+def run_config(task: Any, dag_run: DagRun) -> RunConfig | None:
+    """The run's config as its first task will build it: the trigger's conf over the DAG's Param defaults (no access
+    policy: the scheduler only routes). None when the conf is refused: prepare fails the run, naming the setting."""
+    params = getattr(task, "params", None)
+    defaults = params.dump() if hasattr(params, "dump") else dict(params or {})
+    try:
+        return RunConfig.of(**{**defaults, **(dag_run.conf or {})})
+    except ConfigError as error:
+        log.info("Run %s: its settings are refused (%s); its GPU tasks hold one slot until prepare fails it.",
+                 dag_run.run_id, error)
+        return None
 
 
-def gpus_needed(task: Any, use_gpu: Any, num_workers: Any) -> int:
-    """GPUs a task of `gpu_slots` holds in a run with these settings; 0 on the CPU."""
-    if use_gpu is not True:
+def gpus_needed(task: Any, cfg: RunConfig | None) -> int:
+    """GPUs a task of `gpu_slots` holds in a run with this config; 0 on the CPU, 1 for a refused config."""
+    if cfg is None:
+        return 1
+    if not cfg.use_gpu:
         return 0
     if getattr(task, "run_config", None) is None and getattr(task, "task_id", None) not in RUN_GROUP_TASKS:
         return 1  # a plain Python task, no worker group
     # A worker group's own count (the baseline's 1), else the run's (the scheduler sees only template fields).
-    workers = getattr(task, "num_workers", None) or num_workers
-    # A malformed num_workers fails the run's first task (RunConfig); until then it holds one slot.
-    return workers if isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1 else 1
+    return getattr(task, "num_workers", None) or cfg.num_workers
 
 
 def _pool_size(dag_run: DagRun) -> int | None:
@@ -87,24 +92,23 @@ def _pool_size(dag_run: DagRun) -> int | None:
     return slots
 
 
-def gpu_queue(task: Any, dag_run: DagRun) -> str:
-    """The queue a GPU task of this run goes to: the run's `gpu_queue`, else the task's own. A malformed value is
-    ignored here (the run's first task refuses it, naming the setting)."""
-    queue = run_setting(task, dag_run, "gpu_queue")
-    return queue if isinstance(queue, str) and QUEUE_NAME.fullmatch(queue) else task.queue
+def gpu_queue(task: Any, cfg: RunConfig | None) -> str:
+    """The queue a GPU task of this run goes to: the run's `gpu_queue`, else the task's own (also for a refused
+    config: the run's first task refuses it, naming the setting)."""
+    return (cfg.launch.gpu_queue if cfg else "") or task.queue
 
 
 def task_instance_mutation_hook(task_instance: TaskInstance, dag_run: DagRun | None) -> None:
     task = getattr(task_instance, "task", None)
     if dag_run is None or task is None:
         return  # not bound to a run yet: the hook runs again once it is
-    if task.task_id in HOST_TASKS and task.pool != GPU_POOL:
-        task_instance.queue = gpu_queue(task, dag_run)  # where the groups ran; no GPU slot
-        return
-    if task.pool != GPU_POOL:
+    if task.pool != GPU_POOL and task.task_id not in HOST_TASKS:
         return  # not a GPU task
-    task_instance.queue = gpu_queue(task, dag_run)
-    gpus = gpus_needed(task, run_setting(task, dag_run, "use_gpu"), run_setting(task, dag_run, "num_workers"))
+    cfg = run_config(task, dag_run)
+    task_instance.queue = gpu_queue(task, cfg)
+    if task.pool != GPU_POOL:
+        return  # a host task: where the groups ran, no GPU slot
+    gpus = gpus_needed(task, cfg)
     if gpus == 0:
         task_instance.pool, task_instance.pool_slots = DEFAULT_POOL, 1
         return

@@ -7,8 +7,7 @@ run's settings into a `KubernetesBackend`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from launcher.errors import LaunchError
 
@@ -16,6 +15,7 @@ if TYPE_CHECKING:
     from kubernetes.client import CoreV1Api, NetworkingV1Api
 
     from launcher.kubernetes import KubernetesBackend
+    from trainer.config import RunConfig
 
 
 def kubernetes_clients(conn_id: str) -> tuple[CoreV1Api, NetworkingV1Api]:
@@ -39,21 +39,18 @@ def kubernetes_clients(conn_id: str) -> tuple[CoreV1Api, NetworkingV1Api]:
     return hook.core_v1_client, NetworkingV1Api(api_client)
 
 
-def kubernetes_backend(settings: Mapping[str, Any]) -> KubernetesBackend:
-    """The backend for a run's settings (a `RunConfig.to_dict()`, checked by the prepare task; missing keys take
-    their defaults). Only the keys of this backend are read, so a test cluster may share this machine's disk."""
+def kubernetes_backend(cfg: RunConfig) -> KubernetesBackend:
+    """The backend for a run's `launch.kubernetes` settings (and `use_gpu`)."""
     from launcher.kubernetes import KubernetesBackend, KubernetesSettings
     from launcher.kubernetes_objects import PodSettings
-    from trainer.config import RunConfig
 
-    values = {**RunConfig().to_dict(), **{k: v for k, v in settings.items() if v is not None}}
+    pods = cfg.launch.kubernetes
     try:
-        pod = PodSettings(image=values["image"], gpus=values["gpus_per_worker"] or (1 if values["use_gpu"] else 0),
-                          cpu=values["cpu"], memory=values["memory"], node_selector=values["node_selector"],
-                          tolerations=tuple(values["tolerations"]), service_account=values["service_account"])
-        backend_settings = KubernetesSettings(namespace=values["namespace"], pod=pod,
-                                              keep_failed_pods=values["keep_failed_pods"],
-                                              conn_id=values["kubernetes_conn_id"])
+        pod = PodSettings(image=pods.image, gpus=pods.gpus_per_worker or (1 if cfg.use_gpu else 0), cpu=pods.cpu,
+                          memory=pods.memory, node_selector=pods.node_selector, tolerations=pods.tolerations,
+                          service_account=pods.service_account)
+        backend_settings = KubernetesSettings(namespace=pods.namespace, pod=pod, keep_failed_pods=pods.keep_failed_pods,
+                                              conn_id=pods.kubernetes_conn_id)
     except ValueError as error:
         raise LaunchError(f"backend kubernetes: {error}") from None
     core, networking = kubernetes_clients(backend_settings.conn_id)

@@ -1,7 +1,8 @@
 """TFMultiWorkerOperator: run one entry point on N TensorFlow workers as a single Airflow task.
 
-`__init__` only stores arguments; everything else happens in `execute`: the run's prepared configuration gives the
-backend, the worker count, GPU use, timeouts, storage root and connection (read once, from the one prepared XCom),
+`__init__` only stores arguments; everything else happens in `execute`: the run's prepared configuration, loaded
+once as a `RunConfig` (from the one prepared XCom, held to the access policy here), gives the backend, the worker
+count, GPU use, timeouts, storage root and connection,
 the storage connection is read (lazily, through the hook), the group is launched and supervised by
 `launcher`, and a run-state record is kept in object storage and XCom so the release task can end
 anything left behind. Every worker line reaches the task log prefixed with its rank; the per-rank log files are
@@ -22,10 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
-from types import SimpleNamespace
 from typing import Any
 
 from airflow.sdk import BaseOperator
@@ -79,66 +78,25 @@ class NotRetryableError(WorkerFailedError, AirflowFailException):
         self.args = (f"{result.error_message()}\n{note}",)
 
 
-def _policy_view(config: Mapping[str, Any]) -> SimpleNamespace:
-    """What the access policy reads of a configuration (`AccessPolicy.check_settings`), from the keys `config` has
-    and RunConfig's defaults for the rest: prepare checked its other rules, and a DAG's literal one may be partial."""
-    values = {**RunConfig().to_dict(), **{k: v for k, v in config.items() if k in RunConfig.__dataclass_fields__}}
-    for name in ("ssh_conn_ids", "alert_emails"):
-        values[name] = tuple(values[name] or ())
-    view = SimpleNamespace(**values)
-    for derived in ("is_preset_model", "promoted_source"):  # RunConfig's own rules, read off the same values
-        setattr(view, derived, getattr(RunConfig, derived).fget(view))
-    return view
-
-
-@dataclass(frozen=True)
-class GroupSettings:
-    """What launching a worker group reads of the run's prepared configuration. Prepare validated the whole of it
-    (`RunConfig`), so this only reads these keys, with `RunConfig`'s defaults for any that are absent (a test may
-    hand a few), and refuses a value of the wrong type: a DAG that passes something else than that XCom."""
-
-    backend: str
-    num_workers: int
-    use_gpu: bool
-    storage_root: str
-    storage_conn_id: str
-    startup_timeout_s: float
-    hang_timeout_s: float
-    preemption_checkpoint_s: float
-
-    @classmethod
-    def of(cls, config: Any) -> GroupSettings:
-        if not isinstance(config, Mapping):
-            raise TypeError(f"run_config must be the prepared run's configuration (a mapping), got {config!r}")
-        defaults = RunConfig().to_dict()
-        values = {}
-        for field in dataclasses.fields(cls):
-            value = config.get(field.name, defaults[field.name])
-            kinds = {"str": (str,), "int": (int,), "bool": (bool,), "float": (int, float)}[field.type]
-            if not isinstance(value, kinds) or isinstance(value, bool) and field.type != "bool":
-                raise TypeError(f"run_config[{field.name!r}] must be a {field.type}, got {value!r}: pass the "
-                                "prepared run's configuration (the prepare stage's XCom 'config')")
-            values[field.name] = value
-        return cls(**values)
-
-
 class TFMultiWorkerOperator(BaseOperator):
     """Launch `python -m <entrypoint> <args>` on the run's workers with per-rank TF_CONFIG; fail as one.
 
     :param entrypoint: module run on every worker (`python -m`), e.g. `trainer.train`.
     :param run_config: the run's prepared configuration (`RunConfig.to_dict()`, the prepare stage's XCom;
-        templated). It names the backend (`local` processes on this Airflow worker, `ssh` hosts, `kubernetes`
-        pods: `tf_multiworker.backends`), `num_workers`, `use_gpu` (one free GPU per worker, NVML; else
-        `CUDA_VISIBLE_DEVICES=""`), the timeouts, `storage_root` and `storage_conn_id` (S3 credentials handed to
-        workers as environment only).
+        templated), loaded once (`config`). It names the backend (`local` processes on this Airflow worker, `ssh`
+        hosts, `kubernetes` pods: `tf_multiworker.backends`), `num_workers`, `use_gpu` (one free GPU per worker,
+        NVML; else `CUDA_VISIBLE_DEVICES=""`), the timeouts, `storage_root` and `storage_conn_id` (S3 credentials
+        handed to workers as environment only).
+    :param config_url: the config file the workers load, passed as `--config` (templated; unset: none).
+    :param output_url: where the workers write, passed as `--output` (templated; unset: none).
     :param run_key: the run's key under `storage_root/runs/`; unset (the DAG's way): derived from the task's
         (dag_id, run_id) here, never read from XCom, where an editor could name another run's key and the sweep of
         earlier attempts would end that run's workers.
-    :param args: the entry point's arguments (templated). Its `--config`, `--manifest` and `--output` must lie in the
-        run's own storage layout (`tasks.policy.check_launch_urls`).
-    :param config_sha256: the sha256 the prepared run's XCom pinned for the `--config` file (templated); every worker
-        gets it as `CONFIG_SHA256_ENV` and refuses a file of another digest (trainer/config/pinned.py). Required
-        with `--config`.
+    :param args: the entry point's other arguments (templated). The argv's `--config`, `--manifest` and `--output`
+        must lie in the run's own storage layout (`tasks.policy.check_launch_urls`).
+    :param config_sha256: the sha256 the prepared run's XCom pinned for the `config_url` file (templated); every
+        worker gets it as `CONFIG_SHA256_ENV` and refuses a file of another digest (trainer/config/pinned.py).
+        Required with `config_url`.
     :param num_workers: launch this many workers instead of the configuration's (the one-worker baseline).
     :param summary_url: the chief's `summary.json`; when set it must exist after the workers succeed.
     :param env: extra environment variables for every worker (shown in the log: put no secrets here).
@@ -151,7 +109,8 @@ class TFMultiWorkerOperator(BaseOperator):
     """
 
     # num_workers is never a template: listed so that the scheduler's copy of the task has it (GPU admission).
-    template_fields: Sequence[str] = ("args", "run_config", "run_key", "config_sha256", "summary_url", "env",
+    template_fields: Sequence[str] = ("args", "run_config", "config_url", "output_url", "run_key", "config_sha256",
+                                      "summary_url", "env",
                                       "num_workers")
     ui_color = "#ffd8b1"
 
@@ -160,6 +119,8 @@ class TFMultiWorkerOperator(BaseOperator):
         *,
         entrypoint: str,
         run_config: dict[str, Any] | str,
+        config_url: str | None = None,
+        output_url: str | None = None,
         run_key: str | None = None,
         args: Sequence[Any] = (),
         config_sha256: str | None = None,
@@ -175,6 +136,8 @@ class TFMultiWorkerOperator(BaseOperator):
         super().__init__(**kwargs)
         self.entrypoint = entrypoint
         self.run_config = run_config
+        self.config_url = config_url
+        self.output_url = output_url
         self.run_key = run_key
         self.args = args
         self.config_sha256 = config_sha256
@@ -190,12 +153,20 @@ class TFMultiWorkerOperator(BaseOperator):
         self._live_metrics: LiveLineReader | None = None
 
     @cached_property
-    def settings(self) -> GroupSettings:
-        return GroupSettings.of(self.run_config)
+    def config(self) -> RunConfig:
+        """The run's configuration, loaded once in this process and held to the access policy again, here where its
+        environment is: a rewritten XCom launches nothing."""
+        if not isinstance(self.run_config, Mapping):
+            raise TypeError(f"run_config must be the prepared run's configuration (a mapping), got {self.run_config!r}")
+        try:
+            return RunConfig.from_saved(self.run_config, policy=AccessPolicy.from_env())
+        except ConfigError as error:
+            raise AirflowFailException(f"{self.task_id} launches no workers: its configuration is refused: "
+                                       f"{error}") from error
 
     @cached_property
     def hook(self) -> StorageCredentialsHook:
-        return StorageCredentialsHook(self.settings.storage_conn_id)
+        return StorageCredentialsHook(self.config.storage_conn_id)
 
     # -- Airflow entry points ---------------------------------------------------------------------------------
 
@@ -203,9 +174,9 @@ class TFMultiWorkerOperator(BaseOperator):
         self._refuse_a_run_that_is_over(context["ti"])
         self._check_run(context["ti"])
         spec = self._group_spec()
-        run = StorageLayout(absolute_root(self.settings.storage_root)).run(spec.run_key)
+        run = StorageLayout(absolute_root(self.config.storage_root)).run(spec.run_key)
         try:
-            backend = make_backend(self.settings.backend, self.run_config)
+            backend = make_backend(self.config)
         except UnknownBackendError as error:
             raise LaunchError(str(error)) from None
         try:
@@ -215,7 +186,7 @@ class TFMultiWorkerOperator(BaseOperator):
             raise
         self._live_metrics = LiveLineReader(run=spec.run_key, task=self.task_id)
         ti = context["ti"]
-        idle = IdleSettings.of(self.run_config if isinstance(self.run_config, Mapping) else {}, ti.run_id, self.task_id)
+        idle = IdleSettings.of(self.config, ti.run_id, self.task_id)
         if self._live_metrics.enabled or idle.max_idle_held_s:  # per-step lines: Airflow's metrics, step progress
             spec = dataclasses.replace(spec, env={**spec.env, LIVE_INTERVAL_ENV: str(LIVE_INTERVAL_S)})
         try:
@@ -247,24 +218,18 @@ class TFMultiWorkerOperator(BaseOperator):
             self.group.stop(f"task {self.task_id} was killed (SIGTERM, marked failed or execution_timeout)", grace_s)
 
     def _check_run(self, ti: Any) -> None:
-        """The run key from the task's own (dag_id, run_id) unless one was given, the configuration (XCom) held
-        to the access policy again, here where its environment is, and the storage URLs of the arguments held to
-        the run's layout: a rewritten one launches nothing."""
+        """The run key from the task's own (dag_id, run_id) unless one was given, the configuration loaded (and held
+        to the access policy again, here where its environment is), and the storage URLs of the argv held to the
+        run's layout: a rewritten one launches nothing."""
         if not self.run_key:
             self.run_key = layout_run_key(ti.dag_id, ti.run_id)
-        if not isinstance(self.run_config, Mapping):
-            return  # _group_spec refuses it, naming the type
-        try:
-            AccessPolicy.from_env().check_settings(_policy_view(self.run_config))
-        except ConfigError as error:
-            raise AirflowFailException(f"{self.task_id} launches no workers: its configuration is refused: "
-                                       f"{error}") from error
+        cfg = self.config
         if isinstance(self.args, (list, tuple)) and isinstance(self.run_key, str) and self.run_key:
             try:
-                check_launch_urls(self.args, self.settings.storage_root, self.run_key)
+                check_launch_urls(self.worker_args(self.config_url), cfg.storage_root, self.run_key)
             except ConfigError as error:
                 raise AirflowFailException(f"{self.task_id} launches no workers: {error}") from error
-            if "--config" in self.args and not self.config_sha256:
+            if "--config" in self.worker_args(self.config_url) and not self.config_sha256:
                 raise AirflowFailException(
                     f"{self.task_id} launches no workers: its --config has no pinned digest (config_sha256 is "
                     f"{self.config_sha256!r}): pass the prepared run's digest of that file (its XCom "
@@ -319,25 +284,33 @@ class TFMultiWorkerOperator(BaseOperator):
             raise TypeError(f"run_key must be the prepared run's key, got {self.run_key!r}")
         if self.config_sha256 is not None and not isinstance(self.config_sha256, str):
             raise TypeError(f"config_sha256 must be the prepared run's digest (a string), got {self.config_sha256!r}")
+        for name in ("config_url", "output_url"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a URL, got {getattr(self, name)!r}")
         env = {name: str(value) for name, value in (self.env or {}).items()}
         if self.config_sha256:  # after `env`: the pinned digest is the prepared run's, never a caller's
             env[CONFIG_SHA256_ENV] = self.config_sha256
-        settings = self.settings
+        cfg = self.config
         return GroupSpec(
             name=self.task_id,
             entrypoint=self.entrypoint,
-            args=tuple(str(arg) for arg in self.args),
-            num_workers=self.num_workers or settings.num_workers,
-            use_gpu=settings.use_gpu,
+            args=self.worker_args(self.config_url),
+            num_workers=self.num_workers or cfg.num_workers,
+            use_gpu=cfg.use_gpu,
             env=env,
             # The run key marks every worker of the run, so release finds even those no record names.
             run_key=self.run_key,
             secret_env=self.hook.env,
-            startup_timeout_s=settings.startup_timeout_s,
-            hang_timeout_s=settings.hang_timeout_s,
-            grace_period_s=max(self.grace_period_s, settings.preemption_checkpoint_s + PREEMPTION_MARGIN_S),
+            startup_timeout_s=cfg.launch.startup_timeout_s,
+            hang_timeout_s=cfg.launch.hang_timeout_s,
+            grace_period_s=max(self.grace_period_s, cfg.preemption_checkpoint_s + PREEMPTION_MARGIN_S),
             max_launch_attempts=self.max_launch_attempts,
         )
+
+    def worker_args(self, config_url: str | None) -> tuple[str, ...]:
+        """The entry point's argv: `--config <config_url>` and `--output <output_url>` when set, then `args`."""
+        files = (("--config", config_url), ("--output", self.output_url))
+        return (*(part for flag, url in files if url for part in (flag, str(url))), *(str(arg) for arg in self.args))
 
     def _log_worker_line(self, rank: int, line: str) -> None:
         if self._live_metrics is not None and self._live_metrics.consume(rank, line):

@@ -105,7 +105,7 @@ def test_params_are_generated_from_the_schema_in_its_order(dag):
     params = dag.params.dump()
     assert list(params) == [setting.name for setting in SETTINGS]
     assert sorted(params) == sorted(field_names())
-    defaults = RunConfig().to_dict()
+    defaults = RunConfig().settings()
     for name, value in params.items():
         if name != "storage_root":  # the DAG's default comes from the environment
             assert value == defaults[name], name
@@ -179,8 +179,9 @@ def test_worker_groups_read_the_prepared_paths(dag):
     train, baseline, preflight = (dag.get_task(t) for t in ("train", "baseline", "preflight"))
     assert train.entrypoint == baseline.entrypoint == "trainer.train"
     assert preflight.entrypoint == "trainer.preflight"
-    assert "'config_url'" in train.args[1] and "'train_url'" in train.args[-1]
-    assert "'baseline_config_url'" in baseline.args[1] and "'baseline_url'" in baseline.args[-1]
+    assert "'config_url'" in train.config_url and "'train_url'" in train.output_url
+    assert "'baseline_config_url'" in baseline.config_url and "'baseline_url'" in baseline.output_url
+    assert train.args[0] == "--manifest" and "'manifest_url'" in train.args[1]
     assert baseline.num_workers == 1 and train.num_workers is None and preflight.num_workers is None
     assert train.run_config == baseline.run_config == preflight.run_config  # the prepared configuration, once
     assert train.run_config.endswith("['config'] }}")

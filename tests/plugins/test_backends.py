@@ -9,9 +9,11 @@ from launcher.protocol import BACKEND_NAMES
 
 
 def test_unknown_backend_is_refused_with_the_setting_to_change():
+    from trainer.config import RunConfig
+
     with pytest.raises(UnknownBackendError, match=r"backend 'slurm' is not available: choose one of local.*"
                                                   r"\(setting 'backend'\)"):
-        make_backend("slurm")
+        make_backend(RunConfig(), "slurm")
 
 
 def test_one_backend_table_feeds_the_config_and_the_dag():
@@ -19,7 +21,7 @@ def test_one_backend_table_feeds_the_config_and_the_dag():
     from trainer.config import ConfigError, RunConfig
 
     assert PARAMS["backend"].schema["enum"] == list(BACKEND_NAMES)
-    assert make_backend("local", RunConfig().to_dict()).name == "local"
+    assert make_backend(RunConfig()).name == "local"
     assert set(FACTORIES) == set(BACKEND_NAMES)
     with pytest.raises(ConfigError, match="backend"):
-        RunConfig(backend="slurm")
+        RunConfig.of(backend="slurm")

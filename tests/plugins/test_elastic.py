@@ -90,9 +90,9 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
 
     case = {
         "entrypoint": "faulty_train", "operator": "elastic", "retries": 1,
-        "args": ["--config", run.config, "--manifest", manifest, "--output", run.train.url],
+        "args": ["--manifest", manifest],
+        "operator_args": {"config_url": run.config, "output_url": run.train.url, "config_sha256": digest},
         "env": entrypoint_env(),
-        "operator_args": {"config_sha256": digest},
         "env_by_try": {"1": {"TFMW_TEST_TRAIN_FAULT": f"3:{FAULT_STEP}", LOCAL_USABLE_WORKERS_ENV: None},
                        "2": {"TFMW_TEST_TRAIN_FAULT": None, LOCAL_USABLE_WORKERS_ENV: "2"}},
         "params": {"run_key": key, "run_config": {**cfg.to_dict(), "startup_timeout_s": 240, "hang_timeout_s": 240}},
@@ -165,9 +165,9 @@ def test_an_earlier_attempts_orphans_are_ended_before_capacity_is_counted():
 
     cfg = RunConfig(num_workers=4, min_workers=2, model="tiny", tokenizer="bpe:320", block_size=32, use_gpu=True)
     operator = ElasticTrainOperator(task_id="train", entrypoint="trainer.train", run_config=cfg.to_dict(),
-                                    run_key="run-1")
+                                    config_url="config.json", output_url="train", run_key="run-1")
     spec = GroupSpec(name="train", entrypoint="trainer.train", num_workers=4, use_gpu=True, run_key="run-1",
-                     args=("--config", "config.json", "--output", "train"))
+                     args=operator.worker_args("config.json"))
     with pytest.raises(CountingStopped):
         operator.plan_group({}, spec, RecordingBackend())
     assert calls == ["end_earlier_attempts", "capacity"]

@@ -81,13 +81,13 @@ def test_prepare_warns_when_several_workers_serve_the_gpu_queue(monkeypatch, cap
     monkeypatch.setattr(gpu_queues, "served_queues", lambda: {"gpu@a": ["gpu"], "gpu@b": ["gpu", "gpu-b"],
                                                              "default@c": ["default"]})
     with caplog.at_level(logging.INFO, logger="gpt_finetune.queues"):
-        gpu_queues.report_gpu_queue(RunConfig(gpu_queue="gpu"))
+        gpu_queues.report_gpu_queue(RunConfig.of(gpu_queue="gpu"))
     text = caplog.text
     assert "preflight, train, baseline, evaluate, release run on queue 'gpu', served by gpu@a, gpu@b" in text
     assert "served by 2 workers" in text and "airflow celery worker -q gpu,gpu-<host>" in text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="gpt_finetune.queues"):
-        gpu_queues.report_gpu_queue(RunConfig(gpu_queue="gpu-b"))
+        gpu_queues.report_gpu_queue(RunConfig.of(gpu_queue="gpu-b"))
     assert "served by gpu@b" in caplog.text and "WARNING" not in caplog.text
 
 

@@ -27,14 +27,15 @@ from tests.plugins.conftest import failure_excerpt
 from trainer.layout import StorageLayout
 from trainer.storage import read_bytes, read_json
 
-TEMPLATED = {"args", "run_config", "run_key", "config_sha256", "summary_url", "env", "num_workers"}
+TEMPLATED = {"args", "run_config", "config_url", "output_url", "run_key", "config_sha256", "summary_url", "env",
+             "num_workers"}
 SECRET = "s3cret-value-never-logged"
 HARNESS = Path(__file__).resolve().parent / "harness_dags" / "tfmw_harness.py"  # airflow_env: conftest.py
 
 
 def _operator(**changes) -> TFMultiWorkerOperator:
     kwargs = {"task_id": "train", "entrypoint": "trainer.train", "args": ["--config", "c"], "run_key": "r",
-              "run_config": {"num_workers": 3, "storage_root": "/tmp/x", "startup_timeout_s": 12.5}}
+              "run_config": {"num_workers": 3, "storage_root": "/tmp/x", "startup_timeout_s": 12}}
     return TFMultiWorkerOperator(**{**kwargs, **changes})
 
 
@@ -44,8 +45,10 @@ def test_what_the_dag_renders_is_templated():
 
 def test_the_group_follows_the_prepared_configuration():
     spec = _operator(args=["--steps", 5], env={"SEED": 7})._group_spec()
-    assert (spec.num_workers, spec.use_gpu, spec.startup_timeout_s, spec.max_launch_attempts) == (3, False, 12.5, 3)
+    assert (spec.num_workers, spec.use_gpu, spec.startup_timeout_s, spec.max_launch_attempts) == (3, False, 12, 3)
     assert spec.args == ("--steps", "5")
+    files = _operator(config_url="s3://b/config.json", output_url="s3://b/train", args=["--manifest", "m"])
+    assert files._group_spec().args == ("--config", "s3://b/config.json", "--output", "s3://b/train", "--manifest", "m")
     assert dict(spec.env) == {"SEED": "7"} and spec.run_key == "r"  # the group marks every worker with the key
     assert _operator(num_workers=1)._group_spec().num_workers == 1  # the one-worker baseline
 
@@ -239,6 +242,15 @@ def _finish(process: subprocess.Popen, timeout: float) -> None:
             process.wait()
 
 
+def s3_run_storage(s3_server: str, tmp_path: Path, password: str = "test-secret") -> tuple[dict, dict]:
+    """(run settings, environment) of a storage root on the test S3 server, through the connection `run_storage` (of
+    the test deployment's allow-list, tests/conftest.py): workers on other hosts or in pods need one (RunConfig)."""
+    connection = {"conn_type": "aws", "login": "test-key", "password": password,
+                  "extra": {"endpoint_url": s3_server, "region_name": "us-east-1"}}
+    return ({"storage_root": f"s3://runs/{tmp_path.name}", "storage_conn_id": "run_storage"},
+            {"AIRFLOW_CONN_RUN_STORAGE": json.dumps(connection)})
+
+
 def test_success_on_s3_with_credentials_from_a_connection(airflow_env, tmp_path, s3_server):
     connection = {"conn_type": "aws", "login": "test-key", "password": SECRET,
                   "extra": {"endpoint_url": s3_server, "region_name": "us-east-1"}}
@@ -342,17 +354,21 @@ def test_sigkill_of_the_task_mid_training_leaves_no_worker_of_a_quiet_tf_run(air
 
 # -- over SSH (real sshd hosts on 127.0.0.2 and 127.0.0.3, tests/support/sshd.py) --------------------------------------
 
-def _ssh_env(ssh_hosts) -> dict[str, str]:
-    return {name: value for host in ssh_hosts for name, value in host.connection_env().items()}
+def _ssh_env(ssh_hosts, s3_server, tmp_path) -> dict[str, str]:
+    return {**{name: value for host in ssh_hosts for name, value in host.connection_env().items()},
+            **s3_run_storage(s3_server, tmp_path)[1]}
 
 
-def _ssh_case(tmp_path, ssh_hosts, **kwargs) -> Path:
-    return _case(tmp_path, backend="ssh", ssh_conn_ids=[h.conn_id for h in ssh_hosts], **kwargs)
+def _ssh_case(tmp_path, ssh_hosts, s3_server, **kwargs) -> Path:
+    return _case(tmp_path, backend="ssh", ssh_conn_ids=[h.conn_id for h in ssh_hosts],
+                 **s3_run_storage(s3_server, tmp_path)[0], **kwargs)
 
 
-def test_a_worker_sigkilled_on_one_ssh_host_fails_the_task_naming_host_and_rank(airflow_env, tmp_path, ssh_hosts):
-    case = _ssh_case(tmp_path, ssh_hosts, worker_env={"TINY_WORKER_FAULT": "1:sigkill"}, run_key="ssh-kill1")
-    process, out, log = _start(airflow_env, case, tmp_path, _ssh_env(ssh_hosts))
+def test_a_worker_sigkilled_on_one_ssh_host_fails_the_task_naming_host_and_rank(airflow_env, tmp_path, ssh_hosts,
+                                                                                s3_server):
+    case = _ssh_case(tmp_path, ssh_hosts, s3_server, worker_env={"TINY_WORKER_FAULT": "1:sigkill"},
+                     run_key="ssh-kill1")
+    process, out, log = _start(airflow_env, case, tmp_path, _ssh_env(ssh_hosts, s3_server, tmp_path))
     _finish(process, timeout=120)
     task_log = log.read_text(errors="replace")
     result = json.loads(out.read_text())
@@ -364,10 +380,10 @@ def test_a_worker_sigkilled_on_one_ssh_host_fails_the_task_naming_host_and_rank(
     assert processes_of_run("ssh-kill1") == {}, "a process of the run outlived the task on some host"
 
 
-def test_sigterm_to_the_task_ends_every_remote_process_within_10_seconds(airflow_env, tmp_path, ssh_hosts):
-    case = _ssh_case(tmp_path, ssh_hosts, worker_env={"TINY_WORKER_STEPS": "100000", "TINY_WORKER_STEP_S": "0.1"},
-                     run_key="ssh-term1")
-    process, out, log = _start(airflow_env, case, tmp_path, _ssh_env(ssh_hosts))
+def test_sigterm_to_the_task_ends_every_remote_process_within_10_seconds(airflow_env, tmp_path, ssh_hosts, s3_server):
+    case = _ssh_case(tmp_path, ssh_hosts, s3_server,
+                     worker_env={"TINY_WORKER_STEPS": "100000", "TINY_WORKER_STEP_S": "0.1"}, run_key="ssh-term1")
+    process, out, log = _start(airflow_env, case, tmp_path, _ssh_env(ssh_hosts, s3_server, tmp_path))
     try:
         deadline = time.monotonic() + 120
         while "[rank 1 host " not in log.read_text(errors="replace") or len(processes_of_run("ssh-term1")) < 4:
@@ -386,9 +402,9 @@ def test_sigterm_to_the_task_ends_every_remote_process_within_10_seconds(airflow
     assert json.loads(out.read_text())["task_states"]["group"] == "failed"
 
 
-def test_sigkill_of_the_task_mid_training_leaves_no_remote_worker(airflow_env, tmp_path, ssh_hosts):
-    case = _ssh_case(tmp_path, ssh_hosts, worker_env={"TINY_WORKER_STEPS": "3", "TINY_WORKER_STEP_S": "600"},
+def test_sigkill_of_the_task_mid_training_leaves_no_remote_worker(airflow_env, tmp_path, ssh_hosts, s3_server):
+    case = _ssh_case(tmp_path, ssh_hosts, s3_server, worker_env={"TINY_WORKER_STEPS": "3", "TINY_WORKER_STEP_S": "600"},
                      run_key="kill9-ssh")
-    process, _, log = _start(airflow_env, case, tmp_path, _ssh_env(ssh_hosts))
+    process, _, log = _start(airflow_env, case, tmp_path, _ssh_env(ssh_hosts, s3_server, tmp_path))
     gone_s = _sigkill_mid_training(process, log, "kill9-ssh", "[rank 1 host ", workers=4)
     print(f"\nSIGKILL of an SSH task while its workers print nothing: remote processes gone after {gone_s:.2f} s")

@@ -61,8 +61,12 @@ def connection(cluster: FakeKubernetes) -> dict[str, str]:
 
 
 def pod_case(tmp_path: Path, backend_name: str = "kubernetes", **kwargs) -> Path:
-    return _case(tmp_path, backend=backend_name, kubernetes_conn_id=CONN_ID, namespace="default",
+    """A harness case whose pods share this machine's disk, as the fake cluster's do (a real cluster's pods do not:
+    RunConfig refuses a local storage root for them, and the harness lifts that one rule for this case)."""
+    case = _case(tmp_path, backend=backend_name, kubernetes_conn_id=CONN_ID, namespace="default",
                  image="gpt-finetune-trainer:test", **kwargs)
+    case.write_text(json.dumps({**json.loads(case.read_text()), "shared_disk": True}))
+    return case
 
 
 def run_case(airflow_env, cluster, case: Path, tmp_path: Path, timeout: float) -> tuple[dict, str]:

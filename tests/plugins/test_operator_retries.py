@@ -73,9 +73,10 @@ def test_the_group_grace_covers_the_preemption_checkpoint_deadline():
 # -- through Airflow's task runner ------------------------------------------------------------------------------
 
 def _run(airflow_env, tmp_path, **case) -> tuple[dict, str]:
+    harness = {key: case.pop(key) for key in ("retries", "operator_args") if key in case}
     case_file = _case(tmp_path, **case)
     extra = json.loads(case_file.read_text())
-    extra.update({key: case.pop(key) for key in ("retries", "operator_args") if key in case})
+    extra.update(harness)
     case_file.write_text(json.dumps(extra))
     process, out, log = _start(airflow_env, case_file, tmp_path)
     _finish(process, timeout=420)

@@ -100,7 +100,7 @@ def test_failure_reason_is_one_line(error, reason):
 def test_a_stopped_run_and_throughput_warnings_are_mailed(smtp):
     alerts.alert_run_stopped({"alert_conn_id": "alerts_smtp", "alert_emails": ["ops@example.com"]}, RUN_ID,
                              "The run stopped before 'promote' succeeded")
-    cfg = RunConfig(alert_conn_id="alerts_smtp", alert_emails=("ops@example.com",))
+    cfg = RunConfig.of(alert_conn_id="alerts_smtp", alert_emails=("ops@example.com",))
     alerts.alert_throughput(cfg, RUN_ID, ["1,000 tokens/s is 20% of the 5,000 the preflight advisor predicted"])
     stopped, slow = smtp.messages
     assert stopped["Subject"] == f"[gpt_finetune] run {RUN_ID} stopped"
@@ -110,13 +110,13 @@ def test_a_stopped_run_and_throughput_warnings_are_mailed(smtp):
 
 
 def test_the_alert_connection_is_checked_before_launch(smtp):
-    alerts.check_alert_connection(RunConfig(alert_conn_id="alerts_smtp", alert_emails=("ops@example.com",)))
+    alerts.check_alert_connection(RunConfig.of(alert_conn_id="alerts_smtp", alert_emails=("ops@example.com",)))
     alerts.check_alert_connection(RunConfig())  # no alerts: nothing to look up
     with pytest.raises(ConfigError, match="'alert_conn_id' = 'missing': no Airflow connection has this id"):
-        alerts.check_alert_connection(RunConfig(alert_conn_id="missing", alert_emails=("ops@example.com",)))
+        alerts.check_alert_connection(RunConfig.of(alert_conn_id="missing", alert_emails=("ops@example.com",)))
     with pytest.raises(ConfigError, match=r"is a connection of type 'aws'; alerts are sent through connections "
                                           r"of type \['smtp'\]"):
-        alerts.check_alert_connection(RunConfig(alert_conn_id="storage_s3", alert_emails=("ops@example.com",)))
+        alerts.check_alert_connection(RunConfig.of(alert_conn_id="storage_s3", alert_emails=("ops@example.com",)))
 
 
 # -- bounded in time, checked in the callback (issue 37: review findings 5 and 7) ---------------------------------
@@ -214,7 +214,7 @@ def test_the_throughput_alert_in_evaluate_is_bounded_too(stalling, monkeypatch):
     """evaluate holds GPU slots while it sends: the same deadline applies."""
     monkeypatch.setattr(alerts, "ALERT_DEADLINE_S", 1.0)
     started = time.monotonic()
-    alerts.alert_throughput(RunConfig(alert_conn_id="alerts_silent", alert_emails=("ops@example.com",)), RUN_ID,
+    alerts.alert_throughput(RunConfig.of(alert_conn_id="alerts_silent", alert_emails=("ops@example.com",)), RUN_ID,
                             ["1,000 tokens/s is 20% of the 5,000 the preflight advisor predicted"])
     assert time.monotonic() - started < 2.0
 
@@ -252,7 +252,7 @@ def test_refused_alert_settings_send_nothing_and_say_why(smtp, caplog, params, w
 
 
 def test_a_run_id_with_a_newline_makes_a_one_line_subject(smtp):
-    cfg = RunConfig(alert_conn_id="alerts_smtp", alert_emails=("ops@example.com",))
+    cfg = RunConfig.of(alert_conn_id="alerts_smtp", alert_emails=("ops@example.com",))
     alerts.alert_throughput(cfg, "manual__1\n", ["slow"])
     (message,) = smtp.messages
     assert message["Subject"] == "[gpt_finetune] run manual__1\\n: throughput below expectation"

@@ -121,9 +121,9 @@ def test_a_trigger_outside_the_allow_lists_is_refused_in_prepare_and_nothing_is_
         {"conn_type": "aws", "login": "db-user", "password": "db-secret-pw"}))
     made = []
 
-    def recording_backend(name, settings):
-        made.append(name)
-        return make_backend(name, settings)
+    def recording_backend(cfg, name=None):
+        made.append(name or cfg.launch.backend)
+        return make_backend(cfg, name)
 
     params = {"backend": "kubernetes", "storage_root": f"{s3_bucket}/gpt", setting: value}
     with pytest.raises(AirflowFailException, match=rf"Setting '{setting}' = '{value}' is outside the .*\({variable}="):

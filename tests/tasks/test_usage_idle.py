@@ -14,6 +14,7 @@ from tasks.launch import IdleSettings, RecordedLaunch, live_step
 from tasks.report import render_markdown
 from tasks.usage_record import load_attempts, run_usage
 from tests.launcher.conftest import entrypoint_env
+from trainer.config import RunConfig
 from trainer.layout import StorageLayout, run_key
 from trainer.metrics import LIVE_PREFIX
 
@@ -39,7 +40,7 @@ def test_ranks_that_talk_but_do_not_train_warn_once_live_and_a_hanging_mail_neve
         return True
 
     monkeypatch.setattr(alerts, "send_alert", hanging_send)
-    config = {"max_idle_held_s": 1, "idle_gpu_util_pct": 5, "alert_conn_id": "smtp", "alert_emails": ["a@b.example"]}
+    config = RunConfig.of(max_idle_held_s=1, idle_gpu_util_pct=5, alert_conn_id="smtp", alert_emails=["a@b.example"])
     run = StorageLayout(str(tmp_path / "storage")).run("run-1")
     spec = GroupSpec(name="train", entrypoint="tiny_worker", num_workers=2, run_key="run-1", startup_timeout_s=60,
                      hang_timeout_s=60, grace_period_s=2,

@@ -126,7 +126,7 @@ def test_the_levers_never_offer_a_setting_the_run_cannot_take():
 
 def test_the_gate_fails_below_the_limit_with_the_table():
     advice = advisor.advise(
-        cfg=RunConfig(num_workers=2, min_predicted_efficiency=0.9),
+        cfg=RunConfig.of(num_workers=2, min_predicted_efficiency=0.9),
         collectives={"bandwidth": {"busbw_gbps": 0.4}, "latency": {"p50_ms": 1.0}},
         workers=[{"rank": 0, "host": "h"}, {"rank": 1, "host": "h"}],
         step={"seconds_per_step": 0.05, "parameters": 250_000, "gradient_dtype": "float32", "source": "probe"},
@@ -152,7 +152,7 @@ def test_min_predicted_efficiency_fails_a_two_worker_cpu_preflight_in_seconds_wi
 
     manifest = write_dataset(tmp_path / "dataset", sorted((REPO / "data" / "sample").glob("*.txt")), block_size=32,
                              vocab_size=320, num_train_shards=4, max_chars=20_000)
-    cfg = RunConfig(num_workers=2, model="tiny", tokenizer="bpe:320", block_size=32, batch_size_per_worker=4,
+    cfg = RunConfig.of(num_workers=2, model="tiny", tokenizer="bpe:320", block_size=32, batch_size_per_worker=4,
                     max_steps=10, warmup_steps=1, storage_root=str(tmp_path), collective_timeout_s=60,
                     min_predicted_efficiency=0.9)
     (tmp_path / "config.json").write_text(cfg.to_json())

@@ -57,7 +57,7 @@ def test_preflight_fails_when_the_asked_count_is_predicted_over_the_budget():
 
 
 def _cfg(tmp_path, **changes):
-    return RunConfig(storage_root=str(tmp_path), max_steps=3600, num_workers=4, **changes)
+    return RunConfig.of(storage_root=str(tmp_path), max_steps=3600, num_workers=4, **changes)
 
 
 def _earlier(tmp_path, key="earlier", **config):

@@ -9,8 +9,10 @@ place where that policy is checked. Every later task and every worker loads the 
 pod, an SSH host) needs none of the policy's variables: a worker loads it through `trainer.config.pinned`, which
 refuses a file that is not the one the Airflow side checked (its sha256 is pinned in the worker's environment).
 
-`RunConfig` holds the fields; their rules are one job per module: `core` (model, tokenizer, data, training,
-promotion and monitoring; the bounds of every numeric setting), `launch` (backend, worker counts, SSH hosts,
+`RunConfig` holds the core training settings and one section per concern (`sections`: launch with ssh and
+kubernetes, promotion, monitoring), as Model Garden nests its `ExperimentConfig`. One job per module: `schema`
+(every setting's default, type, bounds, choices and format: the DAG's Params are generated from it), `core` (the
+rules of model, tokenizer, data, training, promotion and monitoring), `launch` (backend, worker counts, SSH hosts,
 Kubernetes pods, collectives, the GPU queue) and `access` (the places settings may name, from the environment).
 
 The package must stay importable without Airflow and without TensorFlow: the DAG, the tasks and every worker
@@ -28,114 +30,97 @@ from typing import Any
 
 from trainer.config import schema
 from trainer.config.access import AccessPolicy
-from trainer.config.core import (
-    BPE_SPEC,
-    EXPORT_FORMATS,
-    MODEL_PRESETS,
-    PROMOTED_MODEL,
-    ConfigError,
-    check_core_settings,
-    coerce,
-)
-from trainer.config.launch import (
-    DEFAULT_TRAINER_IMAGE,
-    check_launch_settings,
-    exact_worker_counts,
-    resolve_communication,
+from trainer.config.core import BPE_SPEC, MODEL_PRESETS, PROMOTED_MODEL, ConfigError, check_core_settings
+from trainer.config.launch import check_launch_settings, exact_worker_counts, resolve_communication
+from trainer.config.schema import default
+from trainer.config.sections import (
+    SECTION_TYPES,
+    KubernetesConfig,
+    LaunchConfig,
+    MonitoringConfig,
+    PromotionConfig,
+    SSHConfig,
+    check_fields,
+    thawed,
 )
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Every setting of one pipeline run. Field order is the order shown in logs and reports."""
+    """Every setting of one pipeline run: the core training settings, then the sections by concern.
 
-    num_workers: int = 2
-    min_workers: int | None = None
-    backend: str = "local"
-    ssh_conn_ids: tuple[str, ...] = ()
-    workers_per_host: int = 0
-    remote_python: str = ""
-    remote_workdir: str = ""
-    dataset: str = "data/sample/*.txt"
-    text_column: str = "text"
-    tokenizer: str = "bpe:2048"
-    model: str = "tiny"
-    # A hub model's branch, tag or commit; prepare pins it to the commit sha (tasks/base_models.py). "": main.
-    model_revision: str = ""
-    block_size: int = 64
-    batch_size_per_worker: int = 8
-    max_steps: int = 300
-    epochs: float = 1.0
-    learning_rate: float = 3e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.01
-    grad_accum_steps: int = 1
-    mixed_precision: str = "no"
-    xla: bool = False
-    use_gpu: bool = False
-    baseline: str = "auto"
-    loss_tolerance: float = 0.02
-    storage_root: str = "storage"
-    storage_conn_id: str = ""
-    seed: int = 1234
-    val_fraction: float = 0.05
-    # Validation tokens each model is evaluated on: a fixed sample of the split (trainer/eval_sample.py); 0 = all.
-    eval_tokens: int = 1_000_000
-    num_shards: int = 0
-    # prepare (tasks/dataset): mapped tasks (0 = from the corpus size, 1 = one task), unit size, BPE sample, and the
-    # longest document (a longer paragraph, JSON line or Parquet cell is cut into several: tasks/dataset/readers.py)
-    prepare_tasks: int = 0
-    prepare_unit_mb: int = 0
-    bpe_sample_mb: int = 256
-    max_document_mb: int = 4
-    checkpoint_every_steps: int = 20
-    # SIGTERM with notice (spot reclaim, node drain, pod deletion): every rank saves a checkpoint within this many
-    # seconds and exits; the next attempt resumes there (0 = off: SIGTERM ends a worker at once). The group's grace
-    # before SIGKILL (the stop ladder, a pod's terminationGracePeriodSeconds) is at least this plus a margin.
-    preemption_checkpoint_s: int = 8
-    communication: str = "auto"
-    # Gradient communication (trainer/allreduce.py): the dtype on the wire and the all-reduce pack size (0 = one).
-    allreduce_dtype: str = "float32"
-    allreduce_pack_mb: float = 32.0
-    collective_timeout_s: int = 300
-    startup_timeout_s: int = 180
-    hang_timeout_s: int = 600
-    model_name: str = "gpt_finetune"
-    promotion_tolerance: float = 0.0
-    promote: str = "auto"
-    # Serving formats written beside the TF model and checked for parity before promotion (trainer/export.py).
-    export_formats: tuple[str, ...] = EXPORT_FORMATS
-    # backend=kubernetes (launcher/kubernetes.py)
-    kubernetes_conn_id: str = ""
-    namespace: str = "default"
-    image: str = DEFAULT_TRAINER_IMAGE
-    gpus_per_worker: int = 0
-    cpu: str = ""
-    memory: str = ""
-    node_selector: dict[str, str] = field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = field(default_factory=list)
-    service_account: str = ""
-    keep_failed_pods: bool = False
-    min_predicted_efficiency: float = 0.0
-    # The Celery queue of the tasks that hold gpu_slots (plugins/tf_multiworker/gpu_admission.py); "": the default.
-    gpu_queue: str = ""
-    # Monitoring (docs/monitoring.md): fail fast when the loss diverges; warn when throughput collapses; alerts.
-    max_loss_rise: float = 3.0
-    min_throughput_ratio: float = 0.5
-    alert_conn_id: str = ""
-    alert_emails: tuple[str, ...] = ()
-    # GPU time and cost (tasks/usage.py, tasks/pricing.py): which rate of the operator's table applies, and the
-    # warnings (0 = off) and budget (preflight fails when the advisor predicts the asked count over it).
-    capacity: str = "on_demand"
-    max_idle_held_s: int = 900
-    idle_gpu_util_pct: int = 5
-    min_cost_efficiency: float = 0.5
-    max_release_s: int = 300
-    max_run_cost: float = 0.0
+    Attributes:
+        num_workers: data-parallel workers (one GPU each with use_gpu).
+        min_workers: the fewest a retried train task may continue on (None: num_workers).
+        dataset: the corpus: a local path, file:// or s3:// URL (globs), or a hub dataset id.
+        text_column: the column holding the text in structured files.
+        tokenizer: bpe:<vocab> (trained here), a hub name or a path/URL.
+        model: a preset, a hub name, a save_pretrained path/URL, or promoted[:<name>].
+        model_revision: a hub model's branch, tag or commit; prepare pins it to the commit sha.
+        block_size, batch_size_per_worker, max_steps, epochs, learning_rate, warmup_steps, weight_decay,
+            grad_accum_steps, mixed_precision, xla, use_gpu, seed: the training run.
+        baseline: the single-worker baseline: auto (reuse a matching one), run or skip.
+        loss_tolerance: the allowed eval-loss gap between the baseline and the distributed model (nats).
+        storage_root: where shards, checkpoints and reports go; storage_conn_id: its S3 credentials' connection.
+        val_fraction, eval_tokens: the validation split and the sample each model is scored on (0: all of it).
+        num_shards, prepare_tasks, prepare_unit_mb, bpe_sample_mb, max_document_mb: how prepare writes the data.
+        checkpoint_every_steps, preemption_checkpoint_s: checkpoints, and the deadline of one on SIGTERM.
+        communication, allreduce_dtype, allreduce_pack_mb, collective_timeout_s: the gradient all-reduce and the
+            preflight's bound on its collectives.
+        launch: where and how the worker groups run (`LaunchConfig`, with `ssh` and `kubernetes`).
+        promotion: what the trained model becomes (`PromotionConfig`).
+        monitoring: gates, warnings, alerts and cost (`MonitoringConfig`).
+
+    Bounds, choices and defaults are the schema's (`schema.py`); `to_dict()` is nested by section, and the Params,
+    `--conf` and `settings()` name every setting flat.
+    """
+
+    num_workers: int = default("num_workers")
+    min_workers: int | None = default("min_workers")
+    dataset: str = default("dataset")
+    text_column: str = default("text_column")
+    tokenizer: str = default("tokenizer")
+    model: str = default("model")
+    model_revision: str = default("model_revision")
+    block_size: int = default("block_size")
+    batch_size_per_worker: int = default("batch_size_per_worker")
+    max_steps: int = default("max_steps")
+    epochs: float = default("epochs")
+    learning_rate: float = default("learning_rate")
+    warmup_steps: int = default("warmup_steps")
+    weight_decay: float = default("weight_decay")
+    grad_accum_steps: int = default("grad_accum_steps")
+    mixed_precision: str = default("mixed_precision")
+    xla: bool = default("xla")
+    use_gpu: bool = default("use_gpu")
+    baseline: str = default("baseline")
+    loss_tolerance: float = default("loss_tolerance")
+    storage_root: str = default("storage_root")
+    storage_conn_id: str = default("storage_conn_id")
+    seed: int = default("seed")
+    val_fraction: float = default("val_fraction")
+    eval_tokens: int = default("eval_tokens")
+    num_shards: int = default("num_shards")
+    prepare_tasks: int = default("prepare_tasks")
+    prepare_unit_mb: int = default("prepare_unit_mb")
+    bpe_sample_mb: int = default("bpe_sample_mb")
+    max_document_mb: int = default("max_document_mb")
+    checkpoint_every_steps: int = default("checkpoint_every_steps")
+    preemption_checkpoint_s: int = default("preemption_checkpoint_s")
+    communication: str = default("communication")
+    allreduce_dtype: str = default("allreduce_dtype")
+    allreduce_pack_mb: float = default("allreduce_pack_mb")
+    collective_timeout_s: int = default("collective_timeout_s")
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    promotion: PromotionConfig = field(default_factory=PromotionConfig)
+    monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
 
     def __post_init__(self) -> None:
-        for spec in dataclasses.fields(self):  # direct construction and replace() get from_saved's checks
-            coerce(spec.name, getattr(self, spec.name), spec)
+        check_fields(self)
+        for name in ("launch", "promotion", "monitoring"):
+            kind = SECTION_TYPES[name]
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"RunConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
         check_core_settings(self)
         check_launch_settings(self)
 
@@ -143,9 +128,9 @@ class RunConfig:
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any], policy: AccessPolicy | None = None) -> RunConfig:
-        """Build from DAG params / `--conf`: every key is checked, and the locations they name are held to
-        `policy` (default: the one of this process's environment)."""
-        cfg = cls._from_mapping(params)
+        """Build from DAG params / `--conf` (flat: one key per setting): every key is checked, and the locations they
+        name are held to `policy` (default: the one of this process's environment)."""
+        cfg = cls.of(**params)
         (policy or AccessPolicy.from_env()).check_settings(cfg)
         return cfg
 
@@ -156,38 +141,49 @@ class RunConfig:
         where the policy's environment is (every Airflow task: `AccessPolicy.from_env()`), so that a config
         rewritten in XCom or storage reaches no further than the trigger form could. A worker's environment holds
         no policy (the launcher passes none on): it loads what the Airflow side checked, pinned by its digest
-        (`trainer.config.pinned.load_pinned_config`)."""
-        cfg = cls._from_mapping(saved)
+        (`trainer.config.pinned.load_pinned_config`).
+
+        Nested (this version's `to_dict()`) or flat (the Params' shape, as runs before the sections saved it: an
+        earlier run's report.json or baseline config) are both read."""
+        cfg = cls.of(**schema.flat_settings(saved))
         if policy is not None:
             policy.check_settings(cfg)
         return cfg
 
     @classmethod
-    def _from_mapping(cls, params: Mapping[str, Any]) -> RunConfig:
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(params) - set(known))
+    def of(cls, **settings: Any) -> RunConfig:
+        """From settings by their flat names (the Params' keys), the others at their defaults; unknown keys, types,
+        bounds and rules checked, no access policy."""
+        unknown = sorted(set(settings) - set(schema.BY_NAME))
         if unknown:
             raise ConfigError(
-                f"Unknown run setting(s) {unknown}: allowed keys are {sorted(known)}. "
+                f"Unknown run setting(s) {unknown}: allowed keys are {sorted(schema.BY_NAME)}. "
                 "Check the spelling in --conf or the trigger form."
             )
-        values = dict(params)
-        # The trigger form sends null for an optional field the user cleared: empty (min_workers: unset).
-        for name, value in values.items():
-            if value is None and schema.BY_NAME[name].optional:
-                values[name] = schema.BY_NAME[name].default
-        return cls(**{name: coerce(name, value, known[name]) for name, value in values.items()})
+        sections: dict[str, dict[str, Any]] = {section: {} for section in schema.SECTIONS}
+        for name, value in settings.items():
+            setting = schema.BY_NAME[name]
+            # The trigger form sends null for an optional field the user cleared: empty (min_workers: unset).
+            sections[setting.section][name] = setting.default if value is None and setting.optional else value
+        launch = LaunchConfig(ssh=SSHConfig(**sections["launch.ssh"]),
+                              kubernetes=KubernetesConfig(**sections["launch.kubernetes"]), **sections["launch"])
+        return cls(launch=launch, promotion=PromotionConfig(**sections["promotion"]),
+                   monitoring=MonitoringConfig(**sections["monitoring"]), **sections[""])
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting by its flat name, in the schema's order, JSON-shaped: the Params' form of this config."""
+        return {setting.name: thawed(schema.value_of(self, setting.name)) for setting in schema.SETTINGS}
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-shaped (lists, not tuples): what `from_saved` takes back."""
-        return {name: list(value) if isinstance(value, tuple) else value
-                for name, value in dataclasses.asdict(self).items()}
+        """JSON-shaped and nested by section (lists, not tuples): what `from_saved` takes back."""
+        return _nested(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
     def replace(self, **changes: Any) -> RunConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with settings changed by their flat names (`cfg.replace(num_workers=1, export_formats=())`)."""
+        return self.of(**{**self.settings(), **changes})
 
     # -- derived values ----------------------------------------------------------------------------------------
 
@@ -229,7 +225,7 @@ class RunConfig:
     def promoted_source(self) -> str | None:
         """The registered model name `model` continues from (`promoted`, `promoted:<name>`), else None."""
         if self.model == PROMOTED_MODEL:
-            return self.model_name
+            return self.promotion.model_name
         prefix = PROMOTED_MODEL + ":"
         return self.model[len(prefix):] if self.model.startswith(prefix) else None
 
@@ -260,14 +256,23 @@ class RunConfig:
 
     def summary_lines(self) -> list[str]:
         """One `key = value` line per setting, for the single log of the config."""
-        width = max(len(name) for name in self.to_dict())
-        lines = [f"{name:<{width}} = {value!r}" for name, value in self.to_dict().items()]
+        settings = self.settings()
+        width = max(len(name) for name in settings)
+        lines = [f"{name:<{width}} = {value!r}" for name, value in settings.items()]
         lines.append(f"{'global_batch_size':<{width}} = {self.global_batch_size} (derived)")
         return lines
 
 
+def _nested(config: Any) -> dict[str, Any]:
+    values = {spec.name: getattr(config, spec.name) for spec in dataclasses.fields(config)}
+    return {name: _nested(value) if dataclasses.is_dataclass(value) else thawed(value)
+            for name, value in values.items()}
+
+
 def field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(RunConfig)]
+    """Every setting's flat name, in the schema's (the trigger form's) order."""
+    return [setting.name for setting in schema.SETTINGS]
 
 
-__all__ = ["MODEL_PRESETS", "AccessPolicy", "ConfigError", "RunConfig", "field_names"]
+__all__ = ["MODEL_PRESETS", "AccessPolicy", "ConfigError", "KubernetesConfig", "LaunchConfig", "MonitoringConfig",
+           "PromotionConfig", "RunConfig", "SSHConfig", "field_names"]

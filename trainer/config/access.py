@@ -174,14 +174,14 @@ class AccessPolicy:
 
 def _execution_settings(cfg: Any) -> list[tuple[str, str]]:
     """(setting, value) of every execution and credential setting the run uses, one pair per list entry."""
-    chosen = [("storage_conn_id", cfg.storage_conn_id), ("alert_conn_id", cfg.alert_conn_id)]
-    chosen += [("alert_emails", address) for address in cfg.alert_emails]
-    if cfg.backend == "kubernetes":
+    chosen = [("storage_conn_id", cfg.storage_conn_id), ("alert_conn_id", cfg.monitoring.alert_conn_id)]
+    chosen += [("alert_emails", address) for address in cfg.monitoring.alert_emails]
+    if cfg.launch.backend == "kubernetes":
         pods = ("image", "namespace", "service_account", "kubernetes_conn_id")
-        chosen += [(name, getattr(cfg, name)) for name in pods]
-    if cfg.backend == "ssh":
-        chosen += [("ssh_conn_ids", conn_id) for conn_id in cfg.ssh_conn_ids]
-        chosen.append(("remote_python", cfg.remote_python))
+        chosen += [(name, getattr(cfg.launch.kubernetes, name)) for name in pods]
+    if cfg.launch.backend == "ssh":
+        chosen += [("ssh_conn_ids", conn_id) for conn_id in cfg.launch.ssh.ssh_conn_ids]
+        chosen.append(("remote_python", cfg.launch.ssh.remote_python))
     return chosen
 
 

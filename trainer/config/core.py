@@ -65,11 +65,11 @@ _TYPES: dict[str, tuple[Any, Any, str]] = {
     "str": (lambda v: isinstance(v, str), lambda v: v, "a string"),
     "tuple[str, ...]": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(i, str) for i in v), tuple,
                         'a list of strings. In --conf write e.g. {{"{name}": ["host_a", "host_b"]}}'),
-    "dict[str, str]": (lambda v: isinstance(v, Mapping) and all(isinstance(k, str) and isinstance(i, str)
-                                                                for k, i in v.items()), dict,
-                       'a map of strings to strings, e.g. {{"{name}": {{"nvidia.com/gpu.product": "NVIDIA-H200"}}}}'),
-    "list[dict[str, Any]]": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(i, Mapping) for i in v),
-                             lambda v: [dict(i) for i in v], "a list of objects"),
+    "Mapping[str, str]": (
+        lambda v: isinstance(v, Mapping) and all(isinstance(k, str) and isinstance(i, str) for k, i in v.items()),
+        lambda v: v, 'a map of strings to strings, e.g. {{"{name}": {{"nvidia.com/gpu.product": "NVIDIA-H200"}}}}'),
+    "tuple[Mapping[str, Any], ...]": (
+        lambda v: isinstance(v, (list, tuple)) and all(isinstance(i, Mapping) for i in v), tuple, "a list of objects"),
 }
 
 
@@ -101,11 +101,11 @@ def check_model_name(name: str, value: str, *, setting_value: str | None = None)
 
 def _check_bounds(cfg: Any) -> None:
     for name, (low, high) in RANGES.items():
-        value = getattr(cfg, name)
+        value = schema.value_of(cfg, name)
         if not low <= value <= high:
             raise ConfigError(f"Setting '{name}' = {value!r} is out of range: allowed is {low} to {high}.")
     for name, (low, high) in OPEN_BELOW.items():
-        value = getattr(cfg, name)
+        value = schema.value_of(cfg, name)
         if not low < value <= high:
             raise ConfigError(f"Setting '{name}' = {value!r} is out of range: allowed is ({low:g}, {high:g}].")
 
@@ -113,27 +113,29 @@ def _check_bounds(cfg: Any) -> None:
 def _check_one_gpu_per_worker(cfg: Any) -> None:
     """Before the bounds, to say why and what instead: a pod with N GPUs makes N replicas of one worker, which
     training refuses ("each worker must drive exactly one device") only after the pods were scheduled."""
-    if cfg.gpus_per_worker > 1:
+    gpus = cfg.launch.kubernetes.gpus_per_worker
+    if gpus > 1:
         raise ConfigError(
-            f"Setting 'gpus_per_worker' = {cfg.gpus_per_worker} is not supported yet: one GPU per worker; run more "
-            f"workers instead (setting 'num_workers', e.g. {cfg.num_workers * cfg.gpus_per_worker} for the same "
+            f"Setting 'gpus_per_worker' = {gpus} is not supported yet: one GPU per worker; run more "
+            f"workers instead (setting 'num_workers', e.g. {cfg.num_workers * gpus} for the same "
             "GPUs) with 'gpus_per_worker' = 1, or 0 for one with 'use_gpu'.")
 
 
 def _check_alerts(cfg: Any) -> None:
     """Recipients need a connection to send through and the other way round (the connection itself is looked up
     in prepare, where Airflow's connections are: tasks/alerts.py)."""
-    if cfg.alert_conn_id and not _CONN_ID.fullmatch(cfg.alert_conn_id):
-        raise ConfigError(f"Setting 'alert_conn_id' = {cfg.alert_conn_id!r} is not an Airflow connection id (letters, "
-                          "digits, '_', '.', '-').")
-    bad = [address for address in cfg.alert_emails if not _EMAIL.fullmatch(address)]
+    alerts = cfg.monitoring
+    if alerts.alert_conn_id and not _CONN_ID.fullmatch(alerts.alert_conn_id):
+        raise ConfigError(f"Setting 'alert_conn_id' = {alerts.alert_conn_id!r} is not an Airflow connection id "
+                          "(letters, digits, '_', '.', '-').")
+    bad = [address for address in alerts.alert_emails if not _EMAIL.fullmatch(address)]
     if bad:
         raise ConfigError(f"Setting 'alert_emails' has {bad}, which are not e-mail addresses (name@domain).")
-    if cfg.alert_emails and not cfg.alert_conn_id:
+    if alerts.alert_emails and not alerts.alert_conn_id:
         raise ConfigError("Setting 'alert_emails' needs 'alert_conn_id': the Airflow connection (smtp type) that "
                           "sends the alerts.")
-    if cfg.alert_conn_id and not cfg.alert_emails:
-        raise ConfigError(f"Setting 'alert_conn_id' = {cfg.alert_conn_id!r} needs 'alert_emails': the addresses "
+    if alerts.alert_conn_id and not alerts.alert_emails:
+        raise ConfigError(f"Setting 'alert_conn_id' = {alerts.alert_conn_id!r} needs 'alert_emails': the addresses "
                           "the alerts go to.")
 
 
@@ -144,8 +146,8 @@ def check_core_settings(cfg: Any) -> None:
     _check_bounds(cfg)
     _check_alerts(cfg)
     for name in ("mixed_precision", "baseline", "promote", "capacity"):
-        check_choice(name, getattr(cfg, name), schema.choices(name))
-    check_model_name("model_name", cfg.model_name)
+        check_choice(name, schema.value_of(cfg, name), schema.choices(name))
+    check_model_name("model_name", cfg.promotion.model_name)
     _check_export_formats(cfg)
     _check_locations(cfg)
     _check_tokenizer(cfg)
@@ -153,12 +155,12 @@ def check_core_settings(cfg: Any) -> None:
 
 
 def _check_export_formats(cfg: Any) -> None:
-    unknown = [name for name in cfg.export_formats if name not in EXPORT_FORMATS]
+    unknown = [name for name in cfg.promotion.export_formats if name not in EXPORT_FORMATS]
     if unknown:
         raise ConfigError(f"Setting 'export_formats' has {unknown}, which are not export formats: choose from "
                           f"{list(EXPORT_FORMATS)}, or [] for the TF model alone without parity checks.")
-    if len(set(cfg.export_formats)) != len(cfg.export_formats):
-        raise ConfigError(f"Setting 'export_formats' = {list(cfg.export_formats)} names a format twice.")
+    if len(set(cfg.promotion.export_formats)) != len(cfg.promotion.export_formats):
+        raise ConfigError(f"Setting 'export_formats' = {list(cfg.promotion.export_formats)} names a format twice.")
 
 
 def _check_locations(cfg: Any) -> None:
@@ -179,7 +181,7 @@ def _check_locations(cfg: Any) -> None:
 
 def _check_model_revision(cfg: Any) -> None:
     """A revision pins a hub model (prepare resolves it to a commit sha); a preset or a promoted version has none."""
-    if cfg.model_name == "base":
+    if cfg.promotion.model_name == "base":
         raise ConfigError("Setting 'model_name' = 'base' is reserved: storage_root/models/base/ holds the cached hub "
                           "models. Choose another name.")
     if not cfg.model_revision:

@@ -54,12 +54,12 @@ def resolve_communication(communication: str, use_gpu: bool) -> str:
 def check_launch_settings(cfg: Any) -> None:
     """The rules of a RunConfig's launch settings (its field types and bounds are checked first)."""
     for name in ("backend", "communication", "allreduce_dtype"):
-        check_choice(name, getattr(cfg, name), schema.choices(name))
-    if cfg.gpu_queue and not QUEUE_NAME.fullmatch(cfg.gpu_queue):
+        check_choice(name, schema.value_of(cfg, name), schema.choices(name))
+    if cfg.launch.gpu_queue and not QUEUE_NAME.fullmatch(cfg.launch.gpu_queue):
         raise ConfigError(
-            f"Setting 'gpu_queue' = {cfg.gpu_queue!r} is not a queue name: letters, digits, '_', '.' and '-', starting "
-            "with a letter or digit, at most 200 characters (empty: the default queue). Name the queue that the GPU "
-            "hosts' Celery workers serve (`airflow celery worker -q <queue>`).")
+            f"Setting 'gpu_queue' = {cfg.launch.gpu_queue!r} is not a queue name: letters, digits, '_', '.' and '-', "
+            "starting with a letter or digit, at most 200 characters (empty: the default queue). Name the queue that "
+            "the GPU hosts' Celery workers serve (`airflow celery worker -q <queue>`).")
     _check_ssh(cfg)
     _check_scaling(cfg)
     if cfg.communication == "nccl" and not cfg.use_gpu:
@@ -82,39 +82,41 @@ def _check_wire_dtype(cfg: Any) -> None:
 
 def _check_kubernetes(cfg: Any) -> None:
     """The kubernetes backend's settings: formats always, the rules between them when that backend is chosen."""
-    if not is_dns_label(cfg.namespace):
+    pods = cfg.launch.kubernetes
+    if not is_dns_label(pods.namespace):
         raise ConfigError(
-            f"Setting 'namespace' = {cfg.namespace!r} is not a Kubernetes namespace name: a DNS label of at most 63 "
+            f"Setting 'namespace' = {pods.namespace!r} is not a Kubernetes namespace name: a DNS label of at most 63 "
             "lowercase letters, digits and '-', starting and ending with a letter or digit."
         )
-    if cfg.backend == "kubernetes" and not cfg.image.strip():
+    if cfg.launch.backend == "kubernetes" and not pods.image.strip():
         raise ConfigError("Setting 'image' must name the trainer image for backend 'kubernetes', e.g. "
                           f"{DEFAULT_TRAINER_IMAGE!r} (docker/trainer.Dockerfile).")
-    if cfg.backend == "kubernetes":
+    if cfg.launch.backend == "kubernetes":
         _check_shared_storage(cfg, "backend 'kubernetes' runs workers in pods", "the pods")
-    if cfg.image and not _IMAGE.fullmatch(cfg.image):
-        raise ConfigError(f"Setting 'image' = {cfg.image!r} is not an image reference (registry/name:tag).")
+    if pods.image and not _IMAGE.fullmatch(pods.image):
+        raise ConfigError(f"Setting 'image' = {pods.image!r} is not an image reference (registry/name:tag).")
     _check_pod_resources(cfg)
-    _check_node_selector(cfg.node_selector)
-    for toleration in cfg.tolerations:
+    _check_node_selector(pods.node_selector)
+    for toleration in pods.tolerations:
         _check_toleration(toleration)
-    if cfg.service_account and not is_dns_subdomain(cfg.service_account):
-        raise ConfigError(f"Setting 'service_account' = {cfg.service_account!r} is not a service account name "
+    if pods.service_account and not is_dns_subdomain(pods.service_account):
+        raise ConfigError(f"Setting 'service_account' = {pods.service_account!r} is not a service account name "
                           "(lowercase letters, digits, '-' and '.').")
 
 
 def _check_pod_resources(cfg: Any) -> None:
-    if cfg.gpus_per_worker and not cfg.use_gpu:
-        raise ConfigError(f"Setting 'gpus_per_worker' = {cfg.gpus_per_worker} needs 'use_gpu' = true: set use_gpu, "
+    pods = cfg.launch.kubernetes
+    if pods.gpus_per_worker and not cfg.use_gpu:
+        raise ConfigError(f"Setting 'gpus_per_worker' = {pods.gpus_per_worker} needs 'use_gpu' = true: set use_gpu, "
                           "or gpus_per_worker to 0 on CPU.")
-    if cfg.gpus_per_worker and cfg.backend != "kubernetes":
-        raise ConfigError(f"Setting 'gpus_per_worker' = {cfg.gpus_per_worker} applies to backend 'kubernetes' only "
-                          f"(backend is {cfg.backend!r}): set it to 0.")
-    if cfg.cpu and not _CPU_QUANTITY.fullmatch(cfg.cpu):
-        raise ConfigError(f"Setting 'cpu' = {cfg.cpu!r} is not a CPU quantity: write cores ('4', '0.5') or "
+    if pods.gpus_per_worker and cfg.launch.backend != "kubernetes":
+        raise ConfigError(f"Setting 'gpus_per_worker' = {pods.gpus_per_worker} applies to backend 'kubernetes' only "
+                          f"(backend is {cfg.launch.backend!r}): set it to 0.")
+    if pods.cpu and not _CPU_QUANTITY.fullmatch(pods.cpu):
+        raise ConfigError(f"Setting 'cpu' = {pods.cpu!r} is not a CPU quantity: write cores ('4', '0.5') or "
                           "millicores ('500m'), or leave it empty for no request.")
-    if cfg.memory and not _MEMORY_QUANTITY.fullmatch(cfg.memory):
-        raise ConfigError(f"Setting 'memory' = {cfg.memory!r} is not a memory quantity: write e.g. '16Gi' or "
+    if pods.memory and not _MEMORY_QUANTITY.fullmatch(pods.memory):
+        raise ConfigError(f"Setting 'memory' = {pods.memory!r} is not a memory quantity: write e.g. '16Gi' or "
                           "'512Mi', or leave it empty for no request.")
 
 
@@ -181,29 +183,31 @@ def _check_shared_storage(cfg: Any, why: str, readers: str) -> None:
 
 def _check_ssh(cfg: Any) -> None:
     """The SSH backend's settings; connection ids that Airflow does not know are refused by the prepare task."""
-    if cfg.remote_python and not cfg.remote_python.startswith("/"):
-        raise ConfigError(f"Setting 'remote_python' = {cfg.remote_python!r} must be an absolute path to the worker "
+    ssh = cfg.launch.ssh
+    if ssh.remote_python and not ssh.remote_python.startswith("/"):
+        raise ConfigError(f"Setting 'remote_python' = {ssh.remote_python!r} must be an absolute path to the worker "
                           "environment's interpreter on the hosts (e.g. /opt/gpt-finetune/.venv/bin/python), or "
                           "empty for the same path as here.")
-    if cfg.backend != "ssh":
-        if cfg.ssh_conn_ids:
-            raise ConfigError(f"Setting 'ssh_conn_ids' = {list(cfg.ssh_conn_ids)} is only read by backend 'ssh', "
-                              f"but 'backend' = {cfg.backend!r}: set 'backend' to 'ssh' or clear 'ssh_conn_ids'.")
+    if cfg.launch.backend != "ssh":
+        if ssh.ssh_conn_ids:
+            raise ConfigError(f"Setting 'ssh_conn_ids' = {list(ssh.ssh_conn_ids)} is only read by backend 'ssh', "
+                              f"but 'backend' = {cfg.launch.backend!r}: set 'backend' to 'ssh' or clear "
+                              "'ssh_conn_ids'.")
         return
-    if not cfg.ssh_conn_ids:
+    if not ssh.ssh_conn_ids:
         raise ConfigError("Setting 'backend' = 'ssh' needs 'ssh_conn_ids': the Airflow SSH connections of the hosts, "
                           'one per host, e.g. {"ssh_conn_ids": ["gpu_host_1", "gpu_host_2"]}.')
-    for conn_id in cfg.ssh_conn_ids:
+    for conn_id in ssh.ssh_conn_ids:
         if not _CONN_ID.fullmatch(conn_id):
             raise ConfigError(f"Setting 'ssh_conn_ids' has {conn_id!r}, which is not an Airflow connection id "
                               "(letters, digits, '_', '.', '-').")
-    repeated = sorted({c for c in cfg.ssh_conn_ids if cfg.ssh_conn_ids.count(c) > 1})
+    repeated = sorted({c for c in ssh.ssh_conn_ids if ssh.ssh_conn_ids.count(c) > 1})
     if repeated:
         raise ConfigError(f"Setting 'ssh_conn_ids' names {repeated} more than once: list each host once and set "
                           "'workers_per_host' for several workers on a host.")
-    if cfg.workers_per_host and cfg.workers_per_host * len(cfg.ssh_conn_ids) != cfg.num_workers:
+    if ssh.workers_per_host and ssh.workers_per_host * len(ssh.ssh_conn_ids) != cfg.num_workers:
         raise ConfigError(
-            f"'workers_per_host' = {cfg.workers_per_host} x {len(cfg.ssh_conn_ids)} host(s) in 'ssh_conn_ids' = "
-            f"{cfg.workers_per_host * len(cfg.ssh_conn_ids)} workers, but 'num_workers' = {cfg.num_workers}: make "
+            f"'workers_per_host' = {ssh.workers_per_host} x {len(ssh.ssh_conn_ids)} host(s) in 'ssh_conn_ids' = "
+            f"{ssh.workers_per_host * len(ssh.ssh_conn_ids)} workers, but 'num_workers' = {cfg.num_workers}: make "
             "them agree, or set 'workers_per_host' to 0 (one per free GPU with use_gpu, else one per host).")
     _check_shared_storage(cfg, "backend 'ssh' runs workers on other hosts", "the SSH hosts")

@@ -32,7 +32,7 @@ DEFAULT_TRAINER_IMAGE = "gpt-finetune-trainer:2.21.0"  # docker/trainer.Dockerfi
 MODEL_NAME = r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}"  # one path segment, safe in local paths and S3 keys
 REVISION = r"[A-Za-z0-9._/-]{1,255}"
 QUEUE_NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}"  # as `airflow celery worker -q` takes it (a comma splits it)
-CONN_ID = r"[A-Za-z0-9_.-]{1,250}"  # an Airflow connection id
+CONN_ID = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,249}"  # an Airflow connection id (no leading '-' or '.')
 EMAIL = r"[^@\s,;<>\"]+@[^@\s,;<>\"]+\.[^@\s,;<>\"]+"
 IMAGE = r"[A-Za-z0-9][A-Za-z0-9._/:@-]*"
 CPU_QUANTITY = r"\d+(\.\d+)?m?"
@@ -287,6 +287,32 @@ RANGES: Mapping[str, tuple[float, float]] = MappingProxyType({
     s.name: _bounds(s, "minimum") for s in SETTINGS if "minimum" in s.rules and not s.optional})
 OPEN_BELOW: Mapping[str, tuple[float, float]] = MappingProxyType({
     s.name: _bounds(s, "exclusiveMinimum") for s in SETTINGS if "exclusiveMinimum" in s.rules})
+
+
+def value_of(config: Any, name: str) -> Any:
+    """Setting `name` of a `RunConfig`, found in its section."""
+    holder = config
+    for part in filter(None, BY_NAME[name].section.split(".")):
+        holder = getattr(holder, part)
+    return getattr(holder, name)
+
+
+def flat_settings(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved config's settings by name: nested by section (`RunConfig.to_dict()`) or flat (the Params' shape, as
+    configs saved before the sections are). Nothing is checked here: `RunConfig.from_saved` does, and a reader of an
+    earlier run's report reads what it finds."""
+    flat: dict[str, Any] = {}
+
+    def walk(mapping: Mapping[str, Any], path: str) -> None:
+        for key, value in mapping.items():
+            section = f"{path}.{key}" if path else key
+            if section in SECTIONS and isinstance(value, Mapping):
+                walk(value, section)
+            else:
+                flat[key] = value
+
+    walk(saved, "")
+    return flat
 
 
 def _json_default(value: Any) -> Any:

@@ -14,6 +14,7 @@ from typing import Any
 
 from trainer import advisor, runtime, storage
 from trainer.config import RunConfig
+from trainer.config.schema import flat_settings
 
 log = logging.getLogger("trainer.preflight")
 
@@ -59,8 +60,8 @@ def last_comparable_usage(cfg: RunConfig, own_run_url: str) -> dict[str, Any] | 
         if storage.join(runs_url, key) == own_run_url or not storage.exists(url):
             continue
         report = storage.read_json(url)
-        earlier = report.get("config") or {}
-        same = all(earlier.get(name) == getattr(cfg, name) for name in ("model", "block_size", "backend", "use_gpu"))
+        earlier, mine = flat_settings(report.get("config") or {}), cfg.settings()  # earlier: nested, or flat (older)
+        same = all(earlier.get(name) == mine[name] for name in ("model", "block_size", "backend", "use_gpu"))
         if same and isinstance(report.get("usage"), dict) and report["usage"].get("slots"):
             found.append(report)
     return max(found, key=lambda report: str(report.get("created_at"))) if found else None
@@ -85,7 +86,7 @@ def cost_advice(cfg: RunConfig, advice: dict[str, Any], *, config_url: str,
     overhead = advisor.overhead_per_worker_s(earlier["usage"])
     picks = advisor.cost_columns(advice["rows"], steps=cfg.max_steps,
                                  tokens_per_step=cfg.global_batch_size * cfg.block_size, rate=rate,
-                                 overhead_s=overhead, budget=cfg.max_run_cost)
+                                 overhead_s=overhead, budget=cfg.monitoring.max_run_cost)
     return {**picks, "rate": rate, "currency": price["currency"], "unit": price["unit"].replace("_", "-"),
             "overhead_s": overhead, "overhead_from": earlier.get("run_id")}
 
@@ -93,7 +94,7 @@ def cost_advice(cfg: RunConfig, advice: dict[str, Any], *, config_url: str,
 def probe_step(cfg: RunConfig, identity: runtime.WorkerIdentity, *, config_url: str,
                manifest_url: str) -> dict[str, Any]:
     """The probe's step time, or {"error", "skipped"} when it gives none."""
-    limit_s = max(cfg.hang_timeout_s - PROBE_MARGIN_S, 1)
+    limit_s = max(cfg.launch.hang_timeout_s - PROBE_MARGIN_S, 1)
     with tempfile.TemporaryDirectory(prefix="preflight-probe-") as scratch:
         out = os.path.join(scratch, "probe.json")
         env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
@@ -104,7 +105,8 @@ def probe_step(cfg: RunConfig, identity: runtime.WorkerIdentity, *, config_url: 
                                    env=env, check=False, timeout=limit_s)
         except subprocess.TimeoutExpired:
             reason = (f"rank {identity.rank} on {identity.host}: the scaling advisor's single-worker probe did not "
-                      f"finish within {limit_s:g} s (hang_timeout_s={cfg.hang_timeout_s:g} less {PROBE_MARGIN_S} s) "
+                      f"finish within {limit_s:g} s (hang_timeout_s={cfg.launch.hang_timeout_s:g} less "
+                      f"{PROBE_MARGIN_S} s) "
                       "and was stopped: raise hang_timeout_s if a step of the global batch on one worker "
                       "legitimately takes that long, or let a matching baseline's summary stand in for the probe "
                       "(baseline: auto)")
@@ -115,7 +117,7 @@ def probe_step(cfg: RunConfig, identity: runtime.WorkerIdentity, *, config_url: 
                       "is no scaling prediction")
             log.warning("%s", reason)
             # Without a prediction the gate cannot pass: it must not let an unknown efficiency through.
-            return {"error": reason if cfg.min_predicted_efficiency else None, "skipped": reason}
+            return {"error": reason if cfg.monitoring.min_predicted_efficiency else None, "skipped": reason}
         step = storage.read_json(out)
     log.info("advisor probe: %d single-worker steps of the global batch, median %.1f ms (%.1f s in all)",
              step["steps"], step["seconds_per_step"] * 1e3, time.perf_counter() - started)

@@ -2,7 +2,7 @@
 
     python group_launcher.py CASE.json
 
-CASE: {"spec": GroupSpec fields, "backend": registry name, "settings": the backend's run settings, "workdir": path}.
+CASE: {"spec": GroupSpec fields, "backend": registry name, "settings": more run settings, "workdir": path}.
 Prints `LAUNCHED {"workers": [record, ...]}` once every rank has started, then supervises the group to its end.
 """
 
@@ -15,11 +15,14 @@ from pathlib import Path
 from tf_multiworker.backends import make_backend
 
 from launcher import GroupSpec, WorkerGroup
+from trainer.config import RunConfig
 
 
 def main(case_file: str) -> int:
     case = json.loads(Path(case_file).read_text())
-    backend = make_backend(case["backend"], case.get("settings", {}))
+    # Workers on other hosts need an s3:// root in a run's config; this launcher writes nothing to storage.
+    settings = {"storage_root": "s3://unused/root", **case.get("settings", {}), "backend": case["backend"]}
+    backend = make_backend(RunConfig.of(**settings))
 
     def started(workers, attempt) -> None:
         print("LAUNCHED " + json.dumps({"workers": [w.record for w in workers]}), flush=True)

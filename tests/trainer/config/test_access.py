@@ -1,4 +1,3 @@
-import dataclasses
 
 import pytest
 
@@ -91,7 +90,7 @@ def test_a_saved_config_loads_where_the_access_policy_would_refuse_it(operator_p
     monkeypatch.setenv("GPT_FINETUNE_DATA_ROOTS", str(operator_policy / "elsewhere"))
     monkeypatch.setenv("GPT_FINETUNE_S3_BUCKETS", "other-team")
     with pytest.raises(ConfigError, match="'dataset' = 's3://shared-corpora/\\*.txt': bucket 'shared-corpora'"):
-        RunConfig.from_params(saved)
+        RunConfig.from_params(RunConfig.from_saved(saved).settings())
     assert RunConfig.from_saved(saved).to_dict() == saved
     with pytest.raises(ConfigError, match="'num_workers' = 0 is out of range"):  # the config's own rules still hold
         RunConfig.from_saved({**saved, "num_workers": 0})
@@ -142,7 +141,7 @@ def test_alert_recipients_outside_the_allowed_domains_are_refused(operator_polic
     monkeypatch.setenv("GPT_FINETUNE_ALERT_CONN_IDS", "alerts_smtp")
     monkeypatch.setenv("GPT_FINETUNE_ALERT_DOMAINS", "example.com, *.example.org")
     allowed = ["ops@example.com", "ML@Example.COM", "a@ml.example.org"]
-    assert RunConfig.from_params({**ALERTS, "alert_emails": allowed}).alert_emails == tuple(allowed)
+    assert RunConfig.from_params({**ALERTS, "alert_emails": allowed}).monitoring.alert_emails == tuple(allowed)
     for address in ("x@attacker.example", "x@example.com.attacker.example", "x@example.org"):
         with pytest.raises(ConfigError, match=rf"'alert_emails' has '{address}', which is outside the recipient "
                                               r"domains this deployment allows \(GPT_FINETUNE_ALERT_DOMAINS="
@@ -158,14 +157,14 @@ def test_operator_lists_take_exact_values_patterns_and_image_prefixes_at_a_bound
     monkeypatch.setenv("GPT_FINETUNE_REMOTE_PYTHONS", "/opt/*/bin/python")
     pods = {**KUBERNETES, "namespace": "ml-team", "service_account": "trainer"}
     for image in ("registry.example.com/ml/trainer:1", "registry.example.com/ml:2", "gpt-finetune-trainer:dev"):
-        assert RunConfig.from_params({**pods, "image": image}).image == image
+        assert RunConfig.from_params({**pods, "image": image}).launch.kubernetes.image == image
     for image in ("registry.example.com/ml-other/trainer:1", "registry.example.com/mlx", "gpt-finetune-trainer-x:1"):
         with pytest.raises(ConfigError, match=f"'image' = '{image}' is outside the images"):
             RunConfig.from_params({**pods, "image": image})
     with pytest.raises(ConfigError, match="'namespace' = 'default' is outside"):  # the list replaces the default
         RunConfig.from_params({**pods, "namespace": "default"})
     hosts = {**SSH, "ssh_conn_ids": ["tfmw_ssh_a", "tfmw_ssh_b"], "remote_python": "/opt/venv/bin/python"}
-    assert RunConfig.from_params(hosts).ssh_conn_ids == ("tfmw_ssh_a", "tfmw_ssh_b")
+    assert RunConfig.from_params(hosts).launch.ssh.ssh_conn_ids == ("tfmw_ssh_a", "tfmw_ssh_b")
     with pytest.raises(ConfigError, match="'remote_python' = '/tmp/any/python' is outside the remote interpreters "
                                           r"this deployment allows \(GPT_FINETUNE_REMOTE_PYTHONS=/opt/\*/bin/python\)"):
         RunConfig.from_params({**hosts, "remote_python": "/tmp/any/python"})
@@ -180,7 +179,7 @@ def test_the_defaults_are_the_deployment_s_own_values_and_a_backend_s_settings_c
     do not refuse them."""
     policy = AccessPolicy.from_env({})
     assert policy == AccessPolicy(policy.data_roots, frozenset())
-    defaults = {spec.name: spec.default for spec in dataclasses.fields(RunConfig)}
+    defaults = RunConfig().settings()
     assert defaults["image"].startswith(policy.image_prefixes[0]) and (defaults["namespace"],) == policy.namespaces
     RunConfig.from_params(KUBERNETES)  # every default, on the backend that reads the most of them
     RunConfig.from_params({**ON_S3, "namespace": "attacker-team", "image": "attacker.example/evil:latest"})

@@ -66,10 +66,10 @@ def test_bad_monitoring_settings_are_refused_naming_the_setting(params, fragment
 
 def test_alert_settings_round_trip_and_cleared_fields_mean_no_alerts():
     cfg = RunConfig.from_params({"alert_conn_id": "alerts", "alert_emails": ["ops@example.com", "a.b@ml.example.org"]})
-    assert cfg.alert_emails == ("ops@example.com", "a.b@ml.example.org")
-    assert RunConfig.from_params(cfg.to_dict()) == cfg
+    assert cfg.monitoring.alert_emails == ("ops@example.com", "a.b@ml.example.org")
+    assert RunConfig.from_saved(cfg.to_dict()) == cfg
     cleared = RunConfig.from_params({"alert_conn_id": None, "alert_emails": None})  # the trigger form's empty fields
-    assert (cleared.alert_conn_id, cleared.alert_emails) == ("", ())
+    assert (cleared.monitoring.alert_conn_id, cleared.monitoring.alert_emails) == ("", ())
 
 
 def test_more_than_one_gpu_per_worker_is_refused_by_name():
@@ -83,7 +83,7 @@ def test_more_than_one_gpu_per_worker_is_refused_by_name():
         "(setting 'num_workers', e.g. 8 for the same GPUs)"), str(refused.value)
     with pytest.raises(ConfigError, match="'gpus_per_worker' = 16 is not supported yet"):
         RunConfig.from_params({**kubernetes, "gpus_per_worker": 16})
-    assert RunConfig.from_params({**kubernetes, "gpus_per_worker": 1}).gpus_per_worker == 1
+    assert RunConfig.from_params({**kubernetes, "gpus_per_worker": 1}).launch.kubernetes.gpus_per_worker == 1
 
 
 def test_eval_tokens_of_one_batch_or_zero_are_accepted():
@@ -93,10 +93,10 @@ def test_eval_tokens_of_one_batch_or_zero_are_accepted():
 
 def test_export_formats_are_checked_and_the_baseline_exports_nothing():
     cfg = RunConfig.from_params({})
-    assert cfg.export_formats == ("safetensors", "saved_model", "tf_h5")
-    assert RunConfig.from_params({"export_formats": []}).export_formats == ()
-    assert RunConfig.from_saved(RunConfig.from_params({"export_formats": ["saved_model"]}).to_dict()).export_formats \
-        == ("saved_model",)
+    assert cfg.promotion.export_formats == ("safetensors", "saved_model", "tf_h5")
+    assert RunConfig.from_params({"export_formats": []}).promotion.export_formats == ()
+    saved = RunConfig.from_params({"export_formats": ["saved_model"]}).to_dict()
+    assert RunConfig.from_saved(saved).promotion.export_formats == ("saved_model",)
     with pytest.raises(ConfigError, match=r"'export_formats' has \['onnx'\], which are not export formats: choose "
                                           r"from \['safetensors', 'saved_model', 'tf_h5'\]"):
         RunConfig.from_params({"export_formats": ["safetensors", "onnx"]})
@@ -104,7 +104,7 @@ def test_export_formats_are_checked_and_the_baseline_exports_nothing():
         RunConfig.from_params({"export_formats": ["tf_h5", "tf_h5"]})
     with pytest.raises(ConfigError, match="'export_formats' must be a list of strings"):
         RunConfig.from_params({"export_formats": "safetensors"})
-    assert cfg.baseline_config().export_formats == ()  # only the run's own model is promoted
+    assert cfg.baseline_config().promotion.export_formats == ()  # only the run's own model is promoted
 
 
 def test_model_revision_pins_only_a_hub_model_and_base_is_no_model_name():

@@ -40,10 +40,11 @@ def test_bad_backend_and_ssh_settings_name_key_value_and_what_is_allowed(params,
 
 def test_ssh_settings_round_trip_through_json():
     cfg = RunConfig.from_params({**SSH, "workers_per_host": 1, "remote_python": "/opt/venv/bin/python"})
-    assert cfg.ssh_conn_ids == ("host_a", "host_b") and cfg.to_dict()["ssh_conn_ids"] == ["host_a", "host_b"]
-    assert RunConfig.from_params(json.loads(cfg.to_json())) == cfg
+    assert cfg.launch.ssh.ssh_conn_ids == ("host_a", "host_b")
+    assert cfg.settings()["ssh_conn_ids"] == cfg.to_dict()["launch"]["ssh"]["ssh_conn_ids"] == ["host_a", "host_b"]
+    assert RunConfig.from_saved(json.loads(cfg.to_json())) == cfg
     cleared = RunConfig.from_params({**SSH, "remote_python": None, "remote_workdir": None})  # the form's cleared fields
-    assert (cleared.remote_python, cleared.remote_workdir) == ("", "")
+    assert (cleared.launch.ssh.remote_python, cleared.launch.ssh.remote_workdir) == ("", "")
 
 
 # -- elastic recovery and the scaling advisor ----------------------------------------------------------------------
@@ -119,8 +120,8 @@ def test_kubernetes_settings_round_trip():
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         "namespace": "ml-team", "service_account": "trainer", "keep_failed_pods": True, "kubernetes_conn_id": None,
     })
-    assert RunConfig.from_params(json.loads(cfg.to_json())) == cfg
-    assert cfg.kubernetes_conn_id == ""
+    assert RunConfig.from_saved(json.loads(cfg.to_json())) == cfg
+    assert cfg.launch.kubernetes.kubernetes_conn_id == ""
 
 
 def test_auto_communication_is_nccl_with_use_gpu_and_ring_on_the_cpu():

@@ -8,14 +8,50 @@ from trainer.config import ConfigError, RunConfig, field_names
 
 def test_defaults_are_valid_and_round_trip():
     cfg = RunConfig()
-    assert RunConfig.from_params(cfg.to_dict()) == cfg
-    assert RunConfig.from_params(json.loads(cfg.to_json())) == cfg
+    assert RunConfig.from_saved(cfg.to_dict()) == cfg
+    assert RunConfig.from_saved(json.loads(cfg.to_json())) == cfg
     assert cfg.global_batch_size == cfg.batch_size_per_worker * cfg.num_workers * cfg.grad_accum_steps
 
 
 def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         RunConfig().num_workers = 3  # type: ignore[misc]
+    pods = RunConfig.of(node_selector={"pool": "gpu"}, tolerations=[{"key": "gpu", "operator": "Exists"}])
+    with pytest.raises(TypeError):
+        pods.launch.kubernetes.node_selector["pool"] = "cpu"  # type: ignore[index]
+    with pytest.raises(TypeError):
+        pods.launch.kubernetes.tolerations[0]["key"] = "other"  # type: ignore[index]
+    assert pods.to_dict()["launch"]["kubernetes"]["node_selector"] == {"pool": "gpu"}  # JSON again when saved
+
+
+def test_saved_configs_are_nested_by_concern_and_settings_keep_their_flat_names():
+    cfg = RunConfig.of(backend="ssh", ssh_conn_ids=["host_a"], storage_root="s3://runs/x", model_name="chat",
+                       alert_conn_id="smtp", alert_emails=["ops@example.com"])
+    saved = cfg.to_dict()
+    assert set(saved) - set(RunConfig.__dataclass_fields__) == set()
+    assert saved["launch"]["backend"] == "ssh" and saved["launch"]["ssh"]["ssh_conn_ids"] == ["host_a"]
+    assert saved["promotion"]["model_name"] == "chat" and saved["monitoring"]["alert_conn_id"] == "smtp"
+    assert "alert_conn_id" not in saved and "namespace" not in saved  # the worker's config carries no flat SMTP/pods
+    assert list(cfg.settings()) == field_names()  # the Params' shape, for logs and the trigger form
+    assert RunConfig.from_saved(saved) == RunConfig.from_saved(cfg.settings()) == cfg
+
+
+def test_a_flat_config_saved_by_an_earlier_version_still_loads():
+    """config.json, baseline_config.json and report.json's config of runs before the sections were flat (the Params'
+    shape): an earlier run's report (the advisor's and the throughput watch's comparison) and a reused baseline
+    still read."""
+    flat = {**RunConfig().settings(), "num_workers": 4, "backend": "local", "promote": "never", "max_run_cost": 5.0}
+    cfg = RunConfig.from_saved(flat)
+    assert (cfg.num_workers, cfg.promotion.promote, cfg.monitoring.max_run_cost) == (4, "never", 5.0)
+    with pytest.raises(ConfigError, match=r"Unknown run setting\(s\) \['launch_backend'\]"):
+        RunConfig.from_saved({"launch_backend": "ssh"})
+
+
+def test_replace_takes_settings_by_their_flat_names():
+    cfg = RunConfig().replace(num_workers=4, namespace="ml-team", export_formats=())
+    assert (cfg.num_workers, cfg.launch.kubernetes.namespace, cfg.promotion.export_formats) == (4, "ml-team", ())
+    with pytest.raises(ConfigError, match="'namespace' = 'Team_A'"):
+        cfg.replace(namespace="Team_A")
 
 
 @pytest.mark.parametrize(
@@ -49,7 +85,7 @@ def test_integers_are_accepted_for_float_settings():
 
 def test_promoted_model_names_the_registered_model_it_continues_from():
     assert RunConfig(model="promoted").promoted_source == "gpt_finetune"
-    assert RunConfig(model="promoted", model_name="chat").promoted_source == "chat"
+    assert RunConfig.of(model="promoted", model_name="chat").promoted_source == "chat"
     assert RunConfig(model="promoted:nightly-chat").promoted_source == "nightly-chat"
     assert RunConfig(model="tiny").promoted_source is None
 
