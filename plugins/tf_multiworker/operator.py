@@ -225,11 +225,12 @@ class TFMultiWorkerOperator(BaseOperator):
             self.run_key = layout_run_key(ti.dag_id, ti.run_id)
         cfg = self.config
         if isinstance(self.args, (list, tuple)) and isinstance(self.run_key, str) and self.run_key:
+            argv = self.worker_args(self.config_url)
             try:
-                check_launch_urls(self.worker_args(self.config_url), cfg.storage_root, self.run_key)
+                check_launch_urls(argv, cfg.storage_root, self.run_key)
             except ConfigError as error:
                 raise AirflowFailException(f"{self.task_id} launches no workers: {error}") from error
-            if "--config" in self.worker_args(self.config_url) and not self.config_sha256:
+            if "--config" in argv and not self.config_sha256:
                 raise AirflowFailException(
                     f"{self.task_id} launches no workers: its --config has no pinned digest (config_sha256 is "
                     f"{self.config_sha256!r}): pass the prepared run's digest of that file (its XCom "

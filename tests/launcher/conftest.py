@@ -51,7 +51,8 @@ def start_launcher(tmp_path: Path, spec: dict, backend: str = "local", settings:
     case.write_text(json.dumps({"spec": spec, "backend": backend, "settings": settings or {},
                                 "workdir": str(tmp_path / "launcher-work")}))
     launcher = subprocess.Popen([sys.executable, str(ENTRYPOINTS / "group_launcher.py"), str(case)],
-                                stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                                stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join((str(REPO), str(REPO / "plugins")))})
     deadline = time.monotonic() + timeout_s
     for line in launcher.stdout:
         if line.startswith("LAUNCHED "):

@@ -188,9 +188,10 @@ def test_the_config_of_fewer_workers_is_pinned_on_its_workers_in_place_of_the_ru
                     storage_root=storage)
     run_digest = save_config(run.config, cfg)
     operator = ElasticTrainOperator(task_id="train", entrypoint="trainer.train", run_config=cfg.to_dict(),
-                                    run_key="run-1", config_sha256=run_digest)
+                                    config_url=run.config, output_url=run.train.url, run_key="run-1",
+                                    config_sha256=run_digest)
     spec = GroupSpec(name="train", entrypoint="trainer.train", num_workers=4, env={CONFIG_SHA256_ENV: run_digest},
-                     args=("--config", run.config, "--output", run.train.url))
+                     args=operator.worker_args(run.config))
     planned = operator.plan_group({"ti": type("TI", (), {"try_number": 1})()}, spec, TwoUsable())
 
     config_url = planned.args[planned.args.index("--config") + 1]
