@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -51,7 +52,12 @@ def utc_now() -> str:
     (`2026-12-05T00:27:05.123+00:00`). Not whole seconds: durations are measured from these stamps (the GPU-time
     ledger's time to release, from release.json's `released_at`; the time after a run's last step, from its summary's
     `finished_at`)."""
-    return datetime.now(UTC).isoformat(timespec="milliseconds")
+    return utc_timestamp(time.time())
+
+
+def utc_timestamp(seconds: float) -> str:
+    """An instant, in seconds since the epoch, in `utc_now`'s format."""
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds")
 
 
 # The SSH agent's lines (launcher/agent.py; docs/CONTRACTS.md, "SSH backend <-> remote agent"). Around a `run`

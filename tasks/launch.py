@@ -24,7 +24,7 @@ from launcher import GroupSpec, GroupState, RunResult, WorkerGroup, WorkerOutcom
 from launcher.backend import Backend
 from launcher.host_identity import describe, host_identity, same_host
 from launcher.idle import IdleEpisode, IdleWatch
-from launcher.protocol import LAUNCHER_WORKDIR_PREFIX, is_ready_marker, utc_now
+from launcher.protocol import LAUNCHER_WORKDIR_PREFIX, is_ready_marker, utc_now, utc_timestamp
 from tasks import telemetry
 from tasks.usage import slots_of
 from trainer.config import RunConfig
@@ -226,7 +226,7 @@ class RecordedLaunch:
         telemetry.count("cost_warning", {"run": self.spec.run_key, "task": self.spec.name})
         if self._usage is not None:
             self._usage.setdefault("idle_warnings", []).append({
-                "at": datetime.fromtimestamp(episode.at, UTC).isoformat(), "ranks": list(episode.ranks),
+                "at": utc_timestamp(episode.at), "ranks": list(episode.ranks),
                 "slots": slots, "idle_s": episode.idle_s, "phase": {str(r): p for r, p in episode.phase.items()},
                 "peak_util_pct": ({str(r): u for r, u in episode.peak_util_pct.items()}
                                   if episode.peak_util_pct else None), "text": text})

@@ -11,22 +11,27 @@ number is claimed by an exclusive create, and the pointer moves only by compare-
 promotion decided against (S3: a conditional PUT with If-Match / If-None-Match; local disk: an atomic rename under
 an flock, which the kernel releases when the holder dies). The pointer is written after the version is complete,
 so a promotion killed at any point leaves `latest` on a complete version; its half-written `v<N>/` is in no
-history and is never read. Importable without Airflow and TensorFlow (the UI plugin reads it).
+history and is never read. The exclusive create and the compare-and-swap are `trainer.storage`'s. Importable
+without Airflow and TensorFlow (the UI plugin reads it).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import json
-import os
-import posixpath
-from collections.abc import Iterator
 from typing import Any
 
 from trainer.layout import ModelLayout, StorageLayout, VersionLayout
-from trainer.storage import exists, filesystem, is_local, join, list_dir, read_json, write_json_atomic
+from trainer.storage import (
+    compare_and_swap,
+    create_exclusive,
+    exists,
+    filesystem,
+    join,
+    list_dir,
+    read_json,
+    read_with_token,
+)
+from trainer.storage import copy_tree as storage_copy_tree
 
 POINTER_FORMAT_VERSION = 1
 MAX_CLAIM_ATTEMPTS = 1000
@@ -50,21 +55,9 @@ def read_latest(layout: ModelLayout) -> dict[str, Any] | None:
 
 
 def read_pointer(url: str) -> tuple[dict[str, Any] | None, str | None]:
-    """The pointer and the token a swap from it needs (S3: its ETag; local: the sha256 of its bytes)."""
-    fs, path = filesystem(url)
-    if is_local(fs):
-        try:
-            with open(path, "rb") as handle:
-                data = handle.read()
-        except FileNotFoundError:
-            return None, None
-        return _parse_pointer(url, data), hashlib.sha256(data).hexdigest()
-    try:
-        etag = fs.info(path, refresh=True)["ETag"]
-    except FileNotFoundError:
-        return None, None
-    # Read after the ETag: content newer than the token only makes the later swap fail and decide again.
-    return _parse_pointer(url, fs.cat_file(path)), etag
+    """The pointer and the token a swap from it needs (`trainer.storage.read_with_token`)."""
+    data, token = read_with_token(url)
+    return (None, None) if data is None else (_parse_pointer(url, data), token)
 
 
 def _parse_pointer(url: str, data: bytes) -> dict[str, Any]:
@@ -81,79 +74,15 @@ def swap_pointer(url: str, expected_token: str | None, pointer: dict[str, Any]) 
     """Write `pointer` only if the stored one is still the one `expected_token` names (None: still absent).
 
     True when written; False when another promotion moved it first (read it again and decide again)."""
-    data = (json.dumps(pointer, indent=2, sort_keys=True) + "\n").encode("utf-8")
-    fs, path = filesystem(url)
-    if is_local(fs):
-        with _local_lock(path + ".lock"):
-            try:
-                with open(path, "rb") as handle:
-                    current = hashlib.sha256(handle.read()).hexdigest()
-            except FileNotFoundError:
-                current = None
-            if current != expected_token:
-                return False
-            write_json_atomic(url, pointer)
-            return True
-    bucket, key, _ = fs.split_path(path)
-    condition = {"IfMatch": expected_token} if expected_token else {"IfNoneMatch": "*"}
-    try:
-        fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, ContentType="application/json", **condition)
-    except FileNotFoundError:  # If-Match on a pointer that was removed meanwhile
-        return False
-    except OSError as error:
-        if _condition_failed(error):
-            return False
-        raise
-    fs.invalidate_cache(path)
-    return True
+    return compare_and_swap(url, expected_token, _json_bytes(pointer))
 
 
-def _condition_failed(error: OSError) -> bool:
-    """Another writer won: S3 answered 412 PreconditionFailed (s3fs raises FileExistsError for If-None-Match, a
-    plain OSError for If-Match) or 409 ConditionalRequestConflict (a conditional write to the key in flight)."""
-    if isinstance(error, FileExistsError):
-        return True
-    response = getattr(error.__cause__, "response", None)
-    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
-    return code in ("PreconditionFailed", "ConditionalRequestConflict")
-
-
-@contextlib.contextmanager
-def _local_lock(path: str) -> Iterator[None]:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def _json_bytes(payload: dict[str, Any]) -> bytes:
+    return (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # versions
-
-
-def create_exclusive(url: str, payload: dict[str, Any]) -> bool:
-    """Create `url` with `payload` unless it exists; True when this call created it."""
-    data = (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode("utf-8")
-    fs, path = filesystem(url)
-    if is_local(fs):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
-        return True
-    bucket, key, _ = fs.split_path(path)
-    try:
-        fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, ContentType="application/json", IfNoneMatch="*")
-    except OSError as error:
-        if _condition_failed(error):
-            return False
-        raise
-    return True
 
 
 def claim_version(layout: ModelLayout, above: int, claim: dict[str, Any]) -> int:
@@ -162,29 +91,18 @@ def claim_version(layout: ModelLayout, above: int, claim: dict[str, Any]) -> int
                if name.startswith("v") and name.endswith(".json") and name[1:-5].isdigit()]
     number = max([above, *claimed]) + 1
     for _ in range(MAX_CLAIM_ATTEMPTS):
-        if create_exclusive(layout.claim(number), {**claim, "version": f"v{number}"}):
+        if create_exclusive(layout.claim(number), _json_bytes({**claim, "version": f"v{number}"})):
             return number
         number += 1
     raise RegistryError(f"No free version number under {layout.claims} after {MAX_CLAIM_ATTEMPTS} attempts.")
 
 
 def copy_tree(source_url: str, target_url: str) -> list[dict[str, Any]]:
-    """Copy every file under `source_url` to `target_url` within one storage (S3: server-side); returns the files
-    with their sizes, relative to `target_url`."""
-    fs, source = filesystem(source_url)
-    _, target = filesystem(target_url)
-    files = sorted(fs.find(source))
-    if not files:
-        raise FileNotFoundError(f"{source_url} has no files: the run saved no model there.")
-    copied = []
-    for remote in files:
-        relative = posixpath.relpath(remote, source)
-        destination = f"{target.rstrip('/')}/{relative}"
-        if is_local(fs):
-            os.makedirs(os.path.dirname(destination), exist_ok=True)
-        fs.copy(remote, destination)
-        copied.append({"name": relative, "bytes": fs.size(remote)})
-    return copied
+    """Copy a run's saved model to a version within one storage (S3: server-side); the files with their sizes."""
+    try:
+        return storage_copy_tree(source_url, target_url)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{source_url} has no files: the run saved no model there.") from None
 
 
 def same_tokenizer(model_url: str, tokenizer_dir_url: str) -> bool:
@@ -214,5 +132,5 @@ def complete_version(version: VersionLayout) -> dict[str, Any] | None:
 
 
 
-__all__ = ["RegistryError", "claim_version", "complete_version", "copy_tree", "create_exclusive", "model_layout",
-           "read_latest", "read_pointer", "swap_pointer"]
+__all__ = ["RegistryError", "claim_version", "complete_version", "copy_tree", "model_layout", "read_latest",
+           "read_pointer", "swap_pointer"]

@@ -3,7 +3,8 @@
 Every worker calls `save` (saving a distributed checkpoint runs collectives), but only the chief writes the real
 one; the others write to a temporary directory that is removed right after (TF's multi-worker pattern). When
 the output is on object storage the chief uploads the new checkpoint's files first and the small `checkpoint`
-index last, so a reader never sees an index pointing at missing data.
+index last, so a reader never sees an index pointing at missing data (`trainer.storage.local_copy` and
+`publish_files`: a local output is written in place).
 """
 
 from __future__ import annotations
@@ -43,13 +44,7 @@ class CheckpointStore:
         self.remote_url = remote_url
         self.rank = rank
         self.is_chief = is_chief
-        fs, path = storage.filesystem(remote_url)
-        self.remote_is_local = storage.is_local(fs)
-        if self.remote_is_local:
-            self.read_dir = Path(path)
-        else:
-            self.read_dir = work_dir / "checkpoints"
-            storage.download_tree(remote_url, self.read_dir)
+        self.read_dir = storage.local_copy(remote_url, work_dir)  # a copy is <work_dir>/<the URL's last name>
         self.write_dir = self.read_dir if is_chief else Path(tempfile.mkdtemp(prefix=f"workertemp_{rank}_"))
         self.write_dir.mkdir(parents=True, exist_ok=True)
         self.manager = tf.train.CheckpointManager(checkpoint, str(self.write_dir), max_to_keep=MAX_TO_KEEP)
@@ -69,19 +64,17 @@ class CheckpointStore:
             shutil.rmtree(self.write_dir, ignore_errors=True)
             self.write_dir.mkdir(parents=True)
             return
-        if not self.remote_is_local:
-            self._upload(step)
-        log.info("checkpoint step %d saved to %s", step, path if self.remote_is_local else self.remote_url)
+        self._publish(step)
+        log.info("checkpoint step %d saved to %s", step, storage.join(self.remote_url, Path(path).name))
 
-    def _upload(self, step: int) -> None:
+    def _publish(self, step: int) -> None:
+        """The new checkpoint's files, then the index (a copy's reader never sees it point at missing data), then
+        what max_to_keep rotated out of the local directory goes from storage too (nothing left when it is local)."""
         local_files = {f.name for f in self.write_dir.iterdir() if f.is_file()}
-        for name in sorted(local_files):
-            match = _STEP.match(name)
-            if match and int(match.group(1)) == step:
-                storage.upload_file(self.write_dir / name, storage.join(self.remote_url, name))
-        storage.upload_file(self.write_dir / INDEX_FILE, storage.join(self.remote_url, INDEX_FILE))
+        new = [name for name in sorted(local_files) if (match := _STEP.match(name)) and int(match.group(1)) == step]
+        storage.publish_files(self.write_dir, self.remote_url, [*new, INDEX_FILE])
         for name in storage.list_dir(self.remote_url):
-            if _STEP.match(name) and name not in local_files:  # rotated out by max_to_keep
+            if _STEP.match(name) and name not in local_files:
                 storage.remove_tree(storage.join(self.remote_url, name))
 
     def close(self) -> None:

@@ -7,9 +7,9 @@ corpora for a few epochs does not need it (nanoGPT trains with dropout 0 as well
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,12 +26,10 @@ NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
 def stage_model_dir(url: str, work_dir: str | Path) -> str:
-    """A model or tokenizer directory usable by `from_pretrained`: local dirs as they are, object storage copied."""
-    fs, path = storage.filesystem(url)
-    if storage.is_local(fs):
-        return path
-    local = Path(tempfile.mkdtemp(prefix="model-", dir=work_dir))
-    if not storage.download_tree(url, local):
+    """A model or tokenizer directory usable by `from_pretrained`: local dirs as they are, object storage copied
+    (into `work_dir`, one directory per URL: two URLs may end in the same name)."""
+    local = storage.local_copy(url, Path(work_dir) / f"model-{hashlib.sha256(url.encode()).hexdigest()[:16]}")
+    if not local.is_dir() or not any(local.iterdir()):
         raise FileNotFoundError(f"Model directory {url} is empty or missing: expected save_pretrained files there.")
     return str(local)
 

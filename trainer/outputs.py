@@ -24,26 +24,21 @@ log = logging.getLogger("trainer.outputs")
 
 
 class OutputFiles:
-    """This worker's local copy of the output's metrics/tensorboard files, published to object storage if remote."""
+    """This worker's metrics file and the TensorBoard files, written where the output is when it is on this machine,
+    else in the work directory and published to object storage."""
 
     def __init__(self, job: TrainJob, work_dir: Path) -> None:
         self.output = job.output
-        self.rank = job.rank
-        fs, path = storage.filesystem(job.output.url)
-        self.remote = not storage.is_local(fs)
-        self.root = work_dir / "output" if self.remote else Path(path)
-        self.metrics_file = self.root / "metrics" / f"rank-{job.rank}.jsonl"
-        self.tensorboard = self.root / "tensorboard"
-        if self.remote and storage.exists(job.output.metrics_file(job.rank)):
-            storage.download_file(job.output.metrics_file(job.rank), self.metrics_file)
+        local = work_dir / "output"
+        # An earlier attempt's lines are kept: the metrics file is appended to, and published whole.
+        self.metrics_file = storage.local_copy(job.output.metrics_file(job.rank), local / "metrics")
+        self.tensorboard = storage.local_target(job.output.tensorboard, local)
 
     def publish(self, include_tensorboard: bool) -> None:
-        if not self.remote:
-            return
         if self.metrics_file.exists():
-            storage.upload_file(self.metrics_file, self.output.metrics_file(self.rank))
+            storage.publish_files(self.metrics_file.parent, self.output.metrics, [self.metrics_file.name])
         if include_tensorboard and self.tensorboard.exists():
-            storage.upload_tree(self.tensorboard, self.output.tensorboard)
+            storage.publish_files(self.tensorboard, self.output.tensorboard)
 
 
 def export_model(job: TrainJob, model, work_dir: Path) -> None:

@@ -1,5 +1,9 @@
 """Object storage through fsspec: local paths, file:// and s3:// alike.
 
+Only this module tells local paths from object storage (`is_local`): callers ask for what they need (a local copy
+to read, a local place to write and publish, a stage beside the target, an exclusive create, a compare-and-swap)
+and never branch on where the URL points.
+
 Credentials never travel in URLs, configs or argv. For S3 they come from the environment that botocore reads
 (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3,
 AWS_DEFAULT_REGION); the Airflow side turns a Connection into those variables (see `tasks.connections`).
@@ -9,6 +13,7 @@ Importable without Airflow and without TensorFlow.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -107,6 +112,95 @@ def write_json_atomic(url: str, payload: Any) -> None:
     write_bytes_atomic(url, (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode("utf-8"))
 
 
+def read_with_token(url: str) -> tuple[bytes | None, str | None]:
+    """The object's bytes and the token `compare_and_swap` needs to replace exactly them (S3: its ETag; local: the
+    sha256 of its bytes); (None, None) when there is no object."""
+    fs, path = filesystem(url)
+    if is_local(fs):
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read()
+        except FileNotFoundError:
+            return None, None
+        return data, hashlib.sha256(data).hexdigest()
+    try:
+        etag = fs.info(path, refresh=True)["ETag"]
+    except FileNotFoundError:
+        return None, None
+    # Read after the ETag: content newer than the token only makes a later swap fail, and the caller decide again.
+    return fs.cat_file(path), etag
+
+
+def compare_and_swap(url: str, expected_token: str | None, data: bytes) -> bool:
+    """Write `data` only if the stored object is still the one `expected_token` names (`read_with_token`; None:
+    still absent). True when written; False when another writer changed it first (read it again, decide again).
+
+    Local: an atomic rename under an flock of `<path>.lock` (the kernel releases it when its holder dies). S3: one
+    conditional PUT, `If-Match: <ETag>` or `If-None-Match: *` (AWS S3, MinIO and moto support both)."""
+    fs, path = filesystem(url)
+    if is_local(fs):
+        with _local_lock(path + ".lock"):
+            try:
+                with open(path, "rb") as handle:
+                    current = hashlib.sha256(handle.read()).hexdigest()
+            except FileNotFoundError:
+                current = None
+            if current != expected_token:
+                return False
+            write_bytes_atomic(url, data)
+            return True
+    condition = {"IfMatch": expected_token} if expected_token else {"IfNoneMatch": "*"}
+    try:
+        written = _put_conditionally(fs, path, data, condition)
+    except FileNotFoundError:  # If-Match on an object that was removed meanwhile
+        return False
+    fs.invalidate_cache(path)
+    return written
+
+
+def create_exclusive(url: str, data: bytes) -> bool:
+    """Create `url` with `data` unless it exists; True when this call created it (local: `O_EXCL`; S3: a PUT with
+    `If-None-Match: *`), so of concurrent callers exactly one gets True."""
+    fs, path = filesystem(url)
+    if is_local(fs):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+        return True
+    return _put_conditionally(fs, path, data, {"IfNoneMatch": "*"})
+
+
+def _put_conditionally(fs: fsspec.AbstractFileSystem, path: str, data: bytes, condition: dict[str, str]) -> bool:
+    """One conditional S3 PUT; False when another writer won: S3 answered 412 PreconditionFailed (s3fs raises
+    FileExistsError for If-None-Match, a plain OSError for If-Match) or 409 ConditionalRequestConflict (a
+    conditional write to the key in flight)."""
+    bucket, key, _ = fs.split_path(path)
+    try:
+        fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
+    except OSError as error:
+        response = getattr(error.__cause__, "response", None)
+        code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+        if isinstance(error, FileExistsError) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+            return False
+        raise
+    return True
+
+
+@contextlib.contextmanager
+def _local_lock(path: str) -> Iterator[None]:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def sha256_file(path: str | Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -159,6 +253,69 @@ def download_tree(url: str, local_dir: str | Path) -> list[Path]:
         fs.get_file(remote, str(target))
         local.append(target)
     return local
+
+
+def copy_tree(source_url: str, target_url: str) -> list[dict[str, Any]]:
+    """Copy every file under `source_url` to `target_url` within one storage (S3: server-side); returns the files
+    with their sizes, relative to `target_url`. FileNotFoundError when there is none."""
+    fs, source = filesystem(source_url)
+    _, target = filesystem(target_url)
+    files = sorted(fs.find(source))
+    if not files:
+        raise FileNotFoundError(f"{source_url} has no files")
+    copied = []
+    for remote in files:
+        relative = posixpath.relpath(remote, source)
+        destination = f"{target.rstrip('/')}/{relative}"
+        if is_local(fs):
+            os.makedirs(os.path.dirname(destination), exist_ok=True)
+        fs.copy(remote, destination)
+        copied.append({"name": relative, "bytes": fs.size(remote)})
+    return copied
+
+
+def local_copy(url: str, scratch: str | Path) -> Path:
+    """`url` (a file or a directory) as a local path to read: its own path when it is on this machine, else
+    `scratch/<its name>`, where it is downloaded. A missing `url` gives a path that does not exist."""
+    fs, path = filesystem(url)
+    if is_local(fs):
+        return Path(path)
+    copy = Path(scratch) / posixpath.basename(path.rstrip("/"))
+    if fs.isfile(path):
+        download_file(url, copy)
+    else:
+        download_tree(url, copy)
+    return copy
+
+
+def local_target(url: str, scratch: str | Path) -> Path:
+    """A local path to write what `url` will hold: its own path when it is on this machine, else
+    `scratch/<its name>` (nothing downloaded); `publish_files` then makes the files written there `url`'s."""
+    fs, path = filesystem(url)
+    return Path(path) if is_local(fs) else Path(scratch) / posixpath.basename(path.rstrip("/"))
+
+
+def publish_files(local_dir: str | Path, url: str, names: list[str] | None = None) -> None:
+    """Upload the files `names` (relative to `local_dir`, in this order: the last one, an index, lands last) or,
+    without `names`, every file under it, to the same names under `url`. Nothing to do when `local_dir` is `url`'s
+    own directory (`local_copy`, `local_target`)."""
+    fs, path = filesystem(url)
+    if is_local(fs) and Path(path).resolve() == Path(local_dir).resolve():
+        return
+    if names is None:
+        upload_tree(local_dir, url)
+        return
+    for name in names:
+        upload_file(Path(local_dir) / name, join(url, name))
+
+
+def remove_empty_directory(url: str) -> None:
+    """Remove the directory `url` when it is empty (another writer's files keep it). Object stores have no
+    directories: a prefix is gone with its last object, so there is nothing to do."""
+    fs, path = filesystem(url)
+    if is_local(fs):
+        with contextlib.suppress(OSError):  # not empty, or already gone
+            os.rmdir(path)
 
 
 def remove_tree(url: str) -> None:

@@ -13,7 +13,6 @@ a local temporary directory: no mapped task, no round trip through storage.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -277,11 +276,8 @@ def _published_meanwhile(plan: dict[str, Any]) -> dict[str, Any] | None:
 def _remove_own_work(plan: dict[str, Any], job: UnitJob, layout: StorageLayout) -> None:
     """This plan's work directory only: another plan of the same fingerprint may be running beside it."""
     storage.remove_tree(job.work_url)
-    if not plan["temporary_work"]:
-        fs, path = storage.filesystem(work_url(layout, plan["fingerprint"]))
-        if storage.is_local(fs):
-            with contextlib.suppress(OSError):  # not empty: another plan's directory is still there
-                os.rmdir(path)
+    if not plan["temporary_work"]:  # kept while another plan's directory is still there
+        storage.remove_empty_directory(work_url(layout, plan["fingerprint"]))
 
 
 def _complete(job: UnitJob, unit: int) -> dict[str, Any]:
@@ -346,11 +342,9 @@ def _build(plan: dict[str, Any], cfg: RunConfig, job: UnitJob, results: list[dic
 
 
 def _copy_tokenizer(url: str, target: Path) -> None:
-    fs, path = storage.filesystem(url)
-    if storage.is_local(fs):
-        shutil.copytree(path, target)
-    else:
-        storage.download_tree(url, target)
+    if not storage.download_tree(url, target):
+        raise PrepareError(f"The tokenizer directory {url} is empty or missing: the plan saved it there and the "
+                           "lanes read it. Run the dataset's preparation again from its first task.")
 
 
 # -- all three in one process -----------------------------------------------------------------------------------

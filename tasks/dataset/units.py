@@ -231,7 +231,9 @@ def tokenize_unit(job: UnitJob, unit: Unit, tokenizer, progress: _Progress) -> d
     """Encode one unit into its streams (staged locally, then published next to its result, result last)."""
     began = time.perf_counter()
     chunks = _UnitChunks(job, unit)
-    with tempfile.TemporaryDirectory(prefix=f"unit-{unit.index:05d}-", dir=_scratch_dir(job)) as scratch:
+    # Staged beside the unit's result when the work directory is local (publishing is then a rename), else in the
+    # host's temporary directory (a unit's streams, about half its text's size, are all it needs).
+    with storage.staging_directory(job.result_url(unit.index)) as scratch:
         paths = {split: Path(scratch) / f"{split}.bin" for split in SPLITS}
         with contextlib.ExitStack() as files:
             outputs = {split: files.enter_context(open(path, "wb")) for split, path in paths.items()}
@@ -274,24 +276,10 @@ class _UnitChunks:
             check_unchanged(source)
 
 
-def _scratch_dir(job: UnitJob) -> str | None:
-    """Where a unit stages its streams: in its work directory when that is local (publishing is then a rename),
-    else the host's temporary directory (a unit's streams, about half its text's size, are all it needs)."""
-    fs, path = storage.filesystem(job.work_url)
-    if not storage.is_local(fs):
-        return None
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
 def load_tokenizer(directory: str):
     """The backend tokenizer saved in `directory` (local or in storage)."""
-    fs, path = storage.filesystem(directory)
-    if storage.is_local(fs):
-        return load_backend(Path(path))
-    with tempfile.TemporaryDirectory(prefix="tokenizer-") as local:
-        storage.download_file(storage.join(directory, "tokenizer.json"), Path(local) / "tokenizer.json")
-        return load_backend(Path(local))
+    with tempfile.TemporaryDirectory(prefix="tokenizer-") as scratch:
+        return load_backend(storage.local_copy(storage.join(directory, "tokenizer.json"), scratch).parent)
 
 
 class _Progress:

@@ -1,5 +1,6 @@
-"""tasks.registry on local disk and on the S3 server alike: a damaged pointer is named, claims and creates are
-exclusive, copies list their files, and a version counts only when every file it records is there.
+"""tasks.registry on local disk and on the S3 server alike: a damaged pointer is named, claims are exclusive,
+copies list their files, and a version counts only when every file it records is there. The exclusive create and
+the compare-and-swap themselves are tested in tests/trainer/test_storage.py.
 
 The promote task's use of it (the rule, races and kills) is tested in test_promote.py."""
 
@@ -50,13 +51,6 @@ def test_a_damaged_pointer_is_an_error_that_names_it(layout, stored, problem):
     with pytest.raises(registry.RegistryError, match=problem) as raised:
         registry.read_latest(layout)
     assert layout.latest in str(raised.value)
-
-
-def test_an_exclusive_create_keeps_the_first_writer_s_content(layout):
-    url = layout.claim(1)
-    assert registry.create_exclusive(url, {"run_id": "first"}) is True
-    assert registry.create_exclusive(url, {"run_id": "second"}) is False
-    assert read_json(url) == {"run_id": "first"}
 
 
 def test_a_claim_goes_above_every_claimed_number_and_ignores_other_files(layout):

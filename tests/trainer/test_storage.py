@@ -189,3 +189,82 @@ def test_a_stage_of_another_host_goes_only_once_untouched_for_a_day(tmp_path):
 
 def test_pid_alive_needs_no_proc():
     assert storage.pid_alive(os.getpid()) and not storage.pid_alive(2 ** 22 + 12345)
+
+
+def test_an_exclusive_create_has_one_winner_among_concurrent_writers(root):
+    url = storage.join(root, "claims", "v1.json")
+    barrier = threading.Barrier(4)
+    won: list[bytes] = []
+
+    def claim(data: bytes) -> None:
+        barrier.wait()
+        if storage.create_exclusive(url, data):
+            won.append(data)
+
+    writers = [threading.Thread(target=claim, args=(f"writer {i}".encode(),)) for i in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    assert len(won) == 1 and storage.read_bytes(url) == won[0]
+    assert storage.create_exclusive(url, b"late") is False and storage.read_bytes(url) == won[0]
+
+
+def test_compare_and_swap_writes_only_over_the_object_its_token_names(root):
+    url = storage.join(root, "models", "latest.json")
+    assert storage.read_with_token(url) == (None, None)
+    assert storage.compare_and_swap(url, None, b"v1") is True  # None: only while absent
+    assert storage.compare_and_swap(url, None, b"v1 again") is False
+    data, token = storage.read_with_token(url)
+    assert data == b"v1" and token
+    assert storage.compare_and_swap(url, token, b"v2") is True
+    assert storage.compare_and_swap(url, token, b"v3 from a stale read") is False
+    assert storage.read_bytes(url) == b"v2"
+    storage.remove_tree(url)
+    assert storage.compare_and_swap(url, token, b"v4 over a removed object") is False
+    assert not storage.exists(url)
+
+
+def test_a_local_copy_is_the_path_itself_on_this_machine_else_a_download(root, tmp_path):
+    tree = storage.join(root, "model")
+    storage.write_bytes_atomic(storage.join(tree, "config.json"), b"{}")
+    storage.write_bytes_atomic(storage.join(tree, "sub", "weights.bin"), b"w")
+    local_root = not root.startswith("s3://")
+    scratch = tmp_path / "scratch"
+
+    copy = storage.local_copy(tree, scratch)
+    assert copy == (Path(tree) if local_root else scratch / "model")
+    assert (copy / "config.json").read_bytes() == b"{}" and (copy / "sub" / "weights.bin").read_bytes() == b"w"
+    one = storage.local_copy(storage.join(tree, "sub", "weights.bin"), scratch / "file")
+    assert one.read_bytes() == b"w" and (one == Path(tree) / "sub" / "weights.bin" if local_root else
+                                         one == scratch / "file" / "weights.bin")
+    missing = storage.local_copy(storage.join(root, "metrics", "rank-0.jsonl"), scratch / "metrics")
+    assert not missing.exists() and missing.name == "rank-0.jsonl"  # where to write it, for a later publish
+    assert scratch.exists() != local_root  # nothing is copied for a local URL
+
+
+def test_published_files_land_in_order_and_a_local_target_needs_no_copy(root, tmp_path, monkeypatch):
+    url = storage.join(root, "checkpoints")
+    local = storage.local_target(url, tmp_path / "scratch")
+    assert local == (tmp_path / "scratch" / "checkpoints" if root.startswith("s3://") else Path(url))
+    local.mkdir(parents=True, exist_ok=True)
+    for name in ("ckpt-1.index", "checkpoint", "other.txt"):
+        (local / name).write_bytes(name.encode())
+    uploaded: list[str] = []
+    upload = storage.upload_file
+    monkeypatch.setattr(storage, "upload_file", lambda path, target: (uploaded.append(Path(path).name),
+                                                                       upload(path, target)))
+    storage.publish_files(local, url, ["ckpt-1.index", "checkpoint"])
+    assert uploaded == ([] if local == Path(url) else ["ckpt-1.index", "checkpoint"])  # the index last
+    assert storage.read_bytes(storage.join(url, "checkpoint")) == b"checkpoint"
+    storage.publish_files(local, url)
+    assert storage.read_bytes(storage.join(url, "other.txt")) == b"other.txt"
+
+
+def test_an_empty_directory_is_removed_and_a_full_one_kept(tmp_path):
+    full, empty = tmp_path / "full", tmp_path / "empty"
+    (full / "plan").mkdir(parents=True)
+    empty.mkdir()
+    for directory in (full, empty, tmp_path / "never"):
+        storage.remove_empty_directory(str(directory))
+    assert full.exists() and not empty.exists()
