@@ -19,6 +19,7 @@ else the two recorded errors together (0 when the whole split was scored).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,36 @@ class NoReportError(RuntimeError):
     """The run has no report: evaluate did not get as far as writing one, so there is nothing to promote."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """The promoted version's eval loss a run is compared with (promotion.json's `compared_with`).
+
+    Attributes:
+        version: the promoted version (`v<N>`); eval_loss: its loss compared with.
+        same_shards, same_sample: whether it was scored on this run's dataset, and on its evaluation sample.
+        delta_se: the standard error of the run's loss minus `eval_loss`; None when unknown.
+        error_source: how `delta_se` was found, in words; note: where `eval_loss` comes from, in words.
+    """
+
+    version: str
+    eval_loss: float
+    same_shards: bool
+    same_sample: bool
+    delta_se: float | None
+    error_source: str
+    note: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The promotion rule applied to a report: whether to promote, why, and the reference it was compared with
+    (None: nothing promoted yet, or no comparison was needed)."""
+
+    promote: bool
+    reason: str
+    compared_with: Reference | None = None
+
+
 @uses_run_storage
 def promote_run(prepared: PreparedRun) -> dict[str, Any]:
     """Promote (or not) this run's model; returns the outcome, which promotion.json records beside the report with
@@ -92,9 +123,9 @@ def promote(prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any], layou
         earlier = [entry for entry in (pointer or {}).get("history", []) if entry.get("run_key") == prepared.run_key]
         if earlier:  # a retry after the pointer moved: the run has its version, it gets no second one
             reason = f"already promoted to {earlier[-1]['version']} by an earlier attempt of this task."
-            return outcome(cfg, _verdict(True, reason), promoted=True, entry=earlier[-1])
+            return outcome(cfg, Verdict(True, reason), promoted=True, entry=earlier[-1])
         verdict = decide(cfg, report, pointer)
-        if not verdict["promote"]:
+        if not verdict.promote:
             if version is not None:  # published, then beaten to the pointer by a better version
                 remove_tree(version.url)
             return outcome(cfg, verdict, promoted=False)
@@ -118,48 +149,47 @@ def promote(prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any], layou
         "other runs are promoting continuously; trigger this run's promote task again.")
 
 
-def decide(cfg: RunConfig, report: dict[str, Any], pointer: dict[str, Any] | None) -> dict[str, Any]:
-    """{"promote", "reason", "compared_with"}: the rule of setting `promote` applied to this report."""
+def decide(cfg: RunConfig, report: dict[str, Any], pointer: dict[str, Any] | None) -> Verdict:
+    """The rule of setting `promote` applied to this report."""
     if cfg.promotion.promote == "never":
-        return _verdict(False, "setting 'promote' = 'never'.")
+        return Verdict(False, "setting 'promote' = 'never'.")
     if report.get("gates_passed") is not True:
         failed = "; ".join(gate["detail"] for gate in report.get("gates", []) if not gate.get("passed"))
-        return _verdict(False, f"the run's gates failed ({failed}), so it is never promoted.")
+        return Verdict(False, f"the run's gates failed ({failed}), so it is never promoted.")
     loss = report["runs"]["distributed"]["eval_loss"]
     if pointer is None:
-        return _verdict(True, f"first version of '{cfg.promotion.model_name}' (eval loss {loss:.4f}).")
+        return Verdict(True, f"first version of '{cfg.promotion.model_name}' (eval loss {loss:.4f}).")
     reference = reference_loss(report, pointer)
-    delta = loss - reference["eval_loss"]
-    limit = cfg.promotion.promotion_tolerance + GATE_STANDARD_ERRORS * (reference["delta_se"] or 0.0)
-    comparison = (f"eval loss {loss:.4f} vs {reference['eval_loss']:.4f} of promoted {pointer['version']} "
+    delta = loss - reference.eval_loss
+    limit = cfg.promotion.promotion_tolerance + GATE_STANDARD_ERRORS * (reference.delta_se or 0.0)
+    comparison = (f"eval loss {loss:.4f} vs {reference.eval_loss:.4f} of promoted {pointer['version']} "
                   f"(run {pointer['run_id']}): {nats(delta)} nats, {_allowance(cfg, reference, limit)}; "
-                  f"{reference['note']}")
+                  f"{reference.note}")
     if cfg.promotion.promote == "always":
-        return _verdict(True, f"setting 'promote' = 'always' ({comparison}).", reference)
+        return Verdict(True, f"setting 'promote' = 'always' ({comparison}).", reference)
     if math.isfinite(delta) and delta <= limit:
-        return _verdict(True, f"not worse than the promoted version: {comparison}.", reference)
-    return _verdict(False, f"worse than the promoted version by more than 'promotion_tolerance': {comparison}. "
+        return Verdict(True, f"not worse than the promoted version: {comparison}.", reference)
+    return Verdict(False, f"worse than the promoted version by more than 'promotion_tolerance': {comparison}. "
                            "Raise 'promotion_tolerance' or set 'promote' = 'always' to promote it anyway.", reference)
 
 
-def _allowance(cfg: RunConfig, reference: dict[str, Any], limit: float) -> str:
-    if not reference["delta_se"]:
+def _allowance(cfg: RunConfig, reference: Reference, limit: float) -> str:
+    if not reference.delta_se:
         return f"tolerance {cfg.promotion.promotion_tolerance:.4f} (no sampling error)"
     return (f"limit {limit:.4f} = tolerance {cfg.promotion.promotion_tolerance:.4f} + {GATE_STANDARD_ERRORS:g} x "
-            f"{reference['delta_se']:.4f}, the standard error of the delta ({reference['error_source']})")
+            f"{reference.delta_se:.4f}, the standard error of the delta ({reference.error_source})")
 
 
-def reference_loss(report: dict[str, Any], pointer: dict[str, Any]) -> dict[str, Any]:
+def reference_loss(report: dict[str, Any], pointer: dict[str, Any]) -> Reference:
     """The promoted version's eval loss to compare with, where it comes from, and the standard error of the run's
     loss minus it (`delta_se`: None when unknown)."""
     scored = report.get("promoted") or {}
     fingerprint = report["dataset_fingerprint"]
     sample = _sample_id(report)
     if scored.get("version") == pointer["version"] and scored.get("eval_loss") is not None:
-        return {"version": pointer["version"], "eval_loss": scored["eval_loss"], "same_shards": True,
-                "same_sample": True, "delta_se": scored.get("delta_se"),
-                "error_source": "paired over the sample's sequences",
-                "note": f"both scored on this run's evaluation sample {sample} (dataset {fingerprint})"}
+        return Reference(pointer["version"], scored["eval_loss"], same_shards=True, same_sample=True,
+                         delta_se=scored.get("delta_se"), error_source="paired over the sample's sequences",
+                         note=f"both scored on this run's evaluation sample {sample} (dataset {fingerprint})")
     same = pointer.get("dataset_fingerprint") == fingerprint
     same_sample = sample is not None and pointer.get("eval_sample") == sample
     if same_sample:
@@ -173,9 +203,8 @@ def reference_loss(report: dict[str, Any], pointer: dict[str, Any]) -> dict[str,
     note = f"its recorded eval loss, {where}" + (f" ({scored['note']})" if scored.get("note") else "")
     errors = [_run(report).get("eval_loss_se"), pointer.get("eval_loss_se")]
     delta_se = math.hypot(*errors) if all(isinstance(error, (int, float)) for error in errors) else None
-    return {"version": pointer["version"], "eval_loss": pointer["eval_loss"], "same_shards": same,
-            "same_sample": same_sample, "delta_se": delta_se, "error_source": "both recorded errors together",
-            "note": note}
+    return Reference(pointer["version"], pointer["eval_loss"], same_shards=same, same_sample=same_sample,
+                     delta_se=delta_se, error_source="both recorded errors together", note=note)
 
 
 def _run(report: dict[str, Any]) -> dict[str, Any]:
@@ -187,17 +216,14 @@ def _sample_id(report: dict[str, Any]) -> str | None:
     return sample.get("id") if isinstance(sample, dict) else None
 
 
-def _verdict(promote: bool, reason: str, reference: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"promote": promote, "reason": reason, "compared_with": reference}
-
-
-def outcome(cfg: RunConfig, verdict: dict[str, Any], *, promoted: bool,
+def outcome(cfg: RunConfig, verdict: Verdict, *, promoted: bool,
             entry: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the report, the task log and (as `event`, the Asset event's extra) downstream DAGs learn."""
     event = {"model_name": cfg.promotion.model_name, **{name: entry[name] for name in (
         "version", "url", "model_url", "run_id", "eval_loss", "perplexity", "dataset_fingerprint")}} if entry else None
     return {"promoted": promoted, "policy": cfg.promotion.promote, "model_name": cfg.promotion.model_name,
-            "reason": verdict["reason"], "compared_with": verdict["compared_with"],
+            "reason": verdict.reason,
+            "compared_with": dataclasses.asdict(verdict.compared_with) if verdict.compared_with else None,
             "version": entry["version"] if entry else None, "url": entry["url"] if entry else None,
             "model_url": entry["model_url"] if entry else None, "event": event, "decided_at": utc_now()}
 
@@ -217,7 +243,7 @@ def history_entry(version: VersionLayout, prepared: PreparedRun, report: dict[st
 
 
 def publish_version(version: VersionLayout, prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any],
-                    number: int, verdict: dict[str, Any]) -> None:
+                    number: int, verdict: Verdict) -> None:
     """Model, report and model card, then version.json listing them: complete, or never pointed to."""
     files = [{**file, "name": f"model/{file['name']}"}
              for file in registry.copy_tree(report["runs"]["distributed"]["model_url"], version.model)]
@@ -251,7 +277,7 @@ def _size(url: str) -> int:
 
 
 def model_card(cfg: RunConfig, prepared: PreparedRun, report: dict[str, Any], number: int,
-               verdict: dict[str, Any]) -> str:
+               verdict: Verdict) -> str:
     distributed = report["runs"]["distributed"]
     continued = report.get("continued_from")
     pinned = pinned_base(cfg)
@@ -261,7 +287,7 @@ def model_card(cfg: RunConfig, prepared: PreparedRun, report: dict[str, Any], nu
     lines = [
         f"# {cfg.promotion.model_name} v{number}",
         "",
-        f"Promoted {utc_now()} from run `{prepared.run_id}` (policy `{cfg.promotion.promote}`): {verdict['reason']}",
+        f"Promoted {utc_now()} from run `{prepared.run_id}` (policy `{cfg.promotion.promote}`): {verdict.reason}",
         "",
         f"- Base model: {base}",
         (f"- Data: dataset fingerprint `{report['dataset_fingerprint']}` (setting `dataset` = `{cfg.dataset}`, "
