@@ -178,7 +178,7 @@ def test_release_deletes_the_leftovers_of_a_dead_task_by_label(tmp_path, cluster
     root = f"s3://runs/{tmp_path.name}"  # pods share no disk with Airflow: the run's storage is on S3
     params = {"backend": "kubernetes", "kubernetes_conn_id": CONN_ID, "storage_root": root}
     result = release_run(params, "manual__dead_task", "gpt_finetune", make_backend, grace_period_s=2)
-    record = read_json(f"{root}/runs/{key}/release.json")
+    record = read_json(result["release_url"])  # runs/<key>/report/release.json (trainer/layout.py)
     pods = next(h for h in record["hosts"] if h["backend"] == "kubernetes")
     print(f"\nrelease on the cluster: {pods}")
     assert result["clean"] is True and record["clean"] is True
