@@ -19,28 +19,28 @@ from tasks.formatting import nats
 from trainer.config import RunConfig
 from trainer.eval_result import GATE_STANDARD_ERRORS
 from trainer.layout import TrainOutput
+from trainer.summary import TrainSummary
 
 if TYPE_CHECKING:
     from tasks.prepared_run import PreparedRun
 
 
-
-def run_figures(label: str, output: TrainOutput, summary: dict[str, Any], evaluation: dict[str, Any]) -> dict:
+def run_figures(label: str, output: TrainOutput, summary: TrainSummary, evaluation: dict[str, Any]) -> dict:
     """The figures of one trained model, from its summary.json and its evaluation result."""
     return {
         "label": label,
-        "num_workers": summary["num_workers"],
-        "global_batch_size": summary["global_batch_size"],
-        "steps": summary["steps"],
-        "tokens_seen": summary["tokens_seen"],
-        "train_time_s": summary["train_time_s"],
-        "seconds_per_step": seconds_per_step(summary),
-        "wall_time_s": summary["wall_time_s"],
-        "tokens_per_s": summary["tokens_per_s"],
-        "final_loss": summary["final_loss"],
-        "mfu": summary.get("mfu"),
-        "gpu_mem_peak_mb": summary.get("gpu_mem_peak_mb"),  # rank 0's; null on CPU and in older summaries
-        "gpu_mem_reserved_mb": summary.get("gpu_mem_reserved_mb"),
+        "num_workers": summary.num_workers,
+        "global_batch_size": summary.global_batch_size,
+        "steps": summary.steps,
+        "tokens_seen": summary.tokens_seen,
+        "train_time_s": summary.train_time_s,
+        "seconds_per_step": summary.seconds_per_step,
+        "wall_time_s": summary.wall_time_s,
+        "tokens_per_s": summary.tokens_per_s,
+        "final_loss": summary.final_loss,
+        "mfu": summary.mfu,
+        "gpu_mem_peak_mb": summary.gpu_mem_peak_mb,  # rank 0's; null on CPU and in older summaries
+        "gpu_mem_reserved_mb": summary.gpu_mem_reserved_mb,
         "eval_loss": evaluation["eval_loss"],
         "perplexity": evaluation["perplexity"],
         "nats_per_char": evaluation.get("nats_per_char"),  # absent from a baseline evaluation cached before them
@@ -52,12 +52,12 @@ def run_figures(label: str, output: TrainOutput, summary: dict[str, Any], evalua
         "output_url": output.url,
         "model_url": output.model,
         "summary_url": output.summary,
-        "started_at": summary.get("started_at"),
-        "finished_at": summary.get("finished_at"),
-        "resumed_from_step": summary.get("resumed_from_step"),
-        "hardware": summary.get("hardware", {}),
-        "versions": summary.get("versions", {}),
-        "allreduce": summary.get("allreduce"),  # how its gradients crossed the network (trainer/allreduce.py)
+        "started_at": summary.started_at,
+        "finished_at": summary.finished_at,
+        "resumed_from_step": summary.resumed_from_step,
+        "hardware": summary.hardware,
+        "versions": summary.versions,
+        "allreduce": summary.allreduce,  # how its gradients crossed the network (trainer/allreduce.py)
     }
 
 
@@ -68,12 +68,6 @@ def _sample_figures(evaluation: dict[str, Any]) -> dict[str, Any] | None:
         return None
     return {name: sample.get(name) for name in ("id", "tokens", "split_tokens", "sequences", "split_sequences",
                                                 "whole_split", "asked_tokens", "workers", "read_bytes")}
-
-
-def seconds_per_step(summary: dict[str, Any]) -> float | None:
-    """Training seconds per timed step; None when the job timed no step (it resumed at its last step)."""
-    timed = summary.get("steps_timed", summary["steps"] - (summary.get("resumed_from_step") or 0))
-    return summary["train_time_s"] / timed if timed and summary["train_time_s"] > 0 else None
 
 
 def compare(distributed: dict[str, Any], baseline: dict[str, Any] | None, tolerance: float,

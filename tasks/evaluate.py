@@ -30,6 +30,7 @@ from trainer.eval_result import ResultError, combine, delta_standard_error, part
 from trainer.eval_sample import sample_identity
 from trainer.layout import PROMOTION_JSON, RunLayout, StorageLayout, TrainOutput
 from trainer.storage import exists, join, read_bytes, read_json, remove_tree, write_json_atomic
+from trainer.summary import TrainSummary
 
 if TYPE_CHECKING:
     from launcher.backend import BackendFactory
@@ -83,10 +84,10 @@ class Scored:
     version's section (None: nothing promoted to compare with)."""
 
     distributed: TrainOutput
-    distributed_summary: dict[str, Any]
+    distributed_summary: TrainSummary
     distributed_eval: dict[str, Any]
     baseline: TrainOutput | None
-    baseline_summary: dict[str, Any] | None
+    baseline_summary: TrainSummary | None
     baseline_eval: dict[str, Any] | None
     promoted: dict[str, Any] | None
 
@@ -180,13 +181,13 @@ def check_gates(prepared: PreparedRun, report: dict[str, Any], report_json_url: 
 # inputs
 
 
-def _read_summary(output: TrainOutput, task_id: str) -> dict[str, Any]:
+def _read_summary(output: TrainOutput, task_id: str) -> TrainSummary:
     if not exists(output.summary):
         raise FileNotFoundError(
             f"{output.summary} does not exist: the '{task_id}' task did not complete, so there is nothing to "
             f"compare. Check that task's log; for the baseline, trigger with baseline='run' to train it afresh."
         )
-    return read_json(output.summary)
+    return TrainSummary.from_json(read_json(output.summary), output.summary)
 
 
 def read_metrics(output: TrainOutput, rank: int = 0) -> list[dict[str, Any]]:

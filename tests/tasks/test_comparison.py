@@ -2,13 +2,21 @@
 
 from tasks import comparison
 from trainer.config import RunConfig
+from trainer.summary import TrainSummary
 
 
 def test_speedup_compares_time_per_step_so_a_resumed_job_is_measured_fairly():
-    baseline = {"steps": 40, "steps_timed": 39, "train_time_s": 39.0, "resumed_from_step": 0}
-    resumed = {"steps": 40, "steps_timed": 19, "train_time_s": 9.5, "resumed_from_step": 20}  # 0.5 s per step
-    assert comparison.seconds_per_step(baseline) == 1.0 and comparison.seconds_per_step(resumed) == 0.5
-    assert comparison.seconds_per_step({**resumed, "steps_timed": 0}) is None
+    work = {"num_workers": 1, "global_batch_size": 8, "tokens_seen": 0, "wall_time_s": 60.0, "tokens_per_s": None,
+            "final_loss": None}
+    baseline = {**work, "steps": 40, "steps_timed": 39, "train_time_s": 39.0, "resumed_from_step": 0}
+    resumed = {**work, "steps": 40, "steps_timed": 19, "train_time_s": 9.5, "resumed_from_step": 20}  # 0.5 s/step
+    older = {key: value for key, value in resumed.items() if key != "steps_timed"}  # before the field: 20 steps
+
+    def per_step(summary):
+        return TrainSummary.from_json(summary, "summary.json").seconds_per_step
+
+    assert (per_step(baseline), per_step(resumed), per_step(older)) == (1.0, 0.5, 9.5 / 20)
+    assert per_step({**resumed, "steps_timed": 0}) is None
     run = {"num_workers": 4, "eval_loss": 5.0, "seconds_per_step": 0.5}
     result = comparison.compare(run, {**run, "num_workers": 1, "seconds_per_step": 1.0}, 0.02)
     assert (result["speedup"], result["efficiency"], result["loss_delta"]) == (2.0, 0.5, 0.0)

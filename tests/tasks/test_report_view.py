@@ -60,6 +60,7 @@ def test_the_report_says_how_the_gradients_crossed_the_network():
     the implementation `communication` resolved to, the wire dtype and the packs."""
     from tasks.comparison import run_figures
     from trainer.layout import TrainOutput
+    from trainer.summary import TrainSummary
 
     summary = {"num_workers": 2, "global_batch_size": 16, "steps": 4, "tokens_seen": 4096, "train_time_s": 2.0,
                "wall_time_s": 3.0, "tokens_per_s": 2048.0, "final_loss": 5.0,
@@ -67,7 +68,8 @@ def test_the_report_says_how_the_gradients_crossed_the_network():
                              "overlap": True}}
     evaluation = {"eval_loss": 5.0, "perplexity": 148.4, "eval_tokens": 100, "eval_time_s": 1.0}
     data = report()
-    data["runs"]["distributed"] = run_figures("distributed", TrainOutput("storage/run"), summary, evaluation)
+    data["runs"]["distributed"] = run_figures("distributed", TrainOutput("storage/run"),
+                                                 TrainSummary.from_json(summary, "summary.json"), evaluation)
     data["config"] = {"communication": "auto"}
     assert ("Gradient all-reduce: float32 over NCCL ('communication' = 'auto'), 3 pack(s) of >= 32 MiB, "
             "overlapping the backward pass") in render_markdown(data)
