@@ -26,6 +26,7 @@ from launcher.ssh import RemoteHost
 from tasks.launch import RecordedLaunch
 from tasks.release import processes_of_run
 from tests.launcher.conftest import REPO, entrypoint_env, start_launcher, wait_for
+from trainer.config import RunConfig
 from trainer.layout import StorageLayout
 from trainer.storage import read_json
 
@@ -42,7 +43,9 @@ def connections(ssh_hosts, monkeypatch):
 
 
 def _backend(conn_ids, **settings):
-    return ssh_backend({"ssh_conn_ids": conn_ids, "workers_per_host": 0, **settings})
+    # The hosts share no filesystem with this one: an ssh run's storage root is object storage (RunConfig's rule).
+    return ssh_backend(RunConfig.of(backend="ssh", storage_root="s3://tfmw-test/ssh", ssh_conn_ids=list(conn_ids),
+                                    workers_per_host=0, **settings))
 
 
 def _spec(run_key: str, fault: str = "", **changes) -> GroupSpec:

@@ -27,7 +27,7 @@ def start_prepare_process(cfg: RunConfig, log_path: Path) -> subprocess.Popen:
         "logging.basicConfig(level=logging.INFO)\n"
         "from trainer.config import RunConfig\n"
         "from tasks.dataset.stage import prepare_dataset\n"
-        "prepare_dataset(RunConfig.from_params(json.loads(sys.argv[1])))\n"
+        "prepare_dataset(RunConfig.from_saved(json.loads(sys.argv[1])))\n"
     )
     with open(log_path, "wb") as log_file:
         return subprocess.Popen([sys.executable, "-c", code, cfg.to_json()], stdout=log_file,

@@ -159,7 +159,7 @@ os.sched_setaffinity(0, json.loads(sys.argv[1]))  # before any thread pool exist
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 from trainer.config import RunConfig
 from tasks.dataset.stage import prepare_dataset
-result = prepare_dataset(RunConfig.from_params(json.loads(sys.argv[2])))
+result = prepare_dataset(RunConfig.from_saved(json.loads(sys.argv[2])))
 threads = [len(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")]
 print(json.dumps({"fingerprint": result.fingerprint, "manifest_url": result.manifest_url, "thread_cores": threads}))
 """
