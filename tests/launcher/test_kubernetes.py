@@ -131,14 +131,19 @@ def test_a_refused_pod_fails_the_launch_with_the_api_reason_and_leaves_nothing(c
     _wait_for(lambda: cluster.remaining() == {}, 10)
 
 
-def test_stopping_the_group_deletes_every_object(cluster, tmp_path):
+def _running_group(cluster, tmp_path):
+    """A two-pod group that steps until it is stopped, once both pods have made steps."""
     the_backend = backend(cluster)
     group = WorkerGroup(spec(env={"TINY_WORKER_STEPS": "100000", "TINY_WORKER_STEP_S": "0.05"}), the_backend,
                         tmp_path / "work", on_line=lambda rank, line: None)
     runner = threading.Thread(target=group.run, daemon=True)
     runner.start()
-    names = GroupNames(RUN_KEY, "tiny", "default")
-    _wait_for(lambda: b"step 2 done" in cluster.log_of(names.pod(1)), 30)
+    _wait_for(lambda: b"step 2 done" in cluster.log_of(GroupNames(RUN_KEY, "tiny", "default").pod(1)), 30)
+    return the_backend, group, runner
+
+
+def test_stopping_the_group_deletes_every_object(cluster, tmp_path):
+    _, group, runner = _running_group(cluster, tmp_path)
     assert set(cluster.remaining()) == {"pods", "services", "secrets", "networkpolicies"}
     stopped = time.monotonic()
     group.stop("test", grace_s=1)
@@ -166,13 +171,8 @@ def test_the_groups_pods_are_proven_ended_right_after_it_exits(cluster, tmp_path
 def test_a_pod_whose_end_was_not_seen_or_that_still_runs_is_not_proven_free(cluster, tmp_path):
     """A pod deleted without a grace period (its end unseen) proves nothing; one still listed running holds the proof
     back until the bounded wait ends."""
-    the_backend = backend(cluster)
-    group = WorkerGroup(spec(env={"TINY_WORKER_STEPS": "100000", "TINY_WORKER_STEP_S": "0.05"}), the_backend,
-                        tmp_path / "work", on_line=lambda rank, line: None)
-    runner = threading.Thread(target=group.run, daemon=True)
-    runner.start()
+    the_backend, group, runner = _running_group(cluster, tmp_path)
     names = GroupNames(RUN_KEY, "tiny", "default")
-    _wait_for(lambda: b"step 2 done" in cluster.log_of(names.pod(1)), 30)
     evidence = {names.pod(0): "kubelet", names.pod(1): None}
     still = kubernetes_release.check_group_ended(the_backend.api, names.selector, evidence, 0.5)
     assert still["free"] is False and still["free_after_s"] is None

@@ -48,6 +48,8 @@ from pathlib import Path
 from typing import Any, Self
 from urllib.parse import parse_qs, urlparse
 
+from tests.support.http import send_json
+
 _CORE = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<res>pods|services|secrets|events)"
                    r"(?:/(?P<name>[^/]+)(?:/(?P<sub>log))?)?$")
 _NETWORKING = re.compile(r"^/apis/networking\.k8s\.io/v1/namespaces/(?P<ns>[^/]+)/(?P<res>networkpolicies)"
@@ -590,12 +592,7 @@ class _ApiHandler(BaseHTTPRequestHandler):
         pass
 
     def _respond(self, code: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, code, body)
 
     def _dispatch(self) -> None:
         url = urlparse(self.path)

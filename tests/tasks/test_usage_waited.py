@@ -15,6 +15,7 @@ import pytest
 
 from tasks import airflow_api, usage
 from tasks.report import render_markdown
+from tests.support.http import send_json
 from tests.tasks.test_usage import assert_invariants, attempt, causes, rank
 
 # preflight 0-10 and train 40-80 on two slots, evaluate 100-110 on one, released at 120.
@@ -76,12 +77,7 @@ class FakeApi(BaseHTTPRequestHandler):
         pass
 
     def _answer(self, code: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, code, body)
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
