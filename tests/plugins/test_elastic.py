@@ -127,7 +127,8 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
 
     # The report names both segments; the final models evaluate alike.
     prepared = PreparedRun(run_id="elastic", run_key=key, config=cfg.to_dict(), config_url=run.config,
-                           manifest_url=manifest, dataset_fingerprint="test", train_url=run.train.url,
+                           config_sha256=digest, baseline_config_sha256="", manifest_url=manifest,
+                           dataset_fingerprint="test", train_url=run.train.url,
                            train_summary_url=run.train.summary, baseline_key="", baseline_url="",
                            baseline_config_url="", baseline_summary_url="", report_url=run.report)
     evaluation = evaluate_run(prepared, make_backend)

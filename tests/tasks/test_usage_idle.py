@@ -80,9 +80,10 @@ def test_ranks_that_talk_but_do_not_train_warn_once_live_and_a_hanging_mail_neve
 
 
 def test_idle_settings_come_from_the_prepared_configuration_and_mail_only_with_a_connection():
-    config = {"max_idle_held_s": 600, "idle_gpu_util_pct": 10}
+    config = RunConfig.of(max_idle_held_s=600, idle_gpu_util_pct=10)
     quiet = IdleSettings.of(config, "manual__1", "train")
     assert (quiet.max_idle_held_s, quiet.idle_gpu_util_pct, quiet.mail) == (600.0, 10.0, None)
-    assert IdleSettings.of({**config, "alert_conn_id": "smtp"}, "manual__1", "train").mail is not None
-    assert IdleSettings.of({**config, "alert_conn_id": "smtp"}, None, "evaluate-baseline").mail is None  # no run id
-    assert IdleSettings.of({}, "manual__1", "train").max_idle_held_s == 0  # a literal config without it: off
+    mailed = config.replace(alert_conn_id="smtp", alert_emails=["ops@example.com"])
+    assert IdleSettings.of(mailed, "manual__1", "train").mail is not None
+    assert IdleSettings.of(mailed, None, "evaluate-baseline").mail is None  # no run id
+    assert IdleSettings.of(config.replace(max_idle_held_s=0), "manual__1", "train").max_idle_held_s == 0  # off
