@@ -62,14 +62,13 @@ def evaluate_run(prepared: PreparedRun, make_backend: BackendFactory) -> dict:
     expected = throughput.assess(report, earlier, cfg.monitoring.min_throughput_ratio)
     report["warnings"] = expected.warnings
     report_json_url = reports.write_report(prepared.report_url, report, charts(prepared, cfg, report, earlier))
-    log.info("Report written to %s\n%s\n%s", prepared.report_url, reports.text_table(report["table"]),
-             f"Hardware: {report['hardware']['line']}")
+    log.info("Report written to %s (report.md follows from the release task)\n%s\n%s", report_json_url,
+             reports.text_table(report["table"]), f"Hardware: {report['hardware']['line']}")
     announce(prepared, cfg, report, expected.ratio)
     check_gates(prepared, report, report_json_url)
     comparison = report["comparison"]
     return {
-        "report_json_url": report_json_url,
-        "report_md_url": join(prepared.report_url, reports.REPORT_MD),
+        "report_json_url": report_json_url,  # report.md follows beside it: the release task renders it
         "speedup": comparison["speedup"],
         "efficiency": comparison["efficiency"],
         "eval_loss": report["runs"]["distributed"]["eval_loss"],
@@ -103,7 +102,9 @@ def score_models(prepared: PreparedRun, cfg: RunConfig, make_backend: BackendFac
 
     report_url = prepared.report_url
     for stale in (reports.REPORT_JSON, reports.REPORT_MD, reports.LOSS_CHART, reports.SCALING_CHART, PROMOTION_JSON):
-        remove_tree(join(report_url, stale))  # an earlier attempt's report (or the verdict on it) must not pass
+        # An earlier attempt's report (or the verdict on it, or its report.md, which release renders again from
+        # the new parts) must not pass for this one's.
+        remove_tree(join(report_url, stale))
     distributed_eval = run_evaluation(distributed.model, prepared.manifest_url,
                                       join(report_url, "eval-distributed.json"), cfg=cfg,
                                       run_key=prepared.run_key, label="distributed",

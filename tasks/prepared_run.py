@@ -26,8 +26,9 @@ class PreparedRun(Document):
         baseline_key: the baseline's key (tasks/baseline.py); baseline_url: its directory under `baselines/`;
             baseline_config_url: `runs/<key>/baseline_config.json`, baseline_config_sha256 its digest;
             baseline_summary_url: the baseline's `summary.json`.
-        report_url: the run's report directory `runs/<key>/report/` (report.json, promotion.json, release.json,
-            report.md, the charts; preflight writes preflight.json there too).
+        report_url: the run's report directory `runs/<key>/report/`: report.json and the charts (evaluate),
+            promotion.json (promote), release.json, the usage chart and report.md (release); preflight.json
+            (preflight).
         continued_from: with `model: promoted[:<name>]`, the version it continues from: {"name", "version",
             "url", "model_url", "run_id", "eval_loss"}; else None.
         price: the rate prepare froze (tasks/pricing.py, `usage/price.json`), None without a pricing table.

@@ -6,8 +6,9 @@ promotion copies the model (with its tokenizer), each serving format that passed
 `export_formats`: a missing or failed one is a failed gate, tasks/exports.py), the report and a model card to
 `models/<model_name>/v<N>/`, writes `version.json` last, then moves `latest.json` by compare-and-swap
 (tasks/registry.py). The outcome, with the reason and the export gates, goes to `promotion.json` beside the run's
-report (its one writer; report.md and the run's page show it as the report's `promotion`) and the task log; the DAG
-turns a promotion into an event of the Asset `gpt_finetune_model`.
+report (its one writer; the run's page shows it as the report's `promotion`, and so does report.md, which the
+release task renders after it) and the task log; the DAG turns a promotion into an event of the Asset
+`gpt_finetune_model`.
 
 The eval losses compared are the same evaluation sample's whenever possible: the evaluate task scores the promoted
 version on this run's sample of the validation split when their tokenizers agree (`report["promoted"]`);
@@ -91,7 +92,7 @@ class Verdict:
 @uses_run_storage
 def promote_run(prepared: PreparedRun) -> dict[str, Any]:
     """Promote (or not) this run's model; returns the outcome, which promotion.json records beside the report with
-    the export gates it was decided on (report.json stays evaluate's), and report.md shows."""
+    the export gates it was decided on (report.json stays evaluate's, report.md is release's)."""
     cfg = checked_config(prepared.config)
     report_json = join(prepared.report_url, REPORT_JSON)
     if not exists(report_json):
@@ -103,7 +104,6 @@ def promote_run(prepared: PreparedRun) -> dict[str, Any]:
     report = with_exports(evaluated, exported)
     outcome = promote(prepared, cfg, report, registry.model_layout(cfg.storage_root, cfg.promotion.model_name))
     write_json_atomic(join(prepared.report_url, PROMOTION_JSON), {**outcome, **exported})
-    reports.render_report_md(prepared.report_url)
     if outcome["promoted"]:
         log.info("Promoted run %s to %s %s (%s): %s", prepared.run_id, cfg.promotion.model_name, outcome["version"],
                  outcome["url"], outcome["reason"])
@@ -296,7 +296,8 @@ def model_card(cfg: RunConfig, prepared: PreparedRun, report: dict[str, Any], nu
         f"{distributed['global_batch_size']} sequences x {cfg.block_size} tokens"),
         (f"- Eval loss on the validation split: {distributed['eval_loss']:.4f} nats, perplexity "
         f"{distributed['perplexity']:.2f} ({_evaluated(distributed)})"),
-        f"- Run report: {join(prepared.report_url, reports.REPORT_MD)}",
+        (f"- Run report: {join(prepared.report_url, REPORT_JSON)} (the run's release task writes "
+         f"{reports.REPORT_MD} beside it)"),
         "",
         "## Gates",
         "",

@@ -8,8 +8,9 @@ run-state records the operator wrote (`runs/<key>/state/*.json`) and the run's s
 reached fails the task, named. A local group launched from another host or container (its record names the
 launcher's `launcher.host_identity`) cannot be checked from here: it is reported unverified, never clean, naming
 both hosts and the setting that routes release to the GPU hosts (`gpu_queue`). The outcome goes to `release.json`
-beside the run's report (with the GPU-time ledger when the run has a report), which report.md and the run's page
-show ("released: yes/no" beside the gates).
+beside the run's report (with the GPU-time ledger when the run has a report); then release renders report.md from
+the three parts (report.json, promotion.json, release.json: "Released: yes/no" beside the gates). It is report.md's
+one writer because it runs last, whatever happened upstream; the run's page reads the parts itself.
 """
 
 from __future__ import annotations
@@ -215,8 +216,9 @@ def _release_record(key: str, names: list[str], results: dict[str, ReleaseResult
 
 def write_release(run: RunLayout, release: dict[str, Any], dag_id: str | None = None) -> None:
     """release.json beside the run's report (its one writer), with the GPU-time ledger up to this release when
-    evaluate wrote a report (`usage`, its chart beside it), then report.md again from the three parts; with
-    `dag_id`, the GPU tasks' admission waits are read from Airflow (tasks/airflow_api.py)."""
+    evaluate wrote a report (`usage`, its chart beside it), then report.md from the three parts (its one writer too;
+    none without report.json); with `dag_id`, the GPU tasks' admission waits are read from Airflow
+    (tasks/airflow_api.py)."""
     report = read_part(run.report_json)  # untrusted, and release must not fail on it: None or unreadable is no report
     charts: dict[str, bytes] = {}
     if isinstance(report, dict) and UNREADABLE not in report:

@@ -1,5 +1,5 @@
-"""The comparison report: the figures table, the PNG charts, the history of runs, and writing them all (report.md
-from the report's view, tasks/report_view.py).
+"""The comparison report: the figures table, the PNG charts, the history of runs, and writing them (evaluate:
+report.json and the charts; release: report.md, from the report's view, tasks/report_view.py, of the three parts).
 
 `report.json` is written last under `<root>/runs/<run_key>/report/`: readers (the UI plugin, later runs' history
 charts) trust a report only once it exists. The layout of `report.json` (format_version 1):
@@ -283,27 +283,26 @@ def _check_run(run: Any, name: str, *, efficiency: Any) -> None:
 
 
 def write_report(report_url: str, report: dict[str, Any], charts: dict[str, bytes]) -> str:
-    """Evaluate's report: charts and report.md first, report.json last (its presence marks a complete report);
-    returns its URL. report.md shows the parts promote and release wrote beside it, if any (tasks/report_parts.py)."""
+    """Evaluate's report: the charts first, report.json last (its presence marks a complete report); returns its URL.
+    report.md is release's (`render_report_md`): written once every part beside report.json is final."""
     for name, png in charts.items():
         write_bytes_atomic(join(report_url, name), png)
-    write_bytes_atomic(join(report_url, REPORT_MD), render_markdown(run_report(report, *read_parts(report_url))).encode(
-        "utf-8"))
     json_url = join(report_url, REPORT_JSON)
     write_json_atomic(json_url, report)
     return json_url
 
 
 def render_report_md(report_url: str) -> None:
-    """report.md again from the three parts, after promote or release wrote theirs; nothing before evaluate wrote
-    report.json (an unreadable one is left as it is: the page says so)."""
+    """report.md from the three parts (report.json, promotion.json, release.json; tasks/report_parts.py merges
+    them): the release task's, report.md's one writer. Nothing before evaluate wrote report.json (an unreadable one
+    writes nothing: the run's page says why)."""
     json_url = join(report_url, REPORT_JSON)
     if not exists(json_url):
         return
     try:
         report = read_record(json_url)
     except (UnreadableRecord, OSError) as error:
-        log.warning("Not re-rendering report.md: %s", error)
+        log.warning("Not rendering report.md: %s", error)
         return
     if isinstance(report, dict):
         write_bytes_atomic(join(report_url, REPORT_MD),

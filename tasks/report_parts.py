@@ -1,6 +1,7 @@
 """A run's report is three files beside each other, each with one writer: `report.json` (evaluate), `promotion.json`
 (promote) and `release.json` (release). This reads them as the one report its view shows (tasks/report_view.py):
-report.md and the run's page render the same merge, and no task rewrites another's file.
+report.md (written by release alone, the last task, once all three are final) and the run's page render the same
+merge, and no task rewrites another's file.
 
 The parts are untrusted input like the report (tasks/report_file.py limits): a missing part reads None (pending), an
 unreadable one `{"unreadable": why}`, which the view shows as such (a release that cannot be read is no proof).

@@ -10,8 +10,9 @@
     <root>/runs/<run_key>/train/                      the distributed training output (see TrainOutput)
     <root>/runs/<run_key>/train/exports/              serving formats and exports.json (their parity), record last
     <root>/runs/<run_key>/train/segments.json         each launch of train: from step, workers (elastic recovery)
-    <root>/runs/<run_key>/report/                     report.json (evaluate), promotion.json (promote), release.json
-                                                      (release): one writer each; report.md, *.png, preflight.json
+    <root>/runs/<run_key>/report/                     one writer each: report.json and its charts (evaluate),
+                                                      promotion.json (promote), release.json, usage.png and
+                                                      report.md of all three (release), preflight.json
     <root>/baselines/<baseline_key>/                  a single-worker training output, reusable across runs
     <root>/models/base/<name>@<sha>/                  a hub model at one commit, base_model.json last
     <root>/models/<name>/latest.json                  the promoted version and the history (see tasks/registry.py)

@@ -22,6 +22,7 @@ from launcher.protocol import CONFIG_SHA256_ENV
 from tests.launcher.conftest import REPO, entrypoint_env
 from tests.plugins.conftest import failure_excerpt
 from tests.plugins.test_operator import _finish, _start
+from tests.tasks import run_fixtures
 from tests.trainer.shards import write_dataset
 from trainer.config import RunConfig
 from trainer.config.pinned import ConfigChangedError, load_pinned_config, save_config
@@ -132,7 +133,7 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
                            train_summary_url=run.train.summary, baseline_key="", baseline_url="",
                            baseline_config_url="", baseline_summary_url="", report_url=run.report)
     evaluation = evaluate_run(prepared, make_backend)
-    markdown = (Path(run.report) / "report.md").read_text()
+    markdown = run_fixtures.released_markdown(run.report)
     assert "**elastic**: continued on 2 of 4 workers from step 4: this machine allows 2 worker(s)" in markdown
     assert "| 1-4 | 4 of 4 | 1 |" in markdown and "| 5-12 | 2 of 4 | 2 |" in markdown
     report = read_json(str(Path(run.report) / "report.json"))

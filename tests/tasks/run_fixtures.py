@@ -128,3 +128,14 @@ ELASTIC_RECORD = {"num_workers": 4, "grad_accum_steps": 1, "min_workers": 2, "la
     {"try_number": 3, "from_step": 20, "num_workers": 2, "grad_accum_steps": 2, "reason": "host h unreachable",
      "hosts": ["h0"]},
 ]}
+
+
+def released_markdown(report_url: str) -> str:
+    """report.md as the release task renders it (its one writer) from the parts beside it, for tests that stop before
+    release; evaluate and promote write none."""
+    from tasks.report import REPORT_MD, render_report_md
+    from trainer.storage import exists, read_bytes
+
+    assert not exists(join(report_url, REPORT_MD)), "only the release task writes report.md"
+    render_report_md(report_url)
+    return read_bytes(join(report_url, REPORT_MD)).decode()

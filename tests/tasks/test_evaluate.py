@@ -22,7 +22,7 @@ from tasks.evaluate import EvaluationError, GateFailure, evaluate_run
 from tests.tasks import run_fixtures
 from trainer.config import RunConfig
 from trainer.layout import StorageLayout
-from trainer.storage import exists, join, read_bytes, read_json, write_json_atomic
+from trainer.storage import exists, join, read_bytes, read_json, write_bytes_atomic, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -49,8 +49,14 @@ def trained_run(root, run_id, *, train_time_s=30.0, baseline_time_s=33.0, eval_l
 def test_two_workers_against_the_baseline_report_every_figure(root, evaluations, caplog):
     caplog.set_level(logging.INFO, logger="gpt_finetune.evaluate")
     prepared = trained_run(root, "manual__2026-11-29T10:00:00+00:00")
+    stale = join(prepared.report_url, "report.md")
+    write_bytes_atomic(stale, b"# an earlier attempt's report.md")
 
     result = evaluate_run(prepared, make_backend)
+
+    # report.md is release's alone: evaluate removes an earlier one (it would disagree with report.json) and writes
+    # none; its XCom points at report.json.
+    assert not exists(stale) and "report_md_url" not in result
 
     assert result["speedup"] == pytest.approx(33.0 / 30.0)
     assert result["efficiency"] == pytest.approx(33.0 / 30.0 / 2)
@@ -73,7 +79,7 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
     assert report["baseline"] == {"policy": "auto", "key": prepared.baseline_key, "url": prepared.baseline_url,
                                   "trained_by_run": prepared.run_id, "reused": False}
 
-    markdown = read_bytes(result["report_md_url"]).decode()
+    markdown = run_fixtures.released_markdown(prepared.report_url)
     assert ("| run | workers | train time | eval time | tokens/s | speedup | efficiency | eval loss | perplexity | "
             "nats/char | known words |") in markdown
     assert "| distributed | 2 | 30.0 s | 1.2 s | 1,331 | 1.10x | 55% | 5.3050 | 201.34 | 1.768 | 100% / 75% |" \
@@ -123,7 +129,7 @@ def test_an_impossible_tolerance_fails_the_task_and_still_writes_the_report(root
     assert report["gates_passed"] is False
     assert {gate["name"]: gate["passed"] for gate in report["gates"]} == {
         "eval_loss_finite": True, "same_work": True, "loss_parity": False}
-    assert "**Gates: FAILED**" in read_bytes(join(prepared.report_url, "report.md")).decode()
+    assert "**Gates: FAILED**" in run_fixtures.released_markdown(prepared.report_url)
 
 
 def test_skip_reports_the_distributed_run_alone(root, evaluations):
@@ -197,7 +203,7 @@ def test_a_sampled_evaluation_reports_its_share_and_widens_loss_parity_by_the_pa
     assert parity["passed"] and parity["limit"] == pytest.approx(0.001 + 2 * delta_se)
     assert f"limit ±{0.001 + 2 * delta_se:.4f} = tolerance 0.0010 + 2 x {delta_se:.4f}" in parity["detail"]
     assert "over 8 sampled sequences (both models scored the same sequences: paired)" in parity["detail"]
-    markdown = read_bytes(result["report_md_url"]).decode()
+    markdown = run_fixtures.released_markdown(prepared.report_url)
     assert "Evaluation: 512 of 2,560 validation tokens (20.0%; 8 sequences), sample" in markdown
     assert f"| 5.3050 ± {distributed['eval_loss_se']:.4f} |" in markdown
     assert report["baseline"]["key"] != trained_run(root, "manual__all", eval_tokens=0).baseline_key

@@ -85,7 +85,8 @@ def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
                                     "model_card.md"} <= {file["name"] for file in record["files"]}
     card = read_bytes(v1.model_card).decode()
     for fragment in ("# gpt_finetune v1", run_fixtures.FINGERPRINT, "Eval loss on the validation split: 5.3000",
-                     "eval_loss_finite: pass", "| learning_rate | `0.003` |", "tensorflow: 2.21.0"):
+                     "eval_loss_finite: pass", "| learning_rate | `0.003` |", "tensorflow: 2.21.0",
+                     f"Run report: {join(first.report_url, 'report.json')} (the run's release task writes report.md"):
         assert fragment in card
     assert read_json(v1.report)["run_id"] == "scheduled__1"
     assert promoted["event"] == {"model_name": "gpt_finetune", "version": "v1", "url": v1.url,
@@ -101,7 +102,8 @@ def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
     assert "worse than the promoted version by more than 'promotion_tolerance'" in refused["reason"]
     assert "eval loss 5.5000 vs 5.3000 of promoted v1" in refused["reason"]
     assert "both scored on this run's evaluation sample" in refused["reason"]
-    markdown = read_bytes(join(worse.report_url, "report.md")).decode()
+    assert not exists(join(worse.report_url, "report.md"))  # promote writes promotion.json alone; release report.md
+    markdown = run_fixtures.released_markdown(worse.report_url)
     assert "**Not promoted** (policy 'auto'): worse than the promoted version" in markdown
     samples = markdown.split("## Samples")[1]
     assert "**Prompt 1:** To be, or not" in samples
@@ -116,7 +118,7 @@ def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
     assert (pointer["version"], pointer["run_id"]) == ("v2", "scheduled__3")
     assert [(entry["version"], entry["run_id"], entry["eval_loss"]) for entry in pointer["history"]] == [
         ("v1", "scheduled__1", 5.30), ("v2", "scheduled__3", 5.20)]
-    assert "**Promoted** to gpt_finetune v2" in read_bytes(join(better.report_url, "report.md")).decode()
+    assert "**Promoted** to gpt_finetune v2" in run_fixtures.released_markdown(better.report_url)
 
 
 def test_tolerance_and_the_promote_policies(evaluations, tmp_path):
@@ -226,7 +228,7 @@ def test_a_failed_or_missing_export_blocks_promotion_with_a_gate_row_naming_it(e
     assert report["gates_passed"] is False
     assert [(gate["name"], gate["passed"]) for gate in report["gates"] if gate["name"].startswith("export_")] == [
         ("export_safetensors", False), ("export_saved_model", True), ("export_tf_h5", True)]
-    markdown = read_bytes(join(failed.report_url, "report.md")).decode()
+    markdown = run_fixtures.released_markdown(failed.report_url)
     assert "| export_safetensors | **FAIL** | 0.032 | 0.0001 | export safetensors: max" in markdown
 
     missing = evaluated_run(root, "r2", 5.30)

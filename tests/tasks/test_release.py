@@ -15,8 +15,8 @@ from launcher.host_identity import host_identity
 from launcher.protocol import LAUNCHER_WORKDIR_PREFIX
 from tasks.release import ReleaseError, processes_of_run, release_run
 from tests.support.hardware import assert_gpu_check_matches_this_machine
-from trainer.layout import StorageLayout, run_key
-from trainer.storage import write_json_atomic
+from trainer.layout import PROMOTION_JSON, StorageLayout, run_key
+from trainer.storage import join, write_json_atomic
 
 RUN_ID = "manual__2026-11-29T02:00:00+00:00"
 DAG_ID = "gpt_finetune"
@@ -215,9 +215,9 @@ def test_release_ends_the_processes_before_failing_on_unreachable_storage(tmp_pa
     assert processes_of_run(KEY) == {}
 
 
-def test_release_writes_its_own_record_beside_the_report_and_report_md_shows_it(tmp_path):
-    """One writer per file: release writes release.json beside report.json, leaves report.json as evaluate wrote
-    it, and renders report.md again from the parts (Released: yes)."""
+def test_release_writes_its_own_record_beside_the_report_and_renders_report_md_from_all_three_parts(tmp_path):
+    """One writer per file: release writes release.json beside report.json and promotion.json, leaves both as
+    evaluate and promote wrote them, and is report.md's one writer: the merge of all three parts."""
     from tasks.report import REPORT_MD
     from tasks.report_parts import read_parts, run_report
     from tests.tasks.test_report import report as sample_report
@@ -225,15 +225,23 @@ def test_release_writes_its_own_record_beside_the_report_and_report_md_shows_it(
     root = str(tmp_path / "storage")
     run = StorageLayout(root).run(KEY)
     write_json_atomic(run.report_json, sample_report())
-    evaluated = Path(run.report_json).read_bytes()
+    write_json_atomic(join(run.report, PROMOTION_JSON), {
+        "promoted": False, "policy": "auto", "model_name": "gpt_finetune", "reason": "worse than the promoted version",
+        "compared_with": None, "version": None, "url": None, "model_url": None, "event": None,
+        "decided_at": "2026-11-29T10:05:00+00:00", "export_gates": [], "exports": {}})
+    evaluated, decided = Path(run.report_json).read_bytes(), Path(run.report, PROMOTION_JSON).read_bytes()
+    assert not Path(run.report, REPORT_MD).exists()
 
     release_run({"storage_root": root}, RUN_ID, DAG_ID, make_backend)
 
-    assert Path(run.report_json).read_bytes() == evaluated
+    assert (Path(run.report_json).read_bytes(), Path(run.report, PROMOTION_JSON).read_bytes()) == (evaluated, decided)
     assert Path(run.release).parent == Path(run.report_json).parent
     report = run_report(json.loads(evaluated), *read_parts(run.report))
     assert report["release"]["clean"] is True and report["release"]["survivors"] == []
-    assert "**Released: yes**" in Path(run.report, REPORT_MD).read_text()
+    markdown = Path(run.report, REPORT_MD).read_text()
+    assert markdown.startswith("# GPT fine-tune run `manual__1`")  # report.json's
+    assert "**Not promoted** (policy 'auto'): worse than the promoted version" in markdown  # promotion.json's
+    assert "**Released: yes**" in markdown  # release.json's
 
 
 def test_release_of_one_run_leaves_a_lookalike_runs_workers_running(tmp_path, processes):

@@ -129,14 +129,26 @@ def test_history_reads_every_earlier_report_and_skips_unreadable_ones(tmp_path, 
     assert "broken/report/report.json" in caplog.text
 
 
-def test_write_report_writes_every_file(tmp_path):
+def test_evaluate_writes_report_json_and_charts_and_release_renders_report_md(tmp_path):
     url = str(tmp_path / "report")
     write_json_atomic(join(url, "preflight.json"), {"ok": True})  # written earlier by the preflight task
     json_url = reports.write_report(url, report(), {"scaling.png": b"\x89PNG fake"})
     assert json_url == join(url, "report.json") and exists(json_url)
     assert read_bytes(join(url, "scaling.png")) == b"\x89PNG fake"
-    assert read_bytes(join(url, "report.md")).startswith(b"# GPT fine-tune run `manual__1`")
+    assert not exists(join(url, "report.md"))  # release's, once promotion.json and release.json are final
     assert exists(join(url, "preflight.json"))
+
+    reports.render_report_md(url)
+    assert read_bytes(join(url, "report.md")).startswith(b"# GPT fine-tune run `manual__1`")
+
+
+def test_no_report_md_without_a_readable_report_json(tmp_path):
+    url = str(tmp_path / "report")
+    reports.render_report_md(url)  # evaluate never got that far
+    assert not exists(join(url, "report.md"))
+    write_bytes_atomic(join(url, "report.json"), b"{not json")
+    reports.render_report_md(url)
+    assert not exists(join(url, "report.md"))
 
 
 # -- earlier reports are untrusted input (issue 37 item 4, review finding 10) -----------------------------------
