@@ -23,8 +23,11 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
+
+from launcher.document import Document, DocumentError
 
 log = logging.getLogger("gpt_finetune.airflow_api")
 
@@ -68,8 +71,41 @@ def _request(url: str, *, token: str | None = None, body: Mapping[str, Any] | No
         raise ApiUnavailable(f"{urllib.parse.urlsplit(url).path}: {type(error).__name__}: {error}") from None
 
 
-def task_tries(dag_id: str, run_id: str, task_ids: Iterable[str], *, connection: Any = None) -> list[dict[str, Any]]:
-    """Every try of each task of the DAG run, as the API lists them (ApiUnavailable saying why when it cannot)."""
+@dataclass(frozen=True)
+class TaskTry(Document):
+    """One try of a task instance as `GET .../taskInstances/{task_id}/tries` lists it (`task_instances`): the fields
+    the waits need, checked (the API's other fields are not read). The times are ISO timestamps, None before the try
+    reached that state (or in records from before these fields)."""
+
+    task_id: str
+    try_number: int
+    map_index: int
+    scheduled_when: str | None = None
+    queued_when: str | None = None
+    start_date: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("scheduled_when", "queued_when", "start_date"):
+            stamp = getattr(self, name)
+            try:
+                if stamp is not None:
+                    datetime.fromisoformat(stamp)
+            except ValueError:
+                raise DocumentError(f"TaskTry.{name}: {stamp!r} is not an ISO timestamp: refusing the try.") from None
+
+    @classmethod
+    def from_api(cls, row: Any, endpoint: str) -> TaskTry:
+        """`row` of the answer of `endpoint`; ApiUnavailable naming the endpoint and the field otherwise."""
+        known = {field.name for field in fields(cls)}
+        try:
+            return cls.from_xcom({k: v for k, v in row.items() if k in known} if isinstance(row, Mapping) else row)
+        except DocumentError as error:
+            raise ApiUnavailable(f"{endpoint} answered a try that is not one: {error}") from None
+
+
+def task_tries(dag_id: str, run_id: str, task_ids: Iterable[str], *, connection: Any = None) -> list[TaskTry]:
+    """Every try of each task of the DAG run, as the API lists them (ApiUnavailable saying why when it cannot, or
+    naming the endpoint and the field of an answer that is not what Airflow's API answers)."""
     if connection is None:
         from airflow.sdk import BaseHook
 
@@ -91,29 +127,49 @@ def task_tries(dag_id: str, run_id: str, task_ids: Iterable[str], *, connection:
     run_path = f"{base}/api/v2/dags/{urllib.parse.quote(dag_id, safe='')}/dagRuns/{urllib.parse.quote(run_id, safe='')}"
     tries = []
     for task_id in sorted(set(task_ids)):
-        page = _request(f"{run_path}/taskInstances/{urllib.parse.quote(task_id, safe='')}/tries", token=access)
-        tries += [row for row in (page.get("task_instances") or []) if isinstance(row, dict)]
+        url = f"{run_path}/taskInstances/{urllib.parse.quote(task_id, safe='')}/tries"
+        endpoint = urllib.parse.urlsplit(url).path
+        page = _request(url, token=access)
+        rows = page.get("task_instances") if isinstance(page, dict) else None
+        if not isinstance(rows, list):
+            raise ApiUnavailable(f"{endpoint} answered without a list of task_instances: not Airflow's API?")
+        tries += [TaskTry.from_api(row, f"{endpoint} task_instances[{index}]") for index, row in enumerate(rows)]
     return tries
 
 
-def _epoch(stamp: Any) -> float | None:
-    try:
-        return datetime.fromisoformat(stamp).timestamp() if isinstance(stamp, str) else None
-    except ValueError:
-        return None
+def _epoch(stamp: str | None) -> float | None:
+    return datetime.fromisoformat(stamp).timestamp() if stamp is not None else None
 
 
-def admission_waits(tries: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per try that was admitted: {"task_id", "try_number", "map_index", "scheduled", "queued", "started"
-    (epoch seconds), "waited_s" (scheduled -> queued), "queued_s" (queued -> started, None before it started)}. A try
-    without a scheduled or queued time (never admitted, or a record from before these fields) is left out."""
+@dataclass(frozen=True)
+class AdmissionWait:
+    """An admitted try's wait: `scheduled`, `queued`, `started` (epoch seconds; started None before it started),
+    `waited_s` (scheduled -> queued) and `queued_s` (queued -> started)."""
+
+    task_id: str
+    try_number: int
+    map_index: int
+    scheduled: float
+    queued: float
+    started: float | None
+    waited_s: float
+    queued_s: float | None
+
+    def entry(self) -> dict[str, str | int | float | None]:
+        """As release.json's `usage.admission` lists it."""
+        return {"task_id": self.task_id, "try_number": self.try_number, "map_index": self.map_index,
+                "waited_s": self.waited_s, "queued_s": self.queued_s}
+
+
+def admission_waits(tries: Sequence[TaskTry]) -> list[AdmissionWait]:
+    """One wait per try that was admitted, by scheduled time. A try without a scheduled or queued time (never
+    admitted, or a record from before these fields) is left out."""
     waits = []
     for row in tries:
-        scheduled, queued, started = (_epoch(row.get(k)) for k in ("scheduled_when", "queued_when", "start_date"))
+        scheduled, queued, started = (_epoch(t) for t in (row.scheduled_when, row.queued_when, row.start_date))
         if scheduled is None or queued is None:
             continue
-        waits.append({"task_id": row.get("task_id"), "try_number": row.get("try_number"),
-                      "map_index": row.get("map_index"), "scheduled": scheduled, "queued": queued, "started": started,
-                      "waited_s": round(max(0.0, queued - scheduled), 3),
-                      "queued_s": round(max(0.0, started - queued), 3) if started is not None else None})
-    return sorted(waits, key=lambda wait: wait["scheduled"])
+        waits.append(AdmissionWait(row.task_id, row.try_number, row.map_index, scheduled, queued, started,
+                                   waited_s=round(max(0.0, queued - scheduled), 3),
+                                   queued_s=round(max(0.0, started - queued), 3) if started is not None else None))
+    return sorted(waits, key=lambda wait: wait.scheduled)

@@ -13,20 +13,22 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from launcher import GroupSpec, GroupState, RunResult, WorkerGroup, WorkerOutcome
 from launcher.backend import Backend
+from launcher.document import DocumentError, checked
 from launcher.host_identity import describe, host_identity, same_host
 from launcher.idle import IdleEpisode, IdleWatch
 from launcher.protocol import LAUNCHER_WORKDIR_PREFIX, is_ready_marker, utc_now, utc_timestamp
 from tasks import telemetry
-from tasks.usage import slots_of
+from tasks.usage import AttemptEvents, IdleWarning, RankEvents, slots_of
 from trainer.config import RunConfig
 from trainer.layout import RunLayout
 from trainer.metrics import LIVE_PREFIX
@@ -49,18 +51,78 @@ def task_supervisor_pid() -> int | None:
     return os.getppid()
 
 
+@dataclass(frozen=True)
+class SlotsCheck:
+    """A state record's `after_exit`: the backend's proof, right after the group exited, that the slots it held are
+    free (`Backend.check_slots_free`), and `release_after_train_s`, seconds from the exit to that proof (None when
+    not proven then). `evidence`: the backend's own keys beside them (`slots`, `hosts`, `gpu_check`, `note`...,
+    docs/CONTRACTS.md), kept as it answered them."""
+
+    checked: bool
+    free: bool | None
+    free_after_s: float | None
+    release_after_train_s: float | None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def proven(self) -> bool:
+        return self.free is True and self.free_after_s is not None
+
+    @classmethod
+    def from_json(cls, value: Any, source: str) -> SlotsCheck:
+        """The check `value` (from `source`) holds: its four fields checked (DocumentError naming the source and the
+        field), the backend's other keys kept as evidence."""
+        if not isinstance(value, Mapping):
+            raise DocumentError(f"{source}: expected a JSON object, got {type(value).__name__}: refusing it.")
+        hints = typing.get_type_hints(cls)
+        known = {name: checked(hints[name], value.get(name), f"{source}: {name}")
+                 for name in ("checked", "free", "free_after_s", "release_after_train_s")}
+        return cls(**known, evidence={key: item for key, item in value.items() if key not in known})
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.evidence, "checked": self.checked, "free": self.free, "free_after_s": self.free_after_s,
+                "release_after_train_s": self.release_after_train_s}
+
+
+@dataclass(frozen=True)
+class StateRecord:
+    """A group's run-state record, `runs/<key>/state/<group>.json` (docs/CONTRACTS.md): written by every launch
+    (`to_json()`) and handed to `on_record` (the operator pushes it to XCom); release reads it back.
+
+    Attributes:
+        task_id: the group's name; backend: the backend running it; state: running, succeeded, failed or stopped.
+        updated_at: UTC ISO; workdir: the launcher's work directory on its host (removed at the end; release removes
+            it when the task died first); launcher: that host's identity (launcher/host_identity.py).
+        workers: per rank {"rank", "host", "port", "gpus"} and the backend's handle record beside them.
+        after_exit: the slots' check once the group exited; None while it runs, and for a killed task.
+    """
+
+    task_id: str
+    backend: str
+    state: str
+    updated_at: str
+    workdir: str
+    launcher: dict[str, str]
+    workers: tuple[dict[str, Any], ...]
+    after_exit: SlotsCheck | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "backend": self.backend, "state": self.state, "updated_at": self.updated_at,
+                "workdir": self.workdir, "launcher": self.launcher, "workers": list(self.workers),
+                "after_exit": self.after_exit.to_json() if self.after_exit else None}
+
+
 def release_after_exit(run: RunLayout, group: str) -> float | None:
     """`release_after_train_s` of group `group`'s state record: seconds from its exit to the proof that its slots
-    were free; None without a record or a proof."""
+    were free; None without a record or a proof, or from a record that is not one (logged, naming it)."""
     url = run.state_file(group)
     try:
         record = read_json(url) if exists(url) else None
+        after = record.get("after_exit") if isinstance(record, dict) else None
+        return SlotsCheck.from_json(after, f"{url} after_exit").release_after_train_s if after is not None else None
     except Exception as error:  # noqa: BLE001 - a figure of the report, never a failure
         log.info("could not read the state record %s (%s)", url, error)
         return None
-    after = record.get("after_exit") if isinstance(record, dict) else None
-    value = after.get("release_after_train_s") if isinstance(after, dict) else None
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def add_release_after_train(report: dict[str, Any], run: RunLayout) -> None:
@@ -105,6 +167,30 @@ class IdleSettings:
                    mail if watch.alert_conn_id and run_id else None)
 
 
+@dataclass
+class _RunningAttempt:
+    """The running attempt's GPU-time events as they come (READY markers, idle-held warnings); `events()` is what
+    its file keeps once it ended."""
+
+    attempt: int
+    try_number: str | None  # Airflow's try of the task; None outside Airflow
+    launched: float
+    workers: dict[int, WorkerOutcome]  # by rank
+    ready: dict[int, float] = field(default_factory=dict)
+    idle_warnings: list[IdleWarning] = field(default_factory=list)
+
+    def slots(self, rank: int) -> list[str]:
+        worker = self.workers.get(rank)
+        return slots_of(worker.host, rank, worker.devices or ()) if worker else slots_of(None, rank, ())
+
+    def events(self, group: str, backend: str, state: str, exit_codes: Mapping[int, int | None],
+               ended: float) -> AttemptEvents:
+        ranks = tuple(RankEvents(rank=w.rank, host=w.host, gpus=tuple(w.devices or ()), launch=self.launched,
+                                 exit=ended, exit_code=exit_codes.get(w.rank), ready=self.ready.get(w.rank))
+                      for w in self.workers.values())
+        return AttemptEvents(group, backend, self.attempt, self.try_number, state, ranks, tuple(self.idle_warnings))
+
+
 class RecordedLaunch:
     """Runs `spec` on `backend` as a task's group `spec.name` of the run laid out by `run`.
 
@@ -117,15 +203,15 @@ class RecordedLaunch:
 
     def __init__(self, spec: GroupSpec, backend: Backend, run: RunLayout, *, on_line: Callable[[int, str], None],
                  storage: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-                 on_record: Callable[[dict[str, Any]], None] | None = None,
+                 on_record: Callable[[StateRecord], None] | None = None,
                  idle: IdleSettings | None = None) -> None:
         self.spec, self.backend, self.run = spec, backend, run
         self.storage, self.on_record = storage, on_record
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{LAUNCHER_WORKDIR_PREFIX}{spec.name}-"))
         self._labels: dict[int, str] = {}
-        self.after_exit: dict[str, Any] | None = None  # _check_slots_free's result, once the group exited
+        self.after_exit: SlotsCheck | None = None  # _check_slots_free's result, once the group exited
         self._recorded = False  # this launch wrote its first state record
-        self._usage: dict[str, Any] | None = None  # the running attempt's GPU-time events (tasks/usage.py)
+        self._attempt: _RunningAttempt | None = None  # the running attempt's GPU-time events (tasks/usage.py)
         self._on_line = on_line
         self.idle = idle or IdleSettings()
         watch = IdleWatch(self.idle.max_idle_held_s, live_step, self._idle_held,
@@ -164,25 +250,25 @@ class RecordedLaunch:
     def stop(self, reason: str, grace_s: float | None = None) -> None:
         self.group.stop(reason, grace_s)
 
-    def _check_slots_free(self, result: RunResult) -> dict[str, Any]:
+    def _check_slots_free(self, result: RunResult) -> SlotsCheck:
         """Right after the group exited: the backend's proof that the slots it held are free (launcher/gpus.py for the
         local backend), so a run's GPUs are known released as soon as training ends, not only at release.
         `release_after_train_s`: seconds from the group's exit to that proof; None when not proven here. Evidence
         only: an error is logged, and release checks the slots again."""
         exited = time.monotonic()
         try:
-            check = dict(self.backend.check_slots_free(self.spec, result.workers))
+            check = SlotsCheck.from_json(self.backend.check_slots_free(self.spec, result.workers),
+                                         f"the {self.backend.name} backend's check of the slots of {self.spec.name}")
         except Exception as error:  # noqa: BLE001 - evidence must not fail the task
             log.warning("could not check that the slots of %s are free after it exited: %s", self.spec.name, error)
-            check = {"checked": False, "free": None, "free_after_s": None, "note": f"the check failed: {error}"}
-        proven = check.get("free") is True and check.get("free_after_s") is not None
-        check["release_after_train_s"] = round(time.monotonic() - exited, 3) if proven else None
-        if proven:
-            log.info("the %s slots of %s are free %.3f s after its workers exited", check.get("slots", ""),
-                     self.spec.name, check["release_after_train_s"])
-        elif check.get("checked"):
+            check = SlotsCheck(False, None, None, None, {"note": f"the check failed: {error}"})
+        if check.proven:
+            check = replace(check, release_after_train_s=round(time.monotonic() - exited, 3))
+            log.info("the %s slots of %s are free %.3f s after its workers exited", check.evidence.get("slots", ""),
+                     self.spec.name, check.release_after_train_s)
+        elif check.checked:
             log.warning("the slots of %s are not proven free after its workers exited (%s): release checks them again",
-                        self.spec.name, {k: v for k, v in check.items() if k not in ("checked", "free_after_s")})
+                        self.spec.name, {"free": check.free, **check.evidence})
         return check
 
     def _warn_of_an_earlier_attempt_elsewhere(self) -> None:
@@ -207,14 +293,14 @@ class RecordedLaunch:
             self.spec.name, self.state_url, describe(earlier.get("launcher")), describe(here), self.spec.run_key)
 
     def _line(self, rank: int, line: str) -> None:
-        if self._usage is not None and is_ready_marker(line):
-            self._usage["ranks"].get(rank, {}).setdefault("ready", time.time())
+        if self._attempt is not None and rank in self._attempt.workers and is_ready_marker(line):
+            self._attempt.ready.setdefault(rank, time.time())
         self._on_line(rank, line)
 
     def _idle_held(self, episode: IdleEpisode) -> None:
         """One idle-held episode (the group's watch loop calls this): logged, counted, recorded, mailed off-loop."""
-        ranks = (self._usage or {}).get("ranks") or {}
-        slots = [slot for rank in episode.ranks for slot in slots_of(ranks.get(rank) or {"rank": rank})]
+        running = self._attempt
+        slots = [s for rank in episode.ranks for s in (running.slots(rank) if running else slots_of(None, rank, ()))]
         where = "; ".join(f"{self.label(rank)} {episode.phase[rank]}" + (
             f", GPU utilization at most {episode.peak_util_pct[rank]:.0f}%" if episode.peak_util_pct else "")
             for rank in episode.ranks)
@@ -224,25 +310,21 @@ class RecordedLaunch:
                 + f"): {where}. The run goes on.")
         log.warning("%s", text)
         telemetry.count("cost_warning", {"run": self.spec.run_key, "task": self.spec.name})
-        if self._usage is not None:
-            self._usage.setdefault("idle_warnings", []).append({
-                "at": utc_timestamp(episode.at), "ranks": list(episode.ranks),
-                "slots": slots, "idle_s": episode.idle_s, "phase": {str(r): p for r, p in episode.phase.items()},
-                "peak_util_pct": ({str(r): u for r, u in episode.peak_util_pct.items()}
-                                  if episode.peak_util_pct else None), "text": text})
+        if running is not None:
+            running.idle_warnings.append(IdleWarning(
+                at=utc_timestamp(episode.at), ranks=tuple(episode.ranks), slots=tuple(slots), idle_s=episode.idle_s,
+                phase={str(r): p for r, p in episode.phase.items()},
+                peak_util_pct={str(r): u for r, u in episode.peak_util_pct.items()} if episode.peak_util_pct else None,
+                text=text))
         if self.idle.mail is not None:
             self.idle.mail(text)
 
     def _started(self, workers: Sequence[WorkerOutcome], attempt: int) -> None:
         self._write_usage(())  # a relaunch on new ports: the earlier attempt has ended
-        launched = time.time()
-        self._usage = {"group": self.spec.name, "backend": self.backend.name, "attempt": attempt,
-                       "try_number": os.environ.get("AIRFLOW_CTX_TRY_NUMBER"),
-                       "ranks": {w.rank: {"rank": w.rank, "host": w.host, "gpus": list(w.devices or []),
-                                          "launch": launched} for w in workers}}
+        self._attempt = _RunningAttempt(attempt, os.environ.get("AIRFLOW_CTX_TRY_NUMBER"), time.time(),
+                                        {w.rank: w for w in workers})
         self._labels = {w.rank: w.label for w in workers}
-        self._gpus_held(sum(len(slots_of({"rank": w.rank, "host": w.host, "gpus": list(w.devices or [])}))
-                            for w in workers))
+        self._gpus_held(sum(len(self._attempt.slots(w.rank)) for w in workers))
         self._write_state(GroupState.RUNNING, workers)
 
     def _gpus_held(self, slots: int) -> None:
@@ -253,40 +335,34 @@ class RecordedLaunch:
     def _write_usage(self, workers: Sequence[WorkerOutcome], state: GroupState | None = None) -> None:
         """The ended attempt's events, one file per group attempt under `runs/<key>/usage/` (append-only: a file is
         written once, never read back and rewritten). A storage error is logged: the ledger must not fail a run."""
-        usage, self._usage = self._usage, None
-        if usage is None:
+        running, self._attempt = self._attempt, None
+        if running is None:
             return
         ended = time.time()
         self._gpus_held(0)
-        codes = {w.rank: w.exit_code for w in workers}
-        usage["state"] = state.value if state else "relaunched"
-        usage["ranks"] = [{**rank, "exit": ended, "exit_code": codes.get(rank["rank"])}
-                          for rank in usage["ranks"].values()]
-        stamp = datetime.fromtimestamp(usage["ranks"][0]["launch"] if usage["ranks"] else ended, UTC)
-        name = f"{self.spec.name}-{stamp.strftime('%Y%m%dT%H%M%S.%f')}-a{usage['attempt']}.json"
+        events = running.events(self.spec.name, self.backend.name, state.value if state else "relaunched",
+                                {w.rank: w.exit_code for w in workers}, ended)
+        stamp = datetime.fromtimestamp(running.launched if events.ranks else ended, UTC)
+        name = f"{self.spec.name}-{stamp.strftime('%Y%m%dT%H%M%S.%f')}-a{events.attempt}.json"
         try:
             with self.storage():
-                write_json_atomic(join(self.run.url, "usage", name), usage)
+                write_json_atomic(join(self.run.url, "usage", name), events.to_xcom())
         except Exception:  # a missing ledger entry is reported by the ledger, not by the task
             log.exception("could not record the GPU-time events of %s", self.spec.name)
 
     def _write_state(self, state: GroupState, workers: Sequence[WorkerOutcome]) -> None:
-        record = {
-            "task_id": self.spec.name,
-            "backend": self.backend.name,
-            "state": state.value,
-            "updated_at": utc_now(),
-            "workdir": str(self.workdir),  # removed at the end; release removes it when the task died first
-            "launcher": host_identity(),  # release checks a local group only from this same host and container
-            "workers": [{"rank": w.rank, "host": w.host, "port": w.port, "gpus": list(w.devices or []),
-                         **w.record} for w in workers],
-            "after_exit": self.after_exit,  # _check_slots_free: the slots proven free right after the group exited
-        }
+        record = StateRecord(
+            task_id=self.spec.name, backend=self.backend.name, state=state.value, updated_at=utc_now(),
+            workdir=str(self.workdir),  # removed at the end; release removes it when the task died first
+            launcher=host_identity(),  # release checks a local group only from this same host and container
+            workers=tuple({"rank": w.rank, "host": w.host, "port": w.port, "gpus": list(w.devices or []), **w.record}
+                          for w in workers),
+            after_exit=self.after_exit)  # _check_slots_free: the slots proven free right after the group exited
         with self.storage():
             if not self._recorded:
                 self._warn_of_an_earlier_attempt_elsewhere()
                 self._recorded = True
-            write_json_atomic(self.state_url, record)
+            write_json_atomic(self.state_url, record.to_json())
         if self.on_record:
             self.on_record(record)
 

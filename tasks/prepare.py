@@ -17,6 +17,7 @@ from tasks.connections import storage_env, uses_run_storage
 from tasks.dataset.plan import DatasetPlan
 from tasks.policy import checked_config
 from tasks.prepared_run import PreparedRun
+from tasks.pricing import Price
 from trainer.config import ConfigError, RunConfig
 from trainer.config.access import AccessPolicy
 from trainer.config.pinned import save_config
@@ -66,8 +67,8 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
         raise AirflowFailException(str(exc)) from exc
     log.info("Run configuration (validated):\n  %s", "\n  ".join(cfg.summary_lines()))
     report_gpu_queue(cfg)
-    log.info("Price: %s", f"{price['default']} {price['currency']} per {price['unit'].replace('_', '-')} "
-             f"({price['capacity']}; {price['source']})" if price else "none (no GPT_FINETUNE_PRICING): cost not shown")
+    log.info("Price: %s", f"{price.default} {price.currency} per {price.unit.replace('_', '-')} "
+             f"({price.capacity}; {price.source})" if price else "none (no GPT_FINETUNE_PRICING): cost not shown")
 
     planned = plan_dataset(cfg, started=started)
     plan = DatasetPlan(**plan_summary(planned["plan"]), config=cfg.to_dict(), continued_from=continued_from,
@@ -119,7 +120,7 @@ def finish_run(plan: DatasetPlan, run_id: str, dag_id: str) -> PreparedRun:
 
 def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: str, key: str, *, run_id: str,
                 continued_from: Mapping[str, Any] | None = None,
-                price: Mapping[str, Any] | None = None) -> PreparedRun:
+                price: Price | None = None) -> PreparedRun:
     """Write the run's configuration and its baseline's under the run's directory and return the prepared run
     (tasks/prepared_run.py), the XCom every later task reads: paths, the configurations' digests and a few numbers.
     `run_cfg` has its step count resolved; `price` the rate prepare froze (tasks/pricing.py), kept with the run."""
@@ -152,5 +153,5 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
         baseline_summary_url=baseline.summary,
         report_url=run.report,
         continued_from=dict(continued_from) if continued_from else None,
-        price=dict(price) if price else None,
+        price=price,
     )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher.document import Document
+from tasks.pricing import Price
 
 
 @dataclass(frozen=True)
@@ -50,4 +51,4 @@ class PreparedRun(Document):
     baseline_summary_url: str
     report_url: str
     continued_from: dict[str, Any] | None = None
-    price: dict[str, Any] | None = None
+    price: Price | None = None

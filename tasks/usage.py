@@ -1,9 +1,10 @@
-"""The GPU-time ledger of a run: pure functions over the launch path's events (no I/O; `tasks/usage_record.py`
-reads and writes).
+"""The GPU-time ledger of a run: the launch path's events as documents, and pure functions over them (no I/O;
+`tasks/usage_record.py` reads and writes).
 
 A slot is what a run holds: a GPU (host, device), or on a CPU run a worker place (host, rank). An attempt of a
-group (`kind` train, baseline, preflight, evaluate) has per rank the events `launch`, `ready`, `first_step_end`,
-`last_step_end`, `redone_after` and `exit`, all seconds on the launcher's clock (a group's events share one clock).
+group (`kind` train, baseline, preflight, evaluate) has per rank the events `launch`, `ready` and `exit`
+(`AttemptEvents`, its file), to which release adds `first_step_end`, `last_step_end` and `redone_after`
+(`Timeline`), all seconds on the launcher's clock (a group's events share one clock).
 
 - held(g) = from the first launch on g to `released_at` (release's proof that it is free);
 - busy(g) = the timed training steps on g (first step end -> last step end of train and baseline attempts), less
@@ -25,8 +26,14 @@ held anyway; a second is never both waited and held.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from launcher.document import Document
+
+if TYPE_CHECKING:
+    from tasks.pricing import Price
 
 CAUSES = ("between_tasks", "startup", "stragglers", "preflight", "compile", "redone", "evaluation", "export",
           "release", "other")
@@ -36,10 +43,134 @@ AFTER_READY = {"preflight": "preflight", "evaluate": "evaluation"}  # kinds with
 STEP_KINDS = ("train", "baseline")
 
 
-def _segments_of_rank(kind: str, rank: Mapping[str, Any], group_ready: float | None) -> list[tuple[float, float,
-                                                                                                   str]]:
+def task_of(group: str) -> str:
+    """The Airflow task that launched a group, which is also its kind here: its own name, or evaluate for each
+    `evaluate-<model>` group."""
+    return "evaluate" if group.startswith("evaluate") else group
+
+
+def slots_of(host: str | None, rank: int, gpus: Sequence[int | str]) -> list[str]:
+    """The slots a rank held: its GPUs on its host, or (host, rank) when it had none."""
+    host = host or "localhost"
+    return [f"{host}/gpu{g}" for g in gpus] if gpus else [f"{host}/rank{rank}"]
+
+
+@dataclass(frozen=True)
+class RankEvents(Document):
+    """One rank of a group attempt, seconds on the launcher's clock (an attempt file's `ranks`).
+
+    Attributes:
+        rank, host, gpus: which rank ran where, on which devices (none on CPU).
+        launch: its start; exit: its end (the group's, when the launcher saw it end); exit_code: None when unknown.
+        ready: when its READY marker was seen; None (absent in the file) when it never joined.
+    """
+
+    rank: int
+    host: str | None
+    gpus: tuple[int | str, ...]
+    launch: float
+    exit: float
+    exit_code: int | None
+    ready: float | None = None
+
+    @property
+    def slots(self) -> list[str]:
+        return slots_of(self.host, self.rank, self.gpus)
+
+    def to_xcom(self) -> dict[str, Any]:
+        plain = super().to_xcom()
+        return plain if self.ready is not None else {k: v for k, v in plain.items() if k != "ready"}
+
+
+def joined(ranks: Iterable[RankEvents]) -> float | None:
+    """When the last of these ranks joined (READY); None when one never did."""
+    readies = [rank.ready for rank in ranks]
+    return None if not readies or None in readies else max(ready for ready in readies if ready is not None)
+
+
+@dataclass(frozen=True)
+class IdleWarning(Document):
+    """A live idle-held warning (tasks/launch.py, launcher/idle.py), as its attempt file keeps it.
+
+    Attributes:
+        at: when it was raised (UTC ISO); ranks, slots: the ranks past the limit and the slots they held.
+        idle_s: how long they had made no step progress; phase: each one's phase by rank (`"after step 2"`).
+        peak_util_pct: each one's highest GPU utilization in the window by rank; None on a CPU run.
+        text: the warning as logged and mailed.
+    """
+
+    at: str
+    ranks: tuple[int, ...]
+    slots: tuple[str, ...]
+    idle_s: float
+    phase: dict[str, str]
+    peak_util_pct: dict[str, float] | None
+    text: str
+
+
+@dataclass(frozen=True)
+class AttemptEvents(Document):
+    """One group attempt as the launch path recorded it: `runs/<key>/usage/<group>-<launch time>-a<attempt>.json`
+    (tasks/launch.py writes it once, tasks/usage_record.py reads it back).
+
+    Attributes:
+        group: the group's name (a task id, or `evaluate-<model>`); backend: the backend that ran it.
+        attempt: the launch attempt within the task (a relaunch on new ports is the next); try_number: Airflow's
+            try of the task (`AIRFLOW_CTX_TRY_NUMBER`), None outside Airflow.
+        state: succeeded, failed, stopped or relaunched; ranks: each rank's events.
+        idle_warnings: the live idle-held warnings of the attempt (none: absent in files before them).
+    """
+
+    group: str
+    backend: str
+    attempt: int
+    try_number: str | None
+    state: str
+    ranks: tuple[RankEvents, ...]
+    idle_warnings: tuple[IdleWarning, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        return task_of(self.group)
+
+    @property
+    def joined(self) -> float | None:
+        return joined(self.ranks)
+
+    def to_xcom(self) -> dict[str, Any]:
+        plain = super().to_xcom()
+        return plain if self.idle_warnings else {k: v for k, v in plain.items() if k != "idle_warnings"}
+
+
+@dataclass(frozen=True)
+class RankTimeline:
+    """What the ledger splits of one rank: its events and, for train and baseline, its steps (tasks/usage_record.py
+    `add_steps`): first and last step end, and `redone_after`, from where its steps were redone by the next attempt."""
+
+    events: RankEvents
+    first_step_end: float | None = None
+    last_step_end: float | None = None
+    redone_after: float | None = None
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """One attempt for the ledger: its kind (train, baseline, preflight, evaluate) and its ranks."""
+
+    kind: str
+    ranks: tuple[RankTimeline, ...]
+
+    @classmethod
+    def of(cls, attempt: AttemptEvents) -> Timeline:
+        """An attempt without steps (preflight, evaluate; a train attempt before its steps are placed)."""
+        return cls(attempt.kind, tuple(RankTimeline(rank) for rank in attempt.ranks))
+
+
+def _segments_of_rank(kind: str, timeline: RankTimeline,
+                      group_ready: float | None) -> list[tuple[float, float, str]]:
     """(start, end, label) of one rank of one attempt."""
-    launch, ready, end = rank["launch"], rank.get("ready"), rank["exit"]
+    rank = timeline.events
+    launch, ready, end = rank.launch, rank.ready, rank.exit
     if ready is None:  # never joined: all of it was start-up
         return [(launch, end, "startup")]
     joined = group_ready if group_ready is not None else end  # a peer that never joined kept this one waiting
@@ -48,31 +179,22 @@ def _segments_of_rank(kind: str, rank: Mapping[str, Any], group_ready: float | N
         return [*out, (joined, end, AFTER_READY[kind])]
     if kind not in STEP_KINDS:
         return [*out, (joined, end, "other")]
-    first, last = rank.get("first_step_end"), rank.get("last_step_end")
+    first, last = timeline.first_step_end, timeline.last_step_end
     if first is None or last is None:  # ended before its first step
         return [*out, (joined, end, "compile")]
-    redone = rank.get("redone_after")
+    redone = timeline.redone_after
     kept_until = last if redone is None else max(first, min(redone, last))
     return [*out, (joined, first, "compile"), (first, kept_until, "busy"), (kept_until, last, "redone"),
             (last, end, "export")]
 
 
-def slots_of(rank: Mapping[str, Any]) -> list[str]:
-    """The slots a rank held: its GPUs on its host, or (host, rank) when it had none."""
-    host = rank.get("host") or "localhost"
-    gpus = list(rank.get("gpus") or [])
-    return [f"{host}/gpu{g}" for g in gpus] if gpus else [f"{host}/rank{rank['rank']}"]
-
-
-def segments_by_slot(attempts: Iterable[Mapping[str, Any]]) -> dict[str, list[tuple[float, float, str]]]:
+def segments_by_slot(timelines: Iterable[Timeline]) -> dict[str, list[tuple[float, float, str]]]:
     by_slot: dict[str, list[tuple[float, float, str]]] = {}
-    for attempt in attempts:
-        ranks = attempt["ranks"]
-        readies = [r.get("ready") for r in ranks]
-        group_ready = max(readies) if readies and None not in readies else None
-        for rank in ranks:
-            for slot in rank.get("slots") or slots_of(rank):
-                by_slot.setdefault(slot, []).extend(_segments_of_rank(attempt["kind"], rank, group_ready))
+    for timeline in timelines:
+        group_ready = joined(rank.events for rank in timeline.ranks)
+        for rank in timeline.ranks:
+            for slot in rank.events.slots:
+                by_slot.setdefault(slot, []).extend(_segments_of_rank(timeline.kind, rank, group_ready))
     return by_slot
 
 
@@ -85,8 +207,41 @@ def _waiting(not_held: Sequence[tuple[float, float]], a: float, b: float) -> boo
     return any(start <= a and end >= b for start, end in not_held)
 
 
+@dataclass(frozen=True)
+class SlotBook:
+    """One slot's ledger, in seconds: held = busy + idle, idle split by cause (`CAUSES`, each second once);
+    `waited_s`: seconds between tasks that lay in an admission wait, left out of held; `held_from` its first launch,
+    `last_exit` its last; `longest_idle_s` the longest stretch without step progress and its largest cause."""
+
+    held_s: float
+    busy_s: float
+    idle_s: float
+    idle_by_cause_s: dict[str, float]
+    waited_s: float
+    held_from: float
+    last_exit: float
+    time_to_release_s: float
+    longest_idle_s: float
+    longest_idle_cause: str | None
+
+
+@dataclass(frozen=True)
+class Book:
+    """The run's ledger: its slots' sums (seconds), each slot's own, time to release (last exit of any worker to
+    release's proof; None without a slot) and the clock skew when release's clock is behind the last exit."""
+
+    held_s: float
+    busy_s: float
+    idle_s: float
+    idle_by_cause_s: dict[str, float]
+    waited_s: float
+    slots: dict[str, SlotBook]
+    time_to_release_s: float | None
+    clock_skew_s: float
+
+
 def slot_ledger(segments: Sequence[tuple[float, float, str]], released_at: float,
-                not_held: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
+                not_held: Sequence[tuple[float, float]] = ()) -> SlotBook:
     """held, busy, idle and idle by cause (seconds) of one slot, from its segments and the release time; `waited_s`:
     the seconds between tasks that lay in an admission wait (`not_held`), left out of held."""
     held_from = min(start for start, _, _ in segments)
@@ -109,60 +264,44 @@ def slot_ledger(segments: Sequence[tuple[float, float, str]], released_at: float
     waited = seconds.pop("waited")
     held = held_until - held_from - waited
     busy = seconds.pop("busy")
-    return {"held_s": held, "busy_s": busy, "idle_s": held - busy, "idle_by_cause_s": seconds, "waited_s": waited,
-            "held_from": held_from, "last_exit": last_exit, "time_to_release_s": max(0.0, released_at - last_exit),
-            "longest_idle_s": sum(longest.values()),
-            "longest_idle_cause": max(longest, key=longest.__getitem__) if longest else None}
+    return SlotBook(held_s=held, busy_s=busy, idle_s=held - busy, idle_by_cause_s=seconds, waited_s=waited,
+                    held_from=held_from, last_exit=last_exit, time_to_release_s=max(0.0, released_at - last_exit),
+                    longest_idle_s=sum(longest.values()),
+                    longest_idle_cause=max(longest, key=longest.__getitem__) if longest else None)
 
 
-def ledger(attempts: Sequence[Mapping[str, Any]], released_at: float,
-           not_held: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
-    """The run's ledger: per slot and summed (seconds), time to release (last exit of any worker to release's
-    proof), and the clock skew when release's clock is behind the last exit. `not_held`: the run's admission waits
-    (start, end), see the module doc."""
+def ledger(timelines: Sequence[Timeline], released_at: float,
+           not_held: Sequence[tuple[float, float]] = ()) -> Book:
+    """The run's ledger (`Book`). `not_held`: the run's admission waits (start, end), see the module doc."""
     slots = {slot: slot_ledger(segments, released_at, not_held)
-             for slot, segments in sorted(segments_by_slot(attempts).items())}
+             for slot, segments in sorted(segments_by_slot(timelines).items())}
     if not slots:
-        return {"held_s": 0.0, "busy_s": 0.0, "idle_s": 0.0, "idle_by_cause_s": dict.fromkeys(CAUSES, 0.0),
-                "waited_s": 0.0, "slots": {}, "time_to_release_s": None, "clock_skew_s": 0.0}
-    last_exit = max(s["last_exit"] for s in slots.values())
-    return {
-        "held_s": sum(s["held_s"] for s in slots.values()),
-        "busy_s": sum(s["busy_s"] for s in slots.values()),
-        "idle_s": sum(s["idle_s"] for s in slots.values()),
-        "idle_by_cause_s": {c: sum(s["idle_by_cause_s"][c] for s in slots.values()) for c in CAUSES},
-        "waited_s": sum(s["waited_s"] for s in slots.values()),
-        "slots": slots,
-        "time_to_release_s": max(0.0, released_at - last_exit),
-        "clock_skew_s": max(0.0, last_exit - released_at),
-    }
-
+        return Book(held_s=0.0, busy_s=0.0, idle_s=0.0, idle_by_cause_s=dict.fromkeys(CAUSES, 0.0), waited_s=0.0,
+                    slots={}, time_to_release_s=None, clock_skew_s=0.0)
+    last_exit = max(s.last_exit for s in slots.values())
+    return Book(
+        held_s=sum(s.held_s for s in slots.values()),
+        busy_s=sum(s.busy_s for s in slots.values()),
+        idle_s=sum(s.idle_s for s in slots.values()),
+        idle_by_cause_s={c: sum(s.idle_by_cause_s[c] for s in slots.values()) for c in CAUSES},
+        waited_s=sum(s.waited_s for s in slots.values()),
+        slots=slots,
+        time_to_release_s=max(0.0, released_at - last_exit),
+        clock_skew_s=max(0.0, last_exit - released_at),
+    )
 
 
 def _hours(seconds: float) -> float:
     return round(seconds / 3600.0, 6)
 
 
-def rate_for(price: Mapping[str, Any] | None, accelerator: str | None) -> tuple[float | None, str | None]:
-    """The hourly rate of the frozen price for this accelerator, and a note when the table's default stood in."""
-    if not price:
-        return None, None
-    if price["unit"] == "worker_hour" or not accelerator:
-        return price.get("default"), None
-    rates = price.get("rates") or {}
-    if accelerator in rates:
-        return rates[accelerator], None
-    return price.get("default"), (f"no rate for accelerator {accelerator!r} in the pricing table: its default "
-                                  f"rate {price.get('default')} was used")
-
-
-def summarize(book: Mapping[str, Any], *, price: Mapping[str, Any] | None, accelerator: str | None = None,
+def summarize(book: Book, *, price: Price | None, accelerator: str | None = None,
               tokens: int | None = None, efficiency: float | None = None) -> dict[str, Any]:
     """release.json's `usage` from a ledger: hours, shares, and the cost when the run has a price (else null, never
     0). `tokens`: the tokens trained (for the cost per million); `efficiency`: the measured scaling efficiency,
     whence the extra cost of parallelism, busy cost x (1 - E)."""
-    held, busy = book["held_s"], book["busy_s"]
-    rate, note = rate_for(price, accelerator)
+    held, busy = book.held_s, book.busy_s
+    rate, note = price.rate_for(accelerator) if price else (None, None)
     cost = None
     if rate is not None:
         held_cost, busy_cost = held / 3600.0 * rate, busy / 3600.0 * rate
@@ -171,21 +310,20 @@ def summarize(book: Mapping[str, Any], *, price: Mapping[str, Any] | None, accel
                 "extra_for_parallelism": (round(busy_cost * (1 - efficiency), 6)
                                           if efficiency is not None else None)}
     return {
-        "unit": (price or {}).get("unit") or ("gpu_hour" if any("/gpu" in s for s in book["slots"]) else
-                                              "worker_hour"),
-        "slots": len(book["slots"]),
-        "held_gpu_h": _hours(held), "busy_gpu_h": _hours(busy), "idle_gpu_h": _hours(book["idle_s"]),
-        "idle_by_cause_gpu_h": {cause: _hours(s) for cause, s in book["idle_by_cause_s"].items()},
+        "unit": price.unit if price else ("gpu_hour" if any("/gpu" in s for s in book.slots) else "worker_hour"),
+        "slots": len(book.slots),
+        "held_gpu_h": _hours(held), "busy_gpu_h": _hours(busy), "idle_gpu_h": _hours(book.idle_s),
+        "idle_by_cause_gpu_h": {cause: _hours(s) for cause, s in book.idle_by_cause_s.items()},
         "busy_share": round(busy / held, 4) if held else None,
-        "time_to_release_s": (round(book["time_to_release_s"], 3) if book["time_to_release_s"] is not None
-                              else None),
-        "clock_skew_s": round(book["clock_skew_s"], 3),
-        "per_slot": [{"slot": slot, "held_h": _hours(s["held_s"]), "busy_h": _hours(s["busy_s"]),
-                      "idle_h": _hours(s["idle_s"]), "longest_idle_s": round(s["longest_idle_s"], 3),
-                      "longest_idle_cause": s["longest_idle_cause"]} for slot, s in book["slots"].items()],
+        "time_to_release_s": round(book.time_to_release_s, 3) if book.time_to_release_s is not None else None,
+        "clock_skew_s": round(book.clock_skew_s, 3),
+        "per_slot": [{"slot": slot, "held_h": _hours(s.held_s), "busy_h": _hours(s.busy_s),
+                      "idle_h": _hours(s.idle_s), "longest_idle_s": round(s.longest_idle_s, 3),
+                      "longest_idle_cause": s.longest_idle_cause} for slot, s in book.slots.items()],
         "efficiency": efficiency,
         "gpu_h_per_token_vs_one_worker": round(1 / efficiency, 3) if efficiency else None,
-        "price": None if rate is None else {**{k: price[k] for k in ("currency", "capacity", "unit", "source")},
-                                            "rate": rate, "note": note},
+        "price": None if price is None or rate is None else {
+            "currency": price.currency, "capacity": price.capacity, "unit": price.unit, "source": price.source,
+            "rate": rate, "note": note},
         "cost": cost,
     }

@@ -14,12 +14,17 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
+from launcher.document import Document, DocumentError
 from launcher.protocol import EXIT_PREEMPTED
-from tasks import usage
+from tasks import airflow_api, usage
+from tasks.airflow_api import AdmissionWait
+from tasks.pricing import Price
+from tasks.usage import STEP_KINDS, AttemptEvents, RankEvents, RankTimeline, Timeline, task_of
 from trainer.config.schema import flat_settings
 from trainer.storage import exists, join, list_dir, read_bytes, read_json, write_json_atomic
 
@@ -27,34 +32,51 @@ log = logging.getLogger("gpt_finetune.usage")
 
 ATTEMPT_FILE = re.compile(r"-a\d+\.json$")
 PRICE_FILE = "price.json"
+# The report's run whose summary places the steps of each step kind's attempts.
+SUMMARY_OF = {"train": "distributed", "baseline": "baseline"}
+D = TypeVar("D", bound=Document)
 
 
 def usage_dir(run_url: str) -> str:
     return join(run_url, "usage")
 
 
-def write_price(run_url: str, price: Mapping[str, Any] | None) -> None:
+def _read(kind: type[D], value: Any, url: str) -> D:
+    """`value`, read from `url`, as the document `kind`; DocumentError naming the file and the field otherwise."""
+    try:
+        return kind.from_xcom(value)
+    except DocumentError as error:
+        raise DocumentError(f"{url}: {error}") from None
+
+
+def write_price(run_url: str, price: Price | None) -> None:
     """The price prepare froze (null: no table), kept with the run so that a later table does not reprice it."""
-    write_json_atomic(join(usage_dir(run_url), PRICE_FILE), {"price": price})
+    write_json_atomic(join(usage_dir(run_url), PRICE_FILE), {"price": price.to_xcom() if price else None})
 
 
-def read_price(run_url: str) -> Mapping[str, Any] | None:
+def read_price(run_url: str) -> Price | None:
+    """The run's frozen price; None without one (no table, or a run from before the ledger). A file that is not
+    `{"price": PRICE | null}` is refused, naming it and the field."""
     url = join(usage_dir(run_url), PRICE_FILE)
-    return read_json(url).get("price") if exists(url) else None
+    if not exists(url):
+        return None
+    stored = read_json(url)
+    if not isinstance(stored, dict) or set(stored) != {"price"}:
+        raise DocumentError(f"{url}: expected {{\"price\": PRICE | null}} (written by prepare), got "
+                            f"{type(stored).__name__} {sorted(stored) if isinstance(stored, dict) else ''}: "
+                            "refusing it.")
+    return None if stored["price"] is None else _read(Price, stored["price"], url)
 
 
-def load_attempts(run_url: str) -> list[dict[str, Any]]:
-    """Every group attempt the launch path recorded, by launch time."""
+def load_attempts(run_url: str) -> list[AttemptEvents]:
+    """Every group attempt the launch path recorded, by launch time; a file that is not one is refused (naming it
+    and the field)."""
     folder = usage_dir(run_url)
     if not exists(folder):
         return []
-    attempts = []
-    for name in list_dir(folder):
-        if ATTEMPT_FILE.search(name):
-            attempt = read_json(join(folder, name))
-            attempt["kind"] = "evaluate" if attempt["group"].startswith("evaluate") else attempt["group"]
-            attempts.append(attempt)
-    return sorted(attempts, key=lambda a: min((r["launch"] for r in a["ranks"]), default=0.0))
+    attempts = [_read(AttemptEvents, read_json(join(folder, name)), join(folder, name))
+                for name in list_dir(folder) if ATTEMPT_FILE.search(name)]
+    return sorted(attempts, key=lambda a: min((r.launch for r in a.ranks), default=0.0))
 
 
 def _seconds_after_last_step(run: Mapping[str, Any]) -> float:
@@ -69,93 +91,92 @@ def _seconds_after_last_step(run: Mapping[str, Any]) -> float:
         return 0.0
 
 
-def add_steps(attempts: list[dict[str, Any]], runs: Mapping[str, Any] | None) -> None:
-    """Step events of train and baseline attempts: the last successful one from its summary (`runs`: report.json's
-    runs), every earlier one as redone after its join."""
-    summaries = {"train": (runs or {}).get("distributed"), "baseline": (runs or {}).get("baseline")}
-    for kind, run in summaries.items():
-        mine = [a for a in attempts if a["kind"] == kind]
-        good = [a for a in mine if a.get("state") == "succeeded"]
-        for attempt in mine:
-            ranks = attempt["ranks"]
-            readies = [r.get("ready") for r in ranks]
-            joined = max(readies) if readies and None not in readies else None
-            if attempt is (good[-1] if good else None) and run and run.get("train_time_s") is not None:
-                after = _seconds_after_last_step(run)
-                for rank in ranks:
-                    rank["last_step_end"] = rank["exit"] - after
-                    rank["first_step_end"] = rank["last_step_end"] - float(run["train_time_s"])
-            elif joined is not None and attempt.get("state") != "succeeded":
-                _failed_attempt_steps(ranks, joined)
+def add_steps(attempts: Sequence[AttemptEvents], runs: Mapping[str, Any] | None) -> list[Timeline]:
+    """The attempts' timelines with the steps of train and baseline attempts placed: the last successful one's from
+    its summary (`runs`: report.json's runs), every earlier failed one's as redone after its join."""
+    last_good = {a.kind: a for a in attempts if a.state == "succeeded"}  # by launch time: the last one stays
+    timelines = []
+    for attempt in attempts:
+        ranks = Timeline.of(attempt).ranks
+        if attempt.kind in STEP_KINDS:
+            run = (runs or {}).get(SUMMARY_OF[attempt.kind])
+            if attempt is last_good.get(attempt.kind) and run and run.get("train_time_s") is not None:
+                after, trained = _seconds_after_last_step(run), float(run["train_time_s"])
+                ranks = tuple(RankTimeline(rank, first_step_end=rank.exit - after - trained,
+                                           last_step_end=rank.exit - after) for rank in attempt.ranks)
+            elif attempt.joined is not None and attempt.state != "succeeded":
+                ranks = _failed_attempt_steps(attempt.ranks, attempt.joined)
+        timelines.append(Timeline(attempt.kind, ranks))
+    return timelines
 
 
-def _failed_attempt_steps(ranks: list[dict[str, Any]], joined: float) -> None:
+def _failed_attempt_steps(ranks: Sequence[RankEvents], joined: float) -> tuple[RankTimeline, ...]:
     """A failed attempt's time after its join is redone, unless every rank exited EXIT_PREEMPTED: each saved the
     checkpoint of its last step on SIGTERM and the next attempt resumed there, so its steps are kept (busy) and
     nothing is redone (its first step's tracing and the save count as busy too: no summary splits them off)."""
-    preempted = bool(ranks) and all(rank.get("exit_code") == EXIT_PREEMPTED for rank in ranks)
-    for rank in ranks:
-        rank.update(first_step_end=joined, last_step_end=rank["exit"], redone_after=None if preempted else joined)
+    preempted = bool(ranks) and all(rank.exit_code == EXIT_PREEMPTED for rank in ranks)
+    return tuple(RankTimeline(rank, first_step_end=joined, last_step_end=rank.exit,
+                              redone_after=None if preempted else joined) for rank in ranks)
 
 
-def task_of(group: str) -> str:
-    """The Airflow task that launched a group: its own name, or evaluate for each `evaluate-<model>` group."""
-    return "evaluate" if group.startswith("evaluate") else group
+@dataclass(frozen=True)
+class Admission:
+    """The GPU tasks' admission waits from Airflow (tasks/airflow_api.py), or None with `note` saying why not."""
+
+    waits: tuple[AdmissionWait, ...] | None
+    note: str | None = None
 
 
-def admission(attempts: list[dict[str, Any]], dag_id: str | None, run_id: str | None) -> dict[str, Any]:
-    """The GPU tasks' admission waits from Airflow (tasks/airflow_api.py): {"waits": [...]} or {"waits": None,
-    "note": why not}. Never raises: without them `waited` is null, never 0."""
-    from tasks import airflow_api
-
+def admission(attempts: Sequence[AttemptEvents], dag_id: str | None, run_id: str | None) -> Admission:
+    """The admission waits of the tasks that launched `attempts`. Never raises: without them `waited` is null,
+    never 0."""
     if not attempts:
-        return {"waits": None, "note": "no GPU task recorded"}
+        return Admission(None, "no GPU task recorded")
     if not dag_id or not run_id:
-        return {"waits": None, "note": "not asked: release did not name the DAG run"}
+        return Admission(None, "not asked: release did not name the DAG run")
     try:
-        tries = airflow_api.task_tries(dag_id, run_id, {task_of(a["group"]) for a in attempts})
+        tries = airflow_api.task_tries(dag_id, run_id, {task_of(a.group) for a in attempts})
     except airflow_api.ApiUnavailable as error:
         log.info("admission waits not measured: %s", error)
-        return {"waits": None, "note": f"not measured: {error}"}
-    return {"waits": airflow_api.admission_waits(tries), "note": None}
+        return Admission(None, f"not measured: {error}")
+    return Admission(tuple(airflow_api.admission_waits(tries)))
 
 
 def run_usage(run_url: str, report: Mapping[str, Any], released_at: str,
-              waits: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+              waits: Admission | None = None) -> dict[str, Any] | None:
     """release.json's `usage`, or None when the run recorded no events (a run from before the ledger). `waits`: the
     GPU tasks' admission waits (`admission`); without them `waited_s` is null and `waited_note` says why."""
     attempts = load_attempts(run_url)
     if not attempts:
         return None
-    add_steps(attempts, report.get("runs"))
-    waits = waits or {"waits": None, "note": "not asked"}
-    admitted = waits.get("waits")
-    not_held = [(w["scheduled"], w["queued"]) for w in admitted or [] if w["queued"] > w["scheduled"]]
-    book = usage.ledger(attempts, datetime.fromisoformat(released_at).timestamp(), not_held)
+    waits = waits or Admission(None, "not asked")
+    admitted = waits.waits
+    not_held = [(w.scheduled, w.queued) for w in admitted or () if w.queued > w.scheduled]
+    book = usage.ledger(add_steps(attempts, report.get("runs")), datetime.fromisoformat(released_at).timestamp(),
+                        not_held)
     distributed = (report.get("runs") or {}).get("distributed") or {}
     hardware = (report.get("hardware") or {}).get("distributed") or {}
     accelerator = hardware.get("gpu") if isinstance(hardware, dict) else None
     tokens = sum(int((run or {}).get("tokens_seen") or 0) for run in (report.get("runs") or {}).values()) or None
     summary = usage.summarize(book, price=read_price(run_url), accelerator=accelerator, tokens=tokens,
                               efficiency=(report.get("comparison") or {}).get("efficiency"))
-    summary["per_slot_by_cause"] = [{"slot": slot, "hours": {"busy": s["busy_s"] / 3600,
-                                                  **{c: v / 3600 for c, v in s["idle_by_cause_s"].items()}}}
-                         for slot, s in book["slots"].items()]
-    summary["attempts"] = [{"group": a["group"], "attempt": a["attempt"], "try_number": a.get("try_number"),
-                            "state": a.get("state"), "workers": len(a["ranks"])} for a in attempts]
+    summary["per_slot_by_cause"] = [{"slot": slot, "hours": {"busy": s.busy_s / 3600,
+                                                             **{c: v / 3600 for c, v in s.idle_by_cause_s.items()}}}
+                                    for slot, s in book.slots.items()]
+    summary["attempts"] = [{"group": a.group, "attempt": a.attempt, "try_number": a.try_number, "state": a.state,
+                            "workers": len(a.ranks)} for a in attempts]
     summary["workers"] = distributed.get("num_workers")
     # Admission waits (Airflow's scheduled -> queued per try of a GPU task): shown, never charged; the part of them
     # between two of the run's groups is left out of held (`waited_gpu_h`, per slot `waited_h`).
-    summary["waited_s"] = round(sum(w["waited_s"] for w in admitted), 3) if admitted is not None else None
-    summary["waited_note"] = waits.get("note")
-    summary["waited_gpu_h"] = round(book["waited_s"] / 3600, 6)
-    summary["admission"] = [{k: w[k] for k in ("task_id", "try_number", "map_index", "waited_s", "queued_s")}
-                            for w in admitted or []]
+    summary["waited_s"] = round(sum(w.waited_s for w in admitted), 3) if admitted is not None else None
+    summary["waited_note"] = waits.note
+    summary["waited_gpu_h"] = round(book.waited_s / 3600, 6)
+    summary["admission"] = [wait.entry() for wait in admitted or ()]
     for row in summary["per_slot"]:
-        row["waited_h"] = round(book["slots"][row["slot"]]["waited_s"] / 3600, 6)
+        row["waited_h"] = round(book.slots[row["slot"]].waited_s / 3600, 6)
     # The live idle-held warnings (tasks/launch.py, launcher/idle.py), each already logged, counted and mailed.
-    summary["idle_warnings"] = [{"group": a["group"], "attempt": a["attempt"], **warning}
-                                for a in attempts for warning in a.get("idle_warnings") or []]
+    summary["idle_warnings"] = [{"group": a.group, "attempt": a.attempt, **warning.to_xcom()}
+                                for a in attempts for warning in a.idle_warnings]
     return summary
 
 

@@ -190,9 +190,9 @@ class TFMultiWorkerOperator(BaseOperator):
         if self._live_metrics.enabled or idle.max_idle_held_s:  # per-step lines: Airflow's metrics, step progress
             spec = dataclasses.replace(spec, env={**spec.env, LIVE_INTERVAL_ENV: str(LIVE_INTERVAL_S)})
         try:
-            self.group = RecordedLaunch(spec, backend, run, on_line=self._log_worker_line, storage=self.hook.applied,
-                                        on_record=lambda record: ti.xcom_push(key=STATE_XCOM_KEY, value=record),
-                                        idle=idle)
+            self.group = RecordedLaunch(
+                spec, backend, run, on_line=self._log_worker_line, storage=self.hook.applied, idle=idle,
+                on_record=lambda record: ti.xcom_push(key=STATE_XCOM_KEY, value=record.to_json()))
             result = self.group.run_group(stopped=lambda: self._killed)
         finally:
             backend.close()
@@ -332,5 +332,6 @@ class TFMultiWorkerOperator(BaseOperator):
             "logs_url": run.logs(self.task_id),
             # Seconds from the group's exit to the backend's proof that its slots (GPUs; on CPU host and rank) are
             # free, checked right then (tasks/launch.py); None when not proven there (release checks them again).
-            "release_after_train_s": (self.group.after_exit or {}).get("release_after_train_s") if self.group else None,
+            "release_after_train_s": (self.group.after_exit.release_after_train_s
+                                      if self.group and self.group.after_exit else None),
         }

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher.document import Document
+from tasks.pricing import Price
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class DatasetPlan(Document):
     cache_hit: bool
     config: dict[str, Any]
     continued_from: dict[str, Any] | None = None
-    price: dict[str, Any] | None = None
+    price: Price | None = None
     plan_id: str | None = None
     plan_url: str | None = None
     units: int | None = None

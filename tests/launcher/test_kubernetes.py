@@ -158,7 +158,7 @@ def test_the_groups_pods_are_proven_ended_right_after_it_exits(cluster, tmp_path
     run = StorageLayout(str(tmp_path / "storage")).run(RUN_KEY)
     launch = RecordedLaunch(spec(), backend(cluster), run, on_line=lambda *_: None)
     result = launch.run_group()
-    check = launch.after_exit
+    check = launch.after_exit.to_json()
     print(f"\npods after exit: {json.dumps(check)}")
     assert result.succeeded, result.error_message()
     names = GroupNames(RUN_KEY, "tiny", "default")

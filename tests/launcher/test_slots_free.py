@@ -42,7 +42,7 @@ def test_a_groups_gpus_are_proven_free_right_after_it_exits(monkeypatch, tmp_pat
     launch, run = _launch(tmp_path, use_gpu=True, on_line=hold_a_gpu)
     result = launch.run_group()
     assert result.succeeded, result.error_message()
-    check = launch.after_exit
+    check = launch.after_exit.to_json()
     assert check["checked"] is True and check["free"] is True and check["slots"] == "gpu", check
     # NVML listed the exited workers for another 0.1 s: the proof waited for it, and no longer than needed.
     assert 0.1 <= check["release_after_train_s"] < 2.0, check
@@ -61,7 +61,7 @@ def test_a_groups_gpus_are_proven_free_right_after_it_exits(monkeypatch, tmp_pat
 def test_cpu_slots_are_free_once_the_ranks_processes_are_gone(tmp_path):
     launch, _ = _launch(tmp_path, use_gpu=False)
     assert launch.run_group().succeeded
-    check = launch.after_exit
+    check = launch.after_exit.to_json()
     assert check["slots"] == "cpu" and check["free"] is True and check["processes_left"] == [], check
     assert 0 <= check["release_after_train_s"] < 1.0
 

@@ -268,7 +268,7 @@ def test_each_host_proves_the_groups_slots_free_right_after_it_exits(ssh_hosts, 
         for process in leftover:
             process.kill()
             process.wait()
-    check = launch.after_exit
+    check = launch.after_exit.to_json()
     print(f"\nslots over SSH after exit: {json.dumps(check)[:700]}")
     assert result.succeeded, result.error_message()
     assert check["checked"] is True and check["free"] is True and check["slots"] == "cpu", check

@@ -36,9 +36,12 @@ def test_a_group_is_recorded_while_it_runs_and_at_its_end(tmp_path):
     result = launch.run_group()
 
     assert result.succeeded and ("rank 1 working" in lines)
-    assert [record["state"] for record in records] == ["running", "succeeded"]
+    assert [record.state for record in records] == ["running", "succeeded"]
+    assert records[0].after_exit is None and records[-1].after_exit.checked is False  # the fake backend proves nothing
     stored = read_json(run.state_file("evaluate-distributed"))
-    assert stored == records[-1] and stored["backend"] == "fake" and stored["workdir"] == str(workdir)
+    assert stored == records[-1].to_json() and stored["backend"] == "fake" and stored["workdir"] == str(workdir)
+    assert stored["after_exit"] == {"checked": False, "free": None, "free_after_s": None, "release_after_train_s": None,
+                                    "note": "the fake backend proves its slots free at the run's release only"}
     assert [(w["rank"], w["host"], w["fake_pid"]) for w in stored["workers"]] == [(0, "fake-host-0", 1000),
                                                                                   (1, "fake-host-1", 1001)]
     assert exists(join(run.logs("evaluate-distributed"), "rank-1.log"))
@@ -54,7 +57,7 @@ def test_a_failed_or_stopped_group_is_recorded_as_such(tmp_path):
 
     hanging = {rank: [("ready",), ("hang",)] for rank in range(2)}
     launch = RecordedLaunch(spec(name="train"), FakeBackend(hanging), run, on_line=lambda *_: None,
-                            on_record=lambda record: record["state"] == "running" and launch.stop("killed", 0.1))
+                            on_record=lambda record: record.state == "running" and launch.stop("killed", 0.1))
     launch.run_group(stopped=lambda: True)
     assert read_json(run.state_file("train"))["state"] == "stopped"
 
@@ -105,3 +108,32 @@ def test_the_record_names_the_launcher_host_and_an_unfinished_attempt_elsewhere_
     with caplog.at_level(logging.WARNING, logger="gpt_finetune.launch"):  # its own record: same host, finished
         RecordedLaunch(spec(name="train"), FakeBackend(scripts()), run, on_line=lambda *_: None).run_group()
     assert "earlier attempt" not in caplog.text
+
+
+def test_a_slots_check_of_another_shape_is_evidence_of_nothing_and_names_the_field(tmp_path, caplog):
+    """A backend's answer (an SSH agent's, say) with a mistyped field proves nothing; a state record whose after_exit
+    is mistyped gives no release_after_train_s."""
+    from tasks.launch import release_after_exit
+    from trainer.storage import write_json_atomic
+
+    class Answers(FakeBackend):
+        def check_slots_free(self, group, workers):
+            return {"checked": True, "free": "yes", "free_after_s": 0.1, "slots": "cpu"}
+
+    run = StorageLayout(str(tmp_path / "storage")).run("run-1")
+    launch = RecordedLaunch(spec(name="train"), Answers(scripts()), run, on_line=lambda *_: None)
+    with caplog.at_level(logging.WARNING, logger="gpt_finetune.launch"):
+        launch.run_group()
+    assert launch.after_exit.checked is False and launch.after_exit.release_after_train_s is None
+    assert "free: expected bool, got str 'yes'" in launch.after_exit.evidence["note"]
+    assert release_after_exit(run, "train") is None
+    record = read_json(run.state_file("train"))
+    write_json_atomic(run.state_file("train"), {**record, "after_exit": {"checked": True, "free": True,
+                                                                         "free_after_s": 0.2,
+                                                                         "release_after_train_s": 0.3}})
+    assert release_after_exit(run, "train") == 0.3
+    write_json_atomic(run.state_file("train"), {**record, "after_exit": {"checked": True, "free": True,
+                                                                         "release_after_train_s": "fast"}})
+    with caplog.at_level(logging.INFO, logger="gpt_finetune.launch"):
+        assert release_after_exit(run, "train") is None
+    assert "after_exit: release_after_train_s: expected" in caplog.text

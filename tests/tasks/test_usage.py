@@ -8,35 +8,42 @@ import random
 
 import pytest
 
+from launcher.document import DocumentError
 from tasks import pricing, usage
+from tasks.usage import RankEvents, RankTimeline, Timeline
 from trainer.config import ConfigError
 
 
-def rank(r, launch, ready, end, first=None, last=None, redone=None, host="h"):
-    return {"rank": r, "host": host, "gpus": [], "launch": launch, "ready": ready, "exit": end,
-            "first_step_end": first, "last_step_end": last, "redone_after": redone}
+def rank(r, launch, ready, end, first=None, last=None, redone=None, host="h", gpus=()):
+    return RankTimeline(RankEvents(rank=r, host=host, gpus=tuple(gpus), launch=launch, exit=end, exit_code=0,
+                                   ready=ready), first_step_end=first, last_step_end=last, redone_after=redone)
 
 
 def attempt(kind, *ranks):
-    return {"kind": kind, "group": kind, "ranks": list(ranks)}
+    return Timeline(kind, ranks)
+
+
+def rank_file(r, launch, ready, end):
+    """A rank as an attempt file keeps it (written by tasks/launch.py)."""
+    return {"rank": r, "host": "h", "gpus": [], "launch": launch, "ready": ready, "exit": end, "exit_code": 0}
 
 
 def causes(book, slot=None):
-    part = book["slots"][slot] if slot else book
-    return {cause: round(s, 6) for cause, s in part["idle_by_cause_s"].items() if s}
+    part = book.slots[slot] if slot else book
+    return {cause: round(s, 6) for cause, s in part.idle_by_cause_s.items() if s}
 
 
 def assert_invariants(book):
     """Causes sum to idle, idle = held - busy, per slot and for the run; per-slot sums equal the run's."""
-    for part in (book, *book["slots"].values()):
-        assert sum(part["idle_by_cause_s"].values()) == pytest.approx(part["idle_s"], abs=1e-6)
-        assert part["held_s"] - part["busy_s"] == pytest.approx(part["idle_s"], abs=1e-6)
-        assert all(value >= -1e-9 for value in part["idle_by_cause_s"].values())
-    slots = book["slots"].values()
+    for part in (book, *book.slots.values()):
+        assert sum(part.idle_by_cause_s.values()) == pytest.approx(part.idle_s, abs=1e-6)
+        assert part.held_s - part.busy_s == pytest.approx(part.idle_s, abs=1e-6)
+        assert all(value >= -1e-9 for value in part.idle_by_cause_s.values())
+    slots = book.slots.values()
     for name in ("held_s", "busy_s", "idle_s"):
-        assert sum(s[name] for s in slots) == pytest.approx(book[name], abs=1e-6)
+        assert sum(getattr(s, name) for s in slots) == pytest.approx(getattr(book, name), abs=1e-6)
     for cause in usage.CAUSES:
-        assert sum(s["idle_by_cause_s"][cause] for s in slots) == pytest.approx(book["idle_by_cause_s"][cause])
+        assert sum(s.idle_by_cause_s[cause] for s in slots) == pytest.approx(book.idle_by_cause_s[cause])
 
 
 TWO_WORKERS = [
@@ -50,13 +57,13 @@ def test_two_workers_every_second_has_one_cause():
     """2 workers: preflight, train, a 1-worker evaluation, release 5 s after the last exit."""
     book = usage.ledger(TWO_WORKERS, released_at=70)
     assert_invariants(book)
-    assert book["held_s"] == 140 and book["busy_s"] == 40
+    assert book.held_s == 140 and book.busy_s == 40
     assert causes(book, "h/rank0") == {"startup": 13, "preflight": 5, "between_tasks": 10, "compile": 5, "export": 5,
                                        "evaluation": 7, "release": 5}
     # rank 1's slot has no evaluation: from its last exit to release it waits for release
     assert causes(book, "h/rank1") == {"startup": 10, "preflight": 5, "between_tasks": 5, "compile": 5, "export": 5,
                                        "release": 20}
-    assert book["time_to_release_s"] == 5 and book["clock_skew_s"] == 0 and book["idle_by_cause_s"]["other"] == 0
+    assert book.time_to_release_s == 5 and book.clock_skew_s == 0 and book.idle_by_cause_s["other"] == 0
 
 
 def test_elastic_four_to_two_counts_the_left_slots_until_release():
@@ -67,9 +74,9 @@ def test_elastic_four_to_two_counts_the_left_slots_until_release():
     assert_invariants(book)
     assert causes(book, "h/rank0") == {"startup": 10, "redone": 25, "between_tasks": 10, "compile": 5, "export": 5,
                                        "release": 5}
-    assert book["slots"]["h/rank0"]["busy_s"] == 20
+    assert book.slots["h/rank0"].busy_s == 20
     assert causes(book, "h/rank3") == {"startup": 5, "redone": 25, "release": 50}
-    assert book["held_s"] == 4 * 80 and book["busy_s"] == 40
+    assert book.held_s == 4 * 80 and book.busy_s == 40
 
 
 def test_retried_attempt_redone_steps_are_idle_not_busy():
@@ -78,16 +85,16 @@ def test_retried_attempt_redone_steps_are_idle_not_busy():
     retry = attempt("train", rank(0, 50, 55, 90, 60, 85))
     book = usage.ledger([first, retry], released_at=90)
     assert_invariants(book)
-    assert book["busy_s"] == 20 + 25
+    assert book.busy_s == 20 + 25
     assert causes(book) == {"startup": 10, "compile": 10, "redone": 10, "export": 7, "between_tasks": 8}
 
 
 def test_late_rank_makes_the_others_wait_in_the_rendezvous():
     book = usage.ledger([attempt("train", rank(0, 0, 5, 40, 20, 35), rank(1, 0, 12, 40, 20, 35))], released_at=40)
     assert_invariants(book)
-    assert book["slots"]["h/rank0"]["idle_by_cause_s"]["stragglers"] == 7
-    assert book["slots"]["h/rank1"]["idle_by_cause_s"]["stragglers"] == 0
-    assert book["slots"]["h/rank1"]["idle_by_cause_s"]["startup"] == 12
+    assert book.slots["h/rank0"].idle_by_cause_s["stragglers"] == 7
+    assert book.slots["h/rank1"].idle_by_cause_s["stragglers"] == 0
+    assert book.slots["h/rank1"].idle_by_cause_s["startup"] == 12
 
 
 @pytest.mark.parametrize("workers,delay", [(2, 3.0), (4, 7.5), (8, 0.25)])
@@ -96,28 +103,28 @@ def test_one_rank_started_d_seconds_late_gives_stragglers_d_times_n_minus_1(work
     ranks = [rank(r, (delay if r == 1 else 0), (delay if r == 1 else 0) + 4, 60, 30, 55) for r in range(workers)]
     book = usage.ledger([attempt("train", *ranks)], released_at=61)
     assert_invariants(book)
-    assert book["idle_by_cause_s"]["stragglers"] == pytest.approx(delay * (workers - 1))
+    assert book.idle_by_cause_s["stragglers"] == pytest.approx(delay * (workers - 1))
 
 
 def test_gap_before_release_is_release_time():
     book = usage.ledger([attempt("train", rank(0, 0, 2, 20, 5, 15))], released_at=120)
     assert_invariants(book)
-    assert book["time_to_release_s"] == 100 and causes(book)["release"] == 100
+    assert book.time_to_release_s == 100 and causes(book)["release"] == 100
 
 
 def test_release_clock_behind_the_last_exit_is_clamped_and_reported():
     """Release ran on a host whose clock is 5 s behind: the window ends at the last exit, the skew is reported."""
     book = usage.ledger([attempt("train", rank(0, 0, 2, 50, 5, 45))], released_at=45)
     assert_invariants(book)
-    assert book["clock_skew_s"] == 5 and book["time_to_release_s"] == 0
-    assert book["held_s"] == 50 and "release" not in causes(book)
+    assert book.clock_skew_s == 5 and book.time_to_release_s == 0
+    assert book.held_s == 50 and "release" not in causes(book)
 
 
 def test_groups_whose_clocks_overlap_still_partition_the_held_time():
     """Evaluate's launcher clock runs 3 s behind train's: the overlap is counted once (busy wins)."""
     book = usage.ledger([attempt("train", rank(0, 0, 2, 30, 5, 28)), attempt("evaluate", rank(0, 27, 29, 40))], 41)
     assert_invariants(book)
-    assert book["busy_s"] == 23 and book["held_s"] == 41
+    assert book.busy_s == 23 and book.held_s == 41
 
 
 def _random_attempt(rng, hosts, start):
@@ -131,9 +138,9 @@ def _random_attempt(rng, hosts, start):
         last = first + rng.uniform(0, 30)
         end = last + rng.uniform(0, 6)
         redone = rng.uniform(first, last) if rng.random() < 0.2 else None
-        ranks.append({**rank(r, launch, ready, end, first, last, redone, host=rng.choice(hosts)),
-                      "gpus": [r] if rng.random() < 0.5 else []})
-    return attempt(kind, *ranks), max(r["exit"] for r in ranks)
+        ranks.append(rank(r, launch, ready, end, first, last, redone, host=rng.choice(hosts),
+                          gpus=[r] if rng.random() < 0.5 else []))
+    return attempt(kind, *ranks), max(r.events.exit for r in ranks)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -146,16 +153,16 @@ def test_random_timelines_keep_the_invariants(seed):
     released = clock + rng.uniform(-5, 20)
     book = usage.ledger(attempts, released)
     assert_invariants(book)
-    assert book["idle_by_cause_s"]["other"] == 0  # every kind is a known one
-    assert book["clock_skew_s"] == pytest.approx(max(0.0, clock - released))
+    assert book.idle_by_cause_s["other"] == 0  # every kind is a known one
+    assert book.clock_skew_s == pytest.approx(max(0.0, clock - released))
     waits = [(start, start + rng.uniform(0, 15)) for start in (rng.uniform(-10, clock) for _ in range(3))]
     waited = usage.ledger(attempts, released, waits)  # admission waits: out of held, never out of a group's time
     assert_invariants(waited)
-    assert waited["held_s"] + waited["waited_s"] == pytest.approx(book["held_s"])
-    assert waited["busy_s"] == pytest.approx(book["busy_s"])
+    assert waited.held_s + waited.waited_s == pytest.approx(book.held_s)
+    assert waited.busy_s == pytest.approx(book.busy_s)
     for cause in usage.CAUSES:
-        change = book["idle_by_cause_s"][cause] - waited["idle_by_cause_s"][cause]
-        assert change == pytest.approx(waited["waited_s"] if cause == "between_tasks" else 0, abs=1e-6)
+        change = book.idle_by_cause_s[cause] - waited.idle_by_cause_s[cause]
+        assert change == pytest.approx(waited.waited_s if cause == "between_tasks" else 0, abs=1e-6)
 
 
 # -- prices --------------------------------------------------------------------------------------------------
@@ -173,13 +180,46 @@ def freeze(**kw):
 
 
 def test_price_precedence_queue_over_backend_over_table():
-    assert freeze()["rates"]["NVIDIA H200"] == 3.8
-    assert freeze(backend="kubernetes")["rates"]["NVIDIA H200"] == 4.1
+    assert freeze().rates["NVIDIA H200"] == 3.8
+    assert freeze(backend="kubernetes").rates["NVIDIA H200"] == 4.1
     spot = freeze(backend="kubernetes", queue="gpu_spot", capacity="spot")
-    assert spot["rates"]["NVIDIA H200"] == 1.3 and spot["default"] == 1.2
-    assert "queues.gpu_spot" in spot["source"]
+    assert spot.rates["NVIDIA H200"] == 1.3 and spot.default == 1.2
+    assert "queues.gpu_spot" in spot.source
+    assert spot.rates.keys() == {"NVIDIA H200"} and freeze(capacity="reserved").default is None  # none for reserved
     cpu = freeze(use_gpu=False)
-    assert cpu["unit"] == "worker_hour" and cpu["default"] == 0.05
+    assert cpu.unit == "worker_hour" and cpu.default == 0.05 and cpu.rates == {}
+
+
+def test_the_frozen_price_reads_back_exactly_and_a_mistyped_one_is_refused_by_name(tmp_path):
+    """XCom and usage/price.json keep the price's keys and numbers as written (a rate of 1 stays 1); a file or XCom
+    that carries another shape is refused, naming the file and the field."""
+    from tasks.dataset.plan import DatasetPlan
+    from tasks.usage_record import read_price, write_price
+    from trainer.storage import read_json, write_json_atomic
+
+    price = pricing.freeze(pricing.parse_table(json.dumps({"currency": "EUR", "cpu_worker": {"on_demand": 1}}), "t"),
+                           "t", backend="local", queue="", capacity="on_demand", use_gpu=False)
+    run_url = str(tmp_path / "run")
+    write_price(run_url, price)
+    stored = read_json(f"{run_url}/usage/price.json")
+    assert stored == {"price": {"currency": "EUR", "capacity": "on_demand", "unit": "worker_hour", "default": 1,
+                                "rates": {}, "source": "t"}}
+    assert isinstance(stored["price"]["default"], int) and read_price(run_url) == price
+    assert pricing.Price.from_xcom(price.to_xcom()) == price
+    plan = DatasetPlan(fingerprint="f", manifest_url="m", cache_hit=True, config={}, price=price)
+    assert DatasetPlan.from_xcom(plan.to_xcom()).price == price  # prepare's XCom, on to the prepared run's
+    write_price(run_url, None)
+    assert read_price(run_url) is None and read_price(str(tmp_path / "older-run")) is None
+    for bad, field in (({**price.to_xcom(), "default": "1"}, "Price.default"),
+                       ({**price.to_xcom(), "rates": {"A100": -2}}, "Price.rates.A100"),
+                       ({**price.to_xcom(), "unit": "hour"}, "Price.unit")):
+        write_json_atomic(f"{run_url}/usage/price.json", {"price": bad})
+        with pytest.raises(DocumentError, match=field) as refused:
+            read_price(run_url)
+        assert "usage/price.json" in str(refused.value)
+    write_json_atomic(f"{run_url}/usage/price.json", price.to_xcom())  # not under "price"
+    with pytest.raises(DocumentError, match="price.json: expected"):
+        read_price(run_url)
 
 
 @pytest.mark.parametrize("text,named", [
@@ -198,7 +238,7 @@ def test_a_bad_table_is_refused_by_name(text, named):
 
 def test_table_from_env_inline_or_file(tmp_path):
     assert pricing.table_from_env({}) == (None, None)
-    assert pricing.table_from_env({pricing.PRICING_ENV: json.dumps(TABLE)})[0]["currency"] == "EUR"
+    assert pricing.table_from_env({pricing.PRICING_ENV: json.dumps(TABLE)})[0].currency == "EUR"
     path = tmp_path / "prices.json"
     path.write_text(json.dumps(TABLE))
     assert pricing.table_from_env({pricing.PRICING_ENV: str(path)})[1] == str(path)
@@ -240,13 +280,29 @@ def test_the_launch_path_writes_one_event_file_per_group_attempt(tmp_path):
     for _ in range(2):  # a retry of the task: a second file, the first kept
         RecordedLaunch(spec(name="train"), FakeBackend(scripts()), run, on_line=lambda *_: None).run_group()
     attempts = load_attempts(run.url)
-    assert [(a["group"], a["kind"], a["attempt"], a["state"]) for a in attempts] == [("train", "train", 1,
-                                                                                      "succeeded")] * 2
+    assert [(a.group, a.kind, a.attempt, a.state, a.backend) for a in attempts] == [("train", "train", 1,
+                                                                                     "succeeded", "fake")] * 2
     for made in attempts:
-        assert [r["rank"] for r in made["ranks"]] == [0, 1]
-        for r in made["ranks"]:
-            assert r["launch"] <= r["ready"] <= r["exit"] and r["exit_code"] == 0
-    assert attempts[0]["ranks"][0]["exit"] <= attempts[1]["ranks"][0]["launch"]
+        assert [r.rank for r in made.ranks] == [0, 1]
+        for r in made.ranks:
+            assert r.launch <= r.ready <= r.exit and r.exit_code == 0
+    assert attempts[0].ranks[0].exit <= attempts[1].ranks[0].launch
+
+
+def test_an_attempt_file_of_another_shape_is_refused_naming_the_file_and_the_field(tmp_path):
+    from tasks.usage_record import load_attempts
+    from trainer.storage import write_json_atomic
+
+    run_url = str(tmp_path / "run")
+    good = {"group": "evaluate-baseline", "backend": "local", "attempt": 1, "try_number": "1", "state": "succeeded",
+            "ranks": [{"rank": 0, "host": "h", "gpus": [0], "launch": 1.0, "exit": 2.5, "exit_code": None}]}
+    write_json_atomic(f"{run_url}/usage/evaluate-baseline-1-a1.json", good)  # never joined: no "ready"
+    (made,) = load_attempts(run_url)
+    assert made.kind == "evaluate" and made.ranks[0].ready is None and made.idle_warnings == ()
+    assert made.to_xcom() == good and made.ranks[0].slots == ["h/gpu0"]  # written back, the same keys and values
+    write_json_atomic(f"{run_url}/usage/train-2-a1.json", {**good, "ranks": [{**good["ranks"][0], "exit": "late"}]})
+    with pytest.raises(DocumentError, match="train-2-a1.json: RankEvents.exit: expected float, got str"):
+        load_attempts(run_url)
 
 
 def _write_run(tmp_path, price):
@@ -258,10 +314,11 @@ def _write_run(tmp_path, price):
     train = tmp_path / "run" / "train"
     (train / "metrics").mkdir(parents=True)
     (train / "metrics" / "rank-0.jsonl").write_text(json.dumps({"step": 12, "time": 1000.0 + 41.5}) + "\n")
-    write_json_atomic(f"{run_url}/usage/preflight-1-a1.json", {"group": "preflight", "attempt": 1, "state": "succeeded",
-                      "ranks": [rank(r, 1000, 1004, 1010) for r in range(2)]})
-    write_json_atomic(f"{run_url}/usage/train-2-a1.json", {"group": "train", "attempt": 1, "state": "succeeded",
-                      "ranks": [rank(r, 1012, 1016 + r, 1045) for r in range(2)]})
+    made = {"backend": "local", "attempt": 1, "try_number": "1", "state": "succeeded"}
+    write_json_atomic(f"{run_url}/usage/preflight-1-a1.json", {"group": "preflight", **made,
+                      "ranks": [rank_file(r, 1000, 1004, 1010) for r in range(2)]})
+    write_json_atomic(f"{run_url}/usage/train-2-a1.json", {"group": "train", **made,
+                      "ranks": [rank_file(r, 1012, 1016 + r, 1045) for r in range(2)]})
     report = {"runs": {"distributed": {"label": "distributed", "num_workers": 2, "train_time_s": 20.0,
                                        "tokens_seen": 4096, "summary_url": str(train / "summary.json"),
                                        "finished_at": "1970-01-01T00:17:23+00:00"}, "baseline": None},

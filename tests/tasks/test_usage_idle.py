@@ -56,27 +56,27 @@ def test_ranks_that_talk_but_do_not_train_warn_once_live_and_a_hanging_mail_neve
     assert any(line.startswith(LIVE_PREFIX) for line in lines)
 
     (attempt,) = load_attempts(run.url)
-    (warning,) = attempt["idle_warnings"]  # one episode: both ranks froze at step 2 together
-    print(f"\ngroup {wall_s:.2f} s; warning: {warning['text']}")
+    (warning,) = attempt.idle_warnings  # one episode: both ranks froze at step 2 together
+    print(f"\ngroup {wall_s:.2f} s; warning: {warning.text}")
     # Usually both ranks cross the limit in the same poll; on a loaded machine one may cross a poll earlier, and the
     # other joins the same episode without a second warning.
-    ranks = warning["ranks"]
-    assert ranks in ([0], [1], [0, 1]) and warning["slots"] == [f"127.0.0.1/rank{rank}" for rank in ranks]
-    assert 1.0 < warning["idle_s"] < 10 and warning["phase"] == {str(rank): "after step 2" for rank in ranks}
-    assert warning["peak_util_pct"] is None  # a CPU run: progress alone decides
-    assert "max_idle_held_s = 1" in warning["text"] and "The run goes on." in warning["text"]
+    ranks = warning.ranks
+    assert ranks in ((0,), (1,), (0, 1)) and warning.slots == tuple(f"127.0.0.1/rank{rank}" for rank in ranks)
+    assert 1.0 < warning.idle_s < 10 and warning.phase == {str(rank): "after step 2" for rank in ranks}
+    assert warning.peak_util_pct is None  # a CPU run: progress alone decides
+    assert "max_idle_held_s = 1" in warning.text and "The run goes on." in warning.text
 
     assert done.wait(MAIL_HANGS_S + 5), "the mail was sent after all, off the watch loop"
     (conn, recipients, subject, body), kw = sent[0]
     assert conn == "smtp" and recipients == ("a@b.example",) and "GPUs held idle in train" in subject
-    assert warning["text"] in body and kw == {"run": run_key("gpt_finetune", "manual__1"), "task": "train"}
+    assert warning.text in body and kw == {"run": run_key("gpt_finetune", "manual__1"), "task": "train"}
 
     report = {"run_key": "run-1", "runs": {}, "config": config}
     summary = run_usage(run.url, report, "2030-01-01T00:00:00+00:00")
-    assert [w["text"] for w in summary["idle_warnings"]] == [warning["text"]]
+    assert summary["idle_warnings"] == [{"group": "train", "attempt": 1, **warning.to_xcom()}]
     page = render_markdown({**report, "usage": summary})
     assert "Idle-held warnings (checked live while groups ran, max_idle_held_s): 1;" in page
-    assert f"train slots {', '.join(warning['slots'])} idle" in page
+    assert f"train slots {', '.join(warning.slots)} idle" in page
 
 
 def test_idle_settings_come_from_the_prepared_configuration_and_mail_only_with_a_connection():

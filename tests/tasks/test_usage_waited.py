@@ -15,6 +15,7 @@ import pytest
 
 from tasks import airflow_api, usage
 from tasks.report import render_markdown
+from tasks.usage import AttemptEvents
 from tests.support.http import send_json
 from tests.tasks.test_usage import assert_invariants, attempt, causes, rank
 
@@ -35,10 +36,10 @@ def test_an_admission_wait_between_groups_is_waited_not_held_and_the_invariants_
     assert_invariants(book)
     # rank 1's slot ran nothing after train (exit 80): from there to release it is the release tail, not a gap
     for slot, waited in (("h/rank0", 35), ("h/rank1", 25)):
-        assert book["slots"][slot]["waited_s"] == waited
-        assert book["slots"][slot]["held_s"] == held["slots"][slot]["held_s"] - waited
+        assert book.slots[slot].waited_s == waited
+        assert book.slots[slot].held_s == held.slots[slot].held_s - waited
         assert causes(book, slot)["between_tasks"] == causes(held, slot)["between_tasks"] - waited
-    assert book["busy_s"] == held["busy_s"] and book["waited_s"] == 60
+    assert book.busy_s == held.busy_s and book.waited_s == 60
     # a wait before the first launch (-30 -> -5) was never held: nothing to take out
 
 
@@ -48,9 +49,9 @@ def test_a_wait_never_takes_a_second_a_group_covers_or_the_release_tail():
     held = usage.ledger(TIMELINE, released_at=120)
     book = usage.ledger(TIMELINE, released_at=120, not_held=[(41, 79), (111, 119)])
     assert_invariants(book)
-    assert book["held_s"] == held["held_s"] and book["waited_s"] == 0
+    assert book.held_s == held.held_s and book.waited_s == 0
     tail = usage.ledger(TIMELINE, released_at=120, not_held=[(90, 120)])  # rank1's last exit is 80: release after
-    assert tail["slots"]["h/rank1"]["waited_s"] == 0 and tail["slots"]["h/rank0"]["waited_s"] == 10  # 90 -> 100
+    assert tail.slots["h/rank1"].waited_s == 0 and tail.slots["h/rank0"].waited_s == 10  # 90 -> 100
 
 
 def test_admission_waits_read_airflows_try_fields():
@@ -62,9 +63,10 @@ def test_admission_waits_read_airflows_try_fields():
         {"task_id": "evaluate", "try_number": 1, "map_index": -1, "scheduled_when": "2026-12-05T00:01:00+00:00",
          "queued_when": "2026-12-05T00:01:00.25+00:00", "start_date": None},
     ]
-    waits = airflow_api.admission_waits(tries)
-    assert [(w["task_id"], w["waited_s"], w["queued_s"]) for w in waits] == [("train", 30.5, 0.5),
-                                                                           ("evaluate", 0.25, None)]
+    waits = airflow_api.admission_waits([airflow_api.TaskTry.from_api(row, "/tries") for row in tries])
+    assert [(w.task_id, w.waited_s, w.queued_s) for w in waits] == [("train", 30.5, 0.5), ("evaluate", 0.25, None)]
+    assert waits[0].entry() == {"task_id": "train", "try_number": 1, "map_index": -1, "waited_s": 30.5,
+                                "queued_s": 0.5}
 
 
 class FakeApi(BaseHTTPRequestHandler):
@@ -113,11 +115,30 @@ def connection(server, password="s3cret", **changes):
     return SimpleNamespace(**{**values, **changes})
 
 
+def try_row(task_id, **changes):
+    """A try as Airflow 3.3's tries route lists it (a few of its fields; the others are not read)."""
+    return {"task_id": task_id, "dag_id": "gpt_finetune", "try_number": 1, "map_index": -1, "state": "success",
+            "scheduled_when": "2026-12-05T00:00:10+00:00", "queued_when": "2026-12-05T00:00:40+00:00",
+            "start_date": "2026-12-05T00:00:41+00:00", "operator": "TFMultiWorkerOperator", **changes}
+
+
+@pytest.mark.parametrize("row,field", [({"try_number": "1"}, "TaskTry.try_number"),
+                                       ({"queued_when": "yesterday"}, "TaskTry.queued_when"),
+                                       ({"map_index": None}, "TaskTry.map_index")])
+def test_a_try_of_another_shape_is_refused_naming_the_endpoint_and_the_field(api, row, field):
+    FakeApi.tries = {"train": [try_row("train"), try_row("train", **row)]}
+    run_id = "manual__2026-12-05T00:00:00+00:00"
+    with pytest.raises(airflow_api.ApiUnavailable) as refused:
+        airflow_api.task_tries("gpt_finetune", run_id, ["train"], connection=connection(api))
+    assert "/taskInstances/train/tries task_instances[1]" in str(refused.value) and field in str(refused.value)
+
+
 def test_the_tries_of_each_task_are_read_with_a_token_and_errors_never_name_the_password(api):
-    FakeApi.tries = {"train": [{"task_id": "train", "try_number": 1}], "preflight": [{"task_id": "preflight"}]}
+    FakeApi.tries = {"train": [try_row("train")], "preflight": [try_row("preflight", queued_when=None)]}
     run_id = "manual__2026-12-05T00:00:00+00:00"
     rows = airflow_api.task_tries("gpt_finetune", run_id, ["train", "preflight", "train"], connection=connection(api))
-    assert sorted(row["task_id"] for row in rows) == ["preflight", "train"]
+    assert sorted(row.task_id for row in rows) == ["preflight", "train"]
+    assert rows[1].scheduled_when == "2026-12-05T00:00:10+00:00" and rows[0].queued_when is None
     assert all(auth == "Bearer jwt-1" for _, auth in FakeApi.seen) and len(FakeApi.seen) == 2
     with pytest.raises(airflow_api.ApiUnavailable) as refused:
         airflow_api.task_tries("gpt_finetune", run_id, ["train"], connection=connection(api, password="wrong"))
@@ -133,14 +154,14 @@ def test_without_the_connection_waited_is_null_and_the_report_says_why(tmp_path,
 
     monkeypatch.setattr(airflow_api, "task_tries", lambda *a, **k: (_ for _ in ()).throw(airflow_api.ApiUnavailable(
         "no Airflow connection 'gpt_finetune_api' (AirflowNotFoundException): add one ...")))
-    attempts = [{"group": "train"}]
+    attempts = [AttemptEvents(group="train", backend="local", attempt=1, try_number="1", state="succeeded", ranks=())]
     waits = usage_record.admission(attempts, "gpt_finetune", "manual__1")
-    assert waits["waits"] is None and "no Airflow connection 'gpt_finetune_api'" in waits["note"]
-    assert usage_record.admission([], "gpt_finetune", "manual__1")["note"] == "no GPU task recorded"
+    assert waits.waits is None and "no Airflow connection 'gpt_finetune_api'" in waits.note
+    assert usage_record.admission([], "gpt_finetune", "manual__1").note == "no GPU task recorded"
 
     summary = {"unit": "worker_hour", "slots": 2, "held_gpu_h": 0.01, "busy_gpu_h": 0.005, "idle_gpu_h": 0.005,
                "idle_by_cause_gpu_h": {}, "busy_share": 0.5, "time_to_release_s": 1.0, "per_slot": [],
-               "attempts": [], "price": None, "cost": None, "waited_s": None, "waited_note": waits["note"]}
+               "attempts": [], "price": None, "cost": None, "waited_s": None, "waited_note": waits.note}
     page = render_markdown({"runs": {}, "usage": summary})
     assert ("Waited for admission in Airflow: unknown (not measured: no Airflow connection 'gpt_finetune_api'"
             in page)
