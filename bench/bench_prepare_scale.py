@@ -187,8 +187,8 @@ def _fan_out(scratch: Path, tokenizer: str, files: list[Path], cores: list[int])
                        cores=cores)
     all_cores["wall_s"] = all_cores["wall_s"] + all_cores["start_s"]
     began = time.perf_counter()
-    planned = _child("plan", {**settings, "storage_root": str(scratch / "two"), "prepare_tasks": 2,
-                              "prepare_unit_mb": 16}, cores=cores[:1])
+    fanned = {**settings, "storage_root": str(scratch / "two"), "prepare_tasks": 2, "prepare_unit_mb": 16}
+    planned = _child("plan", fanned, cores=cores[:1])
     plan_s = time.perf_counter() - began
     lanes_began = time.perf_counter()
     running = [_start_child("lane", {"plan": planned["plan"], "lane": lane}, cores=[cores[i % len(cores)]])
@@ -197,7 +197,7 @@ def _fan_out(scratch: Path, tokenizer: str, files: list[Path], cores: list[int])
         _finish_child(process)
     lanes_s = time.perf_counter() - lanes_began
     finish_began = time.perf_counter()
-    finished = _child("finish", {"plan": planned["plan"]}, cores=cores[:1])
+    finished = _child("finish", {"plan": planned["plan"], "settings": fanned}, cores=cores[:1])
     two = {"plan_s": plan_s, "lanes_s": lanes_s, "finish_s": time.perf_counter() - finish_began,
            "wall_s": time.perf_counter() - began, "lanes": len(planned["lanes"])}
     same = _shards(one["manifest_url"]) == _shards(finished["manifest_url"])
@@ -267,6 +267,7 @@ def _step(arguments: str) -> None:
     if given["cores"]:
         os.sched_setaffinity(0, set(given["cores"]))
     from tasks.dataset import stage
+    from tasks.dataset.records import Unit, WorkPlan
     from tasks.dataset.sources import resolve_sources
     from tasks.dataset.tokenizer import plan_tokenizer, train_bpe
     from trainer.config import RunConfig
@@ -281,11 +282,14 @@ def _step(arguments: str) -> None:
                   "fetched_bytes": result.source_bytes_read}
     elif given["step"] == "plan":
         planned = stage.plan_dataset(RunConfig(num_workers=2, block_size=256, **options), progress_interval_s=3600)
-        answer = {"plan": stage.plan_summary(planned["plan"]), "lanes": planned["lanes"]}
+        lanes = [[unit.to_xcom() for unit in lane] for lane in planned.lanes]
+        answer = {"plan": planned.work.to_xcom(), "lanes": lanes}
     elif given["step"] == "lane":
-        answer = stage.tokenize_lane(options["plan"], options["lane"], progress_interval_s=3600)
+        lane = [Unit.from_xcom(unit) for unit in options["lane"]]
+        answer = stage.tokenize_lane(WorkPlan.from_xcom(options["plan"]), lane, progress_interval_s=3600).to_xcom()
     elif given["step"] == "finish":
-        answer = {"manifest_url": stage.finish_dataset(options["plan"]).manifest_url}
+        cfg = RunConfig(num_workers=2, block_size=256, **options["settings"])
+        answer = {"manifest_url": stage.finish_dataset(WorkPlan.from_xcom(options["plan"]), cfg).manifest_url}
     else:  # train_bpe
         cfg = RunConfig(num_workers=2, block_size=256, **options)
         train_bpe(resolve_sources(cfg.dataset, REPO), cfg, plan_tokenizer(cfg).sample, progress_interval_s=3600)

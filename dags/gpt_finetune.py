@@ -91,8 +91,8 @@ def prepare(params=None, run_id=None, dag_run=None, ti=None) -> list:
     from tasks.prepare import plan_run
 
     planned = plan_run(params, run_id, dag_run.dag_id, make_backend)
-    ti.xcom_push(key=PLAN_XCOM_KEY, value=planned["plan"].to_xcom())
-    return planned["lanes"]
+    ti.xcom_push(key=PLAN_XCOM_KEY, value=planned.plan.to_xcom())
+    return planned.lanes_xcom()
 
 
 # One mapped task per lane of units, on as many Airflow workers as are free (none for a one-lane plan).
@@ -100,7 +100,7 @@ def prepare(params=None, run_id=None, dag_run=None, ti=None) -> list:
 def tokenize(lane: list, ti=None) -> dict:
     from tasks.prepare import tokenize_lane
 
-    return tokenize_lane(the_plan(ti), lane)
+    return tokenize_lane(the_plan(ti), lane).to_xcom()
 
 
 @task(task_id=PREPARED, outlets=[SHARDS_ASSET], trigger_rule="none_failed")

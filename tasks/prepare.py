@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from tasks.connections import storage_env, uses_run_storage
@@ -25,6 +25,7 @@ from trainer.layout import StorageLayout, absolute_root, run_key
 
 if TYPE_CHECKING:
     from launcher.backend import BackendFactory
+    from tasks.dataset.records import LaneResult, Unit
 
 log = logging.getLogger("gpt_finetune.prepare")
 
@@ -37,18 +38,30 @@ def build_config(params: Mapping[str, Any]) -> RunConfig:
     return cfg.replace(storage_root=absolute_root(cfg.storage_root))
 
 
+@dataclass(frozen=True)
+class PlannedRun:
+    """What `prepare` (`plan_run`) returns to its DAG task: the dataset plan (its XCom key `plan`) and the lanes
+    of units the mapped `tokenize` tasks take (none when `prepare` prepared the dataset itself)."""
+
+    plan: DatasetPlan
+    lanes: tuple[tuple[Unit, ...], ...] = ()
+
+    def lanes_xcom(self) -> list[list[dict[str, Any]]]:
+        """The lanes as the task returns them (what `tokenize` maps over): lists of units' `to_xcom()`."""
+        return [[unit.to_xcom() for unit in lane] for lane in self.lanes]
+
+
 @uses_run_storage
-def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: BackendFactory) -> dict[str, Any]:
+def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: BackendFactory) -> PlannedRun:
     """The first task: the settings checked once, then the dataset planned. A small corpus (one lane) is prepared
-    here completely; a larger one returns its lanes for the mapped `tokenize` tasks. Returns {"plan": the
-    `DatasetPlan` (tasks/dataset/plan.py, XCom key `plan`), "lanes": its lanes of units}: small dicts only."""
+    here completely; a larger one returns its lanes for the mapped `tokenize` tasks: small documents only."""
     started = time.perf_counter()  # the stage's figures count its imports below too
     from airflow.sdk.exceptions import AirflowFailException
 
     from launcher import LaunchError
     from tasks.alerts import check_alert_connection
     from tasks.base_models import resolve_base_model
-    from tasks.dataset.stage import plan_dataset, plan_summary, run_planned
+    from tasks.dataset.stage import plan_dataset, run_planned
     from tasks.pricing import freeze, table_from_env
     from tasks.promote import resolve_promoted_model
     from tasks.queues import report_gpu_queue
@@ -71,36 +84,37 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
              f"({price.capacity}; {price.source})" if price else "none (no GPT_FINETUNE_PRICING): cost not shown")
 
     planned = plan_dataset(cfg, started=started)
-    plan = DatasetPlan(**plan_summary(planned["plan"]), config=cfg.to_dict(), continued_from=continued_from,
-                       price=price)
-    if plan.cache_hit or len(planned["lanes"]) == 1:
-        return {"plan": replace(plan, dataset=run_planned(planned, started=started)), "lanes": []}
-    log.info("tokenizing in %d mapped tasks (prepare_tasks=%d): %s", len(planned["lanes"]), cfg.prepare_tasks,
-             ", ".join(f"task {i}: {len(lane)} unit(s)" for i, lane in enumerate(planned["lanes"])))
-    return {"plan": plan, "lanes": planned["lanes"]}
+    plan = replace(planned.dataset_plan(cfg), continued_from=continued_from, price=price)
+    if plan.cache_hit or len(planned.lanes) == 1:
+        return PlannedRun(replace(plan, dataset=run_planned(planned, cfg, started=started)))
+    log.info("tokenizing in %d mapped tasks (prepare_tasks=%d): %s", len(planned.lanes), cfg.prepare_tasks,
+             ", ".join(f"task {i}: {len(lane)} unit(s)" for i, lane in enumerate(planned.lanes)))
+    return PlannedRun(plan, planned.lanes)
 
 
 @uses_run_storage
-def tokenize_lane(plan: DatasetPlan, lane: list[dict[str, Any]]) -> dict[str, Any]:
-    """A mapped task: the units of one lane (a retry redoes only those not complete). From the plan (XCom) it takes
-    the checked configuration and the plan's ids; the whole plan is read from the run's own storage root and checked
-    with the lane against the policy before anything is read (tasks/dataset/checks.py)."""
+def tokenize_lane(plan: DatasetPlan, lane: Any) -> LaneResult:
+    """A mapped task: the units of one `lane` (its XCom) (a retry redoes only those not complete). From the plan
+    (XCom) it takes the checked configuration and the plan's ids; the whole plan is read from the run's own storage
+    root and checked with the lane against the policy before anything is read (tasks/dataset/checks.py)."""
+    from tasks.dataset.checks import checked_lane, checked_plan
     from tasks.dataset.stage import tokenize_lane as run
 
-    return run(plan.summary(), lane, cfg=checked_config(plan.config), policy=AccessPolicy.from_env())
+    work = checked_plan(plan, checked_config(plan.config), AccessPolicy.from_env())
+    return run(work, checked_lane(work, lane))
 
 
 @uses_run_storage
 def finish_run(plan: DatasetPlan, run_id: str, dag_id: str) -> PreparedRun:
     """The last prepare step: the dataset published (unless the first task did it), then the run laid out. Its
     XCom (`PreparedRun.to_xcom()`) is what every later task reads."""
-    from tasks.dataset.checks import FINGERPRINT
+    from tasks.dataset.checks import FINGERPRINT, checked_plan
     from tasks.dataset.errors import PrepareError
     from tasks.dataset.stage import finish_dataset
     from trainer.data import load_manifest
 
     cfg = checked_config(plan.config)
-    dataset = plan.dataset or finish_dataset(plan.summary(), cfg=cfg, policy=AccessPolicy.from_env())
+    dataset = plan.dataset or finish_dataset(checked_plan(plan, cfg, AccessPolicy.from_env()), cfg)
     if not FINGERPRINT.fullmatch(str(dataset.fingerprint)) or \
             dataset.manifest_url != StorageLayout(cfg.storage_root).manifest(dataset.fingerprint):
         raise PrepareError(f"The prepared dataset's manifest {dataset.manifest_url!r} is not where its fingerprint "

@@ -10,7 +10,9 @@ One job per module, in the order the data flows:
 - `encode`: documents -> token ids appended to per-split streams, in batches bounded in bytes;
 - `units`: the corpus cut into work units and lanes (one mapped task each), and tokenizing one unit;
 - `shards`: the units' streams as one stream per split, cut into equal TFRecord shards;
-- `publish`: fingerprint, manifest, cache check, staging and publishing (the manifest last);
+- `publish`: fingerprint, cache check, staging and publishing (the manifest last);
 - `stage`: the three steps the DAG runs (plan, lanes, finish) and `prepare_dataset`, all of them in one process;
-- `plan`: what the steps hand on by XCom, `DatasetPlan` and `PreparedDataset`.
+- `checks`: what the later steps read back from XCom and storage, checked against the run's storage and policy;
+- the documents (launcher/document.py) they hand each other: `plan` (by XCom: `DatasetPlan`, `PreparedDataset`),
+  `records` (the lanes' units, the whole plan, a unit's result, a lane's result) and `manifest` (`manifest.json`).
 """

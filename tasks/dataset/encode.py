@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from tasks.dataset.readers import DocumentChunk
+from tasks.dataset.records import Extreme
 from tasks.dataset.split import DocumentDraws
 from trainer.layout import SPLITS
 
@@ -37,19 +38,6 @@ INPUT_CHARS = 1 << 10
 # Fixed, not taken from the data: whether documents are joined must not depend on which unit a task reads.
 JOIN_PROBE = ["First paragraph.", "", " leading space", "trailing newline\n", "\nleading newline", "tab\tand  spaces",
               "naïve café – “quoted” 日本語 😀", "12345 67890", "<|endoftext", "|>", "a"]
-
-
-@dataclass
-class Extreme:
-    """One split's document with the lowest (train) or highest (validation) draw: the one the "at least one
-    validation document, never all" rule may move, with its span in the split's stream of this unit."""
-
-    draw: float
-    offset: int  # tokens before it in the split's stream
-    tokens: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"draw": self.draw, "offset": self.offset, "tokens": self.tokens}
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The documents the prepare stage hands on by XCom: the dataset plan (`prepare` -> the mapped `tokenize` tasks and
 `publish`) and the prepared dataset it carries when `prepare` prepared the dataset itself.
 
-The whole plan (its job, sources and units) is not one of them: it lies in the run's own storage, and whoever reads it
-finds it from the plan's ids and checks it there (tasks/dataset/checks.py).
+The whole plan (its job, sources and units, `tasks.dataset.records.WorkPlan`) is not one of them: it lies in the run's
+own storage, and whoever reads it finds it from the plan's ids and checks it there (tasks/dataset/checks.py).
 """
 
 from __future__ import annotations
@@ -69,8 +69,3 @@ class DatasetPlan(Document):
     units: int | None = None
     lanes: int | None = None
     dataset: PreparedDataset | None = None
-
-    def summary(self) -> dict[str, Any]:
-        """The ids and numbers the stage's steps take (tasks/dataset/stage.py: `tokenize_lane`, `finish_dataset`)."""
-        names = ("fingerprint", "manifest_url", "cache_hit", "plan_id", "plan_url", "units", "lanes")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}

@@ -19,7 +19,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from launcher.document import DocumentError
 from tasks.dataset.errors import PrepareError
+from tasks.dataset.manifest import FileEntry, Manifest, PackingSettings
 from tasks.dataset.sources import Sources
 from tasks.dataset.tokenizer import TokenizerPlan
 from trainer import storage
@@ -32,13 +34,14 @@ MANIFEST = "manifest.json"
 WORK_DIR = ".work"
 
 
-def dataset_fingerprint(sources: Sources, plan: TokenizerPlan, settings: dict[str, Any]) -> str:
+def dataset_fingerprint(sources: Sources, plan: TokenizerPlan, settings: PackingSettings) -> str:
     identity = {
         "format_version": FORMAT_VERSION,
         "kind": sources.kind,
-        "sources": [f.to_dict() for f in sources.files],
-        "tokenizer": {"spec": plan.spec, "fingerprint": plan.fingerprint, "sample": plan.sample},
-        "settings": settings,
+        "sources": [f.to_xcom() for f in sources.files],
+        "tokenizer": {"spec": plan.spec, "fingerprint": plan.fingerprint,
+                      "sample": plan.sample.to_xcom() if plan.sample else None},
+        "settings": settings.to_xcom(),
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode("utf-8")).hexdigest()[:20]
 
@@ -47,22 +50,32 @@ def work_url(layout: StorageLayout, fingerprint: str) -> str:
     return storage.join(layout.root, "datasets", WORK_DIR, fingerprint)
 
 
-def complete_manifest(manifest_url: str, fingerprint: str) -> dict[str, Any] | None:
-    """The manifest when it and every file it lists exist with the listed sizes; None otherwise."""
+def complete_manifest(manifest_url: str, fingerprint: str) -> Manifest | None:
+    """The manifest when it is one of this fingerprint and every file it lists exists with the listed size; None
+    otherwise (the dataset is prepared again, replacing it). A manifest of another shape is refused by its field."""
     try:
-        manifest = storage.read_json(manifest_url)
+        written = storage.read_json(manifest_url)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    if manifest.get("fingerprint") != fingerprint or manifest.get("format_version") != FORMAT_VERSION:
+    except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, nested too deep
+        log.warning("%s is not readable JSON (%s); preparing again", manifest_url, type(error).__name__)
+        return None
+    if not isinstance(written, dict) or written.get("fingerprint") != fingerprint or \
+            written.get("format_version") != FORMAT_VERSION:
         log.warning("%s belongs to another fingerprint or format; preparing again", manifest_url)
+        return None
+    try:
+        manifest = Manifest.from_xcom(written)
+    except DocumentError as error:
+        log.warning("%s is refused (%s); preparing again", manifest_url, error)
         return None
     fs, directory = storage.filesystem(manifest_url.rsplit("/", 1)[0])
     present = {
         os.path.relpath(info["name"], directory): int(info["size"])
         for info in fs.find(directory, detail=True).values()
     }
-    expected = {shard["name"]: shard["bytes"] for split in manifest["splits"].values() for shard in split["shards"]}
-    expected |= {f"{TOKENIZER_DIR}/{f['name']}": f["bytes"] for f in manifest["tokenizer"]["files"]}
+    expected = {shard.name: shard.bytes for split in manifest.splits.values() for shard in split.shards}
+    expected |= {f"{TOKENIZER_DIR}/{f.name}": f.bytes for f in manifest.tokenizer.files}
     damaged = sorted(name for name, size in expected.items() if present.get(name) != size)
     if damaged:
         log.warning("%s lists files that are missing or resized (%s); preparing again", manifest_url, damaged[:5])
@@ -112,9 +125,9 @@ def _modified(info: dict[str, Any]) -> float:
     return float(value) if isinstance(value, (int, float)) else 0.0
 
 
-def publish(stage: Path, dataset_url: str, manifest: dict[str, Any]) -> None:
+def publish(stage: Path, dataset_url: str, manifest: Manifest) -> None:
     try:
-        storage.publish_directory(stage, dataset_url, last=(MANIFEST, manifest_bytes(manifest)))
+        storage.publish_directory(stage, dataset_url, last=(MANIFEST, manifest.to_bytes()))
     except Exception as error:
         raise PrepareError(
             f"Writing the dataset to {dataset_url} failed ({type(error).__name__}: {error}). No manifest was "
@@ -122,13 +135,7 @@ def publish(stage: Path, dataset_url: str, manifest: dict[str, Any]) -> None:
         ) from error
 
 
-def manifest_bytes(manifest: dict[str, Any]) -> bytes:
-    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
-
-
-def file_entries(directory: Path) -> list[dict[str, Any]]:
-    return [
-        {"name": path.relative_to(directory).as_posix(), "bytes": path.stat().st_size,
-         "sha256": storage.sha256_file(path)}
-        for path in sorted(directory.rglob("*")) if path.is_file()
-    ]
+def file_entries(directory: Path) -> tuple[FileEntry, ...]:
+    return tuple(FileEntry(name=path.relative_to(directory).as_posix(), bytes=path.stat().st_size,
+                           sha256=storage.sha256_file(path))
+                 for path in sorted(directory.rglob("*")) if path.is_file())

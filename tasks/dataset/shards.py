@@ -13,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from tasks.dataset.encode import SPLITS
+from tasks.dataset.manifest import ShardEntry, SplitEntry
+from tasks.dataset.records import UnitResult
 from tasks.tfrecord import write_sequence_records
 from trainer import storage
 from trainer.layout import shard_name
@@ -62,21 +63,20 @@ class Stream:
                 return
 
 
-def split_streams(results: Sequence[dict[str, Any]], stream_url, dtype: str) -> tuple[dict[str, Stream],
-                                                                                      dict[str, int]]:
+def split_streams(results: Sequence[UnitResult], stream_url, dtype: str) -> tuple[dict[str, Stream], dict[str, int]]:
     """Each split's stream over the units' results (in unit order) and its document count, after the rule that
     keeps at least one validation document and never all of them."""
-    segments = {split: [Segment(stream_url(r["unit"], split), 0, r["splits"][split]["tokens"]) for r in results]
+    segments = {split: [Segment(stream_url(r.unit, split), 0, r.splits[split].tokens) for r in results]
                 for split in SPLITS}
-    documents = {split: sum(r["splits"][split]["documents"] for r in results) for split in SPLITS}
+    documents = {split: sum(r.splits[split].documents for r in results) for split in SPLITS}
     for donor, receiver, pick in (("train", "validation", min), ("validation", "train", max)):
         if documents[receiver] or documents[donor] < 2:
             continue
-        extremes = [(r["splits"][donor]["extreme"], index) for index, r in enumerate(results)
-                    if r["splits"][donor]["extreme"]]
-        extreme, index = pick(extremes, key=lambda item: item[0]["draw"])
+        extremes = [(extreme, index) for index, r in enumerate(results)
+                    if (extreme := r.splits[donor].extreme) is not None]
+        extreme, index = pick(extremes, key=lambda item: item[0].draw)
         moved = segments[donor][index]
-        low, high = extreme["offset"], extreme["offset"] + extreme["tokens"]
+        low, high = extreme.offset, extreme.offset + extreme.tokens
         segments[donor][index:index + 1] = [Segment(moved.url, 0, low), Segment(moved.url, high, moved.end)]
         segments[receiver] = [Segment(moved.url, low, high)]
         documents[donor] -= 1
@@ -85,10 +85,10 @@ def split_streams(results: Sequence[dict[str, Any]], stream_url, dtype: str) -> 
     return {split: Stream(segments[split], dtype) for split in SPLITS}, documents
 
 
-def write_split(stream: Stream, split: str, shards: int, block_size: int, per_record: int,
-                stage: Path) -> dict[str, Any]:
-    """Cut the stream into `block_size` sequences (dropping the remainder) and write `shards` files whose sequence
-    counts differ by at most one."""
+def write_split(stream: Stream, split: str, shards: int, block_size: int, per_record: int, stage: Path, *,
+                documents: int) -> SplitEntry:
+    """Cut the stream (of `documents` documents) into `block_size` sequences (dropping the remainder) and write
+    `shards` files whose sequence counts differ by at most one."""
     sequences = stream.tokens // block_size
     entries = []
     for index in range(shards):
@@ -106,8 +106,6 @@ def write_split(stream: Stream, split: str, shards: int, block_size: int, per_re
                 carry = tokens[whole * block_size:]
             if len(carry):
                 records += write_sequence_records(handle, carry.reshape(-1, block_size), per_record)
-        entries.append({
-            "name": name, "records": records, "sequences": high - low, "tokens": (high - low) * block_size,
-            "bytes": path.stat().st_size, "sha256": storage.sha256_file(path),
-        })
-    return {"sequences": sequences, "tokens": sequences * block_size, "shards": entries}
+        entries.append(ShardEntry(name=name, records=records, sequences=high - low, tokens=(high - low) * block_size,
+                                  bytes=path.stat().st_size, sha256=storage.sha256_file(path)))
+    return SplitEntry(documents=documents, sequences=sequences, tokens=sequences * block_size, shards=tuple(entries))

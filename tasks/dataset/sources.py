@@ -13,11 +13,12 @@ import glob
 import os
 import posixpath
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from launcher.document import Document
 from tasks.dataset.errors import SourceError
 from trainer.storage import filesystem
 
@@ -29,18 +30,13 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 @dataclass(frozen=True)
-class SourceFile:
+class SourceFile(Document):
+    """A source file as the plan saw it (in the fingerprint, the plan and the manifest's `sources`)."""
+
     url: str
     size: int
     mtime: str
     relpath: str  # from the dataset's base (the part of the setting before any glob): keys the document draws
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SourceFile:
-        return cls(**data)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,11 @@ from typing import Any
 import numpy as np
 
 from launcher.protocol import utc_now
-from tasks.dataset.checks import PLAN_FILE, check_lane, checked_plan
-from tasks.dataset.encode import SPLITS, joins_at_eos
+from tasks.dataset.checks import PLAN_FILE
+from tasks.dataset.encode import joins_at_eos
 from tasks.dataset.errors import PrepareError
-from tasks.dataset.plan import PreparedDataset
+from tasks.dataset.manifest import Manifest, ManifestTokenizer, PackingSettings, PrepareCounts
+from tasks.dataset.plan import DatasetPlan, PreparedDataset
 from tasks.dataset.publish import (
     TOKENIZER_DIR,
     check_writable,
@@ -40,6 +42,7 @@ from tasks.dataset.publish import (
     remove_leftovers,
     work_url,
 )
+from tasks.dataset.records import LaneResult, TokenizerEntry, Unit, UnitJob, UnitResult, WorkPlan
 from tasks.dataset.shards import split_streams, write_split
 from tasks.dataset.sources import Sources, check_unchanged, resolve_sources
 from tasks.dataset.split import SPLIT_RULE
@@ -53,8 +56,6 @@ from tasks.dataset.tokenizer import (
     train_bpe,
 )
 from tasks.dataset.units import (
-    Unit,
-    UnitJob,
     human_bytes,
     human_rate,
     lanes,
@@ -67,7 +68,6 @@ from tasks.dataset.units import (
 )
 from trainer import storage
 from trainer.config import RunConfig
-from trainer.config.access import AccessPolicy
 from trainer.data import FORMAT_VERSION
 from trainer.layout import REPO_ROOT, StorageLayout
 
@@ -82,7 +82,7 @@ class DatasetIdentity:
 
     sources: Sources
     tokenizer: TokenizerPlan
-    settings: dict[str, Any]
+    settings: PackingSettings
     fingerprint: str
 
 
@@ -95,28 +95,49 @@ def identify_dataset(cfg: RunConfig) -> DatasetIdentity:
     return DatasetIdentity(sources, plan, settings, dataset_fingerprint(sources, plan, settings))
 
 
-def packing_settings(cfg: RunConfig, sources: Sources, plan: TokenizerPlan) -> dict[str, Any]:
+def packing_settings(cfg: RunConfig, sources: Sources, plan: TokenizerPlan) -> PackingSettings:
     itemsize = np.dtype(plan.dtype).itemsize
-    return {
-        "documents": "paragraphs" if sources.kind == "text" else f"rows of {cfg.text_column!r}",
-        "text_column": cfg.text_column,
-        "val_fraction": cfg.val_fraction,
-        "split_rule": SPLIT_RULE,
-        "seed": cfg.seed,
-        "block_size": cfg.block_size,
-        "num_shards": cfg.effective_num_shards,
-        "max_validation_shards": cfg.num_workers,
-        "sequences_per_record": max(1, RECORD_TARGET_BYTES // (cfg.block_size * itemsize)),
-        "max_document_bytes": cfg.max_document_mb << 20,  # where long documents are cut (tasks/dataset/readers.py)
-    }
+    return PackingSettings(
+        documents="paragraphs" if sources.kind == "text" else f"rows of {cfg.text_column!r}",
+        text_column=cfg.text_column,
+        val_fraction=cfg.val_fraction,
+        split_rule=SPLIT_RULE,
+        seed=cfg.seed,
+        block_size=cfg.block_size,
+        num_shards=cfg.effective_num_shards,
+        max_validation_shards=cfg.num_workers,
+        sequences_per_record=max(1, RECORD_TARGET_BYTES // (cfg.block_size * itemsize)),
+        max_document_bytes=cfg.max_document_mb << 20,  # where long documents are cut (tasks/dataset/readers.py)
+    )
+
+
+@dataclass(frozen=True)
+class Planned:
+    """What `plan_dataset` returns to the process that planned: the plan (`work`: a `WorkPlan`, or the `Manifest`
+    of the complete dataset for a cache hit), where it was saved for mapped tasks (`plan_url`, else None), its
+    lanes and, for a caller that runs them itself (`run_planned`), the backend tokenizer already loaded."""
+
+    fingerprint: str
+    manifest_url: str
+    work: WorkPlan | Manifest
+    plan_url: str | None = None
+    lanes: tuple[tuple[Unit, ...], ...] = ()
+    tokenizer: Any = None
+
+    def dataset_plan(self, cfg: RunConfig) -> DatasetPlan:
+        """The dataset plan `prepare` hands on by XCom: the plan's ids and numbers, with the run's config."""
+        work = self.work if isinstance(self.work, WorkPlan) else None
+        return DatasetPlan(fingerprint=self.fingerprint, manifest_url=self.manifest_url, cache_hit=work is None,
+                           config=cfg.to_dict(), plan_id=work.job.plan_id if work else None, plan_url=self.plan_url,
+                           units=work.units if work else None, lanes=work.lanes if work else None)
 
 
 # -- 1. plan ----------------------------------------------------------------------------------------------------
 
 
-def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: float | None = None) -> dict[str, Any]:
-    """The plan (a small JSON dict, what XCom carries), its lanes of unit dicts and, for a caller that runs the
-    lanes itself (`run_planned`), the backend tokenizer already loaded."""
+def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: float | None = None) -> Planned:
+    """The plan, its lanes and the backend tokenizer; the complete dataset's manifest instead on a cache hit. With
+    more than one lane the plan is saved in its work directory (`plan.json`) for the mapped tasks."""
     started = time.perf_counter() if started is None else started
     layout = StorageLayout(cfg.storage_root)
     identity = identify_dataset(cfg)
@@ -125,11 +146,10 @@ def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: f
     log.info("dataset %s: %d %s file(s), %s; tokenizer %s; block_size %d; fingerprint %s", cfg.dataset,
              len(sources.files), sources.kind, human_bytes(sources.total_bytes), cfg.tokenizer, cfg.block_size,
              fingerprint)
-    plan: dict[str, Any] = {"fingerprint": fingerprint, "manifest_url": manifest_url, "dataset": cfg.dataset,
-                            "storage_root": cfg.storage_root, "started_at": time.time()}
-    if complete_manifest(manifest_url, fingerprint) is not None:
+    cached = complete_manifest(manifest_url, fingerprint)
+    if cached is not None:
         log.info("cache hit: %s is complete, reusing it without tokenizing", manifest_url)
-        return {"plan": {**plan, "cache_hit": True}, "lanes": []}
+        return Planned(fingerprint, manifest_url, cached)
 
     if not sources.total_bytes:
         raise PrepareError(f"Dataset {cfg.dataset!r} has no documents: {sources.names()} are empty.")
@@ -145,7 +165,7 @@ def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: f
     _save(tokenizer, tokenizer_dir)
     backend = packing_backend(tokenizer.backend_tokenizer)  # what was saved: the lanes load the same from there
     units = plan_units(sources, cfg.text_column, unit_size(cfg.prepare_unit_mb, sources.total_bytes, tasks))
-    dealt = lanes(units, tasks)
+    dealt = tuple(tuple(lane) for lane in lanes(units, tasks))
     job = UnitJob(plan_id=plan_id, work_url=work, tokenizer_dir=tokenizer_dir, kind=sources.kind,
                   text_column=cfg.text_column, seed=cfg.seed, val_fraction=cfg.val_fraction,
                   dtype=tokenizer_plan.dtype, eos_token=tokenizer.eos_token, eos_id=tokenizer.eos_token_id,
@@ -155,29 +175,16 @@ def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: f
              human_bytes(sources.total_bytes / max(len(units), 1)),
              len(dealt), "" if len(dealt) == 1 else " (one mapped task each)",
              "" if job.joined else "; one document per tokenizer input (joining them at the EOS would change the ids)")
-    plan.update(cache_hit=False, job=job.to_dict(), units=len(units), lanes=len(dealt), settings=identity.settings,
-                tokenizer={"spec": tokenizer_plan.spec, "fingerprint": tokenizer_plan.fingerprint,
-                           "sample": tokenizer_plan.sample, "vocab_size": len(tokenizer),
-                           "eos_token_id": tokenizer.eos_token_id},
-                sources=[f.to_dict() for f in sources.files], config=cfg.to_dict(), temporary_work=tasks == 1,
-                plan_s=round(time.perf_counter() - started, 3))
-    if tasks > 1:  # the tasks read the plan from storage: XCom carries its URL, not its list of files
-        plan["plan_url"] = storage.join(work, PLAN_FILE)
-        storage.write_json_atomic(plan["plan_url"], plan)
-    return {"plan": plan, "lanes": [[unit.to_dict() for unit in lane] for lane in dealt], "tokenizer": backend}
-
-
-def plan_summary(plan: dict[str, Any]) -> dict[str, Any]:
-    """What XCom carries of a plan for the mapped tasks and the finish: they load the rest from `plan_url` (in a
-    DAG run: from where the fingerprint and the plan id say, `tasks.dataset.checks.checked_plan`)."""
-    summary = {key: plan[key] for key in ("fingerprint", "manifest_url", "cache_hit", "plan_url", "units", "lanes")
-               if key in plan}
-    return {**summary, "plan_id": plan["job"]["plan_id"]} if "job" in plan else summary
-
-
-def load_plan(summary: dict[str, Any]) -> dict[str, Any]:
-    """The whole plan for a summary (itself when the plan is a cache hit or was never saved)."""
-    return storage.read_json(summary["plan_url"]) if "plan_url" in summary and "job" not in summary else summary
+    plan = WorkPlan(fingerprint=fingerprint, manifest_url=manifest_url, job=job, units=len(units), lanes=len(dealt),
+                    settings=identity.settings,
+                    tokenizer=TokenizerEntry(spec=tokenizer_plan.spec, fingerprint=tokenizer_plan.fingerprint,
+                                             vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id),
+                    temporary_work=tasks == 1, plan_s=round(time.perf_counter() - started, 3))
+    plan_url = None
+    if tasks > 1:  # the tasks read the plan from storage: XCom carries its ids, not its list of files
+        plan_url = storage.join(work, PLAN_FILE)
+        storage.write_json_atomic(plan_url, plan.to_xcom())
+    return Planned(fingerprint, manifest_url, plan, plan_url, dealt, backend)
 
 
 def _temporary_work(fingerprint: str) -> str:
@@ -200,87 +207,73 @@ def _save(tokenizer: Any, url: str) -> None:
 # -- 2. lanes ---------------------------------------------------------------------------------------------------
 
 
-def tokenize_lane(summary: dict[str, Any], lane: list[dict[str, Any]], progress_interval_s: float = 5.0, *,
-                  cfg: RunConfig | None = None, policy: AccessPolicy | None = None) -> dict:
-    """One mapped task: the lane's units (a small summary goes to XCom; the results are in storage). With `cfg`
-    (held to `policy`), the plan is read from where the summary's ids say under its storage root and checked,
-    and so is the lane, before anything is read (tasks/dataset/checks.py)."""
-    plan = load_plan(summary) if cfg is None or policy is None else checked_plan(summary, cfg, policy)
-    if cfg is not None and policy is not None:
-        check_lane(plan, lane)
-    job = UnitJob.from_dict(plan["job"])
-    results = run_lane(job, [Unit.from_dict(u) for u in lane], stage_bytes=_planned_bytes(plan),
-                       progress_interval_s=progress_interval_s)
-    return {"units": [r["unit"] for r in results], "tokens": sum(s["tokens"] for r in results
-                                                                 for s in r["splits"].values()),
-            "wall_s": round(sum(r["wall_s"] for r in results), 3)}
+def tokenize_lane(plan: WorkPlan, lane: Sequence[Unit], progress_interval_s: float = 5.0) -> LaneResult:
+    """One mapped task: the lane's units (a small summary goes to XCom; the results are in storage). In a DAG run
+    the plan and the lane are the checked ones (tasks/dataset/checks.py)."""
+    results = run_lane(plan.job, list(lane), stage_bytes=_planned_bytes(plan), progress_interval_s=progress_interval_s)
+    return LaneResult(units=tuple(r.unit for r in results), tokens=sum(r.tokens for r in results),
+                      wall_s=round(sum(r.wall_s for r in results), 3))
 
 
-def _planned_bytes(plan: dict[str, Any]) -> int:
-    return sum(source["size"] for source in plan["sources"])
+def _planned_bytes(plan: WorkPlan) -> int:
+    return sum(source.size for source in plan.job.sources)
 
 
 # -- 3. finish --------------------------------------------------------------------------------------------------
 
 
-def finish_dataset(summary: dict[str, Any], *, started: float | None = None, cfg: RunConfig | None = None,
-                   policy: AccessPolicy | None = None) -> PreparedDataset:
-    """Shards and manifest from the units' streams (or the cached dataset), published manifest last. With `cfg`
-    (held to `policy`), the plan is read and checked as `tokenize_lane` does, and `cfg` is the one used."""
+def finish_dataset(plan: WorkPlan, cfg: RunConfig, *, started: float | None = None) -> PreparedDataset:
+    """Shards and manifest from the units' streams, published manifest last (or the dataset another preparation of
+    the same fingerprint published meanwhile). In a DAG run `plan` is the checked one and `cfg` held to the policy."""
     started = time.perf_counter() if started is None else started
-    checked = cfg is not None and policy is not None and not summary.get("cache_hit")
-    plan = checked_plan(summary, cfg, policy) if checked else load_plan(summary)
-    if plan["cache_hit"]:
-        return _result(plan["manifest_url"], storage.read_json(plan["manifest_url"]), cache_hit=True, tokenized=0,
-                       started=started, timings={}, read=0)
-    job = UnitJob.from_dict(plan["job"])
-    cfg = cfg if checked else RunConfig.from_saved(plan["config"])
+    job = plan.job
     for source in job.sources:
         check_unchanged(source)
-    results = [_complete(job, unit) for unit in range(plan["units"])]
+    results = [_complete(job, unit) for unit in range(plan.units)]
+    read = sum(r.fetched_bytes for r in results)
     began = time.perf_counter()
     layout = StorageLayout(cfg.storage_root)
     published = _published_meanwhile(plan)
     if published is not None:  # another run prepared the same dataset first: it stays as it is, in use or not
-        _remove_own_work(plan, job, layout)
-        return _result(plan["manifest_url"], published, cache_hit=True, tokenized=0, started=started, timings={},
-                       read=sum(r["fetched_bytes"] for r in results))
-    with storage.staging_directory(layout.dataset(plan["fingerprint"])) as stage:
-        manifest, tokens = _build(plan, cfg, job, results, stage)
+        _remove_own_work(plan, layout)
+        return _result(plan.manifest_url, published, cache_hit=True, tokenized=0, started=started, timings={},
+                       read=read)
+    with storage.staging_directory(layout.dataset(plan.fingerprint)) as stage:
+        manifest, tokens = _build(plan, cfg, results, stage)
         shards_s = time.perf_counter() - began
         if _published_meanwhile(plan) is None:
-            publish(stage, layout.dataset(plan["fingerprint"]), manifest)
-    _remove_own_work(plan, job, layout)
-    timings = {"plan": plan["plan_s"], "units": max((r["wall_s"] for r in results), default=0.0),
+            publish(stage, layout.dataset(plan.fingerprint), manifest)
+    _remove_own_work(plan, layout)
+    timings = {"plan": plan.plan_s, "units": max((r.wall_s for r in results), default=0.0),
                "shards": round(shards_s, 3), "manifest": round(time.perf_counter() - began - shards_s, 3)}
-    read, size = sum(r["fetched_bytes"] for r in results), sum(s.size for s in job.sources)
+    size = sum(s.size for s in job.sources)
     log.info("published %s: %d train / %d validation sequences (plan %.1fs, longest unit %.1fs, shards %.1fs, "
-             "publishing %.1fs); the units read %s from storage for %s of sources (%.3fx)", plan["manifest_url"],
-             manifest["splits"]["train"]["sequences"], manifest["splits"]["validation"]["sequences"],
+             "publishing %.1fs); the units read %s from storage for %s of sources (%.3fx)", plan.manifest_url,
+             manifest.splits["train"].sequences, manifest.splits["validation"].sequences,
              timings["plan"], timings["units"], timings["shards"], timings["manifest"], human_bytes(read),
              human_bytes(size), read / max(size, 1))
-    return _result(plan["manifest_url"], manifest, cache_hit=False, tokenized=tokens, started=started,
-                   timings=timings, read=sum(r["fetched_bytes"] for r in results))
+    return _result(plan.manifest_url, manifest, cache_hit=False, tokenized=tokens, started=started,
+                   timings=timings, read=read)
 
 
-def _published_meanwhile(plan: dict[str, Any]) -> dict[str, Any] | None:
+def _published_meanwhile(plan: WorkPlan) -> Manifest | None:
     """The complete manifest of this fingerprint when another preparation published it after this one planned:
     publishing again would first delete a dataset that training runs may be reading."""
-    manifest = complete_manifest(plan["manifest_url"], plan["fingerprint"])
+    manifest = complete_manifest(plan.manifest_url, plan.fingerprint)
     if manifest is not None:
         log.info("%s was published meanwhile by another preparation of the same dataset: using it, publishing "
-                 "nothing", plan["manifest_url"])
+                 "nothing", plan.manifest_url)
     return manifest
 
 
-def _remove_own_work(plan: dict[str, Any], job: UnitJob, layout: StorageLayout) -> None:
+def _remove_own_work(plan: WorkPlan, layout: StorageLayout) -> None:
     """This plan's work directory only: another plan of the same fingerprint may be running beside it."""
-    storage.remove_tree(job.work_url)
-    if not plan["temporary_work"]:  # kept while another plan's directory is still there
-        storage.remove_empty_directory(work_url(layout, plan["fingerprint"]))
+    storage.remove_tree(plan.job.work_url)
+    if not plan.temporary_work:  # kept while another plan's directory is still there
+        storage.remove_empty_directory(work_url(layout, plan.fingerprint))
 
 
-def _complete(job: UnitJob, unit: int) -> dict[str, Any]:
+def _complete(job: UnitJob, unit: int) -> UnitResult:
     result = unit_result(job, unit)
     if result is None:
         raise PrepareError(f"Unit {unit} of the dataset has no complete result in {job.work_url}: its tokenize task "
@@ -288,10 +281,10 @@ def _complete(job: UnitJob, unit: int) -> dict[str, Any]:
     return result
 
 
-def _build(plan: dict[str, Any], cfg: RunConfig, job: UnitJob, results: list[dict[str, Any]],
-           stage: Path) -> tuple[dict[str, Any], int]:
-    documents = sum(r["splits"][s]["documents"] for r in results for s in SPLITS)
-    tokens = sum(r["splits"][s]["tokens"] for r in results for s in SPLITS)
+def _build(plan: WorkPlan, cfg: RunConfig, results: list[UnitResult], stage: Path) -> tuple[Manifest, int]:
+    job = plan.job
+    documents = sum(r.documents for r in results)
+    tokens = sum(r.tokens for r in results)
     names = ", ".join(s.url for s in job.sources[:3]) + (f" and {len(job.sources) - 3} more"
                                                            if len(job.sources) > 3 else "")
     if documents == 0:
@@ -303,7 +296,7 @@ def _build(plan: dict[str, Any], cfg: RunConfig, job: UnitJob, results: list[dic
     if tokens == documents:  # nothing but the EOS after every document
         raise PrepareError(f"Dataset {cfg.dataset!r} contains no text: {names} yield no tokens.")
     streams, counts = split_streams(results, job.stream_url, job.dtype)
-    block, per_record = cfg.block_size, plan["settings"]["sequences_per_record"]
+    block, per_record = cfg.block_size, plan.settings.sequences_per_record
     train_sequences, validation_sequences = streams["train"].tokens // block, streams["validation"].tokens // block
     if train_sequences < cfg.effective_num_shards:
         raise PrepareError(
@@ -316,28 +309,22 @@ def _build(plan: dict[str, Any], cfg: RunConfig, job: UnitJob, results: list[dic
     log.info("%d documents: %d for training, %d for validation; writing shards", documents, counts["train"],
              counts["validation"])
     _copy_tokenizer(job.tokenizer_dir, stage / TOKENIZER_DIR)
+    validation_shards = min(plan.settings.max_validation_shards, validation_sequences)
     splits = {
-        "train": write_split(streams["train"], "train", cfg.effective_num_shards, block, per_record, stage),
-        "validation": write_split(streams["validation"], "validation",
-                                  min(plan["settings"]["max_validation_shards"], validation_sequences), block,
-                                  per_record, stage),
+        "train": write_split(streams["train"], "train", cfg.effective_num_shards, block, per_record, stage,
+                             documents=counts["train"]),
+        "validation": write_split(streams["validation"], "validation", validation_shards, block, per_record, stage,
+                                  documents=counts["validation"]),
     }
-    for name, split in splits.items():
-        split["documents"] = counts[name]
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "fingerprint": plan["fingerprint"],
-        "created_at": utc_now(),
-        "dtype": job.dtype,
-        "block_size": block,
-        "sequences_per_record": per_record,
-        "tokenizer": {**{k: plan["tokenizer"][k] for k in ("spec", "fingerprint", "vocab_size", "eos_token_id")},
-                      "path": TOKENIZER_DIR, "files": file_entries(stage / TOKENIZER_DIR)},
-        "sources": plan["sources"],
-        "settings": plan["settings"],
-        "splits": splits,
-        "prepare": {"units": plan["units"], "lanes": plan["lanes"]},
-    }
+    tokenizer = plan.tokenizer
+    manifest = Manifest(
+        format_version=FORMAT_VERSION, fingerprint=plan.fingerprint, created_at=utc_now(), dtype=job.dtype,
+        block_size=block, sequences_per_record=per_record,
+        tokenizer=ManifestTokenizer(spec=tokenizer.spec, fingerprint=tokenizer.fingerprint,
+                                    vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id,
+                                    path=TOKENIZER_DIR, files=file_entries(stage / TOKENIZER_DIR)),
+        sources=job.sources, settings=plan.settings, splits=splits,
+        prepare=PrepareCounts(units=plan.units, lanes=plan.lanes))
     return manifest, tokens
 
 
@@ -360,26 +347,26 @@ def prepare_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started
     failure no manifest is published."""
     started = time.perf_counter() if started is None else started
     planned = plan_dataset(cfg, progress_interval_s=progress_interval_s, started=started)
-    return run_planned(planned, progress_interval_s=progress_interval_s, started=started)
+    return run_planned(planned, cfg, progress_interval_s=progress_interval_s, started=started)
 
 
-def run_planned(planned: dict[str, Any], *, progress_interval_s: float = 5.0, started: float) -> PreparedDataset:
-    """Every lane of a plan in this process, then the finish."""
-    plan = planned["plan"]
-    if plan["cache_hit"]:
-        return finish_dataset(plan, started=started)
-    job = UnitJob.from_dict(plan["job"])
+def run_planned(planned: Planned, cfg: RunConfig, *, progress_interval_s: float = 5.0,
+                started: float) -> PreparedDataset:
+    """Every lane of a plan in this process, then the finish (a cache hit: the complete dataset)."""
+    plan = planned.work
+    if isinstance(plan, Manifest):
+        return _result(planned.manifest_url, plan, cache_hit=True, tokenized=0, started=started, timings={}, read=0)
     began, cpu_began = time.perf_counter(), time.process_time()
     try:
-        tokenizer = planned.get("tokenizer") or load_tokenizer(job.tokenizer_dir)
-        for lane in planned["lanes"]:
-            run_lane(job, [Unit.from_dict(u) for u in lane], tokenizer, stage_bytes=_planned_bytes(plan),
+        tokenizer = planned.tokenizer or load_tokenizer(plan.job.tokenizer_dir)
+        for lane in planned.lanes:
+            run_lane(plan.job, list(lane), tokenizer, stage_bytes=_planned_bytes(plan),
                      progress_interval_s=progress_interval_s)
         tokenizing_s, cpu_s = time.perf_counter() - began, time.process_time() - cpu_began
-        result = finish_dataset(plan, started=started)
+        result = finish_dataset(plan, cfg, started=started)
     finally:
-        if plan["temporary_work"]:  # a failed stage leaves nothing behind; in storage, a retry reuses its units
-            shutil.rmtree(job.work_url, ignore_errors=True)
+        if plan.temporary_work:  # a failed stage leaves nothing behind; in storage, a retry reuses its units
+            shutil.rmtree(plan.job.work_url, ignore_errors=True)
     elapsed, start_up = time.perf_counter() - started, began - started
     cores = len(os.sched_getaffinity(0))
     log.info(
@@ -392,15 +379,16 @@ def run_planned(planned: dict[str, Any], *, progress_interval_s: float = 5.0, st
     return result
 
 
-def _result(manifest_url: str, manifest: dict[str, Any], *, cache_hit: bool, tokenized: int, started: float,
+def _result(manifest_url: str, manifest: Manifest, *, cache_hit: bool, tokenized: int, started: float,
             timings: dict[str, float], read: int) -> PreparedDataset:
+    train = manifest.splits["train"]
     return PreparedDataset(
         manifest_url=manifest_url,
-        fingerprint=manifest["fingerprint"],
+        fingerprint=manifest.fingerprint,
         cache_hit=cache_hit,
-        train_sequences=manifest["splits"]["train"]["sequences"],
-        validation_sequences=manifest["splits"]["validation"]["sequences"],
-        train_tokens=manifest["splits"]["train"]["tokens"],
+        train_sequences=train.sequences,
+        validation_sequences=manifest.splits["validation"].sequences,
+        train_tokens=train.tokens,
         tokenized_tokens=tokenized,
         elapsed_s=time.perf_counter() - started,
         timings=timings,

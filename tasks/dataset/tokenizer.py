@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher.document import Document
 from tasks.dataset.errors import PrepareError
 from tasks.dataset.readers import SourceReader, parquet_layout, read_documents
 from tasks.dataset.sources import Sources
@@ -37,18 +38,28 @@ EOS_TOKEN = "<|endoftext|>"
 
 
 @dataclass(frozen=True)
+class BpeSample(Document):
+    """What a BPE is trained on (part of the fingerprint): the windows' draw `rule`, `window_bytes`, at most
+    `cap_bytes` of text."""
+
+    rule: str
+    window_bytes: int
+    cap_bytes: int
+
+
+@dataclass(frozen=True)
 class TokenizerPlan:
     spec: str
     fingerprint: str
     dtype: str
     pretrained: Any | None  # a loaded PreTrainedTokenizerFast, or None when a BPE is trained here
-    sample: dict[str, Any] | None  # the BPE sample's rule and cap (in the fingerprint); None for a pretrained one
+    sample: BpeSample | None  # None for a pretrained one
 
 
 def plan_tokenizer(cfg: RunConfig) -> TokenizerPlan:
     vocab = cfg.bpe_vocab_size
     if vocab is not None:
-        sample = {"rule": SAMPLE_RULE, "window_bytes": SAMPLE_WINDOW_BYTES, "cap_bytes": cfg.bpe_sample_mb << 20}
+        sample = BpeSample(rule=SAMPLE_RULE, window_bytes=SAMPLE_WINDOW_BYTES, cap_bytes=cfg.bpe_sample_mb << 20)
         return TokenizerPlan(cfg.tokenizer, _sha256_text(f"{BPE_RECIPE}:{vocab}:{EOS_TOKEN}"), token_dtype(vocab), None,
                              sample)
     tokenizer = load_pretrained_tokenizer(cfg.tokenizer)
@@ -139,7 +150,7 @@ def _model_config(model: str) -> dict[str, Any]:
 # -- BPE on a bounded sample ------------------------------------------------------------------------------------
 
 
-def train_bpe(sources: Sources, cfg: RunConfig, sample: dict[str, Any], progress_interval_s: float = 5.0):
+def train_bpe(sources: Sources, cfg: RunConfig, sample: BpeSample, progress_interval_s: float = 5.0):
     """A byte-level BPE trained on the sampled training documents, as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import GPT2TokenizerFast
@@ -154,7 +165,7 @@ def train_bpe(sources: Sources, cfg: RunConfig, sample: dict[str, Any], progress
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     counted = _Counted()
-    texts = sample_training_texts(sources, cfg, sample["cap_bytes"], counted, progress_interval_s)
+    texts = sample_training_texts(sources, cfg, sample.cap_bytes, counted, progress_interval_s)
     tokenizer.train_from_iterator(texts, trainer)
     log.info("trained the BPE (%d tokens) on %d training documents (%.1f MB of text sampled from %.1f MB) in "
              "%.1fs", tokenizer.get_vocab_size(), counted.documents, counted.bytes / 1e6, sources.total_bytes / 1e6,

@@ -6,7 +6,8 @@ writes one token stream per split (`<unit>.train.bin`, `<unit>.validation.bin`) 
 (`<unit>.json`: counts, the extreme documents, checksums), the mark that it is complete; a retried task skips the
 units it already completed and overwrites only its own. The units' streams, in unit order, are the stage's streams
 whatever the units are (`tasks.dataset.shards`). A lane is the contiguous run of units one mapped task tokenizes;
-there are `prepare_tasks` lanes, so at most that many tasks run at once.
+there are `prepare_tasks` lanes, so at most that many tasks run at once. The units, their job and their results are
+documents (`tasks.dataset.records`).
 """
 
 from __future__ import annotations
@@ -18,21 +19,20 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from launcher.document import DocumentError
 from tasks.dataset.encode import SPLITS, Encoder, EncodeStats
-from tasks.dataset.errors import SourceError
+from tasks.dataset.errors import PrepareError, SourceError
 from tasks.dataset.readers import (
-    DEFAULT_MAX_DOCUMENT_BYTES,
     DocumentChunk,
     SourceReader,
     parquet_layout,
     read_documents,
 )
+from tasks.dataset.records import Part, SplitStream, Unit, UnitJob, UnitResult
 from tasks.dataset.sources import SourceFile, Sources, check_unchanged
 from tasks.dataset.split import DocumentDraws
 from tasks.dataset.tokenizer import load_backend
@@ -47,31 +47,6 @@ MAX_AUTO_UNIT_BYTES = 256 << 20
 AUTO_BYTES_PER_TASK = 512 << 20  # prepare_tasks=0: one task per this much text, from FAN_OUT_FROM on
 FAN_OUT_FROM = 256 << 20  # below this a corpus is prepared inside the first task, without mapped tasks
 MAX_AUTO_TASKS = 32
-
-
-@dataclass(frozen=True)
-class Part:
-    file: int  # index into the plan's sources
-    start: int  # bytes, or the first row group for Parquet
-    end: int  # exclusive
-    bytes: int  # text bytes it holds (row groups: their uncompressed text column)
-
-
-@dataclass(frozen=True)
-class Unit:
-    index: int
-    parts: tuple[Part, ...]
-
-    @property
-    def bytes(self) -> int:
-        return sum(part.bytes for part in self.parts)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "parts": [asdict(part) for part in self.parts]}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Unit:
-        return cls(data["index"], tuple(Part(**part) for part in data["parts"]))
 
 
 def task_count(prepare_tasks: int, total_bytes: int) -> int:
@@ -153,51 +128,26 @@ def lanes(units: list[Unit], tasks: int) -> list[list[Unit]]:
 # -- tokenizing a unit ------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class UnitJob:
-    """What every unit of one plan shares (from the plan's `job` dict)."""
-
-    plan_id: str
-    work_url: str  # where unit outputs go
-    tokenizer_dir: str  # the saved tokenizer (`tokenizer.json`), locally or in storage
-    kind: str
-    text_column: str
-    seed: int
-    val_fraction: float
-    dtype: str
-    eos_token: str
-    eos_id: int
-    joined: bool
-    sources: tuple[SourceFile, ...]
-    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> UnitJob:
-        return cls(**{**data, "sources": tuple(SourceFile.from_dict(s) for s in data["sources"])})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "sources": [s.to_dict() for s in self.sources]}
-
-    def result_url(self, unit: int) -> str:
-        return storage.join(self.work_url, f"{unit:05d}.json")
-
-    def stream_url(self, unit: int, split: str) -> str:
-        return storage.join(self.work_url, f"{unit:05d}.{split}.bin")
-
-
-def unit_result(job: UnitJob, unit: int) -> dict[str, Any] | None:
-    """A unit's result when it is complete for this plan: its result file and both streams at their sizes."""
+def unit_result(job: UnitJob, unit: int) -> UnitResult | None:
+    """A unit's result when it is complete for this plan: its result file and both streams at their sizes. A result
+    file of this plan that is no `UnitResult` is refused, naming the file and the field."""
+    url = job.result_url(unit)
     try:
-        result = storage.read_json(job.result_url(unit))
+        written = storage.read_json(url)
     except (FileNotFoundError, NotADirectoryError, ValueError):
         return None
-    if result.get("plan_id") != job.plan_id:
-        return None
+    if not isinstance(written, dict) or written.get("plan_id") != job.plan_id:
+        return None  # another plan's, or cut short: the unit is tokenized again
+    try:
+        result = UnitResult.from_xcom(written)
+    except DocumentError as error:
+        raise PrepareError(f"The unit result {url} is refused: {error} It was not written by this plan's tokenize "
+                           "task: remove it and clear that task, which tokenizes the unit again.") from None
     fs, _ = storage.filesystem(job.work_url)
     for split in SPLITS:
         _, path = storage.filesystem(job.stream_url(unit, split))
         try:
-            if fs.size(path) != result["splits"][split]["bytes"]:
+            if fs.size(path) != result.splits[split].bytes:
                 return None
         except FileNotFoundError:
             return None
@@ -205,7 +155,7 @@ def unit_result(job: UnitJob, unit: int) -> dict[str, Any] | None:
 
 
 def run_lane(job: UnitJob, lane: list[Unit], tokenizer=None, *, stage_bytes: int | None = None,
-             progress_interval_s: float = 5.0) -> list[dict[str, Any]]:
+             progress_interval_s: float = 5.0) -> list[UnitResult]:
     """Tokenize every unit of `lane` not complete yet; returns their results. `tokenizer`: the backend tokenizer
     when the caller has it loaded, else it is loaded from the job's tokenizer directory."""
     tokenizer = tokenizer or load_tokenizer(job.tokenizer_dir)
@@ -227,7 +177,7 @@ def run_lane(job: UnitJob, lane: list[Unit], tokenizer=None, *, stage_bytes: int
     return results
 
 
-def tokenize_unit(job: UnitJob, unit: Unit, tokenizer, progress: _Progress) -> dict[str, Any]:
+def tokenize_unit(job: UnitJob, unit: Unit, tokenizer, progress: _Progress) -> UnitResult:
     """Encode one unit into its streams (staged locally, then published next to its result, result last)."""
     began = time.perf_counter()
     chunks = _UnitChunks(job, unit)
@@ -243,14 +193,13 @@ def tokenize_unit(job: UnitJob, unit: Unit, tokenizer, progress: _Progress) -> d
         splits = {}
         for split, path in paths.items():
             count = stats.splits[split]
-            splits[split] = {"documents": count.documents, "tokens": count.tokens, "bytes": path.stat().st_size,
-                             "sha256": storage.sha256_file(path),
-                             "extreme": count.extreme.to_dict() if count.extreme else None}
+            splits[split] = SplitStream(documents=count.documents, tokens=count.tokens, bytes=path.stat().st_size,
+                                        sha256=storage.sha256_file(path), extreme=count.extreme)
             storage.publish_file(path, job.stream_url(unit.index, split))
-    result = {"plan_id": job.plan_id, "unit": unit.index, "splits": splits, "bytes": unit.bytes,
-              "fetched_bytes": chunks.fetched, "wall_s": round(time.perf_counter() - began, 3),
-              "cpu_s": round(stats.cpu_s, 3)}
-    storage.write_json_atomic(job.result_url(unit.index), result)  # last: the unit is complete
+    result = UnitResult(plan_id=job.plan_id, unit=unit.index, splits=splits, bytes=unit.bytes,
+                        fetched_bytes=chunks.fetched, wall_s=round(time.perf_counter() - began, 3),
+                        cpu_s=round(stats.cpu_s, 3))
+    storage.write_json_atomic(job.result_url(unit.index), result.to_xcom())  # last: the unit is complete
     progress.end_unit(unit, result)
     return result
 
@@ -311,17 +260,14 @@ class _Progress:
             self.last = now
             self._log(now)
 
-    def end_unit(self, unit: Unit, result: dict[str, Any]) -> None:
+    def end_unit(self, unit: Unit, result: UnitResult) -> None:
         base_bytes, base_docs, base_tokens = self._unit_base
-        splits = result["splits"].values()
         self.done_bytes = base_bytes + unit.bytes
-        self.documents = base_docs + sum(s["documents"] for s in splits)
-        self.tokens = base_tokens + sum(s["tokens"] for s in splits)
-        tokens = sum(s["tokens"] for s in splits)
+        self.documents = base_docs + result.documents
+        self.tokens = base_tokens + result.tokens
         log.info("unit %d: %d documents, %d tokens in %.1fs (%s tokens/s), %s read for %s of text", unit.index,
-                 sum(s["documents"] for s in splits), tokens, result["wall_s"],
-                 human_rate(tokens / max(result["wall_s"], 1e-9)), human_bytes(result["fetched_bytes"]),
-                 human_bytes(unit.bytes))
+                 result.documents, result.tokens, result.wall_s, human_rate(result.tokens / max(result.wall_s, 1e-9)),
+                 human_bytes(result.fetched_bytes), human_bytes(unit.bytes))
 
     def finish(self) -> None:
         self._log(time.perf_counter())

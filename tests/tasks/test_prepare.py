@@ -11,6 +11,7 @@ from tf_multiworker.backends import make_backend
 
 from launcher.protocol import CONFIG_SHA256_ENV
 from tasks.dataset.plan import DatasetPlan
+from tasks.dataset.records import LaneResult
 from tasks.prepare import finish_run, plan_run, tokenize_lane
 from tasks.prepared_run import PreparedRun
 from trainer.config.pinned import load_pinned_config
@@ -24,9 +25,9 @@ def prepare_run(params: dict, run_id: str, dag_id: str) -> PreparedRun:
     """The three prepare tasks in a row, as the DAG runs them (XCom values through JSON), and the prepared run as
     a later task reads it."""
     planned = plan_run(params, run_id, dag_id, make_backend)
-    plan = DatasetPlan.from_xcom(json.loads(json.dumps(planned["plan"].to_xcom())))
-    for lane in json.loads(json.dumps(planned["lanes"])):
-        tokenize_lane(plan, lane)
+    plan = DatasetPlan.from_xcom(json.loads(json.dumps(planned.plan.to_xcom())))
+    for lane in json.loads(json.dumps(planned.lanes_xcom())):
+        assert LaneResult.from_xcom(json.loads(json.dumps(tokenize_lane(plan, lane).to_xcom()))).units
     return PreparedRun.from_xcom(json.loads(json.dumps(finish_run(plan, run_id, dag_id).to_xcom())))
 
 
@@ -98,8 +99,10 @@ def test_a_corpus_in_several_lanes_travels_as_small_dicts_and_gives_the_same_dat
     params = {"storage_root": str(tmp_path / "root"), "dataset": str(corpus / "*.txt"), "tokenizer": "bpe:512",
               "block_size": 32, "baseline": "skip"}
     planned = plan_run({**params, "prepare_tasks": 3, "prepare_unit_mb": 1}, RUN_ID, DAG_ID, make_backend)
-    assert len(planned["lanes"]) == 3 and planned["plan"].dataset is None
-    assert len(json.dumps(planned["plan"].to_xcom())) < 4000 and len(json.dumps(planned["lanes"])) < 2000
+    assert len(planned.lanes) == 3 and planned.plan.dataset is None
+    lanes = planned.lanes_xcom()
+    assert len(json.dumps(planned.plan.to_xcom())) < 4000 and len(json.dumps(lanes)) < 2000
+    assert set(lanes[0][0]) == {"index", "parts"} and set(lanes[0][0]["parts"][0]) == {"file", "start", "end", "bytes"}
     fanned = prepare_run({**params, "prepare_tasks": 3, "prepare_unit_mb": 1}, RUN_ID, DAG_ID)
     single = prepare_run({**params, "storage_root": str(tmp_path / "single"), "prepare_tasks": 1}, RUN_ID, DAG_ID)
     assert fanned.dataset_fingerprint == single.dataset_fingerprint

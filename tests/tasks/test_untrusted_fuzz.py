@@ -149,7 +149,7 @@ def test_a_generated_plan_or_lane_is_tokenized_as_planned_or_refused_by_name(tmp
     params = {"storage_root": str(root / "storage"), "dataset": str(corpus / "*.txt"), "tokenizer": "bpe:300",
               "block_size": 32, "baseline": "skip", "prepare_tasks": 2, "prepare_unit_mb": 1}
     planned = plan_run(params, "manual__fuzz", "gpt_finetune", make_backend)
-    planned = json.loads(json.dumps({"plan": planned["plan"].to_xcom(), "lanes": planned["lanes"]}))  # as XCom
+    planned = json.loads(json.dumps({"plan": planned.plan.to_xcom(), "lanes": planned.lanes_xcom()}))  # as XCom
     assert len(planned["lanes"]) == 2
     plan_path = Path(planned["plan"]["plan_url"])
     genuine = plan_path.read_text()
@@ -182,7 +182,7 @@ def test_a_generated_plan_or_lane_is_tokenized_as_planned_or_refused_by_name(tmp
         except (PrepareError, DocumentError):
             refused += 1
     plan_path.write_text(genuine)
-    assert tokenize_lane(DatasetPlan.from_xcom(planned["plan"]), planned["lanes"][0])["units"]  # the genuine one
+    assert tokenize_lane(DatasetPlan.from_xcom(planned["plan"]), planned["lanes"][0]).units  # the genuine one
     assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]  # nothing written outside
     assert not [p for p in tmp_path.iterdir() if p.name not in ("allowed", "outside")]
     assert refused >= 50 and time.perf_counter() - started < 120

@@ -33,13 +33,13 @@ def planned(tmp_path, monkeypatch):
     params = {"storage_root": str(root / "storage"), "dataset": str(corpus / "*.txt"), "tokenizer": "bpe:300",
               "block_size": 32, "baseline": "skip", "prepare_tasks": 2, "prepare_unit_mb": 1}
     planned = plan_run(params, RUN_ID, DAG_ID, make_backend)
-    result = json.loads(json.dumps({"plan": planned["plan"].to_xcom(), "lanes": planned["lanes"]}))  # as XCom
+    result = json.loads(json.dumps({"plan": planned.plan.to_xcom(), "lanes": planned.lanes_xcom()}))  # as XCom
     assert len(result["lanes"]) == 2
     return result, secret
 
 
-def plan_file(summary: dict) -> Path:
-    return Path(summary["plan_url"])
+def plan_file(plan: dict) -> Path:
+    return Path(plan["plan_url"])
 
 
 def test_a_plan_in_xcom_is_ignored_the_plan_is_read_from_its_place(planned):
@@ -51,7 +51,7 @@ def test_a_plan_in_xcom_is_ignored_the_plan_is_read_from_its_place(planned):
         DatasetPlan.from_xcom(crafted)  # the dataset plan holds ids, never a job
     del crafted["job"]
     done = tokenize_lane(DatasetPlan.from_xcom(crafted), result["lanes"][0])
-    assert done["units"] == [unit["index"] for unit in result["lanes"][0]]
+    assert list(done.units) == [unit["index"] for unit in result["lanes"][0]]
     assert not Path("/tmp/x").exists() or not any(Path("/tmp/x").glob("*.bin"))
 
 
@@ -77,6 +77,25 @@ def test_a_plan_rewritten_in_storage_is_refused_before_anything_is_read(planned,
         finish_run(DatasetPlan.from_xcom(result["plan"]), RUN_ID, DAG_ID)
 
 
+@pytest.mark.parametrize("change, field", [
+    (lambda plan: plan["job"].update(seed="1234"), r"UnitJob\.seed: expected int, got str '1234'"),
+    (lambda plan: plan["job"]["sources"][0].update(size=None), r"SourceFile\.size: expected int, got NoneType"),
+    (lambda plan: plan["settings"].update(block_size=32.0), r"PackingSettings\.block_size: expected int"),
+    (lambda plan: plan.update(config={}), r"WorkPlan: unknown key\(s\) config"),
+    (lambda plan: plan.pop("units"), r"WorkPlan: missing key\(s\) units"),
+])
+def test_a_plan_of_another_shape_in_storage_is_refused_naming_the_file_and_field(planned, change, field):
+    result, _ = planned
+    path = plan_file(result["plan"])
+    plan = json.loads(path.read_text())
+    change(plan)
+    path.write_text(json.dumps(plan))
+    for task in (lambda: tokenize_lane(DatasetPlan.from_xcom(result["plan"]), result["lanes"][0]),
+                 lambda: finish_run(DatasetPlan.from_xcom(result["plan"]), RUN_ID, DAG_ID)):
+        with pytest.raises(PrepareError, match=rf"The plan {path} is refused: {field}"):
+            task()
+
+
 @pytest.mark.parametrize("ids, message", [
     ({"fingerprint": "../../x"}, "fingerprint '../../x' is not one"),
     ({"plan_id": "../x"}, "plan's id '../x' is not one"),
@@ -99,6 +118,19 @@ def test_a_lane_with_units_outside_the_plan_is_refused(planned, unit):
     result, _ = planned
     with pytest.raises(PrepareError, match="lane"):
         tokenize_lane(DatasetPlan.from_xcom(result["plan"]), [unit])
+
+
+@pytest.mark.parametrize("lane, field", [
+    ([{"index": "0", "parts": []}], r"Unit\.index: expected int, got str '0'"),
+    ([{"index": 0, "parts": [{"file": 0, "start": "0", "end": 1, "bytes": 1}]}], r"Part\.start: expected int"),
+    ([{"index": 0, "parts": [{"file": 0, "start": 0, "end": 1, "bytes": True}]}], r"Part\.bytes: expected int"),
+    ([{"index": 0}], r"Unit: missing key\(s\) parts"),
+    ({"index": 0, "parts": []}, "lane is not a list of units"),
+])
+def test_a_mistyped_unit_of_a_lane_is_refused_naming_the_field(planned, lane, field):
+    result, _ = planned
+    with pytest.raises(PrepareError, match=field):
+        tokenize_lane(DatasetPlan.from_xcom(result["plan"]), lane)
 
 
 def test_a_config_rewritten_in_xcom_is_held_to_the_policy_again(planned):

@@ -6,22 +6,25 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tasks.dataset.records import Extreme, SplitStream, UnitResult
 from tasks.dataset.shards import Stream, split_streams, write_split
 from tests.tasks.dataset.corpus import read_tfrecords
 
 
-def _unit(tmp_path, index: int, train: list[list[int]], validation: list[list[int]], draws: dict) -> dict:
+def _unit(tmp_path, index: int, train: list[list[int]], validation: list[list[int]], draws: dict) -> UnitResult:
     splits = {}
     for split, documents in (("train", train), ("validation", validation)):
         tokens = [t for doc in documents for t in doc]
-        (tmp_path / f"{index}.{split}.bin").write_bytes(np.array(tokens, dtype="<u2").tobytes())
+        data = np.array(tokens, dtype="<u2").tobytes()
+        (tmp_path / f"{index}.{split}.bin").write_bytes(data)
         extreme = None
         if documents:
             pick = draws[split]
             offset = sum(len(doc) for doc in documents[:pick])
-            extreme = {"draw": draws[f"{split}_draw"], "offset": offset, "tokens": len(documents[pick])}
-        splits[split] = {"documents": len(documents), "tokens": len(tokens), "extreme": extreme}
-    return {"unit": index, "splits": splits}
+            extreme = Extreme(draw=draws[f"{split}_draw"], offset=offset, tokens=len(documents[pick]))
+        splits[split] = SplitStream(documents=len(documents), tokens=len(tokens), bytes=len(data), sha256="",
+                                    extreme=extreme)
+    return UnitResult(plan_id="0" * 12, unit=index, splits=splits, bytes=0, fetched_bytes=0, wall_s=0.0, cpu_s=0.0)
 
 
 def _tokens(stream: Stream) -> list[int]:
@@ -65,8 +68,8 @@ def test_shards_hold_whole_records_across_reads(tmp_path, monkeypatch, read_toke
 
     stream = Stream([Segment(str(tmp_path / "0.train.bin"), 0, 37), Segment(str(tmp_path / "1.train.bin"), 0, 63)],
                     "uint16")
-    entry = write_split(stream, "train", 3, block_size=4, per_record=2, stage=tmp_path)
-    assert entry["sequences"] == 25 and [s["sequences"] for s in entry["shards"]] == [8, 8, 9]
-    records = [r for s in entry["shards"] for r in read_tfrecords((tmp_path / s["name"]).read_bytes())]
+    entry = write_split(stream, "train", 3, block_size=4, per_record=2, stage=tmp_path, documents=5)
+    assert entry.sequences == 25 and [s.sequences for s in entry.shards] == [8, 8, 9] and entry.documents == 5
+    records = [r for s in entry.shards for r in read_tfrecords((tmp_path / s.name).read_bytes())]
     assert [len(r) // 8 for r in records] == [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1]
     assert np.concatenate([np.frombuffer(r, "<u2") for r in records]).tolist() == tokens

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -115,6 +116,29 @@ def test_second_run_is_a_cache_hit_and_a_damaged_cache_is_rebuilt(tmp_path, capl
     third = prepare_dataset(cfg)
     assert not third.cache_hit
     assert (Path(first.manifest_url).parent / shard).exists()
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda manifest: manifest.update(block_size="16"), r"Manifest\.block_size: expected int, got str '16'"),
+    (lambda manifest: manifest["splits"]["train"]["shards"][0].update(records=None), r"ShardEntry\.records"),
+    (lambda manifest: manifest["settings"].pop("seed"), r"PackingSettings: missing key\(s\) seed"),
+    (lambda manifest: manifest["splits"].pop("validation"), r"Manifest\.splits: expected the splits"),
+])
+def test_a_cached_manifest_of_another_shape_is_refused_naming_it_and_the_field(tmp_path, caplog, change, field):
+    """Storage is untrusted input: a manifest of this fingerprint that is no `Manifest` is not reused (the dataset
+    is prepared again, replacing it); the warning names the file and the field."""
+    cfg = config(tmp_path, dataset=str(write_corpus(tmp_path / "corpus")), num_workers=1, block_size=16)
+    first = prepare_dataset(cfg)
+    path = Path(first.manifest_url)
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="gpt_finetune.prepare"):
+        again = prepare_dataset(cfg)
+    assert not again.cache_hit and again.train_sequences == first.train_sequences
+    refusal = rf"{re.escape(str(path))} is refused \({field}"
+    assert any(re.search(refusal, record.getMessage()) for record in caplog.records)
+    assert prepare_dataset(cfg).cache_hit  # the manifest published again reads back
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ completes with the same result, and the planning rules (units, lanes, task count
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -14,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from tasks.dataset.errors import PrepareError
+from tasks.dataset.records import Part, Unit
 from tasks.dataset.sources import SourceFile, Sources
-from tasks.dataset.stage import finish_dataset, plan_dataset, plan_summary, prepare_dataset, run_planned
-from tasks.dataset.units import Part, Unit, UnitJob, lanes, plan_units, task_count, unit_size
+from tasks.dataset.stage import finish_dataset, plan_dataset, prepare_dataset, run_planned
+from tasks.dataset.units import lanes, plan_units, task_count, unit_size
 from tests.tasks.dataset.corpus import REPO, WORDS, comparable, config, shard_files
 from trainer import storage
 
@@ -99,8 +101,9 @@ def test_json_lines_and_parquet_shards_are_identical_for_any_fan_out(tmp_path):
 LANE = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, format="%(message)s")
+from tasks.dataset.records import Unit, WorkPlan
 from tasks.dataset.stage import tokenize_lane
-tokenize_lane(json.loads(sys.argv[1]), json.loads(sys.argv[2]))
+tokenize_lane(WorkPlan.from_xcom(json.loads(sys.argv[1])), [Unit.from_xcom(u) for u in json.loads(sys.argv[2])])
 """
 
 
@@ -109,26 +112,27 @@ def test_a_lane_sigkilled_mid_unit_is_retried_and_gives_the_same_shards(tmp_path
     one = _prepared(tmp_path, "one", cfg, prepare_tasks=1)
     fanned = cfg.replace(storage_root=str(tmp_path / "fanned"), prepare_tasks=2, prepare_unit_mb=1)
     planned = plan_dataset(fanned)
-    summary, first = plan_summary(planned["plan"]), planned["lanes"][0]
-    job = UnitJob.from_dict(planned["plan"]["job"])
+    plan, first = planned.work, planned.lanes[0]
+    job = plan.job
     assert len(first) >= 2
     log_path = tmp_path / "lane.log"
     with open(log_path, "wb") as log_file:
-        lane = subprocess.Popen([sys.executable, "-c", LANE, json.dumps(summary), json.dumps(first)], cwd=REPO,
-                                stdout=log_file, stderr=subprocess.STDOUT)
+        lane = subprocess.Popen([sys.executable, "-c", LANE, json.dumps(plan.to_xcom()),
+                                 json.dumps([unit.to_xcom() for unit in first])], cwd=REPO, stdout=log_file,
+                                stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
-        while not Path(job.result_url(first[0]["index"])).exists():  # the first unit complete, the next under way
+        while not Path(job.result_url(first[0].index)).exists():  # the first unit complete, the next under way
             assert lane.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.01)
     finally:
         lane.send_signal(signal.SIGKILL)
         lane.wait()
     with pytest.raises(PrepareError, match=r"Unit 1 of the dataset has no complete result .* Clear that task"):
-        finish_dataset(summary)
+        finish_dataset(plan, fanned)
     assert not list(Path(fanned.storage_root, "datasets").glob("*/manifest.json"))
 
-    retried = run_planned(planned, started=time.perf_counter())  # every lane, the killed one again
+    retried = run_planned(planned, fanned, started=time.perf_counter())  # every lane, the killed one again
     _assert_same(one, retried)
     assert not Path(job.work_url).exists(), "the work directory goes once the dataset is published"
 
@@ -139,11 +143,35 @@ def test_a_retry_keeps_the_units_that_were_complete(tmp_path, caplog):
     planned = plan_dataset(cfg)
     from tasks.dataset.stage import tokenize_lane
 
-    tokenize_lane(plan_summary(planned["plan"]), planned["lanes"][0])
+    tokenize_lane(planned.work, planned.lanes[0])
     with caplog.at_level("INFO", logger="gpt_finetune.prepare"):
-        tokenize_lane(plan_summary(planned["plan"]), planned["lanes"][0])
+        tokenize_lane(planned.work, planned.lanes[0])
     kept = [r.getMessage() for r in caplog.records if "complete from an earlier try" in r.getMessage()]
-    assert len(kept) == len(planned["lanes"][0])
+    assert len(kept) == len(planned.lanes[0])
+
+
+def test_a_unit_result_of_another_shape_is_refused_naming_the_file_and_field(tmp_path):
+    """A unit's result file comes back from storage: one of this plan that is no `UnitResult` is refused by its
+    field, by the lane's retry and by the finish alike; one of another plan is not this plan's (tokenized again)."""
+    from tasks.dataset.stage import tokenize_lane
+
+    cfg = config(tmp_path, dataset=str(_text_corpus(tmp_path / "corpus") / "*.txt"), block_size=64,
+                 prepare_tasks=2, prepare_unit_mb=1)
+    planned = plan_dataset(cfg)
+    plan, lane = planned.work, planned.lanes[0]
+    tokenize_lane(plan, lane)
+    path = Path(plan.job.result_url(lane[0].index))
+    genuine = json.loads(path.read_text())
+    path.write_text(json.dumps({**genuine, "splits": {**genuine["splits"], "train": {
+        **genuine["splits"]["train"], "tokens": str(genuine["splits"]["train"]["tokens"])}}}))
+    refusal = rf"The unit result {re.escape(str(path))} is refused: SplitStream\.tokens: expected int, got str"
+    with pytest.raises(PrepareError, match=refusal):
+        tokenize_lane(plan, lane)
+    with pytest.raises(PrepareError, match=refusal):
+        finish_dataset(plan, cfg)
+    path.write_text(json.dumps({**genuine, "plan_id": "another plan"}))
+    assert list(tokenize_lane(plan, lane).units) == [unit.index for unit in lane]
+    assert json.loads(path.read_text())["plan_id"] == plan.job.plan_id
 
 
 def test_a_source_that_changes_while_it_is_read_publishes_nothing(tmp_path):
@@ -154,7 +182,7 @@ def test_a_source_that_changes_while_it_is_read_publishes_nothing(tmp_path):
         grow.write(b"\n\nappended while the stage ran\n")
     with pytest.raises(PrepareError, match=r"big.txt changed while the dataset was being prepared .* nothing was "
                                            r"published"):
-        run_planned(planned, started=time.perf_counter())
+        run_planned(planned, cfg, started=time.perf_counter())
     assert not list(Path(cfg.storage_root, "datasets").glob("*/manifest.json"))
 
 
@@ -164,14 +192,14 @@ def test_the_next_plan_of_the_same_dataset_removes_what_an_unfinished_one_left(t
 
     cfg = config(tmp_path, dataset=str(_text_corpus(tmp_path / "corpus") / "*.txt"), block_size=64,
                  prepare_tasks=2, prepare_unit_mb=1)
-    earlier = UnitJob.from_dict(plan_dataset(cfg)["plan"]["job"])
+    earlier = plan_dataset(cfg).work.job
     assert Path(earlier.work_url).exists()
-    beside = UnitJob.from_dict(plan_dataset(cfg)["plan"]["job"])
+    beside = plan_dataset(cfg).work.job
     assert Path(earlier.work_url).exists() and Path(beside.work_url).exists()  # it may be live: kept
     monkeypatch.setattr(publish, "LEFTOVER_AGE_S", -1.0)  # both count as untouched for long now
     fresh = plan_dataset(cfg)
     assert not Path(earlier.work_url).exists() and not Path(beside.work_url).exists()
-    assert Path(UnitJob.from_dict(fresh["plan"]["job"]).work_url).exists()
+    assert Path(fresh.work.job.work_url).exists()
 
 
 def test_two_preparations_of_one_fingerprint_never_destroy_each_other(tmp_path):
@@ -183,16 +211,16 @@ def test_two_preparations_of_one_fingerprint_never_destroy_each_other(tmp_path):
                  prepare_tasks=2, prepare_unit_mb=1)
     first, second = plan_dataset(cfg), plan_dataset(cfg)
     for planned in (first, second):
-        for lane in planned["lanes"]:
-            tokenize_lane(plan_summary(planned["plan"]), lane)
-    one = finish_dataset(plan_summary(first["plan"]))
-    assert not one.cache_hit and Path(UnitJob.from_dict(second["plan"]["job"]).work_url).exists()
+        for lane in planned.lanes:
+            tokenize_lane(planned.work, lane)
+    one = finish_dataset(first.work, cfg)
+    assert not one.cache_hit and Path(second.work.job.work_url).exists()
     manifest = Path(one.manifest_url)
     published = (manifest.stat().st_ino, manifest.stat().st_mtime_ns)
-    other = finish_dataset(plan_summary(second["plan"]))
+    other = finish_dataset(second.work, cfg)
     assert other.cache_hit and other.manifest_url == one.manifest_url
     assert (manifest.stat().st_ino, manifest.stat().st_mtime_ns) == published  # not replaced: readers keep it
-    assert not any(Path(UnitJob.from_dict(p["plan"]["job"]).work_url).exists() for p in (first, second))
+    assert not any(Path(p.work.job.work_url).exists() for p in (first, second))
 
 
 def _sources(*sizes: int) -> Sources:
@@ -233,11 +261,10 @@ def test_a_unit_inside_one_long_paragraph_holds_no_document_and_changes_nothing(
     (corpus / "a.txt").write_text(short + "\n\n" + long_paragraph + "\n\n" + short + "\n", encoding="utf-8")
     cfg = config(tmp_path, dataset=str(corpus / "a.txt"), block_size=64)
     one = _prepared(tmp_path, "one", cfg, prepare_tasks=1)
-    planned = plan_dataset(cfg.replace(storage_root=str(tmp_path / "many"), prepare_tasks=3, prepare_unit_mb=1))
-    for lane in planned["lanes"]:
-        tokenize_lane(plan_summary(planned["plan"]), lane)
-    job = UnitJob.from_dict(planned["plan"]["job"])
-    documents = [sum(s["documents"] for s in unit_result(job, u)["splits"].values())
-                 for u in range(planned["plan"]["units"])]
+    many = cfg.replace(storage_root=str(tmp_path / "many"), prepare_tasks=3, prepare_unit_mb=1)
+    planned = plan_dataset(many)
+    for lane in planned.lanes:
+        tokenize_lane(planned.work, lane)
+    documents = [unit_result(planned.work.job, u).documents for u in range(planned.work.units)]
     assert 0 in documents, documents
-    _assert_same(one, finish_dataset(plan_summary(planned["plan"])))
+    _assert_same(one, finish_dataset(planned.work, many))
