@@ -21,9 +21,10 @@ import logging
 import re
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from launcher.document import Document, DocumentError
 from launcher.protocol import utc_now
 from trainer.config import AccessPolicy, ConfigError, RunConfig
 from trainer.layout import BASE_MODEL_RECORD, StorageLayout
@@ -39,13 +40,58 @@ FILES = ("config.json", "generation_config.json", "tf_model.h5", "tokenizer.json
 _SHA = re.compile(r"[0-9a-f]{40}")
 
 
+@dataclass(frozen=True)
+class SnapshotFile(Document):
+    """One file of a cached base model: its name and size."""
+
+    name: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class BaseModelRecord(Document):
+    """`base_model.json`, written last into a cached base model (`publish_snapshot`) and checked where it is read
+    back (a cached copy reused, `pinned_base`): a record of another shape is refused, naming the file and the field.
+
+    Attributes:
+        format_version: 1; name: the hub name; revision: the `model_revision` it was fetched for; sha: its commit.
+        fetched_at: UTC ISO; files: the files copied.
+    """
+
+    format_version: int
+    name: str
+    revision: str
+    sha: str
+    fetched_at: str
+    files: tuple[SnapshotFile, ...]
+
+    @classmethod
+    def read(cls, url: str) -> BaseModelRecord:
+        try:
+            return cls.from_xcom(read_json(url))
+        except DocumentError as error:
+            raise DocumentError(f"{url}: {error} Remove that directory: the next prepare fetches it again.") from None
+
+
+@dataclass(frozen=True)
+class BasePin(Document):
+    """The cached hub model a prepared config trains from (`pinned_base`): what promotion records in version.json
+    (`base_model`) and the model card names. `url`: the cached copy (the config's `model`)."""
+
+    name: str
+    revision: str
+    sha: str
+    url: str
+
+
 def is_hub_name(cfg: RunConfig) -> bool:
     return not (cfg.is_preset_model or cfg.promoted_source is not None or is_model_location(cfg.model))
 
 
-def resolve_base_model(cfg: RunConfig, cache_dir: str | Path | None = None) -> tuple[RunConfig, dict[str, Any] | None]:
-    """For a hub name in `model`: the config that loads it from its cached copy in storage, and that copy's record
-    (fetched now when no complete copy exists). Other models: unchanged, None. Raises ConfigError naming the
+def resolve_base_model(cfg: RunConfig,
+                       cache_dir: str | Path | None = None) -> tuple[RunConfig, BaseModelRecord | None]:
+    """For a hub name in `model`: the config that loads it from its cached copy in storage (`model`), and that copy's
+    record (fetched now when no complete copy exists). Other models: unchanged, None. Raises ConfigError naming the
     revision or the model when the revision cannot be resolved or the files are not a TF GPT-2."""
     if not is_hub_name(cfg):
         return cfg, None
@@ -55,7 +101,7 @@ def resolve_base_model(cfg: RunConfig, cache_dir: str | Path | None = None) -> t
         url = StorageLayout(cfg.storage_root).base_model(cfg.model, sha)
         record_url = join(url, BASE_MODEL_RECORD)
         if exists(record_url):  # complete: its record is written last
-            record = read_json(record_url)
+            record = BaseModelRecord.read(record_url)
             log.info("Base model %s@%s (revision %r): reusing %s, nothing fetched", cfg.model, sha, revision, url)
         else:
             record = publish_snapshot(fetch_snapshot(cfg.model, revision, sha, cache_dir), url, cfg.model, revision)
@@ -65,7 +111,7 @@ def resolve_base_model(cfg: RunConfig, cache_dir: str | Path | None = None) -> t
         changes["tokenizer"] = url
     resolved = cfg.replace(**changes)
     AccessPolicy.from_env().check_settings(resolved)
-    return resolved, {**record, "url": url}
+    return resolved, record
 
 
 def resolve_sha(name: str, revision: str, cache_dir: str | Path | None = None) -> str:
@@ -126,26 +172,26 @@ def check_gpt2(name: str, revision: str, snapshot: Path) -> None:
                           f"not a TF GPT-2: {'; '.join(problems)}. Use a GPT-2 model with TensorFlow weights.")
 
 
-def publish_snapshot(snapshot: Path, url: str, name: str, revision: str) -> dict[str, Any]:
+def publish_snapshot(snapshot: Path, url: str, name: str, revision: str) -> BaseModelRecord:
     """Copy the snapshot's files to `url`, the record written last (a stage renamed whole when local)."""
     files = sorted(path for path in snapshot.iterdir() if path.name in FILES and path.is_file())
-    record = {"format_version": 1, "name": name, "revision": revision, "sha": snapshot.name,
-              "fetched_at": utc_now(),
-              "files": [{"name": path.name, "bytes": path.stat().st_size} for path in files]}
+    record = BaseModelRecord(format_version=1, name=name, revision=revision, sha=snapshot.name, fetched_at=utc_now(),
+                             files=tuple(SnapshotFile(path.name, path.stat().st_size) for path in files))
     with staging_directory(url) as stage:
         for path in files:
             shutil.copyfile(path, stage / path.name)  # the cache's symlinks resolved to their blobs
-        publish_directory(stage, url, last=(BASE_MODEL_RECORD, (json.dumps(record, indent=2) + "\n").encode()))
+        publish_directory(stage, url, last=(BASE_MODEL_RECORD,
+                                            (json.dumps(record.to_xcom(), indent=2) + "\n").encode()))
     return record
 
 
-def pinned_base(cfg: RunConfig) -> dict[str, Any] | None:
-    """The cached hub model a prepared config trains from: {"name", "revision", "sha", "url"}, else None."""
+def pinned_base(cfg: RunConfig) -> BasePin | None:
+    """The cached hub model a prepared config trains from, else None."""
     if not cfg.model_revision or not exists(join(cfg.model, BASE_MODEL_RECORD)):
         return None
-    record = read_json(join(cfg.model, BASE_MODEL_RECORD))
-    return {"name": record["name"], "revision": record["revision"], "sha": record["sha"], "url": cfg.model}
+    record = BaseModelRecord.read(join(cfg.model, BASE_MODEL_RECORD))
+    return BasePin(name=record.name, revision=record.revision, sha=record.sha, url=cfg.model)
 
 
-__all__ = ["DEFAULT_REVISION", "FILES", "fetch_snapshot", "is_hub_name", "pinned_base", "publish_snapshot",
-           "resolve_base_model", "resolve_sha"]
+__all__ = ["DEFAULT_REVISION", "FILES", "BaseModelRecord", "BasePin", "fetch_snapshot", "is_hub_name", "pinned_base",
+           "publish_snapshot", "resolve_base_model", "resolve_sha"]

@@ -9,13 +9,17 @@ with different `num_workers` but the same global batch share one baseline under 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
+import typing
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from launcher.document import DocumentError, checked
 from launcher.host_probe import package_versions
 from launcher.protocol import utc_now
 from tasks.connections import uses_run_storage
@@ -54,34 +58,105 @@ _NOT_IN_KEY = frozenset({
 })
 
 
+@dataclass(frozen=True)
+class KeyParts:
+    """Everything that changes a baseline's result: what its key hashes (`to_json()`, flat) and its key record keeps.
+
+    Attributes:
+        key_format_version: `KEY_FORMAT_VERSION` when it was planned.
+        dataset_fingerprint, tokenizer_fingerprint: the data's; eval_sample: the evaluation sample's id (None in
+            key format 1, before it).
+        global_batch_size, steps: the baseline's batch and optimizer steps.
+        code_version: the trainer sources' fingerprint; libraries: the numeric libraries' versions (None: not
+            installed).
+        settings: every other setting in the key by its flat name, as `RunConfig.settings()` gives it (checked by
+            the config's schema when it was set; here only compared, never acted on).
+    """
+
+    key_format_version: int
+    dataset_fingerprint: str
+    tokenizer_fingerprint: str
+    global_batch_size: int
+    steps: int
+    code_version: str
+    libraries: dict[str, str | None]
+    settings: dict[str, Any]
+    eval_sample: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The flat form the key hashes and baseline_key.json keeps: the fields, then the settings beside them."""
+        fixed = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        del fixed["settings"]
+        if self.eval_sample is None:  # key format 1 had none
+            del fixed["eval_sample"]
+        return {**fixed, **self.settings}
+
+    @classmethod
+    def from_json(cls, value: Any, where: str) -> KeyParts:
+        """Parts read back (`where` names the file): the fields checked, every other key a setting."""
+        if not isinstance(value, Mapping):
+            raise DocumentError(f"{where}: expected a JSON object, got {type(value).__name__}: refusing it.")
+        hints = typing.get_type_hints(cls)
+        names = [field.name for field in dataclasses.fields(cls) if field.name != "settings"]
+        missing = [name for name in names if name not in value and name != "eval_sample"]
+        if missing:
+            raise DocumentError(f"{where}: missing key(s) {', '.join(missing)}: refusing it.")
+        fields = {name: checked(hints[name], value[name], f"{where}.{name}") for name in names if name in value}
+        return cls(**fields, settings={key: item for key, item in value.items() if key not in fields})
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    """`baseline_key.json`, beside a baseline's output: its key and key parts, the run that planned it and when, to
+    explain a later mismatch and to say which run trained a reused baseline."""
+
+    key: str
+    parts: KeyParts
+    trained_by_run: str
+    planned_at: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "parts": self.parts.to_json(), "trained_by_run": self.trained_by_run,
+                "planned_at": self.planned_at}
+
+    @classmethod
+    def from_json(cls, value: Any, url: str) -> KeyRecord:
+        """The record `value` (read from `url`) holds; DocumentError naming the file and the field otherwise."""
+        if not isinstance(value, Mapping) or "parts" not in value:
+            raise DocumentError(f"{url}: expected a baseline key record with parts: refusing it.")
+        hints = typing.get_type_hints(cls)
+        fields = {name: checked(hints[name], value.get(name), f"{url}: {name}")
+                  for name in ("key", "trained_by_run", "planned_at")}
+        return cls(**fields, parts=KeyParts.from_json(value["parts"], f"{url}: parts"))
+
+
 def code_version() -> str:
     """The fingerprint of the trainer's Python sources (paths and contents), the code every worker runs."""
     return code_fingerprint({"trainer": [str(TRAINER_SOURCES)]})["fingerprint"]
 
 
-def baseline_key_parts(cfg: RunConfig, manifest: Mapping[str, Any], total_steps: int) -> dict[str, Any]:
-    """Everything that changes the baseline's result, as a flat JSON-able dict."""
+def baseline_key_parts(cfg: RunConfig, manifest: Mapping[str, Any], total_steps: int) -> KeyParts:
+    """Everything that changes the baseline's result."""
     baseline_cfg = cfg.baseline_config()
-    settings = {name: value for name, value in baseline_cfg.settings().items() if name not in _NOT_IN_KEY}
-    return {
-        "key_format_version": KEY_FORMAT_VERSION,
-        "dataset_fingerprint": manifest["fingerprint"],
-        "tokenizer_fingerprint": manifest["tokenizer"]["fingerprint"],
-        "eval_sample": sample_identity(manifest, cfg.eval_tokens)["id"],
-        "global_batch_size": baseline_cfg.global_batch_size,
-        "steps": total_steps,
-        "code_version": code_version(),
-        "libraries": package_versions(NUMERIC_LIBRARIES),
-        **settings,
-    }
+    return KeyParts(
+        key_format_version=KEY_FORMAT_VERSION,
+        dataset_fingerprint=manifest["fingerprint"],
+        tokenizer_fingerprint=manifest["tokenizer"]["fingerprint"],
+        eval_sample=sample_identity(manifest, cfg.eval_tokens)["id"],
+        global_batch_size=baseline_cfg.global_batch_size,
+        steps=total_steps,
+        code_version=code_version(),
+        libraries=package_versions(NUMERIC_LIBRARIES),
+        settings={name: value for name, value in baseline_cfg.settings().items() if name not in _NOT_IN_KEY},
+    )
 
 
 def baseline_key(cfg: RunConfig, manifest: dict, total_steps: int) -> str:
     """A stable name for the baseline of this run: equal keys mean interchangeable baselines."""
     parts = baseline_key_parts(cfg, manifest, total_steps)
-    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(parts.to_json(), sort_keys=True).encode()).hexdigest()
     model_name = safe_name(cfg.model.rstrip("/").rsplit("/", 1)[-1], 40) or "model"
-    return f"{model_name}-gb{parts['global_batch_size']}-s{total_steps}-{digest[:16]}"
+    return f"{model_name}-gb{parts.global_batch_size}-s{total_steps}-{digest[:16]}"
 
 
 @uses_run_storage
@@ -128,32 +203,35 @@ def plan_baseline(prepared: PreparedRun) -> bool:
     return True
 
 
-def read_key_record(baseline_url: str) -> dict[str, Any] | None:
-    """The record written when the baseline was planned: its key parts and the run that trained it."""
+def read_key_record(baseline_url: str) -> KeyRecord | None:
+    """The record written when the baseline was planned (None without one); DocumentError naming the file and the
+    field when it is not one."""
     url = join(baseline_url, KEY_RECORD)
-    return read_json(url) if exists(url) else None
+    return KeyRecord.from_json(read_json(url), url) if exists(url) else None
 
 
-def _write_key_record(baseline_url: str, key: str, parts: dict[str, Any], run_id: str) -> None:
-    write_json_atomic(join(baseline_url, KEY_RECORD), {
-        "key": key, "parts": parts, "trained_by_run": run_id,
-        "planned_at": utc_now(),
-    })
+def _write_key_record(baseline_url: str, key: str, parts: KeyParts, run_id: str) -> None:
+    record = KeyRecord(key=key, parts=parts, trained_by_run=run_id, planned_at=utc_now())
+    write_json_atomic(join(baseline_url, KEY_RECORD), record.to_json())
 
 
-def _explain_mismatch(baselines_url: str, key: str, parts: dict[str, Any]) -> str:
-    """Which key parts differ from the most recently planned complete baseline, so users see why it reruns."""
+def _explain_mismatch(baselines_url: str, key: str, parts: KeyParts) -> str:
+    """Which key parts differ from the most recently planned complete baseline, so users see why it reruns (a key
+    record that cannot be read is left out, saying why)."""
     candidates = []
     for name in list_dir(baselines_url):
         url = join(baselines_url, name)
-        record = read_key_record(url) if name != key and exists(join(url, "summary.json")) else None
+        try:
+            record = read_key_record(url) if name != key and exists(join(url, "summary.json")) else None
+        except DocumentError as error:
+            log.info("Baseline %s is not compared: %s", name, error)
+            continue
         if record:
             candidates.append(record)
     if not candidates:
         return "no complete baseline exists yet, training one."
-    latest = max(candidates, key=lambda record: record.get("planned_at", ""))
-    changed = [
-        f"{name} ({latest['parts'].get(name)!r} -> {value!r})"
-        for name, value in parts.items() if latest["parts"].get(name) != value
-    ]
-    return f"the latest complete baseline {latest['key']} differs in {', '.join(changed)}; training a new one."
+    latest = max(candidates, key=lambda record: record.planned_at)
+    before, now = latest.parts.to_json(), parts.to_json()
+    changed = [f"{name} ({before.get(name)!r} -> {value!r})" for name, value in now.items()
+               if before.get(name) != value]
+    return f"the latest complete baseline {latest.key} differs in {', '.join(changed)}; training a new one."

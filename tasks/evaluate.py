@@ -126,7 +126,7 @@ def assemble_report(prepared: PreparedRun, cfg: RunConfig, scored: Scored) -> di
                                 scored.distributed_eval),
         baseline=run_figures("baseline", baseline, scored.baseline_summary, scored.baseline_eval) if baseline else None,
         delta_se=delta_standard_error(scored.distributed_eval, scored.baseline_eval),
-        trained_by=record["trained_by_run"] if record else None,
+        trained_by=record.trained_by_run if record else None,
     )
     run = StorageLayout(cfg.storage_root).run(prepared.run_key)
     add_scaling(report, run, scored.distributed)

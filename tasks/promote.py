@@ -258,8 +258,14 @@ def publish_version(version: VersionLayout, prepared: PreparedRun, cfg: RunConfi
         "run_id": prepared.run_id, "run_key": prepared.run_key, "created_at": utc_now(),
         "eval_loss": distributed["eval_loss"], "perplexity": distributed["perplexity"],
         "eval_loss_se": distributed.get("eval_loss_se"), "eval_sample": _sample_id(report),
-        "dataset_fingerprint": report["dataset_fingerprint"], "base_model": pinned_base(cfg), "files": files,
+        "dataset_fingerprint": report["dataset_fingerprint"], "base_model": _pin_entry(cfg), "files": files,
     })
+
+
+def _pin_entry(cfg: RunConfig) -> dict[str, str] | None:
+    """version.json's `base_model`: {"name", "revision", "sha", "url"} of the cached hub model, else null."""
+    pinned = pinned_base(cfg)
+    return pinned.to_xcom() if pinned else None
 
 
 def _evaluated(distributed: dict[str, Any]) -> str:
@@ -282,8 +288,8 @@ def model_card(cfg: RunConfig, prepared: PreparedRun, report: dict[str, Any], nu
     continued = report.get("continued_from")
     pinned = pinned_base(cfg)
     base = (f"continued from {continued['name']} {continued['version']} ({continued['url']})" if continued else
-            f"`{pinned['name']}` at commit `{pinned['sha']}` (revision `{pinned['revision']}`, fetched once to "
-            f"{pinned['url']})" if pinned else f"`{cfg.model}`")
+            f"`{pinned.name}` at commit `{pinned.sha}` (revision `{pinned.revision}`, fetched once to "
+            f"{pinned.url})" if pinned else f"`{cfg.model}`")
     lines = [
         f"# {cfg.promotion.model_name} v{number}",
         "",

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tasks.base_models import pinned_base, resolve_base_model
+from tasks.promote import _pin_entry
 from tests.support import local_hub
 from tests.tasks import run_fixtures
 from trainer.config import ConfigError, RunConfig
@@ -34,12 +35,17 @@ def test_a_hub_model_is_fetched_once_then_reused_without_the_hub(tmp_path, hub, 
     url = StorageLayout(str(tmp_path / "storage")).base_model("gpt2", sha)
     assert url.endswith(f"/models/base/gpt2@{sha}")
     assert (cfg.model, cfg.tokenizer, cfg.model_revision) == (url, url, sha)
-    assert (record["name"], record["revision"], record["sha"]) == ("gpt2", "main", sha)
+    assert (record.name, record.revision, record.sha, record.format_version) == ("gpt2", "main", sha, 1)
+    stored = read_json(f"{url}/base_model.json")  # the record's keys as before: earlier copies keep loading
+    assert stored == record.to_xcom() and set(stored) == {"format_version", "name", "revision", "sha", "fetched_at",
+                                                          "files"}
+    assert {"name": "tf_model.h5", "bytes": Path(url, "tf_model.h5").stat().st_size} in stored["files"]
     files = sorted(path.name for path in Path(url).iterdir())
     assert files == ["base_model.json", "config.json", "generation_config.json", "tf_model.h5", "tokenizer.json"]
     assert f"Base model gpt2@{sha} (revision 'main'): fetched once to {url}" in caplog.text
     # What promotion records in version.json and the model card names: the base at its commit.
-    assert pinned_base(cfg) == {"name": "gpt2", "revision": "main", "sha": sha, "url": url}
+    assert pinned_base(cfg).to_xcom() == {"name": "gpt2", "revision": "main", "sha": sha, "url": url}
+    assert _pin_entry(cfg) == pinned_base(cfg).to_xcom() and _pin_entry(config(tmp_path, model="tiny")) is None
     assert pinned_base(config(tmp_path, model="tiny")) is None
 
     shutil.rmtree(hub)  # the second run cannot reach the hub at all: its pinned commit is served from storage
@@ -51,6 +57,19 @@ def test_a_hub_model_is_fetched_once_then_reused_without_the_hub(tmp_path, hub, 
     (hub / "models--gpt2" / "snapshots" / sha / "tf_model.h5").unlink()  # nothing is fetched again
     latest, _ = resolve_base_model(config(tmp_path), cache_dir=hub)
     assert latest.model == url and "fetched once" not in caplog.text
+
+
+def test_a_cached_copy_whose_record_is_of_another_shape_is_refused_naming_the_file_and_the_field(tmp_path, hub):
+    from launcher.document import DocumentError
+    from trainer.storage import write_json_atomic
+
+    sha = local_hub.add_model(hub, "gpt2")
+    cfg, record = resolve_base_model(config(tmp_path), cache_dir=hub)
+    write_json_atomic(f"{cfg.model}/base_model.json", {**record.to_xcom(), "sha": 40})
+    for read in (lambda: pinned_base(cfg), lambda: resolve_base_model(config(tmp_path, model_revision=sha),
+                                                                      cache_dir=hub)):
+        with pytest.raises(DocumentError, match=r"base_model.json: BaseModelRecord.sha: expected str"):
+            read()
 
 
 def test_a_pinned_revision_resolves_to_its_commit_and_an_unknown_one_is_refused_by_name(tmp_path, hub):
@@ -107,5 +126,5 @@ def test_workers_load_the_cached_copy_offline_and_the_sha_is_in_the_baseline_key
     other = cfg.replace(model=cfg.model.replace(first, second), model_revision=second)
     manifest = read_json(run_fixtures.write_manifest(cfg.storage_root))
     parts = baseline_key_parts(cfg, manifest, 10), baseline_key_parts(other, manifest, 10)
-    assert parts[0]["model_revision"] == first and parts[1]["model_revision"] == second
-    assert parts[0]["model"] != parts[1]["model"]
+    assert parts[0].settings["model_revision"] == first and parts[1].settings["model_revision"] == second
+    assert parts[0].settings["model"] != parts[1].settings["model"]

@@ -80,7 +80,7 @@ def test_auto_trains_once_then_reuses_the_matching_baseline(root, caplog):
     caplog.set_level(logging.INFO, logger="gpt_finetune.baseline")
     first = run_fixtures.prepare_run(root, "scheduled__1")
     assert plan_baseline(first) is True
-    assert read_key_record(first.baseline_url)["trained_by_run"] == "scheduled__1"
+    assert read_key_record(first.baseline_url).trained_by_run == "scheduled__1"
     run_fixtures.write_training_output(first.baseline_url, num_workers=1, train_time_s=20.0, eval_loss=5.3)
 
     # The next night: other workers and timeouts, same global batch -> the same baseline, not trained again.
@@ -115,7 +115,7 @@ def test_run_clears_the_old_baseline_so_its_summary_cannot_pass_for_the_new_one(
                                                 eval_loss=5.3)
     assert plan_baseline(prepared) is True
     assert not exists(output.summary) and not exists(output.checkpoints)
-    assert read_key_record(prepared.baseline_url)["key"] == prepared.baseline_key
+    assert read_key_record(prepared.baseline_url).key == prepared.baseline_key
 
 
 def test_a_key_that_no_longer_matches_the_settings_is_refused(root):
@@ -124,3 +124,33 @@ def test_a_key_that_no_longer_matches_the_settings_is_refused(root):
     with pytest.raises(RuntimeError, match=prepared.baseline_key):
         plan_baseline(prepared)
     assert not exists(TrainOutput(prepared.baseline_url).url)
+
+
+def test_key_records_of_earlier_runs_still_explain_and_a_mistyped_one_is_refused_by_name(root, caplog):
+    """A key record of key format 1 (no eval_sample) is compared like any; one of another shape is refused, naming
+    the file and the field, and left out of the explanation."""
+    from launcher.document import DocumentError
+    from trainer.storage import write_json_atomic
+
+    caplog.set_level(logging.INFO, logger="gpt_finetune.baseline")
+    first = run_fixtures.prepare_run(root, "scheduled__1")
+    plan_baseline(first)
+    run_fixtures.write_training_output(first.baseline_url, num_workers=1, train_time_s=20.0, eval_loss=5.3)
+    record = read_json(f"{first.baseline_url}/baseline_key.json")
+    assert read_key_record(first.baseline_url).to_json() == record  # the file's keys and values, read back
+    assert read_key_record(first.baseline_url).parts.eval_sample == record["parts"]["eval_sample"]
+    older = {k: v for k, v in record["parts"].items() if k != "eval_sample"} | {"key_format_version": 1}
+    write_json_atomic(f"{first.baseline_url}/baseline_key.json", {**record, "parts": older})
+    assert read_key_record(first.baseline_url).parts.to_json() == older
+
+    second = run_fixtures.prepare_run(root, "scheduled__2", learning_rate=2e-3)
+    assert plan_baseline(second) is True
+    assert "key_format_version (1 -> 2), eval_sample (None -> " in caplog.text and "learning_rate" in caplog.text
+
+    write_json_atomic(f"{first.baseline_url}/baseline_key.json", {**record, "parts": {**older, "steps": "40"}})
+    with pytest.raises(DocumentError, match=r"baseline_key.json: parts.steps: expected int, got str"):
+        read_key_record(first.baseline_url)
+    caplog.clear()
+    third = run_fixtures.prepare_run(root, "scheduled__3", learning_rate=1e-3)
+    assert plan_baseline(third) is True
+    assert "is not compared:" in caplog.text and "no complete baseline exists yet" in caplog.text
