@@ -54,7 +54,7 @@ def base_url(conn: Any) -> str:
     return host + (f":{conn.port}" if conn.port else "")
 
 
-def _request(url: str, *, token: str | None = None, body: Mapping[str, Any] | None = None) -> Any:
+def _request(url: str, *, token: str | None = None, body: Mapping[str, str] | None = None) -> Any:
     headers = {"Accept": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
@@ -154,11 +154,6 @@ class AdmissionWait:
     started: float | None
     waited_s: float
     queued_s: float | None
-
-    def entry(self) -> dict[str, str | int | float | None]:
-        """As release.json's `usage.admission` lists it."""
-        return {"task_id": self.task_id, "try_number": self.try_number, "map_index": self.map_index,
-                "waited_s": self.waited_s, "queued_s": self.queued_s}
 
 
 def admission_waits(tries: Sequence[TaskTry]) -> list[AdmissionWait]:

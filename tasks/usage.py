@@ -28,12 +28,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from launcher.document import Document
-
-if TYPE_CHECKING:
-    from tasks.pricing import Price
 
 CAUSES = ("between_tasks", "startup", "stragglers", "preflight", "compile", "redone", "evaluation", "export",
           "release", "other")
@@ -289,41 +286,3 @@ def ledger(timelines: Sequence[Timeline], released_at: float,
         time_to_release_s=max(0.0, released_at - last_exit),
         clock_skew_s=max(0.0, last_exit - released_at),
     )
-
-
-def _hours(seconds: float) -> float:
-    return round(seconds / 3600.0, 6)
-
-
-def summarize(book: Book, *, price: Price | None, accelerator: str | None = None,
-              tokens: int | None = None, efficiency: float | None = None) -> dict[str, Any]:
-    """release.json's `usage` from a ledger: hours, shares, and the cost when the run has a price (else null, never
-    0). `tokens`: the tokens trained (for the cost per million); `efficiency`: the measured scaling efficiency,
-    whence the extra cost of parallelism, busy cost x (1 - E)."""
-    held, busy = book.held_s, book.busy_s
-    rate, note = price.rate_for(accelerator) if price else (None, None)
-    cost = None
-    if rate is not None:
-        held_cost, busy_cost = held / 3600.0 * rate, busy / 3600.0 * rate
-        cost = {"held": round(held_cost, 6), "busy": round(busy_cost, 6),
-                "per_mtoken": round(held_cost / tokens * 1e6, 6) if tokens else None,
-                "extra_for_parallelism": (round(busy_cost * (1 - efficiency), 6)
-                                          if efficiency is not None else None)}
-    return {
-        "unit": price.unit if price else ("gpu_hour" if any("/gpu" in s for s in book.slots) else "worker_hour"),
-        "slots": len(book.slots),
-        "held_gpu_h": _hours(held), "busy_gpu_h": _hours(busy), "idle_gpu_h": _hours(book.idle_s),
-        "idle_by_cause_gpu_h": {cause: _hours(s) for cause, s in book.idle_by_cause_s.items()},
-        "busy_share": round(busy / held, 4) if held else None,
-        "time_to_release_s": round(book.time_to_release_s, 3) if book.time_to_release_s is not None else None,
-        "clock_skew_s": round(book.clock_skew_s, 3),
-        "per_slot": [{"slot": slot, "held_h": _hours(s.held_s), "busy_h": _hours(s.busy_s),
-                      "idle_h": _hours(s.idle_s), "longest_idle_s": round(s.longest_idle_s, 3),
-                      "longest_idle_cause": s.longest_idle_cause} for slot, s in book.slots.items()],
-        "efficiency": efficiency,
-        "gpu_h_per_token_vs_one_worker": round(1 / efficiency, 3) if efficiency else None,
-        "price": None if price is None or rate is None else {
-            "currency": price.currency, "capacity": price.capacity, "unit": price.unit, "source": price.source,
-            "rate": rate, "note": note},
-        "cost": cost,
-    }

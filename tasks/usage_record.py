@@ -15,7 +15,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -25,6 +25,7 @@ from tasks import airflow_api, usage
 from tasks.airflow_api import AdmissionWait
 from tasks.pricing import Price
 from tasks.usage import STEP_KINDS, AttemptEvents, RankEvents, RankTimeline, Timeline, task_of
+from tasks.usage_summary import AdmissionRow, AttemptRow, LiveWarning, UsageSummary, summarize
 from trainer.config.schema import flat_settings
 from trainer.storage import exists, join, list_dir, read_bytes, read_json, write_json_atomic
 
@@ -143,7 +144,7 @@ def admission(attempts: Sequence[AttemptEvents], dag_id: str | None, run_id: str
 
 
 def run_usage(run_url: str, report: Mapping[str, Any], released_at: str,
-              waits: Admission | None = None) -> dict[str, Any] | None:
+              waits: Admission | None = None) -> UsageSummary | None:
     """release.json's `usage`, or None when the run recorded no events (a run from before the ledger). `waits`: the
     GPU tasks' admission waits (`admission`); without them `waited_s` is null and `waited_note` says why."""
     attempts = load_attempts(run_url)
@@ -158,26 +159,20 @@ def run_usage(run_url: str, report: Mapping[str, Any], released_at: str,
     hardware = (report.get("hardware") or {}).get("distributed") or {}
     accelerator = hardware.get("gpu") if isinstance(hardware, dict) else None
     tokens = sum(int((run or {}).get("tokens_seen") or 0) for run in (report.get("runs") or {}).values()) or None
-    summary = usage.summarize(book, price=read_price(run_url), accelerator=accelerator, tokens=tokens,
-                              efficiency=(report.get("comparison") or {}).get("efficiency"))
-    summary["per_slot_by_cause"] = [{"slot": slot, "hours": {"busy": s.busy_s / 3600,
-                                                             **{c: v / 3600 for c, v in s.idle_by_cause_s.items()}}}
-                                    for slot, s in book.slots.items()]
-    summary["attempts"] = [{"group": a.group, "attempt": a.attempt, "try_number": a.try_number, "state": a.state,
-                            "workers": len(a.ranks)} for a in attempts]
-    summary["workers"] = distributed.get("num_workers")
-    # Admission waits (Airflow's scheduled -> queued per try of a GPU task): shown, never charged; the part of them
-    # between two of the run's groups is left out of held (`waited_gpu_h`, per slot `waited_h`).
-    summary["waited_s"] = round(sum(w.waited_s for w in admitted), 3) if admitted is not None else None
-    summary["waited_note"] = waits.note
-    summary["waited_gpu_h"] = round(book.waited_s / 3600, 6)
-    summary["admission"] = [wait.entry() for wait in admitted or ()]
-    for row in summary["per_slot"]:
-        row["waited_h"] = round(book.slots[row["slot"]].waited_s / 3600, 6)
-    # The live idle-held warnings (tasks/launch.py, launcher/idle.py), each already logged, counted and mailed.
-    summary["idle_warnings"] = [{"group": a.group, "attempt": a.attempt, **warning.to_xcom()}
-                                for a in attempts for warning in a.idle_warnings]
-    return summary
+    summary = summarize(book, price=read_price(run_url), accelerator=accelerator, tokens=tokens,
+                        efficiency=(report.get("comparison") or {}).get("efficiency"))
+    return replace(
+        summary,
+        attempts=tuple(AttemptRow(a.group, a.attempt, a.try_number, a.state, len(a.ranks)) for a in attempts),
+        workers=distributed.get("num_workers"),
+        # Admission waits (Airflow's scheduled -> queued per try of a GPU task): shown, never charged; the part of
+        # them between two of the run's groups is left out of held (`waited_gpu_h`, per slot `waited_h`).
+        waited_s=round(sum(w.waited_s for w in admitted), 3) if admitted is not None else None,
+        waited_note=waits.note,
+        admission=tuple(AdmissionRow(w.task_id, w.try_number, w.map_index, w.waited_s, w.queued_s)
+                        for w in admitted or ()),
+        # The live idle-held warnings (tasks/launch.py, launcher/idle.py), each already logged, counted and mailed.
+        idle_warnings=tuple(LiveWarning(a.group, a.attempt, warning) for a in attempts for warning in a.idle_warnings))
 
 
 USAGE_CHART = "usage.png"
@@ -186,16 +181,16 @@ CAUSE_COLORS = {"busy": "#2e7d32", "between_tasks": "#bdbdbd", "startup": "#90ca
                 "export": "#a1887f", "release": "#616161", "other": "#fff176"}
 
 
-def usage_chart(summary: Mapping[str, Any]) -> bytes:
+def usage_chart(summary: UsageSummary) -> bytes:
     """One stacked bar per slot: its held hours by cause, training first."""
     from tasks.report import _figure, _png
 
     pyplot = _figure()
-    figure, axes = pyplot.subplots(figsize=(9, 1.8 + 0.45 * max(1, len(summary["per_slot_by_cause"]))))
-    names = [row["slot"] for row in summary["per_slot_by_cause"]]
+    figure, axes = pyplot.subplots(figsize=(9, 1.8 + 0.45 * max(1, len(summary.per_slot_by_cause))))
+    names = [row.slot for row in summary.per_slot_by_cause]
     left = [0.0] * len(names)
     for cause, color in CAUSE_COLORS.items():
-        widths = [row["hours"].get(cause, 0.0) * 3600 for row in summary["per_slot_by_cause"]]
+        widths = [row.hours.get(cause, 0.0) * 3600 for row in summary.per_slot_by_cause]
         if any(widths):
             axes.barh(names, widths, left=left, color=color, label=cause.replace("_", " "))
             left = [a + b for a, b in zip(left, widths, strict=True)]
@@ -209,32 +204,27 @@ def usage_chart(summary: Mapping[str, Any]) -> bytes:
 MOSTLY_IDLE_MIN_HELD_H = 1.0  # a run is called mostly idle only from this many held hours (gpuledger's rule)
 
 
-def cost_warnings(summary: Mapping[str, Any], cfg: Mapping[str, Any]) -> list[str]:
+def cost_warnings(summary: UsageSummary, cfg: Mapping[str, Any]) -> list[str]:
     """The warnings of a finished run's usage (never failures): each idle-held warning raised while a group ran
     (slots held without step progress past `max_idle_held_s`, checked live), slow release, a mostly idle run, extra
     workers that cost more than `min_cost_efficiency` allows."""
-    found = [warning["text"] for warning in summary.get("idle_warnings") or []]
+    found = [live.warning.text for live in summary.idle_warnings]
     limit = cfg.get("max_release_s") or 0
-    if limit and (summary.get("time_to_release_s") or 0) > limit:
-        found.append(f"GPU time: the GPUs were free {summary['time_to_release_s']:.0f} s after the last worker "
+    if limit and (summary.time_to_release_s or 0) > limit:
+        found.append(f"GPU time: the GPUs were free {summary.time_to_release_s:.0f} s after the last worker "
                      f"exited, more than max_release_s = {limit} s.")
-    share = summary.get("busy_share")
-    if share is not None and share < 0.5 and summary["held_gpu_h"] >= MOSTLY_IDLE_MIN_HELD_H:
-        top = max(summary["idle_by_cause_gpu_h"].items(), key=lambda item: item[1])
-        found.append(f"GPU time: the run was mostly idle: {share:.0%} of its {summary['held_gpu_h']:.3g} held "
-                     f"{_unit(summary)}-h trained; the largest idle cause is {top[0].replace('_', ' ')} "
-                     f"({top[1]:.3g} {_unit(summary)}-h).")
-    floor, efficiency = cfg.get("min_cost_efficiency") or 0, summary.get("efficiency")
+    share, unit = summary.busy_share, summary.unit_name
+    if share is not None and share < 0.5 and summary.held_gpu_h >= MOSTLY_IDLE_MIN_HELD_H:
+        top = max(summary.idle_by_cause_gpu_h.items(), key=lambda item: item[1])
+        found.append(f"GPU time: the run was mostly idle: {share:.0%} of its {summary.held_gpu_h:.3g} held "
+                     f"{unit}-h trained; the largest idle cause is {top[0].replace('_', ' ')} ({top[1]:.3g} {unit}-h).")
+    floor, efficiency = cfg.get("min_cost_efficiency") or 0, summary.efficiency
     if floor and efficiency is not None and efficiency < floor:
-        cheapest = summary.get("cheapest_workers")
-        found.append(f"GPU time: at {efficiency:.0%} scaling efficiency the {summary.get('workers')} workers used "
-                     f"{1 / efficiency:.1f}x the {_unit(summary)}-hours per token of one (min_cost_efficiency = "
+        cheapest = summary.cheapest_workers
+        found.append(f"GPU time: at {efficiency:.0%} scaling efficiency the {summary.workers} workers used "
+                     f"{1 / efficiency:.1f}x the {unit}-hours per token of one (min_cost_efficiency = "
                      f"{floor:g})" + (f"; the advisor's cheapest count is {cheapest}." if cheapest else "."))
     return found
-
-
-def _unit(summary: Mapping[str, Any]) -> str:
-    return "GPU" if summary.get("unit") == "gpu_hour" else "worker"
 
 
 def _cheapest_workers(report_url: str) -> int | None:
@@ -255,11 +245,11 @@ def attach_usage(report_url: str, report: dict[str, Any], released_at: str,
         summary = run_usage(run_url, report, released_at, waits)
         if summary is None:
             return {}
-        summary["cheapest_workers"] = _cheapest_workers(report_url)
+        summary = replace(summary, cheapest_workers=_cheapest_workers(report_url))
         warnings = cost_warnings(summary, flat_settings(report.get("config") or {}))
-        raised_live = {warning["text"] for warning in summary["idle_warnings"]}  # counted and mailed back then
-        summary["warnings"] = warnings
-        report["usage"] = summary
+        raised_live = {live.warning.text for live in summary.idle_warnings}  # counted and mailed back then
+        summary = replace(summary, warnings=tuple(warnings))
+        report["usage"] = summary.to_xcom()
         report["warnings"] = [w for w in report.get("warnings") or [] if not w.startswith("GPU time:")] + warnings
         report.setdefault("charts", {})["usage"] = USAGE_CHART
         for warning in warnings:
@@ -272,16 +262,17 @@ def attach_usage(report_url: str, report: dict[str, Any], released_at: str,
         return {}
 
 
-def _emit(summary: Mapping[str, Any], warnings: list[str], run_key: str) -> None:
+def _emit(summary: UsageSummary, warnings: list[str], run_key: str) -> None:
     """The ledger's gauges once, at release, and a `cost_warning` count per warning (best effort)."""
     from tasks import telemetry
 
-    cost, price = summary.get("cost") or {}, summary.get("price") or {}
+    cost, price = summary.cost, summary.price
     telemetry.emit_task_metrics("usage", {
-        "held_gpu_h": summary["held_gpu_h"], "busy_gpu_h": summary["busy_gpu_h"], "idle_gpu_h": summary["idle_gpu_h"],
-        "busy_share": summary["busy_share"], "time_to_release_s": summary["time_to_release_s"],
-        "cost": cost.get("held"), "cost_per_mtoken": cost.get("per_mtoken"), "price_per_gpu_h": price.get("rate"),
-        **{f"idle_{cause}_gpu_h": hours for cause, hours in summary["idle_by_cause_gpu_h"].items()}}, run=run_key)
+        "held_gpu_h": summary.held_gpu_h, "busy_gpu_h": summary.busy_gpu_h, "idle_gpu_h": summary.idle_gpu_h,
+        "busy_share": summary.busy_share, "time_to_release_s": summary.time_to_release_s,
+        "cost": cost.held if cost else None, "cost_per_mtoken": cost.per_mtoken if cost else None,
+        "price_per_gpu_h": price.rate if price else None,
+        **{f"idle_{cause}_gpu_h": hours for cause, hours in summary.idle_by_cause_gpu_h.items()}}, run=run_key)
     for _ in warnings:
         telemetry.count("cost_warning", {"run": run_key, "task": "release"})
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
 from launcher.document import DocumentError
 from tasks import pricing, usage
-from tasks.usage import RankEvents, RankTimeline, Timeline
+from tasks.usage import IdleWarning, RankEvents, RankTimeline, Timeline
+from tasks.usage_summary import AttemptRow, LiveWarning, summarize
 from trainer.config import ConfigError
 
 
@@ -248,22 +250,22 @@ def test_table_from_env_inline_or_file(tmp_path):
 
 def test_no_table_means_no_cost_never_zero():
     book = usage.ledger(TWO_WORKERS, released_at=70)
-    summary = usage.summarize(book, price=pricing.freeze(None, None, backend="local", queue="", capacity="on_demand",
+    summary = summarize(book, price=pricing.freeze(None, None, backend="local", queue="", capacity="on_demand",
                                                            use_gpu=False), tokens=1000)
-    assert summary["cost"] is None and summary["price"] is None
-    assert summary["held_gpu_h"] == pytest.approx(140 / 3600, abs=1e-6)
+    assert summary.cost is None and summary.price is None
+    assert summary.held_gpu_h == pytest.approx(140 / 3600, abs=1e-6)
 
 
 def test_cost_is_held_times_rate_and_unknown_accelerator_uses_the_default():
     book = usage.ledger(TWO_WORKERS, released_at=70)
-    summary = usage.summarize(book, price=freeze(), accelerator="NVIDIA B200", tokens=2_000_000, efficiency=0.8)
-    assert summary["price"]["rate"] == 2.5 and "NVIDIA B200" in summary["price"]["note"]
-    assert summary["cost"]["held"] == pytest.approx(140 / 3600 * 2.5, abs=1e-6)
-    assert summary["cost"]["per_mtoken"] == pytest.approx(140 / 3600 * 2.5 / 2, abs=1e-6)
-    assert summary["cost"]["extra_for_parallelism"] == pytest.approx(40 / 3600 * 2.5 * 0.2, abs=1e-6)
-    assert summary["busy_share"] == pytest.approx(40 / 140, abs=1e-4)
-    known = usage.summarize(book, price=freeze(), accelerator="NVIDIA H200")
-    assert known["price"]["rate"] == 3.8 and known["price"]["note"] is None
+    summary = summarize(book, price=freeze(), accelerator="NVIDIA B200", tokens=2_000_000, efficiency=0.8)
+    assert summary.price.rate == 2.5 and "NVIDIA B200" in summary.price.note
+    assert summary.cost.held == pytest.approx(140 / 3600 * 2.5, abs=1e-6)
+    assert summary.cost.per_mtoken == pytest.approx(140 / 3600 * 2.5 / 2, abs=1e-6)
+    assert summary.cost.extra_for_parallelism == pytest.approx(40 / 3600 * 2.5 * 0.2, abs=1e-6)
+    assert summary.busy_share == pytest.approx(40 / 140, abs=1e-4)
+    known = summarize(book, price=freeze(), accelerator="NVIDIA H200")
+    assert known.price.rate == 3.8 and known.price.note is None
 
 
 # -- the launch path's events and the report's usage -----------------------------------------------------------
@@ -361,8 +363,8 @@ def test_no_price_no_cost_and_no_ledger_no_usage(tmp_path):
 
 def _summary(price=None):
     book = usage.ledger(TWO_WORKERS, released_at=70)
-    made = usage.summarize(book, price=price, tokens=10_000, efficiency=0.7)
-    return {**made, "workers": 2, "attempts": [{"group": "train", "attempt": 1, "state": "succeeded", "workers": 2}]}
+    made = summarize(book, price=price, tokens=10_000, efficiency=0.7)
+    return replace(made, workers=2, attempts=(AttemptRow("train", 1, "1", "succeeded", 2),)).to_xcom()
 
 
 def test_the_report_has_a_gpu_time_section_with_the_line_causes_and_chart():
@@ -408,16 +410,18 @@ def test_cost_warnings_name_the_live_idle_warnings_the_top_cause_and_the_cheapes
 
     book = usage.ledger([attempt("train", rank(0, 0, 2000, 9000, 2100, 3000), rank(1, 0, 5, 9000, 2100, 3000))],
                         released_at=9100)
-    live = {"group": "train", "attempt": 1, "text": "GPU time: train (attempt 1) held 1 slot(s) ['h/rank0'] ..."}
-    summary = {**usage.summarize(book, price=None, efficiency=0.3), "workers": 2, "cheapest_workers": 1,
-               "idle_warnings": [live]}
+    live = IdleWarning(at="1970-01-01T00:10:00.000Z", ranks=(0,), slots=("h/rank0",), idle_s=950.0,
+                       phase={"0": "after step 2"}, peak_util_pct=None,
+                       text="GPU time: train (attempt 1) held 1 slot(s) ['h/rank0'] ...")
+    summary = replace(summarize(book, price=None, efficiency=0.3), workers=2, cheapest_workers=1,
+                      idle_warnings=(LiveWarning("train", 1, live),))
     found = cost_warnings(summary, {"max_idle_held_s": 900, "min_cost_efficiency": 0.5, "max_release_s": 60})
     assert len(found) == 4, found
-    assert found[0] == live["text"]
+    assert found[0] == live.text
     assert "more than max_release_s = 60 s" in found[1]
     assert "mostly idle" in found[2] and "largest idle cause is export" in found[2]
     assert "3.3x the worker-hours per token of one" in found[3] and "cheapest count is 1" in found[3]
-    assert cost_warnings({**summary, "idle_warnings": []},
+    assert cost_warnings(replace(summary, idle_warnings=()),
                          {"max_idle_held_s": 0, "min_cost_efficiency": 0, "max_release_s": 0}) == \
         [found[2]]  # 0 turns each setting's warning off; the mostly idle run has no setting
 

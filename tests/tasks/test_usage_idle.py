@@ -73,8 +73,8 @@ def test_ranks_that_talk_but_do_not_train_warn_once_live_and_a_hanging_mail_neve
 
     report = {"run_key": "run-1", "runs": {}, "config": config}
     summary = run_usage(run.url, report, "2030-01-01T00:00:00+00:00")
-    assert summary["idle_warnings"] == [{"group": "train", "attempt": 1, **warning.to_xcom()}]
-    page = render_markdown({**report, "usage": summary})
+    assert summary.to_xcom()["idle_warnings"] == [{"group": "train", "attempt": 1, **warning.to_xcom()}]
+    page = render_markdown({**report, "usage": summary.to_xcom()})
     assert "Idle-held warnings (checked live while groups ran, max_idle_held_s): 1;" in page
     assert f"train slots {', '.join(warning.slots)} idle" in page
 
