@@ -55,7 +55,7 @@ class Prices:
 
     def over(self, base: Prices) -> Prices:
         """These rates over `base`'s: each capacity this section names replaces base's, the others stay."""
-        names = {*base.accelerators, *self.accelerators}
+        names = dict.fromkeys([*base.accelerators, *self.accelerators])  # the table's order, then the override's
         return Prices({**base.default, **self.default}, {**base.cpu_worker, **self.cpu_worker},
                       {name: {**base.accelerators.get(name, {}), **self.accelerators.get(name, {})} for name in names})
 

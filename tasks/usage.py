@@ -79,7 +79,7 @@ class RankEvents(Document):
         return plain if self.ready is not None else {k: v for k, v in plain.items() if k != "ready"}
 
 
-def joined(ranks: Iterable[RankEvents]) -> float | None:
+def last_join(ranks: Iterable[RankEvents]) -> float | None:
     """When the last of these ranks joined (READY); None when one never did."""
     readies = [rank.ready for rank in ranks]
     return None if not readies or None in readies else max(ready for ready in readies if ready is not None)
@@ -132,7 +132,7 @@ class AttemptEvents(Document):
 
     @property
     def joined(self) -> float | None:
-        return joined(self.ranks)
+        return last_join(self.ranks)
 
     def to_xcom(self) -> dict[str, Any]:
         plain = super().to_xcom()
@@ -188,7 +188,7 @@ def _segments_of_rank(kind: str, timeline: RankTimeline,
 def segments_by_slot(timelines: Iterable[Timeline]) -> dict[str, list[tuple[float, float, str]]]:
     by_slot: dict[str, list[tuple[float, float, str]]] = {}
     for timeline in timelines:
-        group_ready = joined(rank.events for rank in timeline.ranks)
+        group_ready = last_join(rank.events for rank in timeline.ranks)
         for rank in timeline.ranks:
             for slot in rank.events.slots:
                 by_slot.setdefault(slot, []).extend(_segments_of_rank(timeline.kind, rank, group_ready))
