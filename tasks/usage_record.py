@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, TypeVar
 
-from launcher.document import Document, DocumentError
+from launcher.document import Document, DocumentError, checked
 from launcher.protocol import EXIT_PREEMPTED
 from tasks import airflow_api, usage
 from tasks.airflow_api import AdmissionWait
@@ -228,10 +228,18 @@ def cost_warnings(summary: UsageSummary, cfg: Mapping[str, Any]) -> list[str]:
 
 
 def _cheapest_workers(report_url: str) -> int | None:
-    """The worker count preflight's advisor found cheapest (its cost columns), when it priced the run."""
+    """The worker count preflight's advisor found cheapest (its cost columns), when it priced the run; a value of
+    another type is refused (logged, naming the file and the field) and left out."""
     url = join(report_url, "preflight.json")
-    advisor = (read_json(url).get("advisor") or {}) if exists(url) else {}
-    return (advisor.get("cost") or {}).get("cheapest_workers")
+    preflight = read_json(url) if exists(url) else {}
+    advisor = preflight.get("advisor") if isinstance(preflight, dict) else None
+    cost = advisor.get("cost") if isinstance(advisor, dict) else None
+    try:
+        return checked(int | None, cost.get("cheapest_workers") if isinstance(cost, dict) else None,
+                       f"{url}: advisor.cost.cheapest_workers")
+    except DocumentError as error:
+        log.warning("%s", error)
+        return None
 
 
 def attach_usage(report_url: str, report: dict[str, Any], released_at: str,

@@ -438,3 +438,18 @@ def test_cost_warnings_are_mailed_once_with_an_alert_connection(monkeypatch):
     (conn, recipients, subject, text), kw = sent[0]
     assert conn == "smtp" and recipients == ("a@b.example",) and "GPU time warnings" in subject
     assert "- GPU time: two" in text and kw == {"run": "k1", "task": "release"}
+
+
+def test_the_advisors_cheapest_count_is_read_checked_from_preflight_json(tmp_path, caplog):
+    from tasks.usage_record import _cheapest_workers
+    from trainer.storage import write_json_atomic
+
+    report_url = str(tmp_path / "report")
+    assert _cheapest_workers(report_url) is None  # no preflight.json
+    write_json_atomic(f"{report_url}/preflight.json", {"advisor": {"cost": {"cheapest_workers": 2}}})
+    assert _cheapest_workers(report_url) == 2
+    write_json_atomic(f"{report_url}/preflight.json", {"advisor": {"cost": {"skipped": "the run has no price"}}})
+    assert _cheapest_workers(report_url) is None
+    write_json_atomic(f"{report_url}/preflight.json", {"advisor": {"cost": {"cheapest_workers": "two"}}})
+    assert _cheapest_workers(report_url) is None
+    assert "preflight.json: advisor.cost.cheapest_workers: expected" in caplog.text
