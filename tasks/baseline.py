@@ -29,6 +29,7 @@ from trainer.eval_sample import sample_identity
 from trainer.host_info import code_fingerprint
 from trainer.layout import StorageLayout, safe_name
 from trainer.storage import exists, join, list_dir, read_json, remove_tree, write_json_atomic
+from trainer.summary import TrainSummary
 
 if TYPE_CHECKING:
     from tasks.prepared_run import PreparedRun
@@ -186,12 +187,9 @@ def plan_baseline(prepared: PreparedRun) -> bool:
 
     summary_url = prepared.baseline_summary_url
     if exists(summary_url):
-        summary = read_json(summary_url)
-        log.info(
-            "Baseline policy 'auto': reusing baseline %s (finished %s, %s steps in %.1f s of training) at %s.",
-            key, summary.get("finished_at"), summary.get("steps"), summary.get("train_time_s", float("nan")),
-            baseline_url,
-        )
+        summary = TrainSummary.from_json(read_json(summary_url), summary_url)  # refused here, not at evaluate
+        log.info("Baseline policy 'auto': reusing baseline %s (finished %s, %s steps in %.1f s of training) at %s.",
+                 key, summary.finished_at, summary.steps, summary.train_time_s, baseline_url)
         return False
     if exists(baseline_url):
         log.info("Baseline policy 'auto': baseline %s exists without summary.json (an interrupted run); "

@@ -154,3 +154,15 @@ def test_key_records_of_earlier_runs_still_explain_and_a_mistyped_one_is_refused
     third = run_fixtures.prepare_run(root, "scheduled__3", learning_rate=1e-3)
     assert plan_baseline(third) is True
     assert "is not compared:" in caplog.text and "no complete baseline exists yet" in caplog.text
+
+
+def test_a_baseline_summary_of_another_shape_is_refused_before_it_is_reused(root):
+    from trainer.storage import write_json_atomic
+    from trainer.summary import SummaryError
+
+    prepared = run_fixtures.prepare_run(root, "manual__1")
+    run_fixtures.write_training_output(prepared.baseline_url, num_workers=1, train_time_s=20.0, eval_loss=5.3)
+    summary = read_json(prepared.baseline_summary_url)
+    write_json_atomic(prepared.baseline_summary_url, {**summary, "train_time_s": "20 s"})
+    with pytest.raises(SummaryError, match=r"summary.json: train_time_s: expected float"):
+        plan_baseline(prepared)
