@@ -68,7 +68,10 @@ def checked(kind: Any, value: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         return _one_of(kind, value, where)
     if isinstance(kind, type) and issubclass(kind, Document):
-        return kind.from_xcom(value)
+        try:
+            return kind.from_xcom(value)
+        except DocumentError as error:  # a nested document's error, named from the outermost one
+            raise DocumentError(f"{where}: {error}") from None
     if origin in (dict, Mapping) or kind in (dict, Mapping):
         return _mapping(kind, value, where)
     if origin in (list, tuple) or kind in (list, tuple):

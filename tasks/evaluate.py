@@ -131,7 +131,7 @@ def assemble_report(prepared: PreparedRun, cfg: RunConfig, scored: Scored) -> di
     run = StorageLayout(cfg.storage_root).run(prepared.run_key)
     add_scaling(report, run, scored.distributed)
     add_release_after_train(report, run)
-    report["continued_from"] = prepared.continued_from
+    report["continued_from"] = prepared.continued_from.to_xcom() if prepared.continued_from else None
     report["promoted"] = scored.promoted
     evaluations = {"baseline": scored.baseline_eval, "distributed": scored.distributed_eval}
     if scored.promoted:
@@ -308,17 +308,17 @@ def evaluate_promoted(prepared: PreparedRun, cfg: RunConfig, make_backend: Backe
     pointer = registry.read_latest(registry.model_layout(cfg.storage_root, cfg.promotion.model_name))
     if pointer is None or cfg.promotion.promote == "never":
         return None
-    section = {"name": cfg.promotion.model_name, "version": pointer["version"], "url": pointer["url"],
-               "run_id": pointer["run_id"], "recorded_eval_loss": pointer["eval_loss"],
-               "recorded_eval_sample": pointer.get("eval_sample"), "recorded_eval_loss_se": pointer.get("eval_loss_se"),
+    section = {"name": cfg.promotion.model_name, "version": pointer.version, "url": pointer.url,
+               "run_id": pointer.run_id, "recorded_eval_loss": pointer.eval_loss,
+               "recorded_eval_sample": pointer.eval_sample, "recorded_eval_loss_se": pointer.eval_loss_se,
                "eval_loss": None, "eval_loss_se": None, "eval_sample": None, "delta_se": None, "perplexity": None,
                "nats_per_char": None, "known_words": None, "samples": None, "note": None}
     manifest_url = prepared.manifest_url
-    if not registry.same_tokenizer(pointer["model_url"], tokenizer_url(manifest_url, read_json(manifest_url))):
-        section["note"] = f"{pointer['version']}'s tokenizer differs from this run's: it cannot be scored on its shards"
-        log.warning("Promoted %s %s not evaluated: %s.", cfg.promotion.model_name, pointer["version"], section["note"])
+    if not registry.same_tokenizer(pointer.model_url, tokenizer_url(manifest_url, read_json(manifest_url))):
+        section["note"] = f"{pointer.version}'s tokenizer differs from this run's: it cannot be scored on its shards"
+        log.warning("Promoted %s %s not evaluated: %s.", cfg.promotion.model_name, pointer.version, section["note"])
         return section
-    result = run_evaluation(pointer["model_url"], manifest_url, join(prepared.report_url, "eval-promoted.json"),
+    result = run_evaluation(pointer.model_url, manifest_url, join(prepared.report_url, "eval-promoted.json"),
                             cfg=cfg, run_key=prepared.run_key, label="promoted",
                             make_backend=make_backend, run_id=prepared.run_id)
     section.update(eval_loss=result["eval_loss"], perplexity=result["perplexity"], samples=result.get("samples"),

@@ -10,11 +10,14 @@ each format in a folder of its own beside `model/` (tf_h5): `safetensors/`, `sav
 from __future__ import annotations
 
 import posixpath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.config import RunConfig
 from trainer.layout import TrainOutput, VersionLayout
 from trainer.storage import exists, join, read_json
+
+if TYPE_CHECKING:
+    from tasks.registry import VersionFile
 
 GATE_PREFIX = "export_"
 # The folder of each format in a promoted version (tf_h5 is the version's model/, copied as before).
@@ -60,18 +63,17 @@ def export_part(report: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
     return {"export_gates": gate_rows(cfg, url, record), "exports": record}
 
 
-def copy_exports(report: dict[str, Any], version: VersionLayout) -> list[dict[str, Any]]:
+def copy_exports(report: dict[str, Any], version: VersionLayout) -> list[VersionFile]:
     """Copy every exported format but tf_h5 (the version's model/) from the training output into the version;
     returns the files, relative to the version."""
-    from tasks.registry import copy_tree
+    from tasks.registry import copy_into
 
     record = report.get("exports") or {}
     files = []
     for name, result in sorted((record.get("formats") or {}).items()):
         if name == "tf_h5" or not result.get("passed"):
             continue
-        copied = copy_tree(join(train_output(report).url, result["dir"]), version.export(VERSION_DIRS[name]))
-        files += [{**file, "name": f"{VERSION_DIRS[name]}/{file['name']}"} for file in copied]
+        files += copy_into(version, VERSION_DIRS[name], join(train_output(report).url, result["dir"]))
     return files
 
 

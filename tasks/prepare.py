@@ -18,6 +18,7 @@ from tasks.dataset.plan import DatasetPlan
 from tasks.policy import checked_config
 from tasks.prepared_run import PreparedRun
 from tasks.pricing import Price
+from tasks.registry import PromotedVersion
 from trainer.config import ConfigError, RunConfig
 from trainer.config.access import AccessPolicy
 from trainer.config.pinned import save_config
@@ -133,7 +134,7 @@ def finish_run(plan: DatasetPlan, run_id: str, dag_id: str) -> PreparedRun:
 
 
 def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: str, key: str, *, run_id: str,
-                continued_from: Mapping[str, Any] | None = None,
+                continued_from: PromotedVersion | None = None,
                 price: Price | None = None) -> PreparedRun:
     """Write the run's configuration and its baseline's under the run's directory and return the prepared run
     (tasks/prepared_run.py), the XCom every later task reads: paths, the configurations' digests and a few numbers.
@@ -166,6 +167,6 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
         baseline_config_sha256=baseline_config_sha256,
         baseline_summary_url=baseline.summary,
         report_url=run.report,
-        continued_from=dict(continued_from) if continued_from else None,
+        continued_from=continued_from,
         price=price,
     )

@@ -7,6 +7,7 @@ from typing import Any
 
 from launcher.document import Document
 from tasks.pricing import Price
+from tasks.registry import PromotedVersion
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,8 @@ class PreparedRun(Document):
         report_url: the run's report directory `runs/<key>/report/`: report.json and the charts (evaluate),
             promotion.json (promote), release.json, the usage chart and report.md (release); preflight.json
             (preflight).
-        continued_from: with `model: promoted[:<name>]`, the version it continues from: {"name", "version",
-            "url", "model_url", "run_id", "eval_loss"}; else None.
+        continued_from: with `model: promoted[:<name>]`, the version it continues from
+            (`tasks.registry.PromotedVersion`); else None.
         price: the rate prepare froze (tasks/pricing.py, `usage/price.json`), None without a pricing table.
     """
 
@@ -50,5 +51,5 @@ class PreparedRun(Document):
     baseline_config_sha256: str
     baseline_summary_url: str
     report_url: str
-    continued_from: dict[str, Any] | None = None
+    continued_from: PromotedVersion | None = None
     price: Price | None = None

@@ -32,6 +32,7 @@ from tasks.base_models import pinned_base
 from tasks.connections import uses_run_storage
 from tasks.formatting import nats
 from tasks.policy import checked_config
+from tasks.registry import Entry, Pointer, PromotedVersion, VersionFile, VersionRecord
 from tasks.report_parts import with_exports
 from trainer.config import AccessPolicy, ConfigError, RunConfig
 from trainer.eval_result import GATE_STANDARD_ERRORS
@@ -120,28 +121,24 @@ def promote(prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any], layou
     number = 0
     for _ in range(MAX_SWAP_ATTEMPTS):
         pointer, token = registry.read_pointer(layout.latest)
-        earlier = [entry for entry in (pointer or {}).get("history", []) if entry.get("run_key") == prepared.run_key]
+        earlier = [entry for entry in (pointer.history if pointer else ()) if entry.run_key == prepared.run_key]
         if earlier:  # a retry after the pointer moved: the run has its version, it gets no second one
-            reason = f"already promoted to {earlier[-1]['version']} by an earlier attempt of this task."
+            reason = f"already promoted to {earlier[-1].version} by an earlier attempt of this task."
             return outcome(cfg, Verdict(True, reason), promoted=True, entry=earlier[-1])
         verdict = decide(cfg, report, pointer)
         if not verdict.promote:
             if version is not None:  # published, then beaten to the pointer by a better version
                 remove_tree(version.url)
             return outcome(cfg, verdict, promoted=False)
-        current = pointer["number"] if pointer else 0
+        current = pointer.number if pointer else 0
         if version is None or number <= current:  # the pointer only moves to higher numbers
             if version is not None:
                 remove_tree(version.url)
-            number = registry.claim_version(layout, current, {
-                "run_id": prepared.run_id, "claimed_at": utc_now()})
+            number = registry.claim_version(layout, current, prepared.run_id)
             version = layout.version(number)
             publish_version(version, prepared, cfg, report, number, verdict)
         entry = history_entry(version, prepared, report, number)
-        history = (pointer["history"] if pointer else []) + [entry]
-        new_pointer = {**entry, "format_version": registry.POINTER_FORMAT_VERSION, "name": cfg.promotion.model_name,
-                       "history": history}
-        if registry.swap_pointer(layout.latest, token, new_pointer):
+        if registry.swap_pointer(layout.latest, token, Pointer.moved_to(entry, cfg.promotion.model_name, pointer)):
             return outcome(cfg, verdict, promoted=True, entry=entry)
         log.info("Another promotion moved %s first; deciding again against it.", layout.latest)
     raise registry.RegistryError(
@@ -149,7 +146,7 @@ def promote(prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any], layou
         "other runs are promoting continuously; trigger this run's promote task again.")
 
 
-def decide(cfg: RunConfig, report: dict[str, Any], pointer: dict[str, Any] | None) -> Verdict:
+def decide(cfg: RunConfig, report: dict[str, Any], pointer: Pointer | None) -> Verdict:
     """The rule of setting `promote` applied to this report."""
     if cfg.promotion.promote == "never":
         return Verdict(False, "setting 'promote' = 'never'.")
@@ -162,8 +159,8 @@ def decide(cfg: RunConfig, report: dict[str, Any], pointer: dict[str, Any] | Non
     reference = reference_loss(report, pointer)
     delta = loss - reference.eval_loss
     limit = cfg.promotion.promotion_tolerance + GATE_STANDARD_ERRORS * (reference.delta_se or 0.0)
-    comparison = (f"eval loss {loss:.4f} vs {reference.eval_loss:.4f} of promoted {pointer['version']} "
-                  f"(run {pointer['run_id']}): {nats(delta)} nats, {_allowance(cfg, reference, limit)}; "
+    comparison = (f"eval loss {loss:.4f} vs {reference.eval_loss:.4f} of promoted {pointer.version} "
+                  f"(run {pointer.run_id}): {nats(delta)} nats, {_allowance(cfg, reference, limit)}; "
                   f"{reference.note}")
     if cfg.promotion.promote == "always":
         return Verdict(True, f"setting 'promote' = 'always' ({comparison}).", reference)
@@ -180,30 +177,30 @@ def _allowance(cfg: RunConfig, reference: Reference, limit: float) -> str:
             f"{reference.delta_se:.4f}, the standard error of the delta ({reference.error_source})")
 
 
-def reference_loss(report: dict[str, Any], pointer: dict[str, Any]) -> Reference:
+def reference_loss(report: dict[str, Any], pointer: Entry) -> Reference:
     """The promoted version's eval loss to compare with, where it comes from, and the standard error of the run's
     loss minus it (`delta_se`: None when unknown)."""
     scored = report.get("promoted") or {}
     fingerprint = report["dataset_fingerprint"]
     sample = _sample_id(report)
-    if scored.get("version") == pointer["version"] and scored.get("eval_loss") is not None:
-        return Reference(pointer["version"], scored["eval_loss"], same_shards=True, same_sample=True,
+    if scored.get("version") == pointer.version and scored.get("eval_loss") is not None:
+        return Reference(pointer.version, scored["eval_loss"], same_shards=True, same_sample=True,
                          delta_se=scored.get("delta_se"), error_source="paired over the sample's sequences",
                          note=f"both scored on this run's evaluation sample {sample} (dataset {fingerprint})")
-    same = pointer.get("dataset_fingerprint") == fingerprint
-    same_sample = sample is not None and pointer.get("eval_sample") == sample
+    same = pointer.dataset_fingerprint == fingerprint
+    same_sample = sample is not None and pointer.eval_sample == sample
     if same_sample:
         where = f"on the same evaluation sample {sample} (dataset {fingerprint})"
     elif same:
-        where = (f"on the same dataset {fingerprint} but NOT the same evaluation sample ({pointer.get('eval_sample')}"
+        where = (f"on the same dataset {fingerprint} but NOT the same evaluation sample ({pointer.eval_sample}"
                  f", this run {sample})")
     else:
-        where = (f"NOT on the same validation shards: it was scored on dataset {pointer.get('dataset_fingerprint')}, "
+        where = (f"NOT on the same validation shards: it was scored on dataset {pointer.dataset_fingerprint}, "
                  f"this run on {fingerprint}")
     note = f"its recorded eval loss, {where}" + (f" ({scored['note']})" if scored.get("note") else "")
-    errors = [_run(report).get("eval_loss_se"), pointer.get("eval_loss_se")]
+    errors = [_run(report).get("eval_loss_se"), pointer.eval_loss_se]
     delta_se = math.hypot(*errors) if all(isinstance(error, (int, float)) for error in errors) else None
-    return Reference(pointer["version"], pointer["eval_loss"], same_shards=same, same_sample=same_sample,
+    return Reference(pointer.version, pointer.eval_loss, same_shards=same, same_sample=same_sample,
                      delta_se=delta_se, error_source="both recorded errors together", note=note)
 
 
@@ -216,26 +213,26 @@ def _sample_id(report: dict[str, Any]) -> str | None:
     return sample.get("id") if isinstance(sample, dict) else None
 
 
-def outcome(cfg: RunConfig, verdict: Verdict, *, promoted: bool,
-            entry: dict[str, Any] | None = None) -> dict[str, Any]:
+def outcome(cfg: RunConfig, verdict: Verdict, *, promoted: bool, entry: Entry | None = None) -> dict[str, Any]:
     """What the report, the task log and (as `event`, the Asset event's extra) downstream DAGs learn."""
-    event = {"model_name": cfg.promotion.model_name, **{name: entry[name] for name in (
+    event = {"model_name": cfg.promotion.model_name, **{name: getattr(entry, name) for name in (
         "version", "url", "model_url", "run_id", "eval_loss", "perplexity", "dataset_fingerprint")}} if entry else None
     return {"promoted": promoted, "policy": cfg.promotion.promote, "model_name": cfg.promotion.model_name,
             "reason": verdict.reason,
             "compared_with": dataclasses.asdict(verdict.compared_with) if verdict.compared_with else None,
-            "version": entry["version"] if entry else None, "url": entry["url"] if entry else None,
-            "model_url": entry["model_url"] if entry else None, "event": event, "decided_at": utc_now()}
+            "version": entry.version if entry else None, "url": entry.url if entry else None,
+            "model_url": entry.model_url if entry else None, "event": event, "decided_at": utc_now()}
 
 
-def history_entry(version: VersionLayout, prepared: PreparedRun, report: dict[str, Any], number: int) -> dict[str, Any]:
+def history_entry(version: VersionLayout, prepared: PreparedRun, report: dict[str, Any], number: int) -> Entry:
+    """The pointer's entry of the version this run became."""
     distributed = report["runs"]["distributed"]
-    return {"version": f"v{number}", "number": number, "url": version.url, "model_url": version.model,
-            "run_id": prepared.run_id, "run_key": prepared.run_key, "promoted_at": utc_now(),
-            "eval_loss": distributed["eval_loss"], "perplexity": distributed["perplexity"],
-            "eval_loss_se": distributed.get("eval_loss_se"), "eval_sample": _sample_id(report),
-            "dataset_fingerprint": report["dataset_fingerprint"],
-            "run_report_url": join(prepared.report_url, REPORT_JSON)}
+    return Entry(version=f"v{number}", number=number, url=version.url, model_url=version.model,
+                 run_id=prepared.run_id, run_key=prepared.run_key, promoted_at=utc_now(),
+                 eval_loss=distributed["eval_loss"], perplexity=distributed["perplexity"],
+                 eval_loss_se=distributed.get("eval_loss_se"), eval_sample=_sample_id(report),
+                 dataset_fingerprint=report["dataset_fingerprint"],
+                 run_report_url=join(prepared.report_url, REPORT_JSON))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -245,27 +242,20 @@ def history_entry(version: VersionLayout, prepared: PreparedRun, report: dict[st
 def publish_version(version: VersionLayout, prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any],
                     number: int, verdict: Verdict) -> None:
     """Model, report and model card, then version.json listing them: complete, or never pointed to."""
-    files = [{**file, "name": f"model/{file['name']}"}
-             for file in registry.copy_tree(report["runs"]["distributed"]["model_url"], version.model)]
+    files = registry.copy_into(version, "model", report["runs"]["distributed"]["model_url"])
     files += exports.copy_exports(report, version)
     write_json_atomic(version.report, report)
     write_bytes_atomic(version.model_card, model_card(cfg, prepared, report, number, verdict).encode("utf-8"))
-    files += [{"name": "report.json", "bytes": _size(version.report)},
-              {"name": "model_card.md", "bytes": _size(version.model_card)}]
+    files += [VersionFile("report.json", _size(version.report)),
+              VersionFile("model_card.md", _size(version.model_card))]
     distributed = report["runs"]["distributed"]
-    write_json_atomic(version.record, {
-        "format_version": VERSION_FORMAT_VERSION, "name": cfg.promotion.model_name, "version": f"v{number}",
-        "run_id": prepared.run_id, "run_key": prepared.run_key, "created_at": utc_now(),
-        "eval_loss": distributed["eval_loss"], "perplexity": distributed["perplexity"],
-        "eval_loss_se": distributed.get("eval_loss_se"), "eval_sample": _sample_id(report),
-        "dataset_fingerprint": report["dataset_fingerprint"], "base_model": _pin_entry(cfg), "files": files,
-    })
-
-
-def _pin_entry(cfg: RunConfig) -> dict[str, str] | None:
-    """version.json's `base_model`: {"name", "revision", "sha", "url"} of the cached hub model, else null."""
-    pinned = pinned_base(cfg)
-    return pinned.to_xcom() if pinned else None
+    write_json_atomic(version.record, VersionRecord(
+        format_version=VERSION_FORMAT_VERSION, name=cfg.promotion.model_name, version=f"v{number}",
+        run_id=prepared.run_id, run_key=prepared.run_key, created_at=utc_now(),
+        eval_loss=distributed["eval_loss"], perplexity=distributed["perplexity"],
+        eval_loss_se=distributed.get("eval_loss_se"), eval_sample=_sample_id(report),
+        dataset_fingerprint=report["dataset_fingerprint"], base_model=pinned_base(cfg), files=tuple(files),
+    ).to_xcom())
 
 
 def _evaluated(distributed: dict[str, Any]) -> str:
@@ -321,7 +311,7 @@ def model_card(cfg: RunConfig, prepared: PreparedRun, report: dict[str, Any], nu
 # continuing from a promoted version (the prepare task)
 
 
-def resolve_promoted_model(cfg: RunConfig) -> tuple[RunConfig, dict[str, Any] | None]:
+def resolve_promoted_model(cfg: RunConfig) -> tuple[RunConfig, PromotedVersion | None]:
     """For `model: promoted[:<name>]`, the config that trains from the latest version's files, and that version.
 
     The tokenizer of a `bpe:<n>` run becomes the version's own: a continued model needs the token ids it was
@@ -337,21 +327,20 @@ def resolve_promoted_model(cfg: RunConfig) -> tuple[RunConfig, dict[str, Any] | 
             f"Setting 'model' = {cfg.model!r}: no promoted version of '{name}' exists ({layout.latest} is missing). "
             "Run once with a preset or another model and promote it first, or set 'model_name' / 'model' to a "
             "model that has one.")
-    if registry.complete_version(layout.version(pointer["number"])) is None:
+    if registry.complete_version(layout.version(pointer.number)) is None:
         raise ConfigError(
-            f"Setting 'model' = {cfg.model!r}: {name} {pointer['version']} at {pointer['url']} is incomplete (a file "
+            f"Setting 'model' = {cfg.model!r}: {name} {pointer.version} at {pointer.url} is incomplete (a file "
             "its version.json lists is missing or has another size): restore it, or promote another run.")
-    changes = {"model": pointer["model_url"]}
+    changes = {"model": pointer.model_url}
     if cfg.bpe_vocab_size is not None:
-        changes["tokenizer"] = pointer["model_url"]
+        changes["tokenizer"] = pointer.model_url
         log.info("Setting 'tokenizer' = %r replaced by the tokenizer of %s %s: continuing needs its token ids.",
-                 cfg.tokenizer, name, pointer["version"])
-    log.info("Continuing from %s %s (run %s, eval loss %.4f): %s", name, pointer["version"], pointer["run_id"],
-             pointer["eval_loss"], pointer["model_url"])
+                 cfg.tokenizer, name, pointer.version)
+    log.info("Continuing from %s %s (run %s, eval loss %.4f): %s", name, pointer.version, pointer.run_id,
+             pointer.eval_loss, pointer.model_url)
     resolved = cfg.replace(**changes)
     # The registry's URL may name only what a setting may (`from_params` checked the settings themselves).
     AccessPolicy.from_env().check_settings(resolved)
-    return resolved, {"name": name, "version": pointer["version"], "url": pointer["url"],
-                      "model_url": pointer["model_url"], "run_id": pointer["run_id"], "eval_loss": pointer["eval_loss"]}
+    return resolved, PromotedVersion.of(name, pointer)
 
 

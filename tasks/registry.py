@@ -17,9 +17,13 @@ without Airflow and TensorFlow (the UI plugin reads it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any
+from typing import Any, Self, TypeVar
 
+from launcher.document import Document, DocumentError
+from launcher.protocol import utc_now
+from tasks.base_models import BasePin
 from trainer.layout import ModelLayout, StorageLayout, VersionLayout
 from trainer.storage import (
     compare_and_swap,
@@ -28,6 +32,7 @@ from trainer.storage import (
     filesystem,
     join,
     list_dir,
+    read_bytes,
     read_json,
     read_with_token,
 )
@@ -46,63 +51,184 @@ def model_layout(storage_root: str, name: str) -> ModelLayout:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the documents (docs/CONTRACTS.md, "Model registry"). The pointer and version.json come back from storage, which
+# whoever may write it could edit: reading checks every field (launcher/document.py). Fields added after the first
+# promotions default to what those files meant (absent: unknown).
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Entry(Document):
+    """A promoted version as the pointer records it: latest.json's top level (the current version) and each entry of
+    its `history`.
+
+    Attributes:
+        version: `v<N>`; number: N. url: the version's directory `models/<name>/v<N>/`; model_url: its `model/`.
+        run_id, run_key: the run promoted; promoted_at: when (`launcher.protocol.utc_now`).
+        eval_loss, perplexity: the run's, on its evaluation sample; eval_loss_se: that loss's standard error (0 for
+            the whole split; None before samples); eval_sample: the sample's id (None before samples).
+        dataset_fingerprint: the dataset it was trained and scored on; run_report_url: the run's report.json.
+    """
+
+    version: str
+    number: int
+    url: str
+    model_url: str
+    run_id: str
+    run_key: str
+    promoted_at: str
+    eval_loss: float
+    perplexity: float
+    eval_loss_se: float | None = None
+    eval_sample: str | None = None
+    dataset_fingerprint: str
+    run_report_url: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pointer(Entry):
+    """latest.json, the one record readers trust: the current version's `Entry` at the top level, with the model's
+    `name`, `format_version` (POINTER_FORMAT_VERSION) and `history`, every promoted version in order (the current
+    one last)."""
+
+    format_version: int
+    name: str
+    history: tuple[Entry, ...]
+
+    @classmethod
+    def moved_to(cls, entry: Entry, name: str, before: Pointer | None) -> Self:
+        """The pointer after `entry` was promoted under `name` (`before`: the pointer it replaces, None: the first)."""
+        fields = {field.name: getattr(entry, field.name) for field in dataclasses.fields(Entry)}
+        return cls(**fields, format_version=POINTER_FORMAT_VERSION, name=name,
+                   history=(*(before.history if before else ()), entry))
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim(Document):
+    """claims/v<N>.json, created exclusively: version N belongs to `run_id` since `claimed_at` (never read back; its
+    name alone counts)."""
+
+    run_id: str
+    claimed_at: str
+    version: str
+
+
+@dataclasses.dataclass(frozen=True)
+class VersionFile(Document):
+    """A file of a version: its path under `v<N>/` and its size, which a complete version's file has."""
+
+    name: str
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VersionRecord(Document):
+    """v<N>/version.json, written last in a version: the promoted run's figures (as its `Entry`), when the version
+    was made (`created_at`), the pinned hub model it was fine-tuned from (`base_model`, tasks/base_models.py; None
+    for a preset, a promoted or a local model, and before it was recorded) and every file with its size (`files`)."""
+
+    format_version: int
+    name: str
+    version: str
+    run_id: str
+    run_key: str
+    created_at: str
+    eval_loss: float
+    perplexity: float
+    eval_loss_se: float | None = None
+    eval_sample: str | None = None
+    dataset_fingerprint: str
+    base_model: BasePin | None = None
+    files: tuple[VersionFile, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromotedVersion(Document):
+    """The promoted version a run continues from (`model: promoted[:<name>]`; the prepared run's `continued_from`,
+    and report.json's): the model `name`, and its entry's `version`, `url`, `model_url`, `run_id` and `eval_loss`."""
+
+    name: str
+    version: str
+    url: str
+    model_url: str
+    run_id: str
+    eval_loss: float
+
+    @classmethod
+    def of(cls, name: str, entry: Entry) -> Self:
+        return cls(name=name, version=entry.version, url=entry.url, model_url=entry.model_url, run_id=entry.run_id,
+                   eval_loss=entry.eval_loss)
+
+
+D = TypeVar("D", bound=Document)
+
+
+def _checked(kind: type[D], url: str, value: Any, fix: str) -> D:
+    """`value` (read from `url`) as a `kind`; RegistryError naming the file, the field and `fix` otherwise."""
+    try:
+        return kind.from_xcom(value)
+    except DocumentError as error:
+        raise RegistryError(f"{url}: {error} {fix}") from error
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # the pointer
 
 
-def read_latest(layout: ModelLayout) -> dict[str, Any] | None:
+def read_latest(layout: ModelLayout) -> Pointer | None:
     """The pointer of a registered model, or None when nothing was promoted under that name."""
     return read_pointer(layout.latest)[0]
 
 
-def read_pointer(url: str) -> tuple[dict[str, Any] | None, str | None]:
+def read_pointer(url: str) -> tuple[Pointer | None, str | None]:
     """The pointer and the token a swap from it needs (`trainer.storage.read_with_token`)."""
     data, token = read_with_token(url)
     return (None, None) if data is None else (_parse_pointer(url, data), token)
 
 
-def _parse_pointer(url: str, data: bytes) -> dict[str, Any]:
+def _parse_pointer(url: str, data: bytes) -> Pointer:
     try:
         pointer = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as error:  # RecursionError: nested too deep
         raise RegistryError(f"{url} is not valid JSON ({error}): the registry pointer is damaged.") from error
-    if not isinstance(pointer, dict) or not isinstance(pointer.get("history"), list):
-        raise RegistryError(f"{url} is not a registry pointer (no history list).")
-    return pointer
+    return _checked(Pointer, url, pointer, "The registry pointer is damaged: restore it (each version's "
+                    "version.json holds its entry's figures), or promote under another 'model_name'.")
 
 
-def swap_pointer(url: str, expected_token: str | None, pointer: dict[str, Any]) -> bool:
+def swap_pointer(url: str, expected_token: str | None, pointer: Pointer) -> bool:
     """Write `pointer` only if the stored one is still the one `expected_token` names (None: still absent).
 
     True when written; False when another promotion moved it first (read it again and decide again)."""
     return compare_and_swap(url, expected_token, _json_bytes(pointer))
 
 
-def _json_bytes(payload: dict[str, Any]) -> bytes:
-    return (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode("utf-8")
+def _json_bytes(document: Document) -> bytes:
+    return (json.dumps(document.to_xcom(), indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # versions
 
 
-def claim_version(layout: ModelLayout, above: int, claim: dict[str, Any]) -> int:
-    """The lowest free version number above `above` and every claimed one, now owned by the caller."""
+def claim_version(layout: ModelLayout, above: int, run_id: str) -> int:
+    """The lowest free version number above `above` and every claimed one, now owned by run `run_id`."""
     claimed = [int(name[1:-5]) for name in list_dir(layout.claims)
                if name.startswith("v") and name.endswith(".json") and name[1:-5].isdigit()]
     number = max([above, *claimed]) + 1
     for _ in range(MAX_CLAIM_ATTEMPTS):
-        if create_exclusive(layout.claim(number), _json_bytes({**claim, "version": f"v{number}"})):
+        if create_exclusive(layout.claim(number), _json_bytes(Claim(run_id, utc_now(), f"v{number}"))):
             return number
         number += 1
     raise RegistryError(f"No free version number under {layout.claims} after {MAX_CLAIM_ATTEMPTS} attempts.")
 
 
-def copy_tree(source_url: str, target_url: str) -> list[dict[str, Any]]:
-    """Copy a run's saved model to a version within one storage (S3: server-side); the files with their sizes."""
+def copy_into(version: VersionLayout, folder: str, source_url: str) -> list[VersionFile]:
+    """Copy a run's saved model (or one of its exports) into the version's `folder` within one storage (S3:
+    server-side); the files, named from the version's directory, with their sizes."""
     try:
-        return storage_copy_tree(source_url, target_url)
+        copied = storage_copy_tree(source_url, join(version.url, folder))
     except FileNotFoundError:
         raise FileNotFoundError(f"{source_url} has no files: the run saved no model there.") from None
+    return [VersionFile(f"{folder}/{file['name']}", file["bytes"]) for file in copied]
 
 
 def same_tokenizer(model_url: str, tokenizer_dir_url: str) -> bool:
@@ -118,19 +244,25 @@ def same_tokenizer(model_url: str, tokenizer_dir_url: str) -> bool:
         return False
 
 
-def complete_version(version: VersionLayout) -> dict[str, Any] | None:
-    """version.json when the version and every file it lists exist, else None."""
+def complete_version(version: VersionLayout) -> VersionRecord | None:
+    """version.json when the version and every file it lists exist, else None; RegistryError naming the file and
+    the field when version.json is not one."""
     if not exists(version.record):
         return None
-    record = read_json(version.record)
+    try:
+        value = json.loads(read_bytes(version.record).decode("utf-8"))
+    except (ValueError, RecursionError) as error:
+        raise RegistryError(f"{version.record} is not valid JSON ({error}): the version is damaged.") from error
+    record = _checked(VersionRecord, version.record, value, "The version is damaged: restore it, or promote "
+                      "another run.")
     fs, root = filesystem(version.url)
-    for file in record.get("files", []):
-        path = f"{root.rstrip('/')}/{file['name']}"
-        if not fs.exists(path) or fs.size(path) != file["bytes"]:
+    for file in record.files:
+        path = f"{root.rstrip('/')}/{file.name}"
+        if not fs.exists(path) or fs.size(path) != file.bytes:
             return None
     return record
 
 
-
-__all__ = ["RegistryError", "claim_version", "complete_version", "copy_tree", "model_layout", "read_latest",
-           "read_pointer", "swap_pointer"]
+__all__ = ["Claim", "Entry", "Pointer", "PromotedVersion", "RegistryError", "VersionFile", "VersionRecord",
+           "claim_version", "complete_version", "copy_into", "model_layout", "read_latest", "read_pointer",
+           "swap_pointer"]

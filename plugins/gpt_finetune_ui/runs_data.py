@@ -174,9 +174,8 @@ def list_models(storage: StorageLayout) -> list[dict[str, Any]]:
             continue
         if pointer is None:  # a claim or a half-written version, never a promotion
             continue
-        history = [{field: entry.get(field) for field in ("version", "run_id", "run_key", "promoted_at", "eval_loss")}
-                   for entry in pointer["history"] if isinstance(entry, dict)]
-        models.append({"name": name, "latest": pointer.get("version"), "run_id": pointer.get("run_id"),
-                       "run_key": pointer.get("run_key"), "promoted_at": pointer.get("promoted_at"),
-                       "eval_loss": pointer.get("eval_loss"), "history": history[::-1]})
+        history = [{field: getattr(entry, field) for field in ("version", "run_id", "run_key", "promoted_at",
+                                                               "eval_loss")} for entry in pointer.history]
+        models.append({"name": name, "latest": pointer.version, "run_id": pointer.run_id, "run_key": pointer.run_key,
+                       "promoted_at": pointer.promoted_at, "eval_loss": pointer.eval_loss, "history": history[::-1]})
     return models

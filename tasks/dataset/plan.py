@@ -12,6 +12,7 @@ from typing import Any
 
 from launcher.document import Document
 from tasks.pricing import Price
+from tasks.registry import PromotedVersion
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class DatasetPlan(Document):
     manifest_url: str
     cache_hit: bool
     config: dict[str, Any]
-    continued_from: dict[str, Any] | None = None
+    continued_from: PromotedVersion | None = None
     price: Price | None = None
     plan_id: str | None = None
     plan_url: str | None = None

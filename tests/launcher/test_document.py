@@ -44,7 +44,7 @@ def test_a_document_survives_json_and_reads_back_typed():
     ({**GOOD, "label": 3}, "Outer.label: expected str, got int 3"),
     ({**GOOD, "ratio": True}, "Outer.ratio: expected float, got bool True"),
     ({**GOOD, "flag": "yes"}, "Outer.flag: expected bool, got str 'yes'"),
-    ({**GOOD, "items": [{"name": "x", "size": "2"}]}, "Inner.size: expected int, got str '2'"),
+    ({**GOOD, "items": [{"name": "x", "size": "2"}]}, "Outer.items[0]: Inner.size: expected int, got str '2'"),
     ({**GOOD, "items": [{"name": "x", "size": 2, "path": "/etc"}]}, "Inner: unknown key(s) path"),
     ({**GOOD, "extra": {1: 2}}, "Outer.extra: expected"),
     ({**GOOD, "note": ["a"]}, "Outer.note: expected"),

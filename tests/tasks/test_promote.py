@@ -82,7 +82,7 @@ def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
     v1 = layout.version(1)
     record = registry.complete_version(v1)
     assert record is not None and {"model/fixture_eval.json", "model/tokenizer.json", "report.json",
-                                    "model_card.md"} <= {file["name"] for file in record["files"]}
+                                    "model_card.md"} <= {file.name for file in record.files}
     card = read_bytes(v1.model_card).decode()
     for fragment in ("# gpt_finetune v1", run_fixtures.FINGERPRINT, "Eval loss on the validation split: 5.3000",
                      "eval_loss_finite: pass", "| learning_rate | `0.003` |", "tensorflow: 2.21.0",
@@ -115,8 +115,8 @@ def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
     better = evaluated_run(root, "scheduled__3", 5.20)
     assert promote_run(better)["version"] == "v2"
     pointer = registry.read_latest(layout)
-    assert (pointer["version"], pointer["run_id"]) == ("v2", "scheduled__3")
-    assert [(entry["version"], entry["run_id"], entry["eval_loss"]) for entry in pointer["history"]] == [
+    assert (pointer.version, pointer.run_id) == ("v2", "scheduled__3")
+    assert [(entry.version, entry.run_id, entry.eval_loss) for entry in pointer.history] == [
         ("v1", "scheduled__1", 5.30), ("v2", "scheduled__3", 5.20)]
     assert "**Promoted** to gpt_finetune v2" in run_fixtures.released_markdown(better.report_url)
 
@@ -131,7 +131,7 @@ def test_tolerance_and_the_promote_policies(evaluations, tmp_path):
     failed_gate = promote_run(evaluated_run(root, "r5", float("nan"), promote="always"))
     assert failed_gate["promoted"] is False and "the run's gates failed (distributed eval loss is nan" in \
         failed_gate["reason"]
-    assert [entry["run_id"] for entry in registry.read_latest(models(root))["history"]] == ["r1", "r2", "r3"]
+    assert [entry.run_id for entry in registry.read_latest(models(root)).history] == ["r1", "r2", "r3"]
 
 
 def test_a_version_scored_on_other_data_is_compared_by_its_record_and_the_reason_says_so(evaluations, tmp_path):
@@ -155,9 +155,9 @@ def test_a_sampled_comparison_allows_two_paired_standard_errors_and_records_its_
     root = str(tmp_path / "storage")
     first = evaluated_run(root, "r1", 5.30, spread=0.20, eval_tokens=512)
     assert promote_run(first)["version"] == "v1"
-    entry = registry.read_latest(models(root))["history"][0]
+    entry = registry.read_latest(models(root)).history[0]
     sample = report_of(first)["eval_sample"]
-    assert entry["eval_sample"] == sample["id"] and entry["eval_loss_se"] > 0 and sample["tokens"] == 512
+    assert entry.eval_sample == sample["id"] and entry.eval_loss_se > 0 and sample["tokens"] == 512
 
     later = evaluated_run(root, "r2", 5.32, spread=0.25, eval_tokens=512)  # worse by 0.02: within the error
     promoted = report_of(later)["promoted"]
@@ -178,7 +178,7 @@ def test_a_retried_promotion_keeps_the_version_it_got(evaluations, tmp_path):
     again = promote_run(prepared)  # the task retried after its pointer swap
     assert (again["promoted"], again["version"], again["event"]) == (True, "v1", first["event"])
     assert "already promoted to v1 by an earlier attempt" in again["reason"]
-    assert len(registry.read_latest(models(prepared.config["storage_root"]))["history"]) == 1
+    assert len(registry.read_latest(models(prepared.config["storage_root"])).history) == 1
 
 
 def test_a_run_without_a_report_is_not_promoted(tmp_path):
@@ -193,7 +193,7 @@ def test_a_version_holds_each_format_in_its_folder_and_the_card_lists_them(evalu
     prepared = evaluated_run(root, "r1", 5.30)
     assert promote_run(prepared)["version"] == "v1"
     v1 = models(root).version(1)
-    names = {file["name"] for file in registry.complete_version(v1)["files"]}
+    names = {file.name for file in registry.complete_version(v1).files}
     assert {"model/tokenizer.json", "safetensors/model.safetensors", "saved_model/saved_model.pb"} <= names
     assert read_bytes(join(v1.export("safetensors"), "model.safetensors")) == b"fixture safetensors"
     # One writer per file: report.json is evaluate's; the export gates are in promote's promotion.json.
@@ -243,7 +243,7 @@ def test_a_failed_or_missing_export_blocks_promotion_with_a_gate_row_naming_it(e
     tf_only = evaluated_run(root, "r3", 5.30, export_formats=[])  # [] keeps model/ alone, unchecked
     assert promote_run(tf_only)["version"] == "v1"
     v1 = models(root).version(1)
-    assert {file["name"].split("/")[0] for file in registry.complete_version(v1)["files"]} == {
+    assert {file.name.split("/")[0] for file in registry.complete_version(v1).files} == {
         "model", "report.json", "model_card.md"}
     assert not any(gate["name"].startswith("export_") for gate in report_of(tf_only)["gates"])
     assert "Only `model/` (tf_model.h5 and the tokenizer" in read_bytes(v1.model_card).decode()
@@ -264,14 +264,14 @@ def promoter(prepared: PreparedRun, start_at: float) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def assert_pointer_consistent(layout) -> dict:
+def assert_pointer_consistent(layout) -> registry.Pointer:
     """latest names the last history entry; the history's numbers rise; every version in it is complete."""
     pointer = registry.read_latest(layout)
-    numbers = [entry["number"] for entry in pointer["history"]]
+    numbers = [entry.number for entry in pointer.history]
     assert numbers == sorted(set(numbers)), numbers
-    assert pointer["version"] == pointer["history"][-1]["version"]
-    for entry in pointer["history"]:
-        assert registry.complete_version(layout.version(entry["number"])) is not None, entry["version"]
+    assert pointer.version == pointer.history[-1].version
+    for entry in pointer.history:
+        assert registry.complete_version(layout.version(entry.number)) is not None, entry.version
     return pointer
 
 
@@ -289,8 +289,8 @@ def test_concurrent_promotions_never_interleave_versions(root, evaluations):
     # Equal losses are never worse: all three are promoted, each to its own version, one after another.
     assert all(outcome["promoted"] for outcome in outcomes)
     pointer = assert_pointer_consistent(models(root))
-    assert sorted(entry["run_id"] for entry in pointer["history"]) == sorted(run.run_id for run in runs)
-    assert sorted(outcome["version"] for outcome in outcomes) == sorted(e["version"] for e in pointer["history"])
+    assert sorted(entry.run_id for entry in pointer.history) == sorted(run.run_id for run in runs)
+    assert sorted(outcome["version"] for outcome in outcomes) == sorted(e.version for e in pointer.history)
 
 
 def test_a_promotion_killed_on_s3_leaves_latest_on_a_complete_version(s3_faults, s3_faulty_bucket, evaluations):
@@ -309,10 +309,10 @@ def test_a_promotion_killed_on_s3_leaves_latest_on_a_complete_version(s3_faults,
     s3_faults.heal()
 
     pointer = assert_pointer_consistent(layout)
-    assert [entry["version"] for entry in pointer["history"]] == ["v1"]
+    assert [entry.version for entry in pointer.history] == ["v1"]
     assert registry.complete_version(layout.version(2)) is None  # claimed, half-written, pointed to by nothing
     assert promote_run(reported_run(first, "r3", 5.10))["version"] == "v3"
-    assert [entry["version"] for entry in assert_pointer_consistent(layout)["history"]] == ["v1", "v3"]
+    assert [entry.version for entry in assert_pointer_consistent(layout).history] == ["v1", "v3"]
 
 
 def test_a_promotion_killed_on_local_disk_leaves_latest_on_a_complete_version(tmp_path, evaluations):
@@ -334,22 +334,30 @@ def test_a_promotion_killed_on_local_disk_leaves_latest_on_a_complete_version(tm
 
     assert registry.complete_version(layout.version(2)) is None, "killed after the version was complete"
     pointer = assert_pointer_consistent(layout)
-    assert [entry["version"] for entry in pointer["history"]] == ["v1"]
+    assert [entry.version for entry in pointer.history] == ["v1"]
     os.remove(join(killed.train_url, "model", "tf_model.h5"))
     assert promote_run(evaluated_run(root, "r3", 5.10))["version"] == "v3"
+
+
+def pointer_to(number: int) -> registry.Pointer:
+    entry = registry.Entry(version=f"v{number}", number=number, url=f"models/m/v{number}",
+                           model_url=f"models/m/v{number}/model", run_id=f"r{number}", run_key=f"k{number}",
+                           promoted_at="2026-12-05T00:00:00.000+00:00", eval_loss=5.0, perplexity=148.4,
+                           dataset_fingerprint="f", run_report_url=f"runs/k{number}/report/report.json")
+    return registry.Pointer.moved_to(entry, "m", None)
 
 
 def test_pointer_swaps_and_claims_are_exclusive(root):
     layout = models(root)
     assert registry.read_pointer(layout.latest) == (None, None)
-    assert registry.swap_pointer(layout.latest, None, {"history": [], "version": "v1"}) is True
-    assert registry.swap_pointer(layout.latest, None, {"history": [], "version": "v9"}) is False
+    assert registry.swap_pointer(layout.latest, None, pointer_to(1)) is True
+    assert registry.swap_pointer(layout.latest, None, pointer_to(9)) is False
     pointer, token = registry.read_pointer(layout.latest)
-    assert pointer["version"] == "v1"
-    assert registry.swap_pointer(layout.latest, token, {"history": [], "version": "v2"}) is True
-    assert registry.swap_pointer(layout.latest, token, {"history": [], "version": "v3"}) is False  # stale token
-    assert registry.read_latest(layout)["version"] == "v2"
-    assert [registry.claim_version(layout, 0, {}) for _ in range(3)] == [1, 2, 3]
-    assert registry.claim_version(layout, 7, {}) == 8
+    assert pointer == pointer_to(1)
+    assert registry.swap_pointer(layout.latest, token, pointer_to(2)) is True
+    assert registry.swap_pointer(layout.latest, token, pointer_to(3)) is False  # stale token
+    assert registry.read_latest(layout).version == "v2"
+    assert [registry.claim_version(layout, 0, "r1") for _ in range(3)] == [1, 2, 3]
+    assert registry.claim_version(layout, 7, "r1") == 8
     fs, path = filesystem(layout.claim(2))
     assert json.loads(fs.cat_file(path))["version"] == "v2"

@@ -1,4 +1,5 @@
-"""tasks.registry on local disk and on the S3 server alike: a damaged pointer is named, claims are exclusive,
+"""tasks.registry on local disk and on the S3 server alike: a damaged pointer is named with its field, earlier
+promotions' files still read, claims are exclusive,
 copies list their files, and a version counts only when every file it records is there. The exclusive create and
 the compare-and-swap themselves are tested in tests/trainer/test_storage.py.
 
@@ -7,6 +8,7 @@ The promote task's use of it (the rule, races and kills) is tested in test_promo
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -41,53 +43,91 @@ def test_a_model_never_promoted_has_no_pointer(layout):
     assert registry.read_latest(layout) is None
 
 
+ENTRY = {"version": "v1", "number": 1, "url": "models/gpt_finetune/v1", "model_url": "models/gpt_finetune/v1/model",
+         "run_id": "nightly__1", "run_key": "gpt_finetune__nightly__1", "promoted_at": "2026-12-01T02:00:00+00:00",
+         "eval_loss": 5.3, "perplexity": 200.34, "dataset_fingerprint": "3f2a9c01d4e5b6a7c8d9",
+         "run_report_url": "runs/gpt_finetune__nightly__1/report/report.json"}
+SAMPLED = {**ENTRY, "eval_loss_se": 0.01, "eval_sample": "s-1234"}
+
+
+def stored_pointer(entry: dict, history: list[dict]) -> dict:
+    return {"format_version": 1, "name": "gpt_finetune", **entry, "history": history}
+
+
 @pytest.mark.parametrize(("stored", "problem"), [
     (b'{"version": "v1", "hist', "is not valid JSON"),
-    (b'{"version": "v1"}', "no history list"),
-    (b'["v1"]', "no history list"),
+    (b'{"version": "v1"}', "Pointer: missing key(s) number, url"),
+    (b'["v1"]', "Pointer: expected a JSON object, got list"),
+    (json.dumps(stored_pointer(ENTRY, [{**ENTRY, "eval_loss": "5.3"}])).encode(),
+     "Pointer.history[0]: Entry.eval_loss: expected float, got str '5.3'"),
+    (json.dumps(stored_pointer({**ENTRY, "number": "1"}, [ENTRY])).encode(), "Pointer.number: expected int"),
+    (json.dumps(stored_pointer(ENTRY, ENTRY)).encode(), "Pointer.history: expected"),
 ])
-def test_a_damaged_pointer_is_an_error_that_names_it(layout, stored, problem):
+def test_a_damaged_pointer_is_an_error_that_names_it_and_the_field(layout, stored, problem):
     write_bytes_atomic(layout.latest, stored)
-    with pytest.raises(registry.RegistryError, match=problem) as raised:
+    with pytest.raises(registry.RegistryError, match=re.escape(problem)) as raised:
         registry.read_latest(layout)
     assert layout.latest in str(raised.value)
+
+
+def test_pointers_of_earlier_promotions_read_and_write_back_with_their_keys(local_layout):
+    """Entries before evaluation samples (no eval_loss_se, eval_sample) still read; a pointer read and written again
+    is the same JSON, with the samples' fields null where they were unknown (docs/CONTRACTS.md)."""
+    stored = stored_pointer(SAMPLED, [ENTRY, SAMPLED])
+    write_json_atomic(local_layout.latest, stored)
+    pointer = registry.read_latest(local_layout)
+    assert (pointer.version, pointer.history[0].eval_sample, pointer.history[1].eval_loss_se) == ("v1", None, 0.01)
+    assert pointer.to_xcom() == stored_pointer(SAMPLED, [{**ENTRY, "eval_loss_se": None, "eval_sample": None},
+                                                         SAMPLED])
+    moved = registry.Pointer.moved_to(registry.Entry.from_xcom({**SAMPLED, "version": "v2", "number": 2}),
+                                      "gpt_finetune", pointer)
+    assert [entry.version for entry in moved.history] == ["v1", "v1", "v2"] and moved.number == 2
 
 
 def test_a_claim_goes_above_every_claimed_number_and_ignores_other_files(layout):
     write_json_atomic(layout.claim(5), {"run_id": "killed mid-promotion"})
     write_bytes_atomic(join(layout.claims, "notes.txt"), b"not a claim")
     write_bytes_atomic(join(layout.claims, "vlatest.json"), b"{}")
-    assert registry.claim_version(layout, 2, {"run_id": "r7"}) == 6
-    assert registry.claim_version(layout, 9, {"run_id": "r8"}) == 10
-    assert read_json(layout.claim(6)) == {"run_id": "r7", "version": "v6"}
+    assert registry.claim_version(layout, 2, "r7") == 6
+    assert registry.claim_version(layout, 9, "r8") == 10
+    claim = read_json(layout.claim(6))
+    assert (set(claim), claim["run_id"], claim["version"]) == ({"run_id", "claimed_at", "version"}, "r7", "v6")
 
 
-def test_copy_tree_copies_every_file_and_lists_its_size(root, layout):
+def test_copy_into_copies_every_file_and_lists_its_size_from_the_version(root, layout):
     source = join(root, "runs", "r1", "train", "model")
     write_files(source, {"config.json": b"{}", "tf_model.h5": b"\0" * 1000, "tokenizer/vocab.json": b'{"a": 0}'})
-    copied = registry.copy_tree(source, layout.version(1).model)
-    assert copied == [{"name": "config.json", "bytes": 2}, {"name": "tf_model.h5", "bytes": 1000},
-                      {"name": "tokenizer/vocab.json", "bytes": 8}]
+    copied = registry.copy_into(layout.version(1), "model", source)
+    assert copied == [registry.VersionFile("model/config.json", 2), registry.VersionFile("model/tf_model.h5", 1000),
+                      registry.VersionFile("model/tokenizer/vocab.json", 8)]
     assert read_json(join(layout.version(1).model, "tokenizer", "vocab.json")) == {"a": 0}
 
 
-def test_copy_tree_of_a_model_that_was_never_saved_says_so(root, layout):
+def test_copy_into_of_a_model_that_was_never_saved_says_so(root, layout):
     with pytest.raises(FileNotFoundError, match="saved no model"):
-        registry.copy_tree(join(root, "runs", "r1", "train", "model"), layout.version(1).model)
+        registry.copy_into(layout.version(1), "model", join(root, "runs", "r1", "train", "model"))
 
 
 def test_a_version_is_complete_only_with_every_recorded_file_at_its_size(local_layout):
     version = local_layout.version(1)
     write_files(version.url, {"model/tf_model.h5": b"weights", "report.json": b"{}"})
     assert registry.complete_version(version) is None, "no version.json yet: the copy may still be running"
-    record = {"version": "v1",
+    # version.json as the first promotions wrote it: no evaluation sample, no base model.
+    record = {"format_version": 1, "name": "gpt_finetune", "created_at": "2026-12-01T02:00:00+00:00",
+              **{key: ENTRY[key] for key in ("version", "run_id", "run_key", "eval_loss", "perplexity",
+                                             "dataset_fingerprint")},
               "files": [{"name": "model/tf_model.h5", "bytes": 7}, {"name": "report.json", "bytes": 2}]}
     write_json_atomic(version.record, record)
-    assert registry.complete_version(version) == record
+    complete = registry.complete_version(version)
+    assert complete is not None and complete.to_xcom() == {**record, "eval_loss_se": None, "eval_sample": None,
+                                                           "base_model": None}
     write_bytes_atomic(join(version.url, "model", "tf_model.h5"), b"truncated")
     assert registry.complete_version(version) is None
     write_json_atomic(version.record, {**record, "files": [*record["files"], {"name": "model_card.md", "bytes": 1}]})
     assert registry.complete_version(version) is None
+    write_json_atomic(version.record, {**record, "files": [{"name": "model/tf_model.h5", "bytes": "7"}]})
+    with pytest.raises(registry.RegistryError, match=re.escape("version.json: VersionRecord.files[0]: VersionFile.bytes")):
+        registry.complete_version(version)
 
 
 def tokenizer_json(vocab: dict[str, int], added: list[str]) -> bytes:
