@@ -121,12 +121,18 @@ def test_a_version_is_complete_only_with_every_recorded_file_at_its_size(local_l
     complete = registry.complete_version(version)
     assert complete is not None and complete.to_xcom() == {**record, "eval_loss_se": None, "eval_sample": None,
                                                            "base_model": None}
+    pinned = {**record, "eval_loss_se": 0.01, "eval_sample": "s-1234",
+              "base_model": {"name": "gpt2", "revision": "main", "sha": "a" * 40, "url": "models/base/gpt2@aaa"}}
+    write_json_atomic(version.record, pinned)  # as promotions write it since the pinned base model
+    complete = registry.complete_version(version)
+    assert complete.base_model.sha == "a" * 40 and complete.to_xcom() == pinned
     write_bytes_atomic(join(version.url, "model", "tf_model.h5"), b"truncated")
     assert registry.complete_version(version) is None
     write_json_atomic(version.record, {**record, "files": [*record["files"], {"name": "model_card.md", "bytes": 1}]})
     assert registry.complete_version(version) is None
     write_json_atomic(version.record, {**record, "files": [{"name": "model/tf_model.h5", "bytes": "7"}]})
-    with pytest.raises(registry.RegistryError, match=re.escape("version.json: VersionRecord.files[0]: VersionFile.bytes")):
+    damaged = re.escape("version.json: VersionRecord.files[0]: VersionFile.bytes: expected int")
+    with pytest.raises(registry.RegistryError, match=damaged):
         registry.complete_version(version)
 
 
