@@ -71,7 +71,7 @@ def test_nightly_runs_promote_v1_refuse_a_worse_model_and_promote_v2(airflow_sta
 
     layout = storage(airflow_stack).model(name)
     pointer = registry.read_latest(layout)
-    assert [(entry["version"], entry["run_id"]) for entry in pointer["history"]] == [("v1", first), ("v2", good)]
+    assert [(entry.version, entry.run_id) for entry in pointer.history] == [("v1", first), ("v2", good)]
     for number in (1, 2):
         assert registry.complete_version(layout.version(number)) is not None
         assert Path(layout.version(number).model, "tokenizer.json").exists()
