@@ -21,6 +21,7 @@ import posixpath
 import shutil
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,8 +30,21 @@ from typing import Any
 
 import fsspec
 from fsspec.core import url_to_fs
+from fsspec.utils import get_protocol
 
 _CHUNK = 4 << 20
+_OBJECT_STORES_KEPT = 8  # distinct AWS_* environments (credentials, endpoints) one process uses at a time
+_OBJECT_STORES: dict[tuple, fsspec.AbstractFileSystem] = {}
+_OBJECT_STORES_LOCK = threading.Lock()
+
+
+def _forget_object_stores() -> None:
+    global _OBJECT_STORES_LOCK
+    _OBJECT_STORES.clear()
+    _OBJECT_STORES_LOCK = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_forget_object_stores)
 
 
 def storage_options_from_env(url: str) -> dict[str, Any]:
@@ -42,9 +56,33 @@ def storage_options_from_env(url: str) -> dict[str, Any]:
 
 
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem for `url` and the path inside it. `skip_instance_cache` keeps forked workers safe."""
-    fs, path = url_to_fs(url, skip_instance_cache=True, **storage_options_from_env(url))
-    return fs, path
+    """The filesystem for `url` and the path inside it: a fresh local one, or an object store's reused while this
+    process's AWS_* environment stays the same (`_object_store`). Object stores cache no listings: other processes
+    write the same prefixes, and a stale listing would make `exists` lie."""
+    options = storage_options_from_env(url)
+    if get_protocol(url) not in ("file", "local"):
+        options["use_listings_cache"] = False
+    fs, path = url_to_fs(url, skip_instance_cache=True, **options)
+    return (fs if is_local(fs) else _object_store(fs)), path
+
+
+def _object_store(fresh: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
+    """An earlier filesystem made with `fresh`'s options under this process's AWS_* environment, else `fresh`,
+    kept for the next call. (A new one costs nothing until its first call makes its botocore client.)
+
+    A botocore client costs about 0.2 s of CPU to make: one per storage call cost more than the calls. fsspec's
+    own instance cache cannot be used: botocore reads the keys from the environment, which
+    `tasks.connections.with_storage_credentials` changes for a block, so a filesystem is reused only under the
+    environment it was made in (keyed by a digest: no secret is held as a key). A forked child starts empty
+    (fsspec's event loop does not survive a fork)."""
+    environment = sorted((name, value) for name, value in os.environ.items() if name.startswith("AWS_"))
+    key = (fresh._fs_token, hashlib.sha256(json.dumps(environment).encode()).hexdigest())
+    with _OBJECT_STORES_LOCK:
+        cached = _OBJECT_STORES.pop(key, fresh)
+        _OBJECT_STORES[key] = cached  # most recently used last
+        while len(_OBJECT_STORES) > _OBJECT_STORES_KEPT:
+            del _OBJECT_STORES[next(iter(_OBJECT_STORES))]
+        return cached
 
 
 def join(base: str, *parts: str) -> str:

@@ -128,6 +128,50 @@ def test_the_s3_endpoint_comes_from_the_environment(monkeypatch):
     assert storage.storage_options_from_env("s3://bucket/key") == {}
 
 
+def test_an_object_store_is_reused_only_under_the_environment_it_was_made_in(s3_bucket):
+    url = storage.join(s3_bucket, "runs", "r1")
+    first, _ = storage.filesystem(url)
+    assert storage.filesystem(storage.join(s3_bucket, "other"))[0] is first  # one botocore client, not one per call
+    with pytest.MonkeyPatch.context() as credentials:  # what with_storage_credentials does for a block
+        credentials.setenv("AWS_ACCESS_KEY_ID", "another-key")
+        assert storage.filesystem(url)[0] is not first
+    assert storage.filesystem(url)[0] is first
+    assert storage.filesystem(str(Path(url.removeprefix("s3://"))))[0] is not first
+
+
+def test_a_reused_object_store_sees_what_other_writers_did_since(s3_bucket):
+    folder = storage.join(s3_bucket, "shared")
+    storage.write_bytes_atomic(storage.join(folder, "a.json"), b"{}")
+    assert list(storage.list_dir(folder)) == ["a.json"]
+    other_writer = storage.filesystem(folder)[0].__class__(skip_instance_cache=True,
+                                                           **storage.storage_options_from_env(folder))
+    other_writer.pipe(storage.join(folder, "b.json").removeprefix("s3://"), b"{}")
+    assert storage.exists(storage.join(folder, "b.json"))  # no listing cached from the call before
+    assert sorted(storage.list_dir(folder)) == ["a.json", "b.json"]
+    other_writer.rm(storage.join(folder, "a.json").removeprefix("s3://"))
+    assert not storage.exists(storage.join(folder, "a.json"))
+
+
+def test_a_forked_child_makes_its_own_object_store(s3_bucket):
+    url = storage.join(s3_bucket, "forked", "x.json")
+    parent_store = storage.filesystem(url)[0]
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # the parent's event loop thread does not exist here: the parent's store would hang
+        try:
+            if storage.filesystem(url)[0] is parent_store:
+                os.write(writer, b"shared")
+            else:
+                storage.write_bytes_atomic(url, b"from the child")
+                os.write(writer, b"ok")
+        finally:
+            os._exit(0)
+    os.close(writer)
+    _, status = os.waitpid(child, 0)
+    assert (os.read(reader, 16), status) == (b"ok", 0)
+    assert storage.read_bytes(url) == b"from the child"
+
+
 def test_a_published_directory_replaces_the_old_one_whole_with_its_completing_file_last(root):
     url = storage.join(root, "datasets", "abc")
     for version in ("old", "new"):
