@@ -33,10 +33,9 @@ Sampler = Callable[[], Mapping[int, float | None]]  # rank -> GPU utilization % 
 
 @dataclass(frozen=True)
 class IdleEpisode:
-    """What one warning says: the ranks idle when it fired, how long the longest went without progress, where each
-    stood (`phase`), their highest utilization sample in the window (GPU runs), and when (wall clock, seconds)."""
+    """What one warning says: the attempt, the ranks idle when it fired, how long the longest went without progress,
+    where each stood (`phase`), their highest utilization sample in the window (GPU runs), and when (wall clock, s)."""
 
-    group: str
     attempt: int
     ranks: tuple[int, ...]
     idle_s: float
@@ -53,13 +52,16 @@ class _Rank:
 
 
 class IdleWatch:
-    """See the module doc. `step_of(line)`: the step a worker line reports (None for other lines); the caller knows
-    the line format, the launcher does not. `util_below_pct` None: a CPU run, progress alone decides.
-    `sample_every_s` 0: a tenth of `max_idle_s`, within [1, MAX_SAMPLE_EVERY_S]."""
+    """See the module doc. `max_idle_s` > 0 (a launch without the warning has no watch); `step_of(line)`: the step
+    a worker line reports (None for other lines); the caller knows the line format, the launcher does not.
+    `util_below_pct` None: a CPU run, progress alone decides. `sample_every_s` 0: a tenth of `max_idle_s`, within
+    [1, MAX_SAMPLE_EVERY_S]."""
 
     def __init__(self, max_idle_s: float, step_of: Callable[[str], int | None], on_idle: Callable[[IdleEpisode], None],
                  *, util_below_pct: float | None = None, sample_every_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        if max_idle_s <= 0:
+            raise ValueError(f"an idle-held watch needs max_idle_s > 0, got {max_idle_s}")
         self.max_idle_s, self.step_of, self.on_idle = max_idle_s, step_of, on_idle
         self.util_below_pct, self.sample_every_s, self.clock, self.wall = util_below_pct, sample_every_s, clock, wall
         self.group, self.attempt = "", 0
@@ -72,10 +74,6 @@ class IdleWatch:
         self._sample: Sampler | None = None
         self._sample_failed = False  # said once per watch
 
-    @property
-    def enabled(self) -> bool:
-        return self.max_idle_s > 0
-
     def start(self, group: str, attempt: int, ranks: Iterable[int], sample: Sampler | None = None) -> None:
         """A launch attempt's ranks started now; `sample` reads their GPUs' utilization (GPU runs)."""
         self.stop()
@@ -85,7 +83,7 @@ class IdleWatch:
             self._ranks = {rank: _Rank(now) for rank in ranks}
             self._samples.clear()
         self._sample = sample if self.util_below_pct is not None else None
-        if self.enabled and self._sample is not None:
+        if self._sample is not None:
             self._stop = threading.Event()
             every = self.sample_every_s or min(MAX_SAMPLE_EVERY_S, max(1.0, self.max_idle_s / 10))
             self._sampler = threading.Thread(target=self._sample_loop, args=(every, self._stop), daemon=True,
@@ -100,8 +98,6 @@ class IdleWatch:
 
     def line(self, rank: int, line: str, *, ready: bool = False) -> None:
         """A worker line (any thread): a step above the rank's last is progress; `ready`: its ready marker."""
-        if not self.enabled:
-            return
         step = self.step_of(line)
         with self._lock:
             state = self._ranks.get(rank)
@@ -113,8 +109,6 @@ class IdleWatch:
 
     def poll(self) -> None:
         """Called by the group's watch loop: fires `on_idle` once per episode, never raises."""
-        if not self.enabled:
-            return
         with self._lock:
             episode = self._new_episode(self.clock())
         if episode is None:
@@ -139,7 +133,7 @@ class IdleWatch:
         if not idle:
             return None
         self._open = True
-        return IdleEpisode(self.group, self.attempt, tuple(idle), round(max(stalled[rank] for rank in idle), 3),
+        return IdleEpisode(self.attempt, tuple(idle), round(max(stalled[rank] for rank in idle), 3),
                            {rank: self._phase(self._ranks[rank]) for rank in idle},
                            None if peaks is None else {rank: peaks[rank] for rank in idle}, self.wall())
 

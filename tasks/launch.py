@@ -214,10 +214,12 @@ class RecordedLaunch:
         self._attempt: _RunningAttempt | None = None  # the running attempt's GPU-time events (tasks/usage.py)
         self._on_line = on_line
         self.idle = idle or IdleSettings()
-        watch = IdleWatch(self.idle.max_idle_held_s, live_step, self._idle_held,
-                          util_below_pct=self.idle.idle_gpu_util_pct if spec.use_gpu else None)
+        watch = None  # max_idle_held_s = 0: no warning, no watch
+        if self.idle.max_idle_held_s > 0:
+            watch = IdleWatch(self.idle.max_idle_held_s, live_step, self._idle_held,
+                              util_below_pct=self.idle.idle_gpu_util_pct if spec.use_gpu else None)
         self.group = WorkerGroup(spec, backend, self.workdir, on_line=self._line, on_started=self._started,
-                                 supervisor_pid=task_supervisor_pid(), idle=watch if watch.enabled else None)
+                                 supervisor_pid=task_supervisor_pid(), idle=watch)
 
     @property
     def state_url(self) -> str:

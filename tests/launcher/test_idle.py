@@ -128,3 +128,9 @@ def test_a_failing_callback_or_sampler_never_reaches_the_group():
     clock.now += 2
     idle.poll()  # logged, not raised
     idle.stop()
+
+
+@pytest.mark.parametrize("max_idle_s", [0, -1])
+def test_a_watch_needs_a_positive_window(max_idle_s):
+    with pytest.raises(ValueError, match="max_idle_s > 0"):  # a launch without the warning has no watch at all
+        IdleWatch(max_idle_s, step_of, lambda episode: None)
