@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from launcher.protocol import utc_now
 from tasks import report as reports
 from tasks.formatting import nats
+from tasks.report_document import BaselineOrigin, Comparison, EvalSample, Gate, Hardware, RunFigures, RunReport, Runs
 from trainer.config import RunConfig
 from trainer.eval_result import GATE_STANDARD_ERRORS
 from trainer.layout import TrainOutput
@@ -25,127 +26,97 @@ if TYPE_CHECKING:
     from tasks.prepared_run import PreparedRun
 
 
-def run_figures(label: str, output: TrainOutput, summary: TrainSummary, evaluation: dict[str, Any]) -> dict:
+def run_figures(label: str, output: TrainOutput, summary: TrainSummary, evaluation: dict[str, Any]) -> RunFigures:
     """The figures of one trained model, from its summary.json and its evaluation result."""
-    return {
-        "label": label,
-        "num_workers": summary.num_workers,
-        "global_batch_size": summary.global_batch_size,
-        "steps": summary.steps,
-        "tokens_seen": summary.tokens_seen,
-        "train_time_s": summary.train_time_s,
-        "seconds_per_step": summary.seconds_per_step,
-        "wall_time_s": summary.wall_time_s,
-        "tokens_per_s": summary.tokens_per_s,
-        "final_loss": summary.final_loss,
-        "mfu": summary.mfu,
-        "gpu_mem_peak_mb": summary.gpu_mem_peak_mb,  # rank 0's; null on CPU and in older summaries
-        "gpu_mem_reserved_mb": summary.gpu_mem_reserved_mb,
-        "eval_loss": evaluation["eval_loss"],
-        "perplexity": evaluation["perplexity"],
-        "nats_per_char": evaluation.get("nats_per_char"),  # absent from a baseline evaluation cached before them
-        "known_words": evaluation.get("known_words"),
-        "eval_tokens": evaluation["eval_tokens"],
-        "eval_loss_se": evaluation.get("eval_loss_se"),  # over sequences, of the sample as an estimate of the split
-        "eval_sample": _sample_figures(evaluation),
-        "eval_time_s": evaluation["eval_time_s"],
-        "output_url": output.url,
-        "model_url": output.model,
-        "summary_url": output.summary,
-        "started_at": summary.started_at,
-        "finished_at": summary.finished_at,
-        "resumed_from_step": summary.resumed_from_step,
-        "hardware": summary.hardware,
-        "versions": summary.versions,
-        "allreduce": summary.allreduce,  # how its gradients crossed the network (trainer/allreduce.py)
-    }
+    return RunFigures(
+        label=label, num_workers=summary.num_workers, global_batch_size=summary.global_batch_size,
+        steps=summary.steps, tokens_seen=summary.tokens_seen, train_time_s=summary.train_time_s,
+        seconds_per_step=summary.seconds_per_step, wall_time_s=summary.wall_time_s,
+        tokens_per_s=summary.tokens_per_s, final_loss=summary.final_loss, mfu=summary.mfu,
+        gpu_mem_peak_mb=summary.gpu_mem_peak_mb,  # rank 0's; null on CPU and in older summaries
+        gpu_mem_reserved_mb=summary.gpu_mem_reserved_mb,
+        eval_loss=evaluation["eval_loss"], perplexity=evaluation["perplexity"],
+        nats_per_char=evaluation.get("nats_per_char"),  # absent from a baseline evaluation cached before them
+        known_words=evaluation.get("known_words"), eval_tokens=evaluation["eval_tokens"],
+        eval_loss_se=evaluation.get("eval_loss_se"),  # over sequences, of the sample as an estimate of the split
+        eval_sample=EvalSample.of(evaluation.get("sample")), eval_time_s=evaluation["eval_time_s"],
+        output_url=output.url, model_url=output.model, summary_url=output.summary,
+        started_at=summary.started_at, finished_at=summary.finished_at, resumed_from_step=summary.resumed_from_step,
+        hardware=summary.hardware, versions=summary.versions,
+        allreduce=summary.allreduce,  # how its gradients crossed the network (trainer/allreduce.py)
+    )
 
 
-def _sample_figures(evaluation: dict[str, Any]) -> dict[str, Any] | None:
-    """What the report says of the sample an evaluation scored (its per-sequence losses stay in its result)."""
-    sample = evaluation.get("sample")
-    if not isinstance(sample, dict):
-        return None
-    return {name: sample.get(name) for name in ("id", "tokens", "split_tokens", "sequences", "split_sequences",
-                                                "whole_split", "asked_tokens", "workers", "read_bytes")}
-
-
-def compare(distributed: dict[str, Any], baseline: dict[str, Any] | None, tolerance: float,
-            delta_se: float | None = None) -> dict[str, Any]:
+def compare(distributed: RunFigures, baseline: RunFigures | None, tolerance: float,
+            delta_se: float | None = None) -> Comparison:
     """speedup = T1/TN, efficiency = speedup/N, delta = lossN - loss1 with its standard error `delta_se`.
 
     T is the training time per optimizer step (no start-up, no compiling first step): with equal steps it is the
     ratio of the train times, and it stays right when a job resumed from a checkpoint and timed fewer steps.
     """
     if baseline is None:
-        return {"speedup": None, "efficiency": None, "loss_delta": None, "loss_delta_se": None,
-                "loss_tolerance": tolerance}
-    timed = baseline["seconds_per_step"] is not None and distributed["seconds_per_step"]
-    speedup = baseline["seconds_per_step"] / distributed["seconds_per_step"] if timed else None
-    return {
-        "speedup": speedup,
-        "efficiency": speedup / distributed["num_workers"] if speedup is not None else None,
-        "loss_delta": distributed["eval_loss"] - baseline["eval_loss"],
-        "loss_delta_se": delta_se,
-        "loss_tolerance": tolerance,
-    }
+        return Comparison(speedup=None, efficiency=None, loss_delta=None, loss_delta_se=None, loss_tolerance=tolerance)
+    timed = baseline.seconds_per_step is not None and distributed.seconds_per_step
+    speedup = baseline.seconds_per_step / distributed.seconds_per_step if timed else None
+    return Comparison(
+        speedup=speedup,
+        efficiency=speedup / distributed.num_workers if speedup is not None else None,
+        loss_delta=distributed.eval_loss - baseline.eval_loss,
+        loss_delta_se=delta_se,
+        loss_tolerance=tolerance,
+    )
 
 
-def gates(distributed: dict[str, Any], baseline: dict[str, Any] | None, comparison: dict[str, Any]) -> list[dict]:
+def gates(distributed: RunFigures, baseline: RunFigures | None, comparison: Comparison) -> list[Gate]:
     """Each gate: name, passed, value, limit and a sentence with the numbers (used in the failure message)."""
-    finite = math.isfinite(distributed["eval_loss"])
-    result = [_gate("eval_loss_finite", finite, distributed["eval_loss"], None,
-                    f"distributed eval loss is {distributed['eval_loss']:.4f}"
+    finite = math.isfinite(distributed.eval_loss)
+    result = [Gate(name="eval_loss_finite", passed=finite, value=distributed.eval_loss, limit=None,
+                   detail=f"distributed eval loss is {distributed.eval_loss:.4f}"
                     + ("" if finite else ": training diverged; lower 'learning_rate' or enable warmup"))]
     if baseline is None:
         return result
-    same_work = (baseline["steps"], baseline["global_batch_size"]) == (distributed["steps"],
-                                                                       distributed["global_batch_size"])
-    result.append(_gate(
-        "same_work", same_work, None, None,
-        f"baseline trained {baseline['steps']} steps of {baseline['global_batch_size']} sequences, distributed "
-        f"{distributed['steps']} of {distributed['global_batch_size']}"
+    same_work = (baseline.steps, baseline.global_batch_size) == (distributed.steps, distributed.global_batch_size)
+    result.append(Gate(
+        name="same_work", passed=same_work, value=None, limit=None,
+        detail=f"baseline trained {baseline.steps} steps of {baseline.global_batch_size} sequences, distributed "
+        f"{distributed.steps} of {distributed.global_batch_size}"
         + ("" if same_work else ": the comparison is void; trigger with baseline='run'"),
     ))
-    delta, tolerance = comparison["loss_delta"], comparison["loss_tolerance"]
-    error = comparison.get("loss_delta_se") or 0.0
+    delta, tolerance = comparison.loss_delta, comparison.loss_tolerance
+    error = comparison.loss_delta_se or 0.0
     limit = tolerance + GATE_STANDARD_ERRORS * error
     parity = math.isfinite(delta) and abs(delta) <= limit
-    result.append(_gate(
-        "loss_parity", parity, delta, limit,
-        f"eval loss distributed {distributed['eval_loss']:.4f} - baseline {baseline['eval_loss']:.4f} = "
+    result.append(Gate(
+        name="loss_parity", passed=bool(parity), value=delta, limit=limit,
+        detail=f"eval loss distributed {distributed.eval_loss:.4f} - baseline {baseline.eval_loss:.4f} = "
         f"{nats(delta)} nats, {sampling_allowance(tolerance, error, distributed, baseline)}"
         + ("" if parity else " (setting 'loss_tolerance')"),
     ))
     return result
 
 
-def sampling_allowance(tolerance: float, error: float, first: dict[str, Any], second: dict[str, Any]) -> str:
+def sampling_allowance(tolerance: float, error: float, first: RunFigures, second: RunFigures) -> str:
     """How the loss gate's limit follows from its tolerance and the standard error of the delta, in words."""
-    sample, other = first.get("eval_sample") or {}, second.get("eval_sample") or {}
+    sample, other = first.eval_sample or EvalSample(), second.eval_sample or EvalSample()
     if not error:
-        exact = "the whole validation split: no sampling error" if sample.get("whole_split") else (
-            "no sampling error known")
+        exact = "the whole validation split: no sampling error" if sample.whole_split else "no sampling error known"
         return f"tolerance ±{tolerance:.4f} ({exact})"
-    how = ("both models scored the same sequences: paired" if sample.get("id") and sample.get("id") == other.get("id")
+    how = ("both models scored the same sequences: paired" if sample.id and sample.id == other.id
            else "different samples: their errors combined")
     return (f"limit ±{tolerance + GATE_STANDARD_ERRORS * error:.4f} = tolerance {tolerance:.4f} + "
             f"{GATE_STANDARD_ERRORS:g} x {error:.4f}, the standard error of the delta over "
-            f"{sample.get('sequences', '?')} sampled sequences ({how}); a model within tolerance fails by the "
+            f"{'?' if sample.sequences is None else sample.sequences} sampled sequences"
+            f" ({how}); a model within tolerance fails by the "
             "sample's chance alone less than 1 time in 40")
-
-
-def _gate(name: str, passed: bool, value: float | None, limit: float | None, detail: str) -> dict[str, Any]:
-    return {"name": name, "passed": bool(passed), "value": value, "limit": limit, "detail": detail}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # the report
 
 
-def hardware_line(cfg: RunConfig, distributed: dict[str, Any]) -> str:
+def hardware_line(cfg: RunConfig, distributed: RunFigures) -> str:
     """One honest sentence on what bounds the scaling of this run."""
-    hardware = distributed.get("hardware") or {}
+    hardware = distributed.hardware or {}
     workers = cfg.num_workers
     if cfg.use_gpu:
         return (f"{workers} workers x 1 GPU ({hardware.get('gpu') or 'GPU'}), chief on {hardware.get('host')}; "
@@ -161,40 +132,38 @@ def hardware_line(cfg: RunConfig, distributed: dict[str, Any]) -> str:
     )
 
 
-def build_report(prepared: PreparedRun, cfg: RunConfig, *, distributed: dict[str, Any], baseline: dict[str, Any] | None,
-                 delta_se: float | None = None, trained_by: str | None = None) -> dict[str, Any]:
+def build_report(prepared: PreparedRun, cfg: RunConfig, *, distributed: RunFigures, baseline: RunFigures | None,
+                 delta_se: float | None = None, trained_by: str | None = None) -> RunReport:
     """report.json's core (tasks/report.py has its layout): the runs' figures compared and gated; `trained_by` is the
     run that trained the baseline (its key record's), so a reused baseline is reported as such."""
     comparison = compare(distributed, baseline, cfg.loss_tolerance, delta_se)
     checked = gates(distributed, baseline, comparison)
-    report = {
-        "format_version": reports.REPORT_FORMAT_VERSION,
-        "run_id": prepared.run_id,
-        "run_key": prepared.run_key,
-        "created_at": utc_now(),
-        "num_workers": cfg.num_workers,
-        "gates_passed": all(gate["passed"] for gate in checked),
-        "runs": {"distributed": distributed, "baseline": baseline},
-        "comparison": comparison,
-        "gates": checked,
-        "baseline": {
-            "policy": cfg.baseline,
-            "key": prepared.baseline_key if baseline else None,
-            "url": prepared.baseline_url if baseline else None,
-            "trained_by_run": trained_by,
-            "reused": bool(baseline) and trained_by != prepared.run_id,
-        },
-        "hardware": {
-            "line": hardware_line(cfg, distributed),
-            "distributed": distributed["hardware"],
-            "baseline": baseline["hardware"] if baseline else None,
-            "task_host": {"host": platform.node(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
-        },
-        "versions": distributed["versions"],
-        "config": cfg.to_dict(),
-        "dataset_fingerprint": prepared.dataset_fingerprint,
-        "eval_sample": distributed.get("eval_sample"),  # every model of the run scored this one
-        "charts": {"loss_curves": reports.LOSS_CHART, "scaling": reports.SCALING_CHART},
-    }
-    report["table"] = reports.table_rows(report)
-    return report
+    return RunReport(
+        format_version=reports.REPORT_FORMAT_VERSION,
+        run_id=prepared.run_id,
+        run_key=prepared.run_key,
+        created_at=utc_now(),
+        num_workers=cfg.num_workers,
+        gates_passed=all(gate.passed for gate in checked),
+        runs=Runs(distributed=distributed, baseline=baseline),
+        comparison=comparison,
+        gates=tuple(checked),
+        baseline=BaselineOrigin(
+            policy=cfg.baseline,
+            key=prepared.baseline_key if baseline else None,
+            url=prepared.baseline_url if baseline else None,
+            trained_by_run=trained_by,
+            reused=bool(baseline) and trained_by != prepared.run_id,
+        ),
+        hardware=Hardware(
+            line=hardware_line(cfg, distributed),
+            distributed=distributed.hardware,
+            baseline=baseline.hardware if baseline else None,
+            task_host={"host": platform.node(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
+        ),
+        versions=distributed.versions,
+        config=cfg.to_dict(),
+        dataset_fingerprint=prepared.dataset_fingerprint,
+        eval_sample=distributed.eval_sample,  # every model of the run scored this one
+        charts={"loss_curves": reports.LOSS_CHART, "scaling": reports.SCALING_CHART},
+    )

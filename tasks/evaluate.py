@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from tasks import registry, telemetry, throughput
@@ -22,8 +22,9 @@ from tasks.alerts import alert_throughput
 from tasks.baseline import read_key_record
 from tasks.comparison import build_report, run_figures
 from tasks.connections import uses_run_storage
-from tasks.launch import add_release_after_train
+from tasks.launch import with_release_after_train
 from tasks.policy import checked_config
+from tasks.report_document import ContinuedFrom, ModelSamples, PromotedScore, RunReport, TextSample, table_rows
 from trainer.config import RunConfig
 from trainer.data import tokenizer_url
 from trainer.eval_result import ResultError, combine, delta_standard_error, part_url, sample_id
@@ -60,18 +61,18 @@ def evaluate_run(prepared: PreparedRun, make_backend: BackendFactory) -> dict:
     report = assemble_report(prepared, cfg, scored)
     earlier = reports.earlier_reports(StorageLayout(cfg.storage_root).runs, exclude_run_key=prepared.run_key)
     expected = throughput.assess(report, earlier, cfg.monitoring.min_throughput_ratio)
-    report["warnings"] = expected.warnings
+    report = replace(report, warnings=tuple(expected.warnings))
     report_json_url = reports.write_report(prepared.report_url, report, charts(prepared, cfg, report, earlier))
     log.info("Report written to %s (report.md follows from the release task)\n%s\n%s", report_json_url,
-             reports.text_table(report["table"]), f"Hardware: {report['hardware']['line']}")
+             reports.text_table(table_rows(report)), f"Hardware: {report.hardware.line if report.hardware else None}")
     announce(prepared, cfg, report, expected.ratio)
     check_gates(prepared, report, report_json_url)
-    comparison = report["comparison"]
+    comparison = report.comparison
     return {
         "report_json_url": report_json_url,  # report.md follows beside it: the release task renders it
-        "speedup": comparison["speedup"],
-        "efficiency": comparison["efficiency"],
-        "eval_loss": report["runs"]["distributed"]["eval_loss"],
+        "speedup": comparison.speedup,
+        "efficiency": comparison.efficiency,
+        "eval_loss": report.runs.distributed.eval_loss,
         "baseline_eval_loss": scored.baseline_eval["eval_loss"] if scored.baseline_eval else None,
         "gates_passed": True,
     }
@@ -88,7 +89,7 @@ class Scored:
     baseline: TrainOutput | None
     baseline_summary: TrainSummary | None
     baseline_eval: dict[str, Any] | None
-    promoted: dict[str, Any] | None
+    promoted: PromotedScore | None
 
 
 def score_models(prepared: PreparedRun, cfg: RunConfig, make_backend: BackendFactory) -> Scored:
@@ -115,7 +116,7 @@ def score_models(prepared: PreparedRun, cfg: RunConfig, make_backend: BackendFac
                   promoted)
 
 
-def assemble_report(prepared: PreparedRun, cfg: RunConfig, scored: Scored) -> dict[str, Any]:
+def assemble_report(prepared: PreparedRun, cfg: RunConfig, scored: Scored) -> RunReport:
     """report.json without its warnings: the comparison (tasks/comparison.py), the scaling segments and prediction,
     the slots' release after training, where the model continued from, the promoted version and the samples."""
     baseline = scored.baseline
@@ -129,52 +130,51 @@ def assemble_report(prepared: PreparedRun, cfg: RunConfig, scored: Scored) -> di
         trained_by=record.trained_by_run if record else None,
     )
     run = StorageLayout(cfg.storage_root).run(prepared.run_key)
-    add_scaling(report, run, scored.distributed)
-    add_release_after_train(report, run)
-    report["continued_from"] = prepared.continued_from.to_xcom() if prepared.continued_from else None
-    report["promoted"] = scored.promoted
-    evaluations = {"baseline": scored.baseline_eval, "distributed": scored.distributed_eval}
+    report = with_release_after_train(with_scaling(report, run, scored.distributed), run)
+    continued = prepared.continued_from
+    evaluations: dict[str, dict[str, Any] | PromotedScore | None] = {
+        "baseline": scored.baseline_eval, "distributed": scored.distributed_eval}
     if scored.promoted:
-        evaluations[f"promoted {scored.promoted['version']}"] = scored.promoted
-    report["samples"] = samples_by_model(evaluations)
-    return report
+        evaluations[f"promoted {scored.promoted.version}"] = scored.promoted
+    return replace(report, promoted=scored.promoted, samples=samples_by_model(evaluations),
+                   continued_from=None if continued is None else ContinuedFrom.from_json(
+                       continued.to_xcom(), "the prepared run", "continued_from"))
 
 
-def charts(prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any],
-           earlier: list[dict[str, Any]]) -> dict[str, bytes]:
+def charts(prepared: PreparedRun, cfg: RunConfig, report: RunReport, earlier: list[RunReport]) -> dict[str, bytes]:
     """The loss curves of the models trained and the scaling history with this run (and the advisor's rows)."""
-    trained = [run for run in (report["runs"]["baseline"], report["runs"]["distributed"]) if run]
+    trained = report.runs.trained()
     return {
         reports.LOSS_CHART: reports.loss_chart(
-            {run["label"]: read_metrics(TrainOutput(run["output_url"])) for run in trained},
+            {run.label: read_metrics(TrainOutput(run.output_url)) for run in trained},
             title=f"Training loss and final eval loss, global batch {cfg.global_batch_size}",
-            eval_points={run["label"]: (run["tokens_seen"], run["eval_loss"]) for run in trained},
+            eval_points={run.label: (run.tokens_seen, run.eval_loss) for run in trained},
         ),
         reports.SCALING_CHART: reports.scaling_chart(
             [point for other in earlier for point in reports.history_point(other)] + reports.history_point(report),
             current_run_id=prepared.run_id,
-            predicted=(report.get("prediction") or {}).get("rows"),
+            predicted=list(report.prediction.rows) if report.prediction else None,
         ),
     }
 
 
-def announce(prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any], ratio: float | None) -> None:
+def announce(prepared: PreparedRun, cfg: RunConfig, report: RunReport, ratio: float | None) -> None:
     """The report's metrics, and its throughput warnings as log lines, a count and an alert."""
     telemetry.emit_report_metrics(report, ratio)
-    for warning in report["warnings"]:
+    for warning in report.warnings:
         log.warning("Throughput: %s", warning)
-    if report["warnings"]:
+    if report.warnings:
         telemetry.count("throughput_warning", {"run": prepared.run_key, "task": "evaluate"})
-        alert_throughput(cfg, prepared.run_id, report["warnings"])
+        alert_throughput(cfg, prepared.run_id, list(report.warnings))
 
 
-def check_gates(prepared: PreparedRun, report: dict[str, Any], report_json_url: str) -> None:
+def check_gates(prepared: PreparedRun, report: RunReport, report_json_url: str) -> None:
     """GateFailure, with each failed gate's numbers, when any gate failed (the report is written by then)."""
-    failed = [gate for gate in report["gates"] if not gate["passed"]]
+    failed = report.failed_gates()
     if failed:
         raise GateFailure(
             f"{len(failed)} comparison gate(s) failed for run {prepared.run_id} (report: {report_json_url}): "
-            + "; ".join(gate["detail"] for gate in failed)
+            + "; ".join(gate.detail for gate in failed)
         )
 
 
@@ -284,23 +284,24 @@ def evaluate_baseline(prepared: PreparedRun, cfg: RunConfig, baseline: TrainOutp
                           label="baseline", make_backend=make_backend, run_id=prepared.run_id)
 
 
-def add_scaling(report: dict[str, Any], layout: RunLayout, distributed: TrainOutput) -> None:
+def with_scaling(report: RunReport, layout: RunLayout, distributed: TrainOutput) -> RunReport:
     """The train task's segments (elastic recovery) and the advisor's prediction next to the measured figures."""
     from tasks import scaling
 
-    run = report["runs"]["distributed"]
-    report["segments"] = scaling.segments(scaling.read_segments(distributed), read_metrics(distributed), run["steps"])
-    report["elastic"] = scaling.is_elastic(report["segments"], report["num_workers"])
+    run = report.runs.distributed
+    segments = tuple(scaling.segments(scaling.read_segments(distributed), read_metrics(distributed), run.steps))
+    elastic = scaling.is_elastic(segments, report.num_workers)
     preflight = layout.preflight.result
-    report["prediction"] = scaling.prediction(read_json(preflight) if exists(preflight) else None,
-                                              run["num_workers"], report["comparison"])
-    for row in report["segments"] if report["elastic"] else ():
-        log.info("segment: steps %d-%d on %d workers x %d accumulation: %s", row["from_step"] + 1, row["to_step"],
-                 row["num_workers"], row["grad_accum_steps"], row["line"])
+    prediction = scaling.prediction(read_json(preflight) if exists(preflight) else None, run.num_workers,
+                                    report.comparison)
+    for row in segments if elastic else ():
+        log.info("segment: steps %d-%d on %d workers x %d accumulation: %s", row.from_step + 1, row.to_step,
+                 row.num_workers, row.grad_accum_steps, row.line)
+    return replace(report, segments=segments, elastic=elastic, prediction=prediction)
 
 
 def evaluate_promoted(prepared: PreparedRun, cfg: RunConfig, make_backend: BackendFactory,
-                      distributed_eval: dict[str, Any]) -> dict[str, Any] | None:
+                      distributed_eval: dict[str, Any]) -> PromotedScore | None:
     """The latest promoted version of `model_name`, scored on this run's evaluation sample (the promotion rule's
     reference and its samples) when its tokenizer is this run's, with the standard error of the run's loss minus
     its (`delta_se`, paired over the sample's sequences); None when nothing is promoted yet or the run is never to
@@ -308,34 +309,46 @@ def evaluate_promoted(prepared: PreparedRun, cfg: RunConfig, make_backend: Backe
     pointer = registry.read_latest(registry.model_layout(cfg.storage_root, cfg.promotion.model_name))
     if pointer is None or cfg.promotion.promote == "never":
         return None
-    section = {"name": cfg.promotion.model_name, "version": pointer.version, "url": pointer.url,
-               "run_id": pointer.run_id, "recorded_eval_loss": pointer.eval_loss,
-               "recorded_eval_sample": pointer.eval_sample, "recorded_eval_loss_se": pointer.eval_loss_se,
-               "eval_loss": None, "eval_loss_se": None, "eval_sample": None, "delta_se": None, "perplexity": None,
-               "nats_per_char": None, "known_words": None, "samples": None, "note": None}
+    section = PromotedScore(name=cfg.promotion.model_name, version=pointer.version, url=pointer.url,
+                            run_id=pointer.run_id, recorded_eval_loss=pointer.eval_loss,
+                            recorded_eval_sample=pointer.eval_sample, recorded_eval_loss_se=pointer.eval_loss_se)
     manifest_url = prepared.manifest_url
     if not registry.same_tokenizer(pointer.model_url, tokenizer_url(manifest_url, read_json(manifest_url))):
-        section["note"] = f"{pointer.version}'s tokenizer differs from this run's: it cannot be scored on its shards"
-        log.warning("Promoted %s %s not evaluated: %s.", cfg.promotion.model_name, pointer.version, section["note"])
+        section = replace(section, note=f"{pointer.version}'s tokenizer differs from this run's: it cannot be "
+                                        "scored on its shards")
+        log.warning("Promoted %s %s not evaluated: %s.", cfg.promotion.model_name, pointer.version, section.note)
         return section
-    result = run_evaluation(pointer.model_url, manifest_url, join(prepared.report_url, "eval-promoted.json"),
-                            cfg=cfg, run_key=prepared.run_key, label="promoted",
-                            make_backend=make_backend, run_id=prepared.run_id)
-    section.update(eval_loss=result["eval_loss"], perplexity=result["perplexity"], samples=result.get("samples"),
+    output_url = join(prepared.report_url, "eval-promoted.json")
+    result = run_evaluation(pointer.model_url, manifest_url, output_url, cfg=cfg, run_key=prepared.run_key,
+                            label="promoted", make_backend=make_backend, run_id=prepared.run_id)
+    return replace(section, eval_loss=result["eval_loss"], perplexity=result["perplexity"],
+                   samples=text_samples(result.get("samples"), output_url),
                    nats_per_char=result.get("nats_per_char"), known_words=result.get("known_words"),
                    eval_loss_se=result.get("eval_loss_se"), eval_sample=sample_id(result),
                    delta_se=delta_standard_error(distributed_eval, result))
-    return section
 
 
-def samples_by_model(evaluations: dict[str, dict[str, Any] | None]) -> list[dict[str, Any]]:
-    """[{"model": label, "eval_loss", "nats_per_char", "known_words", "samples": [{"prompt", "greedy", "top_k"}]}]
-    for every evaluation that generated some."""
+def text_samples(samples: Any, source: str) -> tuple[TextSample, ...] | None:
+    """An evaluation's `samples` (None when it generated none)."""
+    if not samples:
+        return None
+    return tuple(TextSample.from_json(sample, source, f"samples[{index}]") for index, sample in enumerate(samples))
+
+
+def samples_by_model(evaluations: dict[str, dict[str, Any] | PromotedScore | None]) -> tuple[ModelSamples, ...]:
+    """Each model's sample scores and continuations (report.json `samples`), for every evaluation that generated
+    some: label -> its evaluation result, or the promoted version's scores."""
     section = []
     for label, evaluation in evaluations.items():
-        samples = (evaluation or {}).get("samples")
-        if isinstance(samples, list) and samples and all(isinstance(sample, dict) for sample in samples):
-            section.append({"model": label, "eval_loss": evaluation.get("eval_loss"),
-                            "nats_per_char": evaluation.get("nats_per_char"),
-                            "known_words": evaluation.get("known_words"), "samples": samples})
-    return section
+        if isinstance(evaluation, PromotedScore):
+            figures = {"eval_loss": evaluation.eval_loss, "nats_per_char": evaluation.nats_per_char,
+                       "known_words": evaluation.known_words}
+            samples = evaluation.samples
+        elif evaluation:
+            figures = {name: evaluation.get(name) for name in ("eval_loss", "nats_per_char", "known_words")}
+            samples = text_samples(evaluation.get("samples"), f"the {label} evaluation")
+        else:
+            continue
+        if samples:
+            section.append(ModelSamples(model=label, samples=samples, **figures))
+    return tuple(section)

@@ -9,9 +9,11 @@ each format in a folder of its own beside `model/` (tf_h5): `safetensors/`, `sav
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 from typing import TYPE_CHECKING, Any
 
+from tasks.report_document import Gate, Record, RunReport
 from trainer.config import RunConfig
 from trainer.layout import TrainOutput, VersionLayout
 from trainer.storage import exists, join, read_json
@@ -24,17 +26,31 @@ GATE_PREFIX = "export_"
 VERSION_DIRS = {"safetensors": "safetensors", "saved_model": "saved_model", "tf_h5": "model"}
 
 
-def train_output(report: dict[str, Any]) -> TrainOutput:
+@dataclasses.dataclass(frozen=True)
+class ExportPart(Record):
+    """What promote records of the serving exports in promotion.json (beside its verdict).
+
+    Attributes:
+        export_gates: one gate per format of `export_formats` (`export_<format>`): passed when its parity check
+            passed; the view counts them with the report's (tasks/report_parts.py `with_exports`).
+        exports: the training output's parity record (`exports/exports.json`, trainer/export.py); None when missing.
+    """
+
+    export_gates: tuple[Gate, ...]
+    exports: dict[str, Any] | None
+
+
+def train_output(report: RunReport) -> TrainOutput:
     """The training output the report's model comes from (its `model_url` is that output's `model/`)."""
-    return TrainOutput(posixpath.dirname(report["runs"]["distributed"]["model_url"].rstrip("/")))
+    return TrainOutput(posixpath.dirname(report.runs.distributed.model_url.rstrip("/")))
 
 
-def read_record(report: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
-    url = train_output(report).exports_record
+def read_record(output: TrainOutput) -> tuple[str, dict[str, Any] | None]:
+    url = output.exports_record
     return url, (read_json(url) if exists(url) else None)
 
 
-def gate_rows(cfg: RunConfig, url: str, record: dict[str, Any] | None) -> list[dict[str, Any]]:
+def gate_rows(cfg: RunConfig, url: str, record: dict[str, Any] | None) -> list[Gate]:
     """One gate per format of `export_formats`: passed when its parity check passed."""
     rows = []
     for name in cfg.promotion.export_formats:
@@ -49,37 +65,36 @@ def gate_rows(cfg: RunConfig, url: str, record: dict[str, Any] | None) -> list[d
     return rows
 
 
-def _row(name: str, passed: bool, value: float | None, limit: float | None, detail: str) -> dict[str, Any]:
-    return {"name": f"{GATE_PREFIX}{name}", "passed": passed, "value": value, "limit": limit, "detail": detail}
+def _row(name: str, passed: bool, value: float | None, limit: float | None, detail: str) -> Gate:
+    return Gate(name=f"{GATE_PREFIX}{name}", passed=passed, value=value, limit=limit, detail=detail)
 
 
-def export_part(report: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
-    """What promote records of the serving exports in promotion.json: {"export_gates": one gate per format of
-    `export_formats`, "exports": their parity record (None when missing)}; {} when `export_formats` is []. The
-    view counts the gates with the report's (tasks/report_parts.py `with_exports`)."""
+def export_part(report: RunReport, cfg: RunConfig) -> ExportPart | None:
+    """The serving exports' gates and parity record of the report's training output; None when `export_formats`
+    is [] (promotion.json then has neither)."""
     if not cfg.promotion.export_formats:
-        return {}
-    url, record = read_record(report)
-    return {"export_gates": gate_rows(cfg, url, record), "exports": record}
+        return None
+    url, record = read_record(train_output(report))
+    return ExportPart(export_gates=tuple(gate_rows(cfg, url, record)), exports=record)
 
 
-def copy_exports(report: dict[str, Any], version: VersionLayout) -> list[VersionFile]:
+def copy_exports(part: ExportPart | None, output: TrainOutput, version: VersionLayout) -> list[VersionFile]:
     """Copy every exported format but tf_h5 (the version's model/) from the training output into the version;
     returns the files, relative to the version."""
     from tasks.registry import copy_into
 
-    record = report.get("exports") or {}
+    record = (part.exports if part else None) or {}
     files = []
     for name, result in sorted((record.get("formats") or {}).items()):
         if name == "tf_h5" or not result.get("passed"):
             continue
-        files += copy_into(version, VERSION_DIRS[name], join(train_output(report).url, result["dir"]))
+        files += copy_into(version, VERSION_DIRS[name], join(output.url, result["dir"]))
     return files
 
 
-def card_lines(cfg: RunConfig, report: dict[str, Any]) -> list[str]:
+def card_lines(cfg: RunConfig, part: ExportPart | None) -> list[str]:
     """The model card's formats: each folder, its files, its parity figure and three lines that load it."""
-    record = report.get("exports") or {}
+    record = (part.exports if part else None) or {}
     formats = record.get("formats") or {}
     if not cfg.promotion.export_formats:
         return ["## Formats", "", _TF_ONLY, ""]

@@ -28,6 +28,7 @@ from launcher.host_identity import describe, host_identity, same_host
 from launcher.idle import IdleEpisode, IdleWatch
 from launcher.protocol import LAUNCHER_WORKDIR_PREFIX, is_ready_marker, utc_now, utc_timestamp
 from tasks import telemetry
+from tasks.report_document import RunReport
 from tasks.usage import AttemptEvents, IdleWarning, RankEvents, slots_of
 from trainer.config import RunConfig
 from trainer.layout import RunLayout
@@ -125,12 +126,13 @@ def release_after_exit(run: RunLayout, group: str) -> float | None:
         return None
 
 
-def add_release_after_train(report: dict[str, Any], run: RunLayout) -> None:
-    """Each trained model's `release_after_train_s` in the report, from its group's state record (train, baseline;
+def with_release_after_train(report: RunReport, run: RunLayout) -> RunReport:
+    """The report with each trained model's `release_after_train_s`, from its group's state record (train, baseline;
     a baseline reused from another run has none here)."""
-    for name, group in (("distributed", "train"), ("baseline", "baseline")):
-        if isinstance(report["runs"].get(name), dict):
-            report["runs"][name]["release_after_train_s"] = release_after_exit(run, group)
+    runs = report.runs
+    baseline = runs.baseline and replace(runs.baseline, release_after_train_s=release_after_exit(run, "baseline"))
+    distributed = replace(runs.distributed, release_after_train_s=release_after_exit(run, "train"))
+    return replace(report, runs=replace(runs, distributed=distributed, baseline=baseline))
 
 
 def live_step(line: str) -> int | None:

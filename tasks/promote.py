@@ -33,7 +33,9 @@ from tasks.connections import uses_run_storage
 from tasks.formatting import nats
 from tasks.policy import checked_config
 from tasks.registry import Entry, Pointer, PromotedVersion, VersionFile, VersionRecord
-from tasks.report_parts import with_exports
+from tasks.report_document import RunFigures, RunReport
+from tasks.report_file import read_record
+from tasks.report_parts import RunView, with_exports
 from trainer.config import AccessPolicy, ConfigError, RunConfig
 from trainer.eval_result import GATE_STANDARD_ERRORS
 from trainer.layout import PROMOTION_JSON, REPORT_JSON, ModelLayout, VersionLayout
@@ -41,7 +43,6 @@ from trainer.storage import (
     exists,
     filesystem,
     join,
-    read_json,
     remove_tree,
     write_bytes_atomic,
     write_json_atomic,
@@ -100,11 +101,12 @@ def promote_run(prepared: PreparedRun) -> dict[str, Any]:
         raise NoReportError(
             f"Run {prepared.run_id} has no report at {report_json}: evaluate failed before writing it (see its "
             "log), so no model is promoted.")
-    evaluated = read_json(report_json)
-    exported = exports.export_part(evaluated, cfg)
-    report = with_exports(evaluated, exported)
-    outcome = promote(prepared, cfg, report, registry.model_layout(cfg.storage_root, cfg.promotion.model_name))
-    write_json_atomic(join(prepared.report_url, PROMOTION_JSON), {**outcome, **exported})
+    report = RunReport.from_json(read_record(report_json), report_json)
+    exported = exports.export_part(report, cfg)
+    outcome = promote(prepared, cfg, with_exports(RunView(report), exported),
+                      registry.model_layout(cfg.storage_root, cfg.promotion.model_name))
+    part = exported.to_json() if exported else {}
+    write_json_atomic(join(prepared.report_url, PROMOTION_JSON), {**outcome, **part})
     if outcome["promoted"]:
         log.info("Promoted run %s to %s %s (%s): %s", prepared.run_id, cfg.promotion.model_name, outcome["version"],
                  outcome["url"], outcome["reason"])
@@ -114,9 +116,9 @@ def promote_run(prepared: PreparedRun) -> dict[str, Any]:
     return outcome
 
 
-def promote(prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any], layout: ModelLayout) -> dict[str, Any]:
+def promote(prepared: PreparedRun, cfg: RunConfig, view: RunView, layout: ModelLayout) -> dict[str, Any]:
     """Decide against the current pointer, publish a complete version, swap the pointer; on a lost swap decide
-    again against the pointer that won."""
+    again against the pointer that won. `view`: evaluate's report with promote's export gates."""
     version: VersionLayout | None = None
     number = 0
     for _ in range(MAX_SWAP_ATTEMPTS):
@@ -125,7 +127,7 @@ def promote(prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any], layou
         if earlier:  # a retry after the pointer moved: the run has its version, it gets no second one
             reason = f"already promoted to {earlier[-1].version} by an earlier attempt of this task."
             return outcome(cfg, Verdict(True, reason), promoted=True, entry=earlier[-1])
-        verdict = decide(cfg, report, pointer)
+        verdict = decide(cfg, view, pointer)
         if not verdict.promote:
             if version is not None:  # published, then beaten to the pointer by a better version
                 remove_tree(version.url)
@@ -136,8 +138,8 @@ def promote(prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any], layou
                 remove_tree(version.url)
             number = registry.claim_version(layout, current, prepared.run_id)
             version = layout.version(number)
-            publish_version(version, prepared, cfg, report, number, verdict)
-        entry = history_entry(version, prepared, report, number)
+            publish_version(version, prepared, cfg, view, number, verdict)
+        entry = history_entry(version, prepared, view.report, number)
         if registry.swap_pointer(layout.latest, token, Pointer.moved_to(entry, cfg.promotion.model_name, pointer)):
             return outcome(cfg, verdict, promoted=True, entry=entry)
         log.info("Another promotion moved %s first; deciding again against it.", layout.latest)
@@ -146,14 +148,15 @@ def promote(prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any], layou
         "other runs are promoting continuously; trigger this run's promote task again.")
 
 
-def decide(cfg: RunConfig, report: dict[str, Any], pointer: Pointer | None) -> Verdict:
+def decide(cfg: RunConfig, view: RunView, pointer: Pointer | None) -> Verdict:
     """The rule of setting `promote` applied to this report."""
     if cfg.promotion.promote == "never":
         return Verdict(False, "setting 'promote' = 'never'.")
-    if report.get("gates_passed") is not True:
-        failed = "; ".join(gate["detail"] for gate in report.get("gates", []) if not gate.get("passed"))
+    report = view.report  # with promote's export gates
+    if not report.gates_passed:
+        failed = "; ".join(gate.detail for gate in report.failed_gates())
         return Verdict(False, f"the run's gates failed ({failed}), so it is never promoted.")
-    loss = report["runs"]["distributed"]["eval_loss"]
+    loss = report.runs.distributed.eval_loss
     if pointer is None:
         return Verdict(True, f"first version of '{cfg.promotion.model_name}' (eval loss {loss:.4f}).")
     reference = reference_loss(report, pointer)
@@ -177,15 +180,15 @@ def _allowance(cfg: RunConfig, reference: Reference, limit: float) -> str:
             f"{reference.delta_se:.4f}, the standard error of the delta ({reference.error_source})")
 
 
-def reference_loss(report: dict[str, Any], pointer: Entry) -> Reference:
+def reference_loss(report: RunReport, pointer: Entry) -> Reference:
     """The promoted version's eval loss to compare with, where it comes from, and the standard error of the run's
     loss minus it (`delta_se`: None when unknown)."""
-    scored = report.get("promoted") or {}
-    fingerprint = report["dataset_fingerprint"]
+    scored = report.promoted
+    fingerprint = report.dataset_fingerprint
     sample = _sample_id(report)
-    if scored.get("version") == pointer.version and scored.get("eval_loss") is not None:
-        return Reference(pointer.version, scored["eval_loss"], same_shards=True, same_sample=True,
-                         delta_se=scored.get("delta_se"), error_source="paired over the sample's sequences",
+    if scored and scored.version == pointer.version and scored.eval_loss is not None:
+        return Reference(pointer.version, scored.eval_loss, same_shards=True, same_sample=True,
+                         delta_se=scored.delta_se, error_source="paired over the sample's sequences",
                          note=f"both scored on this run's evaluation sample {sample} (dataset {fingerprint})")
     same = pointer.dataset_fingerprint == fingerprint
     same_sample = sample is not None and pointer.eval_sample == sample
@@ -197,20 +200,15 @@ def reference_loss(report: dict[str, Any], pointer: Entry) -> Reference:
     else:
         where = (f"NOT on the same validation shards: it was scored on dataset {pointer.dataset_fingerprint}, "
                  f"this run on {fingerprint}")
-    note = f"its recorded eval loss, {where}" + (f" ({scored['note']})" if scored.get("note") else "")
-    errors = [_run(report).get("eval_loss_se"), pointer.eval_loss_se]
+    note = f"its recorded eval loss, {where}" + (f" ({scored.note})" if scored and scored.note else "")
+    errors = [report.runs.distributed.eval_loss_se, pointer.eval_loss_se]
     delta_se = math.hypot(*errors) if all(isinstance(error, (int, float)) for error in errors) else None
     return Reference(pointer.version, pointer.eval_loss, same_shards=same, same_sample=same_sample,
                      delta_se=delta_se, error_source="both recorded errors together", note=note)
 
 
-def _run(report: dict[str, Any]) -> dict[str, Any]:
-    return report["runs"]["distributed"]
-
-
-def _sample_id(report: dict[str, Any]) -> str | None:
-    sample = report.get("eval_sample")
-    return sample.get("id") if isinstance(sample, dict) else None
+def _sample_id(report: RunReport) -> str | None:
+    return report.eval_sample.id if report.eval_sample else None
 
 
 def outcome(cfg: RunConfig, verdict: Verdict, *, promoted: bool, entry: Entry | None = None) -> dict[str, Any]:
@@ -224,14 +222,14 @@ def outcome(cfg: RunConfig, verdict: Verdict, *, promoted: bool, entry: Entry | 
             "model_url": entry.model_url if entry else None, "event": event, "decided_at": utc_now()}
 
 
-def history_entry(version: VersionLayout, prepared: PreparedRun, report: dict[str, Any], number: int) -> Entry:
+def history_entry(version: VersionLayout, prepared: PreparedRun, report: RunReport, number: int) -> Entry:
     """The pointer's entry of the version this run became."""
-    distributed = report["runs"]["distributed"]
+    distributed = report.runs.distributed
     return Entry(version=f"v{number}", number=number, url=version.url, model_url=version.model,
                  run_id=prepared.run_id, run_key=prepared.run_key, promoted_at=utc_now(),
-                 eval_loss=distributed["eval_loss"], perplexity=distributed["perplexity"],
-                 eval_loss_se=distributed.get("eval_loss_se"), eval_sample=_sample_id(report),
-                 dataset_fingerprint=report["dataset_fingerprint"],
+                 eval_loss=distributed.eval_loss, perplexity=distributed.perplexity,
+                 eval_loss_se=distributed.eval_loss_se, eval_sample=_sample_id(report),
+                 dataset_fingerprint=report.dataset_fingerprint,
                  run_report_url=join(prepared.report_url, REPORT_JSON))
 
 
@@ -239,31 +237,33 @@ def history_entry(version: VersionLayout, prepared: PreparedRun, report: dict[st
 # a version's files
 
 
-def publish_version(version: VersionLayout, prepared: PreparedRun, cfg: RunConfig, report: dict[str, Any],
+def publish_version(version: VersionLayout, prepared: PreparedRun, cfg: RunConfig, view: RunView,
                     number: int, verdict: Verdict) -> None:
-    """Model, report and model card, then version.json listing them: complete, or never pointed to."""
-    files = registry.copy_into(version, "model", report["runs"]["distributed"]["model_url"])
-    files += exports.copy_exports(report, version)
-    write_json_atomic(version.report, report)
-    write_bytes_atomic(version.model_card, model_card(cfg, prepared, report, number, verdict).encode("utf-8"))
+    """Model, report (with the export gates and record) and model card, then version.json listing them: complete,
+    or never pointed to."""
+    report = view.report
+    distributed = report.runs.distributed
+    files = registry.copy_into(version, "model", distributed.model_url)
+    files += exports.copy_exports(view.exported, exports.train_output(report), version)
+    write_json_atomic(version.report, view.to_json())
+    write_bytes_atomic(version.model_card, model_card(cfg, prepared, view, number, verdict).encode("utf-8"))
     files += [VersionFile("report.json", _size(version.report)),
               VersionFile("model_card.md", _size(version.model_card))]
-    distributed = report["runs"]["distributed"]
     write_json_atomic(version.record, VersionRecord(
         format_version=VERSION_FORMAT_VERSION, name=cfg.promotion.model_name, version=f"v{number}",
         run_id=prepared.run_id, run_key=prepared.run_key, created_at=utc_now(),
-        eval_loss=distributed["eval_loss"], perplexity=distributed["perplexity"],
-        eval_loss_se=distributed.get("eval_loss_se"), eval_sample=_sample_id(report),
-        dataset_fingerprint=report["dataset_fingerprint"], base_model=pinned_base(cfg), files=tuple(files),
+        eval_loss=distributed.eval_loss, perplexity=distributed.perplexity,
+        eval_loss_se=distributed.eval_loss_se, eval_sample=_sample_id(report),
+        dataset_fingerprint=report.dataset_fingerprint, base_model=pinned_base(cfg), files=tuple(files),
     ).to_xcom())
 
 
-def _evaluated(distributed: dict[str, Any]) -> str:
-    sample = distributed.get("eval_sample")
-    if not isinstance(sample, dict):
-        return f"{distributed['eval_tokens']} tokens"
-    error = distributed.get("eval_loss_se")
-    return (f"{sample.get('tokens')} of {sample.get('split_tokens')} validation tokens, sample {sample.get('id')}"
+def _evaluated(distributed: RunFigures) -> str:
+    sample = distributed.eval_sample
+    if sample is None:
+        return f"{distributed.eval_tokens} tokens"
+    error = distributed.eval_loss_se
+    return (f"{sample.tokens} of {sample.split_tokens} validation tokens, sample {sample.id}"
             + (f"; standard error {error:.4f}" if error else ""))
 
 
@@ -272,12 +272,12 @@ def _size(url: str) -> int:
     return fs.size(path)
 
 
-def model_card(cfg: RunConfig, prepared: PreparedRun, report: dict[str, Any], number: int,
-               verdict: Verdict) -> str:
-    distributed = report["runs"]["distributed"]
-    continued = report.get("continued_from")
+def model_card(cfg: RunConfig, prepared: PreparedRun, view: RunView, number: int, verdict: Verdict) -> str:
+    report = view.report
+    distributed = report.runs.distributed
+    continued = report.continued_from
     pinned = pinned_base(cfg)
-    base = (f"continued from {continued['name']} {continued['version']} ({continued['url']})" if continued else
+    base = (f"continued from {continued.name} {continued.version} ({continued.url})" if continued else
             f"`{pinned.name}` at commit `{pinned.sha}` (revision `{pinned.revision}`, fetched once to "
             f"{pinned.url})" if pinned else f"`{cfg.model}`")
     lines = [
@@ -286,24 +286,23 @@ def model_card(cfg: RunConfig, prepared: PreparedRun, report: dict[str, Any], nu
         f"Promoted {utc_now()} from run `{prepared.run_id}` (policy `{cfg.promotion.promote}`): {verdict.reason}",
         "",
         f"- Base model: {base}",
-        (f"- Data: dataset fingerprint `{report['dataset_fingerprint']}` (setting `dataset` = `{cfg.dataset}`, "
+        (f"- Data: dataset fingerprint `{report.dataset_fingerprint}` (setting `dataset` = `{cfg.dataset}`, "
         f"tokenizer `{cfg.tokenizer}`, validation fraction {cfg.val_fraction})"),
-        (f"- Training: {distributed['num_workers']} workers, {distributed['steps']} steps of "
-        f"{distributed['global_batch_size']} sequences x {cfg.block_size} tokens"),
-        (f"- Eval loss on the validation split: {distributed['eval_loss']:.4f} nats, perplexity "
-        f"{distributed['perplexity']:.2f} ({_evaluated(distributed)})"),
+        (f"- Training: {distributed.num_workers} workers, {distributed.steps} steps of "
+        f"{distributed.global_batch_size} sequences x {cfg.block_size} tokens"),
+        (f"- Eval loss on the validation split: {distributed.eval_loss:.4f} nats, perplexity "
+        f"{distributed.perplexity:.2f} ({_evaluated(distributed)})"),
         (f"- Run report: {join(prepared.report_url, REPORT_JSON)} (the run's release task writes "
          f"{reports.REPORT_MD} beside it)"),
         "",
         "## Gates",
         "",
     ]
-    lines += [f"- {gate['name']}: {'pass' if gate['passed'] else 'FAIL'} ({gate['detail']})"
-              for gate in report["gates"]]
-    lines += ["", *exports.card_lines(cfg, report), "## Settings", "", "| setting | value |", "|---|---|"]
+    lines += [f"- {gate.name}: {'pass' if gate.passed else 'FAIL'} ({gate.detail})" for gate in report.gates]
+    lines += ["", *exports.card_lines(cfg, view.exported), "## Settings", "", "| setting | value |", "|---|---|"]
     lines += [f"| {name} | `{value!r}` |" for name, value in cfg.settings().items()]
     lines += ["", "## Versions", ""]
-    lines += [f"- {name}: {value}" for name, value in sorted(report.get("versions", {}).items())]
+    lines += [f"- {name}: {value}" for name, value in sorted((report.versions or {}).items())]
     return "\n".join(lines) + "\n"
 
 

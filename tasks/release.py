@@ -27,8 +27,9 @@ from launcher.protocol import RUN_KEY_ENV, utc_now
 from tasks import report as reports
 from tasks import telemetry
 from tasks.connections import uses_run_storage
+from tasks.report_document import ReportError, RunReport
 from tasks.report_parts import UNREADABLE, read_part
-from tasks.usage_record import attach_usage
+from tasks.usage_record import USAGE_CHART, attach_usage
 from trainer.config import ConfigError, RunConfig
 from trainer.layout import RunLayout, StorageLayout, absolute_root, run_key
 from trainer.storage import join, list_dir, read_json, write_bytes_atomic, write_json_atomic
@@ -214,18 +215,30 @@ def _release_record(key: str, names: list[str], results: dict[str, ReleaseResult
     }
 
 
+def _evaluated(run: RunLayout) -> RunReport | None:
+    """The run's report.json; None (logged) when there is none, or none that reads as a report: it is untrusted, and
+    release must not fail on it."""
+    part = read_part(run.report_json)
+    if part is None or UNREADABLE in part:
+        return None
+    try:
+        return RunReport.from_json(part, run.report_json)
+    except ReportError as error:
+        log.warning("No GPU-time ledger in release.json: %s", error)
+        return None
+
+
 def write_release(run: RunLayout, release: dict[str, Any], dag_id: str | None = None) -> None:
     """release.json beside the run's report (its one writer), with the GPU-time ledger up to this release when
     evaluate wrote a report (`usage`, its chart beside it), then report.md from the three parts (its one writer too;
     none without report.json); with `dag_id`, the GPU tasks' admission waits are read from Airflow
     (tasks/airflow_api.py)."""
-    report = read_part(run.report_json)  # untrusted, and release must not fail on it: None or unreadable is no report
+    report = _evaluated(run)
     charts: dict[str, bytes] = {}
-    if isinstance(report, dict) and UNREADABLE not in report:
-        view = dict(report)  # attach_usage puts the ledger into a report: here only to take it out
-        charts = attach_usage(run.report, view, release["released_at"], dag_id)
-        if isinstance(view.get("usage"), dict):
-            release = {**release, "usage": view["usage"], "charts": {"usage": view["charts"]["usage"]}}
+    if report is not None:
+        summary, charts = attach_usage(run.report, report, release["released_at"], dag_id)
+        if summary is not None:
+            release = {**release, "usage": summary.to_xcom(), "charts": {"usage": USAGE_CHART}}
     for name, png in charts.items():
         write_bytes_atomic(join(run.report, name), png)
     write_json_atomic(run.release, release)

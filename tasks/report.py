@@ -2,7 +2,8 @@
 report.json and the charts; release: report.md, from the report's view, tasks/report_view.py, of the three parts).
 
 `report.json` is written last under `<root>/runs/<run_key>/report/`: readers (the UI plugin, later runs' history
-charts) trust a report only once it exists. The layout of `report.json` (format_version 1):
+charts) trust a report only once it exists. It is tasks/report_document.py's `RunReport` (each record's docstring
+lists its fields), read back checked. The layout of `report.json` (format_version 1):
 
     {"format_version", "run_id", "run_key", "created_at", "num_workers", "gates_passed",
      "runs": {"distributed": RUN, "baseline": RUN | null},
@@ -50,10 +51,11 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from tasks.formatting import TABLE_COLUMNS, fmt, known_words
+from tasks.formatting import TABLE_COLUMNS
+from tasks.report_document import ReportError, RunReport
 from tasks.report_file import UnreadableRecord, finite, read_record
 from tasks.report_markdown import markdown
-from tasks.report_parts import read_parts, run_report
+from tasks.report_parts import RunView, read_parts, run_view
 from tasks.report_view import report_view
 from trainer.layout import REPORT_JSON
 from trainer.storage import exists, join, list_dir, write_bytes_atomic, write_json_atomic
@@ -66,32 +68,6 @@ LOSS_CHART = "loss_curves.png"
 SCALING_CHART = "scaling.png"
 
 
-def table_rows(report: dict[str, Any]) -> list[dict[str, str]]:
-    """One row per trained model: the baseline first (it is the 1-worker reference), then the distributed run."""
-    comparison = report["comparison"]
-    rows = []
-    for name in ("baseline", "distributed"):
-        run = report["runs"].get(name)
-        if not run:
-            continue
-        is_reference = name == "baseline"
-        rows.append({
-            "run": run["label"],
-            "workers": str(run["num_workers"]),
-            "train time": fmt(run["train_time_s"], ".1f", " s"),
-            "eval time": fmt(run["eval_time_s"], ".1f", " s"),
-            "tokens/s": fmt(run["tokens_per_s"], ",.0f"),
-            "speedup": "1.00x" if is_reference else fmt(comparison["speedup"], ".2f", "x"),
-            "efficiency": "100%" if is_reference else fmt(comparison["efficiency"], ".0f", "%", scale=100),
-            "eval loss": fmt(run["eval_loss"], ".4f") + (f" ± {run['eval_loss_se']:.4f}"
-                                                        if run.get("eval_loss_se") else ""),
-            "perplexity": fmt(run["perplexity"], ".2f"),
-            "nats/char": fmt(run.get("nats_per_char"), ".3f"),
-            "known words": known_words(run.get("known_words")),
-        })
-    return rows
-
-
 def text_table(rows: list[dict[str, str]]) -> str:
     """The table as aligned plain text, for the task log."""
     widths = {col: max(len(col), *(len(row[col]) for row in rows)) for col in TABLE_COLUMNS}
@@ -101,16 +77,8 @@ def text_table(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def render_markdown(report: dict[str, Any]) -> str:
-    return markdown(report_view(report, released(report)))
-
-
-def released(report: dict[str, Any]) -> str:
-    """yes / no (something of the run outlived release) / pending (release has not run yet)."""
-    release = report.get("release")
-    if not isinstance(release, dict):
-        return "pending"
-    return "yes" if release.get("clean") is True else "no"
+def render_markdown(view: RunView) -> str:
+    return markdown(report_view(view))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -208,30 +176,25 @@ def _mean_by_workers(points: Iterable[dict[str, Any]], field: str) -> dict[int, 
 # history and writing
 
 
-def history_point(report: dict[str, Any]) -> list[dict[str, Any]]:
+def history_point(report: RunReport) -> list[dict[str, Any]]:
     """The scaling points one report contributes: its distributed run, and its baseline as the N=1 point."""
-    points = []
-    for name in ("baseline", "distributed"):
-        run = report["runs"].get(name)
-        if run:
-            efficiency = 1.0 if name == "baseline" else report["comparison"]["efficiency"]
-            points.append({"run_id": report["run_id"], "num_workers": run["num_workers"],
-                           "tokens_per_s": run["tokens_per_s"], "efficiency": efficiency})
-    return points
+    return [{"run_id": report.run_id, "num_workers": run.num_workers, "tokens_per_s": run.tokens_per_s,
+             "efficiency": 1.0 if run is report.runs.baseline else report.comparison.efficiency}
+            for run in report.runs.trained()]
 
 
-def earlier_reports(runs_url: str, *, exclude_run_key: str) -> list[dict[str, Any]]:
+def earlier_reports(runs_url: str, *, exclude_run_key: str) -> list[RunReport]:
     """Every other run's report.json that reads as a report: within the size and depth limits of any record read
-    back (tasks/report_file.py), with every field a use of an earlier report reads of its type (`check_earlier`).
-    Others are logged and left out: another run's odd report never fails this run's evaluate."""
+    back (tasks/report_file.py), every field of its type (tasks/report_document.py) and its figures plausible
+    (`check_earlier`). Others are logged and left out: another run's odd report never fails this run's evaluate."""
     found = []
     for key in list_dir(runs_url):
         url = join(runs_url, key, "report", REPORT_JSON)
         if key == exclude_run_key or not exists(url):
             continue
         try:
-            report = read_record(url)
-            check_earlier(report)
+            report = RunReport.from_json(read_record(url), url)
+            check_earlier(report, url)
         except Exception as error:  # noqa: BLE001 - storage errors too: the history is best effort
             log.warning("Leaving %s out of the history: it is not a readable report (%s).", url, error)
             continue
@@ -239,71 +202,42 @@ def earlier_reports(runs_url: str, *, exclude_run_key: str) -> list[dict[str, An
     return found
 
 
-class ReportFieldError(ValueError):
-    """A field of an earlier report that its readers use is missing or of another type."""
+def check_earlier(report: RunReport, url: str) -> None:
+    """ReportError naming the first figure the history (`history_point`), the scaling chart and the throughput watch
+    (tasks/throughput.py) read of an earlier report that is of its type but no figure they can use."""
+    for name, run in (("baseline", report.runs.baseline), ("distributed", report.runs.distributed)):
+        if run is None:  # no baseline: nothing read
+            continue
+        if run.num_workers < 1:
+            raise ReportError(url, f"runs.{name}.num_workers", f"{run.num_workers} is not a worker count")
+        if run.tokens_per_s is not None and (not finite(run.tokens_per_s) or run.tokens_per_s <= 0):  # null: not timed
+            raise ReportError(url, f"runs.{name}.tokens_per_s", f"{run.tokens_per_s} is not a positive number")
+    efficiency = report.comparison.efficiency  # null: no baseline
+    if efficiency is not None and not finite(efficiency):
+        raise ReportError(url, "comparison.efficiency", f"{efficiency} is not a number")
 
 
-def check_earlier(report: Any) -> None:
-    """ReportFieldError naming the first field that the history (`history_point`), the scaling chart and the throughput
-    watch (tasks/throughput.py) read of an earlier report and that is missing or of another type."""
-    if not isinstance(report, dict):
-        raise ReportFieldError(f"a JSON {type(report).__name__}, not an object")
-    for name in ("run_id", "created_at"):
-        if not isinstance(report.get(name), str):
-            raise ReportFieldError(f"field {name!r} is not text")
-    for path in ("config", "hardware", "hardware.distributed", "prediction"):
-        if not isinstance(_at(report, path), (dict, type(None))):
-            raise ReportFieldError(f"field {path!r} is not an object")
-    if not isinstance(report.get("runs"), dict) or not isinstance(report.get("comparison"), dict):
-        raise ReportFieldError("field 'runs' or 'comparison' is not an object")
-    for name in ("baseline", "distributed"):
-        _check_run(report["runs"].get(name), name, efficiency=report["comparison"].get("efficiency"))
-
-
-def _at(report: dict[str, Any], path: str) -> Any:
-    value: Any = report
-    for part in path.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    return value
-
-
-def _check_run(run: Any, name: str, *, efficiency: Any) -> None:
-    if not run:  # no baseline: nothing read
-        return
-    if not isinstance(run, dict):
-        raise ReportFieldError(f"field 'runs.{name}' is not an object")
-    workers = run.get("num_workers")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ReportFieldError(f"field 'runs.{name}.num_workers' is not a worker count")
-    speed = run.get("tokens_per_s")  # null: not timed
-    if speed is not None and (not finite(speed) or speed <= 0):
-        raise ReportFieldError(f"field 'runs.{name}.tokens_per_s' is not a positive number")
-    if name == "distributed" and efficiency is not None and not finite(efficiency):  # null: no baseline
-        raise ReportFieldError("field 'comparison.efficiency' is not a number")
-
-
-def write_report(report_url: str, report: dict[str, Any], charts: dict[str, bytes]) -> str:
+def write_report(report_url: str, report: RunReport, charts: dict[str, bytes]) -> str:
     """Evaluate's report: the charts first, report.json last (its presence marks a complete report); returns its URL.
     report.md is release's (`render_report_md`): written once every part beside report.json is final."""
     for name, png in charts.items():
         write_bytes_atomic(join(report_url, name), png)
     json_url = join(report_url, REPORT_JSON)
-    write_json_atomic(json_url, report)
+    write_json_atomic(json_url, report.to_json())
     return json_url
 
 
 def render_report_md(report_url: str) -> None:
     """report.md from the three parts (report.json, promotion.json, release.json; tasks/report_parts.py merges
-    them): the release task's, report.md's one writer. Nothing before evaluate wrote report.json (an unreadable one
-    writes nothing: the run's page says why)."""
+    them): the release task's, report.md's one writer. Nothing before evaluate wrote report.json (an unreadable or
+    mistyped one writes nothing: the run's page says why)."""
     json_url = join(report_url, REPORT_JSON)
     if not exists(json_url):
         return
     try:
-        report = read_record(json_url)
-    except (UnreadableRecord, OSError) as error:
+        report = RunReport.from_json(read_record(json_url), json_url)
+    except (UnreadableRecord, ReportError, OSError) as error:
         log.warning("Not rendering report.md: %s", error)
         return
-    if isinstance(report, dict):
-        write_bytes_atomic(join(report_url, REPORT_MD),
-                           render_markdown(run_report(report, *read_parts(report_url))).encode("utf-8"))
+    write_bytes_atomic(join(report_url, REPORT_MD),
+                       render_markdown(run_view(report, *read_parts(report_url))).encode("utf-8"))

@@ -1,17 +1,21 @@
 """A run's report is three files beside each other, each with one writer: `report.json` (evaluate), `promotion.json`
-(promote) and `release.json` (release). This reads them as the one report its view shows (tasks/report_view.py):
-report.md (written by release alone, the last task, once all three are final) and the run's page render the same
-merge, and no task rewrites another's file.
+(promote) and `release.json` (release). This reads them as the one report its view shows (tasks/report_view.py), a
+`RunView`: report.md (written by release alone, the last task, once all three are final) and the run's page render
+the same merge, and no task rewrites another's file.
 
 The parts are untrusted input like the report (tasks/report_file.py limits): a missing part reads None (pending), an
-unreadable one `{"unreadable": why}`, which the view shows as such (a release that cannot be read is no proof).
+unreadable one `{"unreadable": why}`, which the view shows as such (a release that cannot be read is no proof); so
+does a promotion whose export gates are not gates (tasks/report_document.py checks them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
+from tasks.exports import ExportPart
+from tasks.report_document import ReportError, RunReport
 from tasks.report_file import UnreadableRecord, read_record
 from trainer.layout import PROMOTION_JSON, RELEASE_JSON
 from trainer.storage import exists, join
@@ -21,6 +25,50 @@ log = logging.getLogger("gpt_finetune.report")
 UNREADABLE = "unreadable"
 RELEASE_FIELDS = ("clean", "released_at", "host", "survivors")  # what the report shows of the release record
 PROMOTION_ONLY = ("export_gates", "exports")  # promotion.json's fields that the view places elsewhere
+
+
+@dataclasses.dataclass(frozen=True)
+class RunView:
+    """A run's report as its view shows it: evaluate's report with what promote and release wrote beside it.
+
+    Attributes:
+        report: evaluate's report with promote's export gates after its own (`gates_passed` then counts them) and
+            the GPU-time ledger's warnings and chart (release's) added to its own.
+        exported: promote's export gates and parity record; None when promotion.json has none (not promoted yet,
+            `export_formats` = [], or unreadable).
+        promotion: promotion.json's verdict (its fields but the export ones); `{"unreadable": why}` when it cannot
+            be read; None: pending.
+        release: release.json's RELEASE_FIELDS; `{"clean": False, "unreadable": why}` when it cannot be read;
+            None: pending.
+        usage: release's GPU-time ledger (tasks/usage_record.py); None without one.
+    """
+
+    report: RunReport
+    exported: ExportPart | None = None
+    promotion: dict[str, Any] | None = None
+    release: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+
+    @property
+    def released(self) -> str:
+        return released(self.release)
+
+    def to_json(self) -> dict[str, Any]:
+        """The merged report as JSON (the UI's API, a promoted version's report.json): the report's keys, then
+        `exports`, `promotion`, `release` and `usage` where there are some."""
+        merged = self.report.to_json()
+        if self.exported is not None:
+            merged["exports"] = self.exported.exports
+        parts = {"promotion": self.promotion, "release": self.release, "usage": self.usage}
+        return {**merged, **{name: part for name, part in parts.items() if part is not None}}
+
+
+def released(release: dict[str, Any] | None) -> str:
+    """yes / no (something of the run outlived release, or its record cannot be read) / pending (release has not
+    run yet), from release.json as `read_part` reads it."""
+    if release is None:
+        return "pending"
+    return "yes" if release.get("clean") is True else "no"
 
 
 def read_part(url: str) -> dict[str, Any] | None:
@@ -41,53 +89,56 @@ def read_parts(report_url: str) -> tuple[dict[str, Any] | None, dict[str, Any] |
     return read_part(join(report_url, PROMOTION_JSON)), read_part(join(report_url, RELEASE_JSON))
 
 
-def run_report(report: dict[str, Any], promotion: dict[str, Any] | None,
-               release: dict[str, Any] | None) -> dict[str, Any]:
-    """The report as its view shows it: evaluate's `report` with promote's export gates and verdict (`promotion`,
-    `exports`; `gates_passed` then counts the export gates) and release's outcome (`release`) and GPU-time ledger
-    (`usage`, its warnings and chart) folded in. A missing part adds nothing: the view says pending."""
-    merged = dict(report)
-    if isinstance(promotion, dict):
-        merged.update(_promotion(report, promotion))
-    if isinstance(release, dict):
-        merged.update(_release(report, release))
-    return merged
+def run_view(report: RunReport, promotion: dict[str, Any] | None, release: dict[str, Any] | None) -> RunView:
+    """The report as its view shows it: evaluate's `report` with promote's export gates and verdict (`promotion`)
+    and release's outcome and GPU-time ledger (`release`) folded in. A missing part adds nothing: the view says
+    pending."""
+    view = RunView(report)
+    if promotion is not None:
+        view = _with_promotion(view, promotion)
+    if release is not None:
+        view = _with_release(view, release)
+    return view
 
 
-def _promotion(report: dict[str, Any], promotion: dict[str, Any]) -> dict[str, Any]:
+def _with_promotion(view: RunView, promotion: dict[str, Any]) -> RunView:
     if UNREADABLE in promotion:
-        return {"promotion": {UNREADABLE: promotion[UNREADABLE]}}
+        return dataclasses.replace(view, promotion={UNREADABLE: promotion[UNREADABLE]})
+    exported = None
+    if any(name in promotion for name in PROMOTION_ONLY):
+        try:
+            exported = ExportPart.from_json({name: promotion.get(name) for name in PROMOTION_ONLY}, PROMOTION_JSON)
+        except ReportError as error:
+            log.warning("Unreadable report part %s", error)
+            return dataclasses.replace(view, promotion={UNREADABLE: f"{PROMOTION_JSON}: {error.brief}"})
     verdict = {name: value for name, value in promotion.items() if name not in PROMOTION_ONLY}
-    return {**with_exports(report, promotion), "promotion": verdict}
+    return dataclasses.replace(with_exports(view, exported), promotion=verdict)
 
 
-def with_exports(report: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
-    """`report` with promote's export gates after its own (`gates_passed` then counts them too) and the exports'
-    parity record (`exports`), from `part` (promotion.json, or what promote is about to write there)."""
-    merged = dict(report)
-    export_gates = [gate for gate in _list(part.get("export_gates")) if isinstance(gate, dict)]
-    if export_gates:
-        merged["gates"] = _list(report.get("gates")) + export_gates
-        merged["gates_passed"] = report.get("gates_passed") is True and all(
-            gate.get("passed") is True for gate in export_gates)
-    if "exports" in part:
-        merged["exports"] = part["exports"]
-    return merged
+def with_exports(view: RunView, exported: ExportPart | None) -> RunView:
+    """`view` with promote's export gates after the report's own (`gates_passed` then counts them too) and the
+    exports' parity record, from `exported` (promotion.json's, or what promote is about to write there)."""
+    if exported is None:
+        return view
+    report = view.report
+    gates = report.gates + exported.export_gates
+    passed = report.gates_passed and all(gate.passed for gate in exported.export_gates)
+    return dataclasses.replace(view, exported=exported,
+                               report=dataclasses.replace(report, gates=gates, gates_passed=passed))
 
 
-def _release(report: dict[str, Any], release: dict[str, Any]) -> dict[str, Any]:
+def _with_release(view: RunView, release: dict[str, Any]) -> RunView:
     if UNREADABLE in release:
-        return {"release": {"clean": False, UNREADABLE: release[UNREADABLE]}}
-    folded: dict[str, Any] = {"release": {name: release.get(name) for name in RELEASE_FIELDS}}
-    usage = release.get("usage")
-    if isinstance(usage, dict):
-        warnings = [warning for warning in _list(usage.get("warnings")) if isinstance(warning, str)]
-        folded.update(usage=usage, warnings=_list(report.get("warnings")) + warnings)
-    charts, own = report.get("charts"), release.get("charts")  # release's: the ledger's chart
-    if isinstance(own, dict) and own:
-        folded["charts"] = {**(charts if isinstance(charts, dict) else {}),
-                            **{name: file for name, file in own.items() if isinstance(file, str)}}
-    return folded
+        return dataclasses.replace(view, release={"clean": False, UNREADABLE: release[UNREADABLE]})
+    report = view.report
+    usage = release.get("usage") if isinstance(release.get("usage"), dict) else None
+    warnings = [warning for warning in _list((usage or {}).get("warnings")) if isinstance(warning, str)]
+    own = release.get("charts")  # the ledger's chart
+    charts = {name: file for name, file in own.items() if isinstance(file, str)} if isinstance(own, dict) else {}
+    report = dataclasses.replace(report, warnings=report.warnings + tuple(warnings),
+                                 charts={**report.charts, **charts})
+    return dataclasses.replace(view, report=report, usage=usage,
+                               release={name: release.get(name) for name in RELEASE_FIELDS})
 
 
 def _list(value: Any) -> list[Any]:

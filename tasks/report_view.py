@@ -5,8 +5,11 @@ The view is plain text in a few shapes (sections of paragraphs, bullet lists, ta
 marks inside a line: emphasis, code and a verdict. Each writer decides how they look and escapes what its format
 needs, so a section is added or changed here, once, for both.
 
-report.json also comes from storage that many tasks can write, and the page shows whatever is there: building
-never fails on a missing field or a wrong type. A missing value reads as "—", anything else as its text.
+report.json comes from storage that many tasks can write: the view is built from the report as read and checked
+(tasks/report_document.py's `RunReport`, in tasks/report_parts.py's `RunView` with promote's and release's parts),
+so its fields are of their types; a missing figure reads as "—". The parts other tasks own that it shows as they
+are (the promotion verdict, the GPU-time ledger) are read tolerantly: a missing field or a wrong type reads as "—"
+or as its text, never as an error.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tasks.formatting import KNOWN_WORDS_NOTE, TABLE_COLUMNS, fmt, known_words, nats
+from tasks.report_document import BaselineOrigin, Comparison, RunFigures, RunReport, table_rows
+from tasks.report_parts import RunView
 
 
 @dataclass(frozen=True)
@@ -85,69 +90,69 @@ class ReportView:
     sections: tuple[Section, ...]
 
 
-def report_view(report: Any, released: str) -> ReportView:
-    """The report's sections in order (`report` as tasks/report_parts.py merges its three files); `released` is yes /
-    no / pending (report.md reads it from the merged report, the page from release.json)."""
-    report = report if isinstance(report, dict) else {}
-    sections = (opening(report, released), gates(report), *scaling(report), *gpu_time(report), promotion(report),
-                *samples(report), charts(report), versions(report))
-    return ReportView(("GPT fine-tune run ", Code(text(report.get("run_id")))), sections)
+def report_view(view: RunView) -> ReportView:
+    """The report's sections in order (`view`: the report as tasks/report_parts.py merges its three files)."""
+    report = view.report
+    sections = (opening(view), gates(report), *scaling(report), *gpu_time(view), promotion(view), *samples(report),
+                charts(report), versions(report))
+    return ReportView(("GPT fine-tune run ", Code(report.run_id)), sections)
 
 
 def text(value: Any) -> str:
     return "—" if value is None else str(value)
 
 
-def opening(report: dict[str, Any], released: str) -> Section:
+def opening(view: RunView) -> Section:
     """The verdicts and the run's shape, throughput warnings, the figures and what to read them with."""
-    distributed = _get(report, "runs", "distributed")
-    gates_passed = report.get("gates_passed") is True
-    shape = (f" · {text(report.get('num_workers'))} workers · model {text(_get(report, 'config', 'model'))} · "
-             f"global batch {text(_get(distributed, 'global_batch_size'))} · {text(_get(distributed, 'steps'))} "
-             f"steps · created {text(report.get('created_at'))}")
-    headline = _paragraph(Verdict("PASSED" if gates_passed else "FAILED", gates_passed, "Gates"), " · ",
+    report, released = view.report, view.released
+    distributed = report.runs.distributed
+    shape = (f" · {report.num_workers} workers · model {text(report.config.get('model'))} · "
+             f"global batch {distributed.global_batch_size} · {distributed.steps} steps · created {report.created_at}")
+    headline = _paragraph(Verdict("PASSED" if report.gates_passed else "FAILED", report.gates_passed, "Gates"), " · ",
                           Verdict(released, {"yes": True, "no": False}.get(released), "Released", anchor="released"),
                           shape, *elastic_headline(report))
-    comparison = _get(report, "comparison")
+    comparison = report.comparison
     notes = Bullets((
-        _paragraph(f"Speedup T1/TN: {fmt(_get(comparison, 'speedup'), '.2f', 'x')}; scaling efficiency "
-                   f"(speedup / N): {fmt(_get(comparison, 'efficiency'), '.0f', '%', scale=100)}"),
+        _paragraph(f"Speedup T1/TN: {fmt(comparison.speedup, '.2f', 'x')}; scaling efficiency "
+                   f"(speedup / N): {fmt(comparison.efficiency, '.0f', '%', scale=100)}"),
         *gradient_all_reduce(report),
-        _paragraph(f"Eval loss delta (distributed - baseline): {nats(_get(comparison, 'loss_delta'))} nats "
-                   f"{_delta_error(comparison)}(tolerance ±{fmt(_get(comparison, 'loss_tolerance'), '.4f')})"),
+        _paragraph(f"Eval loss delta (distributed - baseline): {nats(comparison.loss_delta)} nats "
+                   f"{_delta_error(comparison)}(tolerance ±{fmt(comparison.loss_tolerance, '.4f')})"),
         *evaluation_sample(report),
         _paragraph(KNOWN_WORDS_NOTE),
-        _paragraph(f"Hardware: {text(_get(report, 'hardware', 'line'))}", anchor="hardware"),
+        _paragraph(f"Hardware: {text(report.hardware.line if report.hardware else None)}", anchor="hardware"),
         *gpu_memory(report),
         *release_after_train(report),
-        _paragraph("Baseline: ", *baseline_line(_get(report, "baseline"))),
+        _paragraph("Baseline: ", *baseline_line(report.baseline)),
     ))
-    figures = Table(TABLE_COLUMNS, tuple(tuple(text(row.get(column)) for column in TABLE_COLUMNS)
-                                         for row in _items(report.get("table"))), anchor="figures")
-    warnings = tuple(warning for warning in _list(report.get("warnings")) if isinstance(warning, str))
-    return Section(None, (headline, *([Warnings(warnings)] if warnings else []), figures, notes))
+    figures = Table(TABLE_COLUMNS, tuple(tuple(row[column] for column in TABLE_COLUMNS) for row in table_rows(report)),
+                    anchor="figures")
+    return Section(None, (headline, *([Warnings(report.warnings)] if report.warnings else []), figures, notes))
 
 
-def gpu_memory(report: dict[str, Any]) -> tuple[Paragraph, ...]:
+def _runs(report: RunReport) -> list[tuple[str, RunFigures]]:
+    """The trained models by name, the distributed one first."""
+    runs = (("distributed", report.runs.distributed), ("baseline", report.runs.baseline))
+    return [(name, run) for name, run in runs if run is not None]
+
+
+def gpu_memory(report: RunReport) -> tuple[Paragraph, ...]:
     """The chief's GPU memory per trained model, when a run had a GPU: the peak TensorFlow used (what training needs)
     beside the memory in use on the device (what TensorFlow reserved at start-up)."""
-    runs = [(name, _dict(_dict(report, "runs"), name)) for name in ("distributed", "baseline")]
-    shown = [(name, run) for name, run in runs
-             if run.get("gpu_mem_peak_mb") is not None or run.get("gpu_mem_reserved_mb") is not None]
+    shown = [(name, run) for name, run in _runs(report)
+             if run.gpu_mem_peak_mb is not None or run.gpu_mem_reserved_mb is not None]
     if not shown:
         return ()
-    figures = "; ".join(f"{name} peak {fmt(run.get('gpu_mem_peak_mb'), ',.0f', ' MiB')} used by TensorFlow, "
-                        f"{fmt(run.get('gpu_mem_reserved_mb'), ',.0f', ' MiB')} in use on the GPU"
+    figures = "; ".join(f"{name} peak {fmt(run.gpu_mem_peak_mb, ',.0f', ' MiB')} used by TensorFlow, "
+                        f"{fmt(run.gpu_mem_reserved_mb, ',.0f', ' MiB')} in use on the GPU"
                         for name, run in shown)
     return (_paragraph(f"GPU memory of rank 0: {figures} (TensorFlow reserves nearly all of the GPU at start-up; "
                        "the peak is what training needed)"),)
 
 
-def release_after_train(report: dict[str, Any]) -> tuple[Paragraph, ...]:
+def release_after_train(report: RunReport) -> tuple[Paragraph, ...]:
     """How soon after each training group exited its slots were proven free (tasks/launch.py), when known."""
-    runs = [(name, _dict(_dict(report, "runs"), name).get("release_after_train_s")) for name in ("distributed",
-                                                                                                    "baseline")]
-    shown = [(name, value) for name, value in runs if isinstance(value, (int, float)) and not isinstance(value, bool)]
+    shown = [(name, run.release_after_train_s) for name, run in _runs(report) if run.release_after_train_s is not None]
     if not shown:
         return ()
     figures = "; ".join(f"{name} {fmt(value, '.2f', ' s')}" for name, value in shown)
@@ -155,13 +160,13 @@ def release_after_train(report: dict[str, Any]) -> tuple[Paragraph, ...]:
                        "before the run's release", anchor="release-after-train"),)
 
 
-def gradient_all_reduce(report: dict[str, Any]) -> tuple[Paragraph, ...]:
+def gradient_all_reduce(report: RunReport) -> tuple[Paragraph, ...]:
     """How the distributed run's gradients crossed the network (its summary's `allreduce`), when it says."""
-    allreduce = _dict(_dict(_dict(report, "runs"), "distributed"), "allreduce")
+    allreduce = report.runs.distributed.allreduce
     if not allreduce:
         return ()
     over = (f" over {text(allreduce['implementation']).upper()} ('communication' = "
-            f"'{text(_get(report, 'config', 'communication'))}')" if allreduce.get("implementation") else "")
+            f"'{text(report.config.get('communication'))}')" if allreduce.get("implementation") else "")
     packs = allreduce.get("packs")
     if packs is None:
         sent = "one worker: nothing crossed the network"
@@ -171,100 +176,89 @@ def gradient_all_reduce(report: dict[str, Any]) -> tuple[Paragraph, ...]:
     return (_paragraph(f"Gradient all-reduce: {text(allreduce.get('dtype'))}{over}, {sent}"),)
 
 
-def _delta_error(comparison: Any) -> str:
-    error = _get(comparison, "loss_delta_se")
-    return f"± {fmt(error, '.4f')} " if isinstance(error, (int, float)) and error else ""
+def _delta_error(comparison: Comparison) -> str:
+    error = comparison.loss_delta_se
+    return f"± {fmt(error, '.4f')} " if error else ""
 
 
-def evaluation_sample(report: dict[str, Any]) -> tuple[Paragraph, ...]:
+def evaluation_sample(report: RunReport) -> tuple[Paragraph, ...]:
     """What the models were scored on: tokens evaluated out of the split's, the sample, and the error's meaning."""
-    sample = _dict(report, "eval_sample")
-    if not sample:
+    sample = report.eval_sample
+    if sample is None:
         return ()
-    workers = f"scored on {text(sample.get('workers'))} worker(s)"
-    if sample.get("whole_split") is True:
-        asked = sample.get("asked_tokens")
+    workers = f"scored on {text(sample.workers)} worker(s)"
+    if sample.whole_split:
+        asked = sample.asked_tokens
         why = ("'eval_tokens' = 0" if asked == 0 else
                f"'eval_tokens' = {fmt(asked, ',.0f')} asks for more than the split holds, so all of it is used")
-        return (_paragraph(f"Evaluation: the whole validation split, {fmt(sample.get('split_tokens'), ',.0f')} "
+        return (_paragraph(f"Evaluation: the whole validation split, {fmt(sample.split_tokens, ',.0f')} "
                            f"tokens ({why}), {workers}; the losses have no sampling error.", anchor="eval-sample"),)
-    tokens, total = sample.get("tokens"), sample.get("split_tokens")
-    share = fmt(tokens / total, ".1%") if isinstance(tokens, int) and isinstance(total, int) and total else "—"
+    tokens, total = sample.tokens, sample.split_tokens
+    share = fmt(tokens / total, ".1%") if tokens is not None and total else "—"
     return (_paragraph(f"Evaluation: {fmt(tokens, ',.0f')} of {fmt(total, ',.0f')} validation tokens ({share}; "
-                       f"{fmt(sample.get('sequences'), ',.0f')} sequences), sample ", Code(text(sample.get("id"))),
+                       f"{fmt(sample.sequences, ',.0f')} sequences), sample ", Code(text(sample.id)),
                        f" (the same for every model of this run and every run on this dataset), {workers}; each "
                        "eval loss is given ± its standard error over the sampled sequences.", anchor="eval-sample"),)
 
 
-def elastic_headline(report: dict[str, Any]) -> Line:
+def elastic_headline(report: RunReport) -> Line:
     """` · elastic: ...` for the headline, nothing for a run on its asked workers throughout."""
-    if report.get("elastic") is not True:
+    if not report.elastic:
         return ()
-    asked = report.get("num_workers")
-    changes = [text(segment.get("line")) for index, segment in enumerate(_items(report.get("segments")))
-               if index or segment.get("num_workers") != asked]
+    changes = [segment.line for index, segment in enumerate(report.segments)
+               if index or segment.num_workers != report.num_workers]
     return (" · ", Emphasis("elastic"), ": " + "; ".join(changes))
 
 
-def baseline_line(baseline: Any) -> Line:
-    policy = _get(baseline, "policy")
+def baseline_line(baseline: BaselineOrigin | None) -> Line:
+    policy = baseline.policy if baseline else None
     if policy == "skip":
         return ("skipped (policy 'skip'): no speedup or loss parity",)
-    origin = "reused from run" if _get(baseline, "reused") else "trained by this run"
-    return (Code(text(_get(baseline, "key"))),
-            f", {origin} {_get(baseline, 'trained_by_run') or '(unknown)'} (policy '{text(policy)}')")
+    origin = "reused from run" if baseline and baseline.reused else "trained by this run"
+    return (Code(text(baseline.key if baseline else None)),
+            f", {origin} {(baseline.trained_by_run if baseline else None) or '(unknown)'} (policy '{text(policy)}')")
 
 
-def gates(report: dict[str, Any]) -> Section:
-    rows = tuple((text(gate.get("name")), Verdict("pass", True) if gate.get("passed") is True else
-                  Verdict("FAIL", False), fmt(gate.get("value"), ".4g"), fmt(gate.get("limit"), ".4g"),
-                  text(gate.get("detail"))) for gate in _items(report.get("gates")))
+def gates(report: RunReport) -> Section:
+    rows = tuple((gate.name, Verdict("pass", True) if gate.passed else Verdict("FAIL", False),
+                  fmt(gate.value, ".4g"), fmt(gate.limit, ".4g"), gate.detail) for gate in report.gates)
     return Section("Gates", (Table(("gate", "result", "value", "limit", "detail"), rows, anchor="gates",
                                    prose=("detail",)),))
 
 
-def scaling(report: dict[str, Any]) -> list[Section]:
+def scaling(report: RunReport) -> list[Section]:
     """An elastic run's segments (tasks/scaling.py), and the advisor's predicted scaling next to the measured."""
     sections = []
-    segments = _items(report.get("segments"))
-    if report.get("elastic") is True and segments:
-        rows = tuple((_steps(segment), f"{text(segment.get('num_workers'))} of {text(report.get('num_workers'))}",
-                      text(segment.get("grad_accum_steps")), fmt(segment.get("tokens_per_s"), ",.0f"),
-                      text(segment.get("line"))) for segment in segments)
+    if report.elastic and report.segments:
+        rows = tuple((f"{segment.from_step + 1}-{segment.to_step}", f"{segment.num_workers} of {report.num_workers}",
+                      str(segment.grad_accum_steps), fmt(segment.tokens_per_s, ",.0f"), segment.line)
+                     for segment in report.segments)
         sections.append(Section("Segments (elastic recovery)", (Table(
             ("steps", "workers", "accumulation", "tokens/s (step time)", "what happened"), rows, anchor="segments",
             prose=("what happened",)),)))
-    predicted = report.get("prediction")
-    if isinstance(predicted, dict):
-        row = (text(predicted.get("num_workers")), fmt(predicted.get("predicted_speedup"), ".2f", "x"),
-               fmt(predicted.get("measured_speedup"), ".2f", "x"),
-               fmt(predicted.get("predicted_efficiency"), ".0f", "%", scale=100),
-               fmt(predicted.get("measured_efficiency"), ".0f", "%", scale=100))
-        advice = (f"Advisor (single-worker step from the {text(predicted.get('step_source'))}): "
-                  f"{text(predicted.get('recommendation'))}")
+    predicted = report.prediction
+    if predicted is not None:
+        row = (str(predicted.num_workers), fmt(predicted.predicted_speedup, ".2f", "x"),
+               fmt(predicted.measured_speedup, ".2f", "x"),
+               fmt(predicted.predicted_efficiency, ".0f", "%", scale=100),
+               fmt(predicted.measured_efficiency, ".0f", "%", scale=100))
+        advice = (f"Advisor (single-worker step from the {text(predicted.step_source)}): "
+                  f"{text(predicted.recommendation)}")
         sections.append(Section("Scaling: predicted (preflight advisor) vs measured", (
             Table(("workers", "predicted speedup", "measured speedup", "predicted efficiency", "measured efficiency"),
                   (row,), anchor="prediction"), _bullets([advice]))))
     return sections
 
 
-def _steps(segment: dict[str, Any]) -> str:
-    first, last = segment.get("from_step"), segment.get("to_step")
-    if all(isinstance(step, int) and not isinstance(step, bool) for step in (first, last)):
-        return f"{first + 1}-{last}"
-    return f"{text(first)}-{text(last)}"
-
-
-def promotion(report: dict[str, Any]) -> Section:
+def promotion(view: RunView) -> Section:
     """The promote task's verdict and why, or where the run continued from."""
     items = []
-    continued = report.get("continued_from")
-    if isinstance(continued, dict):
-        items.append(_paragraph(f"Continued from {text(continued.get('name'))} {text(continued.get('version'))} "
-                                f"(run {text(continued.get('run_id'))}, eval loss "
-                                f"{fmt(continued.get('eval_loss'), '.4f')})"))
-    decision = report.get("promotion")
-    if not isinstance(decision, dict):
+    continued = view.report.continued_from
+    if continued is not None:
+        items.append(_paragraph(f"Continued from {text(continued.name)} {text(continued.version)} "
+                                f"(run {text(continued.run_id)}, eval loss {fmt(continued.eval_loss, '.4f')})"))
+    decision = view.promotion
+    if decision is None:
         items.append(_paragraph("Pending: the promote task has not run yet."))
     elif "unreadable" in decision:  # tasks/report_parts.py: promotion.json exists but cannot be read
         items.append(_paragraph(Verdict("Unknown", False), f": the promote task's record cannot be read "
@@ -282,32 +276,30 @@ def promotion(report: dict[str, Any]) -> Section:
 MAX_PROMPTS_SHOWN = 50  # a report from storage may hold any number: the page stays small and linear
 
 
-def samples(report: dict[str, Any]) -> list[Section]:
+def samples(report: RunReport) -> list[Section]:
     """Each model's sample scores, then each prompt (the first MAX_PROMPTS_SHOWN) with every model's greedy and
     top-k continuation; each model's samples are read once, so the work is linear in them."""
-    models = _items(report.get("samples"))[:MAX_PROMPTS_SHOWN]
+    models = report.samples[:MAX_PROMPTS_SHOWN]
     if not models:
         return []
-    names = ", ".join(text(model.get("model")) for model in models)
+    names = ", ".join(model.model for model in models)
     blocks: list[Block] = [
         _paragraph(f"Greedy and top-k continuations of the same prompts from the validation text (fixed seed): "
                    f"{names}."),
         Table(("model", "eval loss", "nats/char", "known words (greedy / top-k)"),
-              tuple((text(model.get("model")), fmt(model.get("eval_loss"), ".4f"),
-                     fmt(model.get("nats_per_char"), ".3f"), known_words(model.get("known_words")))
-                    for model in models), anchor="sample-quality")]
-    per_model = [(text(model.get("model")), _items(model.get("samples"))[:MAX_PROMPTS_SHOWN]) for model in models]
+              tuple((model.model, fmt(model.eval_loss, ".4f"), fmt(model.nats_per_char, ".3f"),
+                     known_words(model.known_words)) for model in models), anchor="sample-quality")]
+    per_model = [(model.model, model.samples[:MAX_PROMPTS_SHOWN]) for model in models]
     for index, first in enumerate(per_model[0][1]):
-        rows = tuple((name, _generated(own[index].get("greedy")), _generated(own[index].get("top_k")))
+        rows = tuple((name, _generated(own[index].greedy), _generated(own[index].top_k))
                      for name, own in per_model if index < len(own))
-        blocks += [_paragraph(Emphasis(f"Prompt {index + 1}:"), " ", _generated(first.get("prompt"))),
+        blocks += [_paragraph(Emphasis(f"Prompt {index + 1}:"), " ", _generated(first.prompt)),
                    Table(("model", "greedy", "top-k"), rows, prose=("greedy", "top-k"))]
     return [Section("Samples", tuple(blocks))]
 
 
-def charts(report: dict[str, Any]) -> Section:
-    files = tuple((name, file) for name, file in _dict(report, "charts").items()
-                  if isinstance(file, str) and name != "usage")  # shown in "GPU time and cost"
+def charts(report: RunReport) -> Section:
+    files = tuple((name, file) for name, file in report.charts.items() if name != "usage")  # in "GPU time and cost"
     return Section("Charts", (Charts(files),))
 
 
@@ -342,10 +334,10 @@ def waited_line(usage: Any) -> str:
                          if isinstance(carved, int | float) and carved > 0 else "") + ".")
 
 
-def gpu_time(report: dict[str, Any]) -> list[Section]:
-    """Held, busy and idle time by cause, per slot and attempt, the price and the cost (report.json `usage`)."""
-    usage = report.get("usage")
-    if not isinstance(usage, dict):
+def gpu_time(view: RunView) -> list[Section]:
+    """Held, busy and idle time by cause, per slot and attempt, the price and the cost (release.json's `usage`)."""
+    usage = view.usage
+    if usage is None:
         return []
     unit = "GPU" if usage.get("unit") == "gpu_hour" else "worker"
     held = usage.get("held_gpu_h") if isinstance(usage.get("held_gpu_h"), int | float) else None
@@ -383,20 +375,20 @@ def gpu_time(report: dict[str, Any]) -> list[Section]:
     if usage.get("clock_skew_s"):
         notes.append(f"Release's clock was {fmt(usage.get('clock_skew_s'), '.1f')} s behind a worker's exit: the "
                      "held time ends at the last exit.")
-    chart = _dict(report, "charts").get("usage")
+    chart = view.report.charts.get("usage")
     return [Section("GPU time and cost", (
         _paragraph(usage_line(usage), anchor="usage"), causes, slots, attempts, _bullets(notes),
         *([Charts((("usage", chart),))] if isinstance(chart, str) else [])))]
 
 
-def versions(report: dict[str, Any]) -> Section:
-    return Section("Versions", (_bullets(f"{name}: {text(value)}"
-                                         for name, value in sorted(_dict(report, "versions").items())),))
+def versions(report: RunReport) -> Section:
+    return Section("Versions", (_bullets(f"{name}: {text(value)}" for name, value in sorted(
+        (report.versions or {}).items())),))
 
 
-def _generated(value: Any) -> str:
+def _generated(value: str) -> str:
     """Generated text as it is; a sample of nothing but whitespace says so."""
-    return text(value) if text(value).strip() else "(empty)"
+    return value if value.strip() else "(empty)"
 
 
 def _paragraph(*line: Mark, anchor: str | None = None) -> Paragraph:

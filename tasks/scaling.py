@@ -11,6 +11,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tasks.report_document import Comparison, Prediction, Segment
 from trainer.layout import TrainOutput
 from trainer.storage import exists, read_json
 
@@ -22,7 +23,7 @@ def read_segments(output: TrainOutput) -> dict[str, Any] | None:
 
 
 def segments(record: Mapping[str, Any] | None, metrics: Sequence[Mapping[str, Any]],
-             final_step: int) -> list[dict[str, Any]]:
+             final_step: int) -> list[Segment]:
     """The steps each launch contributed: from its checkpoint to the next launch's (a launch that failed before
     its first new checkpoint contributed none and is left out), with its workers and measured tokens/s."""
     if not record:
@@ -45,31 +46,30 @@ def segments(record: Mapping[str, Any] | None, metrics: Sequence[Mapping[str, An
             line = f"continued on {count} of {asked} workers from step {launch['from_step']}"
         else:
             line = f"started on {count} of {asked} workers" + (f": {launch['reason']}" if launch.get("reason") else "")
-        rows.append({"from_step": launch["from_step"], "to_step": end, "steps": end - launch["from_step"],
-                     "num_workers": count, "grad_accum_steps": launch["grad_accum_steps"],
-                     "tokens_per_s": tokens / seconds if seconds > 0 else None, "reason": launch.get("reason"),
-                     "hosts": launch.get("hosts", []), "try_number": launch.get("try_number"), "line": line})
+        rows.append(Segment(from_step=launch["from_step"], to_step=end, steps=end - launch["from_step"],
+                            num_workers=count, grad_accum_steps=launch["grad_accum_steps"],
+                            tokens_per_s=tokens / seconds if seconds > 0 else None, reason=launch.get("reason"),
+                            hosts=tuple(launch.get("hosts", [])), try_number=launch.get("try_number"), line=line))
     return rows
 
 
-def is_elastic(rows: Sequence[Mapping[str, Any]], asked: int) -> bool:
-    return any(row["num_workers"] != asked for row in rows)
+def is_elastic(rows: Sequence[Segment], asked: int) -> bool:
+    return any(row.num_workers != asked for row in rows)
 
 
-def prediction(preflight: Mapping[str, Any] | None, measured_workers: int,
-               comparison: Mapping[str, Any]) -> dict[str, Any] | None:
+def prediction(preflight: Mapping[str, Any] | None, measured_workers: int, comparison: Comparison) -> Prediction | None:
     """The advisor's figures for the worker count that trained (the last segment's), next to the measured ones."""
     advice = (preflight or {}).get("advisor") or {}
     rows = {row["num_workers"]: row for row in advice.get("rows") or ()}
     if measured_workers not in rows:
         return None
     row = rows[measured_workers]
-    speedup = comparison.get("speedup")
-    return {
-        "num_workers": measured_workers, "predicted_speedup": row["speedup"],
-        "predicted_efficiency": row["efficiency"], "predicted_tokens_per_s": row["tokens_per_s"],
-        "measured_speedup": speedup, "measured_efficiency": comparison.get("efficiency"),
-        "speedup_error": (row["speedup"] - speedup) / speedup if speedup else None,
-        "recommendation": advice.get("recommendation"), "rows": advice["rows"],
-        "step_source": advice["inputs"]["step_source"],
-    }
+    speedup = comparison.speedup
+    return Prediction(
+        num_workers=measured_workers, predicted_speedup=row["speedup"],
+        predicted_efficiency=row["efficiency"], predicted_tokens_per_s=row["tokens_per_s"],
+        measured_speedup=speedup, measured_efficiency=comparison.efficiency,
+        speedup_error=(row["speedup"] - speedup) / speedup if speedup else None,
+        recommendation=advice.get("recommendation"), rows=tuple(advice["rows"]),
+        step_source=advice["inputs"]["step_source"],
+    )

@@ -16,7 +16,10 @@ import json
 import logging
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tasks.report_document import RunReport
 
 log = logging.getLogger("gpt_finetune.telemetry")
 
@@ -123,18 +126,17 @@ def emit_task_metrics(scope: str, values: Mapping[str, Any], *, run: str) -> int
     return emit_gauges(_task_gauges(scope, values), {"run": run, "task": scope})
 
 
-def emit_report_metrics(report: Mapping[str, Any], throughput_ratio: float | None) -> int:
+def emit_report_metrics(report: RunReport, throughput_ratio: float | None) -> int:
     """The evaluate task's figures (its report.json) as gauges."""
-    distributed, baseline = report["runs"]["distributed"], report["runs"]["baseline"] or {}
-    comparison = report["comparison"]
-    parity = next((gate["passed"] for gate in report["gates"] if gate["name"] == "loss_parity"), None)
+    distributed, baseline, comparison = report.runs.distributed, report.runs.baseline, report.comparison
+    parity = next((gate.passed for gate in report.gates if gate.name == "loss_parity"), None)
     return emit_task_metrics("evaluate", {
-        "eval_loss": distributed["eval_loss"], "perplexity": distributed["perplexity"],
-        "baseline_eval_loss": baseline.get("eval_loss"), "loss_delta": comparison["loss_delta"],
-        "parity_ok": parity, "tokens_per_s": distributed["tokens_per_s"],
-        "baseline_tokens_per_s": baseline.get("tokens_per_s"), "speedup": comparison["speedup"],
-        "efficiency": comparison["efficiency"], "throughput_ratio": throughput_ratio,
-    }, run=report["run_key"])
+        "eval_loss": distributed.eval_loss, "perplexity": distributed.perplexity,
+        "baseline_eval_loss": baseline.eval_loss if baseline else None, "loss_delta": comparison.loss_delta,
+        "parity_ok": parity, "tokens_per_s": distributed.tokens_per_s,
+        "baseline_tokens_per_s": baseline.tokens_per_s if baseline else None, "speedup": comparison.speedup,
+        "efficiency": comparison.efficiency, "throughput_ratio": throughput_ratio,
+    }, run=report.run_key)
 
 
 # A live line is a few hundred characters; a longer one is not parsed at all (a worker's stray output, or a value

@@ -24,6 +24,7 @@ from launcher.protocol import EXIT_PREEMPTED
 from tasks import airflow_api, usage
 from tasks.airflow_api import AdmissionWait
 from tasks.pricing import Price
+from tasks.report_document import RunFigures, RunReport, Runs
 from tasks.usage import STEP_KINDS, AttemptEvents, RankEvents, RankTimeline, Timeline, task_of
 from tasks.usage_summary import AdmissionRow, AttemptRow, LiveWarning, UsageSummary, summarize
 from trainer.config.schema import flat_settings
@@ -80,19 +81,18 @@ def load_attempts(run_url: str) -> list[AttemptEvents]:
     return sorted(attempts, key=lambda a: min((r.launch for r in a.ranks), default=0.0))
 
 
-def _seconds_after_last_step(run: Mapping[str, Any]) -> float:
+def _seconds_after_last_step(run: RunFigures) -> float:
     """Worker clock: from the last step's metrics line to the summary (export, saving); 0 when unknown."""
     try:
-        metrics_url = join(run["summary_url"].rsplit("/", 1)[0], "metrics", "rank-0.jsonl")
+        metrics_url = join(run.summary_url.rsplit("/", 1)[0], "metrics", "rank-0.jsonl")
         last = json.loads(read_bytes(metrics_url).decode().strip().splitlines()[-1])["time"]
-        return max(0.0, datetime.fromisoformat(run["finished_at"]).timestamp() - float(last))
+        return max(0.0, datetime.fromisoformat(str(run.finished_at)).timestamp() - float(last))
     except Exception as error:  # noqa: BLE001 - a position, not an amount: busy is the summary's either way
-        log.info("no last-step time for %s (%s): its steps are placed right before the exit", run.get("label"),
-                 error)
+        log.info("no last-step time for %s (%s): its steps are placed right before the exit", run.label, error)
         return 0.0
 
 
-def add_steps(attempts: Sequence[AttemptEvents], runs: Mapping[str, Any] | None) -> list[Timeline]:
+def add_steps(attempts: Sequence[AttemptEvents], runs: Runs | None) -> list[Timeline]:
     """The attempts' timelines with the steps of train and baseline attempts placed: the last successful one's from
     its summary (`runs`: report.json's runs), every earlier failed one's as redone after its join."""
     last_good = {a.kind: a for a in attempts if a.state == "succeeded"}  # by launch time: the last one stays
@@ -100,9 +100,9 @@ def add_steps(attempts: Sequence[AttemptEvents], runs: Mapping[str, Any] | None)
     for attempt in attempts:
         ranks = Timeline.of(attempt).ranks
         if attempt.kind in STEP_KINDS:
-            run = (runs or {}).get(SUMMARY_OF[attempt.kind])
-            if attempt is last_good.get(attempt.kind) and run and run.get("train_time_s") is not None:
-                after, trained = _seconds_after_last_step(run), float(run["train_time_s"])
+            run = getattr(runs, SUMMARY_OF[attempt.kind]) if runs else None
+            if attempt is last_good.get(attempt.kind) and run:
+                after, trained = _seconds_after_last_step(run), float(run.train_time_s)
                 ranks = tuple(RankTimeline(rank, first_step_end=rank.exit - after - trained,
                                            last_step_end=rank.exit - after) for rank in attempt.ranks)
             elif attempt.joined is not None and attempt.state != "succeeded":
@@ -143,7 +143,7 @@ def admission(attempts: Sequence[AttemptEvents], dag_id: str | None, run_id: str
     return Admission(tuple(airflow_api.admission_waits(tries)))
 
 
-def run_usage(run_url: str, report: Mapping[str, Any], released_at: str,
+def run_usage(run_url: str, report: RunReport, released_at: str,
               waits: Admission | None = None) -> UsageSummary | None:
     """release.json's `usage`, or None when the run recorded no events (a run from before the ledger). `waits`: the
     GPU tasks' admission waits (`admission`); without them `waited_s` is null and `waited_note` says why."""
@@ -153,18 +153,15 @@ def run_usage(run_url: str, report: Mapping[str, Any], released_at: str,
     waits = waits or Admission(None, "not asked")
     admitted = waits.waits
     not_held = [(w.scheduled, w.queued) for w in admitted or () if w.queued > w.scheduled]
-    book = usage.ledger(add_steps(attempts, report.get("runs")), datetime.fromisoformat(released_at).timestamp(),
-                        not_held)
-    distributed = (report.get("runs") or {}).get("distributed") or {}
-    hardware = (report.get("hardware") or {}).get("distributed") or {}
-    accelerator = hardware.get("gpu") if isinstance(hardware, dict) else None
-    tokens = sum(int((run or {}).get("tokens_seen") or 0) for run in (report.get("runs") or {}).values()) or None
-    summary = summarize(book, price=read_price(run_url), accelerator=accelerator, tokens=tokens,
-                        efficiency=(report.get("comparison") or {}).get("efficiency"))
+    book = usage.ledger(add_steps(attempts, report.runs), datetime.fromisoformat(released_at).timestamp(), not_held)
+    hardware = (report.hardware.distributed if report.hardware else None) or {}
+    tokens = sum(run.tokens_seen for run in report.runs.trained()) or None
+    summary = summarize(book, price=read_price(run_url), accelerator=hardware.get("gpu"), tokens=tokens,
+                        efficiency=report.comparison.efficiency)
     return replace(
         summary,
         attempts=tuple(AttemptRow(a.group, a.attempt, a.try_number, a.state, len(a.ranks)) for a in attempts),
-        workers=distributed.get("num_workers"),
+        workers=report.runs.distributed.num_workers,
         # Admission waits (Airflow's scheduled -> queued per try of a GPU task): shown, never charged; the part of
         # them between two of the run's groups is left out of held (`waited_gpu_h`, per slot `waited_h`).
         waited_s=round(sum(w.waited_s for w in admitted), 3) if admitted is not None else None,
@@ -242,32 +239,30 @@ def _cheapest_workers(report_url: str) -> int | None:
         return None
 
 
-def attach_usage(report_url: str, report: dict[str, Any], released_at: str,
-                 dag_id: str | None = None) -> dict[str, bytes]:
-    """Put `usage` (and its warnings) into the report; returns the chart to write with it. A ledger that cannot be
-    read is logged and left out: it never fails release. With `dag_id`, the admission waits of the report's run are
-    read from Airflow."""
+def attach_usage(report_url: str, report: RunReport, released_at: str,
+                 dag_id: str | None = None) -> tuple[UsageSummary | None, dict[str, bytes]]:
+    """The run's GPU-time ledger with its warnings (logged, counted and mailed), and its chart to write beside the
+    report (USAGE_CHART); (None, {}) when the run recorded no events. A ledger that cannot be read is logged and
+    left out: it never fails release. With `dag_id`, the admission waits of the report's run are read from
+    Airflow."""
     run_url = report_url.rstrip("/").rsplit("/", 1)[0]
     try:
-        waits = admission(load_attempts(run_url), dag_id, report.get("run_id"))
+        waits = admission(load_attempts(run_url), dag_id, report.run_id)
         summary = run_usage(run_url, report, released_at, waits)
         if summary is None:
-            return {}
+            return None, {}
         summary = replace(summary, cheapest_workers=_cheapest_workers(report_url))
-        warnings = cost_warnings(summary, flat_settings(report.get("config") or {}))
+        warnings = cost_warnings(summary, flat_settings(report.config))
         raised_live = {live.warning.text for live in summary.idle_warnings}  # counted and mailed back then
         summary = replace(summary, warnings=tuple(warnings))
-        report["usage"] = summary.to_xcom()
-        report["warnings"] = [w for w in report.get("warnings") or [] if not w.startswith("GPU time:")] + warnings
-        report.setdefault("charts", {})["usage"] = USAGE_CHART
         for warning in warnings:
             log.warning("%s", warning)
-        _emit(summary, [w for w in warnings if w not in raised_live], str(report.get("run_key")))
+        _emit(summary, [w for w in warnings if w not in raised_live], report.run_key)
         _mail(report, [w for w in warnings if w not in raised_live])
-        return {USAGE_CHART: usage_chart(summary)}
+        return summary, {USAGE_CHART: usage_chart(summary)}
     except Exception:  # the ledger is a view of the run; release's proof must not depend on it
         log.exception("could not compute the GPU-time ledger of %s", run_url)
-        return {}
+        return None, {}
 
 
 def _emit(summary: UsageSummary, warnings: list[str], run_key: str) -> None:
@@ -285,15 +280,15 @@ def _emit(summary: UsageSummary, warnings: list[str], run_key: str) -> None:
         telemetry.count("cost_warning", {"run": run_key, "task": "release"})
 
 
-def _mail(report: Mapping[str, Any], warnings: list[str]) -> None:
+def _mail(report: RunReport, warnings: list[str]) -> None:
     """The warnings as one alert, when the run has an alert connection (bounded like every alert)."""
-    cfg = flat_settings(report.get("config") or {})
+    cfg = flat_settings(report.config)
     if not warnings or not cfg.get("alert_conn_id"):
         return
     from tasks.alerts import run_page_url, send_alert
 
-    run_id = str(report.get("run_id"))
+    run_id = report.run_id
     opening = f"The GPU time of run {run_id} needs a look (the run itself is not failed by it):"
     text = "\n".join([opening, "", *(f"- {warning}" for warning in warnings), "", f"Report: {run_page_url(run_id)}"])
     send_alert(cfg["alert_conn_id"], tuple(cfg.get("alert_emails") or ()), f"[gpt_finetune] run {run_id}: GPU time "
-               "warnings", text, run=str(report.get("run_key")), task="release")
+               "warnings", text, run=report.run_key, task="release")

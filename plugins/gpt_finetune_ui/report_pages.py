@@ -14,6 +14,7 @@ from gpt_finetune_ui.runs_data import CHART_FILE
 from launcher.protocol import RUN_KEY_PATTERN
 from tasks import report_view
 from tasks.formatting import fmt, known_words
+from tasks.report_parts import RunView
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5rem; color: #1b1f24; }
@@ -119,9 +120,9 @@ def render_models(models: list[dict[str, Any]]) -> str:
 # one run's report
 
 
-def render_run(report: dict[str, Any], released: str) -> str:
-    """The run's page: every section of its report view; `released` from release.json (runs_data.release_status)."""
-    view = report_view.report_view(report, released)
+def render_run(report: RunView) -> str:
+    """The run's page: every section of its report view."""
+    view = report_view.report_view(report)
     body = [f"<p><a href='../../'>All runs</a></p><h1>{_line(view.title)}</h1>"]
     for section in view.sections:
         body += [f"<h2>{html.escape(section.title)}</h2>"] if section.title else []

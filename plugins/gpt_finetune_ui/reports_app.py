@@ -89,7 +89,7 @@ def _serve_runs(app: FastAPI, layout: Callable[[], StorageLayout]) -> None:
 
     @app.get("/api/runs/{run_key}")
     def run_json(run_key: str) -> JSONResponse:
-        return JSONResponse(runs_data.read_report(layout(), run_key))
+        return JSONResponse(runs_data.read_report(layout(), run_key).to_json())
 
     @app.get("/api/models")
     def models_json() -> JSONResponse:
@@ -101,8 +101,7 @@ def _serve_runs(app: FastAPI, layout: Callable[[], StorageLayout]) -> None:
 
     @app.get("/runs/{run_key}/", response_class=HTMLResponse)
     def run_page(run_key: str) -> str:
-        report = runs_data.read_report(layout(), run_key)
-        return render_run(report, runs_data.release_status(layout().run(run_key).release))
+        return render_run(runs_data.read_report(layout(), run_key))
 
     @app.get("/runs/{run_key}/charts/{name}")
     def chart(run_key: str, name: str) -> Response:

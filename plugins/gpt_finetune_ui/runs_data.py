@@ -17,8 +17,9 @@ from typing import Any
 
 from launcher.protocol import RUN_KEY_PATTERN
 from tasks.registry import read_latest
+from tasks.report_document import ReportError, RunReport
 from tasks.report_file import UnreadableRecord, finite, read_record
-from tasks.report_parts import read_part, read_parts, run_report
+from tasks.report_parts import RunView, read_part, read_parts, released, run_view
 from trainer.layout import StorageLayout
 from trainer.storage import exists, join, list_dir, read_bytes
 
@@ -36,8 +37,8 @@ class UnreadableReport(ValueError):
     """A report.json that is no JSON object (HTTP 422)."""
 
 
-class ReportError(ValueError):
-    """A report.json that is not what tasks/report.py writes: a field is missing or has the wrong type."""
+class FieldError(ValueError):
+    """A figure of the GPU-time ledger an index row shows that is missing or has the wrong type."""
 
 
 def report_dir(storage: StorageLayout, run_key: str) -> str:
@@ -46,24 +47,27 @@ def report_dir(storage: StorageLayout, run_key: str) -> str:
     return storage.run(run_key).report
 
 
-def read_report(storage: StorageLayout, run_key: str) -> dict[str, Any]:
+def read_report(storage: StorageLayout, run_key: str) -> RunView:
+    """The run's report with its promotion and release parts; UnreadableReport naming the field when report.json is
+    not one (tasks/report_document.py), NotFound before evaluate wrote it."""
     url = join(report_dir(storage, run_key), "report.json")
     if not exists(url):
         raise NotFound(f"Run {run_key} has no report: its evaluate task has not finished.")
     try:
-        report = read_record(url)
+        report = RunReport.from_json(read_record(url), "report.json")
     except (UnreadableRecord, OSError) as error:
         log.warning("Run %s: unreadable report %s (%s)", run_key, url, error)
         raise UnreadableReport(f"Run {run_key} has an unreadable report.") from error
-    if not isinstance(report, dict):
-        raise UnreadableReport(f"Run {run_key} has an unreadable report.")
-    return run_report(report, *read_parts(report_dir(storage, run_key)))
+    except ReportError as error:
+        log.warning("Run %s: %s is not a report (%s)", run_key, url, error)
+        raise UnreadableReport(f"Run {run_key} has an unreadable report: {error.brief}") from error
+    return run_view(report, *read_parts(report_dir(storage, run_key)))
 
 
 def read_chart(storage: StorageLayout, run_key: str, name: str) -> bytes:
     """A chart the run's report names (no other file of the report directory)."""
-    charts = read_report(storage, run_key).get("charts")
-    if not CHART_FILE.fullmatch(name) or not isinstance(charts, dict) or name not in charts.values():
+    charts = read_report(storage, run_key).report.charts
+    if not CHART_FILE.fullmatch(name) or name not in charts.values():
         raise NotFound(f"Run {run_key} has no such chart")
     url = join(report_dir(storage, run_key), name)
     if not exists(url):
@@ -71,69 +75,46 @@ def read_chart(storage: StorageLayout, run_key: str, name: str) -> bytes:
     return read_bytes(url)
 
 
-def release_status(release_url: str) -> str:
-    """yes / no (something of the run outlived its release) / pending (release has not run), from release.json."""
-    if not exists(release_url):
-        return "pending"
-    try:
-        record = read_record(release_url)
-        return "yes" if isinstance(record, dict) and record.get("clean") is True else "no"
-    except Exception as error:  # noqa: BLE001 - e.g. a directory, a list, too large: never a 500 for the index
-        log.warning("Unreadable release record %s (%s)", release_url, error)
-        return "no"
-
-
-def _field(report: Any, path: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
-    """`report[a][b]...` for `path` "a.b...", checked to be of `kind` (numbers: int or float, never bool)."""
-    value = report
-    for part in path.split("."):
-        if not isinstance(value, dict) or part not in value:
-            raise ReportError(f"field {path!r} is missing")
-        value = value[part]
-    if value is None and optional:
-        return None
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):  # bool is an int subclass
-        raise ReportError(f"field {path!r} is a {type(value).__name__}")
-    if kind is NUMBER and not finite(value):  # a 401-digit integer once made the index a 500 (OverflowError)
-        raise ReportError(f"field {path!r} is not a finite number")
-    return value
-
-
-def _if_present(report: Any, path: str, kind: type | tuple[type, ...]) -> Any:
-    """As `_field`, but a field that is absent, or under a null (a run without usage, cost or price), reads None."""
-    value = report
+def _if_present(record: Any, path: str, kind: type | tuple[type, ...], *, within: str) -> Any:
+    """`record[a][b]...` for `path` "a.b...", checked to be of `kind` (numbers: int or float, never bool, finite); a
+    field that is absent, or under a null (a run without usage, cost or price), reads None. FieldError names
+    `within`.`path` otherwise."""
+    value = record
     for part in path.split("."):
         if not isinstance(value, dict) or value.get(part) is None:
             return None
         value = value[part]
-    return _field(report, path, kind, optional=True)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):  # bool is an int subclass
+        raise FieldError(f"field '{within}.{path}' is a {type(value).__name__}")
+    if kind is NUMBER and not finite(value):  # a 401-digit integer once made the index a 500 (OverflowError)
+        raise FieldError(f"field '{within}.{path}' is not a finite number")
+    return value
 
 
-def headline(key: str, report: Any) -> dict[str, Any]:
-    """The index row of one report; ReportError when a field it shows is missing or of the wrong type."""
-    has_baseline = isinstance(report, dict) and isinstance(report.get("runs"), dict) and \
-        report["runs"].get("baseline") is not None
+def headline(key: str, view: RunView) -> dict[str, Any]:
+    """The index row of one report; FieldError when a figure of the ledger it shows is of the wrong type."""
+    report = view.report
+    distributed, baseline = report.runs.distributed, report.runs.baseline
+    known = distributed.known_words or {}
     return {
         "run_key": key,
-        "run_id": _field(report, "run_id", str),
-        "status": "passed" if _field(report, "gates_passed", bool) else "failed",
-        "created_at": _field(report, "created_at", str),
-        "num_workers": _field(report, "num_workers", int),
-        "speedup": _field(report, "comparison.speedup", NUMBER, optional=True),
-        "efficiency": _field(report, "comparison.efficiency", NUMBER, optional=True),
-        "tokens_per_s": _field(report, "runs.distributed.tokens_per_s", NUMBER, optional=True),
-        "train_time_s": _field(report, "runs.distributed.train_time_s", NUMBER, optional=True),
-        "eval_loss": _field(report, "runs.distributed.eval_loss", NUMBER, optional=True),
-        "baseline_eval_loss": _field(report, "runs.baseline.eval_loss", NUMBER, optional=True) if has_baseline
-        else None,
-        "known_words": {mode: _field(report, f"runs.distributed.known_words.{mode}", NUMBER, optional=True)
+        "run_id": report.run_id,
+        "status": "passed" if report.gates_passed else "failed",
+        "created_at": report.created_at,
+        "num_workers": report.num_workers,
+        "speedup": report.comparison.speedup,
+        "efficiency": report.comparison.efficiency,
+        "tokens_per_s": distributed.tokens_per_s,
+        "train_time_s": distributed.train_time_s,
+        "eval_loss": distributed.eval_loss,
+        "baseline_eval_loss": baseline.eval_loss if baseline else None,
+        "known_words": {mode: _if_present(known, mode, NUMBER, within="runs.distributed.known_words")
                         for mode in ("greedy", "top_k")},
         # GPU time and cost (release adds `usage`; a report without it lists with blanks)
-        "held_gpu_h": _if_present(report, "usage.held_gpu_h", NUMBER),
-        "busy_share": _if_present(report, "usage.busy_share", NUMBER),
-        "cost": _if_present(report, "usage.cost.held", NUMBER),
-        "currency": _if_present(report, "usage.price.currency", str),
-        "time_to_release_s": _if_present(report, "usage.time_to_release_s", NUMBER),
+        **{name: _if_present(view.usage, path, kind, within="usage") for name, path, kind in (
+            ("held_gpu_h", "held_gpu_h", NUMBER), ("busy_share", "busy_share", NUMBER), ("cost", "cost.held", NUMBER),
+            ("currency", "price.currency", str), ("time_to_release_s", "time_to_release_s", NUMBER))},
+        "released": view.released,
     }
 
 
@@ -143,20 +124,18 @@ def list_runs(storage: StorageLayout) -> list[dict[str, Any]]:
     runs = []
     for key in list_dir(storage.runs):
         url = join(storage.run(key).report, "report.json")
-        released = release_status(storage.run(key).release)
+        release = read_part(storage.run(key).release)  # the GPU-time ledger is release's (release.json)
         if not exists(url):
-            runs.append({"run_key": key, "run_id": key, "status": "no report yet", "released": released})
+            runs.append({"run_key": key, "run_id": key, "status": "no report yet", "released": released(release)})
             continue
         try:
-            report = read_record(url)
-            if isinstance(report, dict):  # the GPU-time ledger is release's (release.json)
-                report = run_report(report, None, read_part(storage.run(key).release))
-            runs.append({**headline(key, report), "released": released})
+            runs.append(headline(key, run_view(RunReport.from_json(read_record(url), "report.json"), None, release)))
         except Exception as error:  # noqa: BLE001 - one run's report, whatever is wrong with it, is one error row
             log.warning("Run %s: unreadable report %s (%s)", key, url, error)
-            detail = error if isinstance(error, ReportError) else error.reason if isinstance(
-                error, UnreadableRecord) else "cannot be read"
-            runs.append({"run_key": key, "run_id": key, "status": f"unreadable report: {detail}", "released": released})
+            detail = error.brief if isinstance(error, ReportError) else error if isinstance(error, FieldError) else (
+                error.reason if isinstance(error, UnreadableRecord) else "cannot be read")
+            runs.append({"run_key": key, "run_id": key, "status": f"unreadable report: {detail}",
+                         "released": released(release)})
     # created_at has milliseconds (launcher.protocol.utc_now): runs created within one are ordered by run id.
     return sorted(runs, key=lambda run: (run.get("created_at") or "", run["run_id"]), reverse=True)
 

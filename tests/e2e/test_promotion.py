@@ -16,7 +16,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tasks import registry
-from tasks.report_parts import read_parts, run_report
+from tasks.report_document import RunReport
+from tasks.report_parts import read_parts, run_view
 from tests.e2e.runs import DAG, FAST, assert_released, storage, trigger
 from tests.support.airflow_stack import REPO
 from trainer.layout import run_key
@@ -36,7 +37,8 @@ HARMFUL = {"learning_rate": 1.0, "max_loss_rise": 0.0, "export_formats": []}
 def report(stack, run_id: str) -> dict:
     """The run's report as its page shows it: report.json with promotion.json and release.json beside it."""
     url = storage(stack).run(run_key(DAG, run_id)).report
-    return run_report(json.loads(Path(url, "report.json").read_text()), *read_parts(url))
+    return run_view(RunReport.from_json(json.loads(Path(url, "report.json").read_text()), "report.json"),
+                    *read_parts(url)).to_json()
 
 
 def succeed(stack, conf: dict) -> str:

@@ -12,11 +12,13 @@ import re
 
 from launcher import GroupSpec, LocalBackend
 from launcher.gpus import GPU_RELEASE_WAIT_S, check_exited_slots
-from tasks.launch import RecordedLaunch, add_release_after_train
+from tasks.launch import RecordedLaunch, with_release_after_train
 from tasks.report import render_markdown
+from tasks.report_parts import run_view
 from tests.launcher.conftest import entrypoint_env
 from tests.launcher.test_gpus import Clock
 from tests.support.fake_nvml import GIB, FakeNvml, h200s, install
+from tests.tasks.test_report import document
 from trainer.layout import StorageLayout
 from trainer.storage import read_json
 
@@ -51,11 +53,11 @@ def test_a_groups_gpus_are_proven_free_right_after_it_exits(monkeypatch, tmp_pat
 
     record = read_json(run.state_file("train"))  # the run's state record keeps it for release and the report
     assert record["after_exit"]["release_after_train_s"] == check["release_after_train_s"]
-    report = {"runs": {"distributed": {"label": "distributed"}, "baseline": None}}
-    add_release_after_train(report, run)
-    assert report["runs"]["distributed"]["release_after_train_s"] == check["release_after_train_s"]
+    report = with_release_after_train(document(baseline=False), run)
+    assert report.runs.distributed.release_after_train_s == check["release_after_train_s"]
+    markdown = render_markdown(run_view(report, None, None))
     assert (f"Released after training: the workers' slots were proven free distributed "
-            f"{check['release_after_train_s']:.2f} s after they exited") in render_markdown(report)
+            f"{check['release_after_train_s']:.2f} s after they exited") in markdown
 
 
 def test_cpu_slots_are_free_once_the_ranks_processes_are_gone(tmp_path):

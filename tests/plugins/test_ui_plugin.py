@@ -26,6 +26,7 @@ from fastapi.testclient import TestClient
 from tf_multiworker.backends import make_backend
 
 from tasks import evaluate
+from tasks.report_document import Comparison
 from tests.support.browser import chromium
 from tests.tasks import run_fixtures
 from trainer.layout import run_key
@@ -199,22 +200,23 @@ def test_hostile_reports_render_escaped_as_error_rows(hostile_storage):
     assert index.status_code == 200
     assert "<script" not in index.text.lower()
     statuses = {run["run_key"]: run["status"] for run in client.get("/api/runs").json()}
-    assert statuses == {
+    assert statuses == {  # the field and what is wrong with it, never the value a storage writer put there
         KEY_28: "passed",
-        "poisoned": "unreadable report: field 'num_workers' is a str",
-        "empty": "unreadable report: field 'run_id' is missing",
-        "a_list": "unreadable report: field 'run_id' is missing",
+        "poisoned": "unreadable report: format_version: expected int, got str",
+        "empty": "unreadable report: the report: missing key(s) format_version, run_id, run_key, created_at, "
+                 "num_workers, gates_passed, runs, comparison, gates: not a complete RunReport",
+        "a_list": "unreadable report: the report: expected a JSON object, got list: not a RunReport",
         "not_json": "unreadable report: not valid JSON",
     }
 
-    page = client.get("/runs/poisoned/")
-    assert page.status_code == 200
-    assert "<script" not in page.text.lower()
-    assert "&lt;script&gt;alert(document.cookie)&lt;/script&gt;scheduled__2026-11-28T02:00:00+00:00" in page.text
-    assert "<img" not in page.text  # chart names that are no plain file name are not linked
-    for key in ("empty", "a_list", "not_json"):
+    page = client.get("/runs/poisoned/")  # the page says what the index says (tasks/report_document.py checks)
+    assert page.status_code == 422 and "format_version: expected int, got str" in page.text
+    for key in ("poisoned", "empty", "a_list", "not_json"):
         response = client.get(f"/runs/{key}/")
-        assert response.status_code in (200, 422) and "<script" not in response.text.lower(), key
+        assert response.status_code == 422 and "<script" not in response.text.lower(), key
+    poisoned = {**_poisoned(client.get(f"/api/runs/{KEY_28}").json()), "format_version": 1, "num_workers": 2}
+    write_json_atomic(str(hostile_storage / "runs" / "poisoned" / "report" / "report.json"), poisoned)
+    assert client.get("/runs/poisoned/").status_code == 422  # every figure is a string: refused by the first
 
 
 def test_an_elastic_runs_page_shows_its_segments_and_the_predicted_scaling(storage_root, tmp_path):
@@ -230,10 +232,10 @@ def test_an_elastic_runs_page_shows_its_segments_and_the_predicted_scaling(stora
     record = {**run_fixtures.ELASTIC_RECORD, "launches": [*launches[:2], {**launches[2], "reason": SCRIPT}]}
     advice = {"rows": [{"num_workers": 2, "speedup": 1.6, "efficiency": 0.8, "tokens_per_s": 1600.0}],
               "recommendation": "2 workers: predicted 80% efficiency (1.60x)", "inputs": {"step_source": "probe"}}
-    comparison = {"speedup": 1.5, "efficiency": 0.75}
+    comparison = Comparison(speedup=1.5, efficiency=0.75, loss_delta=None, loss_tolerance=0.02)
     metrics = run_fixtures.step_metrics(range(1, 41), 0.1)
-    report.update(segments=scaling.segments(record, metrics, final_step=40), elastic=True, num_workers=4,
-                  prediction=scaling.prediction({"advisor": advice}, 2, comparison))
+    report.update(segments=[row.to_json() for row in scaling.segments(record, metrics, final_step=40)], elastic=True,
+                  num_workers=4, prediction=scaling.prediction({"advisor": advice}, 2, comparison).to_json())
     report_file.write_text(json.dumps(report))
 
     page = TestClient(create_app(str(root))).get(f"/runs/{KEY_28}/").text
@@ -254,19 +256,24 @@ def test_report_md_and_the_run_page_write_the_same_view(storage_root):
     """One view (tasks/report_view.py), two writers: every section title, table column and cell, line of text,
     warning and chart of a report with every section appears in report.md and on the run's page."""
     from tasks import report_view, scaling
-    from tasks.report import released, render_markdown
+    from tasks.report import render_markdown
+    from tasks.report_document import RunReport
+    from tasks.report_parts import run_view
 
     report = json.loads((Path(storage_root) / "runs" / KEY_28 / "report" / "report.json").read_text())
     advice = {"rows": [{"num_workers": 2, "speedup": 1.6, "efficiency": 0.8, "tokens_per_s": 1600.0}],
               "recommendation": "2 workers: predicted 80% efficiency (1.60x)", "inputs": {"step_source": "probe"}}
+    segments = scaling.segments(run_fixtures.ELASTIC_RECORD, run_fixtures.step_metrics(range(1, 41), 0.1), 40)
+    comparison = Comparison.from_json(report["comparison"], "report.json", "comparison")
     report.update(
-        segments=scaling.segments(run_fixtures.ELASTIC_RECORD, run_fixtures.step_metrics(range(1, 41), 0.1), 40),
-        elastic=True, num_workers=4, prediction=scaling.prediction({"advisor": advice}, 2, report["comparison"]),
+        segments=[row.to_json() for row in segments], elastic=True, num_workers=4,
+        prediction=scaling.prediction({"advisor": advice}, 2, comparison).to_json(),
         warnings=["4,000 tokens/s is 40% of the 10,000 predicted"],
-        continued_from={"name": "gpt_finetune", "version": "v1", "run_id": "nightly__1", "eval_loss": 5.3},
-        promotion={"promoted": False, "policy": "auto", "reason": "worse than the promoted version"})
-    view = report_view.report_view(report, released(report))
-    markdown, page = render_markdown(report), unescape(render_run(report, released(report)))
+        continued_from={"name": "gpt_finetune", "version": "v1", "run_id": "nightly__1", "eval_loss": 5.3})
+    shown_report = run_view(RunReport.from_json(report, "report.json"),
+                            {"promoted": False, "policy": "auto", "reason": "worse than the promoted version"}, None)
+    view = report_view.report_view(shown_report)
+    markdown, page = render_markdown(shown_report), unescape(render_run(shown_report))
 
     titles = [section.title for section in view.sections if section.title]
     assert titles == ["Gates", "Segments (elastic recovery)", "Scaling: predicted (preflight advisor) vs measured",
@@ -295,11 +302,14 @@ def test_a_runs_throughput_warnings_show_above_its_figures_escaped(storage_root,
     report_file = root / "runs" / KEY_28 / "report" / "report.json"
     report = json.loads(report_file.read_text())
     report_file.write_text(json.dumps({**report, "warnings": ["4,000 tokens/s is 40% of the 10,000 predicted",
-                                                              SCRIPT, {"not": "text"}]}))
+                                                              SCRIPT]}))
     page = TestClient(create_app(str(root))).get(f"/runs/{KEY_28}/").text
     warnings = page.split("<ul id='warnings' class='warning'>")[1].split("</ul>")[0]
     assert warnings.startswith("<li>4,000 tokens/s is 40% of the 10,000 predicted</li><li>&lt;script&gt;")
     assert warnings.count("<li>") == 2 and page.index("id='warnings'") < page.index("id='figures'")
+    report_file.write_text(json.dumps({**report, "warnings": ["slow", {"not": "text"}]}))  # not what evaluate writes
+    refused = TestClient(create_app(str(root))).get(f"/runs/{KEY_28}/")
+    assert refused.status_code == 422 and "warnings[1]: expected str, got dict" in refused.text
     report_file.write_text(json.dumps(report))  # a report from before warnings existed
     assert "id='warnings'" not in TestClient(create_app(str(root))).get(f"/runs/{KEY_28}/").text
 
@@ -574,18 +584,21 @@ def test_a_crafted_report_is_an_error_row_and_never_a_500(crafted_storage, monke
     assert statuses[KEY_28] == "passed"
     assert statuses["deep"] == "unreadable report: nested too deep"
     assert statuses["nested"] == "unreadable report: nested too deep: more than 32 levels"
-    assert statuses["huge_int"] == "unreadable report: field 'runs.distributed.tokens_per_s' is not a finite number"
+    assert statuses["huge_int"] == "unreadable report: runs.distributed.tokens_per_s: expected float, got int"
     assert statuses["not_utf8"] == "unreadable report: not valid JSON"
     assert statuses["too_large"].startswith("unreadable report: too large: ")
     for key in ("deep", "nested", "not_utf8", "too_large"):
         assert client.get(f"/runs/{key}/").status_code == 422, key
-    page = client.get("/runs/huge_int/")  # readable, one odd figure: shown as a dash
-    assert page.status_code == 200 and "tokens/s" in page.text
+    page = client.get("/runs/huge_int/")  # no figure: refused naming it, as on the index
+    assert page.status_code == 422 and "runs.distributed.tokens_per_s: expected float, got int" in page.text
 
 
 def test_the_run_page_is_linear_in_samples(storage_root, tmp_path):
     """The review measured 0.17 s, 0.67 s, 1.62 s for 1000, 2000, 4000 samples per model: quadratic."""
     import time
+
+    from tasks.report_document import RunReport
+    from tasks.report_parts import run_view
 
     report = json.loads((Path(storage_root) / "runs" / KEY_28 / "report" / "report.json").read_text())
     timings = {}
@@ -593,8 +606,9 @@ def test_the_run_page_is_linear_in_samples(storage_root, tmp_path):
         sample = {"prompt": "p", "greedy": "g", "top_k": "k"}
         report["samples"] = [{"model": name, "eval_loss": 5.0, "samples": [sample] * count}
                              for name in ("baseline", "distributed")]
+        view = run_view(RunReport.from_json(report, "report.json"), None, {"clean": True})
         started = time.perf_counter()
-        page = render_run(report, "yes")
+        page = render_run(view)
         timings[count] = time.perf_counter() - started
         assert page.count("Prompt ") <= 50
     assert timings[40000] < 2.0, timings

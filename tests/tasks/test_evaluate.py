@@ -19,6 +19,7 @@ from tf_multiworker.backends import make_backend
 from tasks import evaluate
 from tasks.baseline import plan_baseline
 from tasks.evaluate import EvaluationError, GateFailure, evaluate_run
+from tasks.report_document import RunReport
 from tests.tasks import run_fixtures
 from trainer.config import RunConfig
 from trainer.layout import StorageLayout
@@ -78,6 +79,8 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
     assert report["config"]["num_workers"] == 2 and report["versions"]["tensorflow"] == "2.21.0"
     assert report["baseline"] == {"policy": "auto", "key": prepared.baseline_key, "url": prepared.baseline_url,
                                   "trained_by_run": prepared.run_id, "reused": False}
+    # Read back as its typed document (promote, later runs' history), it writes exactly these keys and values.
+    assert RunReport.from_json(report, result["report_json_url"]).to_json() == report
 
     markdown = run_fixtures.released_markdown(prepared.report_url)
     assert ("| run | workers | train time | eval time | tokens/s | speedup | efficiency | eval loss | perplexity | "

@@ -21,7 +21,8 @@ from tf_multiworker.backends import make_backend
 from tasks import evaluate, registry
 from tasks.prepared_run import PreparedRun
 from tasks.promote import NoReportError, promote_run
-from tasks.report_parts import read_parts, run_report
+from tasks.report_document import RunReport
+from tasks.report_parts import read_parts, run_view
 from tests.tasks import run_fixtures
 from trainer.layout import StorageLayout, TrainOutput
 from trainer.storage import exists, filesystem, join, read_bytes, read_json, remove_tree, write_json_atomic
@@ -70,7 +71,8 @@ def models(root: str):
 
 def report_of(prepared: PreparedRun) -> dict:
     """The run's report as its page shows it: evaluate's report.json with promote's promotion.json beside it."""
-    return run_report(read_json(join(prepared.report_url, "report.json")), *read_parts(prepared.report_url))
+    url = join(prepared.report_url, "report.json")
+    return run_view(RunReport.from_json(read_json(url), url), *read_parts(prepared.report_url)).to_json()
 
 
 def test_nightly_runs_promote_only_when_not_worse(root, evaluations):

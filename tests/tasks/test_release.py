@@ -219,7 +219,8 @@ def test_release_writes_its_own_record_beside_the_report_and_renders_report_md_f
     """One writer per file: release writes release.json beside report.json and promotion.json, leaves both as
     evaluate and promote wrote them, and is report.md's one writer: the merge of all three parts."""
     from tasks.report import REPORT_MD
-    from tasks.report_parts import read_parts, run_report
+    from tasks.report_parts import read_parts, run_view
+    from tests.tasks.test_report import document_of
     from tests.tasks.test_report import report as sample_report
 
     root = str(tmp_path / "storage")
@@ -236,8 +237,8 @@ def test_release_writes_its_own_record_beside_the_report_and_renders_report_md_f
 
     assert (Path(run.report_json).read_bytes(), Path(run.report, PROMOTION_JSON).read_bytes()) == (evaluated, decided)
     assert Path(run.release).parent == Path(run.report_json).parent
-    report = run_report(json.loads(evaluated), *read_parts(run.report))
-    assert report["release"]["clean"] is True and report["release"]["survivors"] == []
+    view = run_view(document_of(json.loads(evaluated)), *read_parts(run.report))
+    assert view.release["clean"] is True and view.release["survivors"] == [] and view.released == "yes"
     markdown = Path(run.report, REPORT_MD).read_text()
     assert markdown.startswith("# GPT fine-tune run `manual__1`")  # report.json's
     assert "**Not promoted** (policy 'auto'): worse than the promoted version" in markdown  # promotion.json's

@@ -3,8 +3,8 @@
 import json
 
 from tasks import report as reports
-from tasks.report_parts import read_part, read_parts, run_report
-from tests.tasks.test_report import report
+from tasks.report_parts import read_part, read_parts, run_view
+from tests.tasks.test_report import document
 from trainer.storage import join, write_json_atomic
 
 EXPORT_GATE = {"name": "export_safetensors", "passed": False, "value": 0.03, "limit": 1e-4,
@@ -18,21 +18,22 @@ RELEASE = {"clean": True, "released_at": "2026-11-29T10:05:00+00:00", "host": "h
 
 def test_missing_parts_are_pending(tmp_path):
     assert read_parts(str(tmp_path)) == (None, None)
-    markdown = reports.render_markdown(run_report(report(), None, None))
+    markdown = reports.render_markdown(run_view(document(), None, None))
     assert "**Released: pending**" in markdown and "Pending: the promote task has not run yet." in markdown
 
 
 def test_promote_and_release_parts_fold_into_the_report_without_changing_it():
-    evaluated = report()
-    shown = run_report(evaluated, PROMOTION, RELEASE)
-    assert evaluated == report(), "the report itself is left as evaluate wrote it"
+    evaluated = document()
+    view = run_view(evaluated, PROMOTION, RELEASE)
+    shown = view.to_json()
+    assert evaluated == document() and evaluated.gates_passed, "the report itself is left as evaluate wrote it"
     assert shown["gates"][-1] == EXPORT_GATE and shown["gates_passed"] is False  # a failed export gate counts
     assert shown["promotion"] == {k: v for k, v in PROMOTION.items() if k not in ("export_gates", "exports")}
     assert shown["exports"] == {"formats": {}}
     assert shown["release"] == {"clean": True, "released_at": RELEASE["released_at"], "host": "h", "survivors": []}
     assert shown["usage"] == USAGE and shown["warnings"][-1] == USAGE["warnings"][0]
     assert shown["charts"]["usage"] == "usage.png"
-    markdown = reports.render_markdown(shown)
+    markdown = reports.render_markdown(view)
     assert "**Gates: FAILED** · **Released: yes**" in markdown
     assert "**Not promoted** (policy 'auto'): the run's gates failed" in markdown
     assert "| export_safetensors | **FAIL** |" in markdown
@@ -43,8 +44,18 @@ def test_an_unreadable_part_is_shown_as_such_and_proves_nothing(tmp_path):
     write_json_atomic(join(str(tmp_path), "release.json"), [1, 2])
     promotion, release = read_parts(str(tmp_path))
     assert promotion == {"unreadable": "not valid JSON"} and release == {"unreadable": "not a JSON object"}
-    markdown = reports.render_markdown(run_report(report(), promotion, release))
+    markdown = reports.render_markdown(run_view(document(), promotion, release))
     assert "**Released: no**" in markdown
     assert "**Unknown**: the promote task's record cannot be read (not valid JSON)." in markdown
     (tmp_path / "huge.json").write_text(json.dumps({"x": "y" * (17 << 20)}))
     assert read_part(str(tmp_path / "huge.json"))["unreadable"].startswith("too large")
+
+
+def test_export_gates_that_are_no_gates_make_the_promotion_unreadable_and_count_nothing():
+    """promotion.json is untrusted: its export gates are read as gates (tasks/report_document.py), or not at all."""
+    odd = {**PROMOTION, "export_gates": [{**EXPORT_GATE, "passed": "no"}]}
+    view = run_view(document(), odd, None)
+    assert view.report.gates == document().gates and view.report.gates_passed is True and view.exported is None
+    assert view.promotion == {"unreadable": "promotion.json: export_gates[0].passed: expected bool, got str"}
+    assert "**Unknown**: the promote task's record cannot be read (promotion.json: export_gates[0].passed" in (
+        reports.render_markdown(view))

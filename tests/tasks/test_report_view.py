@@ -2,7 +2,7 @@
 
 from tasks import report_view
 from tasks.report import render_markdown
-from tests.tasks.test_report import report
+from tests.tasks.test_report import report, view_of
 
 
 def _titles(view: report_view.ReportView) -> list[str | None]:
@@ -11,17 +11,17 @@ def _titles(view: report_view.ReportView) -> list[str | None]:
 
 def test_sections_in_report_order_with_the_optional_ones_only_when_present():
     data = report()
-    assert _titles(report_view.report_view(data, "pending")) == [None, "Gates", "Promotion", "Charts", "Versions"]
+    assert _titles(report_view.report_view(view_of(data))) == [None, "Gates", "Promotion", "Charts", "Versions"]
     data["samples"] = [{"model": "distributed", "eval_loss": 5.31, "samples": [
         {"prompt": "To be", "greedy": " or not", "top_k": "  \n"}]}]
-    view = report_view.report_view(data, "pending")
+    view = report_view.report_view(view_of(data))
     assert _titles(view) == [None, "Gates", "Promotion", "Samples", "Charts", "Versions"]
     prompt_table = view.sections[3].blocks[-1]
     assert prompt_table.rows == (("distributed", " or not", "(empty)"),)  # generated text kept as it is
 
 
 def test_the_verdicts_and_where_the_page_anchors_them():
-    view = report_view.report_view(report(), "no")
+    view = report_view.report_view(view_of(report(), release={"clean": False}))
     headline, *_ = view.sections[0].blocks
     verdicts = [mark for mark in headline.line if isinstance(mark, report_view.Verdict)]
     assert verdicts == [report_view.Verdict("PASSED", True, "Gates"),
@@ -30,29 +30,26 @@ def test_the_verdicts_and_where_the_page_anchors_them():
     assert gate[1] == report_view.Verdict("pass", True)
 
 
-def test_any_json_builds_a_view_showing_what_is_there():
-    """report.json comes from storage other tasks can write: missing fields read as dashes, wrong types as text."""
-    for broken in ({}, [], None, {"run_id": 7, "gates": "all", "table": [{"run": ["x"]}], "charts": [1],
-                                 "comparison": {"speedup": "fast", "efficiency": "high", "loss_delta": "tiny"},
-                                 "samples": [{"model": 3, "samples": "none"}], "elastic": True, "segments": [{}],
-                                 "prediction": {}, "promotion": {"promoted": "yes"}, "warnings": [1, "slow"]}):
-        view = report_view.report_view(broken, "pending")
-        assert view.title[1] == report_view.Code("—" if not isinstance(broken, dict) or not broken else "7")
-    view = report_view.report_view(broken, "pending")
-    figures = view.sections[0].blocks[2]
-    assert figures.rows[0][0] == "['x']" and view.sections[0].blocks[1] == report_view.Warnings(("slow",))
-    assert "Speedup T1/TN: fast; scaling efficiency (speedup / N): high" in render_markdown(broken)
+def test_the_parts_other_tasks_own_are_shown_whatever_their_shape():
+    """report.json is read checked (tasks/report_document.py); promotion.json's verdict and release's ledger are shown
+    as they are: missing fields read as dashes, wrong types as text, never an error."""
+    for promotion in ({}, {"promoted": "yes", "reason": ["x"]}, {"unreadable": 3}):
+        for release in ({}, {"clean": "yes", "usage": {"held_gpu_h": "lots", "per_slot": [1, {"slot": 2}]}}):
+            markdown = render_markdown(view_of(report(), promotion, release))
+            assert "**Released: no**" in markdown and "## Promotion" in markdown
+    usage = {"held_gpu_h": "lots", "busy_share": None, "idle_by_cause_gpu_h": {"startup": "x"}, "attempts": [[]]}
+    assert "worker slots held lots worker-h" in render_markdown(view_of(report(), None, {"usage": usage}))
 
 
 def test_gpu_memory_shows_tensorflows_peak_beside_the_memory_in_use_on_gpu_runs_only():
-    cpu = render_markdown(report())
+    cpu = render_markdown(view_of(report()))
     assert "GPU memory" not in cpu
     data = report()
     data["runs"]["distributed"].update(gpu_mem_peak_mb=3210.4, gpu_mem_reserved_mb=139812.0)
     data["runs"]["baseline"].update(gpu_mem_peak_mb=5120.0, gpu_mem_reserved_mb=None)
     assert ("GPU memory of rank 0: distributed peak 3,210 MiB used by TensorFlow, 139,812 MiB in use on the GPU; "
             "baseline peak 5,120 MiB used by TensorFlow, — in use on the GPU (TensorFlow reserves nearly all of "
-            "the GPU at start-up; the peak is what training needed)") in render_markdown(data)
+            "the GPU at start-up; the peak is what training needed)") in render_markdown(view_of(data))
 
 
 def test_the_report_says_how_the_gradients_crossed_the_network():
@@ -69,13 +66,13 @@ def test_the_report_says_how_the_gradients_crossed_the_network():
     evaluation = {"eval_loss": 5.0, "perplexity": 148.4, "eval_tokens": 100, "eval_time_s": 1.0}
     data = report()
     data["runs"]["distributed"] = run_figures("distributed", TrainOutput("storage/run"),
-                                                 TrainSummary.from_json(summary, "summary.json"), evaluation)
+                                              TrainSummary.from_json(summary, "summary.json"), evaluation).to_json()
     data["config"] = {"communication": "auto"}
     assert ("Gradient all-reduce: float32 over NCCL ('communication' = 'auto'), 3 pack(s) of >= 32 MiB, "
-            "overlapping the backward pass") in render_markdown(data)
+            "overlapping the backward pass") in render_markdown(view_of(data))
     data["runs"]["distributed"]["allreduce"] = {"implementation": "ring", "dtype": "bfloat16", "pack_mb": 0.0,
                                                 "packs": None, "overlap": False}
     assert ("Gradient all-reduce: bfloat16 over RING ('communication' = 'auto'), one worker: nothing crossed the "
-            "network") in render_markdown(data)
+            "network") in render_markdown(view_of(data))
     del data["runs"]["distributed"]["allreduce"]  # a summary written before the field
-    assert "Gradient all-reduce" not in render_markdown(data)
+    assert "Gradient all-reduce" not in render_markdown(view_of(data))

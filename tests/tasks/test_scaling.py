@@ -5,16 +5,19 @@ import pytest
 
 from tasks import scaling
 from tasks.report import render_markdown
+from tasks.report_document import Comparison
 from tests.tasks.run_fixtures import ELASTIC_RECORD, step_metrics
+from tests.tasks.test_report import report as base_report
+from tests.tasks.test_report import view_of
 
 
 def test_segments_name_each_launch_that_trained_with_its_throughput():
     metrics = step_metrics(range(1, 21), 0.1) + step_metrics(range(21, 41), 0.2)
     rows = scaling.segments(ELASTIC_RECORD, metrics, final_step=40)
-    assert [(r["from_step"], r["to_step"], r["num_workers"], r["grad_accum_steps"]) for r in rows] == [
+    assert [(r.from_step, r.to_step, r.num_workers, r.grad_accum_steps) for r in rows] == [
         (0, 20, 4, 1), (20, 40, 2, 2)]
-    assert rows[0]["tokens_per_s"] == pytest.approx(5120) and rows[1]["tokens_per_s"] == pytest.approx(2560)
-    assert rows[1]["line"] == "continued on 2 of 4 workers from step 20: host h unreachable"
+    assert rows[0].tokens_per_s == pytest.approx(5120) and rows[1].tokens_per_s == pytest.approx(2560)
+    assert rows[1].line == "continued on 2 of 4 workers from step 20: host h unreachable"
     assert scaling.is_elastic(rows, 4) and not scaling.is_elastic(rows[:1], 4)
     assert scaling.segments(None, metrics, 40) == []
 
@@ -25,18 +28,16 @@ def test_the_report_marks_an_elastic_run_and_shows_predicted_next_to_measured():
                        for n, s in ((1, 1.0), (2, 1.6), (3, 2.0), (4, 2.2))],
               "recommendation": "4 workers: predicted 55% efficiency (2.20x); 2 workers reach 1.60x at 80%",
               "inputs": {"step_source": "probe"}}
-    comparison = {"speedup": 1.5, "efficiency": 0.75, "loss_delta": 0.001, "loss_tolerance": 0.02}
+    comparison = Comparison(speedup=1.5, efficiency=0.75, loss_delta=0.001, loss_tolerance=0.02)
     predicted = scaling.prediction({"advisor": advice}, 2, comparison)
-    assert predicted["predicted_speedup"] == 1.6 and predicted["speedup_error"] == pytest.approx(0.1 / 1.5)
+    assert predicted.predicted_speedup == 1.6 and predicted.speedup_error == pytest.approx(0.1 / 1.5)
     assert scaling.prediction({}, 2, comparison) is None
-    distributed = {"global_batch_size": 8, "steps": 40}
-    report = {"run_id": "r", "gates_passed": True, "num_workers": 4, "created_at": "now", "comparison": comparison,
-              "runs": {"distributed": distributed}, "hardware": {"line": "cpu"},
-              "baseline": {"policy": "skip"}, "gates": [], "table": [], "charts": {}, "versions": {},
-              "segments": rows, "elastic": True, "prediction": predicted}
-    markdown = render_markdown(report)
+    report = base_report(workers=4, baseline=False)
+    report.update(comparison=comparison.to_json(), segments=[row.to_json() for row in rows], elastic=True,
+                  prediction=predicted.to_json())
+    markdown = render_markdown(view_of(report))
     assert "**elastic**: continued on 2 of 4 workers from step 20: host h unreachable" in markdown
     assert "| 1-20 | 4 of 4 | 1 | 5,120 | started on 4 of 4 workers |" in markdown
     assert "| 2 | 1.60x | 1.50x | 80% | 75% |" in markdown and "2 workers reach 1.60x at 80%" in markdown
     plain = {key: value for key, value in report.items() if key not in ("segments", "elastic", "prediction")}
-    assert "elastic" not in render_markdown(plain) and "predicted" not in render_markdown(plain)
+    assert "elastic" not in render_markdown(view_of(plain)) and "predicted" not in render_markdown(view_of(plain))

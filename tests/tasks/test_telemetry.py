@@ -7,7 +7,9 @@ import json
 import pytest
 
 from tasks import telemetry
+from tasks.report_document import RunReport
 from tests.support.metrics_sinks import StatsdListener
+from tests.tasks.test_report import report as base_report
 from trainer.metrics import LIVE_PREFIX
 
 
@@ -50,9 +52,10 @@ def test_worker_lines_become_gauges_tagged_with_run_task_and_rank(statsd):
 def test_task_lines_and_report_figures_carry_the_run(statsd):
     reader = telemetry.LiveLineReader(run="r-1", task="preflight")
     reader.consume(0, live("preflight", busbw_gbps=0.8, predicted_efficiency=0.5))
-    report = {"run_key": "r-1", "runs": {"distributed": {"eval_loss": 4.9, "perplexity": 134.3, "tokens_per_s": 9e3},
-                                         "baseline": None},
-              "comparison": {"loss_delta": None, "speedup": None, "efficiency": None}, "gates": []}
+    data = base_report(baseline=False)
+    data.update(run_key="r-1", gates=[])
+    data["runs"]["distributed"].update(eval_loss=4.9, perplexity=134.3, tokens_per_s=9e3)
+    report = RunReport.from_json(data, "report.json")
     assert telemetry.emit_report_metrics(report, throughput_ratio=0.8) == 4  # None is not sent
     packets = {p.name: p for p in wait_for(statsd, 6)}
     assert packets["airflow.gpt_finetune.preflight.busbw_gbps"].tags == {"run": "r-1", "task": "preflight"}

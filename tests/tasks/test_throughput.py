@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-import copy
-
 from tasks import throughput
+from tasks.report_document import RunReport
+from tests.tasks.test_report import report as base_report
 
 CPU = {"cpu": "Xeon", "cpu_count": 2, "device": "CPU", "gpu": None}
 
 
 def report(run_id: str, tokens_per_s: float | None, *, created: str = "2026-12-01T02:00:00", predicted=None,
-           **config) -> dict:
+           cpu_count: int = 2, **config) -> RunReport:
     settings = {"num_workers": 2, "backend": "local", "model": "tiny", "block_size": 64, "batch_size_per_worker": 8,
                 "grad_accum_steps": 1, "mixed_precision": "no", "xla": False, "use_gpu": False,
                 "communication": "auto", "tokenizer": "bpe:2048", "workers_per_host": 0, **config}
-    return {"run_id": run_id, "created_at": created, "config": settings,
-            "hardware": {"distributed": dict(CPU)},
-            "runs": {"distributed": {"num_workers": settings["num_workers"], "tokens_per_s": tokens_per_s}},
-            "prediction": {"predicted_tokens_per_s": predicted} if predicted else None}
+    data = {**base_report(run_id, settings["num_workers"], baseline=False), "created_at": created, "config": settings,
+            "hardware": {"line": "cpu", "distributed": {**CPU, "cpu_count": cpu_count}},
+            "prediction": {"num_workers": settings["num_workers"], "predicted_tokens_per_s": predicted}
+            if predicted else None}
+    data["runs"]["distributed"]["tokens_per_s"] = tokens_per_s
+    return RunReport.from_json(data, f"{run_id}/report.json")
 
 
 def test_below_half_the_prediction_is_warned_with_both_figures_and_the_setting():
@@ -32,11 +34,10 @@ def test_the_latest_comparable_run_is_the_reference():
     older = report("older", 20_000, created="2026-11-01T02:00:00")
     latest = report("latest", 9_000, created="2026-12-02T02:00:00")
     other_model = report("gpt2", 90_000, created="2026-12-02T03:00:00", model="gpt2-124m")
-    other_host = copy.deepcopy(report("bigger", 90_000, created="2026-12-02T04:00:00"))
-    other_host["hardware"]["distributed"]["cpu_count"] = 64
+    other_host = report("bigger", 90_000, created="2026-12-02T04:00:00", cpu_count=64)
     now = report("now", 4_000)
 
-    assert throughput.last_comparable(now, [older, latest, other_model, other_host])["run_id"] == "latest"
+    assert throughput.last_comparable(now, [older, latest, other_model, other_host]).run_id == "latest"
     (warning,) = throughput.assess(now, [older, latest, other_model, other_host], min_ratio=0.5).warnings
     assert warning.startswith("4,000 tokens/s is 44% of the 9,000 of the last comparable run latest")
     assert throughput.assess(now, [latest], min_ratio=0.5).ratio == 4_000 / 9_000

@@ -13,6 +13,8 @@ from launcher.document import DocumentError
 from tasks import pricing, usage
 from tasks.usage import IdleWarning, RankEvents, RankTimeline, Timeline
 from tasks.usage_summary import AttemptRow, LiveWarning, summarize
+from tests.tasks.test_report import document, document_of, view_of
+from tests.tasks.test_report import report as base_report
 from trainer.config import ConfigError
 
 
@@ -321,12 +323,12 @@ def _write_run(tmp_path, price):
                       "ranks": [rank_file(r, 1000, 1004, 1010) for r in range(2)]})
     write_json_atomic(f"{run_url}/usage/train-2-a1.json", {"group": "train", **made,
                       "ranks": [rank_file(r, 1012, 1016 + r, 1045) for r in range(2)]})
-    report = {"runs": {"distributed": {"label": "distributed", "num_workers": 2, "train_time_s": 20.0,
-                                       "tokens_seen": 4096, "summary_url": str(train / "summary.json"),
-                                       "finished_at": "1970-01-01T00:17:23+00:00"}, "baseline": None},
-              "comparison": {"efficiency": None}, "config": {"max_release_s": 2, "min_cost_efficiency": 0.5},
-              "hardware": {"distributed": {"gpu": None}}}
-    return run_url, report
+    report = base_report(workers=2, baseline=False)
+    report["runs"]["distributed"].update(train_time_s=20.0, tokens_seen=4096, summary_url=str(train / "summary.json"),
+                                         finished_at="1970-01-01T00:17:23+00:00")
+    report.update(config={"max_release_s": 2, "min_cost_efficiency": 0.5},
+                  hardware={"line": "cpu", "distributed": {"gpu": None}})
+    return run_url, document_of(report)
 
 
 def test_attach_usage_prices_held_time_and_places_steps_before_the_exit(tmp_path):
@@ -335,28 +337,26 @@ def test_attach_usage_prices_held_time_and_places_steps_before_the_exit(tmp_path
 
     price = freeze(use_gpu=False)
     run_url, report = _write_run(tmp_path, price)
-    charts = attach_usage(f"{run_url}/report", report, "1970-01-01T00:17:30+00:00")  # 1050: 5 s after the exit
-    got = report["usage"]
+    summary, charts = attach_usage(f"{run_url}/report", report, "1970-01-01T00:17:30+00:00")  # 5 s after the exit
+    got = summary.to_xcom()
     assert got["busy_gpu_h"] == pytest.approx(2 * 20 / 3600, abs=1e-6)
     assert got["held_gpu_h"] == pytest.approx(2 * 50 / 3600, abs=1e-6)
     assert got["cost"]["held"] == pytest.approx(got["held_gpu_h"] * 0.05, abs=1e-6)
     assert got["price"]["unit"] == "worker_hour" and got["time_to_release_s"] == 5
     # the last metrics line came 1.5 s before the summary: the steps end 1.5 s before the exit
     assert got["idle_by_cause_gpu_h"]["export"] == pytest.approx(2 * 1.5 / 3600, abs=1e-6)
-    assert any("max_release_s = 2" in w for w in report["warnings"])
-    assert not any("mostly idle" in w for w in report["warnings"])  # under 1 held hour: too small to call
-    assert charts["usage.png"].startswith(b"\x89PNG") and report["charts"]["usage"] == "usage.png"
+    assert any("max_release_s = 2" in w for w in summary.warnings)
+    assert not any("mostly idle" in w for w in summary.warnings)  # under 1 held hour: too small to call
+    assert charts["usage.png"].startswith(b"\x89PNG")
 
 
 def test_no_price_no_cost_and_no_ledger_no_usage(tmp_path):
     from tasks.usage_record import attach_usage
 
     run_url, report = _write_run(tmp_path, None)
-    attach_usage(f"{run_url}/report", report, "1970-01-01T00:17:30+00:00")
-    assert report["usage"]["cost"] is None and report["usage"]["held_gpu_h"] > 0
-    empty = {"runs": {}}
-    assert attach_usage(str(tmp_path / "other" / "report"), empty, "1970-01-01T00:17:30+00:00") == {}
-    assert "usage" not in empty
+    summary, _ = attach_usage(f"{run_url}/report", report, "1970-01-01T00:17:30+00:00")
+    assert summary.cost is None and summary.held_gpu_h > 0
+    assert attach_usage(str(tmp_path / "other" / "report"), report, "1970-01-01T00:17:30+00:00") == (None, {})
 
 
 # -- what people see ---------------------------------------------------------------------------------------------
@@ -371,30 +371,26 @@ def test_the_report_has_a_gpu_time_section_with_the_line_causes_and_chart():
     from tasks.report_markdown import markdown
     from tasks.report_view import report_view
 
-    report = {"run_id": "r", "usage": _summary(freeze(use_gpu=False)),
-              "charts": {"usage": "usage.png", "loss_curves": "loss.png"}}
-    md = markdown(report_view(report, "yes"))
+    release = {"clean": True, "usage": _summary(freeze(use_gpu=False)), "charts": {"usage": "usage.png"}}
+    md = markdown(report_view(view_of(base_report(), None, release)))
     section = md.split("## GPU time and cost")[1].split("\n## ")[0]
     assert "2 worker slots held 0.0389 worker-h (0.001944 EUR at 0.05 EUR/worker-h, on_demand): 29% training" in section
     assert "| training (busy) | 0.0111 | 28.6% |" in section and "| release |" in section
     assert "1.43x the worker-hours per token of one worker" in section and "![usage](usage.png)" in section
     assert "usage.png" not in md.split("## Charts")[1]  # shown once, in its section
-    unpriced = markdown(report_view({"run_id": "r", "usage": _summary()}, "yes"))
+    unpriced = markdown(report_view(view_of(base_report(), None, {"clean": True, "usage": _summary()})))
     assert "no price: cost not shown" in unpriced and "GPT_FINETUNE_PRICING" in unpriced
-    assert "GPU time and cost" not in markdown(report_view({"run_id": "r"}, "yes"))
+    assert "GPU time and cost" not in markdown(report_view(view_of(base_report(), None, {"clean": True})))
 
 
 def test_the_runs_page_shows_held_busy_cost_and_time_to_release():
     from gpt_finetune_ui.report_pages import render_index
     from gpt_finetune_ui.runs_data import headline
 
-    base = {"run_id": "r", "gates_passed": True, "created_at": "2026-01-01T00:00:00", "num_workers": 2,
-            "comparison": {"speedup": None, "efficiency": None},
-            "runs": {"distributed": {name: None for name in ("tokens_per_s", "train_time_s", "eval_loss")}
-                     | {"known_words": {"greedy": None, "top_k": None}}, "baseline": None}}
-    priced = headline("k", {**base, "usage": _summary(freeze(use_gpu=False))})
+    base = base_report(baseline=False)
+    priced = headline("k", view_of(base, None, {"clean": True, "usage": _summary(freeze(use_gpu=False))}))
     assert (priced["held_gpu_h"], priced["currency"], priced["time_to_release_s"]) == (0.038889, "EUR", 5.0)
-    old = headline("k2", base)  # a report from before the ledger lists with blanks
+    old = headline("k2", view_of(base))  # a report from before the ledger lists with blanks
     assert old["held_gpu_h"] is None and old["cost"] is None
     page = render_index([{**priced, "released": "yes"}, {**old, "released": "yes"}], "/root")
     assert "<th>GPU-h held</th><th>busy</th><th>cost</th>" in page
@@ -431,9 +427,9 @@ def test_cost_warnings_are_mailed_once_with_an_alert_connection(monkeypatch):
 
     sent = []
     monkeypatch.setattr(alerts, "send_alert", lambda *args, **kw: sent.append((args, kw)) or True)
-    report = {"run_id": "r1", "run_key": "k1", "config": {"alert_conn_id": "smtp", "alert_emails": ["a@b.example"]}}
+    report = replace(document("r1"), run_key="k1", config={"alert_conn_id": "smtp", "alert_emails": ["a@b.example"]})
     usage_record._mail(report, ["GPU time: one", "GPU time: two"])
-    usage_record._mail({**report, "config": {}}, ["GPU time: one"])  # no connection: no mail
+    usage_record._mail(replace(report, config={}), ["GPU time: one"])  # no connection: no mail
     assert len(sent) == 1
     (conn, recipients, subject, text), kw = sent[0]
     assert conn == "smtp" and recipients == ("a@b.example",) and "GPU time warnings" in subject

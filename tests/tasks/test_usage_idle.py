@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 from launcher import GroupSpec, LocalBackend
 from tasks import alerts
 from tasks.launch import IdleSettings, RecordedLaunch, live_step
 from tasks.report import render_markdown
+from tasks.report_parts import run_view
 from tasks.usage_record import load_attempts, run_usage
 from tests.launcher.conftest import entrypoint_env
+from tests.tasks.test_report import document
 from trainer.config import RunConfig
 from trainer.layout import StorageLayout, run_key
 from trainer.metrics import LIVE_PREFIX
@@ -71,10 +74,10 @@ def test_ranks_that_talk_but_do_not_train_warn_once_live_and_a_hanging_mail_neve
     assert conn == "smtp" and recipients == ("a@b.example",) and "GPUs held idle in train" in subject
     assert warning.text in body and kw == {"run": run_key("gpt_finetune", "manual__1"), "task": "train"}
 
-    report = {"run_key": "run-1", "runs": {}, "config": config}
+    report = replace(document(baseline=False), run_key="run-1", config=config.to_dict())
     summary = run_usage(run.url, report, "2030-01-01T00:00:00+00:00")
     assert summary.to_xcom()["idle_warnings"] == [{"group": "train", "attempt": 1, **warning.to_xcom()}]
-    page = render_markdown({**report, "usage": summary.to_xcom()})
+    page = render_markdown(run_view(report, None, {"usage": summary.to_xcom()}))
     assert "Idle-held warnings (checked live while groups ran, max_idle_held_s): 1;" in page
     assert f"train slots {', '.join(warning.slots)} idle" in page
 

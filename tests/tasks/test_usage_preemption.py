@@ -8,8 +8,10 @@ import pytest
 
 from launcher.protocol import EXIT_PREEMPTED
 from tasks import usage
+from tasks.report_document import Runs
 from tasks.usage import AttemptEvents, Book, RankEvents
 from tasks.usage_record import add_steps
+from tests.tasks.test_comparison import figures
 
 
 def _attempt(state: str, launch: float, ready: float, end: float, exit_code: int | None) -> AttemptEvents:
@@ -21,9 +23,8 @@ def _attempt(state: str, launch: float, ready: float, end: float, exit_code: int
 def _book(first_exit_code: int) -> Book:
     """A train attempt that fails at t=60 after joining at 10, then a retry from 70 to 130 that succeeds."""
     attempts = [_attempt("failed", 0, 10, 60, first_exit_code), _attempt("succeeded", 70, 80, 130, 0)]
-    timelines = add_steps(attempts, {"distributed": {"label": "distributed", "train_time_s": 40,
-                                                     "summary_url": "/nowhere/s.json",
-                                                     "finished_at": "2026-12-04T22:00:00+00:00"}})
+    run = figures(train_time_s=40, summary_url="/nowhere/s.json", finished_at="2026-12-04T22:00:00+00:00")
+    timelines = add_steps(attempts, Runs(distributed=run, baseline=None))
     return usage.ledger(timelines, released_at=130)
 
 
