@@ -11,14 +11,14 @@ from __future__ import annotations
 import math
 import os
 import platform
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from launcher.protocol import utc_now
 from tasks import report as reports
 from tasks.formatting import nats
 from tasks.report_document import BaselineOrigin, Comparison, EvalSample, Gate, Hardware, RunFigures, RunReport, Runs
 from trainer.config import RunConfig
-from trainer.eval_result import GATE_STANDARD_ERRORS
+from trainer.eval_result import GATE_STANDARD_ERRORS, EvalResult
 from trainer.layout import TrainOutput
 from trainer.summary import TrainSummary
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from tasks.prepared_run import PreparedRun
 
 
-def run_figures(label: str, output: TrainOutput, summary: TrainSummary, evaluation: dict[str, Any]) -> RunFigures:
+def run_figures(label: str, output: TrainOutput, summary: TrainSummary, evaluation: EvalResult) -> RunFigures:
     """The figures of one trained model, from its summary.json and its evaluation result."""
     return RunFigures(
         label=label, num_workers=summary.num_workers, global_batch_size=summary.global_batch_size,
@@ -35,11 +35,11 @@ def run_figures(label: str, output: TrainOutput, summary: TrainSummary, evaluati
         tokens_per_s=summary.tokens_per_s, final_loss=summary.final_loss, mfu=summary.mfu,
         gpu_mem_peak_mb=summary.gpu_mem_peak_mb,  # rank 0's; null on CPU and in older summaries
         gpu_mem_reserved_mb=summary.gpu_mem_reserved_mb,
-        eval_loss=evaluation["eval_loss"], perplexity=evaluation["perplexity"],
-        nats_per_char=evaluation.get("nats_per_char"),  # absent from a baseline evaluation cached before them
-        known_words=evaluation.get("known_words"), eval_tokens=evaluation["eval_tokens"],
-        eval_loss_se=evaluation.get("eval_loss_se"),  # over sequences, of the sample as an estimate of the split
-        eval_sample=EvalSample.of(evaluation.get("sample")), eval_time_s=evaluation["eval_time_s"],
+        eval_loss=evaluation.eval_loss, perplexity=evaluation.perplexity,
+        nats_per_char=evaluation.nats_per_char,  # None in a baseline evaluation cached before them
+        known_words=evaluation.known_words, eval_tokens=evaluation.eval_tokens,
+        eval_loss_se=evaluation.eval_loss_se,  # over sequences, of the sample as an estimate of the split
+        eval_sample=EvalSample.of(evaluation.sample), eval_time_s=evaluation.eval_time_s,
         output_url=output.url, model_url=output.model, summary_url=output.summary,
         started_at=summary.started_at, finished_at=summary.finished_at, resumed_from_step=summary.resumed_from_step,
         hardware=summary.hardware, versions=summary.versions,

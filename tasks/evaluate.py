@@ -27,7 +27,7 @@ from tasks.policy import checked_config
 from tasks.report_document import ContinuedFrom, ModelSamples, PromotedScore, RunReport, TextSample, table_rows
 from trainer.config import RunConfig
 from trainer.data import tokenizer_url
-from trainer.eval_result import ResultError, combine, delta_standard_error, part_url, sample_id
+from trainer.eval_result import EvalResult, ResultError, combine, delta_standard_error, part_url
 from trainer.eval_sample import sample_identity
 from trainer.layout import PROMOTION_JSON, RunLayout, StorageLayout, TrainOutput
 from trainer.storage import exists, join, read_bytes, read_json, remove_tree, write_json_atomic
@@ -73,7 +73,7 @@ def evaluate_run(prepared: PreparedRun, make_backend: BackendFactory) -> dict:
         "speedup": comparison.speedup,
         "efficiency": comparison.efficiency,
         "eval_loss": report.runs.distributed.eval_loss,
-        "baseline_eval_loss": scored.baseline_eval["eval_loss"] if scored.baseline_eval else None,
+        "baseline_eval_loss": scored.baseline_eval.eval_loss if scored.baseline_eval else None,
         "gates_passed": True,
     }
 
@@ -85,10 +85,10 @@ class Scored:
 
     distributed: TrainOutput
     distributed_summary: TrainSummary
-    distributed_eval: dict[str, Any]
+    distributed_eval: EvalResult
     baseline: TrainOutput | None
     baseline_summary: TrainSummary | None
-    baseline_eval: dict[str, Any] | None
+    baseline_eval: EvalResult | None
     promoted: PromotedScore | None
 
 
@@ -132,7 +132,7 @@ def assemble_report(prepared: PreparedRun, cfg: RunConfig, scored: Scored) -> Ru
     run = StorageLayout(cfg.storage_root).run(prepared.run_key)
     report = with_release_after_train(with_scaling(report, run, scored.distributed), run)
     continued = prepared.continued_from
-    evaluations: dict[str, dict[str, Any] | PromotedScore | None] = {
+    evaluations: dict[str, EvalResult | PromotedScore | None] = {
         "baseline": scored.baseline_eval, "distributed": scored.distributed_eval}
     if scored.promoted:
         evaluations[f"promoted {scored.promoted.version}"] = scored.promoted
@@ -201,7 +201,7 @@ def read_metrics(output: TrainOutput, rank: int = 0) -> list[dict[str, Any]]:
 
 
 def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: RunConfig, run_key: str,
-                   label: str, make_backend: BackendFactory, run_id: str | None = None) -> dict[str, Any]:
+                   label: str, make_backend: BackendFactory, run_id: str | None = None) -> EvalResult:
     """`python -m trainer.evaluate` as a group of the run's `num_workers` on its backend, each worker scoring its
     part of the `eval_tokens` sample; their output streams to this log. Returns the combined result, also written
     at `output_url`.
@@ -237,30 +237,31 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: R
     if not result.succeeded:
         raise EvaluationError(f"evaluating {model_url} on {workers} worker(s) failed: {result.error_message()}")
     evaluation = _combined(parts, output_url, model_url)
-    sample = evaluation["sample"]
-    log.info("Evaluated %s on %d worker(s) in %.1f s: eval loss %.4f ± %s, perplexity %.2f, over %d of %d validation "
-             "tokens (sample %s)", model_url, workers, result.wall_time_s, evaluation["eval_loss"],
-             fmt_se(evaluation.get("eval_loss_se")), evaluation["perplexity"], sample["tokens"],
-             sample["split_tokens"], sample["id"])
+    sample = evaluation.sample or {}
+    log.info("Evaluated %s on %d worker(s) in %.1f s: eval loss %.4f ± %s, perplexity %.2f, over %s of %s validation "
+             "tokens (sample %s)", model_url, workers, result.wall_time_s, evaluation.eval_loss,
+             fmt_se(evaluation.eval_loss_se), evaluation.perplexity, sample.get("tokens"), sample.get("split_tokens"),
+             evaluation.sample_id)
     return evaluation
 
 
-def _combined(parts: list[str], output_url: str, model_url: str) -> dict[str, Any]:
-    """The result at `output_url`: a single worker's own, or the parts combined (then written there)."""
+def _combined(parts: list[str], output_url: str, model_url: str) -> EvalResult:
+    """The result at `output_url`: a single worker's own, or the parts combined (then written there), checked."""
     missing = [url for url in parts if not exists(url)]
     if missing:
         raise EvaluationError(f"{EVALUATE_MODULE} exited 0 but wrote no result at {', '.join(missing)} (model "
                               f"{model_url}).")
-    if parts == [output_url]:
-        return read_json(output_url)
     try:
+        if parts == [output_url]:
+            return EvalResult.from_json(read_json(output_url), output_url)
         evaluation = combine([read_json(url) for url in parts])
+        result = EvalResult.from_json(evaluation, output_url)
     except ResultError as error:
         raise EvaluationError(f"evaluating {model_url}: {error}") from error
     write_json_atomic(output_url, evaluation)
     for url in parts:
         remove_tree(url)
-    return evaluation
+    return result
 
 
 def fmt_se(value: float | None) -> str:
@@ -268,18 +269,24 @@ def fmt_se(value: float | None) -> str:
 
 
 def evaluate_baseline(prepared: PreparedRun, cfg: RunConfig, baseline: TrainOutput,
-                      make_backend: BackendFactory) -> dict[str, Any]:
+                      make_backend: BackendFactory) -> EvalResult:
     """The baseline's evaluation, cached beside it: reused when it scored this run's sample (the baseline key
-    holds the sample's identity, so a reused baseline's cache normally has), else evaluated again."""
+    holds the sample's identity, so a reused baseline's cache normally has), else evaluated again (also when the
+    cache is not a result: it is only a cache)."""
     cached = join(baseline.url, BASELINE_EVAL)
     expected = sample_identity(read_json(prepared.manifest_url), cfg.eval_tokens)["id"]
     if exists(cached):
-        evaluation = read_json(cached)
-        if sample_id(evaluation) == expected:
-            log.info("Baseline evaluation reused from %s (same baseline key: same data, sample and code).", cached)
-            return evaluation
-        log.info("Baseline evaluation at %s scored sample %s, not this run's %s: evaluating it again.", cached,
-                 sample_id(evaluation), expected)
+        try:
+            evaluation = EvalResult.from_json(read_json(cached), cached)
+        except ResultError as error:
+            log.warning("Baseline evaluation at %s is not a result (%s): evaluating it again.", cached, error)
+        else:
+            if evaluation.sample_id == expected:
+                log.info("Baseline evaluation reused from %s (same baseline key: same data, sample and code).",
+                         cached)
+                return evaluation
+            log.info("Baseline evaluation at %s scored sample %s, not this run's %s: evaluating it again.", cached,
+                     evaluation.sample_id, expected)
     return run_evaluation(baseline.model, prepared.manifest_url, cached, cfg=cfg, run_key=prepared.run_key,
                           label="baseline", make_backend=make_backend, run_id=prepared.run_id)
 
@@ -301,7 +308,7 @@ def with_scaling(report: RunReport, layout: RunLayout, distributed: TrainOutput)
 
 
 def evaluate_promoted(prepared: PreparedRun, cfg: RunConfig, make_backend: BackendFactory,
-                      distributed_eval: dict[str, Any]) -> PromotedScore | None:
+                      distributed_eval: EvalResult) -> PromotedScore | None:
     """The latest promoted version of `model_name`, scored on this run's evaluation sample (the promotion rule's
     reference and its samples) when its tokenizer is this run's, with the standard error of the run's loss minus
     its (`delta_se`, paired over the sample's sequences); None when nothing is promoted yet or the run is never to
@@ -321,10 +328,10 @@ def evaluate_promoted(prepared: PreparedRun, cfg: RunConfig, make_backend: Backe
     output_url = join(prepared.report_url, "eval-promoted.json")
     result = run_evaluation(pointer.model_url, manifest_url, output_url, cfg=cfg, run_key=prepared.run_key,
                             label="promoted", make_backend=make_backend, run_id=prepared.run_id)
-    return replace(section, eval_loss=result["eval_loss"], perplexity=result["perplexity"],
-                   samples=text_samples(result.get("samples"), output_url),
-                   nats_per_char=result.get("nats_per_char"), known_words=result.get("known_words"),
-                   eval_loss_se=result.get("eval_loss_se"), eval_sample=sample_id(result),
+    return replace(section, eval_loss=result.eval_loss, perplexity=result.perplexity,
+                   samples=text_samples(result.samples, output_url),
+                   nats_per_char=result.nats_per_char, known_words=result.known_words,
+                   eval_loss_se=result.eval_loss_se, eval_sample=result.sample_id,
                    delta_se=delta_standard_error(distributed_eval, result))
 
 
@@ -335,20 +342,16 @@ def text_samples(samples: Any, source: str) -> tuple[TextSample, ...] | None:
     return tuple(TextSample.from_json(sample, source, f"samples[{index}]") for index, sample in enumerate(samples))
 
 
-def samples_by_model(evaluations: dict[str, dict[str, Any] | PromotedScore | None]) -> tuple[ModelSamples, ...]:
+def samples_by_model(evaluations: dict[str, EvalResult | PromotedScore | None]) -> tuple[ModelSamples, ...]:
     """Each model's sample scores and continuations (report.json `samples`), for every evaluation that generated
     some: label -> its evaluation result, or the promoted version's scores."""
     section = []
     for label, evaluation in evaluations.items():
-        if isinstance(evaluation, PromotedScore):
-            figures = {"eval_loss": evaluation.eval_loss, "nats_per_char": evaluation.nats_per_char,
-                       "known_words": evaluation.known_words}
-            samples = evaluation.samples
-        elif evaluation:
-            figures = {name: evaluation.get(name) for name in ("eval_loss", "nats_per_char", "known_words")}
-            samples = text_samples(evaluation.get("samples"), f"the {label} evaluation")
-        else:
+        if evaluation is None:
             continue
+        samples = evaluation.samples if isinstance(evaluation, PromotedScore) else text_samples(
+            evaluation.samples, f"the {label} evaluation")
         if samples:
-            section.append(ModelSamples(model=label, samples=samples, **figures))
+            section.append(ModelSamples(model=label, samples=samples, eval_loss=evaluation.eval_loss,
+                                        nats_per_char=evaluation.nats_per_char, known_words=evaluation.known_words))
     return tuple(section)

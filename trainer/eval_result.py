@@ -17,10 +17,13 @@ No TensorFlow here: the evaluate task combines the parts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+import typing
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from launcher.document import DocumentError, checked
 from trainer.text_quality import nats_per_character
 
 # The gates allow this many standard errors of a loss delta beyond their tolerance: a model within tolerance fails
@@ -60,25 +63,74 @@ def paired_standard_error(first: Sequence[float], second: Sequence[float], popul
     return standard_error([a - b for a, b in zip(first, second, strict=True)], population)
 
 
-def delta_standard_error(first: dict[str, Any] | None, second: dict[str, Any] | None) -> float | None:
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    """An evaluation's result as the evaluate task reads it back (docs/CONTRACTS.md, "Worker entry points").
+
+    Attributes:
+        eval_loss, perplexity: the token-weighted mean loss over the sample and its exponential; eval_tokens: the
+            tokens scored; eval_time_s: the slowest worker's reading and scoring.
+        eval_loss_se: its standard error over the sample's sequences (0 for the whole split, None below 2
+            sequences); nats_per_char, known_words, samples: None in results from before them.
+        sample: the sample scored (trainer/eval_sample.py's identity, with `workers` and `read_bytes`); None in
+            results from before samples.
+        sequence_losses: each sequence's loss in sample order (the paired error of a delta); None before them.
+    Keys it does not model (`model`, `sampling`, `workers`, `eval_characters`) stay in the file for its readers.
+    """
+
+    eval_loss: float
+    perplexity: float
+    eval_tokens: int
+    eval_time_s: float
+    eval_loss_se: float | None = None
+    nats_per_char: float | None = None
+    known_words: dict[str, Any] | None = None
+    samples: list[dict[str, Any]] | None = None
+    sample: dict[str, Any] | None = None
+    sequence_losses: tuple[float, ...] | None = None
+
+    @classmethod
+    def from_json(cls, value: Any, source: str) -> EvalResult:
+        """The result `value` (read from `source`) holds; ResultError naming the file and the field otherwise."""
+        if not isinstance(value, Mapping):
+            raise ResultError(f"{source}: expected a JSON object, got {type(value).__name__}: not an evaluation "
+                              "result; evaluate the model again.")
+        fields = dataclasses.fields(cls)
+        missing = [field.name for field in fields if field.name not in value
+                   and field.default is dataclasses.MISSING]
+        if missing:
+            raise ResultError(f"{source}: missing key(s) {', '.join(missing)}: not a complete evaluation result; "
+                              "evaluate the model again.")
+        hints = typing.get_type_hints(cls)
+        try:
+            return cls(**{field.name: checked(hints[field.name], value[field.name], f"{source}: {field.name}")
+                          for field in fields if field.name in value})
+        except DocumentError as error:
+            raise ResultError(str(error)) from error
+
+    @property
+    def sample_id(self) -> str | None:
+        """The id of the sample it scored; None before samples existed."""
+        return sample_id(self.sample)
+
+
+def delta_standard_error(first: EvalResult | None, second: EvalResult | None) -> float | None:
     """The standard error of first's eval loss minus second's: paired when both scored one sample sequence by
     sequence, else both errors together (independent samples); None when either lacks one."""
     if not first or not second:
         return None
-    same = sample_id(first) is not None and sample_id(first) == sample_id(second)
-    losses = first.get("sequence_losses"), second.get("sequence_losses")
-    if same and all(isinstance(values, list) and values for values in losses):
-        return paired_standard_error(losses[0], losses[1], first["sample"]["split_sequences"])
-    errors = first.get("eval_loss_se"), second.get("eval_loss_se")
-    if any(error is None for error in errors):
+    same = first.sample_id is not None and first.sample_id == second.sample_id
+    if same and first.sequence_losses and second.sequence_losses and first.sample:
+        return paired_standard_error(first.sequence_losses, second.sequence_losses,
+                                     first.sample["split_sequences"])
+    if first.eval_loss_se is None or second.eval_loss_se is None:
         return None
-    return math.hypot(*errors)
+    return math.hypot(first.eval_loss_se, second.eval_loss_se)
 
 
-def sample_id(evaluation: dict[str, Any] | None) -> str | None:
-    """The id of the sample an evaluation (a result, a report's figures) scored; None before samples existed."""
-    sample = (evaluation or {}).get("sample")
-    return sample.get("id") if isinstance(sample, dict) else None
+def sample_id(sample: Any) -> str | None:
+    """The id of a result's `sample`; None when it has none (results before samples existed)."""
+    return sample.get("id") if isinstance(sample, Mapping) and isinstance(sample.get("id"), str) else None
 
 
 def combine(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:

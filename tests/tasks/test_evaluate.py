@@ -306,13 +306,14 @@ def test_two_workers_evaluate_the_sample_as_one_does(tmp_path, caplog):
             run_key="one-and-two", label=f"on-{workers}", make_backend=make_backend)
         times[workers] = time.perf_counter() - started
     one, two = results[1], results[2]
-    print(f"evaluate wall time on the same model and sample ({one['sample']['tokens']} of {split_tokens} tokens): "
-          f"1 worker {times[1]:.1f} s, 2 workers {times[2]:.1f} s; eval loss {one['eval_loss']:.8f} vs "
-          f"{two['eval_loss']:.8f}, |delta| {abs(one['eval_loss'] - two['eval_loss']):.1e} nats")
-    assert one["sample"]["id"] == two["sample"]["id"] and two["sample"]["workers"] == 2
-    assert abs(one["eval_loss"] - two["eval_loss"]) < 1e-5
-    assert [worker["sequences"] for worker in two["workers"]] == [24, 24]  # 48 sequences, half on each rank
-    assert read_json(join(root, "eval-2.json"))["eval_loss"] == two["eval_loss"]  # the parts combined, then gone
+    print(f"evaluate wall time on the same model and sample ({one.sample['tokens']} of {split_tokens} tokens): "
+          f"1 worker {times[1]:.1f} s, 2 workers {times[2]:.1f} s; eval loss {one.eval_loss:.8f} vs "
+          f"{two.eval_loss:.8f}, |delta| {abs(one.eval_loss - two.eval_loss):.1e} nats")
+    assert one.sample_id == two.sample_id and two.sample["workers"] == 2
+    assert abs(one.eval_loss - two.eval_loss) < 1e-5
+    combined = read_json(join(root, "eval-2.json"))  # the parts combined, then gone
+    assert [worker["sequences"] for worker in combined["workers"]] == [24, 24]  # 48 sequences, half on each rank
+    assert combined["eval_loss"] == two.eval_loss
     assert not exists(join(root, "eval-2.rank-0-of-2.json"))
     assert "[evaluate on-2 1] rank 1: 24 sequences scored" in caplog.text
 

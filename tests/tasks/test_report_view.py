@@ -56,6 +56,7 @@ def test_the_report_says_how_the_gradients_crossed_the_network():
     """summary.json's `allreduce` (trainer/train.py) reaches the report through the run's figures (tasks/comparison.py):
     the implementation `communication` resolved to, the wire dtype and the packs."""
     from tasks.comparison import run_figures
+    from trainer.eval_result import EvalResult
     from trainer.layout import TrainOutput
     from trainer.summary import TrainSummary
 
@@ -63,7 +64,8 @@ def test_the_report_says_how_the_gradients_crossed_the_network():
                "wall_time_s": 3.0, "tokens_per_s": 2048.0, "final_loss": 5.0,
                "allreduce": {"implementation": "nccl", "dtype": "float32", "pack_mb": 32.0, "packs": 3,
                              "overlap": True}}
-    evaluation = {"eval_loss": 5.0, "perplexity": 148.4, "eval_tokens": 100, "eval_time_s": 1.0}
+    evaluation = EvalResult.from_json({"eval_loss": 5.0, "perplexity": 148.4, "eval_tokens": 100, "eval_time_s": 1.0},
+                                      "eval.json")
     data = report()
     data["runs"]["distributed"] = run_figures("distributed", TrainOutput("storage/run"),
                                               TrainSummary.from_json(summary, "summary.json"), evaluation).to_json()

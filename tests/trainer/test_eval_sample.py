@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,14 @@ import pytest
 from tasks.tfrecord import write_sequence_records
 from trainer import eval_sample
 from trainer.data import DataError
-from trainer.eval_result import ResultError, combine, delta_standard_error, paired_standard_error, standard_error
+from trainer.eval_result import (
+    EvalResult,
+    ResultError,
+    combine,
+    delta_standard_error,
+    paired_standard_error,
+    standard_error,
+)
 from trainer.eval_sample import draw_sample, leading_records, read_part, sample_identity
 
 BLOCK, PER_RECORD = 4, 20  # chunks of 8 sequences: two full and one of 4 per full record
@@ -186,12 +194,28 @@ def test_standard_errors_whole_split_paired_and_independent():
     assert paired == pytest.approx(standard_error([a - b for a, b in zip(first, second, strict=True)], 600))
     assert paired < 0.01 < standard_error(first, 600)
     sample = {"id": "s", "split_sequences": 600}
-    one = {"sample": sample, "sequence_losses": first, "eval_loss_se": standard_error(first, 600)}
-    two = {"sample": sample, "sequence_losses": second, "eval_loss_se": standard_error(second, 600)}
+    scores = {"eval_loss": 3.0, "perplexity": 20.0, "eval_tokens": 6 * 63, "eval_time_s": 1.0}
+    one = EvalResult.from_json({**scores, "sample": sample, "sequence_losses": first,
+                                "eval_loss_se": standard_error(first, 600)}, "one.json")
+    two = EvalResult.from_json({**scores, "sample": sample, "sequence_losses": second,
+                                "eval_loss_se": standard_error(second, 600)}, "two.json")
     assert delta_standard_error(one, two) == paired
-    other = {**two, "sample": {**sample, "id": "t"}}  # another sample: the two errors together
-    assert delta_standard_error(one, other) == pytest.approx(math.hypot(one["eval_loss_se"], two["eval_loss_se"]))
+    other = replace(two, sample={**sample, "id": "t"})  # another sample: the two errors together
+    assert delta_standard_error(one, other) == pytest.approx(math.hypot(one.eval_loss_se, two.eval_loss_se))
     assert delta_standard_error(one, None) is None
+
+
+def test_a_result_read_back_is_checked_naming_the_file_and_the_field():
+    """eval.json is cached beside a baseline and read back by later runs: storage, so untrusted."""
+    scores = {"eval_loss": 3.0, "perplexity": 20.0, "eval_tokens": 63, "eval_time_s": 1, "model": "m"}
+    old = EvalResult.from_json(scores, "eval.json")  # a result from before the sample and the samples
+    assert (old.sample_id, old.sequence_losses, old.eval_loss_se, old.eval_time_s) == (None, None, None, 1.0)
+    with pytest.raises(ResultError, match=r"^eval.json: eval_loss: expected float, got str"):
+        EvalResult.from_json({**scores, "eval_loss": "3.0"}, "eval.json")
+    with pytest.raises(ResultError, match=r"^eval.json: missing key\(s\) eval_tokens"):
+        EvalResult.from_json({k: v for k, v in scores.items() if k != "eval_tokens"}, "eval.json")
+    with pytest.raises(ResultError, match=r"^eval.json: sequence_losses\[1\]: expected float, got str"):
+        EvalResult.from_json({**scores, "sequence_losses": [1.0, "x"]}, "eval.json")
 
 
 def test_the_chunk_table_covers_each_record_once():
