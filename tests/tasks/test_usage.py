@@ -305,7 +305,8 @@ def test_an_attempt_file_of_another_shape_is_refused_naming_the_file_and_the_fie
     assert made.kind == "evaluate" and made.ranks[0].ready is None and made.idle_warnings == ()
     assert made.to_xcom() == good and made.ranks[0].slots == ["h/gpu0"]  # written back, the same keys and values
     write_json_atomic(f"{run_url}/usage/train-2-a1.json", {**good, "ranks": [{**good["ranks"][0], "exit": "late"}]})
-    with pytest.raises(DocumentError, match="train-2-a1.json: RankEvents.exit: expected float, got str"):
+    with pytest.raises(DocumentError,
+                       match=r"train-2-a1.json: AttemptEvents.ranks\[0\]: RankEvents.exit: expected float, got str"):
         load_attempts(run_url)
 
 
