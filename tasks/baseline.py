@@ -13,13 +13,12 @@ import dataclasses
 import hashlib
 import json
 import logging
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launcher.document import DocumentError, checked
+from launcher.document import Document, DocumentError, OpenDocument, read_fields
 from launcher.host_probe import package_versions
 from launcher.protocol import utc_now
 from tasks.connections import uses_run_storage
@@ -60,7 +59,7 @@ _NOT_IN_KEY = frozenset({
 
 
 @dataclass(frozen=True)
-class KeyParts:
+class KeyParts(Document):
     """Everything that changes a baseline's result: what its key hashes (`to_json()`, flat) and its key record keeps.
 
     Attributes:
@@ -84,7 +83,7 @@ class KeyParts:
     settings: dict[str, Any]
     eval_sample: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_xcom(self) -> dict[str, Any]:
         """The flat form the key hashes and baseline_key.json keeps: the fields, then the settings beside them."""
         fixed = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         del fixed["settings"]
@@ -93,42 +92,22 @@ class KeyParts:
         return {**fixed, **self.settings}
 
     @classmethod
-    def from_json(cls, value: Any, where: str) -> KeyParts:
-        """Parts read back (`where` names the file): the fields checked, every other key a setting."""
-        if not isinstance(value, Mapping):
-            raise DocumentError(f"{where}: expected a JSON object, got {type(value).__name__}: refusing it.")
-        hints = typing.get_type_hints(cls)
-        names = [field.name for field in dataclasses.fields(cls) if field.name != "settings"]
-        missing = [name for name in names if name not in value and name != "eval_sample"]
-        if missing:
-            raise DocumentError(f"{where}: missing key(s) {', '.join(missing)}: refusing it.")
-        fields = {name: checked(hints[name], value[name], f"{where}.{name}") for name in names if name in value}
-        return cls(**fields, settings={key: item for key, item in value.items() if key not in fields})
+    def _read(cls, value: Any, path: str, named: bool) -> KeyParts:
+        """Parts read back: the fields checked, every other key a setting."""
+        fields, settings = read_fields(cls, value, path, rest="settings", named=named)
+        return cls(**fields, settings=settings)
 
 
 @dataclass(frozen=True)
-class KeyRecord:
+class KeyRecord(OpenDocument):
     """`baseline_key.json`, beside a baseline's output: its key and key parts, the run that planned it and when, to
-    explain a later mismatch and to say which run trained a reused baseline."""
+    explain a later mismatch and to say which run trained a reused baseline (read with `from_json(value, url)`, which
+    names the file and the field; keys a later version adds are kept)."""
 
     key: str
     parts: KeyParts
     trained_by_run: str
     planned_at: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "parts": self.parts.to_json(), "trained_by_run": self.trained_by_run,
-                "planned_at": self.planned_at}
-
-    @classmethod
-    def from_json(cls, value: Any, url: str) -> KeyRecord:
-        """The record `value` (read from `url`) holds; DocumentError naming the file and the field otherwise."""
-        if not isinstance(value, Mapping) or "parts" not in value:
-            raise DocumentError(f"{url}: expected a baseline key record with parts: refusing it.")
-        hints = typing.get_type_hints(cls)
-        fields = {name: checked(hints[name], value.get(name), f"{url}: {name}")
-                  for name in ("key", "trained_by_run", "planned_at")}
-        return cls(**fields, parts=KeyParts.from_json(value["parts"], f"{url}: parts"))
 
 
 def code_version() -> str:

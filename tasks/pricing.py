@@ -31,8 +31,6 @@ CAPACITIES = schema.choices("capacity")
 UNITS = ("gpu_hour", "worker_hour")
 RATE_SECTIONS = ("default", "cpu_worker")
 OVERRIDES = ("backends", "queues")
-# A rate keeps the JSON number it was written as (1 stays 1, not 1.0: the report shows it as the table wrote it).
-Rate = int | float
 
 
 def _fail(where: str, problem: str) -> ConfigError:
@@ -49,9 +47,9 @@ class Prices:
     """The rates of a table or of one of its overrides: `default` and `cpu_worker` by capacity, `accelerators` by
     NVML device name, then by capacity."""
 
-    default: dict[str, Rate] = dataclasses.field(default_factory=dict)
-    cpu_worker: dict[str, Rate] = dataclasses.field(default_factory=dict)
-    accelerators: dict[str, dict[str, Rate]] = dataclasses.field(default_factory=dict)
+    default: dict[str, float] = dataclasses.field(default_factory=dict)
+    cpu_worker: dict[str, float] = dataclasses.field(default_factory=dict)
+    accelerators: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
     def over(self, base: Prices) -> Prices:
         """These rates over `base`'s: each capacity this section names replaces base's, the others stay."""
@@ -70,7 +68,7 @@ class PriceTable:
     queues: dict[str, Prices]
 
 
-def _rates(where: str, rates: object) -> dict[str, Rate]:
+def _rates(where: str, rates: object) -> dict[str, float]:
     if not isinstance(rates, dict):
         raise _fail(where, f"expected an object of rates by capacity ({', '.join(CAPACITIES)}), got {rates!r}")
     for capacity, rate in rates.items():
@@ -148,8 +146,8 @@ class Price(Document):
     currency: str
     capacity: str
     unit: str
-    default: Rate | None
-    rates: dict[str, Rate]
+    default: float | None
+    rates: dict[str, float]
     source: str
 
     def __post_init__(self) -> None:
@@ -163,7 +161,7 @@ class Price(Document):
             if rate is not None and not _is_rate(rate):
                 raise DocumentError(f"Price.{where}: {rate!r} is not a rate >= 0: refusing the price.")
 
-    def rate_for(self, accelerator: str | None) -> tuple[Rate | None, str | None]:
+    def rate_for(self, accelerator: str | None) -> tuple[float | None, str | None]:
         """The hourly rate for this accelerator, and a note when the table's default stood in."""
         if self.unit == "worker_hour" or not accelerator:
             return self.default, None

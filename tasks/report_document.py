@@ -3,7 +3,8 @@ and writes `to_json()`; promote and later runs' history read one back with `RunR
 
 report.json comes back from storage, which whoever may write the run's storage could edit, and earlier runs wrote
 it with fewer fields: reading checks the type of every field modelled here and refuses a missing required or a
-mistyped one with a ReportError naming the file and the field (its path, e.g. `runs.distributed.eval_loss`).
+mistyped one with a ReportError naming the file and the field (its path, e.g. `runs.distributed.eval_loss`):
+launcher/document.py's reader, the one every document uses.
 Fields added after the first reports default to what those reports meant (absent: unknown, none). Keys a record
 does not model stay in its `extra` and are written back as they were, so a report read and written again keeps
 its keys and values. A number field takes an int as it is (the JSON keeps `3`, not `3.0`).
@@ -12,109 +13,35 @@ its keys and values. A number field takes an int as it is (the JSON keeps `3`, n
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from collections.abc import Mapping
 from typing import Any, Self
 
+from launcher.document import DocumentError, OpenDocument
 from tasks.formatting import fmt, known_words
 
 
-class ReportError(ValueError):
+class ReportError(DocumentError):
     """A report.json (or a part of it) that is not one: not an object, or a missing or mistyped field. The message
     names the file, the field and the value; `brief` only the field and what is wrong (for pages that show neither
     storage URLs nor what a storage writer put there)."""
 
     def __init__(self, source: str, path: str, problem: str, shown: str = "") -> None:
-        super().__init__(f"{source}: {path}: {problem}{shown}.")
-        self.brief = f"{path}: {problem}"
+        where = ": ".join(part for part in (source, path) if part)
+        super().__init__(f"{where}: {problem}{shown}.", source=source, path=path, problem=problem, shown=shown)
 
 
 @dataclasses.dataclass(frozen=True)
-class Record:
-    """Base of report.json's records: `extra` holds the keys this version does not model, written back as read."""
-
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict, kw_only=True, repr=False)
+class Record(OpenDocument):
+    """Base of report.json's records (launcher/document.py's reader): `extra` holds the keys this version does not
+    model, written back as read."""
 
     @classmethod
     def from_json(cls, value: Any, source: str, path: str = "") -> Self:
         """The record `value` (read from `source`, at `path` in it) holds; ReportError naming both otherwise."""
-        where = path or "the report"
-        if not isinstance(value, Mapping):
-            raise ReportError(source, where,
-                              f"expected a JSON object, got {type(value).__name__}: not a {cls.__name__}")
-        fields = {field.name: field for field in dataclasses.fields(cls) if field.name != "extra"}
-        missing = [name for name, field in fields.items() if name not in value
-                   and field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING]
-        if missing:
-            raise ReportError(source, where, f"missing key(s) {', '.join(missing)}: not a complete {cls.__name__}")
-        hints = typing.get_type_hints(cls)
-        prefix = f"{path}." if path else ""
-        read = {name: _read(hints[name], value[name], source, prefix + name) for name in fields if name in value}
-        extra = {key: item for key, item in value.items() if key not in fields and key not in cls.DERIVED}
-        return cls(**read, extra=extra)
-
-    DERIVED: typing.ClassVar[frozenset[str]] = frozenset()  # keys to_json() computes: not read back
-
-    def to_json(self) -> dict[str, Any]:
-        """The record as JSON values: its fields, then the keys it did not model."""
-        own = {field.name: _plain(getattr(self, field.name)) for field in dataclasses.fields(self)
-               if field.name != "extra"}
-        return {**own, **self.extra}
-
-
-def _read(kind: Any, value: Any, source: str, path: str) -> Any:
-    """`value` as the annotation `kind` says, ReportError naming `source` and `path` otherwise."""
-    origin = typing.get_origin(kind)
-    if kind is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        arms = [arm for arm in typing.get_args(kind) if arm is not type(None)]
-        if value is None and len(arms) < len(typing.get_args(kind)):
-            return None
-        if len(arms) == 1:
-            return _read(arms[0], value, source, path)
-    elif isinstance(kind, type) and issubclass(kind, Record):
-        return kind.from_json(value, source, path)
-    elif origin is dict and isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
-        item = typing.get_args(kind)[1]
-        return {key: _read(item, entry, source, f"{path}.{key}") for key, entry in value.items()}
-    elif origin is tuple and isinstance(value, list):
-        item = typing.get_args(kind)[0]
-        return tuple(_read(item, entry, source, f"{path}[{index}]") for index, entry in enumerate(value))
-    elif kind is float and _number(value) or kind in (str, int, bool) and type(value) is kind:
-        return value
-    raise ReportError(source, path, f"expected {_name(kind)}, got {type(value).__name__}", f" {_shown(value)}")
-
-
-def _number(value: Any) -> bool:
-    """An int or float a report may carry (not bool, within float range; NaN is a diverged loss, kept)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        float(value)
-    except OverflowError:  # an int of 400 digits: no figure
-        return False
-    return True
-
-
-def _name(kind: Any) -> str:
-    return kind.__name__ if isinstance(kind, type) else str(kind).replace("tasks.report_document.", "")
-
-
-def _shown(value: Any) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 80 else shown[:77] + "..."
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Record):
-        return value.to_json()
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    if isinstance(value, Mapping):
-        return {key: _plain(item) for key, item in value.items()}
-    return value
+        try:
+            return super().from_json(value, source, path)
+        except DocumentError as error:
+            raise ReportError(source, error.path or "the report", error.problem, error.shown) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,8 +332,8 @@ class RunReport(Record):
 
     DERIVED = frozenset({"table"})
 
-    def to_json(self) -> dict[str, Any]:
-        return {**super().to_json(), "table": table_rows(self)}
+    def to_xcom(self) -> dict[str, Any]:
+        return {**super().to_xcom(), "table": table_rows(self)}
 
     def failed_gates(self) -> list[Gate]:
         return [gate for gate in self.gates if not gate.passed]

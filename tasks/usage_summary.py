@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher.document import Document
-from tasks.pricing import Price, Rate
+from tasks.pricing import Price
 from tasks.usage import Book, IdleWarning
 
 
@@ -46,7 +46,7 @@ class UsagePrice(Document):
     capacity: str
     unit: str
     source: str
-    rate: Rate
+    rate: float
     note: str | None
 
 

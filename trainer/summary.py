@@ -1,7 +1,7 @@
 """The chief's training summary (summary.json, trainer/outputs.py writes it last) as its readers take it.
 
 summary.json comes back from storage, which whoever may write the run's storage could edit: reading one checks
-every field it models (launcher/document.py's `checked`) and refuses a missing or mistyped one, naming the file and
+every field it models (launcher/document.py's `read_fields`) and refuses a missing or mistyped one, naming the file and
 the field. Keys it does not model (the scaling advisor's parameter counts, the config) are left to their own
 readers; fields added after the first summaries default to what those summaries meant (absent: unknown).
 """
@@ -9,11 +9,9 @@ readers; fields added after the first summaries default to what those summaries 
 from __future__ import annotations
 
 import dataclasses
-import typing
-from collections.abc import Mapping
 from typing import Any
 
-from launcher.document import DocumentError, checked
+from launcher.document import DocumentError, read_fields
 
 
 class SummaryError(ValueError):
@@ -58,21 +56,12 @@ class TrainSummary:
     @classmethod
     def from_json(cls, value: Any, source: str) -> TrainSummary:
         """The summary `value` (read from `source`) holds; SummaryError naming the file and the field otherwise."""
-        if not isinstance(value, Mapping):
-            raise SummaryError(f"{source}: expected a JSON object, got {type(value).__name__}: not a training "
-                               "summary; train the run again (trigger with baseline='run' for a baseline).")
-        fields = dataclasses.fields(cls)
-        missing = [field.name for field in fields if field.name not in value
-                   and field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING]
-        if missing:
-            raise SummaryError(f"{source}: missing key(s) {', '.join(missing)}: not a complete training summary; "
-                               "train the run again (trigger with baseline='run' for a baseline).")
-        hints = typing.get_type_hints(cls)
         try:
-            return cls(**{field.name: checked(hints[field.name], value[field.name], f"{source}: {field.name}")
-                          for field in fields if field.name in value})
+            fields, _others = read_fields(cls, value)  # the keys it does not model: their own readers check them
         except DocumentError as error:
-            raise SummaryError(str(error)) from error
+            raise SummaryError(f"{source}: {error.brief}{error.shown}: not a training summary; train the run again "
+                               "(trigger with baseline='run' for a baseline).") from error
+        return cls(**fields)
 
     @property
     def seconds_per_step(self) -> float | None:
