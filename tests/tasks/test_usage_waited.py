@@ -15,8 +15,10 @@ import pytest
 
 from tasks import airflow_api, usage
 from tasks.report import render_markdown
+from tasks.report_parts import run_view
 from tasks.usage import AttemptEvents
 from tests.support.http import send_json
+from tests.tasks.test_report import document
 from tests.tasks.test_usage import assert_invariants, attempt, causes, rank
 
 # preflight 0-10 and train 40-80 on two slots, evaluate 100-110 on one, released at 120.
@@ -161,8 +163,9 @@ def test_without_the_connection_waited_is_null_and_the_report_says_why(tmp_path,
     summary = {"unit": "worker_hour", "slots": 2, "held_gpu_h": 0.01, "busy_gpu_h": 0.005, "idle_gpu_h": 0.005,
                "idle_by_cause_gpu_h": {}, "busy_share": 0.5, "time_to_release_s": 1.0, "per_slot": [],
                "attempts": [], "price": None, "cost": None, "waited_s": None, "waited_note": waits.note}
-    page = render_markdown({"runs": {}, "usage": summary})
+    page = render_markdown(run_view(document(), None, {"usage": summary}))
     assert ("Waited for admission in Airflow: unknown (not measured: no Airflow connection 'gpt_finetune_api'"
             in page)
-    measured = render_markdown({"runs": {}, "usage": {**summary, "waited_s": 30.5, "waited_gpu_h": 0.0097}})
+    measured = render_markdown(run_view(document(), None,
+                                        {"usage": {**summary, "waited_s": 30.5, "waited_gpu_h": 0.0097}}))
     assert "(scheduled to queued, every try of the GPU tasks): 30.5 s, not charged; 0.0097 slot-h" in measured

@@ -120,8 +120,9 @@ def test_second_run_is_a_cache_hit_and_a_damaged_cache_is_rebuilt(tmp_path, capl
 
 @pytest.mark.parametrize("change, field", [
     (lambda manifest: manifest.update(block_size="16"), r"Manifest\.block_size: expected int, got str '16'"),
-    (lambda manifest: manifest["splits"]["train"]["shards"][0].update(records=None), r"ShardEntry\.records"),
-    (lambda manifest: manifest["settings"].pop("seed"), r"PackingSettings: missing key\(s\) seed"),
+    (lambda manifest: manifest["splits"]["train"]["shards"][0].update(records=None),
+     r"Manifest\.splits\.train: SplitEntry\.shards\[0\]: ShardEntry\.records"),
+    (lambda manifest: manifest["settings"].pop("seed"), r"Manifest\.settings: PackingSettings: missing key\(s\) seed"),
     (lambda manifest: manifest["splits"].pop("validation"), r"Manifest\.splits: expected the splits"),
 ])
 def test_a_cached_manifest_of_another_shape_is_refused_naming_it_and_the_field(tmp_path, caplog, change, field):
