@@ -79,8 +79,10 @@ def test_a_plan_rewritten_in_storage_is_refused_before_anything_is_read(planned,
 
 @pytest.mark.parametrize("change, field", [
     (lambda plan: plan["job"].update(seed="1234"), r"WorkPlan\.job: UnitJob\.seed: expected int, got str '1234'"),
-    (lambda plan: plan["job"]["sources"][0].update(size=None), r"WorkPlan\.job: UnitJob\.sources\[0\]: SourceFile\.size: expected int, got NoneType"),
-    (lambda plan: plan["settings"].update(block_size=32.0), r"WorkPlan\.settings: PackingSettings\.block_size: expected int"),
+    (lambda plan: plan["job"]["sources"][0].update(size=None),
+     r"WorkPlan\.job: UnitJob\.sources\[0\]: SourceFile\.size: expected int, got NoneType"),
+    (lambda plan: plan["settings"].update(block_size=32.0),
+     r"WorkPlan\.settings: PackingSettings\.block_size: expected int"),
     (lambda plan: plan.update(config={}), r"WorkPlan: unknown key\(s\) config"),
     (lambda plan: plan.pop("units"), r"WorkPlan: missing key\(s\) units"),
 ])

@@ -164,7 +164,8 @@ def test_a_unit_result_of_another_shape_is_refused_naming_the_file_and_field(tmp
     genuine = json.loads(path.read_text())
     path.write_text(json.dumps({**genuine, "splits": {**genuine["splits"], "train": {
         **genuine["splits"]["train"], "tokens": str(genuine["splits"]["train"]["tokens"])}}}))
-    refusal = rf"The unit result {re.escape(str(path))} is refused: UnitResult\.splits\.train: SplitStream\.tokens: expected int, got str"
+    refusal = (rf"The unit result {re.escape(str(path))} is refused: "
+               r"UnitResult\.splits\.train: SplitStream\.tokens: expected int, got str")
     with pytest.raises(PrepareError, match=refusal):
         tokenize_lane(plan, lane)
     with pytest.raises(PrepareError, match=refusal):
