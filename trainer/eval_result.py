@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from launcher.document import DocumentError, checked
+from launcher.document import DocumentError, read_fields
 from trainer.text_quality import nats_per_character
 
 # The gates allow this many standard errors of a loss delta beyond their tolerance: a model within tolerance fails
@@ -92,21 +91,12 @@ class EvalResult:
     @classmethod
     def from_json(cls, value: Any, source: str) -> EvalResult:
         """The result `value` (read from `source`) holds; ResultError naming the file and the field otherwise."""
-        if not isinstance(value, Mapping):
-            raise ResultError(f"{source}: expected a JSON object, got {type(value).__name__}: not an evaluation "
-                              "result; evaluate the model again.")
-        fields = dataclasses.fields(cls)
-        missing = [field.name for field in fields if field.name not in value
-                   and field.default is dataclasses.MISSING]
-        if missing:
-            raise ResultError(f"{source}: missing key(s) {', '.join(missing)}: not a complete evaluation result; "
-                              "evaluate the model again.")
-        hints = typing.get_type_hints(cls)
         try:
-            return cls(**{field.name: checked(hints[field.name], value[field.name], f"{source}: {field.name}")
-                          for field in fields if field.name in value})
+            fields, _others = read_fields(cls, value)  # keys of later versions are left to their readers
         except DocumentError as error:
-            raise ResultError(str(error)) from error
+            raise ResultError(f"{source}: {error.brief}{error.shown}: not an evaluation result; evaluate the model "
+                              "again.") from error
+        return cls(**fields)
 
     @property
     def sample_id(self) -> str | None:
