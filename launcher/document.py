@@ -80,8 +80,8 @@ class Document:
         `runs.baseline.eval_loss`)."""
         fields, unknown = read_fields(cls, value, path, named=named)
         if unknown:
-            named = ", ".join(sorted(str(key) for key in unknown))
-            raise _refused(path, f"unknown key(s) {named} (a {cls.__name__} has "
+            keys = ", ".join(sorted(str(key) for key in unknown))
+            raise _refused(path, f"unknown key(s) {keys} (a {cls.__name__} has "
                                  f"{', '.join(field.name for field in dataclasses.fields(cls))}); it was not "
                                  "written by this project's task of this version")
         return cls(**fields)
