@@ -32,8 +32,7 @@ def read_record(url: str, *, max_bytes: int | None = None, max_depth: int = MAX_
     size = fs.size(path)
     if size is not None and size > max_bytes:
         raise UnreadableRecord(url, f"too large: {size} bytes, over the {max_bytes} a record may have")
-    with fs.open(path, "rb") as handle:
-        data = handle.read(max_bytes + 1)
+    data = fs.cat_file(path, start=0, end=max_bytes + 1)  # one request: one version, while a writer replaces it
     if len(data) > max_bytes:
         raise UnreadableRecord(url, f"too large: over the {max_bytes} bytes a record may have")
     try:

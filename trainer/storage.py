@@ -106,9 +106,10 @@ def exists(url: str) -> bool:
 
 
 def read_bytes(url: str) -> bytes:
+    """The whole object at `url` in one request: one version even while a writer replaces it (a file handle's
+    reads would ask for the version it opened, and fail once that is gone)."""
     fs, path = filesystem(url)
-    with fs.open(path, "rb") as handle:
-        return handle.read()
+    return fs.cat_file(path)
 
 
 def read_range(url: str, start: int, end: int) -> bytes:

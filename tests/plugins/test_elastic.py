@@ -141,8 +141,8 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
     assert all(s["tokens_per_s"] > 0 for s in report["segments"])
     reference_eval = run_evaluation(reference.model, manifest, str(tmp_path / "reference-eval.json"), cfg=cfg,
                                     run_key=key, label="reference", make_backend=make_backend)
-    delta = abs(evaluation["eval_loss"] - reference_eval["eval_loss"])
-    print(f"eval loss elastic {evaluation['eval_loss']:.6f} vs uninterrupted {reference_eval['eval_loss']:.6f}: "
+    delta = abs(evaluation["eval_loss"] - reference_eval.eval_loss)
+    print(f"eval loss elastic {evaluation['eval_loss']:.6f} vs uninterrupted {reference_eval.eval_loss:.6f}: "
           f"|delta| {delta:.2e}")
     assert math.isfinite(delta) and delta < LOSS_TOLERANCE
 

@@ -67,28 +67,41 @@ def test_single_files_go_up_and_down(root, tmp_path):
 
 
 def test_readers_see_the_old_or_the_new_object_never_a_part(root):
-    """A reader racing an overwrite of a 2 MiB object always reads one complete version."""
+    """A reader racing overwrites (a 2 MiB object, and a small one rewritten as often as a rank's heartbeat) always
+    reads one complete version, and never fails because the object changed while it read."""
     url = storage.join(root, "latest.bin")
     versions = [bytes([fill]) * (2 << 20) for fill in (1, 2)]
     storage.write_bytes_atomic(url, versions[0])
+    small_url = storage.join(root, "rank-1.json")
+    storage.write_bytes_atomic(small_url, b"0")
     done = threading.Event()
     torn: list[int] = []
+    failures: list[Exception] = []
+    small_reads = 0
 
     def read_while_writing() -> None:
-        while not done.is_set():
-            data = storage.read_bytes(url)
-            if data not in versions:
-                torn.append(len(data))
+        nonlocal small_reads
+        try:
+            while not done.is_set():
+                data = storage.read_bytes(url)
+                if data not in versions:
+                    torn.append(len(data))
+                storage.read_bytes(small_url)
+                small_reads += 1
+        except Exception as error:  # noqa: BLE001 - the assertion below names it
+            failures.append(error)
 
     reader = threading.Thread(target=read_while_writing)
     reader.start()
     try:
         for write in range(6):
             storage.write_bytes_atomic(url, versions[write % 2])
+            for beat in range(20):
+                storage.write_bytes_atomic(small_url, str(beat).encode())
     finally:
         done.set()
         reader.join()
-    assert torn == []
+    assert failures == [] and torn == [] and small_reads > 0
     assert storage.read_bytes(url) == versions[1]
 
 
