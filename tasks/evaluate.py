@@ -22,7 +22,7 @@ from tasks.alerts import alert_throughput
 from tasks.baseline import read_key_record
 from tasks.comparison import build_report, run_figures
 from tasks.connections import uses_run_storage
-from tasks.launch import with_release_after_train
+from tasks.launch import release_after_exit
 from tasks.policy import checked_config
 from tasks.report_document import ContinuedFrom, ModelSamples, PromotedScore, RunReport, TextSample, table_rows
 from trainer.config import RunConfig
@@ -114,6 +114,15 @@ def score_models(prepared: PreparedRun, cfg: RunConfig, make_backend: BackendFac
     promoted = evaluate_promoted(prepared, cfg, make_backend, distributed_eval)
     return Scored(distributed, distributed_summary, distributed_eval, baseline, baseline_summary, baseline_eval,
                   promoted)
+
+
+def with_release_after_train(report: RunReport, run: RunLayout) -> RunReport:
+    """The report with each trained model's `release_after_train_s`, from its group's state record (train, baseline;
+    a baseline reused from another run has none here)."""
+    runs = report.runs
+    baseline = runs.baseline and replace(runs.baseline, release_after_train_s=release_after_exit(run, "baseline"))
+    distributed = replace(runs.distributed, release_after_train_s=release_after_exit(run, "train"))
+    return replace(report, runs=replace(runs, distributed=distributed, baseline=baseline))
 
 
 def assemble_report(prepared: PreparedRun, cfg: RunConfig, scored: Scored) -> RunReport:

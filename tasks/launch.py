@@ -28,7 +28,6 @@ from launcher.host_identity import describe, host_identity, same_host
 from launcher.idle import IdleEpisode, IdleWatch
 from launcher.protocol import LAUNCHER_WORKDIR_PREFIX, is_ready_marker, utc_now, utc_timestamp
 from tasks import telemetry
-from tasks.report_document import RunReport
 from tasks.usage import AttemptEvents, IdleWarning, RankEvents, slots_of
 from trainer.config import RunConfig
 from trainer.layout import RunLayout
@@ -124,15 +123,6 @@ def release_after_exit(run: RunLayout, group: str) -> float | None:
     except Exception as error:  # noqa: BLE001 - a figure of the report, never a failure
         log.info("could not read the state record %s (%s)", url, error)
         return None
-
-
-def with_release_after_train(report: RunReport, run: RunLayout) -> RunReport:
-    """The report with each trained model's `release_after_train_s`, from its group's state record (train, baseline;
-    a baseline reused from another run has none here)."""
-    runs = report.runs
-    baseline = runs.baseline and replace(runs.baseline, release_after_train_s=release_after_exit(run, "baseline"))
-    distributed = replace(runs.distributed, release_after_train_s=release_after_exit(run, "train"))
-    return replace(report, runs=replace(runs, distributed=distributed, baseline=baseline))
 
 
 def live_step(line: str) -> int | None:

@@ -12,7 +12,8 @@ import re
 
 from launcher import GroupSpec, LocalBackend
 from launcher.gpus import GPU_RELEASE_WAIT_S, check_exited_slots
-from tasks.launch import RecordedLaunch, with_release_after_train
+from tasks.evaluate import with_release_after_train
+from tasks.launch import RecordedLaunch
 from tasks.report import render_markdown
 from tasks.report_parts import run_view
 from tests.launcher.conftest import entrypoint_env
