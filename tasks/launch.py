@@ -13,7 +13,6 @@ import os
 import shutil
 import tempfile
 import time
-import typing
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
@@ -23,7 +22,7 @@ from typing import Any
 
 from launcher import GroupSpec, GroupState, RunResult, WorkerGroup, WorkerOutcome
 from launcher.backend import Backend
-from launcher.document import DocumentError, checked
+from launcher.document import DocumentError, read_fields
 from launcher.host_identity import describe, host_identity, same_host
 from launcher.idle import IdleEpisode, IdleWatch
 from launcher.protocol import LAUNCHER_WORKDIR_PREFIX, is_ready_marker, utc_now, utc_timestamp
@@ -59,9 +58,9 @@ class SlotsCheck:
     docs/CONTRACTS.md), kept as it answered them."""
 
     checked: bool
-    free: bool | None
-    free_after_s: float | None
-    release_after_train_s: float | None
+    free: bool | None = None
+    free_after_s: float | None = None
+    release_after_train_s: float | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -72,12 +71,11 @@ class SlotsCheck:
     def from_json(cls, value: Any, source: str) -> SlotsCheck:
         """The check `value` (from `source`) holds: its four fields checked (DocumentError naming the source and the
         field), the backend's other keys kept as evidence."""
-        if not isinstance(value, Mapping):
-            raise DocumentError(f"{source}: expected a JSON object, got {type(value).__name__}: refusing it.")
-        hints = typing.get_type_hints(cls)
-        known = {name: checked(hints[name], value.get(name), f"{source}: {name}")
-                 for name in ("checked", "free", "free_after_s", "release_after_train_s")}
-        return cls(**known, evidence={key: item for key, item in value.items() if key not in known})
+        try:
+            known, evidence = read_fields(cls, value, rest="evidence")
+        except DocumentError as error:
+            raise error.found_in(source) from None
+        return cls(**known, evidence=evidence)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.evidence, "checked": self.checked, "free": self.free, "free_after_s": self.free_after_s,
@@ -255,7 +253,7 @@ class RecordedLaunch:
                                          f"the {self.backend.name} backend's check of the slots of {self.spec.name}")
         except Exception as error:  # noqa: BLE001 - evidence must not fail the task
             log.warning("could not check that the slots of %s are free after it exited: %s", self.spec.name, error)
-            check = SlotsCheck(False, None, None, None, {"note": f"the check failed: {error}"})
+            check = SlotsCheck(False, evidence={"note": f"the check failed: {error}"})
         if check.proven:
             check = replace(check, release_after_train_s=round(time.monotonic() - exited, 3))
             log.info("the %s slots of %s are free %.3f s after its workers exited", check.evidence.get("slots", ""),

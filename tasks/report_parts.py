@@ -132,14 +132,11 @@ def _with_release(view: RunView, release: dict[str, Any]) -> RunView:
         return dataclasses.replace(view, release={"clean": False, UNREADABLE: release[UNREADABLE]})
     report = view.report
     usage = release.get("usage") if isinstance(release.get("usage"), dict) else None
-    warnings = [warning for warning in _list((usage or {}).get("warnings")) if isinstance(warning, str)]
+    listed = (usage or {}).get("warnings")
+    warnings = [warning for warning in listed if isinstance(warning, str)] if isinstance(listed, list) else []
     own = release.get("charts")  # the ledger's chart
     charts = {name: file for name, file in own.items() if isinstance(file, str)} if isinstance(own, dict) else {}
     report = dataclasses.replace(report, warnings=report.warnings + tuple(warnings),
                                  charts={**report.charts, **charts})
     return dataclasses.replace(view, report=report, usage=usage,
                                release={name: release.get(name) for name in RELEASE_FIELDS})
-
-
-def _list(value: Any) -> list[Any]:
-    return list(value) if isinstance(value, list) else []

@@ -410,10 +410,6 @@ def _dict(report: dict[str, Any], name: str) -> dict[Any, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _list(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else []
-
-
 def _items(value: Any) -> list[dict[str, Any]]:
     """The dicts of a list from the report; anything else reads as none."""
-    return [item for item in _list(value) if isinstance(item, dict)]
+    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
