@@ -11,6 +11,7 @@ from typing import IO, Any, ClassVar
 
 from launcher.document import Document
 from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
+from launcher.state_record import StateRecord
 
 # How long release gives a run's workers between SIGTERM (or a pod's deletion) and SIGKILL.
 RELEASE_GRACE_S = 10.0
@@ -170,10 +171,10 @@ class Backend(ABC):
         (`error` set for a host that could not be asked)."""
 
     @abstractmethod
-    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = RELEASE_GRACE_S) -> ReleaseResult:
+    def release(self, run_key: str, records: Sequence[StateRecord], grace_s: float = RELEASE_GRACE_S) -> ReleaseResult:
         """End whatever is left of run `run_key` wherever this backend runs workers (SIGTERM, `grace_s`, SIGKILL);
-        `records` are all the run's state records, each backend uses what is its own. A host that cannot be
-        reached is reported (`HostRelease.error`), never skipped, and makes the release unclean."""
+        `records` are all the run's state records (read and checked), each backend uses what is its own. A host
+        that cannot be reached is reported (`HostRelease.error`), never skipped, and makes the release unclean."""
 
     def close(self) -> None:
         """Release connections; the backend is not used afterwards."""

@@ -32,6 +32,7 @@ from launcher.kubernetes_names import is_dns_label
 from launcher.kubernetes_pods import KubernetesWorkerHandle, LaunchedGroup, follow_status
 from launcher.process import ORPHAN_GRACE_S
 from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
+from launcher.state_record import StateRecord
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ class KubernetesBackend(Backend):
         names = objects.GroupNames(group.run_key, group.name, self.settings.namespace)
         return [self._delete_labelled(names.selector, grace_s=min(group.grace_period_s, ORPHAN_GRACE_S))]
 
-    def release(self, run_key: str, records: list[dict], grace_s: float = RELEASE_GRACE_S) -> ReleaseResult:
+    def release(self, run_key: str, records: Sequence[StateRecord], grace_s: float = RELEASE_GRACE_S) -> ReleaseResult:
         """Delete every object labelled with the run (the records are not needed: the label also finds what no
         record names), pods with up to `grace_s` of grace, and list again until their kubelets have ended them:
         a pod still listed after its grace period is a survivor, never force-deleted."""

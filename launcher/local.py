@@ -54,6 +54,7 @@ from launcher.protocol import (
     worker_temp_environment,
 )
 from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
+from launcher.state_record import StateRecord
 
 log = logging.getLogger(__name__)
 
@@ -272,16 +273,15 @@ class LocalBackend(Backend):
             self._gpus_settle_until = self.clock() + GPU_RELEASE_WAIT_S
         return [HostRelease.of(socket.gethostname(), ended)]
 
-    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = RELEASE_GRACE_S) -> ReleaseResult:
+    def release(self, run_key: str, records: Sequence[StateRecord], grace_s: float = RELEASE_GRACE_S) -> ReleaseResult:
         """Every process of the run on this host, found by the marker each carries (so also one no record names,
         or a grandchild), ended; the launcher work directories the records name removed; GPUs checked: waited for,
         bounded, until the run's processes left them and the memory they held came back."""
-        recorded = {int(w["pid"]) for r in records for w in r.get("workers", ())
-                    if isinstance(w, dict) and isinstance(w.get("pid"), int)}
+        recorded = {pid for r in records for w in r.workers if (pid := w.handle_id("pid")) is not None}
         watch = watch_release(recorded | set(processes_with_env({RUN_KEY_ENV: run_key})), placed_gpus(records))
         ended = end_marked_processes({RUN_KEY_ENV: run_key}, grace_s)
         removed, kept = [], []
-        for workdir in {r["workdir"] for r in records if isinstance(r.get("workdir"), str)}:
+        for workdir in {r.workdir for r in records if r.workdir}:
             if is_launcher_workdir(workdir):
                 shutil.rmtree(workdir, ignore_errors=True)
                 removed.append(workdir)
@@ -294,12 +294,12 @@ class LocalBackend(Backend):
         return ReleaseResult(self.name, (host,), clean=not ended["survivors"] and release_is_clean(gpus))
 
 
-def placed_gpus(records: list[dict[str, Any]]) -> set[str] | None:
+def placed_gpus(records: Sequence[StateRecord]) -> set[str] | None:
     """The GPUs (UUID or index) the records' workers were placed on; None when a worker's record does not say."""
-    workers = [w for r in records for w in r.get("workers", ()) if isinstance(w, dict)]
-    if not workers or any(not isinstance(w.get("gpus"), list) for w in workers):
+    workers = [w for r in records for w in r.workers]
+    if not workers or any(w.gpus is None for w in workers):
         return None
-    return {str(gpu) for w in workers for gpu in w["gpus"]}
+    return {str(gpu) for w in workers for gpu in w.gpus or ()}
 
 
 def _too_few_gpus(gpus: GpuInventory, num_workers: int) -> str:

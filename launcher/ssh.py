@@ -34,6 +34,7 @@ from launcher.gpus import GPU_RELEASE_WAIT_S
 from launcher.process import ORPHAN_GRACE_S, exit_status_to_code
 from launcher.protocol import AGENT_LINE, AGENT_MODULE, STOP_LINE, read_control_line
 from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
+from launcher.state_record import StateRecord
 
 log = logging.getLogger(__name__)
 
@@ -431,7 +432,7 @@ class SSHBackend(Backend):
 
     # -- release ------------------------------------------------------------------------------------------------
 
-    def release(self, run_key: str, records: list[dict[str, Any]], grace_s: float = RELEASE_GRACE_S) -> ReleaseResult:
+    def release(self, run_key: str, records: Sequence[StateRecord], grace_s: float = RELEASE_GRACE_S) -> ReleaseResult:
         """Every host of the run (from the settings, so also one no record names), asked at once: its processes
         ended, its run directory removed, its GPUs checked. An unreachable host is reported, and the release is not
         clean."""

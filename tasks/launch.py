@@ -18,14 +18,13 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from launcher import GroupSpec, GroupState, RunResult, WorkerGroup, WorkerOutcome
 from launcher.backend import Backend
-from launcher.document import DocumentError, read_fields
 from launcher.host_identity import describe, host_identity, same_host
 from launcher.idle import IdleEpisode, IdleWatch
 from launcher.protocol import LAUNCHER_WORKDIR_PREFIX, is_ready_marker, utc_now, utc_timestamp
+from launcher.state_record import RecordedWorker, SlotsCheck, StateRecord
 from tasks import telemetry
 from tasks.usage import AttemptEvents, IdleWarning, RankEvents, slots_of
 from trainer.config import RunConfig
@@ -50,74 +49,13 @@ def task_supervisor_pid() -> int | None:
     return os.getppid()
 
 
-@dataclass(frozen=True)
-class SlotsCheck:
-    """A state record's `after_exit`: the backend's proof, right after the group exited, that the slots it held are
-    free (`Backend.check_slots_free`), and `release_after_train_s`, seconds from the exit to that proof (None when
-    not proven then). `evidence`: the backend's own keys beside them (`slots`, `hosts`, `gpu_check`, `note`...,
-    docs/CONTRACTS.md), kept as it answered them."""
-
-    checked: bool
-    free: bool | None = None
-    free_after_s: float | None = None
-    release_after_train_s: float | None = None
-    evidence: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def proven(self) -> bool:
-        return self.free is True and self.free_after_s is not None
-
-    @classmethod
-    def from_json(cls, value: Any, source: str) -> SlotsCheck:
-        """The check `value` (from `source`) holds: its four fields checked (DocumentError naming the source and the
-        field), the backend's other keys kept as evidence."""
-        try:
-            known, evidence = read_fields(cls, value, rest="evidence")
-        except DocumentError as error:
-            raise error.found_in(source) from None
-        return cls(**known, evidence=evidence)
-
-    def to_json(self) -> dict[str, Any]:
-        return {**self.evidence, "checked": self.checked, "free": self.free, "free_after_s": self.free_after_s,
-                "release_after_train_s": self.release_after_train_s}
-
-
-@dataclass(frozen=True)
-class StateRecord:
-    """A group's run-state record, `runs/<key>/state/<group>.json` (docs/CONTRACTS.md): written by every launch
-    (`to_json()`) and handed to `on_record` (the operator pushes it to XCom); release reads it back.
-
-    Attributes:
-        task_id: the group's name; backend: the backend running it; state: running, succeeded, failed or stopped.
-        updated_at: UTC ISO; workdir: the launcher's work directory on its host (removed at the end; release removes
-            it when the task died first); launcher: that host's identity (launcher/host_identity.py).
-        workers: per rank {"rank", "host", "port", "gpus"} and the backend's handle record beside them.
-        after_exit: the slots' check once the group exited; None while it runs, and for a killed task.
-    """
-
-    task_id: str
-    backend: str
-    state: str
-    updated_at: str
-    workdir: str
-    launcher: dict[str, str]
-    workers: tuple[dict[str, Any], ...]
-    after_exit: SlotsCheck | None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"task_id": self.task_id, "backend": self.backend, "state": self.state, "updated_at": self.updated_at,
-                "workdir": self.workdir, "launcher": self.launcher, "workers": list(self.workers),
-                "after_exit": self.after_exit.to_json() if self.after_exit else None}
-
-
 def release_after_exit(run: RunLayout, group: str) -> float | None:
     """`release_after_train_s` of group `group`'s state record: seconds from its exit to the proof that its slots
     were free; None without a record or a proof, or from a record that is not one (logged, naming it)."""
     url = run.state_file(group)
     try:
-        record = read_json(url) if exists(url) else None
-        after = record.get("after_exit") if isinstance(record, dict) else None
-        return SlotsCheck.from_json(after, f"{url} after_exit").release_after_train_s if after is not None else None
+        after = StateRecord.from_json(read_json(url), url).after_exit if exists(url) else None
+        return after.release_after_train_s if after else None
     except Exception as error:  # noqa: BLE001 - a figure of the report, never a failure
         log.info("could not read the state record %s (%s)", url, error)
         return None
@@ -253,7 +191,7 @@ class RecordedLaunch:
                                          f"the {self.backend.name} backend's check of the slots of {self.spec.name}")
         except Exception as error:  # noqa: BLE001 - evidence must not fail the task
             log.warning("could not check that the slots of %s are free after it exited: %s", self.spec.name, error)
-            check = SlotsCheck(False, evidence={"note": f"the check failed: {error}"})
+            check = SlotsCheck.failed(f"the check failed: {error}")
         if check.proven:
             check = replace(check, release_after_train_s=round(time.monotonic() - exited, 3))
             log.info("the %s slots of %s are free %.3f s after its workers exited", check.evidence.get("slots", ""),
@@ -267,22 +205,23 @@ class RecordedLaunch:
         """The backend's sweep of earlier attempts (`end_earlier_attempts`) sees only this host: say so when the
         group's last record is a local attempt that never finished, launched from another host. Called in the
         storage context, before this launch's first record replaces it."""
+        url = self.state_url
         try:
-            earlier = read_json(self.state_url) if exists(self.state_url) else None
+            earlier = StateRecord.from_json(read_json(url), url) if exists(url) else None
         except Exception as error:  # noqa: BLE001 - a warning's evidence must not stop the launch
             log.info("could not read the earlier state record %s (%s): not compared", self.state_url, error)
             return
-        if not isinstance(earlier, dict) or earlier.get("backend") != "local" or earlier.get("state") != "running":
+        if earlier is None or earlier.backend != "local" or earlier.state != "running":
             return
         here = host_identity()
-        if same_host(earlier.get("launcher"), here):
+        if same_host(earlier.launcher, here):
             return
         log.warning(
             "An earlier attempt of %s (state record %s, never finished) was launched on %s; this attempt runs on %s, "
             "whose sweep of earlier attempts cannot see that host: its workers may still run there, holding GPUs and "
             "writing the same checkpoints. Route every attempt to one host (set gpu_queue to a queue that only that "
             "host's Celery worker serves), and check that host (its workers carry TFMW_RUN_KEY=%s).",
-            self.spec.name, self.state_url, describe(earlier.get("launcher")), describe(here), self.spec.run_key)
+            self.spec.name, self.state_url, describe(earlier.launcher), describe(here), self.spec.run_key)
 
     def _line(self, rank: int, line: str) -> None:
         if self._attempt is not None and rank in self._attempt.workers and is_ready_marker(line):
@@ -347,7 +286,7 @@ class RecordedLaunch:
             task_id=self.spec.name, backend=self.backend.name, state=state.value, updated_at=utc_now(),
             workdir=str(self.workdir),  # removed at the end; release removes it when the task died first
             launcher=host_identity(),  # release checks a local group only from this same host and container
-            workers=tuple({"rank": w.rank, "host": w.host, "port": w.port, "gpus": list(w.devices or []), **w.record}
+            workers=tuple(RecordedWorker(w.rank, w.host, w.port, tuple(w.devices or ()), extra=dict(w.record))
                           for w in workers),
             after_exit=self.after_exit)  # _check_slots_free: the slots proven free right after the group exited
         with self.storage():

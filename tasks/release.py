@@ -24,6 +24,7 @@ from launcher.backend import RELEASE_GRACE_S, BackendFactory, HostRelease, Relea
 from launcher.host_identity import describe, host_identity, same_host
 from launcher.process import processes_with_env
 from launcher.protocol import RUN_KEY_ENV, utc_now
+from launcher.state_record import StateRecord
 from tasks import report as reports
 from tasks import telemetry
 from tasks.connections import uses_run_storage
@@ -62,39 +63,34 @@ def processes_of_run(key: str) -> dict[int, str]:
     return processes_with_env({RUN_KEY_ENV: key})
 
 
-def _state_records(state_url: str) -> tuple[list[str], dict[str, dict[str, Any]]]:
-    """The run-state records' names and their well-formed contents by name; a malformed record is logged and
-    skipped."""
+def _state_records(state_url: str) -> tuple[list[str], dict[str, StateRecord]]:
+    """The run-state records' names and the records that are one by name; any other is logged and skipped."""
     names, records = [], {}
     for name in list_dir(state_url):
         if not name.endswith(".json"):
             continue
         names.append(name)
+        url = f"{state_url}/{name}"
         try:
-            record = read_json(f"{state_url}/{name}")
-            if not isinstance(record, dict) or not isinstance(record.get("workers", []), list):
-                raise TypeError("not a state record")
-            records[name] = record
+            records[name] = StateRecord.from_json(read_json(url), url)
         except (ValueError, TypeError) as error:
-            log.warning("State record %s/%s is malformed (%s): skipped; the process scan still covers it.",
-                        state_url, name, error)
+            log.warning("State record %s is malformed (%s): skipped; the process scan still covers it.", url, error)
     return names, records
 
 
-def unverified_elsewhere(records: Mapping[str, dict[str, Any]], here: Mapping[str, str]) -> list[dict[str, Any]]:
+def unverified_elsewhere(records: Mapping[str, StateRecord], here: Mapping[str, str]) -> list[dict[str, Any]]:
     """A host entry for each local group whose launcher ran on another host or container than `here`: this host
     cannot see its processes, work directory or GPUs, so nothing of it is checked, and the entry says so."""
     entries = []
     for name, record in sorted(records.items()):
-        if record.get("backend") != "local" or same_host(record.get("launcher"), here):
+        if record.backend != "local" or same_host(record.launcher, here):
             continue
-        launcher = record.get("launcher")
-        hostname = launcher.get("hostname") if isinstance(launcher, Mapping) else None
+        launcher = record.launcher
         entries.append({
-            "backend": "local", "host": hostname or "unknown", "state_record": name, "launcher": launcher,
-            "found": [], "terminated": [], "killed": [], "survivors": [],
+            "backend": "local", "host": launcher.get("hostname") or "unknown", "state_record": name,
+            "launcher": launcher or None, "found": [], "terminated": [], "killed": [], "survivors": [],
             "unverified": (
-                f"state record {name} (state {record.get('state')}) is a local group launched on "
+                f"state record {name} (state {record.state}) is a local group launched on "
                 f"{describe(launcher)}, but release runs on {describe(here)}, which cannot see that host's "
                 f"processes, work directory or GPUs: nothing of it was checked. Release must run where the group "
                 f"ran: set gpu_queue (default GPT_FINETUNE_GPU_QUEUE) to a Celery queue that only that host's "
@@ -135,7 +131,7 @@ def release_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backen
     records = [record for name, record in named.items() if name not in foreign]
     # Every backend the run used: this host's always (and first), the run's own, and any a state record names.
     # Each gets every record and takes what is its own (the launcher work directories are all on this host).
-    backends = ["local", *sorted({cfg.launch.backend, *(r.get("backend") for r in records)} - {"local", None})]
+    backends = ["local", *sorted({cfg.launch.backend, *(r.backend for r in records)} - {"local"})]
     results: dict[str, ReleaseResult] = {}
     try:
         for name in backends:

@@ -25,6 +25,7 @@ from launcher.gpus import (
     release_is_clean,
 )
 from launcher.protocol import GROUP_ENV, RUN_KEY_ENV
+from launcher.state_record import RecordedWorker, StateRecord
 from tests.launcher.conftest import alive
 from tests.support import fake_nvml
 from tests.support.fake_nvml import GIB, FakeNvml, h200s, install
@@ -86,8 +87,9 @@ def test_release_of_a_worker_that_ignores_sigterm_waits_for_nvml_and_reports_cle
     fake = install(monkeypatch, FakeNvml(h200s(1), list_lag_s=0.1))
     fake.attach(worker.pid, 0, 8 * GIB)
     try:
-        released = LocalBackend().release(key, [{"workers": [{"pid": worker.pid, "gpus": [fake.gpus[0].uuid]}]}],
-                                          grace_s=0.3)
+        recorded = RecordedWorker(0, "localhost", None, (fake.gpus[0].uuid,), extra={"pid": worker.pid})
+        record = StateRecord("train", "local", "running", "2026-12-05T07:00:00.000Z", "", workers=(recorded,))
+        released = LocalBackend().release(key, [record], grace_s=0.3)
     finally:
         worker.kill()
         worker.wait()

@@ -94,6 +94,7 @@ def test_the_record_names_the_launcher_host_and_an_unfinished_attempt_elsewhere_
     run = StorageLayout(str(tmp_path / "storage")).run("run-1")
     elsewhere = {**host_identity(), "hostname": "gpu-host-7", "boot_id": "0f0e0d0c-0000-4000-8000-000000000007"}
     write_json_atomic(run.state_file("train"), {"task_id": "train", "backend": "local", "state": "running",
+                                                "updated_at": "2026-12-05T07:00:00.000Z", "workdir": "",
                                                 "launcher": elsewhere, "workers": []})
     backend = FakeBackend(scripts())
     backend.name = "local"  # a local group: its workers run beside its launcher
@@ -136,4 +137,4 @@ def test_a_slots_check_of_another_shape_is_evidence_of_nothing_and_names_the_fie
                                                                          "release_after_train_s": "fast"}})
     with caplog.at_level(logging.INFO, logger="gpt_finetune.launch"):
         assert release_after_exit(run, "train") is None
-    assert "after_exit: release_after_train_s: expected" in caplog.text
+    assert "after_exit.release_after_train_s: expected" in caplog.text

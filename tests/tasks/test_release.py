@@ -1,6 +1,7 @@
 """Release ends every process of the run (recorded or not, stubborn or not), proves it, and is idempotent."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -43,6 +44,12 @@ def wait_for(predicate, timeout=10.0):
     return False
 
 
+def state_record(**fields) -> dict:
+    """A run-state record as a launch writes it (launcher/state_record.py), with `fields` given."""
+    return {"task_id": "train", "backend": "local", "state": "failed", "updated_at": "2026-11-29T02:05:00.000Z",
+            "workdir": "", "workers": [], **fields}
+
+
 @pytest.fixture
 def processes():
     started = []
@@ -64,12 +71,9 @@ def test_release_ends_recorded_unrecorded_stubborn_and_grandchildren(tmp_path, p
     other_run = start("import time; time.sleep(600)", key="some_other_run")
     processes += [recorded, stubborn, parent, other_run]
     workdir = Path(tempfile.mkdtemp(prefix=f"{LAUNCHER_WORKDIR_PREFIX}train-"))
-    write_json_atomic(run.state_file("train"), {
-        "task_id": "train", "backend": "local", "state": "failed", "workdir": str(workdir),
-        "launcher": host_identity(),
-        "workers": [{"rank": 0, "host": "localhost", "pid": recorded.pid, "pgid": recorded.pid, "port": 1,
-                     "gpus": []}],
-    })
+    write_json_atomic(run.state_file("train"), state_record(
+        workdir=str(workdir), launcher=host_identity(),
+        workers=[{"rank": 0, "host": "localhost", "pid": recorded.pid, "pgid": recorded.pid, "port": 1, "gpus": []}]))
     assert wait_for(lambda: len(processes_of_run(KEY)) == 4)  # recorded, stubborn, parent and its child
 
     started = time.monotonic()
@@ -110,13 +114,12 @@ def test_a_local_record_from_another_host_is_never_clean(tmp_path, processes, ho
     bystander = start("import time; time.sleep(600)", key="not_this_run")  # the other host's pid, reused here
     processes.append(bystander)
     launcher = _elsewhere(how)
-    write_json_atomic(run.state_file("train"), {
-        "task_id": "train", "backend": "local", "state": "running", "workdir": "/tmp/tfmw-train-elsewhere",
-        **({"launcher": launcher} if launcher else {}),
-        "workers": [{"rank": 0, "host": "127.0.0.1", "pid": bystander.pid, "pgid": bystander.pid, "port": 1,
-                     "gpus": [0]}]})
-    write_json_atomic(run.state_file("preflight"), {"task_id": "preflight", "backend": "local", "state": "succeeded",
-                                                    "launcher": host_identity(), "workers": []})
+    write_json_atomic(run.state_file("train"), state_record(
+        state="running", workdir="/tmp/tfmw-train-elsewhere", **({"launcher": launcher} if launcher else {}),
+        workers=[{"rank": 0, "host": "127.0.0.1", "pid": bystander.pid, "pgid": bystander.pid, "port": 1,
+                  "gpus": [0]}]))
+    write_json_atomic(run.state_file("preflight"), state_record(task_id="preflight", state="succeeded",
+                                                                launcher=host_identity()))
     assert wait_for(lambda: mine.pid in processes_of_run(KEY))
 
     with pytest.raises(ReleaseError) as raised:
@@ -172,7 +175,9 @@ def test_release_deletes_only_the_launchers_own_temporary_directories(tmp_path, 
         workdir = {"/": "/", "home": str(Path.home()), "not-ours": str(decoy), "symlink": str(link)}[named]
         worker = start("import time; time.sleep(600)")
         processes.append(worker)
-        write_json_atomic(run.state_file("train"), {"workdir": workdir, "workers": [{"pid": worker.pid}]})
+        write_json_atomic(run.state_file("train"), state_record(
+            workdir=workdir, launcher=host_identity(),
+            workers=[{"rank": 0, "host": "localhost", "port": 1, "pid": worker.pid}]))
         assert wait_for(lambda: worker.pid in processes_of_run(KEY))
 
         result = release_run({"storage_root": root}, RUN_ID, DAG_ID, make_backend, grace_period_s=1.0)
@@ -186,7 +191,8 @@ def test_release_deletes_only_the_launchers_own_temporary_directories(tmp_path, 
         target.rmdir()
 
 
-def test_a_malformed_state_record_never_stops_the_kills(tmp_path, processes):
+def test_a_malformed_state_record_never_stops_the_kills(tmp_path, processes, caplog):
+    """A record that is not one is skipped, naming the file and the field; the run's processes are still ended."""
     root = str(tmp_path / "storage")
     run = StorageLayout(root).run(KEY)
     worker = start("import time; time.sleep(600)")
@@ -194,12 +200,18 @@ def test_a_malformed_state_record_never_stops_the_kills(tmp_path, processes):
     Path(run.state).mkdir(parents=True)
     Path(run.state, "train.json").write_text('{"workers": [{"pid": "not a pid"}], "workdir": 7}')
     Path(run.state, "preflight.json").write_text("[1, 2")
+    write_json_atomic(run.state_file("baseline"), state_record(
+        task_id="baseline", workers=[{"rank": "0", "host": "localhost", "port": 1, "pid": worker.pid}]))
     assert wait_for(lambda: worker.pid in processes_of_run(KEY))
 
-    result = release_run({"storage_root": root}, RUN_ID, DAG_ID, make_backend, grace_period_s=1.0)
+    with caplog.at_level(logging.WARNING, logger="gpt_finetune.release"):
+        result = release_run({"storage_root": root}, RUN_ID, DAG_ID, make_backend, grace_period_s=1.0)
 
     assert result["clean"] and worker.pid in result["terminated"] + result["killed"]
-    assert sorted(json.loads(Path(run.release).read_text())["state_records"]) == ["preflight.json", "train.json"]
+    assert sorted(json.loads(Path(run.release).read_text())["state_records"]) == [
+        "baseline.json", "preflight.json", "train.json"]
+    assert "train.json is malformed" in caplog.text and "missing key(s) task_id" in caplog.text
+    assert "baseline.json is malformed" in caplog.text and "workers[0].rank: expected int" in caplog.text
 
 
 def test_release_ends_the_processes_before_failing_on_unreachable_storage(tmp_path, processes):
