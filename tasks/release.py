@@ -23,7 +23,7 @@ from typing import Any
 from launcher.backend import RELEASE_GRACE_S, BackendFactory, HostRelease, ReleaseResult
 from launcher.host_identity import describe, host_identity, same_host
 from launcher.process import processes_with_env
-from launcher.protocol import RUN_KEY_ENV, utc_now
+from launcher.protocol import BACKEND_NAMES, RUN_KEY_ENV, utc_now
 from launcher.state_record import StateRecord
 from tasks import report as reports
 from tasks import telemetry
@@ -64,7 +64,8 @@ def processes_of_run(key: str) -> dict[int, str]:
 
 
 def _state_records(state_url: str) -> tuple[list[str], dict[str, StateRecord]]:
-    """The run-state records' names and the records that are one by name; any other is logged and skipped."""
+    """The run-state records' names and the records that are one by name (of a backend this project has); any
+    other is logged and skipped."""
     names, records = [], {}
     for name in list_dir(state_url):
         if not name.endswith(".json"):
@@ -72,7 +73,10 @@ def _state_records(state_url: str) -> tuple[list[str], dict[str, StateRecord]]:
         names.append(name)
         url = f"{state_url}/{name}"
         try:
-            records[name] = StateRecord.from_json(read_json(url), url)
+            record = StateRecord.from_json(read_json(url), url)
+            if record.backend not in BACKEND_NAMES:  # release builds each backend a record names
+                raise ValueError(f"{url}: backend: {record.backend!r} is none of {', '.join(BACKEND_NAMES)}")
+            records[name] = record
         except (ValueError, TypeError) as error:
             log.warning("State record %s is malformed (%s): skipped; the process scan still covers it.", url, error)
     return names, records

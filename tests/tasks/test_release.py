@@ -202,6 +202,7 @@ def test_a_malformed_state_record_never_stops_the_kills(tmp_path, processes, cap
     Path(run.state, "preflight.json").write_text("[1, 2")
     write_json_atomic(run.state_file("baseline"), state_record(
         task_id="baseline", workers=[{"rank": "0", "host": "localhost", "port": 1, "pid": worker.pid}]))
+    write_json_atomic(run.state_file("evaluate"), state_record(task_id="evaluate", backend="elsewhere"))
     assert wait_for(lambda: worker.pid in processes_of_run(KEY))
 
     with caplog.at_level(logging.WARNING, logger="gpt_finetune.release"):
@@ -209,9 +210,10 @@ def test_a_malformed_state_record_never_stops_the_kills(tmp_path, processes, cap
 
     assert result["clean"] and worker.pid in result["terminated"] + result["killed"]
     assert sorted(json.loads(Path(run.release).read_text())["state_records"]) == [
-        "baseline.json", "preflight.json", "train.json"]
+        "baseline.json", "evaluate.json", "preflight.json", "train.json"]
     assert "train.json is malformed" in caplog.text and "missing key(s) task_id" in caplog.text
     assert "baseline.json is malformed" in caplog.text and "workers[0].rank: expected int" in caplog.text
+    assert "evaluate.json is malformed" in caplog.text and "backend: 'elsewhere' is none of local" in caplog.text
 
 
 def test_release_ends_the_processes_before_failing_on_unreachable_storage(tmp_path, processes):
