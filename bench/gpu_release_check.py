@@ -177,10 +177,13 @@ def _busy_gpu_not_admitted(args, gpus, stand_ins: StandIns, fake) -> dict[str, A
 
 def _stubborn_worker_released(args, gpus, stand_ins: StandIns, fake) -> dict[str, Any]:
     from launcher import LocalBackend
+    from launcher.protocol import utc_now
+    from launcher.state_record import RecordedWorker, StateRecord
 
     key = f"gpu-release-check-{uuid.uuid4().hex[:12]}"
     worker = stand_ins.start(gpus[0], run_key=key, ignore_term=True)
-    records = [{"workers": [{"pid": worker.pid, "gpus": [gpus[0].uuid or gpus[0].index]}]}]
+    placed = RecordedWorker(0, "localhost", None, (gpus[0].uuid or gpus[0].index,), extra={"pid": worker.pid})
+    records = [StateRecord("train", "local", "running", utc_now(), "", workers=(placed,))]
     started = time.monotonic()
     released = LocalBackend().release(key, records, grace_s=args.grace)
     release_s = time.monotonic() - started
