@@ -209,7 +209,7 @@ class RecordedLaunch:
         try:
             earlier = StateRecord.from_json(read_json(url), url) if exists(url) else None
         except Exception as error:  # noqa: BLE001 - a warning's evidence must not stop the launch
-            log.info("could not read the earlier state record %s (%s): not compared", self.state_url, error)
+            log.info("could not read the earlier state record %s (%s): not compared", url, error)
             return
         if earlier is None or earlier.backend != "local" or earlier.state != "running":
             return
