@@ -53,10 +53,25 @@ def _connect(address: str, timeout_s: float = 30.0) -> socket.socket:
             time.sleep(0.05)
 
 
+def _peer_gone() -> None:
+    print("peer went away; waiting as a collective would", flush=True)
+    time.sleep(FOREVER_S)
+
+
 def _recv_exact(conn: socket.socket) -> None:
-    if not conn.recv(1):
-        print("peer went away; waiting as a collective would", flush=True)
-        time.sleep(FOREVER_S)
+    try:
+        received = conn.recv(1)
+    except ConnectionError:  # a peer that died mid-step resets the connection instead of closing it
+        received = b""
+    if not received:
+        _peer_gone()
+
+
+def _send(conn: socket.socket) -> None:
+    try:
+        conn.sendall(b"s")
+    except ConnectionError:  # the peer is gone: EPIPE or a reset, depending on when it died
+        _peer_gone()
 
 
 def _show_environment() -> None:
@@ -119,9 +134,9 @@ def main() -> int:
             for peer in peers:
                 _recv_exact(peer)
             for peer in peers:
-                peer.sendall(b"g")
+                _send(peer)
         else:
-            chief.sendall(b"s")
+            _send(chief)
             _recv_exact(chief)
         print(f"rank {me.rank} step {step} done", flush=True)
         if os.environ.get("TINY_WORKER_LIVE_STEPS"):
