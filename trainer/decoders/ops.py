@@ -1,0 +1,72 @@
+"""What the decoders compute with, in TensorFlow's core API: LayerNorm, the tanh GELU, causal attention, the token
+loss and the model's cost.
+
+Mixed precision as PyTorch's autocast does it: the weights stay float32 and are cast to the compute dtype where a
+matmul uses them; the residual stream, LayerNorm and softmax stay float32, so bfloat16 / float16 lose precision in
+the matmuls only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def layer_norm(x: tf.Tensor, weight: tf.Variable, bias: tf.Variable, epsilon: float) -> tf.Tensor:
+    """LayerNorm over the last axis, in float32 (biased variance, as torch.nn.LayerNorm)."""
+    x = tf.cast(x, tf.float32)
+    mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
+    return (x - mean) * tf.math.rsqrt(variance + epsilon) * weight + bias
+
+
+def gelu_tanh(x: tf.Tensor) -> tf.Tensor:
+    """GELU's tanh approximation (transformers' `gelu_new`, PyTorch's `gelu(approximate="tanh")`)."""
+    return 0.5 * x * (1.0 + tf.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * tf.pow(x, 3))))
+
+
+def linear(x: tf.Tensor, weight: tf.Variable, bias: tf.Variable, compute_dtype: tf.DType) -> tf.Tensor:
+    """x @ weight + bias with the weight laid out [in, out] (Hugging Face's Conv1D), in `compute_dtype`."""
+    return tf.matmul(tf.cast(x, compute_dtype), tf.cast(weight, compute_dtype)) + tf.cast(bias, compute_dtype)
+
+
+def causal_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, scale: float,
+                     scores_in_float32: bool = False) -> tf.Tensor:
+    """softmax(q k^T * scale, causal) v over [batch, heads, time, head_dim]. A position sees itself and the earlier
+    ones; the others get the float32 minimum before the softmax (PyTorch's mask value; -1e4 would leak weight into
+    the masked positions). The softmax runs in float32; `scores_in_float32` computes q k^T in float32 too."""
+    if scores_in_float32:
+        scores = tf.matmul(tf.cast(query, tf.float32), tf.cast(key, tf.float32), transpose_b=True) * scale
+    else:
+        scores = tf.cast(tf.matmul(query, key, transpose_b=True) * tf.cast(scale, query.dtype), tf.float32)
+    length = tf.shape(scores)[-1]
+    visible = tf.linalg.band_part(tf.ones([length, length], tf.bool), -1, 0)
+    scores = tf.where(visible, scores, tf.float32.min)
+    weights = tf.cast(tf.nn.softmax(scores, axis=-1), value.dtype)
+    return tf.matmul(weights, value)
+
+
+def token_losses(model, tokens: tf.Tensor) -> tf.Tensor:
+    """Next-token cross-entropy of every predicted token, float32 [batch, time - 1]: labels are the inputs shifted
+    by one (what transformers' loss with labels = input_ids averages)."""
+    logits = model(tokens)
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tokens[:, 1:], logits=logits[:, :-1])
+
+
+def causal_lm_loss(model, tokens: tf.Tensor) -> tf.Tensor:
+    """Mean next-token cross-entropy over a batch of token sequences (`token_losses`, averaged)."""
+    return tf.reduce_mean(token_losses(model, tokens))
+
+
+def count_parameters(model) -> int:
+    """Trainable weights, the tied head counted once (as PyTorch's `num_parameters()`)."""
+    return int(sum(math.prod(variable.shape) for variable in model.trainable_variables))
+
+
+def flops_per_token(model, block_size: int) -> float:
+    """Training FLOPs per token: 6N for the weights plus attention, as in PaLM appendix B / nanoGPT."""
+    config = model.config
+    attention = 12 * config.n_layer * config.n_head * config.head_dim * block_size
+    return 6 * count_parameters(model) + attention
