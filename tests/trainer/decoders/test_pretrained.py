@@ -132,9 +132,8 @@ def test_a_larger_tokenizer_grows_the_embedding_and_a_smaller_one_drops_rows():
     np.testing.assert_array_equal(shrunk.weights["transformer.wte.weight"].numpy(), embedding[:90])
 
 
-@pytest.fixture
-def no_weight_read(monkeypatch):
-    """Fails the test if a weight file is opened or downloaded: refusals come before either."""
+def _refuse_weight_reads(patch: pytest.MonkeyPatch) -> None:
+    """Fail the test if a weight file is opened or downloaded: refusals come before either."""
     import safetensors
 
     from trainer import storage
@@ -142,8 +141,13 @@ def no_weight_read(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a weight was read before the checkpoint was refused")
 
-    monkeypatch.setattr(safetensors, "safe_open", refuse)
-    monkeypatch.setattr(storage, "download_file", refuse)
+    patch.setattr(safetensors, "safe_open", refuse)
+    patch.setattr(storage, "download_file", refuse)
+
+
+@pytest.fixture
+def no_weight_read(monkeypatch):
+    _refuse_weight_reads(monkeypatch)
 
 
 def _rewrite(directory, change):
@@ -169,11 +173,24 @@ def test_a_tensor_that_does_not_fit_is_refused_by_name_before_any_weight_is_read
     directory = _copy(tmp_path)
     _rewrite(directory, change)
     with pytest.MonkeyPatch.context() as patch:
-        import safetensors
-
-        patch.setattr(safetensors, "safe_open", lambda *a, **k: pytest.fail("a weight was read"))
+        _refuse_weight_reads(patch)
         with pytest.raises(CheckpointError, match=f"{directory} does not fit its config.json: {message}"):
             load_pretrained(directory)
+
+
+def test_an_object_storage_checkpoint_is_refused_before_its_weights_are_downloaded(s3_bucket, tmp_path):
+    from trainer import storage
+    from trainer.decoders.pretrained import load_pretrained
+
+    directory = _copy(tmp_path)
+    _rewrite(directory, lambda tensors: tensors.pop("transformer.ln_f.weight"))
+    url = storage.join(s3_bucket, "models", "broken")
+    storage.upload_tree(directory, url)
+    with pytest.MonkeyPatch.context() as patch:
+        _refuse_weight_reads(patch)
+        with pytest.raises(CheckpointError, match=r"missing tensor transformer.ln_f.weight \[16\]"):
+            load_pretrained(url, work_dir=tmp_path / "work")
+    assert not (tmp_path / "work").exists()
 
 
 def test_other_architectures_escaping_shards_and_long_blocks_are_refused_before_any_weight_is_read(
