@@ -217,6 +217,18 @@ def test_other_architectures_escaping_shards_and_long_blocks_are_refused_before_
         load_pretrained(tmp_path / "nothing")
 
 
+def test_a_checkpoint_is_checked_without_tensorflow():
+    """What runs before a worker starts (an Airflow task) checks a checkpoint without importing TensorFlow."""
+    import subprocess
+    import sys
+
+    script = ("import sys; from trainer.decoders.pretrained import check_checkpoint; "
+              f"checked = check_checkpoint({str(FIXTURES / 'gpt2-tiny-sharded')!r}, block_size=32); "
+              "print(len(checked.tensors), 'tensorflow' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["28", "False"]
+
+
 def test_a_preset_builds_with_the_tokenizer_vocabulary_and_refuses_a_long_block():
     from trainer.decoders.pretrained import build_preset
 
