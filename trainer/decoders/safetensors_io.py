@@ -23,8 +23,8 @@ from trainer.decoders.architectures import CheckpointError
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# Tensor dtypes read (each converted to float32 on loading); `item` is the bytes of one element.
-DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
+# Tensor dtypes read (each converted to float32 on loading).
+SUPPORTED_DTYPES = ("F32", "BF16", "F16")
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 
 
@@ -127,8 +127,8 @@ def check_entries(entries: Mapping[str, TensorEntry], expected: Mapping[str, tup
         want = expected[name]
         if entry.shape != want:
             problems.append(f"tensor {entry.name} has shape {list(entry.shape)}, the model's is {list(want)}")
-        if entry.dtype not in DTYPE_BYTES:
-            problems.append(f"tensor {entry.name} has dtype {entry.dtype}: supported are {', '.join(DTYPE_BYTES)}")
+        if entry.dtype not in SUPPORTED_DTYPES:
+            problems.append(f"tensor {entry.name} has dtype {entry.dtype}: supported are {', '.join(SUPPORTED_DTYPES)}")
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise CheckpointError(f"{directory} does not fit its config.json: {shown}. Use a checkpoint written for "
