@@ -29,9 +29,10 @@ def fixture_gradients(step: int) -> list[tf.Tensor]:
 
 
 def fixture_rate(step: tf.Tensor) -> tf.Tensor:
-    """The fixture's learning rate of each update, as a schedule over the optimizer's iterations."""
+    """The fixture's learning rate of each update (its last one after), as a schedule over the optimizer's
+    iterations."""
     rates = tf.constant([FIXTURE[f"lr/{s}"] for s in range(1, STEPS + 1)])
-    return tf.gather(rates, step)
+    return tf.gather(rates, tf.minimum(step, STEPS - 1))
 
 
 def assert_weights(variables: list[tf.Variable], key: str) -> None:
@@ -152,15 +153,15 @@ def test_checkpoint_names_the_moments_by_variable(tmp_path):
     assert not any(name.startswith("optimizer/_") for name in names)  # the model's variables are not its own
 
 
-@pytest.mark.parametrize(("variables", "refusal"), [
-    ([], "at least one variable"),
-    ([tf.Variable([1.0], name="a.weight"), tf.Variable([1.0], name="a.weight")], "two variables are named"),
-    ([tf.Variable([1.0], dtype=tf.float16, name="a.weight")], "is float16: the trained weights stay float32"),
-    ([tf.Variable([1.0], name="a.weight", aggregation=tf.VariableAggregation.MEAN)], "has aggregation MEAN"),
-])
-def test_refuses_what_it_cannot_train(variables, refusal):
+@pytest.mark.parametrize(("make_variables", "refusal"), [
+    (list, "at least one variable"),
+    (lambda: [tf.Variable([1.0], name="a.weight"), tf.Variable([1.0], name="a.weight")], "two variables are named"),
+    (lambda: [tf.Variable([1.0], dtype=tf.float16, name="a.weight")], "is float16: the trained weights stay float32"),
+    (lambda: [tf.Variable([1.0], name="a.weight", aggregation=tf.VariableAggregation.MEAN)], "has aggregation MEAN"),
+], ids=["none", "same name", "float16", "aggregated"])
+def test_refuses_what_it_cannot_train(make_variables, refusal):
     with pytest.raises(ValueError, match=refusal):
-        AdamW(variables, 1e-3, weight_decay=0.0)
+        AdamW(make_variables(), 1e-3, weight_decay=0.0)
 
 
 def test_refuses_a_gradient_it_cannot_apply():
