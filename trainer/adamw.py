@@ -7,8 +7,10 @@ For each variable, at update t = 1, 2, ... with that update's learning rate lr:
     v = beta_2 * v + (1 - beta_2) * g**2
     param -= lr / (1 - beta_1**t) * m / (sqrt(v) / sqrt(1 - beta_2**t) + epsilon)
 
-tf_keras' AdamW adds epsilon to sqrt(v) before the bias correction, which makes it sqrt(1 - beta_2**t) times
-larger early on: PyTorch's placement is the one fine-tuned checkpoints were trained with.
+The Adam part is TensorFlow's fused `ResourceApplyAdam` (one pass over the variable and both moments, on CPU, GPU
+and under XLA). That op, like tf_keras' AdamW, adds epsilon to sqrt(v) before the bias correction, which acts as an
+epsilon 1 / sqrt(1 - beta_2**t) times PyTorch's (4.5x at the first step with beta_2 = 0.95); it is given
+epsilon * sqrt(1 - beta_2**t) instead, which is PyTorch's update exactly (up to rounding).
 
 Distribution: the optimizer is made inside the strategy scope of its variables, so its moments are mirrored like
 them (float32, on the same devices). `apply_gradients` is called in the replica context with gradients already
@@ -109,23 +111,21 @@ class AdamW(tf.Module):
                              "variables: pass one per variable, in the order the optimizer was made with.")
         learning_rate = self.current_learning_rate()
         step = tf.cast(self.iterations + 1, tf.float32)
-        step_size = learning_rate / (1.0 - tf.pow(self.beta_1, step))
-        bias_correction_2_sqrt = tf.sqrt(1.0 - tf.pow(self.beta_2, step))
+        beta_1_power, beta_2_power = tf.pow(self.beta_1, step), tf.pow(self.beta_2, step)
+        # PyTorch's denominator sqrt(v) / sqrt(1 - beta_2**t) + epsilon, times sqrt(1 - beta_2**t), is the fused
+        # op's sqrt(v) + epsilon * sqrt(1 - beta_2**t): the same update in one pass over the variable and moments.
+        fused_epsilon = self.epsilon * tf.sqrt(1.0 - beta_2_power)
         decay_factor = 1.0 - learning_rate * self.weight_decay
         for target, gradient in zip(self._targets, gradients):
-            self._update(target, _dense_float32(gradient, target.name), step_size, bias_correction_2_sqrt,
-                         decay_factor)
+            gradient = _dense_float32(gradient, target.name)
+            if target.decays:
+                target.variable.assign(target.variable * decay_factor)
+            tf.raw_ops.ResourceApplyAdam(
+                var=target.variable.handle, m=target.first_moment.handle, v=target.second_moment.handle,
+                beta1_power=beta_1_power, beta2_power=beta_2_power, lr=learning_rate, beta1=self.beta_1,
+                beta2=self.beta_2, epsilon=fused_epsilon, grad=gradient)
         self.iterations.assign_add(1)
         return learning_rate
-
-    def _update(self, target: _Target, gradient: tf.Tensor, step_size: tf.Tensor, bias_correction_2_sqrt: tf.Tensor,
-                decay_factor: tf.Tensor) -> None:
-        variable, m, v = target.variable, target.first_moment, target.second_moment
-        if target.decays:
-            variable.assign(variable * decay_factor)
-        m.assign_add((gradient - m) * (1.0 - self.beta_1))
-        v.assign(v * self.beta_2 + tf.square(gradient) * (1.0 - self.beta_2))
-        variable.assign_sub(step_size * m / (tf.sqrt(v) / bias_correction_2_sqrt + self.epsilon))
 
 
 def check_variables(variables: Sequence[tf.Variable]) -> None:
