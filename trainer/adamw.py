@@ -8,7 +8,7 @@ For each variable, at update t = 1, 2, ... with that update's learning rate lr:
     param -= lr / (1 - beta_1**t) * m / (sqrt(v) / sqrt(1 - beta_2**t) + epsilon)
 
 The Adam part is TensorFlow's fused `ResourceApplyAdam` (one pass over the variable and both moments, on CPU, GPU
-and under XLA). That op, like tf_keras' AdamW, adds epsilon to sqrt(v) before the bias correction, which acts as an
+and under XLA). That op, like tf-keras' AdamW, adds epsilon to sqrt(v) before the bias correction, which acts as an
 epsilon 1 / sqrt(1 - beta_2**t) times PyTorch's (4.5x at the first step with beta_2 = 0.95); it is given
 epsilon * sqrt(1 - beta_2**t) instead, which is PyTorch's update exactly (up to rounding).
 
@@ -47,7 +47,7 @@ def variable_name(variable: tf.Variable) -> str:
 
 def decays(name: str, no_decay_names: Sequence[str] = NO_DECAY_NAMES) -> bool:
     """Whether weight decay applies to the variable `name`: not when one of `no_decay_names` occurs in it (biases,
-    LayerNorm scales and offsets), the rule tf_keras' `exclude_from_weight_decay(var_names=...)` applies."""
+    LayerNorm scales and offsets), the rule tf-keras' `exclude_from_weight_decay(var_names=...)` applies."""
     return not any(re.search(pattern, name) for pattern in no_decay_names)
 
 

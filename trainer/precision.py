@@ -21,7 +21,7 @@ from typing import Any
 
 import tensorflow as tf
 
-# Keras' LossScaleOptimizer defaults (tf_keras.mixed_precision.LossScaleOptimizer).
+# Keras' LossScaleOptimizer defaults (tf-keras' mixed_precision.LossScaleOptimizer).
 INITIAL_LOSS_SCALE = 2.0**15
 GROWTH_INTERVAL = 2000
 SCALE_FACTOR = 2.0

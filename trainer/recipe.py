@@ -1,6 +1,6 @@
 """The training recipe around the optimizer: the learning-rate schedule, global-norm clipping and seeds.
 
-The schedule computes what tf_keras' `CosineDecay` with warmup computes (the same float32 operations in the same
+The schedule computes what tf-keras' `CosineDecay` with warmup computes (the same float32 operations in the same
 order), so runs made before and after the move from tf-keras follow the same rates:
 
 - warmup: linear from `peak / (warmup_steps + 1)` at step 0 (not 0, so the first step already learns, as nanoGPT
@@ -66,7 +66,7 @@ def clip_gradients(gradients: list[tf.Tensor], clip_norm: float = GRAD_CLIP_NORM
 
 
 def set_random_seed(seed: int) -> None:
-    """Seed Python's, NumPy's and TensorFlow's global generators, as `tf_keras.utils.set_random_seed` does."""
+    """Seed Python's, NumPy's and TensorFlow's global generators, as tf-keras' `utils.set_random_seed` does."""
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an integer, got {seed!r}: set 'seed' in the run config.")
     random.seed(seed)
