@@ -342,23 +342,21 @@ def step_from_summary(summary: Mapping[str, Any]) -> dict[str, Any] | None:
 def probe_step_time(cfg, manifest_url: str, steps: int = PROBE_TIMED_STEPS) -> dict[str, Any]:
     """Median time of `steps` optimizer steps of the baseline config (1 worker, the same global batch), after
     `PROBE_WARMUP_STEPS` untimed ones; runs without TF_CONFIG (one device)."""
-    import tf_keras
-
     from trainer.job import plan_job_for
-    from trainer.optim import set_precision_policy
+    from trainer.precision import Precision
+    from trainer.recipe import set_random_seed
     from trainer.train import TrainState, input_dataset, stage_inputs
 
     single = cfg.baseline_config()
     with tempfile.TemporaryDirectory(prefix="advisor-probe-") as scratch:
         job = plan_job_for(single, "the advisor's one-worker config", manifest_url, str(Path(scratch) / "output"),
                            environ={})
-        tf_keras.utils.set_random_seed(cfg.seed)
-        set_precision_policy(single)
+        set_random_seed(cfg.seed)
         import tensorflow as tf
 
         if not single.use_gpu:
             tf.config.set_visible_devices([], "GPU")
-        state = TrainState(job, tf.distribute.get_strategy(), Path(scratch))
+        state = TrainState(job, tf.distribute.get_strategy(), Precision(single.mixed_precision), Path(scratch))
         batches = iter(input_dataset(job, stage_inputs(job), start_step=0))
         times = []
         for index in range(PROBE_WARMUP_STEPS + steps):

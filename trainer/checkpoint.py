@@ -25,6 +25,10 @@ _INDEX_LATEST = re.compile(rb'model_checkpoint_path:\s*"[^"]*ckpt-(\d+)"')
 MAX_TO_KEEP = 2
 
 
+class IncompatibleCheckpointError(ValueError):
+    """The output's checkpoint holds other objects than this run's model and optimizer: a retry cannot fix it."""
+
+
 def latest_step(checkpoints_url: str) -> int:
     """The step of the newest checkpoint under `checkpoints_url` (local or object storage), from TF's small index
     file alone (no TensorFlow import); 0 when there is none."""
@@ -54,7 +58,18 @@ class CheckpointStore:
         latest = self._tf.train.latest_checkpoint(str(self.read_dir))
         if latest is None:
             return None
-        self.checkpoint.restore(latest).assert_existing_objects_matched()
+        try:
+            self.checkpoint.restore(latest).assert_existing_objects_matched()
+        except AssertionError as error:
+            # tf-keras-era checkpoints (TFGPT2LMHeadModel and the tf-keras AdamW, before the trainer owned its model)
+            # name other objects than trainer.decoders' model and trainer.adamw's AdamW: nothing can map them.
+            raise IncompatibleCheckpointError(
+                f"rank {self.rank}: the checkpoint {latest} of {self.remote_url} does not fit this run's model and "
+                "optimizer (written by another model shape or precision, or by the tf-keras trainer before "
+                "trainer/decoders/; first mismatch: "
+                f"{str(error).splitlines()[0][:300]}). It cannot be resumed: give the run a new --output, or set "
+                "'model' to that run's exported model directory to continue from its weights."
+            ) from None
         log.info("rank %d restored checkpoint %s", self.rank, latest)
         return latest
 

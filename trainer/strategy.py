@@ -2,8 +2,8 @@
 
 TensorFlow's trap: with TF_CONFIG, `MultiWorkerMirroredStrategy` must be the first TF object of the process (an
 earlier op starts TF's runtime without the cluster, and the strategy then fails or runs alone), so callers check
-everything else without TensorFlow first. Workers run tf-keras, Keras 2 (TF_USE_LEGACY_KERAS=1, set by the
-launcher's `tf_env`): Keras 3 with this strategy is broken (keras-team/keras#20585).
+everything else without TensorFlow first. The model and its training use TensorFlow's core API only (no Keras:
+Keras 3 with this strategy is broken, keras-team/keras#20585).
 """
 
 from __future__ import annotations

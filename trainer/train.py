@@ -81,38 +81,38 @@ def stage_inputs(job: TrainJob) -> list[list[str]]:
     return [stage_shards(job.manifest_url, list(shards), cache) for shards in job.slot_shards]
 
 
-def micro_step_function(cfg: RunConfig, model, optimizer, replicas: int):
+def micro_step_function(cfg: RunConfig, model, loss_scale, replicas: int):
     """One micro-batch's gradients and loss; the loss is scaled so that summing the gradients over micro-steps and
-    replicas gives the mean (they arrive at the all-reduce already divided)."""
+    replicas gives the mean (they arrive at the all-reduce already divided). `loss_scale`: fp16's LossScale or
+    None."""
     import tensorflow as tf
 
     from trainer.model import causal_lm_loss
 
     variables = model.trainable_variables
     gradient_scale = 1.0 / (cfg.grad_accum_steps * replicas)
-    loss_scaling = cfg.mixed_precision == "fp16"
 
     def micro_step(tokens):
         with tf.GradientTape() as tape:
-            loss = causal_lm_loss(model, tokens, training=True)
+            loss = causal_lm_loss(model, tokens)
             scaled = loss * gradient_scale
-            if loss_scaling:
-                scaled = optimizer.get_scaled_loss(scaled)
+            if loss_scale is not None:
+                scaled = loss_scale.scale_loss(scaled)
         gradients = tape.gradient(scaled, variables)
-        if loss_scaling:
-            gradients = optimizer.get_unscaled_gradients(gradients)
+        if loss_scale is not None:
+            gradients = loss_scale.unscale(gradients)
         return [tf.convert_to_tensor(g) for g in gradients], loss
 
     return micro_step
 
 
-def gradient_function(cfg: RunConfig, model, optimizer, replicas: int):
+def gradient_function(cfg: RunConfig, model, loss_scale, replicas: int):
     """This replica's gradients and mean loss over its micro-batches (a function to call in the step's graph)."""
     import tensorflow as tf
 
     variables = model.trainable_variables
     micro_steps = cfg.grad_accum_steps
-    micro_step = micro_step_function(cfg, model, optimizer, replicas)
+    micro_step = micro_step_function(cfg, model, loss_scale, replicas)
 
     def add_micro_steps(micro_batches, count):
         """The first `count` micro-steps' gradients and loss, summed in order."""
@@ -148,11 +148,12 @@ def gradient_function(cfg: RunConfig, model, optimizer, replicas: int):
 class TrainState:
     """Model, optimizer and step counter under the strategy, with the compiled step function."""
 
-    def __init__(self, job: TrainJob, strategy, work_dir: Path) -> None:
+    def __init__(self, job: TrainJob, strategy, precision, work_dir: Path) -> None:
         import tensorflow as tf
 
+        from trainer.adamw import AdamW
         from trainer.model import build_model
-        from trainer.optim import GRAD_CLIP_NORM, learning_rate_schedule, make_optimizer
+        from trainer.recipe import clip_gradients, learning_rate_schedule
 
         cfg = self.cfg = job.cfg
         self.strategy = strategy
@@ -160,33 +161,43 @@ class TrainState:
             self.model = build_model(
                 cfg.model, vocab_size=job.manifest["tokenizer"]["vocab_size"],
                 eos_token_id=job.manifest["tokenizer"]["eos_token_id"], block_size=cfg.block_size, work_dir=work_dir,
+                compute_dtype=precision.compute_dtype.name, seed=cfg.seed,
             )
-            self.schedule = learning_rate_schedule(cfg)
-            self.optimizer = make_optimizer(cfg, self.schedule)
-            self.optimizer.build(self.model.trainable_variables)
+            self.optimizer = AdamW(self.model.trainable_variables, learning_rate_schedule(cfg),
+                                   weight_decay=cfg.weight_decay)
+            self.loss_scale = precision.make_loss_scale()
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="train_step")
-        self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step)
+        scaling = {"loss_scale": self.loss_scale} if self.loss_scale is not None else {}
+        self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step, **scaling)
 
-        model, optimizer, variables = self.model, self.optimizer, self.model.trainable_variables
-        local_gradients = gradient_function(cfg, model, optimizer, strategy.num_replicas_in_sync)
+        model, optimizer, loss_scale = self.model, self.optimizer, self.loss_scale
+        local_gradients = gradient_function(cfg, model, loss_scale, strategy.num_replicas_in_sync)
         self.reducer = reduce_gradients = GradientReducer(cfg)
+
+        def update(gradients):
+            gradients, norm = clip_gradients(gradients)
+            # The gradients are summed over the workers already: AdamW applies them as they are. A LossScale skips
+            # the update on every replica alike when the all-reduced gradients hold an inf or NaN.
+            if loss_scale is not None:
+                loss_scale.apply_gradients(optimizer, gradients)
+            else:
+                optimizer.apply_gradients(gradients)
+            return norm
+
+        if cfg.xla:
+            update = tf.function(update, jit_compile=True)
 
         def replica_step(micro_batches, stop):
             gradients, loss = local_gradients(micro_batches)
-            gradients = reduce_gradients(gradients)
-            gradients, norm = tf.clip_by_global_norm(gradients, GRAD_CLIP_NORM)
-            # The gradients are summed over the workers already: the optimizer must not all-reduce them again.
-            optimizer.apply_gradients(zip(gradients, variables), skip_gradients_aggregation=True)
+            norm = update(reduce_gradients(gradients))
             # Loss, norm and this worker's stop flag (a preemption notice) travel in one all-reduce.
             return tf.stack([tf.cast(loss, tf.float32), tf.cast(norm, tf.float32), stop])
-
-        schedule = self.schedule
 
         @tf.function
         def traced_step(micro_batches, stop):
             # This step's rate, read before apply_gradients advances the count: in the graph, not as eager ops
             # between steps (which cost the tiny model a few percent of its step time).
-            learning_rate = schedule(optimizer.iterations)
+            learning_rate = optimizer.current_learning_rate()
             figures = strategy.run(replica_step, args=(micro_batches, stop))
             # After the gradients in program order: collectives run in that order, and this would delay them. The
             # mean stop flag is above 0 on every rank as soon as one rank has a notice: all stop at the same step.
@@ -298,19 +309,18 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gp
 
 def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str, Any] | None:
     """Restore the latest checkpoint, train to `max_steps`, export; the chief returns the summary."""
-    import tf_keras
-
     from trainer.checkpoint import CheckpointStore
     from trainer.metrics import GpuSampler, tensorflow_peak_mb
-    from trainer.optim import set_precision_policy
+    from trainer.precision import Precision
+    from trainer.recipe import set_random_seed
 
     cfg = job.cfg
-    tf_keras.utils.set_random_seed(cfg.seed)
-    policy = set_precision_policy(cfg)
+    set_random_seed(cfg.seed)
+    precision = Precision(cfg.mixed_precision)
     work_dir = Path(tempfile.mkdtemp(prefix=f"trainer-rank{job.rank}-"))
     try:
         local_files = stage_inputs(job)
-        state = TrainState(job, strategy, work_dir)
+        state = TrainState(job, strategy, precision, work_dir)
         store = CheckpointStore(
             state.checkpoint, job.output.checkpoints, work_dir, rank=job.rank, is_chief=job.is_chief
         )
@@ -326,7 +336,7 @@ def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str,
             "rank %d: %s at step %d of %d; global batch %d = %d per worker x %d workers x %d micro-steps; "
             "precision %s, XLA %s; data order %s",
             job.rank, "resuming" if start_step else "starting", start_step, cfg.max_steps, cfg.global_batch_size,
-            cfg.batch_size_per_worker, cfg.num_workers, cfg.grad_accum_steps, policy, cfg.xla,
+            cfg.batch_size_per_worker, cfg.num_workers, cfg.grad_accum_steps, precision.policy_name, cfg.xla,
             "per slot" if job.slot_order else "per worker (fewer shards than slots)",
         )
         outputs = OutputFiles(job, work_dir)
@@ -390,6 +400,7 @@ def run_training(job: TrainJob, strategy, started: float, started_at: str) -> in
     """Train and write the summary; the exit status tells the launcher what a retry can do (launcher/protocol.py)."""
     import tensorflow as tf
 
+    from trainer.checkpoint import IncompatibleCheckpointError
     from trainer.config import ConfigError
     from trainer.metrics import LossDivergedError
 
@@ -412,7 +423,7 @@ def run_training(job: TrainJob, strategy, started: float, started_at: str) -> in
             job.output.checkpoints,
         )
         return EXIT_PEER_LOST
-    except (LossDivergedError, DataError, ConfigError):
+    except (LossDivergedError, DataError, ConfigError, IncompatibleCheckpointError):
         log.error("rank %d on %s: a retry cannot fix this failure: exit %d, the task fails without spending its "
                   "retries", job.rank, job.identity.host, EXIT_PERMANENT)
         traceback.print_exc()  # its last line names the error: the task's failure reason and alerts quote it
