@@ -59,3 +59,26 @@ def test_a_non_chief_saves_into_a_temporary_directory_that_it_removes(tmp_path):
     worker.close()
     assert not temporary.exists()
     assert latest_step(url) == 0
+
+
+def test_a_checkpoint_of_other_objects_is_refused_with_what_to_do(tmp_path):
+    """As one written by the tf-keras trainer (TFGPT2LMHeadModel, tf_keras' AdamW) before trainer/decoders/."""
+    import pytest
+    import tensorflow as tf
+
+    from trainer.checkpoint import IncompatibleCheckpointError
+
+    url = str(tmp_path / "output" / "checkpoints")
+    old = CheckpointStore(tf.train.Checkpoint(keras_model=tf.Module(), step=tf.Variable(7, dtype=tf.int64)), url,
+                          tmp_path / "old", rank=0, is_chief=True)
+    old.checkpoint.keras_model.kernel = tf.Variable(tf.ones([2, 2]))
+    old.save(7)
+    old.close()
+    model = tf.Module()
+    model.weight = tf.Variable(tf.zeros([3]))
+    new = CheckpointStore(tf.train.Checkpoint(model=model, step=tf.Variable(0, dtype=tf.int64)), url,
+                          tmp_path / "new", rank=1, is_chief=False)
+    with pytest.raises(IncompatibleCheckpointError, match=r"rank 1: the checkpoint .*ckpt-7 .* give the run a new "
+                                                          r"--output, or set 'model'"):
+        new.restore_latest()
+    new.close()

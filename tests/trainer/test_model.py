@@ -26,10 +26,10 @@ def test_loss_is_the_shifted_next_token_cross_entropy(tiny):
     from trainer.model import causal_lm_loss
 
     tokens = tf.constant(np.random.default_rng(0).integers(0, VOCAB, size=(2, 16)), tf.int32)
-    logits = tiny(input_ids=tokens).logits.numpy()
+    logits = tiny(tokens).numpy()
     log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     expected = -np.mean(np.take_along_axis(log_probs[:, :-1], tokens.numpy()[:, 1:, None], axis=-1))
-    assert float(causal_lm_loss(tiny, tokens, training=False)) == pytest.approx(expected, rel=1e-5)
+    assert float(causal_lm_loss(tiny, tokens)) == pytest.approx(expected, rel=1e-5)
     # A random init guesses about uniformly.
     assert expected == pytest.approx(np.log(VOCAB), abs=0.1)
 
@@ -43,29 +43,53 @@ def test_preset_has_the_gpt2_parameter_count_and_no_dropout(tiny):
     expected = VOCAB * e + positions * e + layers * (12 * e * e + 13 * e) + 2 * e
     assert count_parameters(tiny) == expected
     assert flops_per_token(tiny, 32) == 6 * expected + 12 * layers * e * 32
-    assert tiny.config.resid_pdrop == tiny.config.embd_pdrop == tiny.config.attn_pdrop == 0.0
+    assert type(tiny).__name__ == "GPT2Decoder" and tiny.compute_dtype.name == "float32"
 
 
 def test_loading_a_saved_model_resizes_embeddings_to_the_tokenizer(tiny, tmp_path):
     import tensorflow as tf
 
+    from trainer.decoders.pretrained import save_pretrained
     from trainer.model import build_model
 
-    tiny.save_pretrained(str(tmp_path / "saved"))
+    save_pretrained(tiny, str(tmp_path / "saved"))
     grown = build_model(str(tmp_path / "saved"), vocab_size=VOCAB + 20, eos_token_id=0, block_size=32,
                         work_dir=tmp_path)
     assert grown.config.vocab_size == VOCAB + 20
-    logits = grown(input_ids=tf.constant([[1, 2, 3]])).logits
+    logits = grown(tf.constant([[1, 2, 3]]))
     assert logits.shape == (1, 3, VOCAB + 20)
     # The known rows keep their trained values.
-    np.testing.assert_allclose(grown.get_input_embeddings().weights[0].numpy()[:VOCAB],
-                               tiny.get_input_embeddings().weights[0].numpy())
-    with pytest.raises(ValueError, match="exceeds the 256 positions"):
+    embedding = "transformer.wte.weight"
+    np.testing.assert_allclose(grown.weights[embedding].numpy()[:VOCAB], tiny.weights[embedding].numpy())
+    with pytest.raises(ValueError, match="block_size 512"):
         build_model(str(tmp_path / "saved"), vocab_size=VOCAB, eos_token_id=0, block_size=512, work_dir=tmp_path)
 
 
+def test_a_preset_follows_the_seed_and_computes_in_the_run_precision():
+    from trainer.model import build_model
+
+    def preset(seed, dtype="float32"):
+        return build_model("tiny", vocab_size=VOCAB, eos_token_id=0, block_size=32, work_dir="/tmp", seed=seed,
+                           compute_dtype=dtype)
+
+    first, again, other = preset(1), preset(1), preset(2)
+    name = "transformer.h.0.attn.c_attn.weight"
+    np.testing.assert_array_equal(first.weights[name].numpy(), again.weights[name].numpy())
+    assert not np.array_equal(first.weights[name].numpy(), other.weights[name].numpy())
+    half = preset(1, "bfloat16")
+    assert half.compute_dtype.name == "bfloat16" and half.weights[name].dtype.name == "float32"
+
+
+def test_a_hub_name_is_refused_with_what_to_do():
+    from trainer.model import build_model
+
+    with pytest.raises(ValueError, match=r"'gpt2' is neither a preset .*models/base/"):
+        build_model("gpt2", vocab_size=VOCAB, eos_token_id=0, block_size=32, work_dir="/tmp")
+
+
 def test_schedule_warms_up_linearly_then_decays_to_a_tenth():
-    from trainer.optim import FINAL_LR_FRACTION, learning_rate_schedule
+    from trainer.optim import FINAL_LR_FRACTION
+    from trainer.recipe import learning_rate_schedule
 
     cfg = RunConfig(max_steps=100, warmup_steps=10, learning_rate=1e-3)
     lr = [float(learning_rate_schedule(cfg)(step)) for step in range(101)]
