@@ -14,7 +14,7 @@ from types import ModuleType
 
 # Packages every worker of a group must have in the same version. Their distribution names are the keys of every
 # versions dict (the agent's announcement, the preflight's reports, the training summary, the baseline key).
-VERSIONED_PACKAGES = ("tensorflow", "tf-keras", "transformers", "numpy")
+VERSIONED_PACKAGES = ("tensorflow", "safetensors", "transformers", "numpy")
 
 
 class NvmlUnavailable(Exception):

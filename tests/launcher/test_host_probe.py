@@ -14,7 +14,7 @@ def test_versions_are_keyed_by_distribution_name_and_none_when_not_installed():
     versions = host_probe.package_versions((*host_probe.VERSIONED_PACKAGES, "no-such-distribution"))
     assert versions == {**{name: metadata.version(name) for name in host_probe.VERSIONED_PACKAGES},
                         "no-such-distribution": None}
-    assert "tf-keras" in versions and "tf_keras" not in versions
+    assert "safetensors" in versions and "tf-keras" not in versions
 
 
 def fake_pynvml(init_error: str | None = None) -> types.ModuleType:

@@ -17,7 +17,7 @@ from trainer.metrics import GpuSampler
 def test_versions_spell_packages_by_distribution_name():
     assert host_info.versions() == {"python": platform.python_version(),
                                     **{name: metadata.version(name) for name in VERSIONED_PACKAGES}}
-    assert "tf-keras" in host_info.versions() and "tf_keras" not in host_info.versions()
+    assert "safetensors" in host_info.versions() and "tf-keras" not in host_info.versions()
 
 
 def test_without_nvml_every_probe_answers_empty(monkeypatch):

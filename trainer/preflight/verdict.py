@@ -107,14 +107,14 @@ def port_lines(result: dict[str, Any]) -> list[str]:
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
     lines = [f"PREFLIGHT {result['status'].upper()}: {result['num_workers']} worker(s), {result['wall_time_s']:.1f} s",
-             (f"{'rank':<5}{'host':<16}{'python':<9}{'tensorflow':<12}{'tf-keras':<10}{'transformers':<14}"
+             (f"{'rank':<5}{'host':<16}{'python':<9}{'tensorflow':<12}{'safetensors':<12}{'transformers':<14}"
               f"{'gpus':<14}{'disk free':>11}  manifest storage")]
     for report in result["workers"]:
         versions = {package: version or "missing" for package, version in report["versions"].items()}
         gpus = report["devices"]["gpus"]
         devices = ",".join(f"{g['index']}:{g['memory_free_mb']}MB" for g in gpus) or "cpu"
         lines.append(f"{report['rank']:<5}{report['host'][:15]:<16}{versions['python']:<9}{versions['tensorflow']:<12}"
-                     f"{versions['tf-keras']:<10}{versions['transformers']:<14}{devices:<14}"
+                     f"{versions['safetensors']:<12}{versions['transformers']:<14}{devices:<14}"
                      f"{report['disk']['free_bytes'] / 2**30:>8.1f} GiB  "
                      f"{'ok' if report['manifest']['ok'] else 'FAIL':<9}{'ok' if report['storage']['ok'] else 'FAIL'}")
     collectives = result.get("collectives") or {}

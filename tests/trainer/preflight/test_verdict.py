@@ -7,7 +7,7 @@ from trainer.preflight import verdict
 
 
 def test_version_skew_names_package_versions_and_ranks():
-    reports = {r: {"versions": {"python": "3.11.7", "tensorflow": v, "tf-keras": "2.21.0", "transformers": "4.57.6",
+    reports = {r: {"versions": {"python": "3.11.7", "tensorflow": v, "safetensors": "0.7.0", "transformers": "4.57.6",
                                 "numpy": "2.1"}} for r, v in enumerate(["2.21.0", "2.20.0", "2.21.0"])}
     assert verdict.version_skew(reports) == [
         ("version skew in tensorflow: 2.21.0 on rank(s) [0, 2]; 2.20.0 on rank(s) [1]. Install the same environment "
@@ -19,7 +19,7 @@ def test_a_host_with_another_copy_of_the_project_code_is_named_with_the_files_th
     here = host_info.code_fingerprint()
     # Another copy whose data.py differs (how host_info fingerprints a copy: tests/trainer/test_host_info.py).
     there = {"fingerprint": "0123456789abcdef", "files": {**here["files"], "trainer/data.py": "a different hash"}}
-    versions = {"python": "3.11.7", "tensorflow": "2.21.0", "tf-keras": "2.21.0", "transformers": "4.57.6",
+    versions = {"python": "3.11.7", "tensorflow": "2.21.0", "safetensors": "0.7.0", "transformers": "4.57.6",
                 "numpy": "2.1"}
     reports = {0: {"host": "host-a", "versions": versions, "code": here},
                1: {"host": "host-a", "versions": versions, "code": here},
