@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _environment() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1",
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2",
            # One core each: one compute thread, and a second inter-op thread so a pack's all-reduce can run while
            # the backward pass goes on.
            "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}
@@ -58,9 +58,10 @@ def _environment() -> dict[str, str]:
 
 def _model_dir(root: Path) -> str:
     """A save_pretrained directory of MODEL_SHAPE, random weights (the trainer loads it as it would a real one)."""
-    code = ("import sys; from transformers import GPT2Config, TFGPT2LMHeadModel; "
-            f"m = TFGPT2LMHeadModel(GPT2Config(vocab_size=320, **{MODEL_SHAPE!r})); m.build_in_name_scope(); "
-            "m.save_pretrained(sys.argv[1])")
+    code = ("import sys; from trainer.decoders.gpt2 import GPT2Decoder; "
+            "from trainer.decoders.gpt2_config import GPT2Config; "
+            "from trainer.decoders.pretrained import save_pretrained; "
+            f"save_pretrained(GPT2Decoder(GPT2Config(vocab_size=320, **{MODEL_SHAPE!r})), sys.argv[1])")
     subprocess.run([sys.executable, "-c", code, str(root / "model")], env=_environment(), check=True,
                    capture_output=True)
     return str(root / "model")

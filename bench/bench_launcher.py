@@ -28,14 +28,13 @@ TARGET_RATIO = 1.15
 
 
 def _job() -> None:
-    """The worker: MWMS over TF_CONFIG, a small Keras model, STEPS steps of all-reduced gradients."""
+    """The worker: MWMS over TF_CONFIG, a small two-layer model in core TF, STEPS SGD steps of all-reduced gradients."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--steps", type=int, default=STEPS)
     args = parser.parse_args()
     import numpy as np
     import tensorflow as tf
-    import tf_keras as keras
 
     from trainer.runtime import signal_ready, worker_identity
 
@@ -43,16 +42,30 @@ def _job() -> None:
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     signal_ready()
     x = np.random.default_rng(me.rank).normal(size=(512, 32)).astype("float32")
-    dataset = tf.data.Dataset.from_tensor_slices((x, x.sum(axis=1))).repeat().batch(16 * me.num_workers)
+    batches = iter(tf.data.Dataset.from_tensor_slices((x, x.sum(axis=1, keepdims=True))).repeat().batch(16))
     with strategy.scope():
-        model = keras.Sequential([keras.layers.Dense(64, activation="relu", input_shape=(32,)), keras.layers.Dense(1)])
-        model.compile(optimizer="adam", loss="mse")
-    history = model.fit(dataset, steps_per_epoch=args.steps, epochs=1, verbose=0)
-    print(f"rank {me.rank}: {args.steps} steps, loss {history.history['loss'][-1]:.4f}", flush=True)
+        hidden = tf.Variable(tf.random.stateless_normal([32, 64], seed=[0, 0], stddev=0.1), name="hidden")
+        output = tf.Variable(tf.random.stateless_normal([64, 1], seed=[0, 1], stddev=0.1), name="output")
+
+    @tf.function
+    def step(features, targets):
+        def replica_step(features, targets):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(tf.nn.relu(features @ hidden) @ output - targets))
+            gradients = tf.distribute.get_replica_context().all_reduce("mean", tape.gradient(loss, [hidden, output]))
+            for variable, gradient in zip((hidden, output), gradients):
+                variable.assign_sub(0.01 * gradient)
+            return loss
+
+        return strategy.reduce("mean", strategy.run(replica_step, args=(features, targets)), axis=None)
+
+    for _ in range(args.steps):
+        loss = step(*next(batches))
+    print(f"rank {me.rank}: {args.steps} steps, loss {float(loss):.4f}", flush=True)
 
 
 def _worker_env() -> dict[str, str]:
-    return {"PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "1"}
+    return {"PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
 def _command() -> list[str]:

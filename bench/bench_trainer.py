@@ -7,12 +7,12 @@
    waiting for input (target < 2%); the two loss curves are compared as a by-product.
 3. tf.data read rate: `trainer.data.make_dataset` alone over one worker's shards (shuffle + repeat, as in
    training), in this process, against that worker's training consumption (target >= 5x).
-4. The trainer against the simplest thing a user would write: `model.fit` of the same `TFGPT2LMHeadModel` (its built-in
-   LM loss), the same AdamW, schedule and gradient clipping, on the same token stream (`make_dataset` over the same
+4. The trainer against the simplest thing a user would write: a plain `tf.function` loop of the same model and loss,
+   the same AdamW, schedule and gradient clipping, on the same token stream (`make_dataset` over the same
    shards, same seed) and batch, 1 worker, CPU, for the tiny preset and GPT-2 124M (the mid-size preset; the largest
    there is). Same update on the same data: the mean losses over the run are printed side by side. Both run as fresh
    processes, alternating which goes first; both exclude their first step (tracing) and sync every step (the trainer
-   reads the loss, fit's timing callback makes Keras convert its logs). Ratio: trainer tokens/s / fit tokens/s per pair,
+   and the loop read the loss). Ratio: trainer tokens/s / loop tokens/s per pair,
    median (target >= 0.95x); also by median step-to-step time, which a burst of other load moves less. The trainer's
    time is split from its metrics: waiting for input, inside the step, and between steps (metrics, TensorBoard,
    progress; the only checkpoint comes after the last timed step).
@@ -57,7 +57,7 @@ def _train(config: dict, manifest_url: str, out: Path) -> tuple[dict, list[dict]
     addresses = [f"127.0.0.1:{p}" for p in PortAllocator().allocate(workers)] if workers > 1 else []
     procs = []
     for rank in range(workers):
-        env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "HF_HUB_OFFLINE": "1"}
         env.pop("TF_CONFIG", None)
         if addresses:
             env["TF_CONFIG"] = json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}})
@@ -94,67 +94,70 @@ def _read_rate(manifest_url: str, block_size: int, batch_size: int, seed: int) -
         return batches * batch_size * block_size / (time.perf_counter() - started)
 
 
-def fit_floor(config_path: str, manifest_url: str, out_path: str) -> None:
-    """The floor, in this (fresh) process: plain `model.fit` on what the trainer would train; writes its timings."""
+def loop_floor(config_path: str, manifest_url: str, out_path: str) -> None:
+    """The floor, in this (fresh) process: the plainest loop a user would write on what the trainer would train (a
+    `tf.function` step of the same model, loss, clip and AdamW over the same stream, no strategy, no metrics);
+    writes its timings."""
     import tensorflow as tf
-    import tf_keras
 
     from trainer import storage
+    from trainer.adamw import AdamW
     from trainer.config import RunConfig
     from trainer.data import load_manifest, make_dataset, shard_cache_dir, stage_shards, worker_shards
-    from trainer.model import build_model
-    from trainer.optim import GRAD_CLIP_NORM, learning_rate_schedule, make_optimizer
+    from trainer.model import build_model, causal_lm_loss
+    from trainer.recipe import clip_gradients, learning_rate_schedule, set_random_seed
 
     cfg = RunConfig.from_saved(storage.read_json(config_path))
     tf.config.set_visible_devices([], "GPU")
-    tf_keras.utils.set_random_seed(cfg.seed)
+    set_random_seed(cfg.seed)
     manifest = load_manifest(manifest_url)
     # 1 worker x 1 micro-step: the trainer's only slot reads every training shard, in this seeded order.
     files = stage_shards(manifest_url, worker_shards(manifest, "train", 0, 1), shard_cache_dir(manifest["fingerprint"]))
     tokens = make_dataset(files, block_size=cfg.block_size, dtype=manifest["dtype"],
                           batch_size=cfg.batch_size_per_worker, shuffle=True, seed=cfg.seed, repeat=True)
-    batches = tokens.map(lambda ids: {"input_ids": ids, "labels": ids}).prefetch(tf.data.AUTOTUNE)
-    with tempfile.TemporaryDirectory(prefix="fit-floor-") as work_dir:
+    with tempfile.TemporaryDirectory(prefix="loop-floor-") as work_dir:
         model = build_model(cfg.model, vocab_size=manifest["tokenizer"]["vocab_size"],
                             eos_token_id=manifest["tokenizer"]["eos_token_id"], block_size=cfg.block_size,
-                            work_dir=work_dir)
-    optimizer = make_optimizer(cfg, learning_rate_schedule(cfg))
-    optimizer.global_clipnorm = GRAD_CLIP_NORM  # the trainer clips too: both sides do the same update
-    model.compile(optimizer=optimizer)
+                            work_dir=work_dir, seed=cfg.seed)
+    variables = model.trainable_variables
+    optimizer = AdamW(variables, learning_rate_schedule(cfg), weight_decay=cfg.weight_decay)
 
-    class StepTimes(tf_keras.callbacks.Callback):
-        def on_train_begin(self, logs=None):
-            self.ends = [time.perf_counter()]
+    @tf.function
+    def step(batch):
+        with tf.GradientTape() as tape:
+            loss = causal_lm_loss(model, batch)
+        gradients, _ = clip_gradients(tape.gradient(loss, variables))
+        optimizer.apply_gradients(gradients)
+        return loss
 
-        def on_train_batch_end(self, batch, logs=None):
-            self.ends.append(time.perf_counter())
-
-    times = StepTimes()
-    history = model.fit(batches, epochs=1, steps_per_epoch=cfg.max_steps, verbose=0, callbacks=[times])
-    steps = [b - a for a, b in itertools.pairwise(times.ends)]
-    timed_s = times.ends[-1] - times.ends[1]  # the first step (tracing) excluded, as in the trainer
+    ends, losses = [time.perf_counter()], []
+    for batch in tokens.take(cfg.max_steps).prefetch(tf.data.AUTOTUNE):
+        losses.append(float(step(batch)))  # reading the loss waits for the step, as the trainer does
+        ends.append(time.perf_counter())
+    steps = [b - a for a, b in itertools.pairwise(ends)]
+    timed_s = ends[-1] - ends[1]  # the first step (tracing) excluded, as in the trainer
     tokens_per_step = cfg.batch_size_per_worker * cfg.block_size
     Path(out_path).write_text(json.dumps({
         "tokens_per_s": (cfg.max_steps - 1) * tokens_per_step / timed_s, "first_step_s": steps[0],
         "median_step_s": statistics.median(steps[1:]), "median_interval_s": statistics.median(steps[1:]),
-        "mean_loss": history.history["loss"][-1],  # over the epoch
+        "mean_loss": statistics.mean(losses),
     }))
 
 
-def _fit(config: dict, manifest_url: str, out: Path) -> dict:
+def _plain_loop(config: dict, manifest_url: str, out: Path) -> dict:
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config))
-    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "HF_HUB_OFFLINE": "1"}
     env.pop("TF_CONFIG", None)
-    with (out / "fit.log").open("wb") as log:
+    with (out / "loop.log").open("wb") as log:
         code = subprocess.run(
-            [sys.executable, "-m", "bench.bench_trainer", "--fit", str(out / "config.json"), manifest_url,
-             str(out / "fit.json")], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900, check=False,
+            [sys.executable, "-m", "bench.bench_trainer", "--loop", str(out / "config.json"), manifest_url,
+             str(out / "loop.json")], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900, check=False,
         ).returncode
     if code:
-        raise RuntimeError(f"model.fit floor failed with exit code {code}:\n"
-                           f"{(out / 'fit.log').read_text(errors='replace')[-3000:]}")
-    return json.loads((out / "fit.json").read_text())
+        raise RuntimeError(f"plain loop floor failed with exit code {code}:\n"
+                           f"{(out / 'loop.log').read_text(errors='replace')[-3000:]}")
+    return json.loads((out / "loop.json").read_text())
 
 
 def _trainer_breakdown(summary: dict, records: list[dict]) -> dict:
@@ -176,7 +179,7 @@ def _trainer_side(cfg, manifest_url: str, out: Path) -> dict:
 
 
 def _floor(base, manifest_url: str, scratch: Path) -> dict:
-    """Trainer vs plain model.fit, per preset: paired fresh processes, alternating order, median ratio."""
+    """Trainer vs a plain loop, per preset: paired fresh processes, alternating order, median ratio."""
     results = {}
     for preset, plan in FLOOR.items():
         cfg = base.replace(model=preset, num_workers=1, grad_accum_steps=1, max_steps=plan["max_steps"],
@@ -187,16 +190,16 @@ def _floor(base, manifest_url: str, scratch: Path) -> dict:
             where = scratch / f"floor-{preset}-{pair}"
 
             measured = {}
-            for side in ("fit", "trainer") if pair % 2 else ("trainer", "fit"):
+            for side in ("loop", "trainer") if pair % 2 else ("trainer", "loop"):
                 measured[side] = (_trainer_side(cfg, manifest_url, where / side) if side == "trainer"
-                                  else _fit(cfg.to_dict(), manifest_url, where / side))
-            trainer, fit = measured["trainer"], measured["fit"]
-            pairs.append({"trainer": trainer, "fit": fit, "ratio": trainer["tokens_per_s"] / fit["tokens_per_s"],
-                          "interval_ratio": fit["median_interval_s"] / trainer["median_interval_s"]})
+                                  else _plain_loop(cfg.to_dict(), manifest_url, where / side))
+            trainer, loop = measured["trainer"], measured["loop"]
+            pairs.append({"trainer": trainer, "loop": loop, "ratio": trainer["tokens_per_s"] / loop["tokens_per_s"],
+                          "interval_ratio": loop["median_interval_s"] / trainer["median_interval_s"]})
             print(f"  {preset} pair {pair + 1}/{plan['pairs']}: trainer {trainer['tokens_per_s']:,.0f} tokens/s "
                   f"(median step {1e3 * trainer['median_step_s']:.1f} ms, mean loss {trainer['mean_loss']:.4f}), "
-                  f"model.fit {fit['tokens_per_s']:,.0f} tokens/s (median step {1e3 * fit['median_step_s']:.1f} ms, "
-                  f"mean loss {fit['mean_loss']:.4f}): {pairs[-1]['ratio']:.3f}x", flush=True)
+                  f"plain loop {loop['tokens_per_s']:,.0f} tokens/s (median step {1e3 * loop['median_step_s']:.1f} ms, "
+                  f"mean loss {loop['mean_loss']:.4f}): {pairs[-1]['ratio']:.3f}x", flush=True)
         ratio = statistics.median(p["ratio"] for p in pairs)
         interval_ratio = statistics.median(p["interval_ratio"] for p in pairs)
         split = {key: statistics.median(p["trainer"][key] / p["trainer"]["train_s"] for p in pairs)
@@ -204,7 +207,7 @@ def _floor(base, manifest_url: str, scratch: Path) -> dict:
         results[preset] = {"ratio": ratio, "interval_ratio": interval_ratio, "pairs": pairs, "time_shares": split,
                            "batch": cfg.batch_size_per_worker, "block_size": cfg.block_size, "steps": cfg.max_steps}
         print(f"{preset} (batch {cfg.batch_size_per_worker} x {cfg.block_size}, {cfg.max_steps} steps): trainer / "
-              f"model.fit = {ratio:.3f}x by tokens/s (median of {len(pairs)} pairs; target >= {FLOOR_TARGET}: "
+              f"plain loop = {ratio:.3f}x by tokens/s (median of {len(pairs)} pairs; target >= {FLOOR_TARGET}: "
               f"{'met' if ratio >= FLOOR_TARGET else 'NOT met'}), {interval_ratio:.3f}x by median step to step "
               f"time (steadier where other work shares the cores); trainer time: input {100 * split['input_s']:.1f}%, "
               f"step {100 * split['step_s']:.1f}%, between steps (metrics, TensorBoard, progress) "
@@ -245,7 +248,7 @@ def run(out_dir: Path) -> dict:
                   f"{1e3 * steps[len(steps) // 2]:.0f} ms), first step {summary['first_step_s']:.1f} s (not counted)",
                   flush=True)
         read_rate = _read_rate(dataset.manifest_url, base.block_size, base.batch_size_per_worker, base.seed)
-        print("trainer vs plain model.fit, 1 worker:", flush=True)
+        print("trainer vs a plain loop, 1 worker:", flush=True)
         floor = _floor(base, dataset.manifest_url, scratch)
 
     one, two = runs[1]["summary"], runs[2]["summary"]
@@ -292,7 +295,7 @@ def run(out_dir: Path) -> dict:
         {"benchmark": f"trainer: max loss difference, 2 workers vs 1 worker x 2 accumulation, {STEPS} steps",
          "measured": f"{loss_gap:.2e}", "target": "exact up to rounding"},
     ] + [
-        {"benchmark": f"trainer: vs plain `model.fit`, same model, stream and batch, 1 worker, {preset} "
+        {"benchmark": f"trainer: vs a plain tf.function loop, same model, stream and batch, 1 worker, {preset} "
                       f"(batch {entry['batch']} x {entry['block_size']}); trainer time: input / step / between steps",
          "measured": f"{entry['ratio']:.2f}x (median of {len(entry['pairs'])} pairs; by median step "
                      f"{entry['interval_ratio']:.2f}x); "
@@ -305,6 +308,6 @@ def run(out_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="the model.fit floor of this benchmark, in its own process")
-    parser.add_argument("--fit", nargs=3, metavar=("CONFIG", "MANIFEST", "OUT"), required=True)
-    fit_floor(*parser.parse_args().fit)
+    parser = argparse.ArgumentParser(description="the plain loop floor of this benchmark, in its own process")
+    parser.add_argument("--loop", nargs=3, metavar=("CONFIG", "MANIFEST", "OUT"), required=True)
+    loop_floor(*parser.parse_args().loop)

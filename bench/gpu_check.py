@@ -133,7 +133,7 @@ def _run_workers(command: list[str], workers: int, use_gpu: bool, extra_env: dic
     addresses = [f"127.0.0.1:{port}" for port in PortAllocator().allocate(workers)] if workers > 1 else []
     procs = []
     for rank in range(workers):
-        env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "1", "HF_HUB_OFFLINE": "1",
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "1", "HF_HUB_OFFLINE": "1",
                "CUDA_VISIBLE_DEVICES": str(rank) if use_gpu else "", **extra_env}
         env.pop("TF_CONFIG", None)
         if addresses:

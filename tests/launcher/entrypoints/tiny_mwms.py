@@ -1,4 +1,4 @@
-"""A small real MultiWorkerMirroredStrategy job: a two-layer Keras model fitted on random data.
+"""A small real MultiWorkerMirroredStrategy job: a linear model trained by SGD on random data, core TF only.
 
 `--steps` and `--step-sleep` set the length; every step prints one line. Used where a test needs a genuine TF
 multi-worker run (collectives over gRPC) rather than the socket stand-in.
@@ -11,19 +11,10 @@ import time
 
 import numpy as np
 import tensorflow as tf
-import tf_keras as keras
 
 from trainer.runtime import signal_ready, worker_identity
 
-
-class _PrintStep(keras.callbacks.Callback):
-    def __init__(self, rank: int, sleep_s: float) -> None:
-        super().__init__()
-        self.rank, self.sleep_s = rank, sleep_s
-
-    def on_train_batch_end(self, batch, logs=None):
-        print(f"rank {self.rank} step {batch} loss {logs['loss']:.4f}", flush=True)
-        time.sleep(self.sleep_s)
+LEARNING_RATE = 0.01
 
 
 def main() -> None:
@@ -37,12 +28,25 @@ def main() -> None:
     rng = np.random.default_rng(me.rank)
     x = rng.normal(size=(256, 4)).astype("float32")
     y = x.sum(axis=1, keepdims=True)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8 * me.num_workers)
+    batches = iter(tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(8))
     with strategy.scope():
-        model = keras.Sequential([keras.layers.Dense(8, activation="relu", input_shape=(4,)), keras.layers.Dense(1)])
-        model.compile(optimizer="sgd", loss="mse")
-    model.fit(dataset, steps_per_epoch=args.steps, epochs=1, verbose=0,
-              callbacks=[_PrintStep(me.rank, args.step_sleep)])
+        weight = tf.Variable(tf.zeros([4, 1]), name="weight")
+
+    @tf.function
+    def step(features, targets):
+        def replica_step(features, targets):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(features @ weight - targets))
+            gradient = tf.distribute.get_replica_context().all_reduce("mean", tape.gradient(loss, weight))
+            weight.assign_sub(LEARNING_RATE * gradient)
+            return loss
+
+        return strategy.reduce("mean", strategy.run(replica_step, args=(features, targets)), axis=None)
+
+    for index in range(args.steps):
+        loss = step(*next(batches))
+        print(f"rank {me.rank} step {index} loss {float(loss):.4f}", flush=True)
+        time.sleep(args.step_sleep)
     print(f"rank {me.rank} finished", flush=True)
 
 
