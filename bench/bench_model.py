@@ -1,8 +1,6 @@
 """One training step (forward, backward, clip, AdamW update) of the project's model against the alternatives.
 
 Arms, at the same batch (4 x 128 tokens), fp32, one process each on this machine's CPUs:
-- `TFGPT2LMHeadModel`: transformers 4.57's TF model with tf_keras' AdamW in a `tf.function`, as trainer.train ran it
-  before issue 50 (the "before" figures);
 - `decoder`: trainer.decoders' GPT2Decoder with trainer.adamw's AdamW, schedule and clip, in a `tf.function`;
 - `decoder XLA`: the same step in one `tf.function(jit_compile=True)`;
 - `PyTorch eager`: transformers 5's GPT2LMHeadModel with torch.optim.AdamW in the scratch venv
@@ -11,6 +9,10 @@ For the tiny preset and the GPT-2 124M shape. The arms run interleaved, round af
 warm-up (tracing, compiling), so a shared machine's load falls on all alike; each figure is a median over rounds,
 each ratio the median of the rounds' ratios, by wall time and by CPU time (all threads of the arm's process), the
 steadier figure when other jobs share the cores.
+
+The path the trainer ran before issue 50 (transformers 4.57's TF GPT-2 with tf-keras' AdamW in a `tf.function`)
+was measured as a fifth arm in the same rounds before it was removed (commit e0e993e, 2026-12-07); BEFORE keeps
+those figures, and every row repeats them beside the new ones, named as measured then.
 """
 
 from __future__ import annotations
@@ -24,15 +26,18 @@ import time
 from functools import partial
 from pathlib import Path
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # the TFGPT2LMHeadModel arm needs transformers 4.57's tf_keras
-
 REPO = Path(__file__).resolve().parents[1]
 TORCH_PYTHON = Path(os.environ.get("BENCH_TORCH_PYTHON", "/work/scratch-venv/bin/python"))
 BATCH, BLOCK = 4, 128
 # shape name -> (vocabulary, timed rounds, steps per timed sample): the tiny model's step is short, so a sample
 # is several steps.
 SHAPES = {"tiny": (2048, 5, 10), "gpt2-124m": (50257, 5, 1)}
-OLD, NEW, NEW_XLA, TORCH = "TFGPT2LMHeadModel", "decoder", "decoder XLA", "PyTorch eager"
+NEW, NEW_XLA, TORCH = "decoder", "decoder XLA", "PyTorch eager"
+# The old path's medians (seconds per step) and the decoder's paired speed-ups over it, from the run that measured
+# them side by side (bench-results/history/20261207T042627Z-model.json: 5 rounds, load average 7-12 on 2 cores).
+BEFORE = {"tiny": {"wall_s": 0.053, "cpu_s": 0.0430, "decoder": 0.96, "decoder XLA": 1.58},
+          "gpt2-124m": {"wall_s": 16.2, "cpu_s": 5.63, "decoder": 1.00, "decoder XLA": 1.13}}
+BEFORE_LABEL = "before (transformers 4.57 TF GPT-2 + tf-keras AdamW, 2026-12-07, same run as the decoder's ratios)"
 
 
 def _tokens(vocab: int):
@@ -54,38 +59,6 @@ def _schedule_config():
     from types import SimpleNamespace
 
     return SimpleNamespace(learning_rate=3e-4, warmup_steps=20, max_steps=300, weight_decay=0.1)
-
-
-def old_step(shape: dict, vocab: int):
-    """trainer.train's step before issue 50: TFGPT2LMHeadModel, tf_keras AdamW (decay except bias/ln_), clip 1.0."""
-    import tensorflow as tf
-    import tf_keras
-    from transformers import GPT2Config, TFGPT2LMHeadModel
-
-    model = TFGPT2LMHeadModel(GPT2Config(vocab_size=vocab, bos_token_id=vocab - 1, eos_token_id=vocab - 1, **shape,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    model.build_in_name_scope()
-    cfg = _schedule_config()
-    schedule = tf_keras.optimizers.schedules.CosineDecay(
-        cfg.learning_rate / (cfg.warmup_steps + 1), cfg.max_steps - cfg.warmup_steps, alpha=0.1,
-        warmup_target=cfg.learning_rate, warmup_steps=cfg.warmup_steps)
-    optimizer = tf_keras.optimizers.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay, beta_1=0.9,
-                                          beta_2=0.95, epsilon=1e-8)
-    optimizer.exclude_from_weight_decay(var_names=["bias", "ln_"])
-    variables = model.trainable_variables
-    optimizer.build(variables)
-
-    @tf.function
-    def step(tokens):
-        with tf.GradientTape() as tape:
-            logits = model(input_ids=tokens, training=True, use_cache=False, return_dict=True).logits
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                labels=tokens[:, 1:], logits=tf.cast(logits[:, :-1], tf.float32)))
-        gradients, _ = tf.clip_by_global_norm(tape.gradient(loss, variables), 1.0)
-        optimizer.apply_gradients(zip(gradients, variables), skip_gradients_aggregation=True)
-        return loss
-
-    return step
 
 
 def new_step(preset: str, vocab: int, *, xla: bool):
@@ -132,14 +105,12 @@ class TorchArm:
         self.process.wait(timeout=60)
 
 
-def _arms(preset: str, vocab: int, with_old: bool) -> dict:
+def _arms(preset: str, vocab: int) -> dict:
     from trainer.config import MODEL_PRESETS
 
     shape = MODEL_PRESETS[preset]
     tokens = _tokens(vocab)
     arms = {}
-    if with_old:
-        arms[OLD] = partial(_timed, old_step(shape, vocab), tokens)
     for name, xla in ((NEW, False), (NEW_XLA, True)):
         arms[name] = partial(_timed, new_step(preset, vocab, xla=xla), tokens)
     if TORCH_PYTHON.exists():
@@ -147,10 +118,10 @@ def _arms(preset: str, vocab: int, with_old: bool) -> dict:
     return arms
 
 
-def measure(preset: str, with_old: bool = True) -> dict:
+def measure(preset: str) -> dict:
     """Every arm's samples for one shape: {arm: {"wall_s": [...], "cpu_s": [...], "loss": last, "first_s": ...}}."""
     vocab, rounds, per_sample = SHAPES[preset]
-    arms = _arms(preset, vocab, with_old)
+    arms = _arms(preset, vocab)
     samples = {name: {"wall_s": [], "cpu_s": []} for name in arms}
     try:
         for name, arm in arms.items():
@@ -180,8 +151,7 @@ def summarize(preset: str, samples: dict) -> dict:
     medians = {name: {kind: round(statistics.median(s[kind]), 4) for kind in ("wall_s", "cpu_s")}
                for name, s in samples.items()}
     ratios = {}
-    for label, slower, faster in ((f"{NEW} vs {OLD}", OLD, NEW), (f"{NEW_XLA} vs {OLD}", OLD, NEW_XLA),
-                                  (f"{NEW} vs {TORCH}", TORCH, NEW), (f"{NEW_XLA} vs {TORCH}", TORCH, NEW_XLA)):
+    for label, slower, faster in ((f"{NEW} vs {TORCH}", TORCH, NEW), (f"{NEW_XLA} vs {TORCH}", TORCH, NEW_XLA)):
         wall, cpu = speedup(samples, slower, faster, "wall_s"), speedup(samples, slower, faster, "cpu_s")
         if wall is not None:
             ratios[label] = {"wall": round(wall, 2), "cpu": round(cpu, 2)}
@@ -199,9 +169,11 @@ def row(preset: str, summary: dict) -> dict:
     arms = "; ".join(f"{name} {m['wall_s']:.3g} s ({tokens / m['wall_s']:.0f} tokens/s, CPU {m['cpu_s']:.3g} s)"
                      for name, m in medians.items())
     speeds = "; ".join(f"{label} {r['wall']:.2f}x wall / {r['cpu']:.2f}x CPU" for label, r in ratios.items())
+    before = BEFORE[preset]
     return {"benchmark": f"model: one training step, {preset}, batch {BATCH} x {BLOCK}, fp32, CPU",
-            "measured": f"{arms}. Speed: {speeds}",
-            "target": f">= 1.0x {OLD}; the default (plain tf.function) >= 1.0x {TORCH}"}
+            "measured": f"{arms}. Speed: {speeds}. {BEFORE_LABEL}: {before['wall_s']:.3g} s (CPU {before['cpu_s']:.3g} "
+                        f"s); by CPU time {NEW} {before[NEW]:.2f}x it, {NEW_XLA} {before[NEW_XLA]:.2f}x it",
+            "target": f">= 1.0x before; the default (plain tf.function) >= 1.0x {TORCH}"}
 
 
 def run(out: Path) -> dict:
