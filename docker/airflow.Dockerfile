@@ -20,7 +20,6 @@ ENV PIP_NO_CACHE_DIR=1 \
     AIRFLOW__CORE__LOAD_EXAMPLES=False \
     PYTHONPATH=/opt/airflow/project:/opt/airflow/project/plugins \
     GPT_FINETUNE_STORAGE_ROOT=/opt/airflow/storage \
-    TF_USE_LEGACY_KERAS=1 \
     TF_CPP_MIN_LOG_LEVEL=2
 
 COPY docker/requirements-airflow.txt docker/requirements-trainer.txt docker/requirements-trainer-cuda.txt \

@@ -21,4 +21,4 @@ worker_side=(--prune apache-airflow --prune matplotlib --prune pendulum --prune 
 
 export_lock "${worker_side[@]}" -o docker/requirements-trainer.txt
 export_lock "${worker_side[@]}" --extra gpu -o docker/requirements-trainer-cuda.txt
-export_lock --prune tensorflow --prune tf-keras -o docker/requirements-airflow.txt
+export_lock --prune tensorflow -o docker/requirements-airflow.txt

@@ -13,7 +13,6 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PYTHONPATH=/opt/gpt-finetune \
-    TF_USE_LEGACY_KERAS=1 \
     TF_CPP_MIN_LOG_LEVEL=2
 
 # uv.lock resolves for Python 3.11 only; refuse a base whose interpreter would get untested wheels.
@@ -23,7 +22,7 @@ COPY docker/requirements-trainer.txt /tmp/requirements-trainer.txt
 # The lock's tensorflow pin equals the base image's version, so pip keeps the base build and its CUDA libraries.
 RUN python3 -m pip install --no-cache-dir --requirement /tmp/requirements-trainer.txt \
     && rm /tmp/requirements-trainer.txt \
-    && python3 -c 'import tensorflow as tf, tf_keras, transformers; assert tf.__version__ == "2.21.0", tf.__version__'
+    && python3 -c 'import tensorflow as tf, safetensors, transformers; from transformers import AutoTokenizer; assert tf.__version__ == "2.21.0", tf.__version__; assert transformers.__version__.startswith("5."), transformers.__version__'
 
 # Workers never need write access to their own code: it stays root-owned; the worker writes under its home.
 # The worker side only: the launcher (its protocol, the SSH agent) and the trainer; no Airflow glue.

@@ -3,7 +3,7 @@
 Three kinds, all known harmless and all matched narrowly, so a library's real warnings and everything of ours stay:
 - library loggers that narrate routine work at INFO (paramiko's "Connected", botocore's credential discovery):
   raised to WARNING;
-- known warnings (log records or Python warnings) of transformers, TensorFlow, Airflow's CLI and its libraries:
+- known warnings (log records or Python warnings) of TensorFlow, Airflow's CLI and its libraries:
   dropped by message;
 - lines a worker's native code writes to stderr before absl logging starts (CUDA probing on a machine without
   GPUs, the oneDNN and CPU-instruction notices of TensorFlow's import): no environment setting silences those, so
@@ -29,9 +29,6 @@ ROUTINE_LOGGERS = ("paramiko", "botocore", "aiobotocore", "s3fs", "urllib3")
 # (logger, message pattern): log records dropped by the logger that creates them (a logger's filters do not see
 # its children's records, so each is named exactly).
 KNOWN_RECORDS = (
-    ("transformers.modeling_tf_utils", r"TensorFlow and JAX classes are deprecated"),
-    ("transformers.modeling_tf_utils", r"All model checkpoint layers were used when initializing"),
-    ("transformers.modeling_tf_utils", r"All the layers of \w+ were initialized from the model checkpoint"),
     ("tensorflow", r"Using CollectiveAllReduceStrategy eagerly has significant overhead"),
 )
 

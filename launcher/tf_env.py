@@ -25,7 +25,6 @@ def tensorflow_env(placements: Sequence[Placement], rank: int) -> dict[str, str]
     """The variables that make a process rank `rank` (docs/CONTRACTS.md, launcher <-> worker)."""
     env = {
         "TF_CONFIG": json.dumps(build_tf_config([p.address for p in placements], rank)),
-        "TF_USE_LEGACY_KERAS": "1",  # Keras 3 with MultiWorkerMirroredStrategy is broken (keras-team/keras#20585)
         "PYTHONUNBUFFERED": "1",
     }
     devices = placements[rank].devices

@@ -61,8 +61,8 @@ class CheckpointStore:
         try:
             self.checkpoint.restore(latest).assert_existing_objects_matched()
         except AssertionError as error:
-            # tf-keras-era checkpoints (TFGPT2LMHeadModel and the tf-keras AdamW, before the trainer owned its model)
-            # name other objects than trainer.decoders' model and trainer.adamw's AdamW: nothing can map them.
+            # tf-keras-era checkpoints (transformers 4.57's TF GPT-2 and the tf-keras AdamW) name other objects than
+            # trainer.decoders' model and trainer.adamw's AdamW: nothing can map them.
             raise IncompatibleCheckpointError(
                 f"rank {self.rank}: the checkpoint {latest} of {self.remote_url} does not fit this run's model and "
                 "optimizer (written by another model shape or precision, or by the tf-keras trainer before "

@@ -257,11 +257,12 @@ def test_requirements_files_are_the_current_lock_export():
 
 def test_dependency_split():
     trainer, cuda, airflow = (requirement_pins(REQUIREMENTS[role]) for role in ("trainer", "trainer-cuda", "airflow"))
-    for package in ("tensorflow", "tf-keras", "transformers", "tokenizers", "datasets", "fsspec", "s3fs",
+    for package in ("tensorflow", "safetensors", "transformers", "tokenizers", "datasets", "fsspec", "s3fs",
                     "nvidia-ml-py"):
         assert package in trainer, f"requirements-trainer.txt lacks {package}"
     assert "apache-airflow" not in trainer, "the worker image must not carry Airflow"
     assert {"tensorflow", "tf-keras"}.isdisjoint(airflow), "requirements-airflow.txt must not carry TensorFlow"
+    assert "tf-keras" not in trainer and trainer["transformers"].startswith("5."), "the model needs no Keras"
     assert airflow.get("apache-airflow") == max(lock_versions()["apache-airflow"])
     assert trainer.items() <= cuda.items() and "nvidia-cudnn-cu12" in cuda
 
@@ -304,7 +305,7 @@ def test_trainer_image_ships_only_the_worker():
     assert copy_sources(TRAINER_DOCKERFILE) == ["docker/requirements-trainer.txt", "launcher/", "trainer/"]
     assert "--requirement /tmp/requirements-trainer.txt" in " ".join(instruction_args(TRAINER_DOCKERFILE, "RUN"))
     env = dockerfile_env(TRAINER_DOCKERFILE)
-    assert env["TF_USE_LEGACY_KERAS"] == "1"
+    assert "TF_USE_LEGACY_KERAS" not in env
     users = instruction_args(TRAINER_DOCKERFILE, "USER")
     assert users and users[-1] not in {"0", "root"}, "the worker must not run as root"
     (healthcheck,) = instruction_args(TRAINER_DOCKERFILE, "HEALTHCHECK")
@@ -318,7 +319,7 @@ def test_trainer_image_ships_only_the_worker():
 def test_the_preflight_import_is_cheap():
     """The image's HEALTHCHECK imports the preflight's entry point every minute: it must not pull in TensorFlow."""
     probe = ("import sys, trainer.preflight.__main__; "
-             "print(sorted({'tensorflow', 'tf_keras', 'transformers'} & set(sys.modules)))")
+             "print(sorted({'tensorflow', 'safetensors', 'transformers'} & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, check=False, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr

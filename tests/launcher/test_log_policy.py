@@ -35,14 +35,14 @@ def test_routine_library_info_is_left_out_but_their_warnings_stay(quiet, caplog)
 def test_known_library_records_are_dropped_by_message_and_others_kept(quiet, caplog):
     log_policy.quiet_libraries()
     log_policy.quiet_libraries()  # twice: still one filter per pattern
-    transformers = logging.getLogger("transformers.modeling_tf_utils")  # where transformers logs them
-    assert len(transformers.filters) == sum(name == transformers.name for name, _ in log_policy.KNOWN_RECORDS)
+    tensorflow = logging.getLogger("tensorflow")  # where TensorFlow logs it
+    assert len(tensorflow.filters) == sum(name == tensorflow.name for name, _ in log_policy.KNOWN_RECORDS)
     with caplog.at_level(logging.INFO):
-        transformers.warning("TensorFlow and JAX classes are deprecated and will be removed in Transformers v5.")
-        transformers.warning("All model checkpoint layers were used when initializing TFGPT2LMHeadModel.\n")
-        transformers.warning("Some layers of TFGPT2LMHeadModel were not initialized from the model checkpoint")
+        tensorflow.warning("Using CollectiveAllReduceStrategy eagerly has significant overhead currently.")
+        tensorflow.warning("Collective ops is not configured at program startup. Some performance features may not "
+                           "be enabled.")
     assert [record.getMessage() for record in caplog.records] == [
-        "Some layers of TFGPT2LMHeadModel were not initialized from the model checkpoint"]
+        "Collective ops is not configured at program startup. Some performance features may not be enabled."]
 
 
 def test_known_python_warnings_are_ignored_and_others_raised(quiet):

@@ -81,7 +81,7 @@ def test_rank_environment_names_rank_and_devices():
     assert json.loads(env["TF_CONFIG"]) == {"cluster": {"worker": ["127.0.0.1:5000", "127.0.0.1:5001"]},
                                             "task": {"type": "worker", "index": 0}}
     assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    assert env["TF_USE_LEGACY_KERAS"] == "1" and env["PYTHONUNBUFFERED"] == "1"
+    assert env["PYTHONUNBUFFERED"] == "1" and "TF_USE_LEGACY_KERAS" not in env
     assert tensorflow_env(_placements((), ()), 1)["CUDA_VISIBLE_DEVICES"] == ""  # CPU: GPUs hidden
     pinned = tensorflow_env(_placements(("GPU-5d1c7c2a-aa44-4b36-9d4f-0c5e4a8b0001",), (4,)), 0)
     assert pinned["CUDA_VISIBLE_DEVICES"] == "GPU-5d1c7c2a-aa44-4b36-9d4f-0c5e4a8b0001"
