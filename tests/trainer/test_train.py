@@ -41,11 +41,10 @@ SUMMARY_KEYS = {
 METRIC_KEYS = {"step", "loss", "learning_rate", "tokens_per_s", "step_time_s", "input_wait_s", "tokens_seen", "time"}
 # Same data, same init, same summation order: the curves agree to float32 rounding.
 LOSS_TOLERANCE = 1e-4
-# XLA fuses and reorders float32 operations: the first step (same weights, same batch) agrees to rounding; Adam's
-# update divides by sqrt(v), so gradients near zero turn that rounding into whole-lr steps and the curves drift apart.
+# The `xla` job is shorter, so its cosine decay starts to differ after the warm-up: the steps up to the warm-up's
+# end have the same rates, and XLA's fused float32 operations agree with the plain step to rounding there.
 XLA_STEPS = 8
-XLA_FIRST_STEP_TOLERANCE = 1e-5
-XLA_LOSS_TOLERANCE = 0.05
+XLA_LOSS_TOLERANCE = 1e-3
 
 
 class Job:
@@ -170,10 +169,10 @@ def test_xla_compiles_the_step_and_follows_the_plain_curve(runs):
     assert "XLA True" in xla.log(0)
     losses, plain = xla.losses(), pair.losses()
     assert sorted(losses) == list(range(1, XLA_STEPS + 1))
-    assert losses[1] == pytest.approx(plain[1], abs=XLA_FIRST_STEP_TOLERANCE)
-    for step, loss in losses.items():
-        assert loss == pytest.approx(plain[step], abs=XLA_LOSS_TOLERANCE), step
-    assert losses[XLA_STEPS] < losses[1] - 0.1, "the compiled step did not learn"
+    same_rates = range(1, BASE_CONFIG["warmup_steps"] + 2)
+    for step in same_rates:
+        assert losses[step] == pytest.approx(plain[step], abs=XLA_LOSS_TOLERANCE), step
+    assert losses[XLA_STEPS] < losses[1] - 0.5, "the compiled step did not learn"
     assert xla.summary()["steps"] == XLA_STEPS
 
 
