@@ -30,6 +30,8 @@ ROUTINE_LOGGERS = ("paramiko", "botocore", "aiobotocore", "s3fs", "urllib3")
 # its children's records, so each is named exactly).
 KNOWN_RECORDS = (
     ("tensorflow", r"Using CollectiveAllReduceStrategy eagerly has significant overhead"),
+    # transformers 5 at import, where it serves tokenizers and configs only (the model is trainer/decoders/).
+    ("transformers", r"PyTorch was not found\. Models won't be available"),
 )
 
 # Python warnings ignored wherever they are raised (each pattern matches the start of the message).

@@ -41,6 +41,8 @@ def test_known_library_records_are_dropped_by_message_and_others_kept(quiet, cap
         tensorflow.warning("Using CollectiveAllReduceStrategy eagerly has significant overhead currently.")
         tensorflow.warning("Collective ops is not configured at program startup. Some performance features may not "
                            "be enabled.")
+        logging.getLogger("transformers").warning("PyTorch was not found. Models won't be available and only "
+                                                  "tokenizers, configuration and file/data utilities can be used.")
     assert [record.getMessage() for record in caplog.records] == [
         "Collective ops is not configured at program startup. Some performance features may not be enabled."]
 
