@@ -23,7 +23,8 @@ def test_worker_checks_pass_on_a_good_setup(tmp_path, monkeypatch):
     assert report["errors"] == []
     assert report["manifest"] == {"ok": True, "fingerprint": workers.FINGERPRINT, "shards": 2, "shard_bytes": 256}
     assert report["storage"]["ok"] and report["disk"]["free_bytes"] > report["disk"]["needed_bytes"]
-    installed = {package: metadata.version(package) for package in ("tensorflow", "safetensors", "transformers", "numpy")}
+    installed = {package: metadata.version(package)
+                 for package in ("tensorflow", "safetensors", "transformers", "numpy")}
     assert report["versions"] == {"python": platform.python_version(), **installed}
     assert [(gpu["index"], gpu["name"]) for gpu in report["devices"]["gpus"]] == nvidia_gpus()
     assert not (tmp_path / ".preflight").exists() or not any((tmp_path / ".preflight").iterdir())
