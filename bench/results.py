@@ -46,7 +46,7 @@ def machine() -> dict[str, Any]:
     memory_kb = next((int(line.split()[1]) for line in _read_lines("/proc/meminfo") if line.startswith("MemTotal:")),
                      0)
     packages = {}
-    for package in ("tensorflow", "tf-keras", "transformers", "tokenizers", "numpy"):
+    for package in ("tensorflow", "safetensors", "transformers", "tokenizers", "numpy"):
         try:
             packages[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
