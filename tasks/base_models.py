@@ -192,9 +192,16 @@ def check_base_checkpoint(directory: str, block_size: int | None, setting: str) 
 def check_model_setting(cfg: RunConfig) -> None:
     """The run's model, when it is a checkpoint directory (a path, a URL, a cached hub model or a promoted version),
     checked before any worker starts; presets need no check."""
+    from tasks.legacy_models import LEGACY_WEIGHTS, is_legacy_model
+
     if cfg.is_preset_model:
         return
-    check_base_checkpoint(cfg.model, cfg.block_size, f"Setting 'model' = {cfg.model!r}")
+    setting = f"Setting 'model' = {cfg.model!r}"
+    if is_legacy_model(cfg.model):
+        raise ConfigError(f"{setting} holds {LEGACY_WEIGHTS} only, transformers 4.57's TF format, which the trainer "
+                          "no longer reads: use a Hugging Face checkpoint directory (config.json + model.safetensors), "
+                          "or convert this one once with `python -m tasks.legacy_models <its URL>`.")
+    check_base_checkpoint(cfg.model, cfg.block_size, setting)
 
 
 def publish_snapshot(snapshot: Path, url: str, name: str, revision: str) -> BaseModelRecord:
