@@ -368,24 +368,30 @@ def test_pointer_swaps_and_claims_are_exclusive(root):
     assert json.loads(fs.cat_file(path))["version"] == "v2"
 
 
+def promoted_legacy_version(root: str):
+    """v1 promoted from a model/ as transformers 4.57 saved it (tf_model.h5, no model.safetensors)."""
+    import shutil
+
+    prepared = evaluated_run(root, "r1", 5.30, export_formats=[])
+    model = Path(prepared.train_url) / "model"
+    (model / "model.safetensors").unlink()
+    for name in ("tf_model.h5", "config.json", "generation_config.json"):  # the run's tokenizer stays
+        shutil.copy2(Path(__file__).parent / "fixtures" / "legacy_tf_model" / name, model / name)
+    assert promote_run(prepared)["version"] == "v1"
+    v1 = models(root).version(1)
+    assert not exists(join(v1.model, "model.safetensors"))
+    return v1
+
+
 def test_a_version_promoted_with_tf_model_h5_only_is_converted_once_when_a_run_continues_from_it(evaluations,
                                                                                                  tmp_path):
     """A version promoted before the model became a safetensors checkpoint: continuing from it converts its h5 once
     (tasks/legacy_models.py) and leaves it complete (nothing version.json lists changes)."""
-    import shutil
-
     from tasks.promote import resolve_promoted_model
     from trainer.config import RunConfig
 
     root = str(tmp_path / "storage")
-    prepared = evaluated_run(root, "r1", 5.30, export_formats=[])
-    model = Path(prepared.train_url) / "model"
-    (model / "model.safetensors").unlink()
-    for path in (Path(__file__).parent / "fixtures" / "legacy_tf_model").iterdir():
-        shutil.copy2(path, model / path.name)
-    assert promote_run(prepared)["version"] == "v1"
-    v1 = models(root).version(1)
-    assert not exists(join(v1.model, "model.safetensors"))
+    v1 = promoted_legacy_version(root)
 
     cfg = RunConfig.from_params({"storage_root": root, "model": "promoted", "block_size": 16})
     resolved, version = resolve_promoted_model(cfg)
@@ -394,3 +400,12 @@ def test_a_version_promoted_with_tf_model_h5_only_is_converted_once_when_a_run_c
     converted = read_bytes(join(v1.model, "model.safetensors"))
     resolve_promoted_model(cfg)  # once: the second run reads what the first converted
     assert read_bytes(join(v1.model, "model.safetensors")) == converted
+
+
+def test_a_version_promoted_with_tf_model_h5_only_is_converted_before_a_later_run_scores_it(evaluations, tmp_path):
+    root = str(tmp_path / "storage")
+    v1 = promoted_legacy_version(root)
+    later = evaluated_run(root, "r2", 5.20)
+    assert exists(join(v1.model, "model.safetensors")) and registry.complete_version(v1) is not None
+    assert v1.model in evaluations()  # scored on the later run's sample, as its converted checkpoint
+    assert report_of(later)["promoted"]["eval_loss"] is not None
