@@ -155,10 +155,11 @@ def load_model(model_url: str, manifest_url: str, manifest: dict[str, Any], work
     from trainer.decoders.pretrained import load_pretrained
     from trainer.model import stage_model_dir
 
-    model = load_pretrained(model_url, work_dir=work_dir)
-    tokenizer_dir = model_url if storage.exists(storage.join(model_url, "tokenizer_config.json")) else (
-        tokenizer_url(manifest_url, manifest))
-    return model, AutoTokenizer.from_pretrained(stage_model_dir(tokenizer_dir, work_dir))
+    local = stage_model_dir(model_url, work_dir)  # downloaded once: the weights and, when it has one, the tokenizer
+    model = load_pretrained(local)
+    tokenizer_dir = local if Path(local, "tokenizer_config.json").is_file() else stage_model_dir(
+        tokenizer_url(manifest_url, manifest), work_dir)
+    return model, AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def text_samples(model, tokenizer, manifest_url: str, manifest: dict[str, Any], prompts: list[list[int]],
