@@ -1,10 +1,13 @@
 """Base models from the hub, fetched once, pinned and cached (the prepare task).
 
 A hub name in `model` (`gpt2`, `openai-community/gpt2`) is resolved once, in prepare, to the commit sha of
-`model_revision` (default `main`, the current head, recorded), and its TF weights, config and tokenizer files are
-copied once per (name, sha) to `storage_root/models/base/<name>@<sha>/` (`/` in a name becomes `--`), published
-like every other directory: staged, then `base_model.json` last. A directory without that record (a killed
-prepare) is never used: the next prepare fetches it again. The run's config then names that directory in `model`
+`model_revision` (default `main`, the current head, recorded), and its checkpoint (config.json, model.safetensors or
+its index and shards, generation_config.json) and tokenizer files are checked (trainer.decoders' check_checkpoint:
+a supported architecture, every tensor's name, shape and dtype, the block size) and copied once per (name, sha) to
+`storage_root/models/base/<name>@<sha>/` (`/` in a name becomes `--`), published like every other directory:
+staged, then `base_model.json` last. A directory without that record (a killed prepare), or one fetched before
+base models were safetensors checkpoints (its record lists no .safetensors file), is never used: the next prepare
+fetches it again. The run's config then names that directory in `model`
 (and in `tokenizer` when it named the same hub model) and the sha in `model_revision`, so the workers, the
 baseline and evaluate load only from storage, never from the hub; the sha is part of the baseline key and of the
 config every report and model card shows.
@@ -16,6 +19,7 @@ and revisions from the cache alone.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import logging
 import re
@@ -34,9 +38,11 @@ from trainer.storage import exists, join, publish_directory, read_json, staging_
 log = logging.getLogger("gpt_finetune.base_models")
 
 DEFAULT_REVISION = "main"
-# What a TF GPT-2 needs: its config, TF weights and tokenizer. PyTorch, Flax and ONNX weights are never fetched.
-FILES = ("config.json", "generation_config.json", "tf_model.h5", "tokenizer.json", "tokenizer_config.json",
-         "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json")
+# A Hugging Face checkpoint in safetensors and its tokenizer (huggingface_hub allow_patterns). Pickled PyTorch,
+# TF, Flax and ONNX weights are never fetched.
+FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+         "model-*-of-*.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+         "special_tokens_map.json", "added_tokens.json")
 _SHA = re.compile(r"[0-9a-f]{40}")
 
 
@@ -92,7 +98,7 @@ def resolve_base_model(cfg: RunConfig,
                        cache_dir: str | Path | None = None) -> tuple[RunConfig, BaseModelRecord | None]:
     """For a hub name in `model`: the config that loads it from its cached copy in storage (`model`), and that copy's
     record (fetched now when no complete copy exists). Other models: unchanged, None. Raises ConfigError naming the
-    revision or the model when the revision cannot be resolved or the files are not a TF GPT-2."""
+    revision or the model when the revision cannot be resolved or the files are no checkpoint the trainer reads."""
     if not is_hub_name(cfg):
         return cfg, None
     revision = cfg.model_revision or DEFAULT_REVISION
@@ -100,11 +106,12 @@ def resolve_base_model(cfg: RunConfig,
         sha = resolve_sha(cfg.model, revision, cache_dir)
         url = StorageLayout(cfg.storage_root).base_model(cfg.model, sha)
         record_url = join(url, BASE_MODEL_RECORD)
-        if exists(record_url):  # complete: its record is written last
-            record = BaseModelRecord.read(record_url)
+        record = BaseModelRecord.read(record_url) if exists(record_url) else None  # complete: its record is last
+        if record is not None and holds_safetensors(record):
             log.info("Base model %s@%s (revision %r): reusing %s, nothing fetched", cfg.model, sha, revision, url)
         else:
-            record = publish_snapshot(fetch_snapshot(cfg.model, revision, sha, cache_dir), url, cfg.model, revision)
+            snapshot = fetch_snapshot(cfg.model, revision, sha, cache_dir, block_size=cfg.block_size)
+            record = publish_snapshot(snapshot, url, cfg.model, revision)
             log.info("Base model %s@%s (revision %r): fetched once to %s", cfg.model, sha, revision, url)
     changes = {"model": url, "model_revision": sha}
     if cfg.tokenizer == cfg.model:
@@ -126,13 +133,20 @@ def resolve_sha(name: str, revision: str, cache_dir: str | Path | None = None) -
     return HfApi().model_info(name, revision=revision).sha
 
 
-def fetch_snapshot(name: str, revision: str, sha: str, cache_dir: str | Path | None = None) -> Path:
-    """The files of `name` at commit `sha` (TF weights, config, tokenizer only), through the hub cache; checked to
-    be a TF GPT-2."""
+def holds_safetensors(record: BaseModelRecord) -> bool:
+    """Whether a cached copy holds a safetensors checkpoint (copies made for the TF model held tf_model.h5 only)."""
+    return any(file.name.endswith(".safetensors") for file in record.files)
+
+
+def fetch_snapshot(name: str, revision: str, sha: str, cache_dir: str | Path | None = None, *,
+                   block_size: int | None = None) -> Path:
+    """The files of `name` at commit `sha` (the safetensors checkpoint and the tokenizer only), through the hub
+    cache; checked before anything is copied (`check_base_checkpoint`)."""
     from huggingface_hub import snapshot_download
 
     snapshot = Path(snapshot_download(name, revision=sha, allow_patterns=list(FILES), cache_dir=cache_dir))
-    check_gpt2(name, revision, snapshot)
+    check_base_checkpoint(str(snapshot), block_size, f"Setting 'model' = {name!r} (revision {revision!r}, commit "
+                          f"{snapshot.name})")
     return snapshot
 
 
@@ -161,20 +175,39 @@ def _hub_errors(name: str, revision: str) -> Iterator[None]:
             "prepare where the hub is reachable once, or check the revision.") from error
 
 
-def check_gpt2(name: str, revision: str, snapshot: Path) -> None:
-    config_file = snapshot / "config.json"
-    model_type = json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
-    problems = [] if model_type == "gpt2" else [f"model_type {model_type!r}, not 'gpt2'"]
-    if not (snapshot / "tf_model.h5").is_file():
-        problems.append("no tf_model.h5 (TensorFlow weights)")
-    if problems:
-        raise ConfigError(f"Setting 'model' = {name!r} (revision {revision!r}, commit {snapshot.name}): its files are "
-                          f"not a TF GPT-2: {'; '.join(problems)}. Use a GPT-2 model with TensorFlow weights.")
+def check_base_checkpoint(directory: str, block_size: int | None, setting: str) -> None:
+    """Refuse, as a ConfigError that starts with `setting`, a checkpoint the workers could not load: another
+    architecture (naming the supported ones), a missing, extra or mis-shaped tensor, an index whose shards leave
+    the directory, an unsupported dtype, a block size beyond its positions. Reads config.json and the files'
+    headers only (trainer/decoders/pretrained.py)."""
+    from trainer.decoders.architectures import CheckpointError
+    from trainer.decoders.pretrained import check_checkpoint
+
+    try:
+        check_checkpoint(directory, block_size=block_size)
+    except CheckpointError as error:
+        raise ConfigError(f"{setting}: {error}") from None
+
+
+def check_model_setting(cfg: RunConfig) -> None:
+    """The run's model, when it is a checkpoint directory (a path, a URL, a cached hub model or a promoted version),
+    checked before any worker starts; presets need no check."""
+    from tasks.legacy_models import LEGACY_WEIGHTS, is_legacy_model
+
+    if cfg.is_preset_model:
+        return
+    setting = f"Setting 'model' = {cfg.model!r}"
+    if is_legacy_model(cfg.model):
+        raise ConfigError(f"{setting} holds {LEGACY_WEIGHTS} only, transformers 4.57's TF format, which the trainer "
+                          "no longer reads: use a Hugging Face checkpoint directory (config.json + model.safetensors), "
+                          "or convert this one once with `python -m tasks.legacy_models <its URL>`.")
+    check_base_checkpoint(cfg.model, cfg.block_size, setting)
 
 
 def publish_snapshot(snapshot: Path, url: str, name: str, revision: str) -> BaseModelRecord:
     """Copy the snapshot's files to `url`, the record written last (a stage renamed whole when local)."""
-    files = sorted(path for path in snapshot.iterdir() if path.name in FILES and path.is_file())
+    files = sorted(path for path in snapshot.iterdir()
+                   if path.is_file() and any(fnmatch.fnmatchcase(path.name, pattern) for pattern in FILES))
     record = BaseModelRecord(format_version=1, name=name, revision=revision, sha=snapshot.name, fetched_at=utc_now(),
                              files=tuple(SnapshotFile(path.name, path.stat().st_size) for path in files))
     with staging_directory(url) as stage:
@@ -193,5 +226,5 @@ def pinned_base(cfg: RunConfig) -> BasePin | None:
     return BasePin(name=record.name, revision=record.revision, sha=record.sha, url=cfg.model)
 
 
-__all__ = ["DEFAULT_REVISION", "FILES", "BaseModelRecord", "BasePin", "fetch_snapshot", "is_hub_name", "pinned_base",
-           "publish_snapshot", "resolve_base_model", "resolve_sha"]
+__all__ = ["DEFAULT_REVISION", "FILES", "BaseModelRecord", "BasePin", "check_base_checkpoint", "check_model_setting",
+           "fetch_snapshot", "is_hub_name", "pinned_base", "publish_snapshot", "resolve_base_model", "resolve_sha"]

@@ -23,10 +23,12 @@ from tasks.baseline import read_key_record
 from tasks.comparison import build_report, run_figures
 from tasks.connections import uses_run_storage
 from tasks.launch import release_after_exit
+from tasks.legacy_models import convert_legacy_model
 from tasks.policy import checked_config
 from tasks.report_document import ContinuedFrom, ModelSamples, PromotedScore, RunReport, TextSample, table_rows
 from trainer.config import RunConfig
 from trainer.data import tokenizer_url
+from trainer.decoders.architectures import CheckpointError
 from trainer.eval_result import EvalResult, ResultError, combine, delta_standard_error, part_url
 from trainer.eval_sample import sample_identity
 from trainer.layout import PROMOTION_JSON, RunLayout, StorageLayout, TrainOutput
@@ -333,6 +335,12 @@ def evaluate_promoted(prepared: PreparedRun, cfg: RunConfig, make_backend: Backe
         section = replace(section, note=f"{pointer.version}'s tokenizer differs from this run's: it cannot be "
                                         "scored on its shards")
         log.warning("Promoted %s %s not evaluated: %s.", cfg.promotion.model_name, pointer.version, section.note)
+        return section
+    try:  # a version promoted as tf_model.h5 is scored as its converted checkpoint
+        convert_legacy_model(pointer.model_url, f"promoted {cfg.promotion.model_name} {pointer.version}")
+    except CheckpointError as error:
+        section = replace(section, note=f"{pointer.version} cannot be scored: {error}")
+        log.warning("Promoted %s %s not evaluated: %s", cfg.promotion.model_name, pointer.version, error)
         return section
     output_url = join(prepared.report_url, "eval-promoted.json")
     result = run_evaluation(pointer.model_url, manifest_url, output_url, cfg=cfg, run_key=prepared.run_key,

@@ -3,8 +3,9 @@ promoted version, and their part of the model card.
 
 Every format of the run's `export_formats` must have passed its parity check in the training output's
 `exports/exports.json`; a format that failed, or a record that is missing (training did not finish its exports),
-adds a failed gate row naming the format, and a run with a failed gate is never promoted. A promoted version holds
-each format in a folder of its own beside `model/` (tf_h5): `safetensors/`, `saved_model/`.
+adds a failed gate row naming the format, and a run with a failed gate is never promoted. A promoted version's
+`model/` is the run's Hugging Face checkpoint, which the `safetensors` format checked; every other format has a
+folder of its own beside it (`saved_model/`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ if TYPE_CHECKING:
     from tasks.registry import VersionFile
 
 GATE_PREFIX = "export_"
-# The folder of each format in a promoted version (tf_h5 is the version's model/, copied as before).
-VERSION_DIRS = {"safetensors": "safetensors", "saved_model": "saved_model", "tf_h5": "model"}
+# The folder of each format in a promoted version (safetensors: the version's model/, copied with the version).
+VERSION_DIRS = {"safetensors": "model", "saved_model": "saved_model"}
+MODEL_FOLDER = VERSION_DIRS["safetensors"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,14 +81,14 @@ def export_part(report: RunReport, cfg: RunConfig) -> ExportPart | None:
 
 
 def copy_exports(part: ExportPart | None, output: TrainOutput, version: VersionLayout) -> list[VersionFile]:
-    """Copy every exported format but tf_h5 (the version's model/) from the training output into the version;
-    returns the files, relative to the version."""
+    """Copy every exported format but the model directory itself (the version's model/, copied with it) from the
+    training output into the version; returns the files, relative to the version."""
     from tasks.registry import copy_into
 
     record = (part.exports if part else None) or {}
     files = []
     for name, result in sorted((record.get("formats") or {}).items()):
-        if name == "tf_h5" or not result.get("passed"):
+        if VERSION_DIRS.get(name, MODEL_FOLDER) == MODEL_FOLDER or not result.get("passed"):
             continue
         files += copy_into(version, VERSION_DIRS[name], join(output.url, result["dir"]))
     return files
@@ -97,7 +99,8 @@ def card_lines(cfg: RunConfig, part: ExportPart | None) -> list[str]:
     record = (part.exports if part else None) or {}
     formats = record.get("formats") or {}
     if not cfg.promotion.export_formats:
-        return ["## Formats", "", _TF_ONLY, ""]
+        return ["## Formats", "", _MODEL_ONLY, "", "```python", _LOADING["safetensors"].format(folder=MODEL_FOLDER),
+                "```", ""]
     prompts = record.get("prompts") or {}
     lines = ["## Formats", "", _PARITY_NOTE.format(count=prompts.get("count"), tokens=prompts.get("tokens"),
                                                    tolerance=record.get("tolerance", 0)), ""]
@@ -108,29 +111,27 @@ def card_lines(cfg: RunConfig, part: ExportPart | None) -> list[str]:
         lines += [f"### `{folder}/`: {_TITLES[name]}", "",
                   f"- Parity: {'pass' if result.get('passed') else 'FAIL'}: {result.get('detail')}",
                   f"- Files: {files}", "", "```python", _LOADING[name].format(folder=folder), "```", ""]
-    if "tf_h5" not in formats:
-        lines += [_TF_UNCHECKED, ""]
+    if "safetensors" not in formats:
+        lines += [_MODEL_UNCHECKED, "", "```python", _LOADING["safetensors"].format(folder=MODEL_FOLDER), "```", ""]
     return lines
 
 
-_TF_ONLY = ("Only `model/` (tf_model.h5 and the tokenizer, transformers 4.57 TF): setting `export_formats` = [] "
-            "wrote no other format and checked no parity.")
-_TF_UNCHECKED = ("`model/` (tf_model.h5, transformers 4.57 TF) is there as always; its reload was not checked "
-                 "(`tf_h5` is not in `export_formats`).")
+_MODEL_ONLY = ("Only `model/` (config.json, model.safetensors, generation_config.json and the tokenizer): setting "
+               "`export_formats` = [] wrote no other format and checked no parity.")
+_MODEL_UNCHECKED = ("`model/` (config.json, model.safetensors and the tokenizer) is there as always; its reload was "
+                    "not checked (`safetensors` is not in `export_formats`).")
 _PARITY_NOTE = ("Each format was read back and its logits compared with the trained model's on {count} prompts of "
                 "{tokens} tokens from the validation split (float32; largest absolute difference at most "
                 "{tolerance:.0e}, greedy tokens identical). Paths are relative to this version's folder.")
-_TITLES = {"safetensors": "model.safetensors for transformers 5 with PyTorch (vLLM, TGI)",
-           "saved_model": "TensorFlow SavedModel, signature `serving_default` (TF Serving)",
-           "tf_h5": "tf_model.h5 for transformers 4.57 TensorFlow (resuming, `model: promoted`)"}
+_TITLES = {"safetensors": "the model: config.json + model.safetensors for transformers 5 with PyTorch (vLLM, TGI) "
+                          "and TensorFlow (`trainer.decoders.load_pretrained`; resuming, `model: promoted`)",
+           "saved_model": "TensorFlow SavedModel, signature `serving_default` (TF Serving)"}
 _LOADING = {
     "safetensors": """from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained("{folder}")
-tokenizer = AutoTokenizer.from_pretrained("{folder}")""",
+tokenizer = AutoTokenizer.from_pretrained("{folder}")
+# TensorFlow: from trainer.decoders.pretrained import load_pretrained; logits = load_pretrained("{folder}")(ids)""",
     "saved_model": """import tensorflow as tf
 serve = tf.saved_model.load("{folder}").signatures["serving_default"]
 logits = serve(input_ids=tf.constant([[0, 1]]), attention_mask=tf.constant([[1, 1]]))["logits"]""",
-    "tf_h5": """from transformers import AutoTokenizer, TFGPT2LMHeadModel
-model = TFGPT2LMHeadModel.from_pretrained("{folder}", use_safetensors=False)
-tokenizer = AutoTokenizer.from_pretrained("{folder}")""",
 }

@@ -61,7 +61,7 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
 
     from launcher import LaunchError
     from tasks.alerts import check_alert_connection
-    from tasks.base_models import resolve_base_model
+    from tasks.base_models import check_model_setting, resolve_base_model
     from tasks.dataset.stage import plan_dataset, run_planned
     from tasks.pricing import freeze, table_from_env
     from tasks.promote import resolve_promoted_model
@@ -70,6 +70,7 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
     try:
         cfg, continued_from = resolve_promoted_model(build_config(params))
         cfg, _ = resolve_base_model(cfg)  # a hub name: pinned to a commit, fetched once into storage
+        check_model_setting(cfg)  # its config and tensor headers: a checkpoint the workers cannot load fails here
         # The run's connections exist and are of the right type (nothing is contacted yet).
         make_backend(cfg).close()
         storage_env(cfg.storage_conn_id)

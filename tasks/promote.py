@@ -31,12 +31,14 @@ from tasks import report as reports
 from tasks.base_models import pinned_base
 from tasks.connections import uses_run_storage
 from tasks.formatting import nats
+from tasks.legacy_models import convert_legacy_model
 from tasks.policy import checked_config
 from tasks.registry import Entry, Pointer, PromotedVersion, VersionFile, VersionRecord
 from tasks.report_document import RunFigures, RunReport
 from tasks.report_file import read_record
 from tasks.report_parts import RunView, with_exports
 from trainer.config import AccessPolicy, ConfigError, RunConfig
+from trainer.decoders.architectures import CheckpointError
 from trainer.eval_result import GATE_STANDARD_ERRORS
 from trainer.layout import PROMOTION_JSON, REPORT_JSON, ModelLayout, VersionLayout
 from trainer.storage import (
@@ -330,6 +332,12 @@ def resolve_promoted_model(cfg: RunConfig) -> tuple[RunConfig, PromotedVersion |
         raise ConfigError(
             f"Setting 'model' = {cfg.model!r}: {name} {pointer.version} at {pointer.url} is incomplete (a file "
             "its version.json lists is missing or has another size): restore it, or promote another run.")
+    setting = f"Setting 'model' = {cfg.model!r} ({name} {pointer.version})"
+    try:
+        if convert_legacy_model(pointer.model_url, setting):
+            log.info("%s %s held tf_model.h5 only: converted once to model.safetensors", name, pointer.version)
+    except CheckpointError as error:
+        raise ConfigError(str(error)) from None
     changes = {"model": pointer.model_url}
     if cfg.bpe_vocab_size is not None:
         changes["tokenizer"] = pointer.model_url

@@ -54,11 +54,11 @@ def sequence_losses(model, sequences: np.ndarray, tokenizer, batch_size: int = E
     characters those predicted tokens spell (special tokens count none). A last batch may be short."""
     import tensorflow as tf
 
-    from trainer.model import token_losses
+    from trainer.decoders.ops import token_losses
 
     @tf.function(input_signature=[tf.TensorSpec([None, sequences.shape[1]], tf.int32)])
     def batch_losses(tokens):
-        return tf.reduce_mean(token_losses(model, tokens, training=False), axis=1)
+        return tf.reduce_mean(token_losses(model, tokens), axis=1)
 
     losses: list[float] = []
     characters = 0
@@ -77,16 +77,15 @@ def logits_function(model):
 
     @tf.function(reduce_retracing=True)
     def forward(tokens):
-        return model(input_ids=tokens, use_cache=False, training=False).logits[0]
+        return model(tokens)[0]
 
     return forward
 
 
 def continuation(forward, context_limit: int, prompt_ids: list[int], *, top_k: int | None, seed: int) -> list[int]:
     """SAMPLE_NEW_TOKENS tokens after the prompt, greedy (`top_k` None) or sampled from the k likeliest. Each step
-    draws with its own stateless seed (seed, step): transformers' TF `generate` reuses one seed for every step, so
-    its samples repeat one draw (`will will will`). The context is padded on the right to one length: attention is
-    causal, so the padding never changes the logits read at the last real token."""
+    draws with its own stateless seed (seed, step), so no two steps repeat one draw. The context is padded on the
+    right to one length: attention is causal, so the padding never changes the logits read at the last real token."""
     import tensorflow as tf
 
     ids = list(prompt_ids)
@@ -149,15 +148,18 @@ def validation_prompts(sequences: np.ndarray, count: int = NUM_PROMPTS) -> list[
 
 
 def load_model(model_url: str, manifest_url: str, manifest: dict[str, Any], work_dir: Path):
-    """The saved model and its tokenizer (the model directory's own, else the dataset's)."""
-    from transformers import AutoTokenizer, TFGPT2LMHeadModel
+    """The saved model (a Hugging Face checkpoint directory, float32) and its tokenizer (the model directory's own,
+    else the dataset's)."""
+    from transformers import AutoTokenizer
 
+    from trainer.decoders.pretrained import load_pretrained
     from trainer.model import stage_model_dir
 
-    model = TFGPT2LMHeadModel.from_pretrained(stage_model_dir(model_url, work_dir), use_safetensors=False)
-    tokenizer_dir = model_url if storage.exists(storage.join(model_url, "tokenizer_config.json")) else (
-        tokenizer_url(manifest_url, manifest))
-    return model, AutoTokenizer.from_pretrained(stage_model_dir(tokenizer_dir, work_dir))
+    local = stage_model_dir(model_url, work_dir)  # downloaded once: the weights and, when it has one, the tokenizer
+    model = load_pretrained(local)
+    tokenizer_dir = local if Path(local, "tokenizer_config.json").is_file() else stage_model_dir(
+        tokenizer_url(manifest_url, manifest), work_dir)
+    return model, AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def text_samples(model, tokenizer, manifest_url: str, manifest: dict[str, Any], prompts: list[list[int]],

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,40 +40,34 @@ class OutputFiles:
 
 
 def export_model(job: TrainJob, model, work_dir: Path) -> None:
-    """Chief: model + tokenizer to `TrainOutput.model`, complete or absent, then the serving formats of
-    `export_formats` with their parity to `TrainOutput.exports`, exports.json last (trainer/export.py). Others: a
-    temp save, then removed."""
+    """Chief: the model with its tokenizer to `TrainOutput.model` as a Hugging Face checkpoint (trainer.decoders'
+    save_pretrained: complete or absent, config.json last), then the formats of `export_formats` read back and
+    compared with the trained model, the SavedModel and exports.json (last) to `TrainOutput.exports`
+    (trainer/export.py). Other workers write nothing: saving runs no collective."""
     if not job.is_chief:
-        scratch = Path(tempfile.mkdtemp(prefix=f"workertemp_{job.rank}_model_"))
-        model.save_pretrained(str(scratch))
-        shutil.rmtree(scratch, ignore_errors=True)
         return
-    from transformers import AutoTokenizer
-
+    from trainer.decoders.pretrained import save_pretrained
     from trainer.model import stage_model_dir
 
-    tokenizer = AutoTokenizer.from_pretrained(stage_model_dir(tokenizer_url(job.manifest_url, job.manifest), work_dir))
-    with storage.staging_directory(job.output.model) as staging:
-        model.save_pretrained(str(staging))
-        tokenizer.save_pretrained(str(staging))
-        if not job.cfg.promotion.export_formats:
-            storage.publish_directory(staging, job.output.model)
-            log.info("model and tokenizer saved to %s (setting 'export_formats' = []: no other format)",
-                     job.output.model)
-            return
-        with storage.staging_directory(job.output.exports) as exports:
-            record = export_serving_formats(job, model, staging, exports)
-            storage.publish_directory(staging, job.output.model)
-            storage.publish_directory(exports, job.output.exports, last=(
-                EXPORTS_RECORD, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()))
+    save_pretrained(model, job.output.model, tokenizer_dir=tokenizer_url(job.manifest_url, job.manifest))
+    if not job.cfg.promotion.export_formats:
+        log.info("model and tokenizer saved to %s (setting 'export_formats' = []: nothing checked)", job.output.model)
+        return
+    # Read back from where it was published, as its users will read it.
+    model_dir = Path(stage_model_dir(job.output.model, work_dir))
+    with storage.staging_directory(job.output.exports) as exports:
+        record = export_serving_formats(job, model, model_dir, exports)
+        storage.publish_directory(exports, job.output.exports, last=(
+            EXPORTS_RECORD, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()))
     log.info("model and tokenizer saved to %s; exports %s to %s", job.output.model,
              ", ".join(f"{name} {'passed' if result['passed'] else 'FAILED'}"
                        for name, result in record["formats"].items()), job.output.exports)
 
 
 def export_serving_formats(job: TrainJob, model, model_dir: Path, target: Path) -> dict[str, Any]:
-    """exports.json's content: every format written under `target` and compared with the trained model on the
-    validation split's first sequences; a failure is recorded (promotion refuses it), never raised."""
+    """exports.json's content: every format compared with the trained model on the validation split's first
+    sequences (`model_dir`: the published model, read back; `target`: where the SavedModel is written); a failure
+    is recorded (promotion refuses it), never raised."""
     from trainer import export
 
     try:
@@ -146,8 +138,6 @@ def build_summary(job: TrainJob, model, times: LoopTimes, outputs: OutputFiles, 
 def last_logged_loss(metrics_file: Path) -> float | None:
     lines = [line for line in metrics_file.read_text().splitlines() if line] if metrics_file.exists() else []
     return json.loads(lines[-1])["loss"] if lines else None
-
-
 
 
 def write_summary(job: TrainJob, summary: dict[str, Any]) -> None:

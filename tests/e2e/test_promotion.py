@@ -27,10 +27,8 @@ pytestmark = pytest.mark.timeout(1200)
 NIGHTLY = {**FAST, "baseline": "skip", "promote": "auto", "model_name": f"e2e-nightly-{time.time_ns()}"}
 # Adam at the largest allowed learning rate wrecks the weights it continues from: a finite but worse eval loss.
 # The loss watch would stop that run in train (the loss jumps ~25 nats); it is off here, so that the run reaches
-# promotion, whose own refusal is what this test is about. It exports nothing: its wrecked weights give attention
-# scores below TensorFlow GPT-2's mask value (-1e4, modeling_tf_gpt2.py), so the TF model attends to later tokens
-# where PyTorch's (the safetensors export, masked with the dtype's minimum) does not, and the export's parity gate
-# would refuse it before the eval-loss rule this test is about.
+# promotion, whose own refusal is what this test is about. It checks no export format: only the eval-loss rule is
+# under test.
 HARMFUL = {"learning_rate": 1.0, "max_loss_rise": 0.0, "export_formats": []}
 
 

@@ -66,6 +66,7 @@ def write_training_output(url: str, *, num_workers: int, global_batch_size: int 
         write_bytes_atomic(output.metrics_file(rank), ("\n".join(lines) + "\n").encode())
     write_json_atomic(join(output.model, "fixture_eval.json"), {"eval_loss": eval_loss})
     write_json_atomic(join(output.model, "tokenizer.json"), TOKENIZER_JSON)
+    write_bytes_atomic(join(output.model, "model.safetensors"), b"fixture safetensors")
     write_json_atomic(join(output.checkpoints, "checkpoint.json"), {"step": steps})
     write_exports(output, {name: True for name in EXPORT_FORMATS} if exports is None else exports)
     if complete:
@@ -76,19 +77,20 @@ def write_training_output(url: str, *, num_workers: int, global_batch_size: int 
             "resumed_from_step": 0, "first_step_s": 2.5, "steps_timed": steps - 1,
             "hardware": {"host": "ci-runner", "cpu": "Fixture CPU @ 2.0GHz", "cpu_count": cpu_count,
                          "device": "CPU", "gpu": None},
-            "versions": {"tensorflow": "2.21.0", "transformers": "4.57.6", "tf-keras": "2.21.0"},
+            "versions": {"tensorflow": "2.21.0", "transformers": "5.0.0"},
             "config": {}, "started_at": "2026-11-29T10:01:00+00:00", "finished_at": "2026-11-29T10:02:00+00:00",
         })
     return output
 
 
 def write_exports(output: TrainOutput, passed: dict[str, bool]) -> None:
-    """exports/ as the trainer's chief leaves it (trainer/export.py): a folder per format, exports.json last."""
+    """exports/ as the trainer's chief leaves it (trainer/export.py): the model directory is the safetensors format,
+    every other format a folder of its own, exports.json last."""
     formats = {}
     for name, ok in passed.items():
-        files = []
-        if name != "tf_h5":
-            file = {"safetensors": "model.safetensors", "saved_model": "saved_model.pb"}[name]
+        files = [{"name": "model.safetensors", "bytes": len(b"fixture safetensors")}]
+        if name != "safetensors":
+            file = {"saved_model": "saved_model.pb"}[name]
             write_bytes_atomic(join(output.exports, name, file), b"fixture " + name.encode())
             files = [{"name": file, "bytes": len(b"fixture " + name.encode())}]
         diff = 2.5e-7 if ok else 3.2e-2
@@ -96,7 +98,7 @@ def write_exports(output: TrainOutput, passed: dict[str, bool]) -> None:
                          "detail": f"max |logit diff| {diff:.2e} (limit 1e-04), greedy tokens {96 if ok else 90}/96 "
                                    "same", "files": files, "dir": FORMAT_DIRS[name], "seconds": 0.1}
     write_json_atomic(output.exports_record, {
-        "format_version": 1, "tolerance": 1e-4, "prompts": {"count": 3, "tokens": 32, "source": "fixture"},
+        "format_version": 2, "tolerance": 1e-4, "prompts": {"count": 3, "tokens": 32, "source": "fixture"},
         "reference": {"dtype": "float32", "max_abs_logit": 9.5}, "formats": formats})
 
 

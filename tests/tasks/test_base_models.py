@@ -38,9 +38,9 @@ def test_a_hub_model_is_fetched_once_then_reused_without_the_hub(tmp_path, hub, 
     stored = read_json(f"{url}/base_model.json")  # the record's keys as before: earlier copies keep loading
     assert stored == record.to_xcom() and set(stored) == {"format_version", "name", "revision", "sha", "fetched_at",
                                                           "files"}
-    assert {"name": "tf_model.h5", "bytes": Path(url, "tf_model.h5").stat().st_size} in stored["files"]
+    assert {"name": "model.safetensors", "bytes": Path(url, "model.safetensors").stat().st_size} in stored["files"]
     files = sorted(path.name for path in Path(url).iterdir())
-    assert files == ["base_model.json", "config.json", "generation_config.json", "tf_model.h5", "tokenizer.json"]
+    assert files == ["base_model.json", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
     assert f"Base model gpt2@{sha} (revision 'main'): fetched once to {url}" in caplog.text
     # What promotion records in version.json and the model card names: the base at its commit.
     assert pinned_base(cfg).to_xcom() == {"name": "gpt2", "revision": "main", "sha": sha, "url": url}
@@ -52,7 +52,7 @@ def test_a_hub_model_is_fetched_once_then_reused_without_the_hub(tmp_path, hub, 
     assert again.model == url and f"Base model gpt2@{sha} (revision '{sha}'): reusing {url}" in caplog.text
 
     local_hub.add_model(hub, "gpt2")  # the hub still names the same head, but holds no weights any more:
-    (hub / "models--gpt2" / "snapshots" / sha / "tf_model.h5").unlink()  # nothing is fetched again
+    (hub / "models--gpt2" / "snapshots" / sha / "model.safetensors").unlink()  # nothing is fetched again
     latest, _ = resolve_base_model(config(tmp_path), cache_dir=hub)
     assert latest.model == url and "fetched once" not in caplog.text
 
@@ -86,40 +86,62 @@ def test_a_pinned_revision_resolves_to_its_commit_and_an_unknown_one_is_refused_
         config(tmp_path, model="tiny", model_revision="main")
 
 
-def test_files_that_are_not_a_tf_gpt2_are_refused_before_training(tmp_path, hub):
-    local_hub.add_model(hub, "acme/llama", model_type="llama")
-    with pytest.raises(ConfigError, match=r"'acme/llama' \(revision 'main', commit [0-9a-f]{40}\): its files are not "
-                                          r"a TF GPT-2: model_type 'llama', not 'gpt2'"):
+def test_files_that_are_no_checkpoint_the_trainer_reads_are_refused_before_training(tmp_path, hub):
+    local_hub.add_model(hub, "acme/llama", architecture="LlamaForCausalLM")
+    with pytest.raises(ConfigError, match=r"Setting 'model' = 'acme/llama' \(revision 'main', commit [0-9a-f]{40}\): "
+                                          r".*config.json: architectures \['LlamaForCausalLM'\] is not supported: the "
+                                          r"supported architectures are GPT2LMHeadModel"):
         resolve_base_model(config(tmp_path, model="acme/llama"), cache_dir=hub)
-    local_hub.add_model(hub, "acme/torch-only", tf_weights=False)
-    with pytest.raises(ConfigError, match="no tf_model.h5"):
-        resolve_base_model(config(tmp_path, model="acme/torch-only"), cache_dir=hub)
+    local_hub.add_model(hub, "acme/tf-only", safetensors=False)
+    with pytest.raises(ConfigError, match=r"Setting 'model' = 'acme/tf-only' .*model.safetensors"):
+        resolve_base_model(config(tmp_path, model="acme/tf-only"), cache_dir=hub)
+    local_hub.add_model(hub, "acme/gpt2")
+    with pytest.raises(ConfigError, match=r"Setting 'model' = 'acme/gpt2' .*block_size 128 exceeds the 64 positions"):
+        resolve_base_model(config(tmp_path, model="acme/gpt2", block_size=128), cache_dir=hub)
     assert not (tmp_path / "storage" / "models" / "base").exists() or not any(
         (tmp_path / "storage" / "models" / "base").iterdir())
+
+
+def test_a_copy_cached_for_the_tf_model_is_fetched_again_as_safetensors(tmp_path, hub):
+    """Copies made before base models were safetensors checkpoints hold tf_model.h5: their record lists no
+    .safetensors file, so the next prepare replaces them."""
+    from tasks.base_models import BaseModelRecord, SnapshotFile
+    from trainer.storage import write_json_atomic
+
+    sha = local_hub.add_model(hub, "gpt2")
+    url = Path(StorageLayout(str(tmp_path / "storage")).base_model("gpt2", sha))
+    url.mkdir(parents=True)
+    (url / "tf_model.h5").write_bytes(b"old weights")
+    write_json_atomic(str(url / "base_model.json"), BaseModelRecord(
+        format_version=1, name="gpt2", revision="main", sha=sha, fetched_at="2026-11-01T00:00:00+00:00",
+        files=(SnapshotFile("tf_model.h5", 11),)).to_xcom())
+    cfg, record = resolve_base_model(config(tmp_path), cache_dir=hub)
+    assert cfg.model == str(url) and "model.safetensors" in {file.name for file in record.files}
+    assert not (url / "tf_model.h5").exists()
 
 
 def test_a_half_written_cache_is_never_used(tmp_path, hub):
     sha = local_hub.add_model(hub, "gpt2")
     url = Path(StorageLayout(str(tmp_path / "storage")).base_model("gpt2", sha))
     url.mkdir(parents=True)  # a killed prepare's copy: files, but no base_model.json
-    (url / "tf_model.h5").write_bytes(b"truncated")
+    (url / "model.safetensors").write_bytes(b"truncated")
     (url.parent / f".{url.name}.partial-999999-dead").mkdir()  # and the stage it left (its process is gone)
     cfg, _ = resolve_base_model(config(tmp_path), cache_dir=hub)
     assert cfg.model == str(url) and json.loads((url / "base_model.json").read_text())["sha"] == sha
-    assert (url / "tf_model.h5").stat().st_size == (hub / "models--gpt2" / "snapshots" / sha / "tf_model.h5").stat(
-        ).st_size
+    fetched = hub / "models--gpt2" / "snapshots" / sha / "model.safetensors"
+    assert (url / "model.safetensors").stat().st_size == fetched.stat().st_size
     assert [path.name for path in url.parent.iterdir()] == [url.name]
 
 
 def test_workers_load_the_cached_copy_offline_and_the_sha_is_in_the_baseline_key(tmp_path, hub):
     from tasks.baseline import baseline_key_parts
-    from trainer.model import build_model
+    from trainer.decoders.pretrained import load_pretrained
 
     first = local_hub.add_model(hub, "gpt2", revisions=("v1",), seed=1)
     second = local_hub.add_model(hub, "gpt2", seed=2)
     cfg, _ = resolve_base_model(config(tmp_path, model_revision="v1"), cache_dir=hub)
     shutil.rmtree(hub)
-    model = build_model(cfg.model, vocab_size=local_hub.VOCAB, eos_token_id=0, block_size=32, work_dir=tmp_path)
+    model = load_pretrained(cfg.model, vocab_size=local_hub.VOCAB, block_size=32, work_dir=tmp_path)
     assert model.config.n_embd == local_hub.TINY["n_embd"]
     other = cfg.replace(model=cfg.model.replace(first, second), model_revision=second)
     manifest = read_json(run_fixtures.write_manifest(cfg.storage_root))

@@ -144,3 +144,29 @@ def test_a_storage_connection_of_another_type_is_refused_in_prepare_naming_its_t
     assert "Setting 'storage_conn_id' = 'metadata_db' names a connection of type 'postgres'" in str(refusal.value)
     assert "db-secret-pw" not in str(refusal.value)
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_a_model_checkpoint_the_workers_cannot_load_fails_prepare_before_anything_is_written(tmp_path):
+    """A mis-shaped tensor, and a block size beyond the checkpoint's positions, are refused by the prepare task from
+    config.json and the tensor headers, naming the setting, the tensor and both shapes, before a dataset is made."""
+    from safetensors.numpy import load_file, save_file
+
+    from tests.support import local_hub
+    from trainer.decoders.gpt2_config import GPT2Config
+    from trainer.decoders.pretrained import build_decoder, save_pretrained
+
+    model_dir = tmp_path / "base"
+    config = GPT2Config(vocab_size=local_hub.VOCAB, bos_token_id=0, eos_token_id=0, **local_hub.TINY)
+    save_pretrained(build_decoder(config), str(model_dir))
+    storage = tmp_path / "storage"
+    with pytest.raises(AirflowFailException, match=rf"Setting 'model' = '{model_dir}': block_size 128 exceeds the 64 "
+                                                   r"positions .*lower 'block_size'"):
+        plan_run({"storage_root": str(storage), "model": str(model_dir), "block_size": 128}, RUN_ID, DAG_ID,
+                 make_backend)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors["transformer.h.0.mlp.c_fc.bias"] = tensors["transformer.h.0.mlp.c_fc.bias"][:10]
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(AirflowFailException, match=r"transformer.h.0.mlp.c_fc.bias.*\[10\].*\[64\]"):
+        plan_run({"storage_root": str(storage), "model": str(model_dir), "block_size": 32}, RUN_ID, DAG_ID,
+                 make_backend)
+    assert not storage.exists() or not any(storage.iterdir())

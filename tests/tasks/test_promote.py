@@ -196,8 +196,9 @@ def test_a_version_holds_each_format_in_its_folder_and_the_card_lists_them(evalu
     assert promote_run(prepared)["version"] == "v1"
     v1 = models(root).version(1)
     names = {file.name for file in registry.complete_version(v1).files}
-    assert {"model/tokenizer.json", "safetensors/model.safetensors", "saved_model/saved_model.pb"} <= names
-    assert read_bytes(join(v1.export("safetensors"), "model.safetensors")) == b"fixture safetensors"
+    assert {"model/tokenizer.json", "model/model.safetensors", "saved_model/saved_model.pb"} <= names
+    assert not any(name.startswith("safetensors/") for name in names)  # the model directory is that format
+    assert read_bytes(join(v1.model, "model.safetensors")) == b"fixture safetensors"
     # One writer per file: report.json is evaluate's; the export gates are in promote's promotion.json.
     assert not [gate for gate in read_json(join(prepared.report_url, "report.json"))["gates"]
                 if gate["name"].startswith("export_")]
@@ -205,23 +206,23 @@ def test_a_version_holds_each_format_in_its_folder_and_the_card_lists_them(evalu
     gates = {gate["name"]: gate for gate in report_of(prepared)["gates"]}
     assert {name: (gate["passed"], gate["value"], gate["limit"]) for name, gate in gates.items()
             if name.startswith("export_")} == {f"export_{name}": (True, 2.5e-7, 1e-4)
-                                                for name in ("safetensors", "saved_model", "tf_h5")}
+                                                for name in ("safetensors", "saved_model")}
     card = read_bytes(v1.model_card).decode()
     for fragment in ("## Formats", "on 3 prompts of 32 tokens from the validation split",
-                     "### `safetensors/`: model.safetensors for transformers 5 with PyTorch",
-                     "### `saved_model/`: TensorFlow SavedModel", "### `model/`: tf_model.h5 for transformers 4.57",
+                     "### `model/`: the model: config.json + model.safetensors for transformers 5 with PyTorch",
+                     "### `saved_model/`: TensorFlow SavedModel",
                      "- Parity: pass: max |logit diff| 2.50e-07 (limit 1e-04), greedy tokens 96/96 same",
                      "- Files: `model.safetensors`",
-                     'model = AutoModelForCausalLM.from_pretrained("safetensors")',
+                     'model = AutoModelForCausalLM.from_pretrained("model")',
+                     'logits = load_pretrained("model")(ids)',
                      'serve = tf.saved_model.load("saved_model").signatures["serving_default"]',
-                     'model = TFGPT2LMHeadModel.from_pretrained("model", use_safetensors=False)',
                      "- export_safetensors: pass (export safetensors: max |logit diff| 2.50e-07"):
         assert fragment in card, fragment
 
 
 def test_a_failed_or_missing_export_blocks_promotion_with_a_gate_row_naming_it(evaluations, tmp_path):
     root = str(tmp_path / "storage")
-    failed = evaluated_run(root, "r1", 5.30, exports={"safetensors": False, "saved_model": True, "tf_h5": True})
+    failed = evaluated_run(root, "r1", 5.30, exports={"safetensors": False, "saved_model": True})
     outcome = promote_run(failed)
     assert outcome["promoted"] is False
     assert ("the run's gates failed (export safetensors: max |logit diff| 3.20e-02 (limit 1e-04), greedy tokens "
@@ -229,7 +230,7 @@ def test_a_failed_or_missing_export_blocks_promotion_with_a_gate_row_naming_it(e
     report = report_of(failed)
     assert report["gates_passed"] is False
     assert [(gate["name"], gate["passed"]) for gate in report["gates"] if gate["name"].startswith("export_")] == [
-        ("export_safetensors", False), ("export_saved_model", True), ("export_tf_h5", True)]
+        ("export_safetensors", False), ("export_saved_model", True)]
     markdown = run_fixtures.released_markdown(failed.report_url)
     assert "| export_safetensors | **FAIL** | 0.032 | 0.0001 | export safetensors: max" in markdown
 
@@ -242,13 +243,15 @@ def test_a_failed_or_missing_export_blocks_promotion_with_a_gate_row_naming_it(e
     assert promote_run(missing)["reason"].count("export safetensors") == 1  # a retry replaces the rows
     assert registry.read_latest(models(root)) is None
 
-    tf_only = evaluated_run(root, "r3", 5.30, export_formats=[])  # [] keeps model/ alone, unchecked
-    assert promote_run(tf_only)["version"] == "v1"
+    model_only = evaluated_run(root, "r3", 5.30, export_formats=[])  # [] keeps model/ alone, unchecked
+    assert promote_run(model_only)["version"] == "v1"
     v1 = models(root).version(1)
     assert {file.name.split("/")[0] for file in registry.complete_version(v1).files} == {
         "model", "report.json", "model_card.md"}
-    assert not any(gate["name"].startswith("export_") for gate in report_of(tf_only)["gates"])
-    assert "Only `model/` (tf_model.h5 and the tokenizer" in read_bytes(v1.model_card).decode()
+    assert not any(gate["name"].startswith("export_") for gate in report_of(model_only)["gates"])
+    card = read_bytes(v1.model_card).decode()
+    assert "Only `model/` (config.json, model.safetensors, generation_config.json and the tokenizer)" in card
+    assert 'model = AutoModelForCausalLM.from_pretrained("model")' in card
 
 
 PROMOTER = """
@@ -323,7 +326,7 @@ def test_a_promotion_killed_on_local_disk_leaves_latest_on_a_complete_version(tm
     promote_run(evaluated_run(root, "r1", 5.30))
     killed = evaluated_run(root, "r2", 5.20)
     # A model file large enough that its copy is still running when the promoter is killed.
-    with open(join(killed.train_url, "model", "tf_model.h5"), "wb") as handle:
+    with open(join(killed.train_url, "model", "model.safetensors"), "wb") as handle:
         handle.truncate(256 << 20)
     process = promoter(killed, 0)
     copied = Path(layout.version(2).model)
@@ -337,7 +340,7 @@ def test_a_promotion_killed_on_local_disk_leaves_latest_on_a_complete_version(tm
     assert registry.complete_version(layout.version(2)) is None, "killed after the version was complete"
     pointer = assert_pointer_consistent(layout)
     assert [entry.version for entry in pointer.history] == ["v1"]
-    os.remove(join(killed.train_url, "model", "tf_model.h5"))
+    os.remove(join(killed.train_url, "model", "model.safetensors"))
     assert promote_run(evaluated_run(root, "r3", 5.10))["version"] == "v3"
 
 
@@ -363,3 +366,46 @@ def test_pointer_swaps_and_claims_are_exclusive(root):
     assert registry.claim_version(layout, 7, "r1") == 8
     fs, path = filesystem(layout.claim(2))
     assert json.loads(fs.cat_file(path))["version"] == "v2"
+
+
+def promoted_legacy_version(root: str):
+    """v1 promoted from a model/ as transformers 4.57 saved it (tf_model.h5, no model.safetensors)."""
+    import shutil
+
+    prepared = evaluated_run(root, "r1", 5.30, export_formats=[])
+    model = Path(prepared.train_url) / "model"
+    (model / "model.safetensors").unlink()
+    for name in ("tf_model.h5", "config.json", "generation_config.json"):  # the run's tokenizer stays
+        shutil.copy2(Path(__file__).parent / "fixtures" / "legacy_tf_model" / name, model / name)
+    assert promote_run(prepared)["version"] == "v1"
+    v1 = models(root).version(1)
+    assert not exists(join(v1.model, "model.safetensors"))
+    return v1
+
+
+def test_a_version_promoted_with_tf_model_h5_only_is_converted_once_when_a_run_continues_from_it(evaluations,
+                                                                                                 tmp_path):
+    """A version promoted before the model became a safetensors checkpoint: continuing from it converts its h5 once
+    (tasks/legacy_models.py) and leaves it complete (nothing version.json lists changes)."""
+    from tasks.promote import resolve_promoted_model
+    from trainer.config import RunConfig
+
+    root = str(tmp_path / "storage")
+    v1 = promoted_legacy_version(root)
+
+    cfg = RunConfig.from_params({"storage_root": root, "model": "promoted", "block_size": 16})
+    resolved, version = resolve_promoted_model(cfg)
+    assert resolved.model == v1.model and version.version == "v1"
+    assert exists(join(v1.model, "model.safetensors")) and registry.complete_version(v1) is not None
+    converted = read_bytes(join(v1.model, "model.safetensors"))
+    resolve_promoted_model(cfg)  # once: the second run reads what the first converted
+    assert read_bytes(join(v1.model, "model.safetensors")) == converted
+
+
+def test_a_version_promoted_with_tf_model_h5_only_is_converted_before_a_later_run_scores_it(evaluations, tmp_path):
+    root = str(tmp_path / "storage")
+    v1 = promoted_legacy_version(root)
+    later = evaluated_run(root, "r2", 5.20)
+    assert exists(join(v1.model, "model.safetensors")) and registry.complete_version(v1) is not None
+    assert v1.model in evaluations()  # scored on the later run's sample, as its converted checkpoint
+    assert report_of(later)["promoted"]["eval_loss"] is not None

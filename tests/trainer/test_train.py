@@ -199,12 +199,13 @@ def test_outputs_follow_the_contract(runs):
             assert rates[:warmup + 1] == sorted(set(rates[:warmup + 1]))
             assert rates[warmup:] == sorted(rates[warmup:], reverse=True) and rates[-1] < peak / 2
         assert list((job.output / "tensorboard").glob("events.out.tfevents.*"))
-        assert {"config.json", "tf_model.h5", "tokenizer.json"} <= {p.name for p in (job.output / "model").iterdir()}
+        model_files = {p.name for p in (job.output / "model").iterdir()}
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= model_files
         # The chief's serving exports, each read back and matching the trained model (trainer/export.py); with
         # two workers the model's variables are the strategy's, compared through a float32 copy.
         exports = json.loads((job.output / "exports" / "exports.json").read_text())
         assert {name: result["passed"] for name, result in exports["formats"].items()} == {
-            "safetensors": True, "saved_model": True, "tf_h5": True}, exports["formats"]
+            "safetensors": True, "saved_model": True}, exports["formats"]
         assert exports["prompts"]["count"] == 3 and (job.output / "exports" / "saved_model" / "saved_model.pb").exists()
         assert latest_checkpoint_step(job.output / "checkpoints") == STEPS
         assert not list(job.tmp.rglob("workertemp_*")), "non-chief temporary saves were left behind"

@@ -30,6 +30,7 @@ assert tuple(MODEL_PRESETS) == schema.MODEL_PRESET_NAMES, "the trigger form name
 
 # Serving exports of the trained model, each checked for parity before promotion (trainer/export.py).
 EXPORT_FORMATS = schema.EXPORT_FORMATS
+RETIRED_EXPORT_FORMAT = "tf_h5"  # tf_model.h5, written before the model became a safetensors checkpoint
 # `model: "promoted"` continues from the latest promoted version of `model_name`, `promoted:<name>` from another.
 PROMOTED_MODEL = "promoted"
 _MODEL_NAME = re.compile(schema.MODEL_NAME)
@@ -155,10 +156,14 @@ def check_core_settings(cfg: Any) -> None:
 
 
 def _check_export_formats(cfg: Any) -> None:
+    if RETIRED_EXPORT_FORMAT in cfg.promotion.export_formats:
+        raise ConfigError(f"Setting 'export_formats' names {RETIRED_EXPORT_FORMAT!r}, which is retired: the model "
+                          "directory is now a Hugging Face checkpoint (model.safetensors), checked as 'safetensors'. "
+                          f"Remove it: choose from {list(EXPORT_FORMATS)}.")
     unknown = [name for name in cfg.promotion.export_formats if name not in EXPORT_FORMATS]
     if unknown:
         raise ConfigError(f"Setting 'export_formats' has {unknown}, which are not export formats: choose from "
-                          f"{list(EXPORT_FORMATS)}, or [] for the TF model alone without parity checks.")
+                          f"{list(EXPORT_FORMATS)}, or [] for the model directory alone without parity checks.")
     if len(set(cfg.promotion.export_formats)) != len(cfg.promotion.export_formats):
         raise ConfigError(f"Setting 'export_formats' = {list(cfg.promotion.export_formats)} names a format twice.")
 

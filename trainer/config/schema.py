@@ -26,7 +26,7 @@ from launcher.protocol import BACKEND_NAMES, BACKENDS
 SECTIONS = ("", "launch", "launch.ssh", "launch.kubernetes", "promotion", "monitoring")
 
 MODEL_PRESET_NAMES = ("tiny", "gpt2-124m")
-EXPORT_FORMATS = ("safetensors", "saved_model", "tf_h5")
+EXPORT_FORMATS = ("safetensors", "saved_model")
 DEFAULT_TRAINER_IMAGE = "gpt-finetune-trainer:2.21.0"  # docker/trainer.Dockerfile
 # Single-value formats, as Python `re` patterns matched whole (`fullmatch`); the Params anchor them.
 MODEL_NAME = r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}"  # one path segment, safe in local paths and S3 keys
@@ -193,9 +193,9 @@ SETTINGS: tuple[Setting, ...] = (
        "auto: promote when the gates passed and eval loss is not worse than the promoted version's by more than "
        "promotion_tolerance; always: whenever the gates passed; never.", enum=["auto", "always", "never"]),
     _s("export_formats", _PROMOTION, EXPORT_FORMATS, "array", "Export formats",
-       "Formats the model is exported in, each read back and compared with the trained model (logits within 1e-4, "
-       "same greedy tokens) before it may be promoted: safetensors (PyTorch / transformers 5), saved_model (TF "
-       "Serving), tf_h5 (transformers 4.57 TF, always written). [] writes tf_model.h5 alone, unchecked.",
+       "Formats the model is checked in, each read back and compared with the trained model (logits within 1e-4, "
+       "same greedy tokens) before it may be promoted: safetensors (the model directory itself, for transformers 5 "
+       "/ PyTorch / vLLM, always written), saved_model (TF Serving). [] writes the model directory alone, unchecked.",
        items={"type": "string", "enum": list(EXPORT_FORMATS)}, uniqueItems=True),
     _s("kubernetes_conn_id", _K8S, "", "string", "Kubernetes connection",
        "Airflow connection (kubernetes type) of the cluster; empty uses the in-cluster configuration of the "

@@ -93,15 +93,18 @@ def test_eval_tokens_of_one_batch_or_zero_are_accepted():
 
 def test_export_formats_are_checked_and_the_baseline_exports_nothing():
     cfg = RunConfig.from_params({})
-    assert cfg.promotion.export_formats == ("safetensors", "saved_model", "tf_h5")
+    assert cfg.promotion.export_formats == ("safetensors", "saved_model")
     assert RunConfig.from_params({"export_formats": []}).promotion.export_formats == ()
     saved = RunConfig.from_params({"export_formats": ["saved_model"]}).to_dict()
     assert RunConfig.from_saved(saved).promotion.export_formats == ("saved_model",)
     with pytest.raises(ConfigError, match=r"'export_formats' has \['onnx'\], which are not export formats: choose "
-                                          r"from \['safetensors', 'saved_model', 'tf_h5'\]"):
+                                          r"from \['safetensors', 'saved_model'\]"):
         RunConfig.from_params({"export_formats": ["safetensors", "onnx"]})
     with pytest.raises(ConfigError, match="names a format twice"):
-        RunConfig.from_params({"export_formats": ["tf_h5", "tf_h5"]})
+        RunConfig.from_params({"export_formats": ["saved_model", "saved_model"]})
+    with pytest.raises(ConfigError, match=r"'tf_h5', which is retired: the model directory is now a Hugging Face "
+                                          r"checkpoint \(model.safetensors\), checked as 'safetensors'"):
+        RunConfig.from_saved({**saved, "export_formats": ["safetensors", "tf_h5"]})
     with pytest.raises(ConfigError, match="'export_formats' must be a list of strings"):
         RunConfig.from_params({"export_formats": "safetensors"})
     assert cfg.baseline_config().promotion.export_formats == ()  # only the run's own model is promoted
