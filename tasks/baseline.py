@@ -38,7 +38,7 @@ log = logging.getLogger("gpt_finetune.baseline")
 KEY_FORMAT_VERSION = 2  # 2: the evaluation sample's identity
 KEY_RECORD = "baseline_key.json"  # the key's parts, next to the baseline's output, to explain later mismatches
 # Libraries whose version can change the numbers a baseline produces (read from metadata: no TF import here).
-NUMERIC_LIBRARIES = ("tensorflow", "tf-keras", "transformers")
+NUMERIC_LIBRARIES = ("tensorflow", "transformers")
 TRAINER_SOURCES = Path(__file__).resolve().parents[1] / "trainer"
 
 # Settings that cannot change what the baseline learns. Everything else is part of the key, so a setting added
