@@ -77,7 +77,8 @@ class _Worker:
 
     def outcome(self) -> WorkerOutcome:
         return WorkerOutcome(self.spec.rank, self.spec.host, self.spec.port, self.handle.pid, self.spec.devices,
-                             self.state, self.exit_code, self.handle.record(), self.handle.label())
+                             self.state, self.exit_code, self.handle.record(), self.handle.label(),
+                             self.spec.placement.gpu_idle_mb)
 
 
 def _describe_exit(code: int) -> str:

@@ -30,6 +30,7 @@ from typing import IO, Any, ClassVar
 from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, HostRelease, ReleaseResult, WorkerHandle
 from launcher.document import DocumentError
 from launcher.errors import InsufficientGPUsError, LaunchError
+from launcher.gpu_memory import idle_levels_mb
 from launcher.gpus import GPU_RELEASE_WAIT_S
 from launcher.process import ORPHAN_GRACE_S, exit_status_to_code
 from launcher.protocol import AGENT_LINE, AGENT_MODULE, STOP_LINE, read_control_line
@@ -349,9 +350,11 @@ class SSHBackend(Backend):
         capacity.append(f"{host}: {slots}" + (f" (free GPUs {gpus}{_gpu_detail(probe)})" if group.use_gpu else ""))
         taken = {placement.port for placement in placements}
         ports = [port for port in probe["free_ports"] if port not in taken]
+        idle = idle_levels_mb((probe.get("gpus") or {}).get("idle_mb")) if group.use_gpu else {}
         for slot in range(min(slots, need)):
-            placements.append(Placement(host.address, ports[slot], (gpus[slot],) if group.use_gpu else (),
-                                        {"conn_id": host.conn_id}))
+            pin = (gpus[slot],) if group.use_gpu else ()
+            levels = {str(gpu): idle[str(gpu)] for gpu in pin if str(gpu) in idle}
+            placements.append(Placement(host.address, ports[slot], pin, {"conn_id": host.conn_id}, levels))
 
     def command(self, group: GroupSpec) -> list[str]:
         return [self.remote_python, "-u", "-m", group.entrypoint, *group.args]
@@ -383,7 +386,8 @@ class SSHBackend(Backend):
         requests = {h.conn_id: {"run_key": group.run_key, "group": group.name, "use_gpu": group.use_gpu,
                                 "pids": [w.record["remote_pid"] for w in by_conn[h.conn_id]
                                          if isinstance(w.record.get("remote_pid"), int)],
-                                "gpus": [str(d) for w in by_conn[h.conn_id] for d in (w.devices or ())]}
+                                "gpus": [str(d) for w in by_conn[h.conn_id] for d in (w.devices or ())],
+                                "idle_mb": {k: v for w in by_conn[h.conn_id] for k, v in w.gpu_idle_mb.items()}}
                     for h in hosts}
         with ThreadPoolExecutor(max(1, min(len(hosts), MAX_PARALLEL_REQUESTS)), thread_name_prefix="ssh-slots") as pool:
             answers = list(pool.map(lambda h: self._ask_slots(h, requests[h.conn_id]), hosts))
@@ -436,8 +440,12 @@ class SSHBackend(Backend):
         """Every host of the run (from the settings, so also one no record names), asked at once: its processes
         ended, its run directory removed, its GPUs checked. An unreachable host is reported, and the release is not
         clean."""
-        request = {"run_key": run_key, "grace_s": grace_s, "workdir": self.remote_workdir}
-        answers = self.ask_all(self.hosts, "release", request, timeout_s=grace_s + 30)
+        idle = {host.conn_id: idle_levels_mb({name: mb for r in records for w in r.workers
+                                              if w.extra.get("conn_id") == host.conn_id
+                                              for name, mb in (w.gpu_idle_mb or {}).items()}) for host in self.hosts}
+        answers = self.ask_all(self.hosts, "release", lambda host: {
+            "run_key": run_key, "grace_s": grace_s, "workdir": self.remote_workdir, "idle_mb": idle[host.conn_id]},
+            timeout_s=grace_s + 30)
         hosts = tuple(_host_release(host, answer) for host, answer in zip(self.hosts, answers, strict=True))
         # The agent's own verdict (its processes gone, its GPUs checked free) for each host that answered.
         return ReleaseResult(self.name, hosts, clean=all(h.evidence.get("clean") is True and not h.error

@@ -286,8 +286,8 @@ class RecordedLaunch:
             task_id=self.spec.name, backend=self.backend.name, state=state.value, updated_at=utc_now(),
             workdir=str(self.workdir),  # removed at the end; release removes it when the task died first
             launcher=host_identity(),  # release checks a local group only from this same host and container
-            workers=tuple(RecordedWorker(w.rank, w.host, w.port, tuple(w.devices or ()), extra=dict(w.record))
-                          for w in workers),
+            workers=tuple(RecordedWorker(w.rank, w.host, w.port, tuple(w.devices or ()), dict(w.gpu_idle_mb),
+                                         extra=dict(w.record)) for w in workers),
             after_exit=self.after_exit)  # _check_slots_free: the slots proven free right after the group exited
         with self.storage():
             if not self._recorded:

@@ -180,8 +180,8 @@ def _not_released(hosts: list[dict[str, Any]], elsewhere: list[dict[str, Any]]) 
     alive = _describe(hosts)
     held = [h for host in hosts for h in (host.get("gpu_check") or {}).get("held_by_run", [])]
     parts = [f"Unverified: {entry['unverified']}" for entry in elsewhere]
-    gpus = [f"{host['host']} GPU {gpu['gpu']} ({gpu['uuid'] or 'no UUID'}): {gpu['reason']}"
-            for host in hosts for gpu in (host.get("gpu_check") or {}).get("unverified", [])]
+    gpus = [f"{host['host']} GPU {gpu['gpu'] if gpu['gpu'] is not None else '(gone)'} ({gpu['uuid'] or 'no UUID'}): "
+            f"{gpu['reason']}" for host in hosts for gpu in (host.get("gpu_check") or {}).get("unverified", [])]
     if gpus:
         parts.append(f"GPUs not verified free: {'; '.join(gpus)}. Check them on that host (nvidia-smi), then clear "
                      "the release task.")

@@ -412,6 +412,30 @@ def test_release_asks_every_host_at_once_and_names_one_it_cannot_reach(monkeypat
     assert "unreachable" in result.hosts[1].error and result.clean is False
 
 
+def test_each_placed_gpus_idle_level_travels_from_its_agents_probe_to_the_record_and_back_to_its_release(monkeypatch):
+    """The agent reads a free GPU's idle level (launcher/gpu_memory.py); the placement keeps it for the state record,
+    and release hands each host the levels its own GPUs were recorded at. A malformed level is dropped (that GPU is
+    then judged as never seen idle)."""
+    from launcher.state_record import RecordedWorker, StateRecord
+
+    probe = {**_probe([41000], gpus=("GPU-a",)), "gpus": {"nvml": True, "idle_mb": {"GPU-a": 615, "GPU-b": "x"}}}
+    backend, _ = _stubbed(monkeypatch, {"a": probe, "b": _probe([41001], gpus=("GPU-b",))})
+    placements = backend.place(GroupSpec(name="g", entrypoint="tiny_worker", num_workers=2, use_gpu=True))
+    assert [p.gpu_idle_mb for p in placements] == [{"GPU-a": 615}, {}]
+
+    payloads = {}
+
+    def request(host, mode, payload, timeout_s=30.0):
+        payloads[host.conn_id] = dict(payload)
+        return {"host": host.conn_id, "found": [], "terminated": [], "killed": [], "survivors": [], "clean": True}
+
+    monkeypatch.setattr(backend, "request", request)
+    workers = tuple(RecordedWorker(rank, f"{conn}.example", 41000, (gpu,), levels, extra={"conn_id": conn})
+                    for rank, (conn, gpu, levels) in enumerate([("a", "GPU-a", {"GPU-a": 615}), ("b", "GPU-b", None)]))
+    backend.release("run-1", [StateRecord("g", "ssh", "running", "2026-12-07T03:00:00.000Z", "", workers=workers)])
+    assert {conn: payload["idle_mb"] for conn, payload in payloads.items()} == {"a": {"GPU-a": 615}, "b": {}}
+
+
 def test_a_malformed_agent_answer_makes_its_host_an_error_not_a_release(monkeypatch):
     """A host's answer is untrusted input: survivors that are not a list, or a GPU check that is not an object,
     cannot vouch for anything, so the host counts as not released and says why."""
