@@ -25,7 +25,7 @@ from launcher.errors import LaunchError
 from launcher.idle import IdleWatch
 from launcher.log_policy import is_native_noise, verbose_environment
 from launcher.process import ORPHAN_GRACE_S, stop_ladder
-from launcher.protocol import GROUP_ENV, RUN_KEY_ENV, is_ready_marker, utc_now
+from launcher.protocol import ABORT_SIGNAL, EXIT_PREEMPTED, GROUP_ENV, RUN_KEY_ENV, is_ready_marker, utc_now
 from launcher.spec import (
     FailureKind,
     GroupSpec,
@@ -189,6 +189,7 @@ class WorkerGroup:
     def _run_attempt(self, attempt: int) -> tuple[GroupState, dict[int, WorkerFailure]]:
         workers: list[_Worker] = []
         self._workers = workers
+        outcome = None
         try:
             self._launch(attempt, workers)
             if self.on_started and not self._stop_requested.is_set():
@@ -197,11 +198,12 @@ class WorkerGroup:
                 outcomes = [w.outcome() for w in workers]
                 self.idle.start(self.spec.name, attempt, [w.spec.rank for w in workers],
                                 lambda: self.backend.utilization(self.spec, outcomes) or {})
-            return self._watch(workers)
+            outcome = self._watch(workers)
+            return outcome
         finally:
             if self.idle:
                 self.idle.stop()
-            self._stop_workers(workers)
+            self._stop_workers(workers, failed=self._failed_ranks(outcome))
             for worker in workers:
                 if worker.reader:
                     worker.reader.join(READER_JOIN_S)
@@ -400,12 +402,32 @@ class WorkerGroup:
             rank, count = self._unannounced.popitem()
             self.on_line(rank, _left_out(rank, count))
 
-    def _stop_workers(self, workers: list[_Worker], grace_s: float | None = None) -> None:
+    def _failed_ranks(self, outcome: tuple[GroupState, dict[int, WorkerFailure]] | None) -> list[int]:
+        """The ranks whose failure ended this attempt, when the others are to be aborted rather than asked to stop:
+        none when the group was stopped from outside (its ladder runs already), when the attempt raised, or when every
+        failed rank exited EXIT_PREEMPTED (the others are saving the checkpoint they agreed on)."""
+        if outcome is None or self._stop_requested.is_set():
+            return []
+        state, failures = outcome
+        if state is not GroupState.FAILED or all(f.exit_code == EXIT_PREEMPTED for f in failures.values()):
+            return []
+        return sorted(failures)
+
+    def _stop_workers(self, workers: list[_Worker], grace_s: float | None = None, failed: Sequence[int] = ()) -> None:
+        """The stop ladder for every worker still running: SIGTERM (a preemption notice: a rank saves a checkpoint
+        at the step all agree on), or ABORT_SIGNAL when rank(s) `failed` failed: no checkpoint can be agreed without
+        them, so the others end at once (one writing a checkpoint finishes it first); SIGKILL after the grace."""
         grace_s = self.spec.grace_period_s if grace_s is None else grace_s
+        first = ABORT_SIGNAL.name if failed else "SIGTERM"
+        alive = [w.spec.rank for w in workers if not w.handle.gone()]
+        if failed and alive:
+            log.warning("rank(s) %s failed: stopping what is left of rank(s) %s with %s, at once (a checkpoint "
+                        "cannot be agreed without the failed rank(s); the retry resumes from the last one saved)",
+                        list(failed), alive, first)
 
         def warn(worker: _Worker) -> None:
-            log.warning("rank %d (host %s, pid %s) still running %g s after SIGTERM: sending SIGKILL",
-                        worker.spec.rank, worker.spec.host, worker.handle.pid, grace_s)
+            log.warning("rank %d (host %s, pid %s) still running %g s after %s: sending SIGKILL",
+                        worker.spec.rank, worker.spec.host, worker.handle.pid, grace_s, first)
 
-        stop_ladder(workers, terminate=lambda w: w.handle.terminate(), kill=lambda w: w.handle.kill(),
-                    gone=lambda w: w.handle.gone(), grace_s=grace_s, on_kill=warn)
+        stop_ladder(workers, terminate=(lambda w: w.handle.abort()) if failed else (lambda w: w.handle.terminate()),
+                    kill=lambda w: w.handle.kill(), gone=lambda w: w.handle.gone(), grace_s=grace_s, on_kill=warn)

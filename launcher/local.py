@@ -47,6 +47,7 @@ from launcher.process import (
     signal_group,
 )
 from launcher.protocol import (
+    ABORT_SIGNAL,
     GROUP_ENV,
     LAUNCHER_WORKDIR_PREFIX,
     RUN_KEY_ENV,
@@ -124,6 +125,9 @@ class LocalWorkerHandle(WorkerHandle):
 
     def terminate(self) -> None:
         signal_group(self.pgid, signal.SIGTERM)
+
+    def abort(self) -> None:
+        signal_group(self.pgid, ABORT_SIGNAL)
 
     def kill(self) -> None:
         signal_group(self.pgid, signal.SIGKILL)

@@ -10,6 +10,9 @@ TINY_WORKER_SHOW_ENV names a variable whose presence (never its value) is printe
 value is printed (to test redaction).
 TINY_WORKER_TEMP=1 prints how many entries its temporary directory held at start, then leaves a file there (as
 a worker ended by a signal leaves its temporary files).
+TINY_WORKER_BLOCKED_ON_TERM=1: a rank whose peer went away outlives SIGTERM, as the trainer's rank blocked in a
+collective with a dead peer does (its preemption notice waits for a step that never comes); the launcher's
+ABORT_SIGNAL still ends it.
 TINY_WORKER_STEPS (default 5) and TINY_WORKER_STEP_S (default 0.05) set the length of the run.
 TINY_WORKER_LIVE_STEPS=k also prints the trainer's live metrics line after every step, its step frozen at k - 1 from
 step k on (a rank that talks but no longer trains, for the idle-held warning). Every worker also
@@ -54,6 +57,8 @@ def _connect(address: str, timeout_s: float = 30.0) -> socket.socket:
 
 
 def _peer_gone() -> None:
+    if os.environ.get("TINY_WORKER_BLOCKED_ON_TERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print("peer went away; waiting as a collective would", flush=True)
     time.sleep(FOREVER_S)
 
