@@ -256,10 +256,10 @@ class WorkerGroup:
         while True:
             self._drain_lines(MAX_LINES_PER_POLL)
             self._stop_if_orphaned()
+            if self.idle:
+                self.idle.poll()  # may stop the group (a reclaim of idle slots)
             if self._stop_requested.is_set():
                 return GroupState.STOPPED, {}
-            if self.idle:
-                self.idle.poll()
             outcome = self._outcome(workers, time.monotonic(), started)
             if outcome is not None:
                 return outcome
