@@ -11,8 +11,6 @@ import collections
 import logging
 import os
 import queue
-import re
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +20,7 @@ from typing import IO
 
 from launcher.backend import Backend, WorkerHandle
 from launcher.errors import LaunchError
+from launcher.failures import exit_failure, hang_failure, startup_failure
 from launcher.idle import IdleWatch
 from launcher.log_policy import is_native_noise, verbose_environment
 from launcher.process import ORPHAN_GRACE_S, stop_ladder
@@ -52,9 +51,6 @@ READER_JOIN_S = 2.0
 MAX_LINE_BYTES = 64 << 10
 MAX_QUEUED_LINES = 10_000
 MAX_LINES_PER_POLL = 2_000
-# What TensorFlow's gRPC server (and Python's socket) print when the port was taken before the worker bound it.
-BIND_FAILURE = re.compile(r"address already in use|could not start grpc server|failed to add port|EADDRINUSE",
-                          re.IGNORECASE)
 
 LineSink = Callable[[int, str], None]
 StartedSink = Callable[[Sequence[WorkerOutcome], int], None]
@@ -78,16 +74,6 @@ class _Worker:
     def outcome(self) -> WorkerOutcome:
         return WorkerOutcome(self.spec.rank, self.spec.host, self.spec.port, self.handle.pid, self.spec.devices,
                              self.state, self.exit_code, self.handle.record(), self.handle.label())
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name} (signal {-code})"
-    return f"exited with code {code}"
 
 
 def _left_out(rank: int, count: int) -> str:
@@ -313,39 +299,19 @@ class WorkerGroup:
             worker.reader.join(READER_JOIN_S)  # the last lines are the ones that explain the exit
         joined = worker.state is WorkerState.READY
         worker.state = WorkerState.FAILED
-        code = worker.exit_code
-        tail = tuple(worker.tail)
-        kind = FailureKind.SIGNAL if code < 0 else FailureKind.EXIT_CODE
-        detail = _describe_exit(code)
-        if not joined and any(BIND_FAILURE.search(line) for line in tail):
-            kind = FailureKind.PORT_BIND
-            detail += f" before joining the group: port {worker.spec.port} was already in use"
-        return WorkerFailure(worker.spec.rank, worker.spec.host, worker.handle.pid, kind, code, elapsed, detail, tail)
+        return exit_failure(worker.spec, worker.handle.pid, worker.exit_code, elapsed, tuple(worker.tail),
+                            joined=joined)
 
     def _startup_failure(self, worker: _Worker, elapsed: float, workers: list[_Worker]) -> WorkerFailure:
         worker.state = WorkerState.FAILED
-        joined = [w.spec.rank for w in workers if w.state is WorkerState.READY]
-        waiting = worker.handle.waiting_reason()
-        detail = (
-            f"did not join the group within startup_timeout_s={self.spec.startup_timeout_s:g} s "
-            f"({f'never started: {waiting}' if waiting else 'still running'}, its address {worker.spec.address}; "
-            f"ranks that joined: {joined or 'none'}). "
-            "Likely causes: the worker is stuck before creating its strategy, an unreachable address or a closed "
-            "port in TF_CONFIG, a firewall, or a peer that never came up. Raise startup_timeout_s if start-up is "
-            "legitimately slow."
-        )
-        return WorkerFailure(worker.spec.rank, worker.spec.host, worker.handle.pid, FailureKind.STARTUP_TIMEOUT,
-                             None, elapsed, detail, tuple(worker.tail))
+        return startup_failure(worker.spec, worker.handle.pid, elapsed, tuple(worker.tail),
+                               timeout_s=self.spec.startup_timeout_s, waiting=worker.handle.waiting_reason(),
+                               joined=[w.spec.rank for w in workers if w.state is WorkerState.READY])
 
     def _hang_failure(self, worker: _Worker, elapsed: float, silent_s: float) -> WorkerFailure:
         worker.state = WorkerState.FAILED
-        detail = (
-            f"was alive but the whole group printed nothing for {silent_s:.0f} s "
-            f"(hang_timeout_s={self.spec.hang_timeout_s:g}): a hung collective, usually a peer that stopped "
-            "taking part. Raise hang_timeout_s if a step legitimately takes longer."
-        )
-        return WorkerFailure(worker.spec.rank, worker.spec.host, worker.handle.pid, FailureKind.HANG,
-                             None, elapsed, detail, tuple(worker.tail))
+        return hang_failure(worker.spec, worker.handle.pid, elapsed, tuple(worker.tail),
+                            timeout_s=self.spec.hang_timeout_s, silent_s=silent_s)
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
