@@ -166,6 +166,7 @@ def test_a_gpu_group_with_a_busy_gpu_is_not_reclaimed():
     for _ in range(MIN_SAMPLES):
         clock.now += 15
         idle.take_sample()
+    clock.now = 1000 + 61  # every sample within the window
     idle.poll()
     assert reclaims == []
     idle.stop()
@@ -174,3 +175,17 @@ def test_a_gpu_group_with_a_busy_gpu_is_not_reclaimed():
 def test_a_reclaim_limit_below_the_window_is_refused_naming_both():
     with pytest.raises(ValueError, match="reclaim_idle_after_s = 30 .* window max_idle_held_s = 60"):
         IdleWatch(60, step_of, lambda episode: None, reclaim_after_s=30, on_reclaim=lambda episode: None)
+
+
+def test_a_gpu_group_whose_gpus_stay_quiet_is_reclaimed_naming_their_peak():
+    clock, reclaims = Clock(), []
+    idle = IdleWatch(60, step_of, lambda episode: None, util_below_pct=5, sample_every_s=3600, reclaim_after_s=60,
+                     on_reclaim=reclaims.append, clock=clock)
+    idle.start("train", 1, (0, 1), lambda: {0: 0.0, 1: 3.0})  # a hung collective that does not spin
+    for _ in range(MIN_SAMPLES):
+        clock.now += 15
+        idle.take_sample()
+    clock.now = 1000 + 61
+    idle.poll()
+    assert [r.peak_util_pct for r in reclaims] == [{0: 0.0, 1: 3.0}]
+    idle.stop()
