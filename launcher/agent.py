@@ -47,6 +47,8 @@ from launcher.process import (
     wait_group_gone,
 )
 from launcher.protocol import (
+    ABORT_LINE,
+    ABORT_SIGNAL,
     AGENT_LINE,
     AGENT_MODULE,
     EXIT_LINE,
@@ -212,23 +214,31 @@ def _relay(source: IO[bytes], out: Output) -> None:
 
 
 class StopRequest:
-    """Why the worker must stop, once `event` is set: `asked` when the launcher wrote `STOP_LINE` first."""
+    """Why the worker must stop, once `event` is set: `asked` when the launcher wrote `STOP_LINE` or `ABORT_LINE`
+    first, `aborted` when it was `ABORT_LINE` (another rank failed: the first signal is ABORT_SIGNAL)."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.asked = False
+        self.aborted = False
 
     def grace_s(self, requested: float) -> float:
         return requested if self.asked else min(requested, ORPHAN_GRACE_S)
+
+    @property
+    def first_signal(self) -> signal.Signals:
+        return ABORT_SIGNAL if self.aborted else signal.SIGTERM
 
 
 def _watch_stdin(stdin: IO[bytes], stop: StopRequest) -> None:
     """Sets `stop` when stdin reaches EOF: sshd closes it when the channel closes or the connection drops."""
     seen = b""
+    window = max(len(STOP_LINE), len(ABORT_LINE))
     try:
         while chunk := stdin.read1(MAX_LINE_BYTES):
-            seen = (seen + chunk)[-len(STOP_LINE):]  # nothing else is expected after the request
-            stop.asked = stop.asked or seen == STOP_LINE
+            seen = (seen + chunk)[-window:]  # nothing else is expected after the request
+            stop.aborted = stop.aborted or seen.endswith(ABORT_LINE)
+            stop.asked = stop.asked or stop.aborted or seen.endswith(STOP_LINE)
     except (OSError, ValueError):
         pass
     stop.event.set()
@@ -260,11 +270,12 @@ def run_worker(request: dict[str, Any], out: Output, stdin: IO[bytes]) -> int:
     relay = threading.Thread(target=_relay, args=(worker.stdout, out), name="relay", daemon=True)
     relay.start()
     threading.Thread(target=_watch_stdin, args=(stdin, stop), name="stdin", daemon=True).start()
-    threading.Thread(target=lambda: stop.event.wait() and stop_group(pgid, stop.grace_s(grace_s)), name="stop",
-                     daemon=True).start()
+    threading.Thread(target=lambda: stop.event.wait() and stop_group(pgid, stop.grace_s(grace_s), stop.first_signal),
+                     name="stop", daemon=True).start()
 
     code = worker.wait()  # a signal runs its handler (stop.event.set) and the wait resumes
-    stop_group(pgid, stop.grace_s(grace_s) if stop.event.is_set() else grace_s)  # what it left in its group
+    # What it left in its group.
+    stop_group(pgid, stop.grace_s(grace_s) if stop.event.is_set() else grace_s, stop.first_signal)
     relay.join(OUTPUT_DRAIN_S)
     out.control(EXIT_LINE, {"code": code})
     return code_to_exit_status(code)

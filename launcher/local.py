@@ -48,6 +48,7 @@ from launcher.process import (
     signal_group,
 )
 from launcher.protocol import (
+    ABORT_SIGNAL,
     GROUP_ENV,
     LAUNCHER_WORKDIR_PREFIX,
     RUN_KEY_ENV,
@@ -125,6 +126,9 @@ class LocalWorkerHandle(WorkerHandle):
 
     def terminate(self) -> None:
         signal_group(self.pgid, signal.SIGTERM)
+
+    def abort(self) -> None:
+        signal_group(self.pgid, ABORT_SIGNAL)
 
     def kill(self) -> None:
         signal_group(self.pgid, signal.SIGKILL)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Mapping
@@ -46,6 +47,12 @@ LAUNCHER_WORKDIR_PREFIX = "tfmw-"
 EXIT_PEER_LOST = 3
 EXIT_PERMANENT = 65
 EXIT_PREEMPTED = 75
+# The launcher stops the rest of a group with this signal, not SIGTERM, when a rank failed (it died, hung or never
+# joined): no preemption checkpoint can complete without that rank, so nothing is worth waiting for. Its default
+# action ends the process even while it is blocked in a collective, where a Python handler for SIGTERM would never
+# run; the trainer holds it back only while it writes a checkpoint (trainer/runtime.py). SIGTERM stays a preemption
+# notice: a spot reclaim, a node drain, a pod's deletion, a task stopped from outside.
+ABORT_SIGNAL = signal.SIGUSR1
 
 def utc_now() -> str:
     """Now, as every record's `*_at` field and log header holds it: ISO 8601 in UTC, to the millisecond
@@ -62,11 +69,13 @@ def utc_timestamp(seconds: float) -> str:
 
 # The SSH agent's lines (launcher/agent.py; docs/CONTRACTS.md, "SSH backend <-> remote agent"). Around a `run`
 # worker's output the agent prints control lines, `<tag> <JSON object>`: AGENT_LINE once the worker started, EXIT_LINE
-# last. The launcher writes STOP_LINE after the request when it stops the worker itself (then the whole grace applies).
+# last. The launcher writes STOP_LINE after the request when it stops the worker itself (then the whole grace applies),
+# ABORT_LINE when it stops it because another rank failed.
 AGENT_MODULE = "launcher.agent"
 AGENT_LINE = "TFMW_AGENT"
 EXIT_LINE = "TFMW_EXIT"
 STOP_LINE = b"TFMW_STOP\n"
+ABORT_LINE = b"TFMW_ABORT\n"  # as STOP_LINE, for a stop after a rank failed: the agent signals ABORT_SIGNAL first
 
 
 def control_line(tag: str, payload: Mapping[str, Any]) -> bytes:

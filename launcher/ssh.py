@@ -33,7 +33,7 @@ from launcher.errors import InsufficientGPUsError, LaunchError
 from launcher.gpu_memory import idle_levels_mb
 from launcher.gpus import GPU_RELEASE_WAIT_S
 from launcher.process import ORPHAN_GRACE_S, exit_status_to_code
-from launcher.protocol import AGENT_LINE, AGENT_MODULE, STOP_LINE, read_control_line
+from launcher.protocol import ABORT_LINE, AGENT_LINE, AGENT_MODULE, STOP_LINE, read_control_line
 from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
 from launcher.state_record import StateRecord
 
@@ -120,9 +120,15 @@ class SSHWorkerHandle(WorkerHandle):
         return exit_status_to_code(status)
 
     def terminate(self) -> None:
+        self._ask_to_stop(STOP_LINE)
+
+    def abort(self) -> None:
+        self._ask_to_stop(ABORT_LINE)
+
+    def _ask_to_stop(self, line: bytes) -> None:
         try:
-            self.channel.sendall(STOP_LINE)
-            self.channel.shutdown_write()  # EOF on the agent's stdin: it ends the worker's group (TERM, grace, KILL)
+            self.channel.sendall(line)
+            self.channel.shutdown_write()  # EOF on the agent's stdin: it ends the worker's group (signal, grace, KILL)
         except (OSError, EOFError):
             pass
 

@@ -219,7 +219,7 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: R
     ranks' logs in the run's storage (`evaluate-<label>`), storage credentials as secrets only, one GPU per worker
     with `use_gpu` (none otherwise), the start-up and hang bounds of the run. A worker that fails fails the
     evaluation, naming its rank. Held without progress past `max_idle_held_s` it warns as training does (mailed
-    when `run_id` is given)."""
+    when `run_id` is given), and past `reclaim_idle_after_s` it is stopped and the evaluation fails, saying so."""
     from launcher import GroupSpec
     from tasks.connections import storage_env
     from tasks.launch import IdleSettings, RecordedLaunch
@@ -238,11 +238,14 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: R
     log.info("Evaluating %s on %d worker(s) of backend %s", model_url, workers, cfg.launch.backend)
     backend = make_backend(cfg)
     try:
-        result = RecordedLaunch(spec, backend, StorageLayout(cfg.storage_root).run(run_key),
+        launch = RecordedLaunch(spec, backend, StorageLayout(cfg.storage_root).run(run_key),
                                 on_line=lambda rank, line: log.info("[evaluate %s %d] %s", label, rank, line),
-                                idle=IdleSettings.of(cfg, run_id, spec.name)).run_group()
+                                idle=IdleSettings.of(cfg, run_id, spec.name))
+        result = launch.run_group()
     finally:
         backend.close()
+    if launch.reclaimed is not None:
+        raise EvaluationError(f"evaluating {model_url} on {workers} worker(s): {launch.reclaimed.text}")
     if not result.succeeded:
         raise EvaluationError(f"evaluating {model_url} on {workers} worker(s) failed: {result.error_message()}")
     evaluation = _combined(parts, output_url, model_url)

@@ -16,7 +16,8 @@ EXIT_PERMANENT (a refused setting, bad data, a diverged loss) fails the task at 
 whatever its retries; a group whose failed ranks all exited EXIT_PREEMPTED (each saved the checkpoint the next attempt
 resumes from) is rescheduled with `AirflowRescheduleException`, which Airflow 3.3 runs again without counting a try
 (models/dagrun.py keeps `try_number` for UP_FOR_RESCHEDULE), up to `preemption_reschedules` times; anything else
-raises the group's error and uses the task's retries.
+raises the group's error and uses the task's retries. A group stopped because it held its slots idle for
+`reclaim_idle_after_s` fails the task with `IdleReclaimedError`, an `AirflowFailException`: no retry.
 """
 
 from __future__ import annotations
@@ -76,6 +77,17 @@ class NotRetryableError(WorkerFailedError, AirflowFailException):
         note = (f"A rank exited {EXIT_PERMANENT}: a retry cannot fix this (a refused setting, bad data or a diverged "
                 "loss), so the task fails now without spending its retries.")
         self.args = (f"{result.error_message()}\n{note}",)
+
+
+class IdleReclaimedError(WorkerGroupStoppedError, AirflowFailException):
+    """The group was stopped because it held its slots idle for `reclaim_idle_after_s` (tasks/launch.py): a retry
+    would hold them the same way, so the task fails without one. Its message is the reclaim's text."""
+
+    def __init__(self, result: RunResult, reclaim_text: str) -> None:
+        super().__init__(result)
+        note = ("The group's slots were reclaimed: the task fails without spending its retries (the next run "
+                "resumes from the last checkpoint in its output).")
+        self.args = (f"{reclaim_text}\n{note}",)
 
 
 class TFMultiWorkerOperator(BaseOperator):
@@ -199,6 +211,8 @@ class TFMultiWorkerOperator(BaseOperator):
             if self._live_metrics.malformed:
                 self.log.warning("%d malformed live metrics line(s) ignored (the ranks' log files keep them)",
                                  self._live_metrics.malformed)
+        if self.group.reclaimed is not None and not self._killed:
+            raise IdleReclaimedError(result, self.group.reclaimed.text)
         if self._killed or result.state is GroupState.STOPPED:
             raise WorkerGroupStoppedError(result)
         if not result.succeeded:

@@ -20,7 +20,7 @@ import pytest
 
 from launcher.host_probe import VERSIONED_PACKAGES
 from launcher.process import ORPHAN_GRACE_S, live_group_members
-from launcher.protocol import STOP_LINE, read_control_line
+from launcher.protocol import ABORT_LINE, ABORT_SIGNAL, STOP_LINE, read_control_line
 from tests.launcher.conftest import ENTRYPOINTS, alive
 
 AGENT = [sys.executable, "-u", "-m", "launcher.agent"]
@@ -177,6 +177,20 @@ def test_the_whole_grace_applies_only_to_a_stop_the_launcher_asked_for(agents, t
     elapsed = time.monotonic() - since
     print(f"\nstdin closed without the stop line: stubborn worker killed after {elapsed:.2f} s")
     assert ORPHAN_GRACE_S <= elapsed < ORPHAN_GRACE_S + 3 and not alive(worker) and not alive(child)
+
+
+def test_the_abort_line_ends_a_worker_that_ignores_sigterm_at_once(agents, tmp_path):
+    """Another rank failed: the launcher writes the abort line, and the group gets ABORT_SIGNAL, not SIGTERM."""
+    agent = agents({**_request(tmp_path), "grace_s": 30})
+    _, worker, child = _started(agent)
+    since = time.monotonic()
+    agent.process.stdin.write(ABORT_LINE)
+    agent.process.stdin.close()
+    assert agent.finish() == 128 + ABORT_SIGNAL
+    elapsed = time.monotonic() - since
+    print(f"\nabort line: the worker and its child gone {elapsed:.2f} s later (grace 30 s)")
+    assert _control(agent.lines[-1], "TFMW_EXIT") == {"code": -ABORT_SIGNAL} and "TERM ignored" not in agent.lines
+    assert not alive(worker) and not alive(child) and elapsed < 2
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])

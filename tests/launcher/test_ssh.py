@@ -21,11 +21,11 @@ import pytest
 from tf_multiworker.backends import DEFAULT_REMOTE_WORKDIR, ssh_backend
 
 from launcher import FailureKind, GroupSpec, GroupState, LaunchError, WorkerGroup, error_for
-from launcher.protocol import GROUP_ENV, RUN_KEY_ENV
+from launcher.protocol import ABORT_SIGNAL, GROUP_ENV, RUN_KEY_ENV
 from launcher.ssh import RemoteHost
 from tasks.launch import RecordedLaunch
 from tasks.release import processes_of_run
-from tests.launcher.conftest import REPO, entrypoint_env, start_launcher, wait_for
+from tests.launcher.conftest import REPO, entrypoint_env, run_past_sigkill, start_launcher, wait_for
 from trainer.config import RunConfig
 from trainer.layout import StorageLayout
 from trainer.storage import read_json
@@ -141,6 +141,24 @@ def test_a_worker_sigkilled_on_one_host_fails_the_group_naming_host_and_rank(ssh
     assert result.state is GroupState.FAILED and result.failures[1].kind is FailureKind.SIGNAL
     assert f"rank 1 (host {ssh_hosts[1].address}, pid " in message and "killed by SIGKILL" in message
     assert _wait_gone(key, 10) == {}, "a process of the run outlived the group on some host"
+
+
+def test_a_rank_sigkilled_on_one_host_ends_a_survivor_that_outlives_sigterm_within_2_seconds(ssh_hosts, connections,
+                                                                                              tmp_path):
+    """The survivor outlives SIGTERM (as the trainer blocked in a collective with its dead peer does): the launcher
+    asks the other host's agent to abort it, well inside the 30 s grace."""
+    key = "ssh-sigkill-abort"
+    spec = _spec(key, grace_period_s=30,
+                 env=entrypoint_env(TINY_WORKER_FAULT="1:sigkill", TINY_WORKER_BLOCKED_ON_TERM="1"))
+    backend = _backend(connections)
+    try:
+        result, ended_after_s = run_past_sigkill(spec, backend, tmp_path)
+    finally:
+        backend.close()
+    print(f"\nrank 1 SIGKILLed on {ssh_hosts[1].address}: the group ended {ended_after_s:.2f} s later")
+    assert result.failures[1].kind is FailureKind.SIGNAL and set(result.failures) == {1}
+    assert result.workers[0].exit_code == -ABORT_SIGNAL and ended_after_s < 2
+    assert _wait_gone(key, 0.5) == {}, "a process of the run outlived the group on some host"
 
 
 def test_stopping_the_group_ends_every_remote_process_within_seconds(ssh_hosts, connections, tmp_path):

@@ -102,6 +102,21 @@ def test_a_preempted_group_runs_again_without_spending_a_retry(airflow_env, tmp_
     assert result["task_states"]["group"] == "failed" and result["try_numbers"]["group"] == 1
 
 
+def test_a_group_held_idle_is_reclaimed_and_fails_the_task_on_its_first_try(airflow_env, tmp_path):
+    """Tiny workers that talk but no longer train: reclaimed after reclaim_idle_after_s, each rank saves its
+    checkpoint on the SIGTERM, and the task fails on try 1 although it has 2 retries."""
+    checkpoints = tmp_path / "checkpoints"
+    result, task_log = _run(airflow_env, tmp_path, retries=2, max_idle_held_s=1, reclaim_idle_after_s=2, worker_env={
+        "TINY_WORKER_STEPS": "100000", "TINY_WORKER_STEP_S": "0.1", "TINY_WORKER_LIVE_STEPS": "3",
+        "TINY_WORKER_CHECKPOINT_ON_TERM": str(checkpoints)})
+    assert result["task_states"]["group"] == "failed", failure_excerpt(task_log)
+    assert result["try_numbers"]["group"] == 1, "the task was retried"
+    assert "IdleReclaimedError" in task_log and "reclaimed after 2 s idle: GPU time: group (attempt 1)" in task_log
+    assert "the task fails without spending its retries" in task_log
+    assert task_log.count("attempt 1 of 3 on backend local") == 1  # one launch in all
+    assert sorted(path.name.split("-step-")[0] for path in checkpoints.iterdir()) == ["rank-0", "rank-1"]
+
+
 def test_a_diverged_loss_fails_train_on_its_first_try_through_the_task_runner(airflow_env, tmp_path):
     """The real trainer on 2 tiny CPU workers: the loss diverges, every rank exits 65 and the task fails on try 1
     although it has 2 retries."""

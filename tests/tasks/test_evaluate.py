@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import signal
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -210,6 +211,18 @@ def test_a_sampled_evaluation_reports_its_share_and_widens_loss_parity_by_the_pa
     assert "Evaluation: 512 of 2,560 validation tokens (20.0%; 8 sequences), sample" in markdown
     assert f"| 5.3050 ± {distributed['eval_loss_se']:.4f} |" in markdown
     assert report["baseline"]["key"] != trained_run(root, "manual__all", eval_tokens=0).baseline_key
+
+
+def test_an_evaluation_held_idle_past_the_reclaim_limit_fails_saying_so(root, evaluations):
+    model = join(root, "model")
+    write_json_atomic(join(model, "fixture_eval.json"), {"eval_loss": 5.3, "hang_s": 120})  # never a step
+    cfg = RunConfig.of(storage_root=root, max_idle_held_s=1, reclaim_idle_after_s=2)
+    started = time.monotonic()
+    with pytest.raises(evaluate.EvaluationError, match=r"on 2 worker\(s\): reclaimed after 2 s idle: GPU time: "
+                                                        r"evaluate-distributed \(attempt 1\) held 2 slot"):
+        evaluate.run_evaluation(model, run_fixtures.write_manifest(root), join(root, "eval.json"), cfg=cfg,
+                                run_key="run-of-eval", label="distributed", make_backend=make_backend)
+    assert time.monotonic() - started < 60
 
 
 def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, caplog):

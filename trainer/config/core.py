@@ -139,12 +139,27 @@ def _check_alerts(cfg: Any) -> None:
                           "the alerts go to.")
 
 
+def _check_reclaim(cfg: Any) -> None:
+    """Reclaiming idle GPUs acts on the idle-held watch's verdict, which needs `max_idle_held_s` of evidence."""
+    watch = cfg.monitoring
+    if not watch.reclaim_idle_after_s:
+        return
+    if not watch.max_idle_held_s:
+        raise ConfigError(f"Setting 'reclaim_idle_after_s' = {watch.reclaim_idle_after_s} needs the idle-held watch: "
+                          "set 'max_idle_held_s' (its window) above 0 and at most reclaim_idle_after_s.")
+    if watch.reclaim_idle_after_s < watch.max_idle_held_s:
+        raise ConfigError(f"Setting 'reclaim_idle_after_s' = {watch.reclaim_idle_after_s} is below the idle-held "
+                          f"watch's window 'max_idle_held_s' = {watch.max_idle_held_s}: a group is idle only after "
+                          "that window; raise reclaim_idle_after_s to at least it, or lower max_idle_held_s.")
+
+
 def check_core_settings(cfg: Any) -> None:
     """The bounds of a RunConfig's numeric settings, and the rules of its model, tokenizer, data, training,
     promotion and monitoring settings."""
     _check_one_gpu_per_worker(cfg)
     _check_bounds(cfg)
     _check_alerts(cfg)
+    _check_reclaim(cfg)
     for name in ("mixed_precision", "baseline", "promote", "capacity"):
         check_choice(name, schema.value_of(cfg, name), schema.choices(name))
     check_model_name("model_name", cfg.promotion.model_name)

@@ -246,6 +246,10 @@ SETTINGS: tuple[Setting, ...] = (
        enum=["on_demand", "reserved", "spot"]),
     _s("max_idle_held_s", _MONITORING, 900, "integer", "Idle-held warning (s)",
        "Warn when a group held its GPUs this long without step progress (0 = off).", minimum=0, maximum=30 * 86_400),
+    _s("reclaim_idle_after_s", _MONITORING, 0, "integer", "Reclaim idle GPUs after (s)",
+       "Stop a group held this long without step progress (idle as the idle-held warning decides it): its ranks save "
+       "a checkpoint if they still can, and the task fails without a retry (0 = off; at least max_idle_held_s).",
+       minimum=0, maximum=30 * 86_400),
     _s("idle_gpu_util_pct", _MONITORING, 5, "integer", "Idle GPU utilization (%)",
        "GPU runs: a group without step progress is idle only while every NVML utilization sample of its GPUs over "
        "that time is below this (missing samples count as busy).", minimum=0, maximum=100),

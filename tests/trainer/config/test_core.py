@@ -56,12 +56,22 @@ def test_presets_fit_their_block_sizes():
     ({"alert_conn_id": "alerts", "alert_emails": "ops@example.com"}, ["'alert_emails' must be a list of strings"]),
     ({"max_loss_rise": -1}, ["'max_loss_rise' = -1.0 is out of range", "0.0 to 100.0"]),
     ({"min_throughput_ratio": 1.5}, ["'min_throughput_ratio' = 1.5 is out of range", "0.0 to 1.0"]),
+    ({"reclaim_idle_after_s": 600}, ["'reclaim_idle_after_s' = 600 is below the idle-held watch's window",
+                                     "'max_idle_held_s' = 900"]),
+    ({"reclaim_idle_after_s": 600, "max_idle_held_s": 0}, ["'reclaim_idle_after_s' = 600 needs the idle-held watch",
+                                                           "'max_idle_held_s'"]),
 ], ids=["emails-without-connection", "connection-without-emails", "not-an-address", "emails-not-a-list",
-        "negative-rise", "ratio-above-1"])
+        "negative-rise", "ratio-above-1", "reclaim-below-the-window", "reclaim-without-the-watch"])
 def test_bad_monitoring_settings_are_refused_naming_the_setting(params, fragments):
     with pytest.raises(ConfigError) as raised:
         RunConfig.from_params(params)
     assert all(fragment in str(raised.value) for fragment in fragments), str(raised.value)
+
+
+def test_reclaiming_idle_gpus_is_off_by_default_and_may_equal_the_watch_window():
+    assert RunConfig.from_params({}).monitoring.reclaim_idle_after_s == 0
+    cfg = RunConfig.from_params({"reclaim_idle_after_s": 900})
+    assert cfg.monitoring.reclaim_idle_after_s == 900 and RunConfig.from_saved(cfg.to_dict()) == cfg
 
 
 def test_alert_settings_round_trip_and_cleared_fields_mean_no_alerts():
