@@ -74,10 +74,10 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
                              block_size=32, vocab_size=320, num_train_shards=4, max_chars=20_000)
     key = run_key(run_fixtures.DAG_ID, "elastic")
     run = StorageLayout(storage).run(key)
-    cfg = RunConfig(num_workers=4, min_workers=2, model="tiny", tokenizer="bpe:320", block_size=32,
-                    batch_size_per_worker=2, max_steps=STEPS, warmup_steps=2, learning_rate=3e-3, num_shards=4,
-                    checkpoint_every_steps=CHECKPOINT_EVERY, storage_root=storage, baseline="skip",
-                    startup_timeout_s=240, hang_timeout_s=240)
+    cfg = RunConfig.of(num_workers=4, min_workers=2, model="tiny", tokenizer="bpe:320", block_size=32,
+                       batch_size_per_worker=2, max_steps=STEPS, warmup_steps=2, learning_rate=3e-3, num_shards=4,
+                       checkpoint_every_steps=CHECKPOINT_EVERY, storage_root=storage, baseline="skip",
+                       startup_timeout_s=240, hang_timeout_s=240)
     # Laid out as publish lays a run out: the operator pins the digest of this configuration, its run_config.
     prepared = lay_out_run(cfg, read_json(manifest), manifest, key, run_id="elastic")
 

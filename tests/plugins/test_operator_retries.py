@@ -110,8 +110,9 @@ def test_a_diverged_loss_fails_train_on_its_first_try_through_the_task_runner(ai
     although it has 2 retries."""
     storage, key = tmp_path / "storage", f"diverged-{uuid.uuid4().hex[:8]}"
     result, task_log = _run(airflow_env, tmp_path, manifest=write_tiny_dataset(storage / "datasets"),
-                            entrypoint="trainer.train", retries=2, startup_timeout_s=240, run_key=key, **FAST_STEPS,
-                            max_steps=200, learning_rate=1.0, warmup_steps=0, max_loss_rise=0.5)
+                            entrypoint="trainer.train", retries=2, startup_timeout_s=240, run_key=key,
+                            **{**FAST_STEPS, "max_steps": 200, "learning_rate": 1.0, "warmup_steps": 0,
+                               "max_loss_rise": 0.5})
     assert result["task_states"]["group"] == "failed", failure_excerpt(task_log)
     assert result["try_numbers"]["group"] == 1, "train was retried"
     assert "NotRetryableError" in task_log and f"exited with code {EXIT_PERMANENT}" in task_log
