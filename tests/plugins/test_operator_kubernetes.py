@@ -62,9 +62,11 @@ def connection(cluster: FakeKubernetes) -> dict[str, str]:
 
 def pod_case(tmp_path: Path, backend_name: str = "kubernetes", **kwargs) -> Path:
     """A harness case whose pods share this machine's disk, as the fake cluster's do (a real cluster's pods do not:
-    RunConfig refuses a local storage root for them, and the harness lifts that one rule for this case)."""
+    RunConfig refuses a local storage root for them, and the harness, like the pods' workers, lifts that one rule for
+    this case: the workers load the run's configuration as the operator checked it, backend and all)."""
+    worker_env = {"TFMW_TEST_SHARED_DISK": "1", **kwargs.pop("worker_env", {})}  # tests/launcher/entrypoints
     case = _case(tmp_path, backend=backend_name, kubernetes_conn_id=CONN_ID, namespace="default",
-                 image="gpt-finetune-trainer:test", **kwargs)
+                 image="gpt-finetune-trainer:test", worker_env=worker_env, **kwargs)
     case.write_text(json.dumps({**json.loads(case.read_text()), "shared_disk": True}))
     return case
 
