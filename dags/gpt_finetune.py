@@ -115,22 +115,25 @@ def publish(run_id=None, dag_run=None, ti=None, outlet_events=None) -> dict:
     return prepared_run.to_xcom()
 
 
+# Later tasks act on URLs they derive from their own DAG run (tasks/checked_run.py), the XCom's checked against them.
 @task.short_circuit(task_id="plan_baseline", ignore_downstream_trigger_rules=False)
-def plan_baseline(prepared_run: dict) -> bool:
+def plan_baseline(prepared_run: dict, run_id=None, dag_run=None) -> bool:
     from tasks.baseline import plan_baseline as plan
+    from tasks.checked_run import OwnRun
     from tasks.prepared_run import PreparedRun
 
-    return plan(PreparedRun.from_xcom(prepared_run))
+    return plan(PreparedRun.from_xcom(prepared_run), OwnRun(dag_run.dag_id, run_id))
 
 
 @task(task_id="evaluate", trigger_rule="none_failed", retries=0)  # its pool (gpu_slots) is set where it is wired
-def evaluate(prepared_run: dict) -> dict:
+def evaluate(prepared_run: dict, run_id=None, dag_run=None) -> dict:
     from tf_multiworker.backends import make_backend
 
+    from tasks.checked_run import OwnRun
     from tasks.evaluate import evaluate_run
     from tasks.prepared_run import PreparedRun
 
-    return evaluate_run(PreparedRun.from_xcom(prepared_run), make_backend)
+    return evaluate_run(PreparedRun.from_xcom(prepared_run), OwnRun(dag_run.dag_id, run_id), make_backend)
 
 
 # all_done: a run whose gates failed still gets its verdict ("not promoted: the gates failed") in the report.
@@ -138,6 +141,7 @@ def evaluate(prepared_run: dict) -> dict:
 def promote(ti=None, outlet_events=None) -> dict:
     from airflow.sdk.exceptions import AirflowSkipException
 
+    from tasks.checked_run import OwnRun
     from tasks.prepared_run import PreparedRun
     from tasks.promote import NoReportError, promote_run
 
@@ -145,7 +149,7 @@ def promote(ti=None, outlet_events=None) -> dict:
     if not prepared_run:
         raise AirflowSkipException("prepare did not finish: nothing to promote.")
     try:
-        promotion = promote_run(PreparedRun.from_xcom(prepared_run))
+        promotion = promote_run(PreparedRun.from_xcom(prepared_run), OwnRun(ti.dag_id, ti.run_id))
     except NoReportError as error:
         raise AirflowSkipException(str(error)) from error
     if promotion["promoted"]:
@@ -210,12 +214,11 @@ def gpt_finetune():
             entrypoint=entrypoint,
             # The validated configuration, once: backend, worker count, GPU use, timeouts, storage and connection.
             run_config="{{ ti.xcom_pull(task_ids='" + PREPARED + "')['config'] }}",
-            # The workers' --config and --output; no run_key: the operator derives it from (dag_id, run_id).
+            # The workers' --config and --output; no run_key: the operator derives it from (dag_id, run_id) and
+            # holds these to that run's layout, and pins the config's digest itself (trainer/config/pinned.py).
             config_url=prepared(config),
             output_url=prepared(output),
             args=["--manifest", prepared("manifest_url"), *extra_args],
-            # The digest prepare pinned for that file: the workers refuse it changed (trainer/config/pinned.py).
-            config_sha256=prepared(config.removesuffix("_url") + "_sha256"),
             pool=GPU_POOL,  # with use_gpu, one slot per worker (tf_multiworker/gpu_admission.py); CPU runs: none
             **kwargs,
         )

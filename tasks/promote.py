@@ -29,16 +29,16 @@ from launcher.protocol import utc_now
 from tasks import exports, registry
 from tasks import report as reports
 from tasks.base_models import pinned_base
+from tasks.checked_run import CheckedRun, OwnRun, checked_run
 from tasks.connections import uses_run_storage
 from tasks.formatting import nats
-from tasks.policy import checked_config
 from tasks.registry import Entry, Pointer, PromotedVersion, VersionFile, VersionRecord
 from tasks.report_document import RunFigures, RunReport
 from tasks.report_file import read_record
 from tasks.report_parts import RunView, with_exports
 from trainer.config import AccessPolicy, ConfigError, RunConfig
 from trainer.eval_result import GATE_STANDARD_ERRORS
-from trainer.layout import PROMOTION_JSON, REPORT_JSON, ModelLayout, VersionLayout
+from trainer.layout import REPORT_JSON, ModelLayout, VersionLayout
 from trainer.storage import (
     exists,
     filesystem,
@@ -92,21 +92,24 @@ class Verdict:
 
 
 @uses_run_storage
-def promote_run(prepared: PreparedRun) -> dict[str, Any]:
-    """Promote (or not) this run's model; returns the outcome, which promotion.json records beside the report with
-    the export gates it was decided on (report.json stays evaluate's, report.md is release's)."""
-    cfg = checked_config(prepared.config)
-    report_json = join(prepared.report_url, REPORT_JSON)
+def promote_run(prepared: PreparedRun, own: OwnRun) -> dict[str, Any]:
+    """Promote (or not) the model of DAG run `own`; returns the outcome, which promotion.json records beside the
+    report with the export gates it was decided on (report.json stays evaluate's, report.md is release's). Every
+    URL is the run's own (tasks/checked_run.py): the report, the model and the exports of its train folder."""
+    checked = checked_run(prepared, own)
+    cfg = checked.cfg
+    report_json = checked.run.report_json
     if not exists(report_json):
         raise NoReportError(
-            f"Run {prepared.run_id} has no report at {report_json}: evaluate failed before writing it (see its "
+            f"Run {checked.run_id} has no report at {report_json}: evaluate failed before writing it (see its "
             "log), so no model is promoted.")
     report = RunReport.from_json(read_record(report_json), report_json)
-    exported = exports.export_part(report, cfg)
-    outcome = promote(prepared, cfg, with_exports(RunView(report), exported),
-                      registry.model_layout(cfg.storage_root, cfg.promotion.model_name))
+    check_model_url(report, checked, report_json)
+    exported = exports.export_part(checked.train, cfg)
+    outcome = promote(prepared, checked, with_exports(RunView(report), exported),
+                      checked.storage.model(cfg.promotion.model_name))
     part = exported.to_json() if exported else {}
-    write_json_atomic(join(prepared.report_url, PROMOTION_JSON), {**outcome, **part})
+    write_json_atomic(checked.run.promotion, {**outcome, **part})
     if outcome["promoted"]:
         log.info("Promoted run %s to %s %s (%s): %s", prepared.run_id, cfg.promotion.model_name, outcome["version"],
                  outcome["url"], outcome["reason"])
@@ -116,14 +119,26 @@ def promote_run(prepared: PreparedRun) -> dict[str, Any]:
     return outcome
 
 
-def promote(prepared: PreparedRun, cfg: RunConfig, view: RunView, layout: ModelLayout) -> dict[str, Any]:
+def check_model_url(report: RunReport, checked: CheckedRun, report_json: str) -> None:
+    """The report's model is the run's own: a report.json rewritten to name another folder is refused (promote
+    copies only from the run's train folder, whatever the report names)."""
+    named = report.runs.distributed.model_url
+    if named != checked.train.model:
+        raise exports.ForeignModelError(
+            f"{report_json}: runs.distributed.model_url = {named!r} is not this run's model (it must be "
+            f"{checked.train.model!r}, the train folder of run key {checked.key!r} under setting 'storage_root'): "
+            "the report was rewritten after evaluate wrote it, so nothing is promoted. Run evaluate again.")
+
+
+def promote(prepared: PreparedRun, checked: CheckedRun, view: RunView, layout: ModelLayout) -> dict[str, Any]:
     """Decide against the current pointer, publish a complete version, swap the pointer; on a lost swap decide
     again against the pointer that won. `view`: evaluate's report with promote's export gates."""
+    cfg = checked.cfg
     version: VersionLayout | None = None
     number = 0
     for _ in range(MAX_SWAP_ATTEMPTS):
-        pointer, token = registry.read_pointer(layout.latest)
-        earlier = [entry for entry in (pointer.history if pointer else ()) if entry.run_key == prepared.run_key]
+        pointer, token = registry.read_pointer(layout)
+        earlier = [entry for entry in (pointer.history if pointer else ()) if entry.run_key == checked.key]
         if earlier:  # a retry after the pointer moved: the run has its version, it gets no second one
             reason = f"already promoted to {earlier[-1].version} by an earlier attempt of this task."
             return outcome(cfg, Verdict(True, reason), promoted=True, entry=earlier[-1])
@@ -136,15 +151,15 @@ def promote(prepared: PreparedRun, cfg: RunConfig, view: RunView, layout: ModelL
         if version is None or number <= current:  # the pointer only moves to higher numbers
             if version is not None:
                 remove_tree(version.url)
-            number = registry.claim_version(layout, current, prepared.run_id)
+            number = registry.claim_version(layout, current, checked.run_id)
             version = layout.version(number)
-            publish_version(version, prepared, cfg, view, number, verdict)
-        entry = history_entry(version, prepared, view.report, number)
+            publish_version(version, prepared, checked, view, number, verdict)
+        entry = history_entry(version, checked, view.report, number)
         if registry.swap_pointer(layout.latest, token, Pointer.moved_to(entry, cfg.promotion.model_name, pointer)):
             return outcome(cfg, verdict, promoted=True, entry=entry)
         log.info("Another promotion moved %s first; deciding again against it.", layout.latest)
     raise registry.RegistryError(
-        f"{layout.latest} kept changing under {MAX_SWAP_ATTEMPTS} promotion attempts of run {prepared.run_id}: "
+        f"{layout.latest} kept changing under {MAX_SWAP_ATTEMPTS} promotion attempts of run {checked.run_id}: "
         "other runs are promoting continuously; trigger this run's promote task again.")
 
 
@@ -222,36 +237,36 @@ def outcome(cfg: RunConfig, verdict: Verdict, *, promoted: bool, entry: Entry | 
             "model_url": entry.model_url if entry else None, "event": event, "decided_at": utc_now()}
 
 
-def history_entry(version: VersionLayout, prepared: PreparedRun, report: RunReport, number: int) -> Entry:
+def history_entry(version: VersionLayout, checked: CheckedRun, report: RunReport, number: int) -> Entry:
     """The pointer's entry of the version this run became."""
     distributed = report.runs.distributed
     return Entry(version=f"v{number}", number=number, url=version.url, model_url=version.model,
-                 run_id=prepared.run_id, run_key=prepared.run_key, promoted_at=utc_now(),
+                 run_id=checked.run_id, run_key=checked.key, promoted_at=utc_now(),
                  eval_loss=distributed.eval_loss, perplexity=distributed.perplexity,
                  eval_loss_se=distributed.eval_loss_se, eval_sample=_sample_id(report),
                  dataset_fingerprint=report.dataset_fingerprint,
-                 run_report_url=join(prepared.report_url, REPORT_JSON))
+                 run_report_url=checked.run.report_json)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # a version's files
 
 
-def publish_version(version: VersionLayout, prepared: PreparedRun, cfg: RunConfig, view: RunView,
+def publish_version(version: VersionLayout, prepared: PreparedRun, checked: CheckedRun, view: RunView,
                     number: int, verdict: Verdict) -> None:
-    """Model, report (with the export gates and record) and model card, then version.json listing them: complete,
-    or never pointed to."""
-    report = view.report
+    """The model and exports of the run's own train folder, the report (with the export gates and record) and model
+    card, then version.json listing them: complete, or never pointed to."""
+    cfg, report = checked.cfg, view.report
     distributed = report.runs.distributed
-    files = registry.copy_into(version, "model", distributed.model_url)
-    files += exports.copy_exports(view.exported, exports.train_output(report), version)
+    files = registry.copy_into(version, "model", checked.train.model)
+    files += exports.copy_exports(view.exported, checked.train, version)
     write_json_atomic(version.report, view.to_json())
     write_bytes_atomic(version.model_card, model_card(cfg, prepared, view, number, verdict).encode("utf-8"))
     files += [VersionFile("report.json", _size(version.report)),
               VersionFile("model_card.md", _size(version.model_card))]
     write_json_atomic(version.record, VersionRecord(
         format_version=VERSION_FORMAT_VERSION, name=cfg.promotion.model_name, version=f"v{number}",
-        run_id=prepared.run_id, run_key=prepared.run_key, created_at=utc_now(),
+        run_id=checked.run_id, run_key=checked.key, created_at=utc_now(),
         eval_loss=distributed.eval_loss, perplexity=distributed.perplexity,
         eval_loss_se=distributed.eval_loss_se, eval_sample=_sample_id(report),
         dataset_fingerprint=report.dataset_fingerprint, base_model=pinned_base(cfg), files=tuple(files),
@@ -320,7 +335,10 @@ def resolve_promoted_model(cfg: RunConfig) -> tuple[RunConfig, PromotedVersion |
     if name is None:
         return cfg, None
     layout = registry.model_layout(cfg.storage_root, name)
-    pointer = registry.read_latest(layout)
+    try:
+        pointer = registry.read_latest(layout)
+    except registry.RegistryError as error:  # e.g. a pointer that names a model outside its version's folder
+        raise ConfigError(f"Setting 'model' = {cfg.model!r}: {error}") from error
     if pointer is None:
         raise ConfigError(
             f"Setting 'model' = {cfg.model!r}: no promoted version of '{name}' exists ({layout.latest} is missing). "

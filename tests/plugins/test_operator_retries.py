@@ -23,7 +23,7 @@ from tests.trainer.long_run import FAST_STEPS, write_tiny_dataset
 
 
 def _operator(**changes) -> TFMultiWorkerOperator:
-    kwargs = {"task_id": "train", "entrypoint": "trainer.train", "args": ["--config", "c"], "run_key": "r",
+    kwargs = {"task_id": "train", "entrypoint": "trainer.train", "args": ["--steps", "3"], "run_key": "r",
               "run_config": {"num_workers": 2, "storage_root": "/tmp/x"}, "preemption_reschedules": 2}
     return TFMultiWorkerOperator(**{**kwargs, **changes})
 
@@ -72,9 +72,12 @@ def test_the_group_grace_covers_the_preemption_checkpoint_deadline():
 
 # -- through Airflow's task runner ------------------------------------------------------------------------------
 
-def _run(airflow_env, tmp_path, **case) -> tuple[dict, str]:
+def _run(airflow_env, tmp_path, manifest: str | None = None, **case) -> tuple[dict, str]:
+    """A harness run of `case`; with `manifest`, of a run laid out as prepare does (`prepared_launch`)."""
     harness = {key: case.pop(key) for key in ("retries", "operator_args") if key in case}
     case_file = _case(tmp_path, **case)
+    if manifest:
+        prepared_launch(case_file, manifest)
     extra = json.loads(case_file.read_text())
     extra.update(harness)
     case_file.write_text(json.dumps(extra))
@@ -121,11 +124,10 @@ def test_a_diverged_loss_fails_train_on_its_first_try_through_the_task_runner(ai
     """The real trainer on 2 tiny CPU workers: the loss diverges, every rank exits 65 and the task fails on try 1
     although it has 2 retries."""
     storage, key = tmp_path / "storage", f"diverged-{uuid.uuid4().hex[:8]}"
-    args, pinned = prepared_launch(storage, key, write_tiny_dataset(storage / "datasets"), {
-        "num_workers": 2, **FAST_STEPS, "max_steps": 200, "learning_rate": 1.0, "warmup_steps": 0,
-        "max_loss_rise": 0.5})
-    result, task_log = _run(airflow_env, tmp_path, entrypoint="trainer.train", retries=2, startup_timeout_s=240,
-                            run_key=key, args=args, operator_args=pinned)
+    result, task_log = _run(airflow_env, tmp_path, manifest=write_tiny_dataset(storage / "datasets"),
+                            entrypoint="trainer.train", retries=2, startup_timeout_s=240, run_key=key,
+                            **{**FAST_STEPS, "max_steps": 200, "learning_rate": 1.0, "warmup_steps": 0,
+                               "max_loss_rise": 0.5})
     assert result["task_states"]["group"] == "failed", failure_excerpt(task_log)
     assert result["try_numbers"]["group"] == 1, "train was retried"
     assert "NotRetryableError" in task_log and f"exited with code {EXIT_PERMANENT}" in task_log

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from tasks.checked_run import OwnRun
 from tasks.prepared_run import PreparedRun
 from trainer.config import RunConfig
 from trainer.config.core import EXPORT_FORMATS
@@ -113,6 +114,12 @@ def prepare_run(root: str, run_id: str, manifest_url: str | None = None, **setti
     cfg = RunConfig.from_params({"storage_root": root, **settings})
     prepared = lay_out_run(cfg, read_json(manifest_url), manifest_url, run_key(DAG_ID, run_id), run_id=run_id)
     return PreparedRun.from_xcom(json.loads(json.dumps(prepared.to_xcom())))
+
+
+def own_run(prepared: PreparedRun) -> OwnRun:
+    """The DAG run a task of `prepared` runs in (Airflow's context hands it the real task): the one it was laid out
+    for."""
+    return OwnRun(DAG_ID, prepared.run_id)
 
 
 def step_metrics(steps: range, step_time_s: float, tokens_per_step: int = 512) -> list[dict]:
