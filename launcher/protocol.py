@@ -73,12 +73,23 @@ def control_line(tag: str, payload: Mapping[str, Any]) -> bytes:
     return f"{tag} {json.dumps(payload)}\n".encode()
 
 
+class MalformedControlLine(ValueError):
+    """A line that starts with a control tag but whose payload is not a JSON object."""
+
+
 def read_control_line(line: bytes) -> tuple[str, dict[str, Any]] | None:
-    """(tag, payload) of one of the agent's control lines, None for any other line (the worker's own output)."""
+    """(tag, payload) of one of the agent's control lines, None for any other line (the worker's own output).
+    Raises MalformedControlLine for a tagged line whose payload is not a JSON object: a worker prints what it likes."""
     for tag in (AGENT_LINE, EXIT_LINE):
         prefix = f"{tag} ".encode()
         if line.startswith(prefix):
-            return tag, json.loads(line[len(prefix):])
+            try:
+                payload = json.loads(line[len(prefix):])
+            except ValueError as error:  # also a payload that is not UTF-8
+                raise MalformedControlLine(f"{tag} line whose payload is not JSON: {error}") from None
+            if not isinstance(payload, dict):
+                raise MalformedControlLine(f"{tag} line whose payload is a {type(payload).__name__}, not an object")
+            return tag, payload
     return None
 
 

@@ -32,7 +32,7 @@ from launcher.document import DocumentError
 from launcher.errors import InsufficientGPUsError, LaunchError
 from launcher.gpus import GPU_RELEASE_WAIT_S
 from launcher.process import ORPHAN_GRACE_S, exit_status_to_code
-from launcher.protocol import AGENT_LINE, AGENT_MODULE, STOP_LINE, read_control_line
+from launcher.protocol import AGENT_LINE, AGENT_MODULE, STOP_LINE, MalformedControlLine, read_control_line
 from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
 from launcher.state_record import StateRecord
 
@@ -76,6 +76,7 @@ class SSHWorkerHandle(WorkerHandle):
         self.pgid: int | None = None
         self.agent: dict[str, Any] = {}
         self.agent_error: str | None = None
+        self.malformed_control_lines = 0
         self._stream = channel.makefile("rb")
         self._killed = False
 
@@ -91,7 +92,13 @@ class SSHWorkerHandle(WorkerHandle):
                 line = self._stream.readline(size)
             except (OSError, EOFError):
                 return b""
-            control = read_control_line(line)
+            try:
+                control = read_control_line(line)
+                if control is not None:
+                    _check_control(*control, started=bool(self.agent))
+            except MalformedControlLine as error:
+                self._ignore_control_line(error)
+                continue
             if control is None:
                 return line
             tag, payload = control
@@ -105,7 +112,18 @@ class SSHWorkerHandle(WorkerHandle):
             if self.agent_error:
                 return f"[agent] {self.agent_error}\n".encode()
 
+    def _ignore_control_line(self, error: MalformedControlLine) -> None:
+        """A malformed control line carries no pid, no error and no output: ignored and counted, never fatal to the
+        thread that reads this rank's output."""
+        self.malformed_control_lines += 1
+        if self.malformed_control_lines == 1:
+            log.warning("rank %d on %s: ignored a malformed agent control line (%s); later ones are only counted",
+                        self.rank, self.remote, error)
+
     def close(self) -> None:
+        if self.malformed_control_lines > 1:
+            log.warning("rank %d on %s: %d malformed agent control lines ignored", self.rank, self.remote,
+                        self.malformed_control_lines)
         self._stream.close()
 
     # -- life ---------------------------------------------------------------------------------------------------
@@ -146,6 +164,23 @@ class SSHWorkerHandle(WorkerHandle):
 
     def label(self) -> str:
         return f"rank {self.rank} host {self.host}"
+
+
+def _check_control(tag: str, payload: dict[str, Any], *, started: bool) -> None:
+    """The agent announces its worker once, with integer ids (stop and release signal that pid and process group);
+    its exit line's error is text."""
+    if tag == AGENT_LINE and started:
+        raise MalformedControlLine(f"{AGENT_LINE} line after the agent's own: the worker printed it")
+    if tag != AGENT_LINE:
+        if not isinstance(payload.get("error") or "", str):
+            raise MalformedControlLine(f"{tag} line whose error is {payload['error']!r}, not text")
+        return
+    for key in ("pid", "pgid"):
+        value = payload.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 1):
+            raise MalformedControlLine(f"{AGENT_LINE} line whose {key} is {value!r}, not a process id")
+    if not isinstance(payload.get("versions") or {}, dict):
+        raise MalformedControlLine(f"{AGENT_LINE} line whose versions are {payload['versions']!r}, not an object")
 
 
 class SSHBackend(Backend):
