@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from trainer import REPO_ROOT
-from trainer.config.core import ConfigError
+from trainer.config.core import ConfigError, is_email_address
 
 DATA_ROOTS_ENV = "GPT_FINETUNE_DATA_ROOTS"
 S3_BUCKETS_ENV = "GPT_FINETUNE_S3_BUCKETS"
@@ -51,6 +51,7 @@ ALLOW_LISTS = {
     "alert_emails": ("alert_domains", ALERT_DOMAINS_ENV, "recipient domains"),
 }
 _IMAGE_BOUNDARIES = "/:@"  # where a prefix may end inside an image reference: a path, a tag, a digest
+_IMAGE_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # a Docker tag
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # `gpt2`, `openai-community/gpt2`
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):")  # two letters at least: not a drive letter
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -192,12 +193,23 @@ def _refuse_parent_steps(name: str, value: str) -> None:
 
 def _matches(name: str, value: str, entry: str) -> bool:
     """Whether allow-list `entry` of setting `name` admits `value`."""
-    if name == "image":  # a prefix that ends at a boundary of the reference, never inside a name
-        return value.startswith(entry) and (len(value) == len(entry) or entry[-1] in _IMAGE_BOUNDARIES
-                                            or value[len(entry)] in _IMAGE_BOUNDARIES)
-    if name == "alert_emails":
-        return fnmatchcase(value.rpartition("@")[2].lower(), entry.lower())
+    if name == "image":
+        return _image_matches(value, entry)
+    if name == "alert_emails":  # a plain address whose domain is an entry, or a subdomain of a `*.<domain>` entry
+        domain, entry = value.rpartition("@")[2].lower(), entry.lower()
+        return is_email_address(value) and (domain.endswith(entry[1:]) if entry.startswith("*.") else domain == entry)
     return fnmatchcase(value, entry)
+
+
+def _image_matches(value: str, entry: str) -> bool:
+    """A prefix that ends at a boundary of the reference, never inside a name; after a ':' only a tag may follow
+    (`name:` admits `name:2.21`, never `name:5000/other/image`, a registry at port 5000)."""
+    if not value.startswith(entry):
+        return False
+    rest = value[len(entry):]
+    if entry.endswith(":"):
+        return bool(_IMAGE_TAG.fullmatch(rest))
+    return not rest or entry[-1] in _IMAGE_BOUNDARIES or rest[0] in _IMAGE_BOUNDARIES
 
 
 def is_hub_id(value: str) -> bool:

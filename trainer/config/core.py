@@ -10,6 +10,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping
+from email.utils import parseaddr
 from typing import Any
 from urllib.parse import urlparse
 
@@ -121,6 +122,11 @@ def _check_one_gpu_per_worker(cfg: Any) -> None:
             "GPUs) with 'gpus_per_worker' = 1, or 0 for one with 'use_gpu'.")
 
 
+def is_email_address(value: Any) -> bool:
+    """A plain address (`schema.EMAIL`) that the mail library reads back as itself."""
+    return isinstance(value, str) and bool(_EMAIL.fullmatch(value)) and parseaddr(value)[1] == value
+
+
 def _check_alerts(cfg: Any) -> None:
     """Recipients need a connection to send through and the other way round (the connection itself is looked up
     in prepare, where Airflow's connections are: tasks/alerts.py)."""
@@ -128,9 +134,11 @@ def _check_alerts(cfg: Any) -> None:
     if alerts.alert_conn_id and not _CONN_ID.fullmatch(alerts.alert_conn_id):
         raise ConfigError(f"Setting 'alert_conn_id' = {alerts.alert_conn_id!r} is not an Airflow connection id "
                           "(letters, digits, '_', '.', '-').")
-    bad = [address for address in alerts.alert_emails if not _EMAIL.fullmatch(address)]
+    bad = [address for address in alerts.alert_emails if not is_email_address(address)]
     if bad:
-        raise ConfigError(f"Setting 'alert_emails' has {bad}, which are not e-mail addresses (name@domain).")
+        raise ConfigError(f"Setting 'alert_emails' has {bad}, which are not plain e-mail addresses: write "
+                          "name@domain.tld with letters, digits and '._+-' before the '@', letters, digits, '-' and "
+                          "dots after it (no comments, quotes, '%', '!' or [address]).")
     if alerts.alert_emails and not alerts.alert_conn_id:
         raise ConfigError("Setting 'alert_emails' needs 'alert_conn_id': the Airflow connection (smtp type) that "
                           "sends the alerts.")

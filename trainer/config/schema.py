@@ -33,7 +33,9 @@ MODEL_NAME = r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}"  # one path segment, safe in loca
 REVISION = r"[A-Za-z0-9._/-]{1,255}"
 QUEUE_NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}"  # as `airflow celery worker -q` takes it (a comma splits it)
 CONN_ID = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,249}"  # an Airflow connection id (no leading '-' or '.')
-EMAIL = r"[^@\s,;<>\"]+@[^@\s,;<>\"]+\.[^@\s,;<>\"]+"
+# A plain address: no comment, quoting, source route (`%`, `!`, `@a:`) or address literal that a mail server reads
+# another way than the domain check does.
+EMAIL = r"[A-Za-z0-9._+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+"
 IMAGE = r"[A-Za-z0-9][A-Za-z0-9._/:@-]*"
 CPU_QUANTITY = r"\d+(\.\d+)?m?"
 MEMORY_QUANTITY = r"\d+(\.\d+)?([KMGTPE]i?|k)?"

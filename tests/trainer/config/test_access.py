@@ -1,4 +1,6 @@
 
+import re
+
 import pytest
 
 from trainer.config import AccessPolicy, ConfigError, RunConfig
@@ -183,3 +185,28 @@ def test_the_defaults_are_the_deployment_s_own_values_and_a_backend_s_settings_c
     assert defaults["image"].startswith(policy.image_prefixes[0]) and (defaults["namespace"],) == policy.namespaces
     RunConfig.from_params(KUBERNETES)  # every default, on the backend that reads the most of them
     RunConfig.from_params({**ON_S3, "namespace": "attacker-team", "image": "attacker.example/evil:latest"})
+
+
+def test_a_wildcard_alert_domain_matches_a_suffix_only_and_refuses_the_reviews_comment_address(operator_policy,
+                                                                                               monkeypatch):
+    """Review t5, finding 3: `*.example.org` matched `a@evil.com(.example.org`, which smtplib sends to evil.com."""
+    policy = AccessPolicy.from_env({"GPT_FINETUNE_ALERT_DOMAINS": "*.example.org,example.com"})
+    for address in ("a@ml.example.org", "a@x.y.example.org", "a@Example.COM"):
+        policy.check_allowed("alert_emails", address)
+    for address in ("a@evil.com(.example.org", "a@example.org", "a@evilexample.org", "a@[127.0.0.1].example.org",
+                    "a@example.com.evil.com", "a@xexample.com"):
+        with pytest.raises(ConfigError, match="outside the recipient domains this deployment allows "
+                                              r"\(GPT_FINETUNE_ALERT_DOMAINS=\*.example.org,example.com\)"):
+            policy.check_allowed("alert_emails", address)
+
+
+def test_an_image_entry_ending_in_a_colon_refuses_a_registry_port_and_admits_a_tag_only(operator_policy):
+    """Review t5, finding 9: `gpt-finetune-trainer:` admitted `gpt-finetune-trainer:5000/attacker/trainer:latest`,
+    which runtimes read as the registry `gpt-finetune-trainer:5000`."""
+    for image in ("gpt-finetune-trainer:2.21.0", "gpt-finetune-trainer:dev_1"):
+        assert RunConfig.from_params({**KUBERNETES, "image": image}).launch.kubernetes.image == image
+    for image in ("gpt-finetune-trainer:5000/attacker/trainer:latest", "gpt-finetune-trainer:", 
+                  "gpt-finetune-trainer:.x", "gpt-finetune-trainer:1@sha256:" + "0" * 64):
+        with pytest.raises(ConfigError, match=rf"'image' = '{re.escape(image)}' is outside the images this "
+                                              r"deployment allows \(GPT_FINETUNE_IMAGE_PREFIXES="):
+            RunConfig.from_params({**KUBERNETES, "image": image})

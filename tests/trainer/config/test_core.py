@@ -53,10 +53,17 @@ def test_presets_fit_their_block_sizes():
     ({"alert_emails": ["ops@example.com"]}, ["'alert_emails' needs 'alert_conn_id'", "smtp"]),
     ({"alert_conn_id": "alerts"}, ["'alert_conn_id' = 'alerts' needs 'alert_emails'"]),
     ({"alert_conn_id": "alerts", "alert_emails": ["ops"]}, ["'alert_emails' has ['ops']", "name@domain"]),
+    # Review t5, finding 3: addresses a mail server reads another way than the domain check does.
+    *[({"alert_conn_id": "alerts", "alert_emails": [address]}, [f"'alert_emails' has [{address!r}]", "plain e-mail",
+                                                                "no comments, quotes, '%', '!' or [address]"])
+      for address in ("a@evil.com(.example.org", "a%evil.com@example.com", "a@[127.0.0.1].example.org",
+                      '"a@evil.com"@example.com', "a@example.com (x)", "evil.com!a@example.com",
+                      "a@example.com,b@evil.com", "a@example")],
     ({"alert_conn_id": "alerts", "alert_emails": "ops@example.com"}, ["'alert_emails' must be a list of strings"]),
     ({"max_loss_rise": -1}, ["'max_loss_rise' = -1.0 is out of range", "0.0 to 100.0"]),
     ({"min_throughput_ratio": 1.5}, ["'min_throughput_ratio' = 1.5 is out of range", "0.0 to 1.0"]),
-], ids=["emails-without-connection", "connection-without-emails", "not-an-address", "emails-not-a-list",
+], ids=["emails-without-connection", "connection-without-emails", "not-an-address",
+        *[f"t5-3-not-plain-{i}" for i in range(8)], "emails-not-a-list",
         "negative-rise", "ratio-above-1"])
 def test_bad_monitoring_settings_are_refused_naming_the_setting(params, fragments):
     with pytest.raises(ConfigError) as raised:
