@@ -84,7 +84,7 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
     log.info("Price: %s", f"{price.default} {price.currency} per {price.unit.replace('_', '-')} "
              f"({price.capacity}; {price.source})" if price else "none (no GPT_FINETUNE_PRICING): cost not shown")
 
-    planned = plan_dataset(cfg, started=started)
+    planned = plan_dataset(cfg, started=started, policy=AccessPolicy.from_env())
     plan = replace(planned.dataset_plan(cfg), continued_from=continued_from, price=price)
     if plan.cache_hit or len(planned.lanes) == 1:
         return PlannedRun(replace(plan, dataset=run_planned(planned, cfg, started=started)))
