@@ -42,6 +42,7 @@ BPE_SPEC = re.compile(r"^bpe:(\d+)$")
 _REVISION = re.compile(schema.REVISION)
 _EMAIL = re.compile(schema.EMAIL)
 _CONN_ID = re.compile(schema.CONN_ID)
+_TEXT_COLUMN = re.compile(schema.TEXT_COLUMN)
 
 # Every numeric setting's bounds, from the schema the DAG's Params are generated from.
 RANGES = schema.RANGES
@@ -111,6 +112,19 @@ def _check_bounds(cfg: Any) -> None:
             raise ConfigError(f"Setting '{name}' = {value!r} is out of range: allowed is ({low:g}, {high:g}].")
 
 
+def _check_lengths(cfg: Any) -> None:
+    """First, so that no other rule reads (or quotes whole) a value longer than its setting allows."""
+    for setting in schema.SETTINGS:
+        limit = setting.rules.get("maxLength") or setting.rules.get("items", {}).get("maxLength")
+        if not limit:
+            continue
+        value = schema.value_of(cfg, setting.name)
+        for text in value if isinstance(value, tuple) else (value,):
+            if len(text) > limit:
+                raise ConfigError(f"Setting '{setting.name}' has a value of {len(text)} characters ({text[:40]!r}...): "
+                                  f"at most {limit} are allowed; shorten it.")
+
+
 def _check_one_gpu_per_worker(cfg: Any) -> None:
     """Before the bounds, to say why and what instead: a pod with N GPUs makes N replicas of one worker, which
     training refuses ("each worker must drive exactly one device") only after the pods were scheduled."""
@@ -150,6 +164,7 @@ def _check_alerts(cfg: Any) -> None:
 def check_core_settings(cfg: Any) -> None:
     """The bounds of a RunConfig's numeric settings, and the rules of its model, tokenizer, data, training,
     promotion and monitoring settings."""
+    _check_lengths(cfg)
     _check_one_gpu_per_worker(cfg)
     _check_bounds(cfg)
     _check_alerts(cfg)
@@ -175,6 +190,9 @@ def _check_locations(cfg: Any) -> None:
     for name in ("dataset", "text_column", "tokenizer", "model", "storage_root"):
         if not getattr(cfg, name).strip():
             raise ConfigError(f"Setting '{name}' must not be empty.")
+    if not _TEXT_COLUMN.fullmatch(cfg.text_column):
+        raise ConfigError(f"Setting 'text_column' = {cfg.text_column!r} is not a column name: use up to 128 letters, "
+                          "digits, '_', '.', '-' and spaces, starting with a letter, digit or '_'.")
 
     scheme = urlparse(cfg.storage_root).scheme
     if scheme not in STORAGE_SCHEMES:

@@ -125,3 +125,26 @@ def test_model_revision_pins_only_a_hub_model_and_base_is_no_model_name():
         RunConfig.from_params({"model": "gpt2", "model_revision": "main branch"})
     with pytest.raises(ConfigError, match="'model_name' = 'base' is reserved"):
         RunConfig.from_params({"model_name": "base"})
+
+
+@pytest.mark.parametrize("name, value, fragment", [
+    ("text_column", "x" * (1 << 20), "'text_column' has a value of 1048576 characters ('xxxx"),
+    ("dataset", "data/" + "d" * 5000, "'dataset' has a value of 5005 characters"),
+    ("storage_conn_id", "c" * 300, "'storage_conn_id' has a value of 300 characters"),
+])
+def test_a_string_longer_than_its_setting_allows_is_refused_before_any_other_rule(name, value, fragment):
+    """Review t5, finding 10: a 1 MB text_column was accepted."""
+    with pytest.raises(ConfigError) as refused:
+        RunConfig.from_params({name: value})
+    assert fragment in str(refused.value) and "are allowed; shorten it" in str(refused.value)
+    assert len(str(refused.value)) < 300  # the value is quoted in part, never whole
+
+
+def test_a_text_column_with_markdown_or_html_is_refused():
+    """Review t5, finding 8: a backtick in text_column ended the model card's code span and let HTML in."""
+    injected = "text` <a href=\"https://evil.example/rotate-keys\">rotate your keys</a> <img src=x onerror=alert(1)> `"
+    for value in (injected, "a|b", "a\nb", "<b>"):
+        with pytest.raises(ConfigError, match=r"Setting 'text_column' = .* is not a column name: use up to 128"):
+            RunConfig.from_params({"text_column": value})
+    for value in ("text", "body", "Review Text", "meta.content", "col_2-a"):
+        assert RunConfig.from_params({"text_column": value}).text_column == value
