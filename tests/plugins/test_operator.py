@@ -121,6 +121,27 @@ def test_a_configuration_rewritten_in_xcom_launches_nothing(monkeypatch, tmp_pat
         op.execute({"ti": _ti()})
     assert backends == []
 
+
+@pytest.mark.parametrize("setting, value, variable", [
+    ("hang_timeout_s", 7 * 86_400, "GPT_FINETUNE_MAX_HANG_TIMEOUT_S=21600"),
+    ("bpe_sample_mb", 1 << 20, "GPT_FINETUNE_MAX_BPE_SAMPLE_MB=1024"),
+    ("max_run_cost", 0, "GPT_FINETUNE_MAX_RUN_COST=50"),
+])
+def test_a_configuration_above_the_operators_ceilings_launches_nothing(monkeypatch, tmp_path, setting, value,
+                                                                       variable):
+    """Review t5, finding 10: the operator's ceilings (and its cost limit) hold where the workers are launched too,
+    whatever the prepared run's XCom says."""
+    monkeypatch.setenv("GPT_FINETUNE_MAX_RUN_COST", "50")
+    backends = []
+    monkeypatch.setattr(operator_module, "make_backend", lambda *args: backends.append(args))
+    run_config = {"num_workers": 2, "storage_root": str(tmp_path), "max_run_cost": 10, setting: value}
+    op = _operator(run_key=None, run_config=run_config)
+    with pytest.raises(AirflowFailException, match=rf"train launches no workers: its configuration is refused: "
+                                                   rf"Setting '{setting}' = {value} is outside what this deployment "
+                                                   rf"allows.*\({variable}\)"):
+        op.execute({"ti": _ti()})
+    assert backends == []
+
 def _prepared_args(root: str, key: str) -> dict[str, str]:
     layout = StorageLayout(root)
     run = layout.run(key)
