@@ -220,6 +220,7 @@ def gpt_finetune():
             args=["--manifest", prepared("manifest_url"), *extra_args],
             # The digest prepare pinned for that file: the workers refuse it changed (trainer/config/pinned.py).
             config_sha256=prepared(config.removesuffix("_url") + "_sha256"),
+            manifest_sha256=prepared("manifest_sha256"),  # the dataset, pinned the same way (trainer/data.py)
             pool=GPU_POOL,  # with use_gpu, one slot per worker (tf_multiworker/gpu_admission.py); CPU runs: none
             **kwargs,
         )

@@ -34,6 +34,7 @@ GROUP_ENV = "TFMW_GROUP"
 # worker host holds its credentials) could change the file in between; a worker refuses a file of another digest.
 # Not a secret, but kept out of argv so that the command line stays what the entry point documents.
 CONFIG_SHA256_ENV = "TFMW_CONFIG_SHA256"
+MANIFEST_SHA256_ENV = "TFMW_MANIFEST_SHA256"  # the dataset manifest's sha256, pinned like the config (trainer/data.py)
 # The launcher's per-task temporary directories start with this; release deletes only such directories.
 LAUNCHER_WORKDIR_PREFIX = "tfmw-"
 

@@ -40,7 +40,7 @@ from launcher import (
     error_for,
 )
 from launcher.errors import MissingOutputError
-from launcher.protocol import CONFIG_SHA256_ENV, EXIT_PERMANENT, EXIT_PREEMPTED
+from launcher.protocol import CONFIG_SHA256_ENV, EXIT_PERMANENT, EXIT_PREEMPTED, MANIFEST_SHA256_ENV
 from tasks.launch import IdleSettings, RecordedLaunch
 from tasks.policy import check_launch_urls
 from tasks.telemetry import LiveLineReader
@@ -97,6 +97,9 @@ class TFMultiWorkerOperator(BaseOperator):
     :param config_sha256: the sha256 the prepared run's XCom pinned for the `config_url` file (templated); every
         worker gets it as `CONFIG_SHA256_ENV` and refuses a file of another digest (trainer/config/pinned.py).
         Required with `config_url`.
+    :param manifest_sha256: the sha256 the prepared run's XCom pinned for the dataset manifest the argv's
+        `--manifest` names (templated); every worker gets it as `MANIFEST_SHA256_ENV` and refuses a manifest of
+        another digest (trainer/data.py). Required with `--manifest`.
     :param num_workers: launch this many workers instead of the configuration's (the one-worker baseline).
     :param summary_url: the chief's `summary.json`; when set it must exist after the workers succeed.
     :param env: extra environment variables for every worker (shown in the log: put no secrets here).
@@ -110,7 +113,7 @@ class TFMultiWorkerOperator(BaseOperator):
 
     # num_workers is never a template: listed so that the scheduler's copy of the task has it (GPU admission).
     template_fields: Sequence[str] = ("args", "run_config", "config_url", "output_url", "run_key", "config_sha256",
-                                      "summary_url", "env",
+                                      "summary_url", "env", "manifest_sha256",
                                       "num_workers")
     ui_color = "#ffd8b1"
 
@@ -131,6 +134,7 @@ class TFMultiWorkerOperator(BaseOperator):
         max_launch_attempts: int = 3,
         preemption_reschedules: int = 3,
         preemption_reschedule_delay_s: float = 10.0,
+        manifest_sha256: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -148,6 +152,7 @@ class TFMultiWorkerOperator(BaseOperator):
         self.max_launch_attempts = max_launch_attempts
         self.preemption_reschedules = preemption_reschedules
         self.preemption_reschedule_delay_s = preemption_reschedule_delay_s
+        self.manifest_sha256 = manifest_sha256
         self.group: RecordedLaunch | None = None  # must be set for on_kill
         self._killed = False
         self._live_metrics: LiveLineReader | None = None
@@ -235,6 +240,14 @@ class TFMultiWorkerOperator(BaseOperator):
                     f"{self.task_id} launches no workers: its --config has no pinned digest (config_sha256 is "
                     f"{self.config_sha256!r}): pass the prepared run's digest of that file (its XCom "
                     "'config_sha256' or 'baseline_config_sha256'), so that the workers load only what was checked.")
+            self._check_manifest_pin(argv)
+
+    def _check_manifest_pin(self, argv: Sequence[str]) -> None:
+        if "--manifest" in argv and not (isinstance(self.manifest_sha256, str) and self.manifest_sha256):
+            raise AirflowFailException(
+                f"{self.task_id} launches no workers: its --manifest has no pinned digest (manifest_sha256 is "
+                f"{self.manifest_sha256!r}): pass the prepared run's XCom 'manifest_sha256', so that the workers "
+                "train and evaluate only on the dataset the Airflow side read.")
 
     def _refuse_a_run_that_is_over(self, ti: Any) -> None:
         """Airflow can start a retry in a run that is already over: when the run is marked failed while the scheduler
@@ -291,6 +304,8 @@ class TFMultiWorkerOperator(BaseOperator):
         env = {name: str(value) for name, value in (self.env or {}).items()}
         if self.config_sha256:  # after `env`: the pinned digest is the prepared run's, never a caller's
             env[CONFIG_SHA256_ENV] = self.config_sha256
+        if self.manifest_sha256:  # like the config's: the prepared run's, never a caller's
+            env[MANIFEST_SHA256_ENV] = self.manifest_sha256
         cfg = self.config
         return GroupSpec(
             name=self.task_id,

@@ -26,6 +26,7 @@ from tests.tasks import run_fixtures
 from tests.trainer.shards import write_dataset
 from trainer.config import RunConfig
 from trainer.config.pinned import ConfigChangedError, load_pinned_config, save_config
+from trainer.data import read_manifest
 from trainer.layout import StorageLayout, TrainOutput
 from trainer.storage import read_bytes, read_json, write_json_atomic
 
@@ -92,7 +93,8 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
     case = {
         "entrypoint": "faulty_train", "operator": "elastic", "retries": 1,
         "args": ["--manifest", manifest],
-        "operator_args": {"config_url": run.config, "output_url": run.train.url, "config_sha256": digest},
+        "operator_args": {"config_url": run.config, "output_url": run.train.url, "config_sha256": digest,
+                          "manifest_sha256": read_manifest(manifest)[1]},
         "env": entrypoint_env(),
         "env_by_try": {"1": {"TFMW_TEST_TRAIN_FAULT": f"3:{FAULT_STEP}", LOCAL_USABLE_WORKERS_ENV: None},
                        "2": {"TFMW_TEST_TRAIN_FAULT": None, LOCAL_USABLE_WORKERS_ENV: "2"}},
@@ -129,6 +131,7 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
     # The report names both segments; the final models evaluate alike.
     prepared = PreparedRun(run_id="elastic", run_key=key, config=cfg.to_dict(), config_url=run.config,
                            config_sha256=digest, baseline_config_sha256="", manifest_url=manifest,
+                           manifest_sha256=read_manifest(manifest)[1],
                            dataset_fingerprint="test", train_url=run.train.url,
                            train_summary_url=run.train.summary, baseline_key="", baseline_url="",
                            baseline_config_url="", baseline_summary_url="", report_url=run.report)

@@ -28,6 +28,7 @@ from trainer.layout import StorageLayout
 from trainer.storage import read_bytes, read_json
 
 TEMPLATED = {"args", "run_config", "config_url", "output_url", "run_key", "config_sha256", "summary_url", "env",
+             "manifest_sha256",
              "num_workers"}
 SECRET = "s3cret-value-never-logged"
 HARNESS = Path(__file__).resolve().parent / "harness_dags" / "tfmw_harness.py"  # airflow_env: conftest.py
@@ -178,7 +179,7 @@ def test_a_launch_url_outside_the_run_s_layout_launches_nothing(monkeypatch, tmp
 def test_the_prepared_run_s_urls_launch_with_the_pinned_digest(tmp_path):
     """The URLs prepare lays out (the run's config, a dataset's manifest, the run's and a baseline's outputs) pass,
     and every worker gets the pinned digest in its environment, never in argv."""
-    from launcher.protocol import CONFIG_SHA256_ENV
+    from launcher.protocol import CONFIG_SHA256_ENV, MANIFEST_SHA256_ENV
     from trainer.layout import run_key
 
     root, key = str(tmp_path), run_key("gpt_finetune", "manual__1")
@@ -186,11 +187,13 @@ def test_the_prepared_run_s_urls_launch_with_the_pinned_digest(tmp_path):
     for output in (args["--output"], StorageLayout(root).run(key).report, StorageLayout(root).baseline("b-1").url):
         op = _operator(run_key=None, args=["--config", args["--config"], "--manifest", args["--manifest"],
                                            "--output", output],
-                       config_sha256="ab" * 32, env={CONFIG_SHA256_ENV: "caller's"},
+                       config_sha256="ab" * 32, manifest_sha256="cd" * 32,
+                       env={CONFIG_SHA256_ENV: "caller's", MANIFEST_SHA256_ENV: "caller's"},
                        run_config={"num_workers": 2, "storage_root": root})
         op._check_run(_ti())
         spec = op._group_spec()
         assert spec.env[CONFIG_SHA256_ENV] == "ab" * 32 and "ab" * 32 not in spec.args
+        assert spec.env[MANIFEST_SHA256_ENV] == "cd" * 32 and "cd" * 32 not in spec.args
 
 
 def test_a_config_without_a_pinned_digest_launches_nothing(tmp_path):
@@ -200,6 +203,20 @@ def test_a_config_without_a_pinned_digest_launches_nothing(tmp_path):
     op = _operator(run_key=None, args=[part for pair in _prepared_args(root, key).items() for part in pair],
                    run_config={"num_workers": 2, "storage_root": root})
     with pytest.raises(AirflowFailException, match="train launches no workers: its --config has no pinned digest"):
+        op._check_run(_ti())
+
+
+@pytest.mark.parametrize("pin", [None, ""])
+def test_a_manifest_without_a_pinned_digest_launches_nothing(tmp_path, pin):
+    """Review t5, finding 11: the dataset is pinned like the config, so a launch with --manifest needs its digest."""
+    from trainer.layout import run_key
+
+    root, key = str(tmp_path), run_key("gpt_finetune", "manual__1")
+    op = _operator(run_key=None, args=[part for pair in _prepared_args(root, key).items() for part in pair],
+                   config_sha256="ab" * 32, manifest_sha256=pin, run_config={"num_workers": 2, "storage_root": root})
+    with pytest.raises(AirflowFailException, match=f"train launches no workers: its --manifest has no pinned digest "
+                                                   rf"\(manifest_sha256 is {pin!r}\): pass the prepared run's XCom "
+                                                   "'manifest_sha256'"):
         op._check_run(_ti())
 
 
@@ -231,11 +248,12 @@ def prepared_launch(storage: Path, key: str, manifest: str, settings: dict, outp
     output `output` of the run's directory; and the operator's arguments that pin the config's digest."""
     from trainer.config import RunConfig
     from trainer.config.pinned import save_config
+    from trainer.data import read_manifest
 
     run = StorageLayout(str(storage)).run(key)
     digest = save_config(run.config, RunConfig.from_saved({"storage_root": str(storage), **settings}))
     return (["--config", run.config, "--manifest", manifest, "--output", f"{run.url}/{output}"],
-            {"config_sha256": digest})
+            {"config_sha256": digest, "manifest_sha256": read_manifest(manifest)[1]})
 
 
 def _run_key(case: Path) -> str:

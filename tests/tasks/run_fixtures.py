@@ -107,11 +107,13 @@ def prepare_run(root: str, run_id: str, manifest_url: str | None = None, **setti
     `manifest_url` names a real tokenized dataset; by default a manifest without shards is written.
     """
     from tasks.prepare import lay_out_run
-    from trainer.storage import read_json
+    from trainer.data import read_manifest
 
     manifest_url = manifest_url or write_manifest(root)
     cfg = RunConfig.from_params({"storage_root": root, **settings})
-    prepared = lay_out_run(cfg, read_json(manifest_url), manifest_url, run_key(DAG_ID, run_id), run_id=run_id)
+    manifest, digest = read_manifest(manifest_url)
+    prepared = lay_out_run(cfg, manifest, manifest_url, run_key(DAG_ID, run_id), run_id=run_id,
+                           manifest_sha256=digest)
     return PreparedRun.from_xcom(json.loads(json.dumps(prepared.to_xcom())))
 
 
