@@ -90,8 +90,24 @@ def read_control_line(line: bytes) -> tuple[str, dict[str, Any]] | None:
                 raise MalformedControlLine(f"{tag} line whose payload is not JSON: {error}") from None
             if not isinstance(payload, dict):
                 raise MalformedControlLine(f"{tag} line whose payload is a {type(payload).__name__}, not an object")
+            _check_control_payload(tag, payload)
             return tag, payload
     return None
+
+
+def _check_control_payload(tag: str, payload: dict[str, Any]) -> None:
+    """The agent line's ids are integers (stop and release signal that pid and process group), its versions an
+    object; the exit line's error is text."""
+    if tag == EXIT_LINE:
+        if not isinstance(payload.get("error") or "", str):
+            raise MalformedControlLine(f"{tag} line whose error is {payload['error']!r}, not text")
+        return
+    for key in ("pid", "pgid"):
+        value = payload.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 1):
+            raise MalformedControlLine(f"{tag} line whose {key} is {value!r}, not a process id")
+    if not isinstance(payload.get("versions") or {}, dict):
+        raise MalformedControlLine(f"{tag} line whose versions are {payload['versions']!r}, not an object")
 
 
 # The host's temporary directory, for what should outlive one worker (the shard cache); see worker_temp_environment.

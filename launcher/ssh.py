@@ -94,8 +94,8 @@ class SSHWorkerHandle(WorkerHandle):
                 return b""
             try:
                 control = read_control_line(line)
-                if control is not None:
-                    _check_control(*control, started=bool(self.agent))
+                if control is not None and control[0] == AGENT_LINE and self.agent:  # stop signals the first's pid
+                    raise MalformedControlLine(f"{AGENT_LINE} line after the agent's own: the worker printed it")
             except MalformedControlLine as error:
                 self._ignore_control_line(error)
                 continue
@@ -164,23 +164,6 @@ class SSHWorkerHandle(WorkerHandle):
 
     def label(self) -> str:
         return f"rank {self.rank} host {self.host}"
-
-
-def _check_control(tag: str, payload: dict[str, Any], *, started: bool) -> None:
-    """The agent announces its worker once, with integer ids (stop and release signal that pid and process group);
-    its exit line's error is text."""
-    if tag == AGENT_LINE and started:
-        raise MalformedControlLine(f"{AGENT_LINE} line after the agent's own: the worker printed it")
-    if tag != AGENT_LINE:
-        if not isinstance(payload.get("error") or "", str):
-            raise MalformedControlLine(f"{tag} line whose error is {payload['error']!r}, not text")
-        return
-    for key in ("pid", "pgid"):
-        value = payload.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 1):
-            raise MalformedControlLine(f"{AGENT_LINE} line whose {key} is {value!r}, not a process id")
-    if not isinstance(payload.get("versions") or {}, dict):
-        raise MalformedControlLine(f"{AGENT_LINE} line whose versions are {payload['versions']!r}, not an object")
 
 
 class SSHBackend(Backend):
