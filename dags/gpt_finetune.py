@@ -28,6 +28,7 @@ PREPARE = "prepare"
 # The last prepare step: its XCom (the prepared run: paths, the validated config) is what every later task reads.
 PREPARED = "publish"
 PLAN_XCOM_KEY = "plan"
+WORKER_GROUP_TASKS = ("preflight", "train", "baseline")  # the TFMultiWorkerOperator tasks below
 # Updated by every successful prepare; its event's extra names the manifest, so other DAGs can schedule on it.
 SHARDS_ASSET = Asset(name="gpt_finetune_shards", uri="gpt-finetune://datasets/shards")
 # Updated only when a run is promoted (an alias outlet emits no event by itself); its extra names the version.
@@ -158,12 +159,15 @@ def promote(ti=None, outlet_events=None) -> dict:
 
 
 @task(task_id="release", retries=2)
-def release(params=None, run_id=None, dag_run=None) -> dict:
+def release(params=None, run_id=None, dag_run=None, ti=None) -> dict:
     from tf_multiworker.backends import make_backend
+    from tf_multiworker.operator import STATE_XCOM_KEY
 
     from tasks.release import release_run
 
-    return release_run(params, run_id, dag_run.dag_id, make_backend)
+    # The worker groups' state records as their operators pushed them: release cross-checks storage's copies.
+    pushed = {task_id: ti.xcom_pull(task_ids=task_id, key=STATE_XCOM_KEY) for task_id in WORKER_GROUP_TASKS}
+    return release_run(params, run_id, dag_run.dag_id, make_backend, pushed=pushed)
 
 
 # Its failure repeats another task's, which already alerted; a run stopped from outside alerts here.
@@ -219,6 +223,7 @@ def gpt_finetune():
             config_url=prepared(config),
             output_url=prepared(output),
             args=["--manifest", prepared("manifest_url"), *extra_args],
+            manifest_sha256=prepared("manifest_sha256"),  # the dataset, pinned as the config is (trainer/data.py)
             pool=GPU_POOL,  # with use_gpu, one slot per worker (tf_multiworker/gpu_admission.py); CPU runs: none
             **kwargs,
         )

@@ -287,8 +287,9 @@ class LocalBackend(Backend):
         """Every process of the run on this host, found by the marker each carries (so also one no record names,
         or a grandchild), ended; the launcher work directories the records name removed; GPUs checked: waited for,
         bounded, until the run's processes left them and the memory they held came back."""
-        recorded = {pid for r in records for w in r.workers if (pid := w.handle_id("pid")) is not None}
-        watch = watch_release(recorded | set(processes_with_env({RUN_KEY_ENV: run_key})), placed_gpus(records),
+        # The GPU holders are the processes that carry the run's marker: a record is storage content, and a pid it
+        # names may by now be any other process, which release must neither blame nor tell anyone to kill.
+        watch = watch_release(set(processes_with_env({RUN_KEY_ENV: run_key})), placed_gpus(records),
                               recorded_idle_mb(records))
         ended = end_marked_processes({RUN_KEY_ENV: run_key}, grace_s)
         removed, kept = [], []

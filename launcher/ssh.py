@@ -33,7 +33,7 @@ from launcher.errors import InsufficientGPUsError, LaunchError
 from launcher.gpu_memory import idle_levels_mb
 from launcher.gpus import GPU_RELEASE_WAIT_S
 from launcher.process import ORPHAN_GRACE_S, exit_status_to_code
-from launcher.protocol import ABORT_LINE, AGENT_LINE, AGENT_MODULE, STOP_LINE, read_control_line
+from launcher.protocol import ABORT_LINE, AGENT_LINE, AGENT_MODULE, STOP_LINE, MalformedControlLine, read_control_line
 from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
 from launcher.state_record import StateRecord
 
@@ -77,6 +77,7 @@ class SSHWorkerHandle(WorkerHandle):
         self.pgid: int | None = None
         self.agent: dict[str, Any] = {}
         self.agent_error: str | None = None
+        self.malformed_control_lines = 0
         self._stream = channel.makefile("rb")
         self._killed = False
 
@@ -92,7 +93,13 @@ class SSHWorkerHandle(WorkerHandle):
                 line = self._stream.readline(size)
             except (OSError, EOFError):
                 return b""
-            control = read_control_line(line)
+            try:
+                control = read_control_line(line)
+                if control is not None and control[0] == AGENT_LINE and self.agent:  # stop signals the first's pid
+                    raise MalformedControlLine(f"{AGENT_LINE} line after the agent's own: the worker printed it")
+            except MalformedControlLine as error:
+                self._ignore_control_line(error)
+                continue
             if control is None:
                 return line
             tag, payload = control
@@ -106,7 +113,18 @@ class SSHWorkerHandle(WorkerHandle):
             if self.agent_error:
                 return f"[agent] {self.agent_error}\n".encode()
 
+    def _ignore_control_line(self, error: MalformedControlLine) -> None:
+        """A malformed control line carries no pid, no error and no output: ignored and counted, never fatal to the
+        thread that reads this rank's output."""
+        self.malformed_control_lines += 1
+        if self.malformed_control_lines == 1:
+            log.warning("rank %d on %s: ignored a malformed agent control line (%s); later ones are only counted",
+                        self.rank, self.remote, error)
+
     def close(self) -> None:
+        if self.malformed_control_lines > 1:
+            log.warning("rank %d on %s: %d malformed agent control lines ignored", self.rank, self.remote,
+                        self.malformed_control_lines)
         self._stream.close()
 
     # -- life ---------------------------------------------------------------------------------------------------

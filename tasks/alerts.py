@@ -27,6 +27,7 @@ from typing import Any
 from tasks import telemetry
 from trainer.config import ConfigError, RunConfig, schema
 from trainer.config.access import AccessPolicy
+from trainer.config.core import is_email_address
 from trainer.layout import run_key
 
 log = logging.getLogger("gpt_finetune.alerts")
@@ -53,7 +54,6 @@ SMTP_TIMEOUT_S = 5.0
 SMTP_RETRY_LIMIT = 0  # SmtpHook's default 5 retries re-send over the same broken connection: none within a deadline
 # The formats RunConfig checks (trainer/config/schema.py), applied here one value at a time.
 _CONN_ID = re.compile(schema.CONN_ID)
-_EMAIL = re.compile(schema.EMAIL)
 
 
 class AlertTimeout(TimeoutError):
@@ -230,8 +230,9 @@ def _settings(params: Mapping[str, Any] | None) -> tuple[str, tuple[str, ...], l
         return "", (), refused
     recipients = []
     for address in emails:
-        why = _refusal(policy, "alert_emails", address) if isinstance(address, str) and _EMAIL.fullmatch(
-            address) else [f"Setting 'alert_emails' has {address!r}, which is not an e-mail address (name@domain)"]
+        why = _refusal(policy, "alert_emails", address) if is_email_address(address) else [
+            (f"Setting 'alert_emails' has {address!r}, which is not an e-mail address of the plain form "
+             "name@domain.tld")]
         refused += why
         recipients += [] if why else [address]
     return conn_id, tuple(recipients), refused

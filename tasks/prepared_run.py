@@ -22,7 +22,8 @@ class PreparedRun(Document):
             (tasks/policy.py); its storage root and step count are read from it, never copied.
         config_url: `runs/<key>/config.json`, what the workers load (`--config`); config_sha256: the sha256 of the
             bytes written there, which the operators pin on the workers (trainer/config/pinned.py).
-        manifest_url: the dataset's `manifest.json` (`--manifest`).
+        manifest_url: the dataset's `manifest.json` (`--manifest`); manifest_sha256: the sha256 of its bytes as
+            publish read them, which the operators pin on the workers like the config's (trainer/data.py).
         dataset_fingerprint: the dataset's fingerprint (the manifest's).
         train_url: the train task's output directory; train_summary_url: its `summary.json`.
         baseline_key: the baseline's key (tasks/baseline.py); baseline_url: its directory under `baselines/`;
@@ -42,6 +43,7 @@ class PreparedRun(Document):
     config_url: str
     config_sha256: str
     manifest_url: str
+    manifest_sha256: str
     dataset_fingerprint: str
     train_url: str
     train_summary_url: str

@@ -21,8 +21,10 @@ else the two recorded errors together (0 when the whole split was scored).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 from launcher.protocol import utc_now
@@ -287,22 +289,36 @@ def _size(url: str) -> int:
     return fs.size(path)
 
 
+def _code(value: Any) -> str:
+    """`value` as one inline code span that nothing in it can end: control and non-ASCII characters escaped as JSON
+    writes them, a fence longer than any run of backticks inside (CommonMark renders a code span's `<` as text)."""
+    text = json.dumps(str(value))[1:-1]
+    fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def _settings_json(cfg: RunConfig) -> str:
+    """The settings as a fenced block's JSON: every string quoted and escaped, no line that could close the fence."""
+    return json.dumps(cfg.settings(), indent=2, ensure_ascii=True, default=list)
+
+
 def model_card(cfg: RunConfig, prepared: PreparedRun, view: RunView, number: int, verdict: Verdict) -> str:
     report = view.report
     distributed = report.runs.distributed
     continued = report.continued_from
     pinned = pinned_base(cfg)
-    base = (f"continued from {continued.name} {continued.version} ({continued.url})" if continued else
-            f"`{pinned.name}` at commit `{pinned.sha}` (revision `{pinned.revision}`, fetched once to "
-            f"{pinned.url})" if pinned else f"`{cfg.model}`")
+    base = (f"continued from {continued.name} {continued.version} ({_code(continued.url)})" if continued else
+            f"{_code(pinned.name)} at commit {_code(pinned.sha)} (revision {_code(pinned.revision)}, fetched once to "
+            f"{_code(pinned.url)})" if pinned else _code(cfg.model))
     lines = [
         f"# {cfg.promotion.model_name} v{number}",
         "",
-        f"Promoted {utc_now()} from run `{prepared.run_id}` (policy `{cfg.promotion.promote}`): {verdict.reason}",
+        f"Promoted {utc_now()} from run {_code(prepared.run_id)} (policy `{cfg.promotion.promote}`): {verdict.reason}",
         "",
         f"- Base model: {base}",
-        (f"- Data: dataset fingerprint `{report.dataset_fingerprint}` (setting `dataset` = `{cfg.dataset}`, "
-        f"tokenizer `{cfg.tokenizer}`, validation fraction {cfg.val_fraction})"),
+        (f"- Data: dataset fingerprint {_code(report.dataset_fingerprint)} (setting `dataset` = {_code(cfg.dataset)}, "
+        f"tokenizer {_code(cfg.tokenizer)}, validation fraction {cfg.val_fraction})"),
         (f"- Training: {distributed.num_workers} workers, {distributed.steps} steps of "
         f"{distributed.global_batch_size} sequences x {cfg.block_size} tokens"),
         (f"- Eval loss on the validation split: {distributed.eval_loss:.4f} nats, perplexity "
@@ -314,8 +330,7 @@ def model_card(cfg: RunConfig, prepared: PreparedRun, view: RunView, number: int
         "",
     ]
     lines += [f"- {gate.name}: {'pass' if gate.passed else 'FAIL'} ({gate.detail})" for gate in report.gates]
-    lines += ["", *exports.card_lines(cfg, view.exported), "## Settings", "", "| setting | value |", "|---|---|"]
-    lines += [f"| {name} | `{value!r}` |" for name, value in cfg.settings().items()]
+    lines += ["", *exports.card_lines(cfg, view.exported), "## Settings", "", "```json", _settings_json(cfg), "```"]
     lines += ["", "## Versions", ""]
     lines += [f"- {name}: {value}" for name, value in sorted((report.versions or {}).items())]
     return "\n".join(lines) + "\n"

@@ -42,7 +42,7 @@ from launcher import (
     error_for,
 )
 from launcher.errors import MissingOutputError
-from launcher.protocol import CONFIG_SHA256_ENV, EXIT_PERMANENT, EXIT_PREEMPTED
+from launcher.protocol import CONFIG_SHA256_ENV, EXIT_PERMANENT, EXIT_PREEMPTED, MANIFEST_SHA256_ENV
 from tasks.launch import IdleSettings, RecordedLaunch
 from tasks.policy import check_launch_urls
 from tasks.telemetry import LiveLineReader
@@ -109,6 +109,9 @@ class TFMultiWorkerOperator(BaseOperator):
     :param args: the entry point's other arguments (templated). The argv's storage URLs (`--config`, `--manifest`,
         `--output`, `--model`, `--baseline-summary`) must lie in the run's own storage layout
         (`tasks.policy.check_launch_urls`).
+    :param manifest_sha256: the sha256 the prepared run's XCom pinned for the dataset manifest the argv's
+        `--manifest` names (templated); every worker gets it as `MANIFEST_SHA256_ENV` and refuses a manifest of
+        another digest (trainer/data.py). Required with `--manifest`.
     :param num_workers: launch this many workers instead of the configuration's (the one-worker baseline).
     :param summary_url: the chief's `summary.json`, the one of `output_url`; when set it must exist after the
         workers succeed.
@@ -127,7 +130,7 @@ class TFMultiWorkerOperator(BaseOperator):
 
     # num_workers is never a template: listed so that the scheduler's copy of the task has it (GPU admission).
     template_fields: Sequence[str] = ("args", "run_config", "config_url", "output_url", "run_key", "summary_url",
-                                      "env", "num_workers")
+                                      "env", "manifest_sha256", "num_workers")
     ui_color = "#ffd8b1"
 
     def __init__(
@@ -146,6 +149,7 @@ class TFMultiWorkerOperator(BaseOperator):
         max_launch_attempts: int = 3,
         preemption_reschedules: int = 3,
         preemption_reschedule_delay_s: float = 10.0,
+        manifest_sha256: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -162,6 +166,7 @@ class TFMultiWorkerOperator(BaseOperator):
         self.max_launch_attempts = max_launch_attempts
         self.preemption_reschedules = preemption_reschedules
         self.preemption_reschedule_delay_s = preemption_reschedule_delay_s
+        self.manifest_sha256 = manifest_sha256
         self.group: RecordedLaunch | None = None  # must be set for on_kill
         self._killed = False
         self._live_metrics: LiveLineReader | None = None
@@ -241,10 +246,12 @@ class TFMultiWorkerOperator(BaseOperator):
             self.run_key = layout_run_key(ti.dag_id, ti.run_id)
         cfg = self.config
         if isinstance(self.args, (list, tuple)) and isinstance(self.run_key, str) and self.run_key:
+            argv = self.worker_args(self.config_url)
             try:
-                check_launch_urls(self.worker_args(self.config_url), cfg.storage_root, self.run_key)
+                check_launch_urls(argv, cfg.storage_root, self.run_key)
             except ConfigError as error:
                 raise AirflowFailException(f"{self.task_id} launches no workers: {error}") from error
+            self._check_manifest_pin(argv)
         expected = TrainOutput(str(self.output_url)).summary
         if self.summary_url is not None and (self.output_url is None or self.summary_url != expected):
             raise AirflowFailException(
@@ -267,6 +274,13 @@ class TFMultiWorkerOperator(BaseOperator):
                 f"{self.task_id} launches no workers: its --config {config_url!r} is neither {run.config!r} nor "
                 f"{run.baseline_config!r}, the files of the configuration it checked.")
         return hashlib.sha256(config_bytes(configs[config_url])).hexdigest()
+
+    def _check_manifest_pin(self, argv: Sequence[str]) -> None:
+        if "--manifest" in argv and not (isinstance(self.manifest_sha256, str) and self.manifest_sha256):
+            raise AirflowFailException(
+                f"{self.task_id} launches no workers: its --manifest has no pinned digest (manifest_sha256 is "
+                f"{self.manifest_sha256!r}): pass the prepared run's XCom 'manifest_sha256', so that the workers "
+                "train and evaluate only on the dataset the Airflow side read.")
 
     def _refuse_a_run_that_is_over(self, ti: Any) -> None:
         """Airflow can start a retry in a run that is already over: when the run is marked failed while the scheduler
@@ -322,6 +336,8 @@ class TFMultiWorkerOperator(BaseOperator):
         pinned = self.config_sha256()
         if pinned:  # after `env`: the pinned digest is of what this operator checked, never a caller's
             env[CONFIG_SHA256_ENV] = pinned
+        if self.manifest_sha256:  # the prepared run's, never a caller's
+            env[MANIFEST_SHA256_ENV] = self.manifest_sha256
         cfg = self.config
         return GroupSpec(
             name=self.task_id,

@@ -320,3 +320,28 @@ def test_an_earlier_attempt_of_another_group_of_the_run_is_left_alone(tmp_path):
         launcher.terminate()
         launcher.wait()
     wait_for(lambda: not processes_of_run(key), 20)
+
+
+def test_release_never_names_a_recorded_pid_without_the_runs_marker_as_a_gpu_holder(monkeypatch):
+    """Review t5, finding 6: a state record (storage content) named a bystander's pid; release listed it as a GPU
+    holder and advised `kill -9` on it. Only processes that carry the run's marker are the run's."""
+    import subprocess
+    import sys
+
+    from launcher.local import LocalBackend
+    from launcher.state_record import RecordedWorker, StateRecord
+    from tests.support import fake_nvml
+
+    fake = fake_nvml.install(monkeypatch, fake_nvml.FakeNvml(fake_nvml.h200s(1)))
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        fake.attach(bystander.pid, 0, 8 << 30)
+        record = StateRecord(task_id="train", backend="local", state="failed", updated_at="2026-12-07T00:00:00Z",
+                             workdir="", workers=(RecordedWorker(0, "localhost", 1, extra={"pid": bystander.pid}),))
+        result = LocalBackend().release("gpt_finetune-bystander-0123456789", [record], grace_s=0.5)
+        host = result.hosts[0].entry()
+        assert host["gpu_check"]["held_by_run"] == [] and host["found"] == [] and result.clean
+        assert bystander.poll() is None  # not signalled either
+    finally:
+        bystander.kill()
+        bystander.wait()

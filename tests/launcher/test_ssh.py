@@ -643,3 +643,41 @@ def test_gpu_utilization_is_asked_of_each_host_at_once_and_a_silent_host_gives_n
     assert sorted(asked) == [("a", "utilization", {"gpus": ["GPU-0", "GPU-1"]}),
                              ("b", "utilization", {"gpus": ["GPU-2"]})]
     assert backend.utilization(GroupSpec(name="train", entrypoint="x", num_workers=3), workers) is None
+
+
+class _LinesChannel:
+    """A session channel whose output is these lines."""
+
+    def __init__(self, lines: list[bytes]) -> None:
+        self.lines = lines
+
+    def makefile(self, mode: str):
+        import io
+        return io.BytesIO(b"".join(self.lines))
+
+
+@pytest.mark.parametrize("bad", [b"TFMW_AGENT {not json\n", b"TFMW_AGENT [1, 2]\n", b"TFMW_EXIT \xff\xfe\n",
+                                 b'TFMW_AGENT {"pid": "1; kill", "pgid": 7}\n', b'TFMW_AGENT {"versions": [1]}\n',
+                                 b'TFMW_EXIT {"error": {"x": 1}}\n'])
+def test_a_malformed_control_line_is_ignored_and_counted_and_reading_goes_on(bad, caplog):
+    """Review t5, not verified: a worker line that starts with TFMW_AGENT/TFMW_EXIT but carries no JSON object raised
+    in the thread that reads the rank's output. Now it is dropped and counted, and the lines after it still come."""
+    from launcher.ssh import SSHWorkerHandle
+    agent = b'TFMW_AGENT {"pid": 4242, "pgid": 4242, "host": "h", "python": "3.12", "versions": {"tf": "2.21"}}\n'
+    host = RemoteHost("gpu_host_1", "h.example", connect=lambda: None)
+    handle = SSHWorkerHandle(None, host, 0, _LinesChannel([agent, bad, b"step 1\n", bad, b"step 2\n"]), "run-1")
+    lines = list(iter(lambda: handle.output.readline(1 << 16), b""))
+    assert lines[1:] == [b"step 1\n", b"step 2\n"] and lines[0].startswith(b"[agent] h: pid 4242")
+    assert (handle.pid, handle.pgid, handle.agent_error) == (4242, 4242, None)
+    assert handle.malformed_control_lines == 2
+    assert "ignored a malformed agent control line" in caplog.text
+
+
+def test_a_second_agent_line_printed_by_the_worker_cannot_change_the_pid_release_signals():
+    from launcher.ssh import SSHWorkerHandle
+    agent = b'TFMW_AGENT {"pid": 4242, "pgid": 4242}\n'
+    forged = b'TFMW_AGENT {"pid": 1234, "pgid": 1234}\n'
+    host = RemoteHost("gpu_host_1", "h.example", connect=lambda: None)
+    handle = SSHWorkerHandle(None, host, 0, _LinesChannel([agent, forged, b"done\n"]), "run-1")
+    assert list(iter(lambda: handle.output.readline(-1), b""))[1:] == [b"done\n"]
+    assert (handle.pid, handle.pgid, handle.malformed_control_lines) == (4242, 4242, 1)

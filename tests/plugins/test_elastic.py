@@ -26,6 +26,7 @@ from tests.tasks import run_fixtures
 from tests.trainer.shards import write_dataset
 from trainer.config import RunConfig
 from trainer.config.pinned import ConfigChangedError, load_pinned_config, save_config
+from trainer.data import read_manifest
 from trainer.layout import StorageLayout, TrainOutput, run_key
 from trainer.storage import join, read_bytes, read_json, write_json_atomic
 
@@ -79,7 +80,8 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
                        checkpoint_every_steps=CHECKPOINT_EVERY, storage_root=storage, baseline="skip",
                        startup_timeout_s=240, hang_timeout_s=240)
     # Laid out as publish lays a run out: the operator pins the digest of this configuration, its run_config.
-    prepared = lay_out_run(cfg, read_json(manifest), manifest, key, run_id="elastic")
+    manifest_document, manifest_sha256 = read_manifest(manifest)
+    prepared = lay_out_run(cfg, manifest_document, manifest, key, run_id="elastic", manifest_sha256=manifest_sha256)
 
     # The uninterrupted 4-worker run, side by side with the elastic one.
     reference_run = StorageLayout(storage).run("reference-run")
@@ -95,7 +97,8 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
     case = {
         "entrypoint": "faulty_train", "operator": "elastic", "retries": 1,
         "args": ["--manifest", manifest],
-        "operator_args": {"config_url": run.config, "output_url": run.train.url},
+        "operator_args": {"config_url": run.config, "output_url": run.train.url,
+                          "manifest_sha256": prepared.manifest_sha256},
         "env": entrypoint_env(),
         "env_by_try": {"1": {"TFMW_TEST_TRAIN_FAULT": f"3:{FAULT_STEP}", LOCAL_USABLE_WORKERS_ENV: None},
                        "2": {"TFMW_TEST_TRAIN_FAULT": None, LOCAL_USABLE_WORKERS_ENV: "2"}},

@@ -28,7 +28,8 @@ from tests.plugins.conftest import failure_excerpt
 from trainer.layout import StorageLayout
 from trainer.storage import read_bytes, read_json
 
-TEMPLATED = {"args", "run_config", "config_url", "output_url", "run_key", "summary_url", "env", "num_workers"}
+TEMPLATED = {"args", "run_config", "config_url", "output_url", "run_key", "summary_url", "env", "manifest_sha256",
+             "num_workers"}
 SECRET = "s3cret-value-never-logged"
 HARNESS = Path(__file__).resolve().parent / "harness_dags" / "tfmw_harness.py"  # airflow_env: conftest.py
 
@@ -122,6 +123,27 @@ def test_a_configuration_rewritten_in_xcom_launches_nothing(monkeypatch, tmp_pat
         op.execute({"ti": _ti()})
     assert backends == []
 
+
+@pytest.mark.parametrize("setting, value, variable", [
+    ("hang_timeout_s", 7 * 86_400, "GPT_FINETUNE_MAX_HANG_TIMEOUT_S=21600"),
+    ("bpe_sample_mb", 1 << 20, "GPT_FINETUNE_MAX_BPE_SAMPLE_MB=1024"),
+    ("max_run_cost", 0, "GPT_FINETUNE_MAX_RUN_COST=50"),
+])
+def test_a_configuration_above_the_operators_ceilings_launches_nothing(monkeypatch, tmp_path, setting, value,
+                                                                       variable):
+    """Review t5, finding 10: the operator's ceilings (and its cost limit) hold where the workers are launched too,
+    whatever the prepared run's XCom says."""
+    monkeypatch.setenv("GPT_FINETUNE_MAX_RUN_COST", "50")
+    backends = []
+    monkeypatch.setattr(operator_module, "make_backend", lambda *args: backends.append(args))
+    run_config = {"num_workers": 2, "storage_root": str(tmp_path), "max_run_cost": 10, setting: value}
+    op = _operator(run_key=None, run_config=run_config)
+    with pytest.raises(AirflowFailException, match=rf"train launches no workers: its configuration is refused: "
+                                                   rf"Setting '{setting}' = {value} is outside what this deployment "
+                                                   rf"allows.*\({variable}\)"):
+        op.execute({"ti": _ti()})
+    assert backends == []
+
 def _prepared_args(root: str, key: str) -> dict[str, str]:
     layout = StorageLayout(root)
     run = layout.run(key)
@@ -166,10 +188,11 @@ def test_a_launch_url_outside_the_run_s_layout_launches_nothing(monkeypatch, tmp
 def test_the_prepared_run_s_urls_launch_with_the_digest_of_the_checked_configuration(tmp_path):
     """The URLs prepare lays out (the run's config, a dataset's manifest, the run's and a baseline's outputs, a
     baseline's summary) pass, and every worker gets the sha256 of the configuration this operator checked, as prepare
-    wrote it (the run's, or its baseline's), in its environment, never in argv: no digest is read from XCom."""
+    wrote it (the run's, or its baseline's), and the manifest's pinned digest, in its environment, never in argv: no
+    config digest is read from XCom."""
     import hashlib
 
-    from launcher.protocol import CONFIG_SHA256_ENV
+    from launcher.protocol import CONFIG_SHA256_ENV, MANIFEST_SHA256_ENV
     from trainer.config import RunConfig
     from trainer.config.pinned import save_config
     from trainer.layout import run_key
@@ -183,11 +206,13 @@ def test_the_prepared_run_s_urls_launch_with_the_digest_of_the_checked_configura
     for config, output in ((run.config, run.train.url), (run.config, run.report), (run.baseline_config, baseline.url)):
         op = _operator(run_key=None, config_url=config, output_url=output,
                        args=["--manifest", args["--manifest"], "--baseline-summary", baseline.summary],
-                       env={CONFIG_SHA256_ENV: "caller's"}, run_config=cfg.to_dict())
+                       manifest_sha256="cd" * 32, env={CONFIG_SHA256_ENV: "caller's", MANIFEST_SHA256_ENV: "caller's"},
+                       run_config=cfg.to_dict())
         op._check_run(_ti())
         spec = op._group_spec()
         assert spec.env[CONFIG_SHA256_ENV] == written[config] == hashlib.sha256(Path(config).read_bytes()).hexdigest()
         assert written[config] not in spec.args
+        assert spec.env[MANIFEST_SHA256_ENV] == "cd" * 32 and "cd" * 32 not in spec.args
 
 
 def test_a_summary_url_that_is_not_the_output_s_own_launches_nothing(tmp_path):
@@ -207,6 +232,20 @@ def test_a_summary_url_that_is_not_the_output_s_own_launches_nothing(tmp_path):
             op._check_run(_ti())
     _operator(run_key=None, args=[], output_url=run.train.url, summary_url=run.train.summary,
               run_config={"num_workers": 2, "storage_root": root})._check_run(_ti())
+
+
+@pytest.mark.parametrize("pin", [None, ""])
+def test_a_manifest_without_a_pinned_digest_launches_nothing(tmp_path, pin):
+    """Review t5, finding 11: the dataset is pinned like the config, so a launch with --manifest needs its digest."""
+    from trainer.layout import run_key
+
+    root, key = str(tmp_path), run_key("gpt_finetune", "manual__1")
+    op = _operator(run_key=None, args=[part for pair in _prepared_args(root, key).items() for part in pair],
+                   manifest_sha256=pin, run_config={"num_workers": 2, "storage_root": root})
+    with pytest.raises(AirflowFailException, match=f"train launches no workers: its --manifest has no pinned digest "
+                                                   rf"\(manifest_sha256 is {pin!r}\): pass the prepared run's XCom "
+                                                   "'manifest_sha256'"):
+        op._check_run(_ti())
 
 
 # -- through Airflow's task runner ------------------------------------------------------------------------------
@@ -238,6 +277,7 @@ def prepared_launch(case: Path, manifest: str, output: str = "train") -> None:
     import trainer.config.launch as launch_rules
     from trainer.config import RunConfig
     from trainer.config.pinned import save_config
+    from trainer.data import read_manifest
 
     content = json.loads(case.read_text())
     settings = content["params"]["run_config"]
@@ -251,6 +291,7 @@ def prepared_launch(case: Path, manifest: str, output: str = "train") -> None:
         launch_rules._check_shared_storage = check_shared_storage
     content["args"] = ["--config", run.config, "--manifest", manifest, "--output", f"{run.url}/{output}",
                        *content["args"]]
+    content["operator_args"] = {**content.get("operator_args", {}), "manifest_sha256": read_manifest(manifest)[1]}
     case.write_text(json.dumps(content))
 
 

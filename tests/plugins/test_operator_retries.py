@@ -79,6 +79,7 @@ def _run(airflow_env, tmp_path, manifest: str | None = None, **case) -> tuple[di
     if manifest:
         prepared_launch(case_file, manifest)
     extra = json.loads(case_file.read_text())
+    extra["operator_args"] = {**extra.get("operator_args", {}), **harness.pop("operator_args", {})}
     extra.update(harness)
     case_file.write_text(json.dumps(extra))
     process, out, log = _start(airflow_env, case_file, tmp_path)

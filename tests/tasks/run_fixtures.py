@@ -9,6 +9,7 @@ later run's shards.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -108,11 +109,13 @@ def prepare_run(root: str, run_id: str, manifest_url: str | None = None, **setti
     `manifest_url` names a real tokenized dataset; by default a manifest without shards is written.
     """
     from tasks.prepare import lay_out_run
-    from trainer.storage import read_json
+    from trainer.storage import read_bytes
 
     manifest_url = manifest_url or write_manifest(root)
     cfg = RunConfig.from_params({"storage_root": root, **settings})
-    prepared = lay_out_run(cfg, read_json(manifest_url), manifest_url, run_key(DAG_ID, run_id), run_id=run_id)
+    data = read_bytes(manifest_url)  # as publish reads it, but unchecked: some tests name fingerprints of their own
+    prepared = lay_out_run(cfg, json.loads(data), manifest_url, run_key(DAG_ID, run_id), run_id=run_id,
+                           manifest_sha256=hashlib.sha256(data).hexdigest())
     return PreparedRun.from_xcom(json.loads(json.dumps(prepared.to_xcom())))
 
 

@@ -96,7 +96,7 @@ def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
                                     "model_card.md"} <= {file.name for file in record.files}
     card = read_bytes(v1.model_card).decode()
     for fragment in ("# gpt_finetune v1", run_fixtures.FINGERPRINT, "Eval loss on the validation split: 5.3000",
-                     "eval_loss_finite: pass", "| learning_rate | `0.003` |", "tensorflow: 2.21.0",
+                     "eval_loss_finite: pass", '  "learning_rate": 0.003,\n', "tensorflow: 2.21.0",
                      f"Run report: {join(first.report_url, 'report.json')} (the run's release task writes report.md"):
         assert fragment in card
     assert read_json(v1.report)["run_id"] == "scheduled__1"
@@ -437,3 +437,20 @@ def test_continuing_from_a_pointer_outside_its_version_is_refused_by_prepare(eva
     with pytest.raises(ConfigError, match=f"Setting 'model' = 'promoted': .*Pointer.model_url = {str(secret)!r} "
                                           f"\\(it must be {models(root).version(1).model!r}\\)"):
         resolve_promoted_model(RunConfig.from_params({"storage_root": root, "model": "promoted"}))
+
+
+def test_the_model_card_writes_settings_as_fenced_json_and_no_value_ends_its_code_span(tmp_path, evaluations):
+    """Review t5, finding 8: a backtick in a setting ended the card's code span and let HTML into model_card.md.
+    text_column may no longer hold one (trainer/config/core.py); the dataset URL and the run id still may."""
+    injected = "s3://gpt-finetune/``x` <img src=x onerror=alert(1)> |\n## Security notice/*.txt"
+    run_id = "manual__`<a href=\"https://evil.example\">rotate</a>`"
+    promoted = promote_run(evaluated_run(str(tmp_path / "storage"), run_id, 5.30, dataset=injected))
+    assert promoted["promoted"] is True
+    card = read_bytes(models(str(tmp_path / "storage")).version(1).model_card).decode()
+    settings = card.split("## Settings\n\n```json\n", 1)[1].split("\n```\n", 1)[0]
+    assert json.loads(settings)["dataset"] == injected and json.loads(settings)["learning_rate"] == 0.003
+    assert "\n## Security notice" not in card  # the newline is escaped, in the JSON and in the code span
+    assert ("(setting `dataset` = ```s3://gpt-finetune/``x` <img src=x onerror=alert(1)> |\\n## Security "
+            "notice/*.txt```") in card
+    assert "from run `` manual__`<a href=\\\"https://evil.example\\\">rotate</a>` ``" in card
+    assert "| text_column |" not in card  # no Markdown table whose cells a value could split
