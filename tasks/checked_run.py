@@ -47,7 +47,9 @@ class CheckedRun:
     Attributes:
         cfg: the configuration held to the access policy; run_id: the task's own DAG run; key: its run key.
         storage: the layout under the checked `storage_root`; run: the run's own directory there.
-        manifest_url: the dataset's manifest.json; baseline_key: the baseline's key; baseline: its training output.
+        manifest_url: the dataset's manifest.json; manifest_sha256: the digest publish read it with, which the
+            evaluation workers pin as the operators pin it on theirs (a digest, not a place: nothing to derive);
+        baseline_key: the baseline's key; baseline: its training output.
     """
 
     cfg: RunConfig
@@ -56,6 +58,7 @@ class CheckedRun:
     storage: StorageLayout
     run: RunLayout
     manifest_url: str
+    manifest_sha256: str
     baseline_key: str
     baseline: TrainOutput
 
@@ -79,7 +82,8 @@ def checked_run(prepared: PreparedRun, own: OwnRun) -> CheckedRun:
     run, baseline = storage.run(key), storage.baseline(prepared.baseline_key)
     derived = CheckedRun(cfg=cfg, run_id=own.run_id, key=key, storage=storage, run=run,
                          manifest_url=storage.manifest(prepared.dataset_fingerprint),
-                         baseline_key=prepared.baseline_key, baseline=baseline)
+                         manifest_sha256=prepared.manifest_sha256, baseline_key=prepared.baseline_key,
+                         baseline=baseline)
     expected = {
         "run_id": own.run_id, "run_key": key, "config_url": run.config, "manifest_url": derived.manifest_url,
         "train_url": run.train.url, "train_summary_url": run.train.summary, "baseline_url": baseline.url,

@@ -112,7 +112,8 @@ def score_models(checked: CheckedRun, make_backend: BackendFactory) -> Scored:
     distributed_eval = run_evaluation(distributed.model, checked.manifest_url,
                                       join(report_url, "eval-distributed.json"), cfg=cfg,
                                       run_key=checked.key, label="distributed",
-                                      make_backend=make_backend, run_id=checked.run_id)
+                                      make_backend=make_backend, run_id=checked.run_id,
+                                      manifest_sha256=checked.manifest_sha256)
     baseline_eval = evaluate_baseline(checked, baseline, make_backend) if baseline else None
     promoted = evaluate_promoted(checked, make_backend, distributed_eval)
     return Scored(distributed, distributed_summary, distributed_eval, baseline, baseline_summary, baseline_eval,
@@ -214,7 +215,8 @@ def read_metrics(output: TrainOutput, rank: int = 0) -> list[dict[str, Any]]:
 
 
 def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: RunConfig, run_key: str,
-                   label: str, make_backend: BackendFactory, run_id: str | None = None) -> EvalResult:
+                   label: str, make_backend: BackendFactory, run_id: str | None = None,
+                   manifest_sha256: str | None = None) -> EvalResult:
     """`python -m trainer.evaluate` as a group of the run's `num_workers` on its backend, each worker scoring its
     part of the `eval_tokens` sample; their output streams to this log. Returns the combined result, also written
     at `output_url`.
@@ -227,6 +229,7 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: R
     does (mailed when `run_id` is given), and past `reclaim_idle_after_s` it is stopped and the evaluation fails,
     saying so."""
     from launcher import GroupSpec
+    from launcher.protocol import MANIFEST_SHA256_ENV
     from tasks.connections import storage_env
     from tasks.launch import IdleSettings, RecordedLaunch
 
@@ -237,6 +240,8 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: R
                                "--eval-tokens", str(cfg.eval_tokens)),
         secret_env=storage_env(cfg.storage_conn_id), startup_timeout_s=cfg.launch.startup_timeout_s,
         hang_timeout_s=cfg.launch.hang_timeout_s,
+        # The dataset pinned as the operators pin it on theirs: the workers refuse a manifest of another digest.
+        env={MANIFEST_SHA256_ENV: manifest_sha256} if manifest_sha256 else {},
     )
     try:  # an evaluation reads and writes only the run's own layout (the operator's launches are held alike)
         check_launch_urls(spec.args, cfg.storage_root, run_key)
@@ -309,7 +314,8 @@ def evaluate_baseline(checked: CheckedRun, baseline: TrainOutput, make_backend: 
             log.info("Baseline evaluation at %s scored sample %s, not this run's %s: evaluating it again.", cached,
                      evaluation.sample_id, expected)
     return run_evaluation(baseline.model, checked.manifest_url, cached, cfg=cfg, run_key=checked.key,
-                          label="baseline", make_backend=make_backend, run_id=checked.run_id)
+                          label="baseline", make_backend=make_backend, run_id=checked.run_id,
+                          manifest_sha256=checked.manifest_sha256)
 
 
 def with_scaling(report: RunReport, layout: RunLayout, distributed: TrainOutput) -> RunReport:
@@ -352,7 +358,8 @@ def evaluate_promoted(checked: CheckedRun, make_backend: BackendFactory,
         return section
     output_url = join(checked.run.report, "eval-promoted.json")
     result = run_evaluation(model_url, manifest_url, output_url, cfg=cfg, run_key=checked.key,
-                            label="promoted", make_backend=make_backend, run_id=checked.run_id)
+                            label="promoted", make_backend=make_backend, run_id=checked.run_id,
+                            manifest_sha256=checked.manifest_sha256)
     return replace(section, eval_loss=result.eval_loss, perplexity=result.perplexity,
                    samples=text_samples(result.samples, output_url),
                    nats_per_char=result.nats_per_char, known_words=result.known_words,

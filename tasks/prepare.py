@@ -147,9 +147,9 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
     run = storage.run(key)
     base_key = baseline_key(run_cfg, manifest, run_cfg.max_steps)
     baseline = storage.baseline(base_key)
-    # Their digests travel in XCom: the operators pin them on the workers (trainer/config/pinned.py).
-    config_sha256 = save_config(run.config, run_cfg)
-    baseline_config_sha256 = save_config(run.baseline_config, run_cfg.baseline_config())
+    # The operators pin the digests of what they check on the workers (trainer/config/pinned.py).
+    save_config(run.config, run_cfg)
+    save_config(run.baseline_config, run_cfg.baseline_config())
     write_price(run.url, price)
     log.info("Run directory %s", run.url)
     return PreparedRun(
@@ -157,7 +157,6 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
         run_key=key,
         config=run_cfg.to_dict(),
         config_url=run.config,
-        config_sha256=config_sha256,
         manifest_url=manifest_url,
         manifest_sha256=manifest_sha256,
         dataset_fingerprint=manifest["fingerprint"],
@@ -166,7 +165,6 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
         baseline_key=base_key,
         baseline_url=baseline.url,
         baseline_config_url=run.baseline_config,
-        baseline_config_sha256=baseline_config_sha256,
         baseline_summary_url=baseline.summary,
         report_url=run.report,
         continued_from=continued_from,

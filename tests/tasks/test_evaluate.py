@@ -214,15 +214,32 @@ def test_a_sampled_evaluation_reports_its_share_and_widens_loss_parity_by_the_pa
 
 
 def test_an_evaluation_held_idle_past_the_reclaim_limit_fails_saying_so(root, evaluations):
-    model = join(root, "model")
-    write_json_atomic(join(model, "fixture_eval.json"), {"eval_loss": 5.3, "hang_s": 120})  # never a step
+    run = StorageLayout(root).run("run-of-eval")
+    write_json_atomic(join(run.train.model, "fixture_eval.json"), {"eval_loss": 5.3, "hang_s": 120})  # never a step
     cfg = RunConfig.of(storage_root=root, max_idle_held_s=1, reclaim_idle_after_s=2)
     started = time.monotonic()
     with pytest.raises(evaluate.EvaluationError, match=r"on 2 worker\(s\): reclaimed after 2 s idle: GPU time: "
                                                         r"evaluate-distributed \(attempt 1\) held 2 slot"):
-        evaluate.run_evaluation(model, run_fixtures.write_manifest(root), join(root, "eval.json"), cfg=cfg,
-                                run_key="run-of-eval", label="distributed", make_backend=make_backend)
+        evaluate.run_evaluation(run.train.model, run_fixtures.write_manifest(root), join(run.report, "eval.json"),
+                                cfg=cfg, run_key="run-of-eval", label="distributed", make_backend=make_backend)
     assert time.monotonic() - started < 60
+
+
+def test_evaluation_workers_refuse_a_manifest_other_than_the_pinned_one(root, evaluations):
+    """Review t5, finding 11: evaluate's own workers pin the dataset as the operators' workers do."""
+    from trainer.data import read_manifest
+
+    run = StorageLayout(root).run("run-of-eval")
+    write_json_atomic(join(run.train.model, "fixture_eval.json"), {"eval_loss": 5.3})
+    manifest, output = run_fixtures.write_manifest(root), join(run.report, "eval.json")
+    cfg = RunConfig.of(storage_root=root)
+    with pytest.raises(evaluate.EvaluationError, match="the Airflow side pinned " + "0" * 64):
+        evaluate.run_evaluation(run.train.model, manifest, output, cfg=cfg, run_key="run-of-eval",
+                                label="distributed", make_backend=make_backend, manifest_sha256="0" * 64)
+    result = evaluate.run_evaluation(run.train.model, manifest, output, cfg=cfg, run_key="run-of-eval",
+                                     label="distributed", make_backend=make_backend,
+                                     manifest_sha256=read_manifest(manifest)[1])
+    assert result.eval_loss == pytest.approx(5.3)
 
 
 def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, caplog):

@@ -15,7 +15,8 @@ from tasks.dataset.plan import DatasetPlan
 from tasks.dataset.records import LaneResult
 from tasks.prepare import finish_run, plan_run, tokenize_lane
 from tasks.prepared_run import PreparedRun
-from trainer.config.pinned import load_pinned_config
+from trainer.config import RunConfig
+from trainer.config.pinned import config_bytes, load_pinned_config
 from trainer.data import load_manifest
 from trainer.layout import run_key
 
@@ -60,10 +61,13 @@ def test_prepared_run_lists_configs_with_resolved_steps(tmp_path):
     params = {"storage_root": str(tmp_path), "num_workers": 2, "tokenizer": "bpe:512", "block_size": 32,
               "max_steps": 0, "warmup_steps": 0, "epochs": 1.0, "baseline": "skip"}
     prepared = prepare_run(params, RUN_ID, DAG_ID)
-    # Loaded as the workers load them, with the digests the XCom pinned (trainer/config/pinned.py).
-    run_cfg = load_pinned_config(prepared.config_url, {CONFIG_SHA256_ENV: prepared.config_sha256})
-    baseline_cfg = load_pinned_config(prepared.baseline_config_url,
-                                      {CONFIG_SHA256_ENV: prepared.baseline_config_sha256})
+    # Loaded as the workers load them, pinned to the digests of the configurations the operators check
+    # (trainer/config/pinned.py).
+    checked = RunConfig.from_saved(prepared.config)
+    run_cfg = load_pinned_config(prepared.config_url,
+                                 {CONFIG_SHA256_ENV: hashlib.sha256(config_bytes(checked)).hexdigest()})
+    baseline_cfg = load_pinned_config(prepared.baseline_config_url, {
+        CONFIG_SHA256_ENV: hashlib.sha256(config_bytes(checked.baseline_config())).hexdigest()})
     assert run_cfg.max_steps == prepared.config["max_steps"] > 0  # derived from epochs, never 0 for the workers
     assert baseline_cfg.num_workers == 1 and baseline_cfg.global_batch_size == run_cfg.global_batch_size
     assert Path(prepared.manifest_url).exists()
