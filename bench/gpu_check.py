@@ -5,8 +5,9 @@
 
 Runs the real prepare stage on the Shakespeare corpus (bpe:16384, block 1024) and the real `trainer.train` (one
 process per GPU, TF_CONFIG on loopback when --workers > 1), then prints tokens/s, MFU (dense bf16 peak of the GPU
-named by NVML, see trainer/metrics.py), the highest GPU memory in use during training (NVML, with TensorFlow
-allocating on demand instead of reserving the whole GPU) and the compile time the figures exclude. With two or
+named by NVML, see trainer/metrics.py), the most GPU memory TensorFlow's allocator used during training
+(`gpu_mem_peak_mb`: what training needs; the workers reserve the GPU as production's do, so NVML's in-use figure would
+be the reservation) and the compile time the figures exclude. With two or
 more GPUs it also times a 256 MiB NCCL all-reduce between two worker processes, one GPU each (bus bandwidth =
 algorithm bandwidth x 2(N-1)/N, as nccl-tests report it). Target on an H200: MFU >= 40%.
 Not part of `make bench` (needs a GPU); takes a few minutes, most of it XLA compilation. The figures go to
@@ -108,13 +109,12 @@ def _train(args, shapes: dict, corpus: str, use_gpu: bool, scratch: Path) -> tup
     output = scratch / "train"
     command = [sys.executable, "-m", "trainer.train", "--config", str(config_path), "--manifest",
                dataset.manifest_url, "--output", str(output)]
-    # On demand, so that the memory NVML reports in use is what training needs, not TensorFlow's whole reservation.
-    codes = _run_workers(command, args.workers, use_gpu, {"TF_FORCE_GPU_ALLOW_GROWTH": "true"})
+    codes = _run_workers(command, args.workers, use_gpu)
     if any(codes):
         raise SystemExit(f"training failed: exit codes {codes} (rank 0's log is above)")
     summary = json.loads((output / "summary.json").read_text())
     records = [json.loads(line) for line in (output / "metrics" / "rank-0.jsonl").read_text().splitlines() if line]
-    memory = [r["gpu_mem_reserved_mb"] for r in records if r.get("gpu_mem_reserved_mb") is not None]
+    memory = [r["gpu_mem_peak_mb"] for r in records if r.get("gpu_mem_peak_mb") is not None]
     return summary, max(memory) if memory else None
 
 
@@ -123,18 +123,18 @@ def _allreduce(shapes: dict, use_gpu: bool, out: Path) -> dict:
     out.mkdir(parents=True)
     command = [sys.executable, "-m", "bench.gpu_check", "--allreduce-worker", str(shapes["allreduce_bytes"]),
                str(shapes["allreduce_iterations"]), str(out / "allreduce.json")]
-    codes = _run_workers(command, 2, use_gpu, {})
+    codes = _run_workers(command, 2, use_gpu)
     if any(codes):
         raise SystemExit(f"all-reduce probe failed: exit codes {codes} (rank 0's log is above)")
     return json.loads((out / "allreduce.json").read_text())
 
 
-def _run_workers(command: list[str], workers: int, use_gpu: bool, extra_env: dict[str, str]) -> list[int]:
+def _run_workers(command: list[str], workers: int, use_gpu: bool) -> list[int]:
     addresses = [f"127.0.0.1:{port}" for port in PortAllocator().allocate(workers)] if workers > 1 else []
     procs = []
     for rank in range(workers):
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "1", "HF_HUB_OFFLINE": "1",
-               "CUDA_VISIBLE_DEVICES": str(rank) if use_gpu else "", **extra_env}
+               "CUDA_VISIBLE_DEVICES": str(rank) if use_gpu else ""}
         env.pop("TF_CONFIG", None)
         if addresses:
             env["TF_CONFIG"] = json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": rank}})
@@ -191,7 +191,7 @@ def _report(figures: dict) -> None:
     print(f"MFU {100 * mfu:.1f}% (target >= {100 * MFU_TARGET:.0f}% on H200)" if mfu is not None else
           "MFU n/a: no GPU, or it is not in trainer.metrics.PEAK_FLOPS_16BIT, or NVML is unavailable")
     peak = figures["peak_gpu_memory_mb"]
-    print(f"peak GPU memory in use {peak / 1024:.1f} GiB (NVML)" if peak is not None
+    print(f"peak GPU memory used by TensorFlow's allocator {peak / 1024:.1f} GiB" if peak is not None
           else "peak GPU memory n/a (no GPU)")
     print(f"input wait {100 * (figures['input_wait_fraction'] or 0):.2f}% of step time; final loss "
           f"{figures['final_loss']:.3f}")

@@ -5,13 +5,19 @@
 
 Needs only the standard library, nvidia-ml-py and the driver's libcuda: no TensorFlow, no Airflow, no installs (the
 `launcher` modules it runs are standard library only). Its stand-in worker holds GPU memory through ctypes on
-libcuda (cuInit, cuDeviceGet, cuCtxCreate_v2, cuMemAlloc_v2). Three checks (issue 38; the evidence is in
-../shared/research/gpu_paths_review.md, sections 3-5):
+libcuda (cuInit, cuDeviceGet, cuCtxCreate_v2, cuMemAlloc_v2).
+
+First it prints each GPU's idle figures (`idle_levels`) read by both of NVML's memory calls, v1
+(`nvmlDeviceGetMemoryInfo(handle)`: `used` holds the driver's reservation) and v2 (`version=nvmlMemory_v2`:
+`reserved` apart), or what the driver answered instead: the idle level placement records and release waits for
+(launcher/gpu_memory.py) was measured by v1 only (615 MiB on an H200, driver 580.159.04). Then three checks (issues
+38 and 47; the evidence is in ../shared/research/gpu_paths_review.md, sections 3-5):
 1. busy_gpu_not_admitted: a stand-in holds the first GPU; placing one worker per GPU of the host is refused, naming
    that GPU.
 2. stubborn_worker_released: a stand-in that carries the run key and ignores SIGTERM holds the first GPU;
-   LocalBackend.release ends it (TERM, grace, KILL), waits for NVML to drop it, and must report clean; the figures
-   are the release's wall time and `free_after_s`, how long NVML took to free the GPU after the process was ended.
+   LocalBackend.release ends it (TERM, grace, KILL), waits for NVML to drop it and for the GPU's memory to come back
+   to the idle level recorded for it, and must report clean; the figures are the release's wall time and
+   `free_after_s`, how long NVML took to free the GPU after the process was ended.
 3. other_namespace_not_free: a stand-in holds the first GPU from this PID namespace while the placement probe runs in
    a new one (`unshare --pid --fork --mount-proc`): drivers >= 570 list no process there, but the GPU's memory is in
    use, so it must not be free. Skipped, with the reason, where unshare is refused. The dry run models it with a
@@ -141,6 +147,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if gpus[0] not in inventory.free:
         return {"dry_run": args.dry_run, "host": socket.gethostname(), "ok": False,
                 "error": f"{gpus[0].label} is not free before the check ({inventory.describe_left_out()})"}
+    idle_levels = _idle_levels()  # before any stand-in runs: what each GPU reads with nothing of ours on it
     stand_ins = StandIns(args, fake)
     checks: dict[str, dict[str, Any]] = {}
     try:
@@ -152,7 +159,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         stand_ins.end_all()
     return {"dry_run": args.dry_run, "host": socket.gethostname(), "driver": _driver(),
-            "gpus": [gpu.record() for gpu in gpus], "hold_mib": args.hold_mib, "checks": checks,
+            "gpus": [gpu.record() for gpu in gpus], "idle_levels": idle_levels, "hold_mib": args.hold_mib,
+            "checks": checks,
             "ok": all(check["ok"] is not False for check in checks.values()),
             "wall_s": round(time.monotonic() - started, 2)}
 
@@ -182,7 +190,9 @@ def _stubborn_worker_released(args, gpus, stand_ins: StandIns, fake) -> dict[str
 
     key = f"gpu-release-check-{uuid.uuid4().hex[:12]}"
     worker = stand_ins.start(gpus[0], run_key=key, ignore_term=True)
-    placed = RecordedWorker(0, "localhost", None, (gpus[0].uuid or gpus[0].index,), extra={"pid": worker.pid})
+    name = str(gpus[0].uuid or gpus[0].index)
+    idle = {name: gpus[0].idle_mb} if gpus[0].idle_mb is not None else None  # as placement records it
+    placed = RecordedWorker(0, "localhost", None, (name,), idle, extra={"pid": worker.pid})
     records = [StateRecord("train", "local", "running", utc_now(), "", workers=(placed,))]
     started = time.monotonic()
     released = LocalBackend().release(key, records, grace_s=args.grace)
@@ -191,7 +201,8 @@ def _stubborn_worker_released(args, gpus, stand_ins: StandIns, fake) -> dict[str
     gpu_check = host["gpu_check"]
     return {"ok": released.clean and host["killed"] == [worker.pid], "clean": released.clean,
             "terminated": host["terminated"], "killed": host["killed"], "survivors": host["survivors"],
-            "release_s": round(release_s, 3), "grace_s": args.grace, "free_after_s": gpu_check.get("free_after_s"),
+            "release_s": round(release_s, 3), "grace_s": args.grace, "idle_mb_recorded": idle,
+            "free_after_s": gpu_check.get("free_after_s"),
             "held_by_run": gpu_check.get("held_by_run"), "unverified": gpu_check.get("unverified")}
 
 
@@ -243,6 +254,33 @@ def _wait_until_free(gpu: Any, stand_ins: StandIns, timeout_s: float = 30.0) -> 
         time.sleep(0.05)
 
 
+def _idle_levels() -> list[dict[str, Any]]:
+    """Each GPU's memory by v1 and by v2 (MiB), with the pids NVML lists on it; a call's refusal in its place."""
+    from launcher.host_probe import nvml
+
+    def read(pynvml: Any, handle: Any, **version: int) -> dict[str, Any]:
+        try:
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle, **version)
+        except pynvml.NVMLError as error:
+            return {"refused": f"{type(error).__name__}: {error}"}
+        fields = ("total", "reserved", "free", "used") if version else ("total", "free", "used")
+        return {field: getattr(memory, field) >> 20 for field in fields}
+
+    levels = []
+    with nvml() as pynvml:
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                pids = [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
+            except pynvml.NVMLError as error:
+                levels.append({"gpu": index, "error": f"{type(error).__name__}: {error}"})
+                continue
+            v2 = getattr(pynvml, "nvmlMemory_v2", None)
+            levels.append({"gpu": index, "pids": pids, "v1_mib": read(pynvml, handle),
+                           "v2_mib": read(pynvml, handle, version=v2) if v2 else {"refused": "no nvmlMemory_v2"}})
+    return levels
+
+
 def _driver() -> str | None:
     from launcher.host_probe import NvmlUnavailable, nvml
 
@@ -260,7 +298,6 @@ def _install_fake_nvml() -> Any:
     fake = FakeNvml(h200s(2))
     sys.modules["pynvml"] = fake
     return fake
-
 
 
 if __name__ == "__main__":

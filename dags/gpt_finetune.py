@@ -28,6 +28,7 @@ PREPARE = "prepare"
 # The last prepare step: its XCom (the prepared run: paths, the validated config) is what every later task reads.
 PREPARED = "publish"
 PLAN_XCOM_KEY = "plan"
+WORKER_GROUP_TASKS = ("preflight", "train", "baseline")  # the TFMultiWorkerOperator tasks below
 # Updated by every successful prepare; its event's extra names the manifest, so other DAGs can schedule on it.
 SHARDS_ASSET = Asset(name="gpt_finetune_shards", uri="gpt-finetune://datasets/shards")
 # Updated only when a run is promoted (an alias outlet emits no event by itself); its extra names the version.
@@ -115,22 +116,25 @@ def publish(run_id=None, dag_run=None, ti=None, outlet_events=None) -> dict:
     return prepared_run.to_xcom()
 
 
+# Later tasks act on URLs they derive from their own DAG run (tasks/checked_run.py), the XCom's checked against them.
 @task.short_circuit(task_id="plan_baseline", ignore_downstream_trigger_rules=False)
-def plan_baseline(prepared_run: dict) -> bool:
+def plan_baseline(prepared_run: dict, run_id=None, dag_run=None) -> bool:
     from tasks.baseline import plan_baseline as plan
+    from tasks.checked_run import OwnRun
     from tasks.prepared_run import PreparedRun
 
-    return plan(PreparedRun.from_xcom(prepared_run))
+    return plan(PreparedRun.from_xcom(prepared_run), OwnRun(dag_run.dag_id, run_id))
 
 
 @task(task_id="evaluate", trigger_rule="none_failed", retries=0)  # its pool (gpu_slots) is set where it is wired
-def evaluate(prepared_run: dict) -> dict:
+def evaluate(prepared_run: dict, run_id=None, dag_run=None) -> dict:
     from tf_multiworker.backends import make_backend
 
+    from tasks.checked_run import OwnRun
     from tasks.evaluate import evaluate_run
     from tasks.prepared_run import PreparedRun
 
-    return evaluate_run(PreparedRun.from_xcom(prepared_run), make_backend)
+    return evaluate_run(PreparedRun.from_xcom(prepared_run), OwnRun(dag_run.dag_id, run_id), make_backend)
 
 
 # all_done: a run whose gates failed still gets its verdict ("not promoted: the gates failed") in the report.
@@ -138,6 +142,7 @@ def evaluate(prepared_run: dict) -> dict:
 def promote(ti=None, outlet_events=None) -> dict:
     from airflow.sdk.exceptions import AirflowSkipException
 
+    from tasks.checked_run import OwnRun
     from tasks.prepared_run import PreparedRun
     from tasks.promote import NoReportError, promote_run
 
@@ -145,7 +150,7 @@ def promote(ti=None, outlet_events=None) -> dict:
     if not prepared_run:
         raise AirflowSkipException("prepare did not finish: nothing to promote.")
     try:
-        promotion = promote_run(PreparedRun.from_xcom(prepared_run))
+        promotion = promote_run(PreparedRun.from_xcom(prepared_run), OwnRun(ti.dag_id, ti.run_id))
     except NoReportError as error:
         raise AirflowSkipException(str(error)) from error
     if promotion["promoted"]:
@@ -154,12 +159,15 @@ def promote(ti=None, outlet_events=None) -> dict:
 
 
 @task(task_id="release", retries=2)
-def release(params=None, run_id=None, dag_run=None) -> dict:
+def release(params=None, run_id=None, dag_run=None, ti=None) -> dict:
     from tf_multiworker.backends import make_backend
+    from tf_multiworker.operator import STATE_XCOM_KEY
 
     from tasks.release import release_run
 
-    return release_run(params, run_id, dag_run.dag_id, make_backend)
+    # The worker groups' state records as their operators pushed them: release cross-checks storage's copies.
+    pushed = {task_id: ti.xcom_pull(task_ids=task_id, key=STATE_XCOM_KEY) for task_id in WORKER_GROUP_TASKS}
+    return release_run(params, run_id, dag_run.dag_id, make_backend, pushed=pushed)
 
 
 # Its failure repeats another task's, which already alerted; a run stopped from outside alerts here.
@@ -210,12 +218,12 @@ def gpt_finetune():
             entrypoint=entrypoint,
             # The validated configuration, once: backend, worker count, GPU use, timeouts, storage and connection.
             run_config="{{ ti.xcom_pull(task_ids='" + PREPARED + "')['config'] }}",
-            # The workers' --config and --output; no run_key: the operator derives it from (dag_id, run_id).
+            # The workers' --config and --output; no run_key: the operator derives it from (dag_id, run_id) and
+            # holds these to that run's layout, and pins the config's digest itself (trainer/config/pinned.py).
             config_url=prepared(config),
             output_url=prepared(output),
             args=["--manifest", prepared("manifest_url"), *extra_args],
-            # The digest prepare pinned for that file: the workers refuse it changed (trainer/config/pinned.py).
-            config_sha256=prepared(config.removesuffix("_url") + "_sha256"),
+            manifest_sha256=prepared("manifest_sha256"),  # the dataset, pinned as the config is (trainer/data.py)
             pool=GPU_POOL,  # with use_gpu, one slot per worker (tf_multiworker/gpu_admission.py); CPU runs: none
             **kwargs,
         )

@@ -47,6 +47,8 @@ from launcher.process import (
     wait_group_gone,
 )
 from launcher.protocol import (
+    ABORT_LINE,
+    ABORT_SIGNAL,
     AGENT_LINE,
     AGENT_MODULE,
     EXIT_LINE,
@@ -89,6 +91,11 @@ def _count(value: Any) -> bool:
     return type(value) is int and 0 <= value <= 1024
 
 
+IDLE_FIELD = (lambda v: isinstance(v, dict) and all(isinstance(k, str) and type(mb) is int and mb >= 0
+                                                for k, mb in v.items()),
+              "an object mapping GPU UUIDs or indices to idle levels in whole MiB")
+
+
 def _run_key(value: Any) -> bool:
     return isinstance(value, str) and RUN_KEY_PATTERN.fullmatch(value) is not None  # it names a directory here
 
@@ -114,6 +121,7 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "run_key": RUN_KEY_FIELD,
         "grace_s": (_seconds, "seconds, 0 to 3600"),
         "workdir": (lambda v: v is None or (isinstance(v, str) and bool(v)), "a directory path or null"),
+        "idle_mb": IDLE_FIELD,
     },
     "kill": {
         "pgid": (lambda v: type(v) is int, "a process group id"),
@@ -129,6 +137,7 @@ REQUESTS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "group": (lambda v: isinstance(v, str) and bool(v), "a worker group's name"),
         "pids": (lambda v: isinstance(v, list) and all(type(p) is int and p > 0 for p in v), "a list of pids"),
         "gpus": (_strings, "a list of GPU UUIDs or indices"),
+        "idle_mb": IDLE_FIELD,
         "use_gpu": (lambda v: isinstance(v, bool), "true or false"),
     },
     "utilization": {
@@ -205,23 +214,31 @@ def _relay(source: IO[bytes], out: Output) -> None:
 
 
 class StopRequest:
-    """Why the worker must stop, once `event` is set: `asked` when the launcher wrote `STOP_LINE` first."""
+    """Why the worker must stop, once `event` is set: `asked` when the launcher wrote `STOP_LINE` or `ABORT_LINE`
+    first, `aborted` when it was `ABORT_LINE` (another rank failed: the first signal is ABORT_SIGNAL)."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.asked = False
+        self.aborted = False
 
     def grace_s(self, requested: float) -> float:
         return requested if self.asked else min(requested, ORPHAN_GRACE_S)
+
+    @property
+    def first_signal(self) -> signal.Signals:
+        return ABORT_SIGNAL if self.aborted else signal.SIGTERM
 
 
 def _watch_stdin(stdin: IO[bytes], stop: StopRequest) -> None:
     """Sets `stop` when stdin reaches EOF: sshd closes it when the channel closes or the connection drops."""
     seen = b""
+    window = max(len(STOP_LINE), len(ABORT_LINE))
     try:
         while chunk := stdin.read1(MAX_LINE_BYTES):
-            seen = (seen + chunk)[-len(STOP_LINE):]  # nothing else is expected after the request
-            stop.asked = stop.asked or seen == STOP_LINE
+            seen = (seen + chunk)[-window:]  # nothing else is expected after the request
+            stop.aborted = stop.aborted or seen.endswith(ABORT_LINE)
+            stop.asked = stop.asked or stop.aborted or seen.endswith(STOP_LINE)
     except (OSError, ValueError):
         pass
     stop.event.set()
@@ -253,11 +270,12 @@ def run_worker(request: dict[str, Any], out: Output, stdin: IO[bytes]) -> int:
     relay = threading.Thread(target=_relay, args=(worker.stdout, out), name="relay", daemon=True)
     relay.start()
     threading.Thread(target=_watch_stdin, args=(stdin, stop), name="stdin", daemon=True).start()
-    threading.Thread(target=lambda: stop.event.wait() and stop_group(pgid, stop.grace_s(grace_s)), name="stop",
-                     daemon=True).start()
+    threading.Thread(target=lambda: stop.event.wait() and stop_group(pgid, stop.grace_s(grace_s), stop.first_signal),
+                     name="stop", daemon=True).start()
 
     code = worker.wait()  # a signal runs its handler (stop.event.set) and the wait resumes
-    stop_group(pgid, stop.grace_s(grace_s) if stop.event.is_set() else grace_s)  # what it left in its group
+    # What it left in its group.
+    stop_group(pgid, stop.grace_s(grace_s) if stop.event.is_set() else grace_s, stop.first_signal)
     relay.join(OUTPUT_DRAIN_S)
     out.control(EXIT_LINE, {"code": code})
     return code_to_exit_status(code)
@@ -282,12 +300,14 @@ def _workdir_status(workdir: str) -> dict[str, Any]:
 
 def gpu_inventory() -> dict[str, Any]:
     """NVML's view of this host: {"nvml", "count", "free": indices of free GPUs, "pin": how to pin each free GPU
-    (its UUID, else its index), "left_out": the GPUs that are not free and why}."""
+    (its UUID, else its index), "idle_mb": each free GPU's idle level by that name, "left_out": the GPUs that are not
+    free and why}."""
     gpus = probe_gpus()
     if gpus.unavailable:
         return {"nvml": False, "count": 0, "free": [], "pin": [], "left_out": [], "unavailable": gpus.unavailable}
     return {"nvml": True, "count": len(gpus.free) + len(gpus.left_out), "free": gpus.free_indices,
             "pin": [gpu.uuid or gpu.index for gpu in gpus.free],
+            "idle_mb": {str(gpu.uuid or gpu.index): gpu.idle_mb for gpu in gpus.free if gpu.idle_mb is not None},
             "left_out": [{"gpu": gpu.index, "uuid": gpu.uuid, "reason": reason} for gpu, reason in gpus.left_out]}
 
 
@@ -310,7 +330,7 @@ def _own_directory(path: Path) -> bool:
 
 def release(request: dict[str, Any]) -> dict[str, Any]:
     key = request["run_key"]
-    watch = watch_release(set(processes_with_env({RUN_KEY_ENV: key})))
+    watch = watch_release(set(processes_with_env({RUN_KEY_ENV: key})), idle_mb=request["idle_mb"])
     outcome = end_marked_processes({RUN_KEY_ENV: key}, float(request["grace_s"]))
     removed = []
     if request["workdir"] and not outcome["survivors"]:  # a survivor may still be writing there
@@ -348,7 +368,7 @@ def reap(request: dict[str, Any]) -> dict[str, Any]:
 def slots_free(request: dict[str, Any]) -> dict[str, Any]:
     markers = {RUN_KEY_ENV: request["run_key"], GROUP_ENV: request["group"]}
     check = check_exited_slots(request["pids"], request["gpus"], use_gpu=request["use_gpu"],
-                               alive=lambda: sorted(processes_with_env(markers)))
+                               alive=lambda: sorted(processes_with_env(markers)), idle_mb=request["idle_mb"])
     return {"host": socket.gethostname(), **check}
 
 

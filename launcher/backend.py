@@ -102,6 +102,11 @@ class WorkerHandle(ABC):
     def terminate(self) -> None:
         """Ask the worker and everything it started to stop (SIGTERM, wherever it runs). Returns at once."""
 
+    def abort(self) -> None:
+        """Stop the worker because another rank failed (protocol.ABORT_SIGNAL, wherever it runs): it ends at once
+        unless it is writing a checkpoint. Returns at once. A backend that cannot send that signal terminates."""
+        self.terminate()
+
     @abstractmethod
     def kill(self) -> None:
         """Stop the worker and everything it started now (SIGKILL, wherever it runs)."""

@@ -11,8 +11,6 @@ import collections
 import logging
 import os
 import queue
-import re
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,10 +20,11 @@ from typing import IO
 
 from launcher.backend import Backend, WorkerHandle
 from launcher.errors import LaunchError
+from launcher.failures import exit_failure, hang_failure, startup_failure
 from launcher.idle import IdleWatch
 from launcher.log_policy import is_native_noise, verbose_environment
 from launcher.process import ORPHAN_GRACE_S, stop_ladder
-from launcher.protocol import GROUP_ENV, RUN_KEY_ENV, is_ready_marker, utc_now
+from launcher.protocol import ABORT_SIGNAL, EXIT_PREEMPTED, GROUP_ENV, RUN_KEY_ENV, is_ready_marker, utc_now
 from launcher.spec import (
     FailureKind,
     GroupSpec,
@@ -52,9 +51,6 @@ READER_JOIN_S = 2.0
 MAX_LINE_BYTES = 64 << 10
 MAX_QUEUED_LINES = 10_000
 MAX_LINES_PER_POLL = 2_000
-# What TensorFlow's gRPC server (and Python's socket) print when the port was taken before the worker bound it.
-BIND_FAILURE = re.compile(r"address already in use|could not start grpc server|failed to add port|EADDRINUSE",
-                          re.IGNORECASE)
 
 LineSink = Callable[[int, str], None]
 StartedSink = Callable[[Sequence[WorkerOutcome], int], None]
@@ -77,17 +73,8 @@ class _Worker:
 
     def outcome(self) -> WorkerOutcome:
         return WorkerOutcome(self.spec.rank, self.spec.host, self.spec.port, self.handle.pid, self.spec.devices,
-                             self.state, self.exit_code, self.handle.record(), self.handle.label())
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name} (signal {-code})"
-    return f"exited with code {code}"
+                             self.state, self.exit_code, self.handle.record(), self.handle.label(),
+                             self.spec.placement.gpu_idle_mb)
 
 
 def _left_out(rank: int, count: int) -> str:
@@ -189,6 +176,7 @@ class WorkerGroup:
     def _run_attempt(self, attempt: int) -> tuple[GroupState, dict[int, WorkerFailure]]:
         workers: list[_Worker] = []
         self._workers = workers
+        outcome = None
         try:
             self._launch(attempt, workers)
             if self.on_started and not self._stop_requested.is_set():
@@ -197,11 +185,12 @@ class WorkerGroup:
                 outcomes = [w.outcome() for w in workers]
                 self.idle.start(self.spec.name, attempt, [w.spec.rank for w in workers],
                                 lambda: self.backend.utilization(self.spec, outcomes) or {})
-            return self._watch(workers)
+            outcome = self._watch(workers)
+            return outcome
         finally:
             if self.idle:
                 self.idle.stop()
-            self._stop_workers(workers)
+            self._stop_workers(workers, failed=self._failed_ranks(outcome))
             for worker in workers:
                 if worker.reader:
                     worker.reader.join(READER_JOIN_S)
@@ -254,10 +243,10 @@ class WorkerGroup:
         while True:
             self._drain_lines(MAX_LINES_PER_POLL)
             self._stop_if_orphaned()
+            if self.idle:
+                self.idle.poll()  # may stop the group (a reclaim of idle slots)
             if self._stop_requested.is_set():
                 return GroupState.STOPPED, {}
-            if self.idle:
-                self.idle.poll()
             outcome = self._outcome(workers, time.monotonic(), started)
             if outcome is not None:
                 return outcome
@@ -311,39 +300,19 @@ class WorkerGroup:
             worker.reader.join(READER_JOIN_S)  # the last lines are the ones that explain the exit
         joined = worker.state is WorkerState.READY
         worker.state = WorkerState.FAILED
-        code = worker.exit_code
-        tail = tuple(worker.tail)
-        kind = FailureKind.SIGNAL if code < 0 else FailureKind.EXIT_CODE
-        detail = _describe_exit(code)
-        if not joined and any(BIND_FAILURE.search(line) for line in tail):
-            kind = FailureKind.PORT_BIND
-            detail += f" before joining the group: port {worker.spec.port} was already in use"
-        return WorkerFailure(worker.spec.rank, worker.spec.host, worker.handle.pid, kind, code, elapsed, detail, tail)
+        return exit_failure(worker.spec, worker.handle.pid, worker.exit_code, elapsed, tuple(worker.tail),
+                            joined=joined)
 
     def _startup_failure(self, worker: _Worker, elapsed: float, workers: list[_Worker]) -> WorkerFailure:
         worker.state = WorkerState.FAILED
-        joined = [w.spec.rank for w in workers if w.state is WorkerState.READY]
-        waiting = worker.handle.waiting_reason()
-        detail = (
-            f"did not join the group within startup_timeout_s={self.spec.startup_timeout_s:g} s "
-            f"({f'never started: {waiting}' if waiting else 'still running'}, its address {worker.spec.address}; "
-            f"ranks that joined: {joined or 'none'}). "
-            "Likely causes: the worker is stuck before creating its strategy, an unreachable address or a closed "
-            "port in TF_CONFIG, a firewall, or a peer that never came up. Raise startup_timeout_s if start-up is "
-            "legitimately slow."
-        )
-        return WorkerFailure(worker.spec.rank, worker.spec.host, worker.handle.pid, FailureKind.STARTUP_TIMEOUT,
-                             None, elapsed, detail, tuple(worker.tail))
+        return startup_failure(worker.spec, worker.handle.pid, elapsed, tuple(worker.tail),
+                               timeout_s=self.spec.startup_timeout_s, waiting=worker.handle.waiting_reason(),
+                               joined=[w.spec.rank for w in workers if w.state is WorkerState.READY])
 
     def _hang_failure(self, worker: _Worker, elapsed: float, silent_s: float) -> WorkerFailure:
         worker.state = WorkerState.FAILED
-        detail = (
-            f"was alive but the whole group printed nothing for {silent_s:.0f} s "
-            f"(hang_timeout_s={self.spec.hang_timeout_s:g}): a hung collective, usually a peer that stopped "
-            "taking part. Raise hang_timeout_s if a step legitimately takes longer."
-        )
-        return WorkerFailure(worker.spec.rank, worker.spec.host, worker.handle.pid, FailureKind.HANG,
-                             None, elapsed, detail, tuple(worker.tail))
+        return hang_failure(worker.spec, worker.handle.pid, elapsed, tuple(worker.tail),
+                            timeout_s=self.spec.hang_timeout_s, silent_s=silent_s)
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
@@ -400,12 +369,32 @@ class WorkerGroup:
             rank, count = self._unannounced.popitem()
             self.on_line(rank, _left_out(rank, count))
 
-    def _stop_workers(self, workers: list[_Worker], grace_s: float | None = None) -> None:
+    def _failed_ranks(self, outcome: tuple[GroupState, dict[int, WorkerFailure]] | None) -> list[int]:
+        """The ranks whose failure ended this attempt, when the others are to be aborted rather than asked to stop:
+        none when the group was stopped from outside (its ladder runs already), when the attempt raised, or when every
+        failed rank exited EXIT_PREEMPTED (the others are saving the checkpoint they agreed on)."""
+        if outcome is None or self._stop_requested.is_set():
+            return []
+        state, failures = outcome
+        if state is not GroupState.FAILED or all(f.exit_code == EXIT_PREEMPTED for f in failures.values()):
+            return []
+        return sorted(failures)
+
+    def _stop_workers(self, workers: list[_Worker], grace_s: float | None = None, failed: Sequence[int] = ()) -> None:
+        """The stop ladder for every worker still running: SIGTERM (a preemption notice: a rank saves a checkpoint
+        at the step all agree on), or ABORT_SIGNAL when rank(s) `failed` failed: no checkpoint can be agreed without
+        them, so the others end at once (one writing a checkpoint finishes it first); SIGKILL after the grace."""
         grace_s = self.spec.grace_period_s if grace_s is None else grace_s
+        first = ABORT_SIGNAL.name if failed else "SIGTERM"
+        alive = [w.spec.rank for w in workers if not w.handle.gone()]
+        if failed and alive:
+            log.warning("rank(s) %s failed: stopping what is left of rank(s) %s with %s, at once (a checkpoint "
+                        "cannot be agreed without the failed rank(s); the retry resumes from the last one saved)",
+                        list(failed), alive, first)
 
         def warn(worker: _Worker) -> None:
-            log.warning("rank %d (host %s, pid %s) still running %g s after SIGTERM: sending SIGKILL",
-                        worker.spec.rank, worker.spec.host, worker.handle.pid, grace_s)
+            log.warning("rank %d (host %s, pid %s) still running %g s after %s: sending SIGKILL",
+                        worker.spec.rank, worker.spec.host, worker.handle.pid, grace_s, first)
 
-        stop_ladder(workers, terminate=lambda w: w.handle.terminate(), kill=lambda w: w.handle.kill(),
-                    gone=lambda w: w.handle.gone(), grace_s=grace_s, on_kill=warn)
+        stop_ladder(workers, terminate=(lambda w: w.handle.abort()) if failed else (lambda w: w.handle.terminate()),
+                    kill=lambda w: w.handle.kill(), gone=lambda w: w.handle.gone(), grace_s=grace_s, on_kill=warn)

@@ -9,8 +9,10 @@ stall of the group: the first poll that finds idle ranks calls `on_idle` once; t
 within `max_idle_s` of progress again.
 
 It complements `hang_timeout_s`, which fails a group that prints nothing: this one catches a group that talks but
-does not train, and never fails or slows it. The launcher only calls `on_idle`; what a warning does (log, count,
-record, mail) is the caller's (tasks/launch.py). Utilization is sampled on a thread of its own, so a slow sampler
+does not train, and never fails or slows it by itself. With `reclaim_after_s` (at least `max_idle_s`) it also calls
+`on_reclaim` once per attempt when every rank has been idle, by the same rule, that long: the caller stops the group.
+The launcher only calls these; what a warning or a reclaim does (log, count, record, mail, stop) is the caller's
+(tasks/launch.py). Utilization is sampled on a thread of its own, so a slow sampler
 (NVML, a remote host) never holds up the group's watch loop.
 """
 
@@ -59,10 +61,16 @@ class IdleWatch:
 
     def __init__(self, max_idle_s: float, step_of: Callable[[str], int | None], on_idle: Callable[[IdleEpisode], None],
                  *, util_below_pct: float | None = None, sample_every_s: float = 0.0,
+                 reclaim_after_s: float = 0.0, on_reclaim: Callable[[IdleEpisode], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         if max_idle_s <= 0:
             raise ValueError(f"an idle-held watch needs max_idle_s > 0, got {max_idle_s}")
+        if reclaim_after_s and (reclaim_after_s < max_idle_s or on_reclaim is None):
+            raise ValueError(f"reclaim_idle_after_s = {reclaim_after_s:g} needs an on_reclaim and at least the watch's "
+                             f"window max_idle_held_s = {max_idle_s:g}")
         self.max_idle_s, self.step_of, self.on_idle = max_idle_s, step_of, on_idle
+        self.reclaim_after_s, self.on_reclaim = reclaim_after_s, on_reclaim
+        self._reclaimed = False  # on_reclaim was called for this attempt
         self.util_below_pct, self.sample_every_s, self.clock, self.wall = util_below_pct, sample_every_s, clock, wall
         self.group, self.attempt = "", 0
         self._ranks: dict[int, _Rank] = {}
@@ -79,7 +87,7 @@ class IdleWatch:
         self.stop()
         now = self.clock()
         with self._lock:
-            self.group, self.attempt, self._open = group, attempt, False
+            self.group, self.attempt, self._open, self._reclaimed = group, attempt, False, False
             self._ranks = {rank: _Rank(now) for rank in ranks}
             self._samples.clear()
         self._sample = sample if self.util_below_pct is not None else None
@@ -108,15 +116,34 @@ class IdleWatch:
                 state.step, state.since = step, self.clock()
 
     def poll(self) -> None:
-        """Called by the group's watch loop: fires `on_idle` once per episode, never raises."""
+        """Called by the group's watch loop: fires `on_idle` once per episode, then `on_reclaim` once per attempt
+        (when set and due); never raises."""
         with self._lock:
-            episode = self._new_episode(self.clock())
-        if episode is None:
-            return
-        try:
-            self.on_idle(episode)
-        except Exception:  # a warning must never end the group it watches
-            log.exception("the idle-held warning of %s could not be handled", self.group)
+            now = self.clock()
+            episode, reclaim = self._new_episode(now), self._reclaim_due(now)
+        for callback, due, what in ((self.on_idle, episode, "idle-held warning"),
+                                    (self.on_reclaim, reclaim, "reclaim of idle GPUs")):
+            if due is None or callback is None:
+                continue
+            try:
+                callback(due)
+            except Exception:  # a warning must never end the group it watches; a reclaim ends it by its own call
+                log.exception("the %s of %s could not be handled", what, self.group)
+
+    def _reclaim_due(self, now: float) -> IdleEpisode | None:
+        """Every rank idle for `reclaim_after_s`, by the warning's rule (under the lock): the one reclaim."""
+        if not self.reclaim_after_s or self._reclaimed or not self._ranks:
+            return None
+        since = {rank: now - state.since for rank, state in self._ranks.items()}
+        if min(since.values()) < self.reclaim_after_s:
+            return None
+        peaks = self._peaks(since, now)
+        if peaks is not None and any(peak is None or peak >= self.util_below_pct for peak in peaks.values()):
+            return None
+        self._reclaimed = True
+        ranks = tuple(sorted(since))
+        return IdleEpisode(self.attempt, ranks, round(min(since.values()), 3),
+                           {rank: self._phase(self._ranks[rank]) for rank in ranks}, peaks, self.wall())
 
     def _new_episode(self, now: float) -> IdleEpisode | None:
         """The episode that starts now, if one does (under the lock)."""

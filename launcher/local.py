@@ -25,6 +25,7 @@ from typing import IO, Any, ClassVar
 
 from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, HostRelease, ReleaseResult, WorkerHandle
 from launcher.errors import InsufficientGPUsError, LaunchError
+from launcher.gpu_memory import idle_levels_mb
 from launcher.gpus import (
     GPU_POLL_S,
     GPU_RELEASE_WAIT_S,
@@ -47,6 +48,7 @@ from launcher.process import (
     signal_group,
 )
 from launcher.protocol import (
+    ABORT_SIGNAL,
     GROUP_ENV,
     LAUNCHER_WORKDIR_PREFIX,
     RUN_KEY_ENV,
@@ -124,6 +126,9 @@ class LocalWorkerHandle(WorkerHandle):
 
     def terminate(self) -> None:
         signal_group(self.pgid, signal.SIGTERM)
+
+    def abort(self) -> None:
+        signal_group(self.pgid, ABORT_SIGNAL)
 
     def kill(self) -> None:
         signal_group(self.pgid, signal.SIGKILL)
@@ -207,6 +212,7 @@ class LocalBackend(Backend):
         num_workers = group.num_workers
         devices: list[tuple[int | str, ...]] = [() for _ in range(num_workers)]
         where: list[dict[str, str]] = [{} for _ in range(num_workers)]
+        idle: list[dict[str, int]] = [{} for _ in range(num_workers)]
         if group.use_gpu:
             gpus = self._gpus(num_workers)
             if num_workers > len(gpus.free):
@@ -214,8 +220,11 @@ class LocalBackend(Backend):
             # By UUID: NVML does not promise that its index is CUDA's (NVML reference, nvmlDeviceGetHandleByIndex).
             devices = [(gpu.uuid or gpu.index,) for gpu in gpus.free[:num_workers]]
             where = [{"gpu": str(gpu.index)} for gpu in gpus.free[:num_workers]]
+            # A free GPU lists no process: what it reads now is its idle level, which release waits for.
+            idle = [{str(gpu.uuid or gpu.index): gpu.idle_mb} if gpu.idle_mb is not None else {}
+                    for gpu in gpus.free[:num_workers]]
         ports = self.ports.allocate(num_workers)
-        return [Placement(LOOPBACK, port, dev, at) for port, dev, at in zip(ports, devices, where)]
+        return [Placement(LOOPBACK, *fields) for fields in zip(ports, devices, where, idle)]
 
     def _gpus(self, wanted: int) -> GpuInventory:
         """The GPU probe; polled, bounded, while fewer than `wanted` are free right after this backend stopped
@@ -258,6 +267,7 @@ class LocalBackend(Backend):
         pgids = [w.record["pgid"] for w in workers if isinstance(w.record.get("pgid"), int)]
         return check_exited_slots({w.pid for w in workers if w.pid}, [d for w in workers for d in (w.devices or ())],
                                   use_gpu=group.use_gpu, alive=lambda: [p for p in pgids if live_group_members(p)],
+                                  idle_mb={name: mb for w in workers for name, mb in w.gpu_idle_mb.items()},
                                   environ=self.environ, clock=self.clock, sleep=self.sleep)
 
     def utilization(self, group: GroupSpec, workers: Sequence[WorkerOutcome]) -> dict[int, float | None] | None:
@@ -277,8 +287,10 @@ class LocalBackend(Backend):
         """Every process of the run on this host, found by the marker each carries (so also one no record names,
         or a grandchild), ended; the launcher work directories the records name removed; GPUs checked: waited for,
         bounded, until the run's processes left them and the memory they held came back."""
-        recorded = {pid for r in records for w in r.workers if (pid := w.handle_id("pid")) is not None}
-        watch = watch_release(recorded | set(processes_with_env({RUN_KEY_ENV: run_key})), placed_gpus(records))
+        # The GPU holders are the processes that carry the run's marker: a record is storage content, and a pid it
+        # names may by now be any other process, which release must neither blame nor tell anyone to kill.
+        watch = watch_release(set(processes_with_env({RUN_KEY_ENV: run_key})), placed_gpus(records),
+                              recorded_idle_mb(records))
         ended = end_marked_processes({RUN_KEY_ENV: run_key}, grace_s)
         removed, kept = [], []
         for workdir in {r.workdir for r in records if r.workdir}:
@@ -300,6 +312,12 @@ def placed_gpus(records: Sequence[StateRecord]) -> set[str] | None:
     if not workers or any(w.gpus is None for w in workers):
         return None
     return {str(gpu) for w in workers for gpu in w.gpus or ()}
+
+
+def recorded_idle_mb(records: Sequence[StateRecord]) -> dict[str, int]:
+    """The idle levels the records' placements read (GPU name -> MiB); a GPU no record gives one for is judged as
+    never seen idle."""
+    return idle_levels_mb({name: mb for r in records for w in r.workers for name, mb in (w.gpu_idle_mb or {}).items()})
 
 
 def _too_few_gpus(gpus: GpuInventory, num_workers: int) -> str:

@@ -115,9 +115,10 @@ def wait_group_gone(pgid: int, timeout_s: float) -> bool:
     return group_gone(pgid)
 
 
-def stop_group(pgid: int, grace_s: float) -> None:
-    """The launcher's one stopping ladder, for a worker's whole process group."""
-    stop_ladder([pgid], terminate=lambda g: signal_group(g, signal.SIGTERM),
+def stop_group(pgid: int, grace_s: float, first: signal.Signals = signal.SIGTERM) -> None:
+    """The launcher's one stopping ladder, for a worker's whole process group: `first` (SIGTERM; ABORT_SIGNAL when
+    another rank failed), `grace_s`, SIGKILL."""
+    stop_ladder([pgid], terminate=lambda g: signal_group(g, first),
                 kill=lambda g: signal_group(g, signal.SIGKILL), gone=group_gone, grace_s=grace_s)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Mapping
@@ -34,6 +35,7 @@ GROUP_ENV = "TFMW_GROUP"
 # worker host holds its credentials) could change the file in between; a worker refuses a file of another digest.
 # Not a secret, but kept out of argv so that the command line stays what the entry point documents.
 CONFIG_SHA256_ENV = "TFMW_CONFIG_SHA256"
+MANIFEST_SHA256_ENV = "TFMW_MANIFEST_SHA256"  # the dataset manifest's sha256, pinned like the config (trainer/data.py)
 # The launcher's per-task temporary directories start with this; release deletes only such directories.
 LAUNCHER_WORKDIR_PREFIX = "tfmw-"
 
@@ -46,6 +48,12 @@ LAUNCHER_WORKDIR_PREFIX = "tfmw-"
 EXIT_PEER_LOST = 3
 EXIT_PERMANENT = 65
 EXIT_PREEMPTED = 75
+# The launcher stops the rest of a group with this signal, not SIGTERM, when a rank failed (it died, hung or never
+# joined): no preemption checkpoint can complete without that rank, so nothing is worth waiting for. Its default
+# action ends the process even while it is blocked in a collective, where a Python handler for SIGTERM would never
+# run; the trainer holds it back only while it writes a checkpoint (trainer/runtime.py). SIGTERM stays a preemption
+# notice: a spot reclaim, a node drain, a pod's deletion, a task stopped from outside.
+ABORT_SIGNAL = signal.SIGUSR1
 
 def utc_now() -> str:
     """Now, as every record's `*_at` field and log header holds it: ISO 8601 in UTC, to the millisecond
@@ -62,24 +70,53 @@ def utc_timestamp(seconds: float) -> str:
 
 # The SSH agent's lines (launcher/agent.py; docs/CONTRACTS.md, "SSH backend <-> remote agent"). Around a `run`
 # worker's output the agent prints control lines, `<tag> <JSON object>`: AGENT_LINE once the worker started, EXIT_LINE
-# last. The launcher writes STOP_LINE after the request when it stops the worker itself (then the whole grace applies).
+# last. The launcher writes STOP_LINE after the request when it stops the worker itself (then the whole grace applies),
+# ABORT_LINE when it stops it because another rank failed.
 AGENT_MODULE = "launcher.agent"
 AGENT_LINE = "TFMW_AGENT"
 EXIT_LINE = "TFMW_EXIT"
 STOP_LINE = b"TFMW_STOP\n"
+ABORT_LINE = b"TFMW_ABORT\n"  # as STOP_LINE, for a stop after a rank failed: the agent signals ABORT_SIGNAL first
 
 
 def control_line(tag: str, payload: Mapping[str, Any]) -> bytes:
     return f"{tag} {json.dumps(payload)}\n".encode()
 
 
+class MalformedControlLine(ValueError):
+    """A line that starts with a control tag but whose payload is not a JSON object."""
+
+
 def read_control_line(line: bytes) -> tuple[str, dict[str, Any]] | None:
-    """(tag, payload) of one of the agent's control lines, None for any other line (the worker's own output)."""
+    """(tag, payload) of one of the agent's control lines, None for any other line (the worker's own output).
+    Raises MalformedControlLine for a tagged line whose payload is not a JSON object: a worker prints what it likes."""
     for tag in (AGENT_LINE, EXIT_LINE):
         prefix = f"{tag} ".encode()
         if line.startswith(prefix):
-            return tag, json.loads(line[len(prefix):])
+            try:
+                payload = json.loads(line[len(prefix):])
+            except ValueError as error:  # also a payload that is not UTF-8
+                raise MalformedControlLine(f"{tag} line whose payload is not JSON: {error}") from None
+            if not isinstance(payload, dict):
+                raise MalformedControlLine(f"{tag} line whose payload is a {type(payload).__name__}, not an object")
+            _check_control_payload(tag, payload)
+            return tag, payload
     return None
+
+
+def _check_control_payload(tag: str, payload: dict[str, Any]) -> None:
+    """The agent line's ids are integers (stop and release signal that pid and process group), its versions an
+    object; the exit line's error is text."""
+    if tag == EXIT_LINE:
+        if not isinstance(payload.get("error") or "", str):
+            raise MalformedControlLine(f"{tag} line whose error is {payload['error']!r}, not text")
+        return
+    for key in ("pid", "pgid"):
+        value = payload.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 1):
+            raise MalformedControlLine(f"{tag} line whose {key} is {value!r}, not a process id")
+    if not isinstance(payload.get("versions") or {}, dict):
+        raise MalformedControlLine(f"{tag} line whose versions are {payload['versions']!r}, not an object")
 
 
 # The host's temporary directory, for what should outlive one worker (the shard cache); see worker_temp_environment.

@@ -125,13 +125,15 @@ class Placement:
     promise that its index is CUDA's), (i,) on GPU index i where no UUID is known, None leaves GPU visibility to
     the backend (a Kubernetes device plugin scopes the pod's GPUs; an empty CUDA_VISIBLE_DEVICES would hide them).
     `where` holds the backend's own details for messages and records (an SSH connection id, a pod name, the GPU's
-    NVML index).
+    NVML index). `gpu_idle_mb`: each placed GPU's idle level (its name in `devices` -> MiB NVML reported in use with
+    no process on it, launcher/gpu_memory.py), which release waits for; empty where the backend reads none.
     """
 
     host: str
     port: int
     devices: tuple[int | str, ...] | None = ()
     where: Mapping[str, str] = field(default_factory=dict)
+    gpu_idle_mb: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -140,6 +142,8 @@ class Placement:
             raise ValueError(f"placement port {self.port} is outside 1..65535")
         if self.devices is not None and not all(_is_device(d) for d in self.devices):
             raise ValueError(f"devices must be GPU UUIDs (GPU-..., MIG-...) or indices >= 0, got {self.devices!r}")
+        if not all(type(level) is int and level >= 0 for level in self.gpu_idle_mb.values()):
+            raise ValueError(f"GPU idle levels must be whole MiB >= 0, got {dict(self.gpu_idle_mb)!r}")
 
     @property
     def address(self) -> str:
@@ -198,7 +202,7 @@ class WorkerFailure:
 @dataclass(frozen=True)
 class WorkerOutcome:
     """One rank as the run-state record keeps it; `record` is the backend's handle identity (`record()`), `label`
-    how log lines name it (`label()`)."""
+    how log lines name it (`label()`), `gpu_idle_mb` its GPUs' idle levels from its placement."""
 
     rank: int
     host: str
@@ -209,6 +213,7 @@ class WorkerOutcome:
     exit_code: int | None
     record: Mapping[str, Any] = field(default_factory=dict)
     label: str = ""
+    gpu_idle_mb: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,10 @@ from typing import IO, Any, ClassVar
 from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, HostRelease, ReleaseResult, WorkerHandle
 from launcher.document import DocumentError
 from launcher.errors import InsufficientGPUsError, LaunchError
+from launcher.gpu_memory import idle_levels_mb
 from launcher.gpus import GPU_RELEASE_WAIT_S
 from launcher.process import ORPHAN_GRACE_S, exit_status_to_code
-from launcher.protocol import AGENT_LINE, AGENT_MODULE, STOP_LINE, read_control_line
+from launcher.protocol import ABORT_LINE, AGENT_LINE, AGENT_MODULE, STOP_LINE, MalformedControlLine, read_control_line
 from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
 from launcher.state_record import StateRecord
 
@@ -76,6 +77,7 @@ class SSHWorkerHandle(WorkerHandle):
         self.pgid: int | None = None
         self.agent: dict[str, Any] = {}
         self.agent_error: str | None = None
+        self.malformed_control_lines = 0
         self._stream = channel.makefile("rb")
         self._killed = False
 
@@ -91,7 +93,13 @@ class SSHWorkerHandle(WorkerHandle):
                 line = self._stream.readline(size)
             except (OSError, EOFError):
                 return b""
-            control = read_control_line(line)
+            try:
+                control = read_control_line(line)
+                if control is not None and control[0] == AGENT_LINE and self.agent:  # stop signals the first's pid
+                    raise MalformedControlLine(f"{AGENT_LINE} line after the agent's own: the worker printed it")
+            except MalformedControlLine as error:
+                self._ignore_control_line(error)
+                continue
             if control is None:
                 return line
             tag, payload = control
@@ -105,7 +113,18 @@ class SSHWorkerHandle(WorkerHandle):
             if self.agent_error:
                 return f"[agent] {self.agent_error}\n".encode()
 
+    def _ignore_control_line(self, error: MalformedControlLine) -> None:
+        """A malformed control line carries no pid, no error and no output: ignored and counted, never fatal to the
+        thread that reads this rank's output."""
+        self.malformed_control_lines += 1
+        if self.malformed_control_lines == 1:
+            log.warning("rank %d on %s: ignored a malformed agent control line (%s); later ones are only counted",
+                        self.rank, self.remote, error)
+
     def close(self) -> None:
+        if self.malformed_control_lines > 1:
+            log.warning("rank %d on %s: %d malformed agent control lines ignored", self.rank, self.remote,
+                        self.malformed_control_lines)
         self._stream.close()
 
     # -- life ---------------------------------------------------------------------------------------------------
@@ -119,9 +138,15 @@ class SSHWorkerHandle(WorkerHandle):
         return exit_status_to_code(status)
 
     def terminate(self) -> None:
+        self._ask_to_stop(STOP_LINE)
+
+    def abort(self) -> None:
+        self._ask_to_stop(ABORT_LINE)
+
+    def _ask_to_stop(self, line: bytes) -> None:
         try:
-            self.channel.sendall(STOP_LINE)
-            self.channel.shutdown_write()  # EOF on the agent's stdin: it ends the worker's group (TERM, grace, KILL)
+            self.channel.sendall(line)
+            self.channel.shutdown_write()  # EOF on the agent's stdin: it ends the worker's group (signal, grace, KILL)
         except (OSError, EOFError):
             pass
 
@@ -349,9 +374,11 @@ class SSHBackend(Backend):
         capacity.append(f"{host}: {slots}" + (f" (free GPUs {gpus}{_gpu_detail(probe)})" if group.use_gpu else ""))
         taken = {placement.port for placement in placements}
         ports = [port for port in probe["free_ports"] if port not in taken]
+        idle = idle_levels_mb((probe.get("gpus") or {}).get("idle_mb")) if group.use_gpu else {}
         for slot in range(min(slots, need)):
-            placements.append(Placement(host.address, ports[slot], (gpus[slot],) if group.use_gpu else (),
-                                        {"conn_id": host.conn_id}))
+            pin = (gpus[slot],) if group.use_gpu else ()
+            levels = {str(gpu): idle[str(gpu)] for gpu in pin if str(gpu) in idle}
+            placements.append(Placement(host.address, ports[slot], pin, {"conn_id": host.conn_id}, levels))
 
     def command(self, group: GroupSpec) -> list[str]:
         return [self.remote_python, "-u", "-m", group.entrypoint, *group.args]
@@ -383,7 +410,8 @@ class SSHBackend(Backend):
         requests = {h.conn_id: {"run_key": group.run_key, "group": group.name, "use_gpu": group.use_gpu,
                                 "pids": [w.record["remote_pid"] for w in by_conn[h.conn_id]
                                          if isinstance(w.record.get("remote_pid"), int)],
-                                "gpus": [str(d) for w in by_conn[h.conn_id] for d in (w.devices or ())]}
+                                "gpus": [str(d) for w in by_conn[h.conn_id] for d in (w.devices or ())],
+                                "idle_mb": {k: v for w in by_conn[h.conn_id] for k, v in w.gpu_idle_mb.items()}}
                     for h in hosts}
         with ThreadPoolExecutor(max(1, min(len(hosts), MAX_PARALLEL_REQUESTS)), thread_name_prefix="ssh-slots") as pool:
             answers = list(pool.map(lambda h: self._ask_slots(h, requests[h.conn_id]), hosts))
@@ -436,8 +464,12 @@ class SSHBackend(Backend):
         """Every host of the run (from the settings, so also one no record names), asked at once: its processes
         ended, its run directory removed, its GPUs checked. An unreachable host is reported, and the release is not
         clean."""
-        request = {"run_key": run_key, "grace_s": grace_s, "workdir": self.remote_workdir}
-        answers = self.ask_all(self.hosts, "release", request, timeout_s=grace_s + 30)
+        idle = {host.conn_id: idle_levels_mb({name: mb for r in records for w in r.workers
+                                              if w.extra.get("conn_id") == host.conn_id
+                                              for name, mb in (w.gpu_idle_mb or {}).items()}) for host in self.hosts}
+        answers = self.ask_all(self.hosts, "release", lambda host: {
+            "run_key": run_key, "grace_s": grace_s, "workdir": self.remote_workdir, "idle_mb": idle[host.conn_id]},
+            timeout_s=grace_s + 30)
         hosts = tuple(_host_release(host, answer) for host, answer in zip(self.hosts, answers, strict=True))
         # The agent's own verdict (its processes gone, its GPUs checked free) for each host that answered.
         return ReleaseResult(self.name, hosts, clean=all(h.evidence.get("clean") is True and not h.error

@@ -42,13 +42,16 @@ class SlotsCheck(OpenDocument):
 @dataclass(frozen=True)
 class RecordedWorker(OpenDocument):
     """One rank of a record: `rank`, `host`, `port`, `gpus` (the devices it was placed on; empty on CPU, None in a
-    record that does not say) and, beside them, the backend's handle record (`WorkerHandle.record()`: `pid` and
-    `pgid` locally, `conn_id`, `remote_pid` and `remote_pgid` over SSH, `namespace`, `pod` and `node` on Kubernetes)."""
+    record that does not say), `gpu_idle_mb` (each of those GPUs' idle level at placement: its name -> MiB in use
+    with no process on it, which release waits for; None or a GPU missing: release judges it as never seen idle) and,
+    beside them, the backend's handle record (`WorkerHandle.record()`: `pid` and `pgid` locally, `conn_id`,
+    `remote_pid` and `remote_pgid` over SSH, `namespace`, `pod` and `node` on Kubernetes)."""
 
     rank: int
     host: str
     port: int | None
     gpus: tuple[int | str, ...] | None = None
+    gpu_idle_mb: dict[str, int] | None = None
 
     def handle_id(self, name: str) -> int | None:
         """The handle record's integer `name` (a pid or a process group); None when it holds none."""

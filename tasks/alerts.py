@@ -27,6 +27,7 @@ from typing import Any
 from tasks import telemetry
 from trainer.config import ConfigError, RunConfig, schema
 from trainer.config.access import AccessPolicy
+from trainer.config.core import is_email_address
 from trainer.layout import run_key
 
 log = logging.getLogger("gpt_finetune.alerts")
@@ -53,7 +54,6 @@ SMTP_TIMEOUT_S = 5.0
 SMTP_RETRY_LIMIT = 0  # SmtpHook's default 5 retries re-send over the same broken connection: none within a deadline
 # The formats RunConfig checks (trainer/config/schema.py), applied here one value at a time.
 _CONN_ID = re.compile(schema.CONN_ID)
-_EMAIL = re.compile(schema.EMAIL)
 
 
 class AlertTimeout(TimeoutError):
@@ -230,8 +230,9 @@ def _settings(params: Mapping[str, Any] | None) -> tuple[str, tuple[str, ...], l
         return "", (), refused
     recipients = []
     for address in emails:
-        why = _refusal(policy, "alert_emails", address) if isinstance(address, str) and _EMAIL.fullmatch(
-            address) else [f"Setting 'alert_emails' has {address!r}, which is not an e-mail address (name@domain)"]
+        why = _refusal(policy, "alert_emails", address) if is_email_address(address) else [
+            (f"Setting 'alert_emails' has {address!r}, which is not an e-mail address of the plain form "
+             "name@domain.tld")]
         refused += why
         recipients += [] if why else [address]
     return conn_id, tuple(recipients), refused
@@ -301,13 +302,15 @@ def alert_throughput(cfg: RunConfig, run_id: str, warnings: list[str]) -> None:
                text, run=run_key(DAG_ID, run_id), task="evaluate")
 
 
-def alert_in_background(cfg: RunConfig, run_id: str, what: str, text: str, *, task: str) -> threading.Thread:
-    """A warning raised while a task holds GPU slots (the idle-held warning, from a group's watch loop), mailed on a
-    thread of its own: `send_alert` is bounded by ALERT_DEADLINE_S, but even that must not hold up the loop that
-    watches the workers. The settings were checked in prepare; the thread is a daemon (the task's end is not held
-    for it: a mail still under way then is lost, and the report keeps the warning)."""
+def alert_in_background(cfg: RunConfig, run_id: str, what: str, text: str, *, task: str,
+                        fails: bool = False) -> threading.Thread:
+    """A warning raised while a task holds GPU slots (the idle-held warning, a reclaim of idle GPUs: `fails`, from a
+    group's watch loop), mailed on a thread of its own: `send_alert` is bounded by ALERT_DEADLINE_S, but even that
+    must not hold up the loop that watches the workers. The settings were checked in prepare; the thread is a daemon
+    (the task's end is not held for it: a mail still under way then is lost, and the report keeps the warning)."""
     key = run_key(DAG_ID, run_id)
-    body = "\n".join([f"The run {run_id} of {DAG_ID} needs a look (it is not failed by this):", "", f"- {text}", "",
+    verdict = f"its task {task} fails by this" if fails else "it is not failed by this"
+    body = "\n".join([f"The run {run_id} of {DAG_ID} needs a look ({verdict}):", "", f"- {text}", "",
                       f"Report: {run_page_url(run_id)}"])
     sender = threading.Thread(target=send_alert, name="gpt-finetune-alert-background", daemon=True, args=(
         cfg.monitoring.alert_conn_id, cfg.monitoring.alert_emails, f"[{DAG_ID}] run {run_id}: {what}", body),

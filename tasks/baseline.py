@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 from launcher.document import Document, DocumentError, OpenDocument, read_fields
 from launcher.host_probe import package_versions
 from launcher.protocol import utc_now
+from tasks.checked_run import OwnRun, checked_run
 from tasks.connections import uses_run_storage
-from tasks.policy import checked_config
 from trainer.config import RunConfig
 from trainer.eval_sample import sample_identity
 from trainer.host_info import code_fingerprint
-from trainer.layout import StorageLayout, safe_name
+from trainer.layout import safe_name
 from trainer.storage import exists, join, list_dir, read_json, remove_tree, write_json_atomic
 from trainer.summary import TrainSummary
 
@@ -140,18 +140,19 @@ def baseline_key(cfg: RunConfig, manifest: dict, total_steps: int) -> str:
 
 
 @uses_run_storage
-def plan_baseline(prepared: PreparedRun) -> bool:
+def plan_baseline(prepared: PreparedRun, own: OwnRun) -> bool:
     """True when the `baseline` task must train; False skips it (policy `skip`, or a matching baseline exists).
 
-    `run` clears the old output first so its summary.json cannot pass for the new one.
+    `run` clears the old output first so its summary.json cannot pass for the new one. Every URL is the run's own
+    (tasks/checked_run.py), checked before anything is read or deleted.
     """
-    cfg = checked_config(prepared.config)
-    key, baseline_url = prepared.baseline_key, prepared.baseline_url
+    checked = checked_run(prepared, own)
+    cfg, key, baseline = checked.cfg, checked.baseline_key, checked.baseline
     if cfg.baseline == "skip":
         log.info("Baseline policy 'skip': no baseline, the report will have no speedup or loss parity.")
         return False
 
-    manifest = read_json(prepared.manifest_url)
+    manifest = read_json(checked.manifest_url)
     parts = baseline_key_parts(cfg, manifest, cfg.max_steps)
     if baseline_key(cfg, manifest, cfg.max_steps) != key:
         raise RuntimeError(
@@ -159,24 +160,23 @@ def plan_baseline(prepared: PreparedRun) -> bool:
             f"(the trainer/ sources changed between tasks?): clear the run and trigger it again."
         )
     if cfg.baseline == "run":
-        log.info("Baseline policy 'run': training baseline %s again; clearing %s first.", key, baseline_url)
-        remove_tree(baseline_url)
-        _write_key_record(baseline_url, key, parts, prepared.run_id)
+        log.info("Baseline policy 'run': training baseline %s again; clearing %s first.", key, baseline.url)
+        remove_tree(baseline.url)
+        _write_key_record(baseline.url, key, parts, checked.run_id)
         return True
 
-    summary_url = prepared.baseline_summary_url
-    if exists(summary_url):
-        summary = TrainSummary.from_json(read_json(summary_url), summary_url)  # refused here, not at evaluate
+    if exists(baseline.summary):
+        summary = TrainSummary.from_json(read_json(baseline.summary), baseline.summary)  # refused here, not later
         log.info("Baseline policy 'auto': reusing baseline %s (finished %s, %s steps in %.1f s of training) at %s.",
-                 key, summary.finished_at, summary.steps, summary.train_time_s, baseline_url)
+                 key, summary.finished_at, summary.steps, summary.train_time_s, baseline.url)
         return False
-    if exists(baseline_url):
+    if exists(baseline.url):
         log.info("Baseline policy 'auto': baseline %s exists without summary.json (an interrupted run); "
                  "training it, resuming from its checkpoints.", key)
     else:
         log.info("Baseline policy 'auto': no baseline with key %s; %s", key,
-                 _explain_mismatch(StorageLayout(cfg.storage_root).baselines, key, parts))
-    _write_key_record(baseline_url, key, parts, prepared.run_id)
+                 _explain_mismatch(checked.storage.baselines, key, parts))
+    _write_key_record(baseline.url, key, parts, checked.run_id)
     return True
 
 

@@ -20,13 +20,14 @@ from tasks import registry, telemetry, throughput
 from tasks import report as reports
 from tasks.alerts import alert_throughput
 from tasks.baseline import read_key_record
+from tasks.checked_run import CheckedRun, OwnRun, checked_run
 from tasks.comparison import build_report, run_figures
 from tasks.connections import uses_run_storage
 from tasks.launch import release_after_exit
 from tasks.legacy_models import convert_legacy_model
-from tasks.policy import checked_config
+from tasks.policy import check_launch_urls
 from tasks.report_document import ContinuedFrom, ModelSamples, PromotedScore, RunReport, TextSample, table_rows
-from trainer.config import RunConfig
+from trainer.config import ConfigError, RunConfig
 from trainer.data import tokenizer_url
 from trainer.decoders.architectures import CheckpointError
 from trainer.eval_result import EvalResult, ResultError, combine, delta_standard_error, part_url
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("gpt_finetune.evaluate")
 
 EVALUATE_MODULE = "trainer.evaluate"  # the worker entry point of docs/CONTRACTS.md
-BASELINE_EVAL = "eval.json"  # cached next to a baseline: its key covers the data, the sample and the evaluation code
 
 
 class GateFailure(RuntimeError):
@@ -54,21 +54,23 @@ class EvaluationError(RuntimeError):
 
 
 @uses_run_storage
-def evaluate_run(prepared: PreparedRun, make_backend: BackendFactory) -> dict:
-    """The evaluate task; `make_backend` builds the run's backend for each evaluation (the DAG task hands in
-    `tf_multiworker.backends.make_backend`). Its steps: the models scored, the report assembled and written, the
-    run's throughput announced, the gates checked (a failed gate fails the task, the report written)."""
-    cfg = checked_config(prepared.config)
-    scored = score_models(prepared, cfg, make_backend)
-    report = assemble_report(prepared, cfg, scored)
-    earlier = reports.earlier_reports(StorageLayout(cfg.storage_root).runs, exclude_run_key=prepared.run_key)
+def evaluate_run(prepared: PreparedRun, own: OwnRun, make_backend: BackendFactory) -> dict:
+    """The evaluate task of DAG run `own`; `make_backend` builds the run's backend for each evaluation (the DAG task
+    hands in `tf_multiworker.backends.make_backend`). Its steps: the run's URLs derived and the XCom's checked
+    against them (tasks/checked_run.py), the models scored, the report assembled and written, the run's throughput
+    announced, the gates checked (a failed gate fails the task, the report written)."""
+    checked = checked_run(prepared, own)
+    cfg = checked.cfg
+    scored = score_models(checked, make_backend)
+    report = assemble_report(prepared, checked, scored)
+    earlier = reports.earlier_reports(checked.storage.runs, exclude_run_key=checked.key)
     expected = throughput.assess(report, earlier, cfg.monitoring.min_throughput_ratio)
     report = replace(report, warnings=tuple(expected.warnings))
-    report_json_url = reports.write_report(prepared.report_url, report, charts(prepared, cfg, report, earlier))
+    report_json_url = reports.write_report(checked.run.report, report, charts(checked, report, earlier))
     log.info("Report written to %s (report.md follows from the release task)\n%s\n%s", report_json_url,
              reports.text_table(table_rows(report)), f"Hardware: {report.hardware.line if report.hardware else None}")
-    announce(prepared, cfg, report, expected.ratio)
-    check_gates(prepared, report, report_json_url)
+    announce(checked, report, expected.ratio)
+    check_gates(checked.run_id, report, report_json_url)
     comparison = report.comparison
     return {
         "report_json_url": report_json_url,  # report.md follows beside it: the release task renders it
@@ -94,26 +96,28 @@ class Scored:
     promoted: PromotedScore | None
 
 
-def score_models(prepared: PreparedRun, cfg: RunConfig, make_backend: BackendFactory) -> Scored:
+def score_models(checked: CheckedRun, make_backend: BackendFactory) -> Scored:
     """Every model of the run on the same evaluation sample: the distributed one, the baseline (its cached
     evaluation when it scored this sample) and the promoted version. An earlier attempt's report is removed first."""
-    distributed = TrainOutput(prepared.train_url)
-    baseline = None if cfg.baseline == "skip" else TrainOutput(prepared.baseline_url)
+    cfg = checked.cfg
+    distributed = checked.train
+    baseline = None if cfg.baseline == "skip" else checked.baseline
     # Fail fast, before any model loads, when a training job left no summary (it did not complete).
     distributed_summary = _read_summary(distributed, "train")
     baseline_summary = _read_summary(baseline, "baseline") if baseline else None
 
-    report_url = prepared.report_url
+    report_url = checked.run.report
     for stale in (reports.REPORT_JSON, reports.REPORT_MD, reports.LOSS_CHART, reports.SCALING_CHART, PROMOTION_JSON):
         # An earlier attempt's report (or the verdict on it, or its report.md, which release renders again from
         # the new parts) must not pass for this one's.
         remove_tree(join(report_url, stale))
-    distributed_eval = run_evaluation(distributed.model, prepared.manifest_url,
+    distributed_eval = run_evaluation(distributed.model, checked.manifest_url,
                                       join(report_url, "eval-distributed.json"), cfg=cfg,
-                                      run_key=prepared.run_key, label="distributed",
-                                      make_backend=make_backend, run_id=prepared.run_id)
-    baseline_eval = evaluate_baseline(prepared, cfg, baseline, make_backend) if baseline else None
-    promoted = evaluate_promoted(prepared, cfg, make_backend, distributed_eval)
+                                      run_key=checked.key, label="distributed",
+                                      make_backend=make_backend, run_id=checked.run_id,
+                                      manifest_sha256=checked.manifest_sha256)
+    baseline_eval = evaluate_baseline(checked, baseline, make_backend) if baseline else None
+    promoted = evaluate_promoted(checked, make_backend, distributed_eval)
     return Scored(distributed, distributed_summary, distributed_eval, baseline, baseline_summary, baseline_eval,
                   promoted)
 
@@ -127,20 +131,21 @@ def with_release_after_train(report: RunReport, run: RunLayout) -> RunReport:
     return replace(report, runs=replace(runs, distributed=distributed, baseline=baseline))
 
 
-def assemble_report(prepared: PreparedRun, cfg: RunConfig, scored: Scored) -> RunReport:
+def assemble_report(prepared: PreparedRun, checked: CheckedRun, scored: Scored) -> RunReport:
     """report.json without its warnings: the comparison (tasks/comparison.py), the scaling segments and prediction,
-    the slots' release after training, where the model continued from, the promoted version and the samples."""
+    the slots' release after training, where the model continued from, the promoted version and the samples.
+    `prepared`'s URLs are `checked`'s (tasks/checked_run.py)."""
     baseline = scored.baseline
-    record = read_key_record(prepared.baseline_url) if baseline else None
+    record = read_key_record(baseline.url) if baseline else None
     report = build_report(
-        prepared, cfg,
+        prepared, checked.cfg,
         distributed=run_figures("distributed", scored.distributed, scored.distributed_summary,
                                 scored.distributed_eval),
         baseline=run_figures("baseline", baseline, scored.baseline_summary, scored.baseline_eval) if baseline else None,
         delta_se=delta_standard_error(scored.distributed_eval, scored.baseline_eval),
         trained_by=record.trained_by_run if record else None,
     )
-    run = StorageLayout(cfg.storage_root).run(prepared.run_key)
+    run = checked.run
     report = with_release_after_train(with_scaling(report, run, scored.distributed), run)
     continued = prepared.continued_from
     evaluations: dict[str, EvalResult | PromotedScore | None] = {
@@ -152,39 +157,39 @@ def assemble_report(prepared: PreparedRun, cfg: RunConfig, scored: Scored) -> Ru
                        continued.to_xcom(), "the prepared run", "continued_from"))
 
 
-def charts(prepared: PreparedRun, cfg: RunConfig, report: RunReport, earlier: list[RunReport]) -> dict[str, bytes]:
+def charts(checked: CheckedRun, report: RunReport, earlier: list[RunReport]) -> dict[str, bytes]:
     """The loss curves of the models trained and the scaling history with this run (and the advisor's rows)."""
     trained = report.runs.trained()
     return {
         reports.LOSS_CHART: reports.loss_chart(
             {run.label: read_metrics(TrainOutput(run.output_url)) for run in trained},
-            title=f"Training loss and final eval loss, global batch {cfg.global_batch_size}",
+            title=f"Training loss and final eval loss, global batch {checked.cfg.global_batch_size}",
             eval_points={run.label: (run.tokens_seen, run.eval_loss) for run in trained},
         ),
         reports.SCALING_CHART: reports.scaling_chart(
             [point for other in earlier for point in reports.history_point(other)] + reports.history_point(report),
-            current_run_id=prepared.run_id,
+            current_run_id=checked.run_id,
             predicted=list(report.prediction.rows) if report.prediction else None,
         ),
     }
 
 
-def announce(prepared: PreparedRun, cfg: RunConfig, report: RunReport, ratio: float | None) -> None:
+def announce(checked: CheckedRun, report: RunReport, ratio: float | None) -> None:
     """The report's metrics, and its throughput warnings as log lines, a count and an alert."""
     telemetry.emit_report_metrics(report, ratio)
     for warning in report.warnings:
         log.warning("Throughput: %s", warning)
     if report.warnings:
-        telemetry.count("throughput_warning", {"run": prepared.run_key, "task": "evaluate"})
-        alert_throughput(cfg, prepared.run_id, list(report.warnings))
+        telemetry.count("throughput_warning", {"run": checked.key, "task": "evaluate"})
+        alert_throughput(checked.cfg, checked.run_id, list(report.warnings))
 
 
-def check_gates(prepared: PreparedRun, report: RunReport, report_json_url: str) -> None:
+def check_gates(run_id: str, report: RunReport, report_json_url: str) -> None:
     """GateFailure, with each failed gate's numbers, when any gate failed (the report is written by then)."""
     failed = report.failed_gates()
     if failed:
         raise GateFailure(
-            f"{len(failed)} comparison gate(s) failed for run {prepared.run_id} (report: {report_json_url}): "
+            f"{len(failed)} comparison gate(s) failed for run {run_id} (report: {report_json_url}): "
             + "; ".join(gate.detail for gate in failed)
         )
 
@@ -212,17 +217,21 @@ def read_metrics(output: TrainOutput, rank: int = 0) -> list[dict[str, Any]]:
 
 
 def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: RunConfig, run_key: str,
-                   label: str, make_backend: BackendFactory, run_id: str | None = None) -> EvalResult:
+                   label: str, make_backend: BackendFactory, run_id: str | None = None,
+                   manifest_sha256: str | None = None) -> EvalResult:
     """`python -m trainer.evaluate` as a group of the run's `num_workers` on its backend, each worker scoring its
     part of the `eval_tokens` sample; their output streams to this log. Returns the combined result, also written
     at `output_url`.
 
     The same launch path as training (tasks/launch.py): the run's marker (release finds it), a state record and the
-    ranks' logs in the run's storage (`evaluate-<label>`), storage credentials as secrets only, one GPU per worker
-    with `use_gpu` (none otherwise), the start-up and hang bounds of the run. A worker that fails fails the
-    evaluation, naming its rank. Held without progress past `max_idle_held_s` it warns as training does (mailed
-    when `run_id` is given)."""
+    ranks' logs in the run's storage (`evaluate-<label>`), its storage URLs held to the run's layout first
+    (`tasks.policy.check_launch_urls`: nothing is removed or launched otherwise), storage credentials as secrets
+    only, one GPU per worker with `use_gpu` (none otherwise), the start-up and hang bounds of the run. A worker that
+    fails fails the evaluation, naming its rank. Held without progress past `max_idle_held_s` it warns as training
+    does (mailed when `run_id` is given), and past `reclaim_idle_after_s` it is stopped and the evaluation fails,
+    saying so."""
     from launcher import GroupSpec
+    from launcher.protocol import MANIFEST_SHA256_ENV
     from tasks.connections import storage_env
     from tasks.launch import IdleSettings, RecordedLaunch
 
@@ -233,18 +242,27 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: R
                                "--eval-tokens", str(cfg.eval_tokens)),
         secret_env=storage_env(cfg.storage_conn_id), startup_timeout_s=cfg.launch.startup_timeout_s,
         hang_timeout_s=cfg.launch.hang_timeout_s,
+        # The dataset pinned as the operators pin it on theirs: the workers refuse a manifest of another digest.
+        env={MANIFEST_SHA256_ENV: manifest_sha256} if manifest_sha256 else {},
     )
+    try:  # an evaluation reads and writes only the run's own layout (the operator's launches are held alike)
+        check_launch_urls(spec.args, cfg.storage_root, run_key)
+    except ConfigError as error:
+        raise EvaluationError(f"evaluate-{label} launches no workers: {error}") from error
     parts = [part_url(output_url, rank, workers) for rank in range(workers)]
     for stale in {output_url, *parts}:
         remove_tree(stale)  # a result left by an earlier attempt must not pass for this one
     log.info("Evaluating %s on %d worker(s) of backend %s", model_url, workers, cfg.launch.backend)
     backend = make_backend(cfg)
     try:
-        result = RecordedLaunch(spec, backend, StorageLayout(cfg.storage_root).run(run_key),
+        launch = RecordedLaunch(spec, backend, StorageLayout(cfg.storage_root).run(run_key),
                                 on_line=lambda rank, line: log.info("[evaluate %s %d] %s", label, rank, line),
-                                idle=IdleSettings.of(cfg, run_id, spec.name)).run_group()
+                                idle=IdleSettings.of(cfg, run_id, spec.name))
+        result = launch.run_group()
     finally:
         backend.close()
+    if launch.reclaimed is not None:
+        raise EvaluationError(f"evaluating {model_url} on {workers} worker(s): {launch.reclaimed.text}")
     if not result.succeeded:
         raise EvaluationError(f"evaluating {model_url} on {workers} worker(s) failed: {result.error_message()}")
     evaluation = _combined(parts, output_url, model_url)
@@ -279,13 +297,12 @@ def fmt_se(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
-def evaluate_baseline(prepared: PreparedRun, cfg: RunConfig, baseline: TrainOutput,
-                      make_backend: BackendFactory) -> EvalResult:
+def evaluate_baseline(checked: CheckedRun, baseline: TrainOutput, make_backend: BackendFactory) -> EvalResult:
     """The baseline's evaluation, cached beside it: reused when it scored this run's sample (the baseline key
     holds the sample's identity, so a reused baseline's cache normally has), else evaluated again (also when the
     cache is not a result: it is only a cache)."""
-    cached = join(baseline.url, BASELINE_EVAL)
-    expected = sample_identity(read_json(prepared.manifest_url), cfg.eval_tokens)["id"]
+    cfg, cached = checked.cfg, baseline.evaluation
+    expected = sample_identity(read_json(checked.manifest_url), cfg.eval_tokens)["id"]
     if exists(cached):
         try:
             evaluation = EvalResult.from_json(read_json(cached), cached)
@@ -298,8 +315,9 @@ def evaluate_baseline(prepared: PreparedRun, cfg: RunConfig, baseline: TrainOutp
                 return evaluation
             log.info("Baseline evaluation at %s scored sample %s, not this run's %s: evaluating it again.", cached,
                      evaluation.sample_id, expected)
-    return run_evaluation(baseline.model, prepared.manifest_url, cached, cfg=cfg, run_key=prepared.run_key,
-                          label="baseline", make_backend=make_backend, run_id=prepared.run_id)
+    return run_evaluation(baseline.model, checked.manifest_url, cached, cfg=cfg, run_key=checked.key,
+                          label="baseline", make_backend=make_backend, run_id=checked.run_id,
+                          manifest_sha256=checked.manifest_sha256)
 
 
 def with_scaling(report: RunReport, layout: RunLayout, distributed: TrainOutput) -> RunReport:
@@ -318,33 +336,38 @@ def with_scaling(report: RunReport, layout: RunLayout, distributed: TrainOutput)
     return replace(report, segments=segments, elastic=elastic, prediction=prediction)
 
 
-def evaluate_promoted(prepared: PreparedRun, cfg: RunConfig, make_backend: BackendFactory,
+def evaluate_promoted(checked: CheckedRun, make_backend: BackendFactory,
                       distributed_eval: EvalResult) -> PromotedScore | None:
     """The latest promoted version of `model_name`, scored on this run's evaluation sample (the promotion rule's
     reference and its samples) when its tokenizer is this run's, with the standard error of the run's loss minus
     its (`delta_se`, paired over the sample's sequences); None when nothing is promoted yet or the run is never to
-    be promoted (`promote` = never: nothing to compare with)."""
-    pointer = registry.read_latest(registry.model_layout(cfg.storage_root, cfg.promotion.model_name))
+    be promoted (`promote` = never: nothing to compare with). The version's model is the one in its own folder:
+    the registry refuses a pointer that names another (tasks/registry.py)."""
+    cfg = checked.cfg
+    layout = checked.storage.model(cfg.promotion.model_name)
+    pointer = registry.read_latest(layout)
     if pointer is None or cfg.promotion.promote == "never":
         return None
+    model_url = layout.version(pointer.number).model
     section = PromotedScore(name=cfg.promotion.model_name, version=pointer.version, url=pointer.url,
                             run_id=pointer.run_id, recorded_eval_loss=pointer.eval_loss,
                             recorded_eval_sample=pointer.eval_sample, recorded_eval_loss_se=pointer.eval_loss_se)
-    manifest_url = prepared.manifest_url
-    if not registry.same_tokenizer(pointer.model_url, tokenizer_url(manifest_url, read_json(manifest_url))):
+    manifest_url = checked.manifest_url
+    if not registry.same_tokenizer(model_url, tokenizer_url(manifest_url, read_json(manifest_url))):
         section = replace(section, note=f"{pointer.version}'s tokenizer differs from this run's: it cannot be "
                                         "scored on its shards")
         log.warning("Promoted %s %s not evaluated: %s.", cfg.promotion.model_name, pointer.version, section.note)
         return section
     try:  # a version promoted as tf_model.h5 is scored as its converted checkpoint
-        convert_legacy_model(pointer.model_url, f"promoted {cfg.promotion.model_name} {pointer.version}")
+        convert_legacy_model(model_url, f"promoted {cfg.promotion.model_name} {pointer.version}")
     except CheckpointError as error:
         section = replace(section, note=f"{pointer.version} cannot be scored: {error}")
         log.warning("Promoted %s %s not evaluated: %s", cfg.promotion.model_name, pointer.version, error)
         return section
-    output_url = join(prepared.report_url, "eval-promoted.json")
-    result = run_evaluation(pointer.model_url, manifest_url, output_url, cfg=cfg, run_key=prepared.run_key,
-                            label="promoted", make_backend=make_backend, run_id=prepared.run_id)
+    output_url = join(checked.run.report, "eval-promoted.json")
+    result = run_evaluation(model_url, manifest_url, output_url, cfg=cfg, run_key=checked.key,
+                            label="promoted", make_backend=make_backend, run_id=checked.run_id,
+                            manifest_sha256=checked.manifest_sha256)
     return replace(section, eval_loss=result.eval_loss, perplexity=result.perplexity,
                    samples=text_samples(result.samples, output_url),
                    nats_per_char=result.nats_per_char, known_words=result.known_words,

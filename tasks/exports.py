@@ -11,11 +11,11 @@ folder of its own beside it (`saved_model/`).
 from __future__ import annotations
 
 import dataclasses
-import posixpath
 from typing import TYPE_CHECKING, Any
 
-from tasks.report_document import Gate, Record, RunReport
+from tasks.report_document import Gate, Record
 from trainer.config import RunConfig
+from trainer.export import FORMAT_DIRS
 from trainer.layout import TrainOutput, VersionLayout
 from trainer.storage import exists, join, read_json
 
@@ -23,6 +23,12 @@ if TYPE_CHECKING:
     from tasks.registry import VersionFile
 
 GATE_PREFIX = "export_"
+
+
+class ForeignModelError(RuntimeError):
+    """The run's report or exports record names a model folder other than the run's own: nothing is copied."""
+
+
 # The folder of each format in a promoted version (safetensors: the version's model/, copied with the version).
 VERSION_DIRS = {"safetensors": "model", "saved_model": "saved_model"}
 MODEL_FOLDER = VERSION_DIRS["safetensors"]
@@ -42,14 +48,22 @@ class ExportPart(Record):
     exports: dict[str, Any] | None
 
 
-def train_output(report: RunReport) -> TrainOutput:
-    """The training output the report's model comes from (its `model_url` is that output's `model/`)."""
-    return TrainOutput(posixpath.dirname(report.runs.distributed.model_url.rstrip("/")))
-
-
 def read_record(output: TrainOutput) -> tuple[str, dict[str, Any] | None]:
+    """exports.json of `output` (None when missing), each format's folder checked: its format's own
+    (`trainer.export.FORMAT_DIRS`). Whoever writes storage could otherwise have any folder the Airflow worker can
+    read copied into the registry; ForeignModelError names the format, the folder and the one it must be."""
     url = output.exports_record
-    return url, (read_json(url) if exists(url) else None)
+    record = read_json(url) if exists(url) else None
+    formats = (record or {}).get("formats") or {}
+    for name, result in formats.items() if isinstance(formats, dict) else ():
+        folder = result.get("dir") if isinstance(result, dict) else result
+        if name not in FORMAT_DIRS or folder != FORMAT_DIRS[name]:
+            raise ForeignModelError(
+                f"{url}: formats.{name}.dir = {folder!r} is not that format's folder (it must be "
+                f"{FORMAT_DIRS.get(name, 'a format of ' + ', '.join(FORMAT_DIRS))!r}): the record was rewritten after "
+                "training wrote it, so nothing is promoted. Train again, or set 'export_formats' = [] to promote "
+                "without exports.")
+    return url, record
 
 
 def gate_rows(cfg: RunConfig, url: str, record: dict[str, Any] | None) -> list[Gate]:
@@ -71,18 +85,18 @@ def _row(name: str, passed: bool, value: float | None, limit: float | None, deta
     return Gate(name=f"{GATE_PREFIX}{name}", passed=passed, value=value, limit=limit, detail=detail)
 
 
-def export_part(report: RunReport, cfg: RunConfig) -> ExportPart | None:
-    """The serving exports' gates and parity record of the report's training output; None when `export_formats`
-    is [] (promotion.json then has neither)."""
+def export_part(output: TrainOutput, cfg: RunConfig) -> ExportPart | None:
+    """The serving exports' gates and parity record of the run's training output; None when `export_formats` is []
+    (promotion.json then has neither)."""
     if not cfg.promotion.export_formats:
         return None
-    url, record = read_record(train_output(report))
+    url, record = read_record(output)
     return ExportPart(export_gates=tuple(gate_rows(cfg, url, record)), exports=record)
 
 
 def copy_exports(part: ExportPart | None, output: TrainOutput, version: VersionLayout) -> list[VersionFile]:
-    """Copy every exported format but the model directory itself (the version's model/, copied with it) from the
-    training output into the version; returns the files, relative to the version."""
+    """Copy every exported format but the model directory itself (the version's model/, copied with it) from its own
+    folder of the training output into the version; returns the files, relative to the version."""
     from tasks.registry import copy_into
 
     record = (part.exports if part else None) or {}
@@ -90,7 +104,7 @@ def copy_exports(part: ExportPart | None, output: TrainOutput, version: VersionL
     for name, result in sorted((record.get("formats") or {}).items()):
         if VERSION_DIRS.get(name, MODEL_FOLDER) == MODEL_FOLDER or not result.get("passed"):
             continue
-        files += copy_into(version, VERSION_DIRS[name], join(output.url, result["dir"]))
+        files += copy_into(version, VERSION_DIRS[name], join(output.url, FORMAT_DIRS[name]))
     return files
 
 

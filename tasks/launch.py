@@ -76,23 +76,26 @@ def live_step(line: str) -> int | None:
 @dataclass(frozen=True)
 class IdleSettings:
     """The idle-held warning of a launch (launcher/idle.py): `max_idle_held_s` (0 = off), `idle_gpu_util_pct` (GPU
-    runs), and `mail(text)`, which sends it without waiting (tasks.alerts.alert_in_background) or None."""
+    runs), `reclaim_idle_after_s` (stop the group idle that long; 0 = off), and `mail(text, reclaimed)`, which sends a
+    warning or a reclaim without waiting (tasks.alerts.alert_in_background), or None."""
 
     max_idle_held_s: float = 0.0
     idle_gpu_util_pct: float = 5.0
-    mail: Callable[[str], object] | None = None
+    mail: Callable[[str, bool], object] | None = None
+    reclaim_idle_after_s: float = 0.0
 
     @classmethod
     def of(cls, cfg: RunConfig, run_id: str | None, task: str) -> IdleSettings:
         """From the run's config (`monitoring`); mailed when it names an alert connection (and the run is known)."""
         from tasks.alerts import alert_in_background
 
-        def mail(text: str) -> object:
-            return alert_in_background(cfg, str(run_id), f"GPUs held idle in {task}", text, task=task)
+        def mail(text: str, reclaimed: bool) -> object:
+            what = f"GPUs held idle reclaimed from {task}" if reclaimed else f"GPUs held idle in {task}"
+            return alert_in_background(cfg, str(run_id), what, text, task=task, fails=reclaimed)
 
         watch = cfg.monitoring
         return cls(float(watch.max_idle_held_s), float(watch.idle_gpu_util_pct),
-                   mail if watch.alert_conn_id and run_id else None)
+                   mail if watch.alert_conn_id and run_id else None, float(watch.reclaim_idle_after_s))
 
 
 @dataclass
@@ -106,6 +109,7 @@ class _RunningAttempt:
     workers: dict[int, WorkerOutcome]  # by rank
     ready: dict[int, float] = field(default_factory=dict)
     idle_warnings: list[IdleWarning] = field(default_factory=list)
+    reclaimed: IdleWarning | None = None
 
     def slots(self, rank: int) -> list[str]:
         worker = self.workers.get(rank)
@@ -116,7 +120,8 @@ class _RunningAttempt:
         ranks = tuple(RankEvents(rank=w.rank, host=w.host, gpus=tuple(w.devices or ()), launch=self.launched,
                                  exit=ended, exit_code=exit_codes.get(w.rank), ready=self.ready.get(w.rank))
                       for w in self.workers.values())
-        return AttemptEvents(group, backend, self.attempt, self.try_number, state, ranks, tuple(self.idle_warnings))
+        return AttemptEvents(group, backend, self.attempt, self.try_number, state, ranks, tuple(self.idle_warnings),
+                             self.reclaimed)
 
 
 class RecordedLaunch:
@@ -142,10 +147,13 @@ class RecordedLaunch:
         self._attempt: _RunningAttempt | None = None  # the running attempt's GPU-time events (tasks/usage.py)
         self._on_line = on_line
         self.idle = idle or IdleSettings()
+        self.reclaimed: IdleWarning | None = None  # set when the group was stopped as idle (`_reclaim`)
         watch = None  # max_idle_held_s = 0: no warning, no watch
         if self.idle.max_idle_held_s > 0:
+            reclaim_s = self.idle.reclaim_idle_after_s
             watch = IdleWatch(self.idle.max_idle_held_s, live_step, self._idle_held,
-                              util_below_pct=self.idle.idle_gpu_util_pct if spec.use_gpu else None)
+                              util_below_pct=self.idle.idle_gpu_util_pct if spec.use_gpu else None,
+                              reclaim_after_s=reclaim_s, on_reclaim=self._reclaim if reclaim_s else None)
         self.group = WorkerGroup(spec, backend, self.workdir, on_line=self._line, on_started=self._started,
                                  supervisor_pid=task_supervisor_pid(), idle=watch)
 
@@ -230,25 +238,50 @@ class RecordedLaunch:
 
     def _idle_held(self, episode: IdleEpisode) -> None:
         """One idle-held episode (the group's watch loop calls this): logged, counted, recorded, mailed off-loop."""
+        warning = self._idle_record(episode, f"max_idle_held_s = {self.idle.max_idle_held_s:g}", "The run goes on.")
+        log.warning("%s", warning.text)
+        telemetry.count("cost_warning", {"run": self.spec.run_key, "task": self.spec.name})
+        if self._attempt is not None:
+            self._attempt.idle_warnings.append(warning)
+        if self.idle.mail is not None:
+            self.idle.mail(warning.text, False)
+
+    def _reclaim(self, episode: IdleEpisode) -> None:
+        """Every rank idle for `reclaim_idle_after_s` (the watch loop calls this once per attempt): logged, counted,
+        recorded and mailed as the warning is; then the group is stopped with SIGTERM, a preemption notice, so that
+        ranks that can still step save a checkpoint at the step they agree on. The task then fails without a retry
+        (`reclaimed`, read by the operator)."""
+        reclaim = self._idle_record(
+            episode, f"reclaim_idle_after_s = {self.idle.reclaim_idle_after_s:g}",
+            "Stopping the group: its ranks save a checkpoint if they still can, and the task fails without a retry.",
+            prefix=f"reclaimed after {episode.idle_s:.0f} s idle: ")
+        self.reclaimed = reclaim
+        try:
+            log.warning("%s", reclaim.text)
+            telemetry.count("cost_warning", {"run": self.spec.run_key, "task": self.spec.name})
+            if self._attempt is not None:
+                self._attempt.reclaimed = reclaim
+            if self.idle.mail is not None:
+                self.idle.mail(reclaim.text, True)
+        finally:  # the slots are reclaimed whatever became of the record and the mail
+            self.group.stop(reclaim.text)
+
+    def _idle_record(self, episode: IdleEpisode, limit: str, then: str, prefix: str = "") -> IdleWarning:
+        """An idle-held warning or a reclaim as the attempt's events keep it, its text naming the limit crossed."""
         running = self._attempt
         slots = [s for rank in episode.ranks for s in (running.slots(rank) if running else slots_of(None, rank, ()))]
         where = "; ".join(f"{self.label(rank)} {episode.phase[rank]}" + (
             f", GPU utilization at most {episode.peak_util_pct[rank]:.0f}%" if episode.peak_util_pct else "")
             for rank in episode.ranks)
-        text = (f"GPU time: {self.spec.name} (attempt {episode.attempt}) held {len(slots)} slot(s) {slots} with no "
-                f"step progress for {episode.idle_s:.0f} s (max_idle_held_s = {self.idle.max_idle_held_s:g}"
+        text = (f"{prefix}GPU time: {self.spec.name} (attempt {episode.attempt}) held {len(slots)} slot(s) {slots} "
+                f"with no step progress for {episode.idle_s:.0f} s ({limit}"
                 + (f", below idle_gpu_util_pct = {self.idle.idle_gpu_util_pct:g}%" if episode.peak_util_pct else "")
-                + f"): {where}. The run goes on.")
-        log.warning("%s", text)
-        telemetry.count("cost_warning", {"run": self.spec.run_key, "task": self.spec.name})
-        if running is not None:
-            running.idle_warnings.append(IdleWarning(
-                at=utc_timestamp(episode.at), ranks=tuple(episode.ranks), slots=tuple(slots), idle_s=episode.idle_s,
-                phase={str(r): p for r, p in episode.phase.items()},
-                peak_util_pct={str(r): u for r, u in episode.peak_util_pct.items()} if episode.peak_util_pct else None,
-                text=text))
-        if self.idle.mail is not None:
-            self.idle.mail(text)
+                + f"): {where}. {then}")
+        return IdleWarning(
+            at=utc_timestamp(episode.at), ranks=tuple(episode.ranks), slots=tuple(slots), idle_s=episode.idle_s,
+            phase={str(r): p for r, p in episode.phase.items()},
+            peak_util_pct={str(r): u for r, u in episode.peak_util_pct.items()} if episode.peak_util_pct else None,
+            text=text)
 
     def _started(self, workers: Sequence[WorkerOutcome], attempt: int) -> None:
         self._write_usage(())  # a relaunch on new ports: the earlier attempt has ended
@@ -286,8 +319,8 @@ class RecordedLaunch:
             task_id=self.spec.name, backend=self.backend.name, state=state.value, updated_at=utc_now(),
             workdir=str(self.workdir),  # removed at the end; release removes it when the task died first
             launcher=host_identity(),  # release checks a local group only from this same host and container
-            workers=tuple(RecordedWorker(w.rank, w.host, w.port, tuple(w.devices or ()), extra=dict(w.record))
-                          for w in workers),
+            workers=tuple(RecordedWorker(w.rank, w.host, w.port, tuple(w.devices or ()), dict(w.gpu_idle_mb),
+                                         extra=dict(w.record)) for w in workers),
             after_exit=self.after_exit)  # _check_slots_free: the slots proven free right after the group exited
         with self.storage():
             if not self._recorded:

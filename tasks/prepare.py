@@ -85,7 +85,7 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
     log.info("Price: %s", f"{price.default} {price.currency} per {price.unit.replace('_', '-')} "
              f"({price.capacity}; {price.source})" if price else "none (no GPT_FINETUNE_PRICING): cost not shown")
 
-    planned = plan_dataset(cfg, started=started)
+    planned = plan_dataset(cfg, started=started, policy=AccessPolicy.from_env())
     plan = replace(planned.dataset_plan(cfg), continued_from=continued_from, price=price)
     if plan.cache_hit or len(planned.lanes) == 1:
         return PlannedRun(replace(plan, dataset=run_planned(planned, cfg, started=started)))
@@ -113,7 +113,7 @@ def finish_run(plan: DatasetPlan, run_id: str, dag_id: str) -> PreparedRun:
     from tasks.dataset.checks import FINGERPRINT, checked_plan
     from tasks.dataset.errors import PrepareError
     from tasks.dataset.stage import finish_dataset
-    from trainer.data import load_manifest
+    from trainer.data import read_manifest
 
     cfg = checked_config(plan.config)
     dataset = plan.dataset or finish_dataset(checked_plan(plan, cfg, AccessPolicy.from_env()), cfg)
@@ -121,7 +121,7 @@ def finish_run(plan: DatasetPlan, run_id: str, dag_id: str) -> PreparedRun:
             dataset.manifest_url != StorageLayout(cfg.storage_root).manifest(dataset.fingerprint):
         raise PrepareError(f"The prepared dataset's manifest {dataset.manifest_url!r} is not where its fingerprint "
                            f"{dataset.fingerprint!r} lies under the storage root: refusing it.")
-    manifest = load_manifest(dataset.manifest_url)
+    manifest, manifest_sha256 = read_manifest(dataset.manifest_url)
     total_steps = cfg.steps_for(dataset.train_sequences)
     run_cfg = cfg.replace(max_steps=total_steps, warmup_steps=min(cfg.warmup_steps, total_steps - 1))
 
@@ -131,15 +131,16 @@ def finish_run(plan: DatasetPlan, run_id: str, dag_id: str) -> PreparedRun:
         dataset.validation_sequences, total_steps, cfg.global_batch_size,
     )
     return lay_out_run(run_cfg, manifest, dataset.manifest_url, run_key(dag_id, run_id), run_id=run_id,
-                       continued_from=plan.continued_from, price=plan.price)
+                       manifest_sha256=manifest_sha256, continued_from=plan.continued_from, price=plan.price)
 
 
 def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: str, key: str, *, run_id: str,
-                continued_from: PromotedVersion | None = None,
+                manifest_sha256: str, continued_from: PromotedVersion | None = None,
                 price: Price | None = None) -> PreparedRun:
     """Write the run's configuration and its baseline's under the run's directory and return the prepared run
-    (tasks/prepared_run.py), the XCom every later task reads: paths, the configurations' digests and a few numbers.
-    `run_cfg` has its step count resolved; `price` the rate prepare froze (tasks/pricing.py), kept with the run."""
+    (tasks/prepared_run.py), the XCom every later task reads: paths, the configurations' and the manifest's digests
+    (`manifest_sha256`: of the bytes `manifest` was read from) and a few numbers. `run_cfg` has its step count
+    resolved; `price` the rate prepare froze (tasks/pricing.py), kept with the run."""
     from tasks.baseline import baseline_key
     from tasks.usage_record import write_price
 
@@ -147,9 +148,9 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
     run = storage.run(key)
     base_key = baseline_key(run_cfg, manifest, run_cfg.max_steps)
     baseline = storage.baseline(base_key)
-    # Their digests travel in XCom: the operators pin them on the workers (trainer/config/pinned.py).
-    config_sha256 = save_config(run.config, run_cfg)
-    baseline_config_sha256 = save_config(run.baseline_config, run_cfg.baseline_config())
+    # The operators pin the digests of what they check on the workers (trainer/config/pinned.py).
+    save_config(run.config, run_cfg)
+    save_config(run.baseline_config, run_cfg.baseline_config())
     write_price(run.url, price)
     log.info("Run directory %s", run.url)
     return PreparedRun(
@@ -157,15 +158,14 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
         run_key=key,
         config=run_cfg.to_dict(),
         config_url=run.config,
-        config_sha256=config_sha256,
         manifest_url=manifest_url,
+        manifest_sha256=manifest_sha256,
         dataset_fingerprint=manifest["fingerprint"],
         train_url=run.train.url,
         train_summary_url=run.train.summary,
         baseline_key=base_key,
         baseline_url=baseline.url,
         baseline_config_url=run.baseline_config,
-        baseline_config_sha256=baseline_config_sha256,
         baseline_summary_url=baseline.summary,
         report_url=run.report,
         continued_from=continued_from,

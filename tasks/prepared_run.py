@@ -20,13 +20,14 @@ class PreparedRun(Document):
         config: the run's validated configuration (`RunConfig.to_dict()`, step count resolved, `storage_root`
             absolute): the one copy in flight. Every task that acts on it holds it to the access policy again
             (tasks/policy.py); its storage root and step count are read from it, never copied.
-        config_url: `runs/<key>/config.json`, what the workers load (`--config`); config_sha256: the sha256 of the
-            bytes written there, which the operators pin on the workers (trainer/config/pinned.py).
-        manifest_url: the dataset's `manifest.json` (`--manifest`).
+        config_url: `runs/<key>/config.json`, what the workers load (`--config`); the operators pin the sha256 of
+            the configuration they check themselves, never one from XCom (trainer/config/pinned.py).
+        manifest_url: the dataset's `manifest.json` (`--manifest`); manifest_sha256: the sha256 of its bytes as
+            publish read them, which the operators pin on the workers like the config's (trainer/data.py).
         dataset_fingerprint: the dataset's fingerprint (the manifest's).
         train_url: the train task's output directory; train_summary_url: its `summary.json`.
         baseline_key: the baseline's key (tasks/baseline.py); baseline_url: its directory under `baselines/`;
-            baseline_config_url: `runs/<key>/baseline_config.json`, baseline_config_sha256 its digest;
+            baseline_config_url: `runs/<key>/baseline_config.json`;
             baseline_summary_url: the baseline's `summary.json`.
         report_url: the run's report directory `runs/<key>/report/`: report.json and the charts (evaluate),
             promotion.json (promote), release.json, the usage chart and report.md (release); preflight.json
@@ -40,15 +41,14 @@ class PreparedRun(Document):
     run_key: str
     config: dict[str, Any]
     config_url: str
-    config_sha256: str
     manifest_url: str
+    manifest_sha256: str
     dataset_fingerprint: str
     train_url: str
     train_summary_url: str
     baseline_key: str
     baseline_url: str
     baseline_config_url: str
-    baseline_config_sha256: str
     baseline_summary_url: str
     report_url: str
     continued_from: PromotedVersion | None = None

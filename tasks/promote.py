@@ -21,18 +21,20 @@ else the two recorded errors together (0 when the whole split was scored).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 from launcher.protocol import utc_now
 from tasks import exports, registry
 from tasks import report as reports
 from tasks.base_models import pinned_base
+from tasks.checked_run import CheckedRun, OwnRun, checked_run
 from tasks.connections import uses_run_storage
 from tasks.formatting import nats
 from tasks.legacy_models import convert_legacy_model
-from tasks.policy import checked_config
 from tasks.registry import Entry, Pointer, PromotedVersion, VersionFile, VersionRecord
 from tasks.report_document import RunFigures, RunReport
 from tasks.report_file import read_record
@@ -40,7 +42,7 @@ from tasks.report_parts import RunView, with_exports
 from trainer.config import AccessPolicy, ConfigError, RunConfig
 from trainer.decoders.architectures import CheckpointError
 from trainer.eval_result import GATE_STANDARD_ERRORS
-from trainer.layout import PROMOTION_JSON, REPORT_JSON, ModelLayout, VersionLayout
+from trainer.layout import REPORT_JSON, ModelLayout, VersionLayout
 from trainer.storage import (
     exists,
     filesystem,
@@ -94,21 +96,24 @@ class Verdict:
 
 
 @uses_run_storage
-def promote_run(prepared: PreparedRun) -> dict[str, Any]:
-    """Promote (or not) this run's model; returns the outcome, which promotion.json records beside the report with
-    the export gates it was decided on (report.json stays evaluate's, report.md is release's)."""
-    cfg = checked_config(prepared.config)
-    report_json = join(prepared.report_url, REPORT_JSON)
+def promote_run(prepared: PreparedRun, own: OwnRun) -> dict[str, Any]:
+    """Promote (or not) the model of DAG run `own`; returns the outcome, which promotion.json records beside the
+    report with the export gates it was decided on (report.json stays evaluate's, report.md is release's). Every
+    URL is the run's own (tasks/checked_run.py): the report, the model and the exports of its train folder."""
+    checked = checked_run(prepared, own)
+    cfg = checked.cfg
+    report_json = checked.run.report_json
     if not exists(report_json):
         raise NoReportError(
-            f"Run {prepared.run_id} has no report at {report_json}: evaluate failed before writing it (see its "
+            f"Run {checked.run_id} has no report at {report_json}: evaluate failed before writing it (see its "
             "log), so no model is promoted.")
     report = RunReport.from_json(read_record(report_json), report_json)
-    exported = exports.export_part(report, cfg)
-    outcome = promote(prepared, cfg, with_exports(RunView(report), exported),
-                      registry.model_layout(cfg.storage_root, cfg.promotion.model_name))
+    check_model_url(report, checked, report_json)
+    exported = exports.export_part(checked.train, cfg)
+    outcome = promote(prepared, checked, with_exports(RunView(report), exported),
+                      checked.storage.model(cfg.promotion.model_name))
     part = exported.to_json() if exported else {}
-    write_json_atomic(join(prepared.report_url, PROMOTION_JSON), {**outcome, **part})
+    write_json_atomic(checked.run.promotion, {**outcome, **part})
     if outcome["promoted"]:
         log.info("Promoted run %s to %s %s (%s): %s", prepared.run_id, cfg.promotion.model_name, outcome["version"],
                  outcome["url"], outcome["reason"])
@@ -118,14 +123,26 @@ def promote_run(prepared: PreparedRun) -> dict[str, Any]:
     return outcome
 
 
-def promote(prepared: PreparedRun, cfg: RunConfig, view: RunView, layout: ModelLayout) -> dict[str, Any]:
+def check_model_url(report: RunReport, checked: CheckedRun, report_json: str) -> None:
+    """The report's model is the run's own: a report.json rewritten to name another folder is refused (promote
+    copies only from the run's train folder, whatever the report names)."""
+    named = report.runs.distributed.model_url
+    if named != checked.train.model:
+        raise exports.ForeignModelError(
+            f"{report_json}: runs.distributed.model_url = {named!r} is not this run's model (it must be "
+            f"{checked.train.model!r}, the train folder of run key {checked.key!r} under setting 'storage_root'): "
+            "the report was rewritten after evaluate wrote it, so nothing is promoted. Run evaluate again.")
+
+
+def promote(prepared: PreparedRun, checked: CheckedRun, view: RunView, layout: ModelLayout) -> dict[str, Any]:
     """Decide against the current pointer, publish a complete version, swap the pointer; on a lost swap decide
     again against the pointer that won. `view`: evaluate's report with promote's export gates."""
+    cfg = checked.cfg
     version: VersionLayout | None = None
     number = 0
     for _ in range(MAX_SWAP_ATTEMPTS):
-        pointer, token = registry.read_pointer(layout.latest)
-        earlier = [entry for entry in (pointer.history if pointer else ()) if entry.run_key == prepared.run_key]
+        pointer, token = registry.read_pointer(layout)
+        earlier = [entry for entry in (pointer.history if pointer else ()) if entry.run_key == checked.key]
         if earlier:  # a retry after the pointer moved: the run has its version, it gets no second one
             reason = f"already promoted to {earlier[-1].version} by an earlier attempt of this task."
             return outcome(cfg, Verdict(True, reason), promoted=True, entry=earlier[-1])
@@ -138,15 +155,15 @@ def promote(prepared: PreparedRun, cfg: RunConfig, view: RunView, layout: ModelL
         if version is None or number <= current:  # the pointer only moves to higher numbers
             if version is not None:
                 remove_tree(version.url)
-            number = registry.claim_version(layout, current, prepared.run_id)
+            number = registry.claim_version(layout, current, checked.run_id)
             version = layout.version(number)
-            publish_version(version, prepared, cfg, view, number, verdict)
-        entry = history_entry(version, prepared, view.report, number)
+            publish_version(version, prepared, checked, view, number, verdict)
+        entry = history_entry(version, checked, view.report, number)
         if registry.swap_pointer(layout.latest, token, Pointer.moved_to(entry, cfg.promotion.model_name, pointer)):
             return outcome(cfg, verdict, promoted=True, entry=entry)
         log.info("Another promotion moved %s first; deciding again against it.", layout.latest)
     raise registry.RegistryError(
-        f"{layout.latest} kept changing under {MAX_SWAP_ATTEMPTS} promotion attempts of run {prepared.run_id}: "
+        f"{layout.latest} kept changing under {MAX_SWAP_ATTEMPTS} promotion attempts of run {checked.run_id}: "
         "other runs are promoting continuously; trigger this run's promote task again.")
 
 
@@ -224,36 +241,36 @@ def outcome(cfg: RunConfig, verdict: Verdict, *, promoted: bool, entry: Entry | 
             "model_url": entry.model_url if entry else None, "event": event, "decided_at": utc_now()}
 
 
-def history_entry(version: VersionLayout, prepared: PreparedRun, report: RunReport, number: int) -> Entry:
+def history_entry(version: VersionLayout, checked: CheckedRun, report: RunReport, number: int) -> Entry:
     """The pointer's entry of the version this run became."""
     distributed = report.runs.distributed
     return Entry(version=f"v{number}", number=number, url=version.url, model_url=version.model,
-                 run_id=prepared.run_id, run_key=prepared.run_key, promoted_at=utc_now(),
+                 run_id=checked.run_id, run_key=checked.key, promoted_at=utc_now(),
                  eval_loss=distributed.eval_loss, perplexity=distributed.perplexity,
                  eval_loss_se=distributed.eval_loss_se, eval_sample=_sample_id(report),
                  dataset_fingerprint=report.dataset_fingerprint,
-                 run_report_url=join(prepared.report_url, REPORT_JSON))
+                 run_report_url=checked.run.report_json)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # a version's files
 
 
-def publish_version(version: VersionLayout, prepared: PreparedRun, cfg: RunConfig, view: RunView,
+def publish_version(version: VersionLayout, prepared: PreparedRun, checked: CheckedRun, view: RunView,
                     number: int, verdict: Verdict) -> None:
-    """Model, report (with the export gates and record) and model card, then version.json listing them: complete,
-    or never pointed to."""
-    report = view.report
+    """The model and exports of the run's own train folder, the report (with the export gates and record) and model
+    card, then version.json listing them: complete, or never pointed to."""
+    cfg, report = checked.cfg, view.report
     distributed = report.runs.distributed
-    files = registry.copy_into(version, "model", distributed.model_url)
-    files += exports.copy_exports(view.exported, exports.train_output(report), version)
+    files = registry.copy_into(version, "model", checked.train.model)
+    files += exports.copy_exports(view.exported, checked.train, version)
     write_json_atomic(version.report, view.to_json())
     write_bytes_atomic(version.model_card, model_card(cfg, prepared, view, number, verdict).encode("utf-8"))
     files += [VersionFile("report.json", _size(version.report)),
               VersionFile("model_card.md", _size(version.model_card))]
     write_json_atomic(version.record, VersionRecord(
         format_version=VERSION_FORMAT_VERSION, name=cfg.promotion.model_name, version=f"v{number}",
-        run_id=prepared.run_id, run_key=prepared.run_key, created_at=utc_now(),
+        run_id=checked.run_id, run_key=checked.key, created_at=utc_now(),
         eval_loss=distributed.eval_loss, perplexity=distributed.perplexity,
         eval_loss_se=distributed.eval_loss_se, eval_sample=_sample_id(report),
         dataset_fingerprint=report.dataset_fingerprint, base_model=pinned_base(cfg), files=tuple(files),
@@ -274,22 +291,36 @@ def _size(url: str) -> int:
     return fs.size(path)
 
 
+def _code(value: Any) -> str:
+    """`value` as one inline code span that nothing in it can end: control and non-ASCII characters escaped as JSON
+    writes them, a fence longer than any run of backticks inside (CommonMark renders a code span's `<` as text)."""
+    text = json.dumps(str(value))[1:-1]
+    fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def _settings_json(cfg: RunConfig) -> str:
+    """The settings as a fenced block's JSON: every string quoted and escaped, no line that could close the fence."""
+    return json.dumps(cfg.settings(), indent=2, ensure_ascii=True, default=list)
+
+
 def model_card(cfg: RunConfig, prepared: PreparedRun, view: RunView, number: int, verdict: Verdict) -> str:
     report = view.report
     distributed = report.runs.distributed
     continued = report.continued_from
     pinned = pinned_base(cfg)
-    base = (f"continued from {continued.name} {continued.version} ({continued.url})" if continued else
-            f"`{pinned.name}` at commit `{pinned.sha}` (revision `{pinned.revision}`, fetched once to "
-            f"{pinned.url})" if pinned else f"`{cfg.model}`")
+    base = (f"continued from {continued.name} {continued.version} ({_code(continued.url)})" if continued else
+            f"{_code(pinned.name)} at commit {_code(pinned.sha)} (revision {_code(pinned.revision)}, fetched once to "
+            f"{_code(pinned.url)})" if pinned else _code(cfg.model))
     lines = [
         f"# {cfg.promotion.model_name} v{number}",
         "",
-        f"Promoted {utc_now()} from run `{prepared.run_id}` (policy `{cfg.promotion.promote}`): {verdict.reason}",
+        f"Promoted {utc_now()} from run {_code(prepared.run_id)} (policy `{cfg.promotion.promote}`): {verdict.reason}",
         "",
         f"- Base model: {base}",
-        (f"- Data: dataset fingerprint `{report.dataset_fingerprint}` (setting `dataset` = `{cfg.dataset}`, "
-        f"tokenizer `{cfg.tokenizer}`, validation fraction {cfg.val_fraction})"),
+        (f"- Data: dataset fingerprint {_code(report.dataset_fingerprint)} (setting `dataset` = {_code(cfg.dataset)}, "
+        f"tokenizer {_code(cfg.tokenizer)}, validation fraction {cfg.val_fraction})"),
         (f"- Training: {distributed.num_workers} workers, {distributed.steps} steps of "
         f"{distributed.global_batch_size} sequences x {cfg.block_size} tokens"),
         (f"- Eval loss on the validation split: {distributed.eval_loss:.4f} nats, perplexity "
@@ -301,8 +332,7 @@ def model_card(cfg: RunConfig, prepared: PreparedRun, view: RunView, number: int
         "",
     ]
     lines += [f"- {gate.name}: {'pass' if gate.passed else 'FAIL'} ({gate.detail})" for gate in report.gates]
-    lines += ["", *exports.card_lines(cfg, view.exported), "## Settings", "", "| setting | value |", "|---|---|"]
-    lines += [f"| {name} | `{value!r}` |" for name, value in cfg.settings().items()]
+    lines += ["", *exports.card_lines(cfg, view.exported), "## Settings", "", "```json", _settings_json(cfg), "```"]
     lines += ["", "## Versions", ""]
     lines += [f"- {name}: {value}" for name, value in sorted((report.versions or {}).items())]
     return "\n".join(lines) + "\n"
@@ -322,7 +352,10 @@ def resolve_promoted_model(cfg: RunConfig) -> tuple[RunConfig, PromotedVersion |
     if name is None:
         return cfg, None
     layout = registry.model_layout(cfg.storage_root, name)
-    pointer = registry.read_latest(layout)
+    try:
+        pointer = registry.read_latest(layout)
+    except registry.RegistryError as error:  # e.g. a pointer that names a model outside its version's folder
+        raise ConfigError(f"Setting 'model' = {cfg.model!r}: {error}") from error
     if pointer is None:
         raise ConfigError(
             f"Setting 'model' = {cfg.model!r}: no promoted version of '{name}' exists ({layout.latest} is missing). "

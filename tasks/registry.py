@@ -176,22 +176,44 @@ def _checked(kind: type[D], url: str, value: Any, fix: str) -> D:
 
 def read_latest(layout: ModelLayout) -> Pointer | None:
     """The pointer of a registered model, or None when nothing was promoted under that name."""
-    return read_pointer(layout.latest)[0]
+    return read_pointer(layout)[0]
 
 
-def read_pointer(url: str) -> tuple[Pointer | None, str | None]:
-    """The pointer and the token a swap from it needs (`trainer.storage.read_with_token`)."""
-    data, token = read_with_token(url)
-    return (None, None) if data is None else (_parse_pointer(url, data), token)
+def read_pointer(layout: ModelLayout) -> tuple[Pointer | None, str | None]:
+    """The pointer of `layout` and the token a swap from it needs (`trainer.storage.read_with_token`)."""
+    data, token = read_with_token(layout.latest)
+    return (None, None) if data is None else (_parse_pointer(layout, data), token)
 
 
-def _parse_pointer(url: str, data: bytes) -> Pointer:
+_DAMAGED = ("The registry pointer is damaged: restore it (each version's version.json holds its entry's figures), "
+            "or promote under another 'model_name'.")
+
+
+def _parse_pointer(layout: ModelLayout, data: bytes) -> Pointer:
+    url = layout.latest
     try:
-        pointer = json.loads(data.decode("utf-8"))
+        value = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as error:  # RecursionError: nested too deep
         raise RegistryError(f"{url} is not valid JSON ({error}): the registry pointer is damaged.") from error
-    return _checked(Pointer, url, pointer, "The registry pointer is damaged: restore it (each version's "
-                    "version.json holds its entry's figures), or promote under another 'model_name'.")
+    pointer = _checked(Pointer, url, value, _DAMAGED)
+    for where, entry in (("Pointer", pointer), *((f"Pointer.history[{index}]", entry)
+                                                 for index, entry in enumerate(pointer.history))):
+        _check_place(layout, url, where, entry)
+    return pointer
+
+
+def _check_place(layout: ModelLayout, url: str, where: str, entry: Entry) -> None:
+    """An entry names its own version's folder and model only: whoever writes storage could otherwise make evaluate
+    fetch, or `model: promoted` train from, any URL (another bucket, an internal service, a local directory)."""
+    if entry.number < 1:
+        raise RegistryError(f"{url}: {where}.number = {entry.number!r} is no version number (1 or more). {_DAMAGED}")
+    version = layout.version(entry.number)
+    expected = {"version": f"v{entry.number}", "url": version.url, "model_url": version.model}
+    wrong = [f"{where}.{name} = {getattr(entry, name)!r} (it must be {value!r})" for name, value in expected.items()
+             if getattr(entry, name) != value]
+    if wrong:
+        raise RegistryError(f"{url}: {'; '.join(wrong)}: a pointer names only its version's folder "
+                            f"{layout.url}/v<number>/. {_DAMAGED}")
 
 
 def swap_pointer(url: str, expected_token: str | None, pointer: Pointer) -> bool:

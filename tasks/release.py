@@ -16,6 +16,7 @@ one writer because it runs last, whatever happened upstream; the run's page read
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -31,7 +32,8 @@ from tasks.connections import uses_run_storage
 from tasks.report_document import ReportError, RunReport
 from tasks.report_parts import UNREADABLE, read_part
 from tasks.usage_record import USAGE_CHART, attach_usage
-from trainer.config import ConfigError, RunConfig
+from trainer.config import AccessPolicy, ConfigError, RunConfig
+from trainer.config.access import STORAGE_ROOT_ENV
 from trainer.layout import RunLayout, StorageLayout, absolute_root, run_key
 from trainer.storage import join, list_dir, read_json, write_bytes_atomic, write_json_atomic
 
@@ -44,15 +46,18 @@ class ReleaseError(RuntimeError):
 
 def _run_config(params: Mapping[str, Any]) -> RunConfig:
     """The run's config even when its settings were invalid (release must still run): then the defaults with its
-    root, when that one is valid. Read from the params, checked as prepare checks them: prepare may have failed
-    before it saved a config."""
+    root when the access policy allows that root, else with the deployment's default root. Read from the params,
+    checked as prepare checks them: prepare may have failed before it saved a config."""
+    policy = AccessPolicy.from_env()
     try:
-        return RunConfig.from_params(dict(params))
+        return RunConfig.from_params(dict(params), policy)
     except ConfigError as refused:
+        root = params.get("storage_root")
         try:
-            cfg = RunConfig.of(storage_root=params.get("storage_root"))  # where prepare would have written
-        except ConfigError:
-            cfg = RunConfig()
+            policy.check("storage_root", root, hub_ids=False)
+            cfg = RunConfig.of(storage_root=root)  # where prepare would have written
+        except (ConfigError, TypeError):
+            cfg = RunConfig.of(storage_root=os.environ.get(STORAGE_ROOT_ENV, "").strip() or RunConfig().storage_root)
         log.warning("The run's settings are refused (%s): release uses the defaults with storage_root %r.", refused,
                     cfg.storage_root)
         return cfg
@@ -63,23 +68,73 @@ def processes_of_run(key: str) -> dict[int, str]:
     return processes_with_env({RUN_KEY_ENV: key})
 
 
-def _state_records(state_url: str) -> tuple[list[str], dict[str, StateRecord]]:
-    """The run-state records' names and the records that are one by name (of a backend this project has); any
-    other is logged and skipped."""
-    names, records = [], {}
+def _state_records(state_url: str) -> tuple[list[str], dict[str, StateRecord], dict[str, str]]:
+    """The run-state records' names, the records that are one by name (of a backend this project has), and why each
+    other could not be read: release cannot vouch for what such a record named."""
+    names, records, unreadable = [], {}, {}
     for name in list_dir(state_url):
         if not name.endswith(".json"):
             continue
         names.append(name)
         url = f"{state_url}/{name}"
         try:
-            record = StateRecord.from_json(read_json(url), url)
-            if record.backend not in BACKEND_NAMES:  # release builds each backend a record names
-                raise ValueError(f"{url}: backend: {record.backend!r} is none of {', '.join(BACKEND_NAMES)}")
-            records[name] = record
+            records[name] = _record(read_json(url), url)
         except (ValueError, TypeError) as error:
-            log.warning("State record %s is malformed (%s): skipped; the process scan still covers it.", url, error)
-    return names, records
+            log.warning("State record %s is malformed (%s): skipped; the process scan still covers this host.", url,
+                        error)
+            unreadable[name] = str(error)
+    return names, records, unreadable
+
+
+def _record(document: Any, where: str) -> StateRecord:
+    record = StateRecord.from_json(document, where)
+    if record.backend not in BACKEND_NAMES:  # release builds each backend a record names
+        raise ValueError(f"{where}: backend: {record.backend!r} is none of {', '.join(BACKEND_NAMES)}")
+    return record
+
+
+def cross_checked(named: dict[str, StateRecord], unreadable: dict[str, str],
+                  pushed: Mapping[str, Any]) -> tuple[dict[str, StateRecord], list[dict[str, Any]]]:
+    """The records release acts on, and an unverified entry for each it cannot vouch for: a stored record that is
+    unreadable, and one the operator pushed to XCom (`pushed`: task id -> record) that storage lacks or holds
+    otherwise (another backend, host, work directory or workers). The XCom copy is acted on too."""
+    records, entries = dict(named), []
+    for task_id, document in sorted(pushed.items()):
+        if document is None:
+            continue
+        name = f"{task_id}.json"
+        try:
+            copy = _record(document, f"XCom {task_id}.worker_state")
+        except (ValueError, TypeError) as error:
+            entries.append(_unverified(name, f"the copy the operator pushed to XCom is malformed ({error})"))
+            continue
+        stored = named.get(name)
+        if name in unreadable:
+            records[name] = copy
+        elif stored is None:
+            records[name] = copy
+            entries.append(_unverified(name, "is missing from storage, though the operator pushed it to XCom: "
+                                             "it was deleted; release acted on the XCom copy"))
+        elif _identity(stored) != _identity(copy):
+            records[f"{task_id}.xcom.json"] = copy
+            entries.append(_unverified(name, "differs from the copy the operator pushed to XCom (backend, host, "
+                                             "work directory or workers): it was rewritten; release acted on both"))
+    entries += [_unverified(name, f"cannot be read ({why})") for name, why in sorted(unreadable.items())]
+    return records, entries
+
+
+def _identity(record: StateRecord) -> tuple[Any, ...]:
+    """What a record says about where the group ran; its state and times move on after the XCom push."""
+    return (record.task_id, record.backend, record.workdir, record.launcher,
+            [(w.rank, w.host, w.port, dict(w.extra)) for w in record.workers])
+
+
+def _unverified(name: str, why: str) -> dict[str, Any]:
+    return {"backend": "unknown", "host": "unknown", "state_record": name, "found": [], "terminated": [],
+            "killed": [], "survivors": [],
+            "unverified": (f"state record {name} {why}. Whatever group it named may still hold hosts or GPUs that "
+                           "release could not check from it: check the run's hosts (its workers carry TFMW_RUN_KEY), "
+                           "find who can write the storage root, and clear the release task.")}
 
 
 def unverified_elsewhere(records: Mapping[str, StateRecord], here: Mapping[str, str]) -> list[dict[str, Any]]:
@@ -119,18 +174,21 @@ def _describe(hosts: list[dict[str, Any]]) -> str:
 
 @uses_run_storage
 def release_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: BackendFactory,
-                grace_period_s: float = RELEASE_GRACE_S) -> dict[str, Any]:
+                grace_period_s: float = RELEASE_GRACE_S, pushed: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`pushed`: the state records the worker-group operators pushed to XCom, by task id (`STATE_XCOM_KEY`)."""
     key = run_key(dag_id, run_id)
     cfg = _run_config(params)
     run = StorageLayout(absolute_root(cfg.storage_root)).run(key)
     try:
-        names, named = _state_records(run.state)
-        unreadable = None
+        names, stored, unreadable = _state_records(run.state)
+        storage_error = None
     except Exception as error:  # noqa: BLE001 - raised below, once this host's processes have ended
-        names, named, unreadable = [], {}, error
+        names, stored, unreadable, storage_error = [], {}, {}, error
+    named, doubtful = cross_checked(stored, unreadable, pushed or {})
     identity = host_identity()
     elsewhere = unverified_elsewhere(named, identity)
     foreign = {entry["state_record"] for entry in elsewhere}
+    elsewhere += doubtful
     # Another host's pids and work directories mean nothing here: only this host's records reach the backends.
     records = [record for name, record in named.items() if name not in foreign]
     # Every backend the run used: this host's always (and first), the run's own, and any a state record names.
@@ -147,8 +205,8 @@ def release_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backen
             if name == "local":
                 log.info("Release of run %s on %s: %d live process(es)", key, results[name].hosts[0].host,
                          len(results[name].hosts[0].found))
-        if unreadable is not None:
-            raise unreadable
+        if storage_error is not None:
+            raise storage_error
         result = _release_record(key, names, results, identity, elsewhere)
         write_release(run, result, dag_id)
     except Exception as error:
@@ -180,8 +238,8 @@ def _not_released(hosts: list[dict[str, Any]], elsewhere: list[dict[str, Any]]) 
     alive = _describe(hosts)
     held = [h for host in hosts for h in (host.get("gpu_check") or {}).get("held_by_run", [])]
     parts = [f"Unverified: {entry['unverified']}" for entry in elsewhere]
-    gpus = [f"{host['host']} GPU {gpu['gpu']} ({gpu['uuid'] or 'no UUID'}): {gpu['reason']}"
-            for host in hosts for gpu in (host.get("gpu_check") or {}).get("unverified", [])]
+    gpus = [f"{host['host']} GPU {gpu['gpu'] if gpu['gpu'] is not None else '(gone)'} ({gpu['uuid'] or 'no UUID'}): "
+            f"{gpu['reason']}" for host in hosts for gpu in (host.get("gpu_check") or {}).get("unverified", [])]
     if gpus:
         parts.append(f"GPUs not verified free: {'; '.join(gpus)}. Check them on that host (nvidia-smi), then clear "
                      "the release task.")

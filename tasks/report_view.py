@@ -372,6 +372,13 @@ def gpu_time(view: RunView) -> list[Section]:
                      + "".join(f"; {text(row.get('at'))}: {text(row.get('group'))} slots "
                                f"{', '.join(map(text, row.get('slots') or []))} idle {fmt(row.get('idle_s'), '.0f')} s"
                                for row in idle) + ".")
+    reclaims = _items(usage.get("reclaims")) if isinstance(usage.get("reclaims"), list) else []
+    if reclaims:
+        notes.append(f"Reclaimed (held idle past reclaim_idle_after_s, stopped, the task failed without a retry): "
+                     f"{len(reclaims)}, {fmt(usage.get('reclaimed_gpu_h'), '.4g')} {unit}-h held idle by then"
+                     + "".join(f"; {text(row.get('at'))}: {text(row.get('group'))} (attempt {text(row.get('attempt'))})"
+                               f" slots {', '.join(map(text, row.get('slots') or []))} idle "
+                               f"{fmt(row.get('idle_s'), '.0f')} s" for row in reclaims) + ".")
     if usage.get("clock_skew_s"):
         notes.append(f"Release's clock was {fmt(usage.get('clock_skew_s'), '.1f')} s behind a worker's exit: the "
                      "held time ends at the last exit.")

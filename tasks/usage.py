@@ -87,7 +87,8 @@ def last_join(ranks: Iterable[RankEvents]) -> float | None:
 
 @dataclass(frozen=True)
 class IdleWarning(Document):
-    """A live idle-held warning (tasks/launch.py, launcher/idle.py), as its attempt file keeps it.
+    """A live idle-held warning, or the reclaim of a group held idle (tasks/launch.py, launcher/idle.py), as its
+    attempt file keeps it.
 
     Attributes:
         at: when it was raised (UTC ISO); ranks, slots: the ranks past the limit and the slots they held.
@@ -116,6 +117,7 @@ class AttemptEvents(Document):
             try of the task (`AIRFLOW_CTX_TRY_NUMBER`), None outside Airflow.
         state: succeeded, failed, stopped or relaunched; ranks: each rank's events.
         idle_warnings: the live idle-held warnings of the attempt (none: absent in files before them).
+        reclaimed: the reclaim that stopped the attempt as idle (`reclaim_idle_after_s`), or None (absent then).
     """
 
     group: str
@@ -125,6 +127,7 @@ class AttemptEvents(Document):
     state: str
     ranks: tuple[RankEvents, ...]
     idle_warnings: tuple[IdleWarning, ...] = ()
+    reclaimed: IdleWarning | None = None
 
     @property
     def kind(self) -> str:
@@ -136,7 +139,8 @@ class AttemptEvents(Document):
 
     def to_xcom(self) -> dict[str, Any]:
         plain = super().to_xcom()
-        return plain if self.idle_warnings else {k: v for k, v in plain.items() if k != "idle_warnings"}
+        absent = {name for name in ("idle_warnings", "reclaimed") if not getattr(self, name)}
+        return {k: v for k, v in plain.items() if k not in absent}
 
 
 @dataclass(frozen=True)

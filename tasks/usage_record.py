@@ -169,7 +169,11 @@ def run_usage(run_url: str, report: RunReport, released_at: str,
         admission=tuple(AdmissionRow(w.task_id, w.try_number, w.map_index, w.waited_s, w.queued_s)
                         for w in admitted or ()),
         # The live idle-held warnings (tasks/launch.py, launcher/idle.py), each already logged, counted and mailed.
-        idle_warnings=tuple(LiveWarning(a.group, a.attempt, warning) for a in attempts for warning in a.idle_warnings))
+        idle_warnings=tuple(LiveWarning(a.group, a.attempt, warning) for a in attempts for warning in a.idle_warnings),
+        # Groups stopped for holding their slots idle (`reclaim_idle_after_s`): what each had held idle by then.
+        reclaims=tuple(LiveWarning(a.group, a.attempt, a.reclaimed) for a in attempts if a.reclaimed),
+        reclaimed_gpu_h=round(sum(len(a.reclaimed.slots) * a.reclaimed.idle_s for a in attempts if a.reclaimed)
+                              / 3600, 6))
 
 
 USAGE_CHART = "usage.png"
@@ -203,9 +207,9 @@ MOSTLY_IDLE_MIN_HELD_H = 1.0  # a run is called mostly idle only from this many 
 
 def cost_warnings(summary: UsageSummary, cfg: Mapping[str, Any]) -> list[str]:
     """The warnings of a finished run's usage (never failures): each idle-held warning raised while a group ran
-    (slots held without step progress past `max_idle_held_s`, checked live), slow release, a mostly idle run, extra
-    workers that cost more than `min_cost_efficiency` allows."""
-    found = [live.warning.text for live in summary.idle_warnings]
+    (slots held without step progress past `max_idle_held_s`, checked live) and each reclaim, slow release, a mostly
+    idle run, extra workers that cost more than `min_cost_efficiency` allows."""
+    found = [live.warning.text for live in (*summary.idle_warnings, *summary.reclaims)]
     limit = cfg.get("max_release_s") or 0
     if limit and (summary.time_to_release_s or 0) > limit:
         found.append(f"GPU time: the GPUs were free {summary.time_to_release_s:.0f} s after the last worker "
@@ -253,7 +257,8 @@ def attach_usage(report_url: str, report: RunReport, released_at: str,
             return None, {}
         summary = replace(summary, cheapest_workers=_cheapest_workers(report_url))
         warnings = cost_warnings(summary, flat_settings(report.config))
-        raised_live = {live.warning.text for live in summary.idle_warnings}  # counted and mailed back then
+        # Counted and mailed while the groups ran.
+        raised_live = {live.warning.text for live in (*summary.idle_warnings, *summary.reclaims)}
         summary = replace(summary, warnings=tuple(warnings))
         for warning in warnings:
             log.warning("%s", warning)

@@ -112,6 +112,8 @@ class UsageSummary(Document):
             admission: each admitted try.
         idle_warnings: the live idle-held warnings; cheapest_workers: the advisor's cheapest count (priced runs);
             warnings: the run's GPU-time warnings.
+        reclaims: the groups stopped for holding their slots idle (`reclaim_idle_after_s`), each with its text;
+            reclaimed_gpu_h: the slot-hours those groups had held without step progress when they were stopped.
     """
 
     unit: str
@@ -138,6 +140,8 @@ class UsageSummary(Document):
     idle_warnings: tuple[LiveWarning, ...] = ()
     cheapest_workers: int | None = None
     warnings: tuple[str, ...] = ()
+    reclaims: tuple[LiveWarning, ...] = ()
+    reclaimed_gpu_h: float = 0.0
 
     @property
     def unit_name(self) -> str:

@@ -76,7 +76,7 @@ def test_an_ended_process_stays_listed_for_the_lag_and_its_memory_with_it():
     assert [p.pid for p in fake.nvmlDeviceGetComputeRunningProcesses(handle)] == [4242]
     now[0] = 0.11
     assert fake.nvmlDeviceGetComputeRunningProcesses(handle) == []
-    assert fake.nvmlDeviceGetMemoryInfo(handle).used == fake_nvml.MIB
+    assert fake.nvmlDeviceGetMemoryInfo(handle).used == fake_nvml.MEASURED_IDLE_USED_BYTES
 
 
 def test_another_namespaces_process_is_not_listed_but_its_memory_is_used():
@@ -104,3 +104,34 @@ def test_per_device_errors_mig_and_a_lost_gpu_raise_their_codes():
         fake.nvmlDeviceGetMemoryInfo(fake.nvmlDeviceGetHandleByIndex(0))
     with pytest.raises(fake_nvml.NVMLError_InvalidArgument):
         fake.nvmlDeviceGetHandleByIndex(7)
+
+
+def test_an_idle_gpu_reads_what_the_measured_h200_did_and_v2_splits_the_reservation_out():
+    """v1: 615 MiB used of 143,771 MiB with no process (measured); v2: the modelled 512 MiB reserved + 103 MiB used,
+    in nvidia-ml-py's c_nvmlMemory_v2_t fields, asked for with its nvmlMemory_v2 version word."""
+    real = real_pynvml()
+    assert fake_nvml.nvmlMemory_v2 == real.nvmlMemory_v2
+    fake = FakeNvml(h200s(1))
+    fake.nvmlInit()
+    handle = fake.nvmlDeviceGetHandleByIndex(0)
+    v1 = fake.nvmlDeviceGetMemoryInfo(handle)
+    assert (v1.total, v1.used) == (143771 * fake_nvml.MIB, 615 * fake_nvml.MIB)
+    v2 = fake.nvmlDeviceGetMemoryInfo(handle, version=fake.nvmlMemory_v2)
+    assert list(vars(v2)) == [name for name, _ in real.c_nvmlMemory_v2_t._fields_]
+    assert (v2.reserved, v2.used, v2.free) == (512 * fake_nvml.MIB, 103 * fake_nvml.MIB, v1.free)
+    fake.start_process(0, 4 * fake_nvml.GIB, listed_pid=None)
+    assert fake.nvmlDeviceGetMemoryInfo(handle, version=fake.nvmlMemory_v2).used == (103 + 4096) * fake_nvml.MIB
+
+
+@pytest.mark.parametrize("code", [fake_nvml.NVML_ERROR_FUNCTION_NOT_FOUND, fake_nvml.NVML_ERROR_NOT_SUPPORTED])
+def test_a_driver_without_the_v2_struct_refuses_it_and_still_answers_v1(code):
+    fake = FakeNvml(h200s(1, memory_v2_error=code))
+    fake.nvmlInit()
+    handle = fake.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(fake_nvml.NVMLError) as refused:
+        fake.nvmlDeviceGetMemoryInfo(handle, version=fake.nvmlMemory_v2)
+    assert refused.value.value == code
+    assert fake.nvmlDeviceGetMemoryInfo(handle).used == 615 * fake_nvml.MIB
+    fake.gpus[0].memory_v2_error = None
+    with pytest.raises(fake_nvml.NVMLError_ArgumentVersionMismatch):  # a version word this driver does not know
+        fake.nvmlDeviceGetMemoryInfo(handle, version=0x03000030)

@@ -2,18 +2,24 @@
 
 Readers trust only `manifest.json` (see docs/CONTRACTS.md). Shards are copied to local disk and checked against
 the manifest's size and sha256 before training starts, so a truncated or altered shard stops the run with the
-file's name instead of corrupting it. TensorFlow is imported inside `make_dataset` only: the task side imports
+file's name instead of corrupting it. The manifest itself is pinned like the run's configuration: the Airflow side
+keeps the sha256 of the bytes it read when it laid out the run, the operator sets it on every worker as
+`MANIFEST_SHA256_ENV`, and `load_manifest` refuses a manifest of another digest, so shards rewritten together with
+their manifest entries are refused too. TensorFlow is imported inside `make_dataset` only: the task side imports
 this module without paying for it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from launcher.protocol import MANIFEST_SHA256_ENV
 from trainer import runtime, storage
 from trainer.layout import DATASET_FINGERPRINT, SHARD_NAME, SPLITS, TOKENIZER_DIR
 
@@ -32,9 +38,25 @@ class DataError(RuntimeError):
     """The prepared dataset is missing, of another format, or damaged."""
 
 
-def load_manifest(url: str) -> dict[str, Any]:
+def load_manifest(url: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The manifest at `url`, read once, its sha256 checked against the pin in `environ` (default: this process's;
+    none: not checked, as on the Airflow side, which reads it with `read_manifest`) before it is parsed."""
+    manifest, digest = read_manifest(url)
+    pinned = (os.environ if environ is None else environ).get(MANIFEST_SHA256_ENV)
+    if pinned is not None and digest != pinned:
+        raise DataError(
+            f"Manifest {url} has sha256 {digest}, but the Airflow side pinned {pinned or '(empty)'} "
+            f"({MANIFEST_SHA256_ENV}) when it laid out the run: the manifest was changed since (anyone who can write "
+            "the run's storage can do that), and with it what the shards may hold. Refusing it. Find out who wrote "
+            "it, delete the dataset's directory and trigger a new run: prepare tokenizes the dataset again.")
+    return manifest
+
+
+def read_manifest(url: str) -> tuple[dict[str, Any], str]:
+    """The manifest at `url`, checked for its format and names, and the sha256 of the bytes it was parsed from."""
     try:
-        manifest = storage.read_json(url)
+        data = storage.read_bytes(url)
+        manifest = json.loads(data.decode("utf-8"))
     except FileNotFoundError as error:
         raise DataError(
             f"Manifest {url} does not exist: the prepare task has not completed for this dataset. Run it again."
@@ -57,7 +79,7 @@ def load_manifest(url: str) -> dict[str, Any]:
     if problem:
         raise DataError(f"Manifest {url} is refused: {problem}. It was not written by the prepare task, or was "
                         "altered since: delete its directory and run the prepare task again.")
-    return manifest
+    return manifest, hashlib.sha256(data).hexdigest()
 
 
 def _names_problem(url: str, manifest: dict[str, Any]) -> str | None:

@@ -36,6 +36,9 @@ from trainer.storage import join, normalize_root
 DATASET_FINGERPRINT = re.compile(r"[0-9a-f]{20}")  # the first 20 hex digits of a sha256
 SPLITS = ("train", "validation")
 SHARD_NAME = re.compile(r"(train|validation)-\d{5}-of-\d{5}\.tfrecord")
+# A baseline's key as tasks/baseline.py makes it (`<model>-gb<batch>-s<steps>-<16 hex digits>`): the one name under
+# `baselines/` a task may act on, whatever XCom or a launch argument says.
+BASELINE_KEY = re.compile(r"[A-Za-z0-9-][A-Za-z0-9._-]{0,39}-gb\d+-s\d+-[0-9a-f]{16}")
 TOKENIZER_DIR = "tokenizer"
 EXPORTS_RECORD = "exports.json"
 BASE_MODEL_RECORD = "base_model.json"  # written last in a cached base model (tasks/base_models.py)
@@ -124,6 +127,11 @@ class TrainOutput:
     def segments(self) -> str:
         """segments.json: every launch of the train task with its step and worker count (elastic recovery)."""
         return join(self.url, "segments.json")
+
+    @property
+    def evaluation(self) -> str:
+        """eval.json: a baseline's evaluation, cached beside it by the evaluate task (its key covers the sample)."""
+        return join(self.url, "eval.json")
 
 
 @dataclass(frozen=True)

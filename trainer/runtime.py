@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from launcher.process import code_to_exit_status
-from launcher.protocol import HOST_TMPDIR_ENV, READY_MARKER
+from launcher.protocol import ABORT_SIGNAL, HOST_TMPDIR_ENV, READY_MARKER
 
 
 def host_temp_dir() -> str:
@@ -80,12 +80,18 @@ def end_on_sigterm() -> None:
     retry must resume from. Inside `preemption_notices()` (the training loop) it is a notice instead: the loop saves a
     checkpoint at the next step that every rank agrees on and the worker exits EXIT_PREEMPTED. A worker blocked in a
     collective never returns to Python: the launcher's SIGKILL after the grace period ends it.
+
+    The launcher's ABORT_SIGNAL (another rank failed: no checkpoint can be agreed without it) keeps its default
+    action, which ends the worker even inside a collective, except inside `writing_checkpoint()`, where it too
+    waits for the end of the block.
     """
     signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(ABORT_SIGNAL, signal.SIG_DFL)
 
 
 _checkpoint_writing = False
 _stop_requested = False
+_abort_requested = False  # the launcher's ABORT_SIGNAL came while a checkpoint was being written
 _notice_deadline_s = 0.0  # > 0 inside preemption_notices(): SIGTERM is a notice with this deadline
 _notice_at: float | None = None  # when (time.monotonic()) the notice came
 _notice_taken = False  # the loop saved the checkpoint a notice asked for
@@ -121,6 +127,7 @@ def preemption_checkpointed() -> None:
     # interpreter shuts down, and a SIGTERM then (the launcher stopping the group once the first rank exited)
     # would end this rank by the signal instead of with EXIT_PREEMPTED.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(ABORT_SIGNAL, signal.SIG_IGN)
 
 
 def _deadline_passed(deadline_s: float) -> None:
@@ -162,12 +169,22 @@ def _end_by(signum: int) -> None:
 
 @contextlib.contextmanager
 def writing_checkpoint() -> Iterator[None]:
-    """A block that a SIGTERM (see `end_on_sigterm`) lets finish before it ends the worker."""
+    """A block that a SIGTERM or the launcher's ABORT_SIGNAL (see `end_on_sigterm`) lets finish before it ends the
+    worker: the retry resumes from the checkpoint written here. Called from the main thread."""
     global _checkpoint_writing
     _checkpoint_writing = True
+    abort_action = signal.signal(ABORT_SIGNAL, _defer_abort) or signal.SIG_DFL  # None: not set from Python
     try:
         yield
     finally:
         _checkpoint_writing = False
+        signal.signal(ABORT_SIGNAL, abort_action)
+        if _abort_requested and abort_action is not signal.SIG_IGN:
+            _end_by(ABORT_SIGNAL)
         if _stop_requested:
             _end_by(signal.SIGTERM)
+
+
+def _defer_abort(signum: int, frame) -> None:
+    global _abort_requested
+    _abort_requested = True

@@ -16,12 +16,14 @@ EXIT_PERMANENT (a refused setting, bad data, a diverged loss) fails the task at 
 whatever its retries; a group whose failed ranks all exited EXIT_PREEMPTED (each saved the checkpoint the next attempt
 resumes from) is rescheduled with `AirflowRescheduleException`, which Airflow 3.3 runs again without counting a try
 (models/dagrun.py keeps `try_number` for UP_FOR_RESCHEDULE), up to `preemption_reschedules` times; anything else
-raises the group's error and uses the task's retries.
+raises the group's error and uses the task's retries. A group stopped because it held its slots idle for
+`reclaim_idle_after_s` fails the task with `IdleReclaimedError`, an `AirflowFailException`: no retry.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
@@ -40,7 +42,7 @@ from launcher import (
     error_for,
 )
 from launcher.errors import MissingOutputError
-from launcher.protocol import CONFIG_SHA256_ENV, EXIT_PERMANENT, EXIT_PREEMPTED
+from launcher.protocol import CONFIG_SHA256_ENV, EXIT_PERMANENT, EXIT_PREEMPTED, MANIFEST_SHA256_ENV
 from tasks.launch import IdleSettings, RecordedLaunch
 from tasks.policy import check_launch_urls
 from tasks.telemetry import LiveLineReader
@@ -48,7 +50,8 @@ from tf_multiworker.backends import UnknownBackendError, make_backend
 from tf_multiworker.hook import StorageCredentialsHook
 from trainer.config import ConfigError, RunConfig
 from trainer.config.access import AccessPolicy
-from trainer.layout import StorageLayout, absolute_root
+from trainer.config.pinned import config_bytes
+from trainer.layout import StorageLayout, TrainOutput, absolute_root
 from trainer.layout import run_key as layout_run_key
 from trainer.metrics import LIVE_INTERVAL_ENV
 from trainer.storage import exists
@@ -78,6 +81,17 @@ class NotRetryableError(WorkerFailedError, AirflowFailException):
         self.args = (f"{result.error_message()}\n{note}",)
 
 
+class IdleReclaimedError(WorkerGroupStoppedError, AirflowFailException):
+    """The group was stopped because it held its slots idle for `reclaim_idle_after_s` (tasks/launch.py): a retry
+    would hold them the same way, so the task fails without one. Its message is the reclaim's text."""
+
+    def __init__(self, result: RunResult, reclaim_text: str) -> None:
+        super().__init__(result)
+        note = ("The group's slots were reclaimed: the task fails without spending its retries (the next run "
+                "resumes from the last checkpoint in its output).")
+        self.args = (f"{reclaim_text}\n{note}",)
+
+
 class TFMultiWorkerOperator(BaseOperator):
     """Launch `python -m <entrypoint> <args>` on the run's workers with per-rank TF_CONFIG; fail as one.
 
@@ -92,13 +106,19 @@ class TFMultiWorkerOperator(BaseOperator):
     :param run_key: the run's key under `storage_root/runs/`; unset (the DAG's way): derived from the task's
         (dag_id, run_id) here, never read from XCom, where an editor could name another run's key and the sweep of
         earlier attempts would end that run's workers.
-    :param args: the entry point's other arguments (templated). The argv's `--config`, `--manifest` and `--output`
-        must lie in the run's own storage layout (`tasks.policy.check_launch_urls`).
-    :param config_sha256: the sha256 the prepared run's XCom pinned for the `config_url` file (templated); every
-        worker gets it as `CONFIG_SHA256_ENV` and refuses a file of another digest (trainer/config/pinned.py).
-        Required with `config_url`.
+    :param args: the entry point's other arguments (templated). The argv's storage URLs (`--config`, `--manifest`,
+        `--output`, `--model`, `--baseline-summary`) must lie in the run's own storage layout
+        (`tasks.policy.check_launch_urls`).
+    :param manifest_sha256: the sha256 the prepared run's XCom pinned for the dataset manifest the argv's
+        `--manifest` names (templated); every worker gets it as `MANIFEST_SHA256_ENV` and refuses a manifest of
+        another digest (trainer/data.py). Required with `--manifest`.
     :param num_workers: launch this many workers instead of the configuration's (the one-worker baseline).
-    :param summary_url: the chief's `summary.json`; when set it must exist after the workers succeed.
+    :param summary_url: the chief's `summary.json`, the one of `output_url`; when set it must exist after the
+        workers succeed.
+
+    The `--config` file is the run's config.json or baseline_config.json: every worker gets the sha256 of the
+    bytes this operator checked (`config_bytes` of `run_config`, or of its baseline configuration) as
+    `CONFIG_SHA256_ENV` and refuses a file of another digest (trainer/config/pinned.py).
     :param env: extra environment variables for every worker (shown in the log: put no secrets here).
     :param grace_period_s: SIGTERM -> SIGKILL delay when stopping the group after a failure (a kill of the task
         waits at most ON_KILL_GRACE_S).
@@ -109,9 +129,8 @@ class TFMultiWorkerOperator(BaseOperator):
     """
 
     # num_workers is never a template: listed so that the scheduler's copy of the task has it (GPU admission).
-    template_fields: Sequence[str] = ("args", "run_config", "config_url", "output_url", "run_key", "config_sha256",
-                                      "summary_url", "env",
-                                      "num_workers")
+    template_fields: Sequence[str] = ("args", "run_config", "config_url", "output_url", "run_key", "summary_url",
+                                      "env", "manifest_sha256", "num_workers")
     ui_color = "#ffd8b1"
 
     def __init__(
@@ -123,7 +142,6 @@ class TFMultiWorkerOperator(BaseOperator):
         output_url: str | None = None,
         run_key: str | None = None,
         args: Sequence[Any] = (),
-        config_sha256: str | None = None,
         num_workers: int | None = None,
         summary_url: str | None = None,
         env: dict[str, Any] | None = None,
@@ -131,6 +149,7 @@ class TFMultiWorkerOperator(BaseOperator):
         max_launch_attempts: int = 3,
         preemption_reschedules: int = 3,
         preemption_reschedule_delay_s: float = 10.0,
+        manifest_sha256: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -140,7 +159,6 @@ class TFMultiWorkerOperator(BaseOperator):
         self.output_url = output_url
         self.run_key = run_key
         self.args = args
-        self.config_sha256 = config_sha256
         self.num_workers = num_workers
         self.summary_url = summary_url
         self.env = env
@@ -148,6 +166,7 @@ class TFMultiWorkerOperator(BaseOperator):
         self.max_launch_attempts = max_launch_attempts
         self.preemption_reschedules = preemption_reschedules
         self.preemption_reschedule_delay_s = preemption_reschedule_delay_s
+        self.manifest_sha256 = manifest_sha256
         self.group: RecordedLaunch | None = None  # must be set for on_kill
         self._killed = False
         self._live_metrics: LiveLineReader | None = None
@@ -199,6 +218,8 @@ class TFMultiWorkerOperator(BaseOperator):
             if self._live_metrics.malformed:
                 self.log.warning("%d malformed live metrics line(s) ignored (the ranks' log files keep them)",
                                  self._live_metrics.malformed)
+        if self.group.reclaimed is not None and not self._killed:
+            raise IdleReclaimedError(result, self.group.reclaimed.text)
         if self._killed or result.state is GroupState.STOPPED:
             raise WorkerGroupStoppedError(result)
         if not result.succeeded:
@@ -219,8 +240,8 @@ class TFMultiWorkerOperator(BaseOperator):
 
     def _check_run(self, ti: Any) -> None:
         """The run key from the task's own (dag_id, run_id) unless one was given, the configuration loaded (and held
-        to the access policy again, here where its environment is), and the storage URLs of the argv held to the
-        run's layout: a rewritten one launches nothing."""
+        to the access policy again, here where its environment is), and the storage URLs of the argv and the summary
+        held to the run's layout: a rewritten one launches nothing."""
         if not self.run_key:
             self.run_key = layout_run_key(ti.dag_id, ti.run_id)
         cfg = self.config
@@ -230,11 +251,36 @@ class TFMultiWorkerOperator(BaseOperator):
                 check_launch_urls(argv, cfg.storage_root, self.run_key)
             except ConfigError as error:
                 raise AirflowFailException(f"{self.task_id} launches no workers: {error}") from error
-            if "--config" in argv and not self.config_sha256:
-                raise AirflowFailException(
-                    f"{self.task_id} launches no workers: its --config has no pinned digest (config_sha256 is "
-                    f"{self.config_sha256!r}): pass the prepared run's digest of that file (its XCom "
-                    "'config_sha256' or 'baseline_config_sha256'), so that the workers load only what was checked.")
+            self._check_manifest_pin(argv)
+        expected = TrainOutput(str(self.output_url)).summary
+        if self.summary_url is not None and (self.output_url is None or self.summary_url != expected):
+            raise AirflowFailException(
+                f"{self.task_id} launches no workers: its summary_url {self.summary_url!r} is not the summary.json of "
+                f"its --output (it must be {expected!r}). The prepared run's XCom was changed, or the DAG passes "
+                "another path: pass the prepared run's summary of that output.")
+
+    def config_sha256(self) -> str | None:
+        """The sha256 the workers pin for their `--config` file: of the bytes of the configuration this operator
+        checked, as prepare wrote them (the run's, or its baseline's for baseline_config.json); None without one."""
+        argv = self.worker_args(self.config_url)
+        if "--config" not in argv[:-1]:
+            return None
+        config_url = argv[argv.index("--config") + 1]
+        cfg = self.config
+        run = StorageLayout(absolute_root(cfg.storage_root)).run(str(self.run_key))
+        configs = {run.config: cfg, run.baseline_config: cfg.baseline_config()}
+        if config_url not in configs:
+            raise AirflowFailException(
+                f"{self.task_id} launches no workers: its --config {config_url!r} is neither {run.config!r} nor "
+                f"{run.baseline_config!r}, the files of the configuration it checked.")
+        return hashlib.sha256(config_bytes(configs[config_url])).hexdigest()
+
+    def _check_manifest_pin(self, argv: Sequence[str]) -> None:
+        if "--manifest" in argv and not (isinstance(self.manifest_sha256, str) and self.manifest_sha256):
+            raise AirflowFailException(
+                f"{self.task_id} launches no workers: its --manifest has no pinned digest (manifest_sha256 is "
+                f"{self.manifest_sha256!r}): pass the prepared run's XCom 'manifest_sha256', so that the workers "
+                "train and evaluate only on the dataset the Airflow side read.")
 
     def _refuse_a_run_that_is_over(self, ti: Any) -> None:
         """Airflow can start a retry in a run that is already over: when the run is marked failed while the scheduler
@@ -283,14 +329,15 @@ class TFMultiWorkerOperator(BaseOperator):
             raise TypeError(f"env must be a mapping of variable names to values, got {self.env!r}")
         if not isinstance(self.run_key, str) or not self.run_key:
             raise TypeError(f"run_key must be the prepared run's key, got {self.run_key!r}")
-        if self.config_sha256 is not None and not isinstance(self.config_sha256, str):
-            raise TypeError(f"config_sha256 must be the prepared run's digest (a string), got {self.config_sha256!r}")
-        for name in ("config_url", "output_url"):
+        for name in ("config_url", "output_url", "summary_url"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise TypeError(f"{name} must be a URL, got {getattr(self, name)!r}")
         env = {name: str(value) for name, value in (self.env or {}).items()}
-        if self.config_sha256:  # after `env`: the pinned digest is the prepared run's, never a caller's
-            env[CONFIG_SHA256_ENV] = self.config_sha256
+        pinned = self.config_sha256()
+        if pinned:  # after `env`: the pinned digest is of what this operator checked, never a caller's
+            env[CONFIG_SHA256_ENV] = pinned
+        if self.manifest_sha256:  # the prepared run's, never a caller's
+            env[MANIFEST_SHA256_ENV] = self.manifest_sha256
         cfg = self.config
         return GroupSpec(
             name=self.task_id,

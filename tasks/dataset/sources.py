@@ -20,6 +20,8 @@ from typing import Any
 
 from launcher.document import Document
 from tasks.dataset.errors import SourceError
+from trainer.config import ConfigError
+from trainer.config.access import DATA_ROOTS_ENV, AccessPolicy
 from trainer.storage import filesystem
 
 KINDS = {".txt": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
@@ -56,19 +58,21 @@ class Sources:
         return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def resolve_sources(spec: str, repo_root: Path) -> Sources:
-    """Expand `spec` into concrete files with size, mtime and relative path."""
+def resolve_sources(spec: str, repo_root: Path, policy: AccessPolicy | None = None) -> Sources:
+    """Expand `spec` into concrete files with size, mtime and relative path. With `policy`, each local file is held
+    to the data roots as it resolves through symlinks: the policy's check of the setting sees only the directory a
+    glob searches, and a link under it may lead anywhere."""
     if spec.startswith("s3://"):
         files = _remote_files(spec)
     elif spec.startswith("file://"):
-        files = _local_files(spec[len("file://"):], spec)
+        files = _local_files(spec[len("file://"):], spec, policy)
     elif _is_hub_id(spec, repo_root):
         files = _hub_files(spec)
     else:
         path = Path(spec).expanduser()
         if not path.is_absolute() and not glob.glob(str(path)):
             path = repo_root / path  # relative settings are relative to the repository, wherever Airflow runs
-        files = _local_files(str(path), spec)
+        files = _local_files(str(path), spec, policy)
 
     if not files:
         raise SourceError(
@@ -87,6 +91,16 @@ def resolve_sources(spec: str, repo_root: Path) -> Sources:
             f"Setting 'dataset' = {spec!r} mixes file types ({', '.join(sorted(kinds))}): point it at one kind."
         )
     return Sources(spec=spec, kind=kinds.pop(), files=tuple(files))
+
+
+def _check_resolved(match: Path, real: Path, spec: str, policy: AccessPolicy) -> None:
+    try:
+        policy.check("dataset", str(real), hub_ids=False)
+    except ConfigError:
+        raise SourceError(
+            f"Setting 'dataset' = {spec!r} matches {str(match)!r}, which resolves through a symlink to {real}, "
+            f"outside the allowed data roots {list(policy.data_roots)}: remove the link or copy the file under a "
+            f"root, or have the operator add its directory to ${DATA_ROOTS_ENV} (':'-separated).") from None
 
 
 def check_unchanged(source: SourceFile) -> None:
@@ -120,7 +134,7 @@ def _static_base(pattern: str) -> str:
     return pattern
 
 
-def _local_files(pattern: str, spec: str) -> list[SourceFile]:
+def _local_files(pattern: str, spec: str, policy: AccessPolicy | None) -> list[SourceFile]:
     path = Path(pattern)
     if _GLOB_CHARS.search(pattern):
         candidates = [Path(p) for p in glob.glob(pattern, recursive=True)]
@@ -136,6 +150,8 @@ def _local_files(pattern: str, spec: str) -> list[SourceFile]:
             "the repository root)."
         )
     files = []
+    for match in (p for p in candidates if policy is not None and p.is_file()):
+        _check_resolved(match, match.resolve(), spec, policy)
     for candidate in sorted(p.resolve() for p in candidates if p.is_file()):
         stat = candidate.stat()
         files.append(SourceFile(str(candidate), stat.st_size, _iso(stat.st_mtime),

@@ -67,7 +67,7 @@ from tasks.dataset.units import (
     unit_size,
 )
 from trainer import storage
-from trainer.config import RunConfig
+from trainer.config import AccessPolicy, RunConfig
 from trainer.data import FORMAT_VERSION
 from trainer.layout import REPO_ROOT, StorageLayout
 
@@ -86,9 +86,9 @@ class DatasetIdentity:
     fingerprint: str
 
 
-def identify_dataset(cfg: RunConfig) -> DatasetIdentity:
-    """Resolve sources, check the model's positions and the tokenizer, and compute the fingerprint."""
-    sources = resolve_sources(cfg.dataset, REPO_ROOT)
+def identify_dataset(cfg: RunConfig, policy: AccessPolicy | None = None) -> DatasetIdentity:
+    """Resolve sources (held to `policy`), check the model's positions and the tokenizer, compute the fingerprint."""
+    sources = resolve_sources(cfg.dataset, REPO_ROOT, policy)
     check_model(cfg)
     plan = plan_tokenizer(cfg)
     settings = packing_settings(cfg, sources, plan)
@@ -135,12 +135,13 @@ class Planned:
 # -- 1. plan ----------------------------------------------------------------------------------------------------
 
 
-def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: float | None = None) -> Planned:
-    """The plan, its lanes and the backend tokenizer; the complete dataset's manifest instead on a cache hit. With
-    more than one lane the plan is saved in its work directory (`plan.json`) for the mapped tasks."""
+def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: float | None = None,
+                 policy: AccessPolicy | None = None) -> Planned:
+    """The plan, its lanes and the backend tokenizer (sources held to `policy`); the complete dataset's manifest
+    instead on a cache hit. With more than one lane the plan is saved in its work directory (`plan.json`)."""
     started = time.perf_counter() if started is None else started
     layout = StorageLayout(cfg.storage_root)
-    identity = identify_dataset(cfg)
+    identity = identify_dataset(cfg, policy)
     sources, tokenizer_plan, fingerprint = identity.sources, identity.tokenizer, identity.fingerprint
     manifest_url = layout.manifest(fingerprint)
     log.info("dataset %s: %d %s file(s), %s; tokenizer %s; block_size %d; fingerprint %s", cfg.dataset,
@@ -155,8 +156,7 @@ def plan_dataset(cfg: RunConfig, *, progress_interval_s: float = 5.0, started: f
         raise PrepareError(f"Dataset {cfg.dataset!r} has no documents: {sources.names()} are empty.")
     check_writable(cfg.storage_root)
     tasks = task_count(cfg.prepare_tasks, sources.total_bytes)
-    leftovers = work_url(layout, fingerprint)
-    remove_leftovers(leftovers)
+    remove_leftovers(leftovers := work_url(layout, fingerprint))
     plan_id = uuid.uuid4().hex[:12]
     # One lane runs here, its streams in a local directory; lanes for mapped tasks share storage.
     work = _temporary_work(fingerprint) if tasks == 1 else storage.join(leftovers, plan_id)

@@ -1,7 +1,7 @@
-"""`bench/gpu_release_check.py --dry-run`: the GPU release check's whole flow (placement refusing a busy GPU, release
-of a worker that ignores SIGTERM, a GPU used from another PID namespace) on the fake NVML, so the script keeps working
-between the rare runs on a GPU host; run without site-packages (`python -S`), as on a bare host: standard library
-only."""
+"""`bench/gpu_release_check.py --dry-run`: the GPU release check's whole flow (each GPU's idle figures by v1 and v2,
+placement refusing a busy GPU, release of a worker that ignores SIGTERM, a GPU used from another PID namespace) on
+the fake NVML, so the script keeps working between the rare runs on a GPU host; run without site-packages
+(`python -S`), as on a bare host: standard library only."""
 
 from __future__ import annotations
 
@@ -24,10 +24,15 @@ def test_dry_run_refuses_a_busy_gpu_releases_a_stubborn_worker_and_sees_another_
     report = json.loads(done.stdout)
     checks = report["checks"]
     assert report["dry_run"] and report["ok"] and report["wall_s"] < 120
+    # Each GPU's idle figures by both memory calls: the fake's model of the measured H200 (v1 615 MiB used).
+    for level in report["idle_levels"]:
+        assert level["pids"] == [] and level["v1_mib"]["used"] == 615 and level["v1_mib"]["total"] == 143771
+        assert level["v2_mib"]["reserved"] + level["v2_mib"]["used"] == 615
     busy = checks["busy_gpu_not_admitted"]
     assert busy["ok"] and busy["placed"] == [] and 0 not in busy["free"] and "GPU 0 (GPU-" in busy["refusal"]
     stubborn = checks["stubborn_worker_released"]
     assert stubborn["clean"] and stubborn["killed"] == stubborn["terminated"] and stubborn["held_by_run"] == []
+    assert list(stubborn["idle_mb_recorded"].values()) == [615]  # released once back at the recorded level
     assert 0.09 <= stubborn["free_after_s"] < 1 and stubborn["release_s"] >= stubborn["grace_s"]
     other = checks["other_namespace_not_free"]
     assert other["ok"] and other["listed_inside"] == [] and other["used_mb_inside"] >= 4096

@@ -54,6 +54,16 @@ def test_tokenize_is_mapped_over_the_lanes_and_publish_runs_when_it_has_none(dag
     assert [asset.name for asset in dag.get_task("publish").outlets] == ["gpt_finetune_shards"]
 
 
+def test_release_cross_checks_the_state_records_of_every_worker_group_task(dag):
+    """Release compares the stored state records with those the operators pushed to XCom (review t5, finding 4):
+    it must ask every task that launches a worker group."""
+    from tf_multiworker.operator import TFMultiWorkerOperator
+
+    groups = sorted(t.task_id for t in dag.tasks if isinstance(t, TFMultiWorkerOperator))
+    module = next(m for m in list(sys.modules.values()) if getattr(m, "__file__", None) == str(DAG_FILE))
+    assert groups == sorted(module.WORKER_GROUP_TASKS) == ["baseline", "preflight", "train"]
+
+
 def test_release_and_outcome_are_teardowns_that_run_whatever_happened(dag):
     for task_id in ("release", "outcome"):
         teardown = dag.get_task(task_id)
@@ -117,6 +127,7 @@ BAD_FORMATS = {
     "model_name": "-model", "model_revision": "main branch", "namespace": "Team_A", "image": "trainer image:1",
     "cpu": "4 cores", "memory": "16 GB", "remote_python": "venv/bin/python", "gpu_queue": "gpu,cpu",
     "alert_conn_id": "smtp conn", "ssh_conn_ids": ["host a"], "alert_emails": ["ops@example.com\nBcc: x@y.z"],
+    "text_column": "text` <b>x</b>",
 }
 
 
@@ -140,6 +151,10 @@ def _refusals():
             yield setting.name, ["bogus"]
         if "pattern" in rules or "pattern" in rules.get("items", {}):
             yield setting.name, BAD_FORMATS[setting.name]
+        if "maxLength" in rules:
+            yield setting.name, "a" * (rules["maxLength"] + 1)
+        if "maxLength" in rules.get("items", {}):
+            yield setting.name, ["a" * (rules["items"]["maxLength"] + 1)]
 
 
 @pytest.mark.parametrize(("name", "value"), list(_refusals()), ids=lambda v: v if isinstance(v, str) else None)

@@ -41,6 +41,9 @@ def test_sigkilled_worker_fails_the_attempt_and_the_retry_resumes_from_the_check
     assert airflow_stack.wait_for_run(DAG, run_id, timeout=600) == "success"
     first_attempt = airflow_stack.task_log(DAG, run_id, "train", try_number=1)
     assert "rank 1" in first_attempt and "SIGKILL" in first_attempt
+    # The survivor is aborted at once: it cannot agree on a preemption checkpoint without rank 1 (issue 47, item 4).
+    assert "rank(s) [1] failed: stopping what is left of rank(s)" in first_attempt and "with SIGUSR1" in first_attempt
+    assert "after SIGTERM: sending SIGKILL" not in first_attempt
     retry = airflow_stack.task_log(DAG, run_id, "train", try_number=2)
     assert "resuming" in retry
     summary = json.loads(Path(train.summary).read_text())

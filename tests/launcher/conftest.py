@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from launcher import WorkerGroup
 from launcher.process import live_group_members
 from trainer.config.access import DATA_ROOTS_ENV, S3_BUCKETS_ENV, STORAGE_ROOT_ENV
 
@@ -85,3 +86,17 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.05) -> float:
             raise AssertionError(f"not within {timeout_s} s")
         time.sleep(interval_s)
     return time.monotonic() - started
+
+
+def run_past_sigkill(spec, backend, workdir: Path):
+    """Run a tiny_worker group whose rank SIGKILLs itself (TINY_WORKER_FAULT="<rank>:sigkill"); returns the result
+    and the seconds from that rank's last line ("killing myself with SIGKILL") to the group's end."""
+    killed: list[float] = []
+
+    def on_line(rank: int, line: str) -> None:
+        if line == "killing myself with SIGKILL":
+            killed.append(time.monotonic())
+
+    result = WorkerGroup(spec, backend, workdir, on_line=on_line).run()
+    assert killed, "no rank announced its SIGKILL"
+    return result, time.monotonic() - killed[0]

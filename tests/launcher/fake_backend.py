@@ -2,7 +2,9 @@
 
 Each rank follows a list of steps: `("line", text)` prints a line, `("ready",)` prints the ready marker,
 `("sleep", s)` waits, `("exit", code)` ends the worker, `("hang",)` blocks until it is terminated or killed.
-`ignore_term` makes terminate a no-op (only kill ends it). Scripts can differ per launch attempt.
+`ignore_term` makes terminate a no-op (only kill ends it), as a rank blocked in a collective meets SIGTERM;
+`ignore_abort` does the same to abort (the launcher's ABORT_SIGNAL), as a rank writing a checkpoint holds it back.
+Scripts can differ per launch attempt.
 """
 
 from __future__ import annotations
@@ -37,12 +39,12 @@ class _Output:
 
 
 class FakeHandle(WorkerHandle):
-    def __init__(self, rank: int, host: str, script: Script, ignore_term: bool) -> None:
+    def __init__(self, rank: int, host: str, script: Script, ignored: frozenset[str]) -> None:
         self.rank, self.host, self.pid = rank, host, 1000 + rank
         self._output = _Output()
         self._exit: int | None = None
         self._stopped = threading.Event()
-        self.ignore_term = ignore_term
+        self.ignored = ignored  # of "TERM", "ABORT"
         self.signals: list[str] = []
         threading.Thread(target=self._play, args=(script,), daemon=True).start()
 
@@ -80,8 +82,13 @@ class FakeHandle(WorkerHandle):
 
     def terminate(self) -> None:
         self.signals.append("TERM")
-        if not self.ignore_term:
+        if "TERM" not in self.ignored:
             self._end(-15)
+
+    def abort(self) -> None:
+        self.signals.append("ABORT")
+        if "ABORT" not in self.ignored:
+            self._end(-10)
 
     def kill(self) -> None:
         self.signals.append("KILL")
@@ -98,11 +105,12 @@ class FakeBackend(Backend):
     name = "fake"
 
     def __init__(self, scripts: Callable[[int, int], Script] | Mapping[int, Script], *,
-                 ignore_term: Sequence[int] = (), earlier: Sequence[dict[str, Any]] = ()) -> None:
+                 ignore_term: Sequence[int] = (), ignore_abort: Sequence[int] = (),
+                 earlier: Sequence[dict[str, Any]] = ()) -> None:
         """`scripts(attempt, rank)` (or a mapping rank -> script for every attempt); `earlier`: what
         `end_earlier_attempts` reports (hosts where an earlier attempt left workers)."""
         self.scripts = scripts if callable(scripts) else (lambda attempt, rank: scripts[rank])
-        self.ignore_term = set(ignore_term)
+        self.ignore_term, self.ignore_abort = set(ignore_term), set(ignore_abort)
         self.earlier = list(earlier)
         self.earlier_asked: list[str] = []
         self.attempt = 0
@@ -122,8 +130,9 @@ class FakeBackend(Backend):
 
     def start(self, group: GroupSpec, worker: WorkerSpec, command: list[str], env: Mapping[str, str]) -> FakeHandle:
         self.envs.append({**env, **group.secret_env})
-        handle = FakeHandle(worker.rank, worker.host, self.scripts(self.attempt, worker.rank),
-                            worker.rank in self.ignore_term)
+        ignored = frozenset({"TERM"} if worker.rank in self.ignore_term else set()) | frozenset(
+            {"ABORT"} if worker.rank in self.ignore_abort else set())
+        handle = FakeHandle(worker.rank, worker.host, self.scripts(self.attempt, worker.rank), ignored)
         self.handles.append(handle)
         return handle
 

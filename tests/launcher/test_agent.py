@@ -20,7 +20,7 @@ import pytest
 
 from launcher.host_probe import VERSIONED_PACKAGES
 from launcher.process import ORPHAN_GRACE_S, live_group_members
-from launcher.protocol import STOP_LINE, read_control_line
+from launcher.protocol import ABORT_LINE, ABORT_SIGNAL, STOP_LINE, read_control_line
 from tests.launcher.conftest import ENTRYPOINTS, alive
 
 AGENT = [sys.executable, "-u", "-m", "launcher.agent"]
@@ -179,6 +179,20 @@ def test_the_whole_grace_applies_only_to_a_stop_the_launcher_asked_for(agents, t
     assert ORPHAN_GRACE_S <= elapsed < ORPHAN_GRACE_S + 3 and not alive(worker) and not alive(child)
 
 
+def test_the_abort_line_ends_a_worker_that_ignores_sigterm_at_once(agents, tmp_path):
+    """Another rank failed: the launcher writes the abort line, and the group gets ABORT_SIGNAL, not SIGTERM."""
+    agent = agents({**_request(tmp_path), "grace_s": 30})
+    _, worker, child = _started(agent)
+    since = time.monotonic()
+    agent.process.stdin.write(ABORT_LINE)
+    agent.process.stdin.close()
+    assert agent.finish() == 128 + ABORT_SIGNAL
+    elapsed = time.monotonic() - since
+    print(f"\nabort line: the worker and its child gone {elapsed:.2f} s later (grace 30 s)")
+    assert _control(agent.lines[-1], "TFMW_EXIT") == {"code": -ABORT_SIGNAL} and "TERM ignored" not in agent.lines
+    assert not alive(worker) and not alive(child) and elapsed < 2
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_a_signal_to_the_agent_stops_the_whole_group(agents, tmp_path, signum):
     agent = agents(_request(tmp_path))
@@ -271,7 +285,8 @@ def test_release_ends_only_the_runs_processes_and_removes_its_directory(sleepers
     (run_dir / "rank-0").mkdir(parents=True)
     time.sleep(0.1)  # sh has exec'd sleep with the trap in place
 
-    released = _answer("release", {"run_key": key, "grace_s": GRACE_S, "workdir": str(tmp_path / "workdir")})
+    released = _answer("release", {"run_key": key, "grace_s": GRACE_S, "workdir": str(tmp_path / "workdir"),
+                                   "idle_mb": {}})
     assert [p["pid"] for p in released["found"]] == [ours.pid]
     assert "sleep 600" in released["found"][0]["cmdline"]
     assert released["terminated"] == [ours.pid] and released["killed"] == [ours.pid]
@@ -288,7 +303,8 @@ def test_release_never_follows_a_symlinked_run_directory(tmp_path):
     (target / "keep.txt").write_text("not the run's")
     (tmp_path / "workdir").mkdir()
     (tmp_path / "workdir" / key).symlink_to(target)
-    released = _answer("release", {"run_key": key, "grace_s": GRACE_S, "workdir": str(tmp_path / "workdir")})
+    released = _answer("release", {"run_key": key, "grace_s": GRACE_S, "workdir": str(tmp_path / "workdir"),
+                                   "idle_mb": {}})
     assert released["found"] == [] and released["removed_dirs"] == [] and released["clean"]
     assert (target / "keep.txt").exists()
 
@@ -301,7 +317,7 @@ def test_a_probe_with_a_field_the_contract_does_not_name_is_refused(tmp_path):
 
 
 def test_release_refuses_a_run_key_that_is_a_path():
-    done = _one_shot("release", b'{"run_key": "../etc", "grace_s": 1, "workdir": "/tmp"}\n')
+    done = _one_shot("release", b'{"run_key": "../etc", "grace_s": 1, "workdir": "/tmp", "idle_mb": {}}\n')
     assert done.returncode == 2 and "'run_key' must be a run key" in json.loads(done.stdout)["error"]
 
 
@@ -340,12 +356,14 @@ def test_slots_are_free_once_no_process_of_the_group_is_left_and_a_bad_request_i
     key = f"slots-{uuid.uuid4().hex[:8]}"
     other = subprocess.Popen(["sleep", "600"], env={"TFMW_RUN_KEY": key, "TFMW_GROUP": "baseline"})
     try:  # another group of the run (baseline beside train) does not hold train's slots
-        answer = _answer("slots", {"run_key": key, "group": "train", "pids": [], "gpus": [], "use_gpu": False})
+        answer = _answer("slots", {"run_key": key, "group": "train", "pids": [], "gpus": [], "idle_mb": {},
+                                         "use_gpu": False})
         assert answer["free"] is True and answer["processes_left"] == [] and 0 <= answer["free_after_s"] < 1, answer
     finally:
         other.kill()
         other.wait()
-    done = _one_shot("slots", b'{"run_key": "k", "group": "train", "pids": ["1"], "gpus": [], "use_gpu": false}\n')
+    done = _one_shot("slots", b'{"run_key": "k", "group": "train", "pids": ["1"], "gpus": [], "idle_mb": {}, '
+                              b'"use_gpu": false}\n')
     assert done.returncode == 2 and "'pids' must be a list of pids" in json.loads(done.stdout)["error"]
 
 

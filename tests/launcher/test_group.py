@@ -11,6 +11,7 @@ import time
 import pytest
 
 from launcher import FailureKind, GroupSpec, GroupState, LaunchError, WorkerGroup, WorkerState
+from launcher.protocol import EXIT_PREEMPTED
 from tests.launcher.fake_backend import FakeBackend
 
 FAST = {"startup_timeout_s": 0.3, "hang_timeout_s": 0.3, "grace_period_s": 0.1}
@@ -145,14 +146,42 @@ def test_port_bind_relaunches_are_bounded(tmp_path):
     assert "port 20" in result.failures[1].detail
 
 
-def test_a_failing_rank_stops_the_others_and_a_stubborn_one_is_killed(tmp_path):
-    backend = FakeBackend({0: [("ready",), ("hang",)], 1: [("ready",), ("line", "boom"), ("exit", 3)]},
-                          ignore_term=[0])
-    result, wall_s, _ = _run(backend, tmp_path)
+FAILING_RANK_1 = {0: [("ready",), ("hang",)], 1: [("ready",), ("line", "boom"), ("exit", 3)]}
+
+
+def test_a_failing_rank_aborts_the_others_at_once_without_the_grace(tmp_path, caplog):
+    """A survivor blocked in a collective with the dead rank never acts on SIGTERM (`ignore_term`): a preemption
+    checkpoint cannot be agreed without the dead rank, so the launcher does not ask for one."""
+    backend = FakeBackend(FAILING_RANK_1, ignore_term=[0])
+    result, wall_s, _ = _run(backend, tmp_path, grace_period_s=30)
     assert set(result.failures) == {1} and result.failures[1].exit_code == 3
     assert result.workers[0].state is WorkerState.STOPPED
-    assert backend.handles[0].signals == ["TERM", "KILL"] and wall_s < 1
+    assert backend.handles[0].signals == ["ABORT"] and wall_s < 1
     assert "| boom" in result.error_message()
+    assert "rank(s) [1] failed: stopping what is left of rank(s) [0] with SIGUSR1, at once" in caplog.text
+
+
+def test_a_rank_that_holds_the_abort_back_is_killed_after_the_grace(tmp_path):
+    backend = FakeBackend(FAILING_RANK_1, ignore_abort=[0])  # writing a checkpoint that never ends
+    result, wall_s, _ = _run(backend, tmp_path)
+    assert backend.handles[0].signals == ["ABORT", "KILL"] and wall_s < 1
+    assert result.workers[0].state is WorkerState.STOPPED
+
+
+def test_a_rank_that_exits_preempted_leaves_the_others_their_preemption_checkpoint(tmp_path):
+    """EXIT_PREEMPTED: every rank agreed on a step and saves it; the others are asked with SIGTERM, not aborted."""
+    backend = FakeBackend({0: [("ready",), ("hang",)], 1: [("ready",), ("exit", EXIT_PREEMPTED)]})
+    _run(backend, tmp_path)
+    assert backend.handles[0].signals == ["TERM"]
+
+
+def test_a_group_stopped_from_outside_is_asked_with_sigterm(tmp_path):
+    backend = FakeBackend({0: [("ready",), ("hang",)], 1: [("ready",), ("hang",)]})
+    spec = GroupSpec(name="g", entrypoint="trainer.train", num_workers=2, **{**FAST, "hang_timeout_s": 30})
+    group = WorkerGroup(spec, backend, tmp_path)
+    threading.Timer(0.2, group.stop, args=("a preemption notice",)).start()
+    assert group.run().state is GroupState.STOPPED
+    assert [h.signals for h in backend.handles] == [["TERM"], ["TERM"]]
 
 
 def test_secret_values_are_redacted_from_every_log(tmp_path):

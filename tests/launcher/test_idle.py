@@ -134,3 +134,58 @@ def test_a_failing_callback_or_sampler_never_reaches_the_group():
 def test_a_watch_needs_a_positive_window(max_idle_s):
     with pytest.raises(ValueError, match="max_idle_s > 0"):  # a launch without the warning has no watch at all
         IdleWatch(max_idle_s, step_of, lambda episode: None)
+
+
+def test_a_group_idle_for_the_reclaim_limit_is_reclaimed_once_after_its_warning():
+    clock, episodes, reclaims = Clock(), [], []
+    idle = IdleWatch(60, step_of, episodes.append, reclaim_after_s=120, on_reclaim=reclaims.append, clock=clock,
+                     wall=lambda: 1.8e9)
+    idle.start("train", 1, (0, 1))
+    for rank in (0, 1):
+        idle.line(rank, "TFMW_READY", ready=True)
+    for second in range(0, 300, 5):
+        clock.now = 1000 + second
+        idle.line(0, 'STEP {"step": 3}')
+        if second < 100:
+            idle.line(1, f'STEP {{"step": {second}}}')  # rank 1 trains for 100 s, then the whole group is stuck
+        idle.poll()
+    assert [e.ranks for e in episodes] == [(0,)] and len(reclaims) == 1
+    reclaim = reclaims[0]
+    assert reclaim.ranks == (0, 1) and 120 <= reclaim.idle_s < 125 and reclaim.phase[1] == "after step 95"
+    idle.start("train", 2, (0, 1))  # a relaunch is watched afresh
+    clock.now += 121
+    idle.poll()
+    assert len(reclaims) == 2 and reclaims[1].attempt == 2
+
+
+def test_a_gpu_group_with_a_busy_gpu_is_not_reclaimed():
+    clock, reclaims = Clock(), []
+    idle = IdleWatch(60, step_of, lambda episode: None, util_below_pct=5, sample_every_s=3600, reclaim_after_s=60,
+                     on_reclaim=reclaims.append, clock=clock)
+    idle.start("train", 1, (0, 1), lambda: {0: 0.0, 1: 40.0})  # rank 1's GPU computes
+    for _ in range(MIN_SAMPLES):
+        clock.now += 15
+        idle.take_sample()
+    clock.now = 1000 + 61  # every sample within the window
+    idle.poll()
+    assert reclaims == []
+    idle.stop()
+
+
+def test_a_reclaim_limit_below_the_window_is_refused_naming_both():
+    with pytest.raises(ValueError, match="reclaim_idle_after_s = 30 .* window max_idle_held_s = 60"):
+        IdleWatch(60, step_of, lambda episode: None, reclaim_after_s=30, on_reclaim=lambda episode: None)
+
+
+def test_a_gpu_group_whose_gpus_stay_quiet_is_reclaimed_naming_their_peak():
+    clock, reclaims = Clock(), []
+    idle = IdleWatch(60, step_of, lambda episode: None, util_below_pct=5, sample_every_s=3600, reclaim_after_s=60,
+                     on_reclaim=reclaims.append, clock=clock)
+    idle.start("train", 1, (0, 1), lambda: {0: 0.0, 1: 3.0})  # a hung collective that does not spin
+    for _ in range(MIN_SAMPLES):
+        clock.now += 15
+        idle.take_sample()
+    clock.now = 1000 + 61
+    idle.poll()
+    assert [r.peak_util_pct for r in reclaims] == [{0: 0.0, 1: 3.0}]
+    idle.stop()

@@ -28,12 +28,14 @@ from launcher import (
 )
 from launcher.gpus import Gpu, GpuInventory
 from launcher.log_policy import VERBOSE_ENV
+from launcher.protocol import ABORT_SIGNAL
 from tasks.release import processes_of_run
 from tests.launcher.conftest import (
     ACCESS_POLICY_ENV,
     alive,
     entrypoint_env,
     guards_of,
+    run_past_sigkill,
     start_launcher,
     wait_for,
     wait_until_gone,
@@ -92,6 +94,18 @@ def test_one_rank_fault_fails_the_group_and_stops_every_process(tmp_path, fault,
         assert "last lines of rank 1's log" in message
     if kind is FailureKind.STARTUP_TIMEOUT:
         assert set(result.failures) == {1} and "ranks that joined: [0]" in message
+    _assert_no_process_left(result)
+
+
+def test_a_rank_sigkilled_ends_a_survivor_that_outlives_sigterm_within_2_seconds(tmp_path):
+    """Rank 0 waits for its dead peer and outlives SIGTERM (as the trainer blocked in a collective does): the
+    launcher aborts it, so the group ends well inside its 30 s grace."""
+    spec = _spec(grace_period_s=30, env=entrypoint_env(TINY_WORKER_FAULT="1:sigkill", TINY_WORKER_BLOCKED_ON_TERM="1"))
+    result, ended_after_s = run_past_sigkill(spec, LocalBackend(), tmp_path)
+    print(f"\nrank 1 SIGKILLed: the group ended {ended_after_s:.2f} s later")
+    assert result.failures[1].kind is FailureKind.SIGNAL and set(result.failures) == {1}
+    assert result.workers[0].state is WorkerState.STOPPED and result.workers[0].exit_code == -ABORT_SIGNAL
+    assert ended_after_s < 2
     _assert_no_process_left(result)
 
 
@@ -306,3 +320,28 @@ def test_an_earlier_attempt_of_another_group_of_the_run_is_left_alone(tmp_path):
         launcher.terminate()
         launcher.wait()
     wait_for(lambda: not processes_of_run(key), 20)
+
+
+def test_release_never_names_a_recorded_pid_without_the_runs_marker_as_a_gpu_holder(monkeypatch):
+    """Review t5, finding 6: a state record (storage content) named a bystander's pid; release listed it as a GPU
+    holder and advised `kill -9` on it. Only processes that carry the run's marker are the run's."""
+    import subprocess
+    import sys
+
+    from launcher.local import LocalBackend
+    from launcher.state_record import RecordedWorker, StateRecord
+    from tests.support import fake_nvml
+
+    fake = fake_nvml.install(monkeypatch, fake_nvml.FakeNvml(fake_nvml.h200s(1)))
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        fake.attach(bystander.pid, 0, 8 << 30)
+        record = StateRecord(task_id="train", backend="local", state="failed", updated_at="2026-12-07T00:00:00Z",
+                             workdir="", workers=(RecordedWorker(0, "localhost", 1, extra={"pid": bystander.pid}),))
+        result = LocalBackend().release("gpt_finetune-bystander-0123456789", [record], grace_s=0.5)
+        host = result.hosts[0].entry()
+        assert host["gpu_check"]["held_by_run"] == [] and host["found"] == [] and result.clean
+        assert bystander.poll() is None  # not signalled either
+    finally:
+        bystander.kill()
+        bystander.wait()

@@ -53,6 +53,8 @@ def test_a_groups_gpus_are_proven_free_right_after_it_exits(monkeypatch, tmp_pat
     assert len(fake.processes) == 2 and all(not device["pids"] for device in check["gpu_check"]["devices"])
 
     record = read_json(run.state_file("train"))  # the run's state record keeps it for release and the report
+    # Each rank's GPU idle level as its placement read it (the measured H200's 615 MiB, no process on it).
+    assert sorted(list(w["gpu_idle_mb"].items()) for w in record["workers"]) == [[(g.uuid, 615)] for g in fake.gpus]
     assert record["after_exit"]["release_after_train_s"] == check["release_after_train_s"]
     report = with_release_after_train(document(baseline=False), run)
     assert report.runs.distributed.release_after_train_s == check["release_after_train_s"]
@@ -78,3 +80,18 @@ def test_a_gpu_that_stays_held_is_not_proven_free_and_the_wait_is_bounded(monkey
     assert check["free"] is False and check["free_after_s"] is None
     assert check["gpu_check"]["held_by_run"] == [{"gpu": 1, "uuid": fake.gpus[1].uuid, "pid": 4242}]
     assert GPU_RELEASE_WAIT_S <= clock.now < GPU_RELEASE_WAIT_S + 1
+
+
+def test_a_gpu_whose_memory_stays_above_its_recorded_idle_level_is_not_proven_free(monkeypatch):
+    clock = Clock()
+    fake = install(monkeypatch, FakeNvml(h200s(1), clock=clock))
+    fake.start_process(0, 8 * GIB, pid=4242)
+    fake.start_process(0, 1 * GIB, listed_pid=None)  # left in use by no listed process
+    fake.end_process(4242)
+    uuid = fake.gpus[0].uuid
+    check = check_exited_slots({4242}, [uuid], use_gpu=True, alive=list, idle_mb={uuid: 615}, wait_s=1.0,
+                               clock=clock, sleep=clock.sleep)
+    assert check["free"] is False and check["gpu_check"]["held_by_run"] == []
+    (entry,) = check["gpu_check"]["unverified"]
+    assert "1639 MiB are in use by no listed process" in entry["reason"]  # 615 idle + 1024
+    assert "recorded at placement, is 615 MiB" in entry["reason"]

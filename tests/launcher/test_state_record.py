@@ -12,10 +12,10 @@ WRITTEN = {
     "task_id": "train", "backend": "ssh", "state": "succeeded", "updated_at": "2026-12-05T07:00:00.123Z",
     "workdir": "/tmp/tfmw-train-abc",
     "launcher": {"hostname": "h", "boot_id": "b", "pid_namespace": "pid:[1]", "mount_namespace": "mnt:[2]"},
-    "workers": [{"rank": 0, "host": "10.0.0.2", "port": 41000, "gpus": [0], "conn_id": "gpu_a", "remote_pid": 71,
-                 "remote_pgid": 71},
-                {"rank": 1, "host": "10.0.0.3", "port": 41001, "gpus": ["GPU-5e1f"], "conn_id": "gpu_b",
-                 "remote_pid": 72, "remote_pgid": 72}],
+    "workers": [{"rank": 0, "host": "10.0.0.2", "port": 41000, "gpus": [0], "gpu_idle_mb": {"0": 615},
+                 "conn_id": "gpu_a", "remote_pid": 71, "remote_pgid": 71},
+                {"rank": 1, "host": "10.0.0.3", "port": 41001, "gpus": ["GPU-5e1f"], "gpu_idle_mb": {"GPU-5e1f": 615},
+                 "conn_id": "gpu_b", "remote_pid": 72, "remote_pgid": 72}],
     "after_exit": {"checked": True, "free": True, "free_after_s": 0.25, "release_after_train_s": 0.3, "slots": "gpu",
                    "hosts": {"gpu_a": {"free": True}}},
 }
@@ -24,6 +24,7 @@ WRITTEN = {
 def test_a_written_record_reads_back_to_the_same_json():
     record = StateRecord.from_json(WRITTEN, "state/train.json")
     assert record.workers[1].gpus == ("GPU-5e1f",) and record.workers[0].handle_id("remote_pid") == 71
+    assert record.workers[1].gpu_idle_mb == {"GPU-5e1f": 615}
     assert record.after_exit.proven and record.after_exit.evidence["slots"] == "gpu"
     assert json.dumps(record.to_json(), sort_keys=True) == json.dumps(WRITTEN, sort_keys=True)
 
@@ -31,6 +32,7 @@ def test_a_written_record_reads_back_to_the_same_json():
 @pytest.mark.parametrize(("change", "named"), [
     ({"workers": [{"rank": 0, "host": "h", "port": "41000"}]}, "workers[0].port: expected"),
     ({"workdir": 7}, "workdir: expected str"),
+    ({"workers": [{"rank": 0, "host": "h", "port": 1, "gpu_idle_mb": {"GPU-a": "615"}}]}, "workers[0].gpu_idle_mb"),
     ({"after_exit": {"free": True}}, "after_exit: missing key(s) checked"),
     ({"launcher": ["h"]}, "launcher: expected"),
 ])

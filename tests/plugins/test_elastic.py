@@ -26,8 +26,9 @@ from tests.tasks import run_fixtures
 from tests.trainer.shards import write_dataset
 from trainer.config import RunConfig
 from trainer.config.pinned import ConfigChangedError, load_pinned_config, save_config
-from trainer.layout import StorageLayout, TrainOutput
-from trainer.storage import read_bytes, read_json, write_json_atomic
+from trainer.data import read_manifest
+from trainer.layout import StorageLayout, TrainOutput, run_key
+from trainer.storage import join, read_bytes, read_json, write_json_atomic
 
 LOSS_TOLERANCE = 1e-4
 STEPS, CHECKPOINT_EVERY, FAULT_STEP = 12, 4, 4
@@ -67,20 +68,24 @@ def _losses(output: TrainOutput) -> dict[int, float]:
 
 def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(airflow_env, tmp_path):
     from tasks.evaluate import evaluate_run, run_evaluation
-    from tasks.prepared_run import PreparedRun
+    from tasks.prepare import lay_out_run
 
     storage = str(tmp_path / "storage")
     manifest = write_dataset(Path(storage) / "datasets", sorted((REPO / "data" / "sample").glob("*.txt")),
                              block_size=32, vocab_size=320, num_train_shards=4, max_chars=20_000)
-    key = "elastic-run"
+    key = run_key(run_fixtures.DAG_ID, "elastic")
     run = StorageLayout(storage).run(key)
-    cfg = RunConfig(num_workers=4, min_workers=2, model="tiny", tokenizer="bpe:320", block_size=32,
-                    batch_size_per_worker=2, max_steps=STEPS, warmup_steps=2, learning_rate=3e-3, num_shards=4,
-                    checkpoint_every_steps=CHECKPOINT_EVERY, storage_root=storage, baseline="skip")
-    digest = save_config(run.config, cfg)
+    cfg = RunConfig.of(num_workers=4, min_workers=2, model="tiny", tokenizer="bpe:320", block_size=32,
+                       batch_size_per_worker=2, max_steps=STEPS, warmup_steps=2, learning_rate=3e-3, num_shards=4,
+                       checkpoint_every_steps=CHECKPOINT_EVERY, storage_root=storage, baseline="skip",
+                       startup_timeout_s=240, hang_timeout_s=240)
+    # Laid out as publish lays a run out: the operator pins the digest of this configuration, its run_config.
+    manifest_document, manifest_sha256 = read_manifest(manifest)
+    prepared = lay_out_run(cfg, manifest_document, manifest, key, run_id="elastic", manifest_sha256=manifest_sha256)
 
     # The uninterrupted 4-worker run, side by side with the elastic one.
-    reference = TrainOutput(str(tmp_path / "reference"))
+    reference_run = StorageLayout(storage).run("reference-run")
+    reference = reference_run.train
     reference_spec = GroupSpec(name="reference", entrypoint="trainer.train", num_workers=4, env=entrypoint_env(),
                                args=("--config", run.config, "--manifest", manifest, "--output", reference.url),
                                startup_timeout_s=240, hang_timeout_s=240)
@@ -92,11 +97,12 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
     case = {
         "entrypoint": "faulty_train", "operator": "elastic", "retries": 1,
         "args": ["--manifest", manifest],
-        "operator_args": {"config_url": run.config, "output_url": run.train.url, "config_sha256": digest},
+        "operator_args": {"config_url": run.config, "output_url": run.train.url,
+                          "manifest_sha256": prepared.manifest_sha256},
         "env": entrypoint_env(),
         "env_by_try": {"1": {"TFMW_TEST_TRAIN_FAULT": f"3:{FAULT_STEP}", LOCAL_USABLE_WORKERS_ENV: None},
                        "2": {"TFMW_TEST_TRAIN_FAULT": None, LOCAL_USABLE_WORKERS_ENV: "2"}},
-        "params": {"run_key": key, "run_config": {**cfg.to_dict(), "startup_timeout_s": 240, "hang_timeout_s": 240}},
+        "params": {"run_key": key, "run_config": cfg.to_dict()},
     }
     case_file = tmp_path / "case.json"
     case_file.write_text(json.dumps(case))
@@ -127,20 +133,15 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
     assert worst < LOSS_TOLERANCE
 
     # The report names both segments; the final models evaluate alike.
-    prepared = PreparedRun(run_id="elastic", run_key=key, config=cfg.to_dict(), config_url=run.config,
-                           config_sha256=digest, baseline_config_sha256="", manifest_url=manifest,
-                           dataset_fingerprint="test", train_url=run.train.url,
-                           train_summary_url=run.train.summary, baseline_key="", baseline_url="",
-                           baseline_config_url="", baseline_summary_url="", report_url=run.report)
-    evaluation = evaluate_run(prepared, make_backend)
+    evaluation = evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
     markdown = run_fixtures.released_markdown(run.report)
     assert "**elastic**: continued on 2 of 4 workers from step 4: this machine allows 2 worker(s)" in markdown
     assert "| 1-4 | 4 of 4 | 1 |" in markdown and "| 5-12 | 2 of 4 | 2 |" in markdown
     report = read_json(str(Path(run.report) / "report.json"))
     assert report["elastic"] is True and [s["steps"] for s in report["segments"]] == [FAULT_STEP, STEPS - FAULT_STEP]
     assert all(s["tokens_per_s"] > 0 for s in report["segments"])
-    reference_eval = run_evaluation(reference.model, manifest, str(tmp_path / "reference-eval.json"), cfg=cfg,
-                                    run_key=key, label="reference", make_backend=make_backend)
+    reference_eval = run_evaluation(reference.model, manifest, join(reference_run.report, "eval.json"), cfg=cfg,
+                                    run_key="reference-run", label="reference", make_backend=make_backend)
     delta = abs(evaluation["eval_loss"] - reference_eval.eval_loss)
     print(f"eval loss elastic {evaluation['eval_loss']:.6f} vs uninterrupted {reference_eval.eval_loss:.6f}: "
           f"|delta| {delta:.2e}")
@@ -190,8 +191,7 @@ def test_the_config_of_fewer_workers_is_pinned_on_its_workers_in_place_of_the_ru
                     storage_root=storage)
     run_digest = save_config(run.config, cfg)
     operator = ElasticTrainOperator(task_id="train", entrypoint="trainer.train", run_config=cfg.to_dict(),
-                                    config_url=run.config, output_url=run.train.url, run_key="run-1",
-                                    config_sha256=run_digest)
+                                    config_url=run.config, output_url=run.train.url, run_key="run-1")
     spec = GroupSpec(name="train", entrypoint="trainer.train", num_workers=4, env={CONFIG_SHA256_ENV: run_digest},
                      args=operator.worker_args(run.config))
     planned = operator.plan_group({"ti": type("TI", (), {"try_number": 1})()}, spec, TwoUsable())

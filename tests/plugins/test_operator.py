@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,14 +28,14 @@ from tests.plugins.conftest import failure_excerpt
 from trainer.layout import StorageLayout
 from trainer.storage import read_bytes, read_json
 
-TEMPLATED = {"args", "run_config", "config_url", "output_url", "run_key", "config_sha256", "summary_url", "env",
+TEMPLATED = {"args", "run_config", "config_url", "output_url", "run_key", "summary_url", "env", "manifest_sha256",
              "num_workers"}
 SECRET = "s3cret-value-never-logged"
 HARNESS = Path(__file__).resolve().parent / "harness_dags" / "tfmw_harness.py"  # airflow_env: conftest.py
 
 
 def _operator(**changes) -> TFMultiWorkerOperator:
-    kwargs = {"task_id": "train", "entrypoint": "trainer.train", "args": ["--config", "c"], "run_key": "r",
+    kwargs = {"task_id": "train", "entrypoint": "trainer.train", "args": ["--steps", "3"], "run_key": "r",
               "run_config": {"num_workers": 3, "storage_root": "/tmp/x", "startup_timeout_s": 12}}
     return TFMultiWorkerOperator(**{**kwargs, **changes})
 
@@ -47,8 +48,9 @@ def test_the_group_follows_the_prepared_configuration():
     spec = _operator(args=["--steps", 5], env={"SEED": 7})._group_spec()
     assert (spec.num_workers, spec.use_gpu, spec.startup_timeout_s, spec.max_launch_attempts) == (3, False, 12, 3)
     assert spec.args == ("--steps", "5")
-    files = _operator(config_url="s3://b/config.json", output_url="s3://b/train", args=["--manifest", "m"])
-    assert files._group_spec().args == ("--config", "s3://b/config.json", "--output", "s3://b/train", "--manifest", "m")
+    run = StorageLayout("/tmp/x").run("r")
+    files = _operator(config_url=run.config, output_url=run.train.url, args=["--manifest", "m"])
+    assert files._group_spec().args == ("--config", run.config, "--output", run.train.url, "--manifest", "m")
     assert dict(spec.env) == {"SEED": "7"} and spec.run_key == "r"  # the group marks every worker with the key
     assert _operator(num_workers=1)._group_spec().num_workers == 1  # the one-worker baseline
 
@@ -121,6 +123,27 @@ def test_a_configuration_rewritten_in_xcom_launches_nothing(monkeypatch, tmp_pat
         op.execute({"ti": _ti()})
     assert backends == []
 
+
+@pytest.mark.parametrize("setting, value, variable", [
+    ("hang_timeout_s", 7 * 86_400, "GPT_FINETUNE_MAX_HANG_TIMEOUT_S=21600"),
+    ("bpe_sample_mb", 1 << 20, "GPT_FINETUNE_MAX_BPE_SAMPLE_MB=1024"),
+    ("max_run_cost", 0, "GPT_FINETUNE_MAX_RUN_COST=50"),
+])
+def test_a_configuration_above_the_operators_ceilings_launches_nothing(monkeypatch, tmp_path, setting, value,
+                                                                       variable):
+    """Review t5, finding 10: the operator's ceilings (and its cost limit) hold where the workers are launched too,
+    whatever the prepared run's XCom says."""
+    monkeypatch.setenv("GPT_FINETUNE_MAX_RUN_COST", "50")
+    backends = []
+    monkeypatch.setattr(operator_module, "make_backend", lambda *args: backends.append(args))
+    run_config = {"num_workers": 2, "storage_root": str(tmp_path), "max_run_cost": 10, setting: value}
+    op = _operator(run_key=None, run_config=run_config)
+    with pytest.raises(AirflowFailException, match=rf"train launches no workers: its configuration is refused: "
+                                                   rf"Setting '{setting}' = {value} is outside what this deployment "
+                                                   rf"allows.*\({variable}\)"):
+        op.execute({"ti": _ti()})
+    assert backends == []
+
 def _prepared_args(root: str, key: str) -> dict[str, str]:
     layout = StorageLayout(root)
     run = layout.run(key)
@@ -135,7 +158,15 @@ def _prepared_args(root: str, key: str) -> dict[str, str]:
     ("--manifest", "{root}/datasets/not-a-fingerprint/manifest.json"),
     ("--output", "{root}/runs/another-run-0123456789/train"),
     ("--output", "{root}/baselines/a/b"),
+    ("--output", "{root}/baselines/gpt2-gb16-s40-0123456789abcdef/eval.json/x"),
     ("--output", "/tmp/anywhere"),
+    ("--baseline-summary", "http://127.0.0.1:9/internal/summary.json"),
+    ("--baseline-summary", "{root}/baselines/not-a-key/summary.json"),
+    ("--baseline-summary", "{root}/runs/{key}/train/summary.json"),
+    ("--model", "{root}/runs/another-run-0123456789/train/model"),
+    ("--model", "{root}/models/base/gpt2@abc/v1/model"),
+    ("--model", "{root}/models/gpt_finetune/v1/../../../secret/model"),
+    ("--model", "{root}/models/gpt_finetune/latest/model"),
 ])
 def test_a_launch_url_outside_the_run_s_layout_launches_nothing(monkeypatch, tmp_path, flag, url):
     """The storage URLs the DAG renders from XCom: an edited one must not point the workers at another run's
@@ -146,7 +177,7 @@ def test_a_launch_url_outside_the_run_s_layout_launches_nothing(monkeypatch, tmp
     monkeypatch.setattr(operator_module, "make_backend", lambda *args: backends.append(args))
     root, key = str(tmp_path), run_key("gpt_finetune", "manual__1")
     args = {**_prepared_args(root, key), flag: url.format(root=root, key=key)}
-    op = _operator(run_key=None, args=[part for pair in args.items() for part in pair], config_sha256="0" * 64,
+    op = _operator(run_key=None, args=[part for pair in args.items() for part in pair],
                    run_config={"num_workers": 2, "storage_root": root})
     with pytest.raises(AirflowFailException, match=f"train launches no workers: the worker argument {flag} "
                                                    f".* is outside this run's storage layout"):
@@ -154,31 +185,66 @@ def test_a_launch_url_outside_the_run_s_layout_launches_nothing(monkeypatch, tmp
     assert backends == []
 
 
-def test_the_prepared_run_s_urls_launch_with_the_pinned_digest(tmp_path):
-    """The URLs prepare lays out (the run's config, a dataset's manifest, the run's and a baseline's outputs) pass,
-    and every worker gets the pinned digest in its environment, never in argv."""
-    from launcher.protocol import CONFIG_SHA256_ENV
+def test_the_prepared_run_s_urls_launch_with_the_digest_of_the_checked_configuration(tmp_path):
+    """The URLs prepare lays out (the run's config, a dataset's manifest, the run's and a baseline's outputs, a
+    baseline's summary) pass, and every worker gets the sha256 of the configuration this operator checked, as prepare
+    wrote it (the run's, or its baseline's), and the manifest's pinned digest, in its environment, never in argv: no
+    config digest is read from XCom."""
+    import hashlib
+
+    from launcher.protocol import CONFIG_SHA256_ENV, MANIFEST_SHA256_ENV
+    from trainer.config import RunConfig
+    from trainer.config.pinned import save_config
     from trainer.layout import run_key
 
     root, key = str(tmp_path), run_key("gpt_finetune", "manual__1")
+    run, baseline = StorageLayout(root).run(key), StorageLayout(root).baseline("gpt2-gb16-s40-0123456789abcdef")
+    cfg = RunConfig.from_saved({"num_workers": 2, "storage_root": root})
+    written = {run.config: save_config(run.config, cfg),
+               run.baseline_config: save_config(run.baseline_config, cfg.baseline_config())}
     args = _prepared_args(root, key)
-    for output in (args["--output"], StorageLayout(root).run(key).report, StorageLayout(root).baseline("b-1").url):
-        op = _operator(run_key=None, args=["--config", args["--config"], "--manifest", args["--manifest"],
-                                           "--output", output],
-                       config_sha256="ab" * 32, env={CONFIG_SHA256_ENV: "caller's"},
-                       run_config={"num_workers": 2, "storage_root": root})
+    for config, output in ((run.config, run.train.url), (run.config, run.report), (run.baseline_config, baseline.url)):
+        op = _operator(run_key=None, config_url=config, output_url=output,
+                       args=["--manifest", args["--manifest"], "--baseline-summary", baseline.summary],
+                       manifest_sha256="cd" * 32, env={CONFIG_SHA256_ENV: "caller's", MANIFEST_SHA256_ENV: "caller's"},
+                       run_config=cfg.to_dict())
         op._check_run(_ti())
         spec = op._group_spec()
-        assert spec.env[CONFIG_SHA256_ENV] == "ab" * 32 and "ab" * 32 not in spec.args
+        assert spec.env[CONFIG_SHA256_ENV] == written[config] == hashlib.sha256(Path(config).read_bytes()).hexdigest()
+        assert written[config] not in spec.args
+        assert spec.env[MANIFEST_SHA256_ENV] == "cd" * 32 and "cd" * 32 not in spec.args
 
 
-def test_a_config_without_a_pinned_digest_launches_nothing(tmp_path):
+def test_a_summary_url_that_is_not_the_output_s_own_launches_nothing(tmp_path):
+    """The operator checks that summary.json exists after the workers exit: an edited XCom must not make it probe
+    another run's, a bucket's or an internal service's URL."""
+    from trainer.layout import run_key
+
+    root, key = str(tmp_path), run_key("gpt_finetune", "manual__1")
+    run = StorageLayout(root).run(key)
+    other = StorageLayout(root).run("other-0123456789").train.summary
+    for summary in ("http://127.0.0.1:9/internal/summary.json", other):
+        op = _operator(run_key=None, args=[], output_url=run.train.url, summary_url=summary,
+                       run_config={"num_workers": 2, "storage_root": root})
+        with pytest.raises(AirflowFailException, match=re.escape(
+                f"train launches no workers: its summary_url {summary!r} is not the summary.json of its --output "
+                f"(it must be {run.train.summary!r})")):
+            op._check_run(_ti())
+    _operator(run_key=None, args=[], output_url=run.train.url, summary_url=run.train.summary,
+              run_config={"num_workers": 2, "storage_root": root})._check_run(_ti())
+
+
+@pytest.mark.parametrize("pin", [None, ""])
+def test_a_manifest_without_a_pinned_digest_launches_nothing(tmp_path, pin):
+    """Review t5, finding 11: the dataset is pinned like the config, so a launch with --manifest needs its digest."""
     from trainer.layout import run_key
 
     root, key = str(tmp_path), run_key("gpt_finetune", "manual__1")
     op = _operator(run_key=None, args=[part for pair in _prepared_args(root, key).items() for part in pair],
-                   run_config={"num_workers": 2, "storage_root": root})
-    with pytest.raises(AirflowFailException, match="train launches no workers: its --config has no pinned digest"):
+                   manifest_sha256=pin, run_config={"num_workers": 2, "storage_root": root})
+    with pytest.raises(AirflowFailException, match=f"train launches no workers: its --manifest has no pinned digest "
+                                                   rf"\(manifest_sha256 is {pin!r}\): pass the prepared run's XCom "
+                                                   "'manifest_sha256'"):
         op._check_run(_ti())
 
 
@@ -203,18 +269,30 @@ def _case(tmp_path, *, entrypoint="tiny_worker", args=(), worker_env=None, run_k
     return path
 
 
-def prepared_launch(storage: Path, key: str, manifest: str, settings: dict, output: str = "train"
-                    ) -> tuple[list[str], dict[str, str]]:
-    """The worker arguments of a run prepared under `storage` with run key `key`, as the DAG renders them: the run's
-    config (written where prepare writes it, as prepare writes it) and `manifest` (under `storage`/datasets), the
-    output `output` of the run's directory; and the operator's arguments that pin the config's digest."""
+def prepared_launch(case: Path, manifest: str, output: str = "train") -> None:
+    """The case's run laid out as prepare lays one out under its storage root and run key: its configuration written
+    where and as prepare writes it (the operator pins the digest of that configuration, its `run_config`), and the
+    worker arguments the DAG renders put before the case's: the run's config, `manifest` (under the storage root's
+    datasets/) and the output `output` of the run's directory."""
+    import trainer.config.launch as launch_rules
     from trainer.config import RunConfig
     from trainer.config.pinned import save_config
+    from trainer.data import read_manifest
 
-    run = StorageLayout(str(storage)).run(key)
-    digest = save_config(run.config, RunConfig.from_saved({"storage_root": str(storage), **settings}))
-    return (["--config", run.config, "--manifest", manifest, "--output", f"{run.url}/{output}"],
-            {"config_sha256": digest})
+    content = json.loads(case.read_text())
+    settings = content["params"]["run_config"]
+    run = StorageLayout(settings["storage_root"]).run(content["params"]["run_key"])
+    check_shared_storage = launch_rules._check_shared_storage
+    if content.get("shared_disk"):  # as the harness lifts it for the fake cluster's pods (tfmw_harness.py)
+        launch_rules._check_shared_storage = lambda *args: None
+    try:
+        save_config(run.config, RunConfig.from_saved(settings))
+    finally:
+        launch_rules._check_shared_storage = check_shared_storage
+    content["args"] = ["--config", run.config, "--manifest", manifest, "--output", f"{run.url}/{output}",
+                       *content["args"]]
+    content["operator_args"] = {**content.get("operator_args", {}), "manifest_sha256": read_manifest(manifest)[1]}
+    case.write_text(json.dumps(content))
 
 
 def _run_key(case: Path) -> str:

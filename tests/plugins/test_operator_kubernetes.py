@@ -62,9 +62,11 @@ def connection(cluster: FakeKubernetes) -> dict[str, str]:
 
 def pod_case(tmp_path: Path, backend_name: str = "kubernetes", **kwargs) -> Path:
     """A harness case whose pods share this machine's disk, as the fake cluster's do (a real cluster's pods do not:
-    RunConfig refuses a local storage root for them, and the harness lifts that one rule for this case)."""
+    RunConfig refuses a local storage root for them, and the harness, like the pods' workers, lifts that one rule for
+    this case: the workers load the run's configuration as the operator checked it, backend and all)."""
+    worker_env = {"TFMW_TEST_SHARED_DISK": "1", **kwargs.pop("worker_env", {})}  # tests/launcher/entrypoints
     case = _case(tmp_path, backend=backend_name, kubernetes_conn_id=CONN_ID, namespace="default",
-                 image="gpt-finetune-trainer:test", **kwargs)
+                 image="gpt-finetune-trainer:test", worker_env=worker_env, **kwargs)
     case.write_text(json.dumps({**json.loads(case.read_text()), "shared_disk": True}))
     return case
 
@@ -77,10 +79,10 @@ def run_case(airflow_env, cluster, case: Path, tmp_path: Path, timeout: float) -
 
 def test_preflight_runs_as_pods(airflow_env, tmp_path, cluster, manifest):
     key = f"preflight-{uuid.uuid4().hex[:8]}"
-    args, pinned = prepared_launch(storage_of(manifest), key, manifest, TRAIN_CONFIG, output="report")
-    report = Path(args[-1])
-    case = pod_case(tmp_path, entrypoint="trainer.preflight", startup_timeout_s=180, hang_timeout_s=180, args=args,
-                    run_key=key, operator_args=pinned, storage_root=str(storage_of(manifest)))
+    case = pod_case(tmp_path, entrypoint="trainer.preflight", startup_timeout_s=180, hang_timeout_s=180, run_key=key,
+                    storage_root=str(storage_of(manifest)), **TRAIN_CONFIG)
+    prepared_launch(case, manifest, output="report")
+    report = Path(json.loads(case.read_text())["args"][5])
     result, task_log = run_case(airflow_env, cluster, case, tmp_path, timeout=300)
     assert result["task_states"]["group"] == "success", failure_excerpt(task_log)
     preflight = json.loads((report / "preflight.json").read_text())
@@ -96,10 +98,10 @@ def test_training_on_pods_gives_the_eval_loss_of_the_local_backend(airflow_env, 
         work = tmp_path / name
         work.mkdir()
         key = f"{name}-{uuid.uuid4().hex[:8]}"
-        args, pinned = prepared_launch(storage_of(manifest), key, manifest, TRAIN_CONFIG)
-        output = Path(args[-1])
-        case = pod_case(work, name, entrypoint="trainer.train", startup_timeout_s=180, hang_timeout_s=180, args=args,
-                        run_key=key, operator_args=pinned, storage_root=str(storage_of(manifest)))
+        case = pod_case(work, name, entrypoint="trainer.train", startup_timeout_s=180, hang_timeout_s=180, run_key=key,
+                        storage_root=str(storage_of(manifest)), **TRAIN_CONFIG)
+        prepared_launch(case, manifest)
+        output = Path(json.loads(case.read_text())["args"][5])
         started = time.monotonic()
         result, task_log = run_case(airflow_env, cluster, case, work, timeout=420)
         print(f"\n{name}: train task {result['task_states']['group']} in {time.monotonic() - started:.1f} s")

@@ -23,7 +23,7 @@ from tests.trainer.long_run import FAST_STEPS, write_tiny_dataset
 
 
 def _operator(**changes) -> TFMultiWorkerOperator:
-    kwargs = {"task_id": "train", "entrypoint": "trainer.train", "args": ["--config", "c"], "run_key": "r",
+    kwargs = {"task_id": "train", "entrypoint": "trainer.train", "args": ["--steps", "3"], "run_key": "r",
               "run_config": {"num_workers": 2, "storage_root": "/tmp/x"}, "preemption_reschedules": 2}
     return TFMultiWorkerOperator(**{**kwargs, **changes})
 
@@ -72,10 +72,14 @@ def test_the_group_grace_covers_the_preemption_checkpoint_deadline():
 
 # -- through Airflow's task runner ------------------------------------------------------------------------------
 
-def _run(airflow_env, tmp_path, **case) -> tuple[dict, str]:
+def _run(airflow_env, tmp_path, manifest: str | None = None, **case) -> tuple[dict, str]:
+    """A harness run of `case`; with `manifest`, of a run laid out as prepare does (`prepared_launch`)."""
     harness = {key: case.pop(key) for key in ("retries", "operator_args") if key in case}
     case_file = _case(tmp_path, **case)
+    if manifest:
+        prepared_launch(case_file, manifest)
     extra = json.loads(case_file.read_text())
+    extra["operator_args"] = {**extra.get("operator_args", {}), **harness.pop("operator_args", {})}
     extra.update(harness)
     case_file.write_text(json.dumps(extra))
     process, out, log = _start(airflow_env, case_file, tmp_path)
@@ -102,15 +106,29 @@ def test_a_preempted_group_runs_again_without_spending_a_retry(airflow_env, tmp_
     assert result["task_states"]["group"] == "failed" and result["try_numbers"]["group"] == 1
 
 
+def test_a_group_held_idle_is_reclaimed_and_fails_the_task_on_its_first_try(airflow_env, tmp_path):
+    """Tiny workers that talk but no longer train: reclaimed after reclaim_idle_after_s, each rank saves its
+    checkpoint on the SIGTERM, and the task fails on try 1 although it has 2 retries."""
+    checkpoints = tmp_path / "checkpoints"
+    result, task_log = _run(airflow_env, tmp_path, retries=2, max_idle_held_s=1, reclaim_idle_after_s=2, worker_env={
+        "TINY_WORKER_STEPS": "100000", "TINY_WORKER_STEP_S": "0.1", "TINY_WORKER_LIVE_STEPS": "3",
+        "TINY_WORKER_CHECKPOINT_ON_TERM": str(checkpoints)})
+    assert result["task_states"]["group"] == "failed", failure_excerpt(task_log)
+    assert result["try_numbers"]["group"] == 1, "the task was retried"
+    assert "IdleReclaimedError" in task_log and "reclaimed after 2 s idle: GPU time: group (attempt 1)" in task_log
+    assert "the task fails without spending its retries" in task_log
+    assert task_log.count("attempt 1 of 3 on backend local") == 1  # one launch in all
+    assert sorted(path.name.split("-step-")[0] for path in checkpoints.iterdir()) == ["rank-0", "rank-1"]
+
+
 def test_a_diverged_loss_fails_train_on_its_first_try_through_the_task_runner(airflow_env, tmp_path):
     """The real trainer on 2 tiny CPU workers: the loss diverges, every rank exits 65 and the task fails on try 1
     although it has 2 retries."""
     storage, key = tmp_path / "storage", f"diverged-{uuid.uuid4().hex[:8]}"
-    args, pinned = prepared_launch(storage, key, write_tiny_dataset(storage / "datasets"), {
-        "num_workers": 2, **FAST_STEPS, "max_steps": 200, "learning_rate": 1.0, "warmup_steps": 0,
-        "max_loss_rise": 0.5})
-    result, task_log = _run(airflow_env, tmp_path, entrypoint="trainer.train", retries=2, startup_timeout_s=240,
-                            run_key=key, args=args, operator_args=pinned)
+    result, task_log = _run(airflow_env, tmp_path, manifest=write_tiny_dataset(storage / "datasets"),
+                            entrypoint="trainer.train", retries=2, startup_timeout_s=240, run_key=key,
+                            **{**FAST_STEPS, "max_steps": 200, "learning_rate": 1.0, "warmup_steps": 0,
+                               "max_loss_rise": 0.5})
     assert result["task_states"]["group"] == "failed", failure_excerpt(task_log)
     assert result["try_numbers"]["group"] == 1, "train was retried"
     assert "NotRetryableError" in task_log and f"exited with code {EXIT_PERMANENT}" in task_log

@@ -61,13 +61,13 @@ def storage_root(tmp_path_factory):
             run_fixtures.write_training_output(prepared.train_url, num_workers=workers,
                                                train_time_s=train_time_s, eval_loss=5.31)
             if gates == "passed":
-                evaluate.evaluate_run(prepared, make_backend)
+                evaluate.evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
                 continue
             # The second run fails its parity gate on purpose (the page must show it), and only that gate.
             with pytest.raises(evaluate.GateFailure,
                                match=r"^1 comparison gate\(s\) failed .*eval loss distributed "
                                      r"5\.3100 - baseline 5\.3000 = \+0\.0100 nats, tolerance ±0\.0010"):
-                evaluate.evaluate_run(prepared, make_backend)
+                evaluate.evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
     write_json_atomic(join(root, "runs", "manual__training", "config.json"), {})
     # The older run was released; the newer one's release has not run yet.
     write_json_atomic(join(root, "runs", KEY_28, "report", "release.json"), {"clean": True})
@@ -328,8 +328,8 @@ def test_pages_show_the_latest_model_its_history_and_each_runs_samples(tmp_path,
         prepared = run_fixtures.prepare_run(root, run_id, baseline="skip")
         run_fixtures.write_training_output(prepared.train_url, num_workers=2, train_time_s=30.0,
                                            eval_loss=eval_loss)
-        evaluate.evaluate_run(prepared, make_backend)
-        promote_run(prepared)
+        evaluate.evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
+        promote_run(prepared, run_fixtures.own_run(prepared))
         keys[run_id] = prepared.run_key
     client = TestClient(create_app(root))
 

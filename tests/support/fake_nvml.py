@@ -9,6 +9,12 @@ project calls with their return shapes (processes with `pid` and `usedGpuMemory`
 codes and class names against the installed library and that every `pynvml.nvml*` the project calls exists here.
 
 What it models, from the measured H200 (driver 580.159.04) and docs/research (gpu_paths_review.md, sections 3-6):
+- an idle GPU as that H200 reported it (../shared/research/gpu_h200_measurements.md): 143,771 MiB total and 615 MiB
+  `used` through the v1 struct with no process on it, before a run and after. The v2 struct
+  (`nvmlDeviceGetMemoryInfo(handle, version=nvmlMemory_v2)`) was not measured there: the fake splits the same 615 MiB
+  into `reserved` 512 MiB and `used` 103 MiB, a model chosen so that v2's idle `used` is neither 0 nor v1's figure
+  (bench/gpu_release_check.py prints the real split). A driver without the v2 struct: `FakeGpu.memory_v2_error`
+  (FUNCTION_NOT_FOUND, ARGUMENT_VERSION_MISMATCH or NOT_SUPPORTED); one whose v2 splits nothing out: `reserved_bytes=0`;
 - an ended process stays listed, and its memory in use, for `list_lag_s` (measured 0.09-0.12 s after SIGKILL or
   SIGTERM);
 - a process of another PID namespace: absent from the list on drivers >= 570 (`listed_pid=None`), its memory still
@@ -65,6 +71,9 @@ ERROR_CODES = {name: value for name, value in globals().items() if name.startswi
 MEASURED_LIST_LAG_S = 0.1  # the H200's 0.09-0.12 s
 GIB = 1 << 30
 MIB = 1 << 20
+MEASURED_IDLE_USED_BYTES = 615 * MIB  # the H200's v1 `used` with no process on it
+MODELLED_RESERVED_BYTES = 512 * MIB  # v2's `reserved` of those 615 MiB: a model, not measured
+nvmlMemory_v2 = 0x02000028  # nvidia-ml-py's version word of the v2 struct (its size, 40, and version 2)
 # The functions that take a device handle: a lost GPU answers every one of them with GPU_IS_LOST.
 DEVICE_FUNCTIONS = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetIndex", "nvmlDeviceGetMemoryInfo",
                     "nvmlDeviceGetName", "nvmlDeviceGetUUID", "nvmlDeviceGetUtilizationRates")
@@ -119,13 +128,17 @@ globals().update(ERROR_CLASSES)
 
 @dataclass
 class FakeGpu:
-    """One device. `idle_used_bytes`: what `used` reads with no process on it (the driver's own share);
-    `utilization_pct`: what nvmlDeviceGetUtilizationRates reads as `.gpu` (None: 97 with a process on it, else 0)."""
+    """One device. `idle_used_bytes`: what v1's `used` reads with no process on it (the driver's own share, its
+    reservation included); `reserved_bytes`: the part of it v2 reports as `reserved`; `memory_v2_error`: the NVML
+    error a driver without the v2 struct answers it with; `utilization_pct`: what nvmlDeviceGetUtilizationRates reads
+    as `.gpu` (None: 97 with a process on it, else 0)."""
 
     uuid: str
     name: str = "NVIDIA H200"
     total_bytes: int = 143771 * MIB
-    idle_used_bytes: int = 1 * MIB
+    idle_used_bytes: int = MEASURED_IDLE_USED_BYTES
+    reserved_bytes: int = MODELLED_RESERVED_BYTES
+    memory_v2_error: int | None = None
     mig: bool = False
     utilization_pct: int | None = None
     errors: dict[str, int] = field(default_factory=dict)  # function name -> NVML_ERROR_* it raises for this GPU
@@ -177,6 +190,7 @@ class FakeNvml(types.ModuleType):
         self.initialised = 0
         self.calls: list[str] = []
         self.NVMLError = NVMLError
+        self.nvmlMemory_v2 = nvmlMemory_v2
         self.__dict__.update(ERROR_CODES)
         self.__dict__.update(ERROR_CLASSES)
 
@@ -279,9 +293,19 @@ class FakeNvml(types.ModuleType):
                 for p in self._on_device(handle.index) if p.listed_pid is not None]
 
     def nvmlDeviceGetMemoryInfo(self, handle: FakeHandle, version: int | None = None) -> types.SimpleNamespace:
+        """v1 (no `version`): total, free, used with the reservation in it; v2: version, total, reserved, free, used
+        without it, the fields of nvidia-ml-py's c_nvmlMemory_v2_t."""
         gpu = self._call("nvmlDeviceGetMemoryInfo", handle)
         used = gpu.idle_used_bytes + sum(p.used_bytes for p in self._on_device(handle.index))
-        return types.SimpleNamespace(total=gpu.total_bytes, free=gpu.total_bytes - used, used=used)
+        if not version:
+            return types.SimpleNamespace(total=gpu.total_bytes, free=gpu.total_bytes - used, used=used)
+        if gpu.memory_v2_error is not None:
+            raise NVMLError(gpu.memory_v2_error)
+        if version != nvmlMemory_v2:
+            raise NVMLError(NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        reserved = min(gpu.reserved_bytes, gpu.idle_used_bytes)
+        return types.SimpleNamespace(version=version, total=gpu.total_bytes, reserved=reserved,
+                                     free=gpu.total_bytes - used, used=used - reserved)
 
     def nvmlDeviceGetUtilizationRates(self, handle: FakeHandle) -> types.SimpleNamespace:
         gpu = self._call("nvmlDeviceGetUtilizationRates", handle)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import http.server
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,29 @@ def statsd(monkeypatch):
         monkeypatch.undo()
         stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=False)
         listener.stop()
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    requests: list[str]
+
+    def do_GET(self) -> None:
+        self.requests.append(f"GET {self.path}")
+        self.send_response(404)
+        self.end_headers()
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def internal_service():
+    """A loopback HTTP service standing for an internal one: its URL and the requests it saw."""
+    seen: list[str] = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (_Recorder,), {"requests": seen}))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    server.shutdown()
+    server.server_close()

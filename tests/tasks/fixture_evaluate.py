@@ -39,10 +39,11 @@ def main() -> int:
     if recorded.get("hang_s"):  # a stuck evaluation, for the tests that end it
         print(f"evaluating as pid {os.getpid()} of run {os.environ.get('TFMW_RUN_KEY')}", flush=True)
         time.sleep(recorded["hang_s"])
+    from trainer.data import load_manifest
     from trainer.eval_result import combine, part_url  # after the hang's line: the tests wait for it
     from trainer.eval_sample import sample_identity
 
-    sample = sample_identity(read_json(args.manifest), args.eval_tokens)
+    sample = sample_identity(load_manifest(args.manifest), args.eval_tokens)  # pinned as trainer.evaluate reads it
     low, high = (me.rank * sample["sequences"] // me.num_workers,
                  (me.rank + 1) * sample["sequences"] // me.num_workers)
     eval_loss, spread = recorded["eval_loss"], recorded.get("spread", 0.0)

@@ -9,11 +9,13 @@ later run's shards.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
 from typing import Any
 
+from tasks.checked_run import OwnRun
 from tasks.prepared_run import PreparedRun
 from trainer.config import RunConfig
 from trainer.config.core import EXPORT_FORMATS
@@ -109,12 +111,20 @@ def prepare_run(root: str, run_id: str, manifest_url: str | None = None, **setti
     `manifest_url` names a real tokenized dataset; by default a manifest without shards is written.
     """
     from tasks.prepare import lay_out_run
-    from trainer.storage import read_json
+    from trainer.storage import read_bytes
 
     manifest_url = manifest_url or write_manifest(root)
     cfg = RunConfig.from_params({"storage_root": root, **settings})
-    prepared = lay_out_run(cfg, read_json(manifest_url), manifest_url, run_key(DAG_ID, run_id), run_id=run_id)
+    data = read_bytes(manifest_url)  # as publish reads it, but unchecked: some tests name fingerprints of their own
+    prepared = lay_out_run(cfg, json.loads(data), manifest_url, run_key(DAG_ID, run_id), run_id=run_id,
+                           manifest_sha256=hashlib.sha256(data).hexdigest())
     return PreparedRun.from_xcom(json.loads(json.dumps(prepared.to_xcom())))
+
+
+def own_run(prepared: PreparedRun) -> OwnRun:
+    """The DAG run a task of `prepared` runs in (Airflow's context hands it the real task): the one it was laid out
+    for."""
+    return OwnRun(DAG_ID, prepared.run_id)
 
 
 def step_metrics(steps: range, step_time_s: float, tokens_per_step: int = 512) -> list[dict]:

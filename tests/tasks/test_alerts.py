@@ -235,6 +235,18 @@ def test_a_crlf_recipient_is_refused_in_the_callback_and_never_reaches_the_heade
     assert counted(statsd, "gpt_finetune.alert_failed", run=run_key("gpt_finetune", RUN_ID), task="train")
 
 
+def test_the_callback_refuses_the_reviews_comment_address_under_a_wildcard_domain(smtp, caplog, monkeypatch):
+    """Review t5, finding 3: with `*.example.org` allowed, `a@evil.com(.example.org` passed the callback's check and
+    smtplib sent it to evil.com."""
+    monkeypatch.setenv("GPT_FINETUNE_ALERT_DOMAINS", "*.example.org")
+    with caplog.at_level(logging.WARNING, logger="gpt_finetune.alerts"):
+        alerts.alert_task_failure(context(RuntimeError("boom"), alert_emails=["a@evil.com(.example.org",
+                                                                                "ml@team.example.org"]))
+    (message,) = smtp.messages
+    assert message["To"] == "ml@team.example.org" and "evil.com" not in message.as_string()
+    assert "'a@evil.com(.example.org', which is not an e-mail address of the plain form" in caplog.text
+
+
 @pytest.mark.parametrize("params, why", [
     ({"alert_emails": [INJECTED]}, "is not an e-mail address"),
     ({"alert_emails": ["ops@elsewhere.example.net"]}, "outside the recipient domains"),

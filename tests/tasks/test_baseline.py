@@ -72,14 +72,14 @@ def root(tmp_path):
 
 def test_skip_never_trains(root):
     prepared = run_fixtures.prepare_run(root, "manual__1", baseline="skip")
-    assert plan_baseline(prepared) is False
+    assert plan_baseline(prepared, run_fixtures.own_run(prepared)) is False
     assert not exists(prepared.baseline_url)
 
 
 def test_auto_trains_once_then_reuses_the_matching_baseline(root, caplog):
     caplog.set_level(logging.INFO, logger="gpt_finetune.baseline")
     first = run_fixtures.prepare_run(root, "scheduled__1")
-    assert plan_baseline(first) is True
+    assert plan_baseline(first, run_fixtures.own_run(first)) is True
     assert read_key_record(first.baseline_url).trained_by_run == "scheduled__1"
     run_fixtures.write_training_output(first.baseline_url, num_workers=1, train_time_s=20.0, eval_loss=5.3)
 
@@ -87,14 +87,14 @@ def test_auto_trains_once_then_reuses_the_matching_baseline(root, caplog):
     second = run_fixtures.prepare_run(root, "scheduled__2", num_workers=1, grad_accum_steps=2, hang_timeout_s=99)
     assert second.baseline_key == first.baseline_key
     summary_before = read_json(second.baseline_summary_url)
-    assert plan_baseline(second) is False
+    assert plan_baseline(second, run_fixtures.own_run(second)) is False
     assert read_json(second.baseline_summary_url) == summary_before
     assert "reusing baseline" in caplog.text
 
     # A key part changes -> a new baseline, and the log names what changed against the latest complete one.
     third = run_fixtures.prepare_run(root, "scheduled__3", learning_rate=2e-3)
     assert third.baseline_key != first.baseline_key
-    assert plan_baseline(third) is True
+    assert plan_baseline(third, run_fixtures.own_run(third)) is True
     assert "learning_rate (0.003 -> 0.002)" in caplog.text
     assert exists(first.baseline_url + "/summary.json")  # the old baseline stays for runs that match it
 
@@ -104,7 +104,7 @@ def test_auto_resumes_an_interrupted_baseline(root, caplog):
     prepared = run_fixtures.prepare_run(root, "manual__1")
     output = run_fixtures.write_training_output(prepared.baseline_url, num_workers=1, train_time_s=20.0,
                                                 eval_loss=5.3, complete=False)
-    assert plan_baseline(prepared) is True
+    assert plan_baseline(prepared, run_fixtures.own_run(prepared)) is True
     assert exists(output.checkpoints)  # kept: the trainer resumes from them
     assert "without summary.json" in caplog.text
 
@@ -113,7 +113,7 @@ def test_run_clears_the_old_baseline_so_its_summary_cannot_pass_for_the_new_one(
     prepared = run_fixtures.prepare_run(root, "manual__1", baseline="run")
     output = run_fixtures.write_training_output(prepared.baseline_url, num_workers=1, train_time_s=20.0,
                                                 eval_loss=5.3)
-    assert plan_baseline(prepared) is True
+    assert plan_baseline(prepared, run_fixtures.own_run(prepared)) is True
     assert not exists(output.summary) and not exists(output.checkpoints)
     assert read_key_record(prepared.baseline_url).key == prepared.baseline_key
 
@@ -122,7 +122,7 @@ def test_a_key_that_no_longer_matches_the_settings_is_refused(root):
     prepared = run_fixtures.prepare_run(root, "manual__1")
     prepared = replace(prepared, config={**prepared.config, "seed": 99})  # changed behind the prepare task's back
     with pytest.raises(RuntimeError, match=prepared.baseline_key):
-        plan_baseline(prepared)
+        plan_baseline(prepared, run_fixtures.own_run(prepared))
     assert not exists(TrainOutput(prepared.baseline_url).url)
 
 
@@ -134,7 +134,7 @@ def test_key_records_of_earlier_runs_still_explain_and_a_mistyped_one_is_refused
 
     caplog.set_level(logging.INFO, logger="gpt_finetune.baseline")
     first = run_fixtures.prepare_run(root, "scheduled__1")
-    plan_baseline(first)
+    plan_baseline(first, run_fixtures.own_run(first))
     run_fixtures.write_training_output(first.baseline_url, num_workers=1, train_time_s=20.0, eval_loss=5.3)
     record = read_json(f"{first.baseline_url}/baseline_key.json")
     assert read_key_record(first.baseline_url).to_json() == record  # the file's keys and values, read back
@@ -144,7 +144,7 @@ def test_key_records_of_earlier_runs_still_explain_and_a_mistyped_one_is_refused
     assert read_key_record(first.baseline_url).parts.to_json() == older
 
     second = run_fixtures.prepare_run(root, "scheduled__2", learning_rate=2e-3)
-    assert plan_baseline(second) is True
+    assert plan_baseline(second, run_fixtures.own_run(second)) is True
     assert "key_format_version (1 -> 2), eval_sample (None -> " in caplog.text and "learning_rate" in caplog.text
 
     write_json_atomic(f"{first.baseline_url}/baseline_key.json", {**record, "parts": {**older, "steps": "40"}})
@@ -152,7 +152,7 @@ def test_key_records_of_earlier_runs_still_explain_and_a_mistyped_one_is_refused
         read_key_record(first.baseline_url)
     caplog.clear()
     third = run_fixtures.prepare_run(root, "scheduled__3", learning_rate=1e-3)
-    assert plan_baseline(third) is True
+    assert plan_baseline(third, run_fixtures.own_run(third)) is True
     assert "is not compared:" in caplog.text and "no complete baseline exists yet" in caplog.text
 
 
@@ -165,4 +165,4 @@ def test_a_baseline_summary_of_another_shape_is_refused_before_it_is_reused(root
     summary = read_json(prepared.baseline_summary_url)
     write_json_atomic(prepared.baseline_summary_url, {**summary, "train_time_s": "20 s"})
     with pytest.raises(SummaryError, match=r"summary.json: train_time_s: expected float"):
-        plan_baseline(prepared)
+        plan_baseline(prepared, run_fixtures.own_run(prepared))

@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import signal
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def trained_run(root, run_id, *, train_time_s=30.0, baseline_time_s=33.0, eval_l
     """A run whose prepare, plan_baseline, train and (when planned) baseline tasks have finished."""
     prepared = run_fixtures.prepare_run(root, run_id, **settings)
     cfg = prepared.config
-    if plan_baseline(prepared):
+    if plan_baseline(prepared, run_fixtures.own_run(prepared)):
         run_fixtures.write_training_output(prepared.baseline_url, num_workers=1, train_time_s=baseline_time_s,
                                            eval_loss=baseline_loss, global_batch_size=16)
     run_fixtures.write_training_output(prepared.train_url, num_workers=cfg["num_workers"],
@@ -53,7 +54,7 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
     stale = join(prepared.report_url, "report.md")
     write_bytes_atomic(stale, b"# an earlier attempt's report.md")
 
-    result = evaluate_run(prepared, make_backend)
+    result = evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
 
     # report.md is release's alone: evaluate removes an earlier one (it would disagree with report.json) and writes
     # none; its XCom points at report.json.
@@ -106,10 +107,10 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
 
 def test_a_reused_baseline_is_not_trained_or_evaluated_again(root, evaluations):
     first = trained_run(root, "scheduled__1")
-    evaluate_run(first, make_backend)
+    evaluate_run(first, run_fixtures.own_run(first), make_backend)
     second = trained_run(root, "scheduled__2", train_time_s=25.0, baseline_time_s=99.0)  # 99: never written
 
-    result = evaluate_run(second, make_backend)
+    result = evaluate_run(second, run_fixtures.own_run(second), make_backend)
 
     assert second.baseline_key == first.baseline_key
     assert result["speedup"] == pytest.approx(33.0 / 25.0)  # the first baseline's time
@@ -123,7 +124,7 @@ def test_an_impossible_tolerance_fails_the_task_and_still_writes_the_report(root
     prepared = trained_run(root, "manual__gate", loss_tolerance=0.001, eval_loss=5.31, baseline_loss=5.30)
 
     with pytest.raises(GateFailure) as failure:
-        evaluate_run(prepared, make_backend)
+        evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
 
     message = str(failure.value)
     assert "5.3100 - baseline 5.3000 = +0.0100 nats, tolerance ±0.0010" in message
@@ -138,7 +139,7 @@ def test_an_impossible_tolerance_fails_the_task_and_still_writes_the_report(root
 def test_skip_reports_the_distributed_run_alone(root, evaluations):
     prepared = trained_run(root, "manual__skip", baseline="skip")
 
-    result = evaluate_run(prepared, make_backend)
+    result = evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
 
     assert (result["speedup"], result["efficiency"], result["baseline_eval_loss"]) == (None, None, None)
     report = read_json(result["report_json_url"])
@@ -151,7 +152,7 @@ def test_an_unfinished_training_fails_fast_before_any_evaluation(root, evaluatio
     run_fixtures.write_training_output(prepared.train_url, num_workers=2, train_time_s=30.0, eval_loss=5.3,
                                        complete=False)
     with pytest.raises(FileNotFoundError, match="'train' task did not complete"):
-        evaluate_run(prepared, make_backend)
+        evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
     assert evaluations() == []
     assert not exists(join(prepared.report_url, "report.json"))
 
@@ -162,7 +163,7 @@ def test_a_failing_evaluation_names_the_model_and_shows_its_output(root, evaluat
     os.remove(compare_model)
 
     with pytest.raises(EvaluationError) as failure:
-        evaluate_run(prepared, make_backend)
+        evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
 
     assert "exited with code 3" in str(failure.value)
     assert join(prepared.train_url, "model") in str(failure.value)
@@ -175,7 +176,7 @@ def test_a_worker_failing_during_a_sharded_evaluation_fails_the_task_naming_its_
     write_json_atomic(join(prepared.train_url, "model", "fixture_eval.json"), {"eval_loss": 5.3, "fail_rank": 1})
 
     with pytest.raises(EvaluationError) as failure:
-        evaluate_run(prepared, make_backend)
+        evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
 
     message = str(failure.value)
     assert "on 2 worker(s) failed" in message and "rank 1" in message and "exited with code 3" in message
@@ -190,7 +191,7 @@ def test_a_sampled_evaluation_reports_its_share_and_widens_loss_parity_by_the_pa
     for url, loss, spread in ((prepared.train_url, 5.305, 0.2), (prepared.baseline_url, 5.300, 0.1)):
         write_json_atomic(join(url, "model", "fixture_eval.json"), {"eval_loss": loss, "spread": spread})
 
-    result = evaluate_run(prepared, make_backend)
+    result = evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
 
     report = read_json(result["report_json_url"])
     assert report["eval_sample"]["tokens"] == 512 and report["eval_sample"]["split_tokens"] == 2560
@@ -212,10 +213,40 @@ def test_a_sampled_evaluation_reports_its_share_and_widens_loss_parity_by_the_pa
     assert report["baseline"]["key"] != trained_run(root, "manual__all", eval_tokens=0).baseline_key
 
 
+def test_an_evaluation_held_idle_past_the_reclaim_limit_fails_saying_so(root, evaluations):
+    run = StorageLayout(root).run("run-of-eval")
+    write_json_atomic(join(run.train.model, "fixture_eval.json"), {"eval_loss": 5.3, "hang_s": 120})  # never a step
+    cfg = RunConfig.of(storage_root=root, max_idle_held_s=1, reclaim_idle_after_s=2)
+    started = time.monotonic()
+    with pytest.raises(evaluate.EvaluationError, match=r"on 2 worker\(s\): reclaimed after 2 s idle: GPU time: "
+                                                        r"evaluate-distributed \(attempt 1\) held 2 slot"):
+        evaluate.run_evaluation(run.train.model, run_fixtures.write_manifest(root), join(run.report, "eval.json"),
+                                cfg=cfg, run_key="run-of-eval", label="distributed", make_backend=make_backend)
+    assert time.monotonic() - started < 60
+
+
+def test_evaluation_workers_refuse_a_manifest_other_than_the_pinned_one(root, evaluations):
+    """Review t5, finding 11: evaluate's own workers pin the dataset as the operators' workers do."""
+    from trainer.data import read_manifest
+
+    run = StorageLayout(root).run("run-of-eval")
+    write_json_atomic(join(run.train.model, "fixture_eval.json"), {"eval_loss": 5.3})
+    manifest, output = run_fixtures.write_manifest(root), join(run.report, "eval.json")
+    cfg = RunConfig.of(storage_root=root)
+    with pytest.raises(evaluate.EvaluationError, match="the Airflow side pinned " + "0" * 64):
+        evaluate.run_evaluation(run.train.model, manifest, output, cfg=cfg, run_key="run-of-eval",
+                                label="distributed", make_backend=make_backend, manifest_sha256="0" * 64)
+    result = evaluate.run_evaluation(run.train.model, manifest, output, cfg=cfg, run_key="run-of-eval",
+                                     label="distributed", make_backend=make_backend,
+                                     manifest_sha256=read_manifest(manifest)[1])
+    assert result.eval_loss == pytest.approx(5.3)
+
+
 def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, caplog):
     """Airflow's execution_timeout raises from a SIGALRM handler while the task waits on the child."""
     caplog.set_level(logging.INFO, logger="gpt_finetune.evaluate")
-    model = join(root, "model")
+    run = StorageLayout(root).run("run-of-eval")
+    model = run.train.model
     write_json_atomic(join(model, "fixture_eval.json"), {"eval_loss": 5.3, "hang_s": 120})
     manifest = run_fixtures.write_manifest(root)
 
@@ -226,7 +257,7 @@ def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, 
     signal.setitimer(signal.ITIMER_REAL, 3.0)
     try:
         with pytest.raises(TimeoutError):
-            evaluate.run_evaluation(model, manifest, join(root, "eval.json"), cfg=RunConfig(storage_root=root),
+            evaluate.run_evaluation(model, manifest, join(run.report, "eval.json"), cfg=RunConfig(storage_root=root),
                                    run_key="run-of-eval", label="distributed", make_backend=make_backend)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -239,7 +270,6 @@ def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, 
         with pytest.raises(ProcessLookupError):
             os.kill(int(line.split("evaluating as pid ")[1].split()[0]), 0)
     # Launched as training is (tasks/launch.py): a state record that release reads, the ranks' logs kept.
-    run = StorageLayout(root).run("run-of-eval")
     record = read_json(run.state_file("evaluate-distributed"))
     assert (record["task_id"], record["backend"], record["state"]) == ("evaluate-distributed", "local", "failed")
     assert all(exists(join(run.logs("evaluate-distributed"), f"rank-{rank}.log")) for rank in (0, 1))
@@ -254,16 +284,16 @@ def test_real_trainer_output_evaluated_by_the_real_entry_point(root, tmp_path, c
     from trainer.train import main as train
 
     caplog.set_level(logging.INFO, logger="gpt_finetune.evaluate")
-    manifest = write_dataset(tmp_path / "dataset", [REPO / "data" / "sample" / "macbeth_gut.txt"], block_size=32,
+    manifest = write_dataset(Path(root) / "datasets", [REPO / "data" / "sample" / "macbeth_gut.txt"], block_size=32,
                              vocab_size=320, num_train_shards=2, max_chars=30_000)
     prepared = run_fixtures.prepare_run(
         root, "manual__real", manifest_url=manifest, num_workers=1, tokenizer="bpe:320", block_size=32,
         batch_size_per_worker=4, max_steps=4, warmup_steps=1, learning_rate=3e-3, checkpoint_every_steps=4)
-    assert plan_baseline(prepared) is True
+    assert plan_baseline(prepared, run_fixtures.own_run(prepared)) is True
     assert train(["--config", prepared.config_url, "--manifest", manifest, "--output", prepared.train_url]) == 0
     shutil.copytree(prepared.train_url, prepared.baseline_url, dirs_exist_ok=True)
 
-    result = evaluate_run(prepared, make_backend)
+    result = evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
 
     assert result["gates_passed"] and result["speedup"] == 1.0 and result["efficiency"] == 1.0
     assert result["eval_loss"] == result["baseline_eval_loss"] < math.log(320)
@@ -288,21 +318,22 @@ def test_two_workers_evaluate_the_sample_as_one_does(tmp_path, caplog):
     from trainer.train import main as train
 
     caplog.set_level(logging.INFO, logger="gpt_finetune.evaluate")
-    manifest = write_dataset(tmp_path / "dataset", sorted((REPO / "data" / "sample").glob("*.txt")), block_size=32,
-                             vocab_size=320, num_train_shards=2, max_chars=30_000, val_fraction=0.5,
+    root = str(tmp_path / "storage")
+    run = StorageLayout(root).run("one-and-two")  # evaluate launches only on the run's layout
+    manifest = write_dataset(Path(root) / "datasets", sorted((REPO / "data" / "sample").glob("*.txt")),
+                             block_size=32, vocab_size=320, num_train_shards=2, max_chars=30_000, val_fraction=0.5,
                              sequences_per_record=16)
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"num_workers": 1, "model": "tiny", "tokenizer": "bpe:320", "block_size": 32,
                                   "batch_size_per_worker": 4, "max_steps": 4, "warmup_steps": 1}))
-    assert train(["--config", str(config), "--manifest", manifest, "--output", str(tmp_path / "train")]) == 0
+    assert train(["--config", str(config), "--manifest", manifest, "--output", run.train.url]) == 0
     split_tokens = read_json(manifest)["splits"]["validation"]["tokens"]
-    root = str(tmp_path / "storage")
     results, times = {}, {}
     for workers in (1, 2):
         cfg = RunConfig(storage_root=root, num_workers=workers, block_size=32, eval_tokens=split_tokens // 20)
         started = time.perf_counter()
         results[workers] = evaluate.run_evaluation(
-            str(tmp_path / "train" / "model"), manifest, join(root, f"eval-{workers}.json"), cfg=cfg,
+            run.train.model, manifest, join(run.report, f"eval-{workers}.json"), cfg=cfg,
             run_key="one-and-two", label=f"on-{workers}", make_backend=make_backend)
         times[workers] = time.perf_counter() - started
     one, two = results[1], results[2]
@@ -311,9 +342,28 @@ def test_two_workers_evaluate_the_sample_as_one_does(tmp_path, caplog):
           f"{two.eval_loss:.8f}, |delta| {abs(one.eval_loss - two.eval_loss):.1e} nats")
     assert one.sample_id == two.sample_id and two.sample["workers"] == 2
     assert abs(one.eval_loss - two.eval_loss) < 1e-5
-    combined = read_json(join(root, "eval-2.json"))  # the parts combined, then gone
+    combined = read_json(join(run.report, "eval-2.json"))  # the parts combined, then gone
     assert [worker["sequences"] for worker in combined["workers"]] == [24, 24]  # 48 sequences, half on each rank
     assert combined["eval_loss"] == two.eval_loss
-    assert not exists(join(root, "eval-2.rank-0-of-2.json"))
+    assert not exists(join(run.report, "eval-2.rank-0-of-2.json"))
     assert "[evaluate on-2 1] rank 1: 24 sequences scored" in caplog.text
 
+
+
+def test_a_registry_pointer_outside_its_version_is_never_fetched(root, evaluations, internal_service):
+    """Review t5 finding 2: evaluate fetched latest.json's model_url (its tokenizer), then launched workers on it."""
+    from tasks import registry
+
+    service, seen = internal_service
+    prepared = trained_run(root, "manual__pointer", baseline="skip")
+    layout = StorageLayout(root).model("gpt_finetune")
+    version = layout.version(1)
+    entry = registry.Entry(version="v1", number=1, url=version.url, model_url=version.model, run_id="r0",
+                           run_key="r0-0123456789", promoted_at="2026-12-01T02:00:00+00:00", eval_loss=5.3,
+                           perplexity=200.3, dataset_fingerprint=run_fixtures.FINGERPRINT, run_report_url="r")
+    pointer = registry.Pointer.moved_to(entry, "gpt_finetune", None).to_xcom()
+    write_json_atomic(layout.latest, {**pointer, "model_url": f"{service}/meta"})
+    with pytest.raises(registry.RegistryError, match=f"Pointer.model_url = '{service}/meta' \\(it must be "
+                                                     f"{version.model!r}\\)"):
+        evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
+    assert seen == [] and evaluations() == [prepared.train_url + "/model"]  # the run's own model only

@@ -1,6 +1,7 @@
 """The prepare stage's Airflow glue (prepare -> tokenize lanes -> publish): invalid settings fail without retries,
 a large corpus is planned into lanes that travel as small dicts, and the prepared dict names every path."""
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -9,12 +10,14 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 from tf_multiworker.backends import make_backend
 
-from launcher.protocol import CONFIG_SHA256_ENV
+from launcher.protocol import CONFIG_SHA256_ENV, MANIFEST_SHA256_ENV
 from tasks.dataset.plan import DatasetPlan
 from tasks.dataset.records import LaneResult
 from tasks.prepare import finish_run, plan_run, tokenize_lane
 from tasks.prepared_run import PreparedRun
-from trainer.config.pinned import load_pinned_config
+from trainer.config import RunConfig
+from trainer.config.pinned import config_bytes, load_pinned_config
+from trainer.data import load_manifest
 from trainer.layout import run_key
 
 RUN_ID = "manual__2026-11-29T02:00:00+00:00"
@@ -58,13 +61,20 @@ def test_prepared_run_lists_configs_with_resolved_steps(tmp_path):
     params = {"storage_root": str(tmp_path), "num_workers": 2, "tokenizer": "bpe:512", "block_size": 32,
               "max_steps": 0, "warmup_steps": 0, "epochs": 1.0, "baseline": "skip"}
     prepared = prepare_run(params, RUN_ID, DAG_ID)
-    # Loaded as the workers load them, with the digests the XCom pinned (trainer/config/pinned.py).
-    run_cfg = load_pinned_config(prepared.config_url, {CONFIG_SHA256_ENV: prepared.config_sha256})
-    baseline_cfg = load_pinned_config(prepared.baseline_config_url,
-                                      {CONFIG_SHA256_ENV: prepared.baseline_config_sha256})
+    # Loaded as the workers load them, pinned to the digests of the configurations the operators check
+    # (trainer/config/pinned.py).
+    checked = RunConfig.from_saved(prepared.config)
+    run_cfg = load_pinned_config(prepared.config_url,
+                                 {CONFIG_SHA256_ENV: hashlib.sha256(config_bytes(checked)).hexdigest()})
+    baseline_cfg = load_pinned_config(prepared.baseline_config_url, {
+        CONFIG_SHA256_ENV: hashlib.sha256(config_bytes(checked.baseline_config())).hexdigest()})
     assert run_cfg.max_steps == prepared.config["max_steps"] > 0  # derived from epochs, never 0 for the workers
     assert baseline_cfg.num_workers == 1 and baseline_cfg.global_batch_size == run_cfg.global_batch_size
     assert Path(prepared.manifest_url).exists()
+    # The manifest is pinned too (review t5, finding 11): the digest of the bytes publish read, as the workers check.
+    assert prepared.manifest_sha256 == hashlib.sha256(Path(prepared.manifest_url).read_bytes()).hexdigest()
+    assert load_manifest(prepared.manifest_url, {MANIFEST_SHA256_ENV: prepared.manifest_sha256})["fingerprint"] == \
+        prepared.dataset_fingerprint
     assert prepared.run_key == run_key(DAG_ID, RUN_ID)
     assert prepared.train_summary_url.startswith(prepared.train_url)
     assert prepared.baseline_summary_url.startswith(prepared.baseline_url)

@@ -27,6 +27,7 @@ def test_a_prepared_run_reads_back_as_written_and_carries_the_config_once(tmp_pa
 @pytest.mark.parametrize(("change", "message"), [
     ({"preflight_url": "/etc"}, "unknown key(s) preflight_url"),
     ({"report_url": None}, "PreparedRun.report_url: expected str, got NoneType"),
+    ({"manifest_sha256": None}, "PreparedRun.manifest_sha256: expected str, got NoneType"),  # the dataset's pin
     ({"config": "num_workers=64"}, "PreparedRun.config: expected"),
     ({"continued_from": ["v1"]}, "PreparedRun.continued_from: PromotedVersion: expected a JSON object, got list"),
     ({"continued_from": {"name": "m", "version": "v1", "url": "u", "model_url": "u/model", "run_id": "r",

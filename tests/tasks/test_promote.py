@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,13 +20,14 @@ import pytest
 from tf_multiworker.backends import make_backend
 
 from tasks import evaluate, registry
+from tasks.exports import ForeignModelError
 from tasks.prepared_run import PreparedRun
 from tasks.promote import NoReportError, promote_run
 from tasks.report_document import RunReport
 from tasks.report_parts import read_parts, run_view
 from tests.tasks import run_fixtures
 from trainer.layout import StorageLayout, TrainOutput
-from trainer.storage import exists, filesystem, join, read_bytes, read_json, remove_tree, write_json_atomic
+from trainer.storage import copy_tree, exists, filesystem, join, read_bytes, read_json, remove_tree, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,20 +51,27 @@ def evaluated_run(root: str, run_id: str, eval_loss: float, spread: float = 0.0,
         write_json_atomic(join(prepared.train_url, "model", "fixture_eval.json"),
                           {"eval_loss": eval_loss, "spread": spread})
     try:
-        evaluate.evaluate_run(prepared, make_backend)
+        evaluate.evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
     except evaluate.GateFailure:
         pass
     return prepared
 
 
 def reported_run(source: PreparedRun, run_id: str, eval_loss: float) -> PreparedRun:
-    """Another run whose report is `source`'s with its own id and loss (and `source`'s model): for the race and
-    kill tests, which are about the registry, without an evaluation per run."""
+    """Another run whose report is `source`'s with its own id, loss and model (a copy of `source`'s training output):
+    for the race and kill tests, which are about the registry, without an evaluation per run."""
     prepared = run_fixtures.prepare_run(source.config["storage_root"], run_id, baseline="skip")
+    copy_tree(source.train_url, prepared.train_url)
     report = {**read_json(join(source.report_url, "report.json")), "run_id": run_id, "run_key": prepared.run_key}
-    report["runs"] = {**report["runs"], "distributed": {**report["runs"]["distributed"], "eval_loss": eval_loss}}
+    report["runs"] = {**report["runs"], "distributed": {**report["runs"]["distributed"], "eval_loss": eval_loss,
+                                                        "model_url": TrainOutput(prepared.train_url).model}}
     write_json_atomic(join(prepared.report_url, "report.json"), report)
     return prepared
+
+
+def promote_own(prepared: PreparedRun) -> dict:
+    """The promote task of the DAG run `prepared` was laid out for."""
+    return promote_run(prepared, run_fixtures.own_run(prepared))
 
 
 def models(root: str):
@@ -77,7 +86,7 @@ def report_of(prepared: PreparedRun) -> dict:
 
 def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
     first = evaluated_run(root, "scheduled__1", 5.30)
-    promoted = promote_run(first)
+    promoted = promote_run(first, run_fixtures.own_run(first))
     assert promoted["promoted"] is True and promoted["version"] == "v1"
     assert "first version of 'gpt_finetune'" in promoted["reason"]
     layout = models(root)
@@ -87,7 +96,7 @@ def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
                                     "model_card.md"} <= {file.name for file in record.files}
     card = read_bytes(v1.model_card).decode()
     for fragment in ("# gpt_finetune v1", run_fixtures.FINGERPRINT, "Eval loss on the validation split: 5.3000",
-                     "eval_loss_finite: pass", "| learning_rate | `0.003` |", "tensorflow: 2.21.0",
+                     "eval_loss_finite: pass", '  "learning_rate": 0.003,\n', "tensorflow: 2.21.0",
                      f"Run report: {join(first.report_url, 'report.json')} (the run's release task writes report.md"):
         assert fragment in card
     assert read_json(v1.report)["run_id"] == "scheduled__1"
@@ -99,7 +108,7 @@ def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
     worse = evaluated_run(root, "scheduled__2", 5.50)
     assert join(v1.model) in evaluations()  # evaluate scored v1 on this run's shards
     assert report_of(worse)["promoted"]["eval_loss"] == 5.30
-    refused = promote_run(worse)
+    refused = promote_run(worse, run_fixtures.own_run(worse))
     assert refused["promoted"] is False and refused["version"] is None and refused["event"] is None
     assert "worse than the promoted version by more than 'promotion_tolerance'" in refused["reason"]
     assert "eval loss 5.5000 vs 5.3000 of promoted v1" in refused["reason"]
@@ -115,7 +124,7 @@ def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
     assert report_of(worse)["promotion"]["promoted"] is False
 
     better = evaluated_run(root, "scheduled__3", 5.20)
-    assert promote_run(better)["version"] == "v2"
+    assert promote_run(better, run_fixtures.own_run(better))["version"] == "v2"
     pointer = registry.read_latest(layout)
     assert (pointer.version, pointer.run_id) == ("v2", "scheduled__3")
     assert [(entry.version, entry.run_id, entry.eval_loss) for entry in pointer.history] == [
@@ -125,12 +134,12 @@ def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
 
 def test_tolerance_and_the_promote_policies(evaluations, tmp_path):
     root = str(tmp_path / "storage")
-    promote_run(evaluated_run(root, "r1", 5.30))
-    assert promote_run(evaluated_run(root, "r2", 5.35, promotion_tolerance=0.1))["version"] == "v2"
-    assert promote_run(evaluated_run(root, "r3", 9.0, promote="always"))["version"] == "v3"
-    never = promote_run(evaluated_run(root, "r4", 1.0, promote="never"))
+    promote_own(evaluated_run(root, "r1", 5.30))
+    assert promote_own(evaluated_run(root, "r2", 5.35, promotion_tolerance=0.1))["version"] == "v2"
+    assert promote_own(evaluated_run(root, "r3", 9.0, promote="always"))["version"] == "v3"
+    never = promote_own(evaluated_run(root, "r4", 1.0, promote="never"))
     assert never["promoted"] is False and never["reason"] == "setting 'promote' = 'never'."
-    failed_gate = promote_run(evaluated_run(root, "r5", float("nan"), promote="always"))
+    failed_gate = promote_own(evaluated_run(root, "r5", float("nan"), promote="always"))
     assert failed_gate["promoted"] is False and "the run's gates failed (distributed eval loss is nan" in \
         failed_gate["reason"]
     assert [entry.run_id for entry in registry.read_latest(models(root)).history] == ["r1", "r2", "r3"]
@@ -138,16 +147,17 @@ def test_tolerance_and_the_promote_policies(evaluations, tmp_path):
 
 def test_a_version_scored_on_other_data_is_compared_by_its_record_and_the_reason_says_so(evaluations, tmp_path):
     root = str(tmp_path / "storage")
-    promote_run(evaluated_run(root, "r1", 5.30))
-    other_data = run_fixtures.write_manifest(root, fingerprint="ds-other", tokenizer_fingerprint="tok-other")
-    tokenizer = join(StorageLayout(root).dataset("ds-other"), "tokenizer", "tokenizer.json")
+    promote_own(evaluated_run(root, "r1", 5.30))
+    other = "0e0000000000000000da"
+    other_data = run_fixtures.write_manifest(root, fingerprint=other, tokenizer_fingerprint="tok-other")
+    tokenizer = join(StorageLayout(root).dataset(other), "tokenizer", "tokenizer.json")
     Path(tokenizer).write_text(json.dumps({**run_fixtures.TOKENIZER_JSON, "model": {"type": "BPE", "vocab": {}}}))
     later = evaluated_run(root, "r2", 5.10, manifest_url=other_data)
     assert report_of(later)["promoted"]["eval_loss"] is None  # another tokenizer: not scorable on these shards
-    outcome = promote_run(later)
+    outcome = promote_run(later, run_fixtures.own_run(later))
     assert outcome["promoted"] is True
     assert ("its recorded eval loss, NOT on the same validation shards: it was scored on dataset "
-            f"{run_fixtures.FINGERPRINT}, this run on ds-other") in outcome["reason"]
+            f"{run_fixtures.FINGERPRINT}, this run on {other}") in outcome["reason"]
     assert "tokenizer differs from this run's" in outcome["reason"]
 
 
@@ -156,7 +166,7 @@ def test_a_sampled_comparison_allows_two_paired_standard_errors_and_records_its_
     delta two standard errors of the paired per-sequence differences beyond 'promotion_tolerance'."""
     root = str(tmp_path / "storage")
     first = evaluated_run(root, "r1", 5.30, spread=0.20, eval_tokens=512)
-    assert promote_run(first)["version"] == "v1"
+    assert promote_run(first, run_fixtures.own_run(first))["version"] == "v1"
     entry = registry.read_latest(models(root)).history[0]
     sample = report_of(first)["eval_sample"]
     assert entry.eval_sample == sample["id"] and entry.eval_loss_se > 0 and sample["tokens"] == 512
@@ -165,19 +175,19 @@ def test_a_sampled_comparison_allows_two_paired_standard_errors_and_records_its_
     promoted = report_of(later)["promoted"]
     delta_se = 0.05 * (8 / 7 / 8) ** 0.5 * ((40 - 8) / (40 - 1)) ** 0.5  # differences 0.02 -+ 0.05, paired
     assert promoted["eval_sample"] == sample["id"] and promoted["delta_se"] == pytest.approx(delta_se)
-    outcome = promote_run(later)
+    outcome = promote_run(later, run_fixtures.own_run(later))
     assert outcome["promoted"] is True and outcome["version"] == "v2"
     assert (f"+0.0200 nats, limit {2 * delta_se:.4f} = tolerance 0.0000 + 2 x {delta_se:.4f}, the standard error "
             "of the delta (paired over the sample's sequences)") in outcome["reason"]
     assert f"both scored on this run's evaluation sample {sample['id']}" in outcome["reason"]
-    worse = promote_run(evaluated_run(root, "r3", 5.40, spread=0.25, eval_tokens=512))  # 0.08: beyond it
+    worse = promote_own(evaluated_run(root, "r3", 5.40, spread=0.25, eval_tokens=512))  # 0.08: beyond it
     assert worse["promoted"] is False and "worse than the promoted version" in worse["reason"]
 
 
 def test_a_retried_promotion_keeps_the_version_it_got(evaluations, tmp_path):
     prepared = evaluated_run(str(tmp_path / "storage"), "r1", 5.30)
-    first = promote_run(prepared)
-    again = promote_run(prepared)  # the task retried after its pointer swap
+    first = promote_run(prepared, run_fixtures.own_run(prepared))
+    again = promote_run(prepared, run_fixtures.own_run(prepared))  # the task retried after its pointer swap
     assert (again["promoted"], again["version"], again["event"]) == (True, "v1", first["event"])
     assert "already promoted to v1 by an earlier attempt" in again["reason"]
     assert len(registry.read_latest(models(prepared.config["storage_root"])).history) == 1
@@ -186,14 +196,14 @@ def test_a_retried_promotion_keeps_the_version_it_got(evaluations, tmp_path):
 def test_a_run_without_a_report_is_not_promoted(tmp_path):
     prepared = run_fixtures.prepare_run(str(tmp_path / "storage"), "r1")
     with pytest.raises(NoReportError, match="evaluate failed before writing it"):
-        promote_run(prepared)
+        promote_run(prepared, run_fixtures.own_run(prepared))
     assert not exists(models(prepared.config["storage_root"]).url)
 
 
 def test_a_version_holds_each_format_in_its_folder_and_the_card_lists_them(evaluations, tmp_path):
     root = str(tmp_path / "storage")
     prepared = evaluated_run(root, "r1", 5.30)
-    assert promote_run(prepared)["version"] == "v1"
+    assert promote_run(prepared, run_fixtures.own_run(prepared))["version"] == "v1"
     v1 = models(root).version(1)
     names = {file.name for file in registry.complete_version(v1).files}
     assert {"model/tokenizer.json", "model/model.safetensors", "saved_model/saved_model.pb"} <= names
@@ -223,7 +233,7 @@ def test_a_version_holds_each_format_in_its_folder_and_the_card_lists_them(evalu
 def test_a_failed_or_missing_export_blocks_promotion_with_a_gate_row_naming_it(evaluations, tmp_path):
     root = str(tmp_path / "storage")
     failed = evaluated_run(root, "r1", 5.30, exports={"safetensors": False, "saved_model": True})
-    outcome = promote_run(failed)
+    outcome = promote_run(failed, run_fixtures.own_run(failed))
     assert outcome["promoted"] is False
     assert ("the run's gates failed (export safetensors: max |logit diff| 3.20e-02 (limit 1e-04), greedy tokens "
             "90/96 same), so it is never promoted") in outcome["reason"]
@@ -236,15 +246,15 @@ def test_a_failed_or_missing_export_blocks_promotion_with_a_gate_row_naming_it(e
 
     missing = evaluated_run(root, "r2", 5.30)
     remove_tree(TrainOutput(missing.train_url).exports)  # training ended before its exports were published
-    outcome = promote_run(missing)
+    outcome = promote_run(missing, run_fixtures.own_run(missing))
     assert outcome["promoted"] is False
     assert (f"export safetensors: not written ({TrainOutput(missing.train_url).exports_record} is missing"
             in outcome["reason"])
-    assert promote_run(missing)["reason"].count("export safetensors") == 1  # a retry replaces the rows
+    assert promote_own(missing)["reason"].count("export safetensors") == 1  # a retry replaces the rows
     assert registry.read_latest(models(root)) is None
 
     model_only = evaluated_run(root, "r3", 5.30, export_formats=[])  # [] keeps model/ alone, unchecked
-    assert promote_run(model_only)["version"] == "v1"
+    assert promote_run(model_only, run_fixtures.own_run(model_only))["version"] == "v1"
     v1 = models(root).version(1)
     assert {file.name.split("/")[0] for file in registry.complete_version(v1).files} == {
         "model", "report.json", "model_card.md"}
@@ -258,9 +268,10 @@ PROMOTER = """
 import json, sys, time
 from tasks.prepared_run import PreparedRun
 from tasks.promote import promote_run
+from tests.tasks import run_fixtures
 prepared, start_at = PreparedRun.from_xcom(json.loads(sys.argv[1])), float(sys.argv[2])
 time.sleep(max(0.0, start_at - time.time()))  # every promoter starts together
-print(json.dumps(promote_run(prepared)))
+print(json.dumps(promote_run(prepared, run_fixtures.own_run(prepared))))
 """
 
 
@@ -302,7 +313,7 @@ def test_a_promotion_killed_on_s3_leaves_latest_on_a_complete_version(s3_faults,
     root = s3_faulty_bucket + "/gpt"
     layout = models(root)
     first = evaluated_run(root, "r1", 5.30)
-    promote_run(first)
+    promote_run(first, run_fixtures.own_run(first))
     killed = reported_run(first, "r2", 5.20)
     # The promotion's PUTs: its claim, two model files, two export files, then report.json: hold that one and kill
     # the promoter.
@@ -316,14 +327,14 @@ def test_a_promotion_killed_on_s3_leaves_latest_on_a_complete_version(s3_faults,
     pointer = assert_pointer_consistent(layout)
     assert [entry.version for entry in pointer.history] == ["v1"]
     assert registry.complete_version(layout.version(2)) is None  # claimed, half-written, pointed to by nothing
-    assert promote_run(reported_run(first, "r3", 5.10))["version"] == "v3"
+    assert promote_own(reported_run(first, "r3", 5.10))["version"] == "v3"
     assert [entry.version for entry in assert_pointer_consistent(layout).history] == ["v1", "v3"]
 
 
 def test_a_promotion_killed_on_local_disk_leaves_latest_on_a_complete_version(tmp_path, evaluations):
     root = str(tmp_path / "storage")
     layout = models(root)
-    promote_run(evaluated_run(root, "r1", 5.30))
+    promote_own(evaluated_run(root, "r1", 5.30))
     killed = evaluated_run(root, "r2", 5.20)
     # A model file large enough that its copy is still running when the promoter is killed.
     with open(join(killed.train_url, "model", "model.safetensors"), "wb") as handle:
@@ -341,12 +352,13 @@ def test_a_promotion_killed_on_local_disk_leaves_latest_on_a_complete_version(tm
     pointer = assert_pointer_consistent(layout)
     assert [entry.version for entry in pointer.history] == ["v1"]
     os.remove(join(killed.train_url, "model", "model.safetensors"))
-    assert promote_run(evaluated_run(root, "r3", 5.10))["version"] == "v3"
+    assert promote_own(evaluated_run(root, "r3", 5.10))["version"] == "v3"
 
 
-def pointer_to(number: int) -> registry.Pointer:
-    entry = registry.Entry(version=f"v{number}", number=number, url=f"models/m/v{number}",
-                           model_url=f"models/m/v{number}/model", run_id=f"r{number}", run_key=f"k{number}",
+def pointer_to(layout, number: int) -> registry.Pointer:
+    version = layout.version(number)
+    entry = registry.Entry(version=f"v{number}", number=number, url=version.url,
+                           model_url=version.model, run_id=f"r{number}", run_key=f"k{number}",
                            promoted_at="2026-12-05T00:00:00.000+00:00", eval_loss=5.0, perplexity=148.4,
                            dataset_fingerprint="f", run_report_url=f"runs/k{number}/report/report.json")
     return registry.Pointer.moved_to(entry, "m", None)
@@ -354,13 +366,13 @@ def pointer_to(number: int) -> registry.Pointer:
 
 def test_pointer_swaps_and_claims_are_exclusive(root):
     layout = models(root)
-    assert registry.read_pointer(layout.latest) == (None, None)
-    assert registry.swap_pointer(layout.latest, None, pointer_to(1)) is True
-    assert registry.swap_pointer(layout.latest, None, pointer_to(9)) is False
-    pointer, token = registry.read_pointer(layout.latest)
-    assert pointer == pointer_to(1)
-    assert registry.swap_pointer(layout.latest, token, pointer_to(2)) is True
-    assert registry.swap_pointer(layout.latest, token, pointer_to(3)) is False  # stale token
+    assert registry.read_pointer(layout) == (None, None)
+    assert registry.swap_pointer(layout.latest, None, pointer_to(layout, 1)) is True
+    assert registry.swap_pointer(layout.latest, None, pointer_to(layout, 9)) is False
+    pointer, token = registry.read_pointer(layout)
+    assert pointer == pointer_to(layout, 1)
+    assert registry.swap_pointer(layout.latest, token, pointer_to(layout, 2)) is True
+    assert registry.swap_pointer(layout.latest, token, pointer_to(layout, 3)) is False  # stale token
     assert registry.read_latest(layout).version == "v2"
     assert [registry.claim_version(layout, 0, "r1") for _ in range(3)] == [1, 2, 3]
     assert registry.claim_version(layout, 7, "r1") == 8
@@ -377,7 +389,7 @@ def promoted_legacy_version(root: str):
     (model / "model.safetensors").unlink()
     for name in ("tf_model.h5", "config.json", "generation_config.json"):  # the run's tokenizer stays
         shutil.copy2(Path(__file__).parent / "fixtures" / "legacy_tf_model" / name, model / name)
-    assert promote_run(prepared)["version"] == "v1"
+    assert promote_own(prepared)["version"] == "v1"
     v1 = models(root).version(1)
     assert not exists(join(v1.model, "model.safetensors"))
     return v1
@@ -409,3 +421,82 @@ def test_a_version_promoted_with_tf_model_h5_only_is_converted_before_a_later_ru
     assert exists(join(v1.model, "model.safetensors")) and registry.complete_version(v1) is not None
     assert v1.model in evaluations()  # scored on the later run's sample, as its converted checkpoint
     assert report_of(later)["promoted"]["eval_loss"] is not None
+
+
+# -- a storage writer copies nothing into the registry (issue 48 item 2, review t5 finding 2) -------------------
+
+def secret_folder(tmp_path: Path) -> Path:
+    """A folder the Airflow worker can read and storage readers must never see."""
+    secret = tmp_path / "home" / ".ssh"
+    secret.mkdir(parents=True)
+    (secret / "id_ed25519").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    return secret
+
+
+def assert_nothing_promoted(root: str) -> None:
+    assert registry.read_latest(models(root)) is None
+    assert not exists(models(root).version(1).url), "files were copied into the registry"
+
+
+def test_a_report_naming_another_model_folder_promotes_nothing(evaluations, tmp_path):
+    """The review's case (a): `export_formats: []` and report.json's model_url rewritten to a secret folder."""
+    root = str(tmp_path / "storage")
+    prepared = evaluated_run(root, "r1", 5.30, export_formats=[])
+    secret = secret_folder(tmp_path)
+    url = join(prepared.report_url, "report.json")
+    report = read_json(url)
+    report["runs"]["distributed"]["model_url"] = str(secret)
+    write_json_atomic(url, report)
+    with pytest.raises(ForeignModelError, match=f"runs.distributed.model_url = {str(secret)!r} is not this run's "
+                                                f"model \\(it must be {TrainOutput(prepared.train_url).model!r}"):
+        promote_own(prepared)
+    assert_nothing_promoted(root)
+
+
+@pytest.mark.parametrize(("name", "folder"), [("saved_model", "../../../../home/.ssh"),
+                                              ("safetensors", "exports/safetensors"), ("../../home", "model")])
+def test_an_exports_record_naming_another_folder_promotes_nothing(evaluations, tmp_path, name, folder):
+    """The review's case (b): the default `export_formats`, only exports.json rewritten."""
+    root = str(tmp_path / "storage")
+    prepared = evaluated_run(root, "r1", 5.30)
+    secret_folder(tmp_path)
+    record_url = TrainOutput(prepared.train_url).exports_record
+    record = read_json(record_url)
+    record["formats"][name] = {**record["formats"].get(name, record["formats"]["safetensors"]), "dir": folder}
+    write_json_atomic(record_url, record)
+    with pytest.raises(ForeignModelError, match=f"formats.{re.escape(name)}.dir = {re.escape(repr(folder))} is not "
+                                                "that format's folder \\(it must be "):
+        promote_own(prepared)
+    assert_nothing_promoted(root)
+
+
+def test_continuing_from_a_pointer_outside_its_version_is_refused_by_prepare(evaluations, tmp_path):
+    """`model: promoted` trains from latest.json's model_url: one that leaves its version's folder is refused."""
+    from tasks.promote import resolve_promoted_model
+    from trainer.config import ConfigError, RunConfig
+
+    root = str(tmp_path / "storage")
+    promote_own(evaluated_run(root, "r1", 5.30))
+    secret = secret_folder(tmp_path)
+    pointer = read_json(models(root).latest)
+    write_json_atomic(models(root).latest, {**pointer, "model_url": str(secret)})
+    with pytest.raises(ConfigError, match=f"Setting 'model' = 'promoted': .*Pointer.model_url = {str(secret)!r} "
+                                          f"\\(it must be {models(root).version(1).model!r}\\)"):
+        resolve_promoted_model(RunConfig.from_params({"storage_root": root, "model": "promoted"}))
+
+
+def test_the_model_card_writes_settings_as_fenced_json_and_no_value_ends_its_code_span(tmp_path, evaluations):
+    """Review t5, finding 8: a backtick in a setting ended the card's code span and let HTML into model_card.md.
+    text_column may no longer hold one (trainer/config/core.py); the dataset URL and the run id still may."""
+    injected = "s3://gpt-finetune/``x` <img src=x onerror=alert(1)> |\n## Security notice/*.txt"
+    run_id = "manual__`<a href=\"https://evil.example\">rotate</a>`"
+    promoted = promote_own(evaluated_run(str(tmp_path / "storage"), run_id, 5.30, dataset=injected))
+    assert promoted["promoted"] is True
+    card = read_bytes(models(str(tmp_path / "storage")).version(1).model_card).decode()
+    settings = card.split("## Settings\n\n```json\n", 1)[1].split("\n```\n", 1)[0]
+    assert json.loads(settings)["dataset"] == injected and json.loads(settings)["learning_rate"] == 0.003
+    assert "\n## Security notice" not in card  # the newline is escaped, in the JSON and in the code span
+    assert ("(setting `dataset` = ```s3://gpt-finetune/``x` <img src=x onerror=alert(1)> |\\n## Security "
+            "notice/*.txt```") in card
+    assert "from run `` manual__`<a href=\\\"https://evil.example\\\">rotate</a>` ``" in card
+    assert "| text_column |" not in card  # no Markdown table whose cells a value could split

@@ -54,6 +54,12 @@ def stored_pointer(entry: dict, history: list[dict]) -> dict:
     return {"format_version": 1, "name": "gpt_finetune", **entry, "history": history}
 
 
+def placed(entry: dict, layout) -> dict:
+    """`entry` naming its version's folder and model under `layout`, as promote writes it."""
+    version = layout.version(entry["number"])
+    return {**entry, "url": version.url, "model_url": version.model}
+
+
 @pytest.mark.parametrize(("stored", "problem"), [
     (b'{"version": "v1", "hist', "is not valid JSON"),
     (b'{"version": "v1"}', "Pointer: missing key(s) number, url"),
@@ -73,15 +79,39 @@ def test_a_damaged_pointer_is_an_error_that_names_it_and_the_field(layout, store
 def test_pointers_of_earlier_promotions_read_and_write_back_with_their_keys(local_layout):
     """Entries before evaluation samples (no eval_loss_se, eval_sample) still read; a pointer read and written again
     is the same JSON, with the samples' fields null where they were unknown (docs/CONTRACTS.md)."""
-    stored = stored_pointer(SAMPLED, [ENTRY, SAMPLED])
+    entry, sampled = placed(ENTRY, local_layout), placed(SAMPLED, local_layout)
+    stored = stored_pointer(sampled, [entry, sampled])
     write_json_atomic(local_layout.latest, stored)
     pointer = registry.read_latest(local_layout)
     assert (pointer.version, pointer.history[0].eval_sample, pointer.history[1].eval_loss_se) == ("v1", None, 0.01)
-    assert pointer.to_xcom() == stored_pointer(SAMPLED, [{**ENTRY, "eval_loss_se": None, "eval_sample": None},
-                                                         SAMPLED])
-    moved = registry.Pointer.moved_to(registry.Entry.from_xcom({**SAMPLED, "version": "v2", "number": 2}),
+    assert pointer.to_xcom() == stored_pointer(sampled, [{**entry, "eval_loss_se": None, "eval_sample": None},
+                                                         sampled])
+    moved = registry.Pointer.moved_to(registry.Entry.from_xcom({**sampled, "version": "v2", "number": 2}),
                                       "gpt_finetune", pointer)
     assert [entry.version for entry in moved.history] == ["v1", "v1", "v2"] and moved.number == 2
+
+
+@pytest.mark.parametrize(("where", "change", "named"), [
+    ("top", {"model_url": "http://127.0.0.1:8/meta"}, ("Pointer.model_url = 'http://127.0.0.1:8/meta' (it must be "
+                                                      "'{model}')")),
+    ("top", {"url": "/home/airflow/.ssh"}, "Pointer.url = '/home/airflow/.ssh' (it must be '{url}')"),
+    ("top", {"version": "v7"}, "Pointer.version = 'v7' (it must be 'v1')"),
+    ("history", {"model_url": "s3://other/model"}, ("Pointer.history[0].model_url = 's3://other/model' (it must be "
+                                                   "'{model}')")),
+    ("top", {"number": 0}, "Pointer.number = 0 is no version number"),
+])
+def test_a_pointer_that_names_anything_but_its_version_s_folder_is_refused(local_layout, where, change, named):
+    """Review t5 finding 2: latest.json is read by evaluate (which fetches and evaluates its model_url), prepare's
+    `model: promoted` and promote; whoever writes storage must not steer any of them elsewhere."""
+    entry = placed(ENTRY, local_layout)
+    edited = {**entry, **change}
+    stored = stored_pointer(edited, [entry]) if where == "top" else stored_pointer(entry, [edited])
+    write_json_atomic(local_layout.latest, stored)
+    with pytest.raises(registry.RegistryError) as refused:
+        registry.read_latest(local_layout)
+    version = local_layout.version(1)
+    assert named.format(url=version.url, model=version.model) in str(refused.value)
+    assert local_layout.latest in str(refused.value) and "restore it" in str(refused.value)
 
 
 def test_a_claim_goes_above_every_claimed_number_and_ignores_other_files(layout):

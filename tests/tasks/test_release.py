@@ -191,8 +191,10 @@ def test_release_deletes_only_the_launchers_own_temporary_directories(tmp_path, 
         target.rmdir()
 
 
-def test_a_malformed_state_record_never_stops_the_kills(tmp_path, processes, caplog):
-    """A record that is not one is skipped, naming the file and the field; the run's processes are still ended."""
+def test_a_malformed_state_record_never_stops_the_kills_and_is_unverified_never_clean(tmp_path, processes, caplog):
+    """A record that is not one is skipped, naming the file and the field; the run's processes are still ended. The
+    process scan sees this host only, so release cannot vouch for what such a record named (review t5, finding 4:
+    it was released clean)."""
     root = str(tmp_path / "storage")
     run = StorageLayout(root).run(KEY)
     worker = start("import time; time.sleep(600)")
@@ -205,11 +207,14 @@ def test_a_malformed_state_record_never_stops_the_kills(tmp_path, processes, cap
     write_json_atomic(run.state_file("evaluate"), state_record(task_id="evaluate", backend="elsewhere"))
     assert wait_for(lambda: worker.pid in processes_of_run(KEY))
 
-    with caplog.at_level(logging.WARNING, logger="gpt_finetune.release"):
-        result = release_run({"storage_root": root}, RUN_ID, DAG_ID, make_backend, grace_period_s=1.0)
+    with caplog.at_level(logging.WARNING, logger="gpt_finetune.release"), \
+            pytest.raises(ReleaseError, match=r"is not fully released: Unverified: state record baseline.json cannot "
+                                              r"be read \(.*workers\[0\].rank: expected int"):
+        release_run({"storage_root": root}, RUN_ID, DAG_ID, make_backend, grace_period_s=1.0)
 
-    assert result["clean"] and worker.pid in result["terminated"] + result["killed"]
-    assert sorted(json.loads(Path(run.release).read_text())["state_records"]) == [
+    release = json.loads(Path(run.release).read_text())
+    assert worker.pid in release["terminated"] + release["killed"] and release["clean"] is False
+    assert sorted(release["state_records"]) == sorted(release["unverified_records"]) == [
         "baseline.json", "evaluate.json", "preflight.json", "train.json"]
     assert "train.json is malformed" in caplog.text and "missing key(s) task_id" in caplog.text
     assert "baseline.json is malformed" in caplog.text and "workers[0].rank: expected int" in caplog.text
@@ -289,3 +294,65 @@ def test_a_gpu_release_cannot_vouch_for_is_named_in_the_failure(tmp_path, proces
                                            r"pid\(s\) \[4000001\], which are no process of this PID namespace"):
         release_run({"storage_root": str(tmp_path)}, RUN_ID, DAG_ID, make_backend, grace_period_s=0.5)
     assert proc.wait(timeout=10) is not None
+
+
+def _record_of(worker: subprocess.Popen, **fields) -> dict:
+    return state_record(launcher=host_identity(), workers=[{"rank": 0, "host": "localhost", "port": 1,
+                                                            "pid": worker.pid}], **fields)
+
+
+@pytest.mark.parametrize("edit", ["mistyped", "backend renamed", "deleted"])
+def test_a_state_record_edited_in_storage_is_unverified_never_released_clean(tmp_path, processes, edit):
+    """Review t5, finding 4: one mistyped field, a renamed backend or a deleted record turned a local group launched
+    on another GPU host from unverified into "released clean". The operator's XCom copy names it still."""
+    root = str(tmp_path / "storage")
+    run = StorageLayout(root).run(KEY)
+    worker = start("import time; time.sleep(600)")
+    processes.append(worker)
+    pushed = {"train": _record_of(worker, task_id="train"), "preflight": None}
+    edited = {"mistyped": {**pushed["train"], "workdir": 7}, "backend renamed": {**pushed["train"], "backend": "x"},
+              "deleted": None}[edit]
+    Path(run.state).mkdir(parents=True)
+    if edited is not None:
+        write_json_atomic(run.state_file("train"), edited)
+    assert wait_for(lambda: worker.pid in processes_of_run(KEY))
+
+    with pytest.raises(ReleaseError, match="Unverified: state record train.json"):
+        release_run({"storage_root": root}, RUN_ID, DAG_ID, make_backend, grace_period_s=1.0, pushed=pushed)
+    release = json.loads(Path(run.release).read_text())
+    assert release["clean"] is False and release["unverified_records"] == ["train.json"]
+    assert worker.pid in release["terminated"] + release["killed"]
+    why = {"mistyped": "cannot be read", "backend renamed": "cannot be read",
+           "deleted": "is missing from storage, though the operator pushed it to XCom"}[edit]
+    assert why in release["hosts"][-1]["unverified"]
+
+
+def test_a_state_record_rewritten_to_name_other_workers_than_xcom_is_unverified(tmp_path, processes):
+    root = str(tmp_path / "storage")
+    run = StorageLayout(root).run(KEY)
+    worker = start("import time; time.sleep(600)")
+    processes.append(worker)
+    pushed = _record_of(worker, task_id="train")
+    write_json_atomic(run.state_file("train"), {**pushed, "workers": [], "state": "succeeded"})
+    assert wait_for(lambda: worker.pid in processes_of_run(KEY))
+    with pytest.raises(ReleaseError, match="state record train.json differs from the copy the operator pushed"):
+        release_run({"storage_root": root}, RUN_ID, DAG_ID, make_backend, grace_period_s=1.0,
+                    pushed={"train": pushed})
+    # The same record, only moved on in state and time after the push, is the group's own.
+    write_json_atomic(run.state_file("train"), {**pushed, "state": "succeeded", "updated_at": "2026-11-29T03:00Z"})
+    assert release_run({"storage_root": root}, RUN_ID, DAG_ID, make_backend, pushed={"train": pushed})["clean"]
+
+
+def test_a_refused_runs_storage_root_outside_the_policy_is_never_written(tmp_path, monkeypatch):
+    """Review t5, finding 5: with the params refused, release fell back to their raw storage_root and wrote
+    release.json wherever it pointed, outside every data root (any bucket too)."""
+    outside = tmp_path / "outside"
+    default_root = tmp_path / "default-root"
+    monkeypatch.setenv("GPT_FINETUNE_DATA_ROOTS", str(default_root))
+    monkeypatch.setenv("GPT_FINETUNE_STORAGE_ROOT", str(default_root))
+    result = release_run({"storage_root": str(outside), "bogus": 1}, "manual__refused_root", DAG_ID, make_backend)
+    assert result["clean"] and not outside.exists()
+    assert result["release_url"].startswith(str(default_root) + "/runs/")
+    allowed = default_root / "allowed"  # a refused run whose root the policy allows keeps it
+    result = release_run({"storage_root": str(allowed), "bogus": 1}, "manual__refused_root", DAG_ID, make_backend)
+    assert result["release_url"].startswith(str(allowed) + "/runs/")

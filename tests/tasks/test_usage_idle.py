@@ -9,9 +9,11 @@ import threading
 import time
 from dataclasses import replace
 
-from launcher import GroupSpec, LocalBackend
+from launcher import GroupSpec, GroupState, LocalBackend
+from launcher.protocol import EXIT_PREEMPTED
 from tasks import alerts
 from tasks.launch import IdleSettings, RecordedLaunch, live_step
+from tasks.release import processes_of_run
 from tasks.report import render_markdown
 from tasks.report_parts import run_view
 from tasks.usage_record import load_attempts, run_usage
@@ -90,3 +92,50 @@ def test_idle_settings_come_from_the_prepared_configuration_and_mail_only_with_a
     assert IdleSettings.of(mailed, "manual__1", "train").mail is not None
     assert IdleSettings.of(mailed, None, "evaluate-baseline").mail is None  # no run id
     assert IdleSettings.of(config.replace(max_idle_held_s=0), "manual__1", "train").max_idle_held_s == 0  # off
+
+
+def test_a_group_held_idle_past_the_reclaim_limit_checkpoints_ends_and_is_counted_in_the_ledger(monkeypatch, tmp_path):
+    """Two tiny workers talk but no longer train (their live step frozen at 2): at reclaim_idle_after_s the group is
+    stopped with SIGTERM, each rank saves its checkpoint and exits, the slots are proven free, the reclaim is mailed,
+    and the ledger and the report say what was reclaimed and why."""
+    sent: list[tuple] = []
+    monkeypatch.setattr(alerts, "send_alert", lambda *args, **kw: sent.append((args, kw)) or True)
+    config = RunConfig.of(max_idle_held_s=1, reclaim_idle_after_s=2, alert_conn_id="smtp",
+                          alert_emails=["a@b.example"])
+    run = StorageLayout(str(tmp_path / "storage")).run("run-1")
+    checkpoints = tmp_path / "checkpoints"
+    spec = GroupSpec(name="train", entrypoint="tiny_worker", num_workers=2, run_key="run-1", startup_timeout_s=60,
+                     hang_timeout_s=60, grace_period_s=10,
+                     env=entrypoint_env(TINY_WORKER_STEPS="100000", TINY_WORKER_STEP_S="0.1",
+                                        TINY_WORKER_LIVE_STEPS="3", TINY_WORKER_CHECKPOINT_ON_TERM=str(checkpoints)))
+    launch = RecordedLaunch(spec, LocalBackend(), run, on_line=lambda rank, line: None,
+                            idle=IdleSettings.of(config, "manual__1", "train"))
+    started = time.monotonic()
+    result = launch.run_group()
+    wall_s = time.monotonic() - started
+    print(f"\nreclaimed after {wall_s:.2f} s: {launch.reclaimed.text}")
+
+    assert result.state is GroupState.STOPPED and wall_s < 30
+    assert {w.rank: w.exit_code for w in result.workers} == {0: EXIT_PREEMPTED, 1: EXIT_PREEMPTED}
+    assert sorted(path.name.split("-step-")[0] for path in checkpoints.iterdir()) == ["rank-0", "rank-1"]
+    assert processes_of_run("run-1") == {}
+    assert launch.after_exit is not None and launch.after_exit.proven, launch.after_exit
+    reclaim = launch.reclaimed
+    assert reclaim.text.startswith("reclaimed after 2 s idle: GPU time: train (attempt 1) held 2 slot(s)")
+    assert "reclaim_idle_after_s = 2" in reclaim.text and reclaim.ranks == (0, 1) and 2 <= reclaim.idle_s < 5
+
+    (attempt,) = load_attempts(run.url)
+    # One warning at least (a second when the ranks took over the window to start on a loaded machine).
+    assert attempt.state == "stopped" and attempt.reclaimed == reclaim and len(attempt.idle_warnings) >= 1
+    subjects = [args[2] for args, kw in sent]
+    assert "GPUs held idle reclaimed from train" in " ".join(subjects), subjects
+    body = next(args[3] for args, kw in sent if "reclaimed" in args[2])
+    assert "its task train fails by this" in body and reclaim.text in body
+
+    report = replace(document(baseline=False), run_key="run-1", config=config.to_dict())
+    summary = run_usage(run.url, report, "2030-01-01T00:00:00+00:00")
+    assert summary.reclaimed_gpu_h == round(2 * reclaim.idle_s / 3600, 6) > 0
+    assert summary.to_xcom()["reclaims"] == [{"group": "train", "attempt": 1, **reclaim.to_xcom()}]
+    page = render_markdown(run_view(report, None, {"usage": summary.to_xcom()}))
+    assert "Reclaimed (held idle past reclaim_idle_after_s, stopped, the task failed without a retry): 1," in page
+    assert "train (attempt 1) slots 127.0.0.1/rank0, 127.0.0.1/rank1 idle" in page

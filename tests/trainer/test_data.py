@@ -324,3 +324,29 @@ def test_generated_manifests_are_loaded_and_staged_or_refused_with_data_error(da
 def test_token_ids_take_two_bytes_while_every_id_fits():
     assert token_dtype(1 << 16) == "uint16"  # ids 0..65535
     assert token_dtype((1 << 16) + 1) == "uint32"
+
+
+def test_a_shard_rewritten_with_its_manifest_entry_is_refused_by_the_pinned_manifest(prepared, tmp_path):
+    """Review t5, finding 11: the manifest carries the shards' sha256 itself, so a writer who rewrote a shard and its
+    entry passed load_manifest and staging. Pinned by the digest the Airflow side read, the manifest is refused."""
+    from launcher.protocol import MANIFEST_SHA256_ENV
+    from trainer.data import read_manifest
+
+    dataset = Path(prepared[0]).parent
+    url = str(shutil.copytree(dataset, tmp_path / dataset.name) / "manifest.json")
+    manifest, pinned = read_manifest(url)
+    assert pinned == hashlib.sha256(Path(url).read_bytes()).hexdigest()
+    assert load_manifest(url, {MANIFEST_SHA256_ENV: pinned}) == manifest
+    shard = manifest["splits"]["train"]["shards"][0]
+    poisoned = Path(url).parent / shard["name"]
+    poisoned.write_bytes(poisoned.read_bytes()[::-1])
+    shard["sha256"] = hashlib.sha256(poisoned.read_bytes()).hexdigest()
+    Path(url).write_text(json.dumps(manifest))
+    assert load_manifest(url, {})["splits"]["train"]["shards"][0]["sha256"] == shard["sha256"]  # unpinned: passes
+    with pytest.raises(DataError) as refused:
+        load_manifest(url, {MANIFEST_SHA256_ENV: pinned})
+    message = str(refused.value)
+    assert f"Manifest {url} has sha256 {read_manifest(url)[1]}, but the Airflow side pinned {pinned} " in message
+    assert "(TFMW_MANIFEST_SHA256)" in message and "Refusing it" in message
+    with pytest.raises(DataError, match=r"pinned \(empty\)"):
+        load_manifest(url, {MANIFEST_SHA256_ENV: ""})

@@ -106,7 +106,7 @@ def test_tensorboard_events_are_what_tf_summary_scalar_writes(tmp_path):
 def nvml(monkeypatch):
     """One H200, this worker's (CUDA_VISIBLE_DEVICES=0), with 40 GiB in use: TensorFlow's reservation."""
     fake = fake_nvml.install(monkeypatch, fake_nvml.FakeNvml(fake_nvml.h200s(1)))
-    fake.start_process(0, 40 * fake_nvml.GIB - fake_nvml.MIB)
+    fake.start_process(0, 40 * fake_nvml.GIB - fake_nvml.MEASURED_IDLE_USED_BYTES)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     return fake
 

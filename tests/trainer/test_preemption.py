@@ -4,6 +4,8 @@
   its stop flag travels in the step's all-reduce, so both ranks save the same step and exit EXIT_PREEMPTED, within
   `preemption_checkpoint_s`. The next launch resumes at that step, not at the last periodic checkpoint (there is none:
   the interval is the whole run).
+- A rank SIGKILLed in that next launch ends the group at once (the survivor is aborted, not asked for a checkpoint
+  it cannot agree on), and the launch after resumes from the last checkpoint.
 - A diverged loss exits EXIT_PERMANENT on every rank (the operator then fails the task without retrying).
 """
 
@@ -12,12 +14,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 
-from launcher import GroupState
-from launcher.protocol import EXIT_PERMANENT, EXIT_PREEMPTED
-from tests.trainer.long_run import TrainGroup, last_step, write_tiny_dataset
+from launcher import FailureKind, GroupState
+from launcher.protocol import ABORT_SIGNAL, EXIT_PERMANENT, EXIT_PREEMPTED
+from tests.trainer.long_run import TrainGroup, last_step, read_process, write_tiny_dataset
 from tests.trainer.test_long_runs import checkpoint_step, resume_and_finish
 from trainer.storage import exists
 
@@ -33,7 +36,8 @@ def manifest(tmp_path_factory) -> str:
     return write_tiny_dataset(tmp_path_factory.mktemp("dataset"))
 
 
-def test_a_worker_given_sigterm_mid_run_checkpoints_and_the_next_launch_resumes_at_that_step(tmp_path, manifest):
+def test_sigterm_mid_run_checkpoints_the_next_launch_resumes_there_and_a_rank_sigkilled_in_it_ends_it_at_once(
+        tmp_path, manifest):
     job = TrainGroup(tmp_path, manifest, max_steps=STEPS, checkpoint_every_steps=STEPS,
                      preemption_checkpoint_s=DEADLINE_S)
     job.start()
@@ -56,7 +60,28 @@ def test_a_worker_given_sigterm_mid_run_checkpoints_and_the_next_launch_resumes_
     assert f"rank 0: another rank got SIGTERM with notice; checkpoint of step {saved} saved" in logs, logs
     assert not exists(f"{job.output}/summary.json")
 
+    sigkill_a_rank_of_the_retry(job, saved)
     resume_and_finish(job, saved)  # "resuming at step <saved>", and the summary's resumed_from_step
+
+
+def sigkill_a_rank_of_the_retry(job: TrainGroup, checkpoint: int) -> None:
+    """The next launch resumes at `checkpoint`; rank 1 SIGKILLed there ends the group within 2 s, although rank 0,
+    blocked in the step's all-reduce with its dead peer, could never act on SIGTERM: the launcher aborts it
+    (launcher.protocol.ABORT_SIGNAL) instead of waiting out a grace that no checkpoint could use. The last checkpoint
+    stays `checkpoint` for the launch after."""
+    job.spec = replace(job.spec, grace_period_s=30)
+    job.start()
+    job.wait_for(lambda: last_step(job.metrics_file(1)) >= checkpoint + 20, 300, f"step {checkpoint + 20} of rank 1")
+    os.kill(job.workers[1].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    result = job.wait(LAUNCH_BOUND_S)
+    ended_after_s = time.monotonic() - killed
+    print(f"rank 1 SIGKILLed in the retry: the group ended {ended_after_s:.2f} s later")
+    assert f"resuming at step {checkpoint} of {STEPS}" in job.log_text(last=10_000)
+    assert result.failures[1].kind is FailureKind.SIGNAL and set(result.failures) == {1}, result.error_message()
+    assert result.workers[0].exit_code == -ABORT_SIGNAL, job.log_text()
+    assert ended_after_s < 2 and all(read_process(w.pid) is None for w in result.workers)
+    assert checkpoint_step(job.output) == checkpoint
 
 
 def test_a_diverged_loss_exits_not_retryable_on_every_rank(tmp_path, manifest):

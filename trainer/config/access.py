@@ -14,6 +14,7 @@ here) names nothing of the user's choosing and always passes.
 from __future__ import annotations
 
 import glob
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -24,7 +25,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from trainer import REPO_ROOT
-from trainer.config.core import ConfigError
+from trainer.config.core import ConfigError, is_email_address
 
 DATA_ROOTS_ENV = "GPT_FINETUNE_DATA_ROOTS"
 S3_BUCKETS_ENV = "GPT_FINETUNE_S3_BUCKETS"
@@ -38,6 +39,7 @@ SSH_CONN_IDS_ENV = "GPT_FINETUNE_SSH_CONN_IDS"
 ALERT_CONN_IDS_ENV = "GPT_FINETUNE_ALERT_CONN_IDS"
 REMOTE_PYTHONS_ENV = "GPT_FINETUNE_REMOTE_PYTHONS"
 ALERT_DOMAINS_ENV = "GPT_FINETUNE_ALERT_DOMAINS"
+REMOTE_WORKDIRS_ENV = "GPT_FINETUNE_REMOTE_WORKDIRS"
 # The allow-lists: run setting -> (AccessPolicy field, its variable, what it lists).
 ALLOW_LISTS = {
     "image": ("image_prefixes", IMAGE_PREFIXES_ENV, "images"),
@@ -49,8 +51,18 @@ ALLOW_LISTS = {
     "remote_python": ("remote_pythons", REMOTE_PYTHONS_ENV, "remote interpreters"),
     "alert_conn_id": ("alert_conn_ids", ALERT_CONN_IDS_ENV, "alert connections"),
     "alert_emails": ("alert_domains", ALERT_DOMAINS_ENV, "recipient domains"),
+    "remote_workdir": ("remote_workdirs", REMOTE_WORKDIRS_ENV, "remote work directories"),
+}
+# The operator's ceilings: run setting -> (AccessPolicy field, its variable). A run may ask for less, never more;
+# `max_run_cost` with a ceiling may not be 0 (off) either. `tolerationSeconds` bounds each pod toleration's.
+CEILINGS = {
+    "bpe_sample_mb": ("max_bpe_sample_mb", "GPT_FINETUNE_MAX_BPE_SAMPLE_MB"),
+    "hang_timeout_s": ("max_hang_timeout_s", "GPT_FINETUNE_MAX_HANG_TIMEOUT_S"),
+    "tolerationSeconds": ("max_toleration_s", "GPT_FINETUNE_MAX_TOLERATION_S"),
+    "max_run_cost": ("max_run_cost", "GPT_FINETUNE_MAX_RUN_COST"),
 }
 _IMAGE_BOUNDARIES = "/:@"  # where a prefix may end inside an image reference: a path, a tag, a digest
+_IMAGE_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # a Docker tag
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # `gpt2`, `openai-community/gpt2`
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):")  # two letters at least: not a drive letter
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -69,6 +81,11 @@ class AccessPolicy:
     or shell patterns (`tfmw_ssh_*`); `image_prefixes` holds prefixes of image references that end at a '/', ':'
     or '@' (`registry.example.com/ml` allows `registry.example.com/ml/trainer:1`, not `registry.example.com/ml-x`),
     and `alert_domains` the domains of recipients (case-insensitive, `*.example.com` for subdomains).
+
+    The ceilings (`CEILINGS`; unset or empty variable: the default here) bound what a run may ask of the Airflow
+    worker's memory (`bpe_sample_mb`), how long a silent group may hold its GPUs (`hang_timeout_s`) and a pod stay
+    bound to a failed node (`tolerationSeconds`), and the predicted cost preflight lets a run start at
+    (`max_run_cost`; none by default).
     """
 
     data_roots: tuple[str, ...]
@@ -82,6 +99,11 @@ class AccessPolicy:
     remote_pythons: tuple[str, ...] = ()
     alert_conn_ids: tuple[str, ...] = ()
     alert_domains: tuple[str, ...] = ()
+    remote_workdirs: tuple[str, ...] = ()
+    max_bpe_sample_mb: float = 1024
+    max_hang_timeout_s: float = 6 * 3600
+    max_toleration_s: float = 3600
+    max_run_cost: float | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> AccessPolicy:
@@ -96,7 +118,9 @@ class AccessPolicy:
         for field_name, variable, _ in ALLOW_LISTS.values():
             entries = tuple(entry.strip() for entry in environ.get(variable, "").split(",") if entry.strip())
             allow_lists[field_name] = entries or defaults[field_name]
-        return cls(roots, buckets, **allow_lists)
+        ceilings = {field_name: _ceiling(environ, variable, defaults[field_name])
+                    for field_name, variable in CEILINGS.values()}
+        return cls(roots, buckets, **allow_lists, **ceilings)
 
     def check_settings(self, cfg: Any) -> None:
         """Refuse a RunConfig whose `dataset`, `storage_root`, `model` or `tokenizer` reaches beyond this policy (a
@@ -110,13 +134,29 @@ class AccessPolicy:
             self.check("tokenizer", cfg.tokenizer, hub_ids=True)
         for name, value in _execution_settings(cfg):
             self.check_allowed(name, value)
+        for name, value in _ceiling_settings(cfg):
+            self.check_ceiling(name, value)
+
+    def check_ceiling(self, name: str, value: float) -> None:
+        """Refuse `value` of setting `name` above the operator's ceiling (`CEILINGS`); a `max_run_cost` of 0 (off)
+        when the operator set one."""
+        field_name, variable = CEILINGS[name]
+        ceiling = getattr(self, field_name)
+        if ceiling is None or 0 < value <= ceiling or value == 0 < ceiling and name != "max_run_cost":
+            return
+        off = " (0 turns the budget off, which this deployment does not allow)" if name == "max_run_cost" else ""
+        shown = value if isinstance(value, int) else f"{value:g}"
+        raise ConfigError(
+            f"Setting '{name}' = {shown} is outside what this deployment allows{off} ({variable}={ceiling:g}): use "
+            f"a value {'above 0 and ' if name == 'max_run_cost' else ''}at most {ceiling:g}, or have the operator "
+            f"raise ${variable} (see docs/security.md).")
 
     def check_allowed(self, name: str, value: str) -> None:
         """Refuse `value` of execution or credential setting `name` (one entry of a list setting) unless its
         allow-list holds it; an empty value passes."""
         if not value:
             return
-        if name == "remote_python":
+        if name in ("remote_python", "remote_workdir"):
             _refuse_parent_steps(name, value)
         field_name, variable, listed = ALLOW_LISTS[name]
         entries = getattr(self, field_name)
@@ -182,7 +222,32 @@ def _execution_settings(cfg: Any) -> list[tuple[str, str]]:
     if cfg.launch.backend == "ssh":
         chosen += [("ssh_conn_ids", conn_id) for conn_id in cfg.launch.ssh.ssh_conn_ids]
         chosen.append(("remote_python", cfg.launch.ssh.remote_python))
+        chosen.append(("remote_workdir", cfg.launch.ssh.remote_workdir))
     return chosen
+
+
+def _ceiling_settings(cfg: Any) -> list[tuple[str, float]]:
+    """(setting, value) of every setting the operator's ceilings bound, one pair per pod toleration's seconds."""
+    chosen = [("bpe_sample_mb", cfg.bpe_sample_mb), ("hang_timeout_s", cfg.launch.hang_timeout_s),
+              ("max_run_cost", cfg.monitoring.max_run_cost)]
+    if cfg.launch.backend == "kubernetes":
+        chosen += [("tolerationSeconds", toleration["tolerationSeconds"])
+                   for toleration in cfg.launch.kubernetes.tolerations if "tolerationSeconds" in toleration]
+    return chosen
+
+
+def _ceiling(environ: Mapping[str, str], variable: str, default: float | None) -> float | None:
+    configured = environ.get(variable, "").strip()
+    if not configured:
+        return default
+    try:
+        value = float(configured)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"${variable} = {configured!r} is not a ceiling: set a positive number, or unset it for "
+                          f"the default ({'none' if default is None else f'{default:g}'}).")
+    return value
 
 
 def _refuse_parent_steps(name: str, value: str) -> None:
@@ -192,12 +257,23 @@ def _refuse_parent_steps(name: str, value: str) -> None:
 
 def _matches(name: str, value: str, entry: str) -> bool:
     """Whether allow-list `entry` of setting `name` admits `value`."""
-    if name == "image":  # a prefix that ends at a boundary of the reference, never inside a name
-        return value.startswith(entry) and (len(value) == len(entry) or entry[-1] in _IMAGE_BOUNDARIES
-                                            or value[len(entry)] in _IMAGE_BOUNDARIES)
-    if name == "alert_emails":
-        return fnmatchcase(value.rpartition("@")[2].lower(), entry.lower())
+    if name == "image":
+        return _image_matches(value, entry)
+    if name == "alert_emails":  # a plain address whose domain is an entry, or a subdomain of a `*.<domain>` entry
+        domain, entry = value.rpartition("@")[2].lower(), entry.lower()
+        return is_email_address(value) and (domain.endswith(entry[1:]) if entry.startswith("*.") else domain == entry)
     return fnmatchcase(value, entry)
+
+
+def _image_matches(value: str, entry: str) -> bool:
+    """A prefix that ends at a boundary of the reference, never inside a name; after a ':' only a tag may follow
+    (`name:` admits `name:2.21`, never `name:5000/other/image`, a registry at port 5000)."""
+    if not value.startswith(entry):
+        return False
+    rest = value[len(entry):]
+    if entry.endswith(":"):
+        return bool(_IMAGE_TAG.fullmatch(rest))
+    return not rest or entry[-1] in _IMAGE_BOUNDARIES or rest[0] in _IMAGE_BOUNDARIES
 
 
 def is_hub_id(value: str) -> bool:

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping
+from email.utils import parseaddr
 from typing import Any
 from urllib.parse import urlparse
 
@@ -42,6 +43,7 @@ BPE_SPEC = re.compile(r"^bpe:(\d+)$")
 _REVISION = re.compile(schema.REVISION)
 _EMAIL = re.compile(schema.EMAIL)
 _CONN_ID = re.compile(schema.CONN_ID)
+_TEXT_COLUMN = re.compile(schema.TEXT_COLUMN)
 
 # Every numeric setting's bounds, from the schema the DAG's Params are generated from.
 RANGES = schema.RANGES
@@ -111,6 +113,19 @@ def _check_bounds(cfg: Any) -> None:
             raise ConfigError(f"Setting '{name}' = {value!r} is out of range: allowed is ({low:g}, {high:g}].")
 
 
+def _check_lengths(cfg: Any) -> None:
+    """First, so that no other rule reads (or quotes whole) a value longer than its setting allows."""
+    for setting in schema.SETTINGS:
+        limit = setting.rules.get("maxLength") or setting.rules.get("items", {}).get("maxLength")
+        if not limit:
+            continue
+        value = schema.value_of(cfg, setting.name)
+        for text in value if isinstance(value, tuple) else (value,):
+            if len(text) > limit:
+                raise ConfigError(f"Setting '{setting.name}' has a value of {len(text)} characters ({text[:40]!r}...): "
+                                  f"at most {limit} are allowed; shorten it.")
+
+
 def _check_one_gpu_per_worker(cfg: Any) -> None:
     """Before the bounds, to say why and what instead: a pod with N GPUs makes N replicas of one worker, which
     training refuses ("each worker must drive exactly one device") only after the pods were scheduled."""
@@ -122,6 +137,11 @@ def _check_one_gpu_per_worker(cfg: Any) -> None:
             "GPUs) with 'gpus_per_worker' = 1, or 0 for one with 'use_gpu'.")
 
 
+def is_email_address(value: Any) -> bool:
+    """A plain address (`schema.EMAIL`) that the mail library reads back as itself."""
+    return isinstance(value, str) and bool(_EMAIL.fullmatch(value)) and parseaddr(value)[1] == value
+
+
 def _check_alerts(cfg: Any) -> None:
     """Recipients need a connection to send through and the other way round (the connection itself is looked up
     in prepare, where Airflow's connections are: tasks/alerts.py)."""
@@ -129,9 +149,11 @@ def _check_alerts(cfg: Any) -> None:
     if alerts.alert_conn_id and not _CONN_ID.fullmatch(alerts.alert_conn_id):
         raise ConfigError(f"Setting 'alert_conn_id' = {alerts.alert_conn_id!r} is not an Airflow connection id "
                           "(letters, digits, '_', '.', '-').")
-    bad = [address for address in alerts.alert_emails if not _EMAIL.fullmatch(address)]
+    bad = [address for address in alerts.alert_emails if not is_email_address(address)]
     if bad:
-        raise ConfigError(f"Setting 'alert_emails' has {bad}, which are not e-mail addresses (name@domain).")
+        raise ConfigError(f"Setting 'alert_emails' has {bad}, which are not plain e-mail addresses: write "
+                          "name@domain.tld with letters, digits and '._+-' before the '@', letters, digits, '-' and "
+                          "dots after it (no comments, quotes, '%', '!' or [address]).")
     if alerts.alert_emails and not alerts.alert_conn_id:
         raise ConfigError("Setting 'alert_emails' needs 'alert_conn_id': the Airflow connection (smtp type) that "
                           "sends the alerts.")
@@ -140,12 +162,28 @@ def _check_alerts(cfg: Any) -> None:
                           "the alerts go to.")
 
 
+def _check_reclaim(cfg: Any) -> None:
+    """Reclaiming idle GPUs acts on the idle-held watch's verdict, which needs `max_idle_held_s` of evidence."""
+    watch = cfg.monitoring
+    if not watch.reclaim_idle_after_s:
+        return
+    if not watch.max_idle_held_s:
+        raise ConfigError(f"Setting 'reclaim_idle_after_s' = {watch.reclaim_idle_after_s} needs the idle-held watch: "
+                          "set 'max_idle_held_s' (its window) above 0 and at most reclaim_idle_after_s.")
+    if watch.reclaim_idle_after_s < watch.max_idle_held_s:
+        raise ConfigError(f"Setting 'reclaim_idle_after_s' = {watch.reclaim_idle_after_s} is below the idle-held "
+                          f"watch's window 'max_idle_held_s' = {watch.max_idle_held_s}: a group is idle only after "
+                          "that window; raise reclaim_idle_after_s to at least it, or lower max_idle_held_s.")
+
+
 def check_core_settings(cfg: Any) -> None:
     """The bounds of a RunConfig's numeric settings, and the rules of its model, tokenizer, data, training,
     promotion and monitoring settings."""
+    _check_lengths(cfg)
     _check_one_gpu_per_worker(cfg)
     _check_bounds(cfg)
     _check_alerts(cfg)
+    _check_reclaim(cfg)
     for name in ("mixed_precision", "baseline", "promote", "capacity"):
         check_choice(name, schema.value_of(cfg, name), schema.choices(name))
     check_model_name("model_name", cfg.promotion.model_name)
@@ -172,6 +210,9 @@ def _check_locations(cfg: Any) -> None:
     for name in ("dataset", "text_column", "tokenizer", "model", "storage_root"):
         if not getattr(cfg, name).strip():
             raise ConfigError(f"Setting '{name}' must not be empty.")
+    if not _TEXT_COLUMN.fullmatch(cfg.text_column):
+        raise ConfigError(f"Setting 'text_column' = {cfg.text_column!r} is not a column name: use up to 128 letters, "
+                          "digits, '_', '.', '-' and spaces, starting with a letter, digit or '_'.")
 
     scheme = urlparse(cfg.storage_root).scheme
     if scheme not in STORAGE_SCHEMES:

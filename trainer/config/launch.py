@@ -136,10 +136,12 @@ def _check_toleration(toleration: dict[str, Any]) -> None:
             toleration.get("effect", "") not in TOLERATION_EFFECTS:
         raise ConfigError(f"Setting 'tolerations' entry {toleration!r}: operator must be one of "
                           f"{list(TOLERATION_OPERATORS)} and effect one of {list(TOLERATION_EFFECTS)}.")
-    if not all(isinstance(toleration.get(k, ""), str) for k in ("key", "value")) or \
-            not isinstance(toleration.get("tolerationSeconds", 0), int):
-        raise ConfigError(f"Setting 'tolerations' entry {toleration!r}: key and value are strings, "
-                          "tolerationSeconds an integer.")
+    seconds = toleration.get("tolerationSeconds", 0)
+    if not all(isinstance(toleration.get(k, ""), str) and len(toleration.get(k, "")) <= 316 for k in ("key", "value")) \
+            or isinstance(seconds, bool) or not isinstance(seconds, int) or seconds < 0:
+        raise ConfigError(f"Setting 'tolerations' entry {str(toleration)[:200]!r}: key and value are strings of at "
+                          "most 316 characters, tolerationSeconds an integer of 0 or more (the operator's ceiling, "
+                          "GPT_FINETUNE_MAX_TOLERATION_S, bounds it).")
 
 
 def _check_scaling(cfg: Any) -> None:

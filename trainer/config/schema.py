@@ -33,11 +33,17 @@ MODEL_NAME = r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}"  # one path segment, safe in loca
 REVISION = r"[A-Za-z0-9._/-]{1,255}"
 QUEUE_NAME = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}"  # as `airflow celery worker -q` takes it (a comma splits it)
 CONN_ID = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,249}"  # an Airflow connection id (no leading '-' or '.')
-EMAIL = r"[^@\s,;<>\"]+@[^@\s,;<>\"]+\.[^@\s,;<>\"]+"
+# A plain address: no comment, quoting, source route (`%`, `!`, `@a:`) or address literal that a mail server reads
+# another way than the domain check does.
+EMAIL = r"[A-Za-z0-9._+-]+@[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+"
 IMAGE = r"[A-Za-z0-9][A-Za-z0-9._/:@-]*"
 CPU_QUANTITY = r"\d+(\.\d+)?m?"
 MEMORY_QUANTITY = r"\d+(\.\d+)?([KMGTPE]i?|k)?"
 ABSOLUTE_PATH = r"/.*"
+TEXT_COLUMN = r"[A-Za-z0-9_][A-Za-z0-9_. -]{0,127}"  # a column or field name: nothing Markdown or HTML reads
+# Longest values of free-form strings (the form, --conf and RunConfig refuse longer ones).
+MAX_LOCATION = 4096  # a path or URL (Linux's PATH_MAX)
+MAX_NAME = 253  # a connection id, service account, address or image reference
 
 
 @dataclass(frozen=True)
@@ -99,23 +105,24 @@ SETTINGS: tuple[Setting, ...] = (
        "backend ssh: 0 = one per free GPU with use_gpu, else one per host.", minimum=0, maximum=64),
     _s("remote_python", _SSH, "", "string", "Remote Python",
        "backend ssh: absolute path of the worker environment's interpreter on the hosts; empty = the same path as "
-       "on this Airflow worker.", optional=True, pattern=ABSOLUTE_PATH),
+       "on this Airflow worker.", optional=True, pattern=ABSOLUTE_PATH, maxLength=MAX_LOCATION),
     _s("remote_workdir", _SSH, "", "string", "Remote work directory",
-       "backend ssh: where ranks run on each host; empty = tfmw/ under the host's temporary directory.",
-       optional=True),
+       "backend ssh: where ranks run on each host; empty = tfmw/ under the host's temporary directory. Others only "
+       "from GPT_FINETUNE_REMOTE_WORKDIRS.", optional=True, maxLength=MAX_LOCATION),
     _s("dataset", "", "data/sample/*.txt", "string", "Dataset",
        "Local path, file:// or s3:// URL (globs allowed) of .txt/.jsonl/.json/.parquet files, or a hub dataset id "
        "when online. Relative paths are from the repository; local paths only under GPT_FINETUNE_DATA_ROOTS, "
-       "buckets only from GPT_FINETUNE_S3_BUCKETS.", minLength=1),
-    _s("text_column", "", "text", "string", "Text column", "Column holding the text in structured files.",
-       minLength=1),
+       "buckets only from GPT_FINETUNE_S3_BUCKETS.", minLength=1, maxLength=MAX_LOCATION),
+    _s("text_column", "", "text", "string", "Text column",
+       "Column holding the text in structured files: up to 128 letters, digits, '_', '.', '-' and spaces.",
+       pattern=TEXT_COLUMN, maxLength=128),
     _s("tokenizer", "", "bpe:2048", "string", "Tokenizer",
        "bpe:<vocab> trains a byte-level BPE offline; else a hub name or a path/URL under the allowed data roots or "
-       "buckets.", minLength=1),
+       "buckets.", minLength=1, maxLength=MAX_LOCATION),
     _s("model", "", "tiny", "string", "Model",
        f"Preset for random init ({', '.join(MODEL_PRESET_NAMES)}), a hub name, a save_pretrained path/URL under the "
        "allowed data roots or buckets, or promoted / promoted:<name> to continue from the latest promoted version.",
-       minLength=1),
+       minLength=1, maxLength=MAX_LOCATION),
     _s("model_revision", "", "", "string", "Model revision",
        "For a hub model: the branch, tag or commit to fine-tune; empty = main. prepare pins it to the commit sha "
        "and fetches the model once into storage_root/models/base/<name>@<sha>/, which every worker loads.",
@@ -139,9 +146,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("loss_tolerance", "", 0.02, "number", "Eval loss parity tolerance (nats)", minimum=0, maximum=100),
     _s("storage_root", "", "storage", "string", "Storage root",
        "Local path, file:// or s3:// URL for shards, checkpoints and reports (an allowed bucket, see "
-       "GPT_FINETUNE_S3_BUCKETS).", minLength=1),
+       "GPT_FINETUNE_S3_BUCKETS).", minLength=1, maxLength=MAX_LOCATION),
     _s("storage_conn_id", "", "", "string", "Storage connection",
-       "Airflow connection (aws type) with S3 credentials; empty uses the environment.", optional=True),
+       "Airflow connection (aws type) with S3 credentials; empty uses the environment.", optional=True,
+       maxLength=MAX_NAME),
     _s("seed", "", 1234, "integer", "Seed", minimum=0, maximum=2**31 - 1),
     _s("val_fraction", "", 0.05, "number", "Validation fraction", "Share of documents held out for evaluation.",
        exclusiveMinimum=0, maximum=0.5),
@@ -199,18 +207,19 @@ SETTINGS: tuple[Setting, ...] = (
        items={"type": "string", "enum": list(EXPORT_FORMATS)}, uniqueItems=True),
     _s("kubernetes_conn_id", _K8S, "", "string", "Kubernetes connection",
        "Airflow connection (kubernetes type) of the cluster; empty uses the in-cluster configuration of the "
-       "Airflow worker's pod.", optional=True),
+       "Airflow worker's pod.", optional=True, maxLength=MAX_NAME),
     _s("namespace", _K8S, "default", "string", "Kubernetes namespace", "Namespace of the worker pods (a DNS label).",
        pattern=DNS_LABEL),
     _s("image", _K8S, DEFAULT_TRAINER_IMAGE, "string", "Trainer image",
-       "Image of the worker pods (docker/trainer.Dockerfile).", pattern=f"{IMAGE}|"),
+       "Image of the worker pods (docker/trainer.Dockerfile).", pattern=f"{IMAGE}|",
+       maxLength=MAX_NAME),
     _s("gpus_per_worker", _K8S, 0, "integer", "GPUs per pod",
        "nvidia.com/gpu requested by each pod; 0 = one with use_gpu. Needs use_gpu. One GPU per worker: more are not "
        "supported yet, run more workers instead.", minimum=0, maximum=1),
     _s("cpu", _K8S, "", "string", "CPU request per pod", "e.g. 4 or 500m; empty: none.", optional=True,
-       pattern=CPU_QUANTITY),
+       pattern=CPU_QUANTITY, maxLength=32),
     _s("memory", _K8S, "", "string", "Memory request per pod", "e.g. 16Gi; empty: none.", optional=True,
-       pattern=MEMORY_QUANTITY),
+       pattern=MEMORY_QUANTITY, maxLength=32),
     _s("node_selector", _K8S, {}, "object", "Node selector",
        'Node labels the pods must match, e.g. {"nvidia.com/gpu.product": "NVIDIA-H200"}.',
        additionalProperties=_STRINGS),
@@ -219,7 +228,7 @@ SETTINGS: tuple[Setting, ...] = (
        '"NoSchedule"}].', items={"type": "object"}),
     _s("service_account", _K8S, "", "string", "Service account",
        "Service account of the worker pods (e.g. for storage access); empty: the namespace's default.",
-       optional=True),
+       optional=True, maxLength=MAX_NAME),
     _s("keep_failed_pods", _K8S, False, "boolean", "Keep failed pods",
        "Leave failed worker pods in the cluster for debugging; everything else of the run is still deleted."),
     _s("min_predicted_efficiency", _MONITORING, 0.0, "number", "Minimum predicted scaling efficiency",
@@ -240,12 +249,16 @@ SETTINGS: tuple[Setting, ...] = (
        optional=True, pattern=CONN_ID),
     _s("alert_emails", _MONITORING, (), "array", "Alert recipients",
        "E-mail addresses of the alerts; required with an alert connection.", optional=True,
-       items={"type": "string", "pattern": f"^({EMAIL})$"}),
+       items={"type": "string", "pattern": f"^({EMAIL})$", "maxLength": MAX_NAME}),
     _s("capacity", _MONITORING, "on_demand", "string", "Capacity",
        "Which rate of the operator's pricing table (GPT_FINETUNE_PRICING) prices the run.",
        enum=["on_demand", "reserved", "spot"]),
     _s("max_idle_held_s", _MONITORING, 900, "integer", "Idle-held warning (s)",
        "Warn when a group held its GPUs this long without step progress (0 = off).", minimum=0, maximum=30 * 86_400),
+    _s("reclaim_idle_after_s", _MONITORING, 0, "integer", "Reclaim idle GPUs after (s)",
+       "Stop a group held this long without step progress (idle as the idle-held warning decides it): its ranks save "
+       "a checkpoint if they still can, and the task fails without a retry (0 = off; at least max_idle_held_s).",
+       minimum=0, maximum=30 * 86_400),
     _s("idle_gpu_util_pct", _MONITORING, 5, "integer", "Idle GPU utilization (%)",
        "GPU runs: a group without step progress is idle only while every NVML utilization sample of its GPUs over "
        "that time is below this (missing samples count as busy).", minimum=0, maximum=100),

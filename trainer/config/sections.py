@@ -157,6 +157,7 @@ class MonitoringConfig:
         alert_emails: the alerts' recipients.
         capacity: which rate of the pricing table prices the run.
         max_idle_held_s: warn when a group held its GPUs this long without progress (0: off).
+        reclaim_idle_after_s: stop a group idle this long and fail its task without a retry (0: off).
         idle_gpu_util_pct: on GPU runs, such a group is idle only while its GPUs' utilization stays below this.
         min_cost_efficiency: warn below this measured scaling efficiency (0: off).
         max_release_s: warn when the GPUs were free later than this after the last worker exited (0: off).
@@ -170,6 +171,7 @@ class MonitoringConfig:
     alert_emails: tuple[str, ...] = default("alert_emails")
     capacity: str = default("capacity")
     max_idle_held_s: int = default("max_idle_held_s")
+    reclaim_idle_after_s: int = default("reclaim_idle_after_s")
     idle_gpu_util_pct: int = default("idle_gpu_util_pct")
     min_cost_efficiency: float = default("min_cost_efficiency")
     max_release_s: int = default("max_release_s")

@@ -10,6 +10,11 @@ TINY_WORKER_SHOW_ENV names a variable whose presence (never its value) is printe
 value is printed (to test redaction).
 TINY_WORKER_TEMP=1 prints how many entries its temporary directory held at start, then leaves a file there (as
 a worker ended by a signal leaves its temporary files).
+TINY_WORKER_BLOCKED_ON_TERM=1: a rank whose peer went away outlives SIGTERM, as the trainer's rank blocked in a
+collective with a dead peer does (its preemption notice waits for a step that never comes); the launcher's
+ABORT_SIGNAL still ends it.
+TINY_WORKER_CHECKPOINT_ON_TERM=<dir>: SIGTERM is a preemption notice, as in the trainer's loop: the rank writes
+`<dir>/rank-<r>-step-<k>` (k: its last step) and exits 75 (EXIT_PREEMPTED).
 TINY_WORKER_STEPS (default 5) and TINY_WORKER_STEP_S (default 0.05) set the length of the run.
 TINY_WORKER_LIVE_STEPS=k also prints the trainer's live metrics line after every step, its step frozen at k - 1 from
 step k on (a rank that talks but no longer trains, for the idle-held warning). Every worker also
@@ -27,6 +32,7 @@ import sys
 import tempfile
 import time
 
+from launcher.protocol import EXIT_PREEMPTED
 from trainer.metrics import LIVE_PREFIX
 from trainer.runtime import signal_ready, worker_identity
 
@@ -54,6 +60,8 @@ def _connect(address: str, timeout_s: float = 30.0) -> socket.socket:
 
 
 def _peer_gone() -> None:
+    if os.environ.get("TINY_WORKER_BLOCKED_ON_TERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print("peer went away; waiting as a collective would", flush=True)
     time.sleep(FOREVER_S)
 
@@ -102,8 +110,22 @@ def _fault_at_step_2(fault: str) -> int | None:
     return None
 
 
+def _checkpoint_on_sigterm(directory: str, rank: int, steps_done: list[int]) -> None:
+    def save_and_exit(signum, frame) -> None:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, f"rank-{rank}-step-{len(steps_done)}"), "w") as checkpoint:
+            checkpoint.write("saved on SIGTERM\n")
+        print(f"rank {rank}: checkpoint of step {len(steps_done)} saved on SIGTERM", flush=True)
+        os._exit(EXIT_PREEMPTED)
+
+    signal.signal(signal.SIGTERM, save_and_exit)
+
+
 def main() -> int:
     me = worker_identity()
+    steps_done: list[int] = []
+    if os.environ.get("TINY_WORKER_CHECKPOINT_ON_TERM"):
+        _checkpoint_on_sigterm(os.environ["TINY_WORKER_CHECKPOINT_ON_TERM"], me.rank, steps_done)
     fault = _fault_for(me.rank)
     print(f"rank {me.rank} of {me.num_workers} pid {os.getpid()} pgid {os.getpgid(0)} starting", flush=True)
     _show_environment()
@@ -139,6 +161,7 @@ def main() -> int:
             _send(chief)
             _recv_exact(chief)
         print(f"rank {me.rank} step {step} done", flush=True)
+        steps_done.append(step)
         if os.environ.get("TINY_WORKER_LIVE_STEPS"):
             frozen = min(step, int(os.environ["TINY_WORKER_LIVE_STEPS"]) - 1)
             print(LIVE_PREFIX + json.dumps({"scope": "worker", "values": {"step": frozen}}), flush=True)

@@ -43,3 +43,30 @@ def test_a_hub_dataset_is_its_parquet_files_pinned_to_a_revision():
     assert [f.url.rsplit("/", 1)[1] for f in _hub_files("someone/corpus", _Hub(["a.jsonl", "b.txt"]))] == ["a.jsonl"]
     with pytest.raises(SourceError, match=r"has no .* data files"):
         _hub_files("someone/corpus", _Hub(["README.md"]))
+
+
+def test_a_glob_match_that_a_symlink_leads_out_of_the_data_roots_is_refused(tmp_path):
+    """Review t5, finding 7: the policy checks the directory a glob searches; a link under it led prepare to
+    tokenize a file outside every data root."""
+    from trainer.config import AccessPolicy
+
+    uploads, outside = tmp_path / "uploads", tmp_path / "outside"
+    uploads.mkdir()
+    outside.mkdir()
+    (uploads / "corpus.txt").write_text("fine")
+    (outside / "secret.txt").write_text("the host's file")
+    (uploads / "notes.txt").symlink_to(outside / "secret.txt")
+    policy = AccessPolicy(data_roots=(str(uploads),), s3_buckets=frozenset())
+    policy.check("dataset", str(uploads / "*.txt"), hub_ids=True)  # the setting itself passes, as in the review
+    assert len(resolve_sources(str(uploads / "*.txt"), REPO).files) == 2  # no policy: what prepare read before
+    for spec in (str(uploads / "*.txt"), str(uploads)):
+        with pytest.raises(SourceError) as refused:
+            resolve_sources(spec, REPO, policy)
+        assert str(refused.value) == (
+            f"Setting 'dataset' = {spec!r} matches {str(uploads / 'notes.txt')!r}, which resolves through a symlink to "
+            f"{outside / 'secret.txt'}, outside the allowed data roots {[str(uploads)]}: remove the link or copy the "
+            "file under a root, or have the operator add its directory to $GPT_FINETUNE_DATA_ROOTS (':'-separated).")
+    (uploads / "notes.txt").unlink()
+    (uploads / "inside.txt").symlink_to(uploads / "corpus.txt")  # a link that stays inside a root is fine
+    assert [f.relpath for f in resolve_sources(str(uploads / "*.txt"), REPO, policy).files] == ["corpus.txt",
+                                                                                              "corpus.txt"]

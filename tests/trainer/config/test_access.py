@@ -1,4 +1,6 @@
 
+import re
+
 import pytest
 
 from trainer.config import AccessPolicy, ConfigError, RunConfig
@@ -183,3 +185,83 @@ def test_the_defaults_are_the_deployment_s_own_values_and_a_backend_s_settings_c
     assert defaults["image"].startswith(policy.image_prefixes[0]) and (defaults["namespace"],) == policy.namespaces
     RunConfig.from_params(KUBERNETES)  # every default, on the backend that reads the most of them
     RunConfig.from_params({**ON_S3, "namespace": "attacker-team", "image": "attacker.example/evil:latest"})
+
+
+def test_a_wildcard_alert_domain_matches_a_suffix_only_and_refuses_the_reviews_comment_address(operator_policy,
+                                                                                               monkeypatch):
+    """Review t5, finding 3: `*.example.org` matched `a@evil.com(.example.org`, which smtplib sends to evil.com."""
+    policy = AccessPolicy.from_env({"GPT_FINETUNE_ALERT_DOMAINS": "*.example.org,example.com"})
+    for address in ("a@ml.example.org", "a@x.y.example.org", "a@Example.COM"):
+        policy.check_allowed("alert_emails", address)
+    for address in ("a@evil.com(.example.org", "a@example.org", "a@evilexample.org", "a@[127.0.0.1].example.org",
+                    "a@example.com.evil.com", "a@xexample.com"):
+        with pytest.raises(ConfigError, match="outside the recipient domains this deployment allows "
+                                              r"\(GPT_FINETUNE_ALERT_DOMAINS=\*.example.org,example.com\)"):
+            policy.check_allowed("alert_emails", address)
+
+
+def test_an_image_entry_ending_in_a_colon_refuses_a_registry_port_and_admits_a_tag_only(operator_policy):
+    """Review t5, finding 9: `gpt-finetune-trainer:` admitted `gpt-finetune-trainer:5000/attacker/trainer:latest`,
+    which runtimes read as the registry `gpt-finetune-trainer:5000`."""
+    for image in ("gpt-finetune-trainer:2.21.0", "gpt-finetune-trainer:dev_1"):
+        assert RunConfig.from_params({**KUBERNETES, "image": image}).launch.kubernetes.image == image
+    for image in ("gpt-finetune-trainer:5000/attacker/trainer:latest", "gpt-finetune-trainer:", 
+                  "gpt-finetune-trainer:.x", "gpt-finetune-trainer:1@sha256:" + "0" * 64):
+        with pytest.raises(ConfigError, match=rf"'image' = '{re.escape(image)}' is outside the images this "
+                                              r"deployment allows \(GPT_FINETUNE_IMAGE_PREFIXES="):
+            RunConfig.from_params({**KUBERNETES, "image": image})
+
+
+@pytest.mark.parametrize("workdir, fragment", [
+    ("/etc/cron.d", ("'remote_workdir' = '/etc/cron.d' is outside the remote work directories this deployment "
+                     "allows (GPT_FINETUNE_REMOTE_WORKDIRS=(none))")),
+    ("~/../../root/.ssh", "'remote_workdir' = '~/../../root/.ssh' contains '..'"),
+])
+def test_a_remote_workdir_off_the_allow_list_is_refused(operator_policy, monkeypatch, workdir, fragment):
+    """Review t5, finding 10: the agent creates directories and the workers write wherever remote_workdir says."""
+    monkeypatch.setenv("GPT_FINETUNE_SSH_CONN_IDS", "tfmw_ssh_*")
+    with pytest.raises(ConfigError) as refused:
+        RunConfig.from_params({**SSH, "remote_workdir": workdir})
+    assert fragment in str(refused.value)
+
+
+def test_the_operator_lists_remote_workdirs_and_an_empty_one_is_the_hosts_temporary_directory(operator_policy,
+                                                                                             monkeypatch):
+    monkeypatch.setenv("GPT_FINETUNE_REMOTE_WORKDIRS", "/scratch/tfmw/*")
+    monkeypatch.setenv("GPT_FINETUNE_SSH_CONN_IDS", "tfmw_ssh_*")
+    assert RunConfig.from_params({**SSH, "remote_workdir": "/scratch/tfmw/team-a"}).launch.ssh.remote_workdir
+    assert RunConfig.from_params(SSH).launch.ssh.remote_workdir == ""
+    with pytest.raises(ConfigError, match=r"GPT_FINETUNE_REMOTE_WORKDIRS=/scratch/tfmw/\*"):
+        RunConfig.from_params({**SSH, "remote_workdir": "/scratch/other"})
+    RunConfig.from_params({**ON_S3, "remote_workdir": "/etc/cron.d"})  # another backend never reads it
+
+
+@pytest.mark.parametrize("params, fragment", [
+    ({**ON_S3, "bpe_sample_mb": 1 << 20}, ("'bpe_sample_mb' = 1048576 is outside what this deployment allows "
+                                          "(GPT_FINETUNE_MAX_BPE_SAMPLE_MB=1024): use a value at most 1024")),
+    ({**ON_S3, "hang_timeout_s": 7 * 86_400, "max_idle_held_s": 0},
+     "'hang_timeout_s' = 604800 is outside what this deployment allows (GPT_FINETUNE_MAX_HANG_TIMEOUT_S=21600)"),
+    ({**KUBERNETES, "tolerations": [{"key": "k", "operator": "Exists", "effect": "NoExecute",
+                                     "tolerationSeconds": 10**30}]},
+     f"'tolerationSeconds' = {10**30} is outside what this deployment allows (GPT_FINETUNE_MAX_TOLERATION_S=3600)"),
+])
+def test_settings_above_the_operators_ceilings_are_refused_naming_the_variable(operator_policy, params, fragment):
+    """Review t5, finding 10: a 1 TiB BPE sample, a 7-day hang watchdog and tolerationSeconds 10^30 were accepted."""
+    with pytest.raises(ConfigError) as refused:
+        RunConfig.from_params(params)
+    assert fragment in str(refused.value) and "have the operator raise $GPT_FINETUNE_MAX_" in str(refused.value)
+
+
+def test_the_operators_cost_ceiling_refuses_a_run_without_a_budget_or_above_it(operator_policy, monkeypatch):
+    """The cost gate on the operator's side: the run's budget may be lower, never off or higher."""
+    monkeypatch.setenv("GPT_FINETUNE_MAX_RUN_COST", "250")
+    assert RunConfig.from_params({**ON_S3, "max_run_cost": 100}).monitoring.max_run_cost == 100
+    for budget, fragment in ((0, "'max_run_cost' = 0 is outside what this deployment allows (0 turns the budget off"),
+                             (1000, "'max_run_cost' = 1000 is outside what this deployment allows")):
+        with pytest.raises(ConfigError, match=re.escape(fragment) + r".*GPT_FINETUNE_MAX_RUN_COST=250\): use a value "
+                                                                    r"above 0 and at most 250"):
+            RunConfig.from_params({**ON_S3, "max_run_cost": budget})
+    monkeypatch.setenv("GPT_FINETUNE_MAX_HANG_TIMEOUT_S", "soon")
+    with pytest.raises(ConfigError, match=r"\$GPT_FINETUNE_MAX_HANG_TIMEOUT_S = 'soon' is not a ceiling: set a "
+                                          r"positive number, or unset it for the default \(21600\)"):
+        RunConfig.from_params(ON_S3)

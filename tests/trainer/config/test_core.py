@@ -53,15 +53,32 @@ def test_presets_fit_their_block_sizes():
     ({"alert_emails": ["ops@example.com"]}, ["'alert_emails' needs 'alert_conn_id'", "smtp"]),
     ({"alert_conn_id": "alerts"}, ["'alert_conn_id' = 'alerts' needs 'alert_emails'"]),
     ({"alert_conn_id": "alerts", "alert_emails": ["ops"]}, ["'alert_emails' has ['ops']", "name@domain"]),
+    # Review t5, finding 3: addresses a mail server reads another way than the domain check does.
+    *[({"alert_conn_id": "alerts", "alert_emails": [address]}, [f"'alert_emails' has [{address!r}]", "plain e-mail",
+                                                                "no comments, quotes, '%', '!' or [address]"])
+      for address in ("a@evil.com(.example.org", "a%evil.com@example.com", "a@[127.0.0.1].example.org",
+                      '"a@evil.com"@example.com', "a@example.com (x)", "evil.com!a@example.com",
+                      "a@example.com,b@evil.com", "a@example")],
     ({"alert_conn_id": "alerts", "alert_emails": "ops@example.com"}, ["'alert_emails' must be a list of strings"]),
     ({"max_loss_rise": -1}, ["'max_loss_rise' = -1.0 is out of range", "0.0 to 100.0"]),
     ({"min_throughput_ratio": 1.5}, ["'min_throughput_ratio' = 1.5 is out of range", "0.0 to 1.0"]),
-], ids=["emails-without-connection", "connection-without-emails", "not-an-address", "emails-not-a-list",
-        "negative-rise", "ratio-above-1"])
+    ({"reclaim_idle_after_s": 600}, ["'reclaim_idle_after_s' = 600 is below the idle-held watch's window",
+                                     "'max_idle_held_s' = 900"]),
+    ({"reclaim_idle_after_s": 600, "max_idle_held_s": 0}, ["'reclaim_idle_after_s' = 600 needs the idle-held watch",
+                                                           "'max_idle_held_s'"]),
+], ids=["emails-without-connection", "connection-without-emails", "not-an-address",
+        *[f"t5-3-not-plain-{i}" for i in range(8)], "emails-not-a-list",
+        "negative-rise", "ratio-above-1", "reclaim-below-the-window", "reclaim-without-the-watch"])
 def test_bad_monitoring_settings_are_refused_naming_the_setting(params, fragments):
     with pytest.raises(ConfigError) as raised:
         RunConfig.from_params(params)
     assert all(fragment in str(raised.value) for fragment in fragments), str(raised.value)
+
+
+def test_reclaiming_idle_gpus_is_off_by_default_and_may_equal_the_watch_window():
+    assert RunConfig.from_params({}).monitoring.reclaim_idle_after_s == 0
+    cfg = RunConfig.from_params({"reclaim_idle_after_s": 900})
+    assert cfg.monitoring.reclaim_idle_after_s == 900 and RunConfig.from_saved(cfg.to_dict()) == cfg
 
 
 def test_alert_settings_round_trip_and_cleared_fields_mean_no_alerts():
@@ -121,3 +138,26 @@ def test_model_revision_pins_only_a_hub_model_and_base_is_no_model_name():
         RunConfig.from_params({"model": "gpt2", "model_revision": "main branch"})
     with pytest.raises(ConfigError, match="'model_name' = 'base' is reserved"):
         RunConfig.from_params({"model_name": "base"})
+
+
+@pytest.mark.parametrize("name, value, fragment", [
+    ("text_column", "x" * (1 << 20), "'text_column' has a value of 1048576 characters ('xxxx"),
+    ("dataset", "data/" + "d" * 5000, "'dataset' has a value of 5005 characters"),
+    ("storage_conn_id", "c" * 300, "'storage_conn_id' has a value of 300 characters"),
+])
+def test_a_string_longer_than_its_setting_allows_is_refused_before_any_other_rule(name, value, fragment):
+    """Review t5, finding 10: a 1 MB text_column was accepted."""
+    with pytest.raises(ConfigError) as refused:
+        RunConfig.from_params({name: value})
+    assert fragment in str(refused.value) and "are allowed; shorten it" in str(refused.value)
+    assert len(str(refused.value)) < 300  # the value is quoted in part, never whole
+
+
+def test_a_text_column_with_markdown_or_html_is_refused():
+    """Review t5, finding 8: a backtick in text_column ended the model card's code span and let HTML in."""
+    injected = "text` <a href=\"https://evil.example/rotate-keys\">rotate your keys</a> <img src=x onerror=alert(1)> `"
+    for value in (injected, "a|b", "a\nb", "<b>"):
+        with pytest.raises(ConfigError, match=r"Setting 'text_column' = .* is not a column name: use up to 128"):
+            RunConfig.from_params({"text_column": value})
+    for value in ("text", "body", "Review Text", "meta.content", "col_2-a"):
+        assert RunConfig.from_params({"text_column": value}).text_column == value
