@@ -39,8 +39,7 @@ TRAIN_CONFIG = {"model": "tiny", "tokenizer": "bpe:320", "block_size": 32, "batc
 def cluster(tmp_path):
     home = tmp_path / "pod-home"
     home.mkdir()
-    with FakeKubernetes({**image_env(home), "TMPDIR": str(home), "TF_CPP_MIN_LOG_LEVEL": "2",
-                         "TF_USE_LEGACY_KERAS": "1"}) as fake:
+    with FakeKubernetes({**image_env(home), "TMPDIR": str(home), "TF_CPP_MIN_LOG_LEVEL": "2"}) as fake:
         yield fake
 
 
