@@ -106,7 +106,7 @@ class TorchArm:
 
 
 def _arms(preset: str, vocab: int) -> dict:
-    from trainer.config import MODEL_PRESETS
+    from core.config import MODEL_PRESETS
 
     shape = MODEL_PRESETS[preset]
     tokens = _tokens(vocab)

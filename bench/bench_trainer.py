@@ -100,9 +100,9 @@ def loop_floor(config_path: str, manifest_url: str, out_path: str) -> None:
     writes its timings."""
     import tensorflow as tf
 
-    from trainer import storage
+    from core import storage
+    from core.config import RunConfig
     from trainer.adamw import AdamW
-    from trainer.config import RunConfig
     from trainer.data import load_manifest, make_dataset, shard_cache_dir, stage_shards, worker_shards
     from trainer.model import build_model, causal_lm_loss
     from trainer.recipe import clip_gradients, learning_rate_schedule, set_random_seed
@@ -220,8 +220,8 @@ def run(out_dir: Path) -> dict:
         message = f"trainer benchmark skipped: no .txt files in {CORPUS} (the shared Shakespeare corpus)."
         print(message)
         return {"skipped": message}
+    from core.config import RunConfig
     from tasks.dataset.stage import prepare_dataset
-    from trainer.config import RunConfig
     from trainer.host_info import cpu_model
 
     hardware = f"{os.cpu_count()} x {cpu_model()} (CPU only)"

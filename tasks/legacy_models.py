@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from launcher.protocol import utc_now
-from trainer import storage
+from core import storage
+from core.clock import utc_now
 from trainer.decoders.architectures import CheckpointError, read_config
 from trainer.decoders.gpt2_config import parameter_shapes
 from trainer.decoders.safetensors_io import INDEX_FILE, WEIGHTS_FILE, write_file

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from core.config import ConfigError, RunConfig
+from core.layout import StorageLayout
+from core.storage import read_json
 from tasks.base_models import pinned_base, resolve_base_model
 from tests.support import local_hub
 from tests.tasks import run_fixtures
-from trainer.config import ConfigError, RunConfig
-from trainer.layout import StorageLayout
-from trainer.storage import read_json
 
 
 def config(tmp_path: Path, **settings) -> RunConfig:
@@ -58,8 +58,8 @@ def test_a_hub_model_is_fetched_once_then_reused_without_the_hub(tmp_path, hub, 
 
 
 def test_a_cached_copy_whose_record_is_of_another_shape_is_refused_naming_the_file_and_the_field(tmp_path, hub):
-    from launcher.document import DocumentError
-    from trainer.storage import write_json_atomic
+    from core.document import DocumentError
+    from core.storage import write_json_atomic
 
     sha = local_hub.add_model(hub, "gpt2")
     cfg, record = resolve_base_model(config(tmp_path), cache_dir=hub)
@@ -105,8 +105,8 @@ def test_files_that_are_no_checkpoint_the_trainer_reads_are_refused_before_train
 def test_a_copy_cached_for_the_tf_model_is_fetched_again_as_safetensors(tmp_path, hub):
     """Copies made before base models were safetensors checkpoints hold tf_model.h5: their record lists no
     .safetensors file, so the next prepare replaces them."""
+    from core.storage import write_json_atomic
     from tasks.base_models import BaseModelRecord, SnapshotFile
-    from trainer.storage import write_json_atomic
 
     sha = local_hub.add_model(hub, "gpt2")
     url = Path(StorageLayout(str(tmp_path / "storage")).base_model("gpt2", sha))

@@ -76,8 +76,8 @@ def test_a_legacy_model_that_does_not_fit_its_config_is_refused_naming_the_tenso
 
 
 def test_a_directory_of_tf_weights_named_in_model_is_refused_before_training_saying_how_to_convert(legacy):
+    from core.config import ConfigError, RunConfig
     from tasks.base_models import check_model_setting
-    from trainer.config import ConfigError, RunConfig
 
     cfg = RunConfig.from_params({"model": str(legacy), "block_size": 16})
     with pytest.raises(ConfigError, match=r"holds tf_model.h5 only, transformers 4.57's TF format, .* convert this "

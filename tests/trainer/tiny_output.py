@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.config import RunConfig
+from core.config import RunConfig
 
 
 def trained_decoder(manifest_url: str, *, steps: int = 8, learning_rate: float = 3e-3, batch: int = 8):

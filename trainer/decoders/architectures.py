@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from launcher.document import DocumentError
-from trainer import storage
+from core import storage
+from core.document import DocumentError
 from trainer.decoders import gpt2_config
 from trainer.decoders.gpt2_config import GPT2Config, GPT2ConfigError
 

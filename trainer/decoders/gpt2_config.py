@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from launcher.document import OpenDocument
-from trainer.config import MODEL_PRESETS
+from core.config import MODEL_PRESETS
+from core.document import OpenDocument
 
 ARCHITECTURE = "GPT2LMHeadModel"
 MODEL_TYPE = "gpt2"
@@ -116,7 +116,7 @@ class GPT2Config(OpenDocument):
 
 
 def preset_config(preset: str, *, vocab_size: int, eos_token_id: int) -> GPT2Config:
-    """The config of a preset of trainer.config's MODEL_PRESETS (its shape), with the tokenizer's size and end token
+    """The config of a preset of core.config's MODEL_PRESETS (its shape), with the tokenizer's size and end token
     (also the start token, as GPT-2's)."""
     if preset not in MODEL_PRESETS:
         raise GPT2ConfigError(f"no model preset {preset!r}: the presets are {', '.join(MODEL_PRESETS)}.")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer import storage
+from core import storage
 from trainer.decoders.architectures import CONFIG_FILE, CheckpointError, DecoderConfig, check_block_size, read_config
 from trainer.decoders.gpt2_config import checkpoint_name, parameter_shapes, preset_config
 from trainer.decoders.safetensors_io import (
@@ -77,7 +77,7 @@ def build_decoder(config: DecoderConfig, *, compute_dtype: str = "float32", seed
 
 def build_preset(preset: str, *, vocab_size: int, eos_token_id: int, block_size: int, compute_dtype: str = "float32",
                  seed: int = 0):
-    """A randomly initialised decoder of a trainer.config MODEL_PRESETS shape with the tokenizer's vocabulary."""
+    """A randomly initialised decoder of a core.config MODEL_PRESETS shape with the tokenizer's vocabulary."""
     config = preset_config(preset, vocab_size=vocab_size, eos_token_id=eos_token_id)
     check_block_size(config, block_size, f"preset {preset!r}")
     log.info("Model: preset %r (random init, seed %d), vocab %d", preset, seed, vocab_size)

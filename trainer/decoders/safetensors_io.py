@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer import storage
+from core import storage
 from trainer.decoders.architectures import CheckpointError
 
 WEIGHTS_FILE = "model.safetensors"

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
+from core.config import MODEL_PRESETS
 from tests.trainer.decoders.golden import FIXTURES, GOLDEN, INPUT_IDS, arrays
-from trainer.config import MODEL_PRESETS
 
 LOGITS_TOLERANCE = 1e-5  # absolute, float32 (issue 50)
 LOSS_TOLERANCE = 1e-6  # relative

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from core.config import MODEL_PRESETS
 from tests.trainer.decoders.golden import FIXTURES
-from trainer.config import MODEL_PRESETS
 from trainer.decoders.architectures import SUPPORTED, CheckpointError, check_block_size, config_from_json
 from trainer.decoders.gpt2_config import GPT2Config, checkpoint_name, parameter_shapes, preset_config
 

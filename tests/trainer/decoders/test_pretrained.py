@@ -104,7 +104,7 @@ def test_save_then_load_is_bit_exact_and_writes_what_transformers_5_writes(tmp_p
 
 
 def test_object_storage_checkpoints_are_staged_read_and_written(s3_bucket, tmp_path):
-    from trainer import storage
+    from core import storage
     from trainer.decoders.pretrained import load_pretrained, save_pretrained
 
     url = storage.join(s3_bucket, "models", "tiny")
@@ -137,7 +137,7 @@ def _refuse_weight_reads(patch: pytest.MonkeyPatch) -> None:
     """Fail the test if a weight file is opened or downloaded: refusals come before either."""
     import safetensors
 
-    from trainer import storage
+    from core import storage
 
     def refuse(*args, **kwargs):
         raise AssertionError("a weight was read before the checkpoint was refused")
@@ -180,7 +180,7 @@ def test_a_tensor_that_does_not_fit_is_refused_by_name_before_any_weight_is_read
 
 
 def test_an_object_storage_checkpoint_is_refused_before_its_weights_are_downloaded(s3_bucket, tmp_path):
-    from trainer import storage
+    from core import storage
     from trainer.decoders.pretrained import load_pretrained
 
     directory = _copy(tmp_path)
