@@ -31,7 +31,7 @@ def main(names: list[str]) -> int:
         print(f"Unknown benchmark(s) {unknown}; available: {available}")
         return 2
     OUT.mkdir(exist_ok=True)
-    # The benchmarks read the shared corpus and write to temporary directories: allow both (trainer/config/access.py).
+    # The benchmarks read the shared corpus and write to temporary directories: allow both (core/config/access.py).
     repo = OUT.parent
     os.environ.setdefault("GPT_FINETUNE_DATA_ROOTS", os.pathsep.join(
         [str(repo / "data"), str(repo / "storage"), str(bench.CORPUS), tempfile.gettempdir()]))

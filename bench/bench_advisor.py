@@ -43,8 +43,8 @@ def _seconds_per_step(summary: dict) -> float:
 
 def case(label: str, make_backend, num_workers: int, manifest: str, root: Path) -> dict:
     """Preflight's prediction for N workers, then the measured speedup of N workers over the baseline."""
-    from trainer.config import RunConfig
-    from trainer.storage import read_json
+    from core.config import RunConfig
+    from core.storage import read_json
 
     root.mkdir(parents=True)
     cfg = RunConfig.from_params({**SETTINGS, "num_workers": num_workers, "storage_root": str(root)})

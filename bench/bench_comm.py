@@ -120,9 +120,9 @@ def _measure_link(network, root: Path, model: str, manifest: str, rate: int, ste
 
 
 def run(out_dir: Path) -> dict:
+    from core.config import RunConfig
     from tests.support import netns
     from tests.trainer.shards import write_dataset
-    from trainer.config import RunConfig
 
     reason = netns.unavailable_reason() or (None if shutil.which("taskset") else "taskset is not installed")
     if reason:

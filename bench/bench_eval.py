@@ -45,8 +45,8 @@ def _corpus(directory: Path) -> Path:
 
 
 def _prepare(root: Path, dataset: str, tokenizer: str) -> tuple[str, float]:
+    from core.config import RunConfig
     from tasks.dataset import stage
-    from trainer.config import RunConfig
 
     started = time.perf_counter()
     cfg = RunConfig(**SETTINGS, num_workers=2, dataset=dataset, tokenizer=tokenizer, storage_root=str(root),
@@ -56,9 +56,9 @@ def _prepare(root: Path, dataset: str, tokenizer: str) -> tuple[str, float]:
 
 def _train(root: Path, manifest: str, tokenizer: str) -> dict:
     """2 workers through the launcher; the start-up is the launch to the end of the first (compiling) step."""
+    from core.config import RunConfig
+    from core.storage import read_json
     from launcher import GroupSpec, LocalBackend, WorkerGroup
-    from trainer.config import RunConfig
-    from trainer.storage import read_json
 
     cfg = RunConfig(**SETTINGS, num_workers=2, tokenizer=tokenizer, storage_root=str(root))
     (root / "config.json").write_text(cfg.to_json())
@@ -84,9 +84,9 @@ def _train(root: Path, manifest: str, tokenizer: str) -> dict:
 
 
 def _evaluate(root: Path, manifest: str, workers: int, eval_tokens: int) -> dict:
+    from core.config import RunConfig
     from launcher import LocalBackend
     from tasks.evaluate import run_evaluation
-    from trainer.config import RunConfig
 
     cfg = RunConfig(**SETTINGS, num_workers=workers, eval_tokens=eval_tokens, storage_root=str(root / "eval"))
     started = time.perf_counter()

@@ -18,8 +18,8 @@ START_STEP = 100
 
 
 def run(out_dir: Path) -> dict:
+    from core.storage import read_json
     from tests.trainer.long_run import TrainGroup, write_tiny_dataset
-    from trainer.storage import read_json
 
     with tempfile.TemporaryDirectory(prefix="bench-long-run-") as scratch:
         scratch = Path(scratch)

@@ -30,9 +30,9 @@ def memory_copy_gbps() -> float:
 
 def _inputs(root: Path) -> tuple[str, ...]:
     """A run config and a manifest with dummy shards: the preflight reads the manifest, not the tokens."""
-    from trainer.config import RunConfig
+    from core.config import RunConfig
 
-    fingerprint = "be" * 10  # a dataset's name as prepare writes it (trainer.layout.DATASET_FINGERPRINT)
+    fingerprint = "be" * 10  # a dataset's name as prepare writes it (core.layout.DATASET_FINGERPRINT)
     dataset = root / "datasets" / fingerprint
     dataset.mkdir(parents=True)
     shards = []
@@ -53,8 +53,8 @@ def _inputs(root: Path) -> tuple[str, ...]:
 
 
 def run(out_dir: Path) -> dict:
+    from core.storage import read_json
     from launcher import GroupSpec, LocalBackend, WorkerGroup
-    from trainer.storage import read_json
 
     with tempfile.TemporaryDirectory(prefix="bench-preflight-") as tmp:
         root = Path(tmp)

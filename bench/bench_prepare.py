@@ -132,9 +132,9 @@ def _summarize(children: list[dict]) -> dict:
 
 def _bytes_per_token(scratch: Path) -> tuple[dict[int, str], list[dict]]:
     """Prepare the corpus for every vocabulary x block size; returns the trained tokenizers' directories."""
+    from core import storage
+    from core.config import RunConfig
     from tasks.dataset.stage import prepare_dataset
-    from trainer import storage
-    from trainer.config import RunConfig
 
     print("\nbytes per token on disk (shards incl. TFRecord framing / tokens in shards):")
     tokenizers, sizes = {}, []
@@ -219,8 +219,8 @@ def _measure(arguments: str) -> None:
         return timer
 
     def stage(started: float | None = None) -> tuple[_Timer, dict]:
+        from core.config import RunConfig
         from tasks.dataset.stage import prepare_dataset
-        from trainer.config import RunConfig
 
         cfg = RunConfig(dataset=str(CORPUS / "*.txt"), tokenizer=options["tokenizer"], block_size=1024,
                         model="gpt2-124m", num_workers=1, storage_root=f"{options['root']}/{next(runs)}")

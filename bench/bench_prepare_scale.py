@@ -266,11 +266,11 @@ def _step(arguments: str) -> None:
     given = json.loads(arguments)
     if given["cores"]:
         os.sched_setaffinity(0, set(given["cores"]))
+    from core.config import RunConfig
     from tasks.dataset import stage
     from tasks.dataset.records import Unit, WorkPlan
     from tasks.dataset.sources import resolve_sources
     from tasks.dataset.tokenizer import plan_tokenizer, train_bpe
-    from trainer.config import RunConfig
 
     options = given["options"]
     start_s = time.perf_counter() - started

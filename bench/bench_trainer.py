@@ -99,8 +99,8 @@ def fit_floor(config_path: str, manifest_url: str, out_path: str) -> None:
     import tensorflow as tf
     import tf_keras
 
-    from trainer import storage
-    from trainer.config import RunConfig
+    from core import storage
+    from core.config import RunConfig
     from trainer.data import load_manifest, make_dataset, shard_cache_dir, stage_shards, worker_shards
     from trainer.model import build_model
     from trainer.optim import GRAD_CLIP_NORM, learning_rate_schedule, make_optimizer
@@ -217,8 +217,8 @@ def run(out_dir: Path) -> dict:
         message = f"trainer benchmark skipped: no .txt files in {CORPUS} (the shared Shakespeare corpus)."
         print(message)
         return {"skipped": message}
+    from core.config import RunConfig
     from tasks.dataset.stage import prepare_dataset
-    from trainer.config import RunConfig
     from trainer.host_info import cpu_model
 
     hardware = f"{os.cpu_count()} x {cpu_model()} (CPU only)"

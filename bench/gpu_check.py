@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args, shapes: dict, corpus: str, use_gpu: bool, scratch: Path) -> tuple[dict, float | None]:
+    from core.config import RunConfig
     from tasks.dataset.stage import prepare_dataset
-    from trainer.config import RunConfig
 
     cfg = RunConfig(
         dataset=corpus, storage_root=str(scratch / "storage"), tokenizer=shapes["tokenizer"], model=shapes["model"],

@@ -106,7 +106,7 @@ class StandIns:
         self.processes: list[subprocess.Popen] = []
 
     def start(self, gpu: Any, *, run_key: str | None = None, ignore_term: bool = False) -> subprocess.Popen:
-        from launcher.protocol import RUN_KEY_ENV
+        from core.protocol import RUN_KEY_ENV
 
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu.uuid or str(gpu.index),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -184,8 +184,8 @@ def _busy_gpu_not_admitted(args, gpus, stand_ins: StandIns, fake) -> dict[str, A
 
 
 def _stubborn_worker_released(args, gpus, stand_ins: StandIns, fake) -> dict[str, Any]:
+    from core.clock import utc_now
     from launcher import LocalBackend
-    from launcher.protocol import utc_now
     from launcher.state_record import RecordedWorker, StateRecord
 
     key = f"gpu-release-check-{uuid.uuid4().hex[:12]}"

@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from launcher.protocol import utc_now
+from core.clock import utc_now
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench-results"

@@ -13,7 +13,7 @@ import os
 import pendulum
 from airflow.sdk import Asset, AssetAlias, Param, dag, task
 
-from trainer.config.schema import SETTINGS, param_kwargs  # stdlib only: no storage, TF or transformers here
+from core.config.schema import SETTINGS, param_kwargs  # stdlib only: no storage, TF or transformers here
 
 # Cron expression of the nightly run; "none" leaves only manual and API triggers.
 _SCHEDULE_SETTING = os.environ.get("GPT_FINETUNE_SCHEDULE", "0 2 * * *").strip()
@@ -35,7 +35,7 @@ SHARDS_ASSET = Asset(name="gpt_finetune_shards", uri="gpt-finetune://datasets/sh
 MODEL_ASSET = Asset(name="gpt_finetune_model", uri="gpt-finetune://models/latest")
 PROMOTIONS = AssetAlias(name="gpt_finetune_promotions")
 
-# One Param per run setting, generated from the schema RunConfig checks (trainer/config/schema.py): the trigger form
+# One Param per run setting, generated from the schema RunConfig checks (core/config/schema.py): the trigger form
 # and --conf both go through these, and RunConfig.from_params re-checks everything, including keys Airflow does not
 # know.
 PARAMS = {setting.name: Param(**param_kwargs(setting, {"storage_root": DEFAULT_STORAGE_ROOT,
@@ -219,7 +219,7 @@ def gpt_finetune():
             # The validated configuration, once: backend, worker count, GPU use, timeouts, storage and connection.
             run_config="{{ ti.xcom_pull(task_ids='" + PREPARED + "')['config'] }}",
             # The workers' --config and --output; no run_key: the operator derives it from (dag_id, run_id) and
-            # holds these to that run's layout, and pins the config's digest itself (trainer/config/pinned.py).
+            # holds these to that run's layout, and pins the config's digest itself (core/config/pinned.py).
             config_url=prepared(config),
             output_url=prepared(output),
             args=["--manifest", prepared("manifest_url"), *extra_args],
@@ -229,7 +229,7 @@ def gpt_finetune():
         )
 
     # The scaling advisor takes a reused baseline's step time instead of its own probe when one exists.
-    # Preflight writes preflight.json into the run's report directory (trainer/layout.py, RunLayout.preflight).
+    # Preflight writes preflight.json into the run's report directory (core/layout.py, RunLayout.preflight).
     preflight = worker_group("preflight", "trainer.preflight", config="config_url", output="report_url", retries=0,
                              extra_args=["--baseline-summary", prepared("baseline_summary_url")])
     # A retry (or fewer usable hosts) may continue on fewer workers, down to min_workers (tf_multiworker/elastic.py).

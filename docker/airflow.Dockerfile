@@ -38,10 +38,11 @@ RUN case "${LOCAL_WORKERS}" in \
 # Code stays root-owned: the airflow user runs it but cannot change it, so the default storage root above lies in
 # the writable AIRFLOW_HOME. data/sample is the DAG's default dataset ("data/sample/*.txt", relative to the
 # repository, which tasks find next to their own package).
+COPY core/ /opt/airflow/project/core/
 COPY dags/ /opt/airflow/project/dags/
 COPY launcher/ /opt/airflow/project/launcher/
 COPY plugins/ /opt/airflow/project/plugins/
 COPY tasks/ /opt/airflow/project/tasks/
 COPY trainer/ /opt/airflow/project/trainer/
 COPY data/sample/ /opt/airflow/project/data/sample/
-RUN python -c 'import launcher, trainer.config, trainer.storage, trainer.layout, tasks, tf_multiworker'
+RUN python -c 'import launcher, core.config, core.storage, core.layout, tasks, tf_multiworker'

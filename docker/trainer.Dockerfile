@@ -26,7 +26,9 @@ RUN python3 -m pip install --no-cache-dir --requirement /tmp/requirements-traine
     && python3 -c 'import tensorflow as tf, tf_keras, transformers; assert tf.__version__ == "2.21.0", tf.__version__'
 
 # Workers never need write access to their own code: it stays root-owned; the worker writes under its home.
-# The worker side only: the launcher (its protocol, the SSH agent) and the trainer; no Airflow glue.
+# The worker side only: the shared core (storage, config, the protocol's names), the launcher (the SSH agent) and
+# the trainer; no Airflow glue.
+COPY core/ /opt/gpt-finetune/core/
 COPY launcher/ /opt/gpt-finetune/launcher/
 COPY trainer/ /opt/gpt-finetune/trainer/
 RUN useradd --no-log-init --create-home --uid 10001 --shell /usr/sbin/nologin trainer

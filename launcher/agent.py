@@ -4,7 +4,7 @@ Every mode reads one JSON line on stdin (so secrets never travel in an argv or a
 stdout: `run` starts a worker and relays its output between control lines; `probe`, `release`, `kill`, `reap`,
 `slots` and `utilization` answer with one JSON object. The modes, their requests and answers are specified in
 docs/CONTRACTS.md ("SSH backend <-> remote agent"); the fields each request must have, and what they must be, are
-`REQUESTS` below; the control lines are named in `launcher.protocol`. It runs from the launcher package installed in
+`REQUESTS` below; the control lines are named in `core.protocol`. It runs from the launcher package installed in
 `remote_python`'s environment on that host, and imports neither Airflow nor TensorFlow: it starts for every rank, so
 it must start fast.
 """
@@ -25,6 +25,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from core.protocol import (
+    ABORT_LINE,
+    ABORT_SIGNAL,
+    AGENT_LINE,
+    AGENT_MODULE,
+    EXIT_LINE,
+    GROUP_ENV,
+    RUN_KEY_ENV,
+    RUN_KEY_PATTERN,
+    STOP_LINE,
+    control_line,
+    inherited_environment,
+)
 from launcher.gpus import (
     check_exited_slots,
     gpu_utilization,
@@ -46,20 +59,7 @@ from launcher.process import (
     stop_group,
     wait_group_gone,
 )
-from launcher.protocol import (
-    ABORT_LINE,
-    ABORT_SIGNAL,
-    AGENT_LINE,
-    AGENT_MODULE,
-    EXIT_LINE,
-    GROUP_ENV,
-    RUN_KEY_ENV,
-    RUN_KEY_PATTERN,
-    STOP_LINE,
-    control_line,
-    inherited_environment,
-    worker_temp_environment,
-)
+from launcher.tf_env import worker_temp_environment
 
 EXIT_BAD_REQUEST = 2
 EXIT_NOT_EXECUTABLE = 126

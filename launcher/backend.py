@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import IO, Any, ClassVar
 
-from launcher.document import Document
+from core.document import Document
 from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
 from launcher.state_record import StateRecord
 
@@ -185,7 +185,7 @@ class Backend(ABC):
         """Release connections; the backend is not used afterwards."""
 
 
-# What builds a backend from the run's `trainer.config.RunConfig` (its own, or the one named by the optional second
+# What builds a backend from the run's `core.config.RunConfig` (its own, or the one named by the optional second
 # argument). The Airflow side owns the one implementation (`tf_multiworker.backends.make_backend`: it resolves
 # connections); a DAG task hands it to the task logic that launches or releases workers, so nothing below the glue
 # imports the glue.

@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from core.clock import utc_now
+from core.protocol import ABORT_SIGNAL, EXIT_PREEMPTED, GROUP_ENV, RUN_KEY_ENV, is_ready_marker
 from launcher.backend import Backend, WorkerHandle
 from launcher.errors import LaunchError
 from launcher.failures import exit_failure, hang_failure, startup_failure
 from launcher.idle import IdleWatch
 from launcher.log_policy import is_native_noise, verbose_environment
 from launcher.process import ORPHAN_GRACE_S, stop_ladder
-from launcher.protocol import ABORT_SIGNAL, EXIT_PREEMPTED, GROUP_ENV, RUN_KEY_ENV, is_ready_marker, utc_now
 from launcher.spec import (
     FailureKind,
     GroupSpec,

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from kubernetes.client import CoreV1Api, NetworkingV1Api, V1Pod
 
+from core.kubernetes_names import is_dns_label
 from launcher import kubernetes_capacity as capacity
 from launcher import kubernetes_objects as objects
 from launcher import kubernetes_release
@@ -28,7 +29,6 @@ from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, HostRelease, Re
 from launcher.errors import LaunchError
 from launcher.gpus import GPU_RELEASE_WAIT_S
 from launcher.kubernetes_api import KubernetesApi, KubernetesApiError
-from launcher.kubernetes_names import is_dns_label
 from launcher.kubernetes_pods import KubernetesWorkerHandle, LaunchedGroup, follow_status
 from launcher.process import ORPHAN_GRACE_S
 from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KubernetesSettings:
-    """Everything about the cluster but the clients: checked in `trainer.config.RunConfig` first."""
+    """Everything about the cluster but the clients: checked in `core.config.RunConfig` first."""
 
     namespace: str
     pod: objects.PodSettings

@@ -43,7 +43,7 @@ from kubernetes.client import (
     V1Toleration,
 )
 
-from launcher.kubernetes_names import MAX_NAME, TOLERATION_KEYS, is_label_value
+from core.kubernetes_names import MAX_NAME, TOLERATION_KEYS, is_label_value
 
 # Every pod has its own IP, so all ranks share one fixed port (TFJob's default).
 WORKER_PORT = 2222

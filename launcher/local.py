@@ -1,7 +1,7 @@
 """Local backend: each worker is a process on this machine, in its own session (so its whole process group can
 be stopped), with one GPU when asked for. TF_CONFIG names loopback addresses, but TensorFlow's worker server
 listens on every interface (see docs/security.md), and the worker's environment is the allow-listed
-part of this process's (`launcher.protocol.inherited_environment`). A guard process per launch attempt
+part of this process's (`core.protocol.inherited_environment`). A guard process per launch attempt
 (`launcher.guard`) ends the attempt's workers when this process dies without stopping them."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
+from core.protocol import ABORT_SIGNAL, GROUP_ENV, LAUNCHER_WORKDIR_PREFIX, RUN_KEY_ENV, inherited_environment
 from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, HostRelease, ReleaseResult, WorkerHandle
 from launcher.errors import InsufficientGPUsError, LaunchError
 from launcher.gpu_memory import idle_levels_mb
@@ -47,16 +48,9 @@ from launcher.process import (
     processes_with_env,
     signal_group,
 )
-from launcher.protocol import (
-    ABORT_SIGNAL,
-    GROUP_ENV,
-    LAUNCHER_WORKDIR_PREFIX,
-    RUN_KEY_ENV,
-    inherited_environment,
-    worker_temp_environment,
-)
 from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
 from launcher.state_record import StateRecord
+from launcher.tf_env import worker_temp_environment
 
 log = logging.getLogger(__name__)
 

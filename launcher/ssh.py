@@ -27,13 +27,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
+from core.document import DocumentError
+from core.protocol import ABORT_LINE, AGENT_LINE, AGENT_MODULE, STOP_LINE, MalformedControlLine, read_control_line
 from launcher.backend import RELEASE_GRACE_S, Backend, Capacity, HostRelease, ReleaseResult, WorkerHandle
-from launcher.document import DocumentError
 from launcher.errors import InsufficientGPUsError, LaunchError
 from launcher.gpu_memory import idle_levels_mb
 from launcher.gpus import GPU_RELEASE_WAIT_S
 from launcher.process import ORPHAN_GRACE_S, exit_status_to_code
-from launcher.protocol import ABORT_LINE, AGENT_LINE, AGENT_MODULE, STOP_LINE, MalformedControlLine, read_control_line
 from launcher.spec import GroupSpec, Placement, WorkerOutcome, WorkerSpec
 from launcher.state_record import StateRecord
 

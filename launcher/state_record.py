@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from launcher.document import OpenDocument
+from core.document import OpenDocument
 
 
 @dataclass(frozen=True)

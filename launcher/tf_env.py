@@ -7,8 +7,12 @@ placements into each rank's variables.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
+from core.protocol import HOST_TMPDIR_ENV
 from launcher.spec import Placement
 
 
@@ -33,3 +37,17 @@ def tensorflow_env(placements: Sequence[Placement], rank: int) -> dict[str, str]
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # for an index (no UUID known): NVML numbers GPUs in PCI bus order
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     return env
+
+
+def worker_temp_environment(workdir: str | Path) -> dict[str, str]:
+    """`TMPDIR` for a worker started in `workdir`: `<workdir>/tmp`, created empty, and the host's own temporary
+    directory as `TFMW_HOST_TMPDIR`.
+
+    What a worker writes to its temporary directory (TensorFlow's autograph modules, the trainer's work directory
+    with downloaded checkpoints and staged model files, non-chief saves) then goes when the launcher removes the
+    working directory, however the worker ended: one ended by a signal runs no cleanup, so every stopped attempt
+    left a checkpoint's size behind in /tmp. Emptied at each start: an earlier attempt's rank left it there."""
+    temp = Path(workdir) / "tmp"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(mode=0o700, parents=True)
+    return {"TMPDIR": str(temp), HOST_TMPDIR_ENV: tempfile.gettempdir()}

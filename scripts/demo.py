@@ -46,8 +46,8 @@ def local_s3(address: str) -> Iterator[str]:
 
 def latest_report(storage_root: str, since: float) -> str | None:
     """The report directory of the newest run under the storage root whose report.json was written after `since`."""
-    from trainer.layout import REPORT_JSON, StorageLayout
-    from trainer.storage import filesystem, join, list_dir
+    from core.layout import REPORT_JSON, StorageLayout
+    from core.storage import filesystem, join, list_dir
 
     layout = StorageLayout(storage_root)
     fs, _ = filesystem(layout.runs)
@@ -81,7 +81,7 @@ def main() -> int:
         print(f"Running gpt_finetune end to end with {json.dumps(conf)}", flush=True)
         result = subprocess.run([AIRFLOW, "dags", "test", "gpt_finetune", "--conf", json.dumps(conf)], cwd=REPO,
                                 check=False)  # the report (or its absence) is printed either way
-        from trainer.storage import exists, join, read_bytes
+        from core.storage import exists, join, read_bytes
 
         directory = latest_report(conf["storage_root"], since=started)
         markdown = join(directory, "report.md") if directory and exists(join(directory, "report.md")) else None

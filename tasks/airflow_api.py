@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
-from launcher.document import Document, DocumentError
+from core.document import Document, DocumentError
 
 log = logging.getLogger("gpt_finetune.airflow_api")
 

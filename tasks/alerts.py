@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from core.config import ConfigError, RunConfig, schema
+from core.config.access import AccessPolicy
+from core.config.core import is_email_address
+from core.layout import run_key
 from tasks import telemetry
-from trainer.config import ConfigError, RunConfig, schema
-from trainer.config.access import AccessPolicy
-from trainer.config.core import is_email_address
-from trainer.layout import run_key
 
 log = logging.getLogger("gpt_finetune.alerts")
 
@@ -52,7 +52,7 @@ ALERT_DEADLINE_S = 10.0
 # `timeout` extra may lower it, never raise it (SmtpHook's default is 30 s).
 SMTP_TIMEOUT_S = 5.0
 SMTP_RETRY_LIMIT = 0  # SmtpHook's default 5 retries re-send over the same broken connection: none within a deadline
-# The formats RunConfig checks (trainer/config/schema.py), applied here one value at a time.
+# The formats RunConfig checks (core/config/schema.py), applied here one value at a time.
 _CONN_ID = re.compile(schema.CONN_ID)
 
 

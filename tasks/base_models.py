@@ -24,12 +24,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.document import Document, DocumentError
-from launcher.protocol import utc_now
-from trainer.config import AccessPolicy, ConfigError, RunConfig
-from trainer.layout import BASE_MODEL_RECORD, StorageLayout
+from core.clock import utc_now
+from core.config import AccessPolicy, ConfigError, RunConfig
+from core.document import Document, DocumentError
+from core.layout import BASE_MODEL_RECORD, StorageLayout
+from core.storage import exists, join, publish_directory, read_json, staging_directory
 from trainer.model import is_model_location
-from trainer.storage import exists, join, publish_directory, read_json, staging_directory
 
 log = logging.getLogger("gpt_finetune.base_models")
 

@@ -18,17 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launcher.document import Document, DocumentError, OpenDocument, read_fields
+from core.clock import utc_now
+from core.config import RunConfig
+from core.document import Document, DocumentError, OpenDocument, read_fields
+from core.layout import safe_name
+from core.storage import exists, join, list_dir, read_json, remove_tree, write_json_atomic
+from core.summary import TrainSummary
 from launcher.host_probe import package_versions
-from launcher.protocol import utc_now
 from tasks.checked_run import OwnRun, checked_run
 from tasks.connections import uses_run_storage
-from trainer.config import RunConfig
 from trainer.eval_sample import sample_identity
 from trainer.host_info import code_fingerprint
-from trainer.layout import safe_name
-from trainer.storage import exists, join, list_dir, read_json, remove_tree, write_json_atomic
-from trainer.summary import TrainSummary
 
 if TYPE_CHECKING:
     from tasks.prepared_run import PreparedRun

@@ -3,7 +3,7 @@
 `publish` hands every later task the prepared run (tasks/prepared_run.py) through XCom, which others than the run's
 tasks can edit. A task acts (deletes, reads, launches) only on URLs it derives itself: the run key from its own
 `(dag_id, run_id)`, the storage root from the configuration held to the access policy (tasks/policy.py), and the
-dataset fingerprint and baseline key from XCom only when they match their patterns (trainer/layout.py). Every URL
+dataset fingerprint and baseline key from XCom only when they match their patterns (core/layout.py). Every URL
 the prepared run carries must equal the derived one; one that differs is refused by name before anything is done.
 """
 
@@ -13,9 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tasks.policy import checked_config
-from trainer.config import RunConfig
-from trainer.layout import (
+from core.config import RunConfig
+from core.layout import (
     BASELINE_KEY,
     DATASET_FINGERPRINT,
     RunLayout,
@@ -24,6 +23,7 @@ from trainer.layout import (
     absolute_root,
     run_key,
 )
+from tasks.policy import checked_config
 
 if TYPE_CHECKING:
     from tasks.prepared_run import PreparedRun

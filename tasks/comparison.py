@@ -3,7 +3,7 @@ hardware line and the report built from them (the evaluate task, tasks/evaluate.
 
 The loss-parity gate's limit is its tolerance widened by the sampling error of the delta: both models are scored on
 the same sample of the validation split (trainer/eval_sample.py), so the delta's standard error is the paired one
-over the sample's sequences (trainer/eval_result.py), and it is 0 when the whole split is scored.
+over the sample's sequences (core/eval_result.py), and it is 0 when the whole split is scored.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import os
 import platform
 from typing import TYPE_CHECKING
 
-from launcher.protocol import utc_now
+from core.clock import utc_now
+from core.config import RunConfig
+from core.eval_result import GATE_STANDARD_ERRORS, EvalResult
+from core.layout import TrainOutput
+from core.summary import TrainSummary
 from tasks import report as reports
 from tasks.formatting import nats
 from tasks.report_document import BaselineOrigin, Comparison, EvalSample, Gate, Hardware, RunFigures, RunReport, Runs
-from trainer.config import RunConfig
-from trainer.eval_result import GATE_STANDARD_ERRORS, EvalResult
-from trainer.layout import TrainOutput
-from trainer.summary import TrainSummary
 
 if TYPE_CHECKING:
     from tasks.prepared_run import PreparedRun

@@ -6,7 +6,7 @@ goes through `uses_run_storage`, so none can forget the connection (release once
 
 A storage connection is of type `aws`: the login and password of any other connection (the metadata database's,
 a mail server's) are no storage keys and are never handed on as such. A task never resolves a run's connection
-that the access policy (trainer/config/access.py) does not allow.
+that the access policy (core/config/access.py) does not allow.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from trainer.config import AccessPolicy, ConfigError
-from trainer.config.access import STORAGE_CONN_IDS_ENV
+from core.config import AccessPolicy, ConfigError
+from core.config.access import STORAGE_CONN_IDS_ENV
 
 if TYPE_CHECKING:
     from tasks.dataset.plan import DatasetPlan

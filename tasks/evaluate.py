@@ -4,7 +4,7 @@ compares them: speedup, efficiency, loss parity and the gates).
 Each model's evaluation runs `python -m trainer.evaluate` as a group of the run's `num_workers` through the launcher,
 on the run's backend (local processes, SSH hosts, pods), so TensorFlow never loads into the Airflow task runner and
 release ends it like any worker. Every worker scores its part of the sample (`eval_tokens` validation tokens, the
-same for every model: trainer/eval_sample.py); this task combines the parts exactly (trainer/eval_result.py). The
+same for every model: trainer/eval_sample.py); this task combines the parts exactly (core/eval_result.py). The
 report is written whatever the outcome of the gates; a failed gate then fails the task with the numbers in the
 message.
 """
@@ -16,6 +16,11 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from core.config import ConfigError, RunConfig
+from core.eval_result import EvalResult, ResultError, combine, delta_standard_error, part_url
+from core.layout import PROMOTION_JSON, RunLayout, StorageLayout, TrainOutput
+from core.storage import exists, join, read_bytes, read_json, remove_tree, write_json_atomic
+from core.summary import TrainSummary
 from tasks import registry, telemetry, throughput
 from tasks import report as reports
 from tasks.alerts import alert_throughput
@@ -26,13 +31,8 @@ from tasks.connections import uses_run_storage
 from tasks.launch import release_after_exit
 from tasks.policy import check_launch_urls
 from tasks.report_document import ContinuedFrom, ModelSamples, PromotedScore, RunReport, TextSample, table_rows
-from trainer.config import ConfigError, RunConfig
 from trainer.data import tokenizer_url
-from trainer.eval_result import EvalResult, ResultError, combine, delta_standard_error, part_url
 from trainer.eval_sample import sample_identity
-from trainer.layout import PROMOTION_JSON, RunLayout, StorageLayout, TrainOutput
-from trainer.storage import exists, join, read_bytes, read_json, remove_tree, write_json_atomic
-from trainer.summary import TrainSummary
 
 if TYPE_CHECKING:
     from launcher.backend import BackendFactory
@@ -228,8 +228,8 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: R
     fails fails the evaluation, naming its rank. Held without progress past `max_idle_held_s` it warns as training
     does (mailed when `run_id` is given), and past `reclaim_idle_after_s` it is stopped and the evaluation fails,
     saying so."""
+    from core.protocol import MANIFEST_SHA256_ENV
     from launcher import GroupSpec
-    from launcher.protocol import MANIFEST_SHA256_ENV
     from tasks.connections import storage_env
     from tasks.launch import IdleSettings, RecordedLaunch
 

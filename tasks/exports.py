@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from core.config import RunConfig
+from core.layout import TrainOutput, VersionLayout
+from core.storage import exists, join, read_json
 from tasks.report_document import Gate, Record
-from trainer.config import RunConfig
 from trainer.export import FORMAT_DIRS
-from trainer.layout import TrainOutput, VersionLayout
-from trainer.storage import exists, join, read_json
 
 if TYPE_CHECKING:
     from tasks.registry import VersionFile

@@ -19,18 +19,19 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from core.clock import utc_now, utc_timestamp
+from core.config import RunConfig
+from core.layout import RunLayout
+from core.protocol import LAUNCHER_WORKDIR_PREFIX, is_ready_marker
+from core.storage import exists, join, read_json, upload_tree, write_json_atomic
 from launcher import GroupSpec, GroupState, RunResult, WorkerGroup, WorkerOutcome
 from launcher.backend import Backend
 from launcher.host_identity import describe, host_identity, same_host
 from launcher.idle import IdleEpisode, IdleWatch
-from launcher.protocol import LAUNCHER_WORKDIR_PREFIX, is_ready_marker, utc_now, utc_timestamp
 from launcher.state_record import RecordedWorker, SlotsCheck, StateRecord
 from tasks import telemetry
 from tasks.usage import AttemptEvents, IdleWarning, RankEvents, slots_of
-from trainer.config import RunConfig
-from trainer.layout import RunLayout
 from trainer.metrics import LIVE_PREFIX
-from trainer.storage import exists, join, read_json, upload_tree, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.launch")
 

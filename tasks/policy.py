@@ -3,7 +3,7 @@
 Prepare checks the trigger's settings once (`RunConfig.from_params`), but whoever may edit XCom or write the run's
 storage could hand a later task another configuration. Each task that acts on one re-checks it here, where the
 policy's environment is; the workers have no such environment and load what this side checked, pinned by its digest
-(trainer/config/pinned.py). Every launch (the operator's, evaluate's) holds its workers' storage URLs to the run's
+(core/config/pinned.py). Every launch (the operator's, evaluate's) holds its workers' storage URLs to the run's
 layout.
 """
 
@@ -14,10 +14,10 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trainer.config import ConfigError, RunConfig
-from trainer.config.access import AccessPolicy
-from trainer.config.schema import MODEL_NAME
-from trainer.layout import BASE_MODELS, BASELINE_KEY, DATASET_FINGERPRINT, RunLayout, StorageLayout, absolute_root
+from core.config import ConfigError, RunConfig
+from core.config.access import AccessPolicy
+from core.config.schema import MODEL_NAME
+from core.layout import BASE_MODELS, BASELINE_KEY, DATASET_FINGERPRINT, RunLayout, StorageLayout, absolute_root
 
 MODEL_NAME_PATTERN = re.compile(MODEL_NAME)
 
@@ -39,7 +39,7 @@ LAUNCH_URL_FLAGS = ("--config", "--manifest", "--output", "--model", "--baseline
 
 def check_launch_urls(args: Sequence[str], storage_root: str, key: str) -> None:
     """The storage URLs a worker group is launched with (rendered from XCom, or derived by the evaluate task) lie in
-    this run's own layout under its policy-checked `storage_root` (trainer/layout.py): `--config` the run's
+    this run's own layout under its policy-checked `storage_root` (core/layout.py): `--config` the run's
     config.json or baseline_config.json, `--manifest` a dataset's manifest.json, `--output` a path under the run's
     directory or a baseline's directory or cached evaluation, `--model` the model of the run's training output, of a
     baseline or of a registered version, `--baseline-summary` a baseline's summary.json; fingerprints, baseline keys,

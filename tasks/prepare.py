@@ -13,16 +13,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from core.config import ConfigError, RunConfig
+from core.config.access import AccessPolicy
+from core.config.pinned import save_config
+from core.layout import StorageLayout, absolute_root, run_key
 from tasks.connections import storage_env, uses_run_storage
 from tasks.dataset.plan import DatasetPlan
 from tasks.policy import checked_config
 from tasks.prepared_run import PreparedRun
 from tasks.pricing import Price
 from tasks.registry import PromotedVersion
-from trainer.config import ConfigError, RunConfig
-from trainer.config.access import AccessPolicy
-from trainer.config.pinned import save_config
-from trainer.layout import StorageLayout, absolute_root, run_key
 
 if TYPE_CHECKING:
     from launcher.backend import BackendFactory
@@ -147,7 +147,7 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
     run = storage.run(key)
     base_key = baseline_key(run_cfg, manifest, run_cfg.max_steps)
     baseline = storage.baseline(base_key)
-    # The operators pin the digests of what they check on the workers (trainer/config/pinned.py).
+    # The operators pin the digests of what they check on the workers (core/config/pinned.py).
     save_config(run.config, run_cfg)
     save_config(run.baseline_config, run_cfg.baseline_config())
     write_price(run.url, price)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.document import Document
+from core.document import Document
 from tasks.pricing import Price
 from tasks.registry import PromotedVersion
 
@@ -16,12 +16,12 @@ class PreparedRun(Document):
 
     Attributes:
         run_id: the DAG run's id.
-        run_key: the run's storage name (`trainer.layout.run_key(dag_id, run_id)`); the operator derives its own.
+        run_key: the run's storage name (`core.layout.run_key(dag_id, run_id)`); the operator derives its own.
         config: the run's validated configuration (`RunConfig.to_dict()`, step count resolved, `storage_root`
             absolute): the one copy in flight. Every task that acts on it holds it to the access policy again
             (tasks/policy.py); its storage root and step count are read from it, never copied.
         config_url: `runs/<key>/config.json`, what the workers load (`--config`); the operators pin the sha256 of
-            the configuration they check themselves, never one from XCom (trainer/config/pinned.py).
+            the configuration they check themselves, never one from XCom (core/config/pinned.py).
         manifest_url: the dataset's `manifest.json` (`--manifest`); manifest_sha256: the sha256 of its bytes as
             publish read them, which the operators pin on the workers like the config's (trainer/data.py).
         dataset_fingerprint: the dataset's fingerprint (the manifest's).

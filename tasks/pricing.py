@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.document import Document, DocumentError
-from trainer.config import ConfigError, schema
+from core.config import ConfigError, schema
+from core.document import Document, DocumentError
 
 PRICING_ENV = "GPT_FINETUNE_PRICING"
 CAPACITIES = schema.choices("capacity")

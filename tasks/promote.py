@@ -27,7 +27,18 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
-from launcher.protocol import utc_now
+from core.clock import utc_now
+from core.config import AccessPolicy, ConfigError, RunConfig
+from core.eval_result import GATE_STANDARD_ERRORS
+from core.layout import REPORT_JSON, ModelLayout, VersionLayout
+from core.storage import (
+    exists,
+    filesystem,
+    join,
+    remove_tree,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 from tasks import exports, registry
 from tasks import report as reports
 from tasks.base_models import pinned_base
@@ -38,17 +49,6 @@ from tasks.registry import Entry, Pointer, PromotedVersion, VersionFile, Version
 from tasks.report_document import RunFigures, RunReport
 from tasks.report_file import read_record
 from tasks.report_parts import RunView, with_exports
-from trainer.config import AccessPolicy, ConfigError, RunConfig
-from trainer.eval_result import GATE_STANDARD_ERRORS
-from trainer.layout import REPORT_JSON, ModelLayout, VersionLayout
-from trainer.storage import (
-    exists,
-    filesystem,
-    join,
-    remove_tree,
-    write_bytes_atomic,
-    write_json_atomic,
-)
 
 if TYPE_CHECKING:
     from tasks.prepared_run import PreparedRun

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from trainer.config import RunConfig
+from core.config import RunConfig
 
 log = logging.getLogger("gpt_finetune.queues")
 

@@ -11,7 +11,7 @@ number is claimed by an exclusive create, and the pointer moves only by compare-
 promotion decided against (S3: a conditional PUT with If-Match / If-None-Match; local disk: an atomic rename under
 an flock, which the kernel releases when the holder dies). The pointer is written after the version is complete,
 so a promotion killed at any point leaves `latest` on a complete version; its half-written `v<N>/` is in no
-history and is never read. The exclusive create and the compare-and-swap are `trainer.storage`'s. Importable
+history and is never read. The exclusive create and the compare-and-swap are `core.storage`'s. Importable
 without Airflow and TensorFlow (the UI plugin reads it).
 """
 
@@ -21,11 +21,10 @@ import dataclasses
 import json
 from typing import Any, Self, TypeVar
 
-from launcher.document import Document, DocumentError
-from launcher.protocol import utc_now
-from tasks.base_models import BasePin
-from trainer.layout import ModelLayout, StorageLayout, VersionLayout
-from trainer.storage import (
+from core.clock import utc_now
+from core.document import Document, DocumentError
+from core.layout import ModelLayout, StorageLayout, VersionLayout
+from core.storage import (
     compare_and_swap,
     create_exclusive,
     exists,
@@ -36,7 +35,8 @@ from trainer.storage import (
     read_json,
     read_with_token,
 )
-from trainer.storage import copy_tree as storage_copy_tree
+from core.storage import copy_tree as storage_copy_tree
+from tasks.base_models import BasePin
 
 POINTER_FORMAT_VERSION = 1
 MAX_CLAIM_ATTEMPTS = 1000
@@ -52,7 +52,7 @@ def model_layout(storage_root: str, name: str) -> ModelLayout:
 
 # ---------------------------------------------------------------------------------------------------------------
 # the documents (docs/CONTRACTS.md, "Model registry"). The pointer and version.json come back from storage, which
-# whoever may write it could edit: reading checks every field (launcher/document.py). Fields added after the first
+# whoever may write it could edit: reading checks every field (core/document.py). Fields added after the first
 # promotions default to what those files meant (absent: unknown).
 
 
@@ -63,7 +63,7 @@ class Entry(Document):
 
     Attributes:
         version: `v<N>`; number: N. url: the version's directory `models/<name>/v<N>/`; model_url: its `model/`.
-        run_id, run_key: the run promoted; promoted_at: when (`launcher.protocol.utc_now`).
+        run_id, run_key: the run promoted; promoted_at: when (`core.clock.utc_now`).
         eval_loss, perplexity: the run's, on its evaluation sample; eval_loss_se: that loss's standard error (0 for
             the whole split; None before samples); eval_sample: the sample's id (None before samples).
         dataset_fingerprint: the dataset it was trained and scored on; run_report_url: the run's report.json.
@@ -180,7 +180,7 @@ def read_latest(layout: ModelLayout) -> Pointer | None:
 
 
 def read_pointer(layout: ModelLayout) -> tuple[Pointer | None, str | None]:
-    """The pointer of `layout` and the token a swap from it needs (`trainer.storage.read_with_token`)."""
+    """The pointer of `layout` and the token a swap from it needs (`core.storage.read_with_token`)."""
     data, token = read_with_token(layout.latest)
     return (None, None) if data is None else (_parse_pointer(layout, data), token)
 

@@ -21,10 +21,15 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
+from core.clock import utc_now
+from core.config import AccessPolicy, ConfigError, RunConfig
+from core.config.access import STORAGE_ROOT_ENV
+from core.layout import RunLayout, StorageLayout, absolute_root, run_key
+from core.protocol import BACKEND_NAMES, RUN_KEY_ENV
+from core.storage import join, list_dir, read_json, write_bytes_atomic, write_json_atomic
 from launcher.backend import RELEASE_GRACE_S, BackendFactory, HostRelease, ReleaseResult
 from launcher.host_identity import describe, host_identity, same_host
 from launcher.process import processes_with_env
-from launcher.protocol import BACKEND_NAMES, RUN_KEY_ENV, utc_now
 from launcher.state_record import StateRecord
 from tasks import report as reports
 from tasks import telemetry
@@ -32,10 +37,6 @@ from tasks.connections import uses_run_storage
 from tasks.report_document import ReportError, RunReport
 from tasks.report_parts import UNREADABLE, read_part
 from tasks.usage_record import USAGE_CHART, attach_usage
-from trainer.config import AccessPolicy, ConfigError, RunConfig
-from trainer.config.access import STORAGE_ROOT_ENV
-from trainer.layout import RunLayout, StorageLayout, absolute_root, run_key
-from trainer.storage import join, list_dir, read_json, write_bytes_atomic, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.release")
 

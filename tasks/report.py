@@ -39,7 +39,7 @@ lists its fields), read back checked. The layout of `report.json` (format_versio
     SAMPLE = {"id", "tokens", "split_tokens", "sequences", "split_sequences", "whole_split", "asked_tokens" (the
               setting eval_tokens), "workers" (that scored it), "read_bytes"} (trainer/eval_sample.py)
     KNOWN = {"greedy", "top_k": share of the sample words found in the training text, "words": {"greedy", "top_k"}}
-           (trainer/text_quality.py; null in reports of evaluations that predate it)
+           (core/text_quality.py; null in reports of evaluations that predate it)
 """
 
 from __future__ import annotations
@@ -51,14 +51,14 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from core.layout import REPORT_JSON
+from core.storage import exists, join, list_dir, write_bytes_atomic, write_json_atomic
 from tasks.formatting import TABLE_COLUMNS
 from tasks.report_document import ReportError, RunReport
 from tasks.report_file import UnreadableRecord, finite, read_record
 from tasks.report_markdown import markdown
 from tasks.report_parts import RunView, read_parts, run_view
 from tasks.report_view import report_view
-from trainer.layout import REPORT_JSON
-from trainer.storage import exists, join, list_dir, write_bytes_atomic, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.report")
 

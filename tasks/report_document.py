@@ -4,7 +4,7 @@ and writes `to_json()`; promote and later runs' history read one back with `RunR
 report.json comes back from storage, which whoever may write the run's storage could edit, and earlier runs wrote
 it with fewer fields: reading checks the type of every field modelled here and refuses a missing required or a
 mistyped one with a ReportError naming the file and the field (its path, e.g. `runs.distributed.eval_loss`):
-launcher/document.py's reader, the one every document uses.
+core/document.py's reader, the one every document uses.
 Fields added after the first reports default to what those reports meant (absent: unknown, none). Keys a record
 does not model stay in its `extra` and are written back as they were, so a report read and written again keeps
 its keys and values. A number field takes an int as it is (the JSON keeps `3`, not `3.0`).
@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Self
 
-from launcher.document import DocumentError, OpenDocument
+from core.document import DocumentError, OpenDocument
 from tasks.formatting import fmt, known_words
 
 
@@ -32,7 +32,7 @@ class ReportError(DocumentError):
 
 @dataclasses.dataclass(frozen=True)
 class Record(OpenDocument):
-    """Base of report.json's records (launcher/document.py's reader): `extra` holds the keys this version does not
+    """Base of report.json's records (core/document.py's reader): `extra` holds the keys this version does not
     model, written back as read."""
 
     @classmethod

@@ -1,7 +1,7 @@
 """Reading a JSON record that another task or run wrote (a report.json, a release.json) as untrusted input: a size
 limit checked before reading, a nesting limit checked after parsing (linear, iterative), and one error type for all
 of it, so a reader can show "unreadable" instead of failing (the UI's index, evaluate's history of earlier runs).
-A leaf: storage access through trainer.storage only."""
+A leaf: storage access through core.storage only."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import math
 from typing import Any
 
-from trainer.storage import filesystem
+from core.storage import filesystem
 
 MAX_RECORD_BYTES = 16 << 20  # a report with its samples is well under 1 MB
 MAX_DEPTH = 32  # a report nests 5 levels deep

@@ -14,11 +14,11 @@ import dataclasses
 import logging
 from typing import Any
 
+from core.layout import PROMOTION_JSON, RELEASE_JSON
+from core.storage import exists, join
 from tasks.exports import ExportPart
 from tasks.report_document import ReportError, RunReport
 from tasks.report_file import UnreadableRecord, read_record
-from trainer.layout import PROMOTION_JSON, RELEASE_JSON
-from trainer.storage import exists, join
 
 log = logging.getLogger("gpt_finetune.report")
 

@@ -11,9 +11,9 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from core.layout import TrainOutput
+from core.storage import exists, read_json
 from tasks.report_document import Comparison, Prediction, Segment
-from trainer.layout import TrainOutput
-from trainer.storage import exists, read_json
 
 log = logging.getLogger("gpt_finetune.scaling")
 

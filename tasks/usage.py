@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.document import Document
+from core.document import Document
 
 CAUSES = ("between_tasks", "startup", "stragglers", "preflight", "compile", "redone", "evaluation", "export",
           "release", "other")

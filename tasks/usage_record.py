@@ -19,16 +19,16 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, TypeVar
 
-from launcher.document import Document, DocumentError, checked
-from launcher.protocol import EXIT_PREEMPTED
+from core.config.schema import flat_settings
+from core.document import Document, DocumentError, checked
+from core.protocol import EXIT_PREEMPTED
+from core.storage import exists, join, list_dir, read_bytes, read_json, write_json_atomic
 from tasks import airflow_api, usage
 from tasks.airflow_api import AdmissionWait
 from tasks.pricing import Price
 from tasks.report_document import RunFigures, RunReport, Runs
 from tasks.usage import STEP_KINDS, AttemptEvents, RankEvents, RankTimeline, Timeline, task_of
 from tasks.usage_summary import AdmissionRow, AttemptRow, LiveWarning, UsageSummary, summarize
-from trainer.config.schema import flat_settings
-from trainer.storage import exists, join, list_dir, read_bytes, read_json, write_json_atomic
 
 log = logging.getLogger("gpt_finetune.usage")
 

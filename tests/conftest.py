@@ -14,7 +14,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
 # Tests keep their data and storage in temporary directories: allow those besides the defaults
-# (trainer/config/access.py).
+# (core/config/access.py).
 os.environ.setdefault("GPT_FINETUNE_DATA_ROOTS", os.pathsep.join(
     [str(REPO / "data"), str(REPO / "storage"), os.path.realpath(tempfile.gettempdir())]))
 # The test deployment's allow-lists (the same module): the connections, SSH hosts, interpreter and recipients that

@@ -15,7 +15,7 @@ from tests.support import fake_nvml
 from tests.support.fake_nvml import FakeGpu, FakeNvml, h200s
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("launcher", "trainer", "tasks", "plugins", "dags", "bench")
+SOURCES = ("core", "launcher", "trainer", "tasks", "plugins", "dags", "bench")
 
 
 def nvml_names_used() -> dict[str, str]:

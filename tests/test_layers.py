@@ -1,4 +1,4 @@
-"""Imports run one way (docs/CONTRACTS.md, "Layers"): launcher -> trainer -> tasks -> Airflow glue.
+"""Imports run one way (docs/CONTRACTS.md, "Layers"): core -> launcher -> trainer -> tasks -> Airflow glue.
 
 Every import statement of the source tree is read with `ast` (those inside functions too: a lazy import is still a
 dependency), so a module that reaches up a layer, a cycle between modules, or Airflow in a layer that must run
@@ -14,11 +14,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # Lowest first, one folder each (the glue is Airflow's two folders): a module may import modules of its own layer
 # and of the layers below. A module's layer is its folder; there is no other list.
-LAYERS = (("launcher", ("launcher",)), ("trainer", ("trainer",)), ("tasks", ("tasks",)),
+LAYERS = (("core", ("core",)), ("launcher", ("launcher",)), ("trainer", ("trainer",)), ("tasks", ("tasks",)),
           ("airflow glue", ("plugins", "dags")))
 SOURCE_ROOTS = {folder: REPO / folder for _, folders in LAYERS for folder in folders}
 # The worker side runs in images and on hosts without Airflow.
-WITHOUT_AIRFLOW = ("launcher", "trainer")
+WITHOUT_AIRFLOW = ("core", "launcher", "trainer")
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,8 @@ IMPORTS = imports()
 
 def test_every_layer_is_a_folder_of_the_repository():
     assert all(root.is_dir() for root in SOURCE_ROOTS.values())
-    assert {name.split(".")[0] for name in MODULES if layer(name) == 0} == {"launcher"}
+    floors = [{name.split(".")[0] for name in MODULES if layer(name) == index} for index in range(len(LAYERS) - 1)]
+    assert floors == [{"core"}, {"launcher"}, {"trainer"}, {"tasks"}]
 
 
 def test_no_module_imports_from_a_layer_above_its_own():

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.config import ConfigError, RunConfig, field_names
-from trainer.config.access import ALLOW_LISTS
+from core.config import ConfigError, RunConfig, field_names
+from core.config.access import ALLOW_LISTS
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 DOCS = REPO / "docs"
 PAGES = {path: path.read_text() for path in [REPO / "README.md", *sorted(DOCS.glob("*.md"))]}
 # An argument under one of these names a file of the repository (a glob is fine); elsewhere a path is the reader's.
-REPO_FOLDERS = ("bench", "dags", "data", "docker", "docs", "plugins", "scripts", "tasks", "tests", "trainer")
+REPO_FOLDERS = ("bench", "core", "dags", "data", "docker", "docs", "plugins", "scripts", "tasks", "tests", "trainer")
 # A command in running text: backticks around a span that starts with one of these words.
 INLINE_COMMAND = re.compile(r"`((?:make|airflow|python|\.venv/bin/python|uv|docker) [^`]+)`")
 

@@ -42,8 +42,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from core.config import ConfigError
 from launcher.log_policy import configure_worker_logging
-from trainer.config import ConfigError
 
 log = logging.getLogger("trainer.advisor")
 
@@ -377,7 +377,7 @@ def probe_step_time(cfg, manifest_url: str, steps: int = PROBE_TIMED_STEPS) -> d
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m trainer.advisor --config URL --manifest URL --out FILE`: the probe, its result as JSON."""
-    from trainer.config.pinned import load_pinned_config
+    from core.config.pinned import load_pinned_config
 
     parser = argparse.ArgumentParser(prog="python -m trainer.advisor", description=probe_step_time.__doc__)
     parser.add_argument("--config", required=True)

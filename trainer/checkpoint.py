@@ -3,7 +3,7 @@
 Every worker calls `save` (saving a distributed checkpoint runs collectives), but only the chief writes the real
 one; the others write to a temporary directory that is removed right after (TF's multi-worker pattern). When
 the output is on object storage the chief uploads the new checkpoint's files first and the small `checkpoint`
-index last, so a reader never sees an index pointing at missing data (`trainer.storage.local_copy` and
+index last, so a reader never sees an index pointing at missing data (`core.storage.local_copy` and
 `publish_files`: a local output is written in place).
 """
 
@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from trainer import storage
+from core import storage
 
 log = logging.getLogger("trainer.checkpoint")
 

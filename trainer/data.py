@@ -19,9 +19,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from launcher.protocol import MANIFEST_SHA256_ENV
-from trainer import runtime, storage
-from trainer.layout import DATASET_FINGERPRINT, SHARD_NAME, SPLITS, TOKENIZER_DIR
+from core import storage
+from core.layout import DATASET_FINGERPRINT, SHARD_NAME, SPLITS, TOKENIZER_DIR
+from core.protocol import MANIFEST_SHA256_ENV
+from trainer import runtime
 
 FORMAT_VERSION = 1
 _REQUIRED_KEYS = ("format_version", "fingerprint", "dtype", "block_size", "sequences_per_record", "tokenizer", "splits")
@@ -152,7 +153,7 @@ def shard_cache_root(base: str | Path | None = None) -> Path:
 def shard_cache_dir(fingerprint: str, base: str | Path | None = None) -> Path:
     """This user's cache of one dataset's shards: `<host tmp>/gpt-finetune-shards-<uid>/<fingerprint>`, mode 0700.
 
-    In the host's temporary directory, not the worker's own (`launcher.protocol.worker_temp_environment`):
+    In the host's temporary directory, not the worker's own (`launcher.tf_env.worker_temp_environment`):
     retries and the baseline reuse it; `trainer.shard_cache` holds it in use and evicts idle datasets for room.
     Private, so that no other user of the host can pre-create it, point it elsewhere, or swap a shard after its
     sha256 was checked."""

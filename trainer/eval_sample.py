@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from trainer import storage
-from trainer.config.core import EVAL_BATCH_SEQUENCES
+from core import storage
+from core.config.core import EVAL_BATCH_SEQUENCES
 from trainer.data import DataError, dataset_dir
 
 SAMPLE_RULE = "splitmix64-chunk-key/v1"

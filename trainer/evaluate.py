@@ -1,12 +1,12 @@
 """Eval loss, perplexity and nats per character of a saved model on the run's evaluation sample of the validation
-split, and a few short generations with their known-word rate (trainer/text_quality.py).
+split, and a few short generations with their known-word rate (core/text_quality.py).
 
     python -m trainer.evaluate --model URL --manifest URL --output JSON_URL [--eval-tokens N] [--prompt TEXT]...
 
 The sample is `--eval-tokens` tokens of the validation split, the same for every model and every run on the same
 dataset, read without the rest of the split (trainer/eval_sample.py). In a group (TF_CONFIG), worker r scores its
-part of the sample and writes it next to the output (`trainer.eval_result.part_url`); the evaluate task combines
-the parts exactly (trainer/eval_result.py). Alone, the worker writes the result itself. Rank 0 also writes the text
+part of the sample and writes it next to the output (`core.eval_result.part_url`); the evaluate task combines
+the parts exactly (core/eval_result.py). Alone, the worker writes the result itself. Rank 0 also writes the text
 samples. Each sequence's loss is the mean next-token cross-entropy of its predicted tokens (the `token_losses` the
 trainer optimizes), in float32, so a model scores the same on any number of workers to float32 rounding.
 """
@@ -26,14 +26,15 @@ from typing import Any
 
 import numpy as np
 
+from core import storage
+from core.config import RunConfig
+from core.config.core import EVAL_BATCH_SEQUENCES
+from core.eval_result import combine, part_url
+from core.text_quality import known_word_rate, words
 from launcher.log_policy import configure_worker_logging
-from trainer import runtime, storage
-from trainer.config import RunConfig
-from trainer.config.core import EVAL_BATCH_SEQUENCES
+from trainer import runtime
 from trainer.data import load_manifest, tokenizer_url
-from trainer.eval_result import combine, part_url
 from trainer.eval_sample import draw_sample, leading_records, read_part, read_windows
-from trainer.text_quality import known_word_rate, words
 
 log = logging.getLogger("trainer.evaluate")
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.config.core import EXPORT_FORMATS
+from core.config.core import EXPORT_FORMATS
 
 log = logging.getLogger("trainer.export")
 

@@ -20,7 +20,7 @@ from launcher.host_probe import NvmlUnavailable, nvml, package_versions, start_n
 
 # This project's code that runs on the workers' hosts. Ranks with different copies may shard the data differently
 # or wait in a collective only some of them run, and no package version shows it.
-CODE_PACKAGES = ("launcher", "trainer")
+CODE_PACKAGES = ("core", "launcher", "trainer")
 
 
 def versions() -> dict[str, str | None]:

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from core.config import ConfigError, RunConfig
+from core.config.pinned import load_pinned_config
+from core.layout import TrainOutput
 from trainer import runtime
-from trainer.config import ConfigError, RunConfig
-from trainer.config.pinned import load_pinned_config
 from trainer.data import load_manifest, token_dtype, worker_shards
-from trainer.layout import TrainOutput
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class TrainJob:
 
 def plan_job(config_url: str, manifest_url: str, output_url: str, environ: dict[str, str] | None = None) -> TrainJob:
     """Validate config, TF_CONFIG and manifest against each other without TensorFlow; raise ConfigError (also when
-    the config is not the one the Airflow side pinned: trainer/config/pinned.py)."""
+    the config is not the one the Airflow side pinned: core/config/pinned.py)."""
     return plan_job_for(load_pinned_config(config_url, environ), config_url, manifest_url, output_url, environ)
 
 

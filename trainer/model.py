@@ -13,8 +13,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainer import storage
-from trainer.config import MODEL_PRESETS
+from core import storage
+from core.config import MODEL_PRESETS
 
 if TYPE_CHECKING:
     import tensorflow as tf

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer.config import RunConfig
+from core.config import RunConfig
 
 # Decay to a tenth of the peak, as in the GPT-2/3 recipes.
 FINAL_LR_FRACTION = 0.1

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.protocol import utc_now
-from trainer import storage
+from core import storage
+from core.clock import utc_now
+from core.layout import EXPORTS_RECORD
 from trainer.data import tokenizer_url
 from trainer.host_info import hardware_info, versions
 from trainer.job import TrainJob
-from trainer.layout import EXPORTS_RECORD
 
 log = logging.getLogger("trainer.outputs")
 

@@ -27,8 +27,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from core.protocol import ABORT_SIGNAL, HOST_TMPDIR_ENV, READY_MARKER
 from launcher.process import code_to_exit_status
-from launcher.protocol import ABORT_SIGNAL, HOST_TMPDIR_ENV, READY_MARKER
 
 
 def host_temp_dir() -> str:

@@ -16,8 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from core.layout import DATASET_FINGERPRINT
 from trainer.data import DataError, private_dir
-from trainer.layout import DATASET_FINGERPRINT
 
 log = logging.getLogger("trainer.shard_cache")
 

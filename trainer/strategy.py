@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import re
 
+from core.config import RunConfig
 from trainer import runtime
 from trainer.allreduce import communication_options
-from trainer.config import RunConfig
 
 
 def create_strategy(cfg: RunConfig, multi_worker: bool, collective_timeout_s: int | None = None):

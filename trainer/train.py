@@ -26,11 +26,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from core.clock import utc_now
+from core.config import RunConfig
+from core.protocol import EXIT_PEER_LOST, EXIT_PERMANENT, EXIT_PREEMPTED
 from launcher.log_policy import configure_worker_logging
-from launcher.protocol import EXIT_PEER_LOST, EXIT_PERMANENT, EXIT_PREEMPTED, utc_now
 from trainer import runtime
 from trainer.allreduce import GradientReducer, PackRecorder
-from trainer.config import RunConfig
 from trainer.data import DataError
 from trainer.job import TrainJob, plan_job
 from trainer.outputs import LoopTimes, OutputFiles, build_summary, export_model, write_summary
@@ -387,10 +388,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_training(job: TrainJob, strategy, started: float, started_at: str) -> int:
-    """Train and write the summary; the exit status tells the launcher what a retry can do (launcher/protocol.py)."""
+    """Train and write the summary; the exit status tells the launcher what a retry can do (core/protocol.py)."""
     import tensorflow as tf
 
-    from trainer.config import ConfigError
+    from core.config import ConfigError
     from trainer.metrics import LossDivergedError
 
     try:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from core.protocol import RUN_KEY_PATTERN
 from gpt_finetune_ui.runs_data import CHART_FILE
-from launcher.protocol import RUN_KEY_PATTERN
 from tasks import report_view
 from tasks.formatting import fmt, known_words
 from tasks.report_parts import RunView

@@ -22,9 +22,9 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from core.layout import StorageLayout, absolute_root
 from gpt_finetune_ui import runs_data
 from gpt_finetune_ui.report_pages import render_index, render_run
-from trainer.layout import StorageLayout, absolute_root
 
 STORAGE_ROOT_ENV = "GPT_FINETUNE_STORAGE_ROOT"
 # Pages are static HTML: no script may run, only same-origin images and the inline style; framed only by Airflow.

@@ -1,6 +1,6 @@
 """What the report pages read from storage: each run's report (report.json with promotion.json and release.json
 beside it, read as one by tasks/report_parts.py) and charts, and the model registry's latest.json
-(tasks/registry.py), through `trainer.storage`, so local disk and S3 read alike.
+(tasks/registry.py), through `core.storage`, so local disk and S3 read alike.
 
 Nothing read here is trusted (many tasks can write storage): run keys and chart names are matched whole before
 they become paths, an index row checks the type of every field it shows, and errors name runs, never storage URLs.
@@ -15,13 +15,13 @@ import logging
 import re
 from typing import Any
 
-from launcher.protocol import RUN_KEY_PATTERN
+from core.layout import StorageLayout
+from core.protocol import RUN_KEY_PATTERN
+from core.storage import exists, join, list_dir, read_bytes
 from tasks.registry import read_latest
 from tasks.report_document import ReportError, RunReport
 from tasks.report_file import UnreadableRecord, finite, read_record
 from tasks.report_parts import RunView, read_part, read_parts, released, run_view
-from trainer.layout import StorageLayout
-from trainer.storage import exists, join, list_dir, read_bytes
 
 log = logging.getLogger("gpt_finetune.ui")
 
@@ -136,7 +136,7 @@ def list_runs(storage: StorageLayout) -> list[dict[str, Any]]:
                 error.reason if isinstance(error, UnreadableRecord) else "cannot be read")
             runs.append({"run_key": key, "run_id": key, "status": f"unreadable report: {detail}",
                          "released": released(release)})
-    # created_at has milliseconds (launcher.protocol.utc_now): runs created within one are ordered by run id.
+    # created_at has milliseconds (core.clock.utc_now): runs created within one are ordered by run id.
     return sorted(runs, key=lambda run: (run.get("created_at") or "", run["run_id"]), reverse=True)
 
 

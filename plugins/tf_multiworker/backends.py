@@ -1,6 +1,6 @@
 """Backend factories, Airflow side: turn a run's `RunConfig` (and the Airflow connections it names) into a ready
 launcher backend, and `make_backend`, which picks one by name. The backends themselves (`launcher/`) never import
-Airflow; the names and their meanings are `launcher.protocol.BACKENDS`, and every name there has a factory here.
+Airflow; the names and their meanings are `core.protocol.BACKENDS`, and every name there has a factory here.
 
 Light on purpose (the DAG's tasks import it): each backend's modules are imported only when it is built.
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from core.config import RunConfig
+from core.protocol import BACKEND_NAMES
 from launcher.backend import Backend
-from launcher.protocol import BACKEND_NAMES
-from trainer.config import RunConfig
 
 __all__ = ["UnknownBackendError", "kubernetes_backend", "local_backend", "make_backend", "ssh_backend"]
 

@@ -6,7 +6,7 @@ step and follows the same loss curve, and checkpoints hold no per-worker state. 
 workers usable (`Backend.capacity`: an SSH host unreachable or without free GPUs, fewer free local GPUs, the local
 cap `TFMW_LOCAL_USABLE_WORKERS`), `ElasticTrainOperator` launches the largest exact count N' >= `min_workers` that
 fits, with a config of N' workers written next to the run's (its digest pinned on the workers in place of the
-run's: trainer/config/pinned.py), and the trainer resumes from the last checkpoint at the exact step and data
+run's: core/config/pinned.py), and the trainer resumes from the last checkpoint at the exact step and data
 position.
 
 Every launch is recorded in the training output's `segments.json` (the report shows each segment with its steps,
@@ -18,16 +18,17 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from core.clock import utc_now
+from core.config import ConfigError, RunConfig
+from core.config.pinned import save_config
+from core.layout import TrainOutput
+from core.protocol import CONFIG_SHA256_ENV
+from core.storage import exists, join, read_json, write_json_atomic
 from launcher import GroupSpec, LaunchError
 from launcher.backend import Backend, Capacity
 from launcher.group import end_earlier_attempts
-from launcher.protocol import CONFIG_SHA256_ENV, utc_now
 from tf_multiworker.operator import TFMultiWorkerOperator
 from trainer.checkpoint import latest_step
-from trainer.config import ConfigError, RunConfig
-from trainer.config.pinned import save_config
-from trainer.layout import TrainOutput
-from trainer.storage import exists, join, read_json, write_json_atomic
 
 
 def choose_count(cfg: RunConfig, capacity: Capacity) -> int:

@@ -30,9 +30,9 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
+from core.config import ConfigError, RunConfig
 from launcher.host_probe import NvmlUnavailable, nvml
 from tasks.queues import HOST_TASKS
-from trainer.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:
     from airflow.models.dagrun import DagRun

@@ -14,8 +14,8 @@ from launcher.errors import LaunchError
 if TYPE_CHECKING:
     from kubernetes.client import CoreV1Api, NetworkingV1Api
 
+    from core.config import RunConfig
     from launcher.kubernetes import KubernetesBackend
-    from trainer.config import RunConfig
 
 
 def kubernetes_clients(conn_id: str) -> tuple[CoreV1Api, NetworkingV1Api]:

@@ -11,7 +11,7 @@ uploaded at the end, also when the group failed.
 Airflow 3's task runner calls `on_kill` from its SIGTERM handler and then returns into `execute`
 (apache/airflow#73006), so `execute` checks whether it was killed and raises: the task ends FAILED.
 
-What a failed group's exit statuses say decides what Airflow does next (launcher/protocol.py): a rank that exited
+What a failed group's exit statuses say decides what Airflow does next (core/protocol.py): a rank that exited
 EXIT_PERMANENT (a refused setting, bad data, a diverged loss) fails the task at once with `AirflowFailException`,
 whatever its retries; a group whose failed ranks all exited EXIT_PREEMPTED (each saved the checkpoint the next attempt
 resumes from) is rescheduled with `AirflowRescheduleException`, which Airflow 3.3 runs again without counting a try
@@ -32,6 +32,13 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException, AirflowRescheduleException
 
+from core.config import ConfigError, RunConfig
+from core.config.access import AccessPolicy
+from core.config.pinned import config_bytes
+from core.layout import StorageLayout, TrainOutput, absolute_root
+from core.layout import run_key as layout_run_key
+from core.protocol import CONFIG_SHA256_ENV, EXIT_PERMANENT, EXIT_PREEMPTED, MANIFEST_SHA256_ENV
+from core.storage import exists
 from launcher import (
     GroupSpec,
     GroupState,
@@ -42,19 +49,12 @@ from launcher import (
     error_for,
 )
 from launcher.errors import MissingOutputError
-from launcher.protocol import CONFIG_SHA256_ENV, EXIT_PERMANENT, EXIT_PREEMPTED, MANIFEST_SHA256_ENV
 from tasks.launch import IdleSettings, RecordedLaunch
 from tasks.policy import check_launch_urls
 from tasks.telemetry import LiveLineReader
 from tf_multiworker.backends import UnknownBackendError, make_backend
 from tf_multiworker.hook import StorageCredentialsHook
-from trainer.config import ConfigError, RunConfig
-from trainer.config.access import AccessPolicy
-from trainer.config.pinned import config_bytes
-from trainer.layout import StorageLayout, TrainOutput, absolute_root
-from trainer.layout import run_key as layout_run_key
 from trainer.metrics import LIVE_INTERVAL_ENV
-from trainer.storage import exists
 
 STATE_XCOM_KEY = "worker_state"
 # Airflow's supervisor SIGKILLs the task process 5 s after its SIGTERM; workers live in their own sessions and
@@ -118,7 +118,7 @@ class TFMultiWorkerOperator(BaseOperator):
 
     The `--config` file is the run's config.json or baseline_config.json: every worker gets the sha256 of the
     bytes this operator checked (`config_bytes` of `run_config`, or of its baseline configuration) as
-    `CONFIG_SHA256_ENV` and refuses a file of another digest (trainer/config/pinned.py).
+    `CONFIG_SHA256_ENV` and refuses a file of another digest (core/config/pinned.py).
     :param env: extra environment variables for every worker (shown in the log: put no secrets here).
     :param grace_period_s: SIGTERM -> SIGKILL delay when stopping the group after a failure (a kill of the task
         waits at most ON_KILL_GRACE_S).

@@ -13,6 +13,6 @@ One job per module, in the order the data flows:
 - `publish`: fingerprint, cache check, staging and publishing (the manifest last);
 - `stage`: the three steps the DAG runs (plan, lanes, finish) and `prepare_dataset`, all of them in one process;
 - `checks`: what the later steps read back from XCom and storage, checked against the run's storage and policy;
-- the documents (launcher/document.py) they hand each other: `plan` (by XCom: `DatasetPlan`, `PreparedDataset`),
+- the documents (core/document.py) they hand each other: `plan` (by XCom: `DatasetPlan`, `PreparedDataset`),
   `records` (the lanes' units, the whole plan, a unit's result, a lane's result) and `manifest` (`manifest.json`).
 """

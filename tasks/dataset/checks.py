@@ -12,16 +12,16 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from launcher.document import DocumentError
+from core import storage
+from core.config import ConfigError, RunConfig
+from core.config.access import AccessPolicy
+from core.document import DocumentError
+from core.layout import TOKENIZER_DIR, StorageLayout
 from tasks.dataset.errors import PrepareError
 from tasks.dataset.plan import DatasetPlan
 from tasks.dataset.publish import work_url
 from tasks.dataset.records import Part, Unit, WorkPlan
 from tasks.dataset.sources import SourceFile
-from trainer import storage
-from trainer.config import ConfigError, RunConfig
-from trainer.config.access import AccessPolicy
-from trainer.layout import TOKENIZER_DIR, StorageLayout
 
 PLAN_FILE = "plan.json"
 FINGERPRINT = re.compile(r"[0-9a-f]{20}")  # tasks.dataset.publish.dataset_fingerprint

@@ -25,10 +25,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from core.layout import SPLITS
 from tasks.dataset.readers import DocumentChunk
 from tasks.dataset.records import Extreme
 from tasks.dataset.split import DocumentDraws
-from trainer.layout import SPLITS
 
 log = logging.getLogger("gpt_finetune.prepare")
 

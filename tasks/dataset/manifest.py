@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from launcher.document import Document, DocumentError
+from core.document import Document, DocumentError
+from core.layout import SPLITS
 from tasks.dataset.sources import SourceFile
-from trainer.layout import SPLITS
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from launcher.document import Document
+from core.document import Document
 from tasks.pricing import Price
 from tasks.registry import PromotedVersion
 

@@ -19,14 +19,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from launcher.document import DocumentError
+from core import storage
+from core.document import DocumentError
+from core.layout import TOKENIZER_DIR, StorageLayout
 from tasks.dataset.errors import PrepareError
 from tasks.dataset.manifest import FileEntry, Manifest, PackingSettings
 from tasks.dataset.sources import Sources
 from tasks.dataset.tokenizer import TokenizerPlan
-from trainer import storage
 from trainer.data import FORMAT_VERSION
-from trainer.layout import TOKENIZER_DIR, StorageLayout
 
 log = logging.getLogger("gpt_finetune.prepare")
 

@@ -33,9 +33,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Self
 
+from core.storage import filesystem
 from tasks.dataset.errors import SourceError
 from tasks.dataset.sources import SourceFile
-from trainer.storage import filesystem
 
 # Source bytes per chunk: ~250k tokens for one encode call (~30 MB of its RSS, twice while the writer appends the
 # last call's). 4 MiB chunks peaked at 390-450 MB, growing with the run's length (fragmentation); 1 MiB ~180 MB.

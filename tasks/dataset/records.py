@@ -1,4 +1,4 @@
-"""The records the prepare stage's tasks hand each other while it runs, as documents (launcher/document.py):
+"""The records the prepare stage's tasks hand each other while it runs, as documents (core/document.py):
 
 - the lanes `prepare` returns and each mapped `tokenize` takes (XCom): lists of `Unit`;
 - the whole plan, `plan.json` in the plan's work directory (`WorkPlan`, read back checked by
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.document import Document, DocumentError
+from core import storage
+from core.document import Document, DocumentError
+from core.layout import SPLITS
 from tasks.dataset.manifest import PackingSettings
 from tasks.dataset.sources import SourceFile
-from trainer import storage
-from trainer.layout import SPLITS
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
+from core import storage
+from core.layout import shard_name
 from tasks.dataset.encode import SPLITS
 from tasks.dataset.manifest import ShardEntry, SplitEntry
 from tasks.dataset.records import UnitResult
 from tasks.tfrecord import write_sequence_records
-from trainer import storage
-from trainer.layout import shard_name
 
 READ_TOKENS = 1 << 21  # tokens read from the units' streams per step when writing a shard
 

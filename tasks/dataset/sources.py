@@ -18,11 +18,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from launcher.document import Document
+from core.config import ConfigError
+from core.config.access import DATA_ROOTS_ENV, AccessPolicy
+from core.document import Document
+from core.storage import filesystem
 from tasks.dataset.errors import SourceError
-from trainer.config import ConfigError
-from trainer.config.access import DATA_ROOTS_ENV, AccessPolicy
-from trainer.storage import filesystem
 
 KINDS = {".txt": "text", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 # A hub dataset's data files, most preferred first: the hub converts most datasets to Parquet.

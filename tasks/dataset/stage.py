@@ -26,7 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from launcher.protocol import utc_now
+from core import storage
+from core.clock import utc_now
+from core.config import AccessPolicy, RunConfig
+from core.layout import REPO_ROOT, StorageLayout
 from tasks.dataset.checks import PLAN_FILE
 from tasks.dataset.encode import joins_at_eos
 from tasks.dataset.errors import PrepareError
@@ -66,10 +69,7 @@ from tasks.dataset.units import (
     unit_result,
     unit_size,
 )
-from trainer import storage
-from trainer.config import AccessPolicy, RunConfig
 from trainer.data import FORMAT_VERSION
-from trainer.layout import REPO_ROOT, StorageLayout
 
 log = logging.getLogger("gpt_finetune.prepare")
 

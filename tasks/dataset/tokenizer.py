@@ -20,16 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.document import Document
+from core import storage
+from core.config import RunConfig
+from core.config.launch import FLOAT_DTYPES
+from core.document import Document
+from core.layout import REPO_ROOT
 from tasks.dataset.errors import PrepareError
 from tasks.dataset.readers import SourceReader, parquet_layout, read_documents
 from tasks.dataset.sources import Sources
 from tasks.dataset.split import SAMPLE_RULE, SAMPLE_WINDOW_BYTES, DocumentDraws, window_draw
-from trainer import storage
-from trainer.config import RunConfig
-from trainer.config.launch import FLOAT_DTYPES
 from trainer.data import token_dtype
-from trainer.layout import REPO_ROOT
 
 log = logging.getLogger("gpt_finetune.prepare")
 

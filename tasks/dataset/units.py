@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from launcher.document import DocumentError
+from core import storage
+from core.document import DocumentError
 from tasks.dataset.encode import SPLITS, Encoder, EncodeStats
 from tasks.dataset.errors import PrepareError, SourceError
 from tasks.dataset.readers import (
@@ -36,7 +37,6 @@ from tasks.dataset.records import Part, SplitStream, Unit, UnitJob, UnitResult
 from tasks.dataset.sources import SourceFile, Sources, check_unchanged
 from tasks.dataset.split import DocumentDraws
 from tasks.dataset.tokenizer import load_backend
-from trainer import storage
 
 log = logging.getLogger("gpt_finetune.prepare")
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import pytest
 
-from trainer.config import RunConfig, field_names
+from core.config import RunConfig, field_names
 
 REPO = Path(__file__).resolve().parents[2]
 DAG_FILE = REPO / "dags" / "gpt_finetune.py"
@@ -110,7 +110,7 @@ def test_schedule_is_overridable_by_environment():
 
 
 def test_params_are_generated_from_the_schema_in_its_order(dag):
-    from trainer.config.schema import SETTINGS
+    from core.config.schema import SETTINGS
 
     params = dag.params.dump()
     assert list(params) == [setting.name for setting in SETTINGS]
@@ -134,7 +134,7 @@ BAD_FORMATS = {
 def _refusals():
     """(setting, value) pairs the schema refuses: each bound's first value outside it, a value of no enum, a value
     of no format."""
-    from trainer.config.schema import SETTINGS
+    from core.config.schema import SETTINGS
 
     for setting in SETTINGS:
         rules = setting.rules
@@ -159,11 +159,11 @@ def _refusals():
 
 @pytest.mark.parametrize(("name", "value"), list(_refusals()), ids=lambda v: v if isinstance(v, str) else None)
 def test_the_form_refuses_what_the_run_config_refuses(dag, name, value):
-    """Bounds, enums and formats are written once (trainer/config/schema.py): the trigger form and RunConfig refuse
+    """Bounds, enums and formats are written once (core/config/schema.py): the trigger form and RunConfig refuse
     the same values, the config naming the setting."""
     from airflow.sdk.definitions.param import ParamValidationError
 
-    from trainer.config import ConfigError
+    from core.config import ConfigError
 
     with pytest.raises(ParamValidationError):
         dag.params.get_param(name).resolve(value=value)
@@ -172,7 +172,7 @@ def test_the_form_refuses_what_the_run_config_refuses(dag, name, value):
 
 
 def test_every_format_has_a_refusal_to_test():
-    from trainer.config.schema import SETTINGS
+    from core.config.schema import SETTINGS
 
     patterned = {s.name for s in SETTINGS if "pattern" in s.rules or "pattern" in s.rules.get("items", {})}
     assert patterned == set(BAD_FORMATS)

@@ -37,7 +37,8 @@ REQUIREMENTS = {
     "airflow": DOCKER / "requirements-airflow.txt",
 }
 # Importable project code: the repository's packages and everything in plugins/ (on sys.path under Airflow).
-FIRST_PARTY = {"launcher", "trainer", "tasks", "dags", "bench"} | {path.stem for path in (REPO / "plugins").iterdir()}
+FIRST_PARTY = ({"core", "launcher", "trainer", "tasks", "dags", "bench"}
+               | {path.stem for path in (REPO / "plugins").iterdir()})
 AIRFLOW_COMPONENTS = {
     "airflow-apiserver": "api-server",
     "airflow-scheduler": "scheduler",
@@ -184,7 +185,7 @@ def imported_names(path: Path) -> list[str]:
 
 
 def worker_side_files() -> list[Path]:
-    """What runs in the trainer image: the trainer, the SSH agent, and every launcher module they import (the
+    """What runs in the trainer image: the trainer, the SSH agent, and every core and launcher module they import (the
     launcher's SSH and Kubernetes backends run on the Airflow side)."""
     found, todo = set(), [*sorted((REPO / "trainer").rglob("*.py")), REPO / "launcher" / "agent.py"]
     while todo:
@@ -194,7 +195,7 @@ def worker_side_files() -> list[Path]:
         found.add(path)
         for name in imported_names(path):
             parts = name.split(".")
-            if parts[0] == "launcher":
+            if parts[0] in ("core", "launcher"):
                 module = REPO.joinpath(*parts)
                 todo += [candidate for candidate in (module.with_suffix(".py"), module / "__init__.py")
                          if candidate.is_file()]
@@ -299,9 +300,8 @@ def test_base_images_follow_the_lock():
 
 
 def test_trainer_image_ships_only_the_worker():
-    # The worker side: the launcher (RunConfig reads its backend names, SSH hosts run its agent) and the trainer;
-    # no Airflow glue.
-    assert copy_sources(TRAINER_DOCKERFILE) == ["docker/requirements-trainer.txt", "launcher/", "trainer/"]
+    # The worker side: the shared core, the launcher (SSH hosts run its agent) and the trainer; no Airflow glue.
+    assert copy_sources(TRAINER_DOCKERFILE) == ["docker/requirements-trainer.txt", "core/", "launcher/", "trainer/"]
     assert "--requirement /tmp/requirements-trainer.txt" in " ".join(instruction_args(TRAINER_DOCKERFILE, "RUN"))
     env = dockerfile_env(TRAINER_DOCKERFILE)
     assert env["TF_USE_LEGACY_KERAS"] == "1"
@@ -313,6 +313,7 @@ def test_trainer_image_ships_only_the_worker():
     copies = instruction_args(TRAINER_DOCKERFILE, "COPY")
     assert any(args.endswith(f"trainer/ {install_dir}/trainer/") for args in copies)
     assert any(args.endswith(f"launcher/ {install_dir}/launcher/") for args in copies)
+    assert any(args.endswith(f"core/ {install_dir}/core/") for args in copies)
 
 
 def test_the_preflight_import_is_cheap():
@@ -497,7 +498,7 @@ def test_compose_keeps_the_api_server_private_and_storage_access_scoped(tmp_path
     buckets = {urlparse(env[name]).netloc for name in ("GPT_FINETUNE_STORAGE_ROOT",
                                                         "AIRFLOW__LOGGING__REMOTE_BASE_LOG_FOLDER")}
     assert env["GPT_FINETUNE_S3_BUCKETS"] == urlparse(env["GPT_FINETUNE_STORAGE_ROOT"]).netloc
-    # ... and only the stack's own storage connection, an aws one (trainer/config/access.py).
+    # ... and only the stack's own storage connection, an aws one (core/config/access.py).
     assert json.loads(env[f"AIRFLOW_CONN_{env['GPT_FINETUNE_STORAGE_CONN_IDS'].upper()}"])["conn_type"] == "aws"
     (script,) = services["minio-init"]["command"]
     assert "readwrite --user" not in script.replace("detach local readwrite --user", "")  # never attached

@@ -8,9 +8,9 @@ import time
 import urllib.parse
 from pathlib import Path
 
+from core.layout import StorageLayout, run_key
 from tasks.release import processes_of_run
 from tests.support.hardware import assert_gpu_check_matches_this_machine
-from trainer.layout import StorageLayout, run_key
 
 DAG = "gpt_finetune"
 # No promotion: these runs test the pipeline, and a promoted version would be scored again by every later run

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from core.layout import run_key
 from tests.e2e.runs import DAG, FAST, assert_released, storage, trigger, wait_until
-from trainer.layout import run_key
 
 pytestmark = pytest.mark.timeout(900)
 

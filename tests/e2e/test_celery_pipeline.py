@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from core.layout import StorageLayout, run_key
 from tasks.release import processes_of_run
 from tests.e2e.runs import DAG, FAST, LONG, assert_released, run_path, task_runner_pid, trigger, wait_until
 from tests.e2e.runs import worker_ranks as trainer_ranks
-from trainer.layout import StorageLayout, run_key
 
 pytestmark = pytest.mark.timeout(1200)
 

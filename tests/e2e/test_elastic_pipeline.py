@@ -10,11 +10,11 @@ import time
 
 import pytest
 
+from core.layout import run_key
 from tasks.release import processes_of_run
 from tests.e2e.runs import DAG, FAST, trigger, wait_until
 from tests.e2e.test_ssh_pipeline import _connections
 from tests.support.sshd import bring_back, take_down
-from trainer.layout import run_key
 
 pytestmark = pytest.mark.timeout(900)
 

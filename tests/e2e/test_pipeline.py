@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from core.layout import run_key
 from tasks.release import processes_of_run
 from tasks.report_document import RunReport
 from tasks.report_parts import read_parts, run_view
 from tests.e2e.runs import DAG, FAST, assert_released, run_path, storage, trigger
 from tests.support.airflow_stack import REPO
 from tests.support.hardware import nvidia_gpus
-from trainer.layout import run_key
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -68,8 +68,8 @@ def assert_usage_matches_airflow(stack, run_id: str, report: dict) -> None:
     held window starts inside preflight's task instance and covers every GPU task instance to release, whose own
     task instance holds released_at (Airflow's metadata database, through its REST API), less the time a GPU task
     waited for admission between groups; waited = every try's scheduled -> queued there; cost = held x rate."""
+    from core.storage import read_json
     from tests.conftest import STACK_PRICES
-    from trainer.storage import read_json
 
     usage = report["usage"]
     trained = ["distributed"] + (["baseline"] if (report.get("baseline") or {}).get("trained_by_run") else [])

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from core.layout import run_key
 from tasks.release import processes_of_run
 from tests.e2e.runs import (
     DAG,
@@ -35,7 +36,6 @@ from tests.e2e.runs import (
     worker_ranks,
 )
 from tests.support.airflow_stack import REPO, airflow_env, free_port
-from trainer.layout import run_key
 
 pytestmark = pytest.mark.timeout(900)
 

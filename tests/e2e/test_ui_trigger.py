@@ -14,9 +14,9 @@ import urllib.parse
 
 import pytest
 
+from core.config import RunConfig
 from tests.support.airflow_stack import REPO, AirflowStack
 from tests.support.browser import chromium
-from trainer.config import RunConfig
 
 pytestmark = pytest.mark.timeout(420)  # stack start-up on a loaded 2-core machine included
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from core.layout import run_key
 from tasks.release import processes_of_run
 from tests.e2e.runs import (
     DAG,
@@ -25,7 +26,6 @@ from tests.e2e.runs import (
     wait_until,
     worker_ranks,
 )
-from trainer.layout import run_key
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+from core.config.access import DATA_ROOTS_ENV, S3_BUCKETS_ENV, STORAGE_ROOT_ENV
 from launcher import WorkerGroup
 from launcher.process import live_group_members
-from trainer.config.access import DATA_ROOTS_ENV, S3_BUCKETS_ENV, STORAGE_ROOT_ENV
 
 ENTRYPOINTS = Path(__file__).resolve().parent / "entrypoints"
 REPO = Path(__file__).resolve().parents[2]

@@ -14,8 +14,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from core.protocol import READY_MARKER
 from launcher.backend import Backend, HostRelease, ReleaseResult, WorkerHandle
-from launcher.protocol import READY_MARKER
 from launcher.spec import GroupSpec, Placement, WorkerSpec
 
 Script = Sequence[tuple]

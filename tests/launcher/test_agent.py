@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from core.protocol import ABORT_LINE, ABORT_SIGNAL, STOP_LINE, read_control_line
 from launcher.host_probe import VERSIONED_PACKAGES
 from launcher.process import ORPHAN_GRACE_S, live_group_members
-from launcher.protocol import ABORT_LINE, ABORT_SIGNAL, STOP_LINE, read_control_line
 from tests.launcher.conftest import ENTRYPOINTS, alive
 
 AGENT = [sys.executable, "-u", "-m", "launcher.agent"]

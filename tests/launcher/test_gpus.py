@@ -17,6 +17,7 @@ import uuid
 
 import pytest
 
+from core.protocol import GROUP_ENV, RUN_KEY_ENV
 from launcher import GroupSpec, InsufficientGPUsError, LocalBackend, tensorflow_env
 from launcher.gpu_memory import IDLE_USED_MB_ENV, idle_levels_mb
 from launcher.gpus import (
@@ -26,7 +27,6 @@ from launcher.gpus import (
     release_check,
     release_is_clean,
 )
-from launcher.protocol import GROUP_ENV, RUN_KEY_ENV
 from launcher.state_record import RecordedWorker, StateRecord
 from tests.launcher.conftest import alive
 from tests.support import fake_nvml

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from core.protocol import EXIT_PREEMPTED
 from launcher import FailureKind, GroupSpec, GroupState, LaunchError, WorkerGroup, WorkerState
-from launcher.protocol import EXIT_PREEMPTED
 from tests.launcher.fake_backend import FakeBackend
 
 FAST = {"startup_timeout_s": 0.3, "hang_timeout_s": 0.3, "grace_period_s": 0.1}

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config
 
+from core.layout import StorageLayout
+from core.storage import read_json
 from launcher import FailureKind, GroupSpec, GroupState, WorkerGroup, WorkerSpec, kubernetes_release, tensorflow_env
 from launcher.kubernetes import KubernetesBackend, KubernetesSettings
 from launcher.kubernetes_api import KubernetesApiError
@@ -22,8 +24,6 @@ from launcher.log_policy import VERBOSE_ENV
 from tasks.launch import RecordedLaunch
 from tests.launcher.conftest import ACCESS_POLICY_ENV, ENTRYPOINTS, REPO
 from tests.support.k8s_server import FakeKubernetes
-from trainer.layout import StorageLayout
-from trainer.storage import read_json
 
 SECRET = "s3cret-for-the-pods-only"
 RUN_KEY = "manual__2026-12-01T10_00_00-0123456789"

@@ -10,8 +10,8 @@ import kubernetes_validate
 import pytest
 from kubernetes.client import ApiClient
 
+from core.kubernetes_names import is_dns_label, is_label_value
 from launcher import kubernetes_objects as k8s
-from launcher.kubernetes_names import is_dns_label, is_label_value
 from launcher.spec import Placement
 from launcher.tf_env import tensorflow_env
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from core.protocol import ABORT_SIGNAL
 from launcher import (
     FailureKind,
     GroupSpec,
@@ -28,7 +29,6 @@ from launcher import (
 )
 from launcher.gpus import Gpu, GpuInventory
 from launcher.log_policy import VERBOSE_ENV
-from launcher.protocol import ABORT_SIGNAL
 from tasks.release import processes_of_run
 from tests.launcher.conftest import (
     ACCESS_POLICY_ENV,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from core.layout import StorageLayout
+from core.storage import read_json
 from launcher import GroupSpec, LocalBackend
 from launcher.gpus import GPU_RELEASE_WAIT_S, check_exited_slots
 from tasks.evaluate import with_release_after_train
@@ -20,8 +22,6 @@ from tests.launcher.conftest import entrypoint_env
 from tests.launcher.test_gpus import Clock
 from tests.support.fake_nvml import GIB, FakeNvml, h200s, install
 from tests.tasks.test_report import document
-from trainer.layout import StorageLayout
-from trainer.storage import read_json
 
 STARTING = re.compile(r"^rank (\d+) of \d+ pid (\d+) ")
 

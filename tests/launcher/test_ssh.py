@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 from tf_multiworker.backends import DEFAULT_REMOTE_WORKDIR, ssh_backend
 
+from core.config import RunConfig
+from core.layout import StorageLayout
+from core.protocol import ABORT_SIGNAL, GROUP_ENV, RUN_KEY_ENV
+from core.storage import read_json
 from launcher import FailureKind, GroupSpec, GroupState, LaunchError, WorkerGroup, error_for
-from launcher.protocol import ABORT_SIGNAL, GROUP_ENV, RUN_KEY_ENV
 from launcher.ssh import RemoteHost
 from tasks.launch import RecordedLaunch
 from tasks.release import processes_of_run
 from tests.launcher.conftest import REPO, entrypoint_env, run_past_sigkill, start_launcher, wait_for
-from trainer.config import RunConfig
-from trainer.layout import StorageLayout
-from trainer.storage import read_json
 
 SECRET = "ssh-secret-value-never-in-argv"
 
@@ -501,8 +501,8 @@ def test_a_host_whose_link_goes_down_ends_the_group_naming_it_and_the_retry_resu
     """A pulled cable, not a crash: host 2's link goes down mid-training (no process dies, no connection is
     closed). The group must end naming that host; with the link back, the next attempt resumes from the latest
     checkpoint in object storage (the hosts share no files)."""
+    from core import storage
     from tests.trainer.shards import write_dataset
-    from trainer import storage
     from trainer.checkpoint import latest_step
 
     if ssh_hosts[1].network is None:

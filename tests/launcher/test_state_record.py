@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from launcher.document import DocumentError
+from core.document import DocumentError
 from launcher.state_record import RecordedWorker, SlotsCheck, StateRecord
 
 WRITTEN = {

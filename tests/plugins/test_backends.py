@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from tf_multiworker.backends import FACTORIES, UnknownBackendError, make_backend
 
-from launcher.protocol import BACKEND_NAMES
+from core.protocol import BACKEND_NAMES
 
 
 def test_unknown_backend_is_refused_with_the_setting_to_change():
-    from trainer.config import RunConfig
+    from core.config import RunConfig
 
     with pytest.raises(UnknownBackendError, match=r"backend 'slurm' is not available: choose one of local.*"
                                                   r"\(setting 'backend'\)"):
@@ -17,8 +17,8 @@ def test_unknown_backend_is_refused_with_the_setting_to_change():
 
 
 def test_one_backend_table_feeds_the_config_and_the_dag():
+    from core.config import ConfigError, RunConfig
     from dags.gpt_finetune import PARAMS
-    from trainer.config import ConfigError, RunConfig
 
     assert PARAMS["backend"].schema["enum"] == list(BACKEND_NAMES)
     assert make_backend(RunConfig()).name == "local"

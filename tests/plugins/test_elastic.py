@@ -14,21 +14,21 @@ import pytest
 from tf_multiworker.backends import make_backend
 from tf_multiworker.elastic import ElasticTrainOperator, choose_count
 
+from core.config import RunConfig
+from core.config.pinned import ConfigChangedError, load_pinned_config, save_config
+from core.layout import StorageLayout, TrainOutput, run_key
+from core.protocol import CONFIG_SHA256_ENV
+from core.storage import join, read_bytes, read_json, write_json_atomic
 from launcher import GroupSpec, LaunchError, LocalBackend, WorkerGroup
 from launcher.backend import Capacity, HostRelease
 from launcher.gpus import Gpu, GpuInventory
 from launcher.local import LOCAL_USABLE_WORKERS_ENV
-from launcher.protocol import CONFIG_SHA256_ENV
 from tests.launcher.conftest import REPO, entrypoint_env
 from tests.plugins.conftest import failure_excerpt
 from tests.plugins.test_operator import _finish, _start
 from tests.tasks import run_fixtures
 from tests.trainer.shards import write_dataset
-from trainer.config import RunConfig
-from trainer.config.pinned import ConfigChangedError, load_pinned_config, save_config
 from trainer.data import read_manifest
-from trainer.layout import StorageLayout, TrainOutput, run_key
-from trainer.storage import join, read_bytes, read_json, write_json_atomic
 
 LOSS_TOLERANCE = 1e-4
 STEPS, CHECKPOINT_EVERY, FAULT_STEP = 12, 4, 4

@@ -75,8 +75,8 @@ def test_the_gpu_slot_tasks_and_release_go_to_the_gpu_queue_and_the_rest_stays_o
 
 def test_prepare_warns_when_several_workers_serve_the_gpu_queue(monkeypatch, caplog):
     """Several hosts on one gpu_queue: a run's groups may land on different hosts, which release cannot all check."""
+    from core.config import RunConfig
     from tasks import queues as gpu_queues
-    from trainer.config import RunConfig
 
     monkeypatch.setattr(gpu_queues, "served_queues", lambda: {"gpu@a": ["gpu"], "gpu@b": ["gpu", "gpu-b"],
                                                              "default@c": ["default"]})

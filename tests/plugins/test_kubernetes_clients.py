@@ -8,11 +8,11 @@ import json
 import pytest
 from tf_multiworker.backends import make_backend
 
+from core.config import RunConfig
 from launcher import LaunchError
 from launcher.kubernetes import KubernetesBackend, KubernetesSettings
 from launcher.kubernetes_objects import PodSettings
 from tests.support.k8s_server import FakeKubernetes
-from trainer.config import RunConfig
 
 ON_S3 = {"backend": "kubernetes", "storage_root": "s3://runs/x"}
 
@@ -46,7 +46,7 @@ def test_no_connection_outside_a_cluster_says_what_is_missing(monkeypatch):
 def test_bad_settings_are_refused_before_any_client_is_made():
     """The run's config refuses a bad namespace first, naming the setting; the launcher, a library of its own, keeps
     its own check for callers without a RunConfig."""
-    from trainer.config import ConfigError
+    from core.config import ConfigError
 
     with pytest.raises(ConfigError, match="'namespace' = 'Not_A_Label' is not a Kubernetes namespace name"):
         RunConfig.of(**ON_S3, kubernetes_conn_id="never_read", namespace="Not_A_Label")

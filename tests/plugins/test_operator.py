@@ -22,11 +22,11 @@ from airflow.sdk.exceptions import AirflowFailException
 from tf_multiworker import operator as operator_module
 from tf_multiworker.operator import TFMultiWorkerOperator
 
+from core.layout import StorageLayout
+from core.storage import read_bytes, read_json
 from tasks.release import processes_of_run
 from tests.launcher.conftest import REPO, entrypoint_env, wait_until_gone
 from tests.plugins.conftest import failure_excerpt
-from trainer.layout import StorageLayout
-from trainer.storage import read_bytes, read_json
 
 TEMPLATED = {"args", "run_config", "config_url", "output_url", "run_key", "summary_url", "env", "manifest_sha256",
              "num_workers"}
@@ -104,7 +104,7 @@ def _ti(state: str = "running") -> SimpleNamespace:
 def test_the_run_key_comes_from_the_task_s_own_dag_run_not_from_xcom():
     """The review: a foreign run_key in XCom made this task's sweep of earlier attempts end another run's workers.
     The DAG passes none now; the operator derives it from (dag_id, run_id)."""
-    from trainer.layout import run_key
+    from core.layout import run_key
 
     op = _operator(run_key=None, args=[], run_config={"num_workers": 3, "storage_root": "/tmp/x"})
     op._check_run(_ti())
@@ -171,7 +171,7 @@ def _prepared_args(root: str, key: str) -> dict[str, str]:
 def test_a_launch_url_outside_the_run_s_layout_launches_nothing(monkeypatch, tmp_path, flag, url):
     """The storage URLs the DAG renders from XCom: an edited one must not point the workers at another run's
     configuration or output, or at a place outside the policy-checked storage root."""
-    from trainer.layout import run_key
+    from core.layout import run_key
 
     backends = []
     monkeypatch.setattr(operator_module, "make_backend", lambda *args: backends.append(args))
@@ -192,10 +192,10 @@ def test_the_prepared_run_s_urls_launch_with_the_digest_of_the_checked_configura
     config digest is read from XCom."""
     import hashlib
 
-    from launcher.protocol import CONFIG_SHA256_ENV, MANIFEST_SHA256_ENV
-    from trainer.config import RunConfig
-    from trainer.config.pinned import save_config
-    from trainer.layout import run_key
+    from core.config import RunConfig
+    from core.config.pinned import save_config
+    from core.layout import run_key
+    from core.protocol import CONFIG_SHA256_ENV, MANIFEST_SHA256_ENV
 
     root, key = str(tmp_path), run_key("gpt_finetune", "manual__1")
     run, baseline = StorageLayout(root).run(key), StorageLayout(root).baseline("gpt2-gb16-s40-0123456789abcdef")
@@ -218,7 +218,7 @@ def test_the_prepared_run_s_urls_launch_with_the_digest_of_the_checked_configura
 def test_a_summary_url_that_is_not_the_output_s_own_launches_nothing(tmp_path):
     """The operator checks that summary.json exists after the workers exit: an edited XCom must not make it probe
     another run's, a bucket's or an internal service's URL."""
-    from trainer.layout import run_key
+    from core.layout import run_key
 
     root, key = str(tmp_path), run_key("gpt_finetune", "manual__1")
     run = StorageLayout(root).run(key)
@@ -237,7 +237,7 @@ def test_a_summary_url_that_is_not_the_output_s_own_launches_nothing(tmp_path):
 @pytest.mark.parametrize("pin", [None, ""])
 def test_a_manifest_without_a_pinned_digest_launches_nothing(tmp_path, pin):
     """Review t5, finding 11: the dataset is pinned like the config, so a launch with --manifest needs its digest."""
-    from trainer.layout import run_key
+    from core.layout import run_key
 
     root, key = str(tmp_path), run_key("gpt_finetune", "manual__1")
     op = _operator(run_key=None, args=[part for pair in _prepared_args(root, key).items() for part in pair],
@@ -274,9 +274,9 @@ def prepared_launch(case: Path, manifest: str, output: str = "train") -> None:
     where and as prepare writes it (the operator pins the digest of that configuration, its `run_config`), and the
     worker arguments the DAG renders put before the case's: the run's config, `manifest` (under the storage root's
     datasets/) and the output `output` of the run's directory."""
-    import trainer.config.launch as launch_rules
-    from trainer.config import RunConfig
-    from trainer.config.pinned import save_config
+    import core.config.launch as launch_rules
+    from core.config import RunConfig
+    from core.config.pinned import save_config
     from trainer.data import read_manifest
 
     content = json.loads(case.read_text())

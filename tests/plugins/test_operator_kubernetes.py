@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from tf_multiworker.backends import make_backend
 
+from core.layout import run_key
+from core.storage import read_json
 from launcher import GroupSpec, WorkerSpec, tensorflow_env
 from launcher.kubernetes_objects import GroupNames
 from tasks.release import release_run
@@ -24,8 +26,6 @@ from tests.plugins.conftest import REPO, failure_excerpt
 from tests.plugins.test_operator import _case, _finish, _run_key, _start, prepared_launch
 from tests.support.k8s_server import FakeKubernetes
 from tests.trainer.shards import write_dataset
-from trainer.layout import run_key
-from trainer.storage import read_json
 
 CONN_ID = "k8s_fake"
 # Same data, same initialisation, same summation order: the local and the pod runs agree to float32 rounding.
@@ -180,7 +180,7 @@ def test_release_deletes_the_leftovers_of_a_dead_task_by_label(tmp_path, cluster
     root = f"s3://runs/{tmp_path.name}"  # pods share no disk with Airflow: the run's storage is on S3
     params = {"backend": "kubernetes", "kubernetes_conn_id": CONN_ID, "storage_root": root}
     result = release_run(params, "manual__dead_task", "gpt_finetune", make_backend, grace_period_s=2)
-    record = read_json(result["release_url"])  # runs/<key>/report/release.json (trainer/layout.py)
+    record = read_json(result["release_url"])  # runs/<key>/report/release.json (core/layout.py)
     pods = next(h for h in record["hosts"] if h["backend"] == "kubernetes")
     print(f"\nrelease on the cluster: {pods}")
     assert result["clean"] is True and record["clean"] is True

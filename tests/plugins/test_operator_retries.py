@@ -14,9 +14,9 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException, AirflowRescheduleException
 from tf_multiworker.operator import PREEMPTION_MARGIN_S, NotRetryableError, TFMultiWorkerOperator
 
+from core.protocol import EXIT_PERMANENT, EXIT_PREEMPTED
 from launcher import FailureKind, GroupState, RunResult, WorkerFailedError, WorkerFailure
 from launcher.kubernetes_objects import GroupNames, PodSettings, pod
-from launcher.protocol import EXIT_PERMANENT, EXIT_PREEMPTED
 from tests.plugins.conftest import failure_excerpt
 from tests.plugins.test_operator import _case, _finish, _start, prepared_launch
 from tests.trainer.long_run import FAST_STEPS, write_tiny_dataset

@@ -25,12 +25,12 @@ import uvicorn
 from fastapi.testclient import TestClient
 from tf_multiworker.backends import make_backend
 
+from core.layout import run_key
+from core.storage import join, upload_tree, write_json_atomic
 from tasks import evaluate
 from tasks.report_document import Comparison
 from tests.support.browser import chromium
 from tests.tasks import run_fixtures
-from trainer.layout import run_key
-from trainer.storage import join, upload_tree, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"

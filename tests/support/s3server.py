@@ -4,7 +4,7 @@ Use from a test module with `pytest_plugins = ["tests.support.s3server"]`, then 
 - `s3_endpoint`: the server's URL (one server per session, random free port on 127.0.0.1, or on the test hosts'
   network gateway when they have network stacks of their own, so that they reach it too: tests/conftest.py);
 - `s3_env`: AWS_* variables for this test (dummy keys, region, AWS_ENDPOINT_URL), the only way
-  `trainer.storage` and child processes learn the endpoint and credentials;
+  `core.storage` and child processes learn the endpoint and credentials;
 - `s3_bucket`: `s3_env` plus a fresh bucket; yields `"s3://<bucket>"`;
 - `s3_faults`: an `S3FaultProxy` between the clients and the server (AWS_ENDPOINT_URL points at it) that can
   fail every object PUT after the first N, or hold the N-th PUT until released (to kill a writer mid-upload).

@@ -14,8 +14,8 @@ import os
 import sys
 import time
 
+from core.storage import exists, join, read_json, write_json_atomic
 from trainer.runtime import worker_identity
-from trainer.storage import exists, join, read_json, write_json_atomic
 
 
 def main() -> int:
@@ -39,8 +39,8 @@ def main() -> int:
     if recorded.get("hang_s"):  # a stuck evaluation, for the tests that end it
         print(f"evaluating as pid {os.getpid()} of run {os.environ.get('TFMW_RUN_KEY')}", flush=True)
         time.sleep(recorded["hang_s"])
+    from core.eval_result import combine, part_url  # after the hang's line: the tests wait for it
     from trainer.data import load_manifest
-    from trainer.eval_result import combine, part_url  # after the hang's line: the tests wait for it
     from trainer.eval_sample import sample_identity
 
     sample = sample_identity(load_manifest(args.manifest), args.eval_tokens)  # pinned as trainer.evaluate reads it

@@ -15,13 +15,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+from core.config import RunConfig
+from core.config.core import EXPORT_FORMATS
+from core.layout import StorageLayout, TrainOutput, run_key
+from core.storage import join, write_bytes_atomic, write_json_atomic
 from tasks.checked_run import OwnRun
 from tasks.prepared_run import PreparedRun
-from trainer.config import RunConfig
-from trainer.config.core import EXPORT_FORMATS
 from trainer.export import FORMAT_DIRS
-from trainer.layout import StorageLayout, TrainOutput, run_key
-from trainer.storage import join, write_bytes_atomic, write_json_atomic
 
 FINGERPRINT = "3f2a9c01d4e5b6a7c8d9"
 DAG_ID = "gpt_finetune"
@@ -108,8 +108,8 @@ def prepare_run(root: str, run_id: str, manifest_url: str | None = None, **setti
 
     `manifest_url` names a real tokenized dataset; by default a manifest without shards is written.
     """
+    from core.storage import read_bytes
     from tasks.prepare import lay_out_run
-    from trainer.storage import read_bytes
 
     manifest_url = manifest_url or write_manifest(root)
     cfg = RunConfig.from_params({"storage_root": root, **settings})
@@ -143,8 +143,8 @@ ELASTIC_RECORD = {"num_workers": 4, "grad_accum_steps": 1, "min_workers": 2, "la
 def released_markdown(report_url: str) -> str:
     """report.md as the release task renders it (its one writer) from the parts beside it, for tests that stop before
     release; evaluate and promote write none."""
+    from core.storage import exists, read_bytes
     from tasks.report import REPORT_MD, render_report_md
-    from trainer.storage import exists, read_bytes
 
     assert not exists(join(report_url, REPORT_MD)), "only the release task writes report.md"
     render_report_md(report_url)

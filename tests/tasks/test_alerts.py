@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from core.config import ConfigError, RunConfig
+from core.layout import run_key
 from launcher.errors import WorkerFailedError
 from launcher.spec import FailureKind, GroupState, RunResult, WorkerFailure
 from tasks import alerts
 from tests.support.metrics_sinks import SmtpSink, StallingSmtpServer, StatsdListener
-from trainer.config import ConfigError, RunConfig
-from trainer.layout import run_key
 
 RUN_ID = "manual__2026-12-03T10:00:00+00:00"
 
@@ -26,7 +26,7 @@ ALLOW_LISTS = {"GPT_FINETUNE_ALERT_CONN_IDS": "alerts_smtp,alerts_silent", "GPT_
 
 @pytest.fixture(autouse=True)
 def allow_lists(monkeypatch):
-    """The deployment's alert allow-lists (trainer/config/access.py), which the failure callback applies too."""
+    """The deployment's alert allow-lists (core/config/access.py), which the failure callback applies too."""
     for name, value in ALLOW_LISTS.items():
         monkeypatch.setenv(name, value)
 

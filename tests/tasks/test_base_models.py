@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from core.config import ConfigError, RunConfig
+from core.layout import StorageLayout
+from core.storage import read_json
 from tasks.base_models import pinned_base, resolve_base_model
 from tests.support import local_hub
 from tests.tasks import run_fixtures
-from trainer.config import ConfigError, RunConfig
-from trainer.layout import StorageLayout
-from trainer.storage import read_json
 
 
 def config(tmp_path: Path, **settings) -> RunConfig:
@@ -58,8 +58,8 @@ def test_a_hub_model_is_fetched_once_then_reused_without_the_hub(tmp_path, hub, 
 
 
 def test_a_cached_copy_whose_record_is_of_another_shape_is_refused_naming_the_file_and_the_field(tmp_path, hub):
-    from launcher.document import DocumentError
-    from trainer.storage import write_json_atomic
+    from core.document import DocumentError
+    from core.storage import write_json_atomic
 
     sha = local_hub.add_model(hub, "gpt2")
     cfg, record = resolve_base_model(config(tmp_path), cache_dir=hub)

@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
+from core.config import RunConfig
+from core.layout import TrainOutput
+from core.storage import exists, read_json
 from tasks import baseline as baseline_module
 from tasks.baseline import baseline_key, plan_baseline, read_key_record
 from tests.tasks import run_fixtures
-from trainer.config import RunConfig
-from trainer.layout import TrainOutput
-from trainer.storage import exists, read_json
 
 VALIDATION = {"sequences": 10_000, "tokens": 640_000, "shards": [
     {"name": "validation-00000-of-00001.tfrecord", "sequences": 10_000, "sha256": "0" * 64}]}
@@ -129,8 +129,8 @@ def test_a_key_that_no_longer_matches_the_settings_is_refused(root):
 def test_key_records_of_earlier_runs_still_explain_and_a_mistyped_one_is_refused_by_name(root, caplog):
     """A key record of key format 1 (no eval_sample) is compared like any; one of another shape is refused, naming
     the file and the field, and left out of the explanation."""
-    from launcher.document import DocumentError
-    from trainer.storage import write_json_atomic
+    from core.document import DocumentError
+    from core.storage import write_json_atomic
 
     caplog.set_level(logging.INFO, logger="gpt_finetune.baseline")
     first = run_fixtures.prepare_run(root, "scheduled__1")
@@ -157,8 +157,8 @@ def test_key_records_of_earlier_runs_still_explain_and_a_mistyped_one_is_refused
 
 
 def test_a_baseline_summary_of_another_shape_is_refused_before_it_is_reused(root):
-    from trainer.storage import write_json_atomic
-    from trainer.summary import SummaryError
+    from core.storage import write_json_atomic
+    from core.summary import SummaryError
 
     prepared = run_fixtures.prepare_run(root, "manual__1")
     run_fixtures.write_training_output(prepared.baseline_url, num_workers=1, train_time_s=20.0, eval_loss=5.3)

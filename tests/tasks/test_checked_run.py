@@ -12,13 +12,13 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 from tf_multiworker.backends import make_backend
 
+from core.layout import StorageLayout, run_key
+from core.storage import exists, join
 from tasks.baseline import plan_baseline
 from tasks.checked_run import OwnRun, checked_run
 from tasks.evaluate import evaluate_run
 from tasks.promote import promote_run
 from tests.tasks import run_fixtures
-from trainer.layout import StorageLayout, run_key
-from trainer.storage import exists, join
 
 
 @pytest.fixture

@@ -2,10 +2,10 @@
 
 from dataclasses import replace
 
+from core.config import RunConfig
+from core.summary import TrainSummary
 from tasks import comparison
 from tasks.report_document import RunFigures
-from trainer.config import RunConfig
-from trainer.summary import TrainSummary
 
 
 def test_speedup_compares_time_per_step_so_a_resumed_job_is_measured_fairly():

@@ -10,10 +10,10 @@ import os
 import pytest
 from airflow.sdk.exceptions import AirflowNotFoundException
 
+from core.config import ConfigError
+from core.storage import read_bytes, write_bytes_atomic
 from tasks.connections import applied_env, run_storage_conn_id, storage_env, uses_run_storage
 from tests.support.s3server import ACCESS_KEY, SECRET_KEY
-from trainer.config import ConfigError
-from trainer.storage import read_bytes, write_bytes_atomic
 
 AWS_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
              "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE")

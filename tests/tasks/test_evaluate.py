@@ -17,14 +17,14 @@ import airflow  # noqa: F401 (its first import replaces the log handlers: here, 
 import pytest
 from tf_multiworker.backends import make_backend
 
+from core.config import RunConfig
+from core.layout import StorageLayout
+from core.storage import exists, join, read_bytes, read_json, write_bytes_atomic, write_json_atomic
 from tasks import evaluate
 from tasks.baseline import plan_baseline
 from tasks.evaluate import EvaluationError, GateFailure, evaluate_run
 from tasks.report_document import RunReport
 from tests.tasks import run_fixtures
-from trainer.config import RunConfig
-from trainer.layout import StorageLayout
-from trainer.storage import exists, join, read_bytes, read_json, write_bytes_atomic, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from core.layout import StorageLayout
+from core.storage import exists, join, read_json
 from launcher import GroupSpec, GroupState
 from tasks.launch import RecordedLaunch
 from tests.launcher.fake_backend import FakeBackend
-from trainer.layout import StorageLayout
-from trainer.storage import exists, join, read_json
 
 
 def spec(**changes) -> GroupSpec:
@@ -88,8 +88,8 @@ def test_storage_that_fails_at_the_end_hides_no_failure_and_fails_a_success(tmp_
 def test_the_record_names_the_launcher_host_and_an_unfinished_attempt_elsewhere_is_named(tmp_path, caplog):
     """Release and the sweep of earlier attempts see only their own host: every record names its launcher's host
     identity, and a retry launched elsewhere than an attempt that never finished says so, naming both hosts."""
+    from core.storage import write_json_atomic
     from launcher.host_identity import host_identity
-    from trainer.storage import write_json_atomic
 
     run = StorageLayout(str(tmp_path / "storage")).run("run-1")
     elsewhere = {**host_identity(), "hostname": "gpu-host-7", "boot_id": "0f0e0d0c-0000-4000-8000-000000000007"}
@@ -114,8 +114,8 @@ def test_the_record_names_the_launcher_host_and_an_unfinished_attempt_elsewhere_
 def test_a_slots_check_of_another_shape_is_evidence_of_nothing_and_names_the_field(tmp_path, caplog):
     """A backend's answer (an SSH agent's, say) with a mistyped field proves nothing; a state record whose after_exit
     is mistyped gives no release_after_train_s."""
+    from core.storage import write_json_atomic
     from tasks.launch import release_after_exit
-    from trainer.storage import write_json_atomic
 
     class Answers(FakeBackend):
         def check_slots_free(self, group, workers):

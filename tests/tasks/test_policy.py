@@ -34,8 +34,8 @@ def test_a_prepared_run_rewritten_in_xcom_is_refused_before_the_task_acts(tmp_pa
 def test_evaluate_s_launch_urls_are_held_to_the_run_s_layout(tmp_path):
     """Evaluate's own groups (review t5 finding 1): the run's model, a baseline's model and cached evaluation, a
     registered version's model pass; a model anywhere else is refused naming the argument and where it must be."""
-    from trainer.config import ConfigError
-    from trainer.layout import StorageLayout
+    from core.config import ConfigError
+    from core.layout import StorageLayout
 
     root, key = str(tmp_path), "manual__1-0123456789"
     storage = StorageLayout(root)

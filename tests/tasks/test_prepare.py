@@ -10,15 +10,15 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 from tf_multiworker.backends import make_backend
 
-from launcher.protocol import CONFIG_SHA256_ENV, MANIFEST_SHA256_ENV
+from core.config import RunConfig
+from core.config.pinned import config_bytes, load_pinned_config
+from core.layout import run_key
+from core.protocol import CONFIG_SHA256_ENV, MANIFEST_SHA256_ENV
 from tasks.dataset.plan import DatasetPlan
 from tasks.dataset.records import LaneResult
 from tasks.prepare import finish_run, plan_run, tokenize_lane
 from tasks.prepared_run import PreparedRun
-from trainer.config import RunConfig
-from trainer.config.pinned import config_bytes, load_pinned_config
 from trainer.data import load_manifest
-from trainer.layout import run_key
 
 RUN_ID = "manual__2026-11-29T02:00:00+00:00"
 DAG_ID = "gpt_finetune"
@@ -62,7 +62,7 @@ def test_prepared_run_lists_configs_with_resolved_steps(tmp_path):
               "max_steps": 0, "warmup_steps": 0, "epochs": 1.0, "baseline": "skip"}
     prepared = prepare_run(params, RUN_ID, DAG_ID)
     # Loaded as the workers load them, pinned to the digests of the configurations the operators check
-    # (trainer/config/pinned.py).
+    # (core/config/pinned.py).
     checked = RunConfig.from_saved(prepared.config)
     run_cfg = load_pinned_config(prepared.config_url,
                                  {CONFIG_SHA256_ENV: hashlib.sha256(config_bytes(checked)).hexdigest()})

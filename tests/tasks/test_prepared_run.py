@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from launcher.document import DocumentError
+from core.document import DocumentError
 from tasks.prepared_run import PreparedRun
 from tasks.registry import PromotedVersion
 from tests.tasks import run_fixtures

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from tf_multiworker.backends import make_backend
 
+from core.layout import StorageLayout, TrainOutput
+from core.storage import copy_tree, exists, filesystem, join, read_bytes, read_json, remove_tree, write_json_atomic
 from tasks import evaluate, registry
 from tasks.exports import ForeignModelError
 from tasks.prepared_run import PreparedRun
@@ -26,8 +28,6 @@ from tasks.promote import NoReportError, promote_run
 from tasks.report_document import RunReport
 from tasks.report_parts import read_parts, run_view
 from tests.tasks import run_fixtures
-from trainer.layout import StorageLayout, TrainOutput
-from trainer.storage import copy_tree, exists, filesystem, join, read_bytes, read_json, remove_tree, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -426,8 +426,8 @@ def test_an_exports_record_naming_another_folder_promotes_nothing(evaluations, t
 
 def test_continuing_from_a_pointer_outside_its_version_is_refused_by_prepare(evaluations, tmp_path):
     """`model: promoted` trains from latest.json's model_url: one that leaves its version's folder is refused."""
+    from core.config import ConfigError, RunConfig
     from tasks.promote import resolve_promoted_model
-    from trainer.config import ConfigError, RunConfig
 
     root = str(tmp_path / "storage")
     promote_own(evaluated_run(root, "r1", 5.30))
@@ -441,7 +441,7 @@ def test_continuing_from_a_pointer_outside_its_version_is_refused_by_prepare(eva
 
 def test_the_model_card_writes_settings_as_fenced_json_and_no_value_ends_its_code_span(tmp_path, evaluations):
     """Review t5, finding 8: a backtick in a setting ended the card's code span and let HTML into model_card.md.
-    text_column may no longer hold one (trainer/config/core.py); the dataset URL and the run id still may."""
+    text_column may no longer hold one (core/config/core.py); the dataset URL and the run id still may."""
     injected = "s3://gpt-finetune/``x` <img src=x onerror=alert(1)> |\n## Security notice/*.txt"
     run_id = "manual__`<a href=\"https://evil.example\">rotate</a>`"
     promoted = promote_run(evaluated_run(str(tmp_path / "storage"), run_id, 5.30, dataset=injected))

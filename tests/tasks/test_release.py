@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from tf_multiworker.backends import make_backend
 
+from core.layout import PROMOTION_JSON, StorageLayout, run_key
+from core.protocol import LAUNCHER_WORKDIR_PREFIX
+from core.storage import join, write_json_atomic
 from launcher.host_identity import host_identity
-from launcher.protocol import LAUNCHER_WORKDIR_PREFIX
 from tasks.release import ReleaseError, processes_of_run, release_run
 from tests.support.hardware import assert_gpu_check_matches_this_machine
-from trainer.layout import PROMOTION_JSON, StorageLayout, run_key
-from trainer.storage import join, write_json_atomic
 
 RUN_ID = "manual__2026-11-29T02:00:00+00:00"
 DAG_ID = "gpt_finetune"

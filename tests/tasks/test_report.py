@@ -5,11 +5,11 @@ import struct
 
 import pytest
 
+from core.storage import exists, join, read_bytes, read_json, write_bytes_atomic, write_json_atomic
 from tasks import formatting
 from tasks import report as reports
 from tasks.report_document import ReportError, RunReport, table_rows
 from tasks.report_parts import RunView, run_view
-from trainer.storage import exists, join, read_bytes, read_json, write_bytes_atomic, write_json_atomic
 
 
 def png_size(data: bytes) -> tuple[int, int]:

@@ -2,10 +2,10 @@
 
 import json
 
+from core.storage import join, write_json_atomic
 from tasks import report as reports
 from tasks.report_parts import read_part, read_parts, run_view
 from tests.tasks.test_report import document
-from trainer.storage import join, write_json_atomic
 
 EXPORT_GATE = {"name": "export_safetensors", "passed": False, "value": 0.03, "limit": 1e-4,
                "detail": "export safetensors: max |logit diff| 3.20e-02"}

@@ -55,10 +55,10 @@ def test_gpu_memory_shows_tensorflows_peak_beside_the_memory_in_use_on_gpu_runs_
 def test_the_report_says_how_the_gradients_crossed_the_network():
     """summary.json's `allreduce` (trainer/train.py) reaches the report through the run's figures (tasks/comparison.py):
     the implementation `communication` resolved to, the wire dtype and the packs."""
+    from core.eval_result import EvalResult
+    from core.layout import TrainOutput
+    from core.summary import TrainSummary
     from tasks.comparison import run_figures
-    from trainer.eval_result import EvalResult
-    from trainer.layout import TrainOutput
-    from trainer.summary import TrainSummary
 
     summary = {"num_workers": 2, "global_batch_size": 16, "steps": 4, "tokens_seen": 4096, "train_time_s": 2.0,
                "wall_time_s": 3.0, "tokens_per_s": 2048.0, "final_loss": 5.0,

@@ -134,7 +134,7 @@ def test_any_report_json_gives_an_index_and_never_a_500(tmp_path, good_report):
 def test_a_generated_plan_or_lane_is_tokenized_as_planned_or_refused_by_name(tmp_path, monkeypatch):
     from tf_multiworker.backends import make_backend
 
-    from launcher.document import DocumentError
+    from core.document import DocumentError
     from tasks.dataset.errors import PrepareError
     from tasks.dataset.plan import DatasetPlan
     from tasks.prepare import plan_run, tokenize_lane

@@ -9,13 +9,13 @@ from dataclasses import replace
 
 import pytest
 
-from launcher.document import DocumentError
+from core.config import ConfigError
+from core.document import DocumentError
 from tasks import pricing, usage
 from tasks.usage import IdleWarning, RankEvents, RankTimeline, Timeline
 from tasks.usage_summary import AttemptRow, LiveWarning, summarize
 from tests.tasks.test_report import document, document_of, view_of
 from tests.tasks.test_report import report as base_report
-from trainer.config import ConfigError
 
 
 def rank(r, launch, ready, end, first=None, last=None, redone=None, host="h", gpus=()):
@@ -197,9 +197,9 @@ def test_price_precedence_queue_over_backend_over_table():
 def test_the_frozen_price_reads_back_exactly_and_a_mistyped_one_is_refused_by_name(tmp_path):
     """XCom and usage/price.json keep the price's keys and numbers as written (a rate of 1 stays 1); a file or XCom
     that carries another shape is refused, naming the file and the field."""
+    from core.storage import read_json, write_json_atomic
     from tasks.dataset.plan import DatasetPlan
     from tasks.usage_record import read_price, write_price
-    from trainer.storage import read_json, write_json_atomic
 
     price = pricing.freeze(pricing.parse_table(json.dumps({"currency": "EUR", "cpu_worker": {"on_demand": 1}}), "t"),
                            "t", backend="local", queue="", capacity="on_demand", use_gpu=False)
@@ -274,11 +274,11 @@ def test_cost_is_held_times_rate_and_unknown_accelerator_uses_the_default():
 
 def test_the_launch_path_writes_one_event_file_per_group_attempt(tmp_path):
     """RecordedLaunch appends usage/<group>-<launch>-a<attempt>.json: launch <= ready <= exit per rank, once."""
+    from core.layout import StorageLayout
     from tasks.launch import RecordedLaunch
     from tasks.usage_record import load_attempts
     from tests.launcher.fake_backend import FakeBackend
     from tests.tasks.test_launch import scripts, spec
-    from trainer.layout import StorageLayout
 
     run = StorageLayout(str(tmp_path / "storage")).run("run-1")
     for _ in range(2):  # a retry of the task: a second file, the first kept
@@ -294,8 +294,8 @@ def test_the_launch_path_writes_one_event_file_per_group_attempt(tmp_path):
 
 
 def test_an_attempt_file_of_another_shape_is_refused_naming_the_file_and_the_field(tmp_path):
+    from core.storage import write_json_atomic
     from tasks.usage_record import load_attempts
-    from trainer.storage import write_json_atomic
 
     run_url = str(tmp_path / "run")
     good = {"group": "evaluate-baseline", "backend": "local", "attempt": 1, "try_number": "1", "state": "succeeded",
@@ -311,8 +311,8 @@ def test_an_attempt_file_of_another_shape_is_refused_naming_the_file_and_the_fie
 
 
 def _write_run(tmp_path, price):
+    from core.storage import write_json_atomic
     from tasks.usage_record import write_price
-    from trainer.storage import write_json_atomic
 
     run_url = str(tmp_path / "run")
     write_price(run_url, price)
@@ -438,8 +438,8 @@ def test_cost_warnings_are_mailed_once_with_an_alert_connection(monkeypatch):
 
 
 def test_the_advisors_cheapest_count_is_read_checked_from_preflight_json(tmp_path, caplog):
+    from core.storage import write_json_atomic
     from tasks.usage_record import _cheapest_workers
-    from trainer.storage import write_json_atomic
 
     report_url = str(tmp_path / "report")
     assert _cheapest_workers(report_url) is None  # no preflight.json

@@ -9,8 +9,10 @@ import threading
 import time
 from dataclasses import replace
 
+from core.config import RunConfig
+from core.layout import StorageLayout, run_key
+from core.protocol import EXIT_PREEMPTED
 from launcher import GroupSpec, GroupState, LocalBackend
-from launcher.protocol import EXIT_PREEMPTED
 from tasks import alerts
 from tasks.launch import IdleSettings, RecordedLaunch, live_step
 from tasks.release import processes_of_run
@@ -19,8 +21,6 @@ from tasks.report_parts import run_view
 from tasks.usage_record import load_attempts, run_usage
 from tests.launcher.conftest import entrypoint_env
 from tests.tasks.test_report import document
-from trainer.config import RunConfig
-from trainer.layout import StorageLayout, run_key
 from trainer.metrics import LIVE_PREFIX
 
 MAIL_HANGS_S = 15.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.protocol import EXIT_PREEMPTED
+from core.protocol import EXIT_PREEMPTED
 from tasks import usage
 from tasks.report_document import Runs
 from tasks.usage import AttemptEvents, Book, RankEvents

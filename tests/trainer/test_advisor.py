@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from core.config import RunConfig
+from core.storage import read_json
 from tests.trainer.shards import write_dataset
 from trainer import advisor
-from trainer.config import RunConfig
-from trainer.storage import read_json
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from core.config import RunConfig
+from core.storage import join, write_json_atomic
 from trainer import advisor
-from trainer.config import RunConfig
 from trainer.preflight.advice import cost_advice, last_comparable_usage
-from trainer.storage import join, write_json_atomic
 
 # Predicted step times of 1..4 workers: 2 is nearly twice as fast as 1, 3 and 4 add little.
 STEPS = {1: 1.0, 2: 0.52, 3: 0.45, 4: 0.42}

@@ -18,11 +18,11 @@ import sys
 
 import pytest
 
+from core.config import ConfigError, RunConfig
 from tests.trainer.shards import write_dataset
 from tests.trainer.test_train import REPO, Job
 from trainer import advisor
 from trainer.allreduce import GradientReducer, PackRecorder
-from trainer.config import ConfigError, RunConfig
 
 STEPS = 60
 SETTINGS = {"max_steps": STEPS, "checkpoint_every_steps": STEPS, "warmup_steps": 6}

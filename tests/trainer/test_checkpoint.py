@@ -3,8 +3,8 @@ the store each worker saves through (one variable, no training)."""
 
 from __future__ import annotations
 
+from core.storage import list_dir, write_bytes_atomic
 from trainer.checkpoint import CheckpointStore, latest_step
-from trainer.storage import list_dir, write_bytes_atomic
 
 INDEX = (b'model_checkpoint_path: "ckpt-20"\n'
          b'all_model_checkpoint_paths: "ckpt-10"\nall_model_checkpoint_paths: "ckpt-20"\n')

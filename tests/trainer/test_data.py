@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from core import storage
 from tasks.dataset.stage import prepare_dataset
 from tasks.tfrecord import write_sequence_records
 from tests.tasks.dataset.corpus import config, read_tfrecords
-from trainer import storage
 from trainer.data import (
     DataError,
     load_manifest,
@@ -329,7 +329,7 @@ def test_token_ids_take_two_bytes_while_every_id_fits():
 def test_a_shard_rewritten_with_its_manifest_entry_is_refused_by_the_pinned_manifest(prepared, tmp_path):
     """Review t5, finding 11: the manifest carries the shards' sha256 itself, so a writer who rewrote a shard and its
     entry passed load_manifest and staging. Pinned by the digest the Airflow side read, the manifest is refused."""
-    from launcher.protocol import MANIFEST_SHA256_ENV
+    from core.protocol import MANIFEST_SHA256_ENV
     from trainer.data import read_manifest
 
     dataset = Path(prepared[0]).parent

@@ -1,4 +1,4 @@
-"""trainer/eval_sample.py and trainer/eval_result.py: a bounded, deterministic sample of the validation split, read
+"""trainer/eval_sample.py and core/eval_result.py: a bounded, deterministic sample of the validation split, read
 in parts without the rest of it, and the parts' results combined exactly. No TensorFlow: shards written by the
 prepare stage's own TFRecord writer, losses given."""
 
@@ -13,10 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.tfrecord import write_sequence_records
-from trainer import eval_sample
-from trainer.data import DataError
-from trainer.eval_result import (
+from core.eval_result import (
     EvalResult,
     ResultError,
     combine,
@@ -24,6 +21,9 @@ from trainer.eval_result import (
     paired_standard_error,
     standard_error,
 )
+from tasks.tfrecord import write_sequence_records
+from trainer import eval_sample
+from trainer.data import DataError
 from trainer.eval_sample import draw_sample, leading_records, read_part, sample_identity
 
 BLOCK, PER_RECORD = 4, 20  # chunks of 8 sequences: two full and one of 4 per full record

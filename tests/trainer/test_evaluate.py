@@ -117,9 +117,9 @@ def test_a_split_20x_eval_tokens_is_sampled_within_bounds_alike_every_time_and_o
     """Evaluate reads at most `eval_tokens` plus one batch of a split 20 times larger, scores the same sequences
     twice, reports tokens evaluated / total with a standard error, and two workers' parts combine to the one-worker
     result within 1e-5 nats."""
+    from core.eval_result import combine
     from trainer import eval_sample
     from trainer.data import load_manifest
-    from trainer.eval_result import combine
     from trainer.evaluate import EVAL_BATCH_SIZE, evaluate, evaluate_part
 
     manifest = load_manifest(large_validation)
@@ -221,7 +221,7 @@ def test_a_sample_goes_on_past_the_end_of_a_document_on_a_new_line():
 
 def test_train_resume_and_evaluate_on_object_storage(trained, s3_bucket):
     """Dataset, checkpoints, metrics, model and result on a real S3-protocol server: a longer retry resumes."""
-    from trainer import storage
+    from core import storage
     from trainer.evaluate import evaluate
     from trainer.train import main
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from core.config import MODEL_PRESETS
 from trainer import export
-from trainer.config import MODEL_PRESETS
 
 VOCAB = 2048
 

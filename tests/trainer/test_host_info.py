@@ -36,7 +36,7 @@ def test_the_code_fingerprint_names_the_files_that_differ(tmp_path):
     stale = tmp_path / "old-checkout" / "trainer"
     shutil.copytree(REPO / "trainer", stale, ignore=shutil.ignore_patterns("__pycache__"))
     (stale / "data.py").write_text((stale / "data.py").read_text() + "\n# last week's version\n")
-    there = host_info.code_fingerprint({"trainer": [str(stale)],
+    there = host_info.code_fingerprint({"trainer": [str(stale)], "core": [str(REPO / "core")],
                                         "launcher": [str(REPO / "launcher")]})
     assert there["fingerprint"] != here["fingerprint"]
     assert [name for name in here["files"] if here["files"][name] != there["files"][name]] == ["trainer/data.py"]

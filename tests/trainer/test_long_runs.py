@@ -20,10 +20,10 @@ import time
 
 import pytest
 
+from core.storage import exists, read_bytes, read_json
 from launcher import FailureKind, GroupState
 from tests.trainer.freeze_thread import EXIT_NOT_PERMITTED
 from tests.trainer.long_run import REPO, TrainGroup, write_tiny_dataset
-from trainer.storage import exists, read_bytes, read_json
 
 pytestmark = pytest.mark.timeout(1200)  # each test launches TF workers two or more times, minutes each
 

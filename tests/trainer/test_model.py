@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from trainer.config import MODEL_PRESETS, RunConfig
+from core.config import MODEL_PRESETS, RunConfig
 from trainer.metrics import MetricsLog
 
 VOCAB = 300

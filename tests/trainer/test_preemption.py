@@ -18,11 +18,11 @@ from dataclasses import replace
 
 import pytest
 
+from core.protocol import ABORT_SIGNAL, EXIT_PERMANENT, EXIT_PREEMPTED
+from core.storage import exists
 from launcher import FailureKind, GroupState
-from launcher.protocol import ABORT_SIGNAL, EXIT_PERMANENT, EXIT_PREEMPTED
 from tests.trainer.long_run import TrainGroup, last_step, read_process, write_tiny_dataset
 from tests.trainer.test_long_runs import checkpoint_step, resume_and_finish
-from trainer.storage import exists
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -67,7 +67,7 @@ def test_sigterm_mid_run_checkpoints_the_next_launch_resumes_there_and_a_rank_si
 def sigkill_a_rank_of_the_retry(job: TrainGroup, checkpoint: int) -> None:
     """The next launch resumes at `checkpoint`; rank 1 SIGKILLed there ends the group within 2 s, although rank 0,
     blocked in the step's all-reduce with its dead peer, could never act on SIGTERM: the launcher aborts it
-    (launcher.protocol.ABORT_SIGNAL) instead of waiting out a grace that no checkpoint could use. The last checkpoint
+    (core.protocol.ABORT_SIGNAL) instead of waiting out a grace that no checkpoint could use. The last checkpoint
     stays `checkpoint` for the launch after."""
     job.spec = replace(job.spec, grace_period_s=30)
     job.start()

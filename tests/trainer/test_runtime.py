@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from launcher.protocol import ABORT_SIGNAL
+from core.protocol import ABORT_SIGNAL
 from tests.conftest import REPO
 
 WORKER = textwrap.dedent("""
@@ -34,7 +34,7 @@ def test_sigterm_while_writing_a_checkpoint_ends_the_worker_right_after_it(tmp_p
 
 ABORTED_WORKER = textwrap.dedent("""
     import os, sys, threading, time
-    from launcher.protocol import ABORT_SIGNAL
+    from core.protocol import ABORT_SIGNAL
     from trainer import runtime
     runtime.end_on_sigterm()
     with runtime.preemption_notices(30):

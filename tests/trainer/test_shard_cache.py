@@ -23,7 +23,7 @@ Usage = namedtuple("Usage", "total used free")
 
 
 def fingerprint(name: str) -> str:
-    """A dataset's directory name in the cache, as prepare names datasets (trainer.layout.DATASET_FINGERPRINT)."""
+    """A dataset's directory name in the cache, as prepare names datasets (core.layout.DATASET_FINGERPRINT)."""
     return hashlib.sha256(name.encode()).hexdigest()[:20]
 
 

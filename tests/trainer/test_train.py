@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from core.config import ConfigError
+from core.protocol import EXIT_PERMANENT
 from launcher.local import PortAllocator
-from launcher.protocol import EXIT_PERMANENT
 from tests.trainer.shards import write_dataset
-from trainer.config import ConfigError
 from trainer.data import DataError
 from trainer.job import plan_job
 

@@ -15,12 +15,14 @@ import tempfile
 import time
 from typing import Any
 
+from core import storage
+from core.clock import utc_now
+from core.config import RunConfig
+from core.config.pinned import ConfigChangedError, load_pinned_config
+from core.layout import PreflightOutput
+from core.protocol import EXIT_PERMANENT
 from launcher.log_policy import configure_worker_logging
-from launcher.protocol import EXIT_PERMANENT, utc_now
-from trainer import runtime, storage
-from trainer.config import RunConfig
-from trainer.config.pinned import ConfigChangedError, load_pinned_config
-from trainer.layout import PreflightOutput
+from trainer import runtime
 from trainer.metrics import print_live_line
 from trainer.preflight.advice import advise
 from trainer.preflight.checks import check_worker

@@ -12,9 +12,10 @@ import tempfile
 import time
 from typing import Any
 
-from trainer import advisor, runtime, storage
-from trainer.config import RunConfig
-from trainer.config.schema import flat_settings
+from core import storage
+from core.config import RunConfig
+from core.config.schema import flat_settings
+from trainer import advisor, runtime
 
 log = logging.getLogger("trainer.preflight")
 

@@ -8,8 +8,9 @@ import shutil
 import uuid
 from typing import Any
 
-from trainer import host_info, runtime, storage
-from trainer.config import RunConfig
+from core import storage
+from core.config import RunConfig
+from trainer import host_info, runtime
 
 # Tests only: "<rank>:<version>" makes that rank report another TensorFlow version (a simulated skew).
 FAKE_TF_VERSION_ENV = "GPT_FINETUNE_PREFLIGHT_FAKE_TF_VERSION"

@@ -19,10 +19,11 @@ import subprocess
 import time
 from typing import Any
 
-from trainer import runtime, storage
+from core import storage
+from core.config import RunConfig
+from core.layout import PreflightOutput
+from trainer import runtime
 from trainer.allreduce import communication_options
-from trainer.config import RunConfig
-from trainer.layout import PreflightOutput
 from trainer.preflight.verdict import EXIT_COLLECTIVES_FAILED, group_id
 from trainer.strategy import create_strategy
 

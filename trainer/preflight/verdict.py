@@ -8,9 +8,10 @@ import json
 import socket
 from typing import Any
 
+from core import storage
+from core.layout import PreflightOutput
 from launcher.host_probe import VERSIONED_PACKAGES
-from trainer import runtime, storage
-from trainer.layout import PreflightOutput
+from trainer import runtime
 
 EXIT_CHECKS_FAILED = 1
 EXIT_COLLECTIVES_FAILED = 3

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from tf_multiworker.backends import make_backend
 
+from core.config import RunConfig
 from launcher import GroupSpec, WorkerGroup
-from trainer.config import RunConfig
 
 
 def main(case_file: str) -> int:

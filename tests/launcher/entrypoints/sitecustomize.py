@@ -6,6 +6,6 @@ they load, as the harness accepts it in the Airflow process (tests/plugins/harne
 import os
 
 if os.environ.get("TFMW_TEST_SHARED_DISK") == "1":
-    import trainer.config.launch as launch_rules
+    import core.config.launch as launch_rules
 
     launch_rules._check_shared_storage = lambda *args: None

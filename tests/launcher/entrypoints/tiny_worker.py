@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from launcher.protocol import EXIT_PREEMPTED
+from core.protocol import EXIT_PREEMPTED
 from trainer.metrics import LIVE_PREFIX
 from trainer.runtime import signal_ready, worker_identity
 

@@ -30,7 +30,7 @@ from tf_multiworker.operator import STATE_XCOM_KEY, TFMultiWorkerOperator
 CASE = json.loads(Path(os.environ["TFMW_HARNESS_CASE"]).read_text())
 XCOM_FILE = Path(os.environ["TFMW_HARNESS_CASE"]).with_suffix(".xcom.json")
 if CASE.get("shared_disk"):
-    import trainer.config.launch as launch_rules
+    import core.config.launch as launch_rules
 
     launch_rules._check_shared_storage = lambda *args: None
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
+from core import storage
+from core.config import RunConfig
 from tasks.dataset.split import DocumentDraws
-from trainer import storage
-from trainer.config import RunConfig
 
 REPO = Path(__file__).resolve().parents[3]
 SAMPLE = REPO / "data" / "sample"

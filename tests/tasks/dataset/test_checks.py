@@ -10,13 +10,13 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 from tf_multiworker.backends import make_backend
 
-from launcher.document import DocumentError
+from core.config import ConfigError, RunConfig
+from core.config.access import AccessPolicy
+from core.document import DocumentError
 from tasks.dataset.errors import PrepareError
 from tasks.dataset.plan import DatasetPlan
 from tasks.prepare import finish_run, plan_run, tokenize_lane
 from tests.tasks.dataset.corpus import two_part_corpus
-from trainer.config import ConfigError, RunConfig
-from trainer.config.access import AccessPolicy
 
 RUN_ID = "manual__2026-12-04T21:00:00+00:00"
 DAG_ID = "gpt_finetune"

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from launcher.document import DocumentError
+from core.document import DocumentError
 from tasks.dataset.plan import DatasetPlan, PreparedDataset
 
 DATASET = PreparedDataset(manifest_url="/r/datasets/0123456789abcdef0123/manifest.json",

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from core import storage
+from core.config import RunConfig
 from tasks.dataset.errors import PrepareError
 from tasks.dataset.stage import identify_dataset, prepare_dataset
 from tests.tasks.dataset.corpus import REPO, config, dataset_files, dataset_names
-from trainer import storage
-from trainer.config import RunConfig
 
 pytest_plugins = ["tests.support.s3server"]
 
@@ -25,7 +25,7 @@ def start_prepare_process(cfg: RunConfig, log_path: Path) -> subprocess.Popen:
     code = (
         "import json, logging, sys\n"
         "logging.basicConfig(level=logging.INFO)\n"
-        "from trainer.config import RunConfig\n"
+        "from core.config import RunConfig\n"
         "from tasks.dataset.stage import prepare_dataset\n"
         "prepare_dataset(RunConfig.from_saved(json.loads(sys.argv[1])))\n"
     )

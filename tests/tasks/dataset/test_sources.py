@@ -48,7 +48,7 @@ def test_a_hub_dataset_is_its_parquet_files_pinned_to_a_revision():
 def test_a_glob_match_that_a_symlink_leads_out_of_the_data_roots_is_refused(tmp_path):
     """Review t5, finding 7: the policy checks the directory a glob searches; a link under it led prepare to
     tokenize a file outside every data root."""
-    from trainer.config import AccessPolicy
+    from core.config import AccessPolicy
 
     uploads, outside = tmp_path / "uploads", tmp_path / "outside"
     uploads.mkdir()

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from core import storage
+from core.config import ConfigError, RunConfig
 from tasks.dataset.errors import PrepareError
 from tasks.dataset.stage import identify_dataset, prepare_dataset
 from tasks.dataset.tokenizer import check_model, plan_tokenizer
@@ -38,8 +40,6 @@ from tests.tasks.dataset.corpus import (
     shard_tokens,
     write_corpus,
 )
-from trainer import storage
-from trainer.config import ConfigError, RunConfig
 
 pytest_plugins = ["tests.support.s3server"]
 
@@ -182,7 +182,7 @@ PREPARE_ON_CORES = """
 import json, logging, os, sys
 os.sched_setaffinity(0, json.loads(sys.argv[1]))  # before any thread pool exists: every thread inherits it
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-from trainer.config import RunConfig
+from core.config import RunConfig
 from tasks.dataset.stage import prepare_dataset
 result = prepare_dataset(RunConfig.from_saved(json.loads(sys.argv[2])))
 threads = [len(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")]

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from core import storage
 from tasks.dataset.errors import PrepareError
 from tasks.dataset.records import Part, Unit
 from tasks.dataset.sources import SourceFile, Sources
 from tasks.dataset.stage import finish_dataset, plan_dataset, prepare_dataset, run_planned
 from tasks.dataset.units import lanes, plan_units, task_count, unit_size
 from tests.tasks.dataset.corpus import REPO, WORDS, comparable, config, shard_files
-from trainer import storage
 
 MiB = 1 << 20
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from trainer.config import RunConfig
+from core.config import RunConfig
 from trainer.preflight import advice
 from trainer.runtime import WorkerIdentity
 

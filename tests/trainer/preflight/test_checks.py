@@ -7,12 +7,12 @@ import shutil
 from importlib import metadata
 from pathlib import Path
 
-from launcher.protocol import HOST_TMPDIR_ENV
+from core.config import RunConfig
+from core.protocol import HOST_TMPDIR_ENV
+from core.storage import read_json
 from tests.support.hardware import nvidia_gpus
 from tests.trainer.preflight import workers
-from trainer.config import RunConfig
 from trainer.preflight import checks
-from trainer.storage import read_json
 
 
 def test_worker_checks_pass_on_a_good_setup(tmp_path, monkeypatch):

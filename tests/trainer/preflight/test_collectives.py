@@ -6,11 +6,11 @@ import socket
 
 import pytest
 
+from core import storage
+from core.config import RunConfig
+from core.layout import PreflightOutput
 from tests.trainer.preflight import workers
-from trainer import storage
 from trainer.allreduce import GradientReducer
-from trainer.config import RunConfig
-from trainer.layout import PreflightOutput
 from trainer.preflight import collectives, verdict
 from trainer.runtime import WorkerIdentity
 

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
+from core.storage import read_json
 from tests.trainer.preflight import workers
 from trainer.preflight import verdict
-from trainer.storage import read_json
 
 # -- real groups -------------------------------------------------------------------------------------------------
 

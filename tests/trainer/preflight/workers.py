@@ -9,7 +9,7 @@ from pathlib import Path
 
 import psutil
 
-from trainer.config import RunConfig
+from core.config import RunConfig
 from trainer.runtime import WorkerIdentity
 
 WORKER_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}

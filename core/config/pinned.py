@@ -21,12 +21,12 @@ import logging
 import os
 from collections.abc import Mapping
 
-from launcher.protocol import CONFIG_SHA256_ENV
-from trainer import storage
-from trainer.config import RunConfig
-from trainer.config.core import ConfigError
+from core import storage
+from core.config import RunConfig
+from core.config.core import ConfigError
+from core.protocol import CONFIG_SHA256_ENV
 
-log = logging.getLogger("trainer.config")
+log = logging.getLogger("core.config")
 
 
 class ConfigChangedError(ConfigError):

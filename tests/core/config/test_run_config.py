@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from trainer.config import ConfigError, RunConfig, field_names
+from core.config import ConfigError, RunConfig, field_names
 
 
 def test_defaults_are_valid_and_round_trip():

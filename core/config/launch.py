@@ -11,7 +11,10 @@ import re
 from typing import Any
 from urllib.parse import urlparse
 
-from launcher.kubernetes_names import (
+from core.config import schema
+from core.config.access import is_hub_id
+from core.config.core import MAX_GRAD_ACCUM, ConfigError, check_choice
+from core.kubernetes_names import (
     TOLERATION_EFFECTS,
     TOLERATION_KEYS,
     TOLERATION_OPERATORS,
@@ -19,16 +22,13 @@ from launcher.kubernetes_names import (
     is_dns_subdomain,
     is_label,
 )
-from trainer.config import schema
-from trainer.config.access import is_hub_id
-from trainer.config.core import MAX_GRAD_ACCUM, ConfigError, check_choice
 
 # What TensorFlow's NCCL all-reduce carries (tensorflow/core/nccl/nccl_manager.cc, kValidDataTypes): no bfloat16.
 NCCL_DTYPES = ("float16", "float32", "float64", "int32", "int64")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 QUEUE_NAME = re.compile(schema.QUEUE_NAME)
 _CONN_ID = re.compile(schema.CONN_ID)
-# Kubernetes formats (apimachinery validation; the names and labels are launcher.kubernetes_names').
+# Kubernetes formats (apimachinery validation; the names and labels are core.kubernetes_names').
 DEFAULT_TRAINER_IMAGE = schema.DEFAULT_TRAINER_IMAGE
 _CPU_QUANTITY = re.compile(schema.CPU_QUANTITY)
 _MEMORY_QUANTITY = re.compile(schema.MEMORY_QUANTITY)

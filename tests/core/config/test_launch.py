@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from trainer.config import ConfigError, RunConfig
+from core.config import ConfigError, RunConfig
 
 SSH = {"backend": "ssh", "ssh_conn_ids": ["host_a", "host_b"], "storage_root": "s3://runs/root"}
 

@@ -1,7 +1,7 @@
 """Kubernetes' rules for names, labels and tolerations (apimachinery's validation), stdlib only.
 
 The launcher builds its objects' names to pass them (`kubernetes_objects.py`); a run's settings are held to them
-before anything is created (`trainer.config`), in processes that never import the Kubernetes client: the DAG file
+before anything is created (`core.config`), in processes that never import the Kubernetes client: the DAG file
 at parse time, the prepare task, every worker loading its config. Patterns are matched whole (`fullmatch`).
 """
 

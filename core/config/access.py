@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from trainer import REPO_ROOT
-from trainer.config.core import ConfigError, is_email_address
+from core import REPO_ROOT
+from core.config.core import ConfigError, is_email_address
 
 DATA_ROOTS_ENV = "GPT_FINETUNE_DATA_ROOTS"
 S3_BUCKETS_ENV = "GPT_FINETUNE_S3_BUCKETS"

@@ -6,7 +6,7 @@ raises `ConfigError` naming the key, the value given and what is allowed, before
 also holds the locations the settings name to the access policy of its environment: the prepare task's, the one
 place where that policy is checked. Every later task and every worker loads the config that prepare saved with
 `RunConfig.from_saved`, which repeats the checks that depend only on the config, so a worker's environment (a
-pod, an SSH host) needs none of the policy's variables: a worker loads it through `trainer.config.pinned`, which
+pod, an SSH host) needs none of the policy's variables: a worker loads it through `core.config.pinned`, which
 refuses a file that is not the one the Airflow side checked (its sha256 is pinned in the worker's environment).
 
 `RunConfig` holds the core training settings and one section per concern (`sections`: launch with ssh and
@@ -28,12 +28,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.config import schema
-from trainer.config.access import AccessPolicy
-from trainer.config.core import BPE_SPEC, MODEL_PRESETS, PROMOTED_MODEL, ConfigError, check_core_settings
-from trainer.config.launch import check_launch_settings, exact_worker_counts, resolve_communication
-from trainer.config.schema import default
-from trainer.config.sections import (
+from core.config import schema
+from core.config.access import AccessPolicy
+from core.config.core import BPE_SPEC, MODEL_PRESETS, PROMOTED_MODEL, ConfigError, check_core_settings
+from core.config.launch import check_launch_settings, exact_worker_counts, resolve_communication
+from core.config.schema import default
+from core.config.sections import (
     SECTION_TYPES,
     KubernetesConfig,
     LaunchConfig,
@@ -141,7 +141,7 @@ class RunConfig:
         where the policy's environment is (every Airflow task: `AccessPolicy.from_env()`), so that a config
         rewritten in XCom or storage reaches no further than the trigger form could. A worker's environment holds
         no policy (the launcher passes none on): it loads what the Airflow side checked, pinned by its digest
-        (`trainer.config.pinned.load_pinned_config`).
+        (`core.config.pinned.load_pinned_config`).
 
         Nested (this version's `to_dict()`) or flat (the Params' shape, as runs before the sections saved it: an
         earlier run's report.json or baseline config) are both read."""

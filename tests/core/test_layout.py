@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from launcher.protocol import RUN_KEY_ENV, RUN_KEY_PATTERN
+from core.layout import run_key
+from core.protocol import RUN_KEY_ENV, RUN_KEY_PATTERN
 from tasks.release import processes_of_run
-from trainer.layout import run_key
 
 # Both are valid Airflow run ids (default pattern ^[A-Za-z0-9_.~:+-]+$) and sanitize to the same text.
 SCHEDULED = "manual__2026-11-29T15:00:00+00:00"
@@ -52,7 +52,7 @@ def test_releasing_one_run_finds_only_its_own_workers():
 
 
 def test_relative_storage_roots_are_from_the_repository_whatever_the_cwd(tmp_path, monkeypatch):
-    from trainer.layout import REPO_ROOT, absolute_root
+    from core.layout import REPO_ROOT, absolute_root
 
     monkeypatch.chdir(tmp_path)
     assert absolute_root("storage") == str(REPO_ROOT / "storage")
@@ -61,7 +61,7 @@ def test_relative_storage_roots_are_from_the_repository_whatever_the_cwd(tmp_pat
 
 
 def test_the_preflight_output_is_asked_of_the_layout():
-    from trainer.layout import StorageLayout
+    from core.layout import StorageLayout
 
     preflight = StorageLayout("s3://b/root").run("k").preflight
     assert (preflight.result, preflight.rank_report(3)) == (

@@ -26,9 +26,9 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from launcher.protocol import RUN_KEY_CHARACTERS
-from trainer import REPO_ROOT
-from trainer.storage import join, normalize_root
+from core import REPO_ROOT
+from core.protocol import RUN_KEY_CHARACTERS
+from core.storage import join, normalize_root
 
 # A dataset's names, as prepare writes them. A manifest's fingerprint and shard names become local paths on every
 # worker host (the shard cache), so readers accept these forms only: anyone who can write the bucket could
@@ -73,7 +73,7 @@ def run_key(dag_id: str, run_id: str) -> str:
     """A DAG run as a name safe in paths and S3 keys: the run id made readable, plus a short hash of
     (dag_id, run_id), so that two run ids that sanitize alike, or the same run id in another DAG, never share a
     key, a storage directory or a release sweep: `manual__2026-11-29T15_00_00_00_00-3f1c0a9b2e`. It matches
-    `launcher.protocol.RUN_KEY_PATTERN`, which the SSH agent and the UI hold keys to."""
+    `core.protocol.RUN_KEY_PATTERN`, which the SSH agent and the UI hold keys to."""
     if not dag_id or not run_id:
         raise ValueError(f"a run key needs a dag id and a run id, got {dag_id!r} and {run_id!r}")
     digest = hashlib.sha256(f"{dag_id}\0{run_id}".encode()).hexdigest()[:KEY_HASH_CHARS]

@@ -1,8 +1,8 @@
-"""trainer/text_quality.py: the known-word rate and nats per character, on fixed text."""
+"""core/text_quality.py: the known-word rate and nats per character, on fixed text."""
 
 import pytest
 
-from trainer.text_quality import known_word_rate, nats_per_character, sample_words, words
+from core.text_quality import known_word_rate, nats_per_character, sample_words, words
 
 TRAINING_TEXT = """KING. Now is the winter of our discontent
 Made glorious summer by this sun of York; 'tis o'er the house."""

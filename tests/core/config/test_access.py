@@ -3,9 +3,9 @@ import re
 
 import pytest
 
-from trainer.config import AccessPolicy, ConfigError, RunConfig
-from trainer.config.access import ALLOW_LISTS
-from trainer.layout import REPO_ROOT
+from core.config import AccessPolicy, ConfigError, RunConfig
+from core.config.access import ALLOW_LISTS
+from core.layout import REPO_ROOT
 
 DEMO_SETTINGS = [  # scripts/demo.py, the compose stack and settings like the docs' (tests/test_readme.py checks those)
     {},

@@ -22,8 +22,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from launcher.document import DocumentError, read_fields
-from trainer.text_quality import nats_per_character
+from core.document import DocumentError, read_fields
+from core.text_quality import nats_per_character
 
 # The gates allow this many standard errors of a loss delta beyond their tolerance: a model within tolerance fails
 # by the sample's chance alone less than 1 time in 40 (one-sided normal tail at 2 sigma: 2.3%).

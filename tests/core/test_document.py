@@ -1,4 +1,4 @@
-"""Typed XCom documents (launcher/document.py): plain JSON out, and only what the type says back in."""
+"""Typed XCom documents (core/document.py): plain JSON out, and only what the type says back in."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from launcher.document import Document, DocumentError, OpenDocument
+from core.document import Document, DocumentError, OpenDocument
 
 
 @dataclass(frozen=True)

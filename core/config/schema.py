@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from launcher.kubernetes_names import DNS_LABEL
-from launcher.protocol import BACKEND_NAMES, BACKENDS
+from core.kubernetes_names import DNS_LABEL
+from core.protocol import BACKEND_NAMES, BACKENDS
 
 SECTIONS = ("", "launch", "launch.ssh", "launch.kubernetes", "promotion", "monitoring")
 

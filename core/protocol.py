@@ -1,29 +1,23 @@
 """The launcher's protocol with the workers and with the layers above it: names only, stdlib only.
 
 What a worker of any backend finds and says (`trainer/runtime.py` reads it; docs/CONTRACTS.md, "Launcher <->
-worker"), which environment it starts from, where its temporary files go, the SSH agent's lines, the records' timestamps
-and which backends exist. The trainer,
-the tasks and the Airflow side import these from here, so the launcher imports nothing of theirs.
+worker"), which environment it starts from, the names of its temporary directories, the SSH agent's lines and which
+backends exist. Every layer imports these from the bottom floor, so no layer imports another's to learn a name.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 import signal
-import tempfile
-import time
 from collections.abc import Mapping
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 # The in-band readiness marker: a line of its own on stdout, so it travels wherever the worker's output does.
 READY_MARKER = "TFMW_READY"
 # Set on every worker of a pipeline run: the release task finds all of the run's processes by it.
 RUN_KEY_ENV = "TFMW_RUN_KEY"
-# A run key (trainer.layout.run_key makes them) names directories (storage, the SSH agent's workdir) and travels in
+# A run key (core.layout.run_key makes them) names directories (storage, the SSH agent's workdir) and travels in
 # the environment and labels: letters, digits, '.', '_' and '-', at most 200, not starting with '.' (so never '.' or
 # '..', no '/', no newline). Whatever reads one back from a request, XCom or a URL holds it to this (`fullmatch`).
 RUN_KEY_CHARACTERS = "A-Za-z0-9._-"  # a regex character class's body
@@ -31,7 +25,7 @@ RUN_KEY_PATTERN = re.compile(rf"(?!\.)[{RUN_KEY_CHARACTERS}]{{1,200}}")
 # Set next to it: the worker group's name (the task id), so a task's next attempt finds what an earlier one left.
 GROUP_ENV = "TFMW_GROUP"
 # Set on every worker of a group that reads a run configuration (`--config`): the sha256 of the exact bytes the
-# Airflow side wrote there after checking them (trainer/config/pinned.py). Anyone who can write the bucket (every
+# Airflow side wrote there after checking them (core/config/pinned.py). Anyone who can write the bucket (every
 # worker host holds its credentials) could change the file in between; a worker refuses a file of another digest.
 # Not a secret, but kept out of argv so that the command line stays what the entry point documents.
 CONFIG_SHA256_ENV = "TFMW_CONFIG_SHA256"
@@ -54,19 +48,6 @@ EXIT_PREEMPTED = 75
 # run; the trainer holds it back only while it writes a checkpoint (trainer/runtime.py). SIGTERM stays a preemption
 # notice: a spot reclaim, a node drain, a pod's deletion, a task stopped from outside.
 ABORT_SIGNAL = signal.SIGUSR1
-
-def utc_now() -> str:
-    """Now, as every record's `*_at` field and log header holds it: ISO 8601 in UTC, to the millisecond
-    (`2026-12-05T00:27:05.123+00:00`). Not whole seconds: durations are measured from these stamps (the GPU-time
-    ledger's time to release, from release.json's `released_at`; the time after a run's last step, from its summary's
-    `finished_at`)."""
-    return utc_timestamp(time.time())
-
-
-def utc_timestamp(seconds: float) -> str:
-    """An instant, in seconds since the epoch, in `utc_now`'s format."""
-    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds")
-
 
 # The SSH agent's lines (launcher/agent.py; docs/CONTRACTS.md, "SSH backend <-> remote agent"). Around a `run`
 # worker's output the agent prints control lines, `<tag> <JSON object>`: AGENT_LINE once the worker started, EXIT_LINE
@@ -119,22 +100,9 @@ def _check_control_payload(tag: str, payload: dict[str, Any]) -> None:
         raise MalformedControlLine(f"{tag} line whose versions are {payload['versions']!r}, not an object")
 
 
-# The host's temporary directory, for what should outlive one worker (the shard cache); see worker_temp_environment.
+# The host's temporary directory, for what should outlive one worker (the shard cache); see
+# launcher.tf_env.worker_temp_environment.
 HOST_TMPDIR_ENV = "TFMW_HOST_TMPDIR"
-
-
-def worker_temp_environment(workdir: str | Path) -> dict[str, str]:
-    """`TMPDIR` for a worker started in `workdir`: `<workdir>/tmp`, created empty, and the host's own temporary
-    directory as `TFMW_HOST_TMPDIR`.
-
-    What a worker writes to its temporary directory (TensorFlow's autograph modules, the trainer's work directory
-    with downloaded checkpoints and staged model files, non-chief saves) then goes when the launcher removes the
-    working directory, however the worker ended: one ended by a signal runs no cleanup, so every stopped attempt
-    left a checkpoint's size behind in /tmp. Emptied at each start: an earlier attempt's rank left it there."""
-    temp = Path(workdir) / "tmp"
-    shutil.rmtree(temp, ignore_errors=True)
-    temp.mkdir(mode=0o700, parents=True)
-    return {"TMPDIR": str(temp), HOST_TMPDIR_ENV: tempfile.gettempdir()}
 
 
 # What a worker inherits from the process that launches it (an Airflow task holds its database URL, Fernet key,

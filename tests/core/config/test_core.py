@@ -1,6 +1,6 @@
 import pytest
 
-from trainer.config import MODEL_PRESETS, ConfigError, RunConfig
+from core.config import MODEL_PRESETS, ConfigError, RunConfig
 
 
 @pytest.mark.parametrize(

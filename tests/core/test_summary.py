@@ -1,8 +1,8 @@
-"""summary.json as its readers take it (trainer/summary.py): checked, the file and the field named when it is not."""
+"""summary.json as its readers take it (core/summary.py): checked, the file and the field named when it is not."""
 
 import pytest
 
-from trainer.summary import SummaryError, TrainSummary
+from core.summary import SummaryError, TrainSummary
 
 SUMMARY = {"num_workers": 2, "global_batch_size": 16, "steps": 4, "tokens_seen": 4096, "wall_time_s": 3.0,
            "train_time_s": 2.0, "tokens_per_s": 2048.0, "final_loss": 5.0, "first_step_s": 0.5,

@@ -1,7 +1,7 @@
 """The chief's training summary (summary.json, trainer/outputs.py writes it last) as its readers take it.
 
 summary.json comes back from storage, which whoever may write the run's storage could edit: reading one checks
-every field it models (launcher/document.py's `read_fields`) and refuses a missing or mistyped one, naming the file and
+every field it models (core/document.py's `read_fields`) and refuses a missing or mistyped one, naming the file and
 the field. Keys it does not model (the scaling advisor's parameter counts, the config) are left to their own
 readers; fields added after the first summaries default to what those summaries meant (absent: unknown).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from launcher.document import DocumentError, read_fields
+from core.document import DocumentError, read_fields
 
 
 class SummaryError(ValueError):

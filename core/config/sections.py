@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from trainer.config.core import coerce
-from trainer.config.schema import default
+from core.config.core import coerce
+from core.config.schema import default
 
 
 def _frozen(value: Any) -> Any:
@@ -103,7 +103,7 @@ class LaunchConfig:
     """Where and how the worker groups run.
 
     Attributes:
-        backend: local processes, SSH hosts or Kubernetes pods (`launcher.protocol.BACKENDS`).
+        backend: local processes, SSH hosts or Kubernetes pods (`core.protocol.BACKENDS`).
         startup_timeout_s: time for every worker to come up and join the group.
         hang_timeout_s: end a group whose workers print nothing for this long.
         gpu_queue: the Celery queue of the tasks that hold gpu_slots; empty: the default queue.

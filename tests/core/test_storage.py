@@ -1,4 +1,4 @@
-"""trainer.storage on local disk and on the S3 server alike: reads, atomic writes, trees, listings, and the endpoint
+"""core.storage on local disk and on the S3 server alike: reads, atomic writes, trees, listings, and the endpoint
 taken from the environment."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer import storage
+from core import storage
 
 
 @pytest.fixture(params=["local", "s3"])

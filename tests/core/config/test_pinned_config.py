@@ -1,4 +1,4 @@
-"""A run configuration pinned by the digest of its bytes (trainer/config/pinned.py; issue 37, item 1): the real worker
+"""A run configuration pinned by the digest of its bytes (core/config/pinned.py; issue 37, item 1): the real worker
 entry points, launched as the operator launches them, refuse a config.json rewritten on storage after the Airflow
 side checked and wrote it, and exit EXIT_PERMANENT; the unmodified file passes."""
 
@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from core.config import RunConfig
+from core.config.pinned import ConfigChangedError, load_pinned_config, save_config
+from core.layout import StorageLayout
+from core.protocol import CONFIG_SHA256_ENV, EXIT_PERMANENT
+from core.storage import read_bytes, read_json, write_json_atomic
 from launcher import GroupSpec, LocalBackend, WorkerGroup
-from launcher.protocol import CONFIG_SHA256_ENV, EXIT_PERMANENT
 from tests.trainer.preflight import workers
-from trainer.config import RunConfig
-from trainer.config.pinned import ConfigChangedError, load_pinned_config, save_config
 from trainer.job import plan_job
-from trainer.layout import StorageLayout
-from trainer.storage import read_bytes, read_json, write_json_atomic
 
 REWRITE = {"model": "http://169.254.169.254/latest/"}  # what the access policy refuses, and from_saved alone does not
 
@@ -79,7 +79,7 @@ def test_without_a_pinned_digest_the_file_loads_as_it_is_and_a_warning_says_so(t
     """A worker started by hand or by a bench script: only an absent variable goes unpinned; an empty one is
     refused (the operator never sets one empty)."""
     paths, _ = _prepared(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="trainer.config"):
+    with caplog.at_level(logging.WARNING, logger="core.config"):
         assert load_pinned_config(paths["config"], {}).num_workers == 1
     assert f"{paths['config']} is not pinned (no {CONFIG_SHA256_ENV} in the environment" in caplog.text
     with pytest.raises(ConfigChangedError, match=r"but the Airflow side pinned \(empty\)"):

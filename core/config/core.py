@@ -14,7 +14,7 @@ from email.utils import parseaddr
 from typing import Any
 from urllib.parse import urlparse
 
-from trainer.config import schema
+from core.config import schema
 
 
 class ConfigError(ValueError):
