@@ -444,7 +444,7 @@ def test_the_model_card_writes_settings_as_fenced_json_and_no_value_ends_its_cod
     text_column may no longer hold one (core/config/core.py); the dataset URL and the run id still may."""
     injected = "s3://gpt-finetune/``x` <img src=x onerror=alert(1)> |\n## Security notice/*.txt"
     run_id = "manual__`<a href=\"https://evil.example\">rotate</a>`"
-    promoted = promote_run(evaluated_run(str(tmp_path / "storage"), run_id, 5.30, dataset=injected))
+    promoted = promote_own(evaluated_run(str(tmp_path / "storage"), run_id, 5.30, dataset=injected))
     assert promoted["promoted"] is True
     card = read_bytes(models(str(tmp_path / "storage")).version(1).model_card).decode()
     settings = card.split("## Settings\n\n```json\n", 1)[1].split("\n```\n", 1)[0]
