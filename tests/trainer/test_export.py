@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.config import MODEL_PRESETS
 from trainer import export
 
 VOCAB = 2048
