@@ -39,7 +39,8 @@ KEY_FORMAT_VERSION = 2  # 2: the evaluation sample's identity
 KEY_RECORD = "baseline_key.json"  # the key's parts, next to the baseline's output, to explain later mismatches
 # Libraries whose version can change the numbers a baseline produces (read from metadata: no TF import here).
 NUMERIC_LIBRARIES = ("tensorflow", "transformers")
-TRAINER_SOURCES = Path(__file__).resolve().parents[1] / "trainer"
+# The code every worker runs that decides what it computes: the trainer and the core it stands on (the config).
+WORKER_SOURCES = {folder: Path(__file__).resolve().parents[1] / folder for folder in ("core", "trainer")}
 
 # Settings that cannot change what the baseline learns. Everything else is part of the key, so a setting added
 # later counts by default. The dataset settings are left out because the dataset fingerprint stands for them;
@@ -111,8 +112,8 @@ class KeyRecord(OpenDocument):
 
 
 def code_version() -> str:
-    """The fingerprint of the trainer's Python sources (paths and contents), the code every worker runs."""
-    return code_fingerprint({"trainer": [str(TRAINER_SOURCES)]})["fingerprint"]
+    """The fingerprint of the workers' Python sources (paths and contents): the trainer's and the core's."""
+    return code_fingerprint({folder: [str(path)] for folder, path in WORKER_SOURCES.items()})["fingerprint"]
 
 
 def baseline_key_parts(cfg: RunConfig, manifest: Mapping[str, Any], total_steps: int) -> KeyParts:

@@ -258,7 +258,13 @@ def same_tokenizer(model_url: str, tokenizer_dir_url: str) -> bool:
     so that one's token ids mean the same to the other."""
     def identity(url: str) -> Any:
         spec = read_json(join(url, "tokenizer.json"))
-        return spec.get("model"), spec.get("added_tokens")
+        model = dict(spec.get("model") or {})
+        # A tokenizer loaded and saved again by transformers 5 writes "" where the trained file held null (the BPE's
+        # affixes) and merges as pairs where it held "a b" strings: the same tokenizer either way.
+        for affix in ("continuing_subword_prefix", "end_of_word_suffix"):
+            model[affix] = model.get(affix) or ""
+        model["merges"] = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
+        return model, spec.get("added_tokens")
 
     try:
         return identity(model_url) == identity(tokenizer_dir_url)

@@ -57,12 +57,14 @@ def test_data_steps_and_code_change_the_key(tmp_path, monkeypatch):
     shard = {**VALIDATION["shards"][0], "sha256": "1" * 64}
     assert key(manifest={**MANIFEST, "splits": {"validation": {**VALIDATION, "shards": [shard]}}}) != key()
 
-    sources = tmp_path / "trainer"
-    shutil.copytree(baseline_module.TRAINER_SOURCES, sources, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(baseline_module, "TRAINER_SOURCES", sources)
-    before = key()
-    (sources / "config" / "core.py").write_text((sources / "config" / "core.py").read_text() + "\n# changed\n")
-    assert key() != before
+    copies = {folder: tmp_path / folder for folder in baseline_module.WORKER_SOURCES}
+    for folder, copy in copies.items():
+        shutil.copytree(baseline_module.WORKER_SOURCES[folder], copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(baseline_module, "WORKER_SOURCES", copies)
+    for changed in (copies["core"] / "config" / "core.py", copies["trainer"] / "train.py"):
+        before = key()
+        changed.write_text(changed.read_text() + "\n# changed\n")
+        assert key() != before, changed
 
 
 @pytest.fixture

@@ -185,3 +185,21 @@ def test_same_tokenizer_compares_vocabulary_and_added_tokens(tmp_path):
     assert not registry.same_tokenizer(promoted, other_vocab)
     assert not registry.same_tokenizer(promoted, other_added)
     assert not registry.same_tokenizer(promoted, join(root, "no-tokenizer-here"))
+
+
+def test_a_tokenizer_saved_again_by_transformers_is_the_same_tokenizer(tmp_path):
+    """transformers 5 writes a loaded BPE back with "" affixes and pair merges where the trained file had null and
+    "a b" strings: promote and evaluate must still see one tokenizer (a continued run's ids mean the same)."""
+    def tokenizer_dir(name: str, model: dict) -> str:
+        url = str(tmp_path / name)
+        write_json_atomic(join(url, "tokenizer.json"), {"model": model, "added_tokens": [{"id": 3, "content": "<e>"}]})
+        return url
+
+    vocab = {"a": 0, "b": 1, "ab": 2}
+    trained = tokenizer_dir("trained", {"type": "BPE", "vocab": vocab, "merges": ["a b"],
+                                        "continuing_subword_prefix": None, "end_of_word_suffix": None})
+    saved_again = tokenizer_dir("saved", {"type": "BPE", "vocab": vocab, "merges": [["a", "b"]],
+                                          "continuing_subword_prefix": "", "end_of_word_suffix": ""})
+    other = tokenizer_dir("other", {"type": "BPE", "vocab": {**vocab, "ba": 3}, "merges": [["a", "b"]]})
+    assert registry.same_tokenizer(trained, saved_again)
+    assert not registry.same_tokenizer(trained, other)
