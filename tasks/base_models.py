@@ -142,9 +142,12 @@ def fetch_snapshot(name: str, revision: str, sha: str, cache_dir: str | Path | N
                    block_size: int | None = None) -> Path:
     """The files of `name` at commit `sha` (the safetensors checkpoint and the tokenizer only), through the hub
     cache; checked before anything is copied (`check_base_checkpoint`)."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
-    snapshot = Path(snapshot_download(name, revision=sha, allow_patterns=list(FILES), cache_dir=cache_dir))
+    # Offline, huggingface_hub 1.x would still list the commit's files on the hub: read the cache alone (its snapshot
+    # may hold other files; publish_snapshot copies FILES only).
+    snapshot = Path(snapshot_download(name, revision=sha, allow_patterns=list(FILES), cache_dir=cache_dir,
+                                      local_files_only=constants.HF_HUB_OFFLINE))
     check_base_checkpoint(str(snapshot), block_size, f"Setting 'model' = {name!r} (revision {revision!r}, commit "
                           f"{snapshot.name})")
     return snapshot

@@ -348,7 +348,7 @@ def test_success_on_s3_with_credentials_from_a_connection(airflow_env, tmp_path,
     assert [w["exit_code"] for w in summary["workers"]] == [0, 0] and summary["launch_attempts"] == 1
     assert summary["state_url"] == f"s3://runs/root/runs/{_run_key(case)}/state/group.json"
     assert record["state"] == "succeeded" and [w["rank"] for w in record["workers"]] == [0, 1]
-    assert all(set(w) == {"rank", "host", "pid", "pgid", "port", "gpus"} for w in record["workers"])
+    assert all(set(w) == {"rank", "host", "pid", "pgid", "port", "gpus", "gpu_idle_mb"} for w in record["workers"])
 
     s3 = {"AWS_ACCESS_KEY_ID": "test-key", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": s3_server}
     os.environ.update(s3)
