@@ -61,18 +61,16 @@ def _schedule_config():
     return SimpleNamespace(learning_rate=3e-4, warmup_steps=20, max_steps=300, weight_decay=0.1)
 
 
-def new_step(preset: str, vocab: int, *, xla: bool):
-    """trainer.train's step with the project's decoder: trainer.adamw, trainer.recipe's schedule and clip."""
+def plain_step(model, cfg, *, xla: bool = False):
+    """The step a user would write for `model` (no strategy, no metrics): loss, gradients, trainer.recipe's clip and
+    trainer.adamw's AdamW on `cfg`'s schedule, in one `tf.function`; it returns the loss."""
     import tensorflow as tf
 
     from trainer.adamw import AdamW
     from trainer.decoders.ops import causal_lm_loss
-    from trainer.decoders.pretrained import build_preset
     from trainer.recipe import clip_gradients, learning_rate_schedule
 
-    model = build_preset(preset, vocab_size=vocab, eos_token_id=vocab - 1, block_size=BLOCK)
     variables = list(model.trainable_variables)
-    cfg = _schedule_config()
     optimizer = AdamW(variables, learning_rate_schedule(cfg), weight_decay=cfg.weight_decay)
 
     @tf.function(jit_compile=xla)
@@ -84,6 +82,14 @@ def new_step(preset: str, vocab: int, *, xla: bool):
         return loss
 
     return step
+
+
+def new_step(preset: str, vocab: int, *, xla: bool):
+    """trainer.train's step with the project's decoder: trainer.adamw, trainer.recipe's schedule and clip."""
+    from trainer.decoders.pretrained import build_preset
+
+    model = build_preset(preset, vocab_size=vocab, eos_token_id=vocab - 1, block_size=BLOCK)
+    return plain_step(model, _schedule_config(), xla=xla)
 
 
 class TorchArm:

@@ -100,12 +100,12 @@ def loop_floor(config_path: str, manifest_url: str, out_path: str) -> None:
     writes its timings."""
     import tensorflow as tf
 
+    from bench.bench_model import plain_step
     from core import storage
     from core.config import RunConfig
-    from trainer.adamw import AdamW
     from trainer.data import load_manifest, make_dataset, shard_cache_dir, stage_shards, worker_shards
-    from trainer.model import build_model, causal_lm_loss
-    from trainer.recipe import clip_gradients, learning_rate_schedule, set_random_seed
+    from trainer.model import build_model
+    from trainer.recipe import set_random_seed
 
     cfg = RunConfig.from_saved(storage.read_json(config_path))
     tf.config.set_visible_devices([], "GPU")
@@ -119,16 +119,7 @@ def loop_floor(config_path: str, manifest_url: str, out_path: str) -> None:
         model = build_model(cfg.model, vocab_size=manifest["tokenizer"]["vocab_size"],
                             eos_token_id=manifest["tokenizer"]["eos_token_id"], block_size=cfg.block_size,
                             work_dir=work_dir, seed=cfg.seed)
-    variables = model.trainable_variables
-    optimizer = AdamW(variables, learning_rate_schedule(cfg), weight_decay=cfg.weight_decay)
-
-    @tf.function
-    def step(batch):
-        with tf.GradientTape() as tape:
-            loss = causal_lm_loss(model, batch)
-        gradients, _ = clip_gradients(tape.gradient(loss, variables))
-        optimizer.apply_gradients(gradients)
-        return loss
+    step = plain_step(model, cfg)
 
     ends, losses = [time.perf_counter()], []
     for batch in tokens.take(cfg.max_steps).prefetch(tf.data.AUTOTUNE):
