@@ -7,6 +7,6 @@ FINAL_LR_FRACTION = 0.1
 # Clip the globally averaged gradient to this norm (GPT-2/3 recipes); done in the train step, after the
 # all-reduce, so every worker/accumulation split clips the same gradient.
 GRAD_CLIP_NORM = 1.0
-# Biases and LayerNorm scales/offsets are not decayed (patterns searched in the variables' Hugging Face names:
-# ln_1, ln_2, ln_f, .../bias).
-NO_DECAY_NAMES = ["bias", "ln_"]
+# Biases and norm scales/offsets are not decayed (patterns searched in the variables' Hugging Face names: GPT-2's
+# ln_1, ln_2, ln_f, .../bias; Llama's and Qwen2's input_layernorm, post_attention_layernorm, model.norm).
+NO_DECAY_NAMES = ["bias", "ln_", "norm"]

@@ -23,9 +23,13 @@ class ConfigError(ValueError):
 
 # Shapes of the random-init model presets; anything else in `model` is a hub id or a directory/URL
 # in `save_pretrained` format.
-MODEL_PRESETS: dict[str, dict[str, int]] = {
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64, "n_positions": 256},
     "gpt2-124m": {"n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024},
+    # A Llama-architecture decoder (trainer/decoders/llama.py): grouped-query attention, SwiGLU, a tied head.
+    "tiny-llama": {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "hidden_size": 64, "intermediate_size": 176, "max_position_embeddings": 256,
+                   "tie_word_embeddings": True},
 }
 assert tuple(MODEL_PRESETS) == schema.MODEL_PRESET_NAMES, "the trigger form names the presets (schema.py)"
 
@@ -251,10 +255,11 @@ def _check_tokenizer(cfg: Any) -> None:
 
 def _check_training(cfg: Any) -> None:
     preset = MODEL_PRESETS.get(cfg.model)
-    if preset and cfg.block_size > preset["n_positions"]:
+    positions = preset and (preset.get("n_positions") or preset["max_position_embeddings"])
+    if preset and cfg.block_size > positions:
         raise ConfigError(
             f"Setting 'block_size' = {cfg.block_size} exceeds what model '{cfg.model}' allows "
-            f"({preset['n_positions']} positions): lower 'block_size'."
+            f"({positions} positions): lower 'block_size'."
         )
     if cfg.max_steps and cfg.warmup_steps >= cfg.max_steps:
         raise ConfigError(

@@ -25,7 +25,7 @@ from core.protocol import BACKEND_NAMES, BACKENDS
 
 SECTIONS = ("", "launch", "launch.ssh", "launch.kubernetes", "promotion", "monitoring")
 
-MODEL_PRESET_NAMES = ("tiny", "gpt2-124m")
+MODEL_PRESET_NAMES = ("tiny", "gpt2-124m", "tiny-llama")
 EXPORT_FORMATS = ("safetensors", "saved_model")
 DEFAULT_TRAINER_IMAGE = "gpt-finetune-trainer:2.21.0"  # docker/trainer.Dockerfile
 # Single-value formats, as Python `re` patterns matched whole (`fullmatch`); the Params anchor them.

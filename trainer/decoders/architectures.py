@@ -10,16 +10,17 @@ from typing import Any
 
 from core import storage
 from core.document import DocumentError
-from trainer.decoders import gpt2_config
+from trainer.decoders import gpt2_config, llama_config
 from trainer.decoders.gpt2_config import GPT2Config, GPT2ConfigError
+from trainer.decoders.llama_config import LlamaConfig, LlamaConfigError
 
 CONFIG_FILE = "config.json"
+DecoderConfig = GPT2Config | LlamaConfig
 # `architectures[0]` of a config.json -> its config type; a config without `architectures` is read by model_type.
-CONFIG_TYPES: dict[str, type[GPT2Config]] = {gpt2_config.ARCHITECTURE: GPT2Config}
-MODEL_TYPES = {gpt2_config.MODEL_TYPE: gpt2_config.ARCHITECTURE}
+CONFIG_TYPES: dict[str, type[DecoderConfig]] = {
+    gpt2_config.ARCHITECTURE: GPT2Config, **dict.fromkeys(llama_config.ARCHITECTURES.values(), LlamaConfig)}
+MODEL_TYPES = {gpt2_config.MODEL_TYPE: gpt2_config.ARCHITECTURE, **llama_config.ARCHITECTURES}
 SUPPORTED = tuple(CONFIG_TYPES)
-
-DecoderConfig = GPT2Config  # the union of the supported configs as architectures are added
 
 
 class CheckpointError(ValueError):
@@ -47,12 +48,19 @@ def architecture_of(value: Any, source: str) -> str:
 
 def config_from_json(value: Any, source: str) -> DecoderConfig:
     """The typed config a config.json's content describes; CheckpointError naming `source` and the key otherwise."""
-    config_type = CONFIG_TYPES[architecture_of(value, source)]
+    architecture = architecture_of(value, source)
+    config_type = CONFIG_TYPES[architecture]
+    expected_type = next((kind for kind, name in llama_config.ARCHITECTURES.items() if name == architecture), None)
+    if expected_type is not None and value.get("model_type", expected_type) != expected_type:
+        raise CheckpointError(f"{source}: architectures names {architecture} but model_type is "
+                              f"{value.get('model_type')!r}: fix {CONFIG_FILE} (model_type {expected_type!r}).")
+    if expected_type is not None:
+        value = {**value, "model_type": expected_type}
     try:
         return config_type.from_json(value, source)
     except DocumentError as error:
         raise CheckpointError(f"{error} Fix {CONFIG_FILE} or use another checkpoint.") from None
-    except GPT2ConfigError as error:
+    except (GPT2ConfigError, LlamaConfigError) as error:
         raise CheckpointError(f"{source}: {error}") from None
 
 
@@ -69,12 +77,40 @@ def read_config(directory: str) -> DecoderConfig:
     return config_from_json(value, url)
 
 
+def parameter_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the config's architecture saves, in PyTorch's order, with its shape."""
+    if isinstance(config, LlamaConfig):
+        return llama_config.parameter_shapes(config)
+    return gpt2_config.parameter_shapes(config)
+
+
+def checkpoint_name(config: DecoderConfig, name: str) -> str | None:
+    """The model's weight a checkpoint's tensor `name` stands for; None for one the architecture ignores."""
+    if isinstance(config, LlamaConfig):
+        return llama_config.checkpoint_name(config, name)
+    return gpt2_config.checkpoint_name(name)
+
+
+def embedding_names(config: DecoderConfig) -> tuple[str, ...]:
+    """The weights with a row per token: resized together when the tokenizer's vocabulary differs."""
+    if isinstance(config, GPT2Config):
+        return ("transformer.wte.weight",)
+    return ("model.embed_tokens.weight",) + (() if config.tie_word_embeddings else ("lm_head.weight",))
+
+
 def check_block_size(config: DecoderConfig, block_size: int, source: str) -> None:
-    """Refuse a block size beyond the model's learned positions."""
+    """Refuse a block size beyond the model's positions, or beyond a sliding window (Qwen2's), which would make
+    attention the checkpoint's sliding one rather than the causal one the decoder computes."""
+    window = config.sliding_window if isinstance(config, LlamaConfig) and config.sliding_layers else None
+    if window is not None and block_size > window:
+        raise CheckpointError(f"block_size {block_size} is longer than the sliding window of model {source} "
+                              f"(use_sliding_window, sliding_window {window}, layers {list(config.sliding_layers)}): "
+                              f"lower 'block_size' in the run config to {window} or less.")
     if block_size > config.n_positions:
         raise CheckpointError(f"block_size {block_size} exceeds the {config.n_positions} positions of model "
                               f"{source}: lower 'block_size' in the run config to {config.n_positions} or less.")
 
 
-__all__ = ["SUPPORTED", "CheckpointError", "DecoderConfig", "GPT2ConfigError", "check_block_size",
-           "config_from_json", "read_config"]
+__all__ = ["SUPPORTED", "CheckpointError", "DecoderConfig", "GPT2ConfigError", "LlamaConfigError",
+           "check_block_size", "checkpoint_name", "config_from_json", "embedding_names", "parameter_shapes",
+           "read_config"]

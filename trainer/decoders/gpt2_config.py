@@ -99,6 +99,11 @@ class GPT2Config(OpenDocument):
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def head_width(self) -> int:
+        """Each attention head's width, under the name every decoder config gives it."""
+        return self.head_dim
+
     def to_json(self) -> dict[str, Any]:
         """config.json as transformers 5's save_pretrained writes it for GPT2LMHeadModel with float32 weights (all
         its keys but `transformers_version`: no transformers wrote it), the keys read and not modelled kept."""

@@ -1,5 +1,6 @@
-"""What the decoders compute with, in TensorFlow's core API: LayerNorm, the tanh GELU, causal attention, the token
-loss and the model's cost.
+"""What the decoders compute with, in TensorFlow's core API: LayerNorm, RMSNorm, the tanh GELU, SwiGLU, the
+projection of both weight layouts, rotary positions, causal (grouped-query) attention, the token loss and the
+model's cost.
 
 Mixed precision as PyTorch's autocast does it: the weights stay float32 and are cast to the compute dtype where a
 matmul uses them; the residual stream, LayerNorm and softmax stay float32, so bfloat16 / float16 lose precision in
@@ -27,9 +28,44 @@ def gelu_tanh(x: tf.Tensor) -> tf.Tensor:
     return 0.5 * x * (1.0 + tf.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * tf.pow(x, 3))))
 
 
-def linear(x: tf.Tensor, weight: tf.Variable, bias: tf.Variable, compute_dtype: tf.DType) -> tf.Tensor:
-    """x @ weight + bias with the weight laid out [in, out] (Hugging Face's Conv1D), in `compute_dtype`."""
-    return tf.matmul(tf.cast(x, compute_dtype), tf.cast(weight, compute_dtype)) + tf.cast(bias, compute_dtype)
+def rms_norm(x: tf.Tensor, weight: tf.Variable, epsilon: float) -> tf.Tensor:
+    """RMSNorm over the last axis in float32 (Llama's: x / sqrt(mean(x^2) + eps), times the weight)."""
+    x = tf.cast(x, tf.float32)
+    return x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=-1, keepdims=True) + epsilon) * weight
+
+
+def swiglu(gate: tf.Tensor, up: tf.Tensor) -> tf.Tensor:
+    """SiLU(gate) * up, the gated MLP of Llama and Qwen2."""
+    return tf.nn.silu(gate) * up
+
+
+def linear(x: tf.Tensor, weight: tf.Variable, bias: tf.Variable | None, compute_dtype: tf.DType, *,
+           out_in: bool = False) -> tf.Tensor:
+    """x @ W + b in `compute_dtype`, every decoder's projection: the weight laid out [in, out] (Hugging Face's
+    Conv1D, GPT-2) or, with `out_in`, [out, in] (torch.nn.Linear, Llama and Qwen2); no bias when `bias` is None."""
+    projected = tf.matmul(tf.cast(x, compute_dtype), tf.cast(weight, compute_dtype), transpose_b=out_in)
+    return projected if bias is None else projected + tf.cast(bias, compute_dtype)
+
+
+def rotary_tables(inverse_frequencies, length: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """cos and sin [length, head_dim] of positions 0..length-1 at the given inverse frequencies, each half repeated
+    (transformers' layout: the two halves of a head rotate together)."""
+    angles = tf.cast(tf.range(length), tf.float32)[:, None] * tf.constant(inverse_frequencies, tf.float32)[None, :]
+    angles = tf.concat([angles, angles], axis=-1)
+    return tf.cos(angles), tf.sin(angles)
+
+
+def apply_rotary(x: tf.Tensor, cos: tf.Tensor, sin: tf.Tensor) -> tf.Tensor:
+    """Rotate [batch, heads, time, head_dim] by the tables (x * cos + rotate_half(x) * sin), in x's dtype."""
+    first, second = tf.split(x, 2, axis=-1)
+    rotated = tf.concat([-second, first], axis=-1)
+    return x * tf.cast(cos, x.dtype) + rotated * tf.cast(sin, x.dtype)
+
+
+def repeat_kv(x: tf.Tensor, groups: int) -> tf.Tensor:
+    """Grouped-query attention's keys or values [batch, kv_heads, time, dim] repeated for each query head they
+    serve: [batch, kv_heads * groups, time, dim], head h reading kv head h // groups (transformers' repeat_kv)."""
+    return x if groups == 1 else tf.repeat(x, groups, axis=1)
 
 
 def causal_attention(query: tf.Tensor, key: tf.Tensor, value: tf.Tensor, scale: float,
@@ -68,5 +104,5 @@ def count_parameters(model) -> int:
 def flops_per_token(model, block_size: int) -> float:
     """Training FLOPs per token: 6N for the weights plus attention, as in PaLM appendix B / nanoGPT."""
     config = model.config
-    attention = 12 * config.n_layer * config.n_head * config.head_dim * block_size
+    attention = 12 * config.n_layer * config.n_head * config.head_width * block_size
     return 6 * count_parameters(model) + attention

@@ -6,9 +6,9 @@ block size. Then the files are staged locally (object storage: downloaded into t
 safetensors' `safe_open`, memory-mapped, one tensor at a time, converted to float32 and assigned to the model's
 (possibly mirrored) variable of the same name: the host holds the weights once, plus one tensor.
 
-Writing produces what transformers 5's `save_pretrained` writes for GPT2LMHeadModel in float32 (config.json,
-model.safetensors with metadata {"format": "pt"} and no `lm_head.weight`, the tied head; generation_config.json),
-plus the tokenizer's files, published whole with config.json last (docs/model.md).
+Writing produces what transformers 5's `save_pretrained` writes for the model's architecture in float32
+(config.json, model.safetensors with metadata {"format": "pt"} and no tied head; generation_config.json), plus the
+tokenizer's files, published whole with config.json last (docs/model.md).
 """
 
 from __future__ import annotations
@@ -26,8 +26,19 @@ from pathlib import Path
 import numpy as np
 
 from core import storage
-from trainer.decoders.architectures import CONFIG_FILE, CheckpointError, DecoderConfig, check_block_size, read_config
-from trainer.decoders.gpt2_config import checkpoint_name, parameter_shapes, preset_config
+from core.config import MODEL_PRESETS
+from trainer.decoders import gpt2_config, llama_config
+from trainer.decoders.architectures import (
+    CONFIG_FILE,
+    CheckpointError,
+    DecoderConfig,
+    check_block_size,
+    checkpoint_name,
+    embedding_names,
+    parameter_shapes,
+    read_config,
+)
+from trainer.decoders.llama_config import LlamaConfig
 from trainer.decoders.safetensors_io import (
     INDEX_FILE,
     WEIGHTS_FILE,
@@ -40,7 +51,6 @@ from trainer.decoders.safetensors_io import (
 log = logging.getLogger("trainer.decoders")
 
 GENERATION_CONFIG_FILE = "generation_config.json"
-EMBEDDING = "transformer.wte.weight"
 # A tokenizer directory's files that are a model's, not copied beside a written model.
 MODEL_FILE_NAMES = frozenset({CONFIG_FILE, GENERATION_CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE, "tf_model.h5",
                               "pytorch_model.bin"})
@@ -63,13 +73,17 @@ def check_checkpoint(directory: str, *, block_size: int | None = None) -> Checke
     if block_size is not None:
         check_block_size(config, block_size, directory)
     tensors = check_entries(checkpoint_entries(directory), parameter_shapes(config), directory,
-                            renamed=checkpoint_name)
+                            renamed=lambda name: checkpoint_name(config, name))
     return CheckedCheckpoint(directory, config, tensors)
 
 
 def build_decoder(config: DecoderConfig, *, compute_dtype: str = "float32", seed: int = 0, initializer=None):
     """The decoder of `config`'s architecture (random init from `seed` unless `initializer` is given); call inside
     the strategy's scope."""
+    if isinstance(config, LlamaConfig):
+        from trainer.decoders.llama import LlamaDecoder
+
+        return LlamaDecoder(config, compute_dtype=compute_dtype, seed=seed, initializer=initializer)
     from trainer.decoders.gpt2 import GPT2Decoder
 
     return GPT2Decoder(config, compute_dtype=compute_dtype, seed=seed, initializer=initializer)
@@ -78,7 +92,9 @@ def build_decoder(config: DecoderConfig, *, compute_dtype: str = "float32", seed
 def build_preset(preset: str, *, vocab_size: int, eos_token_id: int, block_size: int, compute_dtype: str = "float32",
                  seed: int = 0):
     """A randomly initialised decoder of a core.config MODEL_PRESETS shape with the tokenizer's vocabulary."""
-    config = preset_config(preset, vocab_size=vocab_size, eos_token_id=eos_token_id)
+    llama = MODEL_PRESETS.get(preset, {}).get("model_type") in llama_config.ARCHITECTURES
+    family = llama_config if llama else gpt2_config
+    config = family.preset_config(preset, vocab_size=vocab_size, eos_token_id=eos_token_id)
     check_block_size(config, block_size, f"preset {preset!r}")
     log.info("Model: preset %r (random init, seed %d), vocab %d", preset, seed, vocab_size)
     return build_decoder(config, compute_dtype=compute_dtype, seed=seed)
@@ -115,11 +131,13 @@ def assign_weights(model, checked: CheckedCheckpoint, *, seed: int = 0, work_dir
         # Opening every file first checks each one's offsets against its length before any tensor is read.
         files = {file: stack.enter_context(safe_open(str(local / file), framework="tf"))
                  for file in sorted({entry.file for entry in checked.tensors.values()})}
+        resized = embedding_names(model.config)
         for name, variable in model.weights.items():
             entry = checked.tensors[name]
             value = files[entry.file].get_tensor(entry.name)
-            if name == EMBEDDING and value.shape[0] != variable.shape[0]:
-                value = resized_embedding(value, int(variable.shape[0]), model.config.initializer_range, seed)
+            if name in resized and value.shape[0] != variable.shape[0]:
+                value = resized_embedding(value, int(variable.shape[0]), model.config.initializer_range, seed,
+                                          name=name)
             variable.assign(_float32(value))
 
 
@@ -129,9 +147,9 @@ def _float32(value):
     return tf.cast(value, tf.float32)
 
 
-def resized_embedding(value, rows: int, stddev: float, seed: int):
-    """The embedding `value` with `rows` rows: its first rows kept, new ones drawn as the trainer's resize always
-    has (truncated normal, `stddev`), the same on every worker for one seed."""
+def resized_embedding(value, rows: int, stddev: float, seed: int, *, name: str = "transformer.wte.weight"):
+    """The embedding `value` (the weight `name`) with `rows` rows: its first rows kept, new ones drawn as the
+    trainer's resize always has (truncated normal, `stddev`), the same on every worker for one seed."""
     import tensorflow as tf
 
     from trainer.decoders.gpt2 import name_seed
@@ -141,7 +159,7 @@ def resized_embedding(value, rows: int, stddev: float, seed: int):
     if rows <= known:
         return value[:rows]
     new = tf.random.stateless_truncated_normal([rows - known, int(value.shape[1])],
-                                               seed=name_seed(seed, EMBEDDING + ":resized"), stddev=stddev)
+                                               seed=name_seed(seed, name + ":resized"), stddev=stddev)
     return tf.concat([value, new], axis=0)
 
 

@@ -200,8 +200,8 @@ def test_other_architectures_escaping_shards_and_long_blocks_are_refused_before_
 
     other = _copy(tmp_path)
     config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2ForCausalLM"]}))
-    with pytest.raises(CheckpointError, match="Qwen2ForCausalLM.*supported architectures are GPT2LMHeadModel"):
+    (other / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
+    with pytest.raises(CheckpointError, match="MistralForCausalLM.*supported architectures are GPT2LMHeadModel"):
         load_pretrained(other)
 
     sharded = _copy(tmp_path, "gpt2-tiny-sharded")
