@@ -176,8 +176,12 @@ def checkpoint_tensors(directory: Path) -> dict[str, np.ndarray]:
 def safetensors_logits(directory: Path, tokens: np.ndarray) -> np.ndarray:
     """Read back as a PyTorch user would: the files' tensors and config.json, nothing from the trained model."""
     from trainer.decoders.architectures import read_config
+    from trainer.decoders.llama_config import LlamaConfig
+    from trainer.export_llama import llama_logits
 
-    return gpt2_logits(checkpoint_tensors(directory), read_config(str(directory)), tokens)
+    config = read_config(str(directory))
+    logits = llama_logits if isinstance(config, LlamaConfig) else gpt2_logits
+    return logits(checkpoint_tensors(directory), config, tokens)
 
 
 # ---------------------------------------------------------------------------------------------------------------
