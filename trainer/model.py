@@ -1,9 +1,9 @@
-"""The GPT-2 model: built from a preset (random init) or loaded from a saved directory; its loss and cost.
+"""The model: built from a preset (random init) or loaded from a saved directory; its loss and cost.
 
-The model is the project's own decoder (trainer/decoders/: GPT2Decoder, variables named as Hugging Face's PyTorch
-state dict). It has no dropout: the run is then a pure function of (seed, data order), which is what lets a
-data-parallel run be compared step by step with its single-worker baseline. Fine-tuning GPT-2 on small corpora for
-a few epochs does not need it (nanoGPT trains with dropout 0 as well).
+The model is the project's own decoder (trainer/decoders/: GPT2Decoder or LlamaDecoder, variables named as
+Hugging Face's PyTorch state dict). It has no dropout: the run is then a pure function of (seed, data order), which
+is what lets a data-parallel run be compared step by step with its single-worker baseline. Fine-tuning GPT-2 on
+small corpora for a few epochs does not need it (nanoGPT trains with dropout 0 as well).
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ def is_model_location(spec: str) -> bool:
 
 
 def build_model(spec: str, *, vocab_size: int, eos_token_id: int, block_size: int, work_dir: str | Path,
-                compute_dtype: str = "float32", seed: int = 0) -> GPT2Decoder:
-    """A GPT2Decoder with `vocab_size` embeddings computing in `compute_dtype` (float32 weights): a preset from
-    `seed`, or the checkpoint directory `spec` (local or object storage, staged in `work_dir`). Call inside the
-    strategy scope. A hub name is refused: prepare caches hub models in storage and names that directory."""
+                compute_dtype: str = "float32", seed: int = 0, resize_embeddings: bool = True) -> GPT2Decoder:
+    """A decoder (GPT-2, Llama or Qwen2) with `vocab_size` embeddings computing in `compute_dtype` (float32
+    weights): a preset from `seed`, or the checkpoint directory `spec` (local or object storage, staged in
+    `work_dir`); without `resize_embeddings` a checkpoint keeps its rows, which must cover `vocab_size`. Call inside
+    the strategy scope. A hub name is refused: prepare caches hub models in storage and names that directory."""
     from trainer.decoders.pretrained import build_preset, load_pretrained
 
     if spec in MODEL_PRESETS:
@@ -54,8 +55,12 @@ def build_model(spec: str, *, vocab_size: int, eos_token_id: int, block_size: in
             "prepare task caches a hub model in storage (models/base/<name>@<sha>/) and names that directory; "
             "run the pipeline from prepare, or set 'model' to a directory holding config.json and model.safetensors."
         )
-    return load_pretrained(spec, vocab_size=vocab_size, block_size=block_size, compute_dtype=compute_dtype,
-                           seed=seed, work_dir=work_dir)
+    model = load_pretrained(spec, vocab_size=vocab_size if resize_embeddings else None, block_size=block_size,
+                            compute_dtype=compute_dtype, seed=seed, work_dir=work_dir)
+    if model.config.vocab_size < vocab_size:
+        raise ValueError(f"the tokenizer has {vocab_size} tokens, model {spec!r} embeds {model.config.vocab_size}: "
+                         "set 'resize_embeddings' to true, or use the model's own tokenizer.")
+    return model
 
 
 def token_losses(model: GPT2Decoder, tokens: tf.Tensor) -> tf.Tensor:

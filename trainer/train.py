@@ -162,7 +162,7 @@ class TrainState:
             self.model = build_model(
                 cfg.model, vocab_size=job.manifest["tokenizer"]["vocab_size"],
                 eos_token_id=job.manifest["tokenizer"]["eos_token_id"], block_size=cfg.block_size, work_dir=work_dir,
-                compute_dtype=precision.compute_dtype.name, seed=cfg.seed,
+                compute_dtype=precision.compute_dtype.name, seed=cfg.seed, resize_embeddings=cfg.resize_embeddings,
             )
             self.optimizer = AdamW(self.model.trainable_variables, learning_rate_schedule(cfg),
                                    weight_decay=cfg.weight_decay)

@@ -57,6 +57,8 @@ class RunConfig:
         tokenizer: bpe:<vocab> (trained here), a hub name or a path/URL.
         model: a preset, a hub name, a save_pretrained path/URL, or promoted[:<name>].
         model_revision: a hub model's branch, tag or commit; prepare pins it to the commit sha.
+        resize_embeddings: fit a checkpoint's embedding rows to the tokenizer (off: the checkpoint's rows, and a
+            larger tokenizer refused).
         block_size, batch_size_per_worker, max_steps, epochs, learning_rate, warmup_steps, weight_decay,
             grad_accum_steps, mixed_precision, xla, use_gpu, seed: the training run.
         baseline: the single-worker baseline: auto (reuse a matching one), run or skip.
@@ -82,6 +84,7 @@ class RunConfig:
     tokenizer: str = default("tokenizer")
     model: str = default("model")
     model_revision: str = default("model_revision")
+    resize_embeddings: bool = default("resize_embeddings")
     block_size: int = default("block_size")
     batch_size_per_worker: int = default("batch_size_per_worker")
     max_steps: int = default("max_steps")

@@ -127,6 +127,9 @@ SETTINGS: tuple[Setting, ...] = (
        "For a hub model: the branch, tag or commit to fine-tune; empty = main. prepare pins it to the commit sha "
        "and fetches the model once into storage_root/models/base/<name>@<sha>/, which every worker loads.",
        optional=True, pattern=REVISION),
+    _s("resize_embeddings", "", True, "boolean", "Resize embeddings",
+       "Give a checkpoint's token embedding (and untied head) one row per token of the tokenizer, new rows drawn "
+       "at random; off, a tokenizer larger than the embedding is refused before launch."),
     _s("block_size", "", 64, "integer", "Block size", "Tokens per training sequence.", minimum=8, maximum=8192),
     _s("batch_size_per_worker", "", 8, "integer", "Batch per worker", minimum=1, maximum=4096),
     _s("max_steps", "", 300, "integer", "Max optimizer steps", "0 derives the step count from epochs.",

@@ -59,14 +59,28 @@ class TokenizerPlan:
 def plan_tokenizer(cfg: RunConfig) -> TokenizerPlan:
     vocab = cfg.bpe_vocab_size
     if vocab is not None:
+        check_vocabulary(cfg, vocab)
         sample = BpeSample(rule=SAMPLE_RULE, window_bytes=SAMPLE_WINDOW_BYTES, cap_bytes=cfg.bpe_sample_mb << 20)
         return TokenizerPlan(cfg.tokenizer, _sha256_text(f"{BPE_RECIPE}:{vocab}:{EOS_TOKEN}"), token_dtype(vocab), None,
                              sample)
     tokenizer = load_pretrained_tokenizer(cfg.tokenizer)
+    check_vocabulary(cfg, len(tokenizer))
     # The serialized tokenizer as it is: deterministic for a tokenizers version (vocabularies in id order), and
     # hashing it directly saves parsing and re-sorting megabytes of JSON on every run, cache hits included.
     identity = f"eos={tokenizer.eos_token!r}\n{tokenizer.backend_tokenizer.to_str()}"
     return TokenizerPlan(cfg.tokenizer, _sha256_text(identity), token_dtype(len(tokenizer)), tokenizer, None)
+
+
+def check_vocabulary(cfg: RunConfig, vocab_size: int) -> None:
+    """With 'resize_embeddings' off, refuse a tokenizer with more tokens than the checkpoint's embedding rows."""
+    if cfg.resize_embeddings or cfg.is_preset_model:
+        return
+    rows = _model_config(cfg.model).get("vocab_size")
+    if isinstance(rows, int) and vocab_size > rows:
+        raise PrepareError(
+            f"Setting 'tokenizer' = {cfg.tokenizer!r} has {vocab_size} tokens, more than the {rows} embedding rows of "
+            f"model {cfg.model!r}, and 'resize_embeddings' is false: set it to true (new rows drawn at random), or "
+            "use the model's own tokenizer.")
 
 
 def load_pretrained_tokenizer(spec: str):

@@ -63,6 +63,13 @@ def test_loading_a_saved_model_resizes_embeddings_to_the_tokenizer(tiny, tmp_pat
     np.testing.assert_allclose(grown.weights[embedding].numpy()[:VOCAB], tiny.weights[embedding].numpy())
     with pytest.raises(ValueError, match="block_size 512"):
         build_model(str(tmp_path / "saved"), vocab_size=VOCAB, eos_token_id=0, block_size=512, work_dir=tmp_path)
+    kept = build_model(str(tmp_path / "saved"), vocab_size=VOCAB - 10, eos_token_id=0, block_size=32,
+                       work_dir=tmp_path, resize_embeddings=False)
+    assert kept.config.vocab_size == VOCAB
+    with pytest.raises(ValueError, match=f"the tokenizer has {VOCAB + 20} tokens, model .* embeds {VOCAB}: set "
+                                         "'resize_embeddings' to true"):
+        build_model(str(tmp_path / "saved"), vocab_size=VOCAB + 20, eos_token_id=0, block_size=32, work_dir=tmp_path,
+                    resize_embeddings=False)
 
 
 def test_a_preset_follows_the_seed_and_computes_in_the_run_precision():

@@ -46,7 +46,10 @@ def test_bad_settings_name_key_value_and_what_is_allowed(params, fragments):
 
 def test_presets_fit_their_block_sizes():
     for name, preset in MODEL_PRESETS.items():
-        RunConfig.from_params({"model": name, "block_size": preset["n_positions"]})
+        positions = preset.get("n_positions") or preset["max_position_embeddings"]  # GPT-2's or Llama's key
+        RunConfig.from_params({"model": name, "block_size": positions})
+        with pytest.raises(ConfigError, match=f"exceeds what model '{name}' allows"):
+            RunConfig.from_params({"model": name, "block_size": positions + 1})
 
 
 @pytest.mark.parametrize("params, fragments", [

@@ -30,3 +30,22 @@ def test_a_corpus_under_the_cap_is_sampled_whole_and_a_larger_one_up_to_the_cap(
     assert any("of the windows" in r.getMessage() for r in caplog.records)
     again, _ = _sample(tmp_path, corpus, 1)
     assert again == capped  # the same windows, in the same order
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_by_name_when_resizing_is_off(tmp_path):
+    import json
+
+    import pytest
+
+    from tasks.dataset.errors import PrepareError
+    from tasks.dataset.tokenizer import plan_tokenizer
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 300,
+                                                   "max_position_embeddings": 64}))
+    with pytest.raises(PrepareError, match=r"'tokenizer' = 'bpe:512' has 512 tokens, more than the 300 embedding "
+                                           r"rows of model .*'resize_embeddings' is false: set it to true"):
+        plan_tokenizer(config(tmp_path, model=str(model), resize_embeddings=False))
+    plan_tokenizer(config(tmp_path, model=str(model)))  # resized: new rows
+    plan_tokenizer(config(tmp_path, model=str(model), tokenizer="bpe:300", resize_embeddings=False))
