@@ -176,6 +176,7 @@ def test_min_predicted_efficiency_fails_a_two_worker_cpu_preflight_in_seconds_wi
     assert advice["inputs"]["busbw_gbps"] == report["collectives"]["bandwidth"]["busbw_gbps"]
     assert advice["asked"]["efficiency"] < 0.9  # two workers share the cores of one host
     assert report["errors"] == [advice["error"]] and "'min_predicted_efficiency' = 0.9" in advice["error"]
-    assert "scaling advisor (single-worker step from the probe" in log and "recommendation: 2 workers" in log
+    assert f"scaling advisor (single-worker step from the probe, {advice['inputs']['parameters']:,} parameters" in log
+    assert "recommendation: 2 workers" in log
     # The task log's error carries the table.
     assert "ERROR: 2 workers are predicted at" in log and log.count("workers   step ms") == 2

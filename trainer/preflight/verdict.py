@@ -133,8 +133,10 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     if advice.get("rows"):
         from trainer.advisor import table_lines
 
-        lines.append(f"scaling advisor (single-worker step from the {advice['inputs']['step_source']}, gradients "
-                     f"{advice['inputs']['gradient_bytes'] / 2**20:.1f} MiB):")
+        parameters = advice["inputs"].get("parameters")
+        counted = f"{parameters:,} parameters, " if isinstance(parameters, int) else ""
+        lines.append(f"scaling advisor (single-worker step from the {advice['inputs']['step_source']}, {counted}"
+                     f"gradients {advice['inputs']['gradient_bytes'] / 2**20:.1f} MiB):")
         lines += ["  " + line for line in table_lines(advice)]
     elif advice.get("skipped"):
         lines.append(f"scaling advisor: {advice['skipped']}")
