@@ -87,11 +87,11 @@ def test_a_pinned_revision_resolves_to_its_commit_and_an_unknown_one_is_refused_
 
 
 def test_files_that_are_no_checkpoint_the_trainer_reads_are_refused_before_training(tmp_path, hub):
-    local_hub.add_model(hub, "acme/llama", architecture="LlamaForCausalLM")
-    with pytest.raises(ConfigError, match=r"Setting 'model' = 'acme/llama' \(revision 'main', commit [0-9a-f]{40}\): "
-                                          r".*config.json: architectures \['LlamaForCausalLM'\] is not supported: the "
-                                          r"supported architectures are GPT2LMHeadModel"):
-        resolve_base_model(config(tmp_path, model="acme/llama"), cache_dir=hub)
+    local_hub.add_model(hub, "acme/mistral", architecture="MistralForCausalLM")
+    with pytest.raises(ConfigError, match=r"Setting 'model' = 'acme/mistral' \(revision 'main', commit [0-9a-f]{40}\): "
+                                          r".*config.json: architectures \['MistralForCausalLM'\] is not supported: "
+                                          r"the supported architectures are GPT2LMHeadModel"):
+        resolve_base_model(config(tmp_path, model="acme/mistral"), cache_dir=hub)
     local_hub.add_model(hub, "acme/tf-only", safetensors=False)
     with pytest.raises(ConfigError, match=r"Setting 'model' = 'acme/tf-only' .*model.safetensors"):
         resolve_base_model(config(tmp_path, model="acme/tf-only"), cache_dir=hub)
