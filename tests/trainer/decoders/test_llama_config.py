@@ -91,3 +91,17 @@ def test_the_config_module_imports_no_tensorflow():
     code = ("import sys; import trainer.decoders.architectures, trainer.decoders.llama_config; "
             "assert 'tensorflow' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_checkpoint_with_a_short_sliding_window_is_refused_before_any_weight_is_read(tmp_path):
+    import shutil
+
+    from trainer.decoders.pretrained import check_checkpoint
+
+    directory = tmp_path / "qwen2"
+    shutil.copytree(FIXTURES / "qwen2-bias-gqa", directory)
+    sliding = {**QWEN2, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1, "layer_types": None}
+    (directory / "config.json").write_text(json.dumps(sliding))
+    (directory / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes()[:8])  # unread
+    with pytest.raises(CheckpointError, match="block_size 32 is longer than the sliding window"):
+        check_checkpoint(str(directory), block_size=32)
