@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
+from core import storage
 from tasks.dataset.sources import resolve_sources
 from tasks.dataset.tokenizer import _Counted, sample_training_texts
 from tests.tasks.dataset.corpus import REPO, config, write_corpus
@@ -49,3 +52,29 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_by_name_when_resizing_
         plan_tokenizer(config(tmp_path, model=str(model), resize_embeddings=False))
     plan_tokenizer(config(tmp_path, model=str(model)))  # resized: new rows
     plan_tokenizer(config(tmp_path, model=str(model), tokenizer="bpe:300", resize_embeddings=False))
+
+
+def test_a_checkpoints_tokenizer_joins_documents_with_its_eos_and_adds_no_bos(tmp_path):
+    """A Llama-style tokenizer.json (a post-processor that prepends <s>) packs as GPT-2's: each document's ids,
+    then the EOS id; the BOS never enters the stream."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tasks.dataset.stage import prepare_dataset
+    from tests.tasks.dataset.corpus import SAMPLE, shard_tokens
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train([str(path) for path in sorted(SAMPLE.glob("*.txt"))],
+                    trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(tmp_path / "llama-tokenizer")
+    assert fast("To be")["input_ids"][0] == 0  # the checkpoint's own encoding starts with <s>
+
+    result = prepare_dataset(config(tmp_path, tokenizer=str(tmp_path / "llama-tokenizer")))
+    manifest = storage.read_json(result.manifest_url)
+    assert (manifest["tokenizer"]["eos_token_id"], manifest["tokenizer"]["vocab_size"]) == (1, 400)
+    tokens = shard_tokens(result.manifest_url, "train")
+    assert 0 not in tokens and np.count_nonzero(tokens == 1) > 100
