@@ -3,21 +3,22 @@
 A training output holds:
 
     model/                  the run's model, a Hugging Face checkpoint written by trainer.decoders' save_pretrained:
-                            config.json (GPT2LMHeadModel), model.safetensors in PyTorch's names, generation_config.json
-                            and the tokenizer. `AutoModelForCausalLM.from_pretrained` of transformers 5 with PyTorch,
-                            vLLM and `trainer.decoders.load_pretrained` load it unchanged: the `safetensors` format
+                            config.json (its architecture's), model.safetensors in PyTorch's names,
+                            generation_config.json and the tokenizer. `AutoModelForCausalLM.from_pretrained` of
+                            transformers 5 with PyTorch, vLLM and `trainer.decoders.load_pretrained` load it
+                            unchanged: the `safetensors` format
     exports/saved_model/    a TensorFlow SavedModel, signature `serving_default`: int32 `input_ids` and
                             `attention_mask` [batch, tokens] -> float32 `logits` [batch, tokens, vocab]; the tokenizer
                             beside it
     exports/exports.json    written last (the directory is published whole): every format's folder, files and parity
 
 Parity: every format is read back the way its users read it (the checkpoint through a numpy GPT-2 forward on its
-tensors and config.json, written here from transformers' PyTorch GPT-2, so that it shares no code with the
-decoder; the SavedModel through `tf.saved_model.load`) and its logits on fixed prompts from the validation split
-are compared with the trained model's, in float32: the largest absolute difference must be at most
-PARITY_TOLERANCE and the greedy token at every position identical. A format that fails, or could not be written, is
-recorded as failed; the promote task then refuses the run with a gate row naming it (tasks/promote.py). Nothing
-here imports TensorFlow at module level.
+tensors and config.json, written here from transformers' PyTorch GPT-2, or a numpy Llama / Qwen2 in export_llama.py,
+so that it shares no code with the decoder; the SavedModel through `tf.saved_model.load`) and its logits on fixed
+prompts from the validation split are compared with the trained model's, in float32: the largest absolute
+difference must be at most PARITY_TOLERANCE and the greedy token at every position identical. A format that fails,
+or could not be written, is recorded as failed; the promote task then refuses the run with a gate row naming it
+(tasks/promote.py). Nothing here imports TensorFlow at module level.
 """
 
 from __future__ import annotations
