@@ -100,7 +100,7 @@ def resolve_base_model(cfg: RunConfig,
     record (fetched now when no complete copy exists). Other models: unchanged, None. Raises ConfigError naming the
     revision or the model when the revision cannot be resolved or the files are no checkpoint the trainer reads."""
     if not is_hub_name(cfg):
-        return cfg, None
+        return _absolute_model_directory(cfg), None
     revision = cfg.model_revision or DEFAULT_REVISION
     with _hub_errors(cfg.model, revision):
         sha = resolve_sha(cfg.model, revision, cache_dir)
@@ -176,6 +176,14 @@ def _hub_errors(name: str, revision: str) -> Iterator[None]:
             f"Setting 'model_revision' = {revision!r}: revision {revision!r} of model {name!r} cannot be resolved: "
             "it is not in the hub cache and the hub cannot be reached (HF_HUB_OFFLINE=1, or no network). Run "
             "prepare where the hub is reachable once, or check the revision.") from error
+
+
+def _absolute_model_directory(cfg: RunConfig) -> RunConfig:
+    """A relative local `model` directory as an absolute path: the workers run in directories of their own."""
+    if cfg.is_preset_model or "://" in cfg.model or Path(cfg.model).is_absolute() or not Path(cfg.model).is_dir():
+        return cfg
+    absolute = str(Path(cfg.model).resolve())
+    return cfg.replace(model=absolute, **({"tokenizer": absolute} if cfg.tokenizer == cfg.model else {}))
 
 
 def check_base_checkpoint(directory: str, block_size: int | None, setting: str) -> None:

@@ -148,3 +148,11 @@ def test_workers_load_the_cached_copy_offline_and_the_sha_is_in_the_baseline_key
     parts = baseline_key_parts(cfg, manifest, 10), baseline_key_parts(other, manifest, 10)
     assert parts[0].settings["model_revision"] == first and parts[1].settings["model_revision"] == second
     assert parts[0].settings["model"] != parts[1].settings["model"]
+
+
+def test_a_relative_model_directory_is_made_absolute_for_the_workers(tmp_path, monkeypatch):
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    resolved, record = resolve_base_model(config(tmp_path, model="models/mine", tokenizer="models/mine"))
+    assert record is None
+    assert resolved.model == resolved.tokenizer == str(tmp_path / "models" / "mine")
