@@ -2,8 +2,8 @@
 promotion -> release.
 
 Thin on purpose: this file is parsed every few seconds by the DAG processor, so it imports only the Task SDK,
-pendulum and the settings' schema at top level. Task logic lives in `tasks/`, worker code in `trainer/`, the
-operator in `plugins/`.
+pendulum and the settings' declarations (`core.config`) at top level. Task logic lives in `tasks/`, worker code in
+`trainer/`, the operator in `plugins/`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import os
 import pendulum
 from airflow.sdk import Asset, AssetAlias, Param, dag, task
 
-from core.config.schema import SETTINGS, param_kwargs  # stdlib only: no storage, TF or transformers here
+from core.config import SETTINGS  # no storage, TF or transformers here
+from core.config.schema import param_kwargs
 
 # Cron expression of the nightly run; "none" leaves only manual and API triggers.
 _SCHEDULE_SETTING = os.environ.get("GPT_FINETUNE_SCHEDULE", "0 2 * * *").strip()
@@ -35,7 +36,7 @@ SHARDS_ASSET = Asset(name="gpt_finetune_shards", uri="gpt-finetune://datasets/sh
 MODEL_ASSET = Asset(name="gpt_finetune_model", uri="gpt-finetune://models/latest")
 PROMOTIONS = AssetAlias(name="gpt_finetune_promotions")
 
-# One Param per run setting, generated from the schema RunConfig checks (core/config/schema.py): the trigger form
+# One Param per run setting, generated from RunConfig's declarations (core/config/schema.py): the trigger form
 # and --conf both go through these, and RunConfig.from_params re-checks everything, including keys Airflow does not
 # know.
 PARAMS = {setting.name: Param(**param_kwargs(setting, {"storage_root": DEFAULT_STORAGE_ROOT,
