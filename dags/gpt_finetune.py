@@ -135,7 +135,7 @@ def evaluate(prepared_run: dict, run_id=None, dag_run=None) -> dict:
     from tasks.evaluate import evaluate_run
     from tasks.prepared_run import PreparedRun
 
-    return evaluate_run(PreparedRun.from_xcom(prepared_run), OwnRun(dag_run.dag_id, run_id), make_backend)
+    return evaluate_run(PreparedRun.from_xcom(prepared_run), OwnRun(dag_run.dag_id, run_id), make_backend).to_xcom()
 
 
 # all_done: a run whose gates failed still gets its verdict ("not promoted: the gates failed") in the report.
@@ -154,9 +154,9 @@ def promote(ti=None, outlet_events=None) -> dict:
         promotion = promote_run(PreparedRun.from_xcom(prepared_run), OwnRun(ti.dag_id, ti.run_id))
     except NoReportError as error:
         raise AirflowSkipException(str(error)) from error
-    if promotion["promoted"]:
-        outlet_events[PROMOTIONS].add(MODEL_ASSET, extra=promotion["event"])
-    return promotion
+    if promotion.promoted:
+        outlet_events[PROMOTIONS].add(MODEL_ASSET, extra=promotion.event)
+    return promotion.to_xcom()
 
 
 @task(task_id="release", retries=2)
