@@ -69,8 +69,7 @@ class RunConfig:
     min_workers: int | None = setting(None, "Minimum workers",
         "A retried train task (or one with fewer usable hosts/GPUs) may continue on as few as this many workers, "
         "with more accumulation steps keeping the global batch and data order exact; empty = num_workers (off).",
-        optional=True, minimum=1, maximum=64,
-        allowed="at most `num_workers`, dividing its work exactly")
+        optional=True, minimum=1, maximum=64, allowed="at most `num_workers`, dividing its work exactly")
     dataset: str = setting("data/sample/*.txt", "Dataset",
         "Local path, file:// or s3:// URL (globs allowed) of .txt/.jsonl/.json/.parquet files, or a hub dataset id "
         "when online. Relative paths are from the repository; local paths only under GPT_FINETUNE_DATA_ROOTS, "
@@ -78,12 +77,10 @@ class RunConfig:
         allowed="path, `file://` or `s3://` URL (globs), or a hub dataset id")
     text_column: str = setting("text", "Text column",
         "Column holding the text in structured files: up to 128 letters, digits, '_', '.', '-' and spaces.",
-        pattern=TEXT_COLUMN, maxLength=128,
-        allowed="1–128 letters, digits, `_`, `.`, `-`, spaces")
+        pattern=TEXT_COLUMN, maxLength=128, allowed="1–128 letters, digits, `_`, `.`, `-`, spaces")
     tokenizer: str = setting("bpe:2048", "Tokenizer",
         "bpe:<vocab> trains a byte-level BPE offline; else a hub name or a path/URL under the allowed data roots or "
-        "buckets.", minLength=1, maxLength=MAX_LOCATION,
-        allowed="`bpe:<260–1000000>`, hub name, path/URL")
+        "buckets.", minLength=1, maxLength=MAX_LOCATION, allowed="`bpe:<260–1000000>`, hub name, path/URL")
     model: str = setting("tiny", "Model",
         f"Preset for random init ({', '.join(MODEL_PRESET_NAMES)}), a hub name, a save_pretrained path/URL under the "
         "allowed data roots or buckets, or promoted / promoted:<name> to continue from the latest promoted version.",
@@ -92,8 +89,7 @@ class RunConfig:
     model_revision: str = setting("", "Model revision",
         "For a hub model: the branch, tag or commit to fine-tune; empty = main. prepare pins it to the commit sha "
         "and fetches the model once into storage_root/models/base/<name>@<sha>/, which every worker loads.",
-        optional=True, pattern=REVISION,
-        allowed="a branch, tag or commit sha; only with a hub name")
+        optional=True, pattern=REVISION, allowed="a branch, tag or commit sha; only with a hub name")
     block_size: int = setting(64, "Block size", "Tokens per training sequence.", minimum=8, maximum=8192,
         allowed="at most the model's positions")
     batch_size_per_worker: int = setting(8, "Batch per worker", minimum=1, maximum=4096)
@@ -102,8 +98,7 @@ class RunConfig:
     epochs: float = setting(1.0, "Epochs", "Passes over the training split when max_steps is 0.", exclusiveMinimum=0,
         maximum=1000)
     learning_rate: float = setting(3e-3, "Peak learning rate", exclusiveMinimum=0, maximum=1)
-    warmup_steps: int = setting(20, "Warmup steps", minimum=0, maximum=10_000_000,
-        allowed="below `max_steps`")
+    warmup_steps: int = setting(20, "Warmup steps", minimum=0, maximum=10_000_000, allowed="below `max_steps`")
     weight_decay: float = setting(0.01, "AdamW weight decay", minimum=0, maximum=1)
     grad_accum_steps: int = setting(1, "Gradient accumulation steps", minimum=1, maximum=MAX_GRAD_ACCUM)
     mixed_precision: str = setting("no", "Mixed precision", enum=["no", "bf16", "fp16"],
@@ -115,8 +110,7 @@ class RunConfig:
     loss_tolerance: float = setting(0.02, "Eval loss parity tolerance (nats)", minimum=0, maximum=100)
     storage_root: str = setting("storage", "Storage root",
         "Local path, file:// or s3:// URL for shards, checkpoints and reports (an allowed bucket, see "
-        "GPT_FINETUNE_S3_BUCKETS).", minLength=1, maxLength=MAX_LOCATION,
-        allowed="path, `file://`, `s3://`")
+        "GPT_FINETUNE_S3_BUCKETS).", minLength=1, maxLength=MAX_LOCATION, allowed="path, `file://`, `s3://`")
     storage_conn_id: str = setting("", "Storage connection",
         "Airflow connection (aws type) with S3 credentials; empty uses the environment.", optional=True,
         maxLength=MAX_NAME)
@@ -128,8 +122,7 @@ class RunConfig:
         "run on the same dataset, read without the rest of it; 0 = the whole split. At least one batch "
         "(8 x block_size).", minimum=0, maximum=10**12)
     num_shards: int = setting(0, "Shards", "0 writes 4 shards per worker; else at least num_workers.", minimum=0,
-        maximum=100_000,
-        allowed="0, or at least `num_workers`")
+        maximum=100_000, allowed="0, or at least `num_workers`")
     prepare_tasks: int = setting(0, "Prepare tasks",
         "Mapped tasks that tokenize the dataset, at most this many at once: 0 = from the corpus size (one task below "
         "256 MB, then one per 512 MB, at most 32); 1 = all in the prepare task. The shards are the same for any "

@@ -95,25 +95,20 @@ class KubernetesConfig:
         "Airflow connection (kubernetes type) of the cluster; empty uses the in-cluster configuration of the "
         "Airflow worker's pod.", optional=True, maxLength=MAX_NAME)
     namespace: str = setting("default", "Kubernetes namespace", "Namespace of the worker pods (a DNS label).",
-        pattern=DNS_LABEL,
-        allowed="DNS label")
+        pattern=DNS_LABEL, allowed="DNS label")
     image: str = setting(DEFAULT_TRAINER_IMAGE, "Trainer image",
         "Image of the worker pods (docker/trainer.Dockerfile).", pattern=f"{IMAGE}|", maxLength=MAX_NAME,
         allowed="image reference")
     gpus_per_worker: int = setting(0, "GPUs per pod",
         "nvidia.com/gpu requested by each pod; 0 = one with use_gpu. Needs use_gpu. One GPU per worker: more are not "
-        "supported yet, run more workers instead.", minimum=0, maximum=1,
-        allowed="above 0 only with `use_gpu`")
+        "supported yet, run more workers instead.", minimum=0, maximum=1, allowed="above 0 only with `use_gpu`")
     cpu: str = setting("", "CPU request per pod", "e.g. 4 or 500m; empty: none.", optional=True, pattern=CPU_QUANTITY,
-        maxLength=32,
-        allowed="e.g. `4`, `500m`")
+        maxLength=32, allowed="e.g. `4`, `500m`")
     memory: str = setting("", "Memory request per pod", "e.g. 16Gi; empty: none.", optional=True,
-        pattern=MEMORY_QUANTITY, maxLength=32,
-        allowed="e.g. `16Gi`")
+        pattern=MEMORY_QUANTITY, maxLength=32, allowed="e.g. `16Gi`")
     node_selector: Mapping[str, str] = setting({}, "Node selector",
         'Node labels the pods must match, e.g. {"nvidia.com/gpu.product": "NVIDIA-H200"}.',
-        additionalProperties={"type": "string"},
-        allowed="string to string")
+        additionalProperties={"type": "string"}, allowed="string to string")
     tolerations: tuple[Mapping[str, Any], ...] = setting((), "Tolerations",
         'Pod tolerations in Kubernetes spelling, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": '
         '"NoSchedule"}].', items={"type": "object"},
@@ -144,8 +139,7 @@ class LaunchConfig:
     gpu_queue: str = setting("", "GPU queue",
         "Celery queue of preflight, train, baseline and evaluate (the tasks that hold gpu_slots), served by the GPU "
         "hosts' workers; empty = the default queue. A queue no worker serves leaves them queued until "
-        "task_queued_timeout.", optional=True, pattern=QUEUE_NAME,
-        allowed="a Celery queue name")
+        "task_queued_timeout.", optional=True, pattern=QUEUE_NAME, allowed="a Celery queue name")
     ssh: SSHConfig = field(default_factory=SSHConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
 
@@ -195,8 +189,7 @@ class MonitoringConfig:
         "comparable run's (0 = off).", minimum=0, maximum=1)
     alert_conn_id: str = setting("", "Alert connection",
         "Airflow connection (smtp type) that sends failure and throughput alerts; empty = no alerts.", optional=True,
-        pattern=CONN_ID,
-        allowed="an Airflow connection of type `smtp`")
+        pattern=CONN_ID, allowed="an Airflow connection of type `smtp`")
     alert_emails: tuple[str, ...] = setting((), "Alert recipients",
         "E-mail addresses of the alerts; required with an alert connection.", optional=True,
         items={"type": "string", "pattern": f"^({EMAIL})$", "maxLength": MAX_NAME},
@@ -210,8 +203,7 @@ class MonitoringConfig:
     reclaim_idle_after_s: int = setting(0, "Reclaim idle GPUs after (s)",
         "Stop a group held this long without step progress (idle as the idle-held warning decides it): its ranks save "
         "a checkpoint if they still can, and the task fails without a retry (0 = off; at least max_idle_held_s).",
-        minimum=0, maximum=30 * 86_400,
-        allowed="at least `max_idle_held_s`")
+        minimum=0, maximum=30 * 86_400, allowed="at least `max_idle_held_s`")
     idle_gpu_util_pct: int = setting(5, "Idle GPU utilization (%)",
         "GPU runs: a group without step progress is idle only while every NVML utilization sample of its GPUs over "
         "that time is below this (missing samples count as busy).", minimum=0, maximum=100)
