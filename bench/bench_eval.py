@@ -86,13 +86,14 @@ def _train(root: Path, manifest: str, tokenizer: str) -> dict:
 def _evaluate(root: Path, manifest: str, workers: int, eval_tokens: int) -> dict:
     from core.config import RunConfig
     from launcher import LocalBackend
+    from tasks.checked_run import Evaluation
     from tasks.evaluate import run_evaluation
 
     cfg = RunConfig(**SETTINGS, num_workers=workers, eval_tokens=eval_tokens, storage_root=str(root / "eval"))
     started = time.perf_counter()
-    result = run_evaluation(str(root / "train" / "model"), manifest, str(root / f"eval-{workers}-{eval_tokens}.json"),
-                            cfg=cfg, run_key="bench-eval", label=f"{workers}-{eval_tokens}",
-                            make_backend=lambda name, settings: LocalBackend())
+    job = Evaluation(str(root / "train" / "model"), manifest, str(root / f"eval-{workers}-{eval_tokens}.json"),
+                     f"{workers}-{eval_tokens}", cfg, "bench-eval")
+    result = run_evaluation(job, make_backend=lambda name, settings: LocalBackend()).to_json()
     wall = time.perf_counter() - started
     sample = result["sample"]
     scoring = [worker["eval_time_s"] for worker in result["workers"]]

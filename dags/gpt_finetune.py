@@ -2,8 +2,8 @@
 promotion -> release.
 
 Thin on purpose: this file is parsed every few seconds by the DAG processor, so it imports only the Task SDK,
-pendulum and the settings' schema at top level. Task logic lives in `tasks/`, worker code in `trainer/`, the
-operator in `plugins/`.
+pendulum and the settings' declarations (`core.config`) at top level. Task logic lives in `tasks/`, worker code in
+`trainer/`, the operator in `plugins/`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import os
 import pendulum
 from airflow.sdk import Asset, AssetAlias, Param, dag, task
 
-from core.config.schema import SETTINGS, param_kwargs  # stdlib only: no storage, TF or transformers here
+from core.config import SETTINGS  # no storage, TF or transformers here
+from core.config.schema import param_kwargs
 
 # Cron expression of the nightly run; "none" leaves only manual and API triggers.
 _SCHEDULE_SETTING = os.environ.get("GPT_FINETUNE_SCHEDULE", "0 2 * * *").strip()
@@ -35,7 +36,7 @@ SHARDS_ASSET = Asset(name="gpt_finetune_shards", uri="gpt-finetune://datasets/sh
 MODEL_ASSET = Asset(name="gpt_finetune_model", uri="gpt-finetune://models/latest")
 PROMOTIONS = AssetAlias(name="gpt_finetune_promotions")
 
-# One Param per run setting, generated from the schema RunConfig checks (core/config/schema.py): the trigger form
+# One Param per run setting, generated from RunConfig's declarations (core/config/schema.py): the trigger form
 # and --conf both go through these, and RunConfig.from_params re-checks everything, including keys Airflow does not
 # know.
 PARAMS = {setting.name: Param(**param_kwargs(setting, {"storage_root": DEFAULT_STORAGE_ROOT,
@@ -134,7 +135,7 @@ def evaluate(prepared_run: dict, run_id=None, dag_run=None) -> dict:
     from tasks.evaluate import evaluate_run
     from tasks.prepared_run import PreparedRun
 
-    return evaluate_run(PreparedRun.from_xcom(prepared_run), OwnRun(dag_run.dag_id, run_id), make_backend)
+    return evaluate_run(PreparedRun.from_xcom(prepared_run), OwnRun(dag_run.dag_id, run_id), make_backend).to_xcom()
 
 
 # all_done: a run whose gates failed still gets its verdict ("not promoted: the gates failed") in the report.
@@ -153,9 +154,9 @@ def promote(ti=None, outlet_events=None) -> dict:
         promotion = promote_run(PreparedRun.from_xcom(prepared_run), OwnRun(ti.dag_id, ti.run_id))
     except NoReportError as error:
         raise AirflowSkipException(str(error)) from error
-    if promotion["promoted"]:
-        outlet_events[PROMOTIONS].add(MODEL_ASSET, extra=promotion["event"])
-    return promotion
+    if promotion.promoted:
+        outlet_events[PROMOTIONS].add(MODEL_ASSET, extra=promotion.event)
+    return promotion.to_xcom()
 
 
 @task(task_id="release", retries=2)

@@ -4,9 +4,10 @@ Every mode reads one JSON line on stdin (so secrets never travel in an argv or a
 stdout: `run` starts a worker and relays its output between control lines; `probe`, `release`, `kill`, `reap`,
 `slots` and `utilization` answer with one JSON object. The modes, their requests and answers are specified in
 docs/CONTRACTS.md ("SSH backend <-> remote agent"); the fields each request must have, and what they must be, are
-`REQUESTS` below; the control lines are named in `core.protocol`. It runs from the launcher package installed in
-`remote_python`'s environment on that host, and imports neither Airflow nor TensorFlow: it starts for every rank, so
-it must start fast.
+typed in `launcher.agent_requests`; the control lines are named in `core.protocol`. It runs from the launcher
+package installed in `remote_python`'s environment on that host, and imports neither Airflow nor TensorFlow: it
+starts for every rank, so it must start fast (pydantic, which checks the requests, is its one import beside the
+standard library).
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ from core.protocol import (
     EXIT_LINE,
     GROUP_ENV,
     RUN_KEY_ENV,
-    RUN_KEY_PATTERN,
     STOP_LINE,
     control_line,
     inherited_environment,
 )
+from launcher.agent_requests import REQUESTS, BadRequest, checked_request
 from launcher.gpus import (
     check_exited_slots,
     gpu_utilization,
@@ -69,83 +70,6 @@ MAX_LINE_BYTES = 1 << 16  # a worker line longer than this is relayed in pieces
 OUTPUT_DRAIN_S = 2.0  # how long the relay may lag once the worker's group is gone (an escaped process holds it)
 
 
-class BadRequest(ValueError):
-    """The JSON line on stdin is missing, malformed or has a field of the wrong kind."""
-
-
-def _strings(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(item, str) for item in value)
-
-
-def _env(value: Any) -> bool:
-    return isinstance(value, dict) and all(
-        isinstance(name, str) and name and "=" not in name and "\0" not in name
-        and isinstance(text, str) and "\0" not in text for name, text in value.items())
-
-
-def _seconds(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 3600
-
-
-def _count(value: Any) -> bool:
-    return type(value) is int and 0 <= value <= 1024
-
-
-IDLE_FIELD = (lambda v: isinstance(v, dict) and all(isinstance(k, str) and type(mb) is int and mb >= 0
-                                                for k, mb in v.items()),
-              "an object mapping GPU UUIDs or indices to idle levels in whole MiB")
-
-
-def _run_key(value: Any) -> bool:
-    return isinstance(value, str) and RUN_KEY_PATTERN.fullmatch(value) is not None  # it names a directory here
-
-
-RUN_KEY_FIELD = (_run_key, "a run key (letters, digits, '.', '_', '-'; not starting with '.')")
-
-
-# mode -> field -> (check, what the field must be). Fields not listed are refused.
-REQUESTS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
-    "run": {
-        "argv": (lambda v: _strings(v) and bool(v), "a non-empty list of strings"),
-        "env": (_env, "an object mapping variable names to strings"),
-        "cwd": (lambda v: isinstance(v, str) and bool(v), "a directory path"),
-        "grace_s": (_seconds, "seconds, 0 to 3600"),
-        "base_env": (lambda v: v == "inherit", '"inherit"'),
-    },
-    "probe": {
-        "ports": (_count, "a whole number 0 to 1024"),
-        "workdir": (lambda v: isinstance(v, str) and bool(v), "a directory path"),
-        "use_gpu": (lambda v: isinstance(v, bool), "true or false"),
-    },
-    "release": {
-        "run_key": RUN_KEY_FIELD,
-        "grace_s": (_seconds, "seconds, 0 to 3600"),
-        "workdir": (lambda v: v is None or (isinstance(v, str) and bool(v)), "a directory path or null"),
-        "idle_mb": IDLE_FIELD,
-    },
-    "kill": {
-        "pgid": (lambda v: type(v) is int, "a process group id"),
-        "run_key": RUN_KEY_FIELD,
-    },
-    "reap": {
-        "run_key": RUN_KEY_FIELD,
-        "group": (lambda v: isinstance(v, str) and bool(v), "a worker group's name"),
-        "grace_s": (_seconds, "seconds, 0 to 3600"),
-    },
-    "slots": {
-        "run_key": RUN_KEY_FIELD,
-        "group": (lambda v: isinstance(v, str) and bool(v), "a worker group's name"),
-        "pids": (lambda v: isinstance(v, list) and all(type(p) is int and p > 0 for p in v), "a list of pids"),
-        "gpus": (_strings, "a list of GPU UUIDs or indices"),
-        "idle_mb": IDLE_FIELD,
-        "use_gpu": (lambda v: isinstance(v, bool), "true or false"),
-    },
-    "utilization": {
-        "gpus": (_strings, "a list of GPU UUIDs or indices"),
-    },
-}
-
-
 def host_path(path: str) -> Path:
     """A path on this host: `~` expanded, and a relative one under this host's temporary directory ($TMPDIR or
     /tmp here), so the launcher can name a per-host location without knowing the host's layout."""
@@ -164,17 +88,9 @@ def read_request(stream: IO[bytes], mode: str) -> dict[str, Any]:
         raise BadRequest(f"the {mode} request is not one JSON object: {getattr(error, 'msg', error)}") from None
     if not isinstance(request, dict):
         raise BadRequest(f"the {mode} request must be a JSON object")
-    fields = REQUESTS[mode]
     if mode == "run":
         request.setdefault("base_env", "inherit")
-    wrong = [f"{what} fields {names}" for what, names in (("unknown", sorted(set(request) - set(fields))),
-                                                          ("missing", sorted(set(fields) - set(request)))) if names]
-    if wrong:
-        raise BadRequest(f"the {mode} request has {' and '.join(wrong)}; expected exactly {sorted(fields)}")
-    for name, (check, what) in fields.items():
-        if not check(request[name]):
-            raise BadRequest(f"the {mode} request's {name!r} must be {what}")
-    return request
+    return checked_request(mode, request)
 
 
 def identity() -> dict[str, Any]:

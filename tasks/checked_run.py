@@ -66,6 +66,33 @@ class CheckedRun:
     def train(self) -> TrainOutput:
         return self.run.train
 
+    def evaluation(self, model_url: str, output_url: str, label: str) -> Evaluation:
+        """The evaluation of `model_url` on this run's sample, its result written at `output_url`."""
+        return Evaluation(model_url, self.manifest_url, output_url, label, self.cfg, self.key, self.run_id,
+                          self.manifest_sha256)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One model to score on a run's evaluation sample: what tasks/evaluate.py's `run_evaluation` launches.
+
+    Attributes:
+        model_url: the model directory; manifest_url: the dataset's manifest.json; output_url: where the result goes.
+        label: the worker group's name (`evaluate-<label>`) and its log lines'.
+        cfg: the run's configuration; run_key: its key (the group's marker and storage layout).
+        run_id: the DAG run an idle-held warning is mailed for (None: not mailed).
+        manifest_sha256: the digest the workers pin the manifest to (None: not pinned).
+    """
+
+    model_url: str
+    manifest_url: str
+    output_url: str
+    label: str
+    cfg: RunConfig
+    run_key: str
+    run_id: str | None = None
+    manifest_sha256: str | None = None
+
 
 def checked_run(prepared: PreparedRun, own: OwnRun) -> CheckedRun:
     """The prepared run's configuration held to the policy and its URLs derived for `own`; AirflowFailException

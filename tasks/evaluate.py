@@ -16,8 +16,9 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from core.config import ConfigError, RunConfig
-from core.eval_result import EvalResult, ResultError, combine, delta_standard_error, part_url
+from core.config import ConfigError
+from core.document import DocumentError
+from core.eval_result import EvalPart, EvalResult, ResultError, combine, delta_standard_error, part_url
 from core.layout import PROMOTION_JSON, RunLayout, StorageLayout, TrainOutput
 from core.storage import exists, join, read_bytes, read_json, remove_tree, write_json_atomic
 from core.summary import TrainSummary
@@ -25,13 +26,14 @@ from tasks import registry, telemetry, throughput
 from tasks import report as reports
 from tasks.alerts import alert_throughput
 from tasks.baseline import read_key_record
-from tasks.checked_run import CheckedRun, OwnRun, checked_run
+from tasks.checked_run import CheckedRun, Evaluation, OwnRun, checked_run
 from tasks.comparison import build_report, run_figures
 from tasks.connections import uses_run_storage
 from tasks.launch import release_after_exit
 from tasks.legacy_models import convert_legacy_model
 from tasks.policy import check_launch_urls
 from tasks.report_document import ContinuedFrom, ModelSamples, PromotedScore, RunReport, TextSample, table_rows
+from tasks.results import Evaluated
 from trainer.data import tokenizer_url
 from trainer.decoders.architectures import CheckpointError
 from trainer.eval_sample import sample_identity
@@ -54,7 +56,7 @@ class EvaluationError(RuntimeError):
 
 
 @uses_run_storage
-def evaluate_run(prepared: PreparedRun, own: OwnRun, make_backend: BackendFactory) -> dict:
+def evaluate_run(prepared: PreparedRun, own: OwnRun, make_backend: BackendFactory) -> Evaluated:
     """The evaluate task of DAG run `own`; `make_backend` builds the run's backend for each evaluation (the DAG task
     hands in `tf_multiworker.backends.make_backend`). Its steps: the run's URLs derived and the XCom's checked
     against them (tasks/checked_run.py), the models scored, the report assembled and written, the run's throughput
@@ -72,14 +74,10 @@ def evaluate_run(prepared: PreparedRun, own: OwnRun, make_backend: BackendFactor
     announce(checked, report, expected.ratio)
     check_gates(checked.run_id, report, report_json_url)
     comparison = report.comparison
-    return {
-        "report_json_url": report_json_url,  # report.md follows beside it: the release task renders it
-        "speedup": comparison.speedup,
-        "efficiency": comparison.efficiency,
-        "eval_loss": report.runs.distributed.eval_loss,
-        "baseline_eval_loss": scored.baseline_eval.eval_loss if scored.baseline_eval else None,
-        "gates_passed": True,
-    }
+    return Evaluated(report_json_url=report_json_url, speedup=comparison.speedup, efficiency=comparison.efficiency,
+                     eval_loss=report.runs.distributed.eval_loss,
+                     baseline_eval_loss=scored.baseline_eval.eval_loss if scored.baseline_eval else None,
+                     gates_passed=True)
 
 
 @dataclass(frozen=True)
@@ -111,11 +109,8 @@ def score_models(checked: CheckedRun, make_backend: BackendFactory) -> Scored:
         # An earlier attempt's report (or the verdict on it, or its report.md, which release renders again from
         # the new parts) must not pass for this one's.
         remove_tree(join(report_url, stale))
-    distributed_eval = run_evaluation(distributed.model, checked.manifest_url,
-                                      join(report_url, "eval-distributed.json"), cfg=cfg,
-                                      run_key=checked.key, label="distributed",
-                                      make_backend=make_backend, run_id=checked.run_id,
-                                      manifest_sha256=checked.manifest_sha256)
+    distributed_eval = run_evaluation(
+        checked.evaluation(distributed.model, join(report_url, "eval-distributed.json"), "distributed"), make_backend)
     baseline_eval = evaluate_baseline(checked, baseline, make_backend) if baseline else None
     promoted = evaluate_promoted(checked, make_backend, distributed_eval)
     return Scored(distributed, distributed_summary, distributed_eval, baseline, baseline_summary, baseline_eval,
@@ -216,34 +211,33 @@ def read_metrics(output: TrainOutput, rank: int = 0) -> list[dict[str, Any]]:
     return [json.loads(line) for line in read_bytes(url).decode("utf-8").splitlines() if line.strip()]
 
 
-def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: RunConfig, run_key: str,
-                   label: str, make_backend: BackendFactory, run_id: str | None = None,
-                   manifest_sha256: str | None = None) -> EvalResult:
+def run_evaluation(job: Evaluation, make_backend: BackendFactory) -> EvalResult:
     """`python -m trainer.evaluate` as a group of the run's `num_workers` on its backend, each worker scoring its
     part of the `eval_tokens` sample; their output streams to this log. Returns the combined result, also written
-    at `output_url`.
+    at the job's `output_url`.
 
     The same launch path as training (tasks/launch.py): the run's marker (release finds it), a state record and the
     ranks' logs in the run's storage (`evaluate-<label>`), its storage URLs held to the run's layout first
     (`tasks.policy.check_launch_urls`: nothing is removed or launched otherwise), storage credentials as secrets
     only, one GPU per worker with `use_gpu` (none otherwise), the start-up and hang bounds of the run. A worker that
     fails fails the evaluation, naming its rank. Held without progress past `max_idle_held_s` it warns as training
-    does (mailed when `run_id` is given), and past `reclaim_idle_after_s` it is stopped and the evaluation fails,
-    saying so."""
+    does (mailed when the job's `run_id` is given), and past `reclaim_idle_after_s` it is stopped and the evaluation
+    fails, saying so."""
     from core.protocol import MANIFEST_SHA256_ENV
     from launcher import GroupSpec
     from tasks.connections import storage_env
     from tasks.launch import IdleSettings, RecordedLaunch
 
+    cfg, model_url, output_url, label, run_key = job.cfg, job.model_url, job.output_url, job.label, job.run_key
     workers = cfg.num_workers
     spec = GroupSpec(
         name=f"evaluate-{label}", entrypoint=EVALUATE_MODULE, num_workers=workers, use_gpu=cfg.use_gpu,
-        run_key=run_key, args=("--model", model_url, "--manifest", manifest_url, "--output", output_url,
+        run_key=run_key, args=("--model", model_url, "--manifest", job.manifest_url, "--output", output_url,
                                "--eval-tokens", str(cfg.eval_tokens)),
         secret_env=storage_env(cfg.storage_conn_id), startup_timeout_s=cfg.launch.startup_timeout_s,
         hang_timeout_s=cfg.launch.hang_timeout_s,
         # The dataset pinned as the operators pin it on theirs: the workers refuse a manifest of another digest.
-        env={MANIFEST_SHA256_ENV: manifest_sha256} if manifest_sha256 else {},
+        env={MANIFEST_SHA256_ENV: job.manifest_sha256} if job.manifest_sha256 else {},
     )
     try:  # an evaluation reads and writes only the run's own layout (the operator's launches are held alike)
         check_launch_urls(spec.args, cfg.storage_root, run_key)
@@ -257,7 +251,7 @@ def run_evaluation(model_url: str, manifest_url: str, output_url: str, *, cfg: R
     try:
         launch = RecordedLaunch(spec, backend, StorageLayout(cfg.storage_root).run(run_key),
                                 on_line=lambda rank, line: log.info("[evaluate %s %d] %s", label, rank, line),
-                                idle=IdleSettings.of(cfg, run_id, spec.name))
+                                idle=IdleSettings.of(cfg, job.run_id, spec.name))
         result = launch.run_group()
     finally:
         backend.close()
@@ -283,11 +277,10 @@ def _combined(parts: list[str], output_url: str, model_url: str) -> EvalResult:
     try:
         if parts == [output_url]:
             return EvalResult.from_json(read_json(output_url), output_url)
-        evaluation = combine([read_json(url) for url in parts])
-        result = EvalResult.from_json(evaluation, output_url)
-    except ResultError as error:
+        result = combine([EvalPart.from_json(read_json(url), url) for url in parts])
+    except (ResultError, DocumentError) as error:
         raise EvaluationError(f"evaluating {model_url}: {error}") from error
-    write_json_atomic(output_url, evaluation)
+    write_json_atomic(output_url, result.to_json())
     for url in parts:
         remove_tree(url)
     return result
@@ -315,9 +308,7 @@ def evaluate_baseline(checked: CheckedRun, baseline: TrainOutput, make_backend: 
                 return evaluation
             log.info("Baseline evaluation at %s scored sample %s, not this run's %s: evaluating it again.", cached,
                      evaluation.sample_id, expected)
-    return run_evaluation(baseline.model, checked.manifest_url, cached, cfg=cfg, run_key=checked.key,
-                          label="baseline", make_backend=make_backend, run_id=checked.run_id,
-                          manifest_sha256=checked.manifest_sha256)
+    return run_evaluation(checked.evaluation(baseline.model, cached, "baseline"), make_backend)
 
 
 def with_scaling(report: RunReport, layout: RunLayout, distributed: TrainOutput) -> RunReport:
@@ -365,9 +356,7 @@ def evaluate_promoted(checked: CheckedRun, make_backend: BackendFactory,
         log.warning("Promoted %s %s not evaluated: %s", cfg.promotion.model_name, pointer.version, error)
         return section
     output_url = join(checked.run.report, "eval-promoted.json")
-    result = run_evaluation(model_url, manifest_url, output_url, cfg=cfg, run_key=checked.key,
-                            label="promoted", make_backend=make_backend, run_id=checked.run_id,
-                            manifest_sha256=checked.manifest_sha256)
+    result = run_evaluation(checked.evaluation(model_url, output_url, "promoted"), make_backend)
     return replace(section, eval_loss=result.eval_loss, perplexity=result.perplexity,
                    samples=text_samples(result.samples, output_url),
                    nats_per_char=result.nats_per_char, known_words=result.known_words,

@@ -27,7 +27,7 @@ from core.config import ConfigError, schema
 from core.document import Document, DocumentError
 
 PRICING_ENV = "GPT_FINETUNE_PRICING"
-CAPACITIES = schema.choices("capacity")
+CAPACITIES = schema.CAPACITIES
 UNITS = ("gpu_hour", "worker_hour")
 RATE_SECTIONS = ("default", "cpu_worker")
 OVERRIDES = ("backends", "queues")

@@ -50,6 +50,7 @@ from tasks.registry import Entry, Pointer, PromotedVersion, VersionFile, Version
 from tasks.report_document import RunFigures, RunReport
 from tasks.report_file import read_record
 from tasks.report_parts import RunView, with_exports
+from tasks.results import Promotion
 from trainer.decoders.architectures import CheckpointError
 
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ class Verdict:
 
 
 @uses_run_storage
-def promote_run(prepared: PreparedRun, own: OwnRun) -> dict[str, Any]:
+def promote_run(prepared: PreparedRun, own: OwnRun) -> Promotion:
     """Promote (or not) the model of DAG run `own`; returns the outcome, which promotion.json records beside the
     report with the export gates it was decided on (report.json stays evaluate's, report.md is release's). Every
     URL is the run's own (tasks/checked_run.py): the report, the model and the exports of its train folder."""
@@ -113,13 +114,13 @@ def promote_run(prepared: PreparedRun, own: OwnRun) -> dict[str, Any]:
     outcome = promote(prepared, checked, with_exports(RunView(report), exported),
                       checked.storage.model(cfg.promotion.model_name))
     part = exported.to_json() if exported else {}
-    write_json_atomic(checked.run.promotion, {**outcome, **part})
-    if outcome["promoted"]:
-        log.info("Promoted run %s to %s %s (%s): %s", prepared.run_id, cfg.promotion.model_name, outcome["version"],
-                 outcome["url"], outcome["reason"])
+    write_json_atomic(checked.run.promotion, {**outcome.to_json(), **part})
+    if outcome.promoted:
+        log.info("Promoted run %s to %s %s (%s): %s", prepared.run_id, cfg.promotion.model_name, outcome.version,
+                 outcome.url, outcome.reason)
     else:
         log.warning("Not promoted: run %s stays out of %s: %s", prepared.run_id, cfg.promotion.model_name,
-                    outcome["reason"])
+                    outcome.reason)
     return outcome
 
 
@@ -134,7 +135,7 @@ def check_model_url(report: RunReport, checked: CheckedRun, report_json: str) ->
             "the report was rewritten after evaluate wrote it, so nothing is promoted. Run evaluate again.")
 
 
-def promote(prepared: PreparedRun, checked: CheckedRun, view: RunView, layout: ModelLayout) -> dict[str, Any]:
+def promote(prepared: PreparedRun, checked: CheckedRun, view: RunView, layout: ModelLayout) -> Promotion:
     """Decide against the current pointer, publish a complete version, swap the pointer; on a lost swap decide
     again against the pointer that won. `view`: evaluate's report with promote's export gates."""
     cfg = checked.cfg
@@ -230,15 +231,15 @@ def _sample_id(report: RunReport) -> str | None:
     return report.eval_sample.id if report.eval_sample else None
 
 
-def outcome(cfg: RunConfig, verdict: Verdict, *, promoted: bool, entry: Entry | None = None) -> dict[str, Any]:
+def outcome(cfg: RunConfig, verdict: Verdict, *, promoted: bool, entry: Entry | None = None) -> Promotion:
     """What the report, the task log and (as `event`, the Asset event's extra) downstream DAGs learn."""
     event = {"model_name": cfg.promotion.model_name, **{name: getattr(entry, name) for name in (
         "version", "url", "model_url", "run_id", "eval_loss", "perplexity", "dataset_fingerprint")}} if entry else None
-    return {"promoted": promoted, "policy": cfg.promotion.promote, "model_name": cfg.promotion.model_name,
-            "reason": verdict.reason,
-            "compared_with": dataclasses.asdict(verdict.compared_with) if verdict.compared_with else None,
-            "version": entry.version if entry else None, "url": entry.url if entry else None,
-            "model_url": entry.model_url if entry else None, "event": event, "decided_at": utc_now()}
+    return Promotion(promoted=promoted, policy=cfg.promotion.promote, model_name=cfg.promotion.model_name,
+                     reason=verdict.reason,
+                     compared_with=dataclasses.asdict(verdict.compared_with) if verdict.compared_with else None,
+                     version=entry.version if entry else None, url=entry.url if entry else None,
+                     model_url=entry.model_url if entry else None, event=event, decided_at=utc_now())
 
 
 def history_entry(version: VersionLayout, checked: CheckedRun, report: RunReport, number: int) -> Entry:

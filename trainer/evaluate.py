@@ -14,6 +14,7 @@ trainer optimizes), in float32, so a model scores the same on any number of work
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import logging
 import os
@@ -29,7 +30,7 @@ import numpy as np
 from core import storage
 from core.config import RunConfig
 from core.config.core import EVAL_BATCH_SEQUENCES
-from core.eval_result import combine, part_url
+from core.eval_result import EvalPart, EvalResult, combine, part_url
 from core.text_quality import known_word_rate, words
 from launcher.log_policy import configure_worker_logging
 from trainer import runtime
@@ -165,7 +166,8 @@ def load_model(model_url: str, manifest_url: str, manifest: dict[str, Any], work
 
 def text_samples(model, tokenizer, manifest_url: str, manifest: dict[str, Any], prompts: list[list[int]],
                  ) -> dict[str, Any]:
-    """Rank 0's share beside its losses: the samples, their known-word rates and how they were drawn."""
+    """Rank 0's share beside its losses, by `EvalPart` field: the samples, their known-word rates and how they were
+    drawn."""
     started = time.perf_counter()
     samples = generate_samples(model, tokenizer, prompts)
     sample_time = time.perf_counter() - started
@@ -194,11 +196,12 @@ def score_windows(model, tokenizer, windows) -> dict[str, Any]:
         clock = time.perf_counter()
     scored["eval_time_s"] = round(time.perf_counter() - started, 3)
     scored["read_time_s"] = round(scored["read_time_s"], 3)
+    scored["sequence_losses"] = tuple(scored["sequence_losses"])
     return scored
 
 
 def evaluate_part(model_url: str, manifest_url: str, *, eval_tokens: int = DEFAULT_EVAL_TOKENS, rank: int = 0,
-                  num_workers: int = 1, prompts: list[str] | None = None) -> dict[str, Any]:
+                  num_workers: int = 1, prompts: list[str] | None = None) -> EvalPart:
     """Worker `rank`'s part of the evaluation of `eval_tokens` validation tokens (0: the whole split)."""
     manifest = load_manifest(manifest_url)
     sample = draw_sample(manifest, eval_tokens)
@@ -212,33 +215,33 @@ def evaluate_part(model_url: str, manifest_url: str, *, eval_tokens: int = DEFAU
                  "read in %.2f s, scored in %.2f s in all", rank, num_workers, len(scored["sequence_losses"]),
                  sample.sequences, sample.sample_id, sample.identity["tokens"], sample.identity["split_tokens"],
                  scored["read_bytes"], scored["read_time_s"], scored["eval_time_s"])
-        part = {"rank": rank, "num_workers": num_workers, "model": model_url, "sample": sample.identity,
-                "sequences": len(scored["sequence_losses"]), **scored}
+        part = EvalPart(rank=rank, num_workers=num_workers, model=model_url, sample=sample.identity,
+                        sequences=len(scored["sequence_losses"]), **scored)
         if rank == 0:
             if first is None or len(first) < NUM_PROMPTS:  # a part shorter than the prompts: the sample's opening
                 first = read_part(manifest_url, manifest, sample.part(0, 1)[:NUM_PROMPTS])[0][:NUM_PROMPTS]
             prompt_ids = ([tokenizer(prompt)["input_ids"] for prompt in prompts] if prompts
                           else validation_prompts(first))
-            part.update(text_samples(model, tokenizer, manifest_url, manifest, prompt_ids))
+            part = dataclasses.replace(part, **text_samples(model, tokenizer, manifest_url, manifest, prompt_ids))
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     return part
 
 
 def evaluate(model_url: str, manifest_url: str, *, eval_tokens: int = DEFAULT_EVAL_TOKENS,
-             prompts: list[str] | None = None) -> dict[str, Any]:
+             prompts: list[str] | None = None) -> EvalResult:
     """The one-worker evaluation: the whole sample on this process, as a result."""
     result = combine([evaluate_part(model_url, manifest_url, eval_tokens=eval_tokens, prompts=prompts)])
     log_result(result)
     return result
 
 
-def log_result(result: dict[str, Any]) -> None:
-    rates, sample = result["known_words"] or {}, result["sample"]
-    log.info("eval loss %.4f ± %s, perplexity %.2f, %s nats/char over %d of %d validation tokens (sample %s) in "
-             "%.1f s; known words: greedy %s, top-k %s", result["eval_loss"], _figure(result["eval_loss_se"], ".4f"),
-             result["perplexity"], _figure(result["nats_per_char"], ".3f"), sample["tokens"],
-             sample["split_tokens"], sample["id"], result["eval_time_s"], _figure(rates.get("greedy"), ".0%"),
+def log_result(result: EvalResult) -> None:
+    rates, sample = result.known_words or {}, result.sample or {}
+    log.info("eval loss %.4f ± %s, perplexity %.2f, %s nats/char over %s of %s validation tokens (sample %s) in "
+             "%.1f s; known words: greedy %s, top-k %s", result.eval_loss, _figure(result.eval_loss_se, ".4f"),
+             result.perplexity, _figure(result.nats_per_char, ".3f"), sample.get("tokens"),
+             sample.get("split_tokens"), result.sample_id, result.eval_time_s, _figure(rates.get("greedy"), ".0%"),
              _figure(rates.get("top_k"), ".0%"))
 
 
@@ -281,11 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     if identity.num_workers == 1:
         result = combine([part])
         log_result(result)
-        storage.write_json_atomic(output, result)
-        print(f"eval_loss {result['eval_loss']:.4f} perplexity {result['perplexity']:.2f} -> {output}", flush=True)
+        storage.write_json_atomic(output, result.to_json())
+        print(f"eval_loss {result.eval_loss:.4f} perplexity {result.perplexity:.2f} -> {output}", flush=True)
     else:
-        storage.write_json_atomic(output, part)
-        print(f"rank {identity.rank}: {part['sequences']} sequences scored -> {output}", flush=True)
+        storage.write_json_atomic(output, part.to_json())
+        print(f"rank {identity.rank}: {part.sequences} sequences scored -> {output}", flush=True)
     return 0
 
 

@@ -11,9 +11,10 @@ refuses a file that is not the one the Airflow side checked (its sha256 is pinne
 
 `RunConfig` holds the core training settings and one section per concern (`sections`: launch with ssh and
 kubernetes, promotion, monitoring), as Model Garden nests its `ExperimentConfig`. One job per module: `schema`
-(every setting's default, type, bounds, choices and format: the DAG's Params are generated from it), `core` (the
-rules of model, tokenizer, data, training, promotion and monitoring), `launch` (backend, worker counts, SSH hosts,
-Kubernetes pods, collectives, the GPU queue) and `access` (the places settings may name, from the environment).
+(how a setting is declared on its field, and the `Setting` records the DAG's Params and docs/settings.md come
+from), `core` (field types, and the rules of model, tokenizer, data, training, promotion and monitoring), `launch`
+(backend, worker counts, SSH hosts, Kubernetes pods, collectives, the GPU queue) and `access` (the places settings
+may name, from the environment).
 
 The package must stay importable without Airflow and without TensorFlow: the DAG, the tasks and every worker
 use it.
@@ -32,7 +33,16 @@ from core.config import schema
 from core.config.access import AccessPolicy
 from core.config.core import BPE_SPEC, MODEL_PRESETS, PROMOTED_MODEL, ConfigError, check_core_settings
 from core.config.launch import check_launch_settings, exact_worker_counts, resolve_communication
-from core.config.schema import default
+from core.config.schema import (
+    MAX_GRAD_ACCUM,
+    MAX_LOCATION,
+    MAX_NAME,
+    MODEL_PRESET_NAMES,
+    REVISION,
+    TEXT_COLUMN,
+    setting,
+    thawed,
+)
 from core.config.sections import (
     SECTION_TYPES,
     KubernetesConfig,
@@ -41,79 +51,111 @@ from core.config.sections import (
     PromotionConfig,
     SSHConfig,
     check_fields,
-    thawed,
 )
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Every setting of one pipeline run: the core training settings, then the sections by concern.
+    """Every setting of one pipeline run: the core training settings, then the sections by concern (`launch` with
+    `ssh` and `kubernetes`, `promotion`, `monitoring`).
 
-    Attributes:
-        num_workers: data-parallel workers (one GPU each with use_gpu).
-        min_workers: the fewest a retried train task may continue on (None: num_workers).
-        dataset: the corpus: a local path, file:// or s3:// URL (globs), or a hub dataset id.
-        text_column: the column holding the text in structured files.
-        tokenizer: bpe:<vocab> (trained here), a hub name or a path/URL.
-        model: a preset, a hub name, a save_pretrained path/URL, or promoted[:<name>].
-        model_revision: a hub model's branch, tag or commit; prepare pins it to the commit sha.
-        resize_embeddings: fit a checkpoint's embedding rows to the tokenizer (off: the checkpoint's rows, and a
-            larger tokenizer refused).
-        block_size, batch_size_per_worker, max_steps, epochs, learning_rate, warmup_steps, weight_decay,
-            grad_accum_steps, mixed_precision, xla, use_gpu, seed: the training run.
-        baseline: the single-worker baseline: auto (reuse a matching one), run or skip.
-        loss_tolerance: the allowed eval-loss gap between the baseline and the distributed model (nats).
-        storage_root: where shards, checkpoints and reports go; storage_conn_id: its S3 credentials' connection.
-        val_fraction, eval_tokens: the validation split and the sample each model is scored on (0: all of it).
-        num_shards, prepare_tasks, prepare_unit_mb, bpe_sample_mb, max_document_mb: how prepare writes the data.
-        checkpoint_every_steps, preemption_checkpoint_s: checkpoints, and the deadline of one on SIGTERM.
-        communication, allreduce_dtype, allreduce_pack_mb, collective_timeout_s: the gradient all-reduce and the
-            preflight's bound on its collectives.
-        launch: where and how the worker groups run (`LaunchConfig`, with `ssh` and `kubernetes`).
-        promotion: what the trained model becomes (`PromotionConfig`).
-        monitoring: gates, warnings, alerts and cost (`MonitoringConfig`).
-
-    Bounds, choices and defaults are the schema's (`schema.py`); `to_dict()` is nested by section, and the Params,
-    `--conf` and `settings()` name every setting flat.
+    Each field is a setting declared once with `setting()`: its default, title, description, bounds, choices and
+    format; the annotation is its type. `to_dict()` is nested by section; the Params, `--conf` and `settings()`
+    name every setting flat.
     """
 
-    num_workers: int = default("num_workers")
-    min_workers: int | None = default("min_workers")
-    dataset: str = default("dataset")
-    text_column: str = default("text_column")
-    tokenizer: str = default("tokenizer")
-    model: str = default("model")
-    model_revision: str = default("model_revision")
-    resize_embeddings: bool = default("resize_embeddings")
-    block_size: int = default("block_size")
-    batch_size_per_worker: int = default("batch_size_per_worker")
-    max_steps: int = default("max_steps")
-    epochs: float = default("epochs")
-    learning_rate: float = default("learning_rate")
-    warmup_steps: int = default("warmup_steps")
-    weight_decay: float = default("weight_decay")
-    grad_accum_steps: int = default("grad_accum_steps")
-    mixed_precision: str = default("mixed_precision")
-    xla: bool = default("xla")
-    use_gpu: bool = default("use_gpu")
-    baseline: str = default("baseline")
-    loss_tolerance: float = default("loss_tolerance")
-    storage_root: str = default("storage_root")
-    storage_conn_id: str = default("storage_conn_id")
-    seed: int = default("seed")
-    val_fraction: float = default("val_fraction")
-    eval_tokens: int = default("eval_tokens")
-    num_shards: int = default("num_shards")
-    prepare_tasks: int = default("prepare_tasks")
-    prepare_unit_mb: int = default("prepare_unit_mb")
-    bpe_sample_mb: int = default("bpe_sample_mb")
-    max_document_mb: int = default("max_document_mb")
-    checkpoint_every_steps: int = default("checkpoint_every_steps")
-    preemption_checkpoint_s: int = default("preemption_checkpoint_s")
-    communication: str = default("communication")
-    allreduce_dtype: str = default("allreduce_dtype")
-    allreduce_pack_mb: float = default("allreduce_pack_mb")
-    collective_timeout_s: int = default("collective_timeout_s")
+    num_workers: int = setting(2, "Workers", "Data-parallel workers (one GPU each when use_gpu is on).", minimum=1,
+        maximum=64)
+    min_workers: int | None = setting(None, "Minimum workers",
+        "A retried train task (or one with fewer usable hosts/GPUs) may continue on as few as this many workers, "
+        "with more accumulation steps keeping the global batch and data order exact; empty = num_workers (off).",
+        optional=True, minimum=1, maximum=64, allowed="at most `num_workers`, dividing its work exactly")
+    dataset: str = setting("data/sample/*.txt", "Dataset",
+        "Local path, file:// or s3:// URL (globs allowed) of .txt/.jsonl/.json/.parquet files, or a hub dataset id "
+        "when online. Relative paths are from the repository; local paths only under GPT_FINETUNE_DATA_ROOTS, "
+        "buckets only from GPT_FINETUNE_S3_BUCKETS.", minLength=1, maxLength=MAX_LOCATION,
+        allowed="path, `file://` or `s3://` URL (globs), or a hub dataset id")
+    text_column: str = setting("text", "Text column",
+        "Column holding the text in structured files: up to 128 letters, digits, '_', '.', '-' and spaces.",
+        pattern=TEXT_COLUMN, maxLength=128, allowed="1–128 letters, digits, `_`, `.`, `-`, spaces")
+    tokenizer: str = setting("bpe:2048", "Tokenizer",
+        "bpe:<vocab> trains a byte-level BPE offline; else a hub name or a path/URL under the allowed data roots or "
+        "buckets.", minLength=1, maxLength=MAX_LOCATION, allowed="`bpe:<260–1000000>`, hub name, path/URL")
+    model: str = setting("tiny", "Model",
+        f"Preset for random init ({', '.join(MODEL_PRESET_NAMES)}), a hub name, a save_pretrained path/URL under the "
+        "allowed data roots or buckets, or promoted / promoted:<name> to continue from the latest promoted version.",
+        minLength=1, maxLength=MAX_LOCATION,
+        allowed="`tiny`, `gpt2-124m`, `tiny-llama`, hub name, path/URL, `promoted`, `promoted:<name>`")
+    model_revision: str = setting("", "Model revision",
+        "For a hub model: the branch, tag or commit to fine-tune; empty = main. prepare pins it to the commit sha "
+        "and fetches the model once into storage_root/models/base/<name>@<sha>/, which every worker loads.",
+        optional=True, pattern=REVISION, allowed="a branch, tag or commit sha; only with a hub name")
+    resize_embeddings: bool = setting(True, "Resize embeddings",
+        "Give a checkpoint's token embedding (and untied head) one row per token of the tokenizer, new rows drawn "
+        "at random; off, a tokenizer larger than the embedding is refused before launch.")
+    block_size: int = setting(64, "Block size", "Tokens per training sequence.", minimum=8, maximum=8192,
+        allowed="at most the model's positions")
+    batch_size_per_worker: int = setting(8, "Batch per worker", minimum=1, maximum=4096)
+    max_steps: int = setting(300, "Max optimizer steps", "0 derives the step count from epochs.", minimum=0,
+        maximum=10_000_000)
+    epochs: float = setting(1.0, "Epochs", "Passes over the training split when max_steps is 0.", exclusiveMinimum=0,
+        maximum=1000)
+    learning_rate: float = setting(3e-3, "Peak learning rate", exclusiveMinimum=0, maximum=1)
+    warmup_steps: int = setting(20, "Warmup steps", minimum=0, maximum=10_000_000, allowed="below `max_steps`")
+    weight_decay: float = setting(0.01, "AdamW weight decay", minimum=0, maximum=1)
+    grad_accum_steps: int = setting(1, "Gradient accumulation steps", minimum=1, maximum=MAX_GRAD_ACCUM)
+    mixed_precision: str = setting("no", "Mixed precision", enum=["no", "bf16", "fp16"],
+        allowed="`fp16` only with `use_gpu`")
+    xla: bool = setting(False, "XLA (jit_compile)")
+    use_gpu: bool = setting(False, "Use GPUs", "Pin one GPU per worker; refuse to start when there are too few.")
+    baseline: str = setting("auto", "Single-GPU baseline",
+        "auto reuses a matching earlier baseline, run always trains one, skip none.", enum=["auto", "run", "skip"])
+    loss_tolerance: float = setting(0.02, "Eval loss parity tolerance (nats)", minimum=0, maximum=100)
+    storage_root: str = setting("storage", "Storage root",
+        "Local path, file:// or s3:// URL for shards, checkpoints and reports (an allowed bucket, see "
+        "GPT_FINETUNE_S3_BUCKETS).", minLength=1, maxLength=MAX_LOCATION, allowed="path, `file://`, `s3://`")
+    storage_conn_id: str = setting("", "Storage connection",
+        "Airflow connection (aws type) with S3 credentials; empty uses the environment.", optional=True,
+        maxLength=MAX_NAME)
+    seed: int = setting(1234, "Seed", minimum=0, maximum=2**31 - 1)
+    val_fraction: float = setting(0.05, "Validation fraction", "Share of documents held out for evaluation.",
+        exclusiveMinimum=0, maximum=0.5)
+    eval_tokens: int = setting(1_000_000, "Evaluation tokens",
+        "Validation tokens each model is scored on: the same sample of the split for every model of a run and every "
+        "run on the same dataset, read without the rest of it; 0 = the whole split. At least one batch "
+        "(8 x block_size).", minimum=0, maximum=10**12)
+    num_shards: int = setting(0, "Shards", "0 writes 4 shards per worker; else at least num_workers.", minimum=0,
+        maximum=100_000, allowed="0, or at least `num_workers`")
+    prepare_tasks: int = setting(0, "Prepare tasks",
+        "Mapped tasks that tokenize the dataset, at most this many at once: 0 = from the corpus size (one task below "
+        "256 MB, then one per 512 MB, at most 32); 1 = all in the prepare task. The shards are the same for any "
+        "value.", minimum=0, maximum=256)
+    prepare_unit_mb: int = setting(0, "Prepare unit (MB)",
+        "Text per work unit (several per task; a retry redoes only unfinished units); 0 = automatic (16-256 MB). "
+        "The shards are the same for any value.", minimum=0, maximum=1 << 20)
+    bpe_sample_mb: int = setting(256, "BPE sample (MB)",
+        "tokenizer bpe:<n>: train on at most this much training text, sampled evenly over the corpus (BPE training "
+        "memory grows with the text it counts).", minimum=1, maximum=1 << 20,
+        allowed="at most `GPT_FINETUNE_MAX_BPE_SAMPLE_MB` (1024)")
+    max_document_mb: int = setting(4, "Longest document (MB)",
+        "A paragraph, JSON line or Parquet cell longer than this is cut into several documents (prepare's memory "
+        "stays bounded); a JSON line over 4x this is refused.", minimum=1, maximum=1024)
+    checkpoint_every_steps: int = setting(20, "Checkpoint interval (steps)", minimum=1, maximum=10_000_000)
+    preemption_checkpoint_s: int = setting(8, "Preemption checkpoint (s)",
+        "A training worker that gets SIGTERM (spot reclaim, node drain) saves a checkpoint within this many seconds "
+        "and the retry resumes there (0 = off).", minimum=0, maximum=3600)
+    communication: str = setting("auto", "Collective implementation", enum=["auto", "ring", "nccl"],
+        allowed="`nccl` only with `use_gpu`")
+    allreduce_dtype: str = setting("float32", "Gradients on the wire",
+        "bfloat16 halves the bytes each step sends across the network (gradients are cast for the all-reduce only; "
+        "accumulation and the update stay float32); float32 keeps exact parity with the baseline.",
+        enum=["float32", "bfloat16"])
+    allreduce_pack_mb: float = setting(32.0, "All-reduce pack size (MiB)",
+        "Gradients go out in packs of at least this size while the backward pass still runs (overlap); 0 sends one "
+        "pack after it. No overlap with XLA.", minimum=0, maximum=1024)
+    collective_timeout_s: int = setting(300, "Preflight collective timeout (s)",
+        "Bound on the preflight's collectives; training collectives have none (a lost peer is caught by heartbeats, "
+        "a stuck one by the hang watchdog).", minimum=5, maximum=86_400)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     promotion: PromotionConfig = field(default_factory=PromotionConfig)
     monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
@@ -157,15 +199,16 @@ class RunConfig:
     def of(cls, **settings: Any) -> RunConfig:
         """From settings by their flat names (the Params' keys), the others at their defaults; unknown keys, types,
         bounds and rules checked, no access policy."""
-        unknown = sorted(set(settings) - set(schema.BY_NAME))
+        declared = schema.by_name(cls)
+        unknown = sorted(set(settings) - set(declared))
         if unknown:
             raise ConfigError(
-                f"Unknown run setting(s) {unknown}: allowed keys are {sorted(schema.BY_NAME)}. "
+                f"Unknown run setting(s) {unknown}: allowed keys are {sorted(declared)}. "
                 "Check the spelling in --conf or the trigger form."
             )
         sections: dict[str, dict[str, Any]] = {section: {} for section in schema.SECTIONS}
         for name, value in settings.items():
-            setting = schema.BY_NAME[name]
+            setting = declared[name]
             # The trigger form sends null for an optional field the user cleared: empty (min_workers: unset).
             sections[setting.section][name] = setting.default if value is None and setting.optional else value
         launch = LaunchConfig(ssh=SSHConfig(**sections["launch.ssh"]),
@@ -175,7 +218,7 @@ class RunConfig:
 
     def settings(self) -> dict[str, Any]:
         """Every setting by its flat name, in the schema's order, JSON-shaped: the Params' form of this config."""
-        return {setting.name: thawed(schema.value_of(self, setting.name)) for setting in schema.SETTINGS}
+        return {setting.name: thawed(schema.value_of(self, setting.name)) for setting in schema.declared(type(self))}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-shaped and nested by section (lists, not tuples): what `from_saved` takes back."""
@@ -272,10 +315,15 @@ def _nested(config: Any) -> dict[str, Any]:
             for name, value in values.items()}
 
 
+# Every setting its fields declare, in the trigger form's order: the DAG's Params, the log and docs/settings.md.
+SETTINGS = schema.declared(RunConfig)
+BY_NAME = schema.by_name(RunConfig)
+
+
 def field_names() -> list[str]:
-    """Every setting's flat name, in the schema's (the trigger form's) order."""
-    return [setting.name for setting in schema.SETTINGS]
+    """Every setting's flat name, in the trigger form's order."""
+    return [setting.name for setting in SETTINGS]
 
 
-__all__ = ["MODEL_PRESETS", "AccessPolicy", "ConfigError", "KubernetesConfig", "LaunchConfig", "MonitoringConfig",
-           "PromotionConfig", "RunConfig", "SSHConfig", "field_names"]
+__all__ = ["BY_NAME", "MODEL_PRESETS", "SETTINGS", "AccessPolicy", "ConfigError", "KubernetesConfig", "LaunchConfig",
+           "MonitoringConfig", "PromotionConfig", "RunConfig", "SSHConfig", "field_names"]

@@ -1,18 +1,22 @@
 """The core settings of a run: model, tokenizer, data, training, promotion and monitoring.
 
-The choices, the bounds of every numeric setting (`RANGES`, `OPEN_BELOW`), each field's JSON type, and the rules
-between these settings. Nothing here reads the environment: the same config gives the same answer everywhere.
+Each field's JSON type (checked by pydantic against its annotation), the bounds and choices its declaration
+gives (`schema.setting`), and the rules between these settings. Nothing here reads the environment: the same
+config gives the same answer everywhere.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
+import functools
 import re
+import types
+import typing
 from collections.abc import Mapping
 from email.utils import parseaddr
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlparse
+
+from pydantic import AllowInfNan, ConfigDict, TypeAdapter, ValidationError
 
 from core.config import schema
 
@@ -41,7 +45,7 @@ PROMOTED_MODEL = "promoted"
 _MODEL_NAME = re.compile(schema.MODEL_NAME)
 STORAGE_SCHEMES = ("", "file", "s3")
 MAX_GLOBAL_BATCH = 1 << 20
-MAX_GRAD_ACCUM = schema.RANGES["grad_accum_steps"][1]
+MAX_GRAD_ACCUM = schema.MAX_GRAD_ACCUM
 EVAL_BATCH_SEQUENCES = 8  # sequences per evaluation batch (trainer/evaluate.py): `eval_tokens` asks for one at least
 BPE_SPEC = re.compile(r"^bpe:(\d+)$")
 _REVISION = re.compile(schema.REVISION)
@@ -49,48 +53,53 @@ _EMAIL = re.compile(schema.EMAIL)
 _CONN_ID = re.compile(schema.CONN_ID)
 _TEXT_COLUMN = re.compile(schema.TEXT_COLUMN)
 
-# Every numeric setting's bounds, from the schema the DAG's Params are generated from.
-RANGES = schema.RANGES
-# Bounds whose low end is excluded: (low, high].
-OPEN_BELOW = schema.OPEN_BELOW
 
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# Per field type: (accepted, converted, what the error asks for with an example). Ints count where floats are asked.
-_TYPES: dict[str, tuple[Any, Any, str]] = {
-    "int | None": (lambda v: v is None or _integer(v), lambda v: v, "an integer or empty"),
-    "bool": (lambda v: isinstance(v, bool), lambda v: v, "true or false"),
-    "int": (_integer, lambda v: v, 'an integer. In --conf write it without quotes, e.g. {{"{name}": 4}}'),
-    "float": (lambda v: _number(v) and math.isfinite(v), float, "a finite number"),
-    "str": (lambda v: isinstance(v, str), lambda v: v, "a string"),
-    "tuple[str, ...]": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(i, str) for i in v), tuple,
-                        'a list of strings. In --conf write e.g. {{"{name}": ["host_a", "host_b"]}}'),
-    "Mapping[str, str]": (
-        lambda v: isinstance(v, Mapping) and all(isinstance(k, str) and isinstance(i, str) for k, i in v.items()),
-        lambda v: v, 'a map of strings to strings, e.g. {{"{name}": {{"nvidia.com/gpu.product": "NVIDIA-H200"}}}}'),
-    "tuple[Mapping[str, Any], ...]": (
-        lambda v: isinstance(v, (list, tuple)) and all(isinstance(i, Mapping) for i in v), tuple, "a list of objects"),
+# What a field of each annotation must be, for the message (with an example for --conf where quoting misleads).
+_WANTED: dict[str, str] = {
+    "int | None": "an integer or empty",
+    "bool": "true or false",
+    "int": 'an integer. In --conf write it without quotes, e.g. {{"{name}": 4}}',
+    "float": "a finite number",
+    "str": "a string",
+    "tuple[str, ...]": 'a list of strings. In --conf write e.g. {{"{name}": ["host_a", "host_b"]}}',
+    "Mapping[str, str]": 'a map of strings to strings, e.g. {{"{name}": {{"nvidia.com/gpu.product": "NVIDIA-H200"}}}}',
+    "tuple[Mapping[str, Any], ...]": "a list of objects",
 }
 
 
-def coerce(name: str, value: Any, spec: dataclasses.Field) -> Any:
-    """Check a value's JSON type against the field's type; ints are accepted where floats are expected."""
-    expected = spec.type if isinstance(spec.type, str) else spec.type.__name__
-    if expected not in _TYPES:
-        raise AssertionError(f"RunConfig field {name} has an unsupported type {expected}")
-    accepted, converted, wanted = _TYPES[expected]
-    if accepted(value):
-        return converted(value)
-    wanted, _, example = wanted.format(name=name).partition(". ")
+def _json_shape(annotation: Any) -> Any:
+    """The annotation a JSON value of it is checked against: arrays where tuples are held, objects where read-only
+    mappings are, finite numbers (pydantic's strict mode takes no list for a tuple, and no mapping proxy)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is tuple:
+        return list[_json_shape(args[0])]  # type: ignore[misc]
+    if origin is Mapping:
+        return dict[args[0], _json_shape(args[1])]  # type: ignore[misc,valid-type]
+    if origin in (typing.Union, types.UnionType):
+        return typing.Union[tuple(_json_shape(arm) for arm in args)]  # noqa: UP007 (built from a tuple)
+    return Annotated[float, AllowInfNan(False)] if annotation is float else annotation
+
+
+@functools.cache
+def _adapter(annotation: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(_json_shape(annotation), config=ConfigDict(strict=True))
+
+
+def checked_value(name: str, value: Any, annotation: Any) -> Any:
+    """`value` as the field `name` of type `annotation` holds it (ints are accepted where floats are expected, and
+    become floats); ConfigError naming the setting, the value and what it must be otherwise."""
+    try:
+        return _adapter(annotation).validate_python(schema.thawed(value))
+    except ValidationError:
+        pass
+    wanted, _, example = _WANTED[_spelled(annotation)].format(name=name).partition(". ")
     got = f"{value!r} ({type(value).__name__})"
     raise ConfigError(f"Setting '{name}' must be {wanted}, got {got}." + (f" {example}." if example else ""))
+
+
+def _spelled(annotation: Any) -> str:
+    return re.sub(r"\b(?:typing|collections\.abc)\.", "", str(annotation) if typing.get_args(annotation)
+                  else annotation.__name__)
 
 
 def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -107,11 +116,12 @@ def check_model_name(name: str, value: str, *, setting_value: str | None = None)
 
 
 def _check_bounds(cfg: Any) -> None:
-    for name, (low, high) in RANGES.items():
+    settings = schema.declared(type(cfg))
+    for name, (low, high) in schema.bounds(settings, "minimum").items():
         value = schema.value_of(cfg, name)
         if not low <= value <= high:
             raise ConfigError(f"Setting '{name}' = {value!r} is out of range: allowed is {low} to {high}.")
-    for name, (low, high) in OPEN_BELOW.items():
+    for name, (low, high) in schema.bounds(settings, "exclusiveMinimum").items():
         value = schema.value_of(cfg, name)
         if not low < value <= high:
             raise ConfigError(f"Setting '{name}' = {value!r} is out of range: allowed is ({low:g}, {high:g}].")
@@ -119,7 +129,7 @@ def _check_bounds(cfg: Any) -> None:
 
 def _check_lengths(cfg: Any) -> None:
     """First, so that no other rule reads (or quotes whole) a value longer than its setting allows."""
-    for setting in schema.SETTINGS:
+    for setting in schema.declared(type(cfg)):
         limit = setting.rules.get("maxLength") or setting.rules.get("items", {}).get("maxLength")
         if not limit:
             continue
@@ -189,7 +199,7 @@ def check_core_settings(cfg: Any) -> None:
     _check_alerts(cfg)
     _check_reclaim(cfg)
     for name in ("mixed_precision", "baseline", "promote", "capacity"):
-        check_choice(name, schema.value_of(cfg, name), schema.choices(name))
+        check_choice(name, schema.value_of(cfg, name), schema.choices(type(cfg), name))
     check_model_name("model_name", cfg.promotion.model_name)
     _check_export_formats(cfg)
     _check_locations(cfg)

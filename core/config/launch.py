@@ -54,7 +54,7 @@ def resolve_communication(communication: str, use_gpu: bool) -> str:
 def check_launch_settings(cfg: Any) -> None:
     """The rules of a RunConfig's launch settings (its field types and bounds are checked first)."""
     for name in ("backend", "communication", "allreduce_dtype"):
-        check_choice(name, schema.value_of(cfg, name), schema.choices(name))
+        check_choice(name, schema.value_of(cfg, name), schema.choices(type(cfg), name))
     if cfg.launch.gpu_queue and not QUEUE_NAME.fullmatch(cfg.launch.gpu_queue):
         raise ConfigError(
             f"Setting 'gpu_queue' = {cfg.launch.gpu_queue!r} is not a queue name: letters, digits, '_', '.' and '-', "

@@ -110,7 +110,7 @@ def test_schedule_is_overridable_by_environment():
 
 
 def test_params_are_generated_from_the_schema_in_its_order(dag):
-    from core.config.schema import SETTINGS
+    from core.config import SETTINGS
 
     params = dag.params.dump()
     assert list(params) == [setting.name for setting in SETTINGS]
@@ -134,7 +134,7 @@ BAD_FORMATS = {
 def _refusals():
     """(setting, value) pairs the schema refuses: each bound's first value outside it, a value of no enum, a value
     of no format."""
-    from core.config.schema import SETTINGS
+    from core.config import SETTINGS
 
     for setting in SETTINGS:
         rules = setting.rules
@@ -172,7 +172,7 @@ def test_the_form_refuses_what_the_run_config_refuses(dag, name, value):
 
 
 def test_every_format_has_a_refusal_to_test():
-    from core.config.schema import SETTINGS
+    from core.config import SETTINGS
 
     patterned = {s.name for s in SETTINGS if "pattern" in s.rules or "pattern" in s.rules.get("items", {})}
     assert patterned == set(BAD_FORMATS)

@@ -67,6 +67,7 @@ def _losses(output: TrainOutput) -> dict[int, float]:
 
 
 def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(airflow_env, tmp_path):
+    from tasks.checked_run import Evaluation
     from tasks.evaluate import evaluate_run, run_evaluation
     from tasks.prepare import lay_out_run
 
@@ -140,10 +141,10 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
     report = read_json(str(Path(run.report) / "report.json"))
     assert report["elastic"] is True and [s["steps"] for s in report["segments"]] == [FAULT_STEP, STEPS - FAULT_STEP]
     assert all(s["tokens_per_s"] > 0 for s in report["segments"])
-    reference_eval = run_evaluation(reference.model, manifest, join(reference_run.report, "eval.json"), cfg=cfg,
-                                    run_key="reference-run", label="reference", make_backend=make_backend)
-    delta = abs(evaluation["eval_loss"] - reference_eval.eval_loss)
-    print(f"eval loss elastic {evaluation['eval_loss']:.6f} vs uninterrupted {reference_eval.eval_loss:.6f}: "
+    reference_eval = run_evaluation(Evaluation(reference.model, manifest, join(reference_run.report, "eval.json"),
+                                               "reference", cfg, "reference-run"), make_backend)
+    delta = abs(evaluation.eval_loss - reference_eval.eval_loss)
+    print(f"eval loss elastic {evaluation.eval_loss:.6f} vs uninterrupted {reference_eval.eval_loss:.6f}: "
           f"|delta| {delta:.2e}")
     assert math.isfinite(delta) and delta < LOSS_TOLERANCE
 

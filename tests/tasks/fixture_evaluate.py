@@ -39,7 +39,7 @@ def main() -> int:
     if recorded.get("hang_s"):  # a stuck evaluation, for the tests that end it
         print(f"evaluating as pid {os.getpid()} of run {os.environ.get('TFMW_RUN_KEY')}", flush=True)
         time.sleep(recorded["hang_s"])
-    from core.eval_result import combine, part_url  # after the hang's line: the tests wait for it
+    from core.eval_result import EvalPart, combine, part_url  # after the hang's line: the tests wait for it
     from trainer.data import load_manifest
     from trainer.eval_sample import sample_identity
 
@@ -60,7 +60,8 @@ def main() -> int:
                      "samples": [{"prompt": "To be, or not", "greedy": " to be, that is",
                                   "top_k": f" the question of {recorded.get('voice', 'a fixture')}"}]})
     output = part_url(args.output, me.rank, me.num_workers)
-    write_json_atomic(output, combine([part]) if me.num_workers == 1 else part)
+    written = EvalPart.from_json(part, output)  # what trainer.evaluate writes, typed as it makes it
+    write_json_atomic(output, combine([written]).to_json() if me.num_workers == 1 else written.to_json())
     return 0
 
 

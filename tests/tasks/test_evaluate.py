@@ -22,6 +22,7 @@ from core.layout import StorageLayout
 from core.storage import exists, join, read_bytes, read_json, write_bytes_atomic, write_json_atomic
 from tasks import evaluate
 from tasks.baseline import plan_baseline
+from tasks.checked_run import Evaluation
 from tasks.evaluate import EvaluationError, GateFailure, evaluate_run
 from tasks.report_document import RunReport
 from tests.tasks import run_fixtures
@@ -58,13 +59,13 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
 
     # report.md is release's alone: evaluate removes an earlier one (it would disagree with report.json) and writes
     # none; its XCom points at report.json.
-    assert not exists(stale) and "report_md_url" not in result
+    assert not exists(stale) and "report_md_url" not in result.to_xcom()
 
-    assert result["speedup"] == pytest.approx(33.0 / 30.0)
-    assert result["efficiency"] == pytest.approx(33.0 / 30.0 / 2)
-    assert (result["eval_loss"], result["baseline_eval_loss"], result["gates_passed"]) == (5.305, 5.300, True)
-    assert result["report_json_url"] == join(prepared.report_url, "report.json")
-    report = read_json(result["report_json_url"])
+    assert result.speedup == pytest.approx(33.0 / 30.0)
+    assert result.efficiency == pytest.approx(33.0 / 30.0 / 2)
+    assert (result.eval_loss, result.baseline_eval_loss, result.gates_passed) == (5.305, 5.300, True)
+    assert result.report_json_url == join(prepared.report_url, "report.json")
+    report = read_json(result.report_json_url)
     distributed, baseline = report["runs"]["distributed"], report["runs"]["baseline"]
     assert (distributed["num_workers"], baseline["num_workers"]) == (2, 1)
     assert distributed["perplexity"] == pytest.approx(math.exp(5.305))
@@ -81,7 +82,7 @@ def test_two_workers_against_the_baseline_report_every_figure(root, evaluations,
     assert report["baseline"] == {"policy": "auto", "key": prepared.baseline_key, "url": prepared.baseline_url,
                                   "trained_by_run": prepared.run_id, "reused": False}
     # Read back as its typed document (promote, later runs' history), it writes exactly these keys and values.
-    assert RunReport.from_json(report, result["report_json_url"]).to_json() == report
+    assert RunReport.from_json(report, result.report_json_url).to_json() == report
 
     markdown = run_fixtures.released_markdown(prepared.report_url)
     assert ("| run | workers | train time | eval time | tokens/s | speedup | efficiency | eval loss | perplexity | "
@@ -113,8 +114,8 @@ def test_a_reused_baseline_is_not_trained_or_evaluated_again(root, evaluations):
     result = evaluate_run(second, run_fixtures.own_run(second), make_backend)
 
     assert second.baseline_key == first.baseline_key
-    assert result["speedup"] == pytest.approx(33.0 / 25.0)  # the first baseline's time
-    report = read_json(result["report_json_url"])
+    assert result.speedup == pytest.approx(33.0 / 25.0)  # the first baseline's time
+    report = read_json(result.report_json_url)
     assert report["baseline"]["reused"] is True and report["baseline"]["trained_by_run"] == "scheduled__1"
     assert evaluations().count(join(first.baseline_url, "model")) == 1
     assert evaluations().count(join(second.train_url, "model")) == 1
@@ -141,8 +142,8 @@ def test_skip_reports_the_distributed_run_alone(root, evaluations):
 
     result = evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
 
-    assert (result["speedup"], result["efficiency"], result["baseline_eval_loss"]) == (None, None, None)
-    report = read_json(result["report_json_url"])
+    assert (result.speedup, result.efficiency, result.baseline_eval_loss) == (None, None, None)
+    report = read_json(result.report_json_url)
     assert report["runs"]["baseline"] is None and [row["run"] for row in report["table"]] == ["distributed"]
     assert evaluations() == [join(prepared.train_url, "model")]
 
@@ -193,7 +194,7 @@ def test_a_sampled_evaluation_reports_its_share_and_widens_loss_parity_by_the_pa
 
     result = evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
 
-    report = read_json(result["report_json_url"])
+    report = read_json(result.report_json_url)
     assert report["eval_sample"]["tokens"] == 512 and report["eval_sample"]["split_tokens"] == 2560
     assert report["eval_sample"]["whole_split"] is False and report["eval_sample"]["workers"] == 2
     fpc = math.sqrt((40 - 8) / (40 - 1))  # the finite-population correction of 8 sequences of 40
@@ -220,8 +221,9 @@ def test_an_evaluation_held_idle_past_the_reclaim_limit_fails_saying_so(root, ev
     started = time.monotonic()
     with pytest.raises(evaluate.EvaluationError, match=r"on 2 worker\(s\): reclaimed after 2 s idle: GPU time: "
                                                         r"evaluate-distributed \(attempt 1\) held 2 slot"):
-        evaluate.run_evaluation(run.train.model, run_fixtures.write_manifest(root), join(run.report, "eval.json"),
-                                cfg=cfg, run_key="run-of-eval", label="distributed", make_backend=make_backend)
+        evaluate.run_evaluation(Evaluation(run.train.model, run_fixtures.write_manifest(root),
+                                           join(run.report, "eval.json"), "distributed", cfg, "run-of-eval"),
+                                make_backend)
     assert time.monotonic() - started < 60
 
 
@@ -234,11 +236,10 @@ def test_evaluation_workers_refuse_a_manifest_other_than_the_pinned_one(root, ev
     manifest, output = run_fixtures.write_manifest(root), join(run.report, "eval.json")
     cfg = RunConfig.of(storage_root=root)
     with pytest.raises(evaluate.EvaluationError, match="the Airflow side pinned " + "0" * 64):
-        evaluate.run_evaluation(run.train.model, manifest, output, cfg=cfg, run_key="run-of-eval",
-                                label="distributed", make_backend=make_backend, manifest_sha256="0" * 64)
-    result = evaluate.run_evaluation(run.train.model, manifest, output, cfg=cfg, run_key="run-of-eval",
-                                     label="distributed", make_backend=make_backend,
-                                     manifest_sha256=read_manifest(manifest)[1])
+        evaluate.run_evaluation(Evaluation(run.train.model, manifest, output, "distributed", cfg, "run-of-eval",
+                                           manifest_sha256="0" * 64), make_backend)
+    result = evaluate.run_evaluation(Evaluation(run.train.model, manifest, output, "distributed", cfg, "run-of-eval",
+                                                manifest_sha256=read_manifest(manifest)[1]), make_backend)
     assert result.eval_loss == pytest.approx(5.3)
 
 
@@ -257,8 +258,8 @@ def test_an_interrupted_evaluation_does_not_outlive_the_task(root, evaluations, 
     signal.setitimer(signal.ITIMER_REAL, 3.0)
     try:
         with pytest.raises(TimeoutError):
-            evaluate.run_evaluation(model, manifest, join(run.report, "eval.json"), cfg=RunConfig(storage_root=root),
-                                   run_key="run-of-eval", label="distributed", make_backend=make_backend)
+            evaluate.run_evaluation(Evaluation(model, manifest, join(run.report, "eval.json"), "distributed",
+                                               RunConfig(storage_root=root), "run-of-eval"), make_backend)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -295,9 +296,9 @@ def test_real_trainer_output_evaluated_by_the_real_entry_point(root, tmp_path, c
 
     result = evaluate_run(prepared, run_fixtures.own_run(prepared), make_backend)
 
-    assert result["gates_passed"] and result["speedup"] == 1.0 and result["efficiency"] == 1.0
-    assert result["eval_loss"] == result["baseline_eval_loss"] < math.log(320)
-    report = read_json(result["report_json_url"])
+    assert result.gates_passed and result.speedup == 1.0 and result.efficiency == 1.0
+    assert result.eval_loss == result.baseline_eval_loss < math.log(320)
+    report = read_json(result.report_json_url)
     distributed = report["runs"]["distributed"]
     summary = read_json(prepared.train_summary_url)
     assert distributed["tokens_per_s"] == summary["tokens_per_s"] > 0 and distributed["steps"] == 4
@@ -333,8 +334,8 @@ def test_two_workers_evaluate_the_sample_as_one_does(tmp_path, caplog):
         cfg = RunConfig(storage_root=root, num_workers=workers, block_size=32, eval_tokens=split_tokens // 20)
         started = time.perf_counter()
         results[workers] = evaluate.run_evaluation(
-            run.train.model, manifest, join(run.report, f"eval-{workers}.json"), cfg=cfg,
-            run_key="one-and-two", label=f"on-{workers}", make_backend=make_backend)
+            Evaluation(run.train.model, manifest, join(run.report, f"eval-{workers}.json"), f"on-{workers}", cfg,
+                       "one-and-two"), make_backend)
         times[workers] = time.perf_counter() - started
     one, two = results[1], results[2]
     print(f"evaluate wall time on the same model and sample ({one.sample['tokens']} of {split_tokens} tokens): "

@@ -70,8 +70,8 @@ def reported_run(source: PreparedRun, run_id: str, eval_loss: float) -> Prepared
 
 
 def promote_own(prepared: PreparedRun) -> dict:
-    """The promote task of the DAG run `prepared` was laid out for."""
-    return promote_run(prepared, run_fixtures.own_run(prepared))
+    """The promote task of the DAG run `prepared` was laid out for: its XCom."""
+    return promote_run(prepared, run_fixtures.own_run(prepared)).to_xcom()
 
 
 def models(root: str):
@@ -86,7 +86,7 @@ def report_of(prepared: PreparedRun) -> dict:
 
 def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
     first = evaluated_run(root, "scheduled__1", 5.30)
-    promoted = promote_run(first, run_fixtures.own_run(first))
+    promoted = promote_run(first, run_fixtures.own_run(first)).to_xcom()
     assert promoted["promoted"] is True and promoted["version"] == "v1"
     assert "first version of 'gpt_finetune'" in promoted["reason"]
     layout = models(root)
@@ -108,7 +108,7 @@ def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
     worse = evaluated_run(root, "scheduled__2", 5.50)
     assert join(v1.model) in evaluations()  # evaluate scored v1 on this run's shards
     assert report_of(worse)["promoted"]["eval_loss"] == 5.30
-    refused = promote_run(worse, run_fixtures.own_run(worse))
+    refused = promote_run(worse, run_fixtures.own_run(worse)).to_xcom()
     assert refused["promoted"] is False and refused["version"] is None and refused["event"] is None
     assert "worse than the promoted version by more than 'promotion_tolerance'" in refused["reason"]
     assert "eval loss 5.5000 vs 5.3000 of promoted v1" in refused["reason"]
@@ -124,7 +124,7 @@ def test_nightly_runs_promote_only_when_not_worse(root, evaluations):
     assert report_of(worse)["promotion"]["promoted"] is False
 
     better = evaluated_run(root, "scheduled__3", 5.20)
-    assert promote_run(better, run_fixtures.own_run(better))["version"] == "v2"
+    assert promote_run(better, run_fixtures.own_run(better)).to_xcom()["version"] == "v2"
     pointer = registry.read_latest(layout)
     assert (pointer.version, pointer.run_id) == ("v2", "scheduled__3")
     assert [(entry.version, entry.run_id, entry.eval_loss) for entry in pointer.history] == [
@@ -154,7 +154,7 @@ def test_a_version_scored_on_other_data_is_compared_by_its_record_and_the_reason
     Path(tokenizer).write_text(json.dumps({**run_fixtures.TOKENIZER_JSON, "model": {"type": "BPE", "vocab": {}}}))
     later = evaluated_run(root, "r2", 5.10, manifest_url=other_data)
     assert report_of(later)["promoted"]["eval_loss"] is None  # another tokenizer: not scorable on these shards
-    outcome = promote_run(later, run_fixtures.own_run(later))
+    outcome = promote_run(later, run_fixtures.own_run(later)).to_xcom()
     assert outcome["promoted"] is True
     assert ("its recorded eval loss, NOT on the same validation shards: it was scored on dataset "
             f"{run_fixtures.FINGERPRINT}, this run on {other}") in outcome["reason"]
@@ -166,7 +166,7 @@ def test_a_sampled_comparison_allows_two_paired_standard_errors_and_records_its_
     delta two standard errors of the paired per-sequence differences beyond 'promotion_tolerance'."""
     root = str(tmp_path / "storage")
     first = evaluated_run(root, "r1", 5.30, spread=0.20, eval_tokens=512)
-    assert promote_run(first, run_fixtures.own_run(first))["version"] == "v1"
+    assert promote_run(first, run_fixtures.own_run(first)).to_xcom()["version"] == "v1"
     entry = registry.read_latest(models(root)).history[0]
     sample = report_of(first)["eval_sample"]
     assert entry.eval_sample == sample["id"] and entry.eval_loss_se > 0 and sample["tokens"] == 512
@@ -175,7 +175,7 @@ def test_a_sampled_comparison_allows_two_paired_standard_errors_and_records_its_
     promoted = report_of(later)["promoted"]
     delta_se = 0.05 * (8 / 7 / 8) ** 0.5 * ((40 - 8) / (40 - 1)) ** 0.5  # differences 0.02 -+ 0.05, paired
     assert promoted["eval_sample"] == sample["id"] and promoted["delta_se"] == pytest.approx(delta_se)
-    outcome = promote_run(later, run_fixtures.own_run(later))
+    outcome = promote_run(later, run_fixtures.own_run(later)).to_xcom()
     assert outcome["promoted"] is True and outcome["version"] == "v2"
     assert (f"+0.0200 nats, limit {2 * delta_se:.4f} = tolerance 0.0000 + 2 x {delta_se:.4f}, the standard error "
             "of the delta (paired over the sample's sequences)") in outcome["reason"]
@@ -186,8 +186,8 @@ def test_a_sampled_comparison_allows_two_paired_standard_errors_and_records_its_
 
 def test_a_retried_promotion_keeps_the_version_it_got(evaluations, tmp_path):
     prepared = evaluated_run(str(tmp_path / "storage"), "r1", 5.30)
-    first = promote_run(prepared, run_fixtures.own_run(prepared))
-    again = promote_run(prepared, run_fixtures.own_run(prepared))  # the task retried after its pointer swap
+    first = promote_run(prepared, run_fixtures.own_run(prepared)).to_xcom()
+    again = promote_run(prepared, run_fixtures.own_run(prepared)).to_xcom()  # the task retried after its pointer swap
     assert (again["promoted"], again["version"], again["event"]) == (True, "v1", first["event"])
     assert "already promoted to v1 by an earlier attempt" in again["reason"]
     assert len(registry.read_latest(models(prepared.config["storage_root"])).history) == 1
@@ -203,7 +203,7 @@ def test_a_run_without_a_report_is_not_promoted(tmp_path):
 def test_a_version_holds_each_format_in_its_folder_and_the_card_lists_them(evaluations, tmp_path):
     root = str(tmp_path / "storage")
     prepared = evaluated_run(root, "r1", 5.30)
-    assert promote_run(prepared, run_fixtures.own_run(prepared))["version"] == "v1"
+    assert promote_run(prepared, run_fixtures.own_run(prepared)).to_xcom()["version"] == "v1"
     v1 = models(root).version(1)
     names = {file.name for file in registry.complete_version(v1).files}
     assert {"model/tokenizer.json", "model/model.safetensors", "saved_model/saved_model.pb"} <= names
@@ -233,7 +233,7 @@ def test_a_version_holds_each_format_in_its_folder_and_the_card_lists_them(evalu
 def test_a_failed_or_missing_export_blocks_promotion_with_a_gate_row_naming_it(evaluations, tmp_path):
     root = str(tmp_path / "storage")
     failed = evaluated_run(root, "r1", 5.30, exports={"safetensors": False, "saved_model": True})
-    outcome = promote_run(failed, run_fixtures.own_run(failed))
+    outcome = promote_run(failed, run_fixtures.own_run(failed)).to_xcom()
     assert outcome["promoted"] is False
     assert ("the run's gates failed (export safetensors: max |logit diff| 3.20e-02 (limit 1e-04), greedy tokens "
             "90/96 same), so it is never promoted") in outcome["reason"]
@@ -246,7 +246,7 @@ def test_a_failed_or_missing_export_blocks_promotion_with_a_gate_row_naming_it(e
 
     missing = evaluated_run(root, "r2", 5.30)
     remove_tree(TrainOutput(missing.train_url).exports)  # training ended before its exports were published
-    outcome = promote_run(missing, run_fixtures.own_run(missing))
+    outcome = promote_run(missing, run_fixtures.own_run(missing)).to_xcom()
     assert outcome["promoted"] is False
     assert (f"export safetensors: not written ({TrainOutput(missing.train_url).exports_record} is missing"
             in outcome["reason"])
@@ -254,7 +254,7 @@ def test_a_failed_or_missing_export_blocks_promotion_with_a_gate_row_naming_it(e
     assert registry.read_latest(models(root)) is None
 
     model_only = evaluated_run(root, "r3", 5.30, export_formats=[])  # [] keeps model/ alone, unchecked
-    assert promote_run(model_only, run_fixtures.own_run(model_only))["version"] == "v1"
+    assert promote_run(model_only, run_fixtures.own_run(model_only)).to_xcom()["version"] == "v1"
     v1 = models(root).version(1)
     assert {file.name.split("/")[0] for file in registry.complete_version(v1).files} == {
         "model", "report.json", "model_card.md"}
@@ -271,7 +271,7 @@ from tasks.promote import promote_run
 from tests.tasks import run_fixtures
 prepared, start_at = PreparedRun.from_xcom(json.loads(sys.argv[1])), float(sys.argv[2])
 time.sleep(max(0.0, start_at - time.time()))  # every promoter starts together
-print(json.dumps(promote_run(prepared, run_fixtures.own_run(prepared))))
+print(json.dumps(promote_run(prepared, run_fixtures.own_run(prepared)).to_xcom()))
 """
 
 

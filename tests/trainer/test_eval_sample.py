@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from core.document import DocumentError
 from core.eval_result import (
+    EvalPart,
     EvalResult,
     ResultError,
     combine,
@@ -158,10 +161,10 @@ def test_the_training_vocabulary_reads_only_the_leading_records(dataset, monkeyp
 # combining the parts
 
 
-def part(rank: int, workers: int, losses: list[float], sample: dict, model: str = "m") -> dict:
-    return {"rank": rank, "num_workers": workers, "model": model, "sample": sample, "sequences": len(losses),
-            "sequence_losses": losses, "scored_tokens": 3 * len(losses), "characters": 9 * len(losses),
-            "read_bytes": 8 * len(losses), "read_time_s": 0.1, "eval_time_s": 1.0 + rank}
+def part(rank: int, workers: int, losses: list[float], sample: dict, model: str = "m") -> EvalPart:
+    return EvalPart(rank=rank, num_workers=workers, model=model, sample=sample, sequences=len(losses),
+                    sequence_losses=tuple(losses), scored_tokens=3 * len(losses), characters=9 * len(losses),
+                    read_bytes=8 * len(losses), read_time_s=0.1, eval_time_s=1.0 + rank)
 
 
 def test_parts_combine_exactly_to_the_whole_result_in_any_order():
@@ -172,16 +175,23 @@ def test_parts_combine_exactly_to_the_whole_result_in_any_order():
     cuts = [0, 333, 334, 999, 1000]
     parts = [part(rank, 4, losses[low:high], sample) for rank, (low, high) in enumerate(itertools.pairwise(cuts))]
     combined = combine(parts[::-1])
-    assert combined["eval_loss"] == whole["eval_loss"] == math.fsum(losses) / 1000  # exact, whatever the order
-    assert combined["eval_loss_se"] == whole["eval_loss_se"]
-    assert combined["eval_tokens"] == 3000 and combined["eval_characters"] == 9000
-    assert combined["eval_time_s"] == 4.0 and [w["rank"] for w in combined["workers"]] == [0, 1, 2, 3]
+    assert combined.eval_loss == whole.eval_loss == math.fsum(losses) / 1000  # exact, whatever the order
+    assert combined.eval_loss_se == whole.eval_loss_se
+    assert combined.eval_tokens == 3000 and combined.eval_characters == 9000
+    assert combined.eval_time_s == 4.0 and [w["rank"] for w in combined.workers] == [0, 1, 2, 3]
     expected = np.std(losses, ddof=1) / math.sqrt(1000) * math.sqrt((20_000 - 1000) / (20_000 - 1))
-    assert whole["eval_loss_se"] == pytest.approx(expected, rel=1e-9)
+    assert whole.eval_loss_se == pytest.approx(expected, rel=1e-9)
     with pytest.raises(ResultError, match=r"ranks \[0, 1, 3\], of a group of 4"):
         combine(parts[:2] + parts[3:])
     with pytest.raises(ResultError, match="different samples"):
-        combine([parts[0], {**parts[1], "sample": {**sample, "id": "t"}}, *parts[2:]])
+        combine([parts[0], replace(parts[1], sample={**sample, "id": "t"}), *parts[2:]])
+
+
+def test_a_part_reads_back_as_written_and_a_rewritten_one_is_refused():
+    written = part(1, 2, [4.0, 4.5], {"id": "s", "sequences": 4})
+    assert EvalPart.from_json(json.loads(json.dumps(written.to_json())), "part.json") == written
+    with pytest.raises(DocumentError, match=r"part\.json: sequence_losses\[1\]: expected float, got str"):
+        EvalPart.from_json({**written.to_json(), "sequence_losses": [4.0, "4.5"]}, "part.json")
 
 
 def test_standard_errors_whole_split_paired_and_independent():

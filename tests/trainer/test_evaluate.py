@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from core.eval_result import EvalResult
 from tests.trainer.shards import write_dataset
 
 pytest_plugins = ["tests.support.s3server"]
@@ -61,13 +62,13 @@ def test_saved_model_scores_like_the_trained_weights(trained_model):
     losses, tokens, characters = sequence_losses(model, sequences, tokenizer)
 
     result = evaluate(str(output / "model"), manifest_url, eval_tokens=0)
-    assert result["eval_loss"] == pytest.approx(math.fsum(losses) / len(losses), abs=1e-6)
-    assert result["eval_characters"] == characters > tokens
-    assert result["eval_tokens"] == tokens == len(sequences) * 31 > 0
-    assert result["sample"]["whole_split"] is True and result["eval_loss_se"] == 0.0
-    assert result["perplexity"] == pytest.approx(math.exp(result["eval_loss"]))
+    assert result.eval_loss == pytest.approx(math.fsum(losses) / len(losses), abs=1e-6)
+    assert result.eval_characters == characters > tokens
+    assert result.eval_tokens == tokens == len(sequences) * 31 > 0
+    assert result.sample["whole_split"] is True and result.eval_loss_se == 0.0
+    assert result.perplexity == pytest.approx(math.exp(result.eval_loss))
     # Trained weights, not a fresh init: far below the uniform-guess loss log(vocab).
-    assert result["eval_loss"] < math.log(manifest["tokenizer"]["vocab_size"]) - 0.3
+    assert result.eval_loss < math.log(manifest["tokenizer"]["vocab_size"]) - 0.3
 
 
 def test_cli_writes_the_result_json(trained, tmp_path):
@@ -80,18 +81,19 @@ def test_cli_writes_the_result_json(trained, tmp_path):
         check=False,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    result = json.loads(result_path.read_text())
-    assert {"eval_loss", "perplexity", "eval_tokens", "eval_time_s", "samples"} <= set(result)
-    assert result["eval_tokens"] == 2 * 8 * 31
-    assert [sample["prompt"] for sample in result["samples"]] == ["Enter the king", "Thunder"]
-    assert all(sample["greedy"] and sample["top_k"] for sample in result["samples"])
+    written = json.loads(result_path.read_text())
+    assert {"eval_loss", "perplexity", "eval_tokens", "eval_time_s", "samples"} <= set(written)
+    result = EvalResult.from_json(written, str(result_path))
+    assert result.eval_tokens == 2 * 8 * 31
+    assert [sample["prompt"] for sample in result.samples] == ["Enter the king", "Thunder"]
+    assert all(sample["greedy"] and sample["top_k"] for sample in result.samples)
     assert "eval_loss" in completed.stdout
     # Nats per character: the same total nats spread over the characters the scored tokens spell.
-    assert result["eval_characters"] > result["eval_tokens"]
-    assert result["nats_per_char"] == pytest.approx(
-        result["eval_loss"] * result["eval_tokens"] / result["eval_characters"])
-    known = result["known_words"]
-    assert set(known) == {"greedy", "top_k", "words"} and result["sampling"]["vocabulary_words"] > 100
+    assert result.eval_characters > result.eval_tokens
+    assert result.nats_per_char == pytest.approx(
+        result.eval_loss * result.eval_tokens / result.eval_characters)
+    known = result.known_words
+    assert set(known) == {"greedy", "top_k", "words"} and result.sampling["vocabulary_words"] > 100
     assert all(known[mode] is None or 0.0 <= known[mode] <= 1.0 for mode in ("greedy", "top_k"))
 
 
@@ -138,25 +140,25 @@ def test_a_split_20x_eval_tokens_is_sampled_within_bounds_alike_every_time_and_o
     first = evaluate(model, large_validation, eval_tokens=eval_tokens)
 
     read_bytes = sum(end - start for name, start, end in reads if name.startswith("validation"))
-    assert read_bytes == first["sample"]["read_bytes"] <= (eval_tokens + EVAL_BATCH_SIZE * 32) * 2  # uint16
-    sample = first["sample"]
+    assert read_bytes == first.sample["read_bytes"] <= (eval_tokens + EVAL_BATCH_SIZE * 32) * 2  # uint16
+    sample = first.sample
     assert (sample["tokens"], sample["split_tokens"]) == (eval_tokens // 32 * 32, split_tokens)
-    assert sample["whole_split"] is False and sample["sequences"] == len(first["sequence_losses"])
-    assert 0 < first["eval_loss_se"] < 0.5 and math.isfinite(first["eval_loss"])
+    assert sample["whole_split"] is False and sample["sequences"] == len(first.sequence_losses)
+    assert 0 < first.eval_loss_se < 0.5 and math.isfinite(first.eval_loss)
     again = evaluate(model, large_validation, eval_tokens=eval_tokens)
-    assert again["sample"]["id"] == sample["id"] and again["sequence_losses"] == first["sequence_losses"]
-    assert again["eval_loss"] == first["eval_loss"]
+    assert again.sample["id"] == sample["id"] and again.sequence_losses == first.sequence_losses
+    assert again.eval_loss == first.eval_loss
 
     halves = combine([evaluate_part(model, large_validation, eval_tokens=eval_tokens, rank=rank, num_workers=2)
                       for rank in (1, 0)])
-    print(f"one worker {first['eval_loss']:.8f} ± {first['eval_loss_se']:.4f}, two workers "
-          f"{halves['eval_loss']:.8f}: |delta| {abs(halves['eval_loss'] - first['eval_loss']):.1e} nats over "
+    print(f"one worker {first.eval_loss:.8f} ± {first.eval_loss_se:.4f}, two workers "
+          f"{halves.eval_loss:.8f}: |delta| {abs(halves.eval_loss - first.eval_loss):.1e} nats over "
           f"{sample['tokens']} of {split_tokens} tokens")
-    assert abs(halves["eval_loss"] - first["eval_loss"]) < 1e-5
-    assert halves["sequence_losses"] == pytest.approx(first["sequence_losses"], abs=1e-5)
-    assert halves["eval_loss_se"] == pytest.approx(first["eval_loss_se"], abs=1e-5)
-    assert (halves["eval_tokens"], halves["eval_characters"]) == (first["eval_tokens"], first["eval_characters"])
-    assert halves["samples"] == first["samples"]  # rank 0 writes them, from the sample's first sequences
+    assert abs(halves.eval_loss - first.eval_loss) < 1e-5
+    assert halves.sequence_losses == pytest.approx(first.sequence_losses, abs=1e-5)
+    assert halves.eval_loss_se == pytest.approx(first.eval_loss_se, abs=1e-5)
+    assert (halves.eval_tokens, halves.eval_characters) == (first.eval_tokens, first.eval_characters)
+    assert halves.samples == first.samples  # rank 0 writes them, from the sample's first sequences
 
 
 def test_samples_continue_validation_openings_the_same_way_every_time(trained):
@@ -166,12 +168,12 @@ def test_samples_continue_validation_openings_the_same_way_every_time(trained):
     manifest_url, output = trained
     first = evaluate(str(output / "model"), manifest_url, eval_tokens=256)
     again = evaluate(str(output / "model"), manifest_url, eval_tokens=256)
-    assert len(first["samples"]) == NUM_PROMPTS
-    assert len({sample["prompt"] for sample in first["samples"]}) == NUM_PROMPTS  # distinct openings
+    assert len(first.samples) == NUM_PROMPTS
+    assert len({sample["prompt"] for sample in first.samples}) == NUM_PROMPTS  # distinct openings
     # A few steps of the tiny model continue greedily with line breaks alone; its top-k samples hold text.
-    assert all(sample["prompt"] and sample["greedy"] and sample["top_k"].strip() for sample in first["samples"])
-    assert again["samples"] == first["samples"]
-    assert first["sampling"]["seed"] == again["sampling"]["seed"]
+    assert all(sample["prompt"] and sample["greedy"] and sample["top_k"].strip() for sample in first.samples)
+    assert again.samples == first.samples
+    assert first.sampling["seed"] == again.sampling["seed"]
 
 
 def _uniform_logits(tokens):
@@ -243,4 +245,4 @@ def test_train_resume_and_evaluate_on_object_storage(trained, s3_bucket):
     checkpoints = set(storage.list_dir(f"{output}/checkpoints"))
     assert {"checkpoint", "ckpt-6.index"} <= checkpoints and "ckpt-2.index" not in checkpoints  # rotated
     result = evaluate(f"{output}/model", f"{dataset}/manifest.json", eval_tokens=512)  # ranged reads of the bucket
-    assert math.isfinite(result["eval_loss"]) and result["eval_tokens"] == 2 * 8 * 31
+    assert math.isfinite(result.eval_loss) and result.eval_tokens == 2 * 8 * 31
