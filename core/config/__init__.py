@@ -59,6 +59,8 @@ class RunConfig:
         model_revision: a hub model's branch, tag or commit; prepare pins it to the commit sha.
         block_size, batch_size_per_worker, max_steps, epochs, learning_rate, warmup_steps, weight_decay,
             grad_accum_steps, mixed_precision, xla, use_gpu, seed: the training run.
+        adapter, lora_rank, lora_alpha, lora_targets, base_weights_dtype, recompute: what is trained and what
+            memory it takes (LoRA adapters on a frozen base, bf16 frozen weights, recomputed activations).
         baseline: the single-worker baseline: auto (reuse a matching one), run or skip.
         loss_tolerance: the allowed eval-loss gap between the baseline and the distributed model (nats).
         storage_root: where shards, checkpoints and reports go; storage_conn_id: its S3 credentials' connection.
@@ -92,6 +94,12 @@ class RunConfig:
     grad_accum_steps: int = default("grad_accum_steps")
     mixed_precision: str = default("mixed_precision")
     xla: bool = default("xla")
+    adapter: str = default("adapter")
+    lora_rank: int = default("lora_rank")
+    lora_alpha: float = default("lora_alpha")
+    lora_targets: tuple[str, ...] = default("lora_targets")
+    base_weights_dtype: str = default("base_weights_dtype")
+    recompute: bool = default("recompute")
     use_gpu: bool = default("use_gpu")
     baseline: str = default("baseline")
     loss_tolerance: float = default("loss_tolerance")

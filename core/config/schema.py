@@ -139,6 +139,23 @@ SETTINGS: tuple[Setting, ...] = (
     _s("grad_accum_steps", "", 1, "integer", "Gradient accumulation steps", minimum=1, maximum=1024),
     _s("mixed_precision", "", "no", "string", "Mixed precision", enum=["no", "bf16", "fp16"]),
     _s("xla", "", False, "boolean", "XLA (jit_compile)"),
+    _s("adapter", "", "none", "string", "Adapter",
+       "lora: freeze the base model and train low-rank adapters on its projections (only they are all-reduced, "
+       "checkpointed and given AdamW states); none: train every weight.", enum=["none", "lora"]),
+    _s("lora_rank", "", 8, "integer", "LoRA rank", "Rank r of each adapter (at most the adapted layer's width).",
+       minimum=1, maximum=4096),
+    _s("lora_alpha", "", 16.0, "number", "LoRA alpha", "The adapters' output is scaled by lora_alpha / lora_rank.",
+       exclusiveMinimum=0, maximum=65536),
+    _s("lora_targets", "", (), "array", "LoRA target modules",
+       "Hugging Face module names to adapt (GPT-2: c_attn, c_proj, c_fc; Llama/Qwen2: q_proj, k_proj, v_proj, "
+       "o_proj, gate_proj, up_proj, down_proj); empty = all of the architecture's.", optional=True,
+       items={"type": "string", "pattern": r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"}, uniqueItems=True),
+    _s("base_weights_dtype", "", "float32", "string", "Frozen base weights dtype",
+       "adapter lora: bfloat16 stores the frozen base weights in half the memory (the adapters, their gradients "
+       "and AdamW states stay float32).", enum=["float32", "bfloat16"]),
+    _s("recompute", "", False, "boolean", "Recompute activations",
+       "Keep only each block's input for the backward pass and recompute the rest there (tf.recompute_grad): "
+       "activation memory for about a third more compute."),
     _s("use_gpu", "", False, "boolean", "Use GPUs",
        "Pin one GPU per worker; refuse to start when there are too few."),
     _s("baseline", "", "auto", "string", "Single-GPU baseline",
