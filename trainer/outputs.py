@@ -49,6 +49,12 @@ def export_model(job: TrainJob, model, work_dir: Path) -> None:
     from trainer.decoders.pretrained import save_pretrained
     from trainer.model import stage_model_dir
 
+    if model.adapters is not None:  # the adapter in PEFT's layout; the model directory holds the merged weights
+        from trainer.adapter_export import write_adapter
+        from trainer.lora import merged_decoder
+
+        write_adapter(job.cfg, model.adapters, job.output.adapter)
+        model = merged_decoder(model)
     save_pretrained(model, job.output.model, tokenizer_dir=tokenizer_url(job.manifest_url, job.manifest))
     if not job.cfg.promotion.export_formats:
         log.info("model and tokenizer saved to %s (setting 'export_formats' = []: nothing checked)", job.output.model)
