@@ -46,7 +46,7 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical():
     adapters = with_lora(model)
     np.testing.assert_array_equal(model(tokens()).numpy(), logits)  # B starts at zero
     assert [v.name for v in model.trainable_variables] == [v.name for v in adapters.tensors.values()]
-    assert all(not v.trainable for v in model.weights.values())
+    assert not any(isinstance(v, tf.Variable) for v in model.weights.values())
     train(model, 5)
     for name, variable in model.weights.items():
         np.testing.assert_array_equal(variable.numpy(), before[name], err_msg=name)
@@ -59,7 +59,7 @@ def test_the_merged_model_gives_the_adapted_models_logits():
     with_lora(model, targets=("c_attn", "c_proj", "c_fc"))
     train(model, 5)
     merged = merged_decoder(model)
-    assert merged.adapters is None and all(v.trainable for v in merged.weights.values())
+    assert merged.adapters is None and all(v.trainable for v in merged.weights.values())  # a plain model again
     difference = np.abs(merged(tokens(seed=9)).numpy() - model(tokens(seed=9)).numpy()).max()
     assert difference < 1e-5, difference
 

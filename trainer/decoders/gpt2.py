@@ -86,13 +86,14 @@ class GPT2Decoder(tf.Module):
         return dict(zip(self._names, self._variables, strict=True))
 
     def freeze(self, dtype: str = "float32") -> None:
-        """Make the weights constants of training (not trainable: no gradient, no optimizer state), the matrices
-        stored in `dtype` (bfloat16 halves them; the matmuls cast them to the compute dtype anyway, and LayerNorms and
-        biases stay float32). Call inside the strategy scope that made the model; each variable is replaced in turn,
-        so the host holds one weight twice at most."""
-        for index, (name, variable) in enumerate(zip(self._names, self._variables, strict=True)):
+        """Make the weights constants of training: tensors, not variables, so they get no gradient, no optimizer
+        state, no checkpoint entry and no broadcast between workers (each worker built the same values, which
+        depend on the seed or the checkpoint only). The matrices are stored in `dtype` (bfloat16 halves them; the
+        matmuls cast them to the compute dtype anyway); LayerNorms and biases stay float32. Each weight is replaced
+        in turn, so the host holds one weight twice at most."""
+        for index, variable in enumerate(self._variables):
             stored = tf.as_dtype(dtype) if variable.shape.rank == 2 else tf.float32
-            self._variables[index] = tf.Variable(tf.cast(variable.read_value(), stored), name=name, trainable=False)
+            self._variables[index] = tf.cast(tf.convert_to_tensor(variable), stored)
 
     def __call__(self, input_ids: tf.Tensor) -> tf.Tensor:
         weights = self.weights
