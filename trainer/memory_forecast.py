@@ -6,10 +6,12 @@ Per worker, in the run's dtypes:
 - weights: the trained ones float32; a LoRA run's frozen base in `base_weights_dtype` (its norms and biases
   float32) plus the adapters; with mixed precision the matrices' compute-dtype copies the matmuls keep for the
   backward pass;
-- gradients: float32 per trainable weight, twice with accumulation (the running sum and the micro-step's);
+- gradients: float32 per trainable weight, twice (the backward pass's and the clipped ones the update reads), and
+  once more with accumulation (the running sum beside the micro-step's);
 - optimizer: AdamW's two float32 moments per trainable weight;
 - activations: what each block keeps for the backward pass for `batch_size_per_worker` x `block_size` tokens
-  (below), or with `recompute` only each block's input plus one block's whole set while it is recomputed;
+  (below), or with `recompute` only each block's input, plus one block's whole set while it is recomputed where
+  that exceeds the logits' (they are freed before the first block's backward pass);
 - logits: the head's output, its softmax and their gradient (batch x block x vocab, float32).
 
 A block's saved tensors, per token (h: width, i: MLP width, a: heads, T: block size; elements): LayerNorms 2h each
@@ -75,13 +77,15 @@ def forecast(shape: DecoderShape, *, batch: int, block_size: int, grad_accum_ste
     copies = 0 if compute_bytes == 4 else compute_bytes * matrices  # the matmuls' cast weights
     tokens = batch * block_size
     block = block_activation_bytes(shape, tokens, block_size, compute_bytes)
+    logits = LOGIT_COPIES * 4 * tokens * shape.vocab
     if recompute:
-        activations = shape.layers * 4 * tokens * shape.hidden + block
+        # The head's tensors are gone before the first block is recomputed: the peak holds the larger of the two.
+        activations = shape.layers * 4 * tokens * shape.hidden + max(0, block - logits)
     else:
         activations = shape.layers * block
     return MemoryForecast(
-        weights=stored + copies, gradients=4 * trainable * (2 if grad_accum_steps > 1 else 1),
-        optimizer=8 * trainable, activations=activations, logits=LOGIT_COPIES * 4 * tokens * shape.vocab)
+        weights=stored + copies, gradients=4 * trainable * (3 if grad_accum_steps > 1 else 2),
+        optimizer=8 * trainable, activations=activations, logits=logits)
 
 
 def run_forecast(cfg: Any, shape: DecoderShape) -> MemoryForecast:
