@@ -31,6 +31,9 @@ def runs(tmp_path_factory, manifest) -> dict[str, Job]:  # noqa: F811
             job.start()
         for job in jobs.values():
             job.assert_succeeded(job.wait())
+        # Started again on its output: it restores the adapters' checkpoint at the last step and exports again.
+        jobs["single"].start()
+        jobs["single"].assert_succeeded(jobs["single"].wait())
     finally:
         for job in jobs.values():
             job.stop()
@@ -91,3 +94,9 @@ def test_the_merged_model_is_the_untouched_base_plus_the_adapter(runs):
         assert np.abs(delta).max() > 1e-4, name
     exports = json.loads((job.output / "exports" / "exports.json").read_text())
     assert exports["formats"]["safetensors"]["passed"], exports["formats"]
+
+
+def test_a_lora_run_resumes_from_its_adapters_checkpoint(runs):
+    job = runs["single"]
+    assert "restored checkpoint" in job.log(0) and f"resuming at step {STEPS} of {STEPS}" in job.log(0)
+    assert job.summary()["resumed_from_step"] == STEPS and job.summary()["final_loss"] == job.losses()[STEPS]
