@@ -97,6 +97,11 @@ class TrainOutput:
         return join(self.url, "model")
 
     @property
+    def adapter(self) -> str:
+        """A LoRA run's adapter in PEFT's layout (trainer/adapter_export.py), written by the chief only."""
+        return join(self.url, "adapter")
+
+    @property
     def exports(self) -> str:
         """The serving formats (trainer/export.py), published whole by the chief after `model`: <format>/ folders
         and `exports.json` (each format's files and parity with the trained model), written last."""

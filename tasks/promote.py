@@ -264,6 +264,9 @@ def publish_version(version: VersionLayout, prepared: PreparedRun, checked: Chec
     cfg, report = checked.cfg, view.report
     distributed = report.runs.distributed
     files = registry.copy_into(version, "model", checked.train.model)
+    lora = registry.adapter_base(checked.train.adapter) if cfg.adapter == "lora" else None
+    if lora is not None:  # the adapter in PEFT's layout beside the merged model
+        files += registry.copy_into(version, "adapter", checked.train.adapter)
     files += exports.copy_exports(view.exported, checked.train, version)
     write_json_atomic(version.report, view.to_json())
     write_bytes_atomic(version.model_card, model_card(cfg, prepared, view, number, verdict).encode("utf-8"))
@@ -274,7 +277,8 @@ def publish_version(version: VersionLayout, prepared: PreparedRun, checked: Chec
         run_id=checked.run_id, run_key=checked.key, created_at=utc_now(),
         eval_loss=distributed.eval_loss, perplexity=distributed.perplexity,
         eval_loss_se=distributed.eval_loss_se, eval_sample=_sample_id(report),
-        dataset_fingerprint=report.dataset_fingerprint, base_model=pinned_base(cfg), files=tuple(files),
+        dataset_fingerprint=report.dataset_fingerprint, base_model=pinned_base(cfg), adapter_base=lora,
+        files=tuple(files),
     ).to_xcom())
 
 

@@ -120,11 +120,21 @@ class VersionFile(Document):
     bytes: int
 
 
+@dataclasses.dataclass(frozen=True)
+class AdapterBase(Document):
+    """The exact base model a LoRA version's `adapter/` applies to (its adapter_config.json's fields,
+    trainer/adapter_export.py): a hub name and commit sha, a local path and content sha256, or a preset and seed."""
+
+    base_model_name_or_path: str
+    revision: str
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VersionRecord(Document):
     """v<N>/version.json, written last in a version: the promoted run's figures (as its `Entry`), when the version
     was made (`created_at`), the pinned hub model it was fine-tuned from (`base_model`, tasks/base_models.py; None
-    for a preset, a promoted or a local model, and before it was recorded) and every file with its size (`files`)."""
+    for a preset, a promoted or a local model, and before it was recorded), a LoRA version's `adapter_base` (what its
+    adapter/ needs; None without one) and every file with its size (`files`)."""
 
     format_version: int
     name: str
@@ -138,6 +148,7 @@ class VersionRecord(Document):
     eval_sample: str | None = None
     dataset_fingerprint: str
     base_model: BasePin | None = None
+    adapter_base: AdapterBase | None = None
     files: tuple[VersionFile, ...]
 
 
@@ -251,6 +262,15 @@ def copy_into(version: VersionLayout, folder: str, source_url: str) -> list[Vers
     except FileNotFoundError:
         raise FileNotFoundError(f"{source_url} has no files: the run saved no model there.") from None
     return [VersionFile(f"{folder}/{file['name']}", file["bytes"]) for file in copied]
+
+
+def adapter_base(adapter_url: str) -> AdapterBase:
+    """The base a run's adapter (its adapter_config.json) names, checked."""
+    url = join(adapter_url, "adapter_config.json")
+    value = read_json(url)
+    keys = ("base_model_name_or_path", "revision")
+    fields = {key: value.get(key) for key in keys} if isinstance(value, dict) else value
+    return _checked(AdapterBase, url, fields, "The adapter was not written by this project's trainer: train again.")
 
 
 def same_tokenizer(model_url: str, tokenizer_dir_url: str) -> bool:

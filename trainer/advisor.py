@@ -345,7 +345,8 @@ def probe_step_time(cfg, manifest_url: str, steps: int = PROBE_TIMED_STEPS) -> d
     from trainer.job import plan_job_for
     from trainer.precision import Precision
     from trainer.recipe import set_random_seed
-    from trainer.train import TrainState, input_dataset, stage_inputs
+    from trainer.step import TrainState
+    from trainer.train import input_dataset, stage_inputs
 
     single = cfg.baseline_config()
     with tempfile.TemporaryDirectory(prefix="advisor-probe-") as scratch:

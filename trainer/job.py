@@ -11,6 +11,7 @@ from core.config.pinned import load_pinned_config
 from core.layout import TrainOutput
 from trainer import runtime
 from trainer.data import load_manifest, token_dtype, worker_shards
+from trainer.lora_plan import model_shape, plan_lora
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ def plan_job_for(cfg: RunConfig, config_url: str, manifest_url: str, output_url:
             f"{where}: {manifest_url} stores tokens as {manifest['dtype']} but a vocabulary of {vocab_size} "
             f"needs {expected_dtype}: the manifest is inconsistent, re-prepare the dataset."
         )
+    if cfg.adapter == "lora":  # its targets and rank against the model's shape, before TensorFlow
+        plan_lora(cfg, model_shape(cfg, vocab_size))
     # Raises naming the counts when there are fewer shards than workers.
     worker_shards(manifest, "train", identity.rank, identity.num_workers)
 

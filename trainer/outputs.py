@@ -49,6 +49,12 @@ def export_model(job: TrainJob, model, work_dir: Path) -> None:
     from trainer.decoders.pretrained import save_pretrained
     from trainer.model import stage_model_dir
 
+    if model.adapters is not None:  # the adapter in PEFT's layout; the model directory holds the merged weights
+        from trainer.adapter_export import write_adapter
+        from trainer.lora import merged_decoder
+
+        write_adapter(job.cfg, model.adapters, job.output.adapter)
+        model = merged_decoder(model)
     save_pretrained(model, job.output.model, tokenizer_dir=tokenizer_url(job.manifest_url, job.manifest))
     if not job.cfg.promotion.export_formats:
         log.info("model and tokenizer saved to %s (setting 'export_formats' = []: nothing checked)", job.output.model)
@@ -104,6 +110,7 @@ def build_summary(job: TrainJob, model, times: LoopTimes, outputs: OutputFiles, 
                   started_at: str, allreduce: dict[str, Any] | None) -> dict[str, Any]:
     """The chief's summary.json (docs/CONTRACTS.md, "Worker entry points"); `allreduce`: what the gradients'
     all-reduce became (trainer/allreduce.py)."""
+    from trainer.memory_forecast import summary_record
     from trainer.model import flops_per_token
 
     cfg = job.cfg
@@ -130,6 +137,7 @@ def build_summary(job: TrainJob, model, times: LoopTimes, outputs: OutputFiles, 
         # This rank's GPU at its last step: the memory in use on the device (TensorFlow's reservation) and the peak
         # TensorFlow used for tensors (what training needs); null without a GPU (the first also without NVML).
         "gpu_mem_reserved_mb": gpu.last.get("gpu_mem_reserved_mb"), "gpu_mem_peak_mb": gpu.last.get("gpu_mem_peak_mb"),
+        "memory": summary_record(cfg, model.config, gpu.last.get("gpu_mem_peak_mb")),
         "hardware": hardware_info(gpu.name, "GPU" if cfg.use_gpu else "CPU"), "versions": versions(),
         "config": cfg.to_dict(), "started_at": started_at, "finished_at": utc_now(),
     }

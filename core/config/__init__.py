@@ -107,6 +107,24 @@ class RunConfig:
     mixed_precision: str = setting("no", "Mixed precision", enum=["no", "bf16", "fp16"],
         allowed="`fp16` only with `use_gpu`")
     xla: bool = setting(False, "XLA (jit_compile)")
+    adapter: str = setting("none", "Adapter",
+        "lora: freeze the base model and train low-rank adapters on its projections (only they are all-reduced, "
+        "checkpointed and given AdamW states); none: train every weight.", enum=["none", "lora"])
+    lora_rank: int = setting(8, "LoRA rank", "Rank r of each adapter (at most the adapted layer's width).",
+        minimum=1, maximum=4096, allowed="at most the narrowest adapted layer's width")
+    lora_alpha: float = setting(16.0, "LoRA alpha", "The adapters' output is scaled by lora_alpha / lora_rank.",
+        exclusiveMinimum=0, maximum=65536)
+    lora_targets: tuple[str, ...] = setting((), "LoRA target modules",
+        "Hugging Face module names to adapt (GPT-2: c_attn, c_proj, c_fc; Llama/Qwen2: q_proj, k_proj, v_proj, "
+        "o_proj, gate_proj, up_proj, down_proj); empty = all of the architecture's.", optional=True,
+        items={"type": "string", "pattern": r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"}, uniqueItems=True,
+        allowed="module names the model's architecture has, each once")
+    base_weights_dtype: str = setting("float32", "Frozen base weights dtype",
+        "adapter lora: bfloat16 stores the frozen base weights in half the memory (the adapters, their gradients "
+        "and AdamW states stay float32).", enum=["float32", "bfloat16"], allowed="`bfloat16` only with `adapter` lora")
+    recompute: bool = setting(False, "Recompute activations",
+        "Keep only each block's input for the backward pass and recompute the rest there (tf.recompute_grad): "
+        "activation memory for about a third more compute.")
     use_gpu: bool = setting(False, "Use GPUs", "Pin one GPU per worker; refuse to start when there are too few.")
     baseline: str = setting("auto", "Single-GPU baseline",
         "auto reuses a matching earlier baseline, run always trains one, skip none.", enum=["auto", "run", "skip"])

@@ -52,6 +52,10 @@ _REVISION = re.compile(schema.REVISION)
 _EMAIL = re.compile(schema.EMAIL)
 _CONN_ID = re.compile(schema.CONN_ID)
 _TEXT_COLUMN = re.compile(schema.TEXT_COLUMN)
+_LORA_TARGET = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# Remote model directories whose content the project never rewrites: a cached hub base (pinned to its commit sha)
+# and a registry version.
+_PINNED_REMOTE_MODEL = re.compile(r".*/models/(base/[^/]+@[0-9a-f]{40}|[^/]+/v\d+/model)/?")
 
 
 # What a field of each annotation must be, for the message (with an example for --conf where quoting misleads).
@@ -198,13 +202,14 @@ def check_core_settings(cfg: Any) -> None:
     _check_bounds(cfg)
     _check_alerts(cfg)
     _check_reclaim(cfg)
-    for name in ("mixed_precision", "baseline", "promote", "capacity"):
+    for name in ("mixed_precision", "baseline", "promote", "capacity", "adapter", "base_weights_dtype"):
         check_choice(name, schema.value_of(cfg, name), schema.choices(type(cfg), name))
     check_model_name("model_name", cfg.promotion.model_name)
     _check_export_formats(cfg)
     _check_locations(cfg)
     _check_tokenizer(cfg)
     _check_training(cfg)
+    _check_adapter(cfg)
 
 
 def _check_export_formats(cfg: Any) -> None:
@@ -299,3 +304,26 @@ def _check_eval_tokens(cfg: Any) -> None:
             f"Setting 'eval_tokens' = {cfg.eval_tokens} is below one evaluation batch ({EVAL_BATCH_SEQUENCES} "
             f"sequences x 'block_size' {cfg.block_size} = {batch_tokens} tokens): raise it to {batch_tokens} or "
             "more, or set 0 to evaluate the whole validation split.")
+
+
+def _check_adapter(cfg: Any) -> None:
+    """LoRA's settings, and a base model an adapter can name exactly (docs/adapters.md#which-base)."""
+    if cfg.base_weights_dtype != "float32" and cfg.adapter != "lora":
+        raise ConfigError(f"Setting 'base_weights_dtype' = {cfg.base_weights_dtype!r} needs 'adapter' = 'lora': "
+                          "only frozen weights may be stored in bfloat16 (AdamW updates float32 weights). Set "
+                          "'adapter' to 'lora' or 'base_weights_dtype' to 'float32'.")
+    bad = [name for name in cfg.lora_targets if not _LORA_TARGET.fullmatch(str(name))]
+    if bad:
+        raise ConfigError(f"Setting 'lora_targets' has {bad}, which are not module names: write Hugging Face's "
+                          "names, e.g. ['c_attn', 'c_fc'] for GPT-2 or ['q_proj', 'v_proj'] for Llama.")
+    if len(set(cfg.lora_targets)) != len(cfg.lora_targets):
+        raise ConfigError(f"Setting 'lora_targets' = {list(cfg.lora_targets)} names a module twice.")
+    if cfg.adapter != "lora":
+        return
+    scheme = urlparse(cfg.model).scheme
+    if scheme not in ("", "file") and not _PINNED_REMOTE_MODEL.fullmatch(cfg.model):
+        raise ConfigError(
+            f"Setting 'adapter' = 'lora' needs a pinned base model, but 'model' = {cfg.model!r} is a remote directory "
+            "whose content may change under the adapter and that the project cannot fingerprint without reading it "
+            "whole: use a hub name (prepare pins its commit sha), a promoted version, a preset, or a local copy of "
+            "it (fingerprinted by content).")

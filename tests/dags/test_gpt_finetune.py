@@ -127,7 +127,7 @@ BAD_FORMATS = {
     "model_name": "-model", "model_revision": "main branch", "namespace": "Team_A", "image": "trainer image:1",
     "cpu": "4 cores", "memory": "16 GB", "remote_python": "venv/bin/python", "gpu_queue": "gpu,cpu",
     "alert_conn_id": "smtp conn", "ssh_conn_ids": ["host a"], "alert_emails": ["ops@example.com\nBcc: x@y.z"],
-    "text_column": "text` <b>x</b>",
+    "text_column": "text` <b>x</b>", "lora_targets": ["c-attn"],
 }
 
 

@@ -150,12 +150,12 @@ def test_a_version_is_complete_only_with_every_recorded_file_at_its_size(local_l
     write_json_atomic(version.record, record)
     complete = registry.complete_version(version)
     assert complete is not None and complete.to_xcom() == {**record, "eval_loss_se": None, "eval_sample": None,
-                                                           "base_model": None}
+                                                           "base_model": None, "adapter_base": None}
     pinned = {**record, "eval_loss_se": 0.01, "eval_sample": "s-1234",
               "base_model": {"name": "gpt2", "revision": "main", "sha": "a" * 40, "url": "models/base/gpt2@aaa"}}
     write_json_atomic(version.record, pinned)  # as promotions write it since the pinned base model
     complete = registry.complete_version(version)
-    assert complete.base_model.sha == "a" * 40 and complete.to_xcom() == pinned
+    assert complete.base_model.sha == "a" * 40 and complete.to_xcom() == {**pinned, "adapter_base": None}
     write_bytes_atomic(join(version.url, "model", "tf_model.h5"), b"truncated")
     assert registry.complete_version(version) is None
     write_json_atomic(version.record, {**record, "files": [*record["files"], {"name": "model_card.md", "bytes": 1}]})
@@ -203,3 +203,15 @@ def test_a_tokenizer_saved_again_by_transformers_is_the_same_tokenizer(tmp_path)
     other = tokenizer_dir("other", {"type": "BPE", "vocab": {**vocab, "ba": 3}, "merges": [["a", "b"]]})
     assert registry.same_tokenizer(trained, saved_again)
     assert not registry.same_tokenizer(trained, other)
+
+
+def test_a_lora_versions_adapter_base_is_read_from_its_adapter_config_and_checked(tmp_path):
+    from tasks.registry import AdapterBase, RegistryError, adapter_base
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 8, "base_model_name_or_path": "openai-community/gpt2", "revision": "c" * 40}))
+    assert adapter_base(str(tmp_path)) == AdapterBase(base_model_name_or_path="openai-community/gpt2",
+                                                      revision="c" * 40)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "gpt2"}))
+    with pytest.raises(RegistryError, match="adapter_config.json.*revision"):
+        adapter_base(str(tmp_path))

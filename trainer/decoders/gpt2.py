@@ -11,6 +11,7 @@ Build it inside the strategy's scope (`strategy.scope()`): its variables are the
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Callable, Mapping
@@ -20,6 +21,7 @@ import tensorflow as tf
 
 from trainer.decoders import ops
 from trainer.decoders.gpt2_config import GPT2Config, parameter_shapes
+from trainer.decoders.recompute import recomputed
 
 # name, shape -> the variable's initial value
 Initializer = Callable[[str, tuple[int, ...]], "tf.Tensor | np.ndarray"]
@@ -75,36 +77,57 @@ class GPT2Decoder(tf.Module):
         self._variables = [tf.Variable(initial_value(key, shape), name=key, dtype=tf.float32)
                            for key, shape in parameter_shapes(config).items()]
         self._names = tuple(parameter_shapes(config))
+        self.adapters = None  # trainer/lora.py's LoraAdapters once attached: their output joins the projections'
+        self.recompute = False  # recompute each block's activations in the backward pass (recomputed)
 
     @property
     def weights(self) -> Mapping[str, tf.Variable]:
         """State-dict name -> variable, in the order PyTorch's GPT2LMHeadModel lists its parameters."""
         return dict(zip(self._names, self._variables, strict=True))
 
+    def freeze(self, dtype: str = "float32") -> None:
+        """Make the weights constants of training: tensors, not variables, so they get no gradient, no optimizer
+        state, no checkpoint entry and no broadcast between workers (each worker built the same values, which
+        depend on the seed or the checkpoint only). The matrices are stored in `dtype` (bfloat16 halves them; the
+        matmuls cast them to the compute dtype anyway); LayerNorms and biases stay float32. Each weight is replaced
+        in turn, so the host holds one weight twice at most."""
+        for index, variable in enumerate(self._variables):
+            stored = tf.as_dtype(dtype) if variable.shape.rank == 2 else tf.float32
+            self._variables[index] = tf.cast(tf.convert_to_tensor(variable), stored)
+
     def __call__(self, input_ids: tf.Tensor) -> tf.Tensor:
         weights = self.weights
         config = self.config
         input_ids = tf.convert_to_tensor(input_ids)
         length = tf.shape(input_ids)[1]
-        x = tf.gather(weights["transformer.wte.weight"], input_ids) + weights["transformer.wpe.weight"][:length]
+        x = (tf.cast(tf.gather(weights["transformer.wte.weight"], input_ids), tf.float32)
+             + tf.cast(weights["transformer.wpe.weight"][:length], tf.float32))
         for layer in range(config.n_layer):
-            prefix = f"transformer.h.{layer}."
-            h = ops.layer_norm(x, weights[prefix + "ln_1.weight"], weights[prefix + "ln_1.bias"],
-                               config.layer_norm_epsilon)
-            x = x + tf.cast(self._attention(h, weights, prefix, layer), tf.float32)
-            h = ops.layer_norm(x, weights[prefix + "ln_2.weight"], weights[prefix + "ln_2.bias"],
-                               config.layer_norm_epsilon)
-            x = x + tf.cast(self._mlp(h, weights, prefix), tf.float32)
+            x = recomputed(functools.partial(self._block, weights=weights, layer=layer), self.recompute)(x)
         x = ops.layer_norm(x, weights["transformer.ln_f.weight"], weights["transformer.ln_f.bias"],
                            config.layer_norm_epsilon)
         head = tf.cast(weights["transformer.wte.weight"], self.compute_dtype)
         return tf.cast(tf.matmul(tf.cast(x, self.compute_dtype), head, transpose_b=True), tf.float32)
 
+    def _block(self, x: tf.Tensor, *, weights: Mapping[str, tf.Variable], layer: int) -> tf.Tensor:
+        """Block `layer`: the residual stream after its attention and MLP."""
+        prefix, epsilon = f"transformer.h.{layer}.", self.config.layer_norm_epsilon
+        h = ops.layer_norm(x, weights[prefix + "ln_1.weight"], weights[prefix + "ln_1.bias"], epsilon)
+        x = x + tf.cast(self._attention(h, weights, prefix, layer), tf.float32)
+        h = ops.layer_norm(x, weights[prefix + "ln_2.weight"], weights[prefix + "ln_2.bias"], epsilon)
+        return x + tf.cast(self._mlp(h, weights, prefix), tf.float32)
+
+    def _linear(self, x: tf.Tensor, weights: Mapping[str, tf.Variable], module: str) -> tf.Tensor:
+        """The projection `module` (`transformer.h.0.attn.c_attn`), plus its adapter's output when it has one."""
+        y = ops.linear(x, weights[module + ".weight"], weights[module + ".bias"], self.compute_dtype)
+        if self.adapters is not None and module in self.adapters.modules:
+            y += self.adapters.delta(module, x, y.dtype)
+        return y
+
     def _attention(self, h: tf.Tensor, weights: Mapping[str, tf.Variable], prefix: str, layer: int) -> tf.Tensor:
         config = self.config
         batch, length = tf.shape(h)[0], tf.shape(h)[1]
-        qkv = ops.linear(h, weights[prefix + "attn.c_attn.weight"], weights[prefix + "attn.c_attn.bias"],
-                         self.compute_dtype)
+        qkv = self._linear(h, weights, prefix + "attn.c_attn")
         heads = [tf.transpose(tf.reshape(part, [batch, length, config.n_head, config.head_dim]), [0, 2, 1, 3])
                  for part in tf.split(qkv, 3, axis=-1)]
         scale = 1.0 / math.sqrt(config.head_dim) if config.scale_attn_weights else 1.0
@@ -112,10 +135,8 @@ class GPT2Decoder(tf.Module):
             scale /= layer + 1
         merged = ops.causal_attention(*heads, scale, scores_in_float32=config.reorder_and_upcast_attn)
         merged = tf.reshape(tf.transpose(merged, [0, 2, 1, 3]), [batch, length, config.n_embd])
-        return ops.linear(merged, weights[prefix + "attn.c_proj.weight"], weights[prefix + "attn.c_proj.bias"],
-                          self.compute_dtype)
+        return self._linear(merged, weights, prefix + "attn.c_proj")
 
     def _mlp(self, h: tf.Tensor, weights: Mapping[str, tf.Variable], prefix: str) -> tf.Tensor:
-        h = ops.linear(h, weights[prefix + "mlp.c_fc.weight"], weights[prefix + "mlp.c_fc.bias"], self.compute_dtype)
-        return ops.linear(ops.gelu_tanh(h), weights[prefix + "mlp.c_proj.weight"],
-                          weights[prefix + "mlp.c_proj.bias"], self.compute_dtype)
+        h = self._linear(h, weights, prefix + "mlp.c_fc")
+        return self._linear(ops.gelu_tanh(h), weights, prefix + "mlp.c_proj")

@@ -97,8 +97,9 @@ def causal_lm_loss(model, tokens: tf.Tensor) -> tf.Tensor:
 
 
 def count_parameters(model) -> int:
-    """Trainable weights, the tied head counted once (as PyTorch's `num_parameters()`)."""
-    return int(sum(math.prod(variable.shape) for variable in model.trainable_variables))
+    """The model's weights, the tied head counted once (as PyTorch's `num_parameters()`); a frozen base counts (its
+    matmuls cost the same), LoRA's adapters not."""
+    return int(sum(math.prod(variable.shape) for variable in model.weights.values()))
 
 
 def flops_per_token(model, block_size: int) -> float:

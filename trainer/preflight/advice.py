@@ -37,6 +37,7 @@ def advise(cfg: RunConfig, identity: runtime.WorkerIdentity, *, config_url: str,
         if "skipped" in step:  # no step time: the advice is the reason
             return step
     advice = advisor.advise(cfg=cfg, collectives=collectives, workers=[reports[r] for r in sorted(reports)], step=step)
+    advice["memory"] = reports[min(reports)].get("memory")  # the forecast per worker (trainer/memory_forecast.py)
     try:
         advice["cost"] = cost_advice(cfg, advice, config_url=config_url, reports=reports)
     except Exception as error:  # noqa: BLE001 - the cost columns are advice; storage trouble here fails nothing

@@ -62,6 +62,9 @@ def check_worker(cfg: RunConfig, manifest_url: str, identity: runtime.WorkerIden
         errors.append(f"{where}: cannot read the manifest {manifest_url}: {error}")
         report["manifest"] = {"ok": False, "error": str(error)}
 
+    if report["manifest"]["ok"]:
+        report["memory"] = check_memory(cfg, manifest, report["devices"], where, errors)
+
     cache = shard_cache_root()
     staging = runtime.host_temp_dir()  # where the shard cache lies
     fingerprint = report["manifest"].get("fingerprint", "")
@@ -87,3 +90,26 @@ def check_worker(cfg: RunConfig, manifest_url: str, identity: runtime.WorkerIden
         report["storage"] = {"ok": False, "root": cfg.storage_root, "error": str(error)}
     report["errors"] = errors
     return report
+
+
+def check_memory(cfg: RunConfig, manifest: dict[str, Any], devices: dict[str, Any], where: str,
+                 errors: list[str]) -> dict[str, Any]:
+    """The memory forecast of this worker (trainer/memory_forecast.py) against its GPU's free memory, less a CUDA
+    context's; a run that cannot fit, or whose LoRA settings the model refuses, goes to `errors`."""
+    from core.config import ConfigError
+    from trainer.lora_plan import model_shape
+    from trainer.memory_forecast import CUDA_CONTEXT_MB, fit_error, run_forecast
+
+    try:
+        predicted = run_forecast(cfg, model_shape(cfg, manifest["tokenizer"]["vocab_size"]))
+    except (ConfigError, ValueError, OSError) as error:  # CheckpointError is a ValueError
+        errors.append(f"{where}: {error}")
+        return {"error": str(error)}
+    memory: dict[str, Any] = {"forecast_mb": predicted.as_mib()}
+    if cfg.use_gpu and devices["gpus"]:
+        free_mb = devices["gpus"][0]["memory_free_mb"] - CUDA_CONTEXT_MB  # the GPU TensorFlow will use
+        memory["gpu_free_mb"] = free_mb
+        problem = fit_error(cfg, predicted, free_mb, where)
+        if problem:
+            errors.append(problem)
+    return memory

@@ -164,3 +164,24 @@ def test_a_text_column_with_markdown_or_html_is_refused():
             RunConfig.from_params({"text_column": value})
     for value in ("text", "body", "Review Text", "meta.content", "col_2-a"):
         assert RunConfig.from_params({"text_column": value}).text_column == value
+
+
+@pytest.mark.parametrize("params, fragments", [
+    ({"base_weights_dtype": "bfloat16"}, ["'base_weights_dtype' = 'bfloat16' needs 'adapter' = 'lora'"]),
+    ({"adapter": "lora", "lora_targets": ["c_attn", "c_attn"]}, ["'lora_targets'", "names a module twice"]),
+    ({"adapter": "lora", "lora_targets": ["c-attn"]}, ["'lora_targets' has ['c-attn']", "not module names"]),
+    ({"adapter": "lora", "model": "s3://bucket/team/gpt2-copy"},
+     ["needs a pinned base model", "'s3://bucket/team/gpt2-copy'", "cannot fingerprint", "promoted version"]),
+    ({"adapter": "adapter-v2"}, ["'adapter' = 'adapter-v2'", "'lora'"]),
+])
+def test_lora_settings_are_refused_by_name(params, fragments):
+    with pytest.raises(ConfigError) as raised:
+        RunConfig.of(**params)
+    assert all(fragment in str(raised.value) for fragment in fragments), raised.value
+
+
+def test_lora_accepts_pinned_bases():
+    for model in ("tiny", "gpt2", "promoted", "/data/models/local-copy",
+                  "s3://bucket/root/models/base/gpt2@" + "a" * 40, "s3://bucket/root/models/chat/v3/model"):
+        cfg = RunConfig.of(adapter="lora", model=model, base_weights_dtype="bfloat16", recompute=True)
+        assert (cfg.adapter, cfg.base_weights_dtype, cfg.recompute) == ("lora", "bfloat16", True)

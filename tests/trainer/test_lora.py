@@ -1,0 +1,114 @@
+"""trainer/lora.py on the GPT-2 decoder: a frozen base, adapters that start at zero, train alone and merge into the
+weights PEFT would merge them into; recomputed blocks give the same gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from trainer.adamw import AdamW
+from trainer.decoders import ops
+from trainer.decoders.gpt2_config import preset_config
+from trainer.decoders.pretrained import build_decoder
+from trainer.lora import attach_lora, merged_decoder, merged_weights
+from trainer.lora_plan import AdaptedModule, LoraPlan, lora_plan
+from trainer.model_shapes import shape_of
+
+VOCAB = 320
+
+
+def tiny(seed: int = 3):
+    return build_decoder(preset_config("tiny", vocab_size=VOCAB, eos_token_id=0), seed=seed)
+
+
+def tokens(count: int = 4, length: int = 32, seed: int = 0) -> tf.Tensor:
+    return tf.constant(np.random.default_rng(seed).integers(0, VOCAB, (count, length)), tf.int32)
+
+
+def with_lora(model, rank: int = 4, targets=(), base_dtype: str = "float32"):
+    plan = lora_plan(shape_of(model.config), rank=rank, alpha=2 * rank, targets=targets)
+    return attach_lora(model, plan, seed=7, base_dtype=base_dtype)
+
+
+def train(model, steps: int) -> None:
+    optimizer = AdamW(model.trainable_variables, 1e-2, weight_decay=0.1)
+    for step in range(steps):
+        with tf.GradientTape() as tape:
+            loss = ops.causal_lm_loss(model, tokens(seed=step))
+        optimizer.apply_gradients(tape.gradient(loss, model.trainable_variables))
+
+
+def test_only_the_adapters_train_and_the_base_stays_bit_identical():
+    model = tiny()
+    before = {name: variable.numpy().copy() for name, variable in model.weights.items()}
+    logits = model(tokens()).numpy()
+    adapters = with_lora(model)
+    np.testing.assert_array_equal(model(tokens()).numpy(), logits)  # B starts at zero
+    assert [v.name for v in model.trainable_variables] == [v.name for v in adapters.tensors.values()]
+    assert not any(isinstance(v, tf.Variable) for v in model.weights.values())
+    train(model, 5)
+    for name, variable in model.weights.items():
+        np.testing.assert_array_equal(variable.numpy(), before[name], err_msg=name)
+    assert max(np.abs(v.numpy()).max() for v in adapters._variables[1::2]) > 0  # the B matrices moved
+    assert np.abs(model(tokens()).numpy() - logits).max() > 1e-3
+
+
+def test_the_merged_model_gives_the_adapted_models_logits():
+    model = tiny()
+    with_lora(model, targets=("c_attn", "c_proj", "c_fc"))
+    train(model, 5)
+    merged = merged_decoder(model)
+    assert merged.adapters is None and all(v.trainable for v in merged.weights.values())  # a plain model again
+    difference = np.abs(merged(tokens(seed=9)).numpy() - model(tokens(seed=9)).numpy()).max()
+    assert difference < 1e-5, difference
+
+
+def test_a_linear_layout_merges_b_a_untransposed():
+    """Llama's nn.Linear weights are [out, in]: the delta is scaling * B A as it is (PEFT's fan_in_fan_out false)."""
+    model = tiny()
+    plan = lora_plan(shape_of(model.config), rank=2, alpha=2, targets=("c_fc",))
+    adapters = attach_lora(model, plan, seed=1)
+    for variable in adapters._variables:
+        variable.assign(tf.random.normal(variable.shape, seed=5))
+    module = "transformer.h.0.mlp.c_fc"
+    lora_a, lora_b = (v.numpy() for v in adapters.pair(module))
+    np.testing.assert_allclose(adapters.weight_delta(module), (lora_b @ lora_a).T, rtol=1e-6)
+    linear = LoraPlan(2, 2.0, ("c_fc",), (AdaptedModule(module, 64, 256),), fan_in_fan_out=False)
+    adapters.plan = linear
+    np.testing.assert_allclose(adapters.weight_delta(module), lora_b @ lora_a, rtol=1e-6)
+
+
+def test_a_bfloat16_base_stores_its_matrices_in_half_and_still_trains():
+    model = tiny()
+    logits = model(tokens()).numpy()
+    with_lora(model, base_dtype="bfloat16")
+    dtypes = {name: v.dtype for name, v in model.weights.items()}
+    assert dtypes["transformer.h.0.attn.c_attn.weight"] == tf.bfloat16
+    assert dtypes["transformer.wte.weight"] == tf.bfloat16
+    assert dtypes["transformer.h.0.ln_1.weight"] == dtypes["transformer.h.0.attn.c_attn.bias"] == tf.float32
+    assert np.abs(model(tokens()).numpy() - logits).max() < 0.05  # the weights rounded to bfloat16
+    train(model, 2)
+    assert all(v.dtype == np.float32 for v in merged_weights(model).values())
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_recomputed_blocks_give_the_same_loss_and_gradients(lora):
+    model = tiny()
+    if lora:
+        with_lora(model)
+        for variable in model.trainable_variables:
+            variable.assign(tf.random.normal(variable.shape, stddev=0.05, seed=2))
+
+    def loss_and_gradients():
+        with tf.GradientTape() as tape:
+            loss = ops.causal_lm_loss(model, tokens())
+        return loss.numpy(), tape.gradient(loss, model.trainable_variables)
+
+    loss, gradients = loss_and_gradients()
+    model.recompute = True
+    recomputed_loss, recomputed = loss_and_gradients()
+    assert recomputed_loss == loss
+    for variable, expected, got in zip(model.trainable_variables, gradients, recomputed, strict=True):
+        np.testing.assert_allclose(tf.convert_to_tensor(got).numpy(), tf.convert_to_tensor(expected).numpy(),
+                                   atol=1e-6, err_msg=variable.name)
