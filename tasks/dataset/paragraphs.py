@@ -9,7 +9,7 @@ import itertools
 import re
 from collections.abc import Iterator
 
-from tasks.dataset.ranges import SCAN_BYTES, DocumentChunk, SourceReader, check_utf8, find_pattern
+from tasks.dataset.ranges import SCAN_BYTES, DocumentChunk, SourceReader, decode_utf8, find_pattern
 
 _NEWLINE = re.compile(rb"[\r\n]")
 _CONTENT = re.compile(rb"[^\r\n]")
@@ -133,11 +133,26 @@ def _paragraph_spans(raw: bytes) -> Iterator[tuple[int, int]]:
 
 def paragraph_chunk(raw: bytes, base: int, url: str, cuts: Cuts | None = None) -> DocumentChunk:
     """The paragraphs of `raw` (pieces of them at `cuts`), which starts at a document's first byte `base` of file
-    `url` and ends at another's (or at the end of the file), keyed by the file offset of their first byte."""
-    check_utf8(raw, base, url)
+    `url` and ends at another's (or at the end of the file), keyed by the file offset of their first byte.
+
+    The cuts are looked up once for the chunk. A chunk without a cut or a \r (the usual one) is `split("\n\n")`
+    itself, decoded once: the bytes' split gives the offsets, the text's the documents, piece for piece ("\n" is
+    one byte in UTF-8)."""
+    text = decode_utf8(raw, base, url)
+    inside = cuts.within(base, base + len(raw)) if cuts else []
+    if inside or b"\r" in raw:
+        return _cut_paragraphs(raw, base, inside)
+    texts = text.split("\n\n")
+    lengths = list(map(len, texts if raw.isascii() else raw.split(b"\n\n")))
+    starts = itertools.accumulate(map((2).__add__, lengths), initial=base)
+    return DocumentChunk(list(itertools.compress(starts, lengths)), list(filter(None, texts)), len(raw))
+
+
+def _cut_paragraphs(raw: bytes, base: int, cuts: list[int]) -> DocumentChunk:
+    """The paragraphs of `raw` after universal newlines, cut at `cuts` (file offsets inside the chunk)."""
     keys, texts = [], []
     for start, end in _paragraph_spans(raw):
-        bounds = [start, *(cut - base for cut in (cuts.within(base + start, base + end) if cuts else ())), end]
+        bounds = [start, *(cut - base for cut in cuts if base + start < cut < base + end), end]
         for low, high in itertools.pairwise(bounds):
             keys.append(base + low)
             texts.append(raw[low:high].replace(b"\r\n", b"\n").replace(b"\r", b"\n").decode("utf-8"))

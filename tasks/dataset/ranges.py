@@ -114,9 +114,10 @@ def find_pattern(reader: SourceReader, pattern: re.Pattern[bytes], start: int, s
     return size
 
 
-def check_utf8(raw: bytes, base: int, url: str) -> None:
+def decode_utf8(raw: bytes, base: int, url: str) -> str:
+    """`raw` (from byte `base` of file `url`) as text; refused, naming the first bad byte, when it is not UTF-8."""
     try:
-        raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as bad:
         raise SourceError(
             f"Source file {url} is not valid UTF-8: byte 0x{raw[bad.start]:02x} at offset {base + bad.start}. "

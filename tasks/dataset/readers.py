@@ -33,7 +33,7 @@ from typing import Any
 
 from tasks.dataset.errors import SourceError
 from tasks.dataset.paragraphs import LOOKBACK_BYTES, Cuts, next_document_start, paragraph_chunk
-from tasks.dataset.ranges import CHUNK_BYTES, DocumentChunk, SourceReader, check_utf8, find_pattern, ranged_chunks
+from tasks.dataset.ranges import CHUNK_BYTES, DocumentChunk, SourceReader, decode_utf8, find_pattern, ranged_chunks
 
 __all__ = ["CHUNK_BYTES", "DEFAULT_MAX_DOCUMENT_BYTES", "LOOKBACK_BYTES", "DocumentChunk", "SourceReader",
            "next_document_start", "next_line_start", "parquet_layout", "read_documents", "split_text"]
@@ -85,7 +85,7 @@ def _long_line(url: str, offset: int, cap: int) -> str:
 
 def _json_lines(raw: bytes, base: int, url: str, column: str, cap: int = DEFAULT_MAX_DOCUMENT_BYTES) -> \
         DocumentChunk:
-    check_utf8(raw, base, url)
+    decode_utf8(raw, base, url)
     keys, texts, offset = [], [], 0
     for line in raw.split(b"\n"):
         if len(line) > JSON_LINE_FACTOR * cap:
