@@ -1,7 +1,7 @@
 """Prepare the same corpus with this tree and with another checkout, and compare the datasets byte for byte.
 
     .venv/bin/python -m bench.compare_prepare --ref /tmp/prep-ref [--corpus GLOB] [--tokenizer SPEC ...]
-        [--prepare-tasks N ...] [--unit-mb N] [--block-size N]
+        [--prepare-tasks N ...] [--unit-mb N] [--block-size N] [--max-document-mb N]
 
 `--ref` is a source tree (e.g. `git archive <commit> | tar -x -C /tmp/prep-ref`). Both trees run with this
 interpreter (the same package versions), each in a fresh process, into storage roots of their own, for every
@@ -85,6 +85,7 @@ def main() -> int:
     parser.add_argument("--prepare-tasks", type=int, action="append", help="lanes (default: 1 and 2)")
     parser.add_argument("--unit-mb", type=int, default=1, help="prepare_unit_mb with more than one lane")
     parser.add_argument("--block-size", type=int, default=1024)
+    parser.add_argument("--max-document-mb", type=int, help="where long documents are cut (default: the setting's)")
     args = parser.parse_args()
     failures = 0
     with tempfile.TemporaryDirectory(prefix="compare-prepare-") as scratch:
@@ -93,6 +94,8 @@ def main() -> int:
                 settings = {"dataset": args.corpus, "tokenizer": tokenizer, "block_size": args.block_size,
                             "model": "gpt2-124m", "num_workers": 2, "prepare_tasks": tasks,
                             "prepare_unit_mb": args.unit_mb if tasks > 1 else 0}
+                if args.max_document_mb:
+                    settings["max_document_mb"] = args.max_document_mb
                 mine = prepare_with(REPO, {**settings, "storage_root": f"{scratch}/mine-{tasks}-{failures}"})
                 theirs = prepare_with(args.ref, {**settings, "storage_root": f"{scratch}/ref-{tasks}-{failures}"})
                 problems, fields = compare(mine, theirs)
