@@ -40,6 +40,11 @@ JOIN_PROBE = ["First paragraph.", "", " leading space", "trailing newline\n", "\
               "naïve café – “quoted” 日本語 😀", "12345 67890", "<|endoftext", "|>", "a"]
 
 
+# The work around the tokenizer, by its CPU time: reading (fetching, finding documents, decoding), splitting (the
+# draws, grouping into tokenizer inputs), ids (the encodings' ids to the streams, the counts).
+STEPS = ("reading", "splitting", "ids")
+
+
 @dataclass
 class SplitCount:
     documents: int = 0
@@ -55,6 +60,8 @@ class EncodeStats:
     consumed: int = 0
     wall_s: float = 0.0
     cpu_s: float = 0.0
+    # Seconds per step: the tokenizer's calls (wall), and the CPU time of each step around them (`STEPS`).
+    steps: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("tokenizer", *STEPS), 0.0))
 
     @property
     def tokens(self) -> int:
@@ -99,7 +106,7 @@ class _SplitInputs:
     texts: list[str]
     sizes: list[int]  # documents per input
     documents: list[str]
-    draws: list[float]
+    draws: np.ndarray  # float64, one per document
 
 
 @dataclass(frozen=True)
@@ -129,8 +136,10 @@ class Encoder:
         began, cpu_began = time.perf_counter(), time.process_time()
         with _tokenizer_threads(), ThreadPoolExecutor(1, thread_name_prefix="prepare-writer") as writer:
             pending = None
-            for inputs in _prefetched(self._inputs(chunk, draws) for chunk, draws in chunks):
+            for inputs in _prefetched(self._timed_inputs(chunks)):
+                called = time.perf_counter()
                 encodings = self.tokenizer.encode_batch_fast(inputs.texts, add_special_tokens=False)
+                self.stats.steps["tokenizer"] += time.perf_counter() - called
                 if pending is not None:
                     pending.result()
                     if on_progress:
@@ -142,33 +151,43 @@ class Encoder:
         self.stats.cpu_s += time.process_time() - cpu_began
         return self.stats
 
+    def _timed_inputs(self, chunks: Iterable[tuple[DocumentChunk, DocumentDraws]]) -> Iterator[_Inputs]:
+        """Each chunk's inputs, the reader thread's CPU time counted as reading and splitting."""
+        steps, clock = self.stats.steps, time.thread_time()
+        for chunk, draws in chunks:
+            read = time.thread_time()
+            inputs = self._inputs(chunk, draws)
+            split = time.thread_time()
+            steps["reading"] += read - clock
+            steps["splitting"] += split - read
+            yield inputs
+            clock = time.thread_time()
+
     def _inputs(self, chunk: DocumentChunk, draws: DocumentDraws) -> _Inputs:
         """The chunk's documents drawn into their splits and grouped into tokenizer inputs (on the reader thread)."""
-        by_split: tuple[tuple[list[str], list[float]], ...] = (([], []), ([], []))
-        for text, draw in zip(chunk.texts, draws.draws(chunk.keys), strict=True):
-            documents, split_draws = by_split[int(draw < self.val_fraction)]
-            documents.append(text)
-            split_draws.append(draw)
-        splits = tuple(_SplitInputs(*self._group(documents), documents, split_draws)
-                       for documents, split_draws in by_split)
-        return _Inputs(splits, chunk.consumed)
+        drawn = draws.array(chunk.keys)
+        held_out = drawn < self.val_fraction
+        splits = []
+        for mask in (~held_out, held_out):
+            documents = list(itertools.compress(chunk.texts, mask.tolist()))
+            splits.append(_SplitInputs(*self._group(documents), documents, drawn[mask]))
+        return _Inputs((splits[0], splits[1]), chunk.consumed)
 
     def _group(self, documents: list[str]) -> tuple[list[str], list[int]]:
         """Tokenizer inputs of about INPUT_CHARS characters, each a run of documents joined by the EOS text and
-        ending with it; one document each when not `joined`."""
-        if not self.joined:
+        ending with it (a run ends where the documents' running length passes a multiple of INPUT_CHARS); one
+        document each when not `joined`. The ids do not depend on where the runs end (`joins_at_eos`)."""
+        if not self.joined or not documents:
             return documents, [1] * len(documents)
-        texts, sizes, start, chars = [], [], 0, 0
-        for index, document in enumerate(documents):
-            chars += len(document)
-            if chars >= INPUT_CHARS or index == len(documents) - 1:
-                texts.append(self.eos_token.join(documents[start:index + 1]) + self.eos_token)
-                sizes.append(index + 1 - start)
-                start, chars = index + 1, 0
-        return texts, sizes
+        lengths = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
+        ends = [*(np.flatnonzero(np.diff(np.cumsum(lengths) // INPUT_CHARS)) + 1).tolist(), len(documents)]
+        eos = self.eos_token
+        texts = [eos.join(documents[start:end]) + eos for start, end in itertools.pairwise([0, *ends])]
+        return texts, np.diff(ends, prepend=0).tolist()
 
     def _append(self, inputs: _Inputs, encodings: list) -> None:
         """Ids of each split's inputs to its stream, and the counts (run on the writer thread)."""
+        began = time.thread_time()
         first = 0
         for name, split in zip(SPLITS, inputs.splits, strict=True):
             own = encodings[first:first + len(split.texts)]
@@ -182,6 +201,7 @@ class Encoder:
             count.tokens += len(ids)
             count.documents += len(split.documents)
         self.stats.consumed += inputs.consumed
+        self.stats.steps["ids"] += time.thread_time() - began
 
     def _ids_and_lengths(self, encodings: list, split: _SplitInputs) -> tuple[np.ndarray, np.ndarray]:
         """The split's ids (every document followed by the EOS) and each document's token count, EOS included."""
@@ -215,10 +235,10 @@ class Encoder:
         return np.array(lengths, dtype=np.int64)
 
     @staticmethod
-    def _track_extreme(count: SplitCount, is_train: bool, draws: list[float], lengths: np.ndarray) -> None:
+    def _track_extreme(count: SplitCount, is_train: bool, draws: np.ndarray, lengths: np.ndarray) -> None:
         """Keep the split's document with the lowest (train) or highest (validation) draw so far."""
         pick = int(np.argmin(draws) if is_train else np.argmax(draws))
-        draw = draws[pick]
+        draw = float(draws[pick])
         if count.extreme is None or (draw < count.extreme.draw if is_train else draw > count.extreme.draw):
             count.extreme = Extreme(draw, count.tokens + int(lengths[:pick].sum()), int(lengths[pick]))
 

@@ -25,116 +25,24 @@ line or row; a JSON line over `JSON_LINE_FACTOR` caps is refused, as is JSON nes
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any
 
-from core.storage import filesystem
 from tasks.dataset.errors import SourceError
-from tasks.dataset.sources import SourceFile
+from tasks.dataset.paragraphs import LOOKBACK_BYTES, Cuts, next_document_start, paragraph_chunk
+from tasks.dataset.ranges import CHUNK_BYTES, DocumentChunk, SourceReader, decode_utf8, find_pattern, ranged_chunks
 
-# Source bytes per chunk: ~250k tokens for one encode call (~30 MB of its RSS, twice while the writer appends the
-# last call's). 4 MiB chunks peaked at 390-450 MB, growing with the run's length (fragmentation); 1 MiB ~180 MB.
-CHUNK_BYTES = 1 << 20
-SCAN_BYTES = 4 << 10  # window of the boundary scans (a unit reads this much of its predecessor's last bytes)
-MAX_BUFFER_BYTES = 4 * CHUNK_BYTES  # the reader keeps at most about this many of the bytes it fetched
+__all__ = ["CHUNK_BYTES", "DEFAULT_MAX_DOCUMENT_BYTES", "LOOKBACK_BYTES", "DocumentChunk", "SourceReader",
+           "next_document_start", "next_line_start", "parquet_layout", "read_documents", "split_text"]
+
 PARQUET_BUFFER_BYTES = 8 << 20  # pyarrow reads a column chunk in pieces of this size
-_NEWLINE = re.compile(rb"[\r\n]")
-_CONTENT = re.compile(rb"[^\r\n]")
 _LINE_END = re.compile(rb"\n")
-_NEWLINE_RUN = re.compile(rb"[\r\n]{2,}")  # a paragraph break unless it is exactly one \r\n
-_BREAK = re.compile(rb"[\r\n]{3}|\n\n|\r\r|\n\r")  # found inside a window: it holds a paragraph break
 DEFAULT_MAX_DOCUMENT_BYTES = 4 << 20  # RunConfig.max_document_mb's default
-LOOKBACK_BYTES = 64 << 10
 JSON_LINE_FACTOR = 4  # a JSON line is read whole up to this many caps
-_CUT_HEAD = 8  # a cut moves past at most this many bytes (continuation bytes, a \r\n) to a character's start
 _STRING_TYPES = ("string", "large_string", "string_view")
-
-
-@dataclass(frozen=True)
-class DocumentChunk:
-    keys: list[int]  # each document's position in its file (byte offset, or row index for Parquet)
-    texts: list[str]
-    consumed: int  # how much of the unit this chunk covers, in the unit's measure (bytes, or rows for Parquet)
-
-
-class SourceReader:
-    """One source file opened for ranged reads, counting the bytes fetched from storage (`fetched`). It keeps the
-    bytes of its last read and extends them when the next read continues them, so reading on sequentially fetches
-    each byte once, and unlike a read-ahead cache it never fetches past what was asked. Also the file object
-    pyarrow reads Parquet through."""
-
-    def __init__(self, source: SourceFile) -> None:
-        self.source = source
-        fs, path = filesystem(source.url)
-        self._file = fs.open(path, "rb", cache_type="none")
-        self._start, self._buffer = 0, b""
-        self._position = 0
-        self.fetched = 0
-
-    def read_at(self, offset: int, length: int) -> bytes:
-        end = min(offset + length, self.source.size)
-        if not self._start <= offset <= self._start + len(self._buffer):
-            self._start, self._buffer = offset, b""
-        elif len(self._buffer) > MAX_BUFFER_BYTES:
-            # Bounded: what lies well before this read goes. A scan's read comes up to a chunk after the read of
-            # the chunk it cuts, which must still find its bytes here.
-            keep = max(self._start, offset - 2 * CHUNK_BYTES)
-            self._start, self._buffer = keep, self._buffer[keep - self._start:]
-        if end > self._start + len(self._buffer):
-            self._file.seek(self._start + len(self._buffer))
-            more = self._file.read(end - self._start - len(self._buffer))
-            self.fetched += len(more)
-            self._buffer += more
-        return self._buffer[offset - self._start:max(offset, end) - self._start]
-
-    def peek(self, offset: int, length: int) -> bytes:
-        """Bytes at `offset` without moving the kept bytes (a look behind a cut): from them when they hold it."""
-        offset, end = max(0, offset), min(offset + length, self.source.size)
-        if self._start <= offset and end <= self._start + len(self._buffer):
-            return self._buffer[offset - self._start:end - self._start]
-        self._file.seek(offset)
-        data = self._file.read(max(0, end - offset))
-        self.fetched += len(data)
-        return data
-
-    # -- the file protocol pyarrow uses ---------------------------------------------------------------------------
-
-    def read(self, length: int = -1) -> bytes:
-        data = self.read_at(self._position, self.source.size - self._position if length < 0 else length)
-        self._position += len(data)
-        return data
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._position, 2: self.source.size}[whence]
-        self._position = base + offset
-        return self._position
-
-    def tell(self) -> int:
-        return self._position
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    @property
-    def closed(self) -> bool:
-        return self._file.closed
-
-    def close(self) -> None:
-        self._file.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def read_documents(reader: SourceReader, kind: str, start: int, end: int, text_column: str,
@@ -143,177 +51,14 @@ def read_documents(reader: SourceReader, kind: str, start: int, end: int, text_c
     longer than about `max_document_bytes` (the module's docstring says how they are cut)."""
     cap = max(1, max_document_bytes)
     if kind == "text":
-        cuts = _Cuts(reader, cap)
-        yield from _ranged(reader, start, end, lambda r, pos, size: next_document_start(r, pos, size, cuts),
-                           lambda raw, base, url: _paragraphs(raw, base, url, cuts))
+        cuts = Cuts(reader, cap)
+        yield from ranged_chunks(reader, start, end, lambda r, pos, size: next_document_start(r, pos, size, cuts),
+                           lambda raw, base, url: paragraph_chunk(raw, base, url, cuts))
     elif kind == "jsonl":
-        yield from _ranged(reader, start, end, lambda r, pos, size: next_line_start(r, pos, size, cap),
+        yield from ranged_chunks(reader, start, end, lambda r, pos, size: next_line_start(r, pos, size, cap),
                            lambda raw, base, url: _json_lines(raw, base, url, text_column, cap))
     else:
         yield from _parquet_rows(reader, start, end, text_column, cap)
-
-
-# -- text -------------------------------------------------------------------------------------------------------
-
-
-def _find(reader: SourceReader, pattern: re.Pattern[bytes], start: int, size: int) -> int:
-    """The offset of the first byte at or after `start` that `pattern` matches, else `size`."""
-    while start < size:
-        window = reader.read_at(start, min(SCAN_BYTES, size - start))
-        match = pattern.search(window)
-        if match:
-            return start + match.start()
-        start += len(window)
-    return size
-
-
-def next_document_start(reader: SourceReader, pos: int, size: int, cuts: _Cuts | None = None) -> int:
-    """The offset of the first document (a paragraph, or a piece of one at a cut) that starts at or after `pos`;
-    `size` when none does. Without `cuts`, paragraphs only. With them the scan never goes further than the next
-    cut's grid point, so a unit inside a huge paragraph finds its first document within about one cap."""
-    if cuts is None:
-        return _paragraph_start(reader, pos, size, size)
-    low = pos
-    while low < size:
-        high = min(size, low + max(cuts.cap, SCAN_BYTES))
-        start = _paragraph_start(reader, low, size, high)
-        found = cuts.within(low - 1, high)  # every cut in [low, high)
-        if found or start < high:
-            return min([start, *found])
-        low = high
-    return size
-
-
-def _paragraph_start(reader: SourceReader, pos: int, size: int, limit: int) -> int:
-    """The offset of the first paragraph that starts in [pos, limit); `limit` when none does (limit <= size).
-
-    The state of `split("\n\n")` at a byte depends only on the newline run it is in or follows, so the scan
-    backs up to that run's first byte (or the file's start) and replays from there."""
-    if pos >= limit:
-        return limit
-    begin = pos
-    while begin > 0:
-        window_start = max(0, begin - SCAN_BYTES)
-        window = reader.read_at(window_start, begin - window_start)
-        kept = len(window.rstrip(b"\r\n"))
-        begin = window_start + kept
-        if kept:
-            break
-    at_file_start = begin == 0
-    cursor = begin
-    while cursor < limit:
-        run_start = _find(reader, _NEWLINE, cursor, limit)
-        if run_start > cursor:  # text before the run: a paragraph is open
-            if at_file_start:
-                return 0
-            at_file_start = False
-        if run_start >= limit:
-            return limit
-        # A run that goes on past limit + 2 starts its paragraph past limit, whatever its length: no need to see it all
-        run_end = _find(reader, _CONTENT, run_start, min(size, limit + 2))
-        run = reader.read_at(run_start, run_end - run_start)
-        newlines = len(run) - run.count(b"\r\n")
-        if at_file_start or newlines >= 2:
-            # Pairs of newlines end paragraphs; an odd last one starts the next paragraph, else its first byte does.
-            start = run_end - (2 if run.endswith(b"\r\n") else 1) if newlines % 2 else run_end
-            if pos <= start < size:
-                return min(start, limit)
-        at_file_start = False
-        cursor = run_end
-    return limit
-
-
-class _Cuts:
-    """Where a text file's long paragraphs are cut: at grid point g (a multiple of `cap`), the first byte at or
-    after g that starts a character other than a newline, when the `lookback` bytes before it hold no paragraph
-    break. A pure function of the file's bytes, remembered per grid point."""
-
-    def __init__(self, reader: SourceReader, cap: int) -> None:
-        self.reader, self.cap = reader, cap
-        self.lookback = min(cap, LOOKBACK_BYTES)
-        self._known: dict[int, int | None] = {}
-
-    def at(self, grid: int) -> int | None:
-        if grid not in self._known:
-            self._known[grid] = self._find(grid)
-        return self._known[grid]
-
-    def _find(self, grid: int) -> int | None:
-        if grid <= 0 or grid >= self.reader.source.size:
-            return None
-        head = self.reader.peek(grid, _CUT_HEAD)
-        offset = next((i for i, byte in enumerate(head) if byte not in (10, 13) and not 0x80 <= byte < 0xC0), None)
-        if offset is None or grid + offset >= self.reader.source.size:
-            return None
-        cut = grid + offset
-        seen = 0  # the window backwards, a scan's worth first: ordinary text has a break within a few KiB
-        while seen < self.lookback:
-            step = min(SCAN_BYTES, self.lookback - seen)
-            # one byte of overlap, so a break across two steps is seen
-            window = self.reader.peek(cut - seen - step, step + min(seen, 2))
-            if _BREAK.search(window):
-                return None
-            seen += step
-        return cut
-
-    def within(self, low: int, high: int) -> list[int]:
-        """The cuts c with low < c < high (file offsets)."""
-        first = max(self.cap, (max(low - _CUT_HEAD, 0) // self.cap) * self.cap)
-        found = (self.at(grid) for grid in range(first, high, self.cap))
-        return sorted({cut for cut in found if cut is not None and low < cut < high})  # two grids, one cut
-
-
-def _paragraph_spans(raw: bytes) -> Iterator[tuple[int, int]]:
-    """[start, end) in `raw` of each non-empty paragraph, as `split("\n\n")` after universal newlines finds them
-    (`raw` starts at a document's first byte)."""
-    start = 0
-    for run in _NEWLINE_RUN.finditer(raw):
-        chars = run.group()
-        if chars == b"\r\n":
-            continue
-        if run.start() > start:
-            yield start, run.start()
-        newlines = len(chars) - chars.count(b"\r\n")
-        start = run.end() - (2 if chars.endswith(b"\r\n") else 1) if newlines % 2 else run.end()
-    if len(raw) > start:
-        yield start, len(raw)
-
-
-def _paragraphs(raw: bytes, base: int, url: str, cuts: _Cuts | None = None) -> DocumentChunk:
-    """The paragraphs of `raw` (pieces of them at `cuts`), which starts at a document's first byte `base` of file
-    `url` and ends at another's (or at the end of the file), keyed by the file offset of their first byte."""
-    _check_utf8(raw, base, url)
-    keys, texts = [], []
-    for start, end in _paragraph_spans(raw):
-        bounds = [start, *(cut - base for cut in (cuts.within(base + start, base + end) if cuts else ())), end]
-        for low, high in itertools.pairwise(bounds):
-            keys.append(base + low)
-            texts.append(raw[low:high].replace(b"\r\n", b"\n").replace(b"\r", b"\n").decode("utf-8"))
-    return DocumentChunk(keys, texts, len(raw))
-
-
-def _check_utf8(raw: bytes, base: int, url: str) -> None:
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as bad:
-        raise SourceError(
-            f"Source file {url} is not valid UTF-8: byte 0x{raw[bad.start]:02x} at offset {base + bad.start}. "
-            "Re-encode it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or remove it from 'dataset'."
-        ) from None
-
-
-def _ranged(reader: SourceReader, start: int, end: int, next_start, parse) -> Iterator[DocumentChunk]:
-    """Chunks of about CHUNK_BYTES, each cut at a document start, of the documents starting in [start, end)."""
-    size = reader.source.size
-    position = next_start(reader, start, size)
-    while position < min(end, size):
-        # The bulk first, never past the range's end; the cut's scan then continues those bytes (fetching only
-        # what lies beyond them), and the last cut is the first document start at or after `end`.
-        target = min(position + CHUNK_BYTES, end)
-        reader.read_at(position, target - position)
-        cut = next_start(reader, target, size)
-        yield parse(reader.read_at(position, cut - position), position, reader.source.url)
-        position = cut
 
 
 # -- JSON Lines -------------------------------------------------------------------------------------------------
@@ -326,7 +71,7 @@ def next_line_start(reader: SourceReader, pos: int, size: int, cap: int = DEFAUL
         return 0
     limit = JSON_LINE_FACTOR * cap
     bound = min(size, pos + limit)
-    end = _find(reader, _LINE_END, pos - 1, bound)
+    end = find_pattern(reader, _LINE_END, pos - 1, bound)
     if end >= bound and bound < size:
         raise SourceError(_long_line(reader.source.url, pos, cap))
     return min(end + 1, size)
@@ -340,7 +85,7 @@ def _long_line(url: str, offset: int, cap: int) -> str:
 
 def _json_lines(raw: bytes, base: int, url: str, column: str, cap: int = DEFAULT_MAX_DOCUMENT_BYTES) -> \
         DocumentChunk:
-    _check_utf8(raw, base, url)
+    decode_utf8(raw, base, url)
     keys, texts, offset = [], [], 0
     for line in raw.split(b"\n"):
         if len(line) > JSON_LINE_FACTOR * cap:

@@ -43,13 +43,17 @@ class DocumentDraws:
         self._key = np.uint64(int.from_bytes(_hasher(seed, b"gptft-split", relpath).digest(), "little"))
 
     def draws(self, keys: Sequence[int]) -> list[float]:
+        return self.array(keys).tolist()
+
+    def array(self, keys: Sequence[int]) -> np.ndarray:
+        """The draws as float64."""
         positions = np.asarray(keys, dtype=np.uint64)
         with np.errstate(over="ignore"):  # arithmetic modulo 2**64, as SplitMix64 defines it
             z = self._key + (positions + np.uint64(1)) * _GAMMA
             z = (z ^ (z >> np.uint64(30))) * _MIX1
             z = (z ^ (z >> np.uint64(27))) * _MIX2
             z ^= z >> np.uint64(31)
-        return ((z >> np.uint64(11)).astype(np.float64) * _UNIT).tolist()
+        return (z >> np.uint64(11)).astype(np.float64) * _UNIT
 
 
 def window_draw(seed: int, relpath: str, window: int) -> float:

@@ -256,9 +256,16 @@ def load_backend(directory: Path):
 
 
 def packing_backend(backend):
-    """`backend` (a `tokenizers.Tokenizer`) with truncation and padding off: every token of a document is packed."""
+    """`backend` (a `tokenizers.Tokenizer`) with truncation and padding off: every token of a document is packed.
+
+    A BPE's empty subword prefix and word suffix (transformers 5 loads a BPE saved without them with "") become
+    none: the same ids, but with "" the BPE builds a new string for every character of a word it merges."""
     backend.no_truncation()
     backend.no_padding()
+    model = backend.model
+    for affix in ("continuing_subword_prefix", "end_of_word_suffix"):
+        if getattr(model, affix, None) == "":
+            setattr(model, affix, None)
     return backend
 
 

@@ -191,16 +191,18 @@ def tokenize_unit(job: UnitJob, unit: Unit, tokenizer, progress: _Progress) -> U
                               job.val_fraction, outputs)
             stats: EncodeStats = encoder.run(chunks, progress.advance)
         splits = {}
+        hashing = time.perf_counter()
         for split, path in paths.items():
             count = stats.splits[split]
             splits[split] = SplitStream(documents=count.documents, tokens=count.tokens, bytes=path.stat().st_size,
                                         sha256=storage.sha256_file(path), extreme=count.extreme)
             storage.publish_file(path, job.stream_url(unit.index, split))
+        stats.steps["hashing"] = time.perf_counter() - hashing
     result = UnitResult(plan_id=job.plan_id, unit=unit.index, splits=splits, bytes=unit.bytes,
                         fetched_bytes=chunks.fetched, wall_s=round(time.perf_counter() - began, 3),
                         cpu_s=round(stats.cpu_s, 3))
     storage.write_json_atomic(job.result_url(unit.index), result.to_xcom())  # last: the unit is complete
-    progress.end_unit(unit, result)
+    progress.end_unit(unit, result, stats.steps)
     return result
 
 
@@ -260,14 +262,17 @@ class _Progress:
             self.last = now
             self._log(now)
 
-    def end_unit(self, unit: Unit, result: UnitResult) -> None:
+    def end_unit(self, unit: Unit, result: UnitResult, steps: dict[str, float]) -> None:
+        """The unit's line, with the seconds of each step (the record's `steps`, which the benchmark reads)."""
         base_bytes, base_docs, base_tokens = self._unit_base
         self.done_bytes = base_bytes + unit.bytes
         self.documents = base_docs + result.documents
         self.tokens = base_tokens + result.tokens
-        log.info("unit %d: %d documents, %d tokens in %.1fs (%s tokens/s), %s read for %s of text", unit.index,
-                 result.documents, result.tokens, result.wall_s, human_rate(result.tokens / max(result.wall_s, 1e-9)),
-                 human_bytes(result.fetched_bytes), human_bytes(unit.bytes))
+        log.info("unit %d: %d documents, %d tokens in %.1fs (%s tokens/s), %s read for %s of text; steps: %s",
+                 unit.index, result.documents, result.tokens, result.wall_s,
+                 human_rate(result.tokens / max(result.wall_s, 1e-9)), human_bytes(result.fetched_bytes),
+                 human_bytes(unit.bytes),
+                 ", ".join(f"{step} {seconds:.2f}s" for step, seconds in steps.items()), extra={"steps": steps})
 
     def finish(self) -> None:
         self._log(time.perf_counter())

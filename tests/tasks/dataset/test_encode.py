@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from tasks.dataset.encode import SPLITS, Encoder, joins_at_eos
+from tasks.dataset.encode import SPLITS, STEPS, Encoder, joins_at_eos
 from tasks.dataset.readers import DocumentChunk
 from tasks.dataset.split import DocumentDraws
 
@@ -54,13 +54,15 @@ def encode(tokenizer: Tokenizer, texts: list[str], chunk_documents: int, joined:
     return streams, stats, draws.draws(keys)
 
 
+@pytest.mark.parametrize("chunk_documents", [90, 1], ids=["chunks", "one-document-chunks"])
 @pytest.mark.parametrize("eos_every", [0, 7], ids=["plain", "documents-holding-the-eos-text"])
 @pytest.mark.parametrize("joined", [True, False], ids=["joined", "one-per-input"])
-def test_streams_hold_each_document_then_the_eos_and_the_extremes_have_their_spans(tokenizer, joined, eos_every):
+def test_streams_hold_each_document_then_the_eos_and_the_extremes_have_their_spans(tokenizer, joined, eos_every,
+                                                                                   chunk_documents):
     texts = documents(600, eos_every)
     eos_id = tokenizer.token_to_id(EOS)
     alone = [[*e.ids, eos_id] for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
-    streams, stats, draws = encode(tokenizer, texts, chunk_documents=90, joined=joined)
+    streams, stats, draws = encode(tokenizer, texts, chunk_documents=chunk_documents, joined=joined)
     for split, held_out in zip(SPLITS, (False, True), strict=True):
         mine = [index for index, draw in enumerate(draws) if (draw < 0.3) == held_out]
         expected = [token for index in mine for token in alone[index]]
@@ -71,6 +73,13 @@ def test_streams_hold_each_document_then_the_eos_and_the_extremes_have_their_spa
         offset = sum(len(alone[index]) for index in mine[:mine.index(pick)])
         assert (count.extreme.draw, count.extreme.offset, count.extreme.tokens) == (
             draws[pick], offset, len(alone[pick]))
+
+
+def test_each_step_around_the_tokenizer_is_timed(tokenizer):
+    _, stats, _ = encode(tokenizer, documents(300), chunk_documents=50, joined=True)
+    assert list(stats.steps) == ["tokenizer", *STEPS] == ["tokenizer", "reading", "splitting", "ids"]
+    assert stats.steps["tokenizer"] > 0 and stats.steps["ids"] > 0
+    assert all(0 <= seconds <= stats.wall_s + 0.05 for seconds in stats.steps.values()), stats.steps
 
 
 def test_the_probe_allows_joining_for_a_byte_level_bpe(tokenizer):

@@ -9,7 +9,15 @@ import numpy as np
 
 from core import storage
 from tasks.dataset.sources import resolve_sources
-from tasks.dataset.tokenizer import _Counted, sample_training_texts
+from tasks.dataset.tokenizer import (
+    _Counted,
+    load_pretrained_tokenizer,
+    packing_backend,
+    plan_tokenizer,
+    sample_training_texts,
+    save_tokenizer,
+    train_bpe,
+)
 from tests.tasks.dataset.corpus import REPO, config, write_corpus
 
 
@@ -78,3 +86,29 @@ def test_a_checkpoints_tokenizer_joins_documents_with_its_eos_and_adds_no_bos(tm
     assert (manifest["tokenizer"]["eos_token_id"], manifest["tokenizer"]["vocab_size"]) == (1, 400)
     tokens = shard_tokens(result.manifest_url, "train")
     assert 0 not in tokens and np.count_nonzero(tokens == 1) > 100
+
+
+def test_the_packing_backend_of_a_reloaded_bpe_has_no_empty_affixes_and_the_saved_files_ids(tmp_path):
+    """transformers 5 loads a BPE saved without a subword prefix or word suffix with "" for each: packing drops them
+    (a new string per character of every merged word otherwise), and the ids stay those of the saved file."""
+    from tokenizers import Tokenizer
+
+    corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=40)
+    cfg = config(tmp_path, dataset=str(corpus / "*.txt"), tokenizer="bpe:300")
+    trained = train_bpe(resolve_sources(cfg.dataset, REPO), cfg, plan_tokenizer(cfg).sample, 3600)
+    save_tokenizer(trained, tmp_path / "tok")
+    loaded = load_pretrained_tokenizer(str(tmp_path / "tok"))
+    backend = packing_backend(loaded.backend_tokenizer)
+    assert (backend.model.continuing_subword_prefix, backend.model.end_of_word_suffix) == (None, None)
+    texts = ["the of and to in that", "naïve café – 日本語 😀 was he for", "x" * 300]
+    from_file = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    assert [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)] == \
+        [e.ids for e in from_file.encode_batch_fast(texts, add_special_tokens=False)]
+
+
+def test_the_packing_backend_keeps_a_real_subword_prefix():
+    from tokenizers import Tokenizer, models
+
+    backend = packing_backend(Tokenizer(models.BPE(vocab={"a": 0, "##b": 1}, merges=[],
+                                                   continuing_subword_prefix="##")))
+    assert backend.model.continuing_subword_prefix == "##"
