@@ -1,4 +1,4 @@
-"""The evaluate task: every model of the run on the same evaluation sample, then the report (tasks/comparison.py
+"""The evaluate task: every model of the run on the same evaluation sample, then the report (tasks/report/comparison.py
 compares them: speedup, efficiency, loss parity and the gates).
 
 Each model's evaluation runs `python -m trainer.evaluate` as a group of the run's `num_workers` through the launcher,
@@ -21,17 +21,18 @@ from core.eval_result import EvalResult, ResultError, combine, delta_standard_er
 from core.layout import PROMOTION_JSON, RunLayout, StorageLayout, TrainOutput
 from core.storage import exists, join, read_bytes, read_json, remove_tree, write_json_atomic
 from core.summary import TrainSummary
-from tasks import registry, telemetry, throughput
-from tasks import report as reports
+from tasks import registry, telemetry
 from tasks.alerts import alert_throughput
 from tasks.baseline import read_key_record
 from tasks.checked_run import CheckedRun, OwnRun, checked_run
-from tasks.comparison import build_report, run_figures
 from tasks.connections import uses_run_storage
 from tasks.launch import release_after_exit
 from tasks.legacy_models import convert_legacy_model
 from tasks.policy import check_launch_urls
-from tasks.report_document import ContinuedFrom, ModelSamples, PromotedScore, RunReport, TextSample, table_rows
+from tasks.report import store as reports
+from tasks.report import throughput
+from tasks.report.comparison import build_report, run_figures
+from tasks.report.document import ContinuedFrom, ModelSamples, PromotedScore, RunReport, TextSample, table_rows
 from trainer.data import tokenizer_url
 from trainer.decoders.architectures import CheckpointError
 from trainer.eval_sample import sample_identity
@@ -132,8 +133,8 @@ def with_release_after_train(report: RunReport, run: RunLayout) -> RunReport:
 
 
 def assemble_report(prepared: PreparedRun, checked: CheckedRun, scored: Scored) -> RunReport:
-    """report.json without its warnings: the comparison (tasks/comparison.py), the scaling segments and prediction,
-    the slots' release after training, where the model continued from, the promoted version and the samples.
+    """report.json without its warnings: the comparison (tasks/report/comparison.py), the scaling segments and
+    prediction, the slots' release after training, where the model continued from, the promoted version and the samples.
     `prepared`'s URLs are `checked`'s (tasks/checked_run.py)."""
     baseline = scored.baseline
     record = read_key_record(baseline.url) if baseline else None
@@ -322,7 +323,7 @@ def evaluate_baseline(checked: CheckedRun, baseline: TrainOutput, make_backend: 
 
 def with_scaling(report: RunReport, layout: RunLayout, distributed: TrainOutput) -> RunReport:
     """The train task's segments (elastic recovery) and the advisor's prediction next to the measured figures."""
-    from tasks import scaling
+    from tasks.report import scaling
 
     run = report.runs.distributed
     segments = tuple(scaling.segments(scaling.read_segments(distributed), read_metrics(distributed), run.steps))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from core.config import RunConfig
 from core.layout import TrainOutput, VersionLayout
 from core.storage import exists, join, read_json
-from tasks.report_document import Gate, Record
+from tasks.report.document import Gate, Record
 from trainer.export import FORMAT_DIRS
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ class ExportPart(Record):
 
     Attributes:
         export_gates: one gate per format of `export_formats` (`export_<format>`): passed when its parity check
-            passed; the view counts them with the report's (tasks/report_parts.py `with_exports`).
+            passed; the view counts them with the report's (tasks/report/parts.py `with_exports`).
         exports: the training output's parity record (`exports/exports.json`, trainer/export.py); None when missing.
     """
 

@@ -30,7 +30,7 @@ from launcher.host_identity import describe, host_identity, same_host
 from launcher.idle import IdleEpisode, IdleWatch
 from launcher.state_record import RecordedWorker, SlotsCheck, StateRecord
 from tasks import telemetry
-from tasks.usage import AttemptEvents, IdleWarning, RankEvents, slots_of
+from tasks.ledger.usage import AttemptEvents, IdleWarning, RankEvents, slots_of
 from trainer.metrics import LIVE_PREFIX
 
 log = logging.getLogger("gpt_finetune.launch")
@@ -145,7 +145,7 @@ class RecordedLaunch:
         self._labels: dict[int, str] = {}
         self.after_exit: SlotsCheck | None = None  # _check_slots_free's result, once the group exited
         self._recorded = False  # this launch wrote its first state record
-        self._attempt: _RunningAttempt | None = None  # the running attempt's GPU-time events (tasks/usage.py)
+        self._attempt: _RunningAttempt | None = None  # the running attempt's GPU-time events (tasks/ledger/usage.py)
         self._on_line = on_line
         self.idle = idle or IdleSettings()
         self.reclaimed: IdleWarning | None = None  # set when the group was stopped as idle (`_reclaim`)

@@ -19,9 +19,9 @@ from core.config.pinned import save_config
 from core.layout import StorageLayout, absolute_root, run_key
 from tasks.connections import storage_env, uses_run_storage
 from tasks.dataset.plan import DatasetPlan
+from tasks.ledger.pricing import Price
 from tasks.policy import checked_config
 from tasks.prepared_run import PreparedRun
-from tasks.pricing import Price
 from tasks.registry import PromotedVersion
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
     from tasks.alerts import check_alert_connection
     from tasks.base_models import check_model_setting, resolve_base_model
     from tasks.dataset.stage import plan_dataset, run_planned
-    from tasks.pricing import freeze, table_from_env
+    from tasks.ledger.pricing import freeze, table_from_env
     from tasks.promote import resolve_promoted_model
     from tasks.queues import report_gpu_queue
 
@@ -140,9 +140,9 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
     """Write the run's configuration and its baseline's under the run's directory and return the prepared run
     (tasks/prepared_run.py), the XCom every later task reads: paths, the configurations' and the manifest's digests
     (`manifest_sha256`: of the bytes `manifest` was read from) and a few numbers. `run_cfg` has its step count
-    resolved; `price` the rate prepare froze (tasks/pricing.py), kept with the run."""
+    resolved; `price` the rate prepare froze (tasks/ledger/pricing.py), kept with the run."""
     from tasks.baseline import baseline_key
-    from tasks.usage_record import write_price
+    from tasks.ledger.record import write_price
 
     storage = StorageLayout(run_cfg.storage_root)
     run = storage.run(key)

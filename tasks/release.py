@@ -31,12 +31,12 @@ from launcher.backend import RELEASE_GRACE_S, BackendFactory, HostRelease, Relea
 from launcher.host_identity import describe, host_identity, same_host
 from launcher.process import processes_with_env
 from launcher.state_record import StateRecord
-from tasks import report as reports
 from tasks import telemetry
 from tasks.connections import uses_run_storage
-from tasks.report_document import ReportError, RunReport
-from tasks.report_parts import UNREADABLE, read_part
-from tasks.usage_record import USAGE_CHART, attach_usage
+from tasks.ledger.record import USAGE_CHART, attach_usage
+from tasks.report import store as reports
+from tasks.report.document import ReportError, RunReport
+from tasks.report.parts import UNREADABLE, read_part
 
 log = logging.getLogger("gpt_finetune.release")
 
@@ -291,7 +291,7 @@ def write_release(run: RunLayout, release: dict[str, Any], dag_id: str | None = 
     """release.json beside the run's report (its one writer), with the GPU-time ledger up to this release when
     evaluate wrote a report (`usage`, its chart beside it), then report.md from the three parts (its one writer too;
     none without report.json); with `dag_id`, the GPU tasks' admission waits are read from Airflow
-    (tasks/airflow_api.py)."""
+    (tasks/ledger/airflow_api.py)."""
     report = _evaluated(run)
     charts: dict[str, bytes] = {}
     if report is not None:

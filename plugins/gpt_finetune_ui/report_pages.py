@@ -1,5 +1,5 @@
 """The report pages as HTML: the index of runs and promoted models, and one run's report, written from the same
-view as its report.md (tasks/report_view.py).
+view as its report.md (tasks/report/view.py).
 
 Every value from storage goes through `_text` or `_fmt`, which escape it whatever its type; a chart is linked only
 under a plain file name (runs_data.CHART_FILE).
@@ -12,9 +12,9 @@ from typing import Any
 
 from core.protocol import RUN_KEY_PATTERN
 from gpt_finetune_ui.runs_data import CHART_FILE
-from tasks import report_view
-from tasks.formatting import fmt, known_words
-from tasks.report_parts import RunView
+from tasks.report import view as report_view
+from tasks.report.formatting import fmt, known_words
+from tasks.report.parts import RunView
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5rem; color: #1b1f24; }

@@ -16,12 +16,12 @@ from launcher import GroupSpec, LocalBackend
 from launcher.gpus import GPU_RELEASE_WAIT_S, check_exited_slots
 from tasks.evaluate import with_release_after_train
 from tasks.launch import RecordedLaunch
-from tasks.report import render_markdown
-from tasks.report_parts import run_view
+from tasks.report.parts import run_view
+from tasks.report.store import render_markdown
 from tests.launcher.conftest import entrypoint_env
 from tests.launcher.test_gpus import Clock
 from tests.support.fake_nvml import GIB, FakeNvml, h200s, install
-from tests.tasks.test_report import document
+from tests.tasks.report.test_store import document
 
 STARTING = re.compile(r"^rank (\d+) of \d+ pid (\d+) ")
 

@@ -146,7 +146,7 @@ def released_markdown(report_url: str) -> str:
     """report.md as the release task renders it (its one writer) from the parts beside it, for tests that stop before
     release; evaluate and promote write none."""
     from core.storage import exists, read_bytes
-    from tasks.report import REPORT_MD, render_report_md
+    from tasks.report.store import REPORT_MD, render_report_md
 
     assert not exists(join(report_url, REPORT_MD)), "only the release task writes report.md"
     render_report_md(report_url)

@@ -23,7 +23,7 @@ from core.storage import exists, join, read_bytes, read_json, write_bytes_atomic
 from tasks import evaluate
 from tasks.baseline import plan_baseline
 from tasks.evaluate import EvaluationError, GateFailure, evaluate_run
-from tasks.report_document import RunReport
+from tasks.report.document import RunReport
 from tests.tasks import run_fixtures
 
 REPO = Path(__file__).resolve().parents[2]

@@ -237,10 +237,10 @@ def test_release_ends_the_processes_before_failing_on_unreachable_storage(tmp_pa
 def test_release_writes_its_own_record_beside_the_report_and_renders_report_md_from_all_three_parts(tmp_path):
     """One writer per file: release writes release.json beside report.json and promotion.json, leaves both as
     evaluate and promote wrote them, and is report.md's one writer: the merge of all three parts."""
-    from tasks.report import REPORT_MD
-    from tasks.report_parts import read_parts, run_view
-    from tests.tasks.test_report import document_of
-    from tests.tasks.test_report import report as sample_report
+    from tasks.report.parts import read_parts, run_view
+    from tasks.report.store import REPORT_MD
+    from tests.tasks.report.test_store import document_of
+    from tests.tasks.report.test_store import report as sample_report
 
     root = str(tmp_path / "storage")
     run = StorageLayout(root).run(KEY)

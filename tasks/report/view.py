@@ -1,4 +1,4 @@
-"""What a run's report says, built once from report.json and written twice: as report.md (tasks/report_markdown.py)
+"""What a run's report says, built once from report.json and written twice: as report.md (tasks/report/markdown.py)
 and as the UI's run page (the UI plugin's report_pages.py).
 
 The view is plain text in a few shapes (sections of paragraphs, bullet lists, tables, warnings, charts), with three
@@ -6,7 +6,7 @@ marks inside a line: emphasis, code and a verdict. Each writer decides how they 
 needs, so a section is added or changed here, once, for both.
 
 report.json comes from storage that many tasks can write: the view is built from the report as read and checked
-(tasks/report_document.py's `RunReport`, in tasks/report_parts.py's `RunView` with promote's and release's parts),
+(tasks/report/document.py's `RunReport`, in tasks/report/parts.py's `RunView` with promote's and release's parts),
 so its fields are of their types; a missing figure reads as "—". The parts other tasks own that it shows as they
 are (the promotion verdict, the GPU-time ledger) are read tolerantly: a missing field or a wrong type reads as "—"
 or as its text, never as an error.
@@ -18,9 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.formatting import KNOWN_WORDS_NOTE, TABLE_COLUMNS, fmt, known_words, nats
-from tasks.report_document import BaselineOrigin, Comparison, RunFigures, RunReport, table_rows
-from tasks.report_parts import RunView
+from tasks.report.document import BaselineOrigin, Comparison, RunFigures, RunReport, table_rows
+from tasks.report.formatting import KNOWN_WORDS_NOTE, TABLE_COLUMNS, fmt, known_words, nats
+from tasks.report.parts import RunView
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class ReportView:
 
 
 def report_view(view: RunView) -> ReportView:
-    """The report's sections in order (`view`: the report as tasks/report_parts.py merges its three files)."""
+    """The report's sections in order (`view`: the report as tasks/report/parts.py merges its three files)."""
     report = view.report
     sections = (opening(view), gates(report), *scaling(report), *gpu_time(view), promotion(view), *samples(report),
                 charts(report), versions(report))
@@ -227,7 +227,7 @@ def gates(report: RunReport) -> Section:
 
 
 def scaling(report: RunReport) -> list[Section]:
-    """An elastic run's segments (tasks/scaling.py), and the advisor's predicted scaling next to the measured."""
+    """An elastic run's segments (tasks/report/scaling.py), and the advisor's predicted scaling next to the measured."""
     sections = []
     if report.elastic and report.segments:
         rows = tuple((f"{segment.from_step + 1}-{segment.to_step}", f"{segment.num_workers} of {report.num_workers}",
@@ -260,7 +260,7 @@ def promotion(view: RunView) -> Section:
     decision = view.promotion
     if decision is None:
         items.append(_paragraph("Pending: the promote task has not run yet."))
-    elif "unreadable" in decision:  # tasks/report_parts.py: promotion.json exists but cannot be read
+    elif "unreadable" in decision:  # tasks/report/parts.py: promotion.json exists but cannot be read
         items.append(_paragraph(Verdict("Unknown", False), f": the promote task's record cannot be read "
                                 f"({text(decision.get('unreadable'))})."))
     elif decision.get("promoted") is True:

@@ -1,14 +1,14 @@
 """The report's scaling parts: segments of an elastic run from its launch record and metrics, and the advisor's
-prediction next to the measured figures (tasks/scaling.py)."""
+prediction next to the measured figures (tasks/report/scaling.py)."""
 
 import pytest
 
-from tasks import scaling
-from tasks.report import render_markdown
-from tasks.report_document import Comparison
+from tasks.report import scaling
+from tasks.report.document import Comparison
+from tasks.report.store import render_markdown
+from tests.tasks.report.test_store import report as base_report
+from tests.tasks.report.test_store import view_of
 from tests.tasks.run_fixtures import ELASTIC_RECORD, step_metrics
-from tests.tasks.test_report import report as base_report
-from tests.tasks.test_report import view_of
 
 
 def test_segments_name_each_launch_that_trained_with_its_throughput():

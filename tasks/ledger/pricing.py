@@ -132,7 +132,7 @@ def table_from_env(environ: Mapping[str, str] | None = None) -> tuple[PriceTable
 @dataclass(frozen=True)
 class Price(Document):
     """The price a run keeps (`freeze`): in the prepared run's XCom (`price`) and in `usage/price.json`
-    (`{"price": PRICE | null}`, tasks/usage_record.py), read back by release's ledger.
+    (`{"price": PRICE | null}`, tasks/ledger/record.py), read back by release's ledger.
 
     Attributes:
         currency: the table's currency; capacity: the run's `capacity` (on_demand, reserved, spot).

@@ -1,7 +1,7 @@
 """Waiting for admission (issue 40, item 1): the GPU tasks' scheduled -> queued time, read from Airflow's REST API
-through a connection (tasks/airflow_api.py, here against a small stand-in server with Airflow 3.3's routes and
+through a connection (tasks/ledger/airflow_api.py, here against a small stand-in server with Airflow 3.3's routes and
 fields), is shown as `waited`, costs nothing, and is never also counted as held time between tasks
-(tasks/usage.py)."""
+(tasks/ledger/usage.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from typing import ClassVar
 
 import pytest
 
-from tasks import airflow_api, usage
-from tasks.report import render_markdown
-from tasks.report_parts import run_view
-from tasks.usage import AttemptEvents
+from tasks.ledger import airflow_api, usage
+from tasks.ledger.usage import AttemptEvents
+from tasks.report.parts import run_view
+from tasks.report.store import render_markdown
 from tests.support.http import send_json
-from tests.tasks.test_report import document
-from tests.tasks.test_usage import assert_invariants, attempt, causes, rank
+from tests.tasks.ledger.test_usage import assert_invariants, attempt, causes, rank
+from tests.tasks.report.test_store import document
 
 # preflight 0-10 and train 40-80 on two slots, evaluate 100-110 on one, released at 120.
 TIMELINE = [
@@ -151,7 +151,7 @@ def test_the_tries_of_each_task_are_read_with_a_token_and_errors_never_name_the_
 
 
 def test_without_the_connection_waited_is_null_and_the_report_says_why(tmp_path, monkeypatch):
-    from tasks import usage_record
+    from tasks.ledger import record as usage_record
 
     monkeypatch.setattr(airflow_api, "task_tries", lambda *a, **k: (_ for _ in ()).throw(airflow_api.ApiUnavailable(
         "no Airflow connection 'gpt_finetune_api' (AirflowNotFoundException): add one ...")))

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from core.config.schema import flat_settings
-from tasks.report_document import RunReport
+from tasks.report.document import RunReport
 
 # The settings that decide what one step costs: a run differing in any of them is not comparable.
 COMPARABLE_SETTINGS = ("num_workers", "backend", "model", "block_size", "batch_size_per_worker", "grad_accum_steps",

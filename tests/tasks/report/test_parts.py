@@ -1,11 +1,11 @@
-"""The run's report as three files with one writer each (tasks/report_parts.py), read and shown as one."""
+"""The run's report as three files with one writer each (tasks/report/parts.py), read and shown as one."""
 
 import json
 
 from core.storage import join, write_json_atomic
-from tasks import report as reports
-from tasks.report_parts import read_part, read_parts, run_view
-from tests.tasks.test_report import document
+from tasks.report import store as reports
+from tasks.report.parts import read_part, read_parts, run_view
+from tests.tasks.report.test_store import document
 
 EXPORT_GATE = {"name": "export_safetensors", "passed": False, "value": 0.03, "limit": 1e-4,
                "detail": "export safetensors: max |logit diff| 3.20e-02"}
@@ -52,7 +52,7 @@ def test_an_unreadable_part_is_shown_as_such_and_proves_nothing(tmp_path):
 
 
 def test_export_gates_that_are_no_gates_make_the_promotion_unreadable_and_count_nothing():
-    """promotion.json is untrusted: its export gates are read as gates (tasks/report_document.py), or not at all."""
+    """promotion.json is untrusted: its export gates are read as gates (tasks/report/document.py), or not at all."""
     odd = {**PROMOTION, "export_gates": [{**EXPORT_GATE, "passed": "no"}]}
     view = run_view(document(), odd, None)
     assert view.report.gates == document().gates and view.report.gates_passed is True and view.exported is None

@@ -1,5 +1,5 @@
 """The GPU-time ledger of a run: the launch path's events as documents, and pure functions over them (no I/O;
-`tasks/usage_record.py` reads and writes).
+`tasks/ledger/record.py` reads and writes).
 
 A slot is what a run holds: a GPU (host, device), or on a CPU run a worker place (host, rank). An attempt of a
 group (`kind` train, baseline, preflight, evaluate) has per rank the events `launch`, `ready` and `exit`
@@ -17,10 +17,10 @@ When `released_at` comes before a worker's exit (release ran on another host who
 ends at the last exit instead and `clock_skew_s` says by how much.
 
 Time a GPU task of the run waited for admission (`not_held`: Airflow's scheduled -> queued of each try,
-tasks/airflow_api.py) is not held: no slot was the run's then. A second of a slot's window that no segment covers,
-before its last exit (between tasks), and that lies in such a wait, is `waited`: left out of held (and so of idle
-and every cause) and counted apart, costing nothing. Waits outside the window (before the first launch) are outside
-held anyway; a second is never both waited and held.
+tasks/ledger/airflow_api.py) is not held: no slot was the run's then. A second of a slot's window that no segment
+covers, before its last exit (between tasks), and that lies in such a wait, is `waited`: left out of held (and so of
+idle and every cause) and counted apart, costing nothing. Waits outside the window (before the first launch) are
+outside held anyway; a second is never both waited and held.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class IdleWarning(Document):
 @dataclass(frozen=True)
 class AttemptEvents(Document):
     """One group attempt as the launch path recorded it: `runs/<key>/usage/<group>-<launch time>-a<attempt>.json`
-    (tasks/launch.py writes it once, tasks/usage_record.py reads it back).
+    (tasks/launch.py writes it once, tasks/ledger/record.py reads it back).
 
     Attributes:
         group: the group's name (a task id, or `evaluate-<model>`); backend: the backend that ran it.
@@ -145,7 +145,7 @@ class AttemptEvents(Document):
 
 @dataclass(frozen=True)
 class RankTimeline:
-    """What the ledger splits of one rank: its events and, for train and baseline, its steps (tasks/usage_record.py
+    """What the ledger splits of one rank: its events and, for train and baseline, its steps (tasks/ledger/record.py
     `add_steps`): first and last step end, and `redone_after`, from where its steps were redone by the next attempt."""
 
     events: RankEvents

@@ -1,5 +1,5 @@
-"""The GPU-time ledger (tasks/usage.py) on hand-written timelines, the price table (tasks/pricing.py) and what the
-report's `usage` says (held, busy, idle by cause, cost)."""
+"""The GPU-time ledger (tasks/ledger/usage.py) on hand-written timelines, the price table (tasks/ledger/pricing.py) and
+what the report's `usage` says (held, busy, idle by cause, cost)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 
 from core.config import ConfigError
 from core.document import DocumentError
-from tasks import pricing, usage
-from tasks.usage import IdleWarning, RankEvents, RankTimeline, Timeline
-from tasks.usage_summary import AttemptRow, LiveWarning, summarize
-from tests.tasks.test_report import document, document_of, view_of
-from tests.tasks.test_report import report as base_report
+from tasks.ledger import pricing, usage
+from tasks.ledger.summary import AttemptRow, LiveWarning, summarize
+from tasks.ledger.usage import IdleWarning, RankEvents, RankTimeline, Timeline
+from tests.tasks.report.test_store import document, document_of, view_of
+from tests.tasks.report.test_store import report as base_report
 
 
 def rank(r, launch, ready, end, first=None, last=None, redone=None, host="h", gpus=()):
@@ -199,7 +199,7 @@ def test_the_frozen_price_reads_back_exactly_and_a_mistyped_one_is_refused_by_na
     that carries another shape is refused, naming the file and the field."""
     from core.storage import read_json, write_json_atomic
     from tasks.dataset.plan import DatasetPlan
-    from tasks.usage_record import read_price, write_price
+    from tasks.ledger.record import read_price, write_price
 
     price = pricing.freeze(pricing.parse_table(json.dumps({"currency": "EUR", "cpu_worker": {"on_demand": 1}}), "t"),
                            "t", backend="local", queue="", capacity="on_demand", use_gpu=False)
@@ -276,7 +276,7 @@ def test_the_launch_path_writes_one_event_file_per_group_attempt(tmp_path):
     """RecordedLaunch appends usage/<group>-<launch>-a<attempt>.json: launch <= ready <= exit per rank, once."""
     from core.layout import StorageLayout
     from tasks.launch import RecordedLaunch
-    from tasks.usage_record import load_attempts
+    from tasks.ledger.record import load_attempts
     from tests.launcher.fake_backend import FakeBackend
     from tests.tasks.test_launch import scripts, spec
 
@@ -295,7 +295,7 @@ def test_the_launch_path_writes_one_event_file_per_group_attempt(tmp_path):
 
 def test_an_attempt_file_of_another_shape_is_refused_naming_the_file_and_the_field(tmp_path):
     from core.storage import write_json_atomic
-    from tasks.usage_record import load_attempts
+    from tasks.ledger.record import load_attempts
 
     run_url = str(tmp_path / "run")
     good = {"group": "evaluate-baseline", "backend": "local", "attempt": 1, "try_number": "1", "state": "succeeded",
@@ -312,7 +312,7 @@ def test_an_attempt_file_of_another_shape_is_refused_naming_the_file_and_the_fie
 
 def _write_run(tmp_path, price):
     from core.storage import write_json_atomic
-    from tasks.usage_record import write_price
+    from tasks.ledger.record import write_price
 
     run_url = str(tmp_path / "run")
     write_price(run_url, price)
@@ -334,7 +334,7 @@ def _write_run(tmp_path, price):
 
 def test_attach_usage_prices_held_time_and_places_steps_before_the_exit(tmp_path):
     """The report's usage from the files: busy = train_time_s x workers, cost = held x rate, slow release warned."""
-    from tasks.usage_record import attach_usage
+    from tasks.ledger.record import attach_usage
 
     price = freeze(use_gpu=False)
     run_url, report = _write_run(tmp_path, price)
@@ -352,7 +352,7 @@ def test_attach_usage_prices_held_time_and_places_steps_before_the_exit(tmp_path
 
 
 def test_no_price_no_cost_and_no_ledger_no_usage(tmp_path):
-    from tasks.usage_record import attach_usage
+    from tasks.ledger.record import attach_usage
 
     run_url, report = _write_run(tmp_path, None)
     summary, _ = attach_usage(f"{run_url}/report", report, "1970-01-01T00:17:30+00:00")
@@ -369,8 +369,8 @@ def _summary(price=None):
 
 
 def test_the_report_has_a_gpu_time_section_with_the_line_causes_and_chart():
-    from tasks.report_markdown import markdown
-    from tasks.report_view import report_view
+    from tasks.report.markdown import markdown
+    from tasks.report.view import report_view
 
     release = {"clean": True, "usage": _summary(freeze(use_gpu=False)), "charts": {"usage": "usage.png"}}
     md = markdown(report_view(view_of(base_report(), None, release)))
@@ -400,10 +400,10 @@ def test_the_runs_page_shows_held_busy_cost_and_time_to_release():
 
 
 def test_cost_warnings_name_the_live_idle_warnings_the_top_cause_and_the_cheapest_count():
-    """Never failures: each idle-held warning raised while a group ran (tests/tasks/test_usage_idle.py), a mostly
+    """Never failures: each idle-held warning raised while a group ran (tests/tasks/ledger/test_idle.py), a mostly
     idle run of at least one held hour, efficiency below min_cost_efficiency naming the advisor's cheapest count, a
     slow release."""
-    from tasks.usage_record import cost_warnings
+    from tasks.ledger.record import cost_warnings
 
     book = usage.ledger([attempt("train", rank(0, 0, 2000, 9000, 2100, 3000), rank(1, 0, 5, 9000, 2100, 3000))],
                         released_at=9100)
@@ -424,7 +424,8 @@ def test_cost_warnings_name_the_live_idle_warnings_the_top_cause_and_the_cheapes
 
 
 def test_cost_warnings_are_mailed_once_with_an_alert_connection(monkeypatch):
-    from tasks import alerts, usage_record
+    from tasks import alerts
+    from tasks.ledger import record as usage_record
 
     sent = []
     monkeypatch.setattr(alerts, "send_alert", lambda *args, **kw: sent.append((args, kw)) or True)
@@ -439,7 +440,7 @@ def test_cost_warnings_are_mailed_once_with_an_alert_connection(monkeypatch):
 
 def test_the_advisors_cheapest_count_is_read_checked_from_preflight_json(tmp_path, caplog):
     from core.storage import write_json_atomic
-    from tasks.usage_record import _cheapest_workers
+    from tasks.ledger.record import _cheapest_workers
 
     report_url = str(tmp_path / "report")
     assert _cheapest_workers(report_url) is None  # no preflight.json

@@ -1,8 +1,8 @@
 """The comparison report: the figures table, the PNG charts, the history of runs, and writing them (evaluate:
-report.json and the charts; release: report.md, from the report's view, tasks/report_view.py, of the three parts).
+report.json and the charts; release: report.md, from the report's view, tasks/report/view.py, of the three parts).
 
 `report.json` is written last under `<root>/runs/<run_key>/report/`: readers (the UI plugin, later runs' history
-charts) trust a report only once it exists. It is tasks/report_document.py's `RunReport` (each record's docstring
+charts) trust a report only once it exists. It is tasks/report/document.py's `RunReport` (each record's docstring
 lists its fields), read back checked. The layout of `report.json` (format_version 1):
 
     {"format_version", "run_id", "run_key", "created_at", "num_workers", "gates_passed",
@@ -14,11 +14,11 @@ lists its fields), read back checked. The layout of `report.json` (format_versio
      "hardware": {"line", "distributed", "baseline", "task_host"}, "versions": {...}, "config": {...},
      "eval_sample": SAMPLE (what every model of the run was scored on),
      "table": [ROW], "charts": {"loss_curves": "loss_curves.png", "scaling": "scaling.png"},
-     "segments": [SEGMENT], "elastic": bool (tasks/scaling.py: each launch of train, fewer workers than asked),
+     "segments": [SEGMENT], "elastic": bool (tasks/report/scaling.py: each launch of train, fewer workers than asked),
      "prediction": {"num_workers", "predicted_speedup", "measured_speedup", "predicted_efficiency",
                     "measured_efficiency", "speedup_error", "recommendation", "rows", "step_source"} | null,
-     "warnings": [sentence] (tasks/throughput.py: tokens/s well below the prediction or the last comparable run),
-     "release": {"clean", "released_at", "host", "survivors"} (release.json's, folded in by tasks/report_parts.py),
+     "warnings": [sentence] (tasks/report/throughput.py: tokens/s well below the prediction or the last comparable run),
+     "release": {"clean", "released_at", "host", "survivors"} (release.json's, folded in by tasks/report/parts.py),
      "continued_from": {"name", "version", "url", "model_url", "run_id", "eval_loss"} | null,
      "promoted": {"name", "version", "url", "run_id", "recorded_eval_loss", "recorded_eval_loss_se",
                   "recorded_eval_sample", "eval_loss", "eval_loss_se", "eval_sample" (id), "delta_se" (of the run's
@@ -27,7 +27,7 @@ lists its fields), read back checked. The layout of `report.json` (format_versio
      "samples": [{"model": label, "eval_loss", "nats_per_char", "known_words": KNOWN,
                   "samples": [{"prompt", "greedy", "top_k"}]}],
      "promotion": {"promoted", "policy", "model_name", "reason", "compared_with", "version", "url", "model_url",
-                   "decided_at"} (promotion.json's, folded in by tasks/report_parts.py)}
+                   "decided_at"} (promotion.json's, folded in by tasks/report/parts.py)}
     RUN = {"label", "num_workers", "global_batch_size", "steps", "tokens_seen", "train_time_s", "wall_time_s",
            "tokens_per_s", "final_loss", "mfu", "eval_loss", "perplexity", "nats_per_char", "known_words": KNOWN,
            "eval_tokens", "eval_time_s", "model_url", "summary_url", "started_at", "finished_at",
@@ -53,12 +53,12 @@ from typing import Any
 
 from core.layout import REPORT_JSON
 from core.storage import exists, join, list_dir, write_bytes_atomic, write_json_atomic
-from tasks.formatting import TABLE_COLUMNS
-from tasks.report_document import ReportError, RunReport
-from tasks.report_file import UnreadableRecord, finite, read_record
-from tasks.report_markdown import markdown
-from tasks.report_parts import RunView, read_parts, run_view
-from tasks.report_view import report_view
+from tasks.report.document import ReportError, RunReport
+from tasks.report.formatting import TABLE_COLUMNS
+from tasks.report.markdown import markdown
+from tasks.report.parts import RunView, read_parts, run_view
+from tasks.report.untrusted import UnreadableRecord, finite, read_record
+from tasks.report.view import report_view
 
 log = logging.getLogger("gpt_finetune.report")
 
@@ -185,7 +185,7 @@ def history_point(report: RunReport) -> list[dict[str, Any]]:
 
 def earlier_reports(runs_url: str, *, exclude_run_key: str) -> list[RunReport]:
     """Every other run's report.json that reads as a report: within the size and depth limits of any record read
-    back (tasks/report_file.py), every field of its type (tasks/report_document.py) and its figures plausible
+    back (tasks/report/untrusted.py), every field of its type (tasks/report/document.py) and its figures plausible
     (`check_earlier`). Others are logged and left out: another run's odd report never fails this run's evaluate."""
     found = []
     for key in list_dir(runs_url):
@@ -204,7 +204,7 @@ def earlier_reports(runs_url: str, *, exclude_run_key: str) -> list[RunReport]:
 
 def check_earlier(report: RunReport, url: str) -> None:
     """ReportError naming the first figure the history (`history_point`), the scaling chart and the throughput watch
-    (tasks/throughput.py) read of an earlier report that is of its type but no figure they can use."""
+    (tasks/report/throughput.py) read of an earlier report that is of its type but no figure they can use."""
     for name, run in (("baseline", report.runs.baseline), ("distributed", report.runs.distributed)):
         if run is None:  # no baseline: nothing read
             continue
@@ -228,7 +228,7 @@ def write_report(report_url: str, report: RunReport, charts: dict[str, bytes]) -
 
 
 def render_report_md(report_url: str) -> None:
-    """report.md from the three parts (report.json, promotion.json, release.json; tasks/report_parts.py merges
+    """report.md from the three parts (report.json, promotion.json, release.json; tasks/report/parts.py merges
     them): the release task's, report.md's one writer. Nothing before evaluate wrote report.json (an unreadable or
     mistyped one writes nothing: the run's page says why)."""
     json_url = join(report_url, REPORT_JSON)

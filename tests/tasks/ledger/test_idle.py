@@ -15,12 +15,12 @@ from core.protocol import EXIT_PREEMPTED
 from launcher import GroupSpec, GroupState, LocalBackend
 from tasks import alerts
 from tasks.launch import IdleSettings, RecordedLaunch, live_step
+from tasks.ledger.record import load_attempts, run_usage
 from tasks.release import processes_of_run
-from tasks.report import render_markdown
-from tasks.report_parts import run_view
-from tasks.usage_record import load_attempts, run_usage
+from tasks.report.parts import run_view
+from tasks.report.store import render_markdown
 from tests.launcher.conftest import entrypoint_env
-from tests.tasks.test_report import document
+from tests.tasks.report.test_store import document
 from trainer.metrics import LIVE_PREFIX
 
 MAIL_HANGS_S = 15.0

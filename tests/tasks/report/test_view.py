@@ -1,8 +1,8 @@
-"""The report's view (tasks/report_view.py): the sections report.md and the run's page both write, from any JSON."""
+"""The report's view (tasks/report/view.py): the sections report.md and the run's page both write, from any JSON."""
 
-from tasks import report_view
-from tasks.report import render_markdown
-from tests.tasks.test_report import report, view_of
+from tasks.report import view as report_view
+from tasks.report.store import render_markdown
+from tests.tasks.report.test_store import report, view_of
 
 
 def _titles(view: report_view.ReportView) -> list[str | None]:
@@ -31,7 +31,7 @@ def test_the_verdicts_and_where_the_page_anchors_them():
 
 
 def test_the_parts_other_tasks_own_are_shown_whatever_their_shape():
-    """report.json is read checked (tasks/report_document.py); promotion.json's verdict and release's ledger are shown
+    """report.json is read checked (tasks/report/document.py); promotion.json's verdict and release's ledger are shown
     as they are: missing fields read as dashes, wrong types as text, never an error."""
     for promotion in ({}, {"promoted": "yes", "reason": ["x"]}, {"unreadable": 3}):
         for release in ({}, {"clean": "yes", "usage": {"held_gpu_h": "lots", "per_slot": [1, {"slot": 2}]}}):
@@ -53,12 +53,12 @@ def test_gpu_memory_shows_tensorflows_peak_beside_the_memory_in_use_on_gpu_runs_
 
 
 def test_the_report_says_how_the_gradients_crossed_the_network():
-    """summary.json's `allreduce` (trainer/train.py) reaches the report through the run's figures (tasks/comparison.py):
-    the implementation `communication` resolved to, the wire dtype and the packs."""
+    """summary.json's `allreduce` (trainer/train.py) reaches the report through the run's figures
+    (tasks/report/comparison.py): the implementation `communication` resolved to, the wire dtype and the packs."""
     from core.eval_result import EvalResult
     from core.layout import TrainOutput
     from core.summary import TrainSummary
-    from tasks.comparison import run_figures
+    from tasks.report.comparison import run_figures
 
     summary = {"num_workers": 2, "global_batch_size": 16, "steps": 4, "tokens_seen": 4096, "train_time_s": 2.0,
                "wall_time_s": 3.0, "tokens_per_s": 2048.0, "final_loss": 5.0,

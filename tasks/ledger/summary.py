@@ -1,4 +1,4 @@
-"""release.json's `usage`: the ledger (tasks/usage.py) in hours, shares and cost, with what release adds (the
+"""release.json's `usage`: the ledger (tasks/ledger/usage.py) in hours, shares and cost, with what release adds (the
 attempts, the admission waits, the live idle-held warnings, the advisor's cheapest count and the warnings).
 
 `UsageSummary.to_xcom()` is what release.json keeps (docs/CONTRACTS.md, "GPU-time ledger"); the report's views read
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.document import Document
-from tasks.pricing import Price
-from tasks.usage import Book, IdleWarning
+from tasks.ledger.pricing import Price
+from tasks.ledger.usage import Book, IdleWarning
 
 
 @dataclass(frozen=True)
@@ -97,11 +97,11 @@ class LiveWarning(Document):
 @dataclass(frozen=True)
 class UsageSummary(Document):
     """release.json's `usage` (docs/CONTRACTS.md, "GPU-time ledger"). `summarize` fills the ledger's figures; the
-    fields from `attempts` on are release's (tasks/usage_record.py), empty or None until it sets them.
+    fields from `attempts` on are release's (tasks/ledger/record.py), empty or None until it sets them.
 
     Attributes:
         unit: gpu_hour, or worker_hour on CPU runs; slots: how many slots the run held.
-        held_gpu_h, busy_gpu_h, idle_gpu_h, idle_by_cause_gpu_h: the run's hours (`tasks.usage.CAUSES`).
+        held_gpu_h, busy_gpu_h, idle_gpu_h, idle_by_cause_gpu_h: the run's hours (`tasks.ledger.usage.CAUSES`).
         busy_share: busy / held (None when nothing was held); time_to_release_s: last exit to release's proof;
             clock_skew_s: how far release's clock was behind the last exit.
         per_slot, per_slot_by_cause: each slot's hours; waited_gpu_h: slot hours left out of held as admission waits.

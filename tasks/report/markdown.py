@@ -1,8 +1,8 @@
-"""report.md: the report's view (tasks/report_view.py) written as Markdown."""
+"""report.md: the report's view (tasks/report/view.py) written as Markdown."""
 
 from __future__ import annotations
 
-from tasks import report_view
+from tasks.report import view as report_view
 
 
 def markdown(view: report_view.ReportView) -> str:

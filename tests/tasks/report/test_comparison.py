@@ -1,11 +1,11 @@
-"""The comparison's pure parts (tasks/comparison.py): figures, speedup and the hardware line, without storage."""
+"""The comparison's pure parts (tasks/report/comparison.py): figures, speedup and the hardware line, without storage."""
 
 from dataclasses import replace
 
 from core.config import RunConfig
 from core.summary import TrainSummary
-from tasks import comparison
-from tasks.report_document import RunFigures
+from tasks.report import comparison
+from tasks.report.document import RunFigures
 
 
 def test_speedup_compares_time_per_step_so_a_resumed_job_is_measured_fairly():

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from core.protocol import EXIT_PREEMPTED
-from tasks import usage
-from tasks.report_document import Runs
-from tasks.usage import AttemptEvents, Book, RankEvents
-from tasks.usage_record import add_steps
-from tests.tasks.test_comparison import figures
+from tasks.ledger import usage
+from tasks.ledger.record import add_steps
+from tasks.ledger.usage import AttemptEvents, Book, RankEvents
+from tasks.report.document import Runs
+from tests.tasks.report.test_comparison import figures
 
 
 def _attempt(state: str, launch: float, ready: float, end: float, exit_code: int | None) -> AttemptEvents:

@@ -10,7 +10,7 @@ stays in the secrets backend and never reaches a log, an XCom or an argv.
 
 A try waited for admission from `scheduled_when` (its dependencies met) to `queued_when` (the scheduler gave it its
 pool slots, `gpu_slots` on GPU runs, and sent it to the executor): no slot was this run's then, so that time is
-"waited" and costs nothing (tasks/usage.py takes it out of the held time between tasks). `queued_s` (queued ->
+"waited" and costs nothing (tasks/ledger/usage.py takes it out of the held time between tasks). `queued_s` (queued ->
 started) is shown beside it: the slots were the run's by then.
 """
 

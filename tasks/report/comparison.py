@@ -18,9 +18,9 @@ from core.config import RunConfig
 from core.eval_result import GATE_STANDARD_ERRORS, EvalResult
 from core.layout import TrainOutput
 from core.summary import TrainSummary
-from tasks import report as reports
-from tasks.formatting import nats
-from tasks.report_document import BaselineOrigin, Comparison, EvalSample, Gate, Hardware, RunFigures, RunReport, Runs
+from tasks.report import store as reports
+from tasks.report.document import BaselineOrigin, Comparison, EvalSample, Gate, Hardware, RunFigures, RunReport, Runs
+from tasks.report.formatting import nats
 
 if TYPE_CHECKING:
     from tasks.prepared_run import PreparedRun
@@ -134,8 +134,8 @@ def hardware_line(cfg: RunConfig, distributed: RunFigures) -> str:
 
 def build_report(prepared: PreparedRun, cfg: RunConfig, *, distributed: RunFigures, baseline: RunFigures | None,
                  delta_se: float | None = None, trained_by: str | None = None) -> RunReport:
-    """report.json's core (tasks/report.py has its layout): the runs' figures compared and gated; `trained_by` is the
-    run that trained the baseline (its key record's), so a reused baseline is reported as such."""
+    """report.json's core (tasks/report/store.py has its layout): the runs' figures compared and gated; `trained_by`
+    is the run that trained the baseline (its key record's), so a reused baseline is reported as such."""
     comparison = compare(distributed, baseline, cfg.loss_tolerance, delta_se)
     checked = gates(distributed, baseline, comparison)
     return RunReport(

@@ -1,11 +1,11 @@
 """A run's report is three files beside each other, each with one writer: `report.json` (evaluate), `promotion.json`
-(promote) and `release.json` (release). This reads them as the one report its view shows (tasks/report_view.py), a
+(promote) and `release.json` (release). This reads them as the one report its view shows (tasks/report/view.py), a
 `RunView`: report.md (written by release alone, the last task, once all three are final) and the run's page render
 the same merge, and no task rewrites another's file.
 
-The parts are untrusted input like the report (tasks/report_file.py limits): a missing part reads None (pending), an
-unreadable one `{"unreadable": why}`, which the view shows as such (a release that cannot be read is no proof); so
-does a promotion whose export gates are not gates (tasks/report_document.py checks them).
+The parts are untrusted input like the report (tasks/report/untrusted.py limits): a missing part reads None (pending),
+an unreadable one `{"unreadable": why}`, which the view shows as such (a release that cannot be read is no proof); so
+does a promotion whose export gates are not gates (tasks/report/document.py checks them).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 from core.layout import PROMOTION_JSON, RELEASE_JSON
 from core.storage import exists, join
 from tasks.exports import ExportPart
-from tasks.report_document import ReportError, RunReport
-from tasks.report_file import UnreadableRecord, read_record
+from tasks.report.document import ReportError, RunReport
+from tasks.report.untrusted import UnreadableRecord, read_record
 
 log = logging.getLogger("gpt_finetune.report")
 
@@ -40,7 +40,7 @@ class RunView:
             be read; None: pending.
         release: release.json's RELEASE_FIELDS; `{"clean": False, "unreadable": why}` when it cannot be read;
             None: pending.
-        usage: release's GPU-time ledger (tasks/usage_record.py); None without one.
+        usage: release's GPU-time ledger (tasks/ledger/record.py); None without one.
     """
 
     report: RunReport

@@ -6,10 +6,10 @@ import struct
 import pytest
 
 from core.storage import exists, join, read_bytes, read_json, write_bytes_atomic, write_json_atomic
-from tasks import formatting
-from tasks import report as reports
-from tasks.report_document import ReportError, RunReport, table_rows
-from tasks.report_parts import RunView, run_view
+from tasks.report import formatting
+from tasks.report import store as reports
+from tasks.report.document import ReportError, RunReport, table_rows
+from tasks.report.parts import RunView, run_view
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -186,7 +186,7 @@ def test_no_report_md_without_a_readable_report_json(tmp_path):
     lambda r: r["comparison"].update(efficiency=float("nan")),
 ])
 def test_an_odd_earlier_report_is_left_out_and_never_fails_the_throughput_watch(tmp_path, caplog, damage):
-    from tasks import throughput
+    from tasks.report import throughput
 
     runs_url = str(tmp_path / "runs")
     cfg = {"num_workers": 2, "backend": "local", "model": "tiny"}
@@ -207,7 +207,7 @@ def test_an_odd_earlier_report_is_left_out_and_never_fails_the_throughput_watch(
 
 
 def test_an_earlier_report_too_large_or_too_deep_is_left_out_unread(tmp_path, monkeypatch, caplog):
-    from tasks import report_file
+    from tasks.report import untrusted as report_file
 
     runs_url = str(tmp_path / "runs")
     write_bytes_atomic(join(runs_url, "deep-1", "report", "report.json"), b"[" * 100000)

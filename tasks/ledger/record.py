@@ -1,7 +1,7 @@
 """The ledger's reads and writes: the launch path's events under `runs/<key>/usage/` (one file per group attempt,
 `<group>-<launch time>-a<attempt>.json`, written by tasks/launch.py), the training summaries' step times, the
 frozen price (`usage/price.json`, written by prepare) and release's time, into release.json's `usage`
-(tasks/usage.py computes; this module only gathers).
+(tasks/ledger/usage.py computes; this module only gathers).
 
 Step ends come from the summaries, not from the workers' clocks: a successful train or baseline attempt trained
 `train_time_s` on every rank and its last step ended `finished_at - time of the last metrics line` before the
@@ -23,12 +23,12 @@ from core.config.schema import flat_settings
 from core.document import Document, DocumentError, checked
 from core.protocol import EXIT_PREEMPTED
 from core.storage import exists, join, list_dir, read_bytes, read_json, write_json_atomic
-from tasks import airflow_api, usage
-from tasks.airflow_api import AdmissionWait
-from tasks.pricing import Price
-from tasks.report_document import RunFigures, RunReport, Runs
-from tasks.usage import STEP_KINDS, AttemptEvents, RankEvents, RankTimeline, Timeline, task_of
-from tasks.usage_summary import AdmissionRow, AttemptRow, LiveWarning, UsageSummary, summarize
+from tasks.ledger import airflow_api, usage
+from tasks.ledger.airflow_api import AdmissionWait
+from tasks.ledger.pricing import Price
+from tasks.ledger.summary import AdmissionRow, AttemptRow, LiveWarning, UsageSummary, summarize
+from tasks.ledger.usage import STEP_KINDS, AttemptEvents, RankEvents, RankTimeline, Timeline, task_of
+from tasks.report.document import RunFigures, RunReport, Runs
 
 log = logging.getLogger("gpt_finetune.usage")
 
@@ -122,7 +122,7 @@ def _failed_attempt_steps(ranks: Sequence[RankEvents], joined: float) -> tuple[R
 
 @dataclass(frozen=True)
 class Admission:
-    """The GPU tasks' admission waits from Airflow (tasks/airflow_api.py), or None with `note` saying why not."""
+    """The GPU tasks' admission waits from Airflow (tasks/ledger/airflow_api.py), or None with `note` saying why not."""
 
     waits: tuple[AdmissionWait, ...] | None
     note: str | None = None
@@ -184,7 +184,7 @@ CAUSE_COLORS = {"busy": "#2e7d32", "between_tasks": "#bdbdbd", "startup": "#90ca
 
 def usage_chart(summary: UsageSummary) -> bytes:
     """One stacked bar per slot: its held hours by cause, training first."""
-    from tasks.report import _figure, _png
+    from tasks.report.store import _figure, _png
 
     pyplot = _figure()
     figure, axes = pyplot.subplots(figsize=(9, 1.8 + 0.45 * max(1, len(summary.per_slot_by_cause))))

@@ -1,5 +1,5 @@
-"""report.json as a typed document: the evaluate task builds a `RunReport` (tasks/comparison.py, tasks/evaluate.py)
-and writes `to_json()`; promote and later runs' history read one back with `RunReport.from_json`.
+"""report.json as a typed document: the evaluate task builds a `RunReport` (tasks/report/comparison.py,
+tasks/evaluate.py) and writes `to_json()`; promote and later runs' history read one back with `RunReport.from_json`.
 
 report.json comes back from storage, which whoever may write the run's storage could edit, and earlier runs wrote
 it with fewer fields: reading checks the type of every field modelled here and refuses a missing required or a
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Self
 
 from core.document import DocumentError, OpenDocument
-from tasks.formatting import fmt, known_words
+from tasks.report.formatting import fmt, known_words
 
 
 class ReportError(DocumentError):
@@ -75,15 +75,16 @@ class EvalSample(Record):
 
 @dataclasses.dataclass(frozen=True)
 class RunFigures(Record):
-    """One trained model's figures (report.json `runs.distributed`, `runs.baseline`; tasks/comparison.py).
+    """One trained model's figures (report.json `runs.distributed`, `runs.baseline`; tasks/report/comparison.py).
 
     Attributes:
         label: "distributed" or "baseline"; num_workers, global_batch_size, steps, tokens_seen: its training.
         train_time_s, wall_time_s, tokens_per_s, final_loss, mfu, seconds_per_step: from its summary.json (None:
             not timed, no loss logged, no known peak).
         eval_loss, perplexity, eval_tokens, eval_time_s: its evaluation; eval_loss_se: the loss's standard error
-            over the sample's sequences (0 for the whole split); nats_per_char, known_words (KNOWN in tasks/report.py):
-            None in reports of evaluations that predate them; eval_sample: what it was scored on.
+            over the sample's sequences (0 for the whole split); nats_per_char, known_words (KNOWN in
+            tasks/report/store.py): None in reports of evaluations that predate them; eval_sample: what it was scored
+            on.
         output_url, model_url, summary_url: its training output, model and summary.
         started_at, finished_at: UTC timestamps; resumed_from_step: the checkpoint it resumed from.
         gpu_mem_peak_mb, gpu_mem_reserved_mb: rank 0's GPU memory (None on CPU).
@@ -186,7 +187,7 @@ class Hardware(Record):
 
 @dataclasses.dataclass(frozen=True)
 class Segment(Record):
-    """One launch of the train task (tasks/scaling.py): steps `from_step`+1 to `to_step` (`steps` of them) on
+    """One launch of the train task (tasks/report/scaling.py): steps `from_step`+1 to `to_step` (`steps` of them) on
     `num_workers` with `grad_accum_steps`, their measured `tokens_per_s` (None: none timed), why it launched so
     (`reason`), its `hosts`, Airflow's `try_number` and the sentence the report shows (`line`)."""
 
@@ -204,7 +205,7 @@ class Segment(Record):
 
 @dataclasses.dataclass(frozen=True)
 class Prediction(Record):
-    """The preflight advisor's figures for the worker count that trained, beside the measured (tasks/scaling.py).
+    """The preflight advisor's figures for the worker count that trained, beside the measured (tasks/report/scaling.py).
 
     Attributes:
         num_workers: the workers of the last segment; predicted_speedup, predicted_efficiency,
@@ -290,7 +291,7 @@ class PromotedScore(Record):
 
 @dataclasses.dataclass(frozen=True)
 class RunReport(Record):
-    """report.json (evaluate's; format_version 1; tasks/report.py has its layout).
+    """report.json (evaluate's; format_version 1; tasks/report/store.py has its layout).
 
     Attributes:
         format_version: 1; run_id, run_key: the run; created_at: UTC; num_workers: the workers asked.
@@ -300,7 +301,7 @@ class RunReport(Record):
         charts: chart name -> file beside report.json.
         segments, elastic: each launch of train, and whether any had fewer workers than asked.
         prediction: the preflight advisor's scaling beside the measured (None: no advice for these workers).
-        warnings: throughput sentences (tasks/throughput.py); continued_from: the promoted version the run
+        warnings: throughput sentences (tasks/report/throughput.py); continued_from: the promoted version the run
             continued from; promoted: the promoted version scored on this run's sample; samples: each model's
             continuations.
     `table` (a row per trained model, `table_rows`) is written from the figures, never read back.

@@ -1,5 +1,5 @@
 """The report's scaling figures: the train task's segments (elastic recovery) and the advisor's prediction next to
-the measured speedup and efficiency (shown by tasks/report_view.py).
+the measured speedup and efficiency (shown by tasks/report/view.py).
 
 Inputs: `segments.json` in the training output (one entry per launch of the train task, written by
 `tf_multiworker.elastic.ElasticTrainOperator`), the chief's metrics lines, and `preflight.json`'s `advisor`.
@@ -13,7 +13,7 @@ from typing import Any
 
 from core.layout import TrainOutput
 from core.storage import exists, read_json
-from tasks.report_document import Comparison, Prediction, Segment
+from tasks.report.document import Comparison, Prediction, Segment
 
 log = logging.getLogger("gpt_finetune.scaling")
 

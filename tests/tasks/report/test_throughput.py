@@ -1,10 +1,10 @@
-"""tasks.throughput: a run well below the advisor's prediction or the last comparable run is warned about."""
+"""tasks.report.throughput: a run well below the advisor's prediction or the last comparable run is warned about."""
 
 from __future__ import annotations
 
-from tasks import throughput
-from tasks.report_document import RunReport
-from tests.tasks.test_report import report as base_report
+from tasks.report import throughput
+from tasks.report.document import RunReport
+from tests.tasks.report.test_store import report as base_report
 
 CPU = {"cpu": "Xeon", "cpu_count": 2, "device": "CPU", "gpu": None}
 
