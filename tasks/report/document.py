@@ -163,6 +163,20 @@ class Gate(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class ExportPart(Record):
+    """What promote records of the serving exports in promotion.json (beside its verdict; tasks/exports.py builds it).
+
+    Attributes:
+        export_gates: one gate per format of `export_formats` (`export_<format>`): passed when its parity check
+            passed; the view counts them with the report's (tasks/report/parts.py `with_exports`).
+        exports: the training output's parity record (`exports/exports.json`, trainer/export.py); None when missing.
+    """
+
+    export_gates: tuple[Gate, ...]
+    exports: dict[str, Any] | None
+
+
+@dataclasses.dataclass(frozen=True)
 class BaselineOrigin(Record):
     """report.json `baseline`: the setting `baseline` (`policy`), the baseline's `key` and `url` (None: skipped),
     the run that trained it (`trained_by_run`, from its key record) and whether this run `reused` it."""

@@ -16,8 +16,7 @@ from typing import Any
 
 from core.layout import PROMOTION_JSON, RELEASE_JSON
 from core.storage import exists, join
-from tasks.exports import ExportPart
-from tasks.report.document import ReportError, RunReport
+from tasks.report.document import ExportPart, ReportError, RunReport
 from tasks.report.untrusted import UnreadableRecord, read_record
 
 log = logging.getLogger("gpt_finetune.report")
