@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import platform
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from core.clock import utc_now
 from core.config import RunConfig
@@ -22,8 +22,21 @@ from tasks.report import store as reports
 from tasks.report.document import BaselineOrigin, Comparison, EvalSample, Gate, Hardware, RunFigures, RunReport, Runs
 from tasks.report.formatting import nats
 
-if TYPE_CHECKING:
-    from tasks.prepared_run import PreparedRun
+
+class PreparedIdentity(Protocol):
+    """What the report takes of the prepared run (the tasks' `PreparedRun` is one): read-only, so the report, a floor
+    below the tasks, needs no task's record."""
+
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def run_key(self) -> str: ...
+    @property
+    def dataset_fingerprint(self) -> str: ...
+    @property
+    def baseline_key(self) -> str: ...
+    @property
+    def baseline_url(self) -> str: ...
 
 
 def run_figures(label: str, output: TrainOutput, summary: TrainSummary, evaluation: EvalResult) -> RunFigures:
@@ -132,7 +145,7 @@ def hardware_line(cfg: RunConfig, distributed: RunFigures) -> str:
     )
 
 
-def build_report(prepared: PreparedRun, cfg: RunConfig, *, distributed: RunFigures, baseline: RunFigures | None,
+def build_report(prepared: PreparedIdentity, cfg: RunConfig, *, distributed: RunFigures, baseline: RunFigures | None,
                  delta_se: float | None = None, trained_by: str | None = None) -> RunReport:
     """report.json's core (tasks/report/store.py has its layout): the runs' figures compared and gated; `trained_by`
     is the run that trained the baseline (its key record's), so a reused baseline is reported as such."""
