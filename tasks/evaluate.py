@@ -31,6 +31,7 @@ from tasks.legacy_models import convert_legacy_model
 from tasks.policy import check_launch_urls
 from tasks.report import store as reports
 from tasks.report import throughput
+from tasks.report.charts import loss_chart, scaling_chart
 from tasks.report.comparison import build_report, run_figures
 from tasks.report.document import ContinuedFrom, ModelSamples, PromotedScore, RunReport, TextSample, table_rows
 from trainer.data import tokenizer_url
@@ -162,12 +163,12 @@ def charts(checked: CheckedRun, report: RunReport, earlier: list[RunReport]) -> 
     """The loss curves of the models trained and the scaling history with this run (and the advisor's rows)."""
     trained = report.runs.trained()
     return {
-        reports.LOSS_CHART: reports.loss_chart(
+        reports.LOSS_CHART: loss_chart(
             {run.label: read_metrics(TrainOutput(run.output_url)) for run in trained},
             title=f"Training loss and final eval loss, global batch {checked.cfg.global_batch_size}",
             eval_points={run.label: (run.tokens_seen, run.eval_loss) for run in trained},
         ),
-        reports.SCALING_CHART: reports.scaling_chart(
+        reports.SCALING_CHART: scaling_chart(
             [point for other in earlier for point in reports.history_point(other)] + reports.history_point(report),
             current_run_id=checked.run_id,
             predicted=list(report.prediction.rows) if report.prediction else None,

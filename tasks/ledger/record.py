@@ -28,6 +28,7 @@ from tasks.ledger.airflow_api import AdmissionWait
 from tasks.ledger.pricing import Price
 from tasks.ledger.summary import AdmissionRow, AttemptRow, LiveWarning, UsageSummary, summarize
 from tasks.ledger.usage import STEP_KINDS, AttemptEvents, RankEvents, RankTimeline, Timeline, task_of
+from tasks.report import charts
 from tasks.report.document import RunFigures, RunReport, Runs
 
 log = logging.getLogger("gpt_finetune.usage")
@@ -184,10 +185,8 @@ CAUSE_COLORS = {"busy": "#2e7d32", "between_tasks": "#bdbdbd", "startup": "#90ca
 
 def usage_chart(summary: UsageSummary) -> bytes:
     """One stacked bar per slot: its held hours by cause, training first."""
-    from tasks.report.store import _figure, _png
-
-    pyplot = _figure()
-    figure, axes = pyplot.subplots(figsize=(9, 1.8 + 0.45 * max(1, len(summary.per_slot_by_cause))))
+    plot = charts.pyplot()
+    figure, axes = plot.subplots(figsize=(9, 1.8 + 0.45 * max(1, len(summary.per_slot_by_cause))))
     names = [row.slot for row in summary.per_slot_by_cause]
     left = [0.0] * len(names)
     for cause, color in CAUSE_COLORS.items():
@@ -199,7 +198,7 @@ def usage_chart(summary: UsageSummary) -> bytes:
     axes.set_title("Held time by cause")
     axes.invert_yaxis()
     axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the bars, not over the axis
-    return _png(pyplot, figure)
+    return charts.png(plot, figure)
 
 
 MOSTLY_IDLE_MIN_HELD_H = 1.0  # a run is called mostly idle only from this many held hours (gpuledger's rule)
