@@ -244,10 +244,10 @@ def _cheapest_workers(report_url: str) -> int | None:
 
 def attach_usage(report_url: str, report: RunReport, released_at: str,
                  dag_id: str | None = None) -> tuple[UsageSummary | None, dict[str, bytes]]:
-    """The run's GPU-time ledger with its warnings (logged, counted and mailed), and its chart to write beside the
-    report (USAGE_CHART); (None, {}) when the run recorded no events. A ledger that cannot be read is logged and
-    left out: it never fails release. With `dag_id`, the admission waits of the report's run are read from
-    Airflow."""
+    """The run's GPU-time ledger with its warnings (logged; release counts and mails those not raised live:
+    `unannounced`), and its chart to write beside the report (USAGE_CHART); (None, {}) when the run recorded no
+    events. A ledger that cannot be read is logged and left out: it never fails release. With `dag_id`, the
+    admission waits of the report's run are read from Airflow."""
     run_url = report_url.rstrip("/").rsplit("/", 1)[0]
     try:
         waits = admission(load_attempts(run_url), dag_id, report.run_id)
@@ -256,43 +256,17 @@ def attach_usage(report_url: str, report: RunReport, released_at: str,
             return None, {}
         summary = replace(summary, cheapest_workers=_cheapest_workers(report_url))
         warnings = cost_warnings(summary, flat_settings(report.config))
-        # Counted and mailed while the groups ran.
-        raised_live = {live.warning.text for live in (*summary.idle_warnings, *summary.reclaims)}
         summary = replace(summary, warnings=tuple(warnings))
         for warning in warnings:
             log.warning("%s", warning)
-        _emit(summary, [w for w in warnings if w not in raised_live], report.run_key)
-        _mail(report, [w for w in warnings if w not in raised_live])
         return summary, {USAGE_CHART: usage_chart(summary)}
     except Exception:  # the ledger is a view of the run; release's proof must not depend on it
         log.exception("could not compute the GPU-time ledger of %s", run_url)
         return None, {}
 
 
-def _emit(summary: UsageSummary, warnings: list[str], run_key: str) -> None:
-    """The ledger's gauges once, at release, and a `cost_warning` count per warning (best effort)."""
-    from tasks import telemetry
-
-    cost, price = summary.cost, summary.price
-    telemetry.emit_task_metrics("usage", {
-        "held_gpu_h": summary.held_gpu_h, "busy_gpu_h": summary.busy_gpu_h, "idle_gpu_h": summary.idle_gpu_h,
-        "busy_share": summary.busy_share, "time_to_release_s": summary.time_to_release_s,
-        "cost": cost.held if cost else None, "cost_per_mtoken": cost.per_mtoken if cost else None,
-        "price_per_gpu_h": price.rate if price else None,
-        **{f"idle_{cause}_gpu_h": hours for cause, hours in summary.idle_by_cause_gpu_h.items()}}, run=run_key)
-    for _ in warnings:
-        telemetry.count("cost_warning", {"run": run_key, "task": "release"})
-
-
-def _mail(report: RunReport, warnings: list[str]) -> None:
-    """The warnings as one alert, when the run has an alert connection (bounded like every alert)."""
-    cfg = flat_settings(report.config)
-    if not warnings or not cfg.get("alert_conn_id"):
-        return
-    from tasks.alerts import run_page_url, send_alert
-
-    run_id = report.run_id
-    opening = f"The GPU time of run {run_id} needs a look (the run itself is not failed by it):"
-    text = "\n".join([opening, "", *(f"- {warning}" for warning in warnings), "", f"Report: {run_page_url(run_id)}"])
-    send_alert(cfg["alert_conn_id"], tuple(cfg.get("alert_emails") or ()), f"[gpt_finetune] run {run_id}: GPU time "
-               "warnings", text, run=report.run_key, task="release")
+def unannounced(summary: UsageSummary) -> list[str]:
+    """The ledger's warnings not yet counted and mailed: the live idle-held and reclaim ones were, while the groups
+    ran."""
+    raised_live = {live.warning.text for live in (*summary.idle_warnings, *summary.reclaims)}
+    return [warning for warning in summary.warnings if warning not in raised_live]

@@ -14,7 +14,7 @@ from core.document import DocumentError
 from tasks.ledger import pricing, usage
 from tasks.ledger.summary import AttemptRow, LiveWarning, summarize
 from tasks.ledger.usage import IdleWarning, RankEvents, RankTimeline, Timeline
-from tests.tasks.report.test_store import document, document_of, view_of
+from tests.tasks.report.test_store import document_of, view_of
 from tests.tasks.report.test_store import report as base_report
 
 
@@ -421,21 +421,6 @@ def test_cost_warnings_name_the_live_idle_warnings_the_top_cause_and_the_cheapes
     assert cost_warnings(replace(summary, idle_warnings=()),
                          {"max_idle_held_s": 0, "min_cost_efficiency": 0, "max_release_s": 0}) == \
         [found[2]]  # 0 turns each setting's warning off; the mostly idle run has no setting
-
-
-def test_cost_warnings_are_mailed_once_with_an_alert_connection(monkeypatch):
-    from tasks import alerts
-    from tasks.ledger import record as usage_record
-
-    sent = []
-    monkeypatch.setattr(alerts, "send_alert", lambda *args, **kw: sent.append((args, kw)) or True)
-    report = replace(document("r1"), run_key="k1", config={"alert_conn_id": "smtp", "alert_emails": ["a@b.example"]})
-    usage_record._mail(report, ["GPU time: one", "GPU time: two"])
-    usage_record._mail(replace(report, config={}), ["GPU time: one"])  # no connection: no mail
-    assert len(sent) == 1
-    (conn, recipients, subject, text), kw = sent[0]
-    assert conn == "smtp" and recipients == ("a@b.example",) and "GPU time warnings" in subject
-    assert "- GPU time: two" in text and kw == {"run": "k1", "task": "release"}
 
 
 def test_the_advisors_cheapest_count_is_read_checked_from_preflight_json(tmp_path, caplog):
