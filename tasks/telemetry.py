@@ -140,7 +140,7 @@ def emit_report_metrics(report: RunReport, throughput_ratio: float | None) -> in
 
 
 # A live line is a few hundred characters; a longer one is not parsed at all (a worker's stray output, or a value
-# that is not a metric). Lines the launcher delivers are cut long before (launcher.group.MAX_LINE_BYTES).
+# that is not a metric). Lines the launcher delivers are cut long before (launcher.worker_output.MAX_LINE_BYTES).
 MAX_LIVE_LINE_CHARS = 16384
 
 
