@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tasks.report import view as report_view
+from tasks.report import blocks
 
 
-def markdown(view: report_view.ReportView) -> str:
+def markdown(view: blocks.ReportView) -> str:
     """Blocks separated by one blank line; every line of text stays on one line of Markdown."""
     blocks = [f"# {_line(view.title)}"]
     for section in view.sections:
@@ -14,39 +14,39 @@ def markdown(view: report_view.ReportView) -> str:
     return "\n\n".join(blocks) + "\n"
 
 
-def _block(block: report_view.Block) -> list[str]:
-    if isinstance(block, report_view.Paragraph):
+def _block(block: blocks.Block) -> list[str]:
+    if isinstance(block, blocks.Paragraph):
         return [_line(block.line)]
-    if isinstance(block, report_view.Bullets):
+    if isinstance(block, blocks.Bullets):
         return ["\n".join(f"- {_line(item.line)}" for item in block.items)]
-    if isinstance(block, report_view.Warnings):
+    if isinstance(block, blocks.Warnings):
         return [f"> **Warning:** {_one_line(text)}" for text in block.texts]
-    if isinstance(block, report_view.Charts):
+    if isinstance(block, blocks.Charts):
         return ["\n".join(f"![{name}]({file})" for name, file in block.files)]
     return [_table(block)]
 
 
-def _table(table: report_view.Table) -> str:
+def _table(table: blocks.Table) -> str:
     lines = ["| " + " | ".join(table.columns) + " |", "|" + "|".join("---" for _ in table.columns) + "|"]
     lines += ["| " + " | ".join(_cell(cell) for cell in row) + " |" for row in table.rows]
     return "\n".join(lines)
 
 
-def _line(line: report_view.Line) -> str:
+def _line(line: blocks.Line) -> str:
     return _one_line("".join(_mark(mark) for mark in line))
 
 
-def _mark(mark: report_view.Mark) -> str:
-    if isinstance(mark, report_view.Emphasis):
+def _mark(mark: blocks.Mark) -> str:
+    if isinstance(mark, blocks.Emphasis):
         return f"**{mark.text}**"
-    if isinstance(mark, report_view.Code):
+    if isinstance(mark, blocks.Code):
         return f"`{mark.text}`"
-    if isinstance(mark, report_view.Verdict):
+    if isinstance(mark, blocks.Verdict):
         return f"**{mark.label}: {mark.text}**" if mark.label else f"**{mark.text}**"
     return mark
 
 
-def _cell(mark: report_view.Mark) -> str:
+def _cell(mark: blocks.Mark) -> str:
     """A pipe would split the cell: Markdown shows `\\|` as `|`."""
     return _one_line(_mark(mark)).replace("|", "\\|")
 

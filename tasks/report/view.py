@@ -1,93 +1,40 @@
-"""What a run's report says, built once from report.json and written twice: as report.md (tasks/report/markdown.py)
-and as the UI's run page (the UI plugin's report_pages.py).
+"""What a run's report says, built once from report.json and written twice: as report.md (tasks/report/markdown.py) and
+as the UI's run page (the UI plugin's report_pages.py).
 
-The view is plain text in a few shapes (sections of paragraphs, bullet lists, tables, warnings, charts), with three
-marks inside a line: emphasis, code and a verdict. Each writer decides how they look and escapes what its format
-needs, so a section is added or changed here, once, for both.
+The view is plain text in a few shapes (tasks/report/blocks.py: sections of paragraphs, bullet lists, tables,
+warnings, charts, with three marks inside a line: emphasis, code and a verdict). Each writer decides how they look
+and escapes what its format needs, so a section is added or changed here, once, for both.
 
 report.json comes from storage that many tasks can write: the view is built from the report as read and checked
 (tasks/report/document.py's `RunReport`, in tasks/report/parts.py's `RunView` with promote's and release's parts),
-so its fields are of their types; a missing figure reads as "—". The parts other tasks own that it shows as they
-are (the promotion verdict, the GPU-time ledger) are read tolerantly: a missing field or a wrong type reads as "—"
-or as its text, never as an error.
+so its fields are of their types; a missing figure reads as "—". The parts other tasks own that it shows as they are
+(the promotion verdict, the GPU-time ledger) are read tolerantly: a missing field or a wrong type reads as "—" or as
+its text, never as an error.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
+from tasks.report.blocks import (
+    Block,
+    Bullets,
+    Charts,
+    Code,
+    Emphasis,
+    Line,
+    Mark,
+    Paragraph,
+    ReportView,
+    Section,
+    Table,
+    Verdict,
+    Warnings,
+)
 from tasks.report.document import BaselineOrigin, Comparison, RunFigures, RunReport, table_rows
 from tasks.report.formatting import KNOWN_WORDS_NOTE, TABLE_COLUMNS, fmt, known_words, nats
 from tasks.report.parts import RunView
-
-
-@dataclass(frozen=True)
-class Emphasis:
-    text: str
-
-
-@dataclass(frozen=True)
-class Code:
-    text: str
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """A pass/fail word, as `label: text` where a label is given; `passed` None is neither (e.g. "pending")."""
-    text: str
-    passed: bool | None
-    label: str = ""
-    anchor: str | None = None  # the page's element id
-
-
-Mark = str | Emphasis | Code | Verdict
-Line = tuple[Mark, ...]
-
-
-@dataclass(frozen=True)
-class Paragraph:
-    line: Line
-    anchor: str | None = None
-
-
-@dataclass(frozen=True)
-class Bullets:
-    items: tuple[Paragraph, ...]
-
-
-@dataclass(frozen=True)
-class Table:
-    columns: tuple[str, ...]
-    rows: tuple[tuple[Mark, ...], ...]
-    anchor: str | None = None
-    prose: tuple[str, ...] = ()  # columns of sentences rather than figures
-
-
-@dataclass(frozen=True)
-class Warnings:
-    texts: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Charts:
-    files: tuple[tuple[str, str], ...]  # (name, file name beside report.json)
-
-
-Block = Paragraph | Bullets | Table | Warnings | Charts
-
-
-@dataclass(frozen=True)
-class Section:
-    title: str | None  # None: the report's opening, under the report's own title
-    blocks: tuple[Block, ...]
-
-
-@dataclass(frozen=True)
-class ReportView:
-    title: Line
-    sections: tuple[Section, ...]
 
 
 def report_view(view: RunView) -> ReportView:

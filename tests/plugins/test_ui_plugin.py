@@ -255,7 +255,7 @@ def test_an_elastic_runs_page_shows_its_segments_and_the_predicted_scaling(stora
 def test_report_md_and_the_run_page_write_the_same_view(storage_root):
     """One view (tasks/report/view.py), two writers: every section title, table column and cell, line of text,
     warning and chart of a report with every section appears in report.md and on the run's page."""
-    from tasks.report import scaling
+    from tasks.report import blocks, scaling
     from tasks.report import view as report_view
     from tasks.report.document import RunReport
     from tasks.report.parts import run_view
@@ -282,14 +282,14 @@ def test_report_md_and_the_run_page_write_the_same_view(storage_root):
     assert all(f"## {title}" in markdown and f"<h2>{title}</h2>" in page for title in titles)
     shown = []  # every text of the view, whichever block holds it
     for block in (block for section in view.sections for block in section.blocks):
-        if isinstance(block, report_view.Table):
+        if isinstance(block, blocks.Table):
             shown += [*block.columns, *(cell for row in block.rows for cell in row)]
-        elif isinstance(block, report_view.Bullets | report_view.Paragraph):
-            items = block.items if isinstance(block, report_view.Bullets) else [block]
+        elif isinstance(block, blocks.Bullets | blocks.Paragraph):
+            items = block.items if isinstance(block, blocks.Bullets) else [block]
             shown += [mark for item in items for mark in item.line]
-        elif isinstance(block, report_view.Warnings):
+        elif isinstance(block, blocks.Warnings):
             shown += block.texts
-        elif isinstance(block, report_view.Charts):
+        elif isinstance(block, blocks.Charts):
             shown += [file for _, file in block.files]
     texts = [mark if isinstance(mark, str) else mark.text for mark in shown]
     assert len(texts) > 80 and "Not promoted" in texts and "5,120" in texts

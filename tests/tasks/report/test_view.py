@@ -1,11 +1,12 @@
 """The report's view (tasks/report/view.py): the sections report.md and the run's page both write, from any JSON."""
 
+from tasks.report import blocks
 from tasks.report import view as report_view
 from tasks.report.store import render_markdown
 from tests.tasks.report.test_store import report, view_of
 
 
-def _titles(view: report_view.ReportView) -> list[str | None]:
+def _titles(view: blocks.ReportView) -> list[str | None]:
     return [section.title for section in view.sections]
 
 
@@ -23,11 +24,11 @@ def test_sections_in_report_order_with_the_optional_ones_only_when_present():
 def test_the_verdicts_and_where_the_page_anchors_them():
     view = report_view.report_view(view_of(report(), release={"clean": False}))
     headline, *_ = view.sections[0].blocks
-    verdicts = [mark for mark in headline.line if isinstance(mark, report_view.Verdict)]
-    assert verdicts == [report_view.Verdict("PASSED", True, "Gates"),
-                        report_view.Verdict("no", False, "Released", anchor="released")]
+    verdicts = [mark for mark in headline.line if isinstance(mark, blocks.Verdict)]
+    assert verdicts == [blocks.Verdict("PASSED", True, "Gates"),
+                        blocks.Verdict("no", False, "Released", anchor="released")]
     (gate,) = view.sections[1].blocks[0].rows
-    assert gate[1] == report_view.Verdict("pass", True)
+    assert gate[1] == blocks.Verdict("pass", True)
 
 
 def test_the_parts_other_tasks_own_are_shown_whatever_their_shape():
