@@ -13,13 +13,6 @@ import pytest
 from core import storage
 
 
-@pytest.fixture(params=["local", "s3"])
-def root(request, tmp_path):
-    if request.param == "local":
-        return str(tmp_path / "storage")
-    return request.getfixturevalue("s3_bucket") + "/root"
-
-
 def test_bytes_and_json_round_trip_with_ranged_reads(root):
     url = storage.join(root, "runs", "r1", "blob.bin")
     assert not storage.exists(url)
@@ -246,40 +239,6 @@ def test_a_stage_of_another_host_goes_only_once_untouched_for_a_day(tmp_path):
 
 def test_pid_alive_needs_no_proc():
     assert storage.pid_alive(os.getpid()) and not storage.pid_alive(2 ** 22 + 12345)
-
-
-def test_an_exclusive_create_has_one_winner_among_concurrent_writers(root):
-    url = storage.join(root, "claims", "v1.json")
-    barrier = threading.Barrier(4)
-    won: list[bytes] = []
-
-    def claim(data: bytes) -> None:
-        barrier.wait()
-        if storage.create_exclusive(url, data):
-            won.append(data)
-
-    writers = [threading.Thread(target=claim, args=(f"writer {i}".encode(),)) for i in range(4)]
-    for writer in writers:
-        writer.start()
-    for writer in writers:
-        writer.join()
-    assert len(won) == 1 and storage.read_bytes(url) == won[0]
-    assert storage.create_exclusive(url, b"late") is False and storage.read_bytes(url) == won[0]
-
-
-def test_compare_and_swap_writes_only_over_the_object_its_token_names(root):
-    url = storage.join(root, "models", "latest.json")
-    assert storage.read_with_token(url) == (None, None)
-    assert storage.compare_and_swap(url, None, b"v1") is True  # None: only while absent
-    assert storage.compare_and_swap(url, None, b"v1 again") is False
-    data, token = storage.read_with_token(url)
-    assert data == b"v1" and token
-    assert storage.compare_and_swap(url, token, b"v2") is True
-    assert storage.compare_and_swap(url, token, b"v3 from a stale read") is False
-    assert storage.read_bytes(url) == b"v2"
-    storage.remove_tree(url)
-    assert storage.compare_and_swap(url, token, b"v4 over a removed object") is False
-    assert not storage.exists(url)
 
 
 def test_a_local_copy_is_the_path_itself_on_this_machine_else_a_download(root, tmp_path):
