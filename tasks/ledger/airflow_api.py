@@ -1,31 +1,30 @@
 """How long the run's GPU tasks waited for admission, read from Airflow's own records through its public REST API.
 
 The Task SDK's context gives a task neither its own nor another task instance's scheduled or queued time, so release
-asks the API server (Airflow 3.3, `/api/v2`): every try of each GPU task of its DAG run
-(`GET /api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/tries`, fields `scheduled_when`,
-`queued_when`, `start_date`), with a JWT from `POST /auth/token` (`{"username", "password"}`, the simple auth
+asks the API server (Airflow 3.3, `/api/v2`): every try of each GPU task of its DAG run (`GET
+/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/tries`, fields `scheduled_when`, `queued_when`,
+`start_date`), through httpx with a JWT from `POST /auth/token` (`{"username", "password"}`, the simple auth
 manager's and the FAB auth manager's login). Both go through an Airflow connection (`API_CONN_ID`, or the one
 `GPT_FINETUNE_API_CONN_ID` names; type http: host with or without scheme, port, login, password), so the password
 stays in the secrets backend and never reaches a log, an XCom or an argv.
 
 A try waited for admission from `scheduled_when` (its dependencies met) to `queued_when` (the scheduler gave it its
 pool slots, `gpu_slots` on GPU runs, and sent it to the executor): no slot was this run's then, so that time is
-"waited" and costs nothing (tasks/ledger/usage.py takes it out of the held time between tasks). `queued_s` (queued ->
-started) is shown beside it: the slots were the run's by then.
+"waited" and costs nothing (tasks/ledger/usage.py takes it out of the held time between tasks). `queued_s` (queued
+-> started) is shown beside it: the slots were the run's by then.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
+
+import httpx
 
 from core.document import Document, DocumentError
 
@@ -54,21 +53,18 @@ def base_url(conn: Any) -> str:
     return host + (f":{conn.port}" if conn.port else "")
 
 
-def _request(url: str, *, token: str | None = None, body: Mapping[str, str] | None = None) -> Any:
-    headers = {"Accept": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    data = None
-    if body is not None:
-        data, headers["Content-Type"] = json.dumps(body).encode(), "application/json"
-    request = urllib.request.Request(url, data=data, headers=headers, method="POST" if body is not None else "GET")
+def _call(client: httpx.Client, url: str, *, body: Mapping[str, str] | None = None) -> Any:
+    """One JSON request (POST with `body`, else GET); ApiUnavailable naming the endpoint and what went wrong."""
+    endpoint = urllib.parse.urlsplit(url).path
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        raise ApiUnavailable(f"{urllib.parse.urlsplit(url).path} answered HTTP {error.code} {error.reason}") from None
-    except (urllib.error.URLError, TimeoutError, OSError, ValueError) as error:
-        raise ApiUnavailable(f"{urllib.parse.urlsplit(url).path}: {type(error).__name__}: {error}") from None
+        response = client.post(url, json=body) if body is not None else client.get(url)
+        response.raise_for_status()
+        return response.json()
+    except httpx.HTTPStatusError as error:
+        status = error.response
+        raise ApiUnavailable(f"{endpoint} answered HTTP {status.status_code} {status.reason_phrase}") from None
+    except (httpx.HTTPError, ValueError) as error:
+        raise ApiUnavailable(f"{endpoint}: {type(error).__name__}: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -120,16 +116,23 @@ def task_tries(dag_id: str, run_id: str, task_ids: Iterable[str], *, connection:
     base = base_url(connection)
     if not connection.login:
         raise ApiUnavailable(f"connection {connection.conn_id!r} has no login: set the API user's login and password")
-    token = _request(f"{base}/auth/token", body={"username": connection.login, "password": connection.password or ""})
-    access = token.get("access_token") if isinstance(token, dict) else None
-    if not access:
-        raise ApiUnavailable("/auth/token answered without an access_token")
-    run_path = f"{base}/api/v2/dags/{urllib.parse.quote(dag_id, safe='')}/dagRuns/{urllib.parse.quote(run_id, safe='')}"
+    with httpx.Client(timeout=TIMEOUT_S, headers={"Accept": "application/json"}) as client:
+        token = _call(client, f"{base}/auth/token",
+                      body={"username": connection.login, "password": connection.password or ""})
+        access = token.get("access_token") if isinstance(token, dict) else None
+        if not access:
+            raise ApiUnavailable("/auth/token answered without an access_token")
+        client.headers["Authorization"] = f"Bearer {access}"
+        return _tries(client, f"{base}/api/v2/dags/{urllib.parse.quote(dag_id, safe='')}/dagRuns/"
+                              f"{urllib.parse.quote(run_id, safe='')}", task_ids)
+
+
+def _tries(client: httpx.Client, run_url: str, task_ids: Iterable[str]) -> list[TaskTry]:
     tries = []
     for task_id in sorted(set(task_ids)):
-        url = f"{run_path}/taskInstances/{urllib.parse.quote(task_id, safe='')}/tries"
+        url = f"{run_url}/taskInstances/{urllib.parse.quote(task_id, safe='')}/tries"
         endpoint = urllib.parse.urlsplit(url).path
-        page = _request(url, token=access)
+        page = _call(client, url)
         rows = page.get("task_instances") if isinstance(page, dict) else None
         if not isinstance(rows, list):
             raise ApiUnavailable(f"{endpoint} answered without a list of task_instances: not Airflow's API?")
