@@ -43,7 +43,7 @@ TOKENIZER_DIR = "tokenizer"
 EXPORTS_RECORD = "exports.json"
 BASE_MODEL_RECORD = "base_model.json"  # written last in a cached base model (tasks/base_models.py)
 BASE_MODELS = "base"  # storage_root/models/base/: cached hub models, a name no registered model may take
-# The run's report: three files beside each other, one writer each (tasks/report_parts.py reads them as one).
+# The run's report: three files beside each other, one writer each (tasks/report/parts.py reads them as one).
 REPORT_JSON = "report.json"  # evaluate
 PROMOTION_JSON = "promotion.json"  # promote: its verdict and the export gates
 RELEASE_JSON = "release.json"  # release: the release record and the GPU-time ledger

@@ -274,16 +274,24 @@ def _placed_indices(pynvml: ModuleType, placed: frozenset[str]) -> frozenset[int
     return frozenset(gpu.index for gpu in read_gpus(pynvml) if str(gpu.index) in placed or gpu.uuid in placed)
 
 
+@dataclass(frozen=True)
+class Polling:
+    """How a check waits: up to `wait_s` seconds of `clock`, sleeping with `sleep` (tests pass a fake clock)."""
+
+    wait_s: float = GPU_RELEASE_WAIT_S
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+
+
 def check_exited_slots(run_pids: Iterable[int], placed_on: Iterable[str], *, use_gpu: bool,
                        alive: Callable[[], list[int]], idle_mb: Mapping[str, int] | None = None,
-                       wait_s: float = GPU_RELEASE_WAIT_S, environ: Mapping[str, str] = os.environ,
-                       clock: Callable[[], float] = time.monotonic,
-                       sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
+                       environ: Mapping[str, str] = os.environ, polling: Polling = Polling()) -> dict[str, Any]:
     """Right after a group exited, on its host: the slots it held are free. A CPU slot (this host and a rank) is free
     once the rank's processes are gone (`alive()` lists those still running); a GPU once `release_check` finds the
     group's pids gone from it and the memory of the GPUs it was placed on back to the idle levels placement recorded
     (`idle_mb`: GPU name -> MiB), both polled up to `wait_s`.
     `free_after_s`: seconds from this call to the proof (None: not proven; `release` checks again)."""
+    wait_s, clock, sleep = polling.wait_s, polling.clock, polling.sleep
     started = clock()
     while (left := alive()) and clock() - started < wait_s:
         sleep(GPU_POLL_S)

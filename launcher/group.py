@@ -1,36 +1,31 @@
 """Run one worker group to the end: launch, stream logs, watch, and stop every rank as one.
 
 The supervising loop runs in the caller's thread; one reader thread per rank copies output to the rank's log
-file and hands lines back to the loop, which passes them to `on_line` in the caller's thread (Airflow's task
-logger is used from there only). `stop()` may be called from another thread or a signal handler.
+file and hands lines back to the loop (launcher/worker_output.py), which passes them to `on_line` in the caller's
+thread (Airflow's task logger is used from there only). `stop()` may be called from another thread or a signal handler.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 from core.clock import utc_now
-from core.protocol import ABORT_SIGNAL, EXIT_PREEMPTED, GROUP_ENV, RUN_KEY_ENV, is_ready_marker
-from launcher.backend import Backend, WorkerHandle
+from core.protocol import ABORT_SIGNAL, EXIT_PREEMPTED, GROUP_ENV, RUN_KEY_ENV
+from launcher.backend import Backend
 from launcher.errors import LaunchError
 from launcher.failures import exit_failure, hang_failure, startup_failure
 from launcher.idle import IdleWatch
-from launcher.log_policy import is_native_noise, verbose_environment
+from launcher.log_policy import verbose_environment
 from launcher.process import ORPHAN_GRACE_S, stop_ladder
 from launcher.spec import (
     FailureKind,
     GroupSpec,
     GroupState,
-    Placement,
     RunResult,
     WorkerFailure,
     WorkerOutcome,
@@ -38,49 +33,14 @@ from launcher.spec import (
     WorkerState,
 )
 from launcher.tf_env import tensorflow_env
+from launcher.worker_output import LineSink, OutputRelay, RunningWorker
 
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.05
-TAIL_LINES = 20
 STARTUP_PROGRESS_EVERY_S = 30.0
 READER_JOIN_S = 2.0
-# Worker output is bounded on its way to the task log (the rank's log file keeps every line): a longer line arrives
-# in pieces of MAX_LINE_BYTES (as the SSH agent cuts them); at most MAX_QUEUED_LINES wait for the task log, more are
-# left out there and counted; one poll hands on at most MAX_LINES_PER_POLL, so a flood never keeps the watch loop
-# from its exit, orphan and hang checks.
-MAX_LINE_BYTES = 64 << 10
-MAX_QUEUED_LINES = 10_000
-MAX_LINES_PER_POLL = 2_000
-
-LineSink = Callable[[int, str], None]
 StartedSink = Callable[[Sequence[WorkerOutcome], int], None]
-# The variables that make a process rank r of the placed group (TensorFlow's by default).
-RankEnvironment = Callable[[Sequence[Placement], int], dict[str, str]]
-
-
-@dataclass
-class _Worker:
-    """The mutable runtime record of one rank in one launch attempt."""
-
-    spec: WorkerSpec
-    handle: WorkerHandle
-    log_file: IO[str]
-    state: WorkerState = WorkerState.STARTING
-    exit_code: int | None = None
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
-    reader: threading.Thread | None = None
-    ready_seen: bool = False  # set by the reader thread when the worker printed its ready marker
-
-    def outcome(self) -> WorkerOutcome:
-        return WorkerOutcome(self.spec.rank, self.spec.host, self.spec.port, self.handle.pid, self.spec.devices,
-                             self.state, self.exit_code, self.handle.record(), self.handle.label(),
-                             self.spec.placement.gpu_idle_mb)
-
-
-def _left_out(rank: int, count: int) -> str:
-    return (f"[{count} line(s) of rank {rank} left out of the task log: the workers print faster than it is "
-            "written; the rank's log file has them]")
 
 
 def end_earlier_attempts(spec: GroupSpec, backend: Backend) -> None:
@@ -118,24 +78,18 @@ class WorkerGroup:
 
     def __init__(self, spec: GroupSpec, backend: Backend, workdir: str | Path, *,
                  on_line: LineSink | None = None, on_started: StartedSink | None = None,
-                 rank_environment: RankEnvironment = tensorflow_env, supervisor_pid: int | None = None,
-                 idle: IdleWatch | None = None) -> None:
+                 supervisor_pid: int | None = None, idle: IdleWatch | None = None) -> None:
         self.spec = spec
         self.backend = backend
-        self.rank_environment = rank_environment
         self.supervisor_pid = supervisor_pid
         self.workdir = Path(workdir)
         self.log_dir = self.workdir / "logs"
-        self.on_line = on_line or (lambda rank, line: log.info("[rank %d] %s", rank, line))
         self.on_started = on_started
         self.idle = idle
-        self._lines: queue.Queue[tuple[int, str]] = queue.Queue(MAX_QUEUED_LINES)
-        self._unannounced: dict[int, int] = {}  # rank -> lines left out of the task log when its output ended
-        self._workers: list[_Worker] = []
+        self.output = OutputRelay(on_line or (lambda rank, line: log.info("[rank %d] %s", rank, line)),
+                                  spec.secret_env, use_gpu=spec.use_gpu, idle=idle)
+        self._workers: list[RunningWorker] = []
         self._stop_requested = threading.Event()
-        self._last_output = time.monotonic()
-        # Longest first, so a secret containing another is hidden whole; very short values would mask noise.
-        self._secret_values = sorted({v for v in spec.secret_env.values() if len(v) >= 4}, key=len, reverse=True)
 
     # -- public -----------------------------------------------------------------------------------------------
 
@@ -175,7 +129,7 @@ class WorkerGroup:
     # -- one attempt ------------------------------------------------------------------------------------------
 
     def _run_attempt(self, attempt: int) -> tuple[GroupState, dict[int, WorkerFailure]]:
-        workers: list[_Worker] = []
+        workers: list[RunningWorker] = []
         self._workers = workers
         outcome = None
         try:
@@ -196,7 +150,7 @@ class WorkerGroup:
                 if worker.reader:
                     worker.reader.join(READER_JOIN_S)
             self.backend.end_group(self.spec)
-            self._drain_lines()
+            self.output.drain()
             for worker in workers:
                 worker.log_file.close()
                 if worker.exit_code is None:
@@ -204,7 +158,7 @@ class WorkerGroup:
                 if worker.state in (WorkerState.STARTING, WorkerState.READY):
                     worker.state = WorkerState.SUCCEEDED if worker.exit_code == 0 else WorkerState.STOPPED
 
-    def _launch(self, attempt: int, workers: list[_Worker]) -> None:
+    def _launch(self, attempt: int, workers: list[RunningWorker]) -> None:
         placements = self.backend.place(self.spec)
         command = self.backend.command(self.spec)
         log.info("attempt %d of %d on backend %s: %s", attempt, self.spec.max_launch_attempts, self.backend.name,
@@ -215,7 +169,7 @@ class WorkerGroup:
             rank_dir.mkdir(parents=True, exist_ok=True)
             spec = WorkerSpec(rank=rank, num_workers=len(placements), placement=placement,
                               log_file=str(self.log_dir / f"rank-{rank}.log"), workdir=str(rank_dir))
-            env = {**self.spec.env, **marker, **verbose_environment(), **self.rank_environment(placements, rank)}
+            env = {**self.spec.env, **marker, **verbose_environment(), **tensorflow_env(placements, rank)}
             where = "".join(f" {k}={v}" for k, v in placement.where.items())
             log.info("  rank %d: %s devices=%s%s TF_CONFIG=%s", rank, spec.address,
                      "cpu" if spec.devices == () else list(spec.devices or []) or "backend", where,
@@ -231,18 +185,18 @@ class WorkerGroup:
             except BaseException:
                 log_file.close()
                 raise
-            worker = _Worker(spec, handle, log_file)
+            worker = RunningWorker(spec, handle, log_file)
             workers.append(worker)
-            worker.reader = threading.Thread(target=self._pump, args=(worker,), daemon=True,
+            worker.reader = threading.Thread(target=self.output.pump, args=(worker,), daemon=True,
                                              name=f"{self.spec.name}-rank-{rank}-output")
             worker.reader.start()
 
-    def _watch(self, workers: list[_Worker]) -> tuple[GroupState, dict[int, WorkerFailure]]:
-        started = self._last_output = time.monotonic()
+    def _watch(self, workers: list[RunningWorker]) -> tuple[GroupState, dict[int, WorkerFailure]]:
+        started = self.output.last_output = time.monotonic()
         self._next_progress = started + STARTUP_PROGRESS_EVERY_S
         self._joined_at: float | None = None
         while True:
-            self._drain_lines(MAX_LINES_PER_POLL)
+            self.output.drain_poll()
             self._stop_if_orphaned()
             if self.idle:
                 self.idle.poll()  # may stop the group (a reclaim of idle slots)
@@ -259,7 +213,7 @@ class WorkerGroup:
             self.stop(f"this task's supervisor (pid {self.supervisor_pid}) is gone, killed without warning "
                       "(SIGKILL, the OOM killer): nobody will read this attempt's result", ORPHAN_GRACE_S)
 
-    def _outcome(self, workers: list[_Worker], now: float,
+    def _outcome(self, workers: list[RunningWorker], now: float,
                  started: float) -> tuple[GroupState, dict[int, WorkerFailure]] | None:
         """How the group ended, when this poll sees it end; None while it runs."""
         elapsed = now - started
@@ -278,13 +232,13 @@ class WorkerGroup:
             return self._startup_outcome(starting, workers, now, elapsed)
         # The watchdog starts once every rank has joined; before that the start-up timeout applies.
         self._joined_at = self._joined_at or now
-        silent_s = now - max(self._last_output, self._joined_at)
+        silent_s = now - max(self.output.last_output, self._joined_at)
         if silent_s > self.spec.hang_timeout_s:
             alive = [w for w in workers if w.exit_code is None]
             return GroupState.FAILED, {w.spec.rank: self._hang_failure(w, elapsed, silent_s) for w in alive}
         return None
 
-    def _startup_outcome(self, starting: list[_Worker], workers: list[_Worker], now: float,
+    def _startup_outcome(self, starting: list[RunningWorker], workers: list[RunningWorker], now: float,
                          elapsed: float) -> tuple[GroupState, dict[int, WorkerFailure]] | None:
         if elapsed > self.spec.startup_timeout_s:
             return GroupState.FAILED, {w.spec.rank: self._startup_failure(w, elapsed, workers) for w in starting}
@@ -296,7 +250,7 @@ class WorkerGroup:
 
     # -- failures ---------------------------------------------------------------------------------------------
 
-    def _exit_failure(self, worker: _Worker, elapsed: float) -> WorkerFailure:
+    def _exit_failure(self, worker: RunningWorker, elapsed: float) -> WorkerFailure:
         if worker.reader:
             worker.reader.join(READER_JOIN_S)  # the last lines are the ones that explain the exit
         joined = worker.state is WorkerState.READY
@@ -304,71 +258,18 @@ class WorkerGroup:
         return exit_failure(worker.spec, worker.handle.pid, worker.exit_code, elapsed, tuple(worker.tail),
                             joined=joined)
 
-    def _startup_failure(self, worker: _Worker, elapsed: float, workers: list[_Worker]) -> WorkerFailure:
+    def _startup_failure(self, worker: RunningWorker, elapsed: float, workers: list[RunningWorker]) -> WorkerFailure:
         worker.state = WorkerState.FAILED
         return startup_failure(worker.spec, worker.handle.pid, elapsed, tuple(worker.tail),
                                timeout_s=self.spec.startup_timeout_s, waiting=worker.handle.waiting_reason(),
                                joined=[w.spec.rank for w in workers if w.state is WorkerState.READY])
 
-    def _hang_failure(self, worker: _Worker, elapsed: float, silent_s: float) -> WorkerFailure:
+    def _hang_failure(self, worker: RunningWorker, elapsed: float, silent_s: float) -> WorkerFailure:
         worker.state = WorkerState.FAILED
         return hang_failure(worker.spec, worker.handle.pid, elapsed, tuple(worker.tail),
                             timeout_s=self.spec.hang_timeout_s, silent_s=silent_s)
 
     # -- plumbing ---------------------------------------------------------------------------------------------
-
-    def _redact(self, line: str) -> str:
-        """Secret values a worker prints never reach the task log or the rank log files kept in storage."""
-        for value in self._secret_values:
-            line = line.replace(value, "***")
-        return line
-
-    def _pump(self, worker: _Worker) -> None:
-        rank, left_out = worker.spec.rank, 0
-        for raw in iter(lambda: worker.handle.output.readline(MAX_LINE_BYTES), b""):
-            line = self._redact(raw.decode("utf-8", "replace").rstrip("\r\n"))
-            if worker.log_file.closed:
-                break  # a process that escaped the group still holds the pipe after the attempt ended
-            worker.log_file.write(line + "\n")
-            worker.log_file.flush()
-            if is_ready_marker(line):
-                worker.ready_seen = True
-            if self.idle:  # here, not in the task log's queue: a line left out of the log is still progress
-                self.idle.line(rank, line, ready=worker.ready_seen)
-            worker.tail.append(line)
-            self._last_output = time.monotonic()
-            if not is_native_noise(line, use_gpu=self.spec.use_gpu):  # the log file above keeps it
-                left_out = self._queue_line(rank, line, left_out)
-        if left_out:  # the output ended while lines were left out: the attempt's last drain says so
-            self._unannounced[rank] = left_out
-        worker.handle.output.close()
-
-    def _queue_line(self, rank: int, line: str, left_out: int) -> int:
-        """Queue the line for the task log unless the queue is full; returns how many lines are left out since the
-        last one queued (said in the task log once there is room again)."""
-        try:
-            if left_out:
-                self._lines.put_nowait((rank, _left_out(rank, left_out)))
-                left_out = 0
-            self._lines.put_nowait((rank, line))
-        except queue.Full:
-            return left_out + 1
-        return 0
-
-    def _drain_lines(self, limit: int | None = None) -> None:
-        """Hand queued lines to `on_line`: at most `limit` (a poll of the watch loop), else all of them and then
-        how many lines each rank had left out at its output's end."""
-        handed = 0
-        while limit is None or handed < limit:
-            try:
-                rank, line = self._lines.get_nowait()
-            except queue.Empty:
-                break
-            self.on_line(rank, line)
-            handed += 1
-        while limit is None and self._unannounced:
-            rank, count = self._unannounced.popitem()
-            self.on_line(rank, _left_out(rank, count))
 
     def _failed_ranks(self, outcome: tuple[GroupState, dict[int, WorkerFailure]] | None) -> list[int]:
         """The ranks whose failure ended this attempt, when the others are to be aborted rather than asked to stop:
@@ -381,7 +282,8 @@ class WorkerGroup:
             return []
         return sorted(failures)
 
-    def _stop_workers(self, workers: list[_Worker], grace_s: float | None = None, failed: Sequence[int] = ()) -> None:
+    def _stop_workers(self, workers: list[RunningWorker], grace_s: float | None = None,
+                      failed: Sequence[int] = ()) -> None:
         """The stop ladder for every worker still running: SIGTERM (a preemption notice: a rank saves a checkpoint
         at the step all agree on), or ABORT_SIGNAL when rank(s) `failed` failed: no checkpoint can be agreed without
         them, so the others end at once (one writing a checkpoint finishes it first); SIGKILL after the grace."""
@@ -393,7 +295,7 @@ class WorkerGroup:
                         "cannot be agreed without the failed rank(s); the retry resumes from the last one saved)",
                         list(failed), alive, first)
 
-        def warn(worker: _Worker) -> None:
+        def warn(worker: RunningWorker) -> None:
             log.warning("rank %d (host %s, pid %s) still running %g s after %s: sending SIGKILL",
                         worker.spec.rank, worker.spec.host, worker.handle.pid, grace_s, first)
 

@@ -53,25 +53,40 @@ class _Rank:
     step: int | None = None
 
 
-class IdleWatch:
-    """See the module doc. `max_idle_s` > 0 (a launch without the warning has no watch); `step_of(line)`: the step
-    a worker line reports (None for other lines); the caller knows the line format, the launcher does not.
-    `util_below_pct` None: a CPU run, progress alone decides. `sample_every_s` 0: a tenth of `max_idle_s`, within
-    [1, MAX_SAMPLE_EVERY_S]."""
+@dataclass(frozen=True)
+class IdleRules:
+    """When a group's ranks count as idle-held. `max_idle_s` > 0 (a launch without the warning has no watch);
+    `util_below_pct` None: a CPU run, progress alone decides; `sample_every_s` 0: a tenth of `max_idle_s`, within
+    [1, MAX_SAMPLE_EVERY_S]; `reclaim_after_s` 0: never reclaim, else at least `max_idle_s`."""
 
-    def __init__(self, max_idle_s: float, step_of: Callable[[str], int | None], on_idle: Callable[[IdleEpisode], None],
-                 *, util_below_pct: float | None = None, sample_every_s: float = 0.0,
-                 reclaim_after_s: float = 0.0, on_reclaim: Callable[[IdleEpisode], None] | None = None,
+    max_idle_s: float
+    util_below_pct: float | None = None
+    sample_every_s: float = 0.0
+    reclaim_after_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_idle_s <= 0:
+            raise ValueError(f"an idle-held watch needs max_idle_s > 0, got {self.max_idle_s}")
+        if self.reclaim_after_s and self.reclaim_after_s < self.max_idle_s:
+            raise ValueError(f"reclaim_idle_after_s = {self.reclaim_after_s:g} needs an on_reclaim and at least the "
+                             f"watch's window max_idle_held_s = {self.max_idle_s:g}")
+
+
+class IdleWatch:
+    """See the module doc, and `IdleRules`; `step_of(line)`: the step a worker line reports (None for other lines);
+    the caller knows the line format, the launcher does not."""
+
+    def __init__(self, rules: IdleRules, step_of: Callable[[str], int | None], on_idle: Callable[[IdleEpisode], None],
+                 *, on_reclaim: Callable[[IdleEpisode], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
-        if max_idle_s <= 0:
-            raise ValueError(f"an idle-held watch needs max_idle_s > 0, got {max_idle_s}")
-        if reclaim_after_s and (reclaim_after_s < max_idle_s or on_reclaim is None):
-            raise ValueError(f"reclaim_idle_after_s = {reclaim_after_s:g} needs an on_reclaim and at least the watch's "
-                             f"window max_idle_held_s = {max_idle_s:g}")
-        self.max_idle_s, self.step_of, self.on_idle = max_idle_s, step_of, on_idle
-        self.reclaim_after_s, self.on_reclaim = reclaim_after_s, on_reclaim
+        if rules.reclaim_after_s and on_reclaim is None:
+            raise ValueError(f"reclaim_idle_after_s = {rules.reclaim_after_s:g} needs an on_reclaim and at least the "
+                             f"watch's window max_idle_held_s = {rules.max_idle_s:g}")
+        self.max_idle_s, self.step_of, self.on_idle = rules.max_idle_s, step_of, on_idle
+        self.reclaim_after_s, self.on_reclaim = rules.reclaim_after_s, on_reclaim
+        self.util_below_pct, self.sample_every_s = rules.util_below_pct, rules.sample_every_s
+        self.clock, self.wall = clock, wall
         self._reclaimed = False  # on_reclaim was called for this attempt
-        self.util_below_pct, self.sample_every_s, self.clock, self.wall = util_below_pct, sample_every_s, clock, wall
         self.group, self.attempt = "", 0
         self._ranks: dict[int, _Rank] = {}
         self._samples: collections.deque = collections.deque(maxlen=4096)  # (monotonic time, {rank: util %})

@@ -1,17 +1,21 @@
 """The kubernetes backend's calls to the API server, through the official client's `CoreV1Api` and
-`NetworkingV1Api`: explicit timeouts, transient errors retried with backoff, and refusals turned into
+`NetworkingV1Api`: explicit timeouts, transient errors retried (tenacity) after what the server asks for
+(`Retry-After` on a 429 or 503) or with backoff, and refusals turned into
 `KubernetesApiError` naming what was being done (and, for a 403, the Role and quota it needs)."""
 
 from __future__ import annotations
 
+import email.utils
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 import urllib3
 from kubernetes.client import CoreV1Api, NetworkingV1Api, V1DeleteOptions
 from kubernetes.client.rest import ApiException
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
 
 from launcher.errors import LaunchError
 
@@ -19,6 +23,8 @@ log = logging.getLogger(__name__)
 
 # Status codes worth retrying: the API server overloaded or restarting, or a rate limit.
 RETRIED_STATUSES = {429, 500, 502, 503, 504}
+# A longer Retry-After is waited this long: the call's own retries and the task's timeouts bound the rest.
+MAX_RETRY_AFTER_S = 60.0
 TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError)
 FORBIDDEN_HINT = (" (the identity of kubernetes_conn_id needs the Role of docs/backends.md's 'Cluster prerequisites' "
                   "in this namespace, and the namespace's ResourceQuota room for the pods)")
@@ -30,6 +36,33 @@ class KubernetesApiError(LaunchError):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+def transient(exc: BaseException) -> bool:
+    """Worth another try: the API server overloaded, restarting or rate-limiting, or not answering."""
+    return isinstance(exc, TRANSPORT_ERRORS) or (isinstance(exc, ApiException) and exc.status in RETRIED_STATUSES)
+
+
+def retry_after(exc: BaseException | None, now: Callable[[], float] = time.time) -> float | None:
+    """The seconds a 429 or 503 asks to wait (`Retry-After`: seconds, or an HTTP date), at most MAX_RETRY_AFTER_S;
+    None when the answer names none."""
+    if not isinstance(exc, ApiException) or exc.status not in (429, 503) or not exc.headers:
+        return None
+    value = next((v for k, v in exc.headers.items() if k.lower() == "retry-after"), None)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - now()
+        except (TypeError, ValueError):
+            return None
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
+
+
+def backoff(state: RetryCallState) -> float:
+    """What the server asked for, else 0.5 s doubling with each try."""
+    asked = retry_after(state.outcome.exception() if state.outcome else None)
+    return asked if asked is not None else 0.5 * 2 ** (state.attempt_number - 1)
 
 
 def api_reason(exc: ApiException) -> str:
@@ -45,7 +78,7 @@ def api_reason(exc: ApiException) -> str:
 
 
 class KubernetesApi:
-    """The client calls with explicit timeouts, retries of transient errors with backoff, and API errors turned
+    """The client calls with explicit timeouts, retries of transient errors (`backoff`), and API errors turned
     into `KubernetesApiError` naming what was being done. Every object lives in `namespace`."""
 
     def __init__(self, core: CoreV1Api, networking: NetworkingV1Api, namespace: str, *,
@@ -56,25 +89,33 @@ class KubernetesApi:
 
     def call(self, what: str, method: Callable[..., Any], *args: Any, missing_ok: bool = False,
              retries: int | None = None, **kwargs: Any) -> Any:
+        """`method(*args, **kwargs)` with the timeout; transient errors retried `retries` times (default: the
+        backend's), waiting what the server asks (`Retry-After`) or backing off; None for a 404 with `missing_ok`."""
         retries = self.retries if retries is None else retries
-        for attempt in range(retries + 1):
+
+        def once() -> Any:
             try:
                 return method(*args, _request_timeout=self.timeout, **kwargs)
             except ApiException as exc:
                 if exc.status == 404 and missing_ok:
                     return None
-                if exc.status not in RETRIED_STATUSES or attempt == retries:
-                    hint = FORBIDDEN_HINT if exc.status == 403 else ""
-                    raise KubernetesApiError(f"{what} failed: {api_reason(exc)}{hint}", exc.status) from exc
-                reason = api_reason(exc)
-            except TRANSPORT_ERRORS as exc:
-                if attempt == retries:
-                    raise KubernetesApiError(f"{what} failed: the API server did not answer ({exc})") from exc
-                reason = str(exc)
-            delay = 0.5 * 2 ** attempt
-            log.warning("%s: %s; retrying in %g s (%d of %d)", what, reason, delay, attempt + 1, retries)
-            self.sleep(delay)
-        raise AssertionError("unreachable")
+                raise
+
+        def before_sleep(state: RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            reason = api_reason(exc) if isinstance(exc, ApiException) else str(exc)
+            delay = state.next_action.sleep if state.next_action else 0.0
+            log.warning("%s: %s; retrying in %g s (%d of %d)", what, reason, delay, state.attempt_number, retries)
+
+        retrying = Retrying(retry=retry_if_exception(transient), stop=stop_after_attempt(retries + 1), wait=backoff,
+                            sleep=self.sleep, before_sleep=before_sleep, reraise=True)
+        try:
+            return retrying(once)
+        except ApiException as exc:
+            hint = FORBIDDEN_HINT if exc.status == 403 else ""
+            raise KubernetesApiError(f"{what} failed: {api_reason(exc)}{hint}", exc.status) from exc
+        except TRANSPORT_ERRORS as exc:
+            raise KubernetesApiError(f"{what} failed: the API server did not answer ({exc})") from exc
 
     def delete(self, kind: str, name: str, retries: int | None = None, **options: Any) -> bool:
         """Delete one object; False when it was already gone (404)."""

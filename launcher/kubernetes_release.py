@@ -67,7 +67,7 @@ def delete_labelled(api: KubernetesApi, selector: str, grace_s: float, *, keep_f
     for end in ends.values():
         api.delete("pod", end.pod, grace_period_seconds=end.grace_s)
     wait_s = max((end.grace_s for end in ends.values()), default=0) + margin_s
-    remaining = _wait_gone(api, selector, kept, ends, started, wait_s, clock, sleep)
+    remaining = _wait_gone(api, selector, kept, ends, wait_s, lambda: clock() - started, sleep)
     survivors = [f"{kind}/{name}" for kind, names in remaining.items() for name in names]
     return {
         "host": f"namespace {api.namespace}",
@@ -87,21 +87,22 @@ def delete_labelled(api: KubernetesApi, selector: str, grace_s: float, *, keep_f
     }
 
 
-def _wait_gone(api: KubernetesApi, selector: str, kept: list[str], ends: dict[str, PodEnd], started: float,
-               wait_s: float, clock: Callable[[], float], sleep: Callable[[float], None]) -> dict[str, list[str]]:
-    """List until nothing but `kept` is left or `wait_s` has passed; notes when each pod stopped being listed."""
+def _wait_gone(api: KubernetesApi, selector: str, kept: list[str], ends: dict[str, PodEnd], wait_s: float,
+               elapsed: Callable[[], float], sleep: Callable[[float], None]) -> dict[str, list[str]]:
+    """List until nothing but `kept` is left or `wait_s` has passed (`elapsed`: seconds since the deletes); notes
+    when each pod stopped being listed."""
     while True:
         listed = {kind: [o for o in api.list(kind, selector) if o.metadata.name not in kept] for kind in KINDS}
-        elapsed = clock() - started
+        since_delete = elapsed()
         shown = {pod.metadata.name: pod for pod in listed["pod"]}
         for end in ends.values():
             if end.pod in shown:
                 end.phase = _phase(shown[end.pod])
                 end.node = (shown[end.pod].spec.node_name if shown[end.pod].spec else None) or end.node
             elif end.gone_after_s is None:
-                end.gone_after_s = round(elapsed, 2)
+                end.gone_after_s = round(since_delete, 2)
         remaining = {kind: [o.metadata.name for o in objects] for kind, objects in listed.items() if objects}
-        if not remaining or elapsed > wait_s:
+        if not remaining or since_delete > wait_s:
             return remaining
         sleep(POLL_S)
 

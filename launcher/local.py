@@ -31,6 +31,7 @@ from launcher.gpus import (
     GPU_POLL_S,
     GPU_RELEASE_WAIT_S,
     GpuInventory,
+    Polling,
     check_exited_slots,
     gpu_utilization,
     probe_gpus,
@@ -262,7 +263,7 @@ class LocalBackend(Backend):
         return check_exited_slots({w.pid for w in workers if w.pid}, [d for w in workers for d in (w.devices or ())],
                                   use_gpu=group.use_gpu, alive=lambda: [p for p in pgids if live_group_members(p)],
                                   idle_mb={name: mb for w in workers for name, mb in w.gpu_idle_mb.items()},
-                                  environ=self.environ, clock=self.clock, sleep=self.sleep)
+                                  environ=self.environ, polling=Polling(clock=self.clock, sleep=self.sleep))
 
     def utilization(self, group: GroupSpec, workers: Sequence[WorkerOutcome]) -> dict[int, float | None] | None:
         """NVML's utilization of each rank's GPU on this host (None: a CPU run)."""

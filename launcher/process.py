@@ -1,7 +1,7 @@
 """Processes on this machine: the one stopping ladder (TERM, grace, KILL) and the two ways of finding them (a
 process group; markers in each process's environment: the run key, the group's name, a launch's guard token).
 Used by the local backend and its guard, the release of a run and, on remote hosts, the SSH agent
-(`launcher.agent`): stdlib only, no Airflow, no TensorFlow."""
+(`launcher.agent`): the process table through psutil (in every image), no Airflow, no TensorFlow."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import psutil
+
 from launcher.errors import LaunchError
 
 T = TypeVar("T")
-PROC = Path("/proc")  # the process table: pids, their process groups and their environments
+PROC = Path(psutil.PROCFS_PATH)  # the process table psutil reads: a host without it finds no processes
 POLL_INTERVAL_S = 0.05
 KILL_WAIT_S = 5.0
 # A worker whose launcher is gone (killed without running its cleanup: SIGKILL, the OOM killer) gets this long after
@@ -65,35 +67,19 @@ def stop_ladder(targets: Sequence[T], *, terminate: Callable[[T], None], kill: C
     return [t for t in stubborn if not gone(t)]
 
 
-def _stat_fields(pid_dir: Path) -> list[str]:
-    stat = (pid_dir / "stat").read_text()
-    # "pid (comm) state ppid pgrp ...": comm may contain spaces and parentheses, so split after the last ')'.
-    return stat[stat.rindex(")") + 2:].split()
-
-
 def live_group_members(pgid: int) -> list[int]:
     """Pids in process group `pgid` that are not zombies.
 
     Orphans are re-parented to PID 1, which in some containers never reaps them: a zombie has no resources left
-    but still counts for `killpg(pgid, 0)`, so on Linux the process table is read instead.
+    but still counts for `killpg(pgid, 0)`, so the process table is read instead.
     """
-    proc = PROC
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return []
-        return [pgid]
     members = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
+    for proc in psutil.process_iter(["status"]):
         try:
-            fields = _stat_fields(entry)
-        except OSError:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) == pgid:
+                members.append(proc.pid)
+        except (ProcessLookupError, psutil.Error):
             continue  # exited while we looked
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry.name))
     return members
 
 
@@ -125,22 +111,17 @@ def stop_group(pgid: int, grace_s: float, first: signal.Signals = signal.SIGTERM
 def processes_with_env(markers: Mapping[str, str]) -> dict[int, str]:
     """pid -> command line of every live process (not this one) whose environment has every `name=value` of
     `markers` (the run key alone: all of a run's processes; with the group's name: one task's)."""
-    wanted = {f"{name}={value}".encode() for name, value in markers.items()}
-    if not wanted:
+    if not markers:
         raise ValueError("processes_with_env needs at least one marker")
+    check_process_table()
     found = {}
-    for entry in _process_table():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+    for proc in psutil.process_iter(["environ", "cmdline", "status"]):  # unreadable (another user's): None
+        environ = proc.info["environ"] or {}
+        if proc.pid == os.getpid() or any(environ.get(name) != value for name, value in markers.items()):
             continue
-        try:
-            if not wanted <= set((entry / "environ").read_bytes().split(b"\0")):
-                continue
-            if _stat_fields(entry)[0] == "Z":  # a zombie holds nothing; its parent reaps it
-                continue
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            found[int(entry.name)] = cmdline.strip()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:  # a zombie holds nothing; its parent reaps it
             continue
+        found[proc.pid] = " ".join(proc.info["cmdline"] or []).strip()
     return found
 
 
@@ -150,12 +131,8 @@ class NoProcessTableError(LaunchError):
 
 def check_process_table() -> None:
     """NoProcessTableError, naming the host and what to do, when processes cannot be found by their markers."""
-    _process_table()
-
-
-def _process_table() -> list[Path]:
     try:
-        return list(PROC.iterdir())
+        next(PROC.iterdir(), None)
     except OSError as error:  # FileNotFoundError (no /proc: macOS, a container without it), PermissionError
         raise NoProcessTableError(
             f"Host {socket.gethostname()} has no readable process table at {PROC} ({type(error).__name__}): the "

@@ -1,4 +1,4 @@
-"""The evaluate task: every model of the run on the same evaluation sample, then the report (tasks/comparison.py
+"""The evaluate task: every model of the run on the same evaluation sample, then the report (tasks/report/comparison.py
 compares them: speedup, efficiency, loss parity and the gates).
 
 Each model's evaluation runs `python -m trainer.evaluate` as a group of the run's `num_workers` through the launcher,
@@ -22,17 +22,19 @@ from core.eval_result import EvalPart, EvalResult, ResultError, combine, delta_s
 from core.layout import PROMOTION_JSON, RunLayout, StorageLayout, TrainOutput
 from core.storage import exists, join, read_bytes, read_json, remove_tree, write_json_atomic
 from core.summary import TrainSummary
-from tasks import registry, telemetry, throughput
-from tasks import report as reports
+from tasks import registry, telemetry
 from tasks.alerts import alert_throughput
 from tasks.baseline import read_key_record
 from tasks.checked_run import CheckedRun, Evaluation, OwnRun, checked_run
-from tasks.comparison import build_report, run_figures
 from tasks.connections import uses_run_storage
 from tasks.launch import release_after_exit
 from tasks.legacy_models import convert_legacy_model
 from tasks.policy import check_launch_urls
-from tasks.report_document import ContinuedFrom, ModelSamples, PromotedScore, RunReport, TextSample, table_rows
+from tasks.report import store as reports
+from tasks.report import throughput
+from tasks.report.charts import loss_chart, scaling_chart
+from tasks.report.comparison import build_report, run_figures
+from tasks.report.document import ContinuedFrom, ModelSamples, PromotedScore, RunReport, TextSample, table_rows
 from tasks.results import Evaluated
 from trainer.data import tokenizer_url
 from trainer.decoders.architectures import CheckpointError
@@ -127,8 +129,8 @@ def with_release_after_train(report: RunReport, run: RunLayout) -> RunReport:
 
 
 def assemble_report(prepared: PreparedRun, checked: CheckedRun, scored: Scored) -> RunReport:
-    """report.json without its warnings: the comparison (tasks/comparison.py), the scaling segments and prediction,
-    the slots' release after training, where the model continued from, the promoted version and the samples.
+    """report.json without its warnings: the comparison (tasks/report/comparison.py), the scaling segments and
+    prediction, the slots' release after training, where the model continued from, the promoted version and the samples.
     `prepared`'s URLs are `checked`'s (tasks/checked_run.py)."""
     baseline = scored.baseline
     record = read_key_record(baseline.url) if baseline else None
@@ -156,12 +158,12 @@ def charts(checked: CheckedRun, report: RunReport, earlier: list[RunReport]) -> 
     """The loss curves of the models trained and the scaling history with this run (and the advisor's rows)."""
     trained = report.runs.trained()
     return {
-        reports.LOSS_CHART: reports.loss_chart(
+        reports.LOSS_CHART: loss_chart(
             {run.label: read_metrics(TrainOutput(run.output_url)) for run in trained},
             title=f"Training loss and final eval loss, global batch {checked.cfg.global_batch_size}",
             eval_points={run.label: (run.tokens_seen, run.eval_loss) for run in trained},
         ),
-        reports.SCALING_CHART: reports.scaling_chart(
+        reports.SCALING_CHART: scaling_chart(
             [point for other in earlier for point in reports.history_point(other)] + reports.history_point(report),
             current_run_id=checked.run_id,
             predicted=list(report.prediction.rows) if report.prediction else None,
@@ -313,7 +315,7 @@ def evaluate_baseline(checked: CheckedRun, baseline: TrainOutput, make_backend: 
 
 def with_scaling(report: RunReport, layout: RunLayout, distributed: TrainOutput) -> RunReport:
     """The train task's segments (elastic recovery) and the advisor's prediction next to the measured figures."""
-    from tasks import scaling
+    from tasks.report import scaling
 
     run = report.runs.distributed
     segments = tuple(scaling.segments(scaling.read_segments(distributed), read_metrics(distributed), run.steps))

@@ -10,13 +10,12 @@ folder of its own beside it (`saved_model/`).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from core.config import RunConfig
 from core.layout import TrainOutput, VersionLayout
 from core.storage import exists, join, read_json
-from tasks.report_document import Gate, Record
+from tasks.report.document import ExportPart, Gate
 from trainer.export import FORMAT_DIRS
 
 if TYPE_CHECKING:
@@ -32,20 +31,6 @@ class ForeignModelError(RuntimeError):
 # The folder of each format in a promoted version (safetensors: the version's model/, copied with the version).
 VERSION_DIRS = {"safetensors": "model", "saved_model": "saved_model"}
 MODEL_FOLDER = VERSION_DIRS["safetensors"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ExportPart(Record):
-    """What promote records of the serving exports in promotion.json (beside its verdict).
-
-    Attributes:
-        export_gates: one gate per format of `export_formats` (`export_<format>`): passed when its parity check
-            passed; the view counts them with the report's (tasks/report_parts.py `with_exports`).
-        exports: the training output's parity record (`exports/exports.json`, trainer/export.py); None when missing.
-    """
-
-    export_gates: tuple[Gate, ...]
-    exports: dict[str, Any] | None
 
 
 def read_record(output: TrainOutput) -> tuple[str, dict[str, Any] | None]:

@@ -27,10 +27,10 @@ from core.storage import exists, join, read_json, upload_tree, write_json_atomic
 from launcher import GroupSpec, GroupState, RunResult, WorkerGroup, WorkerOutcome
 from launcher.backend import Backend
 from launcher.host_identity import describe, host_identity, same_host
-from launcher.idle import IdleEpisode, IdleWatch
+from launcher.idle import IdleEpisode, IdleRules, IdleWatch
 from launcher.state_record import RecordedWorker, SlotsCheck, StateRecord
 from tasks import telemetry
-from tasks.usage import AttemptEvents, IdleWarning, RankEvents, slots_of
+from tasks.ledger.usage import AttemptEvents, IdleWarning, RankEvents, slots_of
 from trainer.metrics import LIVE_PREFIX
 
 log = logging.getLogger("gpt_finetune.launch")
@@ -145,16 +145,16 @@ class RecordedLaunch:
         self._labels: dict[int, str] = {}
         self.after_exit: SlotsCheck | None = None  # _check_slots_free's result, once the group exited
         self._recorded = False  # this launch wrote its first state record
-        self._attempt: _RunningAttempt | None = None  # the running attempt's GPU-time events (tasks/usage.py)
+        self._attempt: _RunningAttempt | None = None  # the running attempt's GPU-time events (tasks/ledger/usage.py)
         self._on_line = on_line
         self.idle = idle or IdleSettings()
         self.reclaimed: IdleWarning | None = None  # set when the group was stopped as idle (`_reclaim`)
         watch = None  # max_idle_held_s = 0: no warning, no watch
         if self.idle.max_idle_held_s > 0:
             reclaim_s = self.idle.reclaim_idle_after_s
-            watch = IdleWatch(self.idle.max_idle_held_s, live_step, self._idle_held,
-                              util_below_pct=self.idle.idle_gpu_util_pct if spec.use_gpu else None,
-                              reclaim_after_s=reclaim_s, on_reclaim=self._reclaim if reclaim_s else None)
+            rules = IdleRules(self.idle.max_idle_held_s, reclaim_after_s=reclaim_s,
+                              util_below_pct=self.idle.idle_gpu_util_pct if spec.use_gpu else None)
+            watch = IdleWatch(rules, live_step, self._idle_held, on_reclaim=self._reclaim if reclaim_s else None)
         self.group = WorkerGroup(spec, backend, self.workdir, on_line=self._line, on_started=self._started,
                                  supervisor_pid=task_supervisor_pid(), idle=watch)
 

@@ -19,9 +19,9 @@ from core.config.pinned import save_config
 from core.layout import StorageLayout, absolute_root, run_key
 from tasks.connections import storage_env, uses_run_storage
 from tasks.dataset.plan import DatasetPlan
+from tasks.ledger.pricing import Price
 from tasks.policy import checked_config
 from tasks.prepared_run import PreparedRun
-from tasks.pricing import Price
 from tasks.registry import PromotedVersion
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def plan_run(params: Mapping[str, Any], run_id: str, dag_id: str, make_backend: 
     from tasks.alerts import check_alert_connection
     from tasks.base_models import check_model_setting, resolve_base_model
     from tasks.dataset.stage import plan_dataset, run_planned
-    from tasks.pricing import freeze, table_from_env
+    from tasks.ledger.pricing import freeze, table_from_env
     from tasks.promote import resolve_promoted_model
     from tasks.queues import report_gpu_queue
 
@@ -130,23 +130,31 @@ def finish_run(plan: DatasetPlan, run_id: str, dag_id: str) -> PreparedRun:
         dataset.fingerprint, "cache hit" if dataset.cache_hit else "tokenized", dataset.train_sequences,
         dataset.validation_sequences, total_steps, cfg.global_batch_size,
     )
-    return lay_out_run(run_cfg, manifest, dataset.manifest_url, run_key(dag_id, run_id), run_id=run_id,
-                       manifest_sha256=manifest_sha256, continued_from=plan.continued_from, price=plan.price)
+    return lay_out_run(run_cfg, PublishedManifest(manifest, dataset.manifest_url, manifest_sha256),
+                       run_key(dag_id, run_id), run_id=run_id, continued_from=plan.continued_from, price=plan.price)
 
 
-def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: str, key: str, *, run_id: str,
-                manifest_sha256: str, continued_from: PromotedVersion | None = None,
-                price: Price | None = None) -> PreparedRun:
+@dataclass(frozen=True)
+class PublishedManifest:
+    """The dataset's manifest as publish read it: its document, where it lies, and the sha256 of its bytes."""
+
+    document: Mapping[str, Any]
+    url: str
+    sha256: str
+
+
+def lay_out_run(run_cfg: RunConfig, published: PublishedManifest, key: str, *, run_id: str,
+                continued_from: PromotedVersion | None = None, price: Price | None = None) -> PreparedRun:
     """Write the run's configuration and its baseline's under the run's directory and return the prepared run
     (tasks/prepared_run.py), the XCom every later task reads: paths, the configurations' and the manifest's digests
-    (`manifest_sha256`: of the bytes `manifest` was read from) and a few numbers. `run_cfg` has its step count
-    resolved; `price` the rate prepare froze (tasks/pricing.py), kept with the run."""
+    and a few numbers. `run_cfg` has its step count
+    resolved; `price` the rate prepare froze (tasks/ledger/pricing.py), kept with the run."""
     from tasks.baseline import baseline_key
-    from tasks.usage_record import write_price
+    from tasks.ledger.record import write_price
 
     storage = StorageLayout(run_cfg.storage_root)
     run = storage.run(key)
-    base_key = baseline_key(run_cfg, manifest, run_cfg.max_steps)
+    base_key = baseline_key(run_cfg, published.document, run_cfg.max_steps)
     baseline = storage.baseline(base_key)
     # The operators pin the digests of what they check on the workers (core/config/pinned.py).
     save_config(run.config, run_cfg)
@@ -158,9 +166,9 @@ def lay_out_run(run_cfg: RunConfig, manifest: Mapping[str, Any], manifest_url: s
         run_key=key,
         config=run_cfg.to_dict(),
         config_url=run.config,
-        manifest_url=manifest_url,
-        manifest_sha256=manifest_sha256,
-        dataset_fingerprint=manifest["fingerprint"],
+        manifest_url=published.url,
+        manifest_sha256=published.sha256,
+        dataset_fingerprint=published.document["fingerprint"],
         train_url=run.train.url,
         train_summary_url=run.train.summary,
         baseline_key=base_key,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.document import Document
-from tasks.pricing import Price
+from tasks.ledger.pricing import Price
 from tasks.registry import PromotedVersion
 
 
@@ -34,7 +34,7 @@ class PreparedRun(Document):
             (preflight).
         continued_from: with `model: promoted[:<name>]`, the version it continues from
             (`tasks.registry.PromotedVersion`); else None.
-        price: the rate prepare froze (tasks/pricing.py, `usage/price.json`), None without a pricing table.
+        price: the rate prepare froze (tasks/ledger/pricing.py, `usage/price.json`), None without a pricing table.
     """
 
     run_id: str

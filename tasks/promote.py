@@ -40,16 +40,16 @@ from core.storage import (
     write_json_atomic,
 )
 from tasks import exports, registry
-from tasks import report as reports
 from tasks.base_models import pinned_base
 from tasks.checked_run import CheckedRun, OwnRun, checked_run
 from tasks.connections import uses_run_storage
-from tasks.formatting import nats
 from tasks.legacy_models import convert_legacy_model
 from tasks.registry import Entry, Pointer, PromotedVersion, VersionFile, VersionRecord
-from tasks.report_document import RunFigures, RunReport
-from tasks.report_file import read_record
-from tasks.report_parts import RunView, with_exports
+from tasks.report import store as reports
+from tasks.report.document import RunFigures, RunReport
+from tasks.report.formatting import nats
+from tasks.report.parts import RunView, with_exports
+from tasks.report.untrusted import read_record
 from tasks.results import Promotion
 from trainer.decoders.architectures import CheckpointError
 

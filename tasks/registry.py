@@ -11,7 +11,7 @@ number is claimed by an exclusive create, and the pointer moves only by compare-
 promotion decided against (S3: a conditional PUT with If-Match / If-None-Match; local disk: an atomic rename under
 an flock, which the kernel releases when the holder dies). The pointer is written after the version is complete,
 so a promotion killed at any point leaves `latest` on a complete version; its half-written `v<N>/` is in no
-history and is never read. The exclusive create and the compare-and-swap are `core.storage`'s. Importable
+history and is never read. The exclusive create and the compare-and-swap are `core.storage.conditional`'s. Importable
 without Airflow and TensorFlow (the UI plugin reads it).
 """
 
@@ -24,18 +24,16 @@ from typing import Any, Self, TypeVar
 from core.clock import utc_now
 from core.document import Document, DocumentError
 from core.layout import ModelLayout, StorageLayout, VersionLayout
+from core.storage import copy_tree as storage_copy_tree
 from core.storage import (
-    compare_and_swap,
-    create_exclusive,
     exists,
     filesystem,
     join,
     list_dir,
     read_bytes,
     read_json,
-    read_with_token,
 )
-from core.storage import copy_tree as storage_copy_tree
+from core.storage.conditional import compare_and_swap, create_exclusive, read_with_token
 from tasks.base_models import BasePin
 
 POINTER_FORMAT_VERSION = 1
@@ -191,7 +189,7 @@ def read_latest(layout: ModelLayout) -> Pointer | None:
 
 
 def read_pointer(layout: ModelLayout) -> tuple[Pointer | None, str | None]:
-    """The pointer of `layout` and the token a swap from it needs (`core.storage.read_with_token`)."""
+    """The pointer of `layout` and the token a swap from it needs (`core.storage.conditional.read_with_token`)."""
     data, token = read_with_token(layout.latest)
     return (None, None) if data is None else (_parse_pointer(layout, data), token)
 

@@ -24,6 +24,7 @@ from typing import Any
 from core.clock import utc_now
 from core.config import AccessPolicy, ConfigError, RunConfig
 from core.config.access import STORAGE_ROOT_ENV
+from core.config.schema import flat_settings
 from core.layout import RunLayout, StorageLayout, absolute_root, run_key
 from core.protocol import BACKEND_NAMES, RUN_KEY_ENV
 from core.storage import join, list_dir, read_json, write_bytes_atomic, write_json_atomic
@@ -31,12 +32,13 @@ from launcher.backend import RELEASE_GRACE_S, BackendFactory, HostRelease, Relea
 from launcher.host_identity import describe, host_identity, same_host
 from launcher.process import processes_with_env
 from launcher.state_record import StateRecord
-from tasks import report as reports
 from tasks import telemetry
 from tasks.connections import uses_run_storage
-from tasks.report_document import ReportError, RunReport
-from tasks.report_parts import UNREADABLE, read_part
-from tasks.usage_record import USAGE_CHART, attach_usage
+from tasks.ledger.record import USAGE_CHART, attach_usage, unannounced
+from tasks.ledger.summary import UsageSummary
+from tasks.report import store as reports
+from tasks.report.document import ReportError, RunReport
+from tasks.report.parts import UNREADABLE, read_part
 
 log = logging.getLogger("gpt_finetune.release")
 
@@ -291,14 +293,53 @@ def write_release(run: RunLayout, release: dict[str, Any], dag_id: str | None = 
     """release.json beside the run's report (its one writer), with the GPU-time ledger up to this release when
     evaluate wrote a report (`usage`, its chart beside it), then report.md from the three parts (its one writer too;
     none without report.json); with `dag_id`, the GPU tasks' admission waits are read from Airflow
-    (tasks/airflow_api.py)."""
+    (tasks/ledger/airflow_api.py)."""
     report = _evaluated(run)
     charts: dict[str, bytes] = {}
     if report is not None:
         summary, charts = attach_usage(run.report, report, release["released_at"], dag_id)
         if summary is not None:
             release = {**release, "usage": summary.to_xcom(), "charts": {"usage": USAGE_CHART}}
+            announce_usage(summary, report)
     for name, png in charts.items():
         write_bytes_atomic(join(run.report, name), png)
     write_json_atomic(run.release, release)
     reports.render_report_md(run.report)
+
+
+def announce_usage(summary: UsageSummary, report: RunReport) -> None:
+    """The ledger's gauges once, at release, and its warnings not raised live counted and mailed; best effort: the
+    ledger is a view of the run, and release's proof must not depend on it."""
+    warnings = unannounced(summary)
+    try:
+        _emit_usage(summary, warnings, report.run_key)
+        _mail_usage(report, warnings)
+    except Exception:
+        log.exception("could not send the GPU-time ledger's metrics or warnings of %s", report.run_key)
+
+
+def _emit_usage(summary: UsageSummary, warnings: list[str], run_key: str) -> None:
+    """The ledger's gauges and a `cost_warning` count per warning."""
+    cost, price = summary.cost, summary.price
+    telemetry.emit_task_metrics("usage", {
+        "held_gpu_h": summary.held_gpu_h, "busy_gpu_h": summary.busy_gpu_h, "idle_gpu_h": summary.idle_gpu_h,
+        "busy_share": summary.busy_share, "time_to_release_s": summary.time_to_release_s,
+        "cost": cost.held if cost else None, "cost_per_mtoken": cost.per_mtoken if cost else None,
+        "price_per_gpu_h": price.rate if price else None,
+        **{f"idle_{cause}_gpu_h": hours for cause, hours in summary.idle_by_cause_gpu_h.items()}}, run=run_key)
+    for _ in warnings:
+        telemetry.count("cost_warning", {"run": run_key, "task": "release"})
+
+
+def _mail_usage(report: RunReport, warnings: list[str]) -> None:
+    """The warnings as one alert, when the run has an alert connection (bounded like every alert)."""
+    cfg = flat_settings(report.config)
+    if not warnings or not cfg.get("alert_conn_id"):
+        return
+    from tasks.alerts import run_page_url, send_alert
+
+    run_id = report.run_id
+    opening = f"The GPU time of run {run_id} needs a look (the run itself is not failed by it):"
+    text = "\n".join([opening, "", *(f"- {warning}" for warning in warnings), "", f"Report: {run_page_url(run_id)}"])
+    send_alert(cfg["alert_conn_id"], tuple(cfg.get("alert_emails") or ()), f"[gpt_finetune] run {run_id}: GPU time "
+               "warnings", text, run=report.run_key, task="release")

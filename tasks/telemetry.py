@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tasks.report_document import RunReport
+    from tasks.report.document import RunReport
 
 log = logging.getLogger("gpt_finetune.telemetry")
 
@@ -36,8 +36,8 @@ TASK_GAUGES = {
     "evaluate": ("eval_loss", "perplexity", "baseline_eval_loss", "loss_delta", "parity_ok", "tokens_per_s",
                  "baseline_tokens_per_s", "speedup", "efficiency", "throughput_ratio"),
     "release": ("clean", "processes_found", "terminated", "killed"),
-    # GPU time (tasks/usage.py): gpus_held while a group runs (task = the group, 0 when it ends), the rest once at
-    # release; idle_<cause>_gpu_h per cause of tasks.usage.CAUSES. "gpu" reads "worker" on CPU runs.
+    # GPU time (tasks/ledger/usage.py): gpus_held while a group runs (task = the group, 0 when it ends), the rest once
+    # at release; idle_<cause>_gpu_h per cause of tasks.ledger.usage.CAUSES. "gpu" reads "worker" on CPU runs.
     "usage": ("gpus_held", "price_per_gpu_h", "held_gpu_h", "busy_gpu_h", "idle_gpu_h", "busy_share", "cost",
               "cost_per_mtoken", "time_to_release_s",
               *(f"idle_{cause}_gpu_h" for cause in ("between_tasks", "startup", "stragglers", "preflight", "compile",
@@ -140,7 +140,7 @@ def emit_report_metrics(report: RunReport, throughput_ratio: float | None) -> in
 
 
 # A live line is a few hundred characters; a longer one is not parsed at all (a worker's stray output, or a value
-# that is not a metric). Lines the launcher delivers are cut long before (launcher.group.MAX_LINE_BYTES).
+# that is not a metric). Lines the launcher delivers are cut long before (launcher.worker_output.MAX_LINE_BYTES).
 MAX_LIVE_LINE_CHARS = 16384
 
 

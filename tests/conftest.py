@@ -98,7 +98,7 @@ def monitoring_env(sinks) -> dict[str, str]:
             "AIRFLOW_CONN_ALERTS_SMTP": sinks.smtp.connection_uri()}
 
 
-# The operator's price table of the session's stack (tasks/pricing.py): CPU workers at 1 EUR per worker-hour.
+# The operator's price table of the session's stack (tasks/ledger/pricing.py): CPU workers at 1 EUR per worker-hour.
 STACK_PRICES = {"currency": "EUR", "cpu_worker": {"on_demand": 1.0}}
 
 
@@ -116,7 +116,7 @@ def airflow_stack(tmp_path_factory, monitoring_sinks):
                                **monitoring_env(monitoring_sinks)})
     stack.sinks = monitoring_sinks
     try:
-        # Release reads the GPU tasks' admission waits from the API server through it (tasks/airflow_api.py)
+        # Release reads the GPU tasks' admission waits from the API server through it (tasks/ledger/airflow_api.py)
         stack.rest("POST", "/api/v2/connections", {
             "connection_id": "gpt_finetune_api", "conn_type": "http", "host": "localhost", "port": stack.port,
             "login": stack.login[0], "password": stack.login[1]})

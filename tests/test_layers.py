@@ -1,8 +1,10 @@
-"""Imports run one way (docs/CONTRACTS.md, "Layers"): core -> launcher -> trainer -> tasks -> Airflow glue.
+"""Imports run one way (docs/CONTRACTS.md, "Layers"): core -> launcher -> trainer -> report -> ledger -> tasks ->
+Airflow glue.
 
 Every import statement of the source tree is read with `ast` (those inside functions too: a lazy import is still a
 dependency), so a module that reaches up a layer, a cycle between modules, or Airflow in a layer that must run
-without it fails here with the file, the line and the import.
+without it fails here with the file, the line and the import. `python tests/test_layers.py` prints the import graph
+by floor.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # Lowest first, one folder each (the glue is Airflow's two folders): a module may import modules of its own layer
-# and of the layers below. A module's layer is its folder; there is no other list.
-LAYERS = (("core", ("core",)), ("launcher", ("launcher",)), ("trainer", ("trainer",)), ("tasks", ("tasks",)),
-          ("airflow glue", ("plugins", "dags")))
-SOURCE_ROOTS = {folder: REPO / folder for _, folders in LAYERS for folder in folders}
+# and of the layers below. A module's layer is the deepest of these folders that holds it (tasks/report/ is the
+# report's floor, the rest of tasks/ the tasks'); there is no other list.
+LAYERS = (("core", ("core",)), ("launcher", ("launcher",)), ("trainer", ("trainer",)), ("report", ("tasks/report",)),
+          ("ledger", ("tasks/ledger",)), ("tasks", ("tasks",)), ("airflow glue", ("plugins", "dags")))
+FOLDERS = {Path(folder).parts: index for index, (_, folders) in enumerate(LAYERS) for folder in folders}
+SOURCE_ROOTS = {parts[0]: REPO / parts[0] for parts in FOLDERS if len(parts) == 1}
 # The worker side runs in images and on hosts without Airflow.
 WITHOUT_AIRFLOW = ("core", "launcher", "trainer")
 
@@ -47,13 +51,19 @@ def source_files() -> list[Path]:
 MODULES = {module_name(path): path for path in source_files()}
 
 
+def folder(module: str) -> tuple[str, ...]:
+    """The deepest layer folder that holds the module."""
+    parts = MODULES[module].relative_to(REPO).parts
+    return max((held for held in FOLDERS if parts[:len(held)] == held), key=len)
+
+
 def layer(module: str) -> int:
-    folder = MODULES[module].relative_to(REPO).parts[0]
-    return next(index for index, (_, folders) in enumerate(LAYERS) if folder in folders)
+    return FOLDERS[folder(module)]
 
 
 def project_module(name: str) -> str | None:
-    """The project module an import names (`tasks.report`, or `tasks` for `from tasks import report`), else None."""
+    """The project module an import names (`tasks.report.view`, or `tasks.report` for `from tasks.report import
+    view`), else None."""
     while name:
         if name in MODULES:
             return name
@@ -68,7 +78,7 @@ def imports() -> list[Import]:
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                # `from tasks import report` imports the module tasks.report, not only the package.
+                # `from tasks.report import view` imports the module tasks.report.view, not only the package.
                 targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in MODULES else node.module
                            for alias in node.names]
             else:
@@ -81,9 +91,10 @@ IMPORTS = imports()
 
 
 def test_every_layer_is_a_folder_of_the_repository():
-    assert all(root.is_dir() for root in SOURCE_ROOTS.values())
-    floors = [{name.split(".")[0] for name in MODULES if layer(name) == index} for index in range(len(LAYERS) - 1)]
-    assert floors == [{"core"}, {"launcher"}, {"trainer"}, {"tasks"}]
+    assert all(REPO.joinpath(*parts).is_dir() for parts in FOLDERS)
+    floors = [{".".join(folder(name)) for name in MODULES if layer(name) == index} for index in range(len(LAYERS))]
+    assert floors == [{"core"}, {"launcher"}, {"trainer"}, {"tasks.report"}, {"tasks.ledger"}, {"tasks"},
+                      {"plugins", "dags"}]
 
 
 def test_no_module_imports_from_a_layer_above_its_own():
@@ -129,6 +140,32 @@ def test_the_layer_test_sees_an_upward_import():
     """The check itself: the launcher's own modules are read, and one importing a task would be caught."""
     launcher_imports = [item for item in IMPORTS if item.source == "launcher.group"]
     assert any(item.target.startswith("launcher.") for item in launcher_imports)
-    assert layer("tasks.report") > layer("launcher.group")
-    assert layer("tf_multiworker.operator") > layer("tasks.report")
+    assert layer("tasks.report.view") > layer("launcher.group")
+    assert layer("tasks.release") > layer("tasks.ledger.record") > layer("tasks.report.parts") > layer("trainer.train")
+    assert layer("tasks.dataset.plan") == layer("tasks.release")
+    assert layer("tf_multiworker.operator") > layer("tasks.release")
     assert project_module("tasks.report.fmt") == "tasks.report" and project_module("numpy") is None
+
+
+def floor_graph() -> dict[tuple[str, str], int]:
+    """(importing floor, imported floor) -> how many imports, between floors only."""
+    arrows: dict[tuple[str, str], int] = {}
+    for item in IMPORTS:
+        target = project_module(item.target)
+        if target and layer(target) != layer(item.source):
+            key = (LAYERS[layer(item.source)][0], LAYERS[layer(target)][0])
+            arrows[key] = arrows.get(key, 0) + 1
+    return arrows
+
+
+def test_the_floor_graph_has_arrows_downward_only():
+    names = [name for name, _ in LAYERS]
+    arrows = floor_graph()
+    assert ("ledger", "report") in arrows and ("tasks", "ledger") in arrows  # the new floors are read
+    assert [arrow for arrow in arrows if names.index(arrow[0]) < names.index(arrow[1])] == []
+
+
+if __name__ == "__main__":
+    for (source, target), count in sorted(floor_graph().items(), key=lambda item: [n for n, _ in LAYERS].index(
+            item[0][0])):
+        print(f"{source:>12} -> {target:<12} {count:4d} imports")

@@ -69,7 +69,8 @@ class AdamW(tf.Module):
     returns a float32 scalar. `iterations` does not count a step that a loss scale skipped (trainer/precision.py).
     """
 
-    def __init__(self, variables: Sequence[tf.Variable], learning_rate: LearningRate, *, weight_decay: float,
+    # torch.optim.AdamW's hyperparameters, one keyword each, as its callers and its parity test name them.
+    def __init__(self, variables: Sequence[tf.Variable], learning_rate: LearningRate, *, weight_decay: float,  # noqa: PLR0913
                  beta_1: float = BETA_1, beta_2: float = BETA_2, epsilon: float = EPSILON,
                  no_decay_names: Sequence[str] = NO_DECAY_NAMES, name: str = "adamw") -> None:
         super().__init__(name=name)

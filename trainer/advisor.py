@@ -175,7 +175,7 @@ def table_lines(advice: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-# Idle causes that every launch of a run pays again (tasks/usage.py): the fixed overhead per worker of a run.
+# Idle causes that every launch of a run pays again (tasks/ledger/usage.py): the fixed overhead per worker of a run.
 OVERHEAD_CAUSES = ("startup", "stragglers", "preflight", "compile", "evaluation", "export")
 
 

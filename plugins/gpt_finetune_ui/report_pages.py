@@ -1,5 +1,5 @@
 """The report pages as HTML: the index of runs and promoted models, and one run's report, written from the same
-view as its report.md (tasks/report_view.py).
+view as its report.md (tasks/report/view.py).
 
 Every value from storage goes through `_text` or `_fmt`, which escape it whatever its type; a chart is linked only
 under a plain file name (runs_data.CHART_FILE).
@@ -12,9 +12,10 @@ from typing import Any
 
 from core.protocol import RUN_KEY_PATTERN
 from gpt_finetune_ui.runs_data import CHART_FILE
-from tasks import report_view
-from tasks.formatting import fmt, known_words
-from tasks.report_parts import RunView
+from tasks.report import blocks
+from tasks.report import view as report_view
+from tasks.report.formatting import fmt, known_words
+from tasks.report.parts import RunView
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5rem; color: #1b1f24; }
@@ -130,22 +131,22 @@ def render_run(report: RunView) -> str:
     return _page("".join(mark if isinstance(mark, str) else mark.text for mark in view.title), "".join(body))
 
 
-def _block(block: report_view.Block) -> str:
-    if isinstance(block, report_view.Paragraph):
+def _block(block: blocks.Block) -> str:
+    if isinstance(block, blocks.Paragraph):
         return f"<p{_id(block.anchor)}>{_line(block.line)}</p>"
-    if isinstance(block, report_view.Bullets):
+    if isinstance(block, blocks.Bullets):
         return "<ul class='note'>" + "".join(f"<li{_id(item.anchor)}>{_line(item.line)}</li>"
                                              for item in block.items) + "</ul>"
-    if isinstance(block, report_view.Warnings):
+    if isinstance(block, blocks.Warnings):
         items = "".join(f"<li>{_text(text)}</li>" for text in block.texts)
         return f"<ul id='warnings' class='warning'>{items}</ul>"
-    if isinstance(block, report_view.Charts):
+    if isinstance(block, blocks.Charts):
         return "".join(f"<img alt='{_text(name)}' src='charts/{_text(file)}'>" for name, file in block.files
                        if CHART_FILE.fullmatch(file))
     return _table(block)
 
 
-def _table(table: report_view.Table) -> str:
+def _table(table: blocks.Table) -> str:
     def cell(tag: str, column: str, content: str) -> str:
         return f"<{tag} class='prose'>{content}</{tag}>" if column in table.prose else f"<{tag}>{content}</{tag}>"
 
@@ -155,16 +156,16 @@ def _table(table: report_view.Table) -> str:
     return f"<table{_id(table.anchor)}><tr>{header}</tr>{rows}</table>"
 
 
-def _line(line: report_view.Line) -> str:
+def _line(line: blocks.Line) -> str:
     return "".join(_mark(mark) for mark in line)
 
 
-def _mark(mark: report_view.Mark) -> str:
-    if isinstance(mark, report_view.Emphasis):
+def _mark(mark: blocks.Mark) -> str:
+    if isinstance(mark, blocks.Emphasis):
         return f"<b>{_text(mark.text)}</b>"
-    if isinstance(mark, report_view.Code):
+    if isinstance(mark, blocks.Code):
         return f"<code>{_text(mark.text)}</code>"
-    if isinstance(mark, report_view.Verdict):
+    if isinstance(mark, blocks.Verdict):
         css = {True: "pass", False: "fail"}.get(mark.passed, "note")
         label = f"{_text(mark.label)}: " if mark.label else ""
         return f"{label}<span class='{css}'{_id(mark.anchor)}>{_text(mark.text)}</span>"

@@ -1,10 +1,10 @@
 """What the report pages read from storage: each run's report (report.json with promotion.json and release.json
-beside it, read as one by tasks/report_parts.py) and charts, and the model registry's latest.json
+beside it, read as one by tasks/report/parts.py) and charts, and the model registry's latest.json
 (tasks/registry.py), through `core.storage`, so local disk and S3 read alike.
 
 Nothing read here is trusted (many tasks can write storage): run keys and chart names are matched whole before
 they become paths, an index row checks the type of every field it shows, and errors name runs, never storage URLs.
-A report or release record over the size or depth limits of tasks/report_file.py reads as unreadable: on the index
+A report or release record over the size or depth limits of tasks/report/untrusted.py reads as unreadable: on the index
 as an error row (one run's record never fails the page), on its run page as 422. A promotion or release record that
 cannot be read leaves the report readable: the page says which part it could not read.
 """
@@ -19,9 +19,9 @@ from core.layout import StorageLayout
 from core.protocol import RUN_KEY_PATTERN
 from core.storage import exists, join, list_dir, read_bytes
 from tasks.registry import read_latest
-from tasks.report_document import ReportError, RunReport
-from tasks.report_file import UnreadableRecord, finite, read_record
-from tasks.report_parts import RunView, read_part, read_parts, released, run_view
+from tasks.report.document import ReportError, RunReport
+from tasks.report.parts import RunView, read_part, read_parts, released, run_view
+from tasks.report.untrusted import UnreadableRecord, finite, read_record
 
 log = logging.getLogger("gpt_finetune.ui")
 
@@ -49,7 +49,7 @@ def report_dir(storage: StorageLayout, run_key: str) -> str:
 
 def read_report(storage: StorageLayout, run_key: str) -> RunView:
     """The run's report with its promotion and release parts; UnreadableReport naming the field when report.json is
-    not one (tasks/report_document.py), NotFound before evaluate wrote it."""
+    not one (tasks/report/document.py), NotFound before evaluate wrote it."""
     url = join(report_dir(storage, run_key), "report.json")
     if not exists(url):
         raise NotFound(f"Run {run_key} has no report: its evaluate task has not finished.")

@@ -50,7 +50,8 @@ def ssh_backend(cfg: RunConfig) -> Backend:
     from airflow.sdk.exceptions import AirflowNotFoundException
 
     from launcher.errors import LaunchError
-    from launcher.ssh import RemoteHost, SSHBackend
+    from launcher.ssh import SSHBackend
+    from launcher.ssh_agents import RemoteHost
 
     ssh = cfg.launch.ssh
     hosts = []

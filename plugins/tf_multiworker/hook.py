@@ -1,7 +1,7 @@
 """Object-storage credentials from an Airflow Connection, as environment variables only.
 
 Workers (and this task process, for the run-state record and the logs) read S3 credentials from the
-environment (core/storage.py). The values are never logged, put in argv, TF_CONFIG or XCom.
+environment (core/storage/). The values are never logged, put in argv, TF_CONFIG or XCom.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.document import Document
-from tasks.pricing import Price
+from tasks.ledger.pricing import Price
 from tasks.registry import PromotedVersion
 
 
@@ -51,7 +51,7 @@ class DatasetPlan(Document):
         config: the run's validated configuration (`RunConfig.to_dict()`), the one copy in flight; each task holds
             it to the access policy again.
         continued_from: the promoted version the run continues from (`model: promoted`), else None.
-        price: the rate prepare froze (tasks/pricing.py), else None.
+        price: the rate prepare froze (tasks/ledger/pricing.py), else None.
         plan_id: the plan's id (12 hex digits) when it tokenizes; with the fingerprint it names where the whole
             plan lies under the storage root. None for a cache hit.
         plan_url: that plan.json, when mapped tasks tokenize (None when prepare did it all, or for a cache hit).

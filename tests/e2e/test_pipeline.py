@@ -18,8 +18,8 @@ import pytest
 
 from core.layout import run_key
 from tasks.release import processes_of_run
-from tasks.report_document import RunReport
-from tasks.report_parts import read_parts, run_view
+from tasks.report.document import RunReport
+from tasks.report.parts import read_parts, run_view
 from tests.e2e.runs import DAG, FAST, assert_released, run_path, storage, trigger
 from tests.support.airflow_stack import REPO
 from tests.support.hardware import nvidia_gpus
@@ -122,7 +122,7 @@ def test_triggered_run_succeeds_and_the_next_nightly_run_reuses_shards_and_basel
     assert "cache hit" not in airflow_stack.task_log(DAG, first, "prepare")
     assert_released(airflow_stack, first)
     assert_metrics_arrived_while_training(airflow_stack, first)
-    # The report as its page shows it: release.json beside it holds the GPU-time ledger (tasks/report_parts.py).
+    # The report as its page shows it: release.json beside it holds the GPU-time ledger (tasks/report/parts.py).
     report = run_view(RunReport.from_json(json.loads(Path(run.report, "report.json").read_text()), "report.json"),
                       *read_parts(run.report)).to_json()
     assert_usage_matches_airflow(airflow_stack, first, report)

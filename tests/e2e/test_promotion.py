@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 
 from core.layout import run_key
 from tasks import registry
-from tasks.report_document import RunReport
-from tasks.report_parts import read_parts, run_view
+from tasks.report.document import RunReport
+from tasks.report.parts import read_parts, run_view
 from tests.e2e.runs import DAG, FAST, assert_released, storage, trigger
 from tests.support.airflow_stack import REPO
 

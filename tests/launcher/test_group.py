@@ -212,22 +212,23 @@ def test_exit_descriptions_name_the_signal_or_code(tmp_path, code, text):
 # -- bounded output (issue 37 item 5, review finding 12) --------------------------------------------------------
 
 def test_a_huge_line_reaches_the_task_log_in_bounded_pieces(tmp_path):
-    from launcher import group as group_module
+    from launcher import worker_output
 
-    huge = "x" * (3 * group_module.MAX_LINE_BYTES + 10)
+    huge = "x" * (3 * worker_output.MAX_LINE_BYTES + 10)
     backend = FakeBackend({0: [("ready",), ("line", huge), ("exit", 0)]})
     result, _, lines = _run(backend, tmp_path, num_workers=1)
     pieces = [line for _, line in lines if line.startswith("x")]
     assert result.succeeded and "".join(pieces) == huge
-    assert max(map(len, pieces)) <= group_module.MAX_LINE_BYTES
+    assert max(map(len, pieces)) <= worker_output.MAX_LINE_BYTES
 
 
 def test_a_flood_of_lines_is_bounded_and_never_holds_up_the_watch_loop(tmp_path, monkeypatch):
     """Before: the queue grew without bound and each poll handed on every line before its exit and hang checks."""
     from launcher import group as group_module
+    from launcher import worker_output
 
-    monkeypatch.setattr(group_module, "MAX_QUEUED_LINES", 100)
-    monkeypatch.setattr(group_module, "MAX_LINES_PER_POLL", 20)
+    monkeypatch.setattr(worker_output, "MAX_QUEUED_LINES", 100)
+    monkeypatch.setattr(worker_output, "MAX_LINES_PER_POLL", 20)
     flood = [("line", f"line {i}") for i in range(3000)]
     backend = FakeBackend({0: [("ready",), *flood, ("exit", 0)]})
     spec = GroupSpec(name="g", entrypoint="trainer.train", num_workers=1, **FAST)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from launcher import GroupSpec, LocalBackend, WorkerOutcome, WorkerState
-from launcher.idle import MIN_SAMPLES, IdleWatch
+from launcher.idle import MIN_SAMPLES, IdleRules, IdleWatch
 from tests.support.fake_nvml import FakeNvml, h200s, install
 
 
@@ -26,7 +26,7 @@ def step_of(line: str) -> int | None:
 
 
 def watch(clock: Clock, episodes: list, *, util: float | None = None, sample=None, ranks=(0, 1)) -> IdleWatch:
-    idle = IdleWatch(60, step_of, episodes.append, util_below_pct=util, sample_every_s=3600, clock=clock,
+    idle = IdleWatch(IdleRules(60, util_below_pct=util, sample_every_s=3600), step_of, episodes.append, clock=clock,
                      wall=lambda: 1.8e9)
     idle.start("train", 1, ranks, sample)
     return idle
@@ -121,7 +121,7 @@ def test_a_failing_callback_or_sampler_never_reaches_the_group():
     def broken(_episode) -> None:
         raise RuntimeError("mail server on fire")
 
-    idle = IdleWatch(1, step_of, broken, util_below_pct=5, sample_every_s=3600, clock=clock)
+    idle = IdleWatch(IdleRules(1, util_below_pct=5, sample_every_s=3600), step_of, broken, clock=clock)
     idle.start("train", 1, (0,), lambda: 1 / 0)
     assert idle.take_sample() is False
     idle.util_below_pct = None
@@ -133,13 +133,13 @@ def test_a_failing_callback_or_sampler_never_reaches_the_group():
 @pytest.mark.parametrize("max_idle_s", [0, -1])
 def test_a_watch_needs_a_positive_window(max_idle_s):
     with pytest.raises(ValueError, match="max_idle_s > 0"):  # a launch without the warning has no watch at all
-        IdleWatch(max_idle_s, step_of, lambda episode: None)
+        IdleRules(max_idle_s)
 
 
 def test_a_group_idle_for_the_reclaim_limit_is_reclaimed_once_after_its_warning():
     clock, episodes, reclaims = Clock(), [], []
-    idle = IdleWatch(60, step_of, episodes.append, reclaim_after_s=120, on_reclaim=reclaims.append, clock=clock,
-                     wall=lambda: 1.8e9)
+    idle = IdleWatch(IdleRules(60, reclaim_after_s=120), step_of, episodes.append, on_reclaim=reclaims.append,
+                     clock=clock, wall=lambda: 1.8e9)
     idle.start("train", 1, (0, 1))
     for rank in (0, 1):
         idle.line(rank, "TFMW_READY", ready=True)
@@ -160,8 +160,8 @@ def test_a_group_idle_for_the_reclaim_limit_is_reclaimed_once_after_its_warning(
 
 def test_a_gpu_group_with_a_busy_gpu_is_not_reclaimed():
     clock, reclaims = Clock(), []
-    idle = IdleWatch(60, step_of, lambda episode: None, util_below_pct=5, sample_every_s=3600, reclaim_after_s=60,
-                     on_reclaim=reclaims.append, clock=clock)
+    idle = IdleWatch(IdleRules(60, util_below_pct=5, sample_every_s=3600, reclaim_after_s=60), step_of,
+                     lambda episode: None, on_reclaim=reclaims.append, clock=clock)
     idle.start("train", 1, (0, 1), lambda: {0: 0.0, 1: 40.0})  # rank 1's GPU computes
     for _ in range(MIN_SAMPLES):
         clock.now += 15
@@ -174,13 +174,15 @@ def test_a_gpu_group_with_a_busy_gpu_is_not_reclaimed():
 
 def test_a_reclaim_limit_below_the_window_is_refused_naming_both():
     with pytest.raises(ValueError, match="reclaim_idle_after_s = 30 .* window max_idle_held_s = 60"):
-        IdleWatch(60, step_of, lambda episode: None, reclaim_after_s=30, on_reclaim=lambda episode: None)
+        IdleRules(60, reclaim_after_s=30)
+    with pytest.raises(ValueError, match="reclaim_idle_after_s = 60 needs an on_reclaim"):
+        IdleWatch(IdleRules(60, reclaim_after_s=60), step_of, lambda episode: None)
 
 
 def test_a_gpu_group_whose_gpus_stay_quiet_is_reclaimed_naming_their_peak():
     clock, reclaims = Clock(), []
-    idle = IdleWatch(60, step_of, lambda episode: None, util_below_pct=5, sample_every_s=3600, reclaim_after_s=60,
-                     on_reclaim=reclaims.append, clock=clock)
+    idle = IdleWatch(IdleRules(60, util_below_pct=5, sample_every_s=3600, reclaim_after_s=60), step_of,
+                     lambda episode: None, on_reclaim=reclaims.append, clock=clock)
     idle.start("train", 1, (0, 1), lambda: {0: 0.0, 1: 3.0})  # a hung collective that does not spin
     for _ in range(MIN_SAMPLES):
         clock.now += 15

@@ -75,6 +75,41 @@ def test_server_errors_are_retried_with_backoff_then_succeed(clients, tmp_path):
     handle.group.stop.set()
 
 
+def rate_limited(status: int, retry_after: str) -> ApiException:
+    """What the API server (its priority and fairness, or a proxy before it) answers when it sheds load."""
+    exc = ApiException(status=status, reason={429: "Too Many Requests", 503: "Service Unavailable"}[status])
+    exc.body = json.dumps({"kind": "Status", "status": "Failure", "reason": "TooManyRequests",
+                           "message": "the server has received too many requests", "code": status})
+    exc.headers = {"Content-Type": "application/json", "retry-after": retry_after}  # any case, as HTTP allows
+    return exc
+
+
+def test_a_rate_limit_is_waited_out_as_long_as_the_server_asks_then_backed_off(clients, tmp_path, caplog):
+    core, networking = clients
+    ok = core.create_namespaced_service.return_value
+    core.create_namespaced_service.side_effect = [rate_limited(429, "7"), rate_limited(503, "3600"),
+                                                  rate_limited(429, "soon"), ok]
+    sleeps: list[float] = []
+    handle = start_rank(make_backend(core, networking, sleeps), group(), tmp_path=tmp_path)
+    # 7 s as asked, a too-long wait capped, and the backoff's third step when the header says no number or date.
+    assert sleeps == [7.0, 60.0, 2.0]
+    assert core.create_namespaced_service.call_count == 4
+    assert "429 Too Many Requests: TooManyRequests: the server has received too many requests; retrying in 7 s " \
+           "(1 of 4)" in caplog.text
+    handle.group.stop.set()
+
+
+def test_retry_after_reads_seconds_or_an_http_date_and_only_on_429_and_503():
+    from launcher.kubernetes_api import retry_after
+
+    assert retry_after(rate_limited(503, "Thu, 01 Jan 1970 00:00:30 GMT"), now=lambda: 10.0) == 20.0
+    assert retry_after(rate_limited(429, "-5")) == 0.0
+    refused = api_error(500, "InternalError", "etcdserver: request timed out")
+    refused.headers = {"Retry-After": "9"}
+    assert retry_after(refused) is None and retry_after(api_error(503, "x", "y")) is None
+    assert retry_after(TimeoutError("read timed out")) is None
+
+
 def test_server_errors_that_persist_fail_with_the_api_reason(clients, tmp_path):
     core, networking = clients
     core.create_namespaced_service.side_effect = api_error(500, "InternalError", "etcdserver: request timed out")

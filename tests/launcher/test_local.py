@@ -232,7 +232,8 @@ def test_workers_get_an_allow_listed_environment_and_secrets_are_redacted(tmp_pa
     spec = _spec(num_workers=2, secret_env={"AWS_SECRET_ACCESS_KEY": secret},
                  env=entrypoint_env(TINY_WORKER_ECHO_ENV="AWS_SECRET_ACCESS_KEY", TINY_WORKER_STEP_S="1",
                                     TFMW_RUN_KEY="run-env-test"))
-    group = WorkerGroup(spec, LocalBackend(), tmp_path)
+    lines: list[str] = []
+    group = WorkerGroup(spec, LocalBackend(), tmp_path, on_line=lambda rank, line: lines.append(line))
     environs: list[dict[str, str]] = []
 
     def read_environs():
@@ -246,8 +247,6 @@ def test_workers_get_an_allow_listed_environment_and_secrets_are_redacted(tmp_pa
 
     reader = threading.Thread(target=read_environs)
     reader.start()
-    lines: list[str] = []
-    group.on_line = lambda rank, line: lines.append(line)
     result = group.run()
     reader.join()
 

@@ -13,15 +13,15 @@ import re
 from core.layout import StorageLayout
 from core.storage import read_json
 from launcher import GroupSpec, LocalBackend
-from launcher.gpus import GPU_RELEASE_WAIT_S, check_exited_slots
+from launcher.gpus import GPU_RELEASE_WAIT_S, Polling, check_exited_slots
 from tasks.evaluate import with_release_after_train
 from tasks.launch import RecordedLaunch
-from tasks.report import render_markdown
-from tasks.report_parts import run_view
+from tasks.report.parts import run_view
+from tasks.report.store import render_markdown
 from tests.launcher.conftest import entrypoint_env
 from tests.launcher.test_gpus import Clock
 from tests.support.fake_nvml import GIB, FakeNvml, h200s, install
-from tests.tasks.test_report import document
+from tests.tasks.report.test_store import document
 
 STARTING = re.compile(r"^rank (\d+) of \d+ pid (\d+) ")
 
@@ -76,7 +76,7 @@ def test_a_gpu_that_stays_held_is_not_proven_free_and_the_wait_is_bounded(monkey
     fake = install(monkeypatch, FakeNvml(h200s(2), clock=clock))
     fake.start_process(1, 8 * GIB, pid=4242)  # the run's pid never leaves GPU 1's list
     check = check_exited_slots({4241, 4242}, [fake.gpus[0].uuid, fake.gpus[1].uuid], use_gpu=True, alive=list,
-                               clock=clock, sleep=clock.sleep)
+                               polling=Polling(clock=clock, sleep=clock.sleep))
     assert check["free"] is False and check["free_after_s"] is None
     assert check["gpu_check"]["held_by_run"] == [{"gpu": 1, "uuid": fake.gpus[1].uuid, "pid": 4242}]
     assert GPU_RELEASE_WAIT_S <= clock.now < GPU_RELEASE_WAIT_S + 1
@@ -89,8 +89,8 @@ def test_a_gpu_whose_memory_stays_above_its_recorded_idle_level_is_not_proven_fr
     fake.start_process(0, 1 * GIB, listed_pid=None)  # left in use by no listed process
     fake.end_process(4242)
     uuid = fake.gpus[0].uuid
-    check = check_exited_slots({4242}, [uuid], use_gpu=True, alive=list, idle_mb={uuid: 615}, wait_s=1.0,
-                               clock=clock, sleep=clock.sleep)
+    check = check_exited_slots({4242}, [uuid], use_gpu=True, alive=list, idle_mb={uuid: 615},
+                               polling=Polling(wait_s=1.0, clock=clock, sleep=clock.sleep))
     assert check["free"] is False and check["gpu_check"]["held_by_run"] == []
     (entry,) = check["gpu_check"]["unverified"]
     assert "1639 MiB are in use by no listed process" in entry["reason"]  # 615 idle + 1024

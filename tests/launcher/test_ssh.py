@@ -25,7 +25,7 @@ from core.layout import StorageLayout
 from core.protocol import ABORT_SIGNAL, GROUP_ENV, RUN_KEY_ENV
 from core.storage import read_json
 from launcher import FailureKind, GroupSpec, GroupState, LaunchError, WorkerGroup, error_for
-from launcher.ssh import RemoteHost
+from launcher.ssh_agents import RemoteHost
 from tasks.launch import RecordedLaunch
 from tasks.release import processes_of_run
 from tests.launcher.conftest import REPO, entrypoint_env, run_past_sigkill, start_launcher, wait_for
@@ -365,7 +365,8 @@ def test_unknown_and_non_ssh_connections_are_refused_naming_the_setting(connecti
 
 def _stubbed(monkeypatch, answers: dict, workers_per_host: int = 0, barrier: threading.Barrier | None = None,
              mode: str = "probe"):
-    from launcher.ssh import RemoteHost, SSHBackend
+    from launcher.ssh import SSHBackend
+    from launcher.ssh_agents import RemoteHost
 
     hosts = [RemoteHost(conn_id=name, address=f"{name}.example", connect=lambda: None) for name in answers]
     backend = SSHBackend(hosts, remote_python="python3", remote_workdir="/tmp/tfmw", workers_per_host=workers_per_host)
@@ -401,7 +402,7 @@ def test_hosts_are_probed_at_once_and_never_share_a_port(monkeypatch):
 
 
 def test_a_host_beyond_those_needed_is_not_probed_and_a_needed_one_that_fails_is_named(monkeypatch):
-    from launcher.ssh import HostError
+    from launcher.ssh_agents import HostError
 
     down = HostError("host c.example (connection c) is unreachable: ConnectionRefusedError")
     answers = {"a": _probe([41000, 41001]), "b": _probe([41005, 41006]), "c": down}
@@ -418,7 +419,7 @@ def test_a_host_beyond_those_needed_is_not_probed_and_a_needed_one_that_fails_is
 
 
 def test_release_asks_every_host_at_once_and_names_one_it_cannot_reach(monkeypatch):
-    from launcher.ssh import HostError
+    from launcher.ssh_agents import HostError
 
     released = {"host": "x", "found": [], "terminated": [4242], "killed": [], "survivors": [], "clean": True}
     down = HostError("host b.example (connection b) is unreachable: ConnectionRefusedError")
@@ -471,7 +472,7 @@ def test_a_malformed_agent_answer_makes_its_host_an_error_not_a_release(monkeypa
 
 def test_capacity_probes_every_host_at_once_and_keeps_only_the_usable_ones(monkeypatch):
     from launcher.backend import Capacity
-    from launcher.ssh import HostError
+    from launcher.ssh_agents import HostError
 
     down = HostError("host b.example (connection b) is unreachable: ConnectionRefusedError")
     answers = {"a": _probe([41000], gpus=(0, 1)), "b": down, "c": _probe([41000], gpus=()),
@@ -570,7 +571,8 @@ class ScriptedProbes:
 
 
 def _scripted_backend(probes: ScriptedProbes):
-    from launcher.ssh import RemoteHost, SSHBackend
+    from launcher.ssh import SSHBackend
+    from launcher.ssh_agents import RemoteHost
 
     hosts = [RemoteHost(f"h{i}", f"10.0.0.{i + 1}", lambda: None) for i in range(2)]
     backend = SSHBackend(hosts, remote_python="python3", remote_workdir="tfmw", clock=lambda: probes.now,
@@ -623,7 +625,8 @@ def test_gpu_utilization_is_asked_of_each_host_at_once_and_a_silent_host_gives_n
     """The idle-held warning's samples on SSH (launcher/idle.py): each host's agent reads its ranks' GPUs; a host
     that does not answer gives None, which counts as busy."""
     from launcher import WorkerOutcome, WorkerState
-    from launcher.ssh import HostError, RemoteHost, SSHBackend
+    from launcher.ssh import SSHBackend
+    from launcher.ssh_agents import HostError, RemoteHost
 
     hosts = [RemoteHost(conn_id=name, address=f"{name}.example", connect=lambda: None) for name in ("a", "b")]
     backend = SSHBackend(hosts, remote_python="python3", remote_workdir="/tmp/tfmw")
@@ -662,7 +665,7 @@ class _LinesChannel:
 def test_a_malformed_control_line_is_ignored_and_counted_and_reading_goes_on(bad, caplog):
     """Review t5, not verified: a worker line that starts with TFMW_AGENT/TFMW_EXIT but carries no JSON object raised
     in the thread that reads the rank's output. Now it is dropped and counted, and the lines after it still come."""
-    from launcher.ssh import SSHWorkerHandle
+    from launcher.ssh_worker import SSHWorkerHandle
     agent = b'TFMW_AGENT {"pid": 4242, "pgid": 4242, "host": "h", "python": "3.12", "versions": {"tf": "2.21"}}\n'
     host = RemoteHost("gpu_host_1", "h.example", connect=lambda: None)
     handle = SSHWorkerHandle(None, host, 0, _LinesChannel([agent, bad, b"step 1\n", bad, b"step 2\n"]), "run-1")
@@ -674,7 +677,7 @@ def test_a_malformed_control_line_is_ignored_and_counted_and_reading_goes_on(bad
 
 
 def test_a_second_agent_line_printed_by_the_worker_cannot_change_the_pid_release_signals():
-    from launcher.ssh import SSHWorkerHandle
+    from launcher.ssh_worker import SSHWorkerHandle
     agent = b'TFMW_AGENT {"pid": 4242, "pgid": 4242}\n'
     forged = b'TFMW_AGENT {"pid": 1234, "pgid": 1234}\n'
     host = RemoteHost("gpu_host_1", "h.example", connect=lambda: None)

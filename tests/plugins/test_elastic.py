@@ -69,7 +69,7 @@ def _losses(output: TrainOutput) -> dict[int, float]:
 def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(airflow_env, tmp_path):
     from tasks.checked_run import Evaluation
     from tasks.evaluate import evaluate_run, run_evaluation
-    from tasks.prepare import lay_out_run
+    from tasks.prepare import PublishedManifest, lay_out_run
 
     storage = str(tmp_path / "storage")
     manifest = write_dataset(Path(storage) / "datasets", sorted((REPO / "data" / "sample").glob("*.txt")),
@@ -82,7 +82,7 @@ def test_a_retry_with_two_usable_workers_continues_a_four_worker_run_exactly(air
                        startup_timeout_s=240, hang_timeout_s=240)
     # Laid out as publish lays a run out: the operator pins the digest of this configuration, its run_config.
     manifest_document, manifest_sha256 = read_manifest(manifest)
-    prepared = lay_out_run(cfg, manifest_document, manifest, key, run_id="elastic", manifest_sha256=manifest_sha256)
+    prepared = lay_out_run(cfg, PublishedManifest(manifest_document, manifest, manifest_sha256), key, run_id="elastic")
 
     # The uninterrupted 4-worker run, side by side with the elastic one.
     reference_run = StorageLayout(storage).run("reference-run")

@@ -28,7 +28,7 @@ from tf_multiworker.backends import make_backend
 from core.layout import run_key
 from core.storage import join, upload_tree, write_json_atomic
 from tasks import evaluate
-from tasks.report_document import Comparison
+from tasks.report.document import Comparison
 from tests.support.browser import chromium
 from tests.tasks import run_fixtures
 
@@ -209,7 +209,7 @@ def test_hostile_reports_render_escaped_as_error_rows(hostile_storage):
         "not_json": "unreadable report: not valid JSON",
     }
 
-    page = client.get("/runs/poisoned/")  # the page says what the index says (tasks/report_document.py checks)
+    page = client.get("/runs/poisoned/")  # the page says what the index says (tasks/report/document.py checks)
     assert page.status_code == 422 and "format_version: expected int, got str" in page.text
     for key in ("poisoned", "empty", "a_list", "not_json"):
         response = client.get(f"/runs/{key}/")
@@ -220,9 +220,9 @@ def test_hostile_reports_render_escaped_as_error_rows(hostile_storage):
 
 
 def test_an_elastic_runs_page_shows_its_segments_and_the_predicted_scaling(storage_root, tmp_path):
-    """The segments and the advisor's prediction that report.md has (tasks/scaling.py), on the run's page too,
+    """The segments and the advisor's prediction that report.md has (tasks/report/scaling.py), on the run's page too,
     with what a worker may have influenced (the reason a launch gives) escaped."""
-    from tasks import scaling
+    from tasks.report import scaling
 
     root = tmp_path / "storage"
     shutil.copytree(Path(storage_root) / "runs" / KEY_28, root / "runs" / KEY_28)
@@ -253,12 +253,13 @@ def test_an_elastic_runs_page_shows_its_segments_and_the_predicted_scaling(stora
 
 
 def test_report_md_and_the_run_page_write_the_same_view(storage_root):
-    """One view (tasks/report_view.py), two writers: every section title, table column and cell, line of text,
+    """One view (tasks/report/view.py), two writers: every section title, table column and cell, line of text,
     warning and chart of a report with every section appears in report.md and on the run's page."""
-    from tasks import report_view, scaling
-    from tasks.report import render_markdown
-    from tasks.report_document import RunReport
-    from tasks.report_parts import run_view
+    from tasks.report import blocks, scaling
+    from tasks.report import view as report_view
+    from tasks.report.document import RunReport
+    from tasks.report.parts import run_view
+    from tasks.report.store import render_markdown
 
     report = json.loads((Path(storage_root) / "runs" / KEY_28 / "report" / "report.json").read_text())
     advice = {"rows": [{"num_workers": 2, "speedup": 1.6, "efficiency": 0.8, "tokens_per_s": 1600.0}],
@@ -281,14 +282,14 @@ def test_report_md_and_the_run_page_write_the_same_view(storage_root):
     assert all(f"## {title}" in markdown and f"<h2>{title}</h2>" in page for title in titles)
     shown = []  # every text of the view, whichever block holds it
     for block in (block for section in view.sections for block in section.blocks):
-        if isinstance(block, report_view.Table):
+        if isinstance(block, blocks.Table):
             shown += [*block.columns, *(cell for row in block.rows for cell in row)]
-        elif isinstance(block, report_view.Bullets | report_view.Paragraph):
-            items = block.items if isinstance(block, report_view.Bullets) else [block]
+        elif isinstance(block, blocks.Bullets | blocks.Paragraph):
+            items = block.items if isinstance(block, blocks.Bullets) else [block]
             shown += [mark for item in items for mark in item.line]
-        elif isinstance(block, report_view.Warnings):
+        elif isinstance(block, blocks.Warnings):
             shown += block.texts
-        elif isinstance(block, report_view.Charts):
+        elif isinstance(block, blocks.Charts):
             shown += [file for _, file in block.files]
     texts = [mark if isinstance(mark, str) else mark.text for mark in shown]
     assert len(texts) > 80 and "Not promoted" in texts and "5,120" in texts
@@ -574,7 +575,7 @@ def crafted_storage(storage_root, tmp_path):
 
 
 def test_a_crafted_report_is_an_error_row_and_never_a_500(crafted_storage, monkeypatch):
-    from tasks import report_file
+    from tasks.report import untrusted as report_file
 
     monkeypatch.setattr(report_file, "MAX_RECORD_BYTES", len(
         (crafted_storage / "runs" / KEY_28 / "report" / "report.json").read_bytes()) + 100)
@@ -597,8 +598,8 @@ def test_the_run_page_is_linear_in_samples(storage_root, tmp_path):
     """The review measured 0.17 s, 0.67 s, 1.62 s for 1000, 2000, 4000 samples per model: quadratic."""
     import time
 
-    from tasks.report_document import RunReport
-    from tasks.report_parts import run_view
+    from tasks.report.document import RunReport
+    from tasks.report.parts import run_view
 
     report = json.loads((Path(storage_root) / "runs" / KEY_28 / "report" / "report.json").read_text())
     timings = {}

@@ -111,13 +111,13 @@ def prepare_run(root: str, run_id: str, manifest_url: str | None = None, **setti
     `manifest_url` names a real tokenized dataset; by default a manifest without shards is written.
     """
     from core.storage import read_bytes
-    from tasks.prepare import lay_out_run
+    from tasks.prepare import PublishedManifest, lay_out_run
 
     manifest_url = manifest_url or write_manifest(root)
     cfg = RunConfig.from_params({"storage_root": root, **settings})
     data = read_bytes(manifest_url)  # as publish reads it, but unchecked: some tests name fingerprints of their own
-    prepared = lay_out_run(cfg, json.loads(data), manifest_url, run_key(DAG_ID, run_id), run_id=run_id,
-                           manifest_sha256=hashlib.sha256(data).hexdigest())
+    published = PublishedManifest(json.loads(data), manifest_url, hashlib.sha256(data).hexdigest())
+    prepared = lay_out_run(cfg, published, run_key(DAG_ID, run_id), run_id=run_id)
     return PreparedRun.from_xcom(json.loads(json.dumps(prepared.to_xcom())))
 
 
@@ -146,7 +146,7 @@ def released_markdown(report_url: str) -> str:
     """report.md as the release task renders it (its one writer) from the parts beside it, for tests that stop before
     release; evaluate and promote write none."""
     from core.storage import exists, read_bytes
-    from tasks.report import REPORT_MD, render_report_md
+    from tasks.report.store import REPORT_MD, render_report_md
 
     assert not exists(join(report_url, REPORT_MD)), "only the release task writes report.md"
     render_report_md(report_url)

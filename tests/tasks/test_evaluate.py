@@ -24,7 +24,7 @@ from tasks import evaluate
 from tasks.baseline import plan_baseline
 from tasks.checked_run import Evaluation
 from tasks.evaluate import EvaluationError, GateFailure, evaluate_run
-from tasks.report_document import RunReport
+from tasks.report.document import RunReport
 from tests.tasks import run_fixtures
 
 REPO = Path(__file__).resolve().parents[2]

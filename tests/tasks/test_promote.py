@@ -25,8 +25,8 @@ from tasks import evaluate, registry
 from tasks.exports import ForeignModelError
 from tasks.prepared_run import PreparedRun
 from tasks.promote import NoReportError, promote_run
-from tasks.report_document import RunReport
-from tasks.report_parts import read_parts, run_view
+from tasks.report.document import RunReport
+from tasks.report.parts import read_parts, run_view
 from tests.tasks import run_fixtures
 
 REPO = Path(__file__).resolve().parents[2]

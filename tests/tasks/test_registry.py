@@ -1,7 +1,7 @@
 """tasks.registry on local disk and on the S3 server alike: a damaged pointer is named with its field, earlier
 promotions' files still read, claims are exclusive,
 copies list their files, and a version counts only when every file it records is there. The exclusive create and
-the compare-and-swap themselves are tested in tests/core/test_storage.py.
+the compare-and-swap themselves are tested in tests/core/storage/test_conditional.py.
 
 The promote task's use of it (the rule, races and kills) is tested in test_promote.py."""
 

@@ -237,10 +237,10 @@ def test_release_ends_the_processes_before_failing_on_unreachable_storage(tmp_pa
 def test_release_writes_its_own_record_beside_the_report_and_renders_report_md_from_all_three_parts(tmp_path):
     """One writer per file: release writes release.json beside report.json and promotion.json, leaves both as
     evaluate and promote wrote them, and is report.md's one writer: the merge of all three parts."""
-    from tasks.report import REPORT_MD
-    from tasks.report_parts import read_parts, run_view
-    from tests.tasks.test_report import document_of
-    from tests.tasks.test_report import report as sample_report
+    from tasks.report.parts import read_parts, run_view
+    from tasks.report.store import REPORT_MD
+    from tests.tasks.report.test_store import document_of
+    from tests.tasks.report.test_store import report as sample_report
 
     root = str(tmp_path / "storage")
     run = StorageLayout(root).run(KEY)
@@ -356,3 +356,43 @@ def test_a_refused_runs_storage_root_outside_the_policy_is_never_written(tmp_pat
     allowed = default_root / "allowed"  # a refused run whose root the policy allows keeps it
     result = release_run({"storage_root": str(allowed), "bogus": 1}, "manual__refused_root", DAG_ID, make_backend)
     assert result["release_url"].startswith(str(allowed) + "/runs/")
+
+
+def test_release_counts_and_mails_the_ledgers_warnings_not_raised_live_and_a_failing_sender_never_fails_it(
+        monkeypatch):
+    from dataclasses import replace
+
+    from tasks import alerts, release, telemetry
+    from tasks.ledger import usage
+    from tasks.ledger.summary import LiveWarning, summarize
+    from tasks.release import announce_usage
+    from tests.tasks.ledger.test_usage import attempt, rank
+    from tests.tasks.report.test_store import document
+
+    sent, counted = [], []
+    monkeypatch.setattr(alerts, "send_alert", lambda *args, **kw: sent.append((args, kw)) or True)
+    monkeypatch.setattr(telemetry, "count", lambda name, tags: counted.append((name, tags)))
+    monkeypatch.setattr(telemetry, "emit_task_metrics", lambda *args, **kw: None)
+    live = usage.IdleWarning(at="1970-01-01T00:10:00.000Z", ranks=(0,), slots=("h/rank0",), idle_s=950.0,
+                             phase={"0": "after step 2"}, peak_util_pct=None, text="GPU time: one, raised live")
+    book = usage.ledger([attempt("train", rank(0, 0, 5, 900, 100, 800))], released_at=910)
+    summary = replace(summarize(book, price=None, efficiency=0.3), idle_warnings=(LiveWarning("train", 1, live),),
+                      warnings=("GPU time: one, raised live", "GPU time: two"))
+    report = replace(document("r1"), run_key="k1", config={"alert_conn_id": "smtp", "alert_emails": ["a@b.example"]})
+
+    announce_usage(summary, report)
+    announce_usage(summary, replace(report, config={}))  # no connection: counted, no mail
+    assert counted == [("cost_warning", {"run": "k1", "task": "release"})] * 2
+    assert len(sent) == 1
+    (conn, recipients, subject, text), kw = sent[0]
+    assert conn == "smtp" and recipients == ("a@b.example",) and "GPU time warnings" in subject
+    assert "- GPU time: two" in text and "raised live" not in text and kw == {"run": "k1", "task": "release"}
+
+    def broken(*args, **kw):
+        raise OSError("statsd unreachable")
+
+    logged = []
+    monkeypatch.setattr(telemetry, "emit_task_metrics", broken)
+    monkeypatch.setattr(release.log, "exception", lambda message, *args: logged.append(message % args))
+    announce_usage(summary, report)
+    assert logged == ["could not send the GPU-time ledger's metrics or warnings of k1"]

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from tasks import telemetry
-from tasks.report_document import RunReport
+from tasks.report.document import RunReport
 from tests.support.metrics_sinks import StatsdListener
-from tests.tasks.test_report import report as base_report
+from tests.tasks.report.test_store import report as base_report
 from trainer.metrics import LIVE_PREFIX
 
 

@@ -92,7 +92,7 @@ def mutate(rng: random.Random, report: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def good_report() -> dict:
-    from tests.tasks.test_report import report
+    from tests.tasks.report.test_store import report
 
     data = report("fuzz", 2, 0.5)
     data["samples"] = [{"model": name, "eval_loss": 5.0, "samples": [{"prompt": "p", "greedy": "g", "top_k": "k"}]}
@@ -113,7 +113,7 @@ def test_any_report_json_gives_an_index_and_never_a_500(tmp_path, good_report):
         path = runs / key / "report" / "report.json"
         path.parent.mkdir(parents=True)
         path.write_text(text_of(rng, data) if rng.random() < 0.3 else json.dumps(data, allow_nan=True, default=str))
-        for part in ("release.json", "promotion.json"):  # beside it, one writer each (tasks/report_parts.py)
+        for part in ("release.json", "promotion.json"):  # beside it, one writer each (tasks/report/parts.py)
             if rng.random() < 0.2:
                 (runs / key / "report" / part).write_text(text_of(rng, value(rng)))
         keys.append(key)

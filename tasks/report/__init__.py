@@ -1,0 +1,1 @@
+"""The comparison report: report.json, its view, report.md and the charts (tasks/report/)."""
