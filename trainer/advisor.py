@@ -5,8 +5,8 @@ Inputs, all measured on the run's own workers:
 - the preflight's all-reduce bus bandwidth and small-message latency between the actual workers;
 - the gradient size: the model's trainable parameters x the bytes of their dtype (gradients have the variables'
   dtype; mixed precision keeps float32 variables);
-- the single-worker step time of the run's global batch: a few-step probe (`probe_step_time`, one process, no
-  collectives) or the matching baseline's summary when it is reused.
+- the single-worker step time of the run's global batch: a few-step probe (`trainer/advisor_probe.py`, one process,
+  no collectives) or the matching baseline's summary when it is reused.
 
 The model, per worker count N (step time T, single-worker step time T1, gradient bytes B on the wire):
 - compute: each worker does 1/N of the global batch's micro-steps, T1 / N; on the CPU workers on one host share
@@ -24,33 +24,21 @@ Speedup = T1 / T(N), efficiency = speedup / N. The levers (`levers`): the asked 
 on the wire, with packs, and with a 2x or 4x global batch (more tokens per all-reduce), so the recommendation can
 name the one that helps most on the measured network.
 
-This module imports no TensorFlow at module level (the tasks and the preflight's chief use the prediction); the
-probe imports it when it runs, in a child process without TF_CONFIG.
+This module imports no TensorFlow (the tasks and the preflight's chief use the prediction); the probe
+(`trainer/advisor_probe.py`) does, in a child process without TF_CONFIG.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import os
-import statistics
-import sys
-import tempfile
-import time
+import dataclasses
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from core.config import ConfigError
-from launcher.log_policy import configure_worker_logging
-
-log = logging.getLogger("trainer.advisor")
 
 METRIC_COLLECTIVES = 2  # after the gradients' packs: the loss and gradient-norm means
 BACKWARD_SHARE = 2 / 3  # of a micro-step: the backward pass costs about twice the forward
-PROBE_WARMUP_STEPS = 2  # the first traces and compiles the step, the second still warms caches: not timed
-PROBE_TIMED_STEPS = 20  # the median of short steps on a shared machine needs a few
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 # The recommendation: the fewest workers reaching this share of the best predicted speedup.
 NEAR_BEST_SPEEDUP = 0.9
@@ -99,38 +87,56 @@ def busiest_host_share(hosts: Sequence[str], count: int) -> int:
     return max(used.count(host) for host in set(used))
 
 
-def predict(*, num_workers: int, single_step_s: float, gradient_bytes: int, busbw_gbps: float, latency_ms: float,
-            measured_workers: int, tokens_per_step: int, hosts: Sequence[str], shared_cores: bool,
-            packs: Sequence[int] | None = None, micro_steps: int = 1) -> dict[str, Any]:
-    """The advisor's table for N in 1..num_workers (see the module doc), with the recommendation. `packs`: the
-    gradients' all-reduce packs in bytes (None: one pack of `gradient_bytes`); `micro_steps`: the global batch's
-    micro-batches (the last one's backward is what packs overlap)."""
-    if single_step_s <= 0 or busbw_gbps <= 0:
-        raise ValueError(f"the advisor needs a positive step time and bus bandwidth, got {single_step_s!r} s and "
-                         f"{busbw_gbps!r} GB/s")
-    packs = list(packs) if packs else [gradient_bytes]
+@dataclass(frozen=True)
+class Measured:
+    """What the prediction starts from: the asked count, the single-worker step time of the global batch, the
+    gradient bytes on the wire, the measured ring's bus bandwidth and small-message latency over `measured_workers`,
+    the ranks' hosts in order (`shared_cores`: workers on one host share its CPU cores). `packs`: the gradients'
+    all-reduce packs in bytes (empty: one pack of `gradient_bytes`); `micro_steps`: the global batch's micro-batches
+    (the last one's backward is what packs overlap)."""
+
+    num_workers: int
+    single_step_s: float
+    gradient_bytes: int
+    busbw_gbps: float
+    latency_ms: float
+    measured_workers: int
+    tokens_per_step: int
+    hosts: Sequence[str]
+    shared_cores: bool
+    packs: Sequence[int] = ()
+    micro_steps: int = 1
+
+
+def predict(measured: Measured) -> dict[str, Any]:
+    """The advisor's table for N in 1..num_workers (see the module doc), with the recommendation."""
+    m = measured
+    if m.single_step_s <= 0 or m.busbw_gbps <= 0:
+        raise ValueError(f"the advisor needs a positive step time and bus bandwidth, got {m.single_step_s!r} s and "
+                         f"{m.busbw_gbps!r} GB/s")
+    packs = list(m.packs) or [m.gradient_bytes]
     # The measured small all-reduce crossed 2(N0-1) ring hops.
-    hop_latency_s = latency_ms / 1e3 / (2 * (measured_workers - 1)) if measured_workers > 1 else 0.0
+    hop_latency_s = m.latency_ms / 1e3 / (2 * (m.measured_workers - 1)) if m.measured_workers > 1 else 0.0
     rows = []
-    for count in range(1, num_workers + 1):
-        crowd = busiest_host_share(hosts, count) if shared_cores else 1
-        compute = single_step_s * crowd / count
-        backward = BACKWARD_SHARE * single_step_s * crowd / micro_steps
-        communication = ring_seconds(count, sum(packs), busbw_gbps, hop_latency_s, len(packs) + METRIC_COLLECTIVES)
-        exposed = exposed_seconds(count, packs, busbw_gbps, hop_latency_s, backward)
+    for count in range(1, m.num_workers + 1):
+        crowd = busiest_host_share(m.hosts, count) if m.shared_cores else 1
+        compute = m.single_step_s * crowd / count
+        backward = BACKWARD_SHARE * m.single_step_s * crowd / m.micro_steps
+        communication = ring_seconds(count, sum(packs), m.busbw_gbps, hop_latency_s, len(packs) + METRIC_COLLECTIVES)
+        exposed = exposed_seconds(count, packs, m.busbw_gbps, hop_latency_s, backward)
         step = compute + exposed
         overlapped = max(compute, communication)
-        speedup = single_step_s / step
+        speedup = m.single_step_s / step
         rows.append({
             "num_workers": count, "compute_s": compute, "communication_s": communication,
             "exposed_communication_s": exposed, "step_time_s": step,
-            "step_time_overlap_s": overlapped, "tokens_per_s": tokens_per_step / step,
-            "tokens_per_s_overlap": tokens_per_step / overlapped, "speedup": speedup,
-            "efficiency": speedup / count, "speedup_overlap": single_step_s / overlapped,
-            "efficiency_overlap": single_step_s / overlapped / count, "workers_per_host": crowd,
+            "step_time_overlap_s": overlapped, "tokens_per_s": m.tokens_per_step / step,
+            "tokens_per_s_overlap": m.tokens_per_step / overlapped, "speedup": speedup,
+            "efficiency": speedup / count, "speedup_overlap": m.single_step_s / overlapped,
+            "efficiency_overlap": m.single_step_s / overlapped / count, "workers_per_host": crowd,
         })
     return {"rows": rows, "recommended_workers": recommended(rows),
-            "recommendation": recommendation(rows, num_workers)}
+            "recommendation": recommendation(rows, m.num_workers)}
 
 
 def recommended(rows: Sequence[Mapping[str, Any]]) -> int:
@@ -227,16 +233,15 @@ def wire_packs(step: Mapping[str, Any], wire_dtype: str, pack_mb: float) -> list
     return pack_sizes(sizes, int(pack_mb * 2**20))
 
 
-def levers(cfg, measured: Mapping[str, Any], step: Mapping[str, Any]) -> list[dict[str, Any]]:
+def levers(cfg, measured: Measured, step: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The asked count's predicted efficiency with each setting that changes communication's share, best first:
     bfloat16 on the wire, packs that overlap the backward pass (not with XLA, which releases every gradient at
     once), and a 2x or 4x global batch (more accumulation steps: more tokens per all-reduce). Only those the run's
     config accepts with that setting changed: never one that cannot run (bfloat16 over NCCL, a batch past a limit)."""
     def efficiency(*, wire: str, pack_mb: float, scale: int) -> float:
-        rows = predict(**{**measured, "single_step_s": measured["single_step_s"] * scale,
-                          "tokens_per_step": measured["tokens_per_step"] * scale,
-                          "micro_steps": measured["micro_steps"] * scale,
-                          "packs": wire_packs(step, wire, pack_mb)})["rows"]
+        rows = predict(dataclasses.replace(
+            measured, single_step_s=measured.single_step_s * scale, tokens_per_step=measured.tokens_per_step * scale,
+            micro_steps=measured.micro_steps * scale, packs=wire_packs(step, wire, pack_mb)))["rows"]
         return rows[cfg.num_workers - 1]["efficiency"]
 
     wire, pack_mb = cfg.allreduce_dtype, 0 if cfg.xla else cfg.allreduce_pack_mb
@@ -287,13 +292,12 @@ def advise(*, cfg, collectives: Mapping[str, Any], workers: Sequence[Mapping[str
     pack_mb = 0 if cfg.xla else cfg.allreduce_pack_mb  # XLA releases every gradient at once: nothing to overlap
     packs = wire_packs(step, cfg.allreduce_dtype, pack_mb)
     hosts = [report["host"] for report in sorted(workers, key=lambda r: r["rank"])]
-    measured = {
-        "num_workers": cfg.num_workers, "single_step_s": step["seconds_per_step"], "gradient_bytes": sum(packs),
-        "busbw_gbps": bandwidth["busbw_gbps"], "latency_ms": latency["p50_ms"], "measured_workers": len(workers),
-        "tokens_per_step": cfg.global_batch_size * cfg.block_size, "hosts": hosts, "shared_cores": not cfg.use_gpu,
-        "micro_steps": cfg.num_workers * cfg.grad_accum_steps,
-    }
-    advice = predict(**measured, packs=packs)
+    measured = Measured(
+        num_workers=cfg.num_workers, single_step_s=step["seconds_per_step"], gradient_bytes=sum(packs),
+        busbw_gbps=bandwidth["busbw_gbps"], latency_ms=latency["p50_ms"], measured_workers=len(workers),
+        tokens_per_step=cfg.global_batch_size * cfg.block_size, hosts=hosts, shared_cores=not cfg.use_gpu,
+        micro_steps=cfg.num_workers * cfg.grad_accum_steps, packs=packs)
+    advice = predict(measured)
     found = levers(cfg, measured, step)
     lever = lever_sentence(found)
     if lever:
@@ -333,66 +337,3 @@ def step_from_summary(summary: Mapping[str, Any]) -> dict[str, Any] | None:
     return {"seconds_per_step": seconds / timed, "parameters": summary["parameters"],
             "variable_parameters": summary.get("variable_parameters"),
             "gradient_dtype": summary.get("gradient_dtype", "float32"), "source": "baseline summary"}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the probe: a few single-worker steps of the run's global batch (TensorFlow from here on)
-
-
-def probe_step_time(cfg, manifest_url: str, steps: int = PROBE_TIMED_STEPS) -> dict[str, Any]:
-    """Median time of `steps` optimizer steps of the baseline config (1 worker, the same global batch), after
-    `PROBE_WARMUP_STEPS` untimed ones; runs without TF_CONFIG (one device)."""
-    from trainer.job import plan_job_for
-    from trainer.precision import Precision
-    from trainer.recipe import set_random_seed
-    from trainer.step import TrainState
-    from trainer.train import input_dataset, stage_inputs
-
-    single = cfg.baseline_config()
-    with tempfile.TemporaryDirectory(prefix="advisor-probe-") as scratch:
-        job = plan_job_for(single, "the advisor's one-worker config", manifest_url, str(Path(scratch) / "output"),
-                           environ={})
-        set_random_seed(cfg.seed)
-        import tensorflow as tf
-
-        if not single.use_gpu:
-            tf.config.set_visible_devices([], "GPU")
-        state = TrainState(job, tf.distribute.get_strategy(), Precision(single.mixed_precision), Path(scratch))
-        batches = iter(input_dataset(job, stage_inputs(job), start_step=0))
-        times = []
-        for index in range(PROBE_WARMUP_STEPS + steps):
-            micro_batches = next(batches)
-            started = time.perf_counter()
-            loss = state.train_step(micro_batches)[0]
-            float(loss)  # waits for the step
-            if index >= PROBE_WARMUP_STEPS:
-                times.append(time.perf_counter() - started)
-        variables = state.model.trainable_variables
-        return {"seconds_per_step": statistics.median(times), "steps": steps,
-                "parameters": int(sum(v.shape.num_elements() for v in variables)),
-                "variable_parameters": [int(v.shape.num_elements()) for v in variables],
-                "gradient_dtype": variables[0].dtype.name, "source": "probe"}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m trainer.advisor --config URL --manifest URL --out FILE`: the probe, its result as JSON."""
-    from core.config.pinned import load_pinned_config
-
-    parser = argparse.ArgumentParser(prog="python -m trainer.advisor", description=probe_step_time.__doc__)
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--manifest", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    configure_worker_logging(logging.WARNING)
-    os.environ.pop("TF_CONFIG", None)
-    try:
-        result = probe_step_time(load_pinned_config(args.config), args.manifest)
-    except Exception as error:  # noqa: BLE001 - the preflight reports a probe that cannot run, and goes on
-        log.error("the advisor's probe could not train: %s: %s", type(error).__name__, error)
-        return 1
-    Path(args.out).write_text(json.dumps(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,7 +20,7 @@ def _predict(**changes):
     settings = {"num_workers": 4, "single_step_s": 0.1, "gradient_bytes": 100_000_000, "busbw_gbps": 10.0,
                 "latency_ms": 0.6, "measured_workers": 4, "tokens_per_step": 1000, "hosts": ["a", "b", "c", "d"],
                 "shared_cores": False}
-    return advisor.predict(**{**settings, **changes})
+    return advisor.predict(advisor.Measured(**{**settings, **changes}))
 
 
 def test_ring_model_by_hand():
@@ -64,8 +64,8 @@ def test_packs_hide_communication_behind_the_last_backward_pass_by_hand():
     settings = {"num_workers": 2, "single_step_s": 0.3, "gradient_bytes": 100_000_000, "busbw_gbps": 1.0,
                 "latency_ms": 0.0, "measured_workers": 2, "tokens_per_step": 1000, "hosts": ["a", "b"],
                 "shared_cores": False}
-    one_pack = advisor.predict(**settings)["rows"][1]
-    packed = advisor.predict(**settings, packs=[25_000_000] * 4, micro_steps=2)["rows"][1]
+    one_pack = advisor.predict(advisor.Measured(**settings))["rows"][1]
+    packed = advisor.predict(advisor.Measured(**settings, packs=[25_000_000] * 4, micro_steps=2))["rows"][1]
     assert one_pack["exposed_communication_s"] == pytest.approx(0.1) and one_pack["step_time_s"] == pytest.approx(0.25)
     # micro_steps=2 global micro-batches: the last one's backward on a worker is 2/3 x 0.3 / 2 = 100 ms.
     assert packed["communication_s"] == pytest.approx(0.1)

@@ -19,7 +19,7 @@ from trainer import advisor, runtime
 
 log = logging.getLogger("trainer.preflight")
 
-PROBE_COMMAND = (sys.executable, "-m", "trainer.advisor")
+PROBE_COMMAND = (sys.executable, "-m", "trainer.advisor_probe")
 # The probe trains silently, and the launcher's hang watchdog ends a group that printed nothing for hang_timeout_s:
 # the probe gets that much less this margin, so that the preflight, not the watchdog, says what hung.
 PROBE_MARGIN_S = 5

@@ -65,13 +65,13 @@ def test_the_unmodified_config_passes_the_preflight_and_plans_the_training_job(t
 
 
 def test_the_advisor_probe_refuses_a_rewritten_config(tmp_path, monkeypatch, caplog):
-    from trainer import advisor
+    from trainer import advisor_probe
 
     paths, digest = _prepared(tmp_path)
     _rewrite(paths["config"])
     monkeypatch.setenv(CONFIG_SHA256_ENV, digest)
-    assert advisor.main(["--config", paths["config"], "--manifest", paths["manifest"],
-                         "--out", str(tmp_path / "probe.json")]) == 1
+    assert advisor_probe.main(["--config", paths["config"], "--manifest", paths["manifest"],
+                               "--out", str(tmp_path / "probe.json")]) == 1
     assert "ConfigChangedError" in caplog.text and "changed after the Airflow side checked it" in caplog.text
 
 
