@@ -31,7 +31,6 @@ import fsspec
 from fsspec.core import url_to_fs
 from fsspec.utils import get_protocol
 
-_CHUNK = 4 << 20
 _OBJECT_STORES_KEPT = 8  # distinct AWS_* environments (credentials, endpoints) one process uses at a time
 _OBJECT_STORES: dict[tuple, fsspec.AbstractFileSystem] = {}
 _OBJECT_STORES_LOCK = threading.Lock()
@@ -151,11 +150,9 @@ def write_json_atomic(url: str, payload: Any) -> None:
 
 
 def sha256_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
+    """The sha256 of a file's bytes, read into one reused buffer (no new bytes object per read)."""
     with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def upload_file(local_path: str | Path, url: str) -> None:

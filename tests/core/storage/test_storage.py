@@ -59,6 +59,15 @@ def test_single_files_go_up_and_down(root, tmp_path):
     assert storage.sha256_file(local) == hashlib.sha256(local.read_bytes()).hexdigest()
 
 
+def test_a_files_sha256_spans_every_buffer_it_is_read_in(tmp_path):
+    """A file of several read buffers and a ragged tail: the digest is that of all its bytes."""
+    data = os.urandom(3 * (1 << 20) + 12345)
+    (tmp_path / "shard.bin").write_bytes(data)
+    assert storage.sha256_file(tmp_path / "shard.bin") == hashlib.sha256(data).hexdigest()
+    (tmp_path / "empty.bin").write_bytes(b"")
+    assert storage.sha256_file(tmp_path / "empty.bin") == hashlib.sha256(b"").hexdigest()
+
+
 def test_readers_see_the_old_or_the_new_object_never_a_part(root):
     """A reader racing overwrites (a 2 MiB object, and a small one rewritten as often as a rank's heartbeat) always
     reads one complete version, and never fails because the object changed while it read."""
