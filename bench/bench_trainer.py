@@ -104,7 +104,7 @@ def loop_floor(config_path: str, manifest_url: str, out_path: str) -> None:
     from core import storage
     from core.config import RunConfig
     from trainer.data import load_manifest, make_dataset, shard_cache_dir, stage_shards, worker_shards
-    from trainer.model import build_model
+    from trainer.model import Vocabulary, build_model
     from trainer.recipe import set_random_seed
 
     cfg = RunConfig.from_saved(storage.read_json(config_path))
@@ -116,8 +116,7 @@ def loop_floor(config_path: str, manifest_url: str, out_path: str) -> None:
     tokens = make_dataset(files, block_size=cfg.block_size, dtype=manifest["dtype"],
                           batch_size=cfg.batch_size_per_worker, shuffle=True, seed=cfg.seed, repeat=True)
     with tempfile.TemporaryDirectory(prefix="loop-floor-") as work_dir:
-        model = build_model(cfg.model, vocab_size=manifest["tokenizer"]["vocab_size"],
-                            eos_token_id=manifest["tokenizer"]["eos_token_id"], block_size=cfg.block_size,
+        model = build_model(cfg.model, Vocabulary.of(manifest["tokenizer"]), block_size=cfg.block_size,
                             work_dir=work_dir, seed=cfg.seed)
     step = plain_step(model, cfg)
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from core import storage
 from core.config import MODEL_PRESETS
@@ -38,16 +40,31 @@ def is_model_location(spec: str) -> bool:
     return "://" in spec or Path(spec).expanduser().is_dir()
 
 
-def build_model(spec: str, *, vocab_size: int, eos_token_id: int, block_size: int, work_dir: str | Path,
+@dataclass(frozen=True)
+class Vocabulary:
+    """The tokenizer's side of the model: its token count and end-of-text id (the manifest's `tokenizer`)."""
+
+    size: int
+    eos_token_id: int
+
+    @classmethod
+    def of(cls, tokenizer: Mapping[str, Any]) -> Vocabulary:
+        return cls(tokenizer["vocab_size"], tokenizer["eos_token_id"])
+
+
+def build_model(spec: str, vocabulary: Vocabulary, *, block_size: int, work_dir: str | Path,
                 compute_dtype: str = "float32", seed: int = 0, resize_embeddings: bool = True) -> GPT2Decoder:
-    """A decoder (GPT-2, Llama or Qwen2) with `vocab_size` embeddings computing in `compute_dtype` (float32
-    weights): a preset from `seed`, or the checkpoint directory `spec` (local or object storage, staged in
-    `work_dir`); without `resize_embeddings` a checkpoint keeps its rows, which must cover `vocab_size`. Call inside
-    the strategy scope. A hub name is refused: prepare caches hub models in storage and names that directory."""
+    """A decoder (GPT-2, Llama or Qwen2) with one embedding per token of `vocabulary` computing in `compute_dtype`
+    (float32 weights): a preset from `seed`, or the checkpoint directory `spec` (local or object storage, staged in
+    `work_dir`); without `resize_embeddings` a checkpoint keeps its rows, which must cover the vocabulary. Call
+    inside the strategy scope. A hub name is refused: prepare caches hub models in storage and names that
+    directory."""
     from trainer.decoders.pretrained import build_preset, load_pretrained
 
+    vocab_size = vocabulary.size
+
     if spec in MODEL_PRESETS:
-        return build_preset(spec, vocab_size=vocab_size, eos_token_id=eos_token_id, block_size=block_size,
+        return build_preset(spec, vocab_size=vocab_size, eos_token_id=vocabulary.eos_token_id, block_size=block_size,
                             compute_dtype=compute_dtype, seed=seed)
     if not is_model_location(spec):
         raise ValueError(

@@ -84,6 +84,18 @@ def export_serving_formats(job: TrainJob, model, model_dir: Path, target: Path) 
         return export.failed_record(job.cfg.promotion.export_formats, f"not checked: {type(error).__name__}: {error}")
 
 
+@dataclass(frozen=True)
+class Started:
+    """When the worker process started: `clock_s` on the monotonic clock (the summary's wall time), `at` in UTC."""
+
+    clock_s: float
+    at: str
+
+    @classmethod
+    def now(cls) -> Started:
+        return cls(time.perf_counter(), utc_now())
+
+
 @dataclass
 class LoopTimes:
     """Where this attempt's time went; the first step (tracing, compilation) is kept apart from throughput."""
@@ -106,8 +118,8 @@ class LoopTimes:
         return self.timed_until - self.timed_from if self.timed_steps else 0.0
 
 
-def build_summary(job: TrainJob, model, times: LoopTimes, outputs: OutputFiles, gpu, started: float,
-                  started_at: str, allreduce: dict[str, Any] | None) -> dict[str, Any]:
+def build_summary(job: TrainJob, model, times: LoopTimes, outputs: OutputFiles, gpu, started: Started,
+                  allreduce: dict[str, Any] | None) -> dict[str, Any]:
     """The chief's summary.json (docs/CONTRACTS.md, "Worker entry points"); `allreduce`: what the gradients'
     all-reduce became (trainer/allreduce.py)."""
     from trainer.memory_forecast import summary_record
@@ -125,7 +137,7 @@ def build_summary(job: TrainJob, model, times: LoopTimes, outputs: OutputFiles, 
     final_loss = times.loss if times.step > times.start_step else last_logged_loss(outputs.metrics_file)
     return {
         "num_workers": cfg.num_workers, "global_batch_size": cfg.global_batch_size, "steps": times.step,
-        "tokens_seen": times.step * job.tokens_per_step, "wall_time_s": round(time.perf_counter() - started, 3),
+        "tokens_seen": times.step * job.tokens_per_step, "wall_time_s": round(time.perf_counter() - started.clock_s, 3),
         "train_time_s": round(train_time, 3), "tokens_per_s": tokens_per_s, "final_loss": final_loss, "mfu": mfu,
         "resumed_from_step": times.start_step, "first_step_s": times.first_step_s, "steps_timed": times.timed_steps,
         "input_wait_fraction": times.input_wait_s / train_time if train_time > 0 else None,
@@ -139,7 +151,7 @@ def build_summary(job: TrainJob, model, times: LoopTimes, outputs: OutputFiles, 
         "gpu_mem_reserved_mb": gpu.last.get("gpu_mem_reserved_mb"), "gpu_mem_peak_mb": gpu.last.get("gpu_mem_peak_mb"),
         "memory": summary_record(cfg, model.config, gpu.last.get("gpu_mem_peak_mb")),
         "hardware": hardware_info(gpu.name, "GPU" if cfg.use_gpu else "CPU"), "versions": versions(),
-        "config": cfg.to_dict(), "started_at": started_at, "finished_at": utc_now(),
+        "config": cfg.to_dict(), "started_at": started.at, "finished_at": utc_now(),
     }
 
 

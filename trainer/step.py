@@ -106,15 +106,14 @@ class TrainState:
         import tensorflow as tf
 
         from trainer.adamw import AdamW
-        from trainer.model import build_model
+        from trainer.model import Vocabulary, build_model
         from trainer.recipe import clip_gradients, learning_rate_schedule
 
         cfg = self.cfg = job.cfg
         self.strategy = strategy
         with strategy.scope():
             self.model = build_model(
-                cfg.model, vocab_size=job.manifest["tokenizer"]["vocab_size"],
-                eos_token_id=job.manifest["tokenizer"]["eos_token_id"], block_size=cfg.block_size, work_dir=work_dir,
+                cfg.model, Vocabulary.of(job.manifest["tokenizer"]), block_size=cfg.block_size, work_dir=work_dir,
                 compute_dtype=precision.compute_dtype.name, seed=cfg.seed, resize_embeddings=cfg.resize_embeddings,
             )
             self.adapters = adapt_model(cfg, self.model)

@@ -26,13 +26,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from core.clock import utc_now
 from core.protocol import EXIT_PEER_LOST, EXIT_PERMANENT, EXIT_PREEMPTED
 from launcher.log_policy import configure_worker_logging
 from trainer import runtime
 from trainer.data import DataError
 from trainer.job import TrainJob, plan_job
-from trainer.outputs import LoopTimes, OutputFiles, build_summary, export_model, write_summary
+from trainer.outputs import LoopTimes, OutputFiles, Started, build_summary, export_model, write_summary
 from trainer.step import TrainState
 from trainer.strategy import collective_error_reason, create_strategy, lost_peers
 
@@ -151,7 +150,7 @@ def train_loop(job: TrainJob, state: TrainState, store, outputs: OutputFiles, gp
     return times
 
 
-def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str, Any] | None:
+def train(job: TrainJob, strategy, started: Started) -> dict[str, Any] | None:
     """Restore the latest checkpoint, train to `max_steps`, export; the chief returns the summary."""
     from trainer.checkpoint import CheckpointStore
     from trainer.metrics import GpuSampler, tensorflow_peak_mb
@@ -192,8 +191,7 @@ def train(job: TrainJob, strategy, started: float, started_at: str) -> dict[str,
             return PREEMPTED
         export_model(job, state.model, work_dir)
         store.close()
-        return build_summary(job, state.model, times, outputs, gpu, started, started_at,
-                             state.allreduce) if job.is_chief else None
+        return build_summary(job, state.model, times, outputs, gpu, started, state.allreduce) if job.is_chief else None
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
 
@@ -207,7 +205,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    started, started_at = time.perf_counter(), utc_now()
+    started = Started.now()
     os.environ["HF_HUB_OFFLINE"] = "1"  # models come from storage only: prepare fetched a hub model once
     args = parse_args(argv)
     identity = runtime.worker_identity()
@@ -237,10 +235,10 @@ def main(argv: list[str] | None = None) -> int:
             strategy.num_replicas_in_sync, job.identity.num_workers,
         )
         return 2
-    return run_training(job, strategy, started, started_at)
+    return run_training(job, strategy, started)
 
 
-def run_training(job: TrainJob, strategy, started: float, started_at: str) -> int:
+def run_training(job: TrainJob, strategy, started: Started) -> int:
     """Train and write the summary; the exit status tells the launcher what a retry can do (core/protocol.py)."""
     import tensorflow as tf
 
@@ -249,7 +247,7 @@ def run_training(job: TrainJob, strategy, started: float, started_at: str) -> in
     from trainer.metrics import LossDivergedError
 
     try:
-        summary = train(job, strategy, started, started_at)
+        summary = train(job, strategy, started)
     except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError) as error:
         # TensorFlow's coordination service stopped hearing from a peer (it exited, crashed or was stopped) and
         # aborted this worker's collectives. The group must restart together; it resumes from the checkpoint.

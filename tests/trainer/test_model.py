@@ -15,9 +15,9 @@ VOCAB = 300
 
 @pytest.fixture(scope="module")
 def tiny():
-    from trainer.model import build_model
+    from trainer.model import Vocabulary, build_model
 
-    return build_model("tiny", vocab_size=VOCAB, eos_token_id=0, block_size=32, work_dir="/tmp")
+    return build_model("tiny", Vocabulary(VOCAB, 0), block_size=32, work_dir="/tmp")
 
 
 def test_loss_is_the_shifted_next_token_cross_entropy(tiny):
@@ -50,10 +50,10 @@ def test_loading_a_saved_model_resizes_embeddings_to_the_tokenizer(tiny, tmp_pat
     import tensorflow as tf
 
     from trainer.decoders.pretrained import save_pretrained
-    from trainer.model import build_model
+    from trainer.model import Vocabulary, build_model
 
     save_pretrained(tiny, str(tmp_path / "saved"))
-    grown = build_model(str(tmp_path / "saved"), vocab_size=VOCAB + 20, eos_token_id=0, block_size=32,
+    grown = build_model(str(tmp_path / "saved"), Vocabulary(VOCAB + 20, 0), block_size=32,
                         work_dir=tmp_path)
     assert grown.config.vocab_size == VOCAB + 20
     logits = grown(tf.constant([[1, 2, 3]]))
@@ -62,21 +62,21 @@ def test_loading_a_saved_model_resizes_embeddings_to_the_tokenizer(tiny, tmp_pat
     embedding = "transformer.wte.weight"
     np.testing.assert_allclose(grown.weights[embedding].numpy()[:VOCAB], tiny.weights[embedding].numpy())
     with pytest.raises(ValueError, match="block_size 512"):
-        build_model(str(tmp_path / "saved"), vocab_size=VOCAB, eos_token_id=0, block_size=512, work_dir=tmp_path)
-    kept = build_model(str(tmp_path / "saved"), vocab_size=VOCAB - 10, eos_token_id=0, block_size=32,
+        build_model(str(tmp_path / "saved"), Vocabulary(VOCAB, 0), block_size=512, work_dir=tmp_path)
+    kept = build_model(str(tmp_path / "saved"), Vocabulary(VOCAB - 10, 0), block_size=32,
                        work_dir=tmp_path, resize_embeddings=False)
     assert kept.config.vocab_size == VOCAB
     with pytest.raises(ValueError, match=f"the tokenizer has {VOCAB + 20} tokens, model .* embeds {VOCAB}: set "
                                          "'resize_embeddings' to true"):
-        build_model(str(tmp_path / "saved"), vocab_size=VOCAB + 20, eos_token_id=0, block_size=32, work_dir=tmp_path,
+        build_model(str(tmp_path / "saved"), Vocabulary(VOCAB + 20, 0), block_size=32, work_dir=tmp_path,
                     resize_embeddings=False)
 
 
 def test_a_preset_follows_the_seed_and_computes_in_the_run_precision():
-    from trainer.model import build_model
+    from trainer.model import Vocabulary, build_model
 
     def preset(seed, dtype="float32"):
-        return build_model("tiny", vocab_size=VOCAB, eos_token_id=0, block_size=32, work_dir="/tmp", seed=seed,
+        return build_model("tiny", Vocabulary(VOCAB, 0), block_size=32, work_dir="/tmp", seed=seed,
                            compute_dtype=dtype)
 
     first, again, other = preset(1), preset(1), preset(2)
@@ -88,10 +88,10 @@ def test_a_preset_follows_the_seed_and_computes_in_the_run_precision():
 
 
 def test_a_hub_name_is_refused_with_what_to_do():
-    from trainer.model import build_model
+    from trainer.model import Vocabulary, build_model
 
     with pytest.raises(ValueError, match=r"'gpt2' is neither a preset .*models/base/"):
-        build_model("gpt2", vocab_size=VOCAB, eos_token_id=0, block_size=32, work_dir="/tmp")
+        build_model("gpt2", Vocabulary(VOCAB, 0), block_size=32, work_dir="/tmp")
 
 
 def test_schedule_warms_up_linearly_then_decays_to_a_tenth():
