@@ -11,11 +11,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from core.document import DocumentError, read_fields
+from core.document import DocumentError, OpenDocument, read_fields
 
 
 class SummaryError(ValueError):
     """A summary.json that is not one: not an object, or a missing or mistyped field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFigures(OpenDocument):
+    """One worker's memory: the forecast by kind (trainer/memory_forecast.py, MiB: weights, gradients, optimizer,
+    activations, logits, total) beside what rank 0 measured: TensorFlow's peak on its GPU, or without one the
+    process's peak resident memory (which also holds TensorFlow itself)."""
+
+    forecast_mb: dict[str, float]
+    gpu_mem_peak_mb: float | None = None
+    peak_rss_mb: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +42,7 @@ class TrainSummary:
             (None in summaries before it: then `steps` - `resumed_from_step`).
         gpu_mem_reserved_mb, gpu_mem_peak_mb: rank 0's GPU memory at its last step; None on CPU.
         hardware, versions: where and with what it ran; allreduce: what the gradients' all-reduce became.
+        memory: the memory forecast beside the measured peak (None in summaries before it).
         started_at, finished_at: UTC timestamps.
     """
 
@@ -48,6 +60,7 @@ class TrainSummary:
     allreduce: dict[str, Any] | None = None
     gpu_mem_reserved_mb: float | None = None
     gpu_mem_peak_mb: float | None = None
+    memory: MemoryFigures | None = None
     hardware: dict[str, Any] | None = dataclasses.field(default_factory=dict)
     versions: dict[str, Any] | None = dataclasses.field(default_factory=dict)
     started_at: str | None = None

@@ -47,7 +47,7 @@ def run_figures(label: str, output: TrainOutput, summary: TrainSummary, evaluati
         seconds_per_step=summary.seconds_per_step, wall_time_s=summary.wall_time_s,
         tokens_per_s=summary.tokens_per_s, final_loss=summary.final_loss, mfu=summary.mfu,
         gpu_mem_peak_mb=summary.gpu_mem_peak_mb,  # rank 0's; null on CPU and in older summaries
-        gpu_mem_reserved_mb=summary.gpu_mem_reserved_mb,
+        gpu_mem_reserved_mb=summary.gpu_mem_reserved_mb, memory=summary.memory,
         eval_loss=evaluation.eval_loss, perplexity=evaluation.perplexity,
         nats_per_char=evaluation.nats_per_char,  # None in a baseline evaluation cached before them
         known_words=evaluation.known_words, eval_tokens=evaluation.eval_tokens,

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Self
 
 from core.document import DocumentError, OpenDocument
+from core.summary import MemoryFigures
 from tasks.report.formatting import fmt, known_words
 
 
@@ -88,6 +89,7 @@ class RunFigures(Record):
         output_url, model_url, summary_url: its training output, model and summary.
         started_at, finished_at: UTC timestamps; resumed_from_step: the checkpoint it resumed from.
         gpu_mem_peak_mb, gpu_mem_reserved_mb: rank 0's GPU memory (None on CPU).
+        memory: rank 0's memory forecast beside its measured peak (None in reports before it).
         hardware, versions, allreduce: its summary's (where, with what, how the gradients crossed the network).
         release_after_train_s: seconds from its group's exit to the proof its slots were free (None: not proven,
             or not trained by this run).
@@ -113,6 +115,7 @@ class RunFigures(Record):
     mfu: float | None = None
     gpu_mem_peak_mb: float | None = None
     gpu_mem_reserved_mb: float | None = None
+    memory: MemoryFigures | None = None
     nats_per_char: float | None = None
     known_words: dict[str, Any] | None = None
     eval_loss_se: float | None = None

@@ -32,6 +32,7 @@ lists its fields), read back checked. The layout of `report.json` (format_versio
            "tokens_per_s", "final_loss", "mfu", "eval_loss", "perplexity", "nats_per_char", "known_words": KNOWN,
            "eval_tokens", "eval_time_s", "model_url", "summary_url", "started_at", "finished_at",
            "gpu_mem_peak_mb", "gpu_mem_reserved_mb" (rank 0's GPU, from summary.json; null on CPU),
+           "memory" (rank 0's forecast beside its measured peak, summary.json's `memory`; null before it),
            "release_after_train_s" (seconds from the training group's exit to the proof that its slots were free,
            from its state record's "after_exit"; null when not proven then or not trained by this run),
            "eval_loss_se" (standard error over the sample's sequences as an estimate of the split's loss: 0 for the

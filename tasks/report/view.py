@@ -15,7 +15,7 @@ its text, never as an error.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tasks.report.blocks import (
     Block,
@@ -35,6 +35,9 @@ from tasks.report.blocks import (
 from tasks.report.document import BaselineOrigin, Comparison, RunFigures, RunReport, table_rows
 from tasks.report.formatting import KNOWN_WORDS_NOTE, TABLE_COLUMNS, fmt, known_words, nats
 from tasks.report.parts import RunView
+
+if TYPE_CHECKING:
+    from core.summary import MemoryFigures
 
 
 def report_view(view: RunView) -> ReportView:
@@ -69,6 +72,7 @@ def opening(view: RunView) -> Section:
         _paragraph(KNOWN_WORDS_NOTE),
         _paragraph(f"Hardware: {text(report.hardware.line if report.hardware else None)}", anchor="hardware"),
         *gpu_memory(report),
+        *memory_forecast(report),
         *release_after_train(report),
         _paragraph("Baseline: ", *baseline_line(report.baseline)),
     ))
@@ -95,6 +99,24 @@ def gpu_memory(report: RunReport) -> tuple[Paragraph, ...]:
                         for name, run in shown)
     return (_paragraph(f"GPU memory of rank 0: {figures} (TensorFlow reserves nearly all of the GPU at start-up; "
                        "the peak is what training needed)"),)
+
+
+def memory_forecast(report: RunReport) -> tuple[Paragraph, ...]:
+    """Rank 0's memory forecast per trained model (what preflight checked against the GPU) beside its measured
+    peak, so a forecast that drifts from what training takes shows in the report."""
+    shown = [(name, run.memory) for name, run in _runs(report) if run.memory is not None]
+    if not shown:
+        return ()
+    figures = "; ".join(f"{name} forecast {fmt(memory.forecast_mb.get('total'), ',.0f', ' MiB')} "
+                        f"(activations {fmt(memory.forecast_mb.get('activations'), ',.0f', ' MiB')}), "
+                        f"{_measured_peak(memory)}" for name, memory in shown)
+    return (_paragraph(f"Memory per worker, rank 0: {figures}"),)
+
+
+def _measured_peak(memory: MemoryFigures) -> str:
+    if memory.gpu_mem_peak_mb is not None:
+        return f"TensorFlow's peak on the GPU {fmt(memory.gpu_mem_peak_mb, ',.0f', ' MiB')}"
+    return f"peak resident memory {fmt(memory.peak_rss_mb, ',.0f', ' MiB')}, TensorFlow itself included"
 
 
 def release_after_train(report: RunReport) -> tuple[Paragraph, ...]:

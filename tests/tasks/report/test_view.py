@@ -1,5 +1,7 @@
 """The report's view (tasks/report/view.py): the sections report.md and the run's page both write, from any JSON."""
 
+import pytest
+
 from tasks.report import blocks
 from tasks.report import view as report_view
 from tasks.report.store import render_markdown
@@ -79,3 +81,35 @@ def test_the_report_says_how_the_gradients_crossed_the_network():
             "network") in render_markdown(view_of(data))
     del data["runs"]["distributed"]["allreduce"]  # a summary written before the field
     assert "Gradient all-reduce" not in render_markdown(view_of(data))
+
+
+def test_the_memory_forecast_is_shown_beside_the_measured_peak_from_the_summary_to_report_md():
+    """summary.json's `memory` (trainer/memory_forecast.py) reaches report.md through the run's figures: the
+    forecast total and activations beside TensorFlow's GPU peak, or the peak resident memory on the CPU."""
+    from core.eval_result import EvalResult
+    from core.layout import TrainOutput
+    from core.summary import SummaryError, TrainSummary
+    from tasks.report.comparison import run_figures
+
+    summary = {"num_workers": 2, "global_batch_size": 16, "steps": 4, "tokens_seen": 4096, "train_time_s": 2.0,
+               "wall_time_s": 3.0, "tokens_per_s": 2048.0, "final_loss": 5.0,
+               "memory": {"forecast_mb": {"weights": 1.0, "gradients": 2.0, "optimizer": 2.0, "activations": 1234.6,
+                                          "logits": 3.0, "total": 3388.4}, "peak_rss_mb": 3400.2}}
+    evaluation = EvalResult.from_json({"eval_loss": 5.0, "perplexity": 148.4, "eval_tokens": 100, "eval_time_s": 1.0},
+                                      "eval.json")
+    data = report()
+
+    def shown(summary_value):
+        figures = run_figures("distributed", TrainOutput("storage/run"),
+                              TrainSummary.from_json(summary_value, "summary.json"), evaluation)
+        data["runs"]["distributed"] = figures.to_json()
+        return render_markdown(view_of(data))
+
+    assert ("Memory per worker, rank 0: distributed forecast 3,388 MiB (activations 1,235 MiB), peak resident "
+            "memory 3,400 MiB, TensorFlow itself included") in shown(summary)
+    on_gpu = {**summary, "memory": {"forecast_mb": {"total": 70000.0, "activations": 50000.0},
+                                    "gpu_mem_peak_mb": 65000.0}}
+    assert "forecast 70,000 MiB (activations 50,000 MiB), TensorFlow's peak on the GPU 65,000 MiB" in shown(on_gpu)
+    assert "Memory per worker" not in shown({k: v for k, v in summary.items() if k != "memory"})  # an older summary
+    with pytest.raises(SummaryError, match="memory"):
+        TrainSummary.from_json({**summary, "memory": {"forecast_mb": "lots"}}, "summary.json")
