@@ -86,8 +86,12 @@ def test_preflight_refuses_a_run_over_its_gpus_free_memory(tmp_path, monkeypatch
         assert "rank 0 on host-a" in errors[0] and "set 'recompute' to true" in errors[0]
 
 
-def test_preflight_refuses_a_lora_target_the_model_lacks(tmp_path):
+@pytest.mark.parametrize("model, target, architecture",
+                         [("tiny", "q_proj", "GPT-2"), ("tiny-llama", "c_attn", "Llama")])
+def test_preflight_refuses_a_lora_target_the_model_lacks(tmp_path, model, target, architecture):
     paths = workers.dataset(tmp_path, num_workers=1)
-    cfg = RunConfig.from_saved({**read_json(paths["config"]), "adapter": "lora", "lora_targets": ["q_proj"]})
+    cfg = RunConfig.from_saved({**read_json(paths["config"]), "model": model, "adapter": "lora",
+                                "lora_targets": [target]})
     report = checks.check_worker(cfg, paths["manifest"], workers.identity(0, 1))
-    assert any("'lora_targets' names ['q_proj'], which GPT-2 lacks" in e for e in report["errors"]), report["errors"]
+    assert any(f"'lora_targets' names ['{target}'], which {architecture} lacks" in e for e in report["errors"]), \
+        report["errors"]
