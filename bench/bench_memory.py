@@ -1,5 +1,5 @@
-"""The memory forecast (trainer/memory_forecast.py) against the memory training measured on CPU: the tiny and the
-GPT-2 124M shapes, each with and without recomputed blocks.
+"""The memory forecast (trainer/memory_forecast.py) against the memory training measured on CPU: the tiny,
+tiny-llama and GPT-2 124M shapes, each with and without recomputed blocks.
 
 Each case runs in its own process: TensorFlow imported and warmed up on a two-token model step first (its runtime,
 kernels and tracing machinery), then the RSS is read as the baseline; then the model, AdamW and the step
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
 TARGET = 0.15
 # (preset, vocabulary, batch, block): batches at which the tensors, not the runtime, dominate.
-SHAPES = (("tiny", 2048, 32, 256), ("gpt2-124m", 50257, 2, 256))
+SHAPES = (("tiny", 2048, 32, 256), ("tiny-llama", 2048, 32, 256), ("gpt2-124m", 50257, 2, 256))
 
 
 def _rss_mb() -> float:

@@ -1,12 +1,14 @@
 """By hand: `peft` loads a LoRA adapter this project wrote onto its base in transformers 5 + PyTorch and gives the
 merged model's logits. Two steps, in two environments (PyTorch and peft are never project dependencies):
 
-    .venv/bin/python -m bench.peft_adapter_check make DIR [--shape tiny|gpt2-124m]   # the project's venv
-    /work/scratch-venv/bin/python bench/peft_adapter_check.py check DIR              # torch + transformers 5 + peft
+    .venv/bin/python -m bench.peft_adapter_check make DIR [--shape tiny|gpt2-124m|tiny-llama|CHECKPOINT_DIR]
+    /work/scratch-venv/bin/python bench/peft_adapter_check.py check DIR   # torch + transformers 5 + peft
 
-`make` builds the decoder with GPT-2's init, saves it as the base (save_pretrained), gives it LoRA adapters on
-c_attn, c_proj and c_fc with random B matrices (trained adapters are as good as any other values here), writes the
-adapter (trainer/adapter_export.py) and the merged model, and the decoder's own logits on fixed tokens. `check`
+`make` builds the preset's decoder (its architecture's init) or loads a checkpoint directory (a Llama or Qwen2
+one that scripts/llama_roundtrip.py makes with transformers 5, say), saves it as the base (save_pretrained), gives
+it LoRA adapters on every projection of its architecture with random B matrices (trained adapters are as good as
+any other values here), writes the adapter (trainer/adapter_export.py) and the merged model, and the decoder's own
+logits on fixed tokens. `check`
 loads the base with AutoModelForCausalLM, the adapter with PeftModel.from_pretrained, and prints the largest logit
 differences against the decoder, the merged checkpoint loaded by transformers, and PEFT's merge_and_unload.
 """
@@ -27,12 +29,15 @@ def make(directory: Path, shape: str) -> None:
 
     from core.config import RunConfig
     from trainer.adapter_export import write_adapter
-    from trainer.decoders.pretrained import build_preset, save_pretrained
+    from trainer.decoders.pretrained import build_preset, load_pretrained, save_pretrained
     from trainer.lora import attach_lora, merged_decoder
     from trainer.lora_plan import plan_for_decoder
 
     cfg = RunConfig(model=shape, adapter="lora", lora_rank=8, lora_alpha=16, seed=5)
-    model = build_preset(shape, vocab_size=VOCAB, eos_token_id=0, block_size=64, seed=cfg.seed)
+    if Path(shape).is_dir():
+        model = load_pretrained(shape)
+    else:
+        model = build_preset(shape, vocab_size=VOCAB, eos_token_id=0, block_size=64, seed=cfg.seed)
     save_pretrained(model, str(directory / "base"))
     adapters = attach_lora(model, plan_for_decoder(cfg, model.config), seed=cfg.seed)
     for variable in adapters.tensors.values():
@@ -41,7 +46,8 @@ def make(directory: Path, shape: str) -> None:
     write_adapter(cfg, adapters, str(directory / "adapter"))
     merged = merged_decoder(model)
     save_pretrained(merged, str(directory / "merged"))
-    tokens = np.random.default_rng(0).integers(0, VOCAB, (3, 32)).astype(np.int64)
+    vocab = model.weights[next(iter(model.weights))].shape[0]  # the token embedding comes first in every layout
+    tokens = np.random.default_rng(0).integers(0, vocab, (3, 32)).astype(np.int64)
     np.save(directory / TOKENS_FILE, tokens)
     np.save(directory / LOGITS_FILE, model(tf.constant(tokens, tf.int32)).numpy())
     unmerged_vs_merged = float(np.abs(merged(tf.constant(tokens, tf.int32)).numpy()

@@ -215,7 +215,7 @@ def float32_model(model):
     (several workers). Call outside the strategy's scope, as training does: the copy's variables are plain ones."""
     import tensorflow as tf
 
-    from trainer.decoders.gpt2 import zeros_init
+    from trainer.decoders.base import zeros_init
     from trainer.decoders.pretrained import build_decoder
 
     if getattr(model, "adapters", None) is not None:  # LoRA: the base with its adapters merged

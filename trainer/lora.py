@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 import tensorflow as tf
 
-from trainer.decoders.gpt2 import name_seed
+from trainer.decoders.base import name_seed
 from trainer.lora_plan import LoraPlan
 
 PEFT_PREFIX = "base_model.model."
@@ -93,7 +93,7 @@ def merged_weights(model) -> dict[str, np.ndarray]:
 def merged_decoder(model):
     """A plain float32 decoder (no strategy, no adapters) holding `model`'s merged weights: what the model directory
     and the serving exports hold. Call outside the strategy's scope."""
-    from trainer.decoders.gpt2 import zeros_init
+    from trainer.decoders.base import zeros_init
     from trainer.decoders.pretrained import build_decoder
 
     copy = build_decoder(model.config, compute_dtype="float32", initializer=zeros_init)

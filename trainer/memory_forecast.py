@@ -5,7 +5,7 @@ where the memory goes.
 Per worker, in the run's dtypes:
 - weights: the trained ones float32; a LoRA run's frozen base in `base_weights_dtype` (its norms and biases
   float32) plus the adapters; with mixed precision the matrices' compute-dtype copies the matmuls keep for the
-  backward pass;
+  backward pass (none for a bfloat16 base under `bf16`: the matmuls read it as it is);
 - gradients: float32 per trainable weight, twice (the backward pass's and the clipped ones the update reads), and
   once more with accumulation (the running sum beside the micro-step's);
 - optimizer: AdamW's two float32 moments per trainable weight;
@@ -70,11 +70,14 @@ def forecast(shape: DecoderShape, *, batch: int, block_size: int, grad_accum_ste
     frozen base)."""
     matrices, vectors = shape.matrix_parameters(), shape.vector_parameters()
     compute_bytes = 4 if mixed_precision == "no" else 2
+    # The matmuls' cast weights; a frozen bfloat16 base computed in bfloat16 is read as it is (a cast to its dtype).
+    cast_free = compute_bytes == 4 or (trainable is not None and base_weights_dtype == "bfloat16"
+                                       and mixed_precision == "bf16")
     if trainable is None:
         trainable, stored = matrices + vectors, 4 * (matrices + vectors)
     else:
         stored = (2 if base_weights_dtype == "bfloat16" else 4) * matrices + 4 * vectors + 4 * trainable
-    copies = 0 if compute_bytes == 4 else compute_bytes * matrices  # the matmuls' cast weights
+    copies = 0 if cast_free else compute_bytes * matrices
     tokens = batch * block_size
     block = block_activation_bytes(shape, tokens, block_size, compute_bytes)
     logits = LOGIT_COPIES * 4 * tokens * shape.vocab

@@ -21,7 +21,7 @@ from core.config import MODEL_PRESETS
 if TYPE_CHECKING:
     import tensorflow as tf
 
-    from trainer.decoders.gpt2 import GPT2Decoder
+    from trainer.decoders.base import Decoder
 
 log = logging.getLogger("trainer.model")
 
@@ -53,7 +53,7 @@ class Vocabulary:
 
 
 def build_model(spec: str, vocabulary: Vocabulary, *, block_size: int, work_dir: str | Path,
-                compute_dtype: str = "float32", seed: int = 0, resize_embeddings: bool = True) -> GPT2Decoder:
+                compute_dtype: str = "float32", seed: int = 0, resize_embeddings: bool = True) -> Decoder:
     """A decoder (GPT-2, Llama or Qwen2) with one embedding per token of `vocabulary` computing in `compute_dtype`
     (float32 weights): a preset from `seed`, or the checkpoint directory `spec` (local or object storage, staged in
     `work_dir`); without `resize_embeddings` a checkpoint keeps its rows, which must cover the vocabulary. Call
@@ -80,7 +80,7 @@ def build_model(spec: str, vocabulary: Vocabulary, *, block_size: int, work_dir:
     return model
 
 
-def token_losses(model: GPT2Decoder, tokens: tf.Tensor) -> tf.Tensor:
+def token_losses(model: Decoder, tokens: tf.Tensor) -> tf.Tensor:
     """Next-token cross-entropy of every predicted token, float32 `[batch, block_size - 1]` whatever the compute
     dtype, so bf16/fp16 runs report comparable losses (trainer/decoders/ops.py)."""
     from trainer.decoders import ops
@@ -88,20 +88,20 @@ def token_losses(model: GPT2Decoder, tokens: tf.Tensor) -> tf.Tensor:
     return ops.token_losses(model, tokens)
 
 
-def causal_lm_loss(model: GPT2Decoder, tokens: tf.Tensor) -> tf.Tensor:
+def causal_lm_loss(model: Decoder, tokens: tf.Tensor) -> tf.Tensor:
     """Mean next-token cross-entropy over a batch of token sequences (`token_losses`, averaged)."""
     from trainer.decoders import ops
 
     return ops.causal_lm_loss(model, tokens)
 
 
-def count_parameters(model: GPT2Decoder) -> int:
+def count_parameters(model: Decoder) -> int:
     from trainer.decoders import ops
 
     return ops.count_parameters(model)
 
 
-def flops_per_token(model: GPT2Decoder, block_size: int) -> float:
+def flops_per_token(model: Decoder, block_size: int) -> float:
     """Training FLOPs per token: 6N for the weights plus attention, as in PaLM appendix B / nanoGPT."""
     from trainer.decoders import ops
 

@@ -9,6 +9,7 @@ from safetensors.numpy import load_file
 
 from core.config import RunConfig
 from trainer.adapter_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, base_identity, directory_fingerprint, write_adapter
+from trainer.decoders import llama_config
 from trainer.decoders.gpt2_config import preset_config
 from trainer.decoders.pretrained import build_decoder
 from trainer.lora import attach_lora
@@ -32,6 +33,22 @@ def test_the_adapter_is_written_with_pefts_keys_shapes_and_config(tmp_path):
                                            "base_model_name_or_path", "revision")} == {
         "peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "target_modules": ["c_attn", "c_fc"], "fan_in_fan_out": True,
         "base_model_name_or_path": "preset:tiny", "revision": "seed:9"}
+
+
+def test_a_llama_adapter_has_pefts_linear_keys_and_fan_in_fan_out_false(tmp_path):
+    cfg = RunConfig(model="tiny-llama", adapter="lora", lora_rank=4, lora_alpha=8, lora_targets=("q_proj", "k_proj"),
+                    seed=5)
+    model = build_decoder(llama_config.preset_config("tiny-llama", vocab_size=320, eos_token_id=0), seed=5)
+    adapters = attach_lora(model, plan_for_decoder(cfg, model.config), seed=cfg.seed)
+    config = write_adapter(cfg, adapters, str(tmp_path / "adapter"))
+    tensors = load_file(tmp_path / "adapter" / ADAPTER_WEIGHTS)
+    assert sorted(tensors) == sorted(f"base_model.model.model.layers.{layer}.self_attn.{module}.lora_{m}.weight"
+                                     for layer in (0, 1) for module in ("q_proj", "k_proj") for m in "AB")
+    assert tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"].shape == (4, 64)
+    assert tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"].shape == (32, 4)  # 2 kv heads
+    assert {key: config[key] for key in ("target_modules", "fan_in_fan_out", "base_model_name_or_path", "revision")} \
+        == {"target_modules": ["k_proj", "q_proj"], "fan_in_fan_out": False,
+            "base_model_name_or_path": "preset:tiny-llama", "revision": "seed:5"}
 
 
 def test_the_base_is_named_by_its_pinned_commit_or_its_content(tmp_path):

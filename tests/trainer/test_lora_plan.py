@@ -51,6 +51,15 @@ def test_a_gpt2_target_on_qwen2_is_refused_naming_its_projections():
         lora_plan(decoder_shape(QWEN2), rank=4, alpha=8, targets=["c_attn"])
 
 
+def test_a_gpt2_target_on_the_tiny_llama_preset_is_refused_naming_the_llama_modules():
+    cfg = RunConfig(model="tiny-llama", adapter="lora", lora_rank=4, lora_targets=("c_attn", "q_proj"))
+    with pytest.raises(ConfigError, match=r"\['c_attn'\], which Llama lacks: its projections are q_proj, k_proj, "
+                                          r"v_proj, o_proj, gate_proj, up_proj, down_proj"):
+        plan_lora(cfg, model_shape(cfg, 320))
+    shape = model_shape(RunConfig(model="tiny-llama"), 320)
+    assert (shape.model_type, shape.hidden, shape.kv_heads, shape.vocab) == ("llama", 64, 2, 320)
+
+
 def test_a_rank_above_the_narrowest_adapted_layer_is_refused_naming_it():
     assert lora_plan(decoder_shape(TINY), rank=64, alpha=8, targets=()).rank == 64
     with pytest.raises(ConfigError) as raised:

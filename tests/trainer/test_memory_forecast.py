@@ -42,6 +42,21 @@ def test_lora_bf16_base_and_recompute_each_shrink_their_part():
     assert lean.activations < half.activations / 10 and lean.total < 40 * GIB < full.total
 
 
+def test_a_bfloat16_base_under_bf16_compute_keeps_no_cast_copy_but_a_float32_one_does():
+    plan = lora_plan(LLAMA_8B, rank=8, alpha=16, targets=())
+    matrices = LLAMA_8B.matrix_parameters()
+
+    def weights(base: str, precision: str) -> int:
+        return forecast(LLAMA_8B, batch=1, block_size=2048, mixed_precision=precision, trainable=plan.parameters,
+                        base_weights_dtype=base).weights
+
+    assert weights("bfloat16", "bf16") == weights("bfloat16", "no") < 17 * GIB  # 8B in bfloat16: 15 GiB
+    assert weights("bfloat16", "fp16") == weights("bfloat16", "no") + 2 * matrices
+    assert weights("float32", "bf16") == weights("float32", "no") + 2 * matrices
+    full = forecast(LLAMA_8B, batch=1, block_size=2048, mixed_precision="bf16")
+    assert full.weights == 4 * (matrices + LLAMA_8B.vector_parameters()) + 2 * matrices
+
+
 def test_the_refusal_names_the_parts_and_the_levers_the_run_does_not_use():
     cfg = RunConfig(model="gpt2-124m", batch_size_per_worker=64, block_size=1024, use_gpu=True)
     predicted = run_forecast(cfg, decoder_shape({"model_type": "gpt2", "vocab_size": 50257}))
@@ -71,8 +86,12 @@ def test_preflight_refuses_a_run_over_its_gpus_free_memory(tmp_path, monkeypatch
         assert "rank 0 on host-a" in errors[0] and "set 'recompute' to true" in errors[0]
 
 
-def test_preflight_refuses_a_lora_target_the_model_lacks(tmp_path):
+@pytest.mark.parametrize("model, target, architecture",
+                         [("tiny", "q_proj", "GPT-2"), ("tiny-llama", "c_attn", "Llama")])
+def test_preflight_refuses_a_lora_target_the_model_lacks(tmp_path, model, target, architecture):
     paths = workers.dataset(tmp_path, num_workers=1)
-    cfg = RunConfig.from_saved({**read_json(paths["config"]), "adapter": "lora", "lora_targets": ["q_proj"]})
+    cfg = RunConfig.from_saved({**read_json(paths["config"]), "model": model, "adapter": "lora",
+                                "lora_targets": [target]})
     report = checks.check_worker(cfg, paths["manifest"], workers.identity(0, 1))
-    assert any("'lora_targets' names ['q_proj'], which GPT-2 lacks" in e for e in report["errors"]), report["errors"]
+    assert any(f"'lora_targets' names ['{target}'], which {architecture} lacks" in e for e in report["errors"]), \
+        report["errors"]

@@ -1,6 +1,6 @@
 """trainer.train with LoRA as real worker processes on loopback: 2 workers follow the 1-worker baseline's curve
 (that one with recomputed blocks), only the adapters cross the network and reach the checkpoint, the base comes out
-bit for bit unchanged in the merged model, and a bfloat16 base trains too."""
+bit for bit unchanged in the merged model (GPT-2's and tiny-llama's), and a bfloat16 base trains too."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ def runs(tmp_path_factory, manifest) -> dict[str, Job]:  # noqa: F811
         "pair": Job(root, "pair", manifest, num_workers=2, grad_accum_steps=1, **LORA),
         "bf16": Job(root, "bf16", manifest, num_workers=2, grad_accum_steps=1, base_weights_dtype="bfloat16",
                     **LORA),
+        "llama": Job(root, "llama", manifest, num_workers=2, grad_accum_steps=1, model="tiny-llama", recompute=True,
+                     **{**LORA, "lora_targets": ["q_proj", "v_proj", "down_proj"],
+                        "export_formats": ["safetensors", "saved_model"]}),
     }
     try:
         for job in jobs.values():
@@ -100,3 +103,28 @@ def test_a_lora_run_resumes_from_its_adapters_checkpoint(runs):
     job = runs["single"]
     assert "restored checkpoint" in job.log(0) and f"resuming at step {STEPS} of {STEPS}" in job.log(0)
     assert job.summary()["resumed_from_step"] == STEPS and job.summary()["final_loss"] == job.losses()[STEPS]
+
+
+def test_a_tiny_llama_lora_run_merges_untransposed_and_passes_both_parity_gates(runs):
+    from trainer.decoders.pretrained import build_preset
+
+    job = runs["llama"]
+    losses = job.losses()
+    assert losses[STEPS] < losses[1] - 0.05, "the adapters did not learn"  # 3 of 7 projections adapted
+    merged = load_file(job.output / "model" / "model.safetensors")
+    adapter = load_file(job.output / "adapter" / "adapter_model.safetensors")
+    config = json.loads((job.output / "adapter" / "adapter_config.json").read_text())
+    assert (config["base_model_name_or_path"], config["revision"], config["fan_in_fan_out"]) == (
+        "preset:tiny-llama", "seed:1234", False)
+    assert config["target_modules"] == ["down_proj", "q_proj", "v_proj"] and len(adapter) == 2 * 3 * 2
+    base = build_preset("tiny-llama", vocab_size=320, eos_token_id=0, block_size=32, seed=1234)
+    for name, variable in base.weights.items():
+        key = "base_model.model." + name.removesuffix(".weight")
+        if key + ".lora_A.weight" not in adapter:
+            np.testing.assert_array_equal(merged[name], variable.numpy(), err_msg=name)  # bit for bit
+            continue
+        delta = adapter[key + ".lora_B.weight"] @ adapter[key + ".lora_A.weight"] * np.float32(2.0)  # [out, in]
+        np.testing.assert_allclose(merged[name], variable.numpy() + delta, atol=1e-6, err_msg=name)
+        assert np.abs(delta).max() > 1e-4, name
+    formats = json.loads((job.output / "exports" / "exports.json").read_text())["formats"]
+    assert formats["safetensors"]["passed"] and formats["saved_model"]["passed"], formats

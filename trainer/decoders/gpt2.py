@@ -12,20 +12,14 @@ Build it inside the strategy's scope (`strategy.scope()`): its variables are the
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
-import numpy as np
 import tensorflow as tf
 
 from trainer.decoders import ops
+from trainer.decoders.base import Decoder, Initializer, name_seed
 from trainer.decoders.gpt2_config import GPT2Config, parameter_shapes
-from trainer.decoders.recompute import recomputed
-
-# name, shape -> the variable's initial value
-Initializer = Callable[[str, tuple[int, ...]], "tf.Tensor | np.ndarray"]
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def random_init(config: GPT2Config, seed: int) -> Initializer:
@@ -45,55 +39,18 @@ def random_init(config: GPT2Config, seed: int) -> Initializer:
     return initial_value
 
 
-def name_seed(seed: int, name: str) -> tf.Tensor:
-    """A stateless-RNG seed for the tensor `name`: the run's seed and a stable digest of the name."""
-    digest = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
-    return tf.constant([seed, digest], tf.int64)
-
-
-def zeros_init(name: str, shape: tuple[int, ...]) -> tf.Tensor:
-    """For a model whose weights are assigned right after (a checkpoint's): nothing to draw."""
-    return tf.zeros(shape)
-
-
-class GPT2Decoder(tf.Module):
+class GPT2Decoder(Decoder):
     """GPT2LMHeadModel's forward pass: int token ids [batch, time] -> float32 logits [batch, time, vocab].
 
     `weights` maps each state-dict name (`transformer.wte.weight`, `transformer.h.0.attn.c_attn.weight`, ...) to
-    its float32 variable, in PyTorch's order. `compute_dtype` (float32, bfloat16, float16) is what the matmuls
-    run in; see trainer/decoders/ops.py.
+    its float32 variable, in PyTorch's order (trainer/decoders/base.py); the matmuls run in `compute_dtype`
+    (trainer/decoders/ops.py).
     """
 
     def __init__(self, config: GPT2Config, *, compute_dtype: str = "float32", initializer: Initializer | None = None,
                  seed: int = 0, name: str = "gpt2") -> None:
-        super().__init__(name=name)
-        if compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype {compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}.")
-        self.config = config
-        self.compute_dtype = tf.as_dtype(compute_dtype)
-        initial_value = initializer or random_init(config, seed)
-        # A list keeps PyTorch's order (a tracked dict would be walked in sorted key order); checkpoints key each
-        # variable by its position, which the config fixes.
-        self._variables = [tf.Variable(initial_value(key, shape), name=key, dtype=tf.float32)
-                           for key, shape in parameter_shapes(config).items()]
-        self._names = tuple(parameter_shapes(config))
-        self.adapters = None  # trainer/lora.py's LoraAdapters once attached: their output joins the projections'
-        self.recompute = False  # recompute each block's activations in the backward pass (recomputed)
-
-    @property
-    def weights(self) -> Mapping[str, tf.Variable]:
-        """State-dict name -> variable, in the order PyTorch's GPT2LMHeadModel lists its parameters."""
-        return dict(zip(self._names, self._variables, strict=True))
-
-    def freeze(self, dtype: str = "float32") -> None:
-        """Make the weights constants of training: tensors, not variables, so they get no gradient, no optimizer
-        state, no checkpoint entry and no broadcast between workers (each worker built the same values, which
-        depend on the seed or the checkpoint only). The matrices are stored in `dtype` (bfloat16 halves them; the
-        matmuls cast them to the compute dtype anyway); LayerNorms and biases stay float32. Each weight is replaced
-        in turn, so the host holds one weight twice at most."""
-        for index, variable in enumerate(self._variables):
-            stored = tf.as_dtype(dtype) if variable.shape.rank == 2 else tf.float32
-            self._variables[index] = tf.cast(tf.convert_to_tensor(variable), stored)
+        super().__init__(config, parameter_shapes(config), initializer or random_init(config, seed),
+                         compute_dtype=compute_dtype, name=name)
 
     def __call__(self, input_ids: tf.Tensor) -> tf.Tensor:
         weights = self.weights
@@ -103,7 +60,7 @@ class GPT2Decoder(tf.Module):
         x = (tf.cast(tf.gather(weights["transformer.wte.weight"], input_ids), tf.float32)
              + tf.cast(weights["transformer.wpe.weight"][:length], tf.float32))
         for layer in range(config.n_layer):
-            x = recomputed(functools.partial(self._block, weights=weights, layer=layer), self.recompute)(x)
+            x = self._block_fn(functools.partial(self._block, weights=weights, layer=layer))(x)
         x = ops.layer_norm(x, weights["transformer.ln_f.weight"], weights["transformer.ln_f.bias"],
                            config.layer_norm_epsilon)
         head = tf.cast(weights["transformer.wte.weight"], self.compute_dtype)
@@ -119,10 +76,8 @@ class GPT2Decoder(tf.Module):
 
     def _linear(self, x: tf.Tensor, weights: Mapping[str, tf.Variable], module: str) -> tf.Tensor:
         """The projection `module` (`transformer.h.0.attn.c_attn`), plus its adapter's output when it has one."""
-        y = ops.linear(x, weights[module + ".weight"], weights[module + ".bias"], self.compute_dtype)
-        if self.adapters is not None and module in self.adapters.modules:
-            y += self.adapters.delta(module, x, y.dtype)
-        return y
+        return self._adapt(ops.linear(x, weights[module + ".weight"], weights[module + ".bias"], self.compute_dtype),
+                           x, module)
 
     def _attention(self, h: tf.Tensor, weights: Mapping[str, tf.Variable], prefix: str, layer: int) -> tf.Tensor:
         config = self.config

@@ -10,12 +10,13 @@ block size beyond it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import tensorflow as tf
 
 from trainer.decoders import ops
-from trainer.decoders.gpt2 import COMPUTE_DTYPES, Initializer, name_seed
+from trainer.decoders.base import Decoder, Initializer, name_seed
 from trainer.decoders.llama_config import LlamaConfig, inverse_frequencies, parameter_shapes
 
 
@@ -33,49 +34,43 @@ def random_init(config: LlamaConfig, seed: int) -> Initializer:
     return initial_value
 
 
-class LlamaDecoder(tf.Module):
+class LlamaDecoder(Decoder):
     """LlamaForCausalLM's / Qwen2ForCausalLM's forward pass: int token ids [batch, time] -> float32 logits
-    [batch, time, vocab]. `weights` maps each state-dict name to its float32 variable, in PyTorch's order;
-    `compute_dtype` is what the matmuls run in (ops.py)."""
+    [batch, time, vocab]. `weights` maps each state-dict name to its float32 variable, in PyTorch's order
+    (trainer/decoders/base.py); `compute_dtype` is what the matmuls run in (ops.py)."""
 
     def __init__(self, config: LlamaConfig, *, compute_dtype: str = "float32", initializer: Initializer | None = None,
                  seed: int = 0, name: str = "llama") -> None:
-        super().__init__(name=name)
-        if compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype {compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}.")
-        self.config = config
-        self.compute_dtype = tf.as_dtype(compute_dtype)
+        super().__init__(config, parameter_shapes(config), initializer or random_init(config, seed),
+                         compute_dtype=compute_dtype, name=name)
         self._inverse_frequencies = inverse_frequencies(config)
-        initial_value = initializer or random_init(config, seed)
-        shapes = parameter_shapes(config)
-        self._variables = [tf.Variable(initial_value(key, shape), name=key, dtype=tf.float32)
-                           for key, shape in shapes.items()]
-        self._names = tuple(shapes)
-
-    @property
-    def weights(self) -> Mapping[str, tf.Variable]:
-        """State-dict name -> variable, in the order PyTorch lists the model's parameters."""
-        return dict(zip(self._names, self._variables, strict=True))
 
     def __call__(self, input_ids: tf.Tensor) -> tf.Tensor:
         weights = self.weights
         config = self.config
         input_ids = tf.convert_to_tensor(input_ids)
         cos, sin = ops.rotary_tables(self._inverse_frequencies, tf.shape(input_ids)[1])
-        x = tf.gather(weights["model.embed_tokens.weight"], input_ids)
+        x = tf.cast(tf.gather(weights["model.embed_tokens.weight"], input_ids), tf.float32)
         for layer in range(config.num_hidden_layers):
-            prefix = f"model.layers.{layer}."
-            h = ops.rms_norm(x, weights[prefix + "input_layernorm.weight"], config.rms_norm_eps)
-            x = x + tf.cast(self._attention(h, weights, prefix + "self_attn.", cos, sin), tf.float32)
-            h = ops.rms_norm(x, weights[prefix + "post_attention_layernorm.weight"], config.rms_norm_eps)
-            x = x + tf.cast(self._mlp(h, weights, prefix + "mlp."), tf.float32)
+            block = functools.partial(self._block, weights=weights, prefix=f"model.layers.{layer}.", cos=cos, sin=sin)
+            x = self._block_fn(block)(x)
         x = ops.rms_norm(x, weights["model.norm.weight"], config.rms_norm_eps)
         head = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
         return tf.cast(ops.linear(x, head, None, self.compute_dtype, out_in=True), tf.float32)
 
-    def _project(self, x: tf.Tensor, weights: Mapping[str, tf.Variable], name: str) -> tf.Tensor:
-        return ops.linear(x, weights[name + ".weight"], weights.get(name + ".bias"), self.compute_dtype, out_in=True)
+    def _block(self, x: tf.Tensor, *, weights: Mapping[str, tf.Variable], prefix: str, cos: tf.Tensor,
+               sin: tf.Tensor) -> tf.Tensor:
+        """The block under `prefix` (`model.layers.0.`): the residual stream after its attention and MLP."""
+        epsilon = self.config.rms_norm_eps
+        h = ops.rms_norm(x, weights[prefix + "input_layernorm.weight"], epsilon)
+        x = x + tf.cast(self._attention(h, weights, prefix + "self_attn.", cos, sin), tf.float32)
+        h = ops.rms_norm(x, weights[prefix + "post_attention_layernorm.weight"], epsilon)
+        return x + tf.cast(self._mlp(h, weights, prefix + "mlp."), tf.float32)
 
+    def _project(self, x: tf.Tensor, weights: Mapping[str, tf.Variable], name: str) -> tf.Tensor:
+        """The projection `name` (`model.layers.0.self_attn.q_proj`), plus its adapter's output when it has one."""
+        y = ops.linear(x, weights[name + ".weight"], weights.get(name + ".bias"), self.compute_dtype, out_in=True)
+        return self._adapt(y, x, name)
     def _attention(self, h: tf.Tensor, weights: Mapping[str, tf.Variable], prefix: str, cos: tf.Tensor,
                    sin: tf.Tensor) -> tf.Tensor:
         config = self.config

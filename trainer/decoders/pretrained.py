@@ -110,7 +110,7 @@ def load_pretrained(path: str | Path, *, vocab_size: int | None = None, block_si
     `block_size` is refused beyond the model's positions. Object storage files are staged in `work_dir` (a
     temporary directory, removed afterwards, without one). Call inside the strategy's scope to get its variables.
     """
-    from trainer.decoders.gpt2 import zeros_init
+    from trainer.decoders.base import zeros_init
 
     checked = check_checkpoint(str(path), block_size=block_size)
     config = checked.config
@@ -152,7 +152,7 @@ def resized_embedding(value, rows: int, stddev: float, seed: int, *, name: str =
     trainer's resize always has (truncated normal, `stddev`), the same on every worker for one seed."""
     import tensorflow as tf
 
-    from trainer.decoders.gpt2 import name_seed
+    from trainer.decoders.base import name_seed
 
     value = _float32(value)
     known = int(value.shape[0])
