@@ -63,11 +63,24 @@ def block_activation_bytes(shape: DecoderShape, tokens: int, block_size: int, co
     return float32 + matmuls
 
 
-def forecast(shape: DecoderShape, *, batch: int, block_size: int, grad_accum_steps: int = 1,
-             mixed_precision: str = "no", trainable: int | None = None, base_weights_dtype: str = "float32",
-             recompute: bool = False) -> MemoryForecast:
-    """The forecast for one worker. `trainable`: the trained elements (LoRA's adapters; None: every weight, no
-    frozen base)."""
+@dataclass(frozen=True)
+class Workload:
+    """What one worker does with the model: `batch` sequences of `block_size` per micro-step, in the run's dtypes.
+    `trainable`: the trained elements (LoRA's adapters; None: every weight, no frozen base)."""
+
+    batch: int
+    block_size: int
+    grad_accum_steps: int = 1
+    mixed_precision: str = "no"
+    trainable: int | None = None
+    base_weights_dtype: str = "float32"
+    recompute: bool = False
+
+
+def forecast(shape: DecoderShape, work: Workload) -> MemoryForecast:
+    """The forecast for one worker of a model of `shape` doing `work`."""
+    batch, block_size, mixed_precision = work.batch, work.block_size, work.mixed_precision
+    trainable, base_weights_dtype = work.trainable, work.base_weights_dtype
     matrices, vectors = shape.matrix_parameters(), shape.vector_parameters()
     compute_bytes = 4 if mixed_precision == "no" else 2
     # The matmuls' cast weights; a frozen bfloat16 base computed in bfloat16 is read as it is (a cast to its dtype).
@@ -81,13 +94,13 @@ def forecast(shape: DecoderShape, *, batch: int, block_size: int, grad_accum_ste
     tokens = batch * block_size
     block = block_activation_bytes(shape, tokens, block_size, compute_bytes)
     logits = LOGIT_COPIES * 4 * tokens * shape.vocab
-    if recompute:
+    if work.recompute:
         # The head's tensors are gone before the first block is recomputed: the peak holds the larger of the two.
         activations = shape.layers * 4 * tokens * shape.hidden + max(0, block - logits)
     else:
         activations = shape.layers * block
     return MemoryForecast(
-        weights=stored + copies, gradients=4 * trainable * (3 if grad_accum_steps > 1 else 2),
+        weights=stored + copies, gradients=4 * trainable * (3 if work.grad_accum_steps > 1 else 2),
         optimizer=8 * trainable, activations=activations, logits=logits)
 
 
@@ -96,10 +109,10 @@ def run_forecast(cfg: Any, shape: DecoderShape) -> MemoryForecast:
     from trainer.lora_plan import plan_lora
 
     plan = plan_lora(cfg, shape)
-    return forecast(shape, batch=cfg.batch_size_per_worker, block_size=cfg.block_size,
-                    grad_accum_steps=cfg.grad_accum_steps, mixed_precision=cfg.mixed_precision,
-                    trainable=plan.parameters if plan else None, base_weights_dtype=cfg.base_weights_dtype,
-                    recompute=cfg.recompute)
+    return forecast(shape, Workload(
+        batch=cfg.batch_size_per_worker, block_size=cfg.block_size, grad_accum_steps=cfg.grad_accum_steps,
+        mixed_precision=cfg.mixed_precision, trainable=plan.parameters if plan else None,
+        base_weights_dtype=cfg.base_weights_dtype, recompute=cfg.recompute))
 
 
 def levers(cfg: Any) -> list[str]:

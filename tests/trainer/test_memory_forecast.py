@@ -3,6 +3,8 @@ its GPU (the fake NVML of tests/support/fake_nvml.py: an H200 with another tenan
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from core.config import RunConfig
@@ -10,7 +12,7 @@ from core.storage import read_json
 from tests.support.fake_nvml import GIB, MEASURED_IDLE_USED_BYTES, FakeNvml, h200s, install
 from tests.trainer.preflight import workers
 from trainer.lora_plan import lora_plan
-from trainer.memory_forecast import MIB, fit_error, forecast, run_forecast
+from trainer.memory_forecast import MIB, Workload, fit_error, forecast, run_forecast
 from trainer.model_shapes import decoder_shape
 from trainer.preflight import checks
 
@@ -23,20 +25,20 @@ LLAMA_8B = decoder_shape({"model_type": "llama", "hidden_size": 4096, "intermedi
 def test_full_training_keeps_20_bytes_per_parameter_before_activations():
     """Weights, AdamW's two moments, and the gradients twice: as the backward pass gives them and clipped."""
     parameters = GPT2.matrix_parameters() + GPT2.vector_parameters()
-    full = forecast(GPT2, batch=8, block_size=1024)
+    full = forecast(GPT2, Workload(batch=8, block_size=1024))
     assert (full.weights, full.gradients, full.optimizer) == (4 * parameters, 8 * parameters, 8 * parameters)
-    assert forecast(GPT2, batch=8, block_size=1024, grad_accum_steps=4).gradients == 12 * parameters
+    assert forecast(GPT2, Workload(batch=8, block_size=1024, grad_accum_steps=4)).gradients == 12 * parameters
     # An 8B model's weights, gradients and moments alone exceed an H200's 140 GiB.
-    assert forecast(LLAMA_8B, batch=1, block_size=1024).total > 140 * GIB
+    assert forecast(LLAMA_8B, Workload(batch=1, block_size=1024)).total > 140 * GIB
 
 
 def test_lora_bf16_base_and_recompute_each_shrink_their_part():
-    full = forecast(LLAMA_8B, batch=1, block_size=2048)
+    full = forecast(LLAMA_8B, Workload(batch=1, block_size=2048))
     plan = lora_plan(LLAMA_8B, rank=16, alpha=32, targets=())
-    lora = forecast(LLAMA_8B, batch=1, block_size=2048, trainable=plan.parameters)
-    half = forecast(LLAMA_8B, batch=1, block_size=2048, trainable=plan.parameters, base_weights_dtype="bfloat16")
-    lean = forecast(LLAMA_8B, batch=1, block_size=2048, trainable=plan.parameters, base_weights_dtype="bfloat16",
-                    recompute=True)
+    lora = forecast(LLAMA_8B, Workload(batch=1, block_size=2048, trainable=plan.parameters))
+    lora_bf16 = Workload(batch=1, block_size=2048, trainable=plan.parameters, base_weights_dtype="bfloat16")
+    half = forecast(LLAMA_8B, lora_bf16)
+    lean = forecast(LLAMA_8B, dataclasses.replace(lora_bf16, recompute=True))
     assert lora.optimizer == 8 * plan.parameters and plan.parameters < 0.01 * (full.optimizer / 8)
     assert half.weights < 0.51 * lora.weights
     assert lean.activations < half.activations / 10 and lean.total < 40 * GIB < full.total
@@ -47,13 +49,13 @@ def test_a_bfloat16_base_under_bf16_compute_keeps_no_cast_copy_but_a_float32_one
     matrices = LLAMA_8B.matrix_parameters()
 
     def weights(base: str, precision: str) -> int:
-        return forecast(LLAMA_8B, batch=1, block_size=2048, mixed_precision=precision, trainable=plan.parameters,
-                        base_weights_dtype=base).weights
+        return forecast(LLAMA_8B, Workload(batch=1, block_size=2048, mixed_precision=precision,
+                                           trainable=plan.parameters, base_weights_dtype=base)).weights
 
     assert weights("bfloat16", "bf16") == weights("bfloat16", "no") < 17 * GIB  # 8B in bfloat16: 15 GiB
     assert weights("bfloat16", "fp16") == weights("bfloat16", "no") + 2 * matrices
     assert weights("float32", "bf16") == weights("float32", "no") + 2 * matrices
-    full = forecast(LLAMA_8B, batch=1, block_size=2048, mixed_precision="bf16")
+    full = forecast(LLAMA_8B, Workload(batch=1, block_size=2048, mixed_precision="bf16"))
     assert full.weights == 4 * (matrices + LLAMA_8B.vector_parameters()) + 2 * matrices
 
 
