@@ -69,7 +69,8 @@ class RunConfig:
     min_workers: int | None = setting(None, "Minimum workers",
         "A retried train task (or one with fewer usable hosts/GPUs) may continue on as few as this many workers, "
         "with more accumulation steps keeping the global batch and data order exact; empty = num_workers (off).",
-        optional=True, minimum=1, maximum=64, allowed="at most `num_workers`, dividing its work exactly")
+        optional=True, minimum=1, maximum=64, allowed="at most `num_workers`, dividing its work exactly",
+        see="[elastic recovery](scaling.md#elastic-recovery-on-fewer-workers)")
     dataset: str = setting("data/sample/*.txt", "Dataset",
         "Local path, file:// or s3:// URL (globs allowed) of .txt/.jsonl/.json/.parquet files, or a hub dataset id "
         "when online. Relative paths are from the repository; local paths only under GPT_FINETUNE_DATA_ROOTS, "
@@ -89,24 +90,35 @@ class RunConfig:
     model_revision: str = setting("", "Model revision",
         "For a hub model: the branch, tag or commit to fine-tune; empty = main. prepare pins it to the commit sha "
         "and fetches the model once into storage_root/models/base/<name>@<sha>/, which every worker loads.",
-        optional=True, pattern=REVISION, allowed="a branch, tag or commit sha; only with a hub name")
+        optional=True, pattern=REVISION, allowed="a branch, tag or commit sha; only with a hub name",
+        see="[stages](stages.md#base-models-from-the-hub)")
     resize_embeddings: bool = setting(True, "Resize embeddings",
         "Give a checkpoint's token embedding (and untied head) one row per token of the tokenizer, new rows drawn "
         "at random; off, a tokenizer larger than the embedding is refused before launch.")
     block_size: int = setting(64, "Block size", "Tokens per training sequence.", minimum=8, maximum=8192,
         allowed="at most the model's positions")
-    batch_size_per_worker: int = setting(8, "Batch per worker", minimum=1, maximum=4096)
+    batch_size_per_worker: int = setting(8, "Batch per worker", "Sequences per worker per micro-step.", minimum=1,
+        maximum=4096)
     max_steps: int = setting(300, "Max optimizer steps", "0 derives the step count from epochs.", minimum=0,
         maximum=10_000_000)
     epochs: float = setting(1.0, "Epochs", "Passes over the training split when max_steps is 0.", exclusiveMinimum=0,
         maximum=1000)
-    learning_rate: float = setting(3e-3, "Peak learning rate", exclusiveMinimum=0, maximum=1)
-    warmup_steps: int = setting(20, "Warmup steps", minimum=0, maximum=10_000_000, allowed="below `max_steps`")
-    weight_decay: float = setting(0.01, "AdamW weight decay", minimum=0, maximum=1)
-    grad_accum_steps: int = setting(1, "Gradient accumulation steps", minimum=1, maximum=MAX_GRAD_ACCUM)
-    mixed_precision: str = setting("no", "Mixed precision", enum=["no", "bf16", "fp16"],
-        allowed="`fp16` only with `use_gpu`")
-    xla: bool = setting(False, "XLA (jit_compile)")
+    learning_rate: float = setting(3e-3, "Peak learning rate", "AdamW's learning rate after the warm-up.",
+        exclusiveMinimum=0, maximum=1)
+    warmup_steps: int = setting(20, "Warmup steps",
+        "Linear warm-up to the peak learning rate, then cosine decay to a tenth of it.", minimum=0,
+        maximum=10_000_000, allowed="below `max_steps`")
+    weight_decay: float = setting(0.01, "AdamW weight decay",
+        "Decoupled weight decay of every weight but biases and norms (the GPT-2/3 recipe).",
+        minimum=0, maximum=1)
+    grad_accum_steps: int = setting(1, "Gradient accumulation steps", "Micro-steps per optimizer step.", minimum=1,
+        maximum=MAX_GRAD_ACCUM)
+    mixed_precision: str = setting("no", "Mixed precision",
+        "The matmuls' compute dtype; weights, optimizer states, norms and the loss stay float32 (fp16 with dynamic "
+        "loss scaling).", enum=["no", "bf16", "fp16"], allowed="`fp16` only with `use_gpu`", see="[model](model.md)")
+    xla: bool = setting(False, "XLA (jit_compile)",
+        "Compile the step with XLA: the gradients and the AdamW update, each one cluster, the all-reduce between them "
+        "(so it does not overlap the backward pass).", see="[why off by default](benchmarks.md)")
     adapter: str = setting("none", "Adapter",
         "lora: freeze the base model and train low-rank adapters on its projections (only they are all-reduced, "
         "checkpointed and given AdamW states); none: train every weight.", enum=["none", "lora"])
@@ -128,20 +140,23 @@ class RunConfig:
     use_gpu: bool = setting(False, "Use GPUs", "Pin one GPU per worker; refuse to start when there are too few.")
     baseline: str = setting("auto", "Single-GPU baseline",
         "auto reuses a matching earlier baseline, run always trains one, skip none.", enum=["auto", "run", "skip"])
-    loss_tolerance: float = setting(0.02, "Eval loss parity tolerance (nats)", minimum=0, maximum=100)
+    loss_tolerance: float = setting(0.02, "Eval loss parity tolerance (nats)",
+        "Allowed eval-loss gap between the baseline and the distributed model, widened by 2 standard errors of the "
+        "delta when a sample of the split is evaluated (eval_tokens).", minimum=0, maximum=100)
     storage_root: str = setting("storage", "Storage root",
         "Local path, file:// or s3:// URL for shards, checkpoints and reports (an allowed bucket, see "
         "GPT_FINETUNE_S3_BUCKETS).", minLength=1, maxLength=MAX_LOCATION, allowed="path, `file://`, `s3://`")
     storage_conn_id: str = setting("", "Storage connection",
         "Airflow connection (aws type) with S3 credentials; empty uses the environment.", optional=True,
         maxLength=MAX_NAME)
-    seed: int = setting(1234, "Seed", minimum=0, maximum=2**31 - 1)
+    seed: int = setting(1234, "Seed", "Data order, initialisation and the validation split.", minimum=0,
+        maximum=2**31 - 1)
     val_fraction: float = setting(0.05, "Validation fraction", "Share of documents held out for evaluation.",
         exclusiveMinimum=0, maximum=0.5)
     eval_tokens: int = setting(1_000_000, "Evaluation tokens",
         "Validation tokens each model is scored on: the same sample of the split for every model of a run and every "
         "run on the same dataset, read without the rest of it; 0 = the whole split. At least one batch "
-        "(8 x block_size).", minimum=0, maximum=10**12)
+        "(8 x block_size).", minimum=0, maximum=10**12, see="[evaluate](stages.md#evaluate)")
     num_shards: int = setting(0, "Shards", "0 writes 4 shards per worker; else at least num_workers.", minimum=0,
         maximum=100_000, allowed="0, or at least `num_workers`")
     prepare_tasks: int = setting(0, "Prepare tasks",
@@ -158,22 +173,27 @@ class RunConfig:
     max_document_mb: int = setting(4, "Longest document (MB)",
         "A paragraph, JSON line or Parquet cell longer than this is cut into several documents (prepare's memory "
         "stays bounded); a JSON line over 4x this is refused.", minimum=1, maximum=1024)
-    checkpoint_every_steps: int = setting(20, "Checkpoint interval (steps)", minimum=1, maximum=10_000_000)
+    checkpoint_every_steps: int = setting(20, "Checkpoint interval (steps)",
+        "Steps between checkpoints; a retried task resumes from the last one.", minimum=1, maximum=10_000_000)
     preemption_checkpoint_s: int = setting(8, "Preemption checkpoint (s)",
         "A training worker that gets SIGTERM (spot reclaim, node drain) saves a checkpoint within this many seconds "
         "and the retry resumes there (0 = off).", minimum=0, maximum=3600)
-    communication: str = setting("auto", "Collective implementation", enum=["auto", "ring", "nccl"],
-        allowed="`nccl` only with `use_gpu`")
+    communication: str = setting("auto", "Collective implementation",
+        "auto is nccl with use_gpu, ring on the CPU; summary.json and the report say which ran.",
+        enum=["auto", "ring", "nccl"], allowed="`nccl` only with `use_gpu`",
+        see="[Gradient communication](scaling.md#gradient-communication)")
     allreduce_dtype: str = setting("float32", "Gradients on the wire",
         "bfloat16 halves the bytes each step sends across the network (gradients are cast for the all-reduce only; "
         "accumulation and the update stay float32); float32 keeps exact parity with the baseline.",
-        enum=["float32", "bfloat16"])
+        enum=["float32", "bfloat16"], allowed="`bfloat16` not over NCCL, which cannot carry it",
+        see="[Gradient communication](scaling.md#gradient-communication)")
     allreduce_pack_mb: float = setting(32.0, "All-reduce pack size (MiB)",
         "Gradients go out in packs of at least this size while the backward pass still runs (overlap); 0 sends one "
         "pack after it. No overlap with XLA.", minimum=0, maximum=1024)
     collective_timeout_s: int = setting(300, "Preflight collective timeout (s)",
         "Bound on the preflight's collectives; training collectives have none (a lost peer is caught by heartbeats, "
-        "a stuck one by the hang watchdog).", minimum=5, maximum=86_400)
+        "a stuck one by the hang watchdog).", minimum=5, maximum=86_400,
+        see="[Hung collectives](stages.md#hung-collectives-in-training)")
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     promotion: PromotionConfig = field(default_factory=PromotionConfig)
     monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)

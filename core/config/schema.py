@@ -67,6 +67,7 @@ class Setting:
         rules: the JSON-schema keywords of its bounds, choices and format (minimum, maximum, exclusiveMinimum,
             enum, pattern, minLength, maxLength, items, uniqueItems, additionalProperties).
         allowed: docs/settings.md's "allowed" column where the rules alone do not say it (a rule between settings).
+        see: the docs section that explains it, as a Markdown link (docs/settings.md's meaning ends with it).
     """
 
     name: str
@@ -78,6 +79,7 @@ class Setting:
     optional: bool = False
     rules: Mapping[str, Any] = field(default_factory=dict)
     allowed: str = ""
+    see: str = ""
 
     def __post_init__(self) -> None:
         if self.section not in SECTIONS:
@@ -86,7 +88,7 @@ class Setting:
 
 
 def setting(default: Any, title: str, description: str = "", *, optional: bool = False, pattern: str | None = None,
-            allowed: str = "", **rules: Any) -> Any:
+            allowed: str = "", see: str = "", **rules: Any) -> Any:
     """Declare a run setting as a `RunConfig` field: `num_workers: int = setting(2, "Workers", "...", minimum=1)`.
 
     The field gives the name, the section and the type; this gives the rest (see `Setting`). `rules` are JSON-schema
@@ -94,7 +96,7 @@ def setting(default: Any, title: str, description: str = "", *, optional: bool =
     if pattern is not None:  # an optional field may be empty
         rules["pattern"] = f"^({pattern})?$" if optional else f"^({pattern})$"
     declared = {_DECLARED: {"title": title, "description": description, "optional": optional, "rules": rules,
-                            "allowed": allowed}}
+                            "allowed": allowed, "see": see}}
     if isinstance(default, Mapping):
         return field(default_factory=lambda: MappingProxyType(dict(default)), metadata=declared)
     return field(default=default, metadata=declared)

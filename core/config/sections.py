@@ -129,7 +129,7 @@ class LaunchConfig:
 
     backend: str = setting("local", "Launcher backend",
         "Where workers run: " + "; ".join(f"{name}: {meaning}" for name, meaning in BACKENDS.items()) + ".",
-        enum=list(BACKEND_NAMES))
+        enum=list(BACKEND_NAMES), see="[backends](backends.md)")
     startup_timeout_s: int = setting(180, "Worker start-up timeout (s)",
         "Time for every worker to come up and join the group.", minimum=5, maximum=86_400)
     hang_timeout_s: int = setting(600, "Hang watchdog (s)",
@@ -139,7 +139,8 @@ class LaunchConfig:
     gpu_queue: str = setting("", "GPU queue",
         "Celery queue of preflight, train, baseline and evaluate (the tasks that hold gpu_slots), served by the GPU "
         "hosts' workers; empty = the default queue. A queue no worker serves leaves them queued until "
-        "task_queued_timeout.", optional=True, pattern=QUEUE_NAME, allowed="a Celery queue name")
+        "task_queued_timeout.", optional=True, pattern=QUEUE_NAME, allowed="a Celery queue name",
+        see="[Deploying on a cluster](deployment.md#deploying-on-a-cluster)")
     ssh: SSHConfig = field(default_factory=SSHConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
 
@@ -168,7 +169,7 @@ class PromotionConfig:
         "same greedy tokens) before it may be promoted: safetensors (the model directory itself, for transformers 5 "
         "/ PyTorch / vLLM, always written), saved_model (TF Serving). [] writes the model directory alone, unchecked.",
         items={"type": "string", "enum": list(EXPORT_FORMATS)}, uniqueItems=True,
-        allowed="or `[]`; `tf_h5` is retired and refused")
+        allowed="or `[]`; `tf_h5` is retired and refused", see="[stages](stages.md#serving-exports)")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -189,21 +190,22 @@ class MonitoringConfig:
         "comparable run's (0 = off).", minimum=0, maximum=1)
     alert_conn_id: str = setting("", "Alert connection",
         "Airflow connection (smtp type) that sends failure and throughput alerts; empty = no alerts.", optional=True,
-        pattern=CONN_ID, allowed="an Airflow connection of type `smtp`")
+        pattern=CONN_ID, allowed="an Airflow connection of type `smtp`", see="[Monitoring](monitoring.md#alerts)")
     alert_emails: tuple[str, ...] = setting((), "Alert recipients",
         "E-mail addresses of the alerts; required with an alert connection.", optional=True,
         items={"type": "string", "pattern": f"^({EMAIL})$", "maxLength": MAX_NAME},
         allowed="plain e-mail addresses (`name@domain.tld`: letters, digits and `._+-` before the `@`; no "
         "comments, quotes, `%`, `!` or `[address]`)")
     capacity: str = setting("on_demand", "Capacity",
-        "Which rate of the operator's pricing table (GPT_FINETUNE_PRICING) prices the run.",
-        enum=list(CAPACITIES))
+        "Which rate of the operator's pricing table (GPT_FINETUNE_PRICING) prices the run; prepare freezes it.",
+        enum=list(CAPACITIES), see="[GPU time and cost](stages.md#gpu-time-and-cost)")
     max_idle_held_s: int = setting(900, "Idle-held warning (s)",
         "Warn when a group held its GPUs this long without step progress (0 = off).", minimum=0, maximum=30 * 86_400)
     reclaim_idle_after_s: int = setting(0, "Reclaim idle GPUs after (s)",
         "Stop a group held this long without step progress (idle as the idle-held warning decides it): its ranks save "
         "a checkpoint if they still can, and the task fails without a retry (0 = off; at least max_idle_held_s).",
-        minimum=0, maximum=30 * 86_400, allowed="at least `max_idle_held_s`")
+        minimum=0, maximum=30 * 86_400, allowed="at least `max_idle_held_s`",
+        see="[Monitoring](monitoring.md#reclaiming-gpus-held-idle)")
     idle_gpu_util_pct: int = setting(5, "Idle GPU utilization (%)",
         "GPU runs: a group without step progress is idle only while every NVML utilization sample of its GPUs over "
         "that time is below this (missing samples count as busy).", minimum=0, maximum=100)

@@ -25,8 +25,13 @@ _KINDS = {"array": "list", "object": "object"}
 def table(settings: tuple[Setting, ...] = SETTINGS) -> str:
     """The Markdown table, one row per setting in the trigger form's order."""
     rows = (f"| `{s.name}` | {s.section or 'core'} | {_kind(s)} | {_default(s.default)} | {_cell(allowed(s))} | "
-            f"{_cell(s.description)} |" for s in settings)
+            f"{_cell(meaning(s))} |" for s in settings)
     return "\n".join((_HEADER, *rows))
+
+
+def meaning(setting: Setting) -> str:
+    """The form's help text, with the link to the docs section that explains the setting."""
+    return " ".join(part for part in (setting.description, f"(see {setting.see})" if setting.see else "") if part)
 
 
 def allowed(setting: Setting) -> str:
