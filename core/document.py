@@ -5,20 +5,29 @@ refuses a value that is not an object, a missing or unknown key and a value of a
 naming the document, the field and what it holds, so a task acts on nothing it did not expect. The field lists are
 the dataclasses' docstrings (docs/CONTRACTS.md points at them).
 
+pydantic checks the types (docs/layout.md, "One validation library"): each document class gives it a schema of its
+fields, built once per class from the field annotations; this module turns pydantic's first error, by its field
+path (`loc`), into the project's message. Strict scalars: `"4"` is no int and `true` no number. A number is kept as
+written (an int in a float field stays an int), so a document read and written again keeps its JSON byte for byte.
+
 Files read back from storage (report.json, summary.json) use the same reader through `from_json(value, source)`,
 which names the file too; an `OpenDocument` keeps the keys it does not model (a later version's) in `extra` and
-writes them back. A number is kept as written (an int in a float field stays an int), so a document read and
-written again keeps its JSON byte for byte.
+writes them back.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import re
 import types
 import typing
-from collections.abc import Mapping
-from typing import Any, ClassVar, Self
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, ClassVar, Self
+
+from pydantic import BeforeValidator, GetPydanticSchema, PlainValidator, Strict, TypeAdapter, ValidationError
+from pydantic_core import PydanticCustomError, core_schema
 
 
 class DocumentError(ValueError):
@@ -51,7 +60,12 @@ def _refused(path: str, problem: str, shown: str = "", source: str = "") -> Docu
 
 @dataclasses.dataclass(frozen=True)
 class Document:
-    """Base of the documents: plain JSON values out (`to_xcom`), checked values in (`from_xcom`, `from_json`)."""
+    """Base of the documents: plain JSON values out (`to_xcom`), checked values in (`from_xcom`, `from_json`).
+
+    `REST` names the field that takes the keys the document does not model; without one, such keys are refused.
+    """
+
+    REST: ClassVar[str | None] = None
 
     def to_xcom(self) -> dict[str, Any]:
         return {field.name: _plain(getattr(self, field.name)) for field in dataclasses.fields(self)}
@@ -63,28 +77,28 @@ class Document:
     @classmethod
     def from_xcom(cls, value: Any) -> Self:
         """The document `value` (an XCom) holds; DocumentError naming the document and what does not fit."""
-        return cls._read(value, cls.__name__, named=True)
+        return _validated(cls, value, cls.__name__, named=True)
 
     @classmethod
     def from_json(cls, value: Any, source: str, path: str = "") -> Self:
-        """The document `value` (read from `source`, at `path` in it) holds; DocumentError naming both otherwise."""
+        """The document `value` (read from `source`, at `path` in it) holds; DocumentError naming both otherwise.
+        A nested document's fields are named by their path alone (`runs.baseline.eval_loss`), where an XCom's name
+        its class too (`PreparedRun.continued_from: PromotedVersion.eval_loss`)."""
         try:
-            return cls._read(value, path, named=False)
+            return _validated(cls, value, path, named=False)
         except DocumentError as error:
             raise error.found_in(source) from None
 
     @classmethod
-    def _read(cls, value: Any, path: str, named: bool) -> Self:
-        """The document at `path`; `named`: a nested document's fields are named after its class (an XCom's
-        `PreparedRun.continued_from: PromotedVersion.eval_loss`), else by their path alone (a file's
-        `runs.baseline.eval_loss`)."""
-        fields, unknown = read_fields(cls, value, path, named=named)
-        if unknown:
-            keys = ", ".join(sorted(str(key) for key in unknown))
-            raise _refused(path, f"unknown key(s) {keys} (a {cls.__name__} has "
-                                 f"{', '.join(field.name for field in dataclasses.fields(cls))}); it was not "
-                                 "written by this project's task of this version")
-        return cls(**fields)
+    def _build(cls, fields: dict[str, Any], others: dict[str, Any]) -> Self:
+        """The document from its checked fields and the keys it does not model (only with a `REST` field)."""
+        return cls(**fields, **({cls.REST: others} if cls.REST else {}))
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
+        """The document's schema for pydantic: its fields checked, then the document built."""
+        fields = _fields_schema(cls, handler, extra="allow" if cls.REST else "forbid")
+        return core_schema.no_info_after_validator_function(functools.partial(_built, cls), fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +108,7 @@ class OpenDocument(Document):
 
     extra: dict[str, Any] = dataclasses.field(default_factory=dict, kw_only=True, repr=False)
 
+    REST: ClassVar[str | None] = "extra"
     DERIVED: ClassVar[frozenset[str]] = frozenset()
 
     def to_xcom(self) -> dict[str, Any]:
@@ -102,25 +117,172 @@ class OpenDocument(Document):
         return {**own, **self.extra}
 
     @classmethod
-    def _read(cls, value: Any, path: str, named: bool) -> Self:
-        fields, unknown = read_fields(cls, value, path, rest="extra", named=named)
-        return cls(**fields, extra={key: item for key, item in unknown.items() if key not in cls.DERIVED})
+    def _build(cls, fields: dict[str, Any], others: dict[str, Any]) -> Self:
+        return cls(**fields, extra={key: item for key, item in others.items() if key not in cls.DERIVED})
 
 
-def read_fields(cls: type, value: Any, path: str = "", rest: str | None = None, *,
-                named: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The fields of the dataclass `cls` that the object `value` holds, checked (the field `rest`, which takes the
-    other keys, left out), and its other keys; DocumentError naming `path` when it is no object or misses a field
-    without a default."""
-    if not isinstance(value, Mapping):
-        raise _refused(path, f"expected a JSON object, got {type(value).__name__}: not a {cls.__name__}")
-    fields = {field.name: field for field in dataclasses.fields(cls) if field.name != rest}
-    missing = [name for name, field in fields.items() if name not in value and _required(field)]
-    if missing:
-        raise _refused(path, f"missing key(s) {', '.join(missing)}: not a complete {cls.__name__}")
+def read_fields(cls: type, value: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The fields of the dataclass `cls` that the object `value` holds, checked, and its other keys, left to their
+    own readers; DocumentError when it is no object, misses a field without a default or holds a mistyped one."""
+    checked_value = _checked(_fields_reader(cls), value, functools.partial(_explained_fields, cls, value, where="",
+                                                                          named=False))
+    names = {field.name for field in dataclasses.fields(cls)}
+    return ({key: item for key, item in checked_value.items() if key in names},
+            {key: item for key, item in checked_value.items() if key not in names})
+
+
+def checked(kind: Any, value: Any, where: str) -> Any:
+    """`value` as the annotation `kind` says (str, int, float, bool, None, unions, dict[str, X], list[X],
+    tuple[X, ...], a Document, Any); DocumentError naming `where` otherwise. Lists become tuples where a tuple is
+    declared, so a frozen document holds no list of its own; a number stays as written."""
+    return _checked(_adapter(kind), value, functools.partial(_explained, kind, value, where=where, named=True))
+
+
+def _validated(cls: type[Document], value: Any, where: str, named: bool) -> Any:
+    return _checked(_adapter(cls), value, functools.partial(_explained_fields, cls, value, where=where, named=named))
+
+
+def _checked(adapter: TypeAdapter, value: Any, explained: Callable[..., ValueError]) -> Any:
+    """`value` as `adapter` validates it; else the error `explained(errors, depth=0)` makes of its errors: a
+    DocumentError, or a document's own refusal as it raised it."""
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as invalid:
+        raise explained(invalid.errors(include_url=False, include_input=False), depth=0) from None
+
+
+_OWN_CHECK = "document_own_check"  # pydantic's error type for a document's own refusal
+
+
+def _built(cls: type[Document], checked_fields: dict[str, Any]) -> Document:
+    names = {field.name for field in dataclasses.fields(cls) if field.name != cls.REST}
+    try:
+        return cls._build({key: item for key, item in checked_fields.items() if key in names},
+                          {key: item for key, item in checked_fields.items() if key not in names})
+    except ValueError as error:  # its own check (`__post_init__`): raised as it was, if it is the first error
+        raise PydanticCustomError(_OWN_CHECK, "{error}", {"error": error}) from None
+
+
+def _fields_schema(cls: type, handler: Any, extra: str) -> core_schema.CoreSchema:
+    """The dataclass `cls`'s fields as a typed dict: each field's annotation as written (`_as_written`), a field
+    with a default optional, other keys refused (`forbid`) or kept (`allow`)."""
     hints = typing.get_type_hints(cls)
-    read = {name: _check(hints[name], value[name], _at(path, name), named) for name in fields if name in value}
-    return read, {key: item for key, item in value.items() if key not in fields}
+    rest = getattr(cls, "REST", None)
+    fields = {field.name: core_schema.typed_dict_field(handler.generate_schema(_as_written(hints[field.name])),
+                                                       required=_required(field))
+              for field in dataclasses.fields(cls) if field.name != rest}
+    return core_schema.typed_dict_schema(fields, extra_behavior=extra)
+
+
+@functools.cache
+def _adapter(kind: Any) -> TypeAdapter:
+    """pydantic's validator of `kind`, built once."""
+    return TypeAdapter(kind if isinstance(kind, type) and issubclass(kind, Document) else _as_written(kind))
+
+
+@functools.cache
+def _fields_reader(cls: type) -> TypeAdapter:
+    """pydantic's validator of `cls`'s fields, its other keys kept (`read_fields`), built once."""
+    return TypeAdapter(Annotated[dict, GetPydanticSchema(lambda _source, handler: _fields_schema(cls, handler,
+                                                                                                   "allow"))])
+
+
+def _number(value: Any) -> int | float:
+    """A JSON number as written: an int in a float field stays an int (within a float's range, it is one)."""
+    if isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool) and _in_float_range(value)):
+        return value
+    raise PydanticCustomError("float_type", "expected float")
+
+
+def _in_float_range(value: int) -> bool:
+    try:
+        float(value)
+    except OverflowError:  # an int of 400 digits: no figure
+        return False
+    return True
+
+
+_SCALARS: dict[Any, Any] = {str: Annotated[str, Strict()], int: Annotated[int, Strict()],
+                            bool: Annotated[bool, Strict()], float: Annotated[float, PlainValidator(_number)],
+                            dict: dict[Annotated[str, Strict()], Any], Mapping: dict[Annotated[str, Strict()], Any]}
+
+
+def _as_written(kind: Any) -> Any:
+    """The annotation `kind` for pydantic: strict scalars, a float kept as written, string keys, unions tried left
+    to right (the first arm that fits is the value's)."""
+    if kind in _SCALARS:
+        return _SCALARS[kind]
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    written = tuple(arg if arg is Ellipsis else _as_written(arg) for arg in args)
+    if origin in (typing.Union, types.UnionType):
+        return Annotated[functools.reduce(operator.or_, written), _LEFT_TO_RIGHT]
+    if (origin or kind) in (list, tuple):
+        return Annotated[origin[written] if args else kind, _JSON_ARRAY]
+    return origin[written] if args else kind
+
+
+def _json_array(value: Any) -> list[Any] | tuple[Any, ...]:
+    """A list or a tuple, for a list or a tuple field (pydantic's own take sets and generators too)."""
+    if isinstance(value, (list, tuple)):
+        return value
+    raise PydanticCustomError("list_type", "expected a JSON array")
+
+
+def _left_to_right(source: Any, handler: Callable[[Any], core_schema.CoreSchema]) -> core_schema.CoreSchema:
+    schema = handler(source)
+    union = schema["schema"] if schema["type"] == "nullable" else schema
+    if union["type"] == "union":
+        union["mode"] = "left_to_right"
+    return schema
+
+
+_LEFT_TO_RIGHT = GetPydanticSchema(get_pydantic_core_schema=_left_to_right)
+_JSON_ARRAY = BeforeValidator(_json_array)
+
+
+Errors = list[Any]  # pydantic's errors (`ErrorDetails`), each with its field path `loc`
+
+
+def _explained(kind: Any, value: Any, errors: Errors, depth: int, where: str, named: bool) -> ValueError:
+    """The first of pydantic's `errors` (all under `value`, `depth` steps into `loc`) as the project says it: in
+    field order, a document's missing keys before its fields and its unknown keys after them; `where`: the path so
+    far, a nested document named after its class when `named` (an XCom)."""
+    arms = typing.get_args(kind)
+    if value is not None and typing.get_origin(kind) in (typing.Union, types.UnionType) and len(arms) == 2 \
+            and type(None) in arms:  # X | None: X's own error says more
+        kind = next(arm for arm in arms if arm is not type(None))
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+        return _explained_fields(kind, value, errors, depth, f"{where}: {kind.__name__}" if named else where, named)
+    here = [error for error in errors if len(error["loc"]) == depth or error["loc"][depth + 1:depth + 2] == ("[key]",)]
+    origin = typing.get_origin(kind) or kind
+    if here or origin not in (dict, Mapping, list, tuple):
+        return _mistyped(kind, value, where)
+    step = errors[0]["loc"][depth]
+    inner = [error for error in errors if error["loc"][depth] == step]
+    args = typing.get_args(kind)
+    item = (args[1] if origin in (dict, Mapping) else args[0]) if args else Any
+    return _explained(item, value[step], inner, depth + 1,
+                      f"{where}.{step}" if origin in (dict, Mapping) else f"{where}[{step}]", named)
+
+
+def _explained_fields(cls: type, value: Any, errors: Errors, depth: int, where: str, named: bool) -> ValueError:
+    own = [error["ctx"]["error"] for error in errors if error["type"] == _OWN_CHECK and len(error["loc"]) == depth]
+    if own:
+        return own[0]
+    if not isinstance(value, Mapping):
+        return _refused(where, f"expected a JSON object, got {type(value).__name__}: not a {cls.__name__}")
+    fields = [field.name for field in dataclasses.fields(cls) if field.name != getattr(cls, "REST", None)]
+    missing = [error["loc"][depth] for error in errors if error["type"] == "missing" and len(error["loc"]) == depth + 1]
+    if missing:
+        return _refused(where, f"missing key(s) {', '.join(missing)}: not a complete {cls.__name__}")
+    hints = typing.get_type_hints(cls)
+    for name in fields:
+        inner = [error for error in errors if error["loc"][depth:depth + 1] == (name,)]
+        if inner:
+            return _explained(hints[name], value[name], inner, depth + 1, _at(where, name), named)
+    unknown = ", ".join(sorted(str(key) for key in value if key not in fields))
+    return _refused(where, f"unknown key(s) {unknown} (a {cls.__name__} has {', '.join(fields)}); it was not "
+                           "written by this project's task of this version")
 
 
 def _at(path: str, name: str) -> str:
@@ -139,78 +301,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {key: _plain(item) for key, item in value.items()}
     return value
-
-
-def checked(kind: Any, value: Any, where: str) -> Any:
-    """`value` as the annotation `kind` says (str, int, float, bool, None, unions, dict[str, X], list[X],
-    tuple[X, ...], a Document, Any); DocumentError naming `where` otherwise. Lists become tuples where a tuple is
-    declared, so a frozen document holds no list of its own; a number stays as written (an int in a float field
-    is kept: within a float's range, it is one)."""
-    return _check(kind, value, where, named=True)
-
-
-def _check(kind: Any, value: Any, where: str, named: bool) -> Any:
-    origin = typing.get_origin(kind)
-    if kind is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        return _one_of(kind, value, where, named)
-    if isinstance(kind, type) and issubclass(kind, Document):
-        return kind._read(value, f"{where}: {kind.__name__}" if named else where, named)
-    if origin in (dict, Mapping) or kind in (dict, Mapping):
-        return _mapping(kind, value, where, named)
-    if origin in (list, tuple) or kind in (list, tuple):
-        return _sequence(kind, value, where, named)
-    return _scalar(kind, value, where)
-
-
-def _one_of(kind: Any, value: Any, where: str, named: bool) -> Any:
-    arms = typing.get_args(kind)
-    if value is not None and len(arms) == 2 and type(None) in arms:  # X | None: X's own error says more
-        return _check(next(arm for arm in arms if arm is not type(None)), value, where, named)
-    for arm in arms:
-        try:
-            return _check(arm, value, where, named)
-        except DocumentError:
-            continue
-    raise _mistyped(kind, value, where)
-
-
-def _mapping(kind: Any, value: Any, where: str, named: bool) -> dict[str, Any]:
-    if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
-        raise _mistyped(kind, value, where)
-    args = typing.get_args(kind)
-    item = args[1] if args else Any
-    return {key: _check(item, entry, f"{where}.{key}", named) for key, entry in value.items()}
-
-
-def _sequence(kind: Any, value: Any, where: str, named: bool) -> list[Any] | tuple[Any, ...]:
-    if not isinstance(value, (list, tuple)):
-        raise _mistyped(kind, value, where)
-    args = typing.get_args(kind)
-    item = args[0] if args else Any
-    items = [_check(item, entry, f"{where}[{index}]", named) for index, entry in enumerate(value)]
-    return tuple(items) if tuple in (kind, typing.get_origin(kind)) else items
-
-
-def _scalar(kind: Any, value: Any, where: str) -> Any:
-    if kind is type(None) and value is None:
-        return None
-    if isinstance(value, bool) and kind is not bool:  # JSON's true is no number here
-        raise _mistyped(kind, value, where)
-    if kind is float and isinstance(value, int) and _in_float_range(value):
-        return value
-    if kind in (str, int, float, bool) and isinstance(value, kind):
-        return value
-    raise _mistyped(kind, value, where)
-
-
-def _in_float_range(value: int) -> bool:
-    try:
-        float(value)
-    except OverflowError:  # an int of 400 digits: no figure
-        return False
-    return True
 
 
 def _mistyped(kind: Any, value: Any, where: str) -> DocumentError:

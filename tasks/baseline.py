@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from core.clock import utc_now
 from core.config import RunConfig
-from core.document import Document, DocumentError, OpenDocument, read_fields
+from core.document import Document, DocumentError, OpenDocument
 from core.layout import safe_name
 from core.storage import exists, join, list_dir, read_json, remove_tree, write_json_atomic
 from core.summary import TrainSummary
@@ -84,6 +84,8 @@ class KeyParts(Document):
     settings: dict[str, Any]
     eval_sample: str | None = None
 
+    REST = "settings"  # read back: the fields checked, every other key a setting
+
     def to_xcom(self) -> dict[str, Any]:
         """The flat form the key hashes and baseline_key.json keeps: the fields, then the settings beside them."""
         fixed = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
@@ -91,12 +93,6 @@ class KeyParts(Document):
         if self.eval_sample is None:  # key format 1 had none
             del fixed["eval_sample"]
         return {**fixed, **self.settings}
-
-    @classmethod
-    def _read(cls, value: Any, path: str, named: bool) -> KeyParts:
-        """Parts read back: the fields checked, every other key a setting."""
-        fields, settings = read_fields(cls, value, path, rest="settings", named=named)
-        return cls(**fields, settings=settings)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from core.document import Document, DocumentError, OpenDocument
+from core.document import Document, DocumentError, OpenDocument, read_fields
 
 
 @dataclass(frozen=True)
@@ -88,3 +88,56 @@ def test_reading_a_file_names_the_file_and_the_field_path(value, path, problem):
     assert (error.source, error.path) == ("s3://bucket/report.json", path) and error.problem.startswith(problem)
     assert str(error).startswith(": ".join(part for part in ("s3://bucket/report.json", path, problem) if part))
     assert error.brief == ": ".join(part for part in (path, error.problem) if part)  # no file, no value
+
+
+@dataclass(frozen=True)
+class Priced(Document):
+    rates: dict[str, float]
+    slot: int | str
+    sizes: tuple[int | str, ...] = ()
+    later: Later | None = None
+
+    def __post_init__(self) -> None:
+        if any(rate < 0 for rate in self.rates.values()):
+            raise DocumentError("Priced.rates: a rate below 0: refusing the price.")
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ({"rates": {"a": 1, "b": "2"}, "slot": 1}, "Priced.rates.b: expected float, got str '2'"),
+    ({"rates": {}, "slot": True}, "Priced.slot: expected int | str, got bool True"),
+    ({"rates": {}, "slot": 1, "sizes": [1, "a", 2.5]}, "Priced.sizes[2]: expected int | str, got float 2.5"),
+    ({"rates": {}, "slot": 1, "later": {"size": None}}, "Priced.later: Later.size: expected float, got NoneType"),
+    ({"rates": {}, "slot": 1, "later": 3}, "Priced.later: Later: expected a JSON object, got int: not a Later"),
+    ({"rate": {}, "slot": "x", "sizes": "y"}, "Priced: missing key(s) rates: not a complete Priced"),
+    ({"rates": {}, "slot": "x", "sizes": "y", "b": 1, "a": 2}, "Priced.sizes: expected tuple[int | str, ...]"),
+    ({"rates": {}, "slot": "x", "b": 1, "a": 2}, "Priced: unknown key(s) a, b (a Priced has rates, slot, sizes"),
+])
+def test_the_first_refusal_is_the_one_named_in_field_order_missing_keys_first_and_unknown_keys_last(value, message):
+    with pytest.raises(DocumentError) as refused:
+        Priced.from_xcom(value)
+    assert message in str(refused.value)
+
+
+@dataclass(frozen=True)
+class Order(Document):
+    label: str
+    priced: Priced
+
+
+def test_a_union_takes_the_first_arm_that_fits_and_a_document_refuses_by_its_own_check_unchanged():
+    priced = Priced.from_xcom({"rates": {"a": 0.5}, "slot": "7", "sizes": [1, "2"]})
+    assert (priced.slot, priced.sizes, priced.later) == ("7", (1, "2"), None)
+    negative = {"rates": {"a": -1}, "slot": 1}
+    with pytest.raises(DocumentError, match=r"^Priced.rates: a rate below 0: refusing the price.$"):
+        Priced.from_xcom(negative)
+    with pytest.raises(DocumentError, match=r"^Priced.rates: a rate below 0: refusing the price.$"):
+        Order.from_json({"label": "a", "priced": negative}, "order.json")
+    with pytest.raises(DocumentError, match=r"^Order.label: expected str, got int 3"):  # in field order
+        Order.from_xcom({"label": 3, "priced": negative})
+
+
+def test_read_fields_checks_the_fields_and_hands_back_the_other_keys():
+    fields, others = read_fields(Inner, {"name": "x", "size": 2, "seen": [1]})
+    assert (fields, others) == ({"name": "x", "size": 2}, {"seen": [1]})
+    with pytest.raises(DocumentError, match=r"^size: expected int, got str '2': refusing the document.$"):
+        read_fields(Inner, {"name": "x", "size": "2"})
