@@ -3,8 +3,11 @@
     python3 -m bench.gpu_release_check [--hold-mib 4096]    # a GPU host: NVIDIA driver, Python, nvidia-ml-py
     python3 -m bench.gpu_release_check --dry-run            # the same flow on the fake NVML (a test runs it)
 
-Needs only the standard library, nvidia-ml-py and the driver's libcuda: no TensorFlow, no Airflow, no installs (the
-`launcher` modules it runs are standard library only). Its stand-in worker holds GPU memory through ctypes on
+Needs the standard library, nvidia-ml-py, the driver's libcuda and the two libraries the launcher keeps, psutil and
+pydantic (with pydantic_core, typing_extensions, annotated_types and typing_inspection): no TensorFlow, no Airflow.
+A host without them takes them on PYTHONPATH (for its Python: `pip download --only-binary=:all: --python-version
+3.12 --no-deps psutil pydantic pydantic_core typing_extensions annotated_types typing_inspection`, unzipped into
+one folder). Its stand-in worker holds GPU memory through ctypes on
 libcuda (cuInit, cuDeviceGet, cuCtxCreate_v2, cuMemAlloc_v2).
 
 First it prints each GPU's idle figures (`idle_levels`) read by both of NVML's memory calls, v1

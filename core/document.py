@@ -24,10 +24,11 @@ import re
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, ClassVar, Self
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Self
 
-from pydantic import BeforeValidator, GetPydanticSchema, PlainValidator, Strict, TypeAdapter, ValidationError
-from pydantic_core import PydanticCustomError, core_schema
+if TYPE_CHECKING:  # pydantic is imported on a document's first read: the launcher's GPU tools run without it
+    from pydantic import TypeAdapter
+    from pydantic_core import core_schema
 
 
 class DocumentError(ValueError):
@@ -98,6 +99,8 @@ class Document:
     def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
         """The document's schema for pydantic: its fields checked, then the document built."""
         fields = _fields_schema(cls, handler, extra="allow" if cls.REST else "forbid")
+        from pydantic_core import core_schema
+
         return core_schema.no_info_after_validator_function(functools.partial(_built, cls), fields)
 
 
@@ -145,6 +148,8 @@ def _validated(cls: type[Document], value: Any, where: str, named: bool) -> Any:
 def _checked(adapter: TypeAdapter, value: Any, explained: Callable[..., ValueError]) -> Any:
     """`value` as `adapter` validates it; else the error `explained(errors, depth=0)` makes of its errors: a
     DocumentError, or a document's own refusal as it raised it."""
+    from pydantic import ValidationError
+
     try:
         return adapter.validate_python(value)
     except ValidationError as invalid:
@@ -160,12 +165,16 @@ def _built(cls: type[Document], checked_fields: dict[str, Any]) -> Document:
         return cls._build({key: item for key, item in checked_fields.items() if key in names},
                           {key: item for key, item in checked_fields.items() if key not in names})
     except ValueError as error:  # its own check (`__post_init__`): raised as it was, if it is the first error
+        from pydantic_core import PydanticCustomError
+
         raise PydanticCustomError(_OWN_CHECK, "{error}", {"error": error}) from None
 
 
 def _fields_schema(cls: type, handler: Any, extra: str) -> core_schema.CoreSchema:
     """The dataclass `cls`'s fields as a typed dict: each field's annotation as written (`_as_written`), a field
     with a default optional, other keys refused (`forbid`) or kept (`allow`)."""
+    from pydantic_core import core_schema
+
     hints = typing.get_type_hints(cls)
     rest = getattr(cls, "REST", None)
     fields = {field.name: core_schema.typed_dict_field(handler.generate_schema(_as_written(hints[field.name])),
@@ -177,12 +186,16 @@ def _fields_schema(cls: type, handler: Any, extra: str) -> core_schema.CoreSchem
 @functools.cache
 def _adapter(kind: Any) -> TypeAdapter:
     """pydantic's validator of `kind`, built once."""
+    from pydantic import TypeAdapter
+
     return TypeAdapter(kind if isinstance(kind, type) and issubclass(kind, Document) else _as_written(kind))
 
 
 @functools.cache
 def _fields_reader(cls: type) -> TypeAdapter:
     """pydantic's validator of `cls`'s fields, its other keys kept (`read_fields`), built once."""
+    from pydantic import GetPydanticSchema, TypeAdapter
+
     return TypeAdapter(Annotated[dict, GetPydanticSchema(lambda _source, handler: _fields_schema(cls, handler,
                                                                                                    "allow"))])
 
@@ -191,6 +204,8 @@ def _number(value: Any) -> int | float:
     """A JSON number as written: an int in a float field stays an int (within a float's range, it is one)."""
     if isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool) and _in_float_range(value)):
         return value
+    from pydantic_core import PydanticCustomError
+
     raise PydanticCustomError("float_type", "expected float")
 
 
@@ -202,22 +217,27 @@ def _in_float_range(value: int) -> bool:
     return True
 
 
-_SCALARS: dict[Any, Any] = {str: Annotated[str, Strict()], int: Annotated[int, Strict()],
-                            bool: Annotated[bool, Strict()], float: Annotated[float, PlainValidator(_number)],
-                            dict: dict[Annotated[str, Strict()], Any], Mapping: dict[Annotated[str, Strict()], Any]}
+@functools.cache
+def _scalars() -> dict[Any, Any]:
+    from pydantic import PlainValidator, Strict
+
+    return {str: Annotated[str, Strict()], int: Annotated[int, Strict()], bool: Annotated[bool, Strict()],
+            float: Annotated[float, PlainValidator(_number)], dict: dict[Annotated[str, Strict()], Any],
+            Mapping: dict[Annotated[str, Strict()], Any]}
 
 
 def _as_written(kind: Any) -> Any:
     """The annotation `kind` for pydantic: strict scalars, a float kept as written, string keys, unions tried left
     to right (the first arm that fits is the value's)."""
-    if kind in _SCALARS:
-        return _SCALARS[kind]
+    scalars = _scalars()
+    if kind in scalars:
+        return scalars[kind]
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     written = tuple(arg if arg is Ellipsis else _as_written(arg) for arg in args)
     if origin in (typing.Union, types.UnionType):
-        return Annotated[functools.reduce(operator.or_, written), _LEFT_TO_RIGHT]
+        return Annotated[functools.reduce(operator.or_, written), _left_to_right_marker()]
     if (origin or kind) in (list, tuple):
-        return Annotated[origin[written] if args else kind, _JSON_ARRAY]
+        return Annotated[origin[written] if args else kind, _json_array_marker()]
     return origin[written] if args else kind
 
 
@@ -225,6 +245,8 @@ def _json_array(value: Any) -> list[Any] | tuple[Any, ...]:
     """A list or a tuple, for a list or a tuple field (pydantic's own take sets and generators too)."""
     if isinstance(value, (list, tuple)):
         return value
+    from pydantic_core import PydanticCustomError
+
     raise PydanticCustomError("list_type", "expected a JSON array")
 
 
@@ -236,8 +258,18 @@ def _left_to_right(source: Any, handler: Callable[[Any], core_schema.CoreSchema]
     return schema
 
 
-_LEFT_TO_RIGHT = GetPydanticSchema(get_pydantic_core_schema=_left_to_right)
-_JSON_ARRAY = BeforeValidator(_json_array)
+@functools.cache
+def _left_to_right_marker() -> Any:
+    from pydantic import GetPydanticSchema
+
+    return GetPydanticSchema(get_pydantic_core_schema=_left_to_right)
+
+
+@functools.cache
+def _json_array_marker() -> Any:
+    from pydantic import BeforeValidator
+
+    return BeforeValidator(_json_array)
 
 
 Errors = list[Any]  # pydantic's errors (`ErrorDetails`), each with its field path `loc`

@@ -1,11 +1,13 @@
 """`bench/gpu_release_check.py --dry-run`: the GPU release check's whole flow (each GPU's idle figures by v1 and v2,
 placement refusing a busy GPU, release of a worker that ignores SIGTERM, a GPU used from another PID namespace) on
 the fake NVML, so the script keeps working between the rare runs on a GPU host; run without site-packages
-(`python -S`), as on a bare host: standard library only."""
+(`python -S`), as on a bare host, with only the two libraries the launcher keeps (`LAUNCHER_LIBRARIES`) on its path."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +17,27 @@ import pytest
 from tests.support.hardware import nvidia_gpus
 
 REPO = Path(__file__).resolve().parents[2]
+# What the launcher imports beyond the standard library: psutil (the process table) and pydantic (the records it
+# reads), with pydantic's own dependencies. A GPU host runs the check with these on its path and nothing else.
+LAUNCHER_LIBRARIES = ("psutil", "pydantic", "pydantic_core", "typing_extensions", "annotated_types",
+                      "typing_inspection")
 
 
-def test_dry_run_refuses_a_busy_gpu_releases_a_stubborn_worker_and_sees_another_namespace():
+def _only_the_launcher_libraries(folder: Path) -> Path:
+    folder.mkdir()
+    for name in LAUNCHER_LIBRARIES:
+        spec = importlib.util.find_spec(name)
+        location = Path(spec.origin)
+        source = location.parent if location.name == "__init__.py" else location
+        (folder / source.name).symlink_to(source)
+    return folder
+
+
+def test_dry_run_refuses_a_busy_gpu_releases_a_stubborn_worker_and_sees_another_namespace(tmp_path):
+    libraries = _only_the_launcher_libraries(tmp_path / "libraries")
     done = subprocess.run([sys.executable, "-S", "-m", "bench.gpu_release_check", "--dry-run"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120, check=False)
+                          env={**os.environ, "PYTHONPATH": str(libraries)}, capture_output=True, text=True,
+                          timeout=120, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(done.stdout)
     checks = report["checks"]

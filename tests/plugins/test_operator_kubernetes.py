@@ -116,7 +116,7 @@ def test_training_on_pods_gives_the_eval_loss_of_the_local_backend(airflow_env, 
 
 def _eval_losses(manifest: str, models: dict[str, Path]) -> dict[str, float]:
     code = ("import json, sys; from trainer.evaluate import evaluate; "
-            "print(json.dumps({k: evaluate(v, sys.argv[1])['eval_loss'] for k, v in json.loads(sys.argv[2]).items()}))")
+            "print(json.dumps({k: evaluate(v, sys.argv[1]).eval_loss for k, v in json.loads(sys.argv[2]).items()}))")
     out = subprocess.run([sys.executable, "-c", code, manifest, json.dumps({k: str(v) for k, v in models.items()})],
                          capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
                          env={**os.environ, "PYTHONPATH": str(REPO)})

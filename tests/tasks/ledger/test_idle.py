@@ -23,6 +23,10 @@ from tests.launcher.conftest import entrypoint_env
 from tests.tasks.report.test_store import document
 from trainer.metrics import LIVE_PREFIX
 
+# Its own run key: release and the orphan reaper end processes by run key machine-wide, and other test files that
+# launch workers run as "run-1" beside this one.
+RUN_KEY = "ledger-idle-run"
+
 MAIL_HANGS_S = 15.0
 
 
@@ -46,8 +50,8 @@ def test_ranks_that_talk_but_do_not_train_warn_once_live_and_a_hanging_mail_neve
 
     monkeypatch.setattr(alerts, "send_alert", hanging_send)
     config = RunConfig.of(max_idle_held_s=1, idle_gpu_util_pct=5, alert_conn_id="smtp", alert_emails=["a@b.example"])
-    run = StorageLayout(str(tmp_path / "storage")).run("run-1")
-    spec = GroupSpec(name="train", entrypoint="tiny_worker", num_workers=2, run_key="run-1", startup_timeout_s=60,
+    run = StorageLayout(str(tmp_path / "storage")).run(RUN_KEY)
+    spec = GroupSpec(name="train", entrypoint="tiny_worker", num_workers=2, run_key=RUN_KEY, startup_timeout_s=60,
                      hang_timeout_s=60, grace_period_s=2,
                      env=entrypoint_env(TINY_WORKER_STEPS="35", TINY_WORKER_STEP_S="0.1", TINY_WORKER_LIVE_STEPS="3"))
     lines: list[str] = []
@@ -76,7 +80,7 @@ def test_ranks_that_talk_but_do_not_train_warn_once_live_and_a_hanging_mail_neve
     assert conn == "smtp" and recipients == ("a@b.example",) and "GPUs held idle in train" in subject
     assert warning.text in body and kw == {"run": run_key("gpt_finetune", "manual__1"), "task": "train"}
 
-    report = replace(document(baseline=False), run_key="run-1", config=config.to_dict())
+    report = replace(document(baseline=False), run_key=RUN_KEY, config=config.to_dict())
     summary = run_usage(run.url, report, "2030-01-01T00:00:00+00:00")
     assert summary.to_xcom()["idle_warnings"] == [{"group": "train", "attempt": 1, **warning.to_xcom()}]
     page = render_markdown(run_view(report, None, {"usage": summary.to_xcom()}))
@@ -102,9 +106,9 @@ def test_a_group_held_idle_past_the_reclaim_limit_checkpoints_ends_and_is_counte
     monkeypatch.setattr(alerts, "send_alert", lambda *args, **kw: sent.append((args, kw)) or True)
     config = RunConfig.of(max_idle_held_s=1, reclaim_idle_after_s=2, alert_conn_id="smtp",
                           alert_emails=["a@b.example"])
-    run = StorageLayout(str(tmp_path / "storage")).run("run-1")
+    run = StorageLayout(str(tmp_path / "storage")).run(RUN_KEY)
     checkpoints = tmp_path / "checkpoints"
-    spec = GroupSpec(name="train", entrypoint="tiny_worker", num_workers=2, run_key="run-1", startup_timeout_s=60,
+    spec = GroupSpec(name="train", entrypoint="tiny_worker", num_workers=2, run_key=RUN_KEY, startup_timeout_s=60,
                      hang_timeout_s=60, grace_period_s=10,
                      env=entrypoint_env(TINY_WORKER_STEPS="100000", TINY_WORKER_STEP_S="0.1",
                                         TINY_WORKER_LIVE_STEPS="3", TINY_WORKER_CHECKPOINT_ON_TERM=str(checkpoints)))
@@ -118,7 +122,7 @@ def test_a_group_held_idle_past_the_reclaim_limit_checkpoints_ends_and_is_counte
     assert result.state is GroupState.STOPPED and wall_s < 30
     assert {w.rank: w.exit_code for w in result.workers} == {0: EXIT_PREEMPTED, 1: EXIT_PREEMPTED}
     assert sorted(path.name.split("-step-")[0] for path in checkpoints.iterdir()) == ["rank-0", "rank-1"]
-    assert processes_of_run("run-1") == {}
+    assert processes_of_run(RUN_KEY) == {}
     assert launch.after_exit is not None and launch.after_exit.proven, launch.after_exit
     reclaim = launch.reclaimed
     assert reclaim.text.startswith("reclaimed after 2 s idle: GPU time: train (attempt 1) held 2 slot(s)")
@@ -132,7 +136,7 @@ def test_a_group_held_idle_past_the_reclaim_limit_checkpoints_ends_and_is_counte
     body = next(args[3] for args, kw in sent if "reclaimed" in args[2])
     assert "its task train fails by this" in body and reclaim.text in body
 
-    report = replace(document(baseline=False), run_key="run-1", config=config.to_dict())
+    report = replace(document(baseline=False), run_key=RUN_KEY, config=config.to_dict())
     summary = run_usage(run.url, report, "2030-01-01T00:00:00+00:00")
     assert summary.reclaimed_gpu_h == round(2 * reclaim.idle_s / 3600, 6) > 0
     assert summary.to_xcom()["reclaims"] == [{"group": "train", "attempt": 1, **reclaim.to_xcom()}]
