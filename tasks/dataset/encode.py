@@ -60,7 +60,9 @@ class EncodeStats:
     consumed: int = 0
     wall_s: float = 0.0
     cpu_s: float = 0.0
-    # Seconds per step: the tokenizer's calls (wall), and the CPU time of each step around them (`STEPS`).
+    # CPU seconds per step: each step around the tokenizer (`STEPS`, timed on its own thread), and the tokenizer's
+    # calls as the rest of the pass's CPU time. Not the calls' wall time: on a core shared with the reader and the
+    # writer, that also holds the time those threads ran while the call had released the GIL.
     steps: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("tokenizer", *STEPS), 0.0))
 
     @property
@@ -134,12 +136,11 @@ class Encoder:
         """Encode every chunk, each with the draws of its file's documents. One pipeline for the whole iterable
         (a unit's parts, file after file): reading the next file overlaps encoding the last one's end."""
         began, cpu_began = time.perf_counter(), time.process_time()
+        around_began = sum(self.stats.steps[step] for step in STEPS)
         with _tokenizer_threads(), ThreadPoolExecutor(1, thread_name_prefix="prepare-writer") as writer:
             pending = None
             for inputs in _prefetched(self._timed_inputs(chunks)):
-                called = time.perf_counter()
                 encodings = self.tokenizer.encode_batch_fast(inputs.texts, add_special_tokens=False)
-                self.stats.steps["tokenizer"] += time.perf_counter() - called
                 if pending is not None:
                     pending.result()
                     if on_progress:
@@ -147,8 +148,10 @@ class Encoder:
                 pending = writer.submit(self._append, inputs, encodings)
             if pending is not None:
                 pending.result()
+        cpu_s = time.process_time() - cpu_began
         self.stats.wall_s += time.perf_counter() - began
-        self.stats.cpu_s += time.process_time() - cpu_began
+        self.stats.cpu_s += cpu_s
+        self.stats.steps["tokenizer"] += cpu_s - (sum(self.stats.steps[step] for step in STEPS) - around_began)
         return self.stats
 
     def _timed_inputs(self, chunks: Iterable[tuple[DocumentChunk, DocumentDraws]]) -> Iterator[_Inputs]:

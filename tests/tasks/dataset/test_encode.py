@@ -79,7 +79,9 @@ def test_each_step_around_the_tokenizer_is_timed(tokenizer):
     _, stats, _ = encode(tokenizer, documents(300), chunk_documents=50, joined=True)
     assert list(stats.steps) == ["tokenizer", *STEPS] == ["tokenizer", "reading", "splitting", "ids"]
     assert stats.steps["tokenizer"] > 0 and stats.steps["ids"] > 0
-    assert all(0 <= seconds <= stats.wall_s + 0.05 for seconds in stats.steps.values()), stats.steps
+    assert all(seconds >= 0 for seconds in stats.steps.values()), stats.steps
+    # CPU time, not the calls' wall time: what the reader and writer threads ran during a call is theirs alone.
+    assert sum(stats.steps.values()) == pytest.approx(stats.cpu_s)
 
 
 def test_the_probe_allows_joining_for_a_byte_level_bpe(tokenizer):
