@@ -13,6 +13,7 @@ named (only `created_at` may). Exits 1 on any other difference.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -89,20 +90,20 @@ def main() -> int:
     args = parser.parse_args()
     failures = 0
     with tempfile.TemporaryDirectory(prefix="compare-prepare-") as scratch:
-        for tokenizer in args.tokenizer or ["bpe:2048"]:
-            for tasks in args.prepare_tasks or [1, 2]:
-                settings = {"dataset": args.corpus, "tokenizer": tokenizer, "block_size": args.block_size,
-                            "model": "gpt2-124m", "num_workers": 2, "prepare_tasks": tasks,
-                            "prepare_unit_mb": args.unit_mb if tasks > 1 else 0}
-                if args.max_document_mb:
-                    settings["max_document_mb"] = args.max_document_mb
-                mine = prepare_with(REPO, {**settings, "storage_root": f"{scratch}/mine-{tasks}-{failures}"})
-                theirs = prepare_with(args.ref, {**settings, "storage_root": f"{scratch}/ref-{tasks}-{failures}"})
-                problems, fields = compare(mine, theirs)
-                count = sum(1 for p in mine.rglob("*") if p.is_file())
-                print(f"tokenizer {tokenizer}, prepare_tasks {tasks}: {count} files; manifest fields that differ: "
-                      f"{sorted(fields) or 'none'}; " + ("; ".join(problems) or "every other byte identical"))
-                failures += bool(problems)
+        runs = itertools.product(args.tokenizer or ["bpe:2048"], args.prepare_tasks or [1, 2])
+        for run, (tokenizer, tasks) in enumerate(runs):
+            settings = {"dataset": args.corpus, "tokenizer": tokenizer, "block_size": args.block_size,
+                        "model": "gpt2-124m", "num_workers": 2, "prepare_tasks": tasks,
+                        "prepare_unit_mb": args.unit_mb if tasks > 1 else 0}
+            if args.max_document_mb:
+                settings["max_document_mb"] = args.max_document_mb
+            mine = prepare_with(REPO, {**settings, "storage_root": f"{scratch}/mine-{run}"})
+            theirs = prepare_with(args.ref, {**settings, "storage_root": f"{scratch}/ref-{run}"})
+            problems, fields = compare(mine, theirs)
+            count = sum(1 for p in mine.rglob("*") if p.is_file())
+            print(f"tokenizer {tokenizer}, prepare_tasks {tasks}: {count} files; manifest fields that differ: "
+                  f"{sorted(fields) or 'none'}; " + ("; ".join(problems) or "every other byte identical"))
+            failures += bool(problems)
     return 1 if failures else 0
 
 

@@ -46,7 +46,7 @@ def make(directory: Path, shape: str) -> None:
     write_adapter(cfg, adapters, str(directory / "adapter"))
     merged = merged_decoder(model)
     save_pretrained(merged, str(directory / "merged"))
-    vocab = model.weights[next(iter(model.weights))].shape[0]  # the token embedding comes first in every layout
+    vocab = model.config.vocab_size
     tokens = np.random.default_rng(0).integers(0, vocab, (3, 32)).astype(np.int64)
     np.save(directory / TOKENS_FILE, tokens)
     np.save(directory / LOGITS_FILE, model(tf.constant(tokens, tf.int32)).numpy())

@@ -54,9 +54,10 @@ def make(directory: Path) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(fast), bos_token_id=0, eos_token_id=1, **SHAPE)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(directory)
     fast.save_pretrained(directory)
-    print(f"{directory}: LlamaForCausalLM, {sum(p.numel() for p in LlamaForCausalLM(config).parameters())} "
+    print(f"{directory}: LlamaForCausalLM, {sum(p.numel() for p in model.parameters())} "
           f"parameters, vocabulary {len(fast)}")
 
 

@@ -180,9 +180,9 @@ def _hub_errors(name: str, revision: str) -> Iterator[None]:
 
 def _absolute_model_directory(cfg: RunConfig) -> RunConfig:
     """A relative local `model` directory as an absolute path: the workers run in directories of their own."""
-    if cfg.is_preset_model or "://" in cfg.model or Path(cfg.model).is_absolute() or not Path(cfg.model).is_dir():
+    if cfg.is_preset_model or "://" in cfg.model or Path(cfg.model).is_absolute() or not is_model_location(cfg.model):
         return cfg
-    absolute = str(Path(cfg.model).resolve())
+    absolute = str(Path(cfg.model).expanduser().resolve())
     return cfg.replace(model=absolute, **({"tokenizer": absolute} if cfg.tokenizer == cfg.model else {}))
 
 

@@ -218,10 +218,6 @@ def float32_model(model):
     from trainer.decoders.base import zeros_init
     from trainer.decoders.pretrained import build_decoder
 
-    if getattr(model, "adapters", None) is not None:  # LoRA: the base with its adapters merged
-        from trainer.lora import merged_decoder
-
-        return merged_decoder(model)
     distributed = any(isinstance(weight, tf.distribute.DistributedValues) for weight in model.weights.values())
     if model.compute_dtype == tf.float32 and not distributed:
         return model

@@ -84,7 +84,7 @@ def merged_weights(model) -> dict[str, np.ndarray]:
     for name, variable in model.weights.items():
         value = tf.cast(tf.convert_to_tensor(variable), tf.float32).numpy()
         module = name.removesuffix(".weight")
-        if adapters is not None and name.endswith(".weight") and module in adapters.modules:
+        if name.endswith(".weight") and module in adapters.modules:
             value = value + adapters.weight_delta(module)
         merged[name] = value
     return merged

@@ -87,10 +87,10 @@ class Cuts:
 
     def at(self, grid: int) -> int | None:
         if grid not in self._known:
-            self._known[grid] = self.find_pattern(grid)
+            self._known[grid] = self._cut_at(grid)
         return self._known[grid]
 
-    def find_pattern(self, grid: int) -> int | None:
+    def _cut_at(self, grid: int) -> int | None:
         if grid <= 0 or grid >= self.reader.source.size:
             return None
         head = self.reader.peek(grid, _CUT_HEAD)
