@@ -68,8 +68,8 @@ class IdleRules:
         if self.max_idle_s <= 0:
             raise ValueError(f"an idle-held watch needs max_idle_s > 0, got {self.max_idle_s}")
         if self.reclaim_after_s and self.reclaim_after_s < self.max_idle_s:
-            raise ValueError(f"reclaim_idle_after_s = {self.reclaim_after_s:g} needs an on_reclaim and at least the "
-                             f"watch's window max_idle_held_s = {self.max_idle_s:g}")
+            raise ValueError(f"reclaim_idle_after_s = {self.reclaim_after_s:g} must be at least the watch's window "
+                             f"max_idle_held_s = {self.max_idle_s:g}")
 
 
 class IdleWatch:
@@ -80,8 +80,7 @@ class IdleWatch:
                  *, on_reclaim: Callable[[IdleEpisode], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         if rules.reclaim_after_s and on_reclaim is None:
-            raise ValueError(f"reclaim_idle_after_s = {rules.reclaim_after_s:g} needs an on_reclaim and at least the "
-                             f"watch's window max_idle_held_s = {rules.max_idle_s:g}")
+            raise ValueError(f"reclaim_idle_after_s = {rules.reclaim_after_s:g} needs an on_reclaim to stop the group")
         self.max_idle_s, self.step_of, self.on_idle = rules.max_idle_s, step_of, on_idle
         self.reclaim_after_s, self.on_reclaim = rules.reclaim_after_s, on_reclaim
         self.util_below_pct, self.sample_every_s = rules.util_below_pct, rules.sample_every_s

@@ -115,13 +115,16 @@ def processes_with_env(markers: Mapping[str, str]) -> dict[int, str]:
         raise ValueError("processes_with_env needs at least one marker")
     check_process_table()
     found = {}
-    for proc in psutil.process_iter(["environ", "cmdline", "status"]):  # unreadable (another user's): None
+    for proc in psutil.process_iter(["environ"]):  # unreadable (another user's): None
         environ = proc.info["environ"] or {}
         if proc.pid == os.getpid() or any(environ.get(name) != value for name, value in markers.items()):
             continue
-        if proc.info["status"] == psutil.STATUS_ZOMBIE:  # a zombie holds nothing; its parent reaps it
+        try:  # only a match's status and command line are read: this runs in the agents' polling loops
+            if proc.status() == psutil.STATUS_ZOMBIE:  # a zombie holds nothing; its parent reaps it
+                continue
+            found[proc.pid] = " ".join(proc.cmdline()).strip()
+        except psutil.Error:  # gone since the scan: nothing to find
             continue
-        found[proc.pid] = " ".join(proc.info["cmdline"] or []).strip()
     return found
 
 

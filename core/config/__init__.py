@@ -355,7 +355,6 @@ def _nested(config: Any) -> dict[str, Any]:
 
 # Every setting its fields declare, in the trigger form's order: the DAG's Params, the log and docs/settings.md.
 SETTINGS = schema.declared(RunConfig)
-BY_NAME = schema.by_name(RunConfig)
 
 
 def field_names() -> list[str]:
@@ -363,5 +362,5 @@ def field_names() -> list[str]:
     return [setting.name for setting in SETTINGS]
 
 
-__all__ = ["BY_NAME", "MODEL_PRESETS", "SETTINGS", "AccessPolicy", "ConfigError", "KubernetesConfig", "LaunchConfig",
+__all__ = ["MODEL_PRESETS", "SETTINGS", "AccessPolicy", "ConfigError", "KubernetesConfig", "LaunchConfig",
            "MonitoringConfig", "PromotionConfig", "RunConfig", "SSHConfig", "field_names"]
