@@ -254,9 +254,9 @@ def run_training(job: TrainJob, strategy, started: Started) -> int:
         peers = lost_peers(error, job.identity)
         if peers:
             log.error(
-                "rank %d lost %s during a collective: it stopped sending heartbeats (it exited, hung, or its host "
-                "or network went away; its own log may name the cause). Restart the whole group; it resumes from "
-                "the latest checkpoint in %s.", job.rank, peers, job.output.checkpoints)
+                "rank %d on %s lost %s during a collective: it stopped sending heartbeats (it exited, hung, or its "
+                "host or network went away; its own log may name the cause). Restart the whole group; it resumes "
+                "from the latest checkpoint in %s.", job.rank, job.identity.host, peers, job.output.checkpoints)
             return EXIT_PEER_LOST
         log.error(
             "rank %d on %s lost another worker during a collective (%s: %s): a peer exited or stopped answering "

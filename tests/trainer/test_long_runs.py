@@ -111,7 +111,7 @@ def test_a_stopped_then_a_stuck_worker_each_end_the_group_and_each_retry_resumes
     survivor = result.failures[0]
     assert survivor.kind is FailureKind.EXIT_CODE and survivor.exit_code == 3
     # The peer that stopped is named by rank, host and port (its host may no longer be able to say so itself).
-    lost = [line for line in survivor.log_tail if "rank 0 lost rank 1 (host 127.0.0.1, port " in line]
+    lost = [line for line in survivor.log_tail if "rank 0 on " in line and "lost rank 1 (host 127.0.0.1, port " in line]
     assert lost, "\n".join(survivor.log_tail)
     assert "during a collective: it stopped sending heartbeats" in lost[0], lost[0]
     assert not exists(f"{job.output}/summary.json")

@@ -216,7 +216,11 @@ def test_killed_worker_resumes_from_its_checkpoint(runs):
     resumed, pair = runs["resumed"], runs["pair"]
     # The survivor of the kill failed by itself (collective error) instead of hanging; no summary was written.
     assert resumed.killed_codes[0] == 3 and not resumed.summary_before_restart
-    assert "rank 0 on" in resumed.log(0) and "lost another worker during a collective" in resumed.log(0)
+    # Which of TensorFlow's errors reaches rank 0 first is a race: the coordination service naming the silent
+    # peer, or the collective itself failing; either way rank 0 names itself and what it lost.
+    lost = [line for line in resumed.log(0).splitlines() if "during a collective" in line]
+    assert lost and "rank 0 on " in lost[0], resumed.log(0)[-4000:]
+    assert "lost rank 1 (host 127.0.0.1, port " in lost[0] or "lost another worker" in lost[0], lost[0]
     checkpoint = resumed.checkpoint_at_restart
     assert checkpoint is not None and 0 < checkpoint < STEPS and checkpoint % CHECKPOINT_EVERY == 0
     summary = resumed.summary()
