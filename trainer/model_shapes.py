@@ -37,7 +37,7 @@ class DecoderShape:
     vocab: int
     positions: int  # learned position rows (GPT-2); 0 for rotary positions
     tied: bool
-    biases: bool  # GPT-2's projections have biases; Llama's none (Qwen2: q, k, v only; counted as none: tiny)
+    biased: frozenset[str]  # the projections (module paths in a block) that have a bias
 
     @property
     def fan_in_fan_out(self) -> bool:
@@ -58,12 +58,10 @@ class DecoderShape:
         return blocks + embeddings + (0 if self.tied else self.vocab * self.hidden)
 
     def vector_parameters(self) -> int:
-        """Elements of the 1-D weights: norms, and GPT-2's biases."""
+        """Elements of the 1-D weights: norms and the projections' biases."""
         norms = 2 if self.model_type == "gpt2" else 1  # LayerNorm's weight and bias, RMSNorm's weight
-        per_block = 2 * norms * self.hidden
-        if self.biases:
-            per_block += sum(out for _, out in self.projection_widths().values())
-        return self.layers * per_block + norms * self.hidden
+        biases = sum(out for path, (_, out) in self.projection_widths().items() if path in self.biased)
+        return self.layers * (2 * norms * self.hidden + biases) + norms * self.hidden
 
 
 def _int(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
@@ -81,15 +79,26 @@ def decoder_shape(config: Mapping[str, Any]) -> DecoderShape:
         heads = _int(config, "n_head", 12)
         inner = config.get("n_inner") or 4 * hidden
         return DecoderShape("gpt2", hidden, inner, heads, heads, hidden // heads, _int(config, "n_layer", 12),
-                            _int(config, "vocab_size", 50257), _int(config, "n_positions", 1024), True, True)
+                            _int(config, "vocab_size", 50257), _int(config, "n_positions", 1024), True,
+                            frozenset(("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")))
     if model_type in ("llama", "qwen2"):
         hidden, heads = _int(config, "hidden_size"), _int(config, "num_attention_heads")
         return DecoderShape(
             model_type, hidden, _int(config, "intermediate_size"), heads,
             _int(config, "num_key_value_heads", heads), _int(config, "head_dim", hidden // heads),
             _int(config, "num_hidden_layers"), _int(config, "vocab_size"), 0,
-            bool(config.get("tie_word_embeddings", False)), False)
+            bool(config.get("tie_word_embeddings", False)), _llama_biases(model_type, config))
     raise ValueError(f"config.json's model_type {model_type!r} is not one of {', '.join(PROJECTIONS)}.")
+
+
+def _llama_biases(model_type: str, config: Mapping[str, Any]) -> frozenset[str]:
+    """Qwen2's q, k and v always; Llama's attention (q, k, v, o) with `attention_bias`, its MLP with `mlp_bias`."""
+    qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    if model_type == "qwen2":
+        return frozenset(qkv)
+    attention = (*qkv, "self_attn.o_proj") if config.get("attention_bias") else ()
+    mlp = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj") if config.get("mlp_bias") else ()
+    return frozenset((*attention, *mlp))
 
 
 def shape_of(decoder_config: Any) -> DecoderShape:
