@@ -1,7 +1,6 @@
 """What every decoder architecture shares: float32 `tf.Variable`s named and shaped as PyTorch's state dict, a frozen
-base (trainer/lora.py), the projections' LoRA adapters and recomputed blocks (trainer/decoders/recompute.py). Each
-architecture (gpt2.py, llama.py) adds its forward pass, calling `_adapt` on every projection's output and running
-each block through `_block_fn`.
+base (trainer/lora.py), the projections with their LoRA adapters, and recomputed blocks. Each architecture (gpt2.py,
+llama.py) adds its forward pass, calling `_project` for every projection and running each block through `_block_fn`.
 """
 
 from __future__ import annotations
@@ -12,10 +11,11 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import tensorflow as tf
 
-from trainer.decoders.recompute import Block, recomputed
+from trainer.decoders import ops
 
 # name, shape -> the variable's initial value
 Initializer = Callable[[str, tuple[int, ...]], "tf.Tensor | np.ndarray"]
+Block = Callable[[tf.Tensor], tf.Tensor]  # one block: the residual stream in, out
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -34,6 +34,9 @@ class Decoder(tf.Module):
     """A decoder's weights and memory settings. `weights` maps each state-dict name to its float32 variable (a tensor
     once frozen), in PyTorch's order; `compute_dtype` (float32, bfloat16, float16) is what the matmuls run in."""
 
+    # How the projections' weights are laid out: [out, in] (torch.nn.Linear), or [in, out] (GPT-2's Conv1D).
+    weights_out_in: bool = True
+
     def __init__(self, config, shapes: Mapping[str, tuple[int, ...]], initial_value: Initializer, *,
                  compute_dtype: str, name: str) -> None:
         super().__init__(name=name)
@@ -47,7 +50,7 @@ class Decoder(tf.Module):
                            for key, shape in shapes.items()]
         self._names = tuple(shapes)
         self.adapters = None  # trainer/lora.py's LoraAdapters once attached: their output joins the projections'
-        self.recompute = False  # recompute each block's activations in the backward pass (recomputed)
+        self.recompute = False  # recompute each block's activations in the backward pass (_block_fn)
 
     @property
     def weights(self) -> Mapping[str, tf.Variable]:
@@ -64,12 +67,17 @@ class Decoder(tf.Module):
             stored = tf.as_dtype(dtype) if variable.shape.rank == 2 else tf.float32
             self._variables[index] = tf.cast(tf.convert_to_tensor(variable), stored)
 
-    def _adapt(self, y: tf.Tensor, x: tf.Tensor, module: str) -> tf.Tensor:
-        """The projection `module`'s output `y` of input `x`, plus its adapter's output when it has one."""
+    def _project(self, x: tf.Tensor, weights: Mapping[str, tf.Variable], module: str) -> tf.Tensor:
+        """The projection `module` (`model.layers.0.self_attn.q_proj`) of `x`, its bias where it has one, plus its
+        adapter's output when it has one."""
+        y = ops.linear(x, weights[module + ".weight"], weights.get(module + ".bias"), self.compute_dtype,
+                       out_in=self.weights_out_in)
         if self.adapters is not None and module in self.adapters.modules:
             return y + self.adapters.delta(module, x, y.dtype)
         return y
 
     def _block_fn(self, block: Block) -> Block:
-        """`block`, recomputed in the backward pass when the run asks for it."""
-        return recomputed(block, self.recompute)
+        """`block`, recomputed in the backward pass when the run asks for it: the backward pass runs its forward
+        again instead of keeping its intermediate activations, so it holds only its input between the passes. The
+        gradients reach the trainable variables it reads (tf.recompute_grad watches them), frozen ones get none."""
+        return tf.recompute_grad(block) if self.recompute else block

@@ -47,6 +47,8 @@ class GPT2Decoder(Decoder):
     (trainer/decoders/ops.py).
     """
 
+    weights_out_in = False  # Conv1D: [in, out]
+
     def __init__(self, config: GPT2Config, *, compute_dtype: str = "float32", initializer: Initializer | None = None,
                  seed: int = 0, name: str = "gpt2") -> None:
         super().__init__(config, parameter_shapes(config), initializer or random_init(config, seed),
@@ -74,15 +76,10 @@ class GPT2Decoder(Decoder):
         h = ops.layer_norm(x, weights[prefix + "ln_2.weight"], weights[prefix + "ln_2.bias"], epsilon)
         return x + tf.cast(self._mlp(h, weights, prefix), tf.float32)
 
-    def _linear(self, x: tf.Tensor, weights: Mapping[str, tf.Variable], module: str) -> tf.Tensor:
-        """The projection `module` (`transformer.h.0.attn.c_attn`), plus its adapter's output when it has one."""
-        return self._adapt(ops.linear(x, weights[module + ".weight"], weights[module + ".bias"], self.compute_dtype),
-                           x, module)
-
     def _attention(self, h: tf.Tensor, weights: Mapping[str, tf.Variable], prefix: str, layer: int) -> tf.Tensor:
         config = self.config
         batch, length = tf.shape(h)[0], tf.shape(h)[1]
-        qkv = self._linear(h, weights, prefix + "attn.c_attn")
+        qkv = self._project(h, weights, prefix + "attn.c_attn")
         heads = [tf.transpose(tf.reshape(part, [batch, length, config.n_head, config.head_dim]), [0, 2, 1, 3])
                  for part in tf.split(qkv, 3, axis=-1)]
         scale = 1.0 / math.sqrt(config.head_dim) if config.scale_attn_weights else 1.0
@@ -90,8 +87,8 @@ class GPT2Decoder(Decoder):
             scale /= layer + 1
         merged = ops.causal_attention(*heads, scale, scores_in_float32=config.reorder_and_upcast_attn)
         merged = tf.reshape(tf.transpose(merged, [0, 2, 1, 3]), [batch, length, config.n_embd])
-        return self._linear(merged, weights, prefix + "attn.c_proj")
+        return self._project(merged, weights, prefix + "attn.c_proj")
 
     def _mlp(self, h: tf.Tensor, weights: Mapping[str, tf.Variable], prefix: str) -> tf.Tensor:
-        h = self._linear(h, weights, prefix + "mlp.c_fc")
-        return self._linear(ops.gelu_tanh(h), weights, prefix + "mlp.c_proj")
+        h = self._project(h, weights, prefix + "mlp.c_fc")
+        return self._project(ops.gelu_tanh(h), weights, prefix + "mlp.c_proj")

@@ -67,10 +67,6 @@ class LlamaDecoder(Decoder):
         h = ops.rms_norm(x, weights[prefix + "post_attention_layernorm.weight"], epsilon)
         return x + tf.cast(self._mlp(h, weights, prefix + "mlp."), tf.float32)
 
-    def _project(self, x: tf.Tensor, weights: Mapping[str, tf.Variable], name: str) -> tf.Tensor:
-        """The projection `name` (`model.layers.0.self_attn.q_proj`), plus its adapter's output when it has one."""
-        y = ops.linear(x, weights[name + ".weight"], weights.get(name + ".bias"), self.compute_dtype, out_in=True)
-        return self._adapt(y, x, name)
     def _attention(self, h: tf.Tensor, weights: Mapping[str, tf.Variable], prefix: str, cos: tf.Tensor,
                    sin: tf.Tensor) -> tf.Tensor:
         config = self.config
