@@ -65,6 +65,8 @@ def worker_ranks(key: str, module: str = "trainer.train") -> dict[int, int]:
             environ = dict(item.split("=", 1) for item in entries if "=" in item)
         except (FileNotFoundError, ProcessLookupError):  # exited since the scan
             continue
+        if "TF_CONFIG" not in environ:  # exiting since the scan: a dying process's environ reads empty
+            continue
         ranks[json.loads(environ["TF_CONFIG"])["task"]["index"]] = pid
     return ranks
 

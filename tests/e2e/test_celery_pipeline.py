@@ -59,6 +59,7 @@ class TrainerWatch:
         self.seen: set[int] = set()
         self.overlaps: list[set[int]] = []
         self.first_group: set[int] = set()
+        self.error: BaseException | None = None  # what ended the sampling early, if anything did
         self.thread = threading.Thread(target=self._sample, daemon=True)
 
     def start(self, first_group: set[int]) -> TrainerWatch:
@@ -67,12 +68,15 @@ class TrainerWatch:
         return self
 
     def _sample(self) -> None:
-        while not self.stop.is_set():
-            alive = set(trainer_ranks(self.key).values())
-            if alive & self.first_group and alive - self.first_group:
-                self.overlaps.append(alive)
-            self.seen |= alive
-            time.sleep(0.05)
+        try:
+            while not self.stop.is_set():
+                alive = set(trainer_ranks(self.key).values())
+                if alive & self.first_group and alive - self.first_group:
+                    self.overlaps.append(alive)
+                self.seen |= alive
+                time.sleep(0.05)
+        except BaseException as error:  # noqa: BLE001 - reported by the test, not lost with the thread
+            self.error = error
 
 
 def test_gpu_tasks_on_the_gpu_queue_a_scheduler_restart_and_a_sigkilled_pool_child(celery_stack):
@@ -100,6 +104,7 @@ def test_gpu_tasks_on_the_gpu_queue_a_scheduler_restart_and_a_sigkilled_pool_chi
     assert stack.wait_for_run(DAG, run_id, timeout=900) == "success"
     watch.stop.set()
     watch.thread.join()
+    assert watch.error is None, f"the watch stopped sampling: {watch.error!r}"
     assert watch.overlaps == [], f"the retry ran beside attempt 1's workers: {watch.overlaps}"
     assert watch.seen - first_group, "the retry's workers were never seen"
     assert "resuming" in stack.task_log(DAG, run_id, "train", try_number=2)
