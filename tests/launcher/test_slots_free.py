@@ -27,8 +27,8 @@ STARTING = re.compile(r"^rank (\d+) of \d+ pid (\d+) ")
 
 
 def _launch(tmp_path, *, use_gpu: bool, on_line=lambda rank, line: None) -> tuple[RecordedLaunch, object]:
-    run = StorageLayout(str(tmp_path / "storage")).run("run-1")
-    spec = GroupSpec(name="train", entrypoint="tiny_worker", num_workers=2, use_gpu=use_gpu, run_key="run-1",
+    run = StorageLayout(str(tmp_path / "storage")).run("slots-free-run")
+    spec = GroupSpec(name="train", entrypoint="tiny_worker", num_workers=2, use_gpu=use_gpu, run_key="slots-free-run",
                      env=entrypoint_env(TINY_WORKER_STEPS="3"), startup_timeout_s=60, hang_timeout_s=60,
                      grace_period_s=2)
     return RecordedLaunch(spec, LocalBackend(), run, on_line=on_line), run

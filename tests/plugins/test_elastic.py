@@ -169,8 +169,8 @@ def test_an_earlier_attempts_orphans_are_ended_before_capacity_is_counted():
 
     cfg = RunConfig(num_workers=4, min_workers=2, model="tiny", tokenizer="bpe:320", block_size=32, use_gpu=True)
     operator = ElasticTrainOperator(task_id="train", entrypoint="trainer.train", run_config=cfg.to_dict(),
-                                    config_url="config.json", output_url="train", run_key="run-1")
-    spec = GroupSpec(name="train", entrypoint="trainer.train", num_workers=4, use_gpu=True, run_key="run-1",
+                                    config_url="config.json", output_url="train", run_key="elastic-run")
+    spec = GroupSpec(name="train", entrypoint="trainer.train", num_workers=4, use_gpu=True, run_key="elastic-run",
                      args=operator.worker_args("config.json"))
     with pytest.raises(CountingStopped):
         operator.plan_group({}, spec, RecordingBackend())
@@ -187,12 +187,12 @@ def test_the_config_of_fewer_workers_is_pinned_on_its_workers_in_place_of_the_ru
             return Capacity(2, ("host h unreachable",))
 
     storage = str(tmp_path / "storage")
-    run = StorageLayout(storage).run("run-1")
+    run = StorageLayout(storage).run("elastic-run")
     cfg = RunConfig(num_workers=4, min_workers=2, model="tiny", tokenizer="bpe:320", block_size=32,
                     storage_root=storage)
     run_digest = save_config(run.config, cfg)
     operator = ElasticTrainOperator(task_id="train", entrypoint="trainer.train", run_config=cfg.to_dict(),
-                                    config_url=run.config, output_url=run.train.url, run_key="run-1")
+                                    config_url=run.config, output_url=run.train.url, run_key="elastic-run")
     spec = GroupSpec(name="train", entrypoint="trainer.train", num_workers=4, env={CONFIG_SHA256_ENV: run_digest},
                      args=operator.worker_args(run.config))
     planned = operator.plan_group({"ti": type("TI", (), {"try_number": 1})()}, spec, TwoUsable())
