@@ -7,12 +7,13 @@ directory's config.json (trainer.decoders.architectures reads it: two small read
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from core.config import MODEL_PRESETS, ConfigError
-from trainer.model_shapes import BLOCK_PREFIX, PROJECTIONS, DecoderShape, decoder_shape, shape_of
+from trainer.model_shapes import BLOCK_PREFIX, PROJECTIONS, DecoderShape, shape_of
 
 ARCHITECTURE_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "qwen2": "Qwen2"}
 
@@ -48,15 +49,15 @@ class LoraPlan:
 
 
 def model_shape(cfg: Any, vocab_size: int) -> DecoderShape:
-    """The shape of the model `cfg` trains: a preset with the tokenizer's vocabulary, or a checkpoint's config.json
-    (its vocabulary resized to the tokenizer's, as the trainer resizes it)."""
-    if cfg.model in MODEL_PRESETS:
-        return decoder_shape({"model_type": "gpt2", **MODEL_PRESETS[cfg.model], "vocab_size": vocab_size})
-    from trainer.decoders.architectures import read_config
+    """The shape of the model `cfg` trains: a preset's or a checkpoint's config.json, with the tokenizer's
+    vocabulary (the trainer resizes a checkpoint's embeddings to it)."""
+    from trainer.decoders.architectures import preset_config, read_config
 
-    fields = dict(read_config(cfg.model).to_json())
-    fields["vocab_size"] = vocab_size
-    return decoder_shape(fields)
+    if cfg.model in MODEL_PRESETS:  # the end token does not change the shape
+        config = preset_config(cfg.model, vocab_size=vocab_size, eos_token_id=0)
+    else:
+        config = read_config(cfg.model)
+    return dataclasses.replace(shape_of(config), vocab=vocab_size)
 
 
 def plan_lora(cfg: Any, shape: DecoderShape) -> LoraPlan | None:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from trainer.decoders import gpt2_config, llama_config
+from trainer.decoders.architectures import parameter_shapes
 from trainer.decoders.gpt2_config import GPT2Config
 from trainer.decoders.llama_config import LlamaConfig
 from trainer.model_shapes import shape_of
@@ -26,7 +26,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_the_counted_parameters_are_the_saved_tensors(name):
     config = CONFIGS[name]
-    saved = (gpt2_config if isinstance(config, GPT2Config) else llama_config).parameter_shapes(config)
+    saved = parameter_shapes(config)
     shape = shape_of(config)
     assert shape.matrix_parameters() == sum(math.prod(dims) for dims in saved.values() if len(dims) == 2)
     assert shape.vector_parameters() == sum(math.prod(dims) for dims in saved.values() if len(dims) == 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from core import storage
+from core.config import MODEL_PRESETS
 from core.document import DocumentError
 from trainer.decoders import gpt2_config, llama_config
 from trainer.decoders.gpt2_config import GPT2Config, GPT2ConfigError
@@ -75,6 +76,14 @@ def read_config(directory: str) -> DecoderConfig:
     except ValueError as error:
         raise CheckpointError(f"{url} is not JSON ({error}).") from None
     return config_from_json(value, url)
+
+
+def preset_config(preset: str, *, vocab_size: int, eos_token_id: int) -> DecoderConfig:
+    """The config of a core.config MODEL_PRESETS preset, in its architecture's family, with the tokenizer's size and
+    end token."""
+    llama = MODEL_PRESETS.get(preset, {}).get("model_type") in llama_config.ARCHITECTURES
+    family = llama_config if llama else gpt2_config
+    return family.preset_config(preset, vocab_size=vocab_size, eos_token_id=eos_token_id)
 
 
 def parameter_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:

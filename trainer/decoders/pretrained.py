@@ -26,8 +26,6 @@ from pathlib import Path
 import numpy as np
 
 from core import storage
-from core.config import MODEL_PRESETS
-from trainer.decoders import gpt2_config, llama_config
 from trainer.decoders.architectures import (
     CONFIG_FILE,
     CheckpointError,
@@ -36,6 +34,7 @@ from trainer.decoders.architectures import (
     checkpoint_name,
     embedding_names,
     parameter_shapes,
+    preset_config,
     read_config,
 )
 from trainer.decoders.llama_config import LlamaConfig
@@ -92,9 +91,7 @@ def build_decoder(config: DecoderConfig, *, compute_dtype: str = "float32", seed
 def build_preset(preset: str, *, vocab_size: int, eos_token_id: int, block_size: int, compute_dtype: str = "float32",
                  seed: int = 0):
     """A randomly initialised decoder of a core.config MODEL_PRESETS shape with the tokenizer's vocabulary."""
-    llama = MODEL_PRESETS.get(preset, {}).get("model_type") in llama_config.ARCHITECTURES
-    family = llama_config if llama else gpt2_config
-    config = family.preset_config(preset, vocab_size=vocab_size, eos_token_id=eos_token_id)
+    config = preset_config(preset, vocab_size=vocab_size, eos_token_id=eos_token_id)
     check_block_size(config, block_size, f"preset {preset!r}")
     log.info("Model: preset %r (random init, seed %d), vocab %d", preset, seed, vocab_size)
     return build_decoder(config, compute_dtype=compute_dtype, seed=seed)
