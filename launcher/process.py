@@ -74,10 +74,10 @@ def live_group_members(pgid: int) -> list[int]:
     but still counts for `killpg(pgid, 0)`, so the process table is read instead.
     """
     members = []
-    for proc in psutil.process_iter(["status"]):
-        try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) == pgid:
-                members.append(proc.pid)
+    for pid in psutil.pids():
+        try:  # the group first (one system call): only a member's status is read, as this runs in polling loops
+            if os.getpgid(pid) == pgid and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                members.append(pid)
         except (ProcessLookupError, psutil.Error):
             continue  # exited while we looked
     return members

@@ -16,8 +16,8 @@ from), `core` (field types, and the rules of model, tokenizer, data, training, p
 (backend, worker counts, SSH hosts, Kubernetes pods, collectives, the GPU queue) and `access` (the places settings
 may name, from the environment).
 
-The package must stay importable without Airflow and without TensorFlow: the DAG, the tasks and every worker
-use it.
+The package must stay importable without Airflow and without TensorFlow: the DAG (at parse time, for its Params),
+the tasks and every worker use it.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from core.config.access import AccessPolicy
 from core.config.core import BPE_SPEC, MODEL_PRESETS, PROMOTED_MODEL, ConfigError, check_core_settings
 from core.config.launch import check_launch_settings, exact_worker_counts, resolve_communication
 from core.config.schema import (
+    LORA_TARGET,
     MAX_GRAD_ACCUM,
     MAX_LOCATION,
     MAX_NAME,
@@ -86,7 +87,8 @@ class RunConfig:
         f"Preset for random init ({', '.join(MODEL_PRESET_NAMES)}), a hub name, a save_pretrained path/URL under the "
         "allowed data roots or buckets, or promoted / promoted:<name> to continue from the latest promoted version.",
         minLength=1, maxLength=MAX_LOCATION,
-        allowed="`tiny`, `gpt2-124m`, `tiny-llama`, hub name, path/URL, `promoted`, `promoted:<name>`")
+        allowed=", ".join(f"`{name}`" for name in MODEL_PRESET_NAMES)
+        + ", hub name, path/URL, `promoted`, `promoted:<name>`")
     model_revision: str = setting("", "Model revision",
         "For a hub model: the branch, tag or commit to fine-tune; empty = main. prepare pins it to the commit sha "
         "and fetches the model once into storage_root/models/base/<name>@<sha>/, which every worker loads.",
@@ -129,7 +131,7 @@ class RunConfig:
     lora_targets: tuple[str, ...] = setting((), "LoRA target modules",
         "Hugging Face module names to adapt (GPT-2: c_attn, c_proj, c_fc; Llama/Qwen2: q_proj, k_proj, v_proj, "
         "o_proj, gate_proj, up_proj, down_proj); empty = all of the architecture's.", optional=True,
-        items={"type": "string", "pattern": r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"}, uniqueItems=True,
+        items={"type": "string", "pattern": f"^({LORA_TARGET})$"}, uniqueItems=True,
         allowed="module names the model's architecture has, each once")
     base_weights_dtype: str = setting("float32", "Frozen base weights dtype",
         "adapter lora: bfloat16 stores the frozen base weights in half the memory (the adapters, their gradients "

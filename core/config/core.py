@@ -52,7 +52,7 @@ _REVISION = re.compile(schema.REVISION)
 _EMAIL = re.compile(schema.EMAIL)
 _CONN_ID = re.compile(schema.CONN_ID)
 _TEXT_COLUMN = re.compile(schema.TEXT_COLUMN)
-_LORA_TARGET = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_LORA_TARGET = re.compile(schema.LORA_TARGET)
 # Remote model directories whose content the project never rewrites: a cached hub base (pinned to its commit sha)
 # and a registry version.
 _PINNED_REMOTE_MODEL = re.compile(r".*/models/(base/[^/]+@[0-9a-f]{40}|[^/]+/v\d+/model)/?")
@@ -312,7 +312,7 @@ def _check_adapter(cfg: Any) -> None:
         raise ConfigError(f"Setting 'base_weights_dtype' = {cfg.base_weights_dtype!r} needs 'adapter' = 'lora': "
                           "only frozen weights may be stored in bfloat16 (AdamW updates float32 weights). Set "
                           "'adapter' to 'lora' or 'base_weights_dtype' to 'float32'.")
-    bad = [name for name in cfg.lora_targets if not _LORA_TARGET.fullmatch(str(name))]
+    bad = [name for name in cfg.lora_targets if not _LORA_TARGET.fullmatch(name)]
     if bad:
         raise ConfigError(f"Setting 'lora_targets' has {bad}, which are not module names: write Hugging Face's "
                           "names, e.g. ['c_attn', 'c_fc'] for GPT-2 or ['q_proj', 'v_proj'] for Llama.")

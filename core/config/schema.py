@@ -13,7 +13,7 @@ The Params are flat (`{"num_workers": 4}`); `section` says where each setting li
 ("" for the core training settings, `launch`, `launch.ssh`, `launch.kubernetes`, `promotion`, `monitoring`). A
 setting keeps its one name everywhere: in the form, in `--conf`, in the saved config and in every error message.
 
-Stdlib only (and the protocol's backend table and Kubernetes name rules): the DAG file imports it at parse time.
+Stdlib only: the settings' declarations and formats, which the rest of `core.config` builds on.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ CPU_QUANTITY = r"\d+(\.\d+)?m?"
 MEMORY_QUANTITY = r"\d+(\.\d+)?([KMGTPE]i?|k)?"
 ABSOLUTE_PATH = r"/.*"
 TEXT_COLUMN = r"[A-Za-z0-9_][A-Za-z0-9_. -]{0,127}"  # a column or field name: nothing Markdown or HTML reads
+LORA_TARGET = r"[A-Za-z_][A-Za-z0-9_]{0,63}"  # a module name as PEFT's target_modules matches it
 # Longest values of free-form strings (the form, --conf and RunConfig refuse longer ones).
 MAX_LOCATION = 4096  # a path or URL (Linux's PATH_MAX)
 MAX_NAME = 253  # a connection id, service account, address or image reference

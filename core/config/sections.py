@@ -52,9 +52,9 @@ def check_fields(config: Any) -> None:
     checks); sub-sections are checked by their own `__post_init__`."""
     hints = _hints(type(config))
     for spec in dataclasses.fields(config):
-        value = getattr(config, spec.name)
-        if dataclasses.is_dataclass(value):
+        if dataclasses.is_dataclass(hints[spec.name]):  # a section: its owner checks its type
             continue
+        value = getattr(config, spec.name)
         object.__setattr__(config, spec.name, _frozen(checked_value(spec.name, value, hints[spec.name])))
 
 

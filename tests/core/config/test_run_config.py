@@ -1,9 +1,10 @@
 import dataclasses
 import json
+import re
 
 import pytest
 
-from core.config import ConfigError, RunConfig, field_names
+from core.config import ConfigError, LaunchConfig, RunConfig, field_names
 
 
 def test_defaults_are_valid_and_round_trip():
@@ -122,3 +123,12 @@ def test_cleared_connection_field_means_environment_credentials():
     assert RunConfig.from_params({"storage_conn_id": None}).storage_conn_id == ""
     with pytest.raises(ConfigError, match="'dataset' must be a string"):
         RunConfig.from_params({"dataset": None})
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: RunConfig(launch={}), "RunConfig.launch must be a LaunchConfig, got {}"),
+    (lambda: LaunchConfig(ssh={}), "LaunchConfig.ssh must be a SSHConfig, got {}"),
+])
+def test_a_section_given_as_a_mapping_is_refused_naming_its_type(build, message):
+    with pytest.raises(TypeError, match=re.escape(message)):
+        build()
