@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from core.config import MODEL_PRESETS, ConfigError
+from core.config import ConfigError
 from trainer.model_shapes import BLOCK_PREFIX, PROJECTIONS, DecoderShape, shape_of
 
 ARCHITECTURE_NAMES = {"gpt2": "GPT-2", "llama": "Llama", "qwen2": "Qwen2"}
@@ -49,15 +49,14 @@ class LoraPlan:
 
 
 def model_shape(cfg: Any, vocab_size: int) -> DecoderShape:
-    """The shape of the model `cfg` trains: a preset's or a checkpoint's config.json, with the tokenizer's
-    vocabulary (the trainer resizes a checkpoint's embeddings to it)."""
+    """The shape of the model `cfg` trains: a preset's with the tokenizer's vocabulary, or a checkpoint's config.json
+    with its embeddings resized to that vocabulary where `resize_embeddings` says so (as the trainer builds it)."""
     from trainer.decoders.architectures import preset_config, read_config
 
-    if cfg.model in MODEL_PRESETS:  # the end token does not change the shape
-        config = preset_config(cfg.model, vocab_size=vocab_size, eos_token_id=0)
-    else:
-        config = read_config(cfg.model)
-    return dataclasses.replace(shape_of(config), vocab=vocab_size)
+    if cfg.is_preset_model:  # the end token does not change the shape
+        return shape_of(preset_config(cfg.model, vocab_size=vocab_size, eos_token_id=0))
+    shape = shape_of(read_config(cfg.model))
+    return dataclasses.replace(shape, vocab=vocab_size) if cfg.resize_embeddings else shape
 
 
 def plan_lora(cfg: Any, shape: DecoderShape) -> LoraPlan | None:

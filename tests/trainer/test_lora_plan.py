@@ -3,6 +3,7 @@ GPT-2 and Llama/Qwen2 config.json fields, without TensorFlow."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -84,6 +85,8 @@ def test_the_plan_reads_a_checkpoints_config_json_and_none_without_lora(tmp_path
     assert (shape.hidden, shape.layers, shape.vocab) == (64, 2, 400)
     assert [m.path for m in plan_lora(cfg, shape).modules] == ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"]
     assert plan_lora(RunConfig(model=str(tmp_path)), shape) is None
+    # Without resize_embeddings the checkpoint keeps its own rows, and so does the shape the forecast counts.
+    assert model_shape(dataclasses.replace(cfg, resize_embeddings=False), 400).vocab == TINY["vocab_size"]
 
 
 def test_parameter_counts_match_the_architectures():
