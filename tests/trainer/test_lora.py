@@ -151,3 +151,14 @@ def test_a_linear_model_merges_into_its_out_in_weights_and_adapts_what_the_targe
     for name, value in merged.items():
         if name.removesuffix(".weight") not in adapters.modules:
             np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
+def test_a_frozen_base_costs_4_flops_per_weight_and_its_adapters_6():
+    model = tiny("gpt2")
+    config, block = model.config, 32
+    attention = 12 * config.n_layer * config.n_head * config.head_width * block
+    base = ops.count_parameters(model)
+    assert ops.flops_per_token(model, block) == 6 * base + attention
+    adapters = with_lora(model)
+    assert ops.count_parameters(model) == base  # the adapters are counted apart
+    assert ops.flops_per_token(model, block) == 4 * base + 6 * adapters.plan.parameters + attention

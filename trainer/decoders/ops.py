@@ -97,13 +97,17 @@ def causal_lm_loss(model, tokens: tf.Tensor) -> tf.Tensor:
 
 
 def count_parameters(model) -> int:
-    """The model's weights, the tied head counted once (as PyTorch's `num_parameters()`); a frozen base counts (its
-    matmuls cost the same), LoRA's adapters not."""
+    """The model's weights, the tied head counted once (as PyTorch's `num_parameters()`), a frozen base's too;
+    LoRA's adapters not."""
     return int(sum(math.prod(variable.shape) for variable in model.weights.values()))
 
 
 def flops_per_token(model, block_size: int) -> float:
-    """Training FLOPs per token: 6N for the weights plus attention, as in PaLM appendix B / nanoGPT."""
+    """Training FLOPs per token, as in PaLM appendix B / nanoGPT: 6N for trained weights (forward, and the gradients
+    of the inputs and of the weights) plus attention. A frozen base under LoRA takes 4N (no weight gradients) and
+    its adapters 6 per trained parameter."""
     config = model.config
     attention = 12 * config.n_layer * config.n_head * config.head_width * block_size
-    return 6 * count_parameters(model) + attention
+    if model.adapters is None:
+        return 6 * count_parameters(model) + attention
+    return 4 * count_parameters(model) + 6 * model.adapters.plan.parameters + attention
