@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from core import storage
-from core.config import MODEL_PRESETS, RunConfig
+from core.config import RunConfig
 from core.layout import BASE_MODEL_RECORD
 from trainer.decoders.safetensors_io import write_file
 
@@ -27,24 +27,21 @@ log = logging.getLogger("trainer.adapter_export")
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-FINGERPRINTED = ("config.json", "model.safetensors", "model.safetensors.index.json")
+FINGERPRINTED = ("config.json", "model.safetensors.index.json")  # and every .safetensors file
 
 
 def directory_fingerprint(directory: Path) -> str:
-    """sha256 over a local checkpoint's config.json and weight files (names and bytes), in name order."""
+    """sha256 over a local checkpoint's config.json and weight files (each one's name and sha256), in name order."""
     digest = hashlib.sha256()
     for path in sorted(directory.iterdir()):
         if path.is_file() and (path.name in FINGERPRINTED or path.suffix == ".safetensors"):
-            digest.update(path.name.encode() + b"\0")
-            with path.open("rb") as handle:
-                for chunk in iter(lambda: handle.read(1 << 24), b""):
-                    digest.update(chunk)
+            digest.update(f"{path.name}\0{storage.sha256_file(path)}\n".encode())
     return "sha256:" + digest.hexdigest()
 
 
 def base_identity(cfg: RunConfig) -> dict[str, str]:
     """The base model an adapter of `cfg`'s run needs: `base_model_name_or_path` and `revision`."""
-    if cfg.model in MODEL_PRESETS:
+    if cfg.is_preset_model:
         return {"base_model_name_or_path": f"preset:{cfg.model}", "revision": f"seed:{cfg.seed}"}
     record_url = storage.join(cfg.model, BASE_MODEL_RECORD)
     if cfg.model_revision and storage.exists(record_url):  # a hub model prepare pinned and cached
@@ -60,7 +57,7 @@ def base_identity(cfg: RunConfig) -> dict[str, str]:
     return {"base_model_name_or_path": cfg.model, "revision": cfg.model_revision or "registry version"}
 
 
-def adapter_config(cfg: RunConfig, plan, base: dict[str, str]) -> dict[str, Any]:
+def adapter_config(plan, base: dict[str, str]) -> dict[str, Any]:
     """adapter_config.json: PEFT's LoraConfig fields for these adapters."""
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", **base, "r": plan.rank, "lora_alpha": plan.alpha,
@@ -73,7 +70,7 @@ def adapter_config(cfg: RunConfig, plan, base: dict[str, str]) -> dict[str, Any]
 def write_adapter(cfg: RunConfig, adapters, url: str) -> dict[str, Any]:
     """Publish `adapters` (trainer/lora.py's LoraAdapters) to `url` in PEFT's layout; returns its config."""
     base = base_identity(cfg)
-    config = adapter_config(cfg, adapters.plan, base)
+    config = adapter_config(adapters.plan, base)
     tensors = {name: np.asarray(variable.numpy(), np.float32) for name, variable in adapters.tensors.items()}
     with storage.staging_directory(url) as stage:
         write_file(stage / ADAPTER_WEIGHTS, {name: value.shape for name, value in tensors.items()},
