@@ -49,9 +49,9 @@ def make(directory: Path, shape: str) -> None:
     vocab = model.config.vocab_size
     tokens = np.random.default_rng(0).integers(0, vocab, (3, 32)).astype(np.int64)
     np.save(directory / TOKENS_FILE, tokens)
-    np.save(directory / LOGITS_FILE, model(tf.constant(tokens, tf.int32)).numpy())
-    unmerged_vs_merged = float(np.abs(merged(tf.constant(tokens, tf.int32)).numpy()
-                                      - np.load(directory / LOGITS_FILE)).max())
+    logits = model(tf.constant(tokens, tf.int32)).numpy()
+    np.save(directory / LOGITS_FILE, logits)
+    unmerged_vs_merged = float(np.abs(merged(tf.constant(tokens, tf.int32)).numpy() - logits).max())
     print(json.dumps({"shape": shape, "decoder_merged_vs_unmerged": unmerged_vs_merged}))
 
 

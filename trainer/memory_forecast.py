@@ -28,7 +28,7 @@ from typing import Any
 from trainer.model_shapes import DecoderShape
 
 MIB = 1 << 20
-CUDA_CONTEXT_MB = 780  # what a CUDA context takes on the device (/work/shared/research/gpu_h200_measurements.md)
+CUDA_CONTEXT_MB = 780  # what a CUDA context takes on the device, measured on an H200 (docs/adapters.md)
 # Elements kept per token and block: float32 parts (norms, residual) and matmul outputs (compute dtype).
 _FLOAT32_PER_HIDDEN = 2 + 2 + 1  # two LayerNorms' input and output, the residual
 _MATMUL_PER_HIDDEN = 3 + 3 + 1  # q k v, their per-head transposes, the attention's output

@@ -81,22 +81,21 @@ def gradient_function(cfg: RunConfig, model, loss_scale, replicas: int):
     return local_gradients
 
 
-def adapt_model(cfg: RunConfig, model):
+def adapt_model(cfg: RunConfig, model) -> None:
     """Apply the run's memory settings to a model just built (inside the strategy scope): recomputed blocks, and with
-    `adapter` = lora the frozen base (in `base_weights_dtype`) with its adapters, which are returned (else None)."""
+    `adapter` = lora the frozen base (in `base_weights_dtype`) with its adapters (`model.adapters`)."""
     from trainer.lora_plan import plan_for_decoder
 
     model.recompute = cfg.recompute
     plan = plan_for_decoder(cfg, model.config)
     if plan is None:
-        return None
+        return
     from trainer.lora import attach_lora
 
-    adapters = attach_lora(model, plan, seed=cfg.seed, base_dtype=cfg.base_weights_dtype)
+    attach_lora(model, plan, seed=cfg.seed, base_dtype=cfg.base_weights_dtype)
     log.info("LoRA: rank %d, alpha %g on %s (%d modules): %d trainable parameters; base frozen in %s",
              plan.rank, plan.alpha, ", ".join(plan.targets), len(plan.modules), plan.parameters,
              cfg.base_weights_dtype)
-    return adapters
 
 
 class TrainState:
@@ -116,14 +115,15 @@ class TrainState:
                 cfg.model, Vocabulary.of(job.manifest["tokenizer"]), block_size=cfg.block_size, work_dir=work_dir,
                 compute_dtype=precision.compute_dtype.name, seed=cfg.seed, resize_embeddings=cfg.resize_embeddings,
             )
-            self.adapters = adapt_model(cfg, self.model)
+            adapt_model(cfg, self.model)
             self.optimizer = AdamW(self.model.trainable_variables, learning_rate_schedule(cfg),
                                    weight_decay=cfg.weight_decay)
             self.loss_scale = precision.make_loss_scale()
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="train_step")
         scaling = {"loss_scale": self.loss_scale} if self.loss_scale is not None else {}
         # With LoRA the checkpoint holds the adapters alone: the base is the one the run's pinned config names.
-        trained = {"adapters": self.adapters} if self.adapters is not None else {"model": self.model}
+        adapters = self.model.adapters
+        trained = {"adapters": adapters} if adapters is not None else {"model": self.model}
         self.checkpoint = tf.train.Checkpoint(optimizer=self.optimizer, step=self.step, **trained, **scaling)
 
         model, optimizer, loss_scale = self.model, self.optimizer, self.loss_scale

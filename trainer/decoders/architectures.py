@@ -51,11 +51,11 @@ def config_from_json(value: Any, source: str) -> DecoderConfig:
     """The typed config a config.json's content describes; CheckpointError naming `source` and the key otherwise."""
     architecture = architecture_of(value, source)
     config_type = CONFIG_TYPES[architecture]
-    expected_type = next((kind for kind, name in llama_config.ARCHITECTURES.items() if name == architecture), None)
-    if expected_type is not None and value.get("model_type", expected_type) != expected_type:
-        raise CheckpointError(f"{source}: architectures names {architecture} but model_type is "
-                              f"{value.get('model_type')!r}: fix {CONFIG_FILE} (model_type {expected_type!r}).")
+    expected_type = {name: kind for kind, name in llama_config.ARCHITECTURES.items()}.get(architecture)
     if expected_type is not None:
+        if value.get("model_type", expected_type) != expected_type:
+            raise CheckpointError(f"{source}: architectures names {architecture} but model_type is "
+                                  f"{value.get('model_type')!r}: fix {CONFIG_FILE} (model_type {expected_type!r}).")
         value = {**value, "model_type": expected_type}
     try:
         return config_type.from_json(value, source)

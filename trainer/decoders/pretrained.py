@@ -144,7 +144,7 @@ def _float32(value):
     return tf.cast(value, tf.float32)
 
 
-def resized_embedding(value, rows: int, stddev: float, seed: int, *, name: str = "transformer.wte.weight"):
+def resized_embedding(value, rows: int, stddev: float, seed: int, *, name: str):
     """The embedding `value` (the weight `name`) with `rows` rows: its first rows kept, new ones drawn as the
     trainer's resize always has (truncated normal, `stddev`), the same on every worker for one seed."""
     import tensorflow as tf

@@ -96,13 +96,12 @@ def check_memory(cfg: RunConfig, manifest: dict[str, Any], devices: dict[str, An
                  errors: list[str]) -> dict[str, Any]:
     """The memory forecast of this worker (trainer/memory_forecast.py) against its GPU's free memory, less a CUDA
     context's; a run that cannot fit, or whose LoRA settings the model refuses, goes to `errors`."""
-    from core.config import ConfigError
     from trainer.lora_plan import model_shape
     from trainer.memory_forecast import CUDA_CONTEXT_MB, fit_error, run_forecast
 
     try:
         predicted = run_forecast(cfg, model_shape(cfg, manifest["tokenizer"]["vocab_size"]))
-    except (ConfigError, ValueError, OSError) as error:  # CheckpointError is a ValueError
+    except (ValueError, OSError) as error:  # ConfigError and CheckpointError are ValueErrors
         errors.append(f"{where}: {error}")
         return {"error": str(error)}
     memory: dict[str, Any] = {"forecast_mb": predicted.as_mib()}
