@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from core import REPO_ROOT
 from core.protocol import RUN_KEY_CHARACTERS
@@ -56,6 +57,15 @@ def shard_name(split: str, index: int, count: int) -> str:
 def absolute_root(root: str) -> str:
     """A `storage_root` as every stage uses it: a URL as given, a relative local path from the repository."""
     return normalize_root(root, relative_to=REPO_ROOT)
+
+
+def local_or_hub(name: str) -> str:
+    """A relative local path is taken from the repository root when it does not exist from the cwd."""
+    if Path(name).expanduser().exists():
+        return str(Path(name).expanduser().resolve())
+    if (REPO_ROOT / name).exists():
+        return str(REPO_ROOT / name)
+    return name
 
 
 _UNSAFE = re.compile(rf"[^{RUN_KEY_CHARACTERS}]+")

@@ -24,7 +24,7 @@ from core import storage
 from core.config import RunConfig
 from core.config.launch import FLOAT_DTYPES
 from core.document import Document
-from core.layout import REPO_ROOT
+from core.layout import local_or_hub
 from tasks.dataset.errors import PrepareError
 from tasks.dataset.readers import SourceReader, parquet_layout, read_documents
 from tasks.dataset.sources import Sources
@@ -108,15 +108,6 @@ def load_pretrained_tokenizer(spec: str):
             "use a tokenizer with eos_token set."
         )
     return tokenizer
-
-
-def local_or_hub(name: str) -> str:
-    """A relative local path is taken from the repository root when it does not exist from the cwd."""
-    if Path(name).expanduser().exists():
-        return str(Path(name).expanduser().resolve())
-    if (REPO_ROOT / name).exists():
-        return str(REPO_ROOT / name)
-    return name
 
 
 def check_model(cfg: RunConfig) -> None:
