@@ -205,7 +205,7 @@ def sample_training_texts(sources: Sources, cfg: RunConfig, cap_bytes: int, coun
                     continue
                 for chunk in read_documents(reader, sources.kind, start, end, cfg.text_column,
                                             cfg.max_document_mb << 20):
-                    held_out = [u < cfg.val_fraction for u in draws.draws(chunk.keys)]
+                    held_out = draws.held_out(chunk.keys, cfg.val_fraction).tolist()
                     texts = [text for text, out in zip(chunk.texts, held_out, strict=True) if text and not out]
                     room = cap_bytes - counted.bytes
                     if room <= 0:

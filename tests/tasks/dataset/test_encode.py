@@ -51,7 +51,7 @@ def encode(tokenizer: Tokenizer, texts: list[str], chunk_documents: int, joined:
               for i in range(0, len(texts), chunk_documents)]
     stats = encoder.run(chunks)
     streams = {split: np.frombuffer(out.getvalue(), np.uint16) for split, out in outputs.items()}
-    return streams, stats, draws.draws(keys)
+    return streams, stats, draws.array(keys).tolist()
 
 
 @pytest.mark.parametrize("chunk_documents", [90, 1], ids=["chunks", "one-document-chunks"])
