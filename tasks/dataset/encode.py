@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from core.layout import SPLITS
-from tasks.dataset.readers import DocumentChunk
+from tasks.dataset.ranges import DocumentChunk
 from tasks.dataset.records import Extreme
 from tasks.dataset.split import DocumentDraws
 

@@ -26,7 +26,8 @@ from core.config.launch import FLOAT_DTYPES
 from core.document import Document
 from core.layout import local_or_hub
 from tasks.dataset.errors import PrepareError
-from tasks.dataset.readers import SourceReader, parquet_layout, read_documents
+from tasks.dataset.ranges import SourceReader
+from tasks.dataset.readers import parquet_layout, read_documents
 from tasks.dataset.sources import Sources
 from tasks.dataset.split import SAMPLE_RULE, SAMPLE_WINDOW_BYTES, DocumentDraws, window_draw
 from trainer.data import token_dtype

@@ -27,12 +27,8 @@ from core import storage
 from core.document import DocumentError
 from tasks.dataset.encode import SPLITS, Encoder, EncodeStats
 from tasks.dataset.errors import PrepareError, SourceError
-from tasks.dataset.readers import (
-    DocumentChunk,
-    SourceReader,
-    parquet_layout,
-    read_documents,
-)
+from tasks.dataset.ranges import DocumentChunk, SourceReader
+from tasks.dataset.readers import parquet_layout, read_documents
 from tasks.dataset.records import Part, SplitStream, Unit, UnitJob, UnitResult
 from tasks.dataset.sources import SourceFile, Sources, check_unchanged
 from tasks.dataset.split import DocumentDraws

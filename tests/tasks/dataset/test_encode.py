@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from tasks.dataset.encode import SPLITS, STEPS, Encoder, joins_at_eos
-from tasks.dataset.readers import DocumentChunk
+from tasks.dataset.ranges import DocumentChunk
 from tasks.dataset.split import DocumentDraws
 
 EOS = "<|endoftext|>"
