@@ -43,6 +43,7 @@ BASELINE_KEY = re.compile(r"[A-Za-z0-9-][A-Za-z0-9._-]{0,39}-gb\d+-s\d+-[0-9a-f]
 TOKENIZER_DIR = "tokenizer"
 EXPORTS_RECORD = "exports.json"
 BASE_MODEL_RECORD = "base_model.json"  # written last in a cached base model (tasks/base_models.py)
+ADAPTER_CONFIG = "adapter_config.json"  # a LoRA adapter's base and settings (trainer/adapter_export.py)
 BASE_MODELS = "base"  # storage_root/models/base/: cached hub models, a name no registered model may take
 # The run's report: three files beside each other, one writer each (tasks/report/parts.py reads them as one).
 REPORT_JSON = "report.json"  # evaluate
