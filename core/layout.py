@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from core import REPO_ROOT
 from core.protocol import RUN_KEY_CHARACTERS
@@ -42,6 +43,7 @@ BASELINE_KEY = re.compile(r"[A-Za-z0-9-][A-Za-z0-9._-]{0,39}-gb\d+-s\d+-[0-9a-f]
 TOKENIZER_DIR = "tokenizer"
 EXPORTS_RECORD = "exports.json"
 BASE_MODEL_RECORD = "base_model.json"  # written last in a cached base model (tasks/base_models.py)
+ADAPTER_CONFIG = "adapter_config.json"  # a LoRA adapter's base and settings (trainer/adapter_export.py)
 BASE_MODELS = "base"  # storage_root/models/base/: cached hub models, a name no registered model may take
 # The run's report: three files beside each other, one writer each (tasks/report/parts.py reads them as one).
 REPORT_JSON = "report.json"  # evaluate
@@ -56,6 +58,15 @@ def shard_name(split: str, index: int, count: int) -> str:
 def absolute_root(root: str) -> str:
     """A `storage_root` as every stage uses it: a URL as given, a relative local path from the repository."""
     return normalize_root(root, relative_to=REPO_ROOT)
+
+
+def local_or_hub(name: str) -> str:
+    """A relative local path is taken from the repository root when it does not exist from the cwd."""
+    if Path(name).expanduser().exists():
+        return str(Path(name).expanduser().resolve())
+    if (REPO_ROOT / name).exists():
+        return str(REPO_ROOT / name)
+    return name
 
 
 _UNSAFE = re.compile(rf"[^{RUN_KEY_CHARACTERS}]+")

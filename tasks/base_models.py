@@ -31,7 +31,7 @@ from pathlib import Path
 from core.clock import utc_now
 from core.config import AccessPolicy, ConfigError, RunConfig
 from core.document import Document, DocumentError
-from core.layout import BASE_MODEL_RECORD, StorageLayout
+from core.layout import BASE_MODEL_RECORD, StorageLayout, local_or_hub
 from core.storage import exists, join, publish_directory, read_json, staging_directory
 from trainer.model import is_model_location
 
@@ -91,7 +91,8 @@ class BasePin(Document):
 
 
 def is_hub_name(cfg: RunConfig) -> bool:
-    return not (cfg.is_preset_model or cfg.promoted_source is not None or is_model_location(cfg.model))
+    return not (cfg.is_preset_model or cfg.promoted_source is not None
+                or is_model_location(local_or_hub(cfg.model)))
 
 
 def resolve_base_model(cfg: RunConfig,
@@ -179,10 +180,13 @@ def _hub_errors(name: str, revision: str) -> Iterator[None]:
 
 
 def _absolute_model_directory(cfg: RunConfig) -> RunConfig:
-    """A relative local `model` directory as an absolute path: the workers run in directories of their own."""
-    if cfg.is_preset_model or "://" in cfg.model or Path(cfg.model).is_absolute() or not is_model_location(cfg.model):
+    """A relative local `model` directory as an absolute path, from the cwd when it exists there, else from the
+    repository (as local_or_hub): the workers run in directories of their own."""
+    if cfg.is_preset_model or "://" in cfg.model or Path(cfg.model).is_absolute():
         return cfg
-    absolute = str(Path(cfg.model).expanduser().resolve())
+    absolute = local_or_hub(cfg.model)
+    if not is_model_location(absolute):
+        return cfg
     return cfg.replace(model=absolute, **({"tokenizer": absolute} if cfg.tokenizer == cfg.model else {}))
 
 

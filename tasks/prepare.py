@@ -147,8 +147,8 @@ def lay_out_run(run_cfg: RunConfig, published: PublishedManifest, key: str, *, r
                 continued_from: PromotedVersion | None = None, price: Price | None = None) -> PreparedRun:
     """Write the run's configuration and its baseline's under the run's directory and return the prepared run
     (tasks/prepared_run.py), the XCom every later task reads: paths, the configurations' and the manifest's digests
-    and a few numbers. `run_cfg` has its step count
-    resolved; `price` the rate prepare froze (tasks/ledger/pricing.py), kept with the run."""
+    and a few numbers. `run_cfg` has its step count resolved; `price` is the rate prepare froze
+    (tasks/ledger/pricing.py), kept with the run."""
     from tasks.baseline import baseline_key
     from tasks.ledger.record import write_price
 

@@ -23,7 +23,7 @@ from typing import Any, Self, TypeVar
 
 from core.clock import utc_now
 from core.document import Document, DocumentError
-from core.layout import ModelLayout, StorageLayout, VersionLayout
+from core.layout import ADAPTER_CONFIG, ModelLayout, StorageLayout, VersionLayout
 from core.storage import copy_tree as storage_copy_tree
 from core.storage import (
     exists,
@@ -264,9 +264,9 @@ def copy_into(version: VersionLayout, folder: str, source_url: str) -> list[Vers
 
 def adapter_base(adapter_url: str) -> AdapterBase:
     """The base a run's adapter (its adapter_config.json) names, checked."""
-    url = join(adapter_url, "adapter_config.json")
+    url = join(adapter_url, ADAPTER_CONFIG)
     value = read_json(url)
-    keys = ("base_model_name_or_path", "revision")
+    keys = [field.name for field in dataclasses.fields(AdapterBase)]
     fields = {key: value.get(key) for key in keys} if isinstance(value, dict) else value
     return _checked(AdapterBase, url, fields, "The adapter was not written by this project's trainer: train again.")
 

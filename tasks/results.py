@@ -1,7 +1,8 @@
 """The results of the tasks the DAG reads or hands on: typed where the task makes them, checked where they are read.
 
-Each is a `Document`: the task returns `to_xcom()`, and a reader takes it back with `from_xcom()` (XCom is untrusted
-input, docs/security.md). docs/CONTRACTS.md ("Task results") points at these docstrings.
+Each is a `Document`: the task returns `to_xcom()` for readers downstream of the DAG (no task of it reads the value
+back); one that does takes it back with `from_xcom()`, as XCom is untrusted input (docs/security.md).
+docs/CONTRACTS.md ("Task results") points at these docstrings.
 """
 
 from __future__ import annotations

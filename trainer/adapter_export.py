@@ -20,12 +20,11 @@ import numpy as np
 
 from core import storage
 from core.config import RunConfig
-from core.layout import BASE_MODEL_RECORD
+from core.layout import ADAPTER_CONFIG, BASE_MODEL_RECORD
 from trainer.decoders.safetensors_io import write_file
 
 log = logging.getLogger("trainer.adapter_export")
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 FINGERPRINTED = ("config.json", "model.safetensors.index.json")  # and every .safetensors file
 

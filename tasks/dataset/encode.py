@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from core.layout import SPLITS
-from tasks.dataset.readers import DocumentChunk
+from tasks.dataset.ranges import DocumentChunk
 from tasks.dataset.records import Extreme
 from tasks.dataset.split import DocumentDraws
 
@@ -169,7 +169,7 @@ class Encoder:
     def _inputs(self, chunk: DocumentChunk, draws: DocumentDraws) -> _Inputs:
         """The chunk's documents drawn into their splits and grouped into tokenizer inputs (on the reader thread)."""
         drawn = draws.array(chunk.keys)
-        held_out = drawn < self.val_fraction
+        held_out = draws.held_out(chunk.keys, self.val_fraction)
         splits = []
         for mask in (~held_out, held_out):
             documents = list(itertools.compress(chunk.texts, mask.tolist()))

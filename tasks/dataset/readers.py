@@ -32,11 +32,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from tasks.dataset.errors import SourceError
-from tasks.dataset.paragraphs import LOOKBACK_BYTES, Cuts, next_document_start, paragraph_chunk
+from tasks.dataset.paragraphs import Cuts, next_document_start, paragraph_chunk
 from tasks.dataset.ranges import CHUNK_BYTES, DocumentChunk, SourceReader, decode_utf8, find_pattern, ranged_chunks
-
-__all__ = ["CHUNK_BYTES", "DEFAULT_MAX_DOCUMENT_BYTES", "LOOKBACK_BYTES", "DocumentChunk", "SourceReader",
-           "next_document_start", "next_line_start", "parquet_layout", "read_documents", "split_text"]
 
 PARQUET_BUFFER_BYTES = 8 << 20  # pyarrow reads a column chunk in pieces of this size
 _LINE_END = re.compile(rb"\n")
@@ -53,10 +50,10 @@ def read_documents(reader: SourceReader, kind: str, start: int, end: int, text_c
     if kind == "text":
         cuts = Cuts(reader, cap)
         yield from ranged_chunks(reader, start, end, lambda r, pos, size: next_document_start(r, pos, size, cuts),
-                           lambda raw, base, url: paragraph_chunk(raw, base, url, cuts))
+                                 lambda raw, base, url: paragraph_chunk(raw, base, url, cuts))
     elif kind == "jsonl":
         yield from ranged_chunks(reader, start, end, lambda r, pos, size: next_line_start(r, pos, size, cap),
-                           lambda raw, base, url: _json_lines(raw, base, url, text_column, cap))
+                                 lambda raw, base, url: _json_lines(raw, base, url, text_column, cap))
     else:
         yield from _parquet_rows(reader, start, end, text_column, cap)
 

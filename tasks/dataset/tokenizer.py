@@ -24,9 +24,10 @@ from core import storage
 from core.config import RunConfig
 from core.config.launch import FLOAT_DTYPES
 from core.document import Document
-from core.layout import REPO_ROOT
+from core.layout import local_or_hub
 from tasks.dataset.errors import PrepareError
-from tasks.dataset.readers import SourceReader, parquet_layout, read_documents
+from tasks.dataset.ranges import SourceReader
+from tasks.dataset.readers import parquet_layout, read_documents
 from tasks.dataset.sources import Sources
 from tasks.dataset.split import SAMPLE_RULE, SAMPLE_WINDOW_BYTES, DocumentDraws, window_draw
 from trainer.data import token_dtype
@@ -108,15 +109,6 @@ def load_pretrained_tokenizer(spec: str):
             "use a tokenizer with eos_token set."
         )
     return tokenizer
-
-
-def local_or_hub(name: str) -> str:
-    """A relative local path is taken from the repository root when it does not exist from the cwd."""
-    if Path(name).expanduser().exists():
-        return str(Path(name).expanduser().resolve())
-    if (REPO_ROOT / name).exists():
-        return str(REPO_ROOT / name)
-    return name
 
 
 def check_model(cfg: RunConfig) -> None:
@@ -214,7 +206,7 @@ def sample_training_texts(sources: Sources, cfg: RunConfig, cap_bytes: int, coun
                     continue
                 for chunk in read_documents(reader, sources.kind, start, end, cfg.text_column,
                                             cfg.max_document_mb << 20):
-                    held_out = [u < cfg.val_fraction for u in draws.draws(chunk.keys)]
+                    held_out = draws.held_out(chunk.keys, cfg.val_fraction).tolist()
                     texts = [text for text, out in zip(chunk.texts, held_out, strict=True) if text and not out]
                     room = cap_bytes - counted.bytes
                     if room <= 0:

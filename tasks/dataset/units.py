@@ -27,12 +27,8 @@ from core import storage
 from core.document import DocumentError
 from tasks.dataset.encode import SPLITS, Encoder, EncodeStats
 from tasks.dataset.errors import PrepareError, SourceError
-from tasks.dataset.readers import (
-    DocumentChunk,
-    SourceReader,
-    parquet_layout,
-    read_documents,
-)
+from tasks.dataset.ranges import DocumentChunk, SourceReader
+from tasks.dataset.readers import parquet_layout, read_documents
 from tasks.dataset.records import Part, SplitStream, Unit, UnitJob, UnitResult
 from tasks.dataset.sources import SourceFile, Sources, check_unchanged
 from tasks.dataset.split import DocumentDraws
@@ -190,14 +186,16 @@ def tokenize_unit(job: UnitJob, unit: Unit, tokenizer, progress: _Progress) -> U
             encoder = Encoder(tokenizer, job.eos_token, job.eos_id, np.dtype(job.dtype), job.joined,
                               job.val_fraction, outputs)
             stats: EncodeStats = encoder.run(chunks, progress.advance)
-        splits = {}
-        hashing = time.thread_time()  # CPU seconds, as the other steps
+        splits, hashing = {}, 0.0
         for split, path in paths.items():
             count = stats.splits[split]
+            began_hashing = time.thread_time()  # CPU seconds, as the other steps, of the sha256 alone
+            sha256 = storage.sha256_file(path)
+            hashing += time.thread_time() - began_hashing
             splits[split] = SplitStream(documents=count.documents, tokens=count.tokens, bytes=path.stat().st_size,
-                                        sha256=storage.sha256_file(path), extreme=count.extreme)
+                                        sha256=sha256, extreme=count.extreme)
             storage.publish_file(path, job.stream_url(unit.index, split))
-        stats.steps["hashing"] = time.thread_time() - hashing
+        stats.steps["hashing"] = hashing
     result = UnitResult(plan_id=job.plan_id, unit=unit.index, splits=splits, bytes=unit.bytes,
                         fetched_bytes=chunks.fetched, wall_s=round(time.perf_counter() - began, 3),
                         cpu_s=round(stats.cpu_s, 3))

@@ -156,3 +156,13 @@ def test_a_relative_model_directory_is_made_absolute_for_the_workers(tmp_path, m
     resolved, record = resolve_base_model(config(tmp_path, model="models/mine", tokenizer="models/mine"))
     assert record is None
     assert resolved.model == resolved.tokenizer == str(tmp_path / "models" / "mine")
+
+
+def test_a_model_directory_relative_to_the_repository_is_made_absolute_from_there(tmp_path, monkeypatch):
+    (tmp_path / "repo" / "models" / "mine").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.setattr("core.layout.REPO_ROOT", tmp_path / "repo")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    resolved, record = resolve_base_model(config(tmp_path, model="models/mine", tokenizer="models/mine"))
+    assert record is None
+    assert resolved.model == resolved.tokenizer == str(tmp_path / "repo" / "models" / "mine")

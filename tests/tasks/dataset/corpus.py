@@ -85,7 +85,7 @@ def text_documents(paths: list[Path], base: Path) -> list[tuple[str, int, str]]:
 
 def held_out(documents: list[tuple[str, int, str]], cfg: RunConfig) -> list[bool]:
     """Which documents the stage holds out: its keyed draw, at least one and never all."""
-    draws = [DocumentDraws(cfg.seed, relpath).draws([key])[0] for relpath, key, _ in documents]
+    draws = [DocumentDraws(cfg.seed, relpath).array([key]).tolist()[0] for relpath, key, _ in documents]
     mask = [draw < cfg.val_fraction for draw in draws]
     if not any(mask):
         mask[int(np.argmin(draws))] = True

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from tasks.dataset.encode import SPLITS, STEPS, Encoder, joins_at_eos
-from tasks.dataset.readers import DocumentChunk
+from tasks.dataset.ranges import DocumentChunk
 from tasks.dataset.split import DocumentDraws
 
 EOS = "<|endoftext|>"
@@ -51,7 +51,7 @@ def encode(tokenizer: Tokenizer, texts: list[str], chunk_documents: int, joined:
               for i in range(0, len(texts), chunk_documents)]
     stats = encoder.run(chunks)
     streams = {split: np.frombuffer(out.getvalue(), np.uint16) for split, out in outputs.items()}
-    return streams, stats, draws.draws(keys)
+    return streams, stats, draws.array(keys).tolist()
 
 
 @pytest.mark.parametrize("chunk_documents", [90, 1], ids=["chunks", "one-document-chunks"])

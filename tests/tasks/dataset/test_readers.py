@@ -12,14 +12,9 @@ from pathlib import Path
 import pytest
 
 from tasks.dataset.errors import SourceError
-from tasks.dataset.readers import (
-    DEFAULT_MAX_DOCUMENT_BYTES,
-    LOOKBACK_BYTES,
-    SourceReader,
-    parquet_layout,
-    read_documents,
-    split_text,
-)
+from tasks.dataset.paragraphs import LOOKBACK_BYTES
+from tasks.dataset.ranges import SourceReader
+from tasks.dataset.readers import DEFAULT_MAX_DOCUMENT_BYTES, parquet_layout, read_documents, split_text
 from tasks.dataset.sources import SourceFile
 
 
