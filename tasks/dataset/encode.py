@@ -28,7 +28,7 @@ import numpy as np
 from core.layout import SPLITS
 from tasks.dataset.ranges import DocumentChunk
 from tasks.dataset.records import Extreme
-from tasks.dataset.split import DocumentDraws
+from tasks.dataset.split import DocumentDraws, held_out
 
 log = logging.getLogger("gpt_finetune.prepare")
 
@@ -169,9 +169,9 @@ class Encoder:
     def _inputs(self, chunk: DocumentChunk, draws: DocumentDraws) -> _Inputs:
         """The chunk's documents drawn into their splits and grouped into tokenizer inputs (on the reader thread)."""
         drawn = draws.array(chunk.keys)
-        held_out = draws.held_out(chunk.keys, self.val_fraction)
+        validation = held_out(drawn, self.val_fraction)
         splits = []
-        for mask in (~held_out, held_out):
+        for mask in (~validation, validation):
             documents = list(itertools.compress(chunk.texts, mask.tolist()))
             splits.append(_SplitInputs(*self._group(documents), documents, drawn[mask]))
         return _Inputs((splits[0], splits[1]), chunk.consumed)

@@ -37,15 +37,11 @@ _UNIT = 2.0 ** -53  # the top 53 bits as a double in [0, 1): never 1.0
 
 
 class DocumentDraws:
-    """Draws of the documents of one file: `array(keys)` for their positions in it, `held_out(keys, val_fraction)`
-    for which of them validation holds."""
+    """Draws of the documents of one file: `array(keys)` for their positions in it (`held_out` says which of them
+    validation holds)."""
 
     def __init__(self, seed: int, relpath: str) -> None:
         self._key = np.uint64(int.from_bytes(_hasher(seed, b"gptft-split", relpath).digest(), "little"))
-
-    def held_out(self, keys: Sequence[int], val_fraction: float) -> np.ndarray:
-        """True for each document held out for validation: its draw is below `val_fraction`."""
-        return self.array(keys) < val_fraction
 
     def array(self, keys: Sequence[int]) -> np.ndarray:
         """The draws as float64."""
@@ -63,3 +59,8 @@ def window_draw(seed: int, relpath: str, window: int) -> float:
     hasher = _hasher(seed, b"gptft-sample", relpath)
     hasher.update(window.to_bytes(8, "little"))
     return int.from_bytes(hasher.digest(), "little") / _SCALE
+
+
+def held_out(drawn: np.ndarray, val_fraction: float) -> np.ndarray:
+    """True for each document validation holds: its draw (`DocumentDraws.array`) is below `val_fraction`."""
+    return drawn < val_fraction

@@ -29,7 +29,7 @@ from tasks.dataset.errors import PrepareError
 from tasks.dataset.ranges import SourceReader
 from tasks.dataset.readers import parquet_layout, read_documents
 from tasks.dataset.sources import Sources
-from tasks.dataset.split import SAMPLE_RULE, SAMPLE_WINDOW_BYTES, DocumentDraws, window_draw
+from tasks.dataset.split import SAMPLE_RULE, SAMPLE_WINDOW_BYTES, DocumentDraws, held_out, window_draw
 from trainer.data import token_dtype
 
 log = logging.getLogger("gpt_finetune.prepare")
@@ -206,8 +206,8 @@ def sample_training_texts(sources: Sources, cfg: RunConfig, cap_bytes: int, coun
                     continue
                 for chunk in read_documents(reader, sources.kind, start, end, cfg.text_column,
                                             cfg.max_document_mb << 20):
-                    held_out = draws.held_out(chunk.keys, cfg.val_fraction).tolist()
-                    texts = [text for text, out in zip(chunk.texts, held_out, strict=True) if text and not out]
+                    validation = held_out(draws.array(chunk.keys), cfg.val_fraction).tolist()
+                    texts = [text for text, out in zip(chunk.texts, validation, strict=True) if text and not out]
                     room = cap_bytes - counted.bytes
                     if room <= 0:
                         return
